@@ -1,0 +1,115 @@
+"""Availability checks of the host-pool and P→D transfer backends named in user configs.
+
+``"kvoffload"`` (the embedded host pool / embedded P→D data path) runs everywhere. The Ascend
+backends need their Python module and a usable Ascend NPU: ``"memcache"`` (memcache_hybrid) and
+``"memfabric"`` (memfabric_hybrid), the NPU seen through torch_npu. Services call
+``require_available`` at start-up: an Ascend backend that cannot run here is an error that says
+exactly why and names the embedded alternative, never a silent substitution. The probes
+(``import_module``, ``npu_problem``) are module-level so tests can replace them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from kvcore.config import STORE_BACKENDS, TRANSFER_BACKENDS, ConfigError, describe_value
+
+EMBEDDED = "kvoffload"
+AVAILABLE = "available"
+
+# backend name -> Python module it needs (the embedded backend needs none)
+ASCEND_MODULES = {"memcache": "memcache_hybrid", "memfabric": "memfabric_hybrid"}
+
+_ALTERNATIVES = {
+    "backend": "use backend 'kvoffload' (the embedded host pool managed by kvoffload-metastore)",
+    "transfer_backend": (
+        "use transfer_backend 'kvoffload' (the embedded P→D data path: shared memory on one host, "
+        "gRPC streaming across hosts)"
+    ),
+}
+
+
+class BackendUnavailableError(RuntimeError):
+    """A requested backend cannot run on this machine; ``reasons`` holds one message per backend."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        self.reasons = list(reasons)
+        super().__init__("; ".join(self.reasons))
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.reasons,))
+
+
+def import_module(name: str) -> ModuleType:
+    """Import probe (replaceable in tests)."""
+    return importlib.import_module(name)
+
+
+def _failure(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def npu_problem() -> str | None:
+    """None when an Ascend NPU is usable through torch_npu, else why not (replaceable in tests)."""
+    try:
+        import_module("torch_npu")
+    except Exception as exc:  # a broken install raises more than ImportError (missing driver libs)
+        reason = "torch_npu not installed" if isinstance(exc, ImportError) else "torch_npu fails to import"
+        return f"{reason} ({_failure(exc)})"
+    try:
+        torch = import_module("torch")
+        if not torch.npu.is_available():
+            return "torch.npu.is_available() is False (no Ascend NPU or driver)"
+        count = torch.npu.device_count()
+    except Exception as exc:
+        return f"the torch_npu device query failed ({_failure(exc)})"
+    if count <= 0:
+        return f"torch.npu.device_count() is {count} (no Ascend NPU visible)"
+    return None
+
+
+def backend_problem(name: str) -> str | None:
+    """None when the backend ``name`` can run here, else the exact reason it cannot."""
+    module = ASCEND_MODULES.get(name)
+    if module is None:
+        return None
+    try:
+        import_module(module)
+    except Exception as exc:
+        return f"{module} cannot be imported ({_failure(exc)})"
+    npu = npu_problem()
+    if npu is not None:
+        return f"{module} imports but no Ascend NPU is available ({npu})"
+    return None
+
+
+def _check(kind: str, name: str | None, valid: tuple[str, ...]) -> str | None:
+    if name is None:
+        return None
+    if name not in valid:
+        raise ConfigError([f"{kind}: got {describe_value(name)}; must be one of {', '.join(map(repr, valid))}"])
+    problem = backend_problem(name)
+    if problem is None:
+        return None
+    return f"{kind} {name!r} cannot run here: {problem}; {_ALTERNATIVES[kind]}"
+
+
+def require_available(*, backend: str | None = None, transfer_backend: str | None = None) -> None:
+    """Raise BackendUnavailableError (naming backend, reason and alternative) unless both can run."""
+    reasons = [
+        reason
+        for reason in (
+            _check("backend", backend, STORE_BACKENDS),
+            _check("transfer_backend", transfer_backend, TRANSFER_BACKENDS),
+        )
+        if reason is not None
+    ]
+    if reasons:
+        raise BackendUnavailableError(reasons)
+
+
+def describe_availability() -> dict[str, str]:
+    """Every backend name -> ``"available"`` or the reason it cannot run here (for start-up logs)."""
+    names = dict.fromkeys((EMBEDDED, *STORE_BACKENDS, *TRANSFER_BACKENDS))
+    return {name: backend_problem(name) or AVAILABLE for name in names}

@@ -1,0 +1,151 @@
+"""Backend availability: the embedded backend always runs; Ascend ones need module + NPU, else say why."""
+
+from __future__ import annotations
+
+import pickle
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvcore import backends
+from kvcore.backends import BackendUnavailableError, describe_availability, require_available
+from kvcore.config import ConfigError
+
+STORE_ALTERNATIVE = "use backend 'kvoffload' (the embedded host pool managed by kvoffload-metastore)"
+TRANSFER_ALTERNATIVE = "use transfer_backend 'kvoffload' (the embedded P→D data path"
+
+
+def fake_torch(available: bool = True, count: int = 1) -> Any:
+    return SimpleNamespace(npu=SimpleNamespace(is_available=lambda: available, device_count=lambda: count))
+
+
+def install(monkeypatch: pytest.MonkeyPatch, present: dict[str, Any], failing: dict[str, BaseException] | None = None) -> None:
+    """Imports succeed for ``present`` (name -> module), raise for ``failing``, are missing otherwise."""
+    failing = failing or {}
+
+    def fake_import(name: str) -> Any:
+        if name in failing:
+            raise failing[name]
+        if name in present:
+            return present[name]
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(backends, "import_module", fake_import)
+
+
+ALL_PRESENT = {"memcache_hybrid": ModuleType("memcache_hybrid"), "memfabric_hybrid": ModuleType("memfabric_hybrid"),
+               "torch_npu": ModuleType("torch_npu"), "torch": fake_torch()}
+
+
+def unavailable(**kw: Any) -> str:
+    with pytest.raises(BackendUnavailableError) as info:
+        require_available(**kw)
+    return str(info.value)
+
+
+def test_embedded_backends_always_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, {})
+    require_available(backend="kvoffload", transfer_backend="kvoffload")
+    require_available()
+    assert describe_availability()["kvoffload"] == "available"
+
+
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        ({"backend": "memcache"}, ["backend 'memcache' cannot run here: memcache_hybrid cannot be imported",
+                                   "ModuleNotFoundError: No module named 'memcache_hybrid'", STORE_ALTERNATIVE]),
+        ({"transfer_backend": "memfabric"}, ["transfer_backend 'memfabric' cannot run here: memfabric_hybrid cannot be "
+                                             "imported", "No module named 'memfabric_hybrid'", TRANSFER_ALTERNATIVE]),
+    ],
+)
+def test_module_missing(monkeypatch: pytest.MonkeyPatch, kw: dict[str, str], words: list[str]) -> None:
+    install(monkeypatch, {"torch_npu": ALL_PRESENT["torch_npu"], "torch": fake_torch()})
+    message = unavailable(**kw)
+    for word in words:
+        assert word in message, (word, message)
+
+
+@pytest.mark.parametrize(
+    ("present", "failing", "reason"),
+    [
+        ({}, {}, "(torch_npu not installed (ModuleNotFoundError: No module named 'torch_npu'))"),
+        ({}, {"torch_npu": OSError("libascendcl.so: cannot open shared object file")},
+         "(torch_npu fails to import (OSError: libascendcl.so: cannot open shared object file))"),
+        ({"torch_npu": ModuleType("torch_npu"), "torch": fake_torch(available=False)}, {},
+         "torch.npu.is_available() is False (no Ascend NPU or driver)"),
+        ({"torch_npu": ModuleType("torch_npu"), "torch": fake_torch(count=0)}, {}, "torch.npu.device_count() is 0"),
+        ({"torch_npu": ModuleType("torch_npu"), "torch": SimpleNamespace()}, {}, "the torch_npu device query failed"),
+    ],
+)
+@pytest.mark.parametrize(("kw", "module", "alternative"), [
+    ({"backend": "memcache"}, "memcache_hybrid", STORE_ALTERNATIVE),
+    ({"transfer_backend": "memfabric"}, "memfabric_hybrid", TRANSFER_ALTERNATIVE),
+])
+def test_module_present_but_no_npu(
+    monkeypatch: pytest.MonkeyPatch, present: dict[str, Any], failing: dict[str, BaseException], reason: str,
+    kw: dict[str, str], module: str, alternative: str,
+) -> None:
+    install(monkeypatch, {module: ModuleType(module), **present}, failing)
+    message = unavailable(**kw)
+    name = next(iter(kw.values()))
+    assert f"'{name}' cannot run here: {module} imports but no Ascend NPU is available" in message
+    assert reason in message and alternative in message
+
+
+def test_brief_example_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backends, "import_module", lambda name: ModuleType(name))
+    monkeypatch.setattr(backends, "npu_problem", lambda: "torch_npu not installed")
+    assert unavailable(backend="memcache") == (
+        "backend 'memcache' cannot run here: memcache_hybrid imports but no Ascend NPU is available "
+        "(torch_npu not installed); use backend 'kvoffload' (the embedded host pool managed by kvoffload-metastore)"
+    )
+
+
+def test_all_present_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, ALL_PRESENT)
+    require_available(backend="memcache", transfer_backend="memfabric")
+    assert describe_availability() == {"kvoffload": "available", "memcache": "available", "memfabric": "available"}
+
+
+def test_both_failures_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, {})
+    with pytest.raises(BackendUnavailableError) as info:
+        require_available(backend="memcache", transfer_backend="memfabric")
+    assert len(info.value.reasons) == 2
+    assert info.value.reasons[0].startswith("backend 'memcache'")
+    assert info.value.reasons[1].startswith("transfer_backend 'memfabric'")
+    assert str(info.value) == "; ".join(info.value.reasons)
+    assert isinstance(info.value, RuntimeError)
+    assert pickle.loads(pickle.dumps(info.value)).reasons == info.value.reasons
+
+
+def test_one_failure_does_not_hide_the_other_passing(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, {k: v for k, v in ALL_PRESENT.items() if k != "memcache_hybrid"})
+    with pytest.raises(BackendUnavailableError) as info:
+        require_available(backend="memcache", transfer_backend="memfabric")
+    assert [r.split(" cannot")[0] for r in info.value.reasons] == ["backend 'memcache'"]
+
+
+def test_describe_availability_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, {"memfabric_hybrid": ModuleType("memfabric_hybrid")})
+    described = describe_availability()
+    assert described["kvoffload"] == "available"
+    assert described["memcache"].startswith("memcache_hybrid cannot be imported (ModuleNotFoundError")
+    assert described["memfabric"].startswith("memfabric_hybrid imports but no Ascend NPU is available (torch_npu")
+
+
+@pytest.mark.parametrize(("kw", "path"), [({"backend": "memfabric"}, "backend"), ({"backend": "redis"}, "backend"),
+                                          ({"transfer_backend": "memcache"}, "transfer_backend")])
+def test_unknown_backend_name_is_a_config_error(kw: dict[str, str], path: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        require_available(**kw)
+    assert info.value.errors[0].startswith(f"{path}: got ")
+
+
+def test_real_machine_reports_something_for_every_backend() -> None:
+    described = describe_availability()
+    assert described["kvoffload"] == "available"
+    assert set(described) == {"kvoffload", "memcache", "memfabric"}
+    assert all(isinstance(v, str) and v for v in described.values())
