@@ -121,3 +121,14 @@ def test_bad_inputs(args, match):
 def test_bad_request_key_inputs(args):
     with pytest.raises(ValueError):
         request_block_key(*args)
+
+
+def test_request_key_versions_differ_and_version_zero_is_the_plain_key():
+    from kvcore.blockkeys import is_request_key, request_block_key
+
+    plain = request_block_key("r1", 3)
+    assert request_block_key("r1", 3, version=0) == plain
+    versions = {request_block_key("r1", 3, version=v) for v in (0, 17, 18)}
+    assert len(versions) == 3 and all(is_request_key(k) for k in versions)
+    with pytest.raises(ValueError, match="version"):
+        request_block_key("r1", 3, version=-1)

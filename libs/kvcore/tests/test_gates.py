@@ -382,3 +382,32 @@ def test_i4_no_slot_reused_before_previous_occupant_settled(seed, num_slots):
     assert all(settled_count.get(k, 0) == n for k, n in num_items.items())  # everything settled in the end
     assert stats["acquires"] == 24 and stats["held_slots"] == 0 and stats["timeouts"] == 0
     assert stats["failures"] == sum(1 for e in log if e[0] == "failed")
+
+
+def test_failure_fails_only_waiters_of_the_same_owner():
+    from kvcore.gates import OccupantFailed, SlotGate
+
+    gate = SlotGate(0)
+    t = gate.acquire(1, owner="req-a", timeout_s=1)
+    t.computed()
+    t.save_failed(OSError("disk"))
+    nxt = gate.acquire(2, owner="req-b", timeout_s=1)  # another request: not failed by req-a's save
+    assert nxt.layer == 2
+    nxt.computed()
+    nxt.save_failed(OSError("disk again"))
+    with pytest.raises(OccupantFailed, match="disk again"):
+        gate.acquire(3, owner="req-b", timeout_s=1)
+    assert gate.acquire(3, owner="req-b", timeout_s=1).layer == 3  # the report consumed the failure
+
+
+def test_other_owner_still_waits_for_in_flight_items():
+    from kvcore.gates import GateTimeout, SlotGate
+
+    gate = SlotGate(0)
+    t = gate.acquire(1, readers=["d0"], owner="req-a", timeout_s=1)
+    t.compute_failed(RuntimeError("boom"))
+    t.save_failed(RuntimeError("boom"))
+    with pytest.raises(GateTimeout, match="READ_DONE pending"):
+        gate.acquire(2, owner="req-b", timeout_s=0.05)  # the read is still in flight (I4)
+    t.read_done("d0")
+    assert gate.acquire(2, owner="req-b", timeout_s=1).layer == 2

@@ -98,13 +98,19 @@ def block_keys(
     return keys
 
 
-def request_block_key(request_id: str, block_index: int) -> bytes:
-    """Key of block ``block_index`` owned by request ``request_id``; never equal to a hash key."""
+def request_block_key(request_id: str, block_index: int, version: int = 0) -> bytes:
+    """Key of block ``block_index`` owned by request ``request_id``; never equal to a hash key.
+
+    ``version`` tells write-once versions of the same block apart (a partial tail block is
+    written again, under a new version, each time a chunk extends it).
+    """
     if not isinstance(request_id, str) or not request_id:
         raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-    if isinstance(block_index, bool) or not isinstance(block_index, int) or not 0 <= block_index < 2**63:
-        raise ValueError(f"block_index must be an int in [0, 2**63), got {block_index!r}")
-    return REQUEST_KEY_PREFIX + _field(request_id.encode("utf-8")) + _U64.pack(block_index)
+    for name, value in (("block_index", block_index), ("version", version)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+            raise ValueError(f"{name} must be an int in [0, 2**63), got {value!r}")
+    key = REQUEST_KEY_PREFIX + _field(request_id.encode("utf-8")) + _U64.pack(block_index)
+    return key + _U64.pack(version) if version else key
 
 
 def is_request_key(key: bytes) -> bool:

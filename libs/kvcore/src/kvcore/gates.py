@@ -10,8 +10,10 @@ occupant until a later ``acquire`` on the same slot supersedes it. Nobody releas
 explicitly: it frees its slot by having all of its items settled.
 
 Failures. ``save_failed``/``compute_failed``/``read_failed`` settle an item as failed. The first
-waiter that reaches the slot afterwards raises ``OccupantFailed`` at once (it need not wait for the
-remaining items); that report consumes the failures. The slot itself becomes free only when all
+waiter of the same ``owner`` (e.g. the same request; ``None`` by default) that reaches the slot
+afterwards raises ``OccupantFailed`` at once (it need not wait for the remaining items); that
+report consumes the failures. A waiter of another owner is not failed by them: it waits until
+every item is settled and then acquires (one request's failure never fails the next request). The slot itself becomes free only when all
 items are settled, so nothing is overwritten while in flight, and a retry or the next request then
 acquires it normally. A timed-out wait raises ``GateTimeout`` and frees nothing (something may still
 be in flight). Waiters on one slot are served first come, first served.
@@ -85,11 +87,11 @@ class GateAborted(SlotGateError):
 class _Occupancy:
     """Mutable state of one occupant; guarded by its gate's lock."""
 
-    __slots__ = ("layer", "generation", "readers", "compute", "save", "reads_done", "reads_failed",
+    __slots__ = ("layer", "generation", "readers", "owner", "compute", "save", "reads_done", "reads_failed",
                  "failures", "failure_reported")
 
-    def __init__(self, layer: int, generation: int, readers: frozenset):
-        self.layer, self.generation, self.readers = layer, generation, readers
+    def __init__(self, layer: int, generation: int, readers: frozenset, owner: Hashable):
+        self.layer, self.generation, self.readers, self.owner = layer, generation, readers, owner
         self.compute = self.save = PENDING
         self.reads_done: set = set()
         self.reads_failed: dict = {}  # reader -> reason
@@ -205,7 +207,8 @@ class SlotGate:
         with self._cond:
             return self._free_locked()
 
-    def acquire(self, layer: int, readers: Iterable[Hashable] = (), timeout_s: float | None = None) -> SlotTicket:
+    def acquire(self, layer: int, readers: Iterable[Hashable] = (), timeout_s: float | None = None,
+                owner: Hashable = None) -> SlotTicket:
         timeout = self.default_timeout_s if timeout_s is None else _check_timeout(timeout_s)
         if isinstance(readers, (str, bytes)):
             raise ValueError(f"readers must be a collection of reader ids, got the single string {readers!r}")
@@ -222,10 +225,14 @@ class SlotGate:
                         self._counts["aborts"] += 1
                         raise GateAborted(f"layer {layer} waiting for slot {self.slot} aborted: {self._aborted}",
                                           slot=self.slot, layer=layer, previous_layer=prev)
-                    if self._queue[0] is me and occ is not None and occ.failures and not occ.failure_reported:
-                        raise self._report_failure(layer, occ)
-                    if self._queue[0] is me and (occ is None or occ.free):
-                        return self._grant(layer, reader_set)
+                    first = self._queue[0] is me
+                    if first and occ is not None and occ.failures and not occ.failure_reported:
+                        if occ.owner == owner:
+                            raise self._report_failure(layer, occ)
+                        if occ.settled:  # another owner's failure: nothing in flight, nothing to report
+                            occ.failure_reported = True
+                    if first and (occ is None or occ.free):
+                        return self._grant(layer, reader_set, owner)
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         self._counts["timeouts"] += 1
@@ -273,9 +280,9 @@ class SlotGate:
     def _free_locked(self) -> bool:
         return self._aborted is None and not self._queue and (self._occ is None or self._occ.free)
 
-    def _grant(self, layer: int, readers: frozenset) -> SlotTicket:
+    def _grant(self, layer: int, readers: frozenset, owner: Hashable) -> SlotTicket:
         self._generation += 1
-        self._occ = _Occupancy(layer, self._generation, readers)
+        self._occ = _Occupancy(layer, self._generation, readers, owner)
         self._ticket = SlotTicket(self.slot, layer, self._generation, readers, self, self._occ)
         self._counts["acquires"] += 1
         return self._ticket
@@ -347,8 +354,9 @@ class GateSet:
         self._layer_to_slot = dict(layer_to_slot)
         self._gates = {s: SlotGate(s, default_timeout_s) for s in sorted(set(self._layer_to_slot.values()))}
 
-    def acquire(self, layer: int, readers: Iterable[Hashable] = (), timeout_s: float | None = None) -> SlotTicket:
-        return self._gates[self._slot_of(layer)].acquire(layer, readers, timeout_s)
+    def acquire(self, layer: int, readers: Iterable[Hashable] = (), timeout_s: float | None = None,
+                owner: Hashable = None) -> SlotTicket:
+        return self._gates[self._slot_of(layer)].acquire(layer, readers, timeout_s, owner)
 
     def gate(self, slot: int) -> SlotGate:
         if slot not in self._gates:

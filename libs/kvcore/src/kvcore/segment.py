@@ -1,0 +1,323 @@
+"""The host pool's data plane: ``PoolGeometry`` (the shape of a pool) and ``SharedSegment`` (the
+named POSIX shared memory that holds its blocks, plane by plane).
+
+A segment knows only bytes and offsets; the object index, leases and eviction belong to the pool
+(``kvcore.hostpool``). One process creates a segment; others attach it by name.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcore.layout import KVLayout
+
+PLANE_KINDS = ("main", "indexer")
+
+
+# --------------------------------------------------------------------------------------------
+# Geometry
+# --------------------------------------------------------------------------------------------
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Shape of a pool: ``num_blocks`` blocks of ``block_size`` tokens over ``len(plane_row_bytes)`` planes.
+
+    ``plane_labels`` optionally names each plane ``(layer, "main"|"indexer")`` (see ``plane_index``).
+    """
+
+    block_size: int
+    plane_row_bytes: tuple[int, ...]
+    num_blocks: int
+    plane_labels: tuple[tuple[int, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plane_row_bytes", tuple(self.plane_row_bytes))
+        object.__setattr__(self, "plane_labels", tuple(tuple(x) for x in self.plane_labels))
+        if not _is_int(self.block_size) or self.block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        if not self.plane_row_bytes:
+            raise ValueError("plane_row_bytes must name at least one plane")
+        for p, rb in enumerate(self.plane_row_bytes):
+            if not _is_int(rb) or rb < 1:
+                raise ValueError(f"plane_row_bytes[{p}] must be an int >= 1, got {rb!r}")
+        if not _is_int(self.num_blocks) or self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {self.num_blocks!r}")
+        if self.plane_labels:
+            if len(self.plane_labels) != len(self.plane_row_bytes):
+                raise ValueError(
+                    f"plane_labels has {len(self.plane_labels)} entries for {len(self.plane_row_bytes)} planes"
+                )
+            for label in self.plane_labels:
+                if len(label) != 2 or not _is_int(label[0]) or label[0] < 0 or label[1] not in PLANE_KINDS:
+                    raise ValueError(f"plane label {label!r} must be (layer >= 0, one of {PLANE_KINDS})")
+            if len(set(self.plane_labels)) != len(self.plane_labels):
+                raise ValueError(f"plane_labels must be unique, got {self.plane_labels}")
+
+    @property
+    def num_planes(self) -> int:
+        return len(self.plane_row_bytes)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all planes (one object)."""
+        return self.block_size * sum(self.plane_row_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        """Data bytes of the whole pool (headers and alignment excluded)."""
+        return self.block_bytes * self.num_blocks
+
+    def plane_bytes(self, p: int) -> int:
+        return self.num_blocks * self.block_size * self.plane_row_bytes[self.check_plane(p)]
+
+    def check_plane(self, p: int) -> int:
+        if not _is_int(p) or not 0 <= p < self.num_planes:
+            raise ValueError(f"plane must be an int in [0, {self.num_planes}), got {p!r}")
+        return p
+
+    def plane_index(self, layer: int, kind: str = "main") -> int:
+        """Plane of ``(layer, kind)``; ValueError if the geometry has no such labelled plane."""
+        try:
+            return self.plane_labels.index((layer, kind))
+        except ValueError:
+            raise ValueError(
+                f"no plane for (layer={layer!r}, kind={kind!r}); labelled planes: {list(self.plane_labels) or 'none'}"
+            ) from None
+
+    @classmethod
+    def for_capacity(
+        cls,
+        block_size: int,
+        plane_row_bytes: Sequence[int],
+        capacity_bytes: int,
+        plane_labels: Sequence[tuple[int, str]] = (),
+    ) -> "PoolGeometry":
+        """As many blocks as fit in ``capacity_bytes`` (``capacity_bytes // block_bytes``)."""
+        probe = cls(block_size, tuple(plane_row_bytes), 1, tuple(plane_labels))
+        if not _is_int(capacity_bytes) or capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be an int >= 0, got {capacity_bytes!r}")
+        num_blocks = capacity_bytes // probe.block_bytes
+        if num_blocks == 0:
+            raise ValueError(
+                f"capacity_bytes={capacity_bytes} holds no block: one block is block_bytes={probe.block_bytes} "
+                f"(block_size={block_size} x {sum(probe.plane_row_bytes)} bytes/token over {probe.num_planes} "
+                f"planes); raise the capacity to at least {probe.block_bytes}"
+            )
+        return cls(block_size, probe.plane_row_bytes, num_blocks, probe.plane_labels)
+
+    @classmethod
+    def from_layout(cls, layout: KVLayout, capacity_bytes: int, *, include_indexer: bool) -> "PoolGeometry":
+        """Planes per layer in physical order: its main cache, then its indexer cache (if asked and present)."""
+        if not isinstance(layout, KVLayout):
+            raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        rows: list[int] = []
+        labels: list[tuple[int, str]] = []
+        for layer in layout.layers:
+            rows.append(layer.main.row_bytes)
+            labels.append((layer.index, "main"))
+            if include_indexer and layer.indexer is not None:
+                rows.append(layer.indexer.row_bytes)
+                labels.append((layer.index, "indexer"))
+        return cls.for_capacity(layout.block_size, rows, capacity_bytes, labels)
+
+    def to_dict(self) -> dict:
+        return {
+            "block_size": self.block_size,
+            "plane_row_bytes": list(self.plane_row_bytes),
+            "num_blocks": self.num_blocks,
+            "plane_labels": [list(x) for x in self.plane_labels],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PoolGeometry":
+        try:
+            return cls(d["block_size"], tuple(d["plane_row_bytes"]), d["num_blocks"],
+                       tuple(tuple(x) for x in d.get("plane_labels", ())))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"bad pool geometry {d!r}: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Shared-memory segment
+# --------------------------------------------------------------------------------------------
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "kvoffload-"
+SEGMENT_MAGIC = b"KVOFFPL\x00"
+SEGMENT_VERSION = 1
+_HEADER = struct.Struct("<8sIIQ")  # magic, version, json_len, data_offset
+_PAGE = 4096
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+def _round_up(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+class SharedSegment:
+    """Named shared memory ``/dev/shm/kvoffload-<name>``: header, then plane-major data.
+
+    Header: magic, version, JSON length, data offset, then JSON (geometry, plane offsets relative
+    to the data offset). Plane p is a contiguous, page-aligned
+    ``[num_blocks, block_size, row_bytes_p]`` uint8 region, so a gather over one plane has a
+    regular block stride. ``create`` fails if the name exists unless ``replace=True`` (which
+    unlinks the stale name first; processes still mapping it keep their old memory). Used as a
+    context manager, the creator closes *and unlinks* on exit; an attacher only closes. ``close``
+    is safe while plane views are alive: the mapping then lives until the last view is freed.
+    """
+
+    def __init__(self, name: str, path: str, mm: mmap.mmap, geometry: PoolGeometry,
+                 plane_offsets: list[int], owner: bool) -> None:
+        self.name = name
+        self.path = path
+        self.geometry = geometry
+        self.plane_offsets = tuple(plane_offsets)
+        self.owner = owner
+        self.size_bytes = len(mm)
+        self._mmap: mmap.mmap | None = mm
+        self._mv: memoryview | None = memoryview(mm)  # torch views hold this export: see close()
+        self._planes: list[torch.Tensor] = [
+            torch.frombuffer(self._mv, dtype=torch.uint8, count=geometry.plane_bytes(p), offset=off).view(
+                geometry.num_blocks, geometry.block_size, geometry.plane_row_bytes[p]
+            )
+            for p, off in enumerate(plane_offsets)
+        ]
+
+    @staticmethod
+    def path_for(name: str) -> str:
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise ValueError(f"segment name must match {_NAME_RE.pattern} (no slashes), got {name!r}")
+        return os.path.join(SHM_DIR, SEGMENT_PREFIX + name)
+
+    @classmethod
+    def create(cls, name: str, geometry: PoolGeometry, *, replace: bool = False) -> "SharedSegment":
+        if not isinstance(geometry, PoolGeometry):
+            raise ValueError(f"geometry must be a PoolGeometry, got {type(geometry).__name__}")
+        path = cls.path_for(name)
+        if not os.path.isdir(SHM_DIR):
+            raise OSError(f"{SHM_DIR} does not exist: the embedded host pool needs POSIX shared memory")
+        rel, off = [], 0  # plane offsets relative to the data start, page-aligned
+        for p in range(geometry.num_planes):
+            rel.append(off)
+            off = _round_up(off + geometry.plane_bytes(p), _PAGE)
+        meta = json.dumps({"geometry": geometry.to_dict(), "plane_offsets": rel}).encode()
+        data_offset = _round_up(_HEADER.size + len(meta), _PAGE)
+        size = data_offset + off
+        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            if not replace:
+                raise FileExistsError(
+                    f"shared segment {path} already exists: attach() to share it, or create(..., replace=True) "
+                    f"to discard a stale one"
+                ) from None
+            os.unlink(path)
+            fd = os.open(path, flags, 0o600)
+        try:
+            try:
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(fd, 0, size)  # reserve now: a sparse tmpfs file SIGBUSes when full
+                else:  # pragma: no cover
+                    os.ftruncate(fd, size)
+            except OSError as e:
+                st = os.statvfs(SHM_DIR)
+                raise OSError(
+                    f"cannot reserve {size} bytes for {path} ({e.strerror}); {SHM_DIR} has "
+                    f"{st.f_bavail * st.f_frsize} bytes free: enlarge it (docker --shm-size) or shrink the pool"
+                ) from None
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        mm[_HEADER.size : _HEADER.size + len(meta)] = meta
+        mm[: _HEADER.size] = _HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, len(meta), data_offset)  # magic last
+        return cls(name, path, mm, geometry, [data_offset + o for o in rel], owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> "SharedSegment":
+        path = cls.path_for(name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no shared segment {path}: has the pool owner created it?") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < _HEADER.size:
+                raise ValueError(f"{path} is not a kvoffload pool segment ({size} bytes, no header)")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        try:
+            magic, version, meta_len, data_offset = _HEADER.unpack(mm[: _HEADER.size])
+            if magic != SEGMENT_MAGIC:
+                raise ValueError(
+                    f"{path} is not a kvoffload pool segment (magic {magic!r}, expected {SEGMENT_MAGIC!r}); "
+                    f"if it was just created, its header may not be written yet"
+                )
+            if version != SEGMENT_VERSION:
+                raise ValueError(f"{path} has segment version {version}; this kvcore reads {SEGMENT_VERSION}")
+            meta = json.loads(bytes(mm[_HEADER.size : _HEADER.size + meta_len]))
+            geometry = PoolGeometry.from_dict(meta["geometry"])
+            offsets = [data_offset + int(o) for o in meta["plane_offsets"]]
+            if len(offsets) != geometry.num_planes or any(
+                o < data_offset or o + geometry.plane_bytes(p) > size for p, o in enumerate(offsets)
+            ):
+                raise ValueError(f"{path} header does not match its size {size}: {meta}")
+        except BaseException:
+            mm.close()
+            raise
+        return cls(name, path, mm, geometry, offsets, owner=False)
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    def plane(self, p: int) -> torch.Tensor:
+        """uint8 view ``[num_blocks, block_size, row_bytes_p]`` of plane p (shares the memory)."""
+        if self._mmap is None:
+            raise ValueError(f"segment {self.path} is closed")
+        return self._planes[self.geometry.check_plane(p)]
+
+    def close(self) -> None:
+        """Unmap (now, or when the last outstanding plane view is freed). Idempotent."""
+        if self._mmap is None:
+            return
+        mm, self._mmap, self._mv, self._planes = self._mmap, None, None, []
+        try:
+            mm.close()
+        except BufferError:
+            pass  # views still alive hold the mapping; it is unmapped when they are freed
+
+    def unlink(self) -> None:
+        """Remove the name; existing mappings stay valid. Idempotent (a missing name is ignored)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "SharedSegment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        if self.owner:
+            self.unlink()
+
+    def __repr__(self) -> str:
+        return f"SharedSegment({self.path!r}, {self.size_bytes} bytes, owner={self.owner}, closed={self.closed})"
