@@ -1,0 +1,54 @@
+"""dsamodel: the reference DeepSeek-V3.2-style sparse-attention (DSA) model in plain torch.
+
+One concept per module:
+
+- ``config``     ``ModelConfig``: the HF ``config.json`` keys this model uses, validated once.
+- ``rope``       rotary position embedding (interleaved for MLA, rotate-half for the indexer).
+- ``modules``    RMSNorm and the dense SwiGLU MLP.
+- ``mla``        the per-layer projections: MLA (compressed latent KV) and the lightning indexer.
+- ``attention``  pure functions an engine calls between projections: ``indexer_topk``,
+                 ``gather_rows``, ``sparse_mla_attention``.
+- ``model``      ``DSAModel`` / ``DecoderLayer`` / ``MTPLayer`` with the per-layer steps
+                 ``project`` -> (engine caches rows, selects, gathers) -> ``finish``.
+- ``reference``  whole-sequence paths: ``forward_dense`` (absorbed, sparse, gathered: the
+                 no-offload reference) and ``forward_naive`` (per-head K/V, boolean mask).
+- ``weights``    HF-named safetensors load/save; ``tokenizer`` byte tokenizer; ``sampling``
+                 greedy and seeded top-p; ``presets`` the tiny seeded test model.
+
+The model owns no cache: an engine keeps the latent KV rows (``Projection.kv``) and indexer rows
+(``Projection.index_k``) wherever it likes and hands them back in, gpt-fast style. Nothing here
+imports kvcore.
+"""
+
+from dsamodel.attention import gather_rows, indexer_topk, sparse_mla_attention
+from dsamodel.config import ModelConfig
+from dsamodel.model import DecoderLayer, DSAModel, MTPLayer, Projection
+from dsamodel.reference import forward_dense, forward_dense_mtp, forward_naive, generate_dense
+from dsamodel.sampling import RequestSampler, SamplingParams, greedy
+from dsamodel.tokenizer import ByteTokenizer
+from dsamodel.weights import load_model, load_weights, save_model, save_weights
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ByteTokenizer",
+    "DSAModel",
+    "DecoderLayer",
+    "MTPLayer",
+    "ModelConfig",
+    "Projection",
+    "RequestSampler",
+    "SamplingParams",
+    "forward_dense",
+    "forward_dense_mtp",
+    "forward_naive",
+    "gather_rows",
+    "generate_dense",
+    "greedy",
+    "indexer_topk",
+    "load_model",
+    "load_weights",
+    "save_model",
+    "save_weights",
+    "sparse_mla_attention",
+]

@@ -1,0 +1,84 @@
+"""Prefill device layer buffers: one main tensor (and one indexer tensor) per physical slot.
+
+Built from a ``BufferPlan``'s merged descriptors through kvcore's counting allocator, so the
+device bytes are exactly ``plan.accounting(num_blocks).device_bytes``. A slot also remembers what
+it currently holds (``Residency``: layer, request, valid tokens), so an independent layer skips
+reloading a prefix that is still there while a reused layer reloads its whole prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kvcore.device import DeviceAllocator
+from kvcore.plan import BufferPlan
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Slot contents: rows ``[0, num_tokens)`` of ``layer`` for ``request_id``."""
+
+    layer: int
+    request_id: str
+    num_tokens: int
+
+
+class LayerBuffers:
+    """Per-slot device tensors of ``num_blocks * block_size`` token rows in the model dtype."""
+
+    def __init__(self, plan: BufferPlan, num_blocks: int, allocator: DeviceAllocator, dtype: torch.dtype) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.plan = plan
+        self.block_size = plan.layout.block_size
+        self.num_blocks = num_blocks
+        rows = num_blocks * self.block_size
+        self._main: dict[int, torch.Tensor] = {}
+        self._indexer: dict[int, torch.Tensor] = {}
+        for d in plan.descriptors:
+            if d.spec.scale_bytes:
+                raise ValueError("quantized caches (scale bytes) are not supported by the reference engine")
+            target = self._main if d.kind == "main" else self._indexer
+            target[d.slot] = allocator.zeros((rows, d.spec.width), dtype, tag=f"prefill.{d.kind}")  # [rows, W]
+        self._residency: dict[int, Residency | None] = {s: None for s in range(plan.num_buffers)}
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def main(self, layer: int) -> torch.Tensor:
+        """[rows, kv_lora_rank + rope] rows of ``layer``'s slot."""
+        return self._main[self.plan.slot_of(layer)]
+
+    def indexer(self, layer: int) -> torch.Tensor:
+        """[rows, index_head_dim] indexer rows of ``layer``'s slot."""
+        slot = self.plan.slot_of(layer)
+        if slot not in self._indexer:
+            raise ValueError(f"layer {layer} has no indexer cache")
+        return self._indexer[slot]
+
+    def blocks(self, t: torch.Tensor) -> torch.Tensor:
+        """A buffer viewed as blocks: [num_blocks, block_size, W]."""
+        return t.view(self.num_blocks, self.block_size, t.shape[-1])
+
+    def residency(self, layer: int) -> Residency | None:
+        return self._residency[self.plan.slot_of(layer)]
+
+    def set_residency(self, layer: int, request_id: str, num_tokens: int) -> None:
+        self._residency[self.plan.slot_of(layer)] = Residency(layer, request_id, num_tokens)
+
+    def forget(self, layer: int) -> None:
+        """The slot's contents are unknown (a failed load or compute)."""
+        self._residency[self.plan.slot_of(layer)] = None
+
+    def load_from(self, layer: int, request_id: str, num_tokens: int) -> int:
+        """First block to load so that the slot holds ``layer``'s rows [0, num_tokens) of the request.
+
+        0 unless the slot still holds a prefix of the same layer and request (an independent layer
+        between chunks), then the first block it does not fully hold.
+        """
+        r = self.residency(layer)
+        if r is not None and r.layer == layer and r.request_id == request_id and r.num_tokens <= num_tokens:
+            return r.num_tokens // self.block_size
+        return 0

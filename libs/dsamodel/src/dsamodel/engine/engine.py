@@ -1,0 +1,158 @@
+"""The single-process engine: layerwise prefill, hand-over to sparse decode, sampling.
+
+``Engine.step()`` is the whole loop: prefill the waiting requests that fit (one at a time through
+the shared layer buffers), hand each one's prompt KV from the prefill host pool to the decode host
+pool and indexer cache, then run one decode step for every running request and sample. The
+services of the P/D stack run the same two halves in two processes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from kvcore.device import DeviceAllocator
+
+from dsamodel.engine import build
+from dsamodel.engine.decode import SparseDecoder
+from dsamodel.engine.prefill import PrefillRequest, PrefillResult
+from dsamodel.model import DSAModel
+from dsamodel.sampling import RequestSampler, SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizes; ``buffers``/``independent`` are the prefill plan, the rest decode and pools."""
+
+    block_size: int = 16
+    max_model_len: int = 16384
+    max_num_seqs: int = 8
+    chunk_size: int = 2048
+    buffers: int | None = 3
+    independent: tuple[int, ...] | str = (0,)
+    prefetch_layers: int | None = None
+    topk_buffer_size: int = 128
+    keep_device_kv_cache: bool = False
+    prefill_pool_bytes: int = 256 << 20
+    decode_pool_bytes: int = 256 << 20
+    model_id: str = "model"
+    native: bool = True
+
+
+@dataclass
+class Sequence:
+    """A request in the engine: prompt, sampler, and how much was prefilled from cache."""
+
+    request_id: str
+    prompt: torch.Tensor  # [P] int64
+    sampler: RequestSampler
+    num_cached_tokens: int = 0
+    num_computed_tokens: int = 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.sampler.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.sampler.finished
+
+
+class Engine:
+    """Prefill + sparse decode of one model in one process (the reference for I3)."""
+
+    def __init__(self, model: DSAModel, config: EngineConfig = EngineConfig()) -> None:
+        self.model, self.config = model, config
+        self.allocator = DeviceAllocator(model.device)
+        self.prefill_pool = build.prefill_pool(model, config.block_size, config.prefill_pool_bytes)
+        self.decode_pool = build.decode_pool(model, config.block_size, config.decode_pool_bytes)
+        self.prefill = build.prefill_engine(
+            model, self.prefill_pool, buffers=config.buffers, independent=config.independent,
+            chunk_size=config.chunk_size, max_model_len=config.max_model_len, prefetch=config.prefetch_layers,
+            model_id=config.model_id, allocator=self.allocator,
+        )
+        self.decoder = SparseDecoder(
+            model, self.decode_pool, topk_buffer_size=config.topk_buffer_size, max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len, keep_device_kv_cache=config.keep_device_kv_cache,
+            allocator=self.allocator, native=config.native,
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._next_input: dict[str, int] = {}
+
+    def add_request(self, request_id: str, prompt_ids: list[int] | torch.Tensor, params: SamplingParams) -> Sequence:
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
+        if prompt.dim() != 1 or prompt.numel() == 0:
+            raise ValueError("prompt must be a non-empty list of token ids")
+        if prompt.numel() + params.max_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt ({prompt.numel()}) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len={self.config.max_model_len}")
+        seq = Sequence(request_id, prompt, RequestSampler(params, self.model.config.eos_token_id))
+        self.waiting.append(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """Admit and prefill what fits, then one decode step; returns the requests that finished."""
+        finished: list[Sequence] = []
+        while self.waiting and self.decoder.can_admit(self.waiting[0].prompt.numel() + 1):
+            seq = self.waiting.popleft()
+            self._prefill(seq)
+            (finished if seq.finished else self.running).append(seq)
+            if seq.finished:
+                self.decoder.finish(seq.request_id)
+        if self.running:
+            ids = [s.request_id for s in self.running]
+            tokens = torch.tensor([self._next_input[i] for i in ids])
+            logits = self.decoder.step(ids, tokens)  # [R, V]
+            for seq, row in zip(self.running, logits):
+                self._next_input[seq.request_id] = seq.sampler.step(row)
+            for seq in [s for s in self.running if s.finished]:
+                self.running.remove(seq)
+                self.decoder.finish(seq.request_id)
+                finished.append(seq)
+        return finished
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion; output token ids per prompt, in order."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(f"gen-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        while self.waiting or self.running:
+            self.step()
+        return [s.output_ids for s in seqs]
+
+    def _prefill(self, seq: Sequence) -> None:
+        res = self.prefill.run(PrefillRequest(seq.request_id, seq.prompt, sample=seq.sampler.step))
+        try:
+            seq.num_cached_tokens, seq.num_computed_tokens = res.num_cached_tokens, res.num_computed_tokens
+            if not seq.finished:
+                self._hand_over(res, seq.prompt.numel())
+                self._next_input[seq.request_id] = res.first_token
+        finally:
+            self.prefill.release(res)
+
+    def _hand_over(self, res: PrefillResult, num_tokens: int) -> None:
+        """Copy the prompt's main KV into the decode pool and its indexer keys onto the device."""
+        dec, pool = self.decoder, self.prefill_pool
+        dec.admit(res.request_id, num_tokens + 1)
+        try:
+            geo = pool.geometry
+            for layer in self.model.layers:
+                i = layer.cache_index
+                rows = []
+                for kind in ("main", "indexer"):
+                    plane = geo.plane_index(i, kind)
+                    width = geo.plane_row_bytes[plane] // self.model.dtype.itemsize
+                    buf = torch.empty((len(res.keys), geo.block_size, width), dtype=self.model.dtype)
+                    pool.get_into(res.keys, plane, buf)
+                    rows.append(buf.view(-1, width)[:num_tokens])  # [P, W]
+                dec.write_prompt_layer(res.request_id, i, rows[0], rows[1])
+            dec.set_prompt_done(res.request_id, num_tokens)
+        except BaseException:
+            dec.finish(res.request_id)
+            raise
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.prefill_pool.close()
+        self.decode_pool.close()

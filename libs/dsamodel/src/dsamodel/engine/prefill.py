@@ -1,0 +1,391 @@
+"""Layerwise prefill: a prompt, chunk by chunk and layer by layer, through shared device buffers.
+
+For each chunk, every cache layer (base layers, then MTP layers) runs the design's loop::
+
+    ticket = gates.acquire(layer)        # the slot's previous occupant saved, read and computed
+    load the cached prefix into the slot # only what the slot does not already hold
+    project, write rows, select, attend  # compute
+    save the chunk's blocks to the pool  # background thread; settles the ticket's save
+    announce the layer to its readers    # remote decode endpoints (P/D); none in one process
+
+A loader thread acquires slots and loads prefixes up to ``prefetch_layers`` layers ahead of the
+compute, and a saver thread writes finished layers to the host pool, so transfers overlap compute
+(torch ops release the GIL). Pool objects are written once: full blocks under their chained hash
+key (the prefix cache), a partial tail block under a request key that names how many tokens it
+holds. Every failure settles the tickets it leaves behind, so no slot stays held (I4, I6).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+from kvcore.blockkeys import block_keys, is_request_key, request_block_key
+from kvcore.device import DeviceAllocator
+from kvcore.gates import GateSet, SlotTicket
+from kvcore.hostpool import HostPoolBackend, ObjectExists
+from kvcore.leases import Lease
+from kvcore.plan import BufferPlan
+
+from dsamodel.attention import gather_rows, indexer_topk, sparse_mla_attention
+from dsamodel.engine.buffers import LayerBuffers
+from dsamodel.model import DSAModel, DecoderLayer
+
+log = structlog.get_logger(__name__)
+
+Announce = Callable[[SlotTicket, "PrefillRequest", int, int], None]
+
+
+@dataclass
+class PrefillRequest:
+    """One prompt to prefill. ``readers`` are the remote endpoints that read every layer."""
+
+    request_id: str
+    prompt: torch.Tensor  # [P] int64
+    readers: frozenset[Hashable] = frozenset()
+    sample: Callable[[torch.Tensor], int] | None = None  # first token from [V] logits; greedy if None
+
+
+@dataclass
+class PrefillResult:
+    """What a finished prefill hands over.
+
+    ``lease`` keeps the prompt's pool objects (``keys``, one per block, in order) readable; the
+    receiver copies what it needs and then calls ``LayerwisePrefill.release(result)``, which ends
+    the lease and removes the request-scoped objects (the hash-keyed ones stay as prefix cache).
+    """
+
+    request_id: str
+    logits: torch.Tensor  # [V] float32, last prompt position
+    first_token: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+    keys: list[bytes]
+    lease: Lease
+    owned_keys: list[bytes] = field(default_factory=list)
+
+
+class PrefillError(RuntimeError):
+    """A prefill failed; the request ends with this error and every slot it held is settled."""
+
+
+class _Chunk:
+    """Block bookkeeping of one chunk [start, end) of a request."""
+
+    def __init__(self, start: int, end: int, block_size: int) -> None:
+        self.start, self.end = start, end
+        self.first_block = start // block_size
+        self.end_block = -(-end // block_size)
+        self.load_keys: list[bytes] = []  # objects of blocks [0, ceil(start / block_size))
+        self.save_keys: list[bytes] = []  # objects this chunk writes ...
+        self.save_blocks: list[int] = []  # ... and their block indices
+
+
+class LayerwisePrefill:
+    """The prefill engine of one process: a model, a buffer plan, a host pool, gates and threads."""
+
+    def __init__(
+        self,
+        model: DSAModel,
+        plan: BufferPlan,
+        pool: HostPoolBackend,
+        *,
+        max_model_len: int,
+        chunk_size: int,
+        prefetch_layers: int,
+        model_id: str,
+        allocator: DeviceAllocator | None = None,
+        gate_timeout_s: float = 60.0,
+        lease_ttl_ms: int = 600_000,
+        announce: Announce | None = None,
+    ) -> None:
+        layout = plan.layout
+        if layout.num_layers != len(model.cache_layers):
+            raise ValueError(f"plan has {layout.num_layers} layers, the model {len(model.cache_layers)}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        if model.config.num_nextn_predict_layers > 1:
+            raise ValueError(
+                f"the reference engine runs at most one MTP layer; the model has "
+                f"{model.config.num_nextn_predict_layers} (num_nextn_predict_layers)"
+            )
+        if prefetch_layers < 1:
+            raise ValueError(f"prefetch_layers must be >= 1, got {prefetch_layers}")
+        self.model, self.plan, self.pool = model, plan, pool
+        self.block_size = layout.block_size
+        self.chunk_size = chunk_size
+        self.prefetch_layers = prefetch_layers
+        self.model_id = model_id
+        self.max_model_len = max_model_len
+        self.lease_ttl_ms = lease_ttl_ms
+        self.allocator = allocator or DeviceAllocator(model.device)
+        self.buffers = LayerBuffers(plan, -(-max_model_len // self.block_size), self.allocator, model.dtype)
+        self.gates = GateSet(plan.layer_to_slot, default_timeout_s=gate_timeout_s)
+        self.announce = announce
+        self._planes = [(self._plane(i, "main"), self._plane(i, "indexer")) for i in range(layout.num_layers)]
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kv-save")
+        self._lock = threading.Lock()  # one request at a time through the buffers
+
+    def _plane(self, layer: int, kind: str) -> int | None:
+        try:
+            return self.pool.geometry.plane_index(layer, kind)
+        except ValueError:
+            return None
+
+    # ---- the request ------------------------------------------------------------------------
+
+    def run(self, req: PrefillRequest) -> PrefillResult:
+        """Prefill ``req.prompt``; blocks until every layer is computed (saves may still run)."""
+        prompt = req.prompt
+        if prompt.dim() != 1 or prompt.numel() == 0:
+            raise ValueError(f"prompt must be a non-empty [P] tensor, got shape {list(prompt.shape)}")
+        if prompt.numel() > self.max_model_len:
+            raise ValueError(f"prompt of {prompt.numel()} tokens exceeds max_model_len={self.max_model_len}")
+        with self._lock:
+            return self._run(req)
+
+    def _run(self, req: PrefillRequest) -> PrefillResult:
+        bs, n = self.block_size, req.prompt.numel()
+        self._save_errors: list[BaseException] = []
+        hash_keys = block_keys(self.model_id, req.prompt, bs)
+        cached_blocks = self._match_prefix(hash_keys, n)
+        keys: list[bytes] = hash_keys[:cached_blocks]
+        lease = self.pool.lease(keys, self.lease_ttl_ms) if keys else None
+        owned: list[bytes] = []
+        leases = [lease] if lease else []
+        logits = first = None
+        try:
+            start = cached_blocks * bs
+            for s in range(start, n, self.chunk_size):
+                e = min(s + self.chunk_size, n)
+                chunk = self._plan_chunk(req, s, e, hash_keys, keys, owned, leases)
+                logits, first = self._run_chunk(req, chunk, final=e == n)
+            self._saver.submit(lambda: None).result()  # this request's saves are written
+            if self._save_errors:
+                raise PrefillError(f"saving request {req.request_id} to the host pool failed: "
+                                   f"{self._save_errors[0]!r}") from self._save_errors[0]
+            for old in leases:
+                old.release()
+            full_lease = self.pool.lease(keys, self.lease_ttl_ms)
+        except BaseException:
+            for old in leases:
+                old.release()
+            self._saver.submit(lambda: None).result()
+            self.pool.remove(owned)
+            raise
+        log.info("prefill_done", request_id=req.request_id, prompt_tokens=n,
+                 cached_tokens=start, computed_tokens=n - start)
+        return PrefillResult(req.request_id, logits, first, start, n - start, keys, full_lease, owned)
+
+    def release(self, result: PrefillResult) -> None:
+        """End the hand-off: release the lease and drop the request-scoped objects."""
+        result.lease.release()
+        self.pool.remove(result.owned_keys)
+
+    def _match_prefix(self, hash_keys: list[bytes], num_tokens: int) -> int:
+        """Leading full blocks already complete in the pool, leaving at least one token to compute."""
+        usable = (num_tokens - 1) // self.block_size
+        present = self.pool.exists(hash_keys[:usable])
+        return next((i for i, ok in enumerate(present) if not ok), len(present))
+
+    def _plan_chunk(self, req, s, e, hash_keys, keys, owned, leases) -> _Chunk:
+        """Decide the pool object of every block the chunk touches and allocate the new ones.
+
+        ``keys[b]`` is where block b of the request lives; on return it covers the chunk too.
+        """
+        bs = self.block_size
+        chunk = _Chunk(s, e, bs)
+        chunk.load_keys = list(keys[: -(-s // bs)])  # the prefix [0, s), old tail object included
+        del keys[chunk.first_block :]  # the old tail object is superseded by this chunk's
+        for b in range(chunk.first_block, chunk.end_block):
+            full = (b + 1) * bs <= e
+            key = hash_keys[b] if full else request_block_key(req.request_id, b, version=e)
+            if full and self.pool.exists([key])[0]:
+                leases.append(self.pool.lease([key], self.lease_ttl_ms))  # someone else wrote it
+                keys.append(key)
+                continue
+            try:
+                self.pool.alloc([key])
+            except ObjectExists:  # another writer is filling this hash block: keep our own copy
+                key = request_block_key(req.request_id, b, version=e)
+                self.pool.alloc([key])
+            if is_request_key(key):
+                owned.append(key)
+            chunk.save_keys.append(key)
+            chunk.save_blocks.append(b)
+            keys.append(key)
+        if chunk.save_keys:
+            leases.append(self.pool.lease(chunk.save_keys, self.lease_ttl_ms))  # pinned while we write
+        return chunk
+
+    # ---- one chunk --------------------------------------------------------------------------
+
+    def _run_chunk(self, req: PrefillRequest, chunk: _Chunk, *, final: bool):
+        model = self.model
+        s, e = chunk.start, chunk.end
+        tokens = req.prompt[s:e].to(model.device)
+        positions = torch.arange(s, e, device=model.device)
+        layers = model.cache_layers
+        pipeline = _Loader(self, req, chunk)
+        logits = first = None
+        try:
+            h = model.embed(tokens)  # [T, D]
+            base = model.config.num_hidden_layers
+            for layer in layers[:base]:
+                h = self._layer(layer, pipeline.take(layer.cache_index), req, chunk, h, positions)
+            if final:
+                logits = model.logits(h[-1:])[0]  # [V]
+                first = req.sample(logits) if req.sample else int(torch.argmax(logits))
+            if len(layers) > base:
+                nxt = req.prompt[s + 1 : e + 1].to(model.device)
+                if nxt.numel() < e - s:
+                    nxt = torch.cat((nxt, torch.tensor([first], device=model.device)))
+                h_mtp = model.mtp_input(model.final_norm(h), nxt, depth=0)  # [T, D]
+                layer = layers[base]
+                self._layer(layer, pipeline.take(layer.cache_index), req, chunk, h_mtp, positions)
+        except BaseException as exc:
+            pipeline.abort(exc)
+            raise
+        pipeline.finish()
+        return logits, first
+
+    def _layer(self, layer: DecoderLayer, ticket: SlotTicket, req, chunk: _Chunk, h, positions):
+        """Compute one layer of the chunk in its slot, then hand the slot to the saver."""
+        i = layer.cache_index
+        s, e = chunk.start, chunk.end
+        main, idx = self.buffers.main(i), self.buffers.indexer(i)
+        try:
+            proj = layer.project(h, positions)
+            main[s:e] = proj.kv  # [T, R + r]
+            idx[s:e] = proj.index_k  # [T, Di]
+            pad_end = chunk.end_block * self.block_size
+            main[e:pad_end] = 0  # tail rows are saved too: make them deterministic
+            idx[e:pad_end] = 0
+            topk = indexer_topk(proj.index_q, proj.index_w, idx[:e], positions, self.model.config.index_topk)
+            rows, valid = gather_rows(main[:e], topk)  # [T, k, R + r], [T, k]
+            lat = sparse_mla_attention(proj.q_latent, proj.q_rope, rows, valid, layer.softmax_scale)
+            h = layer.finish(h, lat)  # [T, D]
+        except BaseException as exc:
+            self.buffers.forget(i)
+            _fail_ticket(ticket, exc, compute=True, save=True, reads=True)
+            raise
+        ticket.computed()
+        self.buffers.set_residency(i, req.request_id, e)
+        self._saver.submit(self._save, ticket, chunk, i)
+        if self.announce is not None and ticket.readers:
+            self.announce(ticket, req, s, e)
+        return h
+
+    def _save(self, ticket: SlotTicket, chunk: _Chunk, layer: int) -> None:
+        try:
+            if chunk.save_keys:
+                blocks = torch.tensor(chunk.save_blocks, dtype=torch.long)
+                main_plane, idx_plane = self._planes[layer]
+                src = self.buffers.blocks(self.buffers.main(layer))[blocks].cpu()  # [n, bs, R + r]
+                self.pool.put_from(chunk.save_keys, main_plane, src)
+                if idx_plane is not None:
+                    src = self.buffers.blocks(self.buffers.indexer(layer))[blocks].cpu()  # [n, bs, Di]
+                    self.pool.put_from(chunk.save_keys, idx_plane, src)
+        except BaseException as exc:
+            log.error("prefill_save_failed", layer=layer, error=str(exc))
+            self._save_errors.append(exc)
+            ticket.save_failed(exc)
+            return
+        ticket.saved()
+
+    def _load(self, ticket: SlotTicket, req: PrefillRequest, chunk: _Chunk) -> None:
+        """Make the slot hold ``ticket.layer``'s rows [0, chunk.start) of the request."""
+        layer = ticket.layer
+        lo = self.buffers.load_from(layer, req.request_id, chunk.start)
+        keys = chunk.load_keys[lo:]
+        if keys:
+            main_plane, idx_plane = self._planes[layer]
+            hi = lo + len(keys)
+            main = self.buffers.blocks(self.buffers.main(layer))
+            dst = torch.empty((len(keys),) + tuple(main.shape[1:]), dtype=main.dtype)
+            self.pool.get_into(keys, main_plane, dst)
+            main[lo:hi] = dst.to(main.device)
+            if idx_plane is not None:
+                idx = self.buffers.blocks(self.buffers.indexer(layer))
+                dst = torch.empty((len(keys),) + tuple(idx.shape[1:]), dtype=idx.dtype)
+                self.pool.get_into(keys, idx_plane, dst)
+                idx[lo:hi] = dst.to(idx.device)
+        self.buffers.set_residency(layer, req.request_id, chunk.start)
+
+    def close(self) -> None:
+        self.gates.abort_all("prefill engine closed")
+        self._saver.shutdown(wait=True)
+
+
+def _fail_ticket(ticket: SlotTicket, exc: BaseException, *, compute: bool, save: bool, reads: bool) -> None:
+    """Settle whatever ``ticket`` will now never do, so its slot frees once the rest settles."""
+    if compute:
+        ticket.compute_failed(exc)
+    if save:
+        ticket.save_failed(exc)
+    if reads:
+        for reader in ticket.readers:
+            ticket.read_failed(reader, f"prefill failed before announcing: {exc}")
+
+
+class _Loader:
+    """Acquires slots and loads prefixes in layer order, at most ``prefetch_layers`` ahead."""
+
+    def __init__(self, engine: LayerwisePrefill, req: PrefillRequest, chunk: _Chunk) -> None:
+        self.engine, self.req, self.chunk = engine, req, chunk
+        n = engine.plan.num_logical_layers
+        self._futures: list[Future] = [Future() for _ in range(n)]
+        self._permits = threading.Semaphore(engine.prefetch_layers)
+        self._stop = threading.Event()
+        self._taken = 0
+        self._thread = threading.Thread(target=self._work, name="kv-load", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        for layer, fut in enumerate(self._futures):
+            self._permits.acquire()
+            if self._stop.is_set():
+                fut.set_exception(RuntimeError("prefill aborted"))
+                continue
+            try:
+                ticket = self.engine.gates.acquire(layer, self.req.readers, owner=self.req.request_id)
+            except BaseException as exc:
+                fut.set_exception(exc)
+                continue
+            try:
+                self.engine._load(ticket, self.req, self.chunk)
+            except BaseException as exc:
+                self.engine.buffers.forget(layer)
+                _fail_ticket(ticket, exc, compute=True, save=True, reads=True)
+                fut.set_exception(exc)
+                continue
+            fut.set_result(ticket)
+
+    def take(self, layer: int) -> SlotTicket:
+        """The ticket of ``layer`` once its prefix is loaded (raises the loader's error)."""
+        if layer != self._taken:
+            raise RuntimeError(f"layers must be taken in order: expected {self._taken}, got {layer}")
+        self._taken += 1
+        try:
+            return self._futures[layer].result()
+        finally:
+            self._permits.release()
+
+    def abort(self, exc: BaseException) -> None:
+        """Stop loading and settle tickets acquired for layers that will not run."""
+        self._stop.set()
+        for _ in self._futures:
+            self._permits.release()
+        self._thread.join()
+        for fut in self._futures[self._taken :]:
+            if fut.exception() is None:
+                ticket = fut.result()
+                self.engine.buffers.forget(ticket.layer)
+                _fail_ticket(ticket, exc, compute=True, save=True, reads=True)
+
+    def finish(self) -> None:
+        self._thread.join()

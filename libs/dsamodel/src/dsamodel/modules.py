@@ -1,0 +1,62 @@
+"""Small building blocks: RMSNorm, the indexer's LayerNorm and the dense SwiGLU MLP.
+
+Norms compute in float32 and return the input dtype (HF DeepSeek-V3 convention). Linear layers are
+created uninitialized (``skip_init``): weights come from a checkpoint or ``presets.init_weights``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INDEXER_LAYERNORM_EPS = 1e-6  # DeepSeek-V3.2's indexer k_norm (a LayerNorm with bias)
+
+
+def linear(in_features: int, out_features: int, *, dtype: torch.dtype, device: torch.device | str | None) -> nn.Linear:
+    """A bias-free ``nn.Linear`` whose weight [out, in] is left uninitialized."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype, device=device)
+
+
+class RMSNorm(nn.Module):
+    """``weight * (x / rms(x))`` with the normalization in float32."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)  # [..., D]
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class IndexerLayerNorm(nn.Module):
+    """LayerNorm with weight and bias, computed in float32 (the indexer's ``k_norm``)."""
+
+    def __init__(self, dim: int, *, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.layer_norm(
+            x.to(torch.float32), (x.shape[-1],), self.weight.to(torch.float32), self.bias.to(torch.float32),
+            INDEXER_LAYERNORM_EPS,
+        )
+        return out.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """Dense MLP ``down(silu(gate(x)) * up(x))`` (DeepSeek's MoE is replaced by this everywhere)."""
+
+    def __init__(self, hidden: int, intermediate: int, *, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.gate_proj = linear(hidden, intermediate, dtype=dtype, device=device)
+        self.up_proj = linear(hidden, intermediate, dtype=dtype, device=device)
+        self.down_proj = linear(intermediate, hidden, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, D]

@@ -1,0 +1,94 @@
+"""I1: buffer reuse changes memory, never results (logits and every saved host-pool byte)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from engine_support import prefill_engine, prefill_pool, saved_bytes, seeded_prompt, tiny
+
+from dsamodel.engine.prefill import PrefillRequest
+from dsamodel.reference import forward_dense
+
+BS = 4
+LONG = 41 * BS + 3  # >= 40 blocks, with a partial tail
+_REFERENCE: dict = {}
+
+
+def _run(model, prompt, *, buffers, independent, chunk_size, prefetch=2):
+    pool = prefill_pool(model, BS)
+    eng = prefill_engine(model, pool, buffers=buffers, independent=independent, chunk_size=chunk_size,
+                         prefetch=prefetch)
+    try:
+        res = eng.run(PrefillRequest("req", prompt))
+        out = (res.logits.clone(), res.first_token, saved_bytes(pool, res.keys), eng.allocator.stats().peak_bytes)
+        eng.release(res)
+        assert pool.stats().live_leases == 0
+        assert eng.gates.stats()["held_slots"] == 0
+        return out
+    finally:
+        eng.close()
+        pool.close()
+
+
+def _reference(model, prompt, chunk_size):
+    key = (id(model), prompt.numel(), chunk_size)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _run(model, prompt, buffers=None, independent="all", chunk_size=chunk_size)
+    return _REFERENCE[key]
+
+
+def _assert_same(got, want):
+    assert torch.equal(got[0], want[0])
+    assert got[1] == want[1]
+    assert len(got[2]) == len(want[2])
+    for a, b in zip(got[2], want[2]):
+        assert torch.equal(a, b)
+
+
+# Every (B, independent, MTP) plan against the all-independent run, over the chunk/prompt grid.
+PLANS = list(itertools.product([1, 2, 3, "N-1"], [[0], [0, -1], "all"], [True, False]))
+GRID = [(c, p) for c in (BS - 1, BS, 3 * BS + 5) for p in (1, BS - 1, BS, LONG)] + [(1, BS), (1, 2 * BS + 1)]
+
+
+@pytest.mark.parametrize("buffers, independent, mtp", PLANS)
+def test_i1_reuse_is_bit_identical_fp32(buffers, independent, mtp):
+    model = tiny(torch.float32, mtp)
+    n = len(model.cache_layers)
+    b = n - 1 if buffers == "N-1" else buffers
+    for chunk, length in GRID:
+        prompt = seeded_prompt(length, seed=length)
+        _assert_same(_run(model, prompt, buffers=b, independent=independent, chunk_size=chunk),
+                     _reference(model, prompt, chunk))
+
+
+@pytest.mark.parametrize("buffers, independent", [(1, [0]), (2, [0, -1]), (3, "all")])
+def test_i1_reuse_is_bit_identical_bf16(buffers, independent):
+    model = tiny(torch.bfloat16, True)
+    for chunk, length in [(BS - 1, LONG), (3 * BS + 5, LONG), (BS, BS), (1, 1)]:
+        prompt = seeded_prompt(length, seed=length)
+        _assert_same(_run(model, prompt, buffers=buffers, independent=independent, chunk_size=chunk),
+                     _reference(model, prompt, chunk))
+
+
+def test_long_prompt_with_chunk_size_one():
+    model = tiny(torch.float32, True)
+    prompt = seeded_prompt(LONG, seed=7)
+    _assert_same(_run(model, prompt, buffers=1, independent=[0], chunk_size=1),
+                 _reference(model, prompt, 1))
+
+
+def test_prefill_agrees_with_the_dense_model():
+    model = tiny(torch.float32, True)
+    prompt = seeded_prompt(300, seed=3)
+    logits = _run(model, prompt, buffers=2, independent=[0], chunk_size=37)[0]
+    torch.testing.assert_close(logits, forward_dense(model, prompt)[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_reuse_really_shrinks_device_memory():
+    model = tiny(torch.float32, True)
+    prompt = seeded_prompt(64)
+    reuse = _run(model, prompt, buffers=1, independent=[0], chunk_size=16)[3]
+    full = _run(model, prompt, buffers=None, independent="all", chunk_size=16)[3]
+    assert reuse * 5 == full * 2  # 2 slots (layer 0 + one shared) instead of 5
