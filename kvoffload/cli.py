@@ -33,6 +33,35 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_model_init(args: argparse.Namespace) -> int:
+    from dsamodel.presets import write_tiny
+
+    out = write_tiny(args.out, seed=args.seed, dtype=args.dtype)
+    print(f"wrote the {args.preset} model ({args.dtype}, seed {args.seed}) to {out}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from dsamodel.config import ModelConfig
+    from dsamodel.sizing import Deployment, format_report, plan_report
+
+    try:
+        config = ModelConfig.from_json(args.model)
+    except (OSError, ValueError) as exc:
+        print(f"kvoffload plan: cannot read the model config: {exc}", file=sys.stderr)
+        return 1
+    report = plan_report(Deployment(
+        config=config, block_size=args.block_size, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+        decode_dp=args.decode_dp, prefill_kv_transfer_config=args.prefill_kv_transfer_config,
+        prefill_additional_config=args.prefill_additional_config,
+        decode_kv_transfer_config=args.decode_kv_transfer_config,
+        decode_additional_config=args.decode_additional_config,
+    ))
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0 if report["valid"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvoffload", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -42,6 +71,30 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     bench.add_argument("--json", action="store_true", help="print one line of JSON only")
     bench.set_defaults(func=_cmd_bench)
+
+    model = sub.add_parser("model", help="model files").add_subparsers(dest="model_command", required=True,
+                                                                      metavar="ACTION")
+    init = model.add_parser("init", help="write a tiny deterministic seeded model (config.json + safetensors)")
+    init.add_argument("--preset", choices=["tiny"], default="tiny")
+    init.add_argument("--out", required=True, help="output directory")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    init.set_defaults(func=_cmd_model_init)
+
+    plan = sub.add_parser("plan", help="size a deployment: buffer plan, device and host bytes, config validation")
+    plan.add_argument("--model", required=True, help="model directory or config.json (no weights needed)")
+    plan.add_argument("--prefill-kv-transfer-config", metavar="JSON", help="the prefill node's --kv-transfer-config")
+    plan.add_argument("--prefill-additional-config", metavar="JSON", help="the prefill node's --additional-config")
+    plan.add_argument("--decode-kv-transfer-config", metavar="JSON", help="the decode node's --kv-transfer-config")
+    plan.add_argument("--decode-additional-config", metavar="JSON", help="the decode node's --additional-config")
+    plan.add_argument("--max-model-len", type=int, default=131072)
+    plan.add_argument("--max-num-seqs", type=int, default=8)
+    plan.add_argument("--block-size", type=int, default=64)
+    plan.add_argument("--prefill-tp", type=int, default=1)
+    plan.add_argument("--decode-tp", type=int, default=1)
+    plan.add_argument("--decode-dp", type=int, default=1)
+    plan.add_argument("--json", action="store_true", help="print the report as one line of JSON")
+    plan.set_defaults(func=_cmd_plan)
     return parser
 
 

@@ -155,14 +155,15 @@ class LayerwisePrefill:
         cached_blocks = self._match_prefix(hash_keys, n)
         keys: list[bytes] = hash_keys[:cached_blocks]
         lease = self.pool.lease(keys, self.lease_ttl_ms) if keys else None
-        owned: list[bytes] = []
+        owned: list[bytes] = []  # request-scoped objects, removed on release
+        allocated: list[bytes] = []  # every object this request allocated
         leases = [lease] if lease else []
         logits = first = None
         try:
             start = cached_blocks * bs
             for s in range(start, n, self.chunk_size):
                 e = min(s + self.chunk_size, n)
-                chunk = self._plan_chunk(req, s, e, hash_keys, keys, owned, leases)
+                chunk = self._plan_chunk(req, s, e, hash_keys, keys, owned, leases, allocated)
                 logits, first = self._run_chunk(req, chunk, final=e == n)
             self._saver.submit(lambda: None).result()  # this request's saves are written
             if self._save_errors:
@@ -175,7 +176,8 @@ class LayerwisePrefill:
             for old in leases:
                 old.release()
             self._saver.submit(lambda: None).result()
-            self.pool.remove(owned)
+            written = [k for k, done in zip(allocated, self.pool.exists(allocated)) if done and k not in owned]
+            self.pool.remove([k for k in allocated if k not in written])  # complete hash blocks stay cached
             raise
         log.info("prefill_done", request_id=req.request_id, prompt_tokens=n,
                  cached_tokens=start, computed_tokens=n - start)
@@ -192,7 +194,7 @@ class LayerwisePrefill:
         present = self.pool.exists(hash_keys[:usable])
         return next((i for i, ok in enumerate(present) if not ok), len(present))
 
-    def _plan_chunk(self, req, s, e, hash_keys, keys, owned, leases) -> _Chunk:
+    def _plan_chunk(self, req, s, e, hash_keys, keys, owned, leases, allocated) -> _Chunk:
         """Decide the pool object of every block the chunk touches and allocate the new ones.
 
         ``keys[b]`` is where block b of the request lives; on return it covers the chunk too.
@@ -213,6 +215,7 @@ class LayerwisePrefill:
             except ObjectExists:  # another writer is filling this hash block: keep our own copy
                 key = request_block_key(req.request_id, b, version=e)
                 self.pool.alloc([key])
+            allocated.append(key)
             if is_request_key(key):
                 owned.append(key)
             chunk.save_keys.append(key)

@@ -1,0 +1,79 @@
+"""Prefix cache through the host pool: cached blocks are loaded, only the suffix is computed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_support import prefill_engine, prefill_pool, seeded_prompt, tiny
+
+from dsamodel.engine.prefill import PrefillRequest
+from dsamodel.reference import forward_dense
+
+BS = 16
+CHUNK = 256
+
+
+def _prefill(eng, rid, prompt):
+    res = eng.run(PrefillRequest(rid, prompt))
+    eng.release(res)
+    return res
+
+
+def test_second_request_computes_only_its_suffix_and_matches_an_uncached_run():
+    model = tiny(torch.float32, True)
+    shared = seeded_prompt(512, 11)
+    first = torch.cat((shared, seeded_prompt(88, 12)))
+    second = torch.cat((shared, seeded_prompt(100, 13)))
+    pool = prefill_pool(model, BS)
+    eng = prefill_engine(model, pool, buffers=2, independent=[0], chunk_size=CHUNK)
+    fresh_pool = prefill_pool(model, BS)
+    fresh = prefill_engine(model, fresh_pool, buffers=2, independent=[0], chunk_size=CHUNK)
+    try:
+        r1 = _prefill(eng, "r1", first)
+        assert (r1.num_cached_tokens, r1.num_computed_tokens) == (0, 600)
+        r2 = _prefill(eng, "r2", second)
+        assert (r2.num_cached_tokens, r2.num_computed_tokens) == (512, 100)
+        uncached = _prefill(fresh, "r2", second)  # chunks 0, 256, 512: the same boundaries as r1's
+        assert uncached.num_computed_tokens == 612
+        assert torch.equal(r2.logits, uncached.logits)
+        torch.testing.assert_close(r2.logits, forward_dense(model, second)[-1], rtol=1e-4, atol=1e-4)
+        again = _prefill(eng, "r3", second)  # the whole prompt is cached but for its last token
+        assert again.num_computed_tokens == 612 - (611 // BS) * BS
+        torch.testing.assert_close(again.logits, r2.logits, rtol=1e-4, atol=1e-4)
+        assert pool.stats().live_leases == 0
+    finally:
+        for e, p in ((eng, pool), (fresh, fresh_pool)):
+            e.close()
+            p.close()
+
+
+def test_leases_keep_the_prefix_from_being_evicted_while_it_is_loaded():
+    from kvcore.blockkeys import block_keys
+    from kvcore.hostpool import PoolFullError
+
+    model = tiny(torch.float32, True)
+    shared = seeded_prompt(256, 21)
+    probe = prefill_pool(model, BS, 1 << 20)
+    block_bytes = probe.geometry.block_bytes
+    probe.close()
+    pool = prefill_pool(model, BS, 18 * block_bytes)  # 16 prefix blocks + 2 free
+    eng = prefill_engine(model, pool, buffers=1, independent=[0], chunk_size=64)
+    try:
+        _prefill(eng, "r1", torch.cat((shared, seeded_prompt(10, 22))))
+        prefix_keys = block_keys("tiny-test", shared, BS)
+        assert pool.stats().used_blocks == 16 and all(pool.exists(prefix_keys))
+        # r2 reuses the 16 prefix blocks and needs 4 more: only 2 are free, the rest are leased
+        with pytest.raises(PoolFullError):
+            _prefill(eng, "r2", torch.cat((shared, seeded_prompt(60, 23))))
+        assert all(pool.exists(prefix_keys))  # nothing it was loading was evicted
+        assert pool.stats().live_leases == 0 and pool.stats().used_blocks == 16  # r2 left nothing behind
+        assert eng.gates.stats()["held_slots"] == 0
+        # an unrelated prompt may evict the (now unleased) prefix, least recently used first
+        other = seeded_prompt(60, 24)
+        r3 = _prefill(eng, "r3", other)
+        assert r3.num_computed_tokens == 60 and pool.stats().evictions == 2
+        assert pool.exists(prefix_keys) == [False, False] + [True] * 14
+        torch.testing.assert_close(r3.logits, forward_dense(model, other)[-1], rtol=1e-4, atol=1e-4)
+    finally:
+        eng.close()
+        pool.close()

@@ -1,0 +1,328 @@
+"""Hot top-k cache: which past tokens of a request's layer sit in which device hot-buffer slot.
+
+On sparse decode the full KV lives in the host pool; per request and layer the device keeps a hot
+buffer of ``capacity`` token slots. Each step the indexer selects top-k past tokens; ``resolve``
+maps every selected token to a slot: hits reuse their slot, misses take least-recently-used slots
+of tokens not selected now, and only the misses are gathered from the host pool
+(``kvcore.gather.gather_rows`` takes ``miss_rows``/``miss_tokens``/``miss_slots`` unchanged).
+
+Residency is keyed by (request id, layer), never by batch row: requests join, leave and reorder
+between steps without touching anyone else's residency. ``finish(request_id)`` frees all of it.
+
+Exact semantics (the native C++/OpenMP path and the Python reference produce identical outputs):
+
+- State per (request, layer): ``capacity`` slots, each empty or holding one token; a total LRU
+  order over the slots; a token -> slot lookup. New state: all slots empty, LRU order from least
+  recent ``0, 1, ..., capacity-1``.
+- One step with stable prefix length ``S`` and top-k row ``t[0..k)`` (``-1`` = padding):
+
+  1. Every slot whose token is ``>= S`` becomes empty and moves to the least-recent end (slots in
+     ascending index, each moved in turn).
+  2. Pass over ``t`` in order: a resident token (hit) moves its slot to the most-recent end, once
+     per step, on its first occurrence.
+  3. Pass over ``t`` in order: a token not resolved yet in this step (miss) takes the least-recent
+     slot (evicting its token, if any) and moves it to the most-recent end; duplicates of a token
+     already resolved in this step reuse its slot. Since all hits were moved first and unique
+     tokens <= k <= capacity, a slot selected in this step is never evicted in the same step.
+  4. Misses with token ``>= S`` (speculative suffix, may be rewritten) do not stay resident: after
+     the step their slots become empty and move to the least-recent end (ascending slot index).
+     They are still returned in ``slots`` and the misses of this step.
+
+- Outputs: ``slots[r, j]`` the slot of ``t[j]`` (-1 for padding); misses ordered by row, then by
+  first occurrence in the row, each unique miss exactly once; ``num_hits`` counts unique hit tokens
+  and ``num_misses`` unique missed tokens (duplicate positions count in neither).
+- Shortcut taken by both paths (same outputs): after a step every resident token is ``< S``, so
+  step 1 is skipped unless the stable length shrank.
+
+Validation (ValueError naming the argument, the position and the value; no state changes):
+``layer`` in range; request ids unique; ``topk`` a contiguous CPU ``[rows, k]`` int32/int64 tensor
+with ``k <= capacity``; then per row in order: ``stable_lens[r] >= 0``, every ``topk[r, j] >= -1``
+and ``<= MAX_TOKEN`` (the native token -> slot map is a dense int32 array per (request, layer):
+4 bytes per token up to the largest token seen, small next to the KV it indexes).
+
+Threading: the native path releases the GIL and spreads rows over OpenMP threads
+(``max_threads()``; the same threads torch's ops use).
+Concurrent calls must touch disjoint (request, layer) pairs (e.g. one thread per layer); the
+request-id map is guarded by a lock. The reference path runs one call at a time.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_TOKEN = 2**31 - 2  # largest accepted token index (the native map is indexed by int32 tokens)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Result of one ``resolve`` call over a batch of rows (one request per row)."""
+
+    slots: torch.Tensor  # [rows, k] int32, -1 for padding
+    miss_rows: torch.Tensor  # [M] int32, batch row of each unique miss
+    miss_tokens: torch.Tensor  # [M] int64
+    miss_slots: torch.Tensor  # [M] int32
+    num_hits: int  # unique tokens already resident
+    num_misses: int  # unique tokens to load (== M)
+
+
+class HotCache:
+    """Per-(request, layer) hot-buffer residency. ``native`` switches C++ (threads) vs reference."""
+
+    def __init__(self, capacity: int, num_layers: int, *, native: bool = True) -> None:
+        capacity, num_layers = operator.index(capacity), operator.index(num_layers)
+        if not 1 <= capacity <= 2**30:
+            raise ValueError(f"capacity = {capacity} must be in [1, 2**30]")
+        if num_layers < 1:
+            raise ValueError(f"num_layers = {num_layers} must be >= 1")
+        self.capacity = capacity
+        self.num_layers = num_layers
+        self.native = native
+        self._lock = threading.Lock()  # guards the request-id map and the counters, not the work
+        self._impl = _Native(capacity, num_layers, self._lock) if native else _Reference(capacity, num_layers, self._lock)
+        self._steps = self._hits = self._misses = self._entries = 0
+
+    def resolve(
+        self,
+        layer: int,
+        request_ids: Sequence[str],
+        topk: torch.Tensor,
+        stable_lens: Sequence[int] | torch.Tensor,
+    ) -> Resolution:
+        """Maps the top-k tokens of each row (request) to hot-buffer slots; see module docstring."""
+        layer = operator.index(layer)
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer = {layer} is out of range [0, {self.num_layers})")
+        # topk: [rows, k] int32 | int64
+        if not isinstance(topk, torch.Tensor) or topk.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"topk must be an int32 or int64 tensor, got {_describe(topk)}")
+        if topk.device.type != "cpu" or topk.dim() != 2 or not topk.is_contiguous():
+            raise ValueError(
+                f"topk must be a contiguous CPU [rows, k] tensor, got shape {tuple(topk.shape)} "
+                f"on {topk.device} (contiguous={topk.is_contiguous()})"
+            )
+        rows, k = topk.shape
+        ids = list(request_ids)
+        if len(ids) != rows:
+            raise ValueError(f"request_ids has {len(ids)} entries but topk has {rows} rows")
+        if len(set(ids)) != rows:
+            dup = next(r for r, rid in enumerate(ids) if ids.index(rid) != r)
+            raise ValueError(f"request_ids[{dup}] = {ids[dup]!r} appears twice in one call")
+        if k > self.capacity:
+            raise ValueError(
+                f"topk has {k} columns but capacity is {self.capacity} "
+                "(capacity >= topk guarantees enough slots)"
+            )
+        stable = _stable_list(stable_lens, rows)
+        res = self._impl.resolve(layer, ids, topk, stable)
+        with self._lock:
+            self._steps += 1
+            self._hits += res.num_hits
+            self._misses += res.num_misses
+            self._entries += rows * k
+        return res
+
+    def finish(self, request_id: str) -> bool:
+        """Frees every layer's state of ``request_id``; idempotent (False when it had none)."""
+        return self._impl.finish(request_id)
+
+    def residency(self, request_id: str, layer: int) -> dict[int, int]:
+        """token -> slot of one (request, layer); empty when it has no state. For tests."""
+        layer = operator.index(layer)
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer = {layer} is out of range [0, {self.num_layers})")
+        return self._impl.residency(request_id, layer)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._impl.requests
+
+    def stats(self) -> dict[str, float | int | bool]:
+        """Cumulative counters since construction (identical on both paths for the same calls)."""
+        total = self._hits + self._misses
+        return {
+            "native": self.native,
+            "capacity": self.capacity,
+            "num_layers": self.num_layers,
+            "requests": len(self._impl.requests),
+            "steps": self._steps,
+            "entries": self._entries,
+            "hits": self._hits,
+            "misses": self._misses,
+            "hit_rate": self._hits / total if total else 0.0,
+        }
+
+
+def max_threads() -> int:
+    """OpenMP threads the native path uses."""
+    from kvcore import _native_hotcache
+
+    return _native_hotcache.max_threads()
+
+
+def _describe(x: object) -> str:
+    return f"{x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _stable_list(stable_lens: Sequence[int] | torch.Tensor, rows: int) -> list[int]:
+    if isinstance(stable_lens, torch.Tensor):
+        if stable_lens.dtype.is_floating_point or stable_lens.dtype.is_complex or stable_lens.dtype == torch.bool:
+            raise ValueError(f"stable_lens must be an integer tensor, got {stable_lens.dtype}")
+        stable = stable_lens.reshape(-1).tolist()  # [rows]
+    else:
+        stable = [operator.index(s) for s in stable_lens]
+    if len(stable) != rows:
+        raise ValueError(f"stable_lens has {len(stable)} entries but topk has {rows} rows")
+    return stable
+
+
+class _Native:
+    """C++/OpenMP path: state lives in kvcore._native_hotcache, addressed by integer handles."""
+
+    def __init__(self, capacity: int, num_layers: int, lock: threading.Lock) -> None:
+        from kvcore import _native_hotcache
+
+        self._cache = _native_hotcache.Cache(capacity, num_layers)
+        self._lock = lock
+        self.requests: dict[str, int] = {}  # request id -> native handle
+
+    def resolve(self, layer: int, ids: list[str], topk: torch.Tensor, stable: list[int]) -> Resolution:
+        rows, k = topk.shape
+        with self._lock:
+            new = [rid for rid in ids if rid not in self.requests]
+            for rid in new:
+                self.requests[rid] = self._cache.alloc()
+            handles = [self.requests[rid] for rid in ids]
+        slots = torch.empty(rows, k, dtype=torch.int32)  # [rows, k]
+        miss_rows = torch.empty(rows * k, dtype=torch.int32)  # [rows*k] -> [M]
+        miss_tokens = torch.empty(rows * k, dtype=torch.int64)
+        miss_slots = torch.empty(rows * k, dtype=torch.int32)
+        try:
+            hits, misses = self._cache.resolve(
+                layer, handles, topk.data_ptr(), k, topk.dtype == torch.int64, stable,
+                slots.data_ptr(), miss_rows.data_ptr(), miss_tokens.data_ptr(), miss_slots.data_ptr(),
+            )
+        except (ValueError, IndexError) as e:
+            with self._lock:
+                for rid in new:  # an invalid call leaves no state behind
+                    self._cache.free(self.requests.pop(rid))
+            raise ValueError(str(e)) from None
+        return Resolution(slots, miss_rows[:misses], miss_tokens[:misses], miss_slots[:misses], hits, misses)
+
+    def finish(self, request_id: str) -> bool:
+        with self._lock:
+            handle = self.requests.pop(request_id, None)
+            if handle is not None:
+                self._cache.free(handle)
+        return handle is not None
+
+    def residency(self, request_id: str, layer: int) -> dict[int, int]:
+        handle = self.requests.get(request_id)
+        return {} if handle is None else dict(self._cache.residency(handle, layer))
+
+
+class _LayerState:
+    """Reference state of one (request, layer)."""
+
+    __slots__ = ("slot_token", "token_slot", "lru", "resident_bound")
+
+    def __init__(self, capacity: int) -> None:
+        self.slot_token = [-1] * capacity  # slot -> token, -1 = empty
+        self.token_slot: dict[int, int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(capacity))  # first = least recent
+        self.resident_bound = 0  # every resident token < resident_bound
+
+    def empty(self, slot: int) -> None:
+        del self.token_slot[self.slot_token[slot]]
+        self.slot_token[slot] = -1
+        self.lru.move_to_end(slot, last=False)
+
+
+class _Reference:
+    """Straightforward Python path: the executable form of the module docstring."""
+
+    def __init__(self, capacity: int, num_layers: int, lock: threading.Lock) -> None:
+        self.capacity = capacity
+        self.num_layers = num_layers
+        self._lock = lock
+        self.requests: dict[str, list[_LayerState | None]] = {}
+
+    def resolve(self, layer: int, ids: list[str], topk: torch.Tensor, stable: list[int]) -> Resolution:
+        with self._lock:  # the reference is serial: one call at a time
+            return self._resolve(layer, ids, topk, stable)
+
+    def _resolve(self, layer: int, ids: list[str], topk: torch.Tensor, stable: list[int]) -> Resolution:
+        rows, k = topk.shape
+        table, lens = topk.tolist(), stable
+        for r in range(rows):  # validate everything before changing anything
+            if lens[r] < 0:
+                raise ValueError(f"stable_lens[{r}] = {lens[r]} must be >= 0")
+            for j, t in enumerate(table[r]):
+                if t < -1:
+                    raise ValueError(f"topk[{r}, {j}] = {t} is not a token index (>= 0) or -1 padding")
+                if t > MAX_TOKEN:
+                    raise ValueError(f"topk[{r}, {j}] = {t} exceeds the largest supported token index {MAX_TOKEN}")
+        slots = [[-1] * k for _ in range(rows)]
+        misses: list[tuple[int, int, int]] = []
+        hits = 0
+        for r, rid in enumerate(ids):
+            layers = self.requests.setdefault(rid, [None] * self.num_layers)
+            st = layers[layer] = layers[layer] or _LayerState(self.capacity)
+            hits += self._step(st, table[r], lens[r], r, slots[r], misses)
+        return Resolution(
+            slots=torch.tensor(slots, dtype=torch.int32).reshape(rows, k),
+            miss_rows=torch.tensor([m[0] for m in misses], dtype=torch.int32),
+            miss_tokens=torch.tensor([m[1] for m in misses], dtype=torch.int64),
+            miss_slots=torch.tensor([m[2] for m in misses], dtype=torch.int32),
+            num_hits=hits,
+            num_misses=len(misses),
+        )
+
+    @staticmethod
+    def _step(st: _LayerState, toks: list[int], stable: int, row: int, out: list[int],
+              misses: list[tuple[int, int, int]]) -> int:
+        if stable < st.resident_bound:  # (1) drop tokens >= stable
+            for s, t in enumerate(st.slot_token):
+                if t >= stable:
+                    st.empty(s)
+        touched: set[int] = set()
+        for j, t in enumerate(toks):  # (2) hits
+            s = st.token_slot.get(t, -1) if t >= 0 else -1
+            out[j] = s
+            if s >= 0 and s not in touched:
+                touched.add(s)
+                st.lru.move_to_end(s)
+        hits = len(touched)
+        spec = []
+        for j, t in enumerate(toks):  # (3) misses
+            if out[j] >= 0 or t < 0:
+                continue
+            s = st.token_slot.get(t, -1)
+            if s < 0:
+                s = next(iter(st.lru))
+                if st.slot_token[s] >= 0:
+                    del st.token_slot[st.slot_token[s]]
+                st.slot_token[s] = t
+                st.token_slot[t] = s
+                st.lru.move_to_end(s)
+                misses.append((row, t, s))
+                if t >= stable:
+                    spec.append(s)
+            out[j] = s
+        for s in sorted(spec):  # (4) speculative misses do not stay resident
+            st.empty(s)
+        st.resident_bound = stable
+        return hits
+
+    def finish(self, request_id: str) -> bool:
+        with self._lock:
+            return self.requests.pop(request_id, None) is not None
+
+    def residency(self, request_id: str, layer: int) -> dict[int, int]:
+        layers = self.requests.get(request_id)
+        st = layers[layer] if layers else None
+        return {} if st is None else dict(st.token_slot)

@@ -1,0 +1,263 @@
+"""kvcore.hotcache: exact LRU semantics, native == reference, invariants, validation, threads."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcore.hotcache import MAX_TOKEN, HotCache, Resolution
+
+BOTH = pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
+
+
+def _t(rows: list[list[int]], dtype=torch.int64) -> torch.Tensor:
+    return torch.tensor(rows, dtype=dtype)  # [rows, k]
+
+
+def _same(a: Resolution, b: Resolution) -> None:
+    for f in ("slots", "miss_rows", "miss_tokens", "miss_slots"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and torch.equal(x, y), (f, x, y)
+    assert (a.num_hits, a.num_misses) == (b.num_hits, b.num_misses)
+
+
+# --- exact semantics on hand-computed cases ----------------------------------------------------
+
+
+@BOTH
+def test_first_step_fills_slots_in_order_and_duplicates_load_once(native):
+    c = HotCache(4, 1, native=native)
+    r = c.resolve(0, ["a"], _t([[5, 3, 5, -1]]), [10])
+    assert r.slots.tolist() == [[0, 1, 0, -1]]
+    assert r.miss_rows.tolist() == [0, 0] and r.miss_tokens.tolist() == [5, 3] and r.miss_slots.tolist() == [0, 1]
+    assert (r.num_hits, r.num_misses) == (0, 2)
+    assert r.slots.dtype == torch.int32 and r.miss_tokens.dtype == torch.int64
+    assert c.residency("a", 0) == {5: 0, 3: 1}
+
+
+@BOTH
+def test_hits_keep_slots_and_misses_evict_least_recent(native):
+    c = HotCache(3, 1, native=native)
+    c.resolve(0, ["a"], _t([[10, 11, 12]]), [100])  # slots 0, 1, 2; LRU: 0 1 2
+    r = c.resolve(0, ["a"], _t([[11, 13]]), [100])  # hit 11 -> LRU 0 2 1; 13 evicts slot 0
+    assert r.slots.tolist() == [[1, 0]] and r.miss_tokens.tolist() == [13] and r.num_hits == 1
+    r = c.resolve(0, ["a"], _t([[14, 15]]), [100])  # LRU 2 1 0: 14 -> 2, 15 -> 1
+    assert r.slots.tolist() == [[2, 1]]
+    assert c.residency("a", 0) == {13: 0, 14: 2, 15: 1}
+
+
+@BOTH
+def test_speculative_tokens_are_returned_but_not_kept(native):
+    c = HotCache(4, 1, native=native)
+    r = c.resolve(0, ["b"], _t([[1, 2, 3, 4]]), [3])  # 3, 4 >= S: loaded, then dropped
+    assert r.slots.tolist() == [[0, 1, 2, 3]] and r.num_misses == 4
+    assert c.residency("b", 0) == {1: 0, 2: 1}
+    # dropped slots went to the least-recent end in ascending order: LRU 3 2 0 1
+    r = c.resolve(0, ["b"], _t([[1, 7, 8]]), [10])
+    assert r.slots.tolist() == [[0, 3, 2]] and r.num_hits == 1
+
+
+@BOTH
+def test_shrinking_stable_length_drops_tokens_at_or_past_it(native):
+    c = HotCache(4, 1, native=native)
+    c.resolve(0, ["a"], _t([[0, 1, 2, 3]]), [10])
+    r = c.resolve(0, ["a"], _t([[0, 2]]), [2])  # 2 and 3 dropped first: 2 is a miss again
+    assert r.num_hits == 1 and r.miss_tokens.tolist() == [2]
+    assert 2 not in c.residency("a", 0) and 3 not in c.residency("a", 0)
+
+
+@BOTH
+def test_residency_is_per_request_not_per_row(native):
+    c = HotCache(8, 2, native=native)
+    c.resolve(0, ["a", "b"], _t([[1, 2], [3, 4]]), [9, 9])
+    r = c.resolve(0, ["c", "b", "a"], _t([[1, 2], [3, 4], [1, 2]]), [9, 9, 9])  # reorder + join
+    assert r.num_hits == 4 and r.miss_rows.tolist() == [0, 0] and r.miss_tokens.tolist() == [1, 2]
+    assert c.residency("a", 1) == {}  # layers are independent
+    assert c.finish("c") is True and c.finish("c") is False
+    assert "c" not in c and c.residency("c", 0) == {} and c.stats()["requests"] == 2
+
+
+@BOTH
+def test_int32_topk_and_tensor_stable_lens(native):
+    a, b = HotCache(6, 1, native=native), HotCache(6, 1, native=native)
+    rows = [[4, -1, 4, 0], [2, 5, 1, 3]]
+    _same(a.resolve(0, ["x", "y"], _t(rows, torch.int32), torch.tensor([5, 3])),
+          b.resolve(0, ["x", "y"], _t(rows), [5, 3]))
+
+
+@BOTH
+def test_empty_batches(native):
+    c = HotCache(4, 1, native=native)
+    r = c.resolve(0, [], torch.empty(0, 3, dtype=torch.int64), [])
+    assert r.slots.shape == (0, 3) and r.num_misses == 0
+    r = c.resolve(0, ["a"], torch.empty(1, 0, dtype=torch.int64), [5])
+    assert r.slots.shape == (1, 0) and r.miss_tokens.numel() == 0
+    r = c.resolve(0, ["a"], _t([[-1, -1]]), [5])
+    assert r.slots.tolist() == [[-1, -1]] and r.num_misses == 0
+
+
+def test_stats_count_hits_misses_and_entries():
+    c = HotCache(4, 1)
+    c.resolve(0, ["a"], _t([[1, 2]]), [9])
+    c.resolve(0, ["a"], _t([[1, 3]]), [9])
+    s = c.stats()
+    assert (s["steps"], s["entries"], s["hits"], s["misses"], s["requests"]) == (2, 4, 1, 3, 1)
+    assert s["hit_rate"] == pytest.approx(0.25)
+
+
+# --- validation: same message on both paths, no state change ------------------------------------
+
+BAD_CALLS = [
+    (dict(layer=2), "layer = 2 is out of range [0, 2)"),
+    (dict(topk=_t([[1, -2]])), "topk[0, 1] = -2 is not a token index (>= 0) or -1 padding"),
+    (dict(topk=_t([[1, 2], [3, -5]]), ids=["a", "new"], stable=[4, 4]), "topk[1, 1] = -5"),
+    (dict(topk=_t([[MAX_TOKEN + 1, 0]])), f"exceeds the largest supported token index {MAX_TOKEN}"),
+    (dict(topk=_t([[1, 2, 3, 4, 5]])), "topk has 5 columns but capacity is 4"),
+    (dict(stable=[-1]), "stable_lens[0] = -1 must be >= 0"),
+    (dict(stable=[1, 2]), "stable_lens has 2 entries but topk has 1 rows"),
+    (dict(ids=["a", "a"], topk=_t([[1], [2]]), stable=[3, 3]), "request_ids[1] = 'a' appears twice"),
+    (dict(ids=["a", "b"]), "request_ids has 2 entries but topk has 1 rows"),
+    (dict(topk=torch.tensor([[1.0, 2.0]])), "topk must be an int32 or int64 tensor"),
+    (dict(topk=_t([[1, 2], [3, 4]]).t()[:1]), "contiguous"),
+    (dict(topk=_t([1, 2])), "[rows, k]"),
+    (dict(stable=torch.tensor([1.5])), "stable_lens must be an integer tensor"),
+]
+
+
+@pytest.mark.parametrize("call,message", BAD_CALLS)
+def test_invalid_calls_raise_the_same_valueerror_and_change_nothing(call, message):
+    errors = []
+    for native in (True, False):
+        c = HotCache(4, 2, native=native)
+        c.resolve(0, ["a"], _t([[7, 8]]), [10])
+        before = c.residency("a", 0)
+        with pytest.raises(ValueError) as e:
+            c.resolve(call.get("layer", 0), call.get("ids", ["a"]), call.get("topk", _t([[1, 2]])), call.get("stable", [4]))
+        errors.append(str(e.value))
+        assert message in str(e.value)
+        assert c.residency("a", 0) == before and "new" not in c and c.stats()["steps"] == 1
+    assert errors[0] == errors[1]
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="capacity"):
+        HotCache(0, 1)
+    with pytest.raises(ValueError, match="num_layers"):
+        HotCache(4, 0, native=False)
+
+
+# --- property test: random step sequences, native == reference, invariants ----------------------
+
+REQUESTS = ["r0", "r1", "r2", "r3", "r4"]
+
+
+@st.composite
+def scenarios(draw):
+    capacity = draw(st.integers(1, 10))
+    num_layers = draw(st.integers(1, 3))
+    context = draw(st.integers(1, 3 * capacity + 2))
+    steps = []
+    for _ in range(draw(st.integers(1, 12))):
+        ids = draw(st.lists(st.sampled_from(REQUESTS), unique=True, max_size=4))  # join/leave/reorder
+        k = draw(st.integers(0, capacity))
+        token = st.one_of(st.just(-1), st.integers(0, context + 2))  # padding, duplicates, speculative
+        topk = [draw(st.lists(token, min_size=k, max_size=k)) for _ in ids]
+        stable = [draw(st.integers(0, context)) for _ in ids]  # may shrink between steps
+        finish = draw(st.lists(st.sampled_from(REQUESTS), unique=True, max_size=2))
+        int32 = draw(st.booleans())
+        steps.append((draw(st.integers(0, num_layers - 1)), ids, k, topk, stable, finish, int32))
+    return capacity, num_layers, steps
+
+
+def _check_invariants(res: Resolution, ids, topk, stable, before, after, capacity):
+    seen_misses = set()
+    for i, r in enumerate(res.miss_rows.tolist()):
+        key = (r, int(res.miss_tokens[i]))
+        assert key not in seen_misses  # each unique miss exactly once
+        seen_misses.add(key)
+        assert 0 <= int(res.miss_slots[i]) < capacity
+    for r, rid in enumerate(ids):
+        slot_of: dict[int, int] = {}
+        hits = {t for t in topk[r] if t >= 0 and t in before[rid] and t < stable[r]}
+        for j, t in enumerate(topk[r]):
+            s = int(res.slots[r, j])
+            if t < 0:
+                assert s == -1
+                continue
+            assert 0 <= s < capacity
+            assert slot_of.setdefault(t, s) == s  # duplicates share one slot
+            if t < stable[r]:
+                assert after[rid].get(t) == s  # the slot holds the token
+            else:
+                assert t not in after[rid]  # speculative tokens are not kept
+            if t in hits:
+                assert s == before[rid][t] and (r, t) not in seen_misses  # a hit is never reloaded
+            else:
+                assert (r, t) in seen_misses
+        assert len(set(slot_of.values())) == len(slot_of)  # no slot holds two tokens
+        assert len(set(after[rid].values())) == len(after[rid])
+        assert all(t < stable[r] for t in after[rid])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_native_equals_reference_and_invariants_hold(scenario):
+    capacity, num_layers, steps = scenario
+    native, ref = HotCache(capacity, num_layers, native=True), HotCache(capacity, num_layers, native=False)
+    for layer, ids, k, topk, stable, finish, int32 in steps:
+        t = torch.tensor(topk, dtype=torch.int32 if int32 else torch.int64).reshape(len(ids), k)  # [rows, k]
+        before = {rid: native.residency(rid, layer) for rid in ids}
+        a = native.resolve(layer, ids, t, stable)
+        b = ref.resolve(layer, ids, t, stable)
+        _same(a, b)
+        after = {rid: native.residency(rid, layer) for rid in ids}
+        assert after == {rid: ref.residency(rid, layer) for rid in ids}
+        _check_invariants(a, ids, topk, stable, before, after, capacity)
+        for rid in finish:
+            assert native.finish(rid) == ref.finish(rid)
+            assert rid not in native and all(native.residency(rid, L) == {} for L in range(num_layers))
+        assert native.stats() | {"native": None} == ref.stats() | {"native": None}
+
+
+# --- threads: the native path releases the GIL; disjoint layers may run concurrently -----------
+
+
+def test_concurrent_layers_match_sequential():
+    g = torch.Generator().manual_seed(0)
+    layers, steps = 4, 6
+    topks = [[torch.randint(-1, 300, (3, 64), generator=g) for _ in range(steps)] for _ in range(layers)]
+    ids, stable = ["a", "b", "c"], [250, 300, 200]
+    seq = HotCache(128, layers)
+    expected = [[seq.resolve(L, ids, topks[L][s], stable) for s in range(steps)] for L in range(layers)]
+    par = HotCache(128, layers)
+    got: list[list[Resolution]] = [[] for _ in range(layers)]
+    barrier = threading.Barrier(layers)
+
+    def worker(L):
+        barrier.wait()
+        for s in range(steps):
+            got[L].append(par.resolve(L, ids, topks[L][s], stable))
+
+    threads = [threading.Thread(target=worker, args=(L,)) for L in range(layers)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for L in range(layers):
+        for s in range(steps):
+            _same(got[L][s], expected[L][s])
+    assert par.stats() | {"native": None} == seq.stats() | {"native": None}
+
+
+def test_large_batch_uses_parallel_rows_and_matches_reference():
+    g = torch.Generator().manual_seed(1)
+    ids = [f"q{i}" for i in range(8)]
+    native, ref = HotCache(512, 1), HotCache(512, 1, native=False)
+    for _ in range(4):
+        topk = torch.randint(-1, 2000, (8, 256), generator=g)
+        stable = torch.randint(1500, 2001, (8,), generator=g)
+        _same(native.resolve(0, ids, topk, stable), ref.resolve(0, ids, topk, stable))
