@@ -16,6 +16,9 @@ from typing import Callable
 BENCHES: dict[str, str] = {
     "hotcache": "kvcore.bench.hotcache:run",
     "gather": "kvcore.bench.gather:run",
+    "prefill": "dsamodel.bench.prefill:run",
+    "prefix": "dsamodel.bench.prefix:run",
+    "decode": "dsamodel.bench.decode:run",
 }
 
 

@@ -1,0 +1,32 @@
+"""Engine benchmarks of the tiny model (``kvoffload bench prefill|prefix|decode --json``).
+
+Each module exposes ``run(**params) -> dict``: both sides of a comparison run in the same
+process, interleaved, and the report gives ratios (absolute times on shared machines are noise)
+plus the goals as booleans in ``goals_met``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import structlog
+
+
+def quiet_logs() -> None:
+    """Benchmarks print one JSON document: keep the engines' info logs out of stdout."""
+    import logging
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
+def interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median seconds per call of each function, the functions alternating in every repetition."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}

@@ -1,0 +1,88 @@
+"""``kvoffload plan`` sizing: the guide's configs on a DeepSeek-V3.2 config.json, and bad configs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsamodel.config import ModelConfig
+from dsamodel.sizing import Deployment, format_report, plan_report
+
+DSV32 = {
+    "architectures": ["DeepseekV32ForCausalLM"], "hidden_size": 7168, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
+    "num_nextn_predict_layers": 1, "vocab_size": 129280, "max_position_embeddings": 163840,
+    "intermediate_size": 18432, "n_routed_experts": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+}
+PREFILL = json.dumps({
+    "kv_connector": "MultiConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"connectors": [
+        {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer", "kv_port": 20050,
+         "kv_connector_extra_config": {"transfer_backend": "memfabric"}},
+        {"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer",
+         "kv_connector_extra_config": {"backend": "memcache", "use_layerwise": True,
+                                       "layerwise_num_shared_buffers": 3, "layerwise_independent_layers": [0]}}]}})
+DECODE = json.dumps({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 20050,
+                     "kv_connector_extra_config": {"transfer_backend": "memfabric", "use_layerwise": True}})
+SPARSE = json.dumps({"sparse_kv_offload_config": {"enabled": True, "topk_buffer_size": 4096,
+                                                  "dram_size_per_dp_GB": 128}})
+
+
+def _deployment(**kw) -> Deployment:
+    base = dict(config=ModelConfig.from_dict(DSV32), block_size=64, max_model_len=131072, max_num_seqs=8,
+                prefill_kv_transfer_config=PREFILL, decode_kv_transfer_config=DECODE, decode_additional_config=SPARSE)
+    base.update(kw)
+    return Deployment(**base)
+
+
+def test_guide_configs_on_deepseek_v32():
+    r = plan_report(_deployment())
+    assert r["valid"] and r["errors"] == []
+    p, d = r["prefill"], r["decode"]
+    assert p["num_logical_layers"] == 62 and p["num_buffers"] == 4
+    assert p["log_line"] == "Layerwise KV cache reuse merged 124 descriptors into 8 descriptors using 4 buffer assignments."
+    tokens = 8 * 131072
+    per_layer = tokens * (576 * 2 + 128 * 2)
+    assert p["device_kv_bytes_no_offload"] == 62 * per_layer and p["device_kv_bytes"] == 4 * per_layer
+    assert d["device_kv_bytes_no_offload"] == 62 * per_layer
+    assert d["device_kv_bytes"] == 8 * 62 * (131072 * 128 * 2 + 4096 * 576 * 2)
+    assert d["host_kv_bytes"] == tokens * 62 * 576 * 2
+    assert d["control_ports"] == [20050]
+    assert "Layerwise KV cache reuse merged" in format_report(r)
+
+
+@pytest.mark.parametrize("kw, fragment", [
+    (dict(prefill_additional_config=SPARSE), "never enable sparse_kv_offload_config on prefill"),
+    (dict(decode_additional_config=json.dumps({"sparse_kv_offload_config": {"enabled": True, "topk_buffer_size": 1024}})),
+     "topk_buffer_size"),
+    (dict(max_model_len=1 << 20), "dram_size_per_dp_GB"),
+    (dict(prefill_tp=2, decode_tp=4), "prefill TP"),
+])
+def test_invalid_deployments_are_reported(kw, fragment):
+    r = plan_report(_deployment(**kw))
+    assert not r["valid"]
+    assert any(fragment in e for e in r["errors"]), r["errors"]
+
+
+def test_nothing_to_size_is_an_error():
+    r = plan_report(_deployment(prefill_kv_transfer_config=None, decode_kv_transfer_config=None))
+    assert not r["valid"]
+
+
+def test_cli_json_and_exit_status(tmp_path, capsys):
+    from kvoffload.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(DSV32))
+    rc = main(["plan", "--model", str(tmp_path), "--prefill-kv-transfer-config", PREFILL,
+               "--decode-kv-transfer-config", DECODE, "--decode-additional-config", SPARSE, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["valid"]
+    for key in ("num_logical_layers", "num_buffers", "device_kv_bytes", "device_kv_bytes_no_offload"):
+        assert key in out["prefill"]
+    for key in ("device_kv_bytes", "device_kv_bytes_no_offload", "host_kv_bytes"):
+        assert key in out["decode"]
+    rc = main(["plan", "--model", str(tmp_path), "--prefill-kv-transfer-config", PREFILL,
+               "--prefill-additional-config", SPARSE, "--json"])
+    assert rc == 1 and json.loads(capsys.readouterr().out)["errors"]
