@@ -98,6 +98,7 @@ class SparseDecoder:
         self.full = self.allocator.zeros((n_layers, max_num_seqs, rows, width), dtype, "decode.full_kv") \
             if keep_device_kv_cache else None
         self.hotcache = None if keep_device_kv_cache else HotCache(topk_buffer_size, n_layers, native=native)
+        self._gather_in_place = self.indexer.device.type == "cpu"  # else: staging + one copy per layer
         self.block_table = torch.full((max_num_seqs, self.max_blocks), -1, dtype=torch.int32)  # host
         self.seqs: dict[str, DecodeSeq] = {}
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -129,6 +130,7 @@ class SparseDecoder:
         return seq
 
     def write_prompt_layer(self, request_id: str, layer: int, kv: torch.Tensor, index_k: torch.Tensor) -> None:
+        # layer: any cache layer (MTP included: speculative decode attends over it)
         """Install ``layer``'s prompt rows: kv [P, W] into the host pool, index_k [P, Di] on device."""
         seq = self.seqs[request_id]
         p = kv.shape[0]
@@ -174,52 +176,102 @@ class SparseDecoder:
 
     def step(self, request_ids: list[str], tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per request and return next-token logits [R, V] (float32)."""
+        if tokens.shape != (len(request_ids),):
+            raise ValueError(f"tokens must be [R] = [{len(request_ids)}], got {list(tokens.shape)}")
+        logits, _ = self.forward(request_ids, [[int(t)] for t in tokens])
+        for r in request_ids:
+            self.commit(r, self.seqs[r].num_tokens + 1)
+        return logits
+
+    def forward(self, request_ids: list[str], tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Base layers over ``tokens[r]`` at positions ``num_tokens[r]...``: (logits [N, V], h [N, D]).
+
+        The first token of each request is final; the others are a speculative suffix (drafts): their
+        KV is written but stays out of the hot cache, and ``commit`` decides how much became final.
+        """
         seqs = [self.seqs[r] for r in request_ids]
-        if tokens.shape != (len(seqs),):
-            raise ValueError(f"tokens must be [R] = [{len(seqs)}], got {list(tokens.shape)}")
-        for seq in seqs:
-            self._grow(seq, seq.num_tokens + 1)
-        model = self.model
-        dev = model.device
-        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)  # [R]
-        seq_slots = torch.tensor([s.seq_slot for s in seqs], dtype=torch.long)  # [R]
-        mapping = self.block_table[seq_slots, positions // self.block_size].to(torch.int64) \
-            * self.block_size + positions % self.block_size  # [R]
-        ctx = int(positions.max()) + 1
-        stable = (positions + 1).tolist()  # every written token is final (no speculative suffix)
+        if len(tokens) != len(seqs) or any(not t for t in tokens):
+            raise ValueError("tokens must give at least one token for every request")
+        for seq, toks in zip(seqs, tokens):
+            self._grow(seq, seq.num_tokens + len(toks))
+        flat = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long)  # [N]
+        rows = torch.tensor([r for r, toks in enumerate(tokens) for _ in toks], dtype=torch.long)  # [N]
+        offsets = torch.tensor([j for toks in tokens for j in range(len(toks))], dtype=torch.long)  # [N]
+        start = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long)  # [R]
+        stable = [s.num_tokens + 1 for s in seqs]
+        h = self.model.embed(flat.to(self.model.device))  # [N, D]
         stats = StepStats()
-        h = model.embed(tokens.to(dev))  # [R, D]
-        pos_dev = positions.to(dev)
-        for layer in model.layers:  # MTP layers take no part in plain (non-speculative) decode
-            i = layer.cache_index
-            proj = layer.project(h, pos_dev)
-            scatter_rows(self.pool.plane(self._planes[i]), mapping, _bytes(proj.kv), native=self.native)
-            self.indexer[i, seq_slots.to(dev), pos_dev] = proj.index_k
-            keys = self.indexer[i, seq_slots.to(dev), :ctx]  # [R, C, Di]
-            topk = batched_indexer_topk(proj.index_q, proj.index_w, keys, pos_dev, self.topk)  # [R, k]
-            valid = topk >= 0
-            if self.full is not None:
-                self.full[i, seq_slots.to(dev), pos_dev] = proj.kv
-                rows = self.full[i][seq_slots.to(dev)[:, None], topk.clamp(min=0)]  # [R, k, W]
-            else:
-                rows = self._hot_rows(i, request_ids, seq_slots, topk, stable, stats)
-            lat = sparse_mla_attention(proj.q_latent, proj.q_rope, rows, valid, layer.softmax_scale)
-            h = layer.finish(h, lat)
-        for seq in seqs:
-            seq.num_tokens += 1
+        for layer in self.model.layers:
+            h = self._layer(layer, h, request_ids, rows, start[rows] + offsets, offsets, stable, stats)
         self.last_step = stats
-        return model.logits(h)
+        return self.model.logits(h), h
+
+    def commit(self, request_id: str, num_tokens: int) -> None:
+        """The request's first ``num_tokens`` tokens have final KV in every base layer."""
+        seq = self.seqs[request_id]
+        if not 0 <= num_tokens <= seq.num_blocks * self.block_size:
+            raise ValueError(f"commit of {num_tokens} tokens: only {seq.num_blocks} blocks are allocated")
+        seq.num_tokens = num_tokens
+
+    def mtp_forward(self, request_ids: list[str], positions: list[list[int]], h_prev: torch.Tensor,
+                    next_tokens: list[list[int]]) -> torch.Tensor:
+        """The MTP layer at final ``positions`` (its cache grows there): draft logits [M, V].
+
+        ``h_prev`` [M, D] is the base model's final-normed hidden state at those positions and
+        ``next_tokens`` the token that follows each (DeepSeek MTP); all of it is final.
+        """
+        layer = self.model.mtp[0]
+        rows = torch.tensor([r for r, ps in enumerate(positions) for _ in ps], dtype=torch.long)  # [M]
+        offsets = torch.tensor([j for ps in positions for j in range(len(ps))], dtype=torch.long)  # [M]
+        pos = torch.tensor([p for ps in positions for p in ps], dtype=torch.long)  # [M]
+        nxt = torch.tensor([t for ts in next_tokens for t in ts], dtype=torch.long, device=self.model.device)
+        stable = [ps[-1] + 1 for ps in positions]
+        h = self.model.mtp_input(h_prev, nxt, depth=0)  # [M, D]
+        h = self._layer(layer, h, request_ids, rows, pos, offsets, stable, StepStats())
+        return self.model.mtp_logits(h, depth=0)
+
+    def _layer(self, layer, h, request_ids, rows, positions, offsets, stable, stats: StepStats) -> torch.Tensor:
+        """One cache layer for N tokens (request ``rows[n]`` at ``positions[n]``) -> h [N, D]."""
+        i, dev = layer.cache_index, self.model.device
+        slots = torch.tensor([self.seqs[r].seq_slot for r in request_ids], dtype=torch.long)[rows]  # [N]
+        mapping = self.block_table[slots, positions // self.block_size].to(torch.int64) \
+            * self.block_size + positions % self.block_size  # [N]
+        slots_dev, pos_dev = slots.to(dev), positions.to(dev)
+        proj = layer.project(h, pos_dev)
+        scatter_rows(self.pool.plane(self._planes[i]), mapping, _bytes(proj.kv), native=self.native)
+        self.indexer[i, slots_dev, pos_dev] = proj.index_k
+        keys = self.indexer[i, slots_dev, : int(positions.max()) + 1]  # [N, C, Di]
+        topk = batched_indexer_topk(proj.index_q, proj.index_w, keys, pos_dev, self.topk)  # [N, k]
+        if self.full is not None:
+            self.full[i, slots_dev, pos_dev] = proj.kv
+            kv_rows = self.full[i][slots_dev[:, None], topk.clamp(min=0)]  # [N, k, W]
+        else:
+            kv_rows = torch.empty(topk.shape + (proj.kv.shape[-1],), dtype=proj.kv.dtype, device=dev)
+            for j in range(int(offsets.max()) + 1):  # the j-th token of every request: one hot-cache step
+                sel = (offsets == j).nonzero().flatten()  # [R_j]
+                ids = [request_ids[r] for r in rows[sel].tolist()]
+                kv_rows[sel.to(dev)] = self._hot_rows(i, ids, slots[sel], topk[sel.to(dev)],
+                                                      [stable[r] for r in rows[sel].tolist()], stats)
+        lat = sparse_mla_attention(proj.q_latent, proj.q_rope, kv_rows, topk >= 0, layer.softmax_scale)
+        return layer.finish(h, lat)
 
     def _hot_rows(self, layer, request_ids, seq_slots, topk, stable, stats: StepStats) -> torch.Tensor:
         """Resolve the top-k against the hot cache, gather misses, return rows [R, k, W] in top-k order."""
         res = self.hotcache.resolve(layer, request_ids, topk.cpu().contiguous(), stable)
         hot = self.hot[layer]  # [S, capacity, W]
-        if res.miss_rows.numel():
-            gather_rows(
-                self.pool.plane(self._planes[layer]), self.block_table[seq_slots], res.miss_rows,
-                res.miss_tokens, hot.view(torch.uint8) if hot.dtype != torch.uint8 else hot,
-                seq_slots.to(torch.int32), res.miss_slots, native=self.native,
-            )
+        m = res.miss_rows.numel()
+        if m and self._gather_in_place:  # host memory: gather straight into the hot buffer
+            gather_rows(self.pool.plane(self._planes[layer]), self.block_table[seq_slots], res.miss_rows,
+                        res.miss_tokens, hot.view(torch.uint8), seq_slots.to(torch.int32), res.miss_slots,
+                        native=self.native)
+        elif m:  # accelerator: gather into host staging rows, then one copy into the slots
+            staging = torch.empty((1, m, hot.shape[-1] * hot.element_size()), dtype=torch.uint8,
+                                  pin_memory=torch.cuda.is_available())  # [1, M, row_bytes]
+            gather_rows(self.pool.plane(self._planes[layer]), self.block_table[seq_slots], res.miss_rows,
+                        res.miss_tokens, staging, torch.zeros(len(request_ids), dtype=torch.int32),
+                        torch.arange(m, dtype=torch.int32), native=self.native)
+            rows = staging[0].to(hot.device, non_blocking=True).view(hot.dtype).view(m, -1)  # [M, W]
+            hot[seq_slots[res.miss_rows.long()].to(hot.device), res.miss_slots.long().to(hot.device)] = rows
         stats.hits += res.num_hits
         stats.misses += res.num_misses
         stats.h2d_bytes += res.num_misses * hot.shape[-1] * hot.element_size()

@@ -38,6 +38,11 @@ class EngineConfig:
     decode_pool_bytes: int = 256 << 20
     model_id: str = "model"
     native: bool = True
+    num_speculative_tokens: int = 0  # 1: greedy requests decode with one MTP draft token per step
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens not in (0, 1):
+            raise ValueError(f"num_speculative_tokens: got {self.num_speculative_tokens}; must be 0 or 1")
 
 
 @dataclass
@@ -77,9 +82,13 @@ class Engine:
             max_model_len=config.max_model_len, keep_device_kv_cache=config.keep_device_kv_cache,
             allocator=self.allocator, native=config.native,
         )
+        if config.num_speculative_tokens and not model.config.num_nextn_predict_layers:
+            raise ValueError("num_speculative_tokens=1 needs a model with an MTP layer (num_nextn_predict_layers >= 1)")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._next_input: dict[str, int] = {}
+        self._draft: dict[str, int] = {}  # greedy requests under speculative decode: the MTP draft
+        self.num_drafts = self.num_accepted = 0
 
     def add_request(self, request_id: str, prompt_ids: list[int] | torch.Tensor, params: SamplingParams) -> Sequence:
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
@@ -100,18 +109,56 @@ class Engine:
             self._prefill(seq)
             (finished if seq.finished else self.running).append(seq)
             if seq.finished:
-                self.decoder.finish(seq.request_id)
+                self._retire(seq)
         if self.running:
-            ids = [s.request_id for s in self.running]
-            tokens = torch.tensor([self._next_input[i] for i in ids])
-            logits = self.decoder.step(ids, tokens)  # [R, V]
-            for seq, row in zip(self.running, logits):
-                self._next_input[seq.request_id] = seq.sampler.step(row)
+            self._decode_step()
             for seq in [s for s in self.running if s.finished]:
                 self.running.remove(seq)
-                self.decoder.finish(seq.request_id)
+                self._retire(seq)
                 finished.append(seq)
         return finished
+
+    def _propose(self, seq: Sequence, draft_logits: torch.Tensor) -> int:
+        """The draft token for the position after the next input: the MTP head's greedy choice."""
+        return int(torch.argmax(draft_logits))
+
+    def _retire(self, seq: Sequence) -> None:
+        self.decoder.finish(seq.request_id)
+        self._next_input.pop(seq.request_id, None)
+        self._draft.pop(seq.request_id, None)
+
+    def _decode_step(self) -> None:
+        """One decode step; a request with a draft verifies it (greedy) and drafts the next one."""
+        ids = [s.request_id for s in self.running]
+        inputs = [[self._next_input[i]] + ([self._draft[i]] if i in self._draft else []) for i in ids]
+        logits, h = self.decoder.forward(ids, inputs)  # [N, V], [N, D]
+        row = 0
+        mtp_ids, mtp_pos, mtp_rows, mtp_next = [], [], [], []
+        for seq, toks in zip(self.running, inputs):
+            rid, p = seq.request_id, self.decoder.seqs[seq.request_id].num_tokens
+            token = seq.sampler.step(logits[row])
+            accepted = len(toks) == 2 and token == toks[1] and not seq.finished
+            self.num_drafts += len(toks) == 2
+            self.num_accepted += accepted
+            if accepted:
+                token = seq.sampler.step(logits[row + 1])  # the bonus token
+            self.decoder.commit(rid, p + 1 + accepted)
+            self._next_input[rid] = token
+            if rid in self._draft:
+                del self._draft[rid]
+                if not seq.finished:  # grow the MTP cache over the new final positions, draft again
+                    mtp_ids.append(rid)
+                    mtp_pos.append([p, p + 1] if accepted else [p])
+                    mtp_rows += [row, row + 1] if accepted else [row]
+                    mtp_next.append([toks[1], token] if accepted else [token])
+            row += len(toks)
+        if mtp_ids:
+            h_prev = self.model.final_norm(h[torch.tensor(mtp_rows, device=h.device)])  # [M, D]
+            draft_logits = self.decoder.mtp_forward(mtp_ids, mtp_pos, h_prev, mtp_next)  # [M, V]
+            ends = torch.tensor([len(ps) for ps in mtp_pos]).cumsum(0) - 1
+            seqs = {s.request_id: s for s in self.running}
+            for rid, lg in zip(mtp_ids, draft_logits[ends]):
+                self._draft[rid] = self._propose(seqs[rid], lg)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion; output token ids per prompt, in order."""
@@ -128,6 +175,8 @@ class Engine:
             if not seq.finished:
                 self._hand_over(res, seq.prompt.numel())
                 self._next_input[seq.request_id] = res.first_token
+                if self.config.num_speculative_tokens and seq.sampler.params.temperature == 0:
+                    self._draft[seq.request_id] = self._propose(seq, res.draft_logits)
         finally:
             self.prefill.release(res)
 
@@ -137,7 +186,7 @@ class Engine:
         dec.admit(res.request_id, num_tokens + 1)
         try:
             geo = pool.geometry
-            for layer in self.model.layers:
+            for layer in self.model.cache_layers:
                 i = layer.cache_index
                 rows = []
                 for kind in ("main", "indexer"):

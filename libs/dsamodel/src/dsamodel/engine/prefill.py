@@ -62,6 +62,7 @@ class PrefillResult:
     request_id: str
     logits: torch.Tensor  # [V] float32, last prompt position
     first_token: int
+    draft_logits: torch.Tensor | None  # [V] MTP logits at the last position (predicts token P + 1)
     num_cached_tokens: int
     num_computed_tokens: int
     keys: list[bytes]
@@ -158,13 +159,13 @@ class LayerwisePrefill:
         owned: list[bytes] = []  # request-scoped objects, removed on release
         allocated: list[bytes] = []  # every object this request allocated
         leases = [lease] if lease else []
-        logits = first = None
+        logits = first = draft = None
         try:
             start = cached_blocks * bs
             for s in range(start, n, self.chunk_size):
                 e = min(s + self.chunk_size, n)
                 chunk = self._plan_chunk(req, s, e, hash_keys, keys, owned, leases, allocated)
-                logits, first = self._run_chunk(req, chunk, final=e == n)
+                logits, first, draft = self._run_chunk(req, chunk, final=e == n)
             self._saver.submit(lambda: None).result()  # this request's saves are written
             if self._save_errors:
                 raise PrefillError(f"saving request {req.request_id} to the host pool failed: "
@@ -181,7 +182,7 @@ class LayerwisePrefill:
             raise
         log.info("prefill_done", request_id=req.request_id, prompt_tokens=n,
                  cached_tokens=start, computed_tokens=n - start)
-        return PrefillResult(req.request_id, logits, first, start, n - start, keys, full_lease, owned)
+        return PrefillResult(req.request_id, logits, first, draft, start, n - start, keys, full_lease, owned)
 
     def release(self, result: PrefillResult) -> None:
         """End the hand-off: release the lease and drop the request-scoped objects."""
@@ -234,7 +235,7 @@ class LayerwisePrefill:
         positions = torch.arange(s, e, device=model.device)
         layers = model.cache_layers
         pipeline = _Loader(self, req, chunk)
-        logits = first = None
+        logits = first = draft = None
         try:
             h = model.embed(tokens)  # [T, D]
             base = model.config.num_hidden_layers
@@ -249,12 +250,14 @@ class LayerwisePrefill:
                     nxt = torch.cat((nxt, torch.tensor([first], device=model.device)))
                 h_mtp = model.mtp_input(model.final_norm(h), nxt, depth=0)  # [T, D]
                 layer = layers[base]
-                self._layer(layer, pipeline.take(layer.cache_index), req, chunk, h_mtp, positions)
+                h_mtp = self._layer(layer, pipeline.take(layer.cache_index), req, chunk, h_mtp, positions)
+                if final:
+                    draft = model.mtp_logits(h_mtp[-1:], depth=0)[0]  # [V]
         except BaseException as exc:
             pipeline.abort(exc)
             raise
         pipeline.finish()
-        return logits, first
+        return logits, first, draft
 
     def _layer(self, layer: DecoderLayer, ticket: SlotTicket, req, chunk: _Chunk, h, positions):
         """Compute one layer of the chunk in its slot, then hand the slot to the saver."""
