@@ -19,14 +19,14 @@ def _schedule(model, *, keep: bool, topk_buffer_size: int, native: bool = True):
                                      buffers=2, topk_buffer_size=topk_buffer_size, keep_device_kv_cache=keep,
                                      prefill_pool_bytes=16 << 20, decode_pool_bytes=16 << 20, native=native))
     steps: list[tuple[list[str], torch.Tensor]] = []
-    real_step = eng.decoder.step
+    real_forward = eng.decoder.forward
 
-    def recording_step(ids, tokens):
-        logits = real_step(ids, tokens)
-        steps.append((list(ids), logits.clone()))
-        return logits
+    def recording_forward(ids, tokens):
+        out = real_forward(ids, tokens)
+        steps.append((list(ids), out[0].clone()))
+        return out
 
-    eng.decoder.step = recording_step
+    eng.decoder.forward = recording_forward
     try:
         eng.add_request("a", seeded_prompt(300, 1), SamplingParams(max_tokens=70))
         eng.add_request("b", seeded_prompt(45, 2), SamplingParams(max_tokens=20))

@@ -47,14 +47,14 @@ def run(*, batch: int = 8, context: int = 8192, steps: int = 32, topk_buffer_siz
     equal = True
     try:
         for name, eng in engines.items():  # capture each step's logits
-            real = eng.decoder.step
+            real = eng.decoder.forward
 
             def recorded(ids, tokens, _real=real, _name=name):
                 out = _real(ids, tokens)
-                logits[_name] = out
+                logits[_name] = out[0]
                 return out
 
-            eng.decoder.step = recorded
+            eng.decoder.forward = recorded
         for _ in range(steps):
             for name, eng in engines.items():
                 t = time.perf_counter()
