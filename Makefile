@@ -5,8 +5,7 @@ install:
 	@scripts/bootstrap
 
 demo: install
-	.venv/bin/kvoffload bench hotcache --json
-	.venv/bin/kvoffload bench gather --json
+	@for b in hotcache gather prefill prefix decode; do .venv/bin/kvoffload bench $$b --json || exit 1; done
 
 test: install
 	.venv/bin/python -m pytest
