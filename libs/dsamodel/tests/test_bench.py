@@ -1,6 +1,15 @@
 """The engine benchmarks run end to end with small parameters and report their fields."""
 
+import pytest
+import structlog
+
 from dsamodel.bench import decode, prefill, prefix
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    yield
+    structlog.reset_defaults()  # the benches silence info logs process-wide
 
 
 def test_prefill_bench_fields():

@@ -1,6 +1,5 @@
 """Buffer plan: the reference examples, descriptor merge, log line and accounting."""
 import pytest
-import structlog
 import torch
 
 from kvcore.layout import CacheSpec, KVLayout, LayerSpec
@@ -69,13 +68,15 @@ def test_indexer_descriptor_only_where_a_layer_has_one():
     assert kinds == [(0, "main"), (0, "indexer"), (1, "main"), (1, "indexer"), (2, "main")]
 
 
-def test_log_emits_the_line(capsys):
-    structlog.configure(processors=[structlog.processors.JSONRenderer()])
-    try:
+def test_log_emits_the_line():
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
         BufferPlan.build(mla(4, mtp=1), 2, [0]).log()
-    finally:
-        structlog.reset_defaults()
-    assert "Layerwise KV cache reuse merged 10 descriptors into 6 descriptors using 3 buffer assignments." in capsys.readouterr().out
+    assert logs[0]["event"] == (
+        "Layerwise KV cache reuse merged 10 descriptors into 6 descriptors using 3 buffer assignments."
+    )
+    assert logs[0]["slots"] == [[0], [1, 3], [2, 4]]
 
 
 def test_accounting_ratio_is_i_plus_b_over_n():
