@@ -1,0 +1,31 @@
+"""Shared fixtures: an injectable clock and an in-process server on loopback (a free port)."""
+import pytest
+from kvoffload_metastore.config import MetaStoreConfig
+from kvoffload_metastore.server import start
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance_ms(self, ms: float) -> None:
+        self.now += ms / 1000
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def running(clock):
+    config = MetaStoreConfig(port=0, world_size=2, lease_ttl_ms=1000, heartbeat_timeout_ms=5000,
+                             dram_bytes_per_local_service=10 * 2**30)
+    server = start(config, clock=clock)
+    yield server
+    server.shutdown(grace_s=0)

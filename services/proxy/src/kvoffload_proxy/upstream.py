@@ -1,0 +1,153 @@
+"""Talking to backends: connect with bounded retries, map every failure to a `ProxyError`.
+
+Retry policy (issue 6): only a failure to *connect* is retried (nothing reached the backend, so a
+resend cannot duplicate work), with exponential backoff `retry_backoff_s x 2^attempt`, at most
+`max_retries` times, preferring a backend not tried yet. An HTTP error answer is a failure, never
+retried. Timeouts: `connect_timeout_s` per connection attempt, `request_timeout_s` for any
+silence while reading (headers, body or the gap between two stream events).
+
+Status given to the caller: unreachable after retries 503, timed out 504, any other transport
+failure or a backend 5xx 502; a backend 4xx is relayed as it was (status and JSON body).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import structlog
+
+from .balancer import Balancer, Lease
+from .config import Backend, ProxyConfig
+from .errors import ProxyError, excerpt
+
+log = structlog.get_logger("kvoffload_proxy.upstream")
+CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+def backend_timeout(cfg: ProxyConfig) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
+                                 sock_read=cfg.request_timeout_s)
+
+
+def transport_error(exc: BaseException, backend: Backend, stage: str) -> ProxyError:
+    """A failure after the connection was made (or a read timeout) while `stage`."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return ProxyError(504, f"{backend.role} {backend.url} timed out while {stage}",
+                          backend=backend.url, role=backend.role)
+    return ProxyError(502, f"{backend.role} {backend.url} failed while {stage}: "
+                           f"{type(exc).__name__}: {exc}", backend=backend.url, role=backend.role)
+
+
+@contextlib.asynccontextmanager
+async def owned(resp: aiohttp.ClientResponse) -> AsyncIterator[aiohttp.ClientResponse]:
+    """Release a finished response for connection reuse; close it on any error or
+    cancellation, so that the backend sees the disconnect and stops the work."""
+    try:
+        yield resp
+    except BaseException:
+        resp.close()
+        raise
+    resp.release()
+
+
+async def http_error(resp: aiohttp.ClientResponse, backend: Backend) -> ProxyError:
+    """A non-2xx answer: 4xx relayed as is, anything else a 502 naming the backend."""
+    text = await resp.text(errors="replace")
+    if 400 <= resp.status < 500:
+        try:
+            body = json.loads(text)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            body = {"error": {"message": excerpt(text) or resp.reason, "type": "invalid_request_error",
+                              "param": None, "code": resp.status}}
+        return ProxyError(resp.status, f"{backend.role} {backend.url} rejected the request "
+                                       f"(HTTP {resp.status})", backend=backend.url,
+                          role=backend.role, relay_body=body)
+    return ProxyError(502, f"{backend.role} {backend.url} answered HTTP {resp.status}: "
+                           f"{excerpt(text)}", backend=backend.url, role=backend.role)
+
+
+async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyConfig, path: str,
+               body: dict[str, Any], *, headers: dict[str, str], num_tokens: int,
+               num_kv_tokens: int = 0,
+               on_retry: Callable[[Backend], None] = lambda b: None,
+               ) -> tuple[Lease, aiohttp.ClientResponse]:
+    """POST to the least-loaded backend; returns its lease and the (unread) response.
+
+    The caller owns both: it must `lease.release()` and close the response. Raises `ProxyError`
+    (503 when no backend could be reached, 502/504 for other transport failures)."""
+    tried: set[int] = set()
+    for attempt in range(cfg.max_retries + 1):
+        lease = balancer.acquire(num_tokens, num_kv_tokens, exclude=tried)
+        backend = lease.backend
+        try:
+            resp = await session.post(backend.url + path, json=body, headers=headers,
+                                      timeout=backend_timeout(cfg))
+            return lease, resp
+        except CONNECT_ERRORS as e:
+            lease.release()
+            tried.add(lease.index)
+            last = f"{type(e).__name__}: {e}"
+            if attempt == cfg.max_retries:
+                break
+            delay = cfg.retry_backoff_s * 2 ** attempt
+            log.warning("backend_connect_retry", role=backend.role, backend=backend.url,
+                        attempt=attempt + 1, delay_s=delay, error=last)
+            on_retry(backend)
+            await asyncio.sleep(delay)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            lease.release()
+            raise transport_error(e, backend, "sending the request") from None
+        except BaseException:
+            lease.release()
+            raise
+    raise ProxyError(503, f"no {backend.role} reachable after {cfg.max_retries + 1} attempt(s); "
+                          f"last: {backend.url}: {last}", backend=backend.url, role=backend.role)
+
+
+async def sse_data(resp: aiohttp.ClientResponse, max_event_bytes: int = 16 * 2**20,
+                   ) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent-event stream, one per event."""
+    buf, parts = b"", []
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        while (cut := buf.find(b"\n")) >= 0:
+            line, buf = buf[:cut].decode("utf-8", errors="replace").rstrip("\r"), buf[cut + 1:]
+            if not line:
+                if parts:
+                    yield "\n".join(parts)
+                    parts = []
+            elif line.startswith("data:"):
+                parts.append(line[5:].removeprefix(" "))
+        if len(buf) > max_event_bytes:
+            raise ValueError(f"stream event larger than {max_event_bytes} bytes")
+    if buf.strip().startswith(b"data:"):
+        parts.append(buf.decode("utf-8", errors="replace").strip()[5:].lstrip())
+    if parts:
+        yield "\n".join(parts)
+
+
+async def probe(session: aiohttp.ClientSession, backend: Backend, method: str, path: str,
+                timeout_s: float) -> dict[str, Any]:
+    """One call whose result is reported, not raised: health probes and fan-out admin calls."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    result: dict[str, Any] = {"role": backend.role, "url": backend.url}
+    try:
+        async with session.request(method, backend.url + path,
+                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            text = await resp.text(errors="replace")
+            result.update(http_status=resp.status, ok=200 <= resp.status < 300)
+            if not result["ok"]:
+                result["error"] = f"HTTP {resp.status}: {excerpt(text, 200)}"
+    except asyncio.TimeoutError:
+        result.update(ok=False, error=f"no answer within {timeout_s:g}s")
+    except aiohttp.ClientError as e:
+        result.update(ok=False, error=f"{type(e).__name__}: {e}")
+    result["latency_ms"] = round((loop.time() - start) * 1000, 1)
+    return result

@@ -1,0 +1,25 @@
+"""Merging children into one OpenAI response."""
+from kvoffload_proxy.relay import JsonRelay, add_usage, remap
+
+
+async def test_json_merge_orders_choices_and_sums_usage():
+    relay = JsonRelay("cmpl-p", {}, n=2)
+    for child in (1, 0):
+        await relay.add(child, {"id": f"d{child}", "object": "text_completion",
+                                "choices": [{"index": 0, "text": f"{child}a"},
+                                            {"index": 1, "text": f"{child}b"}],
+                                "usage": {"prompt_tokens": 2, "completion_tokens": 3,
+                                          "total_tokens": 5},
+                                "kv_transfer_params": {"secret": 1}})
+    merged = relay.merged()
+    assert merged["id"] == "cmpl-p" and "kv_transfer_params" not in merged
+    assert [(c["index"], c["text"]) for c in merged["choices"]] == [
+        (0, "0a"), (1, "0b"), (2, "1a"), (3, "1b")]
+    assert merged["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+
+
+def test_remap_tolerates_odd_shapes():
+    assert remap({"choices": "x"}, 1, 1, "id")["choices"] == "x"
+    assert remap({"choices": [{"index": "a"}, 3]}, 1, 1, "id")["choices"] == [{"index": 1}, 3]
+    assert add_usage(None, None) is None
+    assert add_usage({"a": 1}, {"a": 2, "details": None}) == {"a": 3, "details": None}
