@@ -92,3 +92,30 @@ def test_reuse_really_shrinks_device_memory():
     reuse = _run(model, prompt, buffers=1, independent=[0], chunk_size=16)[3]
     full = _run(model, prompt, buffers=None, independent="all", chunk_size=16)[3]
     assert reuse * 5 == full * 2  # 2 slots (layer 0 + one shared) instead of 5
+
+
+def test_shared_memory_layer_buffers_change_nothing():
+    import uuid
+
+    from kvcore.segment import SharedSegment
+
+    model = tiny(torch.float32, True)
+    prompt = seeded_prompt(3 * BS + 1, seed=5)
+    pool = prefill_pool(model, BS)
+    name = f"test-buffers-{uuid.uuid4().hex[:8]}"
+    eng = prefill_engine(model, pool, buffers=2, independent=[0], chunk_size=BS + 1, buffer_segment=name)
+    try:
+        res = eng.run(PrefillRequest("req", prompt))
+        got = (res.logits.clone(), res.first_token, saved_bytes(pool, res.keys))
+        # another mapping of the segment sees the last layer's rows where the engine wrote them
+        seg = SharedSegment.attach(name)
+        last = len(model.cache_layers) - 1
+        slot = eng.plan.slot_of(last)
+        plane = seg.plane(eng.buffers.plane_of[(slot, "main")]).view(model.dtype).view(-1, model.config.kv_row_width)
+        assert torch.equal(plane[: prompt.numel()], eng.buffers.main(last)[: prompt.numel()])
+        seg.close()
+        eng.release(res)
+    finally:
+        eng.close()
+        pool.close()
+    _assert_same(got, _reference(model, prompt, BS + 1))

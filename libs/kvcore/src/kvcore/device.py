@@ -76,15 +76,17 @@ class DeviceAllocator:
         if any(int(s) < 0 for s in shape):
             raise ValueError(f"allocator: negative dimension in shape {tuple(shape)} for {tag!r}")
         t = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        self._count(t, tag)
-        return t
+        return self.track(t, tag)
 
     def zeros(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype, tag: str) -> torch.Tensor:
         t = self.empty(shape, dtype, tag)
         t.zero_()
         return t
 
-    def _count(self, t: torch.Tensor, tag: str) -> None:
+    def track(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+        """Count a tensor allocated elsewhere (e.g. a view of shared memory) until it is collected."""
+        if t.device != self.device:
+            raise ValueError(f"allocator: tensor on {t.device} tracked by the allocator of {self.device}")
         nbytes = t.numel() * t.element_size()
         with self._lock:
             self._current += nbytes
@@ -92,6 +94,7 @@ class DeviceAllocator:
             self._peak = max(self._peak, self._current)
             self._peak_by_tag[tag] = max(self._peak_by_tag[tag], self._by_tag[tag])
         weakref.finalize(t, self._release, nbytes, tag)
+        return t
 
     def _release(self, nbytes: int, tag: str) -> None:
         with self._lock:

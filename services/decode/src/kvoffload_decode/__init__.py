@@ -1,5 +1,4 @@
-"""kvoffload-decode: the kv_consumer (host-pool allocation, per-layer remote D2H pull,
-sparse-offload decode, token streaming). The server arrives with the services issue; until then
-this package only reserves its place in the monorepo."""
+"""kvoffload-decode: the kv_consumer — host-pool allocation, metaserver registration, per-layer pull
+from the prefill, sparse-offload decode and token streaming (``kvoffload-decode``)."""
 
 __version__ = "0.1.0"

@@ -1,5 +1,4 @@
-"""kvoffload-prefill: the kv_producer (layerwise prefill onto shared device buffers, host-pool
-save, per-layer announcements to decode). The server arrives with the services issue; until then
-this package only reserves its place in the monorepo."""
+"""kvoffload-prefill: the kv_producer — layerwise prefill onto shared-memory device buffers, host-pool
+save, per-layer announcements to the decode endpoints a request names (``kvoffload-prefill``)."""
 
 __version__ = "0.1.0"

@@ -1,7 +1,9 @@
 """Prefill device layer buffers: one main tensor (and one indexer tensor) per physical slot.
 
 Built from a ``BufferPlan``'s merged descriptors through kvcore's counting allocator, so the
-device bytes are exactly ``plan.accounting(num_blocks).device_bytes``. A slot also remembers what
+device bytes are exactly ``plan.accounting(num_blocks).device_bytes``. On the CPU the buffers can
+live in a named shared-memory segment (one plane per descriptor), so a decode process on the same
+host copies a layer straight out of them (the same-host D2H pull). A slot also remembers what
 it currently holds (``Residency``: layer, request, valid tokens), so an independent layer skips
 reloading a prefix that is still there while a reused layer reloads its whole prefix.
 """
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from kvcore.device import DeviceAllocator
 from kvcore.plan import BufferPlan
+from kvcore.segment import PoolGeometry, SharedSegment
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,8 @@ class Residency:
 class LayerBuffers:
     """Per-slot device tensors of ``num_blocks * block_size`` token rows in the model dtype."""
 
-    def __init__(self, plan: BufferPlan, num_blocks: int, allocator: DeviceAllocator, dtype: torch.dtype) -> None:
+    def __init__(self, plan: BufferPlan, num_blocks: int, allocator: DeviceAllocator, dtype: torch.dtype,
+                 *, segment_name: str | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.plan = plan
@@ -36,12 +40,34 @@ class LayerBuffers:
         rows = num_blocks * self.block_size
         self._main: dict[int, torch.Tensor] = {}
         self._indexer: dict[int, torch.Tensor] = {}
+        self.segment: SharedSegment | None = None
+        self.plane_of: dict[tuple[int, str], int] = {}  # (slot, kind) -> plane of the segment
         for d in plan.descriptors:
             if d.spec.scale_bytes:
                 raise ValueError("quantized caches (scale bytes) are not supported by the reference engine")
+        if segment_name is not None:
+            if allocator.device.type != "cpu":
+                raise ValueError(f"shared-memory layer buffers need the cpu device, not {allocator.device}")
+            labels = tuple((d.slot, d.kind) for d in plan.descriptors)
+            geo = PoolGeometry(self.block_size, tuple(d.spec.row_bytes for d in plan.descriptors), num_blocks, labels)
+            self.segment = SharedSegment.create(segment_name, geo, replace=True)
+            self.plane_of = {label: p for p, label in enumerate(labels)}
+        for p, d in enumerate(plan.descriptors):
             target = self._main if d.kind == "main" else self._indexer
-            target[d.slot] = allocator.zeros((rows, d.spec.width), dtype, tag=f"prefill.{d.kind}")  # [rows, W]
+            tag = f"prefill.{d.kind}"
+            if self.segment is None:
+                target[d.slot] = allocator.zeros((rows, d.spec.width), dtype, tag=tag)  # [rows, W]
+            else:
+                view = self.segment.plane(p).view(dtype).view(rows, d.spec.width)  # [rows, W] shared
+                target[d.slot] = allocator.track(view, tag)
         self._residency: dict[int, Residency | None] = {s: None for s in range(plan.num_buffers)}
+
+    def close(self) -> None:
+        """Release the shared-memory segment (if any); the buffers are unusable afterwards."""
+        if self.segment is not None:
+            self.segment.close()
+            self.segment.unlink()
+            self.segment = None
 
     @property
     def capacity_tokens(self) -> int:

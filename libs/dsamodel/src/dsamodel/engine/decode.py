@@ -129,19 +129,23 @@ class SparseDecoder:
         self.seqs[request_id] = seq
         return seq
 
-    def write_prompt_layer(self, request_id: str, layer: int, kv: torch.Tensor, index_k: torch.Tensor) -> None:
-        # layer: any cache layer (MTP included: speculative decode attends over it)
-        """Install ``layer``'s prompt rows: kv [P, W] into the host pool, index_k [P, Di] on device."""
+    def write_prompt_layer(self, request_id: str, layer: int, kv: torch.Tensor, index_k: torch.Tensor,
+                           start: int = 0) -> None:
+        """Install rows [start, start + n) of ``layer`` (any cache layer, MTP included): kv [n, W] into
+        the host pool, index_k [n, Di] into the device indexer cache."""
         seq = self.seqs[request_id]
-        p = kv.shape[0]
-        if p > seq.num_blocks * self.block_size or index_k.shape[0] != p:
-            raise ValueError(f"prompt rows ({p} kv, {index_k.shape[0]} index) exceed the {seq.num_blocks} admitted blocks")
-        positions = torch.arange(p)
+        n = kv.shape[0]
+        if start < 0 or start + n > seq.num_blocks * self.block_size or index_k.shape[0] != n:
+            raise ValueError(f"rows [{start}, {start + n}) ({n} kv, {index_k.shape[0]} index) exceed the "
+                             f"{seq.num_blocks} admitted blocks of request {request_id!r}")
+        if not 0 <= layer < self.indexer.shape[0]:
+            raise ValueError(f"layer {layer} outside 0..{self.indexer.shape[0] - 1}")
+        positions = torch.arange(start, start + n)
         scatter_rows(self.pool.plane(self._planes[layer]), self._slot_mapping(seq, positions),
                      _bytes(kv), native=self.native)
-        self.indexer[layer, seq.seq_slot, :p] = index_k.to(self.indexer.device)
+        self.indexer[layer, seq.seq_slot, start : start + n] = index_k.to(self.indexer.device)
         if self.full is not None:
-            self.full[layer, seq.seq_slot, :p] = kv.to(self.full.device)
+            self.full[layer, seq.seq_slot, start : start + n] = kv.to(self.full.device)
 
     def set_prompt_done(self, request_id: str, num_tokens: int) -> None:
         """Every layer of the first ``num_tokens`` rows is installed."""

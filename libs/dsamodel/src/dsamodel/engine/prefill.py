@@ -103,6 +103,7 @@ class LayerwisePrefill:
         gate_timeout_s: float = 60.0,
         lease_ttl_ms: int = 600_000,
         announce: Announce | None = None,
+        buffer_segment: str | None = None,
     ) -> None:
         layout = plan.layout
         if layout.num_layers != len(model.cache_layers):
@@ -124,7 +125,8 @@ class LayerwisePrefill:
         self.max_model_len = max_model_len
         self.lease_ttl_ms = lease_ttl_ms
         self.allocator = allocator or DeviceAllocator(model.device)
-        self.buffers = LayerBuffers(plan, -(-max_model_len // self.block_size), self.allocator, model.dtype)
+        self.buffers = LayerBuffers(plan, -(-max_model_len // self.block_size), self.allocator, model.dtype,
+                                    segment_name=buffer_segment)
         self.gates = GateSet(plan.layer_to_slot, default_timeout_s=gate_timeout_s)
         self.announce = announce
         self._planes = [(self._plane(i, "main"), self._plane(i, "indexer")) for i in range(layout.num_layers)]
@@ -325,6 +327,7 @@ class LayerwisePrefill:
     def close(self) -> None:
         self.gates.abort_all("prefill engine closed")
         self._saver.shutdown(wait=True)
+        self.buffers.close()
 
 
 def _fail_ticket(ticket: SlotTicket, exc: BaseException, *, compute: bool, save: bool, reads: bool) -> None:

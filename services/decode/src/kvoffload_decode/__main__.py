@@ -1,0 +1,5 @@
+import sys
+
+from kvoffload_decode.server import main
+
+sys.exit(main())

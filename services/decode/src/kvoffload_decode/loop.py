@@ -1,0 +1,196 @@
+"""The decode engine loop: requests wait for their remote prefill, then decode in one batch.
+
+A request is admitted (device row + host-pool blocks) when it arrives; the transfer servicer
+installs each pulled layer (``write_rows``) and the prefill's first token (``prefill_done``). Once
+every layer holds the whole prompt and the first token is known, the request joins the running
+batch; the loop thread runs one ``SparseDecoder`` step for the batch at a time, samples, and hands
+every token to the request's ``emit`` callback. ``cancel`` frees a request at any stage.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+from dsamodel.engine.decode import SparseDecoder
+from dsamodel.sampling import RequestSampler, SamplingParams
+
+log = structlog.get_logger(__name__)
+
+Emit = Callable[[str, object], None]  # ("token", id) | ("done", finish_reason) | ("error", message)
+
+
+class DecodeFull(RuntimeError):
+    """No sequence slot or host-pool room for a new request right now."""
+
+
+@dataclass
+class DecodeRequest:
+    """One request from arrival to its last token."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampler: RequestSampler
+    emit: Emit
+    num_layers: int
+    rows: list[int] = field(default_factory=list)  # prompt rows installed, per layer
+    first_token: int | None = None
+    arrived_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prompt_complete(self) -> bool:
+        return self.first_token is not None and all(r >= self.num_prompt_tokens for r in self.rows)
+
+
+class DecodeLoop:
+    """Owns the ``SparseDecoder``; every decoder call happens under ``self.lock``."""
+
+    def __init__(self, decoder: SparseDecoder, eos_token_id: int | None) -> None:
+        self.decoder = decoder
+        self.eos_token_id = eos_token_id
+        self.lock = threading.Condition(threading.RLock())
+        self.pending: dict[str, DecodeRequest] = {}  # waiting for the remote prefill
+        self.running: list[DecodeRequest] = []
+        self._next: dict[str, int] = {}
+        self._stop = False
+        self.finished_by_outcome: dict[str, int] = {}
+        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        self._thread.start()
+
+    # ---- called by the HTTP handlers and the transfer servicer --------------------------------
+
+    def expect_remote(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit: Emit) -> DecodeRequest:
+        """Admit a request whose KV a prefill will push; raises DecodeFull or ValueError."""
+        with self.lock:
+            if request_id in self.pending or any(r.request_id == request_id for r in self.running):
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if not self.decoder.can_admit(len(prompt_ids) + 1):
+                raise DecodeFull(f"decode is full ({len(self.decoder.seqs)} requests); retry later")
+            self.decoder.admit(request_id, len(prompt_ids) + 1)
+            req = DecodeRequest(request_id, prompt_ids, RequestSampler(params, self.eos_token_id), emit,
+                                len(self.decoder.model.cache_layers))
+            req.rows = [0] * req.num_layers
+            self.pending[request_id] = req
+            return req
+
+    def pending_request(self, request_id: str) -> DecodeRequest | None:
+        with self.lock:
+            return self.pending.get(request_id)
+
+    def write_rows(self, request_id: str, layer: int, start: int, kv: torch.Tensor, index_k: torch.Tensor) -> None:
+        """Install rows [start, start + n) of a layer pulled from the prefill."""
+        with self.lock:
+            req = self.pending.get(request_id)
+            if req is None:
+                raise KeyError(request_id)
+            if start + kv.shape[0] > req.num_prompt_tokens:
+                raise ValueError(f"rows [{start}, {start + kv.shape[0]}) go past the prompt's "
+                                 f"{req.num_prompt_tokens} tokens")
+            self.decoder.write_prompt_layer(request_id, layer, kv, index_k, start=start)
+            if start <= req.rows[layer]:
+                req.rows[layer] = max(req.rows[layer], start + kv.shape[0])
+            self.lock.notify_all()
+
+    def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int) -> str:
+        """The prefill's first token; returns "" when accepted, else why not."""
+        with self.lock:
+            req = self.pending.get(request_id)
+            if req is None:
+                raise KeyError(request_id)
+            if num_prompt_tokens != req.num_prompt_tokens:
+                return (f"prefill had {num_prompt_tokens} prompt tokens, the decode request "
+                        f"{req.num_prompt_tokens}")
+            req.first_token = first_token
+            self.lock.notify_all()
+            return ""
+
+    def cancel(self, request_id: str, reason: str) -> bool:
+        """Stop a request wherever it is and free everything it holds. False if unknown."""
+        with self.lock:
+            req = self.pending.pop(request_id, None)
+            if req is None:
+                req = next((r for r in self.running if r.request_id == request_id), None)
+                if req is None:
+                    return False
+                self.running.remove(req)
+            self._free(req, "cancelled")
+            log.info("request_cancelled", request_id=request_id, reason=reason)
+            return True
+
+    def stats(self) -> dict[str, float]:
+        with self.lock:
+            return {"pending": len(self.pending), "running": len(self.running),
+                    "sequences": len(self.decoder.seqs), **{f"finished_{k}": v for k, v in self.finished_by_outcome.items()}}
+
+    def close(self) -> None:
+        with self.lock:
+            self._stop = True
+            for req in list(self.pending.values()) + list(self.running):
+                req.emit("error", "decode is shutting down")
+                self._free(req, "shutdown")
+            self.pending.clear()
+            self.running.clear()
+            self.lock.notify_all()
+        self._thread.join(timeout=10)
+
+    # ---- the loop thread ----------------------------------------------------------------------
+
+    def _free(self, req: DecodeRequest, outcome: str) -> None:
+        self.decoder.finish(req.request_id)
+        self._next.pop(req.request_id, None)
+        self.finished_by_outcome[outcome] = self.finished_by_outcome.get(outcome, 0) + 1
+
+    def _admit_ready(self) -> None:
+        for rid, req in list(self.pending.items()):
+            if not req.prompt_complete:
+                continue
+            del self.pending[rid]
+            self.decoder.set_prompt_done(rid, req.num_prompt_tokens)
+            req.sampler.output_ids.append(req.first_token)
+            req.emit("token", req.first_token)
+            if req.sampler.finished:
+                req.emit("done", req.sampler.finish_reason)
+                self._free(req, "ok")
+            else:
+                self._next[rid] = req.first_token
+                self.running.append(req)
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                while not self._stop and not self.running and not any(r.prompt_complete for r in self.pending.values()):
+                    self.lock.wait(timeout=1.0)
+                if self._stop:
+                    return
+                self._admit_ready()
+                if not self.running:
+                    continue
+                try:
+                    self._step()
+                except Exception as exc:  # a failed step fails the batch, not the service
+                    log.error("decode_step_failed", error=repr(exc),
+                              request_ids=[r.request_id for r in self.running])
+                    for req in self.running:
+                        req.emit("error", f"decode step failed: {exc}")
+                        self._free(req, "error")
+                    self.running.clear()
+
+    def _step(self) -> None:
+        ids = [r.request_id for r in self.running]
+        logits = self.decoder.step(ids, torch.tensor([self._next[i] for i in ids]))  # [R, V]
+        for req, row in zip(list(self.running), logits):
+            token = req.sampler.step(row)
+            self._next[req.request_id] = token
+            req.emit("token", token)
+            if req.sampler.finished:
+                req.emit("done", req.sampler.finish_reason)
+                self.running.remove(req)
+                self._free(req, "ok")

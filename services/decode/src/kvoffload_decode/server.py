@@ -1,0 +1,149 @@
+"""``kvoffload-decode``: the kv_consumer. Parses the node's configs as users write them, loads the
+model, builds the sparse-offload decoder over its host pool, serves the Transfer control port
+(gRPC, ``kv_port + dp_rank * tp + tp_rank``) and the OpenAI HTTP API, and shuts down in order on
+SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import socket
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import structlog
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kvcore.backends import BackendUnavailableError, require_available
+from kvcore.config import ConfigError
+from kvcore.logs import configure_logging
+from kvcore.settings import decode_settings
+from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc, transfer_pb2_grpc
+
+from kvoffload_decode import __version__
+from kvoffload_decode.app import AppSettings, build_app
+from kvoffload_decode.loop import DecodeLoop
+from kvoffload_decode.transfer import TransferServicer
+
+SERVICE = "kvoffload-decode"
+log = structlog.get_logger(__name__)
+
+
+def host_id() -> str:
+    """Same value in every process of this host (and kernel boot): shared memory is reachable."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class StatsServicer(stats_pb2_grpc.StatsServicer):
+    def __init__(self, loop: DecodeLoop, transfer: TransferServicer) -> None:
+        self.loop, self.transfer = loop, transfer
+
+    def GetStats(self, request, context):
+        pool = self.loop.decoder.pool.stats()
+        counters = {**self.loop.stats(), **self.transfer.counters, "pool_used_bytes": pool.used_bytes,
+                    "pool_used_blocks": pool.used_blocks, "pool_live_leases": pool.live_leases}
+        return stats_pb2.StatsReply(service=SERVICE, version=__version__,
+                                    counters={k: float(v) for k, v in counters.items()})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=SERVICE, description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+    p.add_argument("--served-model-name", help="model id shared with the prefill (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1", help="bind and advertise address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8200, help="HTTP port")
+    p.add_argument("--kv-transfer-config", required=True, help="SfaRemoteD2HConnector kv_consumer JSON")
+    p.add_argument("--additional-config", help="JSON with sparse_kv_offload_config")
+    p.add_argument("--max-model-len", type=int, default=16384)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the config's torch_dtype")
+    p.add_argument("--metaserver-timeout-s", type=float, default=600.0)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(SERVICE, args.log_level)
+    from dsamodel.engine import build
+    from dsamodel.engine.decode import SparseDecoder
+    from dsamodel.engine.layout import kv_layout
+    from dsamodel.tokenizer import ByteTokenizer
+    from dsamodel.weights import load_model
+
+    model = load_model(args.model, dtype=args.dtype)
+    layout = kv_layout(model.config, args.block_size, model.dtype)
+    try:
+        settings = decode_settings(args.kv_transfer_config, args.additional_config, layout,
+                                   index_topk=model.config.index_topk, max_num_seqs=args.max_num_seqs,
+                                   max_model_len=args.max_model_len, dp=args.dp_rank + 1, tp=1)
+        require_available(transfer_backend=settings.d2h.transfer_backend)
+    except (ConfigError, BackendUnavailableError) as exc:
+        print(f"{SERVICE}: {exc}", file=sys.stderr)
+        return 2
+    for w in settings.warnings:
+        log.warning("config_warning", warning=w)
+    control_port = settings.control_port(args.dp_rank, 0)
+    pool = build.decode_pool(model, args.block_size, settings.host_pool_bytes,
+                             name=f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}")
+    decoder = SparseDecoder(model, pool, topk_buffer_size=settings.sparse.topk_buffer_size,
+                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                            keep_device_kv_cache=settings.sparse.keep_device_kv_cache)
+    loop = DecodeLoop(decoder, model.config.eos_token_id)
+    model_id = args.served_model_name or Path(args.model).resolve().name
+    transfer = TransferServicer(loop, layout, model_id, host_id(), model.dtype)
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=16, thread_name_prefix="transfer"),
+                         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 8 << 20)])
+    health_servicer = health.HealthServicer()
+    transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
+    stats_pb2_grpc.add_StatsServicer_to_server(StatsServicer(loop, transfer), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"{args.host}:{control_port}")
+    server.start()
+    app = build_app(loop, transfer, ByteTokenizer.from_dir(args.model),
+                    AppSettings(model_name=model_id, max_model_len=args.max_model_len, advertise_host=args.host,
+                                control_port=control_port, metaserver_timeout_s=args.metaserver_timeout_s))
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving", http=f"{args.host}:{args.port}", control_port=control_port, model=model_id,
+             topk_buffer_size=settings.sparse.topk_buffer_size, host_pool_bytes=settings.host_pool_bytes,
+             keep_device_kv_cache=settings.sparse.keep_device_kv_cache)
+    try:
+        asyncio.run(_serve_http(app, args.host, args.port))
+    finally:
+        health_servicer.enter_graceful_shutdown()
+        server.stop(grace=5).wait()
+        loop.close()
+        transfer.close()
+        pool.close()
+        log.info("stopped")
+    return 0
+
+
+async def _serve_http(app: web.Application, host: str, port: int) -> None:
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    aio = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # installed explicitly: PID 1 in a container has none
+        aio.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting_down")
+    await runner.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from kvoffload_prefill.server import main
+
+sys.exit(main())

@@ -1,0 +1,110 @@
+"""The prefill's HTTP API: the proxy's ``max_tokens=1`` dispatch on ``/v1/completions`` and
+``/v1/chat/completions`` (one prompt with ``kv_transfer_params``, or a prompt list with
+``kv_transfer_params_list``), plus ``/health``, ``/metrics`` and ``/reset_prefix_cache``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import structlog
+from aiohttp import web
+from dsamodel.openai import RequestError, prompt_ids, sampling_params
+from dsamodel.tokenizer import ByteTokenizer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from kvoffload_prefill.worker import PrefillWorker
+
+log = structlog.get_logger(__name__)
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": code, "code": status}}, status=status)
+
+
+class Metrics:
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvoffload_prefill_requests", "Requests by outcome", ["outcome"], registry=self.registry)
+        self.gate_wait = Gauge("kvoffload_prefill_gate_wait_seconds_total", "Time spent waiting on reuse gates",
+                               registry=self.registry)
+        self.held = Gauge("kvoffload_prefill_held_slots", "Slots whose occupant is not settled", registry=self.registry)
+        self.read_ms = Gauge("kvoffload_prefill_read_done_ms_avg", "Average announce -> READ_DONE latency (ms)",
+                             registry=self.registry)
+        self.pool_used = Gauge("kvoffload_prefill_pool_used_bytes", "Host-pool bytes in use", registry=self.registry)
+
+    def render(self) -> bytes:
+        eng = self.worker.engine
+        gates = eng.gates.stats()
+        self.gate_wait.set(gates["total_wait_s"])
+        self.held.set(gates["held_slots"])
+        lat = self.worker.read_latency_ms()
+        self.read_ms.set(sum(lat) / len(lat) if lat else 0.0)
+        self.pool_used.set(eng.pool.stats().used_bytes)
+        return generate_latest(self.registry)
+
+
+def build_app(worker: PrefillWorker, tokenizer: ByteTokenizer, model_name: str, max_model_len: int) -> web.Application:
+    metrics = Metrics(worker)
+    app = web.Application(client_max_size=32 << 20)
+
+    async def complete(request: web.Request, chat: bool) -> web.Response:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise RequestError("body: must be a JSON object")
+            params = sampling_params(body)
+            prompts = body.get("prompt") if not chat else None
+            if isinstance(prompts, list) and prompts and all(isinstance(p, (str, list)) for p in prompts) \
+                    and not all(isinstance(p, int) for p in prompts):
+                ids_list = [prompt_ids({"prompt": p}, tokenizer, chat=False) for p in prompts]
+                params_list = body.get("kv_transfer_params_list") or [None] * len(ids_list)
+                if not isinstance(params_list, list) or len(params_list) != len(ids_list):
+                    raise RequestError("kv_transfer_params_list: must give one entry per prompt")
+            else:
+                ids_list = [prompt_ids(body, tokenizer, chat=chat)]
+                params_list = [body.get("kv_transfer_params")]
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "body: malformed JSON", "invalid_request_error")
+        except RequestError as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        for ids in ids_list:
+            if len(ids) > max_model_len:
+                return _error(400, f"prompt of {len(ids)} tokens exceeds max_model_len={max_model_len}",
+                              "invalid_request_error")
+        rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
+        choices, usage = [], 0
+        for i, (ids, ktp) in enumerate(zip(ids_list, params_list)):
+            try:
+                out = await asyncio.to_thread(worker.run, f"{rid}-{i}" if len(ids_list) > 1 else rid, ids, ktp, params)
+            except ValueError as exc:
+                metrics.requests.labels("bad_request").inc()
+                return _error(400, str(exc), "invalid_request_error")
+            except Exception as exc:
+                metrics.requests.labels("error").inc()
+                log.error("prefill_failed", request_id=rid, error=repr(exc))
+                return _error(502, f"prefill failed: {exc}", "prefill_failed")
+            text = tokenizer.decode([out.first_token], skip_special_tokens=True)
+            choice = {"index": i, "token_ids": [out.first_token], "finish_reason": "length", "logprobs": None}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            choices.append(choice)
+            usage += out.num_prompt_tokens
+        metrics.requests.labels("ok").inc()
+        return web.json_response({
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model_name, "choices": choices,
+            "usage": {"prompt_tokens": usage, "completion_tokens": len(choices), "total_tokens": usage + len(choices)},
+        }, headers={"X-Request-Id": rid})
+
+    async def reset_prefix_cache(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", **await asyncio.to_thread(worker.reset_prefix_cache)})
+
+    app.router.add_post("/v1/completions", lambda r: complete(r, False))
+    app.router.add_post("/v1/chat/completions", lambda r: complete(r, True))
+    app.router.add_get("/health", lambda r: web.json_response({"status": "ok", **worker.engine.gates.stats()}))
+    app.router.add_get("/metrics", lambda r: web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}))
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    return app

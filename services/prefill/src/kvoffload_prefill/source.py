@@ -1,0 +1,41 @@
+"""LayerSource: the cross-host data path. Streams rows of one layer buffer in bounded chunks, only
+while the slot still holds the announced layer and generation (else FAILED_PRECONDITION)."""
+
+from __future__ import annotations
+
+import grpc
+import torch
+from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+
+MAX_CHUNK_BYTES = 1 << 20
+
+
+class LayerSourceServicer(transfer_pb2_grpc.LayerSourceServicer):
+    def __init__(self, engine, layout_version: int) -> None:
+        self.engine, self.layout_version = engine, layout_version
+
+    def ReadLayer(self, request, context):
+        eng = self.engine
+        if request.layout_version != self.layout_version:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"layout_version {request.layout_version} is not this prefill's ({self.layout_version})")
+        if request.layer >= eng.plan.num_logical_layers or request.src_end < request.src_start:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layer {request.layer} or range is malformed")
+        try:
+            ticket = eng.gates.ticket(request.layer)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        if ticket.generation != request.generation:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"slot of layer {request.layer} holds generation {ticket.generation}, not {request.generation}")
+        buf = eng.buffers.main(request.layer) if request.kind == transfer_pb2.PLANE_KIND_MAIN \
+            else eng.buffers.indexer(request.layer)
+        if request.src_end > buf.shape[0]:
+            context.abort(grpc.StatusCode.OUT_OF_RANGE, f"rows up to {request.src_end} of {buf.shape[0]}")
+        data = buf[request.src_start : request.src_end].contiguous().view(-1).view(torch.uint8)  # packed rows
+        total = data.numel()
+        raw = data.numpy().tobytes()
+        for off in range(0, total, MAX_CHUNK_BYTES):
+            yield transfer_pb2.DataChunk(offset_bytes=off, data=raw[off : off + MAX_CHUNK_BYTES], total_bytes=total)
+        if total == 0:
+            yield transfer_pb2.DataChunk(offset_bytes=0, data=b"", total_bytes=0)

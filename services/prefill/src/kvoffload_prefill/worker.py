@@ -1,0 +1,147 @@
+"""The prefill worker: one ``LayerwisePrefill`` over shared-memory layer buffers and the host pool,
+announcing every layer to the decode endpoints a request names and reporting its first token.
+
+``run(prompt_ids, transfer_params)`` is the whole job of one request: readers = the decode
+endpoints in ``transfer_params``; the engine announces each computed layer through their
+``DecodeLink``; the reuse gate holds each slot until the save and every READ_DONE arrived.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass
+
+import structlog
+import torch
+from dsamodel.engine.prefill import LayerwisePrefill, PrefillRequest
+from dsamodel.sampling import RequestSampler, SamplingParams
+from kvoffload_proto.v1 import transfer_pb2
+
+from kvoffload_prefill.links import DecodeLink
+
+log = structlog.get_logger(__name__)
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    request_id: str
+    first_token: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+
+
+def endpoint_of(params: dict) -> str:
+    """The decode control endpoint a request's kv_transfer_params name ("host:port")."""
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
+            or not 0 < port < 65536:
+        raise ValueError("kv_transfer_params: remote_host (str) and remote_port (1..65535) are required, "
+                         f"got {params!r}")
+    return f"{host}:{port}"
+
+
+class PrefillWorker:
+    def __init__(self, engine: LayerwisePrefill, *, model_id: str, host_id: str, data_endpoint: str,
+                 read_timeout_s: float = 60.0) -> None:
+        self.engine = engine
+        self.layout_version = random.randrange(1, 2**63)
+        self.layout = self._layout_metadata(model_id, host_id, data_endpoint)
+        self._links: dict[str, DecodeLink] = {}
+        self._lock = threading.Lock()
+        self._read_timeout_s = read_timeout_s
+        self._cached_keys: set[bytes] = set()  # prefix-cache objects this worker wrote or reused
+        engine.announce = self._announce
+
+    def _layout_metadata(self, model_id: str, host_id: str, data_endpoint: str) -> transfer_pb2.LayoutMetadata:
+        eng, bufs = self.engine, self.engine.buffers
+        layers = []
+        for spec in eng.plan.layout.layers:
+            slot = eng.plan.slot_of(spec.index)
+            lay = transfer_pb2.LayerLayout(
+                layer=spec.index, slot=slot, main_row_bytes=spec.main.row_bytes,
+                main_dtype=_DTYPE_NAMES[spec.main.dtype],
+                indexer_row_bytes=spec.indexer.row_bytes if spec.indexer else 0,
+                indexer_dtype=_DTYPE_NAMES[spec.indexer.dtype] if spec.indexer else "")
+            if bufs.segment is not None:
+                for kind, region, cache in (("main", lay.main_buffer, spec.main),
+                                            ("indexer", lay.indexer_buffer, spec.indexer)):
+                    if cache is None:
+                        continue
+                    plane = bufs.plane_of[(slot, kind)]
+                    region.segment_name = bufs.segment.name
+                    region.offset_bytes = bufs.segment.plane_offsets[plane]
+                    region.row_stride_bytes = cache.row_bytes
+                    region.capacity_tokens = bufs.capacity_tokens
+            layers.append(lay)
+        return transfer_pb2.LayoutMetadata(
+            model_id=model_id, num_layers=len(layers), block_size=eng.block_size, layers=layers,
+            prefill_tp_rank=0, prefill_tp_size=1, data_endpoint=data_endpoint, host_id=host_id,
+            layout_version=self.layout_version)
+
+    def link(self, endpoint: str) -> DecodeLink:
+        with self._lock:
+            link = self._links.get(endpoint)
+            if link is None:
+                link = self._links[endpoint] = DecodeLink(endpoint, self.layout, self._read_timeout_s)
+        link.ensure_layout()
+        return link
+
+    def _announce(self, ticket, req: PrefillRequest, start: int, end: int) -> None:
+        for reader in ticket.readers:
+            rid, endpoint = reader
+            self.link(endpoint).announce(ticket, reader, rid, start, end)
+
+    def run(self, request_id: str, prompt_ids: list[int], transfer_params: dict | None,
+            params: SamplingParams | None = None) -> PrefillOutcome:
+        """Prefill one prompt; with decode params, every layer goes to that decode endpoint."""
+        readers: frozenset = frozenset()
+        link = None
+        if transfer_params:
+            endpoint = endpoint_of(transfer_params)
+            link = self.link(endpoint)  # the layout is accepted before any slot is taken
+            readers = frozenset({(str(transfer_params.get("request_id") or request_id), endpoint)})
+        rid = next(iter(readers))[0] if readers else request_id
+        sampler = RequestSampler(params or SamplingParams(max_tokens=1), None)
+        res = self.engine.run(PrefillRequest(rid, torch.tensor(prompt_ids, dtype=torch.long), readers=readers,
+                                             sample=sampler.step))
+        try:
+            if link is not None:
+                link.prefill_done(rid, len(prompt_ids), res.first_token)
+        finally:
+            self.engine.release(res)
+            with self._lock:
+                self._cached_keys.update(k for k in res.keys if k not in res.owned_keys)
+        log.info("prefill_finished", request_id=rid, prompt_tokens=len(prompt_ids),
+                 cached_tokens=res.num_cached_tokens, first_token=res.first_token)
+        return PrefillOutcome(rid, res.first_token, len(prompt_ids), res.num_cached_tokens, res.num_computed_tokens)
+
+    def reset_prefix_cache(self) -> dict[str, int]:
+        """Drop every prefix-cache object not being read right now; returns removed / kept counts."""
+        from kvcore.hostpool import ObjectLeased
+
+        with self._lock:
+            keys, self._cached_keys = list(self._cached_keys), set()
+        removed = kept = 0
+        for key in keys:
+            try:
+                self.engine.pool.remove([key])
+                removed += 1
+            except ObjectLeased:
+                kept += 1
+                with self._lock:
+                    self._cached_keys.add(key)
+        return {"removed": removed, "kept_leased": kept}
+
+    def read_latency_ms(self) -> list[float]:
+        with self._lock:
+            return [ms for link in self._links.values() for ms in link.read_latency_ms[-1000:]]
+
+    def close(self) -> None:
+        with self._lock:
+            for link in self._links.values():
+                link.close()
+            self._links.clear()
