@@ -65,6 +65,72 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if report["valid"] else 1
 
 
+def _stack_config(args: argparse.Namespace):
+    from pathlib import Path
+
+    from kvoffload.stack import DEFAULT_HOME, StackConfig, ensure_tiny_model
+
+    model = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_HOME / "models" / "tiny")
+    return StackConfig(model=model, log_dir=Path(args.log_dir) if args.log_dir else DEFAULT_HOME / "logs",
+                       proxy_port=args.port, max_model_len=args.max_model_len)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvoffload.stack import Stack
+
+    cfg = _stack_config(args)
+    stack = Stack(cfg)
+    stack.start()
+    print(f"kvoffload is up: {stack.url}  (logs in {cfg.log_dir}; Ctrl-C stops everything)")
+    print(f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json' "
+          """-d '{"prompt": "Hello", "max_tokens": 16, "temperature": 0}'""")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            dead = [name for name, proc, _ in stack.procs if proc.poll() is not None]
+            if dead:
+                print(f"kvoffload: {', '.join(dead)} exited; stopping the stack (see {cfg.log_dir})", file=sys.stderr)
+                return 1
+    finally:
+        stack.stop()
+        print("kvoffload: stopped", file=sys.stderr)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import time
+
+    from kvoffload.stack import Stack, post_json, stack_stats
+
+    cfg = _stack_config(args)
+    prompt = ("kvoffload keeps almost no KV cache in accelerator memory: layerwise offload on prefill, "
+              "sparse offload on decode, a remote pull in between. ") * 40
+    with Stack(cfg) as stack:
+        t = time.monotonic()
+        answer = post_json(f"{stack.url}/v1/completions",
+                           {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0})
+        elapsed = time.monotonic() - t
+        stats = stack_stats(cfg)
+    choice = answer["choices"][0]
+    p, d = stats["prefill-0"], stats["decode-0"]
+    summary = {
+        "prompt_tokens": answer["usage"]["prompt_tokens"], "completion_tokens": answer["usage"]["completion_tokens"],
+        "token_ids": choice["token_ids"], "seconds": round(elapsed, 3),
+        "prefill_device_kv_bytes": int(p["device_kv_bytes"]), "prefill_pool_used_bytes": int(p["pool_used_bytes"]),
+        "decode_bytes_pulled": int(d["bytes_read"]), "decode_layer_pulls": int(d["read_done"]),
+        "decode_pool_used_bytes_after": int(d["pool_used_bytes"]), "prefill_held_slots_after": int(p["held_slots"]),
+    }
+    print(f"answer ({summary['completion_tokens']} tokens after a {summary['prompt_tokens']}-token prompt): "
+          f"{choice['text']!r}")
+    print(json.dumps(summary))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvoffload", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -98,6 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--decode-dp", type=int, default=1)
     plan.add_argument("--json", action="store_true", help="print the report as one line of JSON")
     plan.set_defaults(func=_cmd_plan)
+
+    for name, func, text in (("up", _cmd_up, "start metastore-less P/D stack (prefill, decode, proxy) on loopback"),
+                             ("demo", _cmd_demo, "start the stack, send one long prompt through the proxy, print "
+                                                 "the answer and a memory/transfer summary, stop")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--model", help="model directory (default: the tiny model, created on first use)")
+        cmd.add_argument("--port", type=int, default=9000, help="proxy port")
+        cmd.add_argument("--max-model-len", type=int, default=16384)
+        cmd.add_argument("--log-dir", help="where each service logs (default ~/.cache/kvoffload/logs)")
+        if name == "demo":
+            cmd.add_argument("--max-tokens", type=int, default=32)
+        cmd.set_defaults(func=func)
     return parser
 
 

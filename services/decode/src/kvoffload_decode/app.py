@@ -122,6 +122,8 @@ class _Handler:
         done = False
         try:
             problem = await self._register(rid, ktp["metaserver"], bound)
+            if not problem:  # the prefill reported done before the metaserver answered: all KV must be here
+                problem = self.loop.check_prompt_complete(rid)
             if problem:
                 self.metrics.requests.labels("prefill_failed").inc()
                 return _error(502, problem, "prefill_failed")

@@ -112,6 +112,18 @@ class DecodeLoop:
             self.lock.notify_all()
             return ""
 
+    def check_prompt_complete(self, request_id: str) -> str:
+        """"" if the request's prompt KV and first token are all here (or it already runs), else what
+        is missing — a partial transfer is never decoded over (I5)."""
+        with self.lock:
+            req = self.pending.get(request_id)
+            if req is None or req.prompt_complete:
+                return ""
+            missing = [(i, r) for i, r in enumerate(req.rows) if r < req.num_prompt_tokens]
+            what = f"layer {missing[0][0]} has {missing[0][1]} of {req.num_prompt_tokens} rows" if missing \
+                else "no first token"
+            return f"the prefill finished but the prompt's KV is incomplete: {what}"
+
     def cancel(self, request_id: str, reason: str) -> bool:
         """Stop a request wherever it is and free everything it holds. False if unknown."""
         with self.lock:

@@ -25,6 +25,23 @@ class LinkError(RuntimeError):
     """A decode endpoint refused the layout or cannot be reached."""
 
 
+class _Outcome:
+    """READ_DONE (True) or not (False) of one announce, once its answer settled the ticket."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._ok = False
+
+    def set(self, ok: bool) -> None:
+        self._ok = ok
+        self._done.set()
+
+    def result(self, timeout: float | None = None) -> bool:
+        if not self._done.wait(timeout):
+            raise TimeoutError("no answer to ReadReady in time")
+        return self._ok
+
+
 class DecodeLink:
     """gRPC client of one decode endpoint ``host:port``."""
 
@@ -52,8 +69,10 @@ class DecodeLink:
                 raise LinkError(f"decode {self.endpoint} refused the layout: {ack.reason}")
             self._accepted = True
 
-    def announce(self, ticket: SlotTicket, reader, request_id: str, start: int, end: int) -> None:
-        """ReadReady for rows [start, end) of ``ticket.layer``; the answer settles ``reader``."""
+    def announce(self, ticket: SlotTicket, reader, request_id: str, start: int, end: int) -> "_Outcome":
+        """ReadReady for rows [start, end) of ``ticket.layer``; the answer settles ``reader``.
+
+        Returns the call's future: its result is True for READ_DONE, False for a failure."""
         req = transfer_pb2.ReadReadyRequest(request_id=request_id, layer=ticket.layer, generation=ticket.generation,
                                             src_start=start, src_end=end, dst_start=start,
                                             layout_version=self._layout.layout_version)
@@ -75,7 +94,16 @@ class DecodeLink:
                 log.warning("read_failed", request_id=request_id, layer=ticket.layer, reason=result.reason)
                 ticket.read_failed(reader, result.reason or "READ_FAILED without a reason")
 
-        future.add_done_callback(settle)
+        outcome = _Outcome()
+
+        def settle_and_report(f) -> None:
+            try:
+                settle(f)
+            finally:
+                outcome.set(not f.exception() and f.result().status == transfer_pb2.READ_DONE)
+
+        future.add_done_callback(settle_and_report)
+        return outcome
 
     def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int) -> None:
         try:

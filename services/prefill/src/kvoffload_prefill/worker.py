@@ -54,6 +54,7 @@ class PrefillWorker:
         self._lock = threading.Lock()
         self._read_timeout_s = read_timeout_s
         self._cached_keys: set[bytes] = set()  # prefix-cache objects this worker wrote or reused
+        self._outcomes: dict[str, list] = {}  # request id -> (layer, outcome) of every announce
         engine.announce = self._announce
 
     def _layout_metadata(self, model_id: str, host_id: str, data_endpoint: str) -> transfer_pb2.LayoutMetadata:
@@ -93,7 +94,9 @@ class PrefillWorker:
     def _announce(self, ticket, req: PrefillRequest, start: int, end: int) -> None:
         for reader in ticket.readers:
             rid, endpoint = reader
-            self.link(endpoint).announce(ticket, reader, rid, start, end)
+            outcome = self.link(endpoint).announce(ticket, reader, rid, start, end)
+            with self._lock:
+                self._outcomes.setdefault(rid, []).append((ticket.layer, outcome))
 
     def run(self, request_id: str, prompt_ids: list[int], transfer_params: dict | None,
             params: SamplingParams | None = None) -> PrefillOutcome:
@@ -110,14 +113,25 @@ class PrefillWorker:
                                              sample=sampler.step))
         try:
             if link is not None:
+                self._await_reads(rid)
                 link.prefill_done(rid, len(prompt_ids), res.first_token)
         finally:
+            with self._lock:
+                self._outcomes.pop(rid, None)
             self.engine.release(res)
             with self._lock:
                 self._cached_keys.update(k for k in res.keys if k not in res.owned_keys)
         log.info("prefill_finished", request_id=rid, prompt_tokens=len(prompt_ids),
                  cached_tokens=res.num_cached_tokens, first_token=res.first_token)
         return PrefillOutcome(rid, res.first_token, len(prompt_ids), res.num_cached_tokens, res.num_computed_tokens)
+
+    def _await_reads(self, rid: str) -> None:
+        """Every announce of the request answered READ_DONE (each has its own deadline)."""
+        with self._lock:
+            outcomes = list(self._outcomes.get(rid, []))
+        failed = [layer for layer, outcome in outcomes if not outcome.result(timeout=self._read_timeout_s + 5)]
+        if failed:
+            raise RuntimeError(f"the decode did not read layer(s) {sorted(set(failed))} of request {rid}")
 
     def reset_prefix_cache(self) -> dict[str, int]:
         """Drop every prefix-cache object not being read right now; returns removed / kept counts."""

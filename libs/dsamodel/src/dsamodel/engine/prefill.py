@@ -37,6 +37,7 @@ from dsamodel.model import DSAModel, DecoderLayer
 
 log = structlog.get_logger(__name__)
 
+# announce(ticket, request, start, end): rows [start, end) of ticket.layer are in the slot for its readers
 Announce = Callable[[SlotTicket, "PrefillRequest", int, int], None]
 
 
@@ -81,6 +82,7 @@ class _Chunk:
         self.start, self.end = start, end
         self.first_block = start // block_size
         self.end_block = -(-end // block_size)
+        self.first = False  # the request's first computed chunk (after any prefix-cache hit)
         self.load_keys: list[bytes] = []  # objects of blocks [0, ceil(start / block_size))
         self.save_keys: list[bytes] = []  # objects this chunk writes ...
         self.save_blocks: list[int] = []  # ... and their block indices
@@ -167,6 +169,7 @@ class LayerwisePrefill:
             for s in range(start, n, self.chunk_size):
                 e = min(s + self.chunk_size, n)
                 chunk = self._plan_chunk(req, s, e, hash_keys, keys, owned, leases, allocated)
+                chunk.first = s == start
                 logits, first, draft = self._run_chunk(req, chunk, final=e == n)
             self._saver.submit(lambda: None).result()  # this request's saves are written
             if self._save_errors:
@@ -285,7 +288,8 @@ class LayerwisePrefill:
         self.buffers.set_residency(i, req.request_id, e)
         self._saver.submit(self._save, ticket, chunk, i)
         if self.announce is not None and ticket.readers:
-            self.announce(ticket, req, s, e)
+            # the first computed chunk also carries the prefix loaded from the prefix cache
+            self.announce(ticket, req, 0 if chunk.first else s, e)
         return h
 
     def _save(self, ticket: SlotTicket, chunk: _Chunk, layer: int) -> None:

@@ -1,0 +1,195 @@
+"""``kvoffload up`` / ``kvoffload demo``: the whole P/D stack on loopback, one process per service.
+
+Configs are the guide's (MultiConnector prefill with layerwise reuse, sparse-offload decode); only
+``backend`` / ``transfer_backend`` name the embedded ``"kvoffload"`` backends. The tiny model is
+created on first use. Every child logs JSON to its own file; Ctrl-C (or SIGTERM) stops them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+DATA_PORT_OFFSET = 10000  # a prefill's gRPC (LayerSource, Health, Stats) port = its HTTP port + this
+DEFAULT_HOME = Path(os.environ.get("KVOFFLOAD_HOME", Path.home() / ".cache" / "kvoffload"))
+
+
+def prefill_kv_transfer_config(kv_port: int, buffers: int = 3) -> str:
+    return json.dumps({
+        "kv_connector": "MultiConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"connectors": [
+            {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer", "kv_port": kv_port,
+             "kv_connector_extra_config": {"transfer_backend": "kvoffload"}},
+            {"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer",
+             "kv_connector_extra_config": {"backend": "kvoffload", "use_layerwise": True,
+                                           "layerwise_num_shared_buffers": buffers,
+                                           "layerwise_independent_layers": [0]}}]}})
+
+
+def decode_kv_transfer_config(kv_port: int) -> str:
+    return json.dumps({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": kv_port,
+                       "kv_connector_extra_config": {"transfer_backend": "kvoffload", "use_layerwise": True}})
+
+
+def decode_additional_config(topk_buffer_size: int = 128, dram_gb: int = 1) -> str:
+    return json.dumps({"sparse_kv_offload_config": {"enabled": True, "topk_buffer_size": topk_buffer_size,
+                                                    "dram_size_per_dp_GB": dram_gb}})
+
+
+@dataclass
+class StackConfig:
+    model: Path
+    log_dir: Path
+    host: str = "127.0.0.1"
+    proxy_port: int = 9000
+    prefill_ports: tuple[int, ...] = (8100,)
+    decode_ports: tuple[int, ...] = (8200,)
+    kv_port: int = 20050
+    max_model_len: int = 16384
+    block_size: int = 16
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def ensure_tiny_model(path: Path) -> Path:
+    """The tiny seeded model at ``path``, written on first use."""
+    if not (path / "config.json").exists():
+        from dsamodel.presets import write_tiny
+
+        write_tiny(path)
+    return path
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+class Stack:
+    """The running services; ``start`` waits until every one is healthy, ``stop`` ends them all."""
+
+    def __init__(self, cfg: StackConfig) -> None:
+        self.cfg = cfg
+        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.proxy_port}"
+
+    def commands(self) -> list[tuple[str, list[str], str]]:
+        """(name, argv, health URL) of every service, in start order."""
+        c = self.cfg
+        common = ["--model", str(c.model), "--host", c.host, "--max-model-len", str(c.max_model_len),
+                  "--block-size", str(c.block_size)]
+        out = []
+        for i, port in enumerate(c.decode_ports):
+            kv_port = c.kv_port + 16 * i  # each decode reserves dp * tp consecutive control ports
+            out.append((f"decode-{i}", [_bin("kvoffload-decode"), *common, "--port", str(port),
+                                        "--kv-transfer-config", decode_kv_transfer_config(kv_port),
+                                        "--additional-config", decode_additional_config()],
+                        f"http://{c.host}:{port}/health"))
+        for i, port in enumerate(c.prefill_ports):
+            out.append((f"prefill-{i}", [_bin("kvoffload-prefill"), *common, "--port", str(port),
+                                         "--data-port", str(port + DATA_PORT_OFFSET),
+                                         "--kv-transfer-config", prefill_kv_transfer_config(c.kv_port)],
+                        f"http://{c.host}:{port}/health"))
+        proxy = [_bin("kvoffload-proxy"), "--host", c.host, "--port", str(c.proxy_port),
+                 "--prefiller-hosts", *[c.host] * len(c.prefill_ports),
+                 "--prefiller-ports", *map(str, c.prefill_ports),
+                 "--decoder-hosts", *[c.host] * len(c.decode_ports), "--decoder-ports", *map(str, c.decode_ports)]
+        out.append(("proxy", proxy, f"http://{c.host}:{c.proxy_port}/healthcheck"))
+        return out
+
+    def start(self, timeout_s: float = 180.0, progress: bool = True) -> None:
+        self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        cmds = self.commands()
+        env = {**os.environ, **self.cfg.extra_env}
+        try:
+            for name, argv, _ in cmds:
+                log = self.cfg.log_dir / f"{name}.log"
+                with open(log, "wb") as f:
+                    proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+                self.procs.append((name, proc, log))
+            deadline = time.monotonic() + timeout_s
+            with tqdm(total=len(cmds), desc="starting kvoffload", unit="service", disable=not progress,
+                      file=sys.stderr) as bar:
+                for (name, argv, health), (_, proc, log) in zip(cmds, self.procs):
+                    bar.set_postfix_str(name)
+                    self._wait_healthy(name, proc, health, log, deadline)
+                    bar.update(1)
+        except BaseException:
+            self.stop()
+            raise
+
+    @staticmethod
+    def _wait_healthy(name: str, proc: subprocess.Popen, url: str, log: Path, deadline: float) -> None:
+        while True:
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{name} exited with status {proc.returncode} while starting; "
+                                   f"its log ({log}) ends with:\n{tail}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not healthy at {url} in time; see {log}")
+            time.sleep(0.2)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every service (proxy first), wait up to ``grace_s``, then SIGKILL."""
+        for _, proc, _ in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, proc, _ in reversed(self.procs):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+    def __enter__(self) -> "Stack":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def post_json(url: str, body: dict, timeout_s: float = 300.0) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+def grpc_stats(target: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """A service's ``kvoffload.v1.Stats`` counters."""
+    import grpc
+    from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        reply = stats_pb2_grpc.StatsStub(ch).GetStats(stats_pb2.StatsRequest(), timeout=timeout_s)
+    return dict(reply.counters)
+
+
+def stack_stats(cfg: StackConfig) -> dict[str, dict[str, float]]:
+    """Stats of every prefill (data port) and decode (control port) of the stack."""
+    out = {}
+    for i, port in enumerate(cfg.prefill_ports):
+        out[f"prefill-{i}"] = grpc_stats(f"{cfg.host}:{port + DATA_PORT_OFFSET}")
+    for i, _ in enumerate(cfg.decode_ports):
+        out[f"decode-{i}"] = grpc_stats(f"{cfg.host}:{cfg.kv_port + 16 * i}")
+    return out

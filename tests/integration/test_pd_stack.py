@@ -1,0 +1,134 @@
+"""I3 through real processes on loopback: greedy tokens through proxy -> prefill -> decode equal the
+single-process engine, for short and long prompts, completions and chat, streaming and not; and
+afterwards no slot, pool byte or lease is left held (Stats)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import random
+import urllib.request
+
+import pytest
+import torch
+from dsamodel.engine.engine import Engine, EngineConfig
+from dsamodel.sampling import SamplingParams
+from dsamodel.tokenizer import ByteTokenizer
+from dsamodel.weights import load_model
+
+from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, post_json, stack_stats
+
+BS = 16
+
+
+def _ports(n: int) -> list[int]:
+    base = random.Random().randrange(21000, 29000, 50)
+    return list(range(base, base + n))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def _config(model_dir, tmp, prefills: int, decodes: int) -> StackConfig:
+    ports = _ports(2 + prefills + decodes)
+    return StackConfig(model=model_dir, log_dir=tmp / "logs", proxy_port=ports[0],
+                       prefill_ports=tuple(ports[1 : 1 + prefills]),
+                       decode_ports=tuple(ports[1 + prefills : 1 + prefills + decodes]),
+                       kv_port=ports[-1] + 1000, max_model_len=8192, block_size=BS)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    cfg = _config(model_dir, tmp_path_factory.mktemp("stack"), 1, 1)
+    with Stack(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Greedy tokens of the single-process engine with the stack's sizes."""
+    model = load_model(model_dir)
+    cache: dict = {}
+
+    def run(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt_ids), max_tokens)
+        if key not in cache:
+            eng = Engine(model, EngineConfig(block_size=BS, max_model_len=8192, chunk_size=2048, buffers=3,
+                                             topk_buffer_size=128, prefill_pool_bytes=64 << 20,
+                                             decode_pool_bytes=64 << 20))
+            try:
+                cache[key] = eng.generate([prompt_ids], SamplingParams(max_tokens=max_tokens))[0]
+            finally:
+                eng.close()
+        return cache[key]
+
+    return run
+
+
+def _stream(url: str, body: dict) -> list[int]:
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    ids: list[int] = []
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                ids.extend(choice.get("token_ids", []))
+    return ids
+
+
+TOK = ByteTokenizer()
+LONG_TEXT = "".join(chr(32 + (i * 7919) % 90) for i in range(4200))
+
+
+@pytest.mark.parametrize("prompt", [[65], list(range(66, 66 + BS - 1)), "long"], ids=["1", "bs-1", "4200"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_i3_completions(stack, reference, prompt, stream):
+    ids = TOK.encode(LONG_TEXT, add_bos=True) if prompt == "long" else prompt
+    body = {"prompt": ids, "max_tokens": 12, "temperature": 0}
+    url = f"{stack.url}/v1/completions"
+    got = _stream(url, body) if stream else post_json(url, body)["choices"][0]["token_ids"]
+    assert got == reference(ids, 12)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_i3_chat(stack, reference, stream):
+    messages = [{"role": "user", "content": "Explain sparse attention. " * 20}]
+    ids = TOK.encode(TOK.apply_chat_template(messages), add_bos=False)
+    body = {"messages": messages, "max_tokens": 10, "temperature": 0}
+    url = f"{stack.url}/v1/chat/completions"
+    got = _stream(url, body) if stream else post_json(url, body)["choices"][0]["token_ids"]
+    assert got == reference(ids, 10)
+
+
+def test_nothing_is_left_held(stack):
+    post_json(f"{stack.url}/v1/completions", {"prompt": "one more", "max_tokens": 3, "temperature": 0})
+    stats = stack_stats(stack.cfg)
+    assert stats["prefill-0"]["held_slots"] == 0
+    assert stats["decode-0"]["pool_used_bytes"] == 0 and stats["decode-0"]["sequences"] == 0
+    assert stats["decode-0"]["pool_live_leases"] == 0 and stats["prefill-0"]["pool_live_leases"] == 0
+
+
+def test_two_prefills_two_decodes_sixteen_concurrent_streams(model_dir, tmp_path, reference):
+    cfg = _config(model_dir, tmp_path, 2, 2)
+    prompts = [TOK.encode(f"request {i}: " + "kv offload " * (5 + 7 * i), add_bos=True) for i in range(16)]
+    with Stack(cfg) as s:
+        with cf.ThreadPoolExecutor(16) as pool:
+            outs = list(pool.map(lambda p: _stream(f"{s.url}/v1/completions",
+                                                   {"prompt": p, "max_tokens": 8, "temperature": 0}), prompts))
+        stats = stack_stats(cfg)
+    for p, out in zip(prompts, outs):
+        assert out == reference(p, 8)
+    pulls = [stats[f"decode-{i}"]["read_done"] for i in range(2)]
+    assert all(n > 0 for n in pulls), pulls  # the load was spread over both decoders
+    for name, st in stats.items():
+        if name.startswith("decode"):
+            assert st["pool_used_bytes"] == 0 and st["sequences"] == 0
+        else:
+            assert st["held_slots"] == 0 and st["pool_live_leases"] == 0
