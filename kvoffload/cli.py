@@ -124,6 +124,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         "prefill_device_kv_bytes": int(p["device_kv_bytes"]), "prefill_pool_used_bytes": int(p["pool_used_bytes"]),
         "decode_bytes_pulled": int(d["bytes_read"]), "decode_layer_pulls": int(d["read_done"]),
         "decode_pool_used_bytes_after": int(d["pool_used_bytes"]), "prefill_held_slots_after": int(p["held_slots"]),
+        "metastore": {k: stats["metastore"][k] for k in sorted(stats["metastore"]) if k.startswith(("objects", "pools", "live"))},
     }
     print(f"answer ({summary['completion_tokens']} tokens after a {summary['prompt_tokens']}-token prompt): "
           f"{choice['text']!r}")
@@ -165,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the report as one line of JSON")
     plan.set_defaults(func=_cmd_plan)
 
-    for name, func, text in (("up", _cmd_up, "start metastore-less P/D stack (prefill, decode, proxy) on loopback"),
+    for name, func, text in (("up", _cmd_up, "start the P/D stack (metastore, prefill, decode, proxy) on loopback"),
                              ("demo", _cmd_demo, "start the stack, send one long prompt through the proxy, print "
                                                  "the answer and a memory/transfer summary, stop")):
         cmd = sub.add_parser(name, help=text)

@@ -55,6 +55,8 @@ class StackConfig:
     prefill_ports: tuple[int, ...] = (8100,)
     decode_ports: tuple[int, ...] = (8200,)
     kv_port: int = 20050
+    metastore_port: int = 5000
+    prefill_pool_gb: float = 0.25
     max_model_len: int = 16384
     block_size: int = 16
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -67,6 +69,14 @@ def ensure_tiny_model(path: Path) -> Path:
 
         write_tiny(path)
     return path
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies, so no service outlives its launcher."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _bin(name: str) -> str:
@@ -89,7 +99,9 @@ class Stack:
         c = self.cfg
         common = ["--model", str(c.model), "--host", c.host, "--max-model-len", str(c.max_model_len),
                   "--block-size", str(c.block_size)]
-        out = []
+        out = [("metastore", [_bin("kvoffload-metastore"), "--host", c.host, "--port", str(c.metastore_port),
+                              "--dram-size", f"{int(c.prefill_pool_gb * 1024)}MB"],
+                f"grpc://{c.host}:{c.metastore_port}")]
         for i, port in enumerate(c.decode_ports):
             kv_port = c.kv_port + 16 * i  # each decode reserves dp * tp consecutive control ports
             out.append((f"decode-{i}", [_bin("kvoffload-decode"), *common, "--port", str(port),
@@ -99,6 +111,8 @@ class Stack:
         for i, port in enumerate(c.prefill_ports):
             out.append((f"prefill-{i}", [_bin("kvoffload-prefill"), *common, "--port", str(port),
                                          "--data-port", str(port + DATA_PORT_OFFSET),
+                                         "--metastore", f"{c.host}:{c.metastore_port}",
+                                         "--host-pool-gb", str(c.prefill_pool_gb),
                                          "--kv-transfer-config", prefill_kv_transfer_config(c.kv_port)],
                         f"http://{c.host}:{port}/health"))
         proxy = [_bin("kvoffload-proxy"), "--host", c.host, "--port", str(c.proxy_port),
@@ -117,7 +131,8 @@ class Stack:
                 log = self.cfg.log_dir / f"{name}.log"
                 with open(log, "wb") as f:
                     proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
+                                            start_new_session=True,
+                                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
                 self.procs.append((name, proc, log))
             deadline = time.monotonic() + timeout_s
             with tqdm(total=len(cmds), desc="starting kvoffload", unit="service", disable=not progress,
@@ -137,12 +152,8 @@ class Stack:
                 tail = log.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"{name} exited with status {proc.returncode} while starting; "
                                    f"its log ({log}) ends with:\n{tail}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if _healthy(url):
+                return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name} not healthy at {url} in time; see {log}")
             time.sleep(0.2)
@@ -169,6 +180,25 @@ class Stack:
         self.stop()
 
 
+def _healthy(url: str) -> bool:
+    """HTTP 200 from an http:// URL, or SERVING from the gRPC health service at grpc://host:port."""
+    if url.startswith("grpc://"):
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            with grpc.insecure_channel(url[len("grpc://"):]) as ch:
+                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def post_json(url: str, body: dict, timeout_s: float = 300.0) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
@@ -187,7 +217,7 @@ def grpc_stats(target: str, timeout_s: float = 5.0) -> dict[str, float]:
 
 def stack_stats(cfg: StackConfig) -> dict[str, dict[str, float]]:
     """Stats of every prefill (data port) and decode (control port) of the stack."""
-    out = {}
+    out = {"metastore": grpc_stats(f"{cfg.host}:{cfg.metastore_port}")}
     for i, port in enumerate(cfg.prefill_ports):
         out[f"prefill-{i}"] = grpc_stats(f"{cfg.host}:{port + DATA_PORT_OFFSET}")
     for i, _ in enumerate(cfg.decode_ports):

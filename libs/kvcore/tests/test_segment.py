@@ -140,3 +140,17 @@ def test_cross_process_attach():
                        timeout=60)
         assert torch.equal(seg.plane(1)[3], torch.arange(32, dtype=torch.uint8).view(4, 8))
         assert seg.plane(1)[[0, 1, 2, 4]].sum() == 0
+
+
+def test_owner_process_exit_removes_its_segments(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    name = f"exit-{uuid.uuid4().hex[:8]}"
+    code = ("from kvcore.segment import SharedSegment, PoolGeometry\n"
+            f"SharedSegment.create({name!r}, PoolGeometry(4, (8,), 4))\n")  # never closed
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert not os.path.exists(SharedSegment.path_for(name))

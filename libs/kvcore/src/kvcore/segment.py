@@ -7,6 +7,7 @@ A segment knows only bytes and offsets; the object index, leases and eviction be
 
 from __future__ import annotations
 
+import atexit
 import json
 import mmap
 import os
@@ -167,6 +168,19 @@ def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+_OWNED_PATHS: set[str] = set()
+
+
+@atexit.register
+def _unlink_owned_segments() -> None:
+    """A process that exits (normally, or on an unhandled exception) takes its segments with it."""
+    for path in list(_OWNED_PATHS):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 class SharedSegment:
     """Named shared memory ``/dev/shm/kvoffload-<name>``: header, then plane-major data.
 
@@ -186,6 +200,8 @@ class SharedSegment:
         self.geometry = geometry
         self.plane_offsets = tuple(plane_offsets)
         self.owner = owner
+        if owner:
+            _OWNED_PATHS.add(path)  # unlinked at interpreter exit if the owner never did
         self.size_bytes = len(mm)
         self._mmap: mmap.mmap | None = mm
         self._mv: memoryview | None = memoryview(mm)  # torch views hold this export: see close()
@@ -306,6 +322,7 @@ class SharedSegment:
 
     def unlink(self) -> None:
         """Remove the name; existing mappings stay valid. Idempotent (a missing name is ignored)."""
+        _OWNED_PATHS.discard(self.path)
         try:
             os.unlink(self.path)
         except FileNotFoundError:

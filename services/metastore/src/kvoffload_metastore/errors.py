@@ -2,53 +2,38 @@
 
 Object errors are kvcore's host-pool exceptions (``ObjectNotFound``, ``ObjectExists``,
 ``ObjectLeased``, ``PoolFullError``, ``LeaseExpired``), so a caller of ``MetaStoreClient`` handles
-the same types as a caller of ``kvcore.hostpool.LocalHostPool``. Pool-registry errors are defined
-here. ``STATUS`` maps each type to its status code (metastore.proto lists them); the servicer adds
-the trailing metadata below so that the client rebuilds the exact type, key and numbers.
+the same types as a caller of ``kvcore.hostpool.LocalHostPool``. Pool-registry errors and the
+trailing-metadata keys are defined in ``kvcore.metaclient`` (next to the client, which kvcore
+backends use) and re-exported here. ``STATUS`` maps each type to its status code (metastore.proto
+lists them); the servicer adds the trailing metadata below so that the client rebuilds the exact
+type, key and numbers.
 """
 
 from __future__ import annotations
 
 import grpc
+from kvcore import metaclient
 from kvcore.hostpool import (
     LeaseExpired,
     ObjectExists,
     ObjectLeased,
     ObjectNotFound,
-    PoolError,
     PoolFullError,
 )
+from kvcore.metaclient import (  # the registry errors and wire keys live in kvcore, shared with the client
+    ERROR_MD,
+    FULL_MD,
+    KEY_MD,
+    MetaStoreUnavailable,
+    NoPoolRegistered,
+    PoolConflict,
+    PoolNotRegistered,
+    WorldSizeExceeded,
+)
 
-ERROR_MD = "kvoffload-error"          # exception class name
-KEY_MD = "kvoffload-key-bin"          # offending key, raw bytes
-FULL_MD = {  # PoolFullError attribute -> trailing metadata key on RESOURCE_EXHAUSTED
-    "needed": "kvoffload-needed-blocks", "free": "kvoffload-free-blocks",
-    "evictable": "kvoffload-evictable-blocks", "num_blocks": "kvoffload-num-blocks",
-}
-
-
-class PoolNotRegistered(PoolError):
-    """No live pool with this id (never registered, deregistered, or expired)."""
-
-
-class PoolConflict(PoolError):
-    """``register_pool`` of a live pool id with another segment or geometry (and no ``replace``)."""
-
-
-class WorldSizeExceeded(PoolError):
-    """``world_size`` pools are registered already."""
-
-
-class NoPoolRegistered(PoolError):
-    """``alloc`` while no pool is registered."""
-
-
-class MetaStoreUnavailable(PoolError):
-    """The MetaStore could not be reached or did not answer in time (client side only)."""
-
-    def __init__(self, message: str, *, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(message)
-        self.code = code
+__all__ = ["ERROR_MD", "FULL_MD", "KEY_MD", "MetaStoreUnavailable", "NoPoolRegistered", "PoolConflict",
+           "PoolNotRegistered", "WorldSizeExceeded", "PoolFull", "STATUS", "BY_NAME", "status_of",
+           "trailing_metadata", "message_of"]
 
 
 class PoolFull(PoolFullError):
@@ -76,11 +61,8 @@ STATUS: dict[type[BaseException], grpc.StatusCode] = {
     NoPoolRegistered: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
-# Types a client may rebuild from the ERROR_MD name (never anything else: no eval of network data).
-BY_NAME: dict[str, type[PoolError]] = {
-    t.__name__: t for t in (ObjectNotFound, LeaseExpired, PoolNotRegistered, ObjectExists, PoolConflict,
-                            ObjectLeased, WorldSizeExceeded, NoPoolRegistered)
-}
+# Types a client may rebuild from the ERROR_MD name: kvcore.metaclient's map (it checks the codes above).
+BY_NAME = metaclient.BY_NAME
 
 
 def status_of(exc: BaseException) -> grpc.StatusCode | None:

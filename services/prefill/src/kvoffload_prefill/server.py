@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=2048)
-    p.add_argument("--host-pool-gb", type=float, default=1.0, help="host KV pool (prefix cache) size")
+    p.add_argument("--host-pool-gb", type=float, default=1.0, help="host KV pool (prefix cache) this node contributes")
+    p.add_argument("--metastore", metavar="HOST:PORT",
+                   help="kvoffload-metastore that indexes the pool (backend 'kvoffload'); without it the index "
+                        "is kept in this process")
     p.add_argument("--read-timeout-s", type=float, default=60.0, help="longest wait for a decode's READ_DONE")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the config's torch_dtype")
     p.add_argument("--log-level", default="info")
@@ -99,7 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     for w in settings.warnings:
         log.warning("config_warning", warning=w)
     tag = uuid.uuid4().hex[:8]
-    pool = build.prefill_pool(model, args.block_size, int(args.host_pool_gb * 2**30), name=f"kvoffload-prefill-pool-{tag}")
+    pool_bytes, pool_name = int(args.host_pool_gb * 2**30), f"kvoffload-prefill-pool-{tag}"
+    if args.metastore:
+        pool = build.remote_prefill_pool(model, args.block_size, pool_bytes, metastore=args.metastore,
+                                         pool_id=f"prefill-{args.host}:{args.port}", name=pool_name)
+    else:
+        pool = build.prefill_pool(model, args.block_size, pool_bytes, name=pool_name)
     model_id = args.served_model_name or Path(args.model).resolve().name
     engine = build.prefill_engine(
         model, pool, buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,

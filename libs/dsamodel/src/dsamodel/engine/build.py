@@ -26,6 +26,16 @@ def prefill_pool(model: DSAModel, block_size: int, capacity_bytes: int, name: st
     return LocalHostPool.create(_name("kvoffload-prefill", name), geo, eviction=LRUEviction())
 
 
+def remote_prefill_pool(model: DSAModel, block_size: int, capacity_bytes: int, *, metastore: str, pool_id: str,
+                        name: str | None = None):
+    """The prefill side's host pool registered with a kvoffload-metastore (its index lives there)."""
+    from kvcore.remotepool import RemoteHostPool
+
+    geo = PoolGeometry.from_layout(kv_layout(model.config, block_size, model.dtype), capacity_bytes,
+                                   include_indexer=True)
+    return RemoteHostPool.create(metastore, pool_id, _name("kvoffload-prefill", name), geo, replace=True)
+
+
 def decode_pool(model: DSAModel, block_size: int, capacity_bytes: int, name: str | None = None) -> LocalHostPool:
     """The decode side's host pool: main planes only (the indexer stays on device); never evicts."""
     geo = PoolGeometry.from_layout(kv_layout(model.config, block_size, model.dtype), capacity_bytes,
