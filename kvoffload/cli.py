@@ -19,6 +19,7 @@ BENCHES: dict[str, str] = {
     "prefill": "dsamodel.bench.prefill:run",
     "prefix": "dsamodel.bench.prefix:run",
     "decode": "dsamodel.bench.decode:run",
+    "pd": "kvoffload.bench_pd:run",
 }
 
 

@@ -387,3 +387,36 @@ def test_pd_pair_missing_transfer_backends() -> None:
         "prefill kv_connector_extra_config.transfer_backend",
         "decode kv_connector_extra_config.transfer_backend",
     ]
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (4, 1), (4, 2), (8, 4), (16, 16)])
+def test_tp_contributors_partition_the_prefill_ranks(p_tp, d_tp):
+    from kvcore.settings import tp_contributors, tp_target
+
+    groups = [tp_contributors(p_tp, d_tp, r) for r in range(d_tp)]
+    assert sorted(x for g in groups for x in g) == list(range(p_tp))  # every prefill rank feeds exactly one
+    assert all(len(g) == p_tp // d_tp for g in groups)
+    for r, g in enumerate(groups):
+        assert all(tp_target(p_tp, d_tp, p) == r for p in g)
+
+
+@pytest.mark.parametrize("p_tp, d_tp, rank", [(2, 4, 0), (6, 4, 0), (4, 2, 2), (0, 1, 0)])
+def test_tp_contributors_reject_bad_ratios_and_ranks(p_tp, d_tp, rank):
+    from kvcore.settings import tp_contributors
+
+    with pytest.raises(ValueError):
+        tp_contributors(p_tp, d_tp, rank)
+
+
+def test_decode_ranks_bind_consecutive_ports():
+    from kvcore.layout import KVLayout
+    from kvcore.settings import decode_settings
+
+    layout = KVLayout.for_mla(num_hidden_layers=2, kv_lora_rank=8, qk_rope_head_dim=4, block_size=16,
+                              index_head_dim=8)
+    s = decode_settings({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 30000,
+                         "kv_connector_extra_config": {"transfer_backend": "kvoffload"}},
+                        {"sparse_kv_offload_config": {"enabled": True, "topk_buffer_size": 64, "dram_size_per_dp_GB": 1}},
+                        layout, index_topk=32, max_num_seqs=1, max_model_len=64, dp=2, tp=4)
+    assert s.control_ports() == list(range(30000, 30008))
+    assert [s.control_port(d, t) for d in range(2) for t in range(4)] == list(range(30000, 30008))

@@ -368,3 +368,28 @@ def check_pd_pair(prefill: PrefillSettings, decode: DecodeSettings) -> None:
         )
     if errors:
         raise ConfigError(errors)
+
+
+def tp_contributors(prefill_tp: int, decode_tp: int, decode_tp_rank: int) -> list[int]:
+    """Prefill TP ranks that feed decode TP rank ``decode_tp_rank``.
+
+    With ``ratio = prefill_tp / decode_tp`` (prefill TP >= decode TP and divisible), decode rank r
+    pulls from prefill ranks ``[r * ratio, (r + 1) * ratio)``; its part of a request is complete
+    only when all of them reported (MLA KV is replicated across TP, so each contributor carries the
+    same rows and any one of them suffices for the data; all must ack for the release handshake).
+    """
+    if prefill_tp < 1 or decode_tp < 1 or prefill_tp < decode_tp or prefill_tp % decode_tp:
+        raise ValueError(f"tp: prefill tp {prefill_tp}, decode tp {decode_tp}; "
+                         "prefill TP must be >= decode TP and divisible by it")
+    if not 0 <= decode_tp_rank < decode_tp:
+        raise ValueError(f"decode_tp_rank {decode_tp_rank} outside 0..{decode_tp - 1}")
+    ratio = prefill_tp // decode_tp
+    return list(range(decode_tp_rank * ratio, (decode_tp_rank + 1) * ratio))
+
+
+def tp_target(prefill_tp: int, decode_tp: int, prefill_tp_rank: int) -> int:
+    """The decode TP rank a prefill TP rank sends to (the inverse of ``tp_contributors``)."""
+    if not 0 <= prefill_tp_rank < prefill_tp:
+        raise ValueError(f"prefill_tp_rank {prefill_tp_rank} outside 0..{prefill_tp - 1}")
+    tp_contributors(prefill_tp, decode_tp, 0)  # validates the ratio
+    return prefill_tp_rank // (prefill_tp // decode_tp)

@@ -85,9 +85,11 @@ class DecodeLoop:
         with self.lock:
             return self.pending.get(request_id)
 
-    def write_rows(self, request_id: str, layer: int, start: int, kv: torch.Tensor, index_k: torch.Tensor) -> None:
-        """Install rows [start, start + n) of a layer pulled from the prefill."""
+    def write_rows(self, request_id: str, layer: int, start: int, kv: torch.Tensor, index_k: torch.Tensor) -> float:
+        """Install rows [start, start + n) of a layer pulled from the prefill; returns the seconds the
+        copy itself took (not the wait for the loop's lock)."""
         with self.lock:
+            t = time.perf_counter()
             req = self.pending.get(request_id)
             if req is None:
                 raise KeyError(request_id)
@@ -98,6 +100,7 @@ class DecodeLoop:
             if start <= req.rows[layer]:
                 req.rows[layer] = max(req.rows[layer], start + kv.shape[0])
             self.lock.notify_all()
+            return time.perf_counter() - t
 
     def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int) -> str:
         """The prefill's first token; returns "" when accepted, else why not."""

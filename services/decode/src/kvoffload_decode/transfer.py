@@ -35,6 +35,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         self._segments: dict[str, SharedSegment] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
+        # read_ms_total: time the pulls spent moving data (reading the source + installing the rows)
         self.counters = {"read_done": 0, "read_failed": 0, "bytes_read": 0, "read_ms_total": 0.0}
 
     # ---- layout --------------------------------------------------------------------------------
@@ -90,16 +91,17 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"rows [{request.dst_start}, {request.dst_start + n}) go past the prompt's "
                           f"{req.num_prompt_tokens} tokens")
-        t = time.monotonic()
         try:
+            t = time.perf_counter()
             kv, idx = self._read(meta, request)
-            self.loop.write_rows(request.request_id, request.layer, request.dst_start, kv, idx)
+            copy_s = time.perf_counter() - t  # the pull's own data movement: read out of the
+            copy_s += self.loop.write_rows(request.request_id, request.layer, request.dst_start, kv, idx)  # source, install
         except Exception as exc:  # answered, never left hanging: the prefill fails the slot's read
             self.counters["read_failed"] += 1
             reason = f"pull of layer {request.layer} rows [{request.src_start}, {request.src_end}) failed: {exc!r}"
             log.warning("read_failed", request_id=request.request_id, layer=request.layer, reason=reason)
             return transfer_pb2.ReadResult(status=transfer_pb2.READ_FAILED, reason=reason)
-        ms = (time.monotonic() - t) * 1000
+        ms = copy_s * 1000
         nbytes = kv.numel() * kv.element_size() + idx.numel() * idx.element_size()
         self.counters["read_done"] += 1
         self.counters["bytes_read"] += nbytes
@@ -130,7 +132,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
                 seg = self._segments[region.segment_name] = SharedSegment.attach(region.segment_name)
         plane = seg.plane_offsets.index(region.offset_bytes)
         rows = seg.plane(plane).view(-1, row_bytes)  # [capacity, row_bytes] uint8, the prefill's memory
-        return rows[start:end].clone()  # the copy the READ_DONE promises
+        return rows[start:end]  # a view: installing the rows is the one copy READ_DONE waits for
 
     def _streamed_rows(self, endpoint: str, request, kind, row_bytes: int) -> torch.Tensor:
         with self._lock:
