@@ -159,14 +159,13 @@ class Stack:
             time.sleep(0.2)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every service (proxy first), wait up to ``grace_s``, then SIGKILL."""
+        """Stop in reverse start order (proxy, prefills, decodes, metastore): SIGTERM, wait up to
+        ``grace_s``, then SIGKILL — each service drains before the ones it depends on go."""
         for _, proc, _ in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for _, proc, _ in reversed(self.procs):
             try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

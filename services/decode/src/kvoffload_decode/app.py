@@ -36,6 +36,7 @@ class AppSettings:
     metaserver_timeout_s: float = 600.0
     token_timeout_s: float = 600.0
     metaserver_retries: int = 3
+    admission_wait_s: float = 300.0  # a request waits this long for a free sequence slot
 
 
 class Metrics:
@@ -113,7 +114,7 @@ class _Handler:
             aio.call_soon_threadsafe(queue.put_nowait, (kind, value))
 
         try:
-            self.loop.expect_remote(rid, ids, params, emit)
+            await asyncio.to_thread(self.loop.expect_remote, rid, ids, params, emit, self.settings.admission_wait_s)
         except DecodeFull as exc:
             return _error(503, str(exc), "overloaded")
         except ValueError as exc:

@@ -67,13 +67,20 @@ class DecodeLoop:
 
     # ---- called by the HTTP handlers and the transfer servicer --------------------------------
 
-    def expect_remote(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit: Emit) -> DecodeRequest:
-        """Admit a request whose KV a prefill will push; raises DecodeFull or ValueError."""
+    def expect_remote(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit: Emit,
+                      wait_s: float = 0.0) -> DecodeRequest:
+        """Admit a request whose KV a prefill will push, waiting up to ``wait_s`` for a free sequence
+        slot and host blocks (requests queue rather than fail); raises DecodeFull or ValueError."""
+        deadline = time.monotonic() + wait_s
         with self.lock:
             if request_id in self.pending or any(r.request_id == request_id for r in self.running):
                 raise ValueError(f"request id {request_id!r} is already in use")
-            if not self.decoder.can_admit(len(prompt_ids) + 1):
-                raise DecodeFull(f"decode is full ({len(self.decoder.seqs)} requests); retry later")
+            while not self.decoder.can_admit(len(prompt_ids) + 1):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop:
+                    raise DecodeFull(f"decode is full ({len(self.decoder.seqs)} requests) and stayed full for "
+                                     f"{wait_s:.0f} s; retry later")
+                self.lock.wait(timeout=min(left, 1.0))
             self.decoder.admit(request_id, len(prompt_ids) + 1)
             req = DecodeRequest(request_id, prompt_ids, RequestSampler(params, self.eos_token_id), emit,
                                 len(self.decoder.model.cache_layers))
@@ -160,6 +167,7 @@ class DecodeLoop:
 
     def _free(self, req: DecodeRequest, outcome: str) -> None:
         self.decoder.finish(req.request_id)
+        self.lock.notify_all()  # a queued request may fit now
         self._next.pop(req.request_id, None)
         self.finished_by_outcome[outcome] = self.finished_by_outcome.get(outcome, 0) + 1
 

@@ -1,0 +1,66 @@
+"""DecodeLoop: admission queues instead of failing, cancel frees, partial transfers are refused."""
+
+import threading
+
+import pytest
+import torch
+from dsamodel.engine import build
+from dsamodel.engine.decode import SparseDecoder
+from dsamodel.presets import tiny_model
+from dsamodel.sampling import SamplingParams
+
+from kvoffload_decode.loop import DecodeFull, DecodeLoop
+
+
+@pytest.fixture()
+def loop():
+    model = tiny_model(dtype="float32")
+    pool = build.decode_pool(model, 16, 8 << 20)
+    lp = DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=1, max_model_len=256),
+                    model.config.eos_token_id)
+    yield lp
+    lp.close()
+    pool.close()
+
+
+def test_a_full_decode_queues_then_admits(loop):
+    events = []
+    loop.expect_remote("a", [1, 2, 3], SamplingParams(max_tokens=2), lambda *e: events.append(e))
+    with pytest.raises(DecodeFull, match="stayed full"):
+        loop.expect_remote("b", [4, 5], SamplingParams(max_tokens=2), lambda *e: None, wait_s=0.05)
+    admitted = threading.Event()
+    t = threading.Thread(target=lambda: (loop.expect_remote("b", [4, 5], SamplingParams(max_tokens=2),
+                                                            lambda *e: None, wait_s=5), admitted.set()))
+    t.start()
+    assert not admitted.wait(0.2)  # still queued behind "a"
+    assert loop.cancel("a", "test")
+    assert admitted.wait(5)
+    t.join()
+    assert loop.stats()["pending"] == 1
+
+
+def test_partial_transfer_is_reported_and_complete_prompt_decodes(loop):
+    events = []
+    done = threading.Event()
+
+    def emit(kind, value):
+        events.append((kind, value))
+        if kind in ("done", "error"):
+            done.set()
+
+    model = loop.decoder.model
+    n = 20
+    loop.expect_remote("r", list(range(n)), SamplingParams(max_tokens=3), emit)
+    c = model.config
+    kv = torch.randn(n, c.kv_row_width)
+    idx = torch.randn(n, c.index_head_dim)
+    for layer in range(len(model.cache_layers) - 1):
+        loop.write_rows("r", layer, 0, kv, idx)
+    loop.prefill_done("r", n, 7)
+    assert "layer 4 has 0 of 20 rows" in loop.check_prompt_complete("r")
+    loop.write_rows("r", len(model.cache_layers) - 1, 0, kv, idx)
+    assert loop.check_prompt_complete("r") == ""
+    assert done.wait(30)
+    tokens = [v for k, v in events if k == "token"]
+    assert tokens[0] == 7 and len(tokens) == 3 and events[-1] == ("done", "length")
+    assert loop.stats()["sequences"] == 0
