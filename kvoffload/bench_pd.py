@@ -43,7 +43,15 @@ def _stream_timed(url: str, prompt: list[int], max_tokens: int) -> tuple[list[in
                 new = [t for c in event["choices"] for t in c.get("token_ids", [])]
                 ids += new
                 stamps += [time.perf_counter()] * len(new)
-    return ids, stamps[0] - t0, (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+    return ids, stamps[0] - t0, _tpot(stamps)
+
+
+def _tpot(stamps: list[float]) -> float:
+    """Median gap between tokens over the second half of a stream (the first tokens can arrive in
+    one burst when decoding starts before the client's stream is connected end to end)."""
+    half = stamps[len(stamps) // 2 :]
+    gaps = [b - a for a, b in zip(half, half[1:])]
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def _single_process(model_dir: Path, prompts: list[list[int]], max_tokens: int, block_size: int):
@@ -67,13 +75,13 @@ def _single_process(model_dir: Path, prompts: list[list[int]], max_tokens: int, 
                 while len(stamps[s.request_id]) < len(s.output_ids):
                     stamps[s.request_id].append(now)
         ttft = [stamps[s.request_id][0] - t0 for s in seqs]
-        tpot = [(st[-1] - st[0]) / max(1, len(st) - 1) for st in stamps.values()]
+        tpot = [_tpot(st) for st in stamps.values()]
         return [s.output_ids for s in seqs], ttft, tpot
     finally:
         eng.close()
 
 
-def _pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 9) -> tuple[float, float]:
+def _pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 25) -> tuple[float, float]:
     """(pull GB/s, memcpy GB/s) of one layer's rows, shared memory -> decode pool + indexer cache."""
     import uuid
 
@@ -98,17 +106,18 @@ def _pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 9) -> tuple
         main.fill_(3)
         idx.fill_(5)
         nbytes = main.numel() + idx.numel()
-        dst = torch.empty(nbytes, dtype=torch.uint8)
+        layers = len(model.cache_layers)
+        dst = torch.empty(layers, nbytes, dtype=torch.uint8)  # like the pool: one region per layer
         src = torch.cat((main.reshape(-1), idx.reshape(-1)))
         pulls, copies = [], []
-        for r in range(reps + 1):  # the first round touches every page once
+        for r in range(reps + layers):  # the first round over the layers touches every page once
             t = time.perf_counter()
-            dec.write_prompt_layer("bench", r % len(model.cache_layers), main.view(torch.bfloat16).view(prompt_tokens, -1),
+            dec.write_prompt_layer("bench", r % layers, main.view(torch.bfloat16).view(prompt_tokens, -1),
                                    idx.view(torch.bfloat16).view(prompt_tokens, -1))
             t1 = time.perf_counter()
-            dst.copy_(src)
+            dst[r % layers].copy_(src)
             t2 = time.perf_counter()
-            if r:
+            if r >= layers:
                 pulls.append(t1 - t)
                 copies.append(t2 - t1)
         return nbytes / statistics.median(pulls) / 1e9, nbytes / statistics.median(copies) / 1e9
@@ -120,8 +129,12 @@ def _pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 9) -> tuple
         structlog.reset_defaults()
 
 
-def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 16, block_size: int = 16) -> dict:
+def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, block_size: int = 16) -> dict:
+    from dsamodel.bench import quiet_logs
+
     from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, stack_stats
+
+    quiet_logs()
 
     work = Path(tempfile.mkdtemp(prefix="kvoffload-bench-pd-"))
     model_dir = ensure_tiny_model(work / "tiny")

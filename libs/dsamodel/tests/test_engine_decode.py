@@ -175,3 +175,29 @@ def test_speculative_greedy_tokens_match_plain_decoding():
         out, _, (drafts, _) = _spec_run(model, keep=False, oracle=oracle)
         assert drafts > 0
         assert out[:2] == [truth["gen-0"], truth["gen-1"]]
+
+
+@pytest.mark.parametrize("start, n", [(0, 64), (0, 37), (5, 11), (13, 70), (16, 16), (31, 1)])
+def test_prompt_rows_land_where_the_block_table_says(start, n):
+    """Whole blocks are copied in runs, ragged edges row by row: same bytes as row-by-row scatter."""
+    from engine_support import decode_pool
+
+    from dsamodel.engine.decode import SparseDecoder
+
+    model = tiny(torch.float32, True)
+    pool = decode_pool(model, BS)
+    try:
+        dec = SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256)
+        seq = dec.admit("r", 30)
+        dec.admit("other", 40)  # its blocks land between r's first blocks and the ones r grows into
+        dec._grow(seq, start + n + BS)
+        table = dec.block_table[seq.seq_slot, : seq.num_blocks]
+        assert bool((table[1:] != table[:-1] + 1).any())  # more than one run of pool blocks
+        kv = torch.randn(n, model.config.kv_row_width)
+        dec.write_prompt_layer("r", 2, kv, torch.zeros(n, model.config.index_head_dim), start=start)
+        plane = pool.plane(pool.geometry.plane_index(2, "main")).view(-1, kv.shape[1] * 4)
+        pos = torch.arange(start, start + n)
+        rows = dec.block_table[seq.seq_slot, pos // BS].long() * BS + pos % BS
+        assert torch.equal(plane[rows], kv.view(torch.uint8).view(n, -1))
+    finally:
+        pool.close()

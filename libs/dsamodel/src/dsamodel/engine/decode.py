@@ -140,12 +140,30 @@ class SparseDecoder:
                              f"{seq.num_blocks} admitted blocks of request {request_id!r}")
         if not 0 <= layer < self.indexer.shape[0]:
             raise ValueError(f"layer {layer} outside 0..{self.indexer.shape[0] - 1}")
-        positions = torch.arange(start, start + n)
-        scatter_rows(self.pool.plane(self._planes[layer]), self._slot_mapping(seq, positions),
-                     _bytes(kv), native=self.native)
+        self._install_rows(seq, layer, start, _bytes(kv))
         self.indexer[layer, seq.seq_slot, start : start + n] = index_k.to(self.indexer.device)
         if self.full is not None:
             self.full[layer, seq.seq_slot, start : start + n] = kv.to(self.full.device)
+
+    def _install_rows(self, seq: DecodeSeq, layer: int, start: int, rows: torch.Tensor) -> None:
+        """rows [n, row_bytes] -> the host pool at positions [start, start + n): whole blocks with one
+        block copy each, the ragged edges row by row (native scatter)."""
+        plane = self.pool.plane(self._planes[layer])  # [num_blocks, block_size, row_bytes]
+        bs, n = self.block_size, rows.shape[0]
+        first_full = -(-start // bs)  # first block that starts inside the range
+        end_full = (start + n) // bs  # one past the last block that ends inside it
+        if end_full > first_full:
+            lo, hi = first_full * bs - start, end_full * bs - start
+            ids = self.block_table[seq.seq_slot, first_full:end_full].to(torch.long)  # [blocks]
+            src = rows[lo:hi].view(end_full - first_full, bs, -1)  # [blocks, bs, row_bytes]
+            cuts = [0, *((ids[1:] != ids[:-1] + 1).nonzero().flatten() + 1).tolist(), len(ids)]
+            for a, b in zip(cuts, cuts[1:]):  # runs of consecutive pool blocks: one memcpy each
+                plane[int(ids[a]) : int(ids[a]) + b - a].copy_(src[a:b])
+            edges = torch.cat((torch.arange(0, lo), torch.arange(hi, n))) if lo or hi < n else None
+        else:
+            edges = torch.arange(n)
+        if edges is not None and edges.numel():
+            scatter_rows(plane, self._slot_mapping(seq, edges + start), rows[edges].contiguous(), native=self.native)
 
     def set_prompt_done(self, request_id: str, num_tokens: int) -> None:
         """Every layer of the first ``num_tokens`` rows is installed."""
