@@ -190,7 +190,7 @@ def test_prompt_rows_land_where_the_block_table_says(start, n):
         dec = SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256)
         seq = dec.admit("r", 30)
         dec.admit("other", 40)  # its blocks land between r's first blocks and the ones r grows into
-        dec._grow(seq, start + n + BS)
+        dec._grow(seq, max(start + n, 2 * BS) + BS)
         table = dec.block_table[seq.seq_slot, : seq.num_blocks]
         assert bool((table[1:] != table[:-1] + 1).any())  # more than one run of pool blocks
         kv = torch.randn(n, model.config.kv_row_width)
