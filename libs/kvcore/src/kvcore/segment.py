@@ -168,6 +168,19 @@ def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+def host_id() -> str:
+    """This host's identity for shared memory: processes with the same value (hostname and kernel
+    boot) can attach each other's segments; a container or another machine gets another value."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 _OWNED_PATHS: set[str] = set()
 
 

@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import json
 import signal
-import socket
 import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvcore.backends import BackendUnavailableError, require_available
 from kvcore.config import ConfigError
 from kvcore.logs import configure_logging
+from kvcore.segment import host_id
 from kvcore.settings import decode_settings
 from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc, transfer_pb2_grpc
 
@@ -32,15 +32,6 @@ from kvoffload_decode.transfer import TransferServicer
 
 SERVICE = "kvoffload-decode"
 log = structlog.get_logger(__name__)
-
-
-def host_id() -> str:
-    """Same value in every process of this host (and kernel boot): shared memory is reachable."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 class StatsServicer(stats_pb2_grpc.StatsServicer):

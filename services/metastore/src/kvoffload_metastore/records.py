@@ -7,36 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcore.segment import PoolGeometry
+from kvcore.metaclient import Allocation, Location, PoolRecord  # the same records on both sides of the wire
 
-
-@dataclass(frozen=True)
-class PoolRecord:
-    pool_id: str
-    segment_name: str
-    host: str
-    geometry: PoolGeometry
-
-    @property
-    def block_bytes(self) -> int:
-        return self.geometry.block_bytes
-
-
-@dataclass(frozen=True)
-class Location:
-    key: bytes
-    pool_id: str
-    block_id: int
-    size_bytes: int
-    written_planes: tuple[int, ...]
-    complete: bool
-
-
-@dataclass(frozen=True)
-class Allocation:
-    pool: PoolRecord
-    block_ids: list[int]
-    evicted: int
+__all__ = ["Allocation", "LeaseGrant", "Location", "PoolRecord"]
 
 
 @dataclass(frozen=True)
