@@ -59,7 +59,8 @@ class StackConfig:
     prefill_pool_gb: float = 0.25
     max_model_len: int = 16384
     block_size: int = 16
-    extra_env: dict[str, str] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)  # for every service
+    service_env: dict[str, dict[str, str]] = field(default_factory=dict)  # per service name, e.g. "prefill-0"
 
 
 def ensure_tiny_model(path: Path) -> Path:
@@ -130,7 +131,8 @@ class Stack:
             for name, argv, _ in cmds:
                 log = self.cfg.log_dir / f"{name}.log"
                 with open(log, "wb") as f:
-                    proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
+                    proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                                            env={**env, **self.cfg.service_env.get(name, {})},
                                             start_new_session=True,
                                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
                 self.procs.append((name, proc, log))

@@ -134,3 +134,20 @@ def test_two_prefills_two_decodes_sixteen_concurrent_streams(model_dir, tmp_path
             assert st["pool_used_bytes"] == 0 and st["sequences"] == 0
         else:
             assert st["held_slots"] == 0 and st["pool_live_leases"] == 0
+
+
+def test_i3_across_hosts_streams_layers_over_grpc(model_dir, tmp_path, reference):
+    """A prefill on "another host": the decode cannot attach its shared memory and pulls every layer
+    from the prefill's LayerSource in bounded chunks; tokens are unchanged."""
+    cfg = _config(model_dir, tmp_path, 1, 1)
+    cfg.service_env = {"prefill-0": {"KVOFFLOAD_HOST_ID": "prefill-host"}}
+    ids = TOK.encode(LONG_TEXT[:2500], add_bos=True)
+    with Stack(cfg) as s:
+        got = post_json(f"{s.url}/v1/completions", {"prompt": ids, "max_tokens": 8, "temperature": 0})
+        stats = stack_stats(cfg)
+    assert got["choices"][0]["token_ids"] == reference(ids, 8)
+    d = stats["decode-0"]
+    assert d["read_done"] == 2 * 5  # two chunks (2048 + 453 tokens) x five layers
+    assert d["reads_streamed"] == 2 * 5 * 2 and d["reads_shared_memory"] == 0  # main + indexer, all streamed
+    assert d["bytes_read"] == 2501 * 5 * (208 + 32) * 2  # every row of every layer, bf16
+    assert stats["prefill-0"]["held_slots"] == 0

@@ -170,8 +170,12 @@ def _round_up(x: int, a: int) -> int:
 
 def host_id() -> str:
     """This host's identity for shared memory: processes with the same value (hostname and kernel
-    boot) can attach each other's segments; a container or another machine gets another value."""
+    boot) can attach each other's segments; a container or another machine gets another value.
+    ``KVOFFLOAD_HOST_ID`` overrides it (e.g. to force the cross-host data path)."""
     import socket
+
+    if os.environ.get("KVOFFLOAD_HOST_ID"):
+        return os.environ["KVOFFLOAD_HOST_ID"]
 
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:

@@ -36,7 +36,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         # read_ms_total: time the pulls spent moving data (reading the source + installing the rows)
-        self.counters = {"read_done": 0, "read_failed": 0, "bytes_read": 0, "read_ms_total": 0.0}
+        self.counters = {"read_done": 0, "read_failed": 0, "bytes_read": 0, "read_ms_total": 0.0,
+                         "reads_shared_memory": 0, "reads_streamed": 0}
 
     # ---- layout --------------------------------------------------------------------------------
 
@@ -117,8 +118,10 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
                                     (transfer_pb2.PLANE_KIND_INDEXER, lay.indexer_buffer, spec.indexer)):
             if meta.host_id == self.host_id and region.segment_name:
                 raw = self._shared_rows(region, request.src_start, request.src_end, cache.row_bytes)
+                self.counters["reads_shared_memory"] += 1
             else:
                 raw = self._streamed_rows(meta.data_endpoint, request, kind, cache.row_bytes)
+                self.counters["reads_streamed"] += 1
             parts.append(raw.view(cache.dtype).view(-1, cache.width))
         return parts[0], parts[1]
 
