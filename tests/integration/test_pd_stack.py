@@ -115,6 +115,25 @@ def test_nothing_is_left_held(stack):
     assert stats["decode-0"]["pool_live_leases"] == 0 and stats["prefill-0"]["pool_live_leases"] == 0
 
 
+def test_every_http_service_exports_its_metrics(stack):
+    post_json(f"{stack.url}/v1/completions", {"prompt": "x" * 300, "max_tokens": 4, "temperature": 0})
+    c = stack.cfg
+
+    def metrics(port):
+        with urllib.request.urlopen(f"http://{c.host}:{port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    decode, prefill = metrics(c.decode_ports[0]), metrics(c.prefill_ports[0])
+    for name in ("kvoffload_decode_hot_cache_hit_rate_by_layer{layer=\"0\"}", "kvoffload_decode_h2d_bytes_per_step",
+                 "kvoffload_decode_read_done_ms_avg", "kvoffload_decode_pool_used_bytes",
+                 "kvoffload_decode_requests_total{outcome=\"ok\"}"):
+        assert name in decode, name
+    for name in ("kvoffload_prefill_gate_wait_seconds_total", "kvoffload_prefill_read_done_ms_avg",
+                 "kvoffload_prefill_pool_used_bytes", "kvoffload_prefill_requests_total{outcome=\"ok\"}"):
+        assert name in prefill, name
+    assert "kvoffload_proxy" in metrics(c.proxy_port)
+
+
 def test_two_prefills_two_decodes_sixteen_concurrent_streams(model_dir, tmp_path, reference):
     cfg = _config(model_dir, tmp_path, 2, 2)
     prompts = [TOK.encode(f"request {i}: " + "kv offload " * (5 + 7 * i), add_bos=True) for i in range(16)]

@@ -83,6 +83,8 @@ def test_decode_moves_only_misses_and_hits_most():
     model = tiny(torch.float32, True)
     _, stats = _schedule(model, keep=False, topk_buffer_size=128)
     assert stats.hits > 0 and stats.h2d_bytes == stats.misses * model.config.kv_row_width * 4
+    assert sorted(stats.layer_hits) == list(range(model.config.num_hidden_layers))
+    assert sum(stats.layer_hits.values()) == stats.hits and sum(stats.layer_misses.values()) == stats.misses
 
 
 def test_accelerator_staging_path_gives_identical_logits():

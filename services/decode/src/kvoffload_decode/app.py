@@ -45,6 +45,9 @@ class Metrics:
         self.requests = Counter("kvoffload_decode_requests", "Requests by outcome", ["outcome"], registry=self.registry)
         self.hit_rate = Gauge("kvoffload_decode_hot_cache_hit_rate", "Hot-cache hit rate of the last step",
                               registry=self.registry)
+        self.layer_hit_rate = Gauge("kvoffload_decode_hot_cache_hit_rate_by_layer",
+                                    "Hot-cache hit rate of the last step, per cache layer", ["layer"],
+                                    registry=self.registry)
         self.h2d = Gauge("kvoffload_decode_h2d_bytes_per_step", "Host-to-device bytes of the last step",
                          registry=self.registry)
         self.pool_used = Gauge("kvoffload_decode_pool_used_bytes", "Host-pool bytes in use", registry=self.registry)
@@ -56,6 +59,8 @@ class Metrics:
     def render(self) -> bytes:
         st = self.loop.decoder.last_step
         self.hit_rate.set(st.hit_rate)
+        for layer in set(st.layer_hits) | set(st.layer_misses):
+            self.layer_hit_rate.labels(str(layer)).set(st.layer_hit_rate(layer))
         self.h2d.set(st.h2d_bytes)
         self.pool_used.set(self.loop.decoder.pool.stats().used_bytes)
         c = self.transfer.counters

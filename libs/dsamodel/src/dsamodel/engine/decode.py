@@ -51,6 +51,12 @@ class StepStats:
     hits: int = 0
     misses: int = 0
     h2d_bytes: int = 0
+    layer_hits: dict[int, int] = field(default_factory=dict)
+    layer_misses: dict[int, int] = field(default_factory=dict)
+
+    def layer_hit_rate(self, layer: int) -> float:
+        total = self.layer_hits.get(layer, 0) + self.layer_misses.get(layer, 0)
+        return self.layer_hits.get(layer, 0) / total if total else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -296,6 +302,8 @@ class SparseDecoder:
             hot[seq_slots[res.miss_rows.long()].to(hot.device), res.miss_slots.long().to(hot.device)] = rows
         stats.hits += res.num_hits
         stats.misses += res.num_misses
+        stats.layer_hits[layer] = stats.layer_hits.get(layer, 0) + res.num_hits
+        stats.layer_misses[layer] = stats.layer_misses.get(layer, 0) + res.num_misses
         stats.h2d_bytes += res.num_misses * hot.shape[-1] * hot.element_size()
         slots = res.slots.to(torch.long).clamp(min=0).to(hot.device)  # [R, k]
         return hot[seq_slots.to(hot.device)[:, None], slots]  # [R, k, W]
