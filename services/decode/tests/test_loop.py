@@ -64,3 +64,29 @@ def test_partial_transfer_is_reported_and_complete_prompt_decodes(loop):
     tokens = [v for k, v in events if k == "token"]
     assert tokens[0] == 7 and len(tokens) == 3 and events[-1] == ("done", "length")
     assert loop.stats()["sequences"] == 0
+
+
+def test_cancel_during_a_copy_frees_when_the_copy_ends(loop):
+    model = loop.decoder.model
+    n = 20
+    loop.expect_remote("r", list(range(n)), SamplingParams(max_tokens=3), lambda *e: None)
+    real = loop.decoder.write_prompt_layer
+    started, release = threading.Event(), threading.Event()
+
+    def slow(*args, **kw):
+        started.set()
+        release.wait(5)
+        return real(*args, **kw)
+
+    loop.decoder.write_prompt_layer = slow
+    kv = torch.randn(n, model.config.kv_row_width)
+    idx = torch.randn(n, model.config.index_head_dim)
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(pytest.raises(KeyError, loop.write_rows, "r", 0, 0, kv, idx)))
+    t.start()
+    assert started.wait(5)
+    assert loop.cancel("r", "client left")
+    assert loop.stats()["sequences"] == 1  # its blocks stay until the copy into them ends
+    release.set()
+    t.join(5)
+    assert errors and loop.stats()["sequences"] == 0

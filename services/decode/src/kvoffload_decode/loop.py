@@ -40,6 +40,8 @@ class DecodeRequest:
     rows: list[int] = field(default_factory=list)  # prompt rows installed, per layer
     first_token: int | None = None
     arrived_s: float = field(default_factory=time.monotonic)
+    copies: int = 0  # pulled rows being installed right now (outside the loop's lock)
+    free_after_copies: str | None = None  # cancelled while copies ran: the last copy frees it
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -94,20 +96,36 @@ class DecodeLoop:
 
     def write_rows(self, request_id: str, layer: int, start: int, kv: torch.Tensor, index_k: torch.Tensor) -> float:
         """Install rows [start, start + n) of a layer pulled from the prefill; returns the seconds the
-        copy itself took (not the wait for the loop's lock)."""
+        copy took. The copy runs outside the loop's lock (a decode step need not wait for it, nor it
+        for a step): the request's rows and blocks are its own, and a cancel that arrives meanwhile
+        is carried out by the last copy to finish."""
         with self.lock:
-            t = time.perf_counter()
             req = self.pending.get(request_id)
             if req is None:
                 raise KeyError(request_id)
             if start + kv.shape[0] > req.num_prompt_tokens:
                 raise ValueError(f"rows [{start}, {start + kv.shape[0]}) go past the prompt's "
                                  f"{req.num_prompt_tokens} tokens")
+            req.copies += 1
+        t = time.perf_counter()
+        ok = False
+        try:
             self.decoder.write_prompt_layer(request_id, layer, kv, index_k, start=start)
-            if start <= req.rows[layer]:
-                req.rows[layer] = max(req.rows[layer], start + kv.shape[0])
-            self.lock.notify_all()
-            return time.perf_counter() - t
+            ok = True
+        finally:
+            elapsed = time.perf_counter() - t
+            with self.lock:
+                req.copies -= 1
+                if req.free_after_copies is not None:
+                    if not req.copies:
+                        self._free(req, req.free_after_copies)
+                    ok = False
+                elif ok and start <= req.rows[layer]:
+                    req.rows[layer] = max(req.rows[layer], start + kv.shape[0])
+                self.lock.notify_all()
+        if not ok:
+            raise KeyError(request_id)  # cancelled while its rows were copied
+        return elapsed
 
     def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int) -> str:
         """The prefill's first token; returns "" when accepted, else why not."""
@@ -143,7 +161,10 @@ class DecodeLoop:
                 if req is None:
                     return False
                 self.running.remove(req)
-            self._free(req, "cancelled")
+            if req.copies:
+                req.free_after_copies = "cancelled"
+            else:
+                self._free(req, "cancelled")
             log.info("request_cancelled", request_id=request_id, reason=reason)
             return True
 
@@ -157,7 +178,10 @@ class DecodeLoop:
             self._stop = True
             for req in list(self.pending.values()) + list(self.running):
                 req.emit("error", "decode is shutting down")
-                self._free(req, "shutdown")
+                if req.copies:
+                    req.free_after_copies = "shutdown"
+                else:
+                    self._free(req, "shutdown")
             self.pending.clear()
             self.running.clear()
             self.lock.notify_all()
