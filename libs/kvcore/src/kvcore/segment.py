@@ -185,13 +185,15 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-_OWNED_PATHS: set[str] = set()
+_OWNED_PATHS: dict[str, int] = {}  # segment path -> pid of the process that created it
 
 
 @atexit.register
 def _unlink_owned_segments() -> None:
-    """A process that exits (normally, or on an unhandled exception) takes its segments with it."""
-    for path in list(_OWNED_PATHS):
+    """A process that exits (normally, or on an unhandled exception) takes its segments with it;
+    a forked child that exits does not take its parent's."""
+    me = os.getpid()
+    for path in [p for p, pid in _OWNED_PATHS.items() if pid == me]:
         try:
             os.unlink(path)
         except OSError:
@@ -218,7 +220,7 @@ class SharedSegment:
         self.plane_offsets = tuple(plane_offsets)
         self.owner = owner
         if owner:
-            _OWNED_PATHS.add(path)  # unlinked at interpreter exit if the owner never did
+            _OWNED_PATHS[path] = os.getpid()  # unlinked at interpreter exit if the owner never did
         self.size_bytes = len(mm)
         self._mmap: mmap.mmap | None = mm
         self._mv: memoryview | None = memoryview(mm)  # torch views hold this export: see close()
@@ -339,7 +341,7 @@ class SharedSegment:
 
     def unlink(self) -> None:
         """Remove the name; existing mappings stay valid. Idempotent (a missing name is ignored)."""
-        _OWNED_PATHS.discard(self.path)
+        _OWNED_PATHS.pop(self.path, None)
         try:
             os.unlink(self.path)
         except FileNotFoundError:
