@@ -215,7 +215,8 @@ class HostPoolBackend(ABC):
         self.close()
 
 
-def _check_keys(keys: Sequence[bytes], *, unique: bool) -> list[bytes]:
+def check_keys(keys: Sequence[bytes], *, unique: bool) -> list[bytes]:
+    """``keys`` as a list of 1..MAX_KEY_BYTES bytes keys (unique if asked), else ValueError."""
     if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
         raise ValueError(f"keys must be a list of bytes keys, got {type(keys).__name__}")
     keys = list(keys)
@@ -367,7 +368,7 @@ class LocalHostPool(HostPoolBackend):
     # ---- engine thread -------------------------------------------------------------------------
 
     def can_alloc(self, keys: Sequence[bytes]) -> bool:
-        keys = _check_keys(keys, unique=True)
+        keys = check_keys(keys, unique=True)
         with self._cond:
             self._begin()
             if any(k in self._index for k in keys):
@@ -376,7 +377,7 @@ class LocalHostPool(HostPoolBackend):
             return free + len(victims) >= len(keys)
 
     def alloc(self, keys: Sequence[bytes]) -> list[int]:
-        keys = _check_keys(keys, unique=True)
+        keys = check_keys(keys, unique=True)
         with self._cond:
             self._begin()
             for k in keys:
@@ -398,7 +399,7 @@ class LocalHostPool(HostPoolBackend):
             return ids
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        keys = _check_keys(keys, unique=False)
+        keys = check_keys(keys, unique=False)
         with self._cond:
             self._begin()
             ids = torch.tensor([self._index.get(k, -1) for k in keys], dtype=torch.long)  # [n]
@@ -408,7 +409,7 @@ class LocalHostPool(HostPoolBackend):
             return out.tolist()
 
     def lease(self, keys: Sequence[bytes], ttl_ms: int) -> Lease:
-        keys = _check_keys(keys, unique=True)
+        keys = check_keys(keys, unique=True)
         check_ttl_ms(ttl_ms)
         with self._cond:
             self._begin()
@@ -419,7 +420,7 @@ class LocalHostPool(HostPoolBackend):
             return lease
 
     def remove(self, keys: Sequence[bytes]) -> None:
-        keys = _check_keys(keys, unique=False)
+        keys = check_keys(keys, unique=False)
         deadline = time.monotonic() + self._io_wait_timeout_s
         with self._cond:
             while True:
@@ -449,7 +450,7 @@ class LocalHostPool(HostPoolBackend):
     # ---- transfer threads ----------------------------------------------------------------------
 
     def put_from(self, keys: Sequence[bytes], plane: int, src: torch.Tensor) -> None:
-        keys = _check_keys(keys, unique=True)
+        keys = check_keys(keys, unique=True)
         plane = self.geometry.check_plane(plane)
         src_u8 = _as_block_bytes(src, "src", len(keys), self.geometry, plane)  # [n, block_size, row_bytes]
         deadline = time.monotonic() + self._io_wait_timeout_s
@@ -487,7 +488,7 @@ class LocalHostPool(HostPoolBackend):
                 self._cond.notify_all()
 
     def get_into(self, keys: Sequence[bytes], plane: int, dst: torch.Tensor) -> None:
-        keys = _check_keys(keys, unique=False)
+        keys = check_keys(keys, unique=False)
         plane = self.geometry.check_plane(plane)
         dst_u8 = _as_block_bytes(dst, "dst", len(keys), self.geometry, plane)  # [n, block_size, row_bytes]
         with self._cond:
@@ -506,7 +507,7 @@ class LocalHostPool(HostPoolBackend):
                 self._cond.notify_all()
 
     def block_ids(self, keys: Sequence[bytes]) -> list[int]:
-        keys = _check_keys(keys, unique=False)
+        keys = check_keys(keys, unique=False)
         with self._cond:
             self._begin()
             return self._resolve(keys)

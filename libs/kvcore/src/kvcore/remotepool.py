@@ -65,7 +65,7 @@ from kvcore.hostpool import (
     PoolFullError,
     PoolStats,
     _as_block_bytes,
-    _check_keys,
+    check_keys,
 )
 from kvcore.leases import check_ttl_ms
 from kvcore.metaclient import MetaStoreClient, PoolNotRegistered, PoolRecord, RemoteLease, WorldSizeExceeded
@@ -290,7 +290,7 @@ class RemoteHostPool(HostPoolBackend):
     # ---- engine thread ---------------------------------------------------------------------------
 
     def can_alloc(self, keys: Sequence[bytes]) -> bool:
-        keys = _check_keys(keys, unique=True)
+        keys = check_keys(keys, unique=True)
         self._check_usable()
         if not keys:
             return True
@@ -301,25 +301,25 @@ class RemoteHostPool(HostPoolBackend):
         return True
 
     def alloc(self, keys: Sequence[bytes]) -> list[int]:
-        keys = _check_keys(keys, unique=True)
+        keys = check_keys(keys, unique=True)
         self._check_usable()
         if not keys:
             return []
         return self._own_pool_call(self._client.alloc, keys)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        keys = _check_keys(keys, unique=False)
+        keys = check_keys(keys, unique=False)
         self._check_usable()
         return self._client.exists(keys) if keys else []
 
     def lease(self, keys: Sequence[bytes], ttl_ms: int) -> RemoteLease:
-        keys = _check_keys(keys, unique=True)
+        keys = check_keys(keys, unique=True)
         check_ttl_ms(ttl_ms)
         self._check_usable()
         return self._client.lease(keys, ttl_ms, holder=self.pool_id)
 
     def remove(self, keys: Sequence[bytes]) -> None:
-        keys = _check_keys(keys, unique=False)
+        keys = check_keys(keys, unique=False)
         self._check_usable()
         if not keys:
             return
@@ -340,7 +340,7 @@ class RemoteHostPool(HostPoolBackend):
     # ---- transfer threads ------------------------------------------------------------------------
 
     def put_from(self, keys: Sequence[bytes], plane: int, src: torch.Tensor) -> None:
-        keys = _check_keys(keys, unique=True)
+        keys = check_keys(keys, unique=True)
         g = self.geometry
         plane = g.check_plane(plane)
         src_u8 = _as_block_bytes(src, "src", len(keys), g, plane)  # [n, block_size, row_bytes]
@@ -371,7 +371,7 @@ class RemoteHostPool(HostPoolBackend):
             self._client.mark_written(keys, plane)
 
     def get_into(self, keys: Sequence[bytes], plane: int, dst: torch.Tensor) -> None:
-        keys = _check_keys(keys, unique=False)
+        keys = check_keys(keys, unique=False)
         g = self.geometry
         plane = g.check_plane(plane)
         dst_u8 = _as_block_bytes(dst, "dst", len(keys), g, plane)  # [n, block_size, row_bytes]
@@ -400,7 +400,7 @@ class RemoteHostPool(HostPoolBackend):
                     dst_u8[torch.tensor(pos, dtype=torch.long)] = src.index_select(0, ids)
 
     def block_ids(self, keys: Sequence[bytes]) -> list[int]:
-        keys = _check_keys(keys, unique=False)
+        keys = check_keys(keys, unique=False)
         self._check_usable()
         if not keys:
             return []

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import structlog
 from kvcore.eviction import LRUEviction
-from kvcore.hostpool import MAX_KEY_BYTES, LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound
+from kvcore.hostpool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, check_keys
 from kvcore.leases import Lease, LeaseTable, check_ttl_ms
 from kvcore.segment import PoolGeometry, SharedSegment
 
@@ -61,20 +61,6 @@ log = structlog.get_logger("kvoffload_metastore.core")
 MAX_LEASE_TTL_MS = 86_400_000
 MAX_POOL_ID_CHARS = 200
 MAX_REMEMBERED_EXPIRIES = 1024  # expired pool ids kept for error messages
-
-
-def check_keys(keys: Sequence[bytes], *, unique: bool) -> list[bytes]:
-    """``keys`` as a list of 1..MAX_KEY_BYTES bytes keys (unique if asked), else ValueError."""
-    if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
-        raise ValueError(f"keys must be a list of bytes keys, got {type(keys).__name__}")
-    out = list(keys)
-    for i, k in enumerate(out):
-        if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY_BYTES:
-            raise ValueError(f"keys[{i}] must be bytes of length 1..{MAX_KEY_BYTES}, got {k!r:.80}")
-    if unique and len(set(out)) != len(out):
-        dup = next(k for i, k in enumerate(out) if k in out[:i])
-        raise ValueError(f"keys must be unique in one call; {dup!r} repeats")
-    return out
 
 
 # ---- mutable state (under the lock) --------------------------------------------------------------
