@@ -60,3 +60,17 @@ def test_bad_specs():
         KVLayout.for_mla(num_hidden_layers=2, kv_lora_rank=8, qk_rope_head_dim=4, block_size=0)
     with pytest.raises(ValueError, match="num_hidden_layers"):
         KVLayout.for_mla(num_hidden_layers=0, kv_lora_rank=8, qk_rope_head_dim=4, block_size=4)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "float32", "fp8"])
+def test_dtype_name_inverts_parse_dtype(name):
+    from kvcore.layout import dtype_name
+
+    assert dtype_name(parse_dtype(name)) == name
+
+
+def test_dtype_name_refuses_unsupported():
+    from kvcore.layout import dtype_name
+
+    with pytest.raises(ValueError, match="not supported"):
+        dtype_name(torch.int8)

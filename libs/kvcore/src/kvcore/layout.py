@@ -36,6 +36,14 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name ``parse_dtype`` accepts for ``dtype`` (how layouts name dtypes on the wire)."""
+    for name, dt in _DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"dtype {dtype} is not supported; use one of {sorted(_DTYPES)}")
+
+
 def physical_index(cache_name: str, num_base_layers: int) -> int:
     """Physical layer index of a cache name.
 

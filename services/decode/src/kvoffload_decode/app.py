@@ -150,7 +150,8 @@ class _Handler:
                   "remote_port": self.settings.control_port, "remote_tp_size": 1, "remote_dp_rank": 0}
         payload = {"request_id": rid, "kv_transfer_params": params}
         timeout = aiohttp.ClientTimeout(total=self.settings.metaserver_timeout_s)
-        for attempt in range(self.settings.metaserver_retries + 1):
+        attempt = 0
+        while True:
             try:
                 async with aiohttp.ClientSession(timeout=timeout) as session:
                     async with session.post(metaserver, json=payload, headers={"X-Request-Id": rid}) as resp:
@@ -163,7 +164,7 @@ class _Handler:
                 if attempt == self.settings.metaserver_retries:
                     return f"metaserver {metaserver} unreachable after {attempt + 1} attempts: {exc!r}"
                 await asyncio.sleep(0.2 * 2**attempt)
-        return "unreachable"
+                attempt += 1
 
     async def _next(self, queue: asyncio.Queue) -> tuple[str, object]:
         return await asyncio.wait_for(queue.get(), timeout=self.settings.token_timeout_s)

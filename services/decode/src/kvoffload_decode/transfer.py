@@ -15,16 +15,13 @@ import time
 import grpc
 import structlog
 import torch
-from kvcore.layout import KVLayout
+from kvcore.layout import KVLayout, dtype_name
 from kvcore.segment import SharedSegment
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
 from kvoffload_decode.loop import DecodeLoop
 
 log = structlog.get_logger(__name__)
-
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
-
 
 class TransferServicer(transfer_pb2_grpc.TransferServicer):
     """Serves ``kvoffload.v1.Transfer`` for one decode rank."""
@@ -66,10 +63,10 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         for spec, got in zip(self.layout.layers, m.layers):
             want_idx = spec.indexer.row_bytes if spec.indexer else 0
             if got.layer != spec.index or got.main_row_bytes != spec.main.row_bytes \
-                    or got.indexer_row_bytes != want_idx or got.main_dtype != _DTYPE_NAMES.get(spec.main.dtype):
+                    or got.indexer_row_bytes != want_idx or got.main_dtype != dtype_name(spec.main.dtype):
                 return (f"layers[{spec.index}]: prefill rows {got.main_row_bytes}/{got.indexer_row_bytes} bytes "
                         f"{got.main_dtype}, decode {spec.main.row_bytes}/{want_idx} bytes "
-                        f"{_DTYPE_NAMES.get(spec.main.dtype)}")
+                        f"{dtype_name(spec.main.dtype)}")
         return ""
 
     # ---- pulls ---------------------------------------------------------------------------------

@@ -16,14 +16,12 @@ import structlog
 import torch
 from dsamodel.engine.prefill import LayerwisePrefill, PrefillRequest
 from dsamodel.sampling import RequestSampler, SamplingParams
+from kvcore.layout import dtype_name
 from kvoffload_proto.v1 import transfer_pb2
 
 from kvoffload_prefill.links import DecodeLink
 
 log = structlog.get_logger(__name__)
-
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
-
 
 @dataclass(frozen=True)
 class PrefillOutcome:
@@ -64,9 +62,9 @@ class PrefillWorker:
             slot = eng.plan.slot_of(spec.index)
             lay = transfer_pb2.LayerLayout(
                 layer=spec.index, slot=slot, main_row_bytes=spec.main.row_bytes,
-                main_dtype=_DTYPE_NAMES[spec.main.dtype],
+                main_dtype=dtype_name(spec.main.dtype),
                 indexer_row_bytes=spec.indexer.row_bytes if spec.indexer else 0,
-                indexer_dtype=_DTYPE_NAMES[spec.indexer.dtype] if spec.indexer else "")
+                indexer_dtype=dtype_name(spec.indexer.dtype) if spec.indexer else "")
             if bufs.segment is not None:
                 for kind, region, cache in (("main", lay.main_buffer, spec.main),
                                             ("indexer", lay.indexer_buffer, spec.indexer)):
