@@ -9,8 +9,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import Callable
+
+from kvcore.tls import add_tls_arguments  # light: grpc is imported only when a channel is opened
 
 # bench name -> "module:function"; each function takes keyword parameters and returns a dict.
 BENCHES: dict[str, str] = {
@@ -20,6 +23,7 @@ BENCHES: dict[str, str] = {
     "prefix": "dsamodel.bench.prefix:run",
     "decode": "dsamodel.bench.decode:run",
     "pd": "kvoffload.bench_pd:run",
+    "faults": "kvoffload.faults:bench",
 }
 
 
@@ -71,22 +75,28 @@ def _stack_config(args: argparse.Namespace):
 
     from kvoffload.stack import DEFAULT_HOME, StackConfig, ensure_tiny_model
 
+    from kvcore.tls import from_args
+
+    tls = from_args(args)  # TLSConfigError names the flag and the path
+    if tls is not None:
+        tls.require_identity("every service of the stack")
     model = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_HOME / "models" / "tiny")
     return StackConfig(model=model, log_dir=Path(args.log_dir) if args.log_dir else DEFAULT_HOME / "logs",
-                       proxy_port=args.port, max_model_len=args.max_model_len)
+                       proxy_port=args.port, max_model_len=args.max_model_len, tls=tls, api_key=args.api_key or None)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from kvoffload.stack import Stack
+    from kvoffload.stack import API_KEY_ENV, Stack
 
     cfg = _stack_config(args)
     stack = Stack(cfg)
     stack.start()
     print(f"kvoffload is up: {stack.url}  (logs in {cfg.log_dir}; Ctrl-C stops everything)")
-    print(f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json' "
+    auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if cfg.api_key else ""
+    print(f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json'{auth} "
           """-d '{"prompt": "Hello", "max_tokens": 16, "temperature": 0}'""")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -114,7 +124,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     with Stack(cfg) as stack:
         t = time.monotonic()
         answer = post_json(f"{stack.url}/v1/completions",
-                           {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0})
+                           {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0},
+                           headers=stack.auth_headers)
         elapsed = time.monotonic() - t
         stats = stack_stats(cfg)
     choice = answer["choices"][0]
@@ -175,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--port", type=int, default=9000, help="proxy port")
         cmd.add_argument("--max-model-len", type=int, default=16384)
         cmd.add_argument("--log-dir", help="where each service logs (default ~/.cache/kvoffload/logs)")
+        cmd.add_argument("--api-key", default=os.environ.get("KVOFFLOAD_API_KEY"),
+                         help="the proxy requires 'Authorization: Bearer KEY' (default $KVOFFLOAD_API_KEY)")
+        add_tls_arguments(cmd)  # handed to every gRPC service of the stack, and used by its probes
         if name == "demo":
             cmd.add_argument("--max-tokens", type=int, default=32)
         cmd.set_defaults(func=func)
@@ -188,8 +202,14 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvcore.tls import TLSConfigError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except TLSConfigError as exc:
+        print(f"kvoffload: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

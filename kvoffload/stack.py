@@ -18,10 +18,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvcore.tls import TLSConfig
 from tqdm import tqdm
 
 DATA_PORT_OFFSET = 10000  # a prefill's gRPC (LayerSource, Health, Stats) port = its HTTP port + this
 DEFAULT_HOME = Path(os.environ.get("KVOFFLOAD_HOME", Path.home() / ".cache" / "kvoffload"))
+API_KEY_ENV = "KVOFFLOAD_API_KEY"  # the proxy's --api-key, passed in its environment (never on a command line)
 
 
 def prefill_kv_transfer_config(kv_port: int, buffers: int = 3) -> str:
@@ -61,6 +63,9 @@ class StackConfig:
     block_size: int = 16
     extra_env: dict[str, str] = field(default_factory=dict)  # for every service
     service_env: dict[str, dict[str, str]] = field(default_factory=dict)  # per service name, e.g. "prefill-0"
+    service_args: dict[str, list[str]] = field(default_factory=dict)  # extra flags per service name
+    tls: TLSConfig | None = None  # --tls-cert/--tls-key/--tls-ca for every gRPC service, and for the probes
+    api_key: str | None = None  # the proxy requires "Authorization: Bearer KEY" (see auth_headers)
 
 
 def ensure_tiny_model(path: Path) -> Path:
@@ -95,13 +100,19 @@ class Stack:
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.cfg.proxy_port}"
 
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """What a client of the proxy sends: the bearer key when the stack has one."""
+        return {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+
     def commands(self) -> list[tuple[str, list[str], str]]:
         """(name, argv, health URL) of every service, in start order."""
         c = self.cfg
+        tls = c.tls.flags() if c.tls else []
         common = ["--model", str(c.model), "--host", c.host, "--max-model-len", str(c.max_model_len),
-                  "--block-size", str(c.block_size)]
+                  "--block-size", str(c.block_size), *tls]
         out = [("metastore", [_bin("kvoffload-metastore"), "--host", c.host, "--port", str(c.metastore_port),
-                              "--dram-size", f"{int(c.prefill_pool_gb * 1024)}MB"],
+                              "--dram-size", f"{int(c.prefill_pool_gb * 1024)}MB", *tls],
                 f"grpc://{c.host}:{c.metastore_port}")]
         for i, port in enumerate(c.decode_ports):
             kv_port = c.kv_port + 16 * i  # each decode reserves dp * tp consecutive control ports
@@ -121,44 +132,74 @@ class Stack:
                  "--prefiller-ports", *map(str, c.prefill_ports),
                  "--decoder-hosts", *[c.host] * len(c.decode_ports), "--decoder-ports", *map(str, c.decode_ports)]
         out.append(("proxy", proxy, f"http://{c.host}:{c.proxy_port}/healthcheck"))
-        return out
+        return [(name, argv + c.service_args.get(name, []), health) for name, argv, health in out]
+
+    def _spawn(self, name: str, argv: list[str]) -> tuple[subprocess.Popen, Path]:
+        """Start one service, its output appended to ``log_dir/NAME.log``."""
+        env = {**os.environ, **self.cfg.extra_env}
+        env.pop(API_KEY_ENV, None)
+        if name == "proxy" and self.cfg.api_key:
+            env[API_KEY_ENV] = self.cfg.api_key
+        log = self.cfg.log_dir / f"{name}.log"
+        with open(log, "ab") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                                    env={**env, **self.cfg.service_env.get(name, {})}, start_new_session=True,
+                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        return proc, log
 
     def start(self, timeout_s: float = 180.0, progress: bool = True) -> None:
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        for name, _, _ in self.commands():
+            (self.cfg.log_dir / f"{name}.log").write_bytes(b"")
         cmds = self.commands()
-        env = {**os.environ, **self.cfg.extra_env}
         try:
             for name, argv, _ in cmds:
-                log = self.cfg.log_dir / f"{name}.log"
-                with open(log, "wb") as f:
-                    proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
-                                            env={**env, **self.cfg.service_env.get(name, {})},
-                                            start_new_session=True,
-                                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                proc, log = self._spawn(name, argv)
                 self.procs.append((name, proc, log))
             deadline = time.monotonic() + timeout_s
             with tqdm(total=len(cmds), desc="starting kvoffload", unit="service", disable=not progress,
                       file=sys.stderr) as bar:
                 for (name, argv, health), (_, proc, log) in zip(cmds, self.procs):
                     bar.set_postfix_str(name)
-                    self._wait_healthy(name, proc, health, log, deadline)
+                    self._wait_healthy(name, proc, health, log, deadline, self.cfg.tls)
                     bar.update(1)
         except BaseException:
             self.stop()
             raise
 
     @staticmethod
-    def _wait_healthy(name: str, proc: subprocess.Popen, url: str, log: Path, deadline: float) -> None:
+    def _wait_healthy(name: str, proc: subprocess.Popen, url: str, log: Path, deadline: float,
+                      tls: TLSConfig | None = None) -> None:
         while True:
             if proc.poll() is not None:
                 tail = log.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"{name} exited with status {proc.returncode} while starting; "
                                    f"its log ({log}) ends with:\n{tail}")
-            if _healthy(url):
+            if _healthy(url, tls):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name} not healthy at {url} in time; see {log}")
             time.sleep(0.2)
+
+    def process(self, name: str) -> subprocess.Popen:
+        return next(proc for n, proc, _ in self.procs if n == name)
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send ``sig`` to one service (fault injection: SIGKILL, SIGSTOP, SIGCONT)."""
+        proc = self.process(name)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
+    def restart(self, name: str, timeout_s: float = 120.0) -> None:
+        """Start ``name`` again if it is not running (same command line) and wait until it is healthy."""
+        i = next(i for i, (n, _, _) in enumerate(self.procs) if n == name)
+        _, argv, health = next(c for c in self.commands() if c[0] == name)
+        proc = self.procs[i][1]
+        if proc.poll() is None:
+            return
+        proc, log = self._spawn(name, argv)
+        self.procs[i] = (name, proc, log)
+        self._wait_healthy(name, proc, health, log, time.monotonic() + timeout_s, self.cfg.tls)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop in reverse start order (proxy, prefills, decodes, metastore): SIGTERM, wait up to
@@ -181,14 +222,16 @@ class Stack:
         self.stop()
 
 
-def _healthy(url: str) -> bool:
-    """HTTP 200 from an http:// URL, or SERVING from the gRPC health service at grpc://host:port."""
+def _healthy(url: str, tls: TLSConfig | None = None) -> bool:
+    """HTTP 200 from an http:// URL, or SERVING from the gRPC health service at grpc://host:port
+    (over TLS with ``tls``)."""
     if url.startswith("grpc://"):
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
+        from kvcore.tls import secure_or_insecure_channel
 
         try:
-            with grpc.insecure_channel(url[len("grpc://"):]) as ch:
+            with secure_or_insecure_channel(url[len("grpc://"):], tls) as ch:
                 reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
@@ -200,27 +243,28 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def post_json(url: str, body: dict, timeout_s: float = 300.0) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post_json(url: str, body: dict, timeout_s: float = 300.0, headers: dict[str, str] | None = None) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return json.loads(resp.read())
 
 
-def grpc_stats(target: str, timeout_s: float = 5.0) -> dict[str, float]:
-    """A service's ``kvoffload.v1.Stats`` counters."""
-    import grpc
+def grpc_stats(target: str, timeout_s: float = 5.0, tls: TLSConfig | None = None) -> dict[str, float]:
+    """A service's ``kvoffload.v1.Stats`` counters (over TLS with ``tls``)."""
+    from kvcore.tls import secure_or_insecure_channel
     from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
 
-    with grpc.insecure_channel(target) as ch:
+    with secure_or_insecure_channel(target, tls) as ch:
         reply = stats_pb2_grpc.StatsStub(ch).GetStats(stats_pb2.StatsRequest(), timeout=timeout_s)
     return dict(reply.counters)
 
 
 def stack_stats(cfg: StackConfig) -> dict[str, dict[str, float]]:
     """Stats of every prefill (data port) and decode (control port) of the stack."""
-    out = {"metastore": grpc_stats(f"{cfg.host}:{cfg.metastore_port}")}
+    out = {"metastore": grpc_stats(f"{cfg.host}:{cfg.metastore_port}", tls=cfg.tls)}
     for i, port in enumerate(cfg.prefill_ports):
-        out[f"prefill-{i}"] = grpc_stats(f"{cfg.host}:{port + DATA_PORT_OFFSET}")
+        out[f"prefill-{i}"] = grpc_stats(f"{cfg.host}:{port + DATA_PORT_OFFSET}", tls=cfg.tls)
     for i, _ in enumerate(cfg.decode_ports):
-        out[f"decode-{i}"] = grpc_stats(f"{cfg.host}:{cfg.kv_port + 16 * i}")
+        out[f"decode-{i}"] = grpc_stats(f"{cfg.host}:{cfg.kv_port + 16 * i}", tls=cfg.tls)
     return out

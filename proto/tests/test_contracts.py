@@ -15,7 +15,7 @@ def test_package_and_services():
     assert _methods(metastore_pb2, "MetaStore") == {
         "RegisterPool", "Heartbeat", "DeregisterPool", "Alloc", "Lookup", "Exists", "MarkWritten", "Remove",
         "Lease", "RenewLease", "ReleaseLease", "Stats"}
-    assert _methods(transfer_pb2, "Transfer") == {"ExchangeLayout", "ReadReady", "PrefillDone"}
+    assert _methods(transfer_pb2, "Transfer") == {"ExchangeLayout", "ReadReady", "PrefillDone", "Heartbeat"}
     assert _methods(transfer_pb2, "LayerSource") == {"ReadLayer"}
     assert _methods(stats_pb2, "Stats") == {"GetStats"}
 

@@ -134,6 +134,39 @@ def test_every_http_service_exports_its_metrics(stack):
     assert "kvoffload_proxy" in metrics(c.proxy_port)
 
 
+def test_one_request_id_follows_a_request_through_every_service(stack):
+    """The client's X-Request-Id is the request_id of the request's log lines in proxy, decode and
+    prefill (the wire id between prefill and decode rides along as child_id); Stats' ledger
+    records the request's stages under the wire id."""
+    import time
+    import uuid
+
+    trace = f"trace-{uuid.uuid4().hex}"
+    out = post_json(f"{stack.url}/v1/completions", {"prompt": "follow me " * 30, "max_tokens": 3, "temperature": 0},
+                    headers={"X-Request-Id": trace})
+    time.sleep(0.5)  # the last lines reach the log files
+    by_service = {}
+    for name in ("proxy", "decode-0", "prefill-0"):
+        lines = [json.loads(x) for x in (stack.cfg.log_dir / f"{name}.log").read_text().splitlines()
+                 if x.startswith("{")]
+        by_service[name] = [e for e in lines if e.get("request_id") == trace]
+        wire = {e.get("child_id") for e in by_service[name]} - {None}
+        stray = [e for e in lines if e.get("request_id") in wire]  # a line under the wire id alone
+        assert not stray, (name, stray[:3])
+    assert all(by_service.values()), {k: len(v) for k, v in by_service.items()}
+    assert {e["event"] for e in by_service["decode-0"]} >= {"request_admitted"}
+    assert {e["event"] for e in by_service["prefill-0"]} >= {"prefill_finished"}
+    from kvcore.tls import secure_or_insecure_channel
+    from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
+
+    with secure_or_insecure_channel(f"{stack.cfg.host}:{stack.cfg.kv_port}", None) as ch:
+        reply = stats_pb2_grpc.StatsStub(ch).GetStats(stats_pb2.StatsRequest(include_ledger=True), timeout=5)
+    ledger = json.loads(reply.ledger_json)
+    mine = [e for e in ledger["finished"] if e["request_id"] == out["id"]]
+    assert mine and mine[0]["outcome"] == "ok", ledger
+    assert [s for s, _ in mine[0]["history"]] == ["admitted", "awaiting_prefill", "pulling", "ready", "decoding", "ok"]
+
+
 def test_two_prefills_two_decodes_sixteen_concurrent_streams(model_dir, tmp_path, reference):
     cfg = _config(model_dir, tmp_path, 2, 2)
     prompts = [TOK.encode(f"request {i}: " + "kv offload " * (5 + 7 * i), add_bos=True) for i in range(16)]

@@ -258,6 +258,22 @@ def test_failed_heartbeats_are_retried_and_an_expired_pool_refuses_operations(po
     assert not os.path.exists(path)
 
 
+def test_a_service_pool_rejoins_after_the_metastore_lost_it(pools, metastore, clock):
+    """rejoin=True (what the prefill uses): a MetaStore that forgot the pool (expired here; a restart
+    is the same) gets it registered again at the next beat — empty, and usable."""
+    pool = pools("dp0", rejoin=True)
+    _fill(pool, K[:2])
+    metastore.core.deregister_pool("dp0")
+    with capture_logs() as logs:
+        _wait_until(lambda: pool.rejoins == 1, "the pool to rejoin")
+    assert any(e["event"] == "remote_pool_rejoined" for e in logs)
+    assert pool.alive and pool.exists(K[:2]) == [False, False]  # the index starts empty
+    data = _fill(pool, K[2:4], seed=7)
+    out = torch.empty_like(data[0])
+    pool.get_into(K[2:4], 0, out)
+    assert torch.equal(out, data[0])
+
+
 def test_close_stops_heartbeats_deregisters_and_unlinks(pools, metastore, clock):
     pool = pools("dp0")
     _fill(pool, K[:2])

@@ -119,3 +119,58 @@ def test_shared_memory_layer_buffers_change_nothing():
         eng.close()
         pool.close()
     _assert_same(got, _reference(model, prompt, BS + 1))
+
+
+def test_a_cancelled_request_stops_between_layers_and_leaves_nothing_held():
+    """``PrefillRequest.cancelled`` (its reader went away) ends the request before the next layer:
+    PrefillError naming the layer and why; no slot, lease or request object stays behind, and the
+    engine serves the next request exactly as before."""
+    from dsamodel.engine.prefill import PrefillError
+
+    model = tiny(torch.float32, True)
+    pool = prefill_pool(model, BS)
+    eng = prefill_engine(model, pool, buffers=2, independent=[0], chunk_size=BS + 1)
+    asked = []
+
+    def cancelled() -> str:
+        asked.append(1)
+        return "the decode went away" if len(asked) > 3 else ""
+
+    try:
+        prompt = seeded_prompt(5 * BS + 2, seed=3)
+        with pytest.raises(PrefillError, match=r"stopped before layer \d+: the decode went away"):
+            eng.run(PrefillRequest("gone", prompt, cancelled=cancelled))
+        assert len(asked) == 4
+        assert eng.gates.stats()["held_slots"] == 0 and pool.stats().live_leases == 0
+        res = eng.run(PrefillRequest("next", prompt))
+        eng.release(res)
+        assert pool.stats().live_leases == 0 and eng.gates.stats()["held_slots"] == 0
+    finally:
+        eng.close()
+        pool.close()
+    want = _run(model, prompt, buffers=None, independent="all", chunk_size=BS + 1)
+    assert torch.equal(res.logits, want[0])
+
+
+def test_an_announce_that_raises_fails_its_readers_instead_of_holding_the_slot():
+    """If telling a reader fails (its decode vanished), that reader can never answer: the slot's
+    read is failed at once, the request ends with the error, and no slot waits for a timeout."""
+    model = tiny(torch.float32, False)
+    pool = prefill_pool(model, BS)
+    eng = prefill_engine(model, pool, buffers=2, independent=[0], chunk_size=64)
+    calls = []
+
+    def announce(ticket, req, start, end):
+        calls.append(ticket.layer)
+        if len(calls) == 2:
+            raise ConnectionError("decode gone")
+        ticket.read_done(next(iter(ticket.readers)))
+
+    eng.announce = announce
+    try:
+        with pytest.raises(ConnectionError, match="decode gone"):
+            eng.run(PrefillRequest("r", seeded_prompt(3 * BS, seed=5), readers=frozenset({"decode"})))
+        assert eng.gates.stats()["held_slots"] == 0 and pool.stats().live_leases == 0
+    finally:
+        eng.close()
+        pool.close()

@@ -411,3 +411,16 @@ def test_other_owner_still_waits_for_in_flight_items():
         gate.acquire(2, owner="req-b", timeout_s=0.05)  # the read is still in flight (I4)
     t.read_done("d0")
     assert gate.acquire(2, owner="req-b", timeout_s=1).layer == 2
+
+
+def test_fail_pending_reads_settles_only_the_readers_that_did_not_answer():
+    gate = SlotGate(0)
+    t = gate.acquire(1, readers=["a", "b", "c"])
+    t.computed()
+    t.saved()
+    t.read_done("a")
+    assert t.fail_pending_reads("the announce could not be sent") == 2
+    assert t.fail_pending_reads("again") == 0  # idempotent
+    assert t.is_settled
+    with pytest.raises(OccupantFailed, match="the announce could not be sent"):
+        gate.acquire(2, timeout_s=1)

@@ -154,3 +154,21 @@ def test_owner_process_exit_removes_its_segments(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert not os.path.exists(SharedSegment.path_for(name))
+
+
+def test_sweep_removes_the_segments_of_killed_processes_only():
+    """kill -9 skips the exit hook, so the segment (reserved in full) would stay in /dev/shm until
+    reboot; the sweep a service runs at start removes it, and never a live process's segment."""
+    from kvcore.segment import sweep_stale_segments
+
+    dead, live = _name(), _name()
+    code = ("import os, signal\nfrom kvcore.segment import SharedSegment, PoolGeometry\n"
+            f"SharedSegment.create({dead!r}, PoolGeometry(4, (8,), 4))\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": SRC})
+    assert proc.returncode == -9, proc.stderr
+    assert os.path.exists(SharedSegment.path_for(dead))
+    with SharedSegment.create(live, _geometry()) as seg:
+        removed = sweep_stale_segments()
+        assert SharedSegment.path_for(dead) in removed and not os.path.exists(SharedSegment.path_for(dead))
+        assert os.path.exists(seg.path) and seg.path not in removed

@@ -90,3 +90,33 @@ def test_cancel_during_a_copy_frees_when_the_copy_ends(loop):
     release.set()
     t.join(5)
     assert errors and loop.stats()["sequences"] == 0
+
+
+def test_a_prefill_that_goes_quiet_fails_its_request_and_frees_it():
+    """The watchdog: a request whose prefill reported once and then fell silent for longer than
+    peer_timeout_s is failed with an error naming the prefill and the stage, and its blocks are
+    freed; a request never heard from (still waiting for the proxy's dispatch) is left alone."""
+    model = tiny_model(dtype="float32")
+    pool = build.decode_pool(model, 16, 8 << 20)
+    lp = DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256),
+                    model.config.eos_token_id, peer_timeout_s=0.3)
+    try:
+        errors = []
+        got = threading.Event()
+        lp.expect_remote("quiet", list(range(20)), SamplingParams(max_tokens=2),
+                         lambda kind, value: (errors.append((kind, value)), got.set()) if kind == "error" else None)
+        lp.expect_remote("waiting", list(range(20)), SamplingParams(max_tokens=2), lambda *e: None)
+        lp.awaiting_prefill("quiet")
+        lp.awaiting_prefill("waiting")
+        assert lp.heard_from_prefill("quiet", "prefill 10.0.0.1:18100")
+        assert not lp.heard_from_prefill("unknown", "prefill 10.0.0.1:18100")
+        assert got.wait(5)
+        [(kind, reason)] = errors
+        assert "prefill 10.0.0.1:18100" in reason and "'pulling'" in reason, reason
+        st = lp.stats()
+        assert st["pending"] == 1 and st["sequences"] == 1 and st["ledger_finished_timeout"] == 1
+        assert st["ledger_open_awaiting_prefill"] == 1
+        assert not lp.heard_from_prefill("quiet", "prefill 10.0.0.1:18100")  # gone: a heartbeat says unknown
+    finally:
+        lp.close()
+        pool.close()

@@ -137,8 +137,10 @@ class FakeDecoder(FakeBackend):
         params = self.endpoint_params(ktp["request_id"])
         body = (params if self.mode == "flat_registration"  # the reference decoders' form
                 else {"request_id": ktp["request_id"], "kv_transfer_params": params})
+        token = ktp.get("metaserver_token")  # issued by a proxy with --api-key, echoed as real decoders do
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         async with aiohttp.ClientSession() as s:
-            async with s.post(ktp["metaserver"], json=body) as r:
+            async with s.post(ktp["metaserver"], json=body, headers=headers) as r:
                 answer = (r.status, await r.json(), time.monotonic())
         self.metaserver_answers.append(answer)
         return answer

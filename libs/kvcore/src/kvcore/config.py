@@ -488,11 +488,28 @@ def _load_json(value: Any, option: str) -> Any:
     if not isinstance(value, str):
         raise ConfigError([f"{option}: got {describe_value(value)}; must be a JSON string or a dict"])
     try:
-        return json.loads(value)
+        return json.loads(value, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise ConfigError(
             [f"{option}: malformed JSON at line {exc.lineno} column {exc.colno} (char {exc.pos}): {exc.msg}"]
         ) from None
+    except _DuplicateKey as exc:
+        raise ConfigError(
+            [f"{option}: key {exc.args[0]!r} appears twice in one JSON object; give each key once"]
+        ) from None
+
+
+class _DuplicateKey(ValueError):
+    """A JSON object names a key twice (json.loads would silently keep the last value)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def _validate(model_cls: type[_Model], data: Any, option: str) -> Any:

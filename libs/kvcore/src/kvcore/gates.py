@@ -41,6 +41,8 @@ Transfer servicer (READ_DONE / READ_FAILED from decode endpoints):
   ``SlotTicket.read_done(reader)`` / ``SlotTicket.read_failed(reader, reason)``: never block.
       Settle one reader once; a duplicate, unknown reader or stale ticket raises ValueError and
       changes nothing, so hostile or replayed network messages cannot free a slot.
+  ``SlotTicket.fail_pending_reads(reason)``: never blocks. READ_FAILED for every reader that has
+      not answered (its announce could not be sent); readers that answered keep their answer.
 Stats reader, admission and tests (never block beyond one short lock; read only):
   ``SlotGate.snapshot()``, ``SlotGate.occupant``, ``SlotGate.stats()``, ``GateSet.gate(slot)``,
   ``GateSet.stats()``, ``SlotTicket.pending()``, ``SlotTicket.is_settled``. Must not call ticket
@@ -176,6 +178,19 @@ class SlotTicket:
 
     def read_failed(self, reader: Hashable, reason: str) -> None:
         self._gate._settle(self, "read", FAILED, reader=reader, reason=reason)
+
+    def fail_pending_reads(self, reason: str) -> int:
+        """READ_FAILED for every reader that has not answered yet (e.g. its announce could not be
+        sent); returns how many. Readers that answered keep their answer."""
+        with self._gate._cond:
+            occ = self._occ
+            pending = [r for r in occ.readers if r not in occ.reads_done and r not in occ.reads_failed]
+        for reader in pending:
+            try:
+                self.read_failed(reader, reason)
+            except ValueError:  # answered meanwhile
+                pass
+        return len(pending)
 
     @property
     def is_settled(self) -> bool:

@@ -37,6 +37,7 @@ from kvcore.hostpool import (
     PoolStats,
 )
 from kvcore.segment import PoolGeometry
+from kvcore.tls import PROCESS, secure_or_insecure_channel
 
 if TYPE_CHECKING:
     import grpc
@@ -249,7 +250,9 @@ class MetaStoreClient:
     """Typed client of ``kvoffload.v1.MetaStore`` (see the module docstring). Thread-safe."""
 
     def __init__(self, target: str, *, pool_id: str | None = None, timeout_s: float = 5.0,
-                 channel: "grpc.Channel | None" = None) -> None:
+                 channel: "grpc.Channel | None" = None, tls: Any = PROCESS) -> None:
+        """``tls``: a ``kvcore.tls.TLSConfig`` for the channel, None for plain gRPC; by default the
+        process's (``kvcore.tls.configure``). Ignored when ``channel`` is given."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         grpc, self._pb, pb_grpc = _wire()
@@ -258,7 +261,7 @@ class MetaStoreClient:
         self.pool_id = pool_id
         self.timeout_s = timeout_s
         self._owns_channel = channel is None
-        self._channel = channel if channel is not None else grpc.insecure_channel(target)
+        self._channel = channel if channel is not None else secure_or_insecure_channel(target, tls)
         self._stub = pb_grpc.MetaStoreStub(self._channel)
 
     def _call(self, method: str, request: Any) -> Any:

@@ -37,7 +37,9 @@ holds ``world_size`` pools) and start a daemon thread that heartbeats every
 ``heartbeat_interval_ms`` (default: the MetaStore's suggestion, a third of its timeout). A failed
 beat is logged and retried at the next interval. Once the MetaStore answers that the pool is not
 registered (it expired, or was deregistered or replaced), the pool is dead: its objects are gone
-and every hook raises ``PoolNotRegistered`` saying so. ``close()`` stops the heartbeats,
+and every hook raises ``PoolNotRegistered`` saying so — unless it was built with ``rejoin=True``
+(what a service wants: a restarted MetaStore must not retire the node): then the next beat
+registers the same segment again, empty as far as the index knows, and the hooks work again. ``close()`` stops the heartbeats,
 deregisters, closes attached segments and closes and unlinks the segment it owns. Idempotent.
 """
 
@@ -90,7 +92,8 @@ class RemoteHostPool(HostPoolBackend):
 
     def __init__(self, client: MetaStoreClient, segment: SharedSegment, *, host_id: str | None = None,
                  heartbeat_interval_ms: int | None = None, replace: bool = False, copy_lease_ttl_ms: int = 30_000,
-                 io_wait_timeout_s: float = 30.0, owns_segment: bool = False, owns_client: bool = False) -> None:
+                 io_wait_timeout_s: float = 30.0, owns_segment: bool = False, owns_client: bool = False,
+                 rejoin: bool = False) -> None:
         if not isinstance(client, MetaStoreClient) or not client.pool_id:
             raise ValueError("client must be a MetaStoreClient built with pool_id=<this pool's id>")
         if not isinstance(segment, SharedSegment) or segment.closed:
@@ -110,6 +113,8 @@ class RemoteHostPool(HostPoolBackend):
         self._attached: dict[str, tuple[str, tuple[int, int], SharedSegment]] = {}  # pool -> (name, inode, seg)
         self._closed = False
         self._dead: str | None = None  # why the MetaStore no longer knows this pool
+        self._rejoin = rejoin
+        self.rejoins = 0
         self._heartbeat_failures = 0
         try:
             reply = client.register_pool(segment.name, segment.geometry, host=self.host_id, replace=replace)
@@ -134,7 +139,8 @@ class RemoteHostPool(HostPoolBackend):
     @classmethod
     def create(cls, target: str, pool_id: str, name: str, geometry: PoolGeometry, *, host_id: str | None = None,
                heartbeat_interval_ms: int | None = None, replace: bool = False, timeout_s: float = 5.0,
-               copy_lease_ttl_ms: int = 30_000, io_wait_timeout_s: float = 30.0) -> "RemoteHostPool":
+               copy_lease_ttl_ms: int = 30_000, io_wait_timeout_s: float = 30.0,
+               rejoin: bool = False) -> "RemoteHostPool":
         """Create segment ``name`` (``replace``: a stale one is discarded) and register it as ``pool_id``
         with the MetaStore at ``target`` (``replace``: a live registration of ``pool_id`` is dropped)."""
         segment = SharedSegment.create(name, geometry, replace=replace)
@@ -143,7 +149,7 @@ class RemoteHostPool(HostPoolBackend):
             client = MetaStoreClient(target, pool_id=pool_id, timeout_s=timeout_s)
             return cls(client, segment, host_id=host_id, heartbeat_interval_ms=heartbeat_interval_ms,
                        replace=replace, copy_lease_ttl_ms=copy_lease_ttl_ms, io_wait_timeout_s=io_wait_timeout_s,
-                       owns_segment=True, owns_client=True)
+                       owns_segment=True, owns_client=True, rejoin=rejoin)
         except BaseException:
             if client is not None:
                 client.close()
@@ -213,7 +219,9 @@ class RemoteHostPool(HostPoolBackend):
             try:
                 self.heartbeat()
             except PoolNotRegistered:
-                return  # dead: hooks raise from now on
+                if not self._rejoin:
+                    return  # dead: hooks raise from now on
+                self._try_rejoin()
             except PoolError as e:
                 if self._closed:
                     return
@@ -225,12 +233,32 @@ class RemoteHostPool(HostPoolBackend):
                 self._heartbeat_failures += 1
                 log.exception("remote_pool_heartbeat_error", pool_id=self.pool_id)
 
+    def _try_rejoin(self) -> None:
+        """Register the segment again under the same pool id (the index starts empty) — once the
+        copies that began before the pool died are over: they hold block locations of the old index,
+        which the new one will hand out again."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._copies, timeout=self._io_wait_timeout_s):
+                log.warning("remote_pool_rejoin_waiting", pool_id=self.pool_id, copies=len(self._copies))
+                return
+        try:
+            self._client.register_pool(self._segment.name, self._segment.geometry, host=self.host_id, replace=True)
+        except Exception as e:  # noqa: BLE001 - tried again at the next beat
+            self._heartbeat_failures += 1
+            log.warning("remote_pool_rejoin_failed", pool_id=self.pool_id, target=self._client.target, error=str(e))
+            return
+        with self._cond:
+            self._dead = None
+            self.rejoins += 1
+        log.warning("remote_pool_rejoined", pool_id=self.pool_id, target=self._client.target, rejoins=self.rejoins)
+
     # ---- copies ----------------------------------------------------------------------------------
 
     @contextmanager
     def _copying(self, keys: list[bytes], what: str) -> Iterator[RemoteLease]:
         """Count keys as in copy in this process and hold a copy lease on them (its locations)."""
         with self._cond:
+            self._check_usable()  # a dead pool starts no copy: its locations may be handed out again
             for k in keys:
                 self._copies[k] = self._copies.get(k, 0) + 1
         try:

@@ -200,6 +200,48 @@ def _unlink_owned_segments() -> None:
             pass
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def sweep_stale_segments() -> list[str]:
+    """Unlink every kvoffload segment whose creator process is gone (killed with -9, crashed before
+    its exit hook): its memory (reserved in full at create) would otherwise stay taken until reboot.
+    Segments of live processes, and files without a readable header, are left alone. Returns the
+    removed paths. Services call this at start, before creating their own segments."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(SEGMENT_PREFIX):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_HEADER.size)
+                magic, version, meta_len, _ = _HEADER.unpack(head)
+                if magic != SEGMENT_MAGIC or meta_len > 1 << 20:
+                    continue
+                pid = json.loads(f.read(meta_len)).get("owner_pid")
+        except (OSError, ValueError, struct.error):
+            continue
+        if isinstance(pid, int) and pid > 0 and not _alive(pid):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
 class SharedSegment:
     """Named shared memory ``/dev/shm/kvoffload-<name>``: header, then plane-major data.
 
@@ -248,7 +290,7 @@ class SharedSegment:
         for p in range(geometry.num_planes):
             rel.append(off)
             off = _round_up(off + geometry.plane_bytes(p), _PAGE)
-        meta = json.dumps({"geometry": geometry.to_dict(), "plane_offsets": rel}).encode()
+        meta = json.dumps({"geometry": geometry.to_dict(), "plane_offsets": rel, "owner_pid": os.getpid()}).encode()
         data_offset = _round_up(_HEADER.size + len(meta), _PAGE)
         size = data_offset + off
         flags = os.O_CREAT | os.O_EXCL | os.O_RDWR

@@ -20,6 +20,7 @@ import structlog
 from aiohttp import web
 from dsamodel.openai import RequestError, prompt_ids, sampling_params
 from dsamodel.tokenizer import ByteTokenizer
+from kvcore.logs import REQUEST_IDS
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvoffload_decode.loop import DecodeFull, DecodeLoop
@@ -69,9 +70,22 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+DRAINING = web.AppKey("draining", asyncio.Event)  # set on SIGTERM: no new requests, in-flight ones finish
+
+
+@web.middleware
+async def _refuse_while_draining(request: web.Request, handler):
+    """While the decode drains for shutdown: new requests get 503 (a balancer retries elsewhere) and
+    /health says so; requests already running are not touched."""
+    if request.app[DRAINING].is_set() and (request.method == "POST" or request.path == "/health"):
+        return _error(503, "decode is shutting down; retry on another decode", "unavailable")
+    return await handler(request)
+
+
 def build_app(loop: DecodeLoop, transfer, tokenizer: ByteTokenizer, settings: AppSettings) -> web.Application:
     metrics = Metrics(loop, transfer)
-    app = web.Application(client_max_size=32 << 20)
+    app = web.Application(client_max_size=32 << 20, middlewares=[_refuse_while_draining])
+    app[DRAINING] = asyncio.Event()
     handler = _Handler(loop, tokenizer, settings, metrics)
     app.router.add_post("/v1/completions", lambda r: handler.complete(r, chat=False))
     app.router.add_post("/v1/chat/completions", lambda r: handler.complete(r, chat=True))
@@ -113,10 +127,13 @@ class _Handler:
         rid = str(ktp.get("request_id") or request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}")
         bound = log.bind(request_id=rid)
         queue: asyncio.Queue = asyncio.Queue()
+        failed = asyncio.Event()  # set with the first error: the watchdog may fail a request early
         aio = asyncio.get_running_loop()
 
         def emit(kind: str, value: object) -> None:
             aio.call_soon_threadsafe(queue.put_nowait, (kind, value))
+            if kind == "error":
+                aio.call_soon_threadsafe(failed.set)
 
         try:
             await asyncio.to_thread(self.loop.expect_remote, rid, ids, params, emit, self.settings.admission_wait_s)
@@ -124,10 +141,13 @@ class _Handler:
             return _error(503, str(exc), "overloaded")
         except ValueError as exc:
             return _error(409, str(exc), "invalid_request_error")
+        REQUEST_IDS.link(rid, request.headers.get("X-Request-Id"))  # log lines carry the proxy's id
         bound.info("request_admitted", prompt_tokens=len(ids), max_tokens=params.max_tokens)
         done = False
         try:
-            problem = await self._register(rid, ktp["metaserver"], bound)
+            self.loop.awaiting_prefill(rid)
+            problem = await self._register_unless_failed(rid, ktp["metaserver"], bound, queue, failed,
+                                                         _metaserver_token(ktp))
             if not problem:  # the prefill reported done before the metaserver answered: all KV must be here
                 problem = self.loop.check_prompt_complete(rid)
             if problem:
@@ -143,9 +163,31 @@ class _Handler:
             if not done:
                 self.loop.cancel(rid, "the client request ended early")
                 self.metrics.requests.labels("cancelled").inc()
+            REQUEST_IDS.unlink(rid)
 
-    async def _register(self, rid: str, metaserver: str, bound) -> str:
-        """POST our endpoint to the proxy's metaserver; "" when it answered ok, else what failed."""
+    async def _register_unless_failed(self, rid: str, metaserver: str, bound, queue: asyncio.Queue,
+                                      failed: asyncio.Event, token: str | None = None) -> str:
+        """``_register``, cut short when the request fails meanwhile (its prefill went quiet):
+        the metaserver's answer can take the whole prefill, a dead prefill must not."""
+        register = asyncio.ensure_future(self._register(rid, metaserver, bound, token))
+        failure = asyncio.ensure_future(failed.wait())
+        try:
+            await asyncio.wait({register, failure}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failure.cancel()
+        if register.done():
+            return register.result()
+        register.cancel()
+        while True:  # the error the request failed with (tokens before it are dropped: it failed)
+            kind, value = queue.get_nowait()
+            if kind == "error":
+                bound.warning("request_failed_while_prefilling", reason=str(value))
+                return str(value)
+
+    async def _register(self, rid: str, metaserver: str, bound, token: str | None = None) -> str:
+        """POST our endpoint to the proxy's metaserver; "" when it answered ok, else what failed.
+        ``token``: the proxy's per-request ``metaserver_token`` (set when the proxy has an API key)."""
+        headers = {"X-Request-Id": rid, **({"Authorization": f"Bearer {token}"} if token else {})}
         params = {"request_id": rid, "remote_host": self.settings.advertise_host,
                   "remote_port": self.settings.control_port, "remote_tp_size": 1, "remote_dp_rank": 0}
         payload = {"request_id": rid, "kv_transfer_params": params}
@@ -154,7 +196,7 @@ class _Handler:
         while True:
             try:
                 async with aiohttp.ClientSession(timeout=timeout) as session:
-                    async with session.post(metaserver, json=payload, headers={"X-Request-Id": rid}) as resp:
+                    async with session.post(metaserver, json=payload, headers=headers) as resp:
                         text = await resp.text()
                         if resp.status // 100 == 2:
                             return ""
@@ -237,3 +279,12 @@ class _Handler:
         return web.json_response({"id": rid, "object": obj, "created": int(time.time()),
                                   "model": self.settings.model_name, "choices": [choice], "usage": usage},
                                  headers={"X-Request-Id": rid})
+
+
+def _metaserver_token(ktp: dict) -> str | None:
+    """The bearer token the proxy issued for this request's /v1/metaserver call (see the proxy's
+    auth.py), or None; anything but a short token of visible ASCII is ignored, never sent."""
+    token = ktp.get("metaserver_token")
+    if isinstance(token, str) and 0 < len(token) <= 256 and all("!" <= c <= "~" for c in token):
+        return token
+    return None

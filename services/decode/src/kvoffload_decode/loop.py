@@ -5,6 +5,12 @@ installs each pulled layer (``write_rows``) and the prefill's first token (``pre
 every layer holds the whole prompt and the first token is known, the request joins the running
 batch; the loop thread runs one ``SparseDecoder`` step for the batch at a time, samples, and hands
 every token to the request's ``emit`` callback. ``cancel`` frees a request at any stage.
+
+The ledger records each request's stage (admitted -> awaiting_prefill -> pulling -> ready ->
+decoding) and outcome; while pulling — once the prefill has been heard from (heartbeat, ReadReady
+or PrefillDone) and until the prompt is complete — silence longer than ``peer_timeout_s`` fails
+the request with an error naming the prefill and the stage, and frees its host blocks: a prefill
+that died or hung never strands a decode allocation.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import structlog
 import torch
 from dsamodel.engine.decode import SparseDecoder
 from dsamodel.sampling import RequestSampler, SamplingParams
+from kvcore.ledger import Entry, Ledger
 
 log = structlog.get_logger(__name__)
 
@@ -55,15 +62,16 @@ class DecodeRequest:
 class DecodeLoop:
     """Owns the ``SparseDecoder``; every decoder call happens under ``self.lock``."""
 
-    def __init__(self, decoder: SparseDecoder, eos_token_id: int | None) -> None:
+    def __init__(self, decoder: SparseDecoder, eos_token_id: int | None, peer_timeout_s: float = 10.0) -> None:
         self.decoder = decoder
+        self.peer_timeout_s = peer_timeout_s
+        self.ledger = Ledger(self._timed_out).start()
         self.eos_token_id = eos_token_id
         self.lock = threading.Condition(threading.RLock())
         self.pending: dict[str, DecodeRequest] = {}  # waiting for the remote prefill
         self.running: list[DecodeRequest] = []
         self._next: dict[str, int] = {}
         self._stop = False
-        self.finished_by_outcome: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         self._thread.start()
 
@@ -88,7 +96,22 @@ class DecodeLoop:
                                 len(self.decoder.model.cache_layers))
             req.rows = [0] * req.num_layers
             self.pending[request_id] = req
+            self.ledger.open(request_id, "admitted")
             return req
+
+    def awaiting_prefill(self, request_id: str) -> None:
+        """The decode told the proxy where to push; the prefill's first report starts the watchdog."""
+        self.ledger.advance(request_id, "awaiting_prefill")
+
+    def heard_from_prefill(self, request_id: str, peer: str) -> bool:
+        """News from the prefill about a pending request (heartbeat, ReadReady, PrefillDone): from
+        now on its silence is bounded by ``peer_timeout_s``. False when the request is not pending."""
+        with self.lock:
+            if request_id not in self.pending:
+                return False
+        if self.ledger.stage_of(request_id) in ("admitted", "awaiting_prefill"):
+            self.ledger.advance(request_id, "pulling", peer=peer, silence_limit_s=self.peer_timeout_s)
+        return self.ledger.touch(request_id)
 
     def pending_request(self, request_id: str) -> DecodeRequest | None:
         with self.lock:
@@ -137,6 +160,8 @@ class DecodeLoop:
                 return (f"prefill had {num_prompt_tokens} prompt tokens, the decode request "
                         f"{req.num_prompt_tokens}")
             req.first_token = first_token
+            if req.prompt_complete:  # nothing more to hear from the prefill: the watchdog stands down
+                self.ledger.advance(request_id, "ready")
             self.lock.notify_all()
             return ""
 
@@ -152,7 +177,7 @@ class DecodeLoop:
                 else "no first token"
             return f"the prefill finished but the prompt's KV is incomplete: {what}"
 
-    def cancel(self, request_id: str, reason: str) -> bool:
+    def cancel(self, request_id: str, reason: str, outcome: str = "cancelled") -> bool:
         """Stop a request wherever it is and free everything it holds. False if unknown."""
         with self.lock:
             req = self.pending.pop(request_id, None)
@@ -162,16 +187,27 @@ class DecodeLoop:
                     return False
                 self.running.remove(req)
             if req.copies:
-                req.free_after_copies = "cancelled"
+                req.free_after_copies = outcome
             else:
-                self._free(req, "cancelled")
-            log.info("request_cancelled", request_id=request_id, reason=reason)
+                self._free(req, outcome, reason)
+            log.info("request_cancelled", request_id=request_id, reason=reason, outcome=outcome)
             return True
+
+    def _timed_out(self, entry: Entry, reason: str) -> None:
+        """The watchdog: the request's prefill went quiet; fail it and free what it holds."""
+        with self.lock:
+            req = self.pending.get(entry.request_id) or next(
+                (r for r in self.running if r.request_id == entry.request_id), None)
+            if req is None:
+                return
+            req.emit("error", reason)
+            self.cancel(entry.request_id, reason, outcome="timeout")
+        log.warning("request_timed_out", request_id=entry.request_id, reason=reason)
 
     def stats(self) -> dict[str, float]:
         with self.lock:
             return {"pending": len(self.pending), "running": len(self.running),
-                    "sequences": len(self.decoder.seqs), **{f"finished_{k}": v for k, v in self.finished_by_outcome.items()}}
+                    "sequences": len(self.decoder.seqs), **self.ledger.counters()}
 
     def close(self) -> None:
         with self.lock:
@@ -186,20 +222,22 @@ class DecodeLoop:
             self.running.clear()
             self.lock.notify_all()
         self._thread.join(timeout=10)
+        self.ledger.close()
 
     # ---- the loop thread ----------------------------------------------------------------------
 
-    def _free(self, req: DecodeRequest, outcome: str) -> None:
+    def _free(self, req: DecodeRequest, outcome: str, error: str = "") -> None:
         self.decoder.finish(req.request_id)
         self.lock.notify_all()  # a queued request may fit now
         self._next.pop(req.request_id, None)
-        self.finished_by_outcome[outcome] = self.finished_by_outcome.get(outcome, 0) + 1
+        self.ledger.finish(req.request_id, outcome, error)
 
     def _admit_ready(self) -> None:
         for rid, req in list(self.pending.items()):
             if not req.prompt_complete:
                 continue
             del self.pending[rid]
+            self.ledger.advance(rid, "decoding")
             self.decoder.set_prompt_done(rid, req.num_prompt_tokens)
             req.sampler.output_ids.append(req.first_token)
             req.emit("token", req.first_token)
@@ -227,7 +265,7 @@ class DecodeLoop:
                               request_ids=[r.request_id for r in self.running])
                     for req in self.running:
                         req.emit("error", f"decode step failed: {exc}")
-                        self._free(req, "error")
+                        self._free(req, "error", repr(exc))
                     self.running.clear()
 
     def _step(self) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import json
 import signal
 import sys
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,15 +19,16 @@ import grpc
 import structlog
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kvcore import tls as kvtls
 from kvcore.backends import BackendUnavailableError, require_available
 from kvcore.config import ConfigError
 from kvcore.logs import configure_logging
-from kvcore.segment import host_id
-from kvcore.settings import decode_settings
+from kvcore.segment import host_id, sweep_stale_segments
+from kvcore.settings import decode_settings, check_flags
 from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc, transfer_pb2_grpc
 
 from kvoffload_decode import __version__
-from kvoffload_decode.app import AppSettings, build_app
+from kvoffload_decode.app import DRAINING, AppSettings, build_app
 from kvoffload_decode.loop import DecodeLoop
 from kvoffload_decode.transfer import TransferServicer
 
@@ -43,7 +45,8 @@ class StatsServicer(stats_pb2_grpc.StatsServicer):
         counters = {**self.loop.stats(), **self.transfer.counters, "pool_used_bytes": pool.used_bytes,
                     "pool_used_blocks": pool.used_blocks, "pool_live_leases": pool.live_leases}
         return stats_pb2.StatsReply(service=SERVICE, version=__version__,
-                                    counters={k: float(v) for k, v in counters.items()})
+                                    counters={k: float(v) for k, v in counters.items()},
+                                    ledger_json=self.loop.ledger.snapshot() if request.include_ledger else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,12 +64,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-rank", type=int, default=0)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the config's torch_dtype")
     p.add_argument("--metaserver-timeout-s", type=float, default=600.0)
+    p.add_argument("--peer-timeout-s", type=float, default=10.0,
+                   help="fail a request whose prefill sent no heartbeat or data for this long (default 10)")
+    p.add_argument("--read-retries", type=int, default=2, help="retries of a failed layer read (default 2)")
+    p.add_argument("--admission-wait-s", type=float, default=300.0,
+                   help="how long a request waits for a free sequence slot and host blocks before 503 (default 300)")
+    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests get to finish before they are failed (default 30)")
     p.add_argument("--log-level", default="info")
+    kvtls.add_tls_arguments(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        check_flags(args, at_least_one=("max_model_len", "max_num_seqs", "block_size"),
+                    at_least_zero=("dp_rank", "read_retries"), seconds=("metaserver_timeout_s", "peer_timeout_s"),
+                    seconds_or_zero=("admission_wait_s", "shutdown_grace_s"), ports=("port",))
+    except ConfigError as exc:
+        print(f"{SERVICE}: {exc}", file=sys.stderr)
+        return 2
+    try:  # before anything starts: a bad TLS flag fails fast, naming the flag and the path
+        tls = kvtls.from_args(args)
+        if tls is not None:
+            tls.require_identity(SERVICE)
+    except kvtls.TLSConfigError as exc:
+        print(f"{SERVICE}: {exc}", file=sys.stderr)
+        return 2
+    kvtls.configure(tls)  # the gRPC clients of this process (the streamed pulls from a prefill) use it
     configure_logging(SERVICE, args.log_level)
     from dsamodel.engine import build
     from dsamodel.engine.decode import SparseDecoder
@@ -86,15 +112,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for w in settings.warnings:
         log.warning("config_warning", warning=w)
+    stale = sweep_stale_segments()  # what killed predecessors left in /dev/shm
+    if stale:
+        log.warning("stale_segments_removed", paths=stale)
     control_port = settings.control_port(args.dp_rank, 0)
     pool = build.decode_pool(model, args.block_size, settings.host_pool_bytes,
                              name=f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}")
     decoder = SparseDecoder(model, pool, topk_buffer_size=settings.sparse.topk_buffer_size,
                             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                             keep_device_kv_cache=settings.sparse.keep_device_kv_cache)
-    loop = DecodeLoop(decoder, model.config.eos_token_id)
+    loop = DecodeLoop(decoder, model.config.eos_token_id, peer_timeout_s=args.peer_timeout_s)
     model_id = args.served_model_name or Path(args.model).resolve().name
-    transfer = TransferServicer(loop, layout, model_id, host_id(), model.dtype)
+    transfer = TransferServicer(loop, layout, model_id, host_id(), model.dtype, read_retries=args.read_retries,
+                                tls=tls)
 
     server = grpc.server(ThreadPoolExecutor(max_workers=16, thread_name_prefix="transfer"),
                          options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 8 << 20)])
@@ -102,17 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
     stats_pb2_grpc.add_StatsServicer_to_server(StatsServicer(loop, transfer), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_insecure_port(f"{args.host}:{control_port}")
+    kvtls.add_port(server, f"{args.host}:{control_port}", tls)
     server.start()
     app = build_app(loop, transfer, ByteTokenizer.from_dir(args.model),
                     AppSettings(model_name=model_id, max_model_len=args.max_model_len, advertise_host=args.host,
-                                control_port=control_port, metaserver_timeout_s=args.metaserver_timeout_s))
+                                control_port=control_port, metaserver_timeout_s=args.metaserver_timeout_s,
+                                admission_wait_s=args.admission_wait_s))
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("serving", http=f"{args.host}:{args.port}", control_port=control_port, model=model_id,
              topk_buffer_size=settings.sparse.topk_buffer_size, host_pool_bytes=settings.host_pool_bytes,
-             keep_device_kv_cache=settings.sparse.keep_device_kv_cache)
+             keep_device_kv_cache=settings.sparse.keep_device_kv_cache, **(tls.describe() if tls else {"tls": False}))
     try:
-        asyncio.run(_serve_http(app, args.host, args.port))
+        asyncio.run(_serve_http(app, args.host, args.port, lambda: loop.stats()["pending"] + loop.stats()["running"],
+                                args.shutdown_grace_s, health_servicer))
     finally:
         health_servicer.enter_graceful_shutdown()
         server.stop(grace=5).wait()
@@ -123,16 +155,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _serve_http(app: web.Application, host: str, port: int) -> None:
+async def _serve_http(app: web.Application, host: str, port: int, busy, grace_s: float, health_servicer) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: refuse new requests (503, health NOT_SERVING), give
+    the ``busy()`` in-flight requests up to ``grace_s`` to finish (a second signal cuts it short),
+    then close; whatever still runs is failed and freed by the shutdown that follows."""
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
-    stop = asyncio.Event()
+    signals = asyncio.Queue()
     aio = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # installed explicitly: PID 1 in a container has none
-        aio.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting_down")
+        aio.add_signal_handler(sig, signals.put_nowait, sig)
+    await signals.get()
+    app[DRAINING].set()
+    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    log.info("draining", in_flight=busy(), grace_s=grace_s)
+    deadline = time.monotonic() + grace_s
+    while busy() and time.monotonic() < deadline and signals.empty():
+        await asyncio.sleep(0.05)
+    log.info("shutting_down", unfinished=busy())
     await runner.cleanup()
 
 

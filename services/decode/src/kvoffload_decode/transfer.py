@@ -4,7 +4,10 @@ and the end of a prefill. Thin: it converts proto messages to ``DecodeLoop`` cal
 Every ReadReady is answered (READ_DONE or READ_FAILED) so the prefill's reuse gate never waits
 forever; a malformed or unknown message is rejected with a gRPC status and changes nothing.
 Same host: rows are copied straight out of the prefill's shared-memory layer buffer; other hosts:
-streamed from the prefill's LayerSource in bounded chunks.
+streamed from the prefill's LayerSource in bounded chunks. A failed read of the source is retried
+(idempotently: the same rows land in the same place) up to ``read_retries`` times before the
+answer is READ_FAILED. Heartbeats, ReadReady and PrefillDone are the news that keep a pending
+request's watchdog (see ``DecodeLoop``) quiet.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import structlog
 import torch
 from kvcore.layout import KVLayout, dtype_name
 from kvcore.segment import SharedSegment
+from kvcore.tls import PROCESS, secure_or_insecure_channel
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
 from kvoffload_decode.loop import DecodeLoop
@@ -26,15 +30,18 @@ log = structlog.get_logger(__name__)
 class TransferServicer(transfer_pb2_grpc.TransferServicer):
     """Serves ``kvoffload.v1.Transfer`` for one decode rank."""
 
-    def __init__(self, loop: DecodeLoop, layout: KVLayout, model_id: str, host_id: str, dtype: torch.dtype) -> None:
+    def __init__(self, loop: DecodeLoop, layout: KVLayout, model_id: str, host_id: str, dtype: torch.dtype,
+                 read_retries: int = 2, tls=PROCESS) -> None:
+        self.tls = tls  # for the streamed pulls from a prefill's LayerSource; the process's TLS by default
         self.loop, self.layout, self.model_id, self.host_id, self.dtype = loop, layout, model_id, host_id, dtype
+        self.read_retries = read_retries
         self._layouts: dict[int, transfer_pb2.LayoutMetadata] = {}
         self._segments: dict[str, SharedSegment] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         # read_ms_total: time the pulls spent moving data (reading the source + installing the rows)
-        self.counters = {"read_done": 0, "read_failed": 0, "bytes_read": 0, "read_ms_total": 0.0,
-                         "reads_shared_memory": 0, "reads_streamed": 0}
+        self.counters = {"read_done": 0, "read_failed": 0, "read_retries": 0, "bytes_read": 0, "read_ms_total": 0.0,
+                         "reads_shared_memory": 0, "reads_streamed": 0, "heartbeats": 0}
 
     # ---- layout --------------------------------------------------------------------------------
 
@@ -62,11 +69,14 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
             return f"prefill_tp_size: {m.prefill_tp_size} is not a multiple of the decode TP size 1"
         for spec, got in zip(self.layout.layers, m.layers):
             want_idx = spec.indexer.row_bytes if spec.indexer else 0
+            want_idx_dtype = dtype_name(spec.indexer.dtype) if spec.indexer else ""
             if got.layer != spec.index or got.main_row_bytes != spec.main.row_bytes \
-                    or got.indexer_row_bytes != want_idx or got.main_dtype != dtype_name(spec.main.dtype):
-                return (f"layers[{spec.index}]: prefill rows {got.main_row_bytes}/{got.indexer_row_bytes} bytes "
-                        f"{got.main_dtype}, decode {spec.main.row_bytes}/{want_idx} bytes "
-                        f"{dtype_name(spec.main.dtype)}")
+                    or got.indexer_row_bytes != want_idx or got.main_dtype != dtype_name(spec.main.dtype) \
+                    or got.indexer_dtype != want_idx_dtype:
+                return (f"layers[{spec.index}]: prefill layer {got.layer} rows {got.main_row_bytes}/"
+                        f"{got.indexer_row_bytes} bytes {got.main_dtype}/{got.indexer_dtype or '-'}, decode layer "
+                        f"{spec.index} rows {spec.main.row_bytes}/{want_idx} bytes "
+                        f"{dtype_name(spec.main.dtype)}/{want_idx_dtype or '-'}")
         return ""
 
     # ---- pulls ---------------------------------------------------------------------------------
@@ -89,9 +99,14 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"rows [{request.dst_start}, {request.dst_start + n}) go past the prompt's "
                           f"{req.num_prompt_tokens} tokens")
+        self.loop.heard_from_prefill(request.request_id, f"prefill {meta.data_endpoint}")  # a well-formed report
+        with self.loop.lock:
+            installed = req.rows[request.layer]
+        if n and request.dst_start + n <= installed:  # a retry or duplicate: the rows are here, the first
+            return transfer_pb2.ReadResult(status=transfer_pb2.READ_DONE)  # result stands (no re-pull, no recount)
         try:
             t = time.perf_counter()
-            kv, idx = self._read(meta, request)
+            kv, idx = self._read_with_retries(meta, request)
             copy_s = time.perf_counter() - t  # the pull's own data movement: read out of the
             copy_s += self.loop.write_rows(request.request_id, request.layer, request.dst_start, kv, idx)  # source, install
         except Exception as exc:  # answered, never left hanging: the prefill fails the slot's read
@@ -105,6 +120,24 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         self.counters["bytes_read"] += nbytes
         self.counters["read_ms_total"] += ms
         return transfer_pb2.ReadResult(status=transfer_pb2.READ_DONE, bytes_read=nbytes, read_ms=int(ms))
+
+    def _read_with_retries(self, meta, request) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_read``, again after a failure (a dropped stream, a short read) up to ``read_retries``
+        times while the request still waits; the last failure propagates."""
+        for attempt in range(self.read_retries + 1):
+            try:
+                return self._read(meta, request)
+            except (grpc.RpcError, ValueError) as exc:
+                code = exc.code() if isinstance(exc, grpc.RpcError) else None
+                permanent = code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+                                     grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.INVALID_ARGUMENT)
+                if permanent or attempt == self.read_retries or self.loop.pending_request(request.request_id) is None:
+                    raise
+                self.counters["read_retries"] += 1
+                log.warning("read_retry", request_id=request.request_id, layer=request.layer, attempt=attempt + 1,
+                            error=repr(exc))
+                time.sleep(0.05 * 2**attempt)
+        raise AssertionError("unreachable")
 
     def _read(self, meta, request) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [src_start, src_end) of one layer: (kv [n, W], index_k [n, Di]) in the model dtype."""
@@ -138,7 +171,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         with self._lock:
             channel = self._channels.get(endpoint)
             if channel is None:
-                channel = self._channels[endpoint] = grpc.insecure_channel(endpoint)
+                channel = self._channels[endpoint] = secure_or_insecure_channel(endpoint, self.tls)
         stub = transfer_pb2_grpc.LayerSourceStub(channel)
         n = request.src_end - request.src_start
         out = torch.empty(n * row_bytes, dtype=torch.uint8)
@@ -159,12 +192,47 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
 
     # ---- end of a prefill ----------------------------------------------------------------------
 
+    def Heartbeat(self, request, context):
+        with self._lock:
+            meta = self._layouts.get(request.layout_version)
+        if meta is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"no accepted layout with layout_version {request.layout_version}: call ExchangeLayout first")
+        peer = f"prefill {meta.data_endpoint}"
+        unknown = [rid for rid in request.request_ids if not self.loop.heard_from_prefill(rid, peer)]
+        self.counters["heartbeats"] += 1
+        return transfer_pb2.PrefillHeartbeatReply(unknown_request_ids=unknown)
+
     def PrefillDone(self, request, context):
+        with self._lock:
+            meta = self._layouts.get(request.layout_version)
+        if meta is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"no accepted layout with layout_version {request.layout_version}: call ExchangeLayout first")
+        reason = self._premature(request)
+        if not reason:
+            self.loop.heard_from_prefill(request.request_id, f"prefill {meta.data_endpoint}")
         try:
-            reason = self.loop.prefill_done(request.request_id, request.num_prompt_tokens, request.first_token)
+            reason = reason or self.loop.prefill_done(request.request_id, request.num_prompt_tokens,
+                                                      request.first_token)
         except KeyError:
             context.abort(grpc.StatusCode.NOT_FOUND, f"request {request.request_id!r} is not waiting for KV here")
         return transfer_pb2.PrefillDoneReply(accepted=not reason, reason=reason)
+
+    def _premature(self, request) -> str:
+        """Why a PrefillDone cannot be taken yet ("" if it can): the prefill sends it only after every
+        layer's READ_DONE, so a missing layer means it came early; a first token is never replaced."""
+        with self.loop.lock:
+            req = self.loop.pending.get(request.request_id)
+            if req is None or request.num_prompt_tokens != req.num_prompt_tokens:
+                return ""  # prefill_done names these
+            missing = next(((i, r) for i, r in enumerate(req.rows) if r < req.num_prompt_tokens), None)
+            if missing is not None:
+                return (f"layer {missing[0]} has {missing[1]} of {req.num_prompt_tokens} rows: PrefillDone must "
+                        "follow every layer's READ_DONE")
+            if req.first_token is not None and req.first_token != request.first_token:
+                return f"the first token is already {req.first_token} (this PrefillDone says {request.first_token})"
+            return ""
 
     def close(self) -> None:
         with self._lock:

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from kvcore.tls import TLSConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 META_ENV = "MMC_META_CONFIG_PATH"
@@ -54,7 +55,7 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 class MetaStoreConfig(BaseModel):
     """The metastore's settings; field names are the flags' (``--lease-ttl-ms`` -> ``lease_ttl_ms``)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)  # --grace-s inf would hang
 
     host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(5000, ge=0, le=65535)  # 0: any free port (tests)
@@ -67,6 +68,7 @@ class MetaStoreConfig(BaseModel):
     grace_s: float = Field(5.0, ge=0)
     max_workers: int = Field(8, ge=1)
     sources: tuple[str, ...] = ()  # conf files read, for Stats info
+    tls: TLSConfig | None = None  # --tls-cert/--tls-key/--tls-ca (kvcore.tls); None: plain gRPC
 
     @property
     def bind_address(self) -> str:

@@ -60,6 +60,7 @@ log = structlog.get_logger("kvoffload_metastore.core")
 
 MAX_LEASE_TTL_MS = 86_400_000
 MAX_POOL_ID_CHARS = 200
+MAX_POOL_BYTES = 2**48  # one pool's segment (block_bytes * num_blocks); world_size of them fit in uint64
 MAX_REMEMBERED_EXPIRIES = 1024  # expired pool ids kept for error messages
 
 
@@ -225,6 +226,9 @@ class MetaStoreCore:
         SharedSegment.path_for(segment_name)  # ValueError naming the rule
         if not isinstance(geometry, PoolGeometry):
             raise ValueError(f"geometry must be a PoolGeometry, got {type(geometry).__name__}")
+        if geometry.block_bytes * geometry.num_blocks > MAX_POOL_BYTES:  # else Stats' uint64 totals overflow
+            raise ValueError(f"geometry: {geometry.num_blocks} blocks x {geometry.block_bytes} bytes is more than "
+                             f"a pool may hold ({MAX_POOL_BYTES} bytes = 256 TiB)")
         record = PoolRecord(pool_id, segment_name, host, geometry)
         with self._lock:
             now = self._begin()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kvcore import tls as kvtls
 from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2_grpc
 
 from kvoffload_metastore import __version__
@@ -68,12 +69,13 @@ def start(config: MetaStoreConfig, *, clock: Callable[[], float] = time.monotoni
     for name in HEALTH_NAMES:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     info = {"bind_address": config.bind_address, "conf_files": ",".join(config.sources),
-            "log_level": config.log_level}
+            "log_level": config.log_level,
+            "tls": "off" if config.tls is None else "mtls" if config.tls.mutual else "tls"}
     metastore_pb2_grpc.add_MetaStoreServicer_to_server(MetaStoreServicer(core, metrics), server)
     stats_pb2_grpc.add_StatsServicer_to_server(StatsServicer(SERVICE, __version__, core, metrics, info), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        port = server.add_insecure_port(config.bind_address)
+        port = kvtls.add_port(server, config.bind_address, config.tls)
     except RuntimeError as e:
         raise OSError(f"cannot bind {config.bind_address}: {e}") from None
     server.start()
@@ -81,7 +83,7 @@ def start(config: MetaStoreConfig, *, clock: Callable[[], float] = time.monotoni
     for name in HEALTH_NAMES:  # ready: the core is built and the port is bound
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving", address=config.bind_address.rsplit(":", 1)[0] + f":{port}", port=port,
-             metrics_port=metrics_port, world_size=config.world_size,
+             metrics_port=metrics_port, world_size=config.world_size, tls=info["tls"],
              lease_ttl_ms=config.lease_ttl_ms, heartbeat_timeout_ms=config.heartbeat_timeout_ms)
     return RunningMetaStore(config, core, metrics, server, health_servicer, port, metrics_port)
 
@@ -120,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", help="debug|info|warning|error|critical (default info)")
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port on --host (default 0 = off)")
     p.add_argument("--grace-s", type=float, help="seconds in-flight RPCs get at shutdown (default 5)")
+    kvtls.add_tls_arguments(p)
     return p
 
 
@@ -128,10 +131,13 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[MetaStoreConfig
     dram = parse_size_bytes(a.dram_size, "--dram-size") if a.dram_size is not None else None
     if a.log_level is not None:
         a.log_level = a.log_level.lower()
+    tls = kvtls.from_args(a)  # TLSConfigError (a ValueError) names the flag and the path
+    if tls is not None:
+        tls.require_identity(SERVICE)
     return build_config(meta_config=a.meta_config, local_config=a.local_config, host=a.host, port=a.port,
                         lease_ttl_ms=a.lease_ttl_ms, world_size=a.world_size, dram_bytes_per_local_service=dram,
                         heartbeat_timeout_ms=a.heartbeat_timeout_ms, log_level=a.log_level,
-                        metrics_port=a.metrics_port, grace_s=a.grace_s)
+                        metrics_port=a.metrics_port, grace_s=a.grace_s, tls=tls)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import structlog
 from aiohttp import web
 from dsamodel.openai import RequestError, prompt_ids, sampling_params
 from dsamodel.tokenizer import ByteTokenizer
+from kvcore.logs import REQUEST_IDS
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvoffload_prefill.worker import PrefillWorker
@@ -47,9 +48,22 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+DRAINING = web.AppKey("draining", asyncio.Event)  # set on SIGTERM: no new requests, in-flight ones finish
+
+
+@web.middleware
+async def _refuse_while_draining(request: web.Request, handler):
+    """While the prefill drains for shutdown: new requests get 503 (a balancer retries elsewhere) and
+    /health says so; requests already running are not touched."""
+    if request.app[DRAINING].is_set() and (request.method == "POST" or request.path == "/health"):
+        return _error(503, "prefill is shutting down; retry on another prefill", "unavailable")
+    return await handler(request)
+
+
 def build_app(worker: PrefillWorker, tokenizer: ByteTokenizer, model_name: str, max_model_len: int) -> web.Application:
     metrics = Metrics(worker)
-    app = web.Application(client_max_size=32 << 20)
+    app = web.Application(client_max_size=32 << 20, middlewares=[_refuse_while_draining])
+    app[DRAINING] = asyncio.Event()
 
     async def complete(request: web.Request, chat: bool) -> web.Response:
         try:
@@ -78,6 +92,8 @@ def build_app(worker: PrefillWorker, tokenizer: ByteTokenizer, model_name: str, 
         rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
         choices, usage = [], 0
         for i, (ids, ktp) in enumerate(zip(ids_list, params_list)):
+            wire_id = str((ktp or {}).get("request_id") or "") if isinstance(ktp, dict) else ""
+            REQUEST_IDS.link(wire_id, rid)  # log lines about the wire id carry the proxy's id
             try:
                 out = await asyncio.to_thread(worker.run, f"{rid}-{i}" if len(ids_list) > 1 else rid, ids, ktp, params)
             except ValueError as exc:
@@ -87,6 +103,8 @@ def build_app(worker: PrefillWorker, tokenizer: ByteTokenizer, model_name: str, 
                 metrics.requests.labels("error").inc()
                 log.error("prefill_failed", request_id=rid, error=repr(exc))
                 return _error(502, f"prefill failed: {exc}", "prefill_failed")
+            finally:
+                REQUEST_IDS.unlink(wire_id)
             text = tokenizer.decode([out.first_token], skip_special_tokens=True)
             choice = {"index": i, "token_ids": [out.first_token], "finish_reason": "length", "logprobs": None}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})

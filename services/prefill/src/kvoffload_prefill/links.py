@@ -4,6 +4,13 @@ A link exchanges the layout once (acked within ``LAYOUT_ACK_TIMEOUT_S``), then a
 computed layer with a ReadReady whose answer settles the slot ticket: READ_DONE -> ``read_done``,
 READ_FAILED or any RPC error or deadline -> ``read_failed`` with the reason. No answer is ever
 waited for without a deadline, so a lost ack fails one request instead of stranding a slot.
+
+While the link holds requests (queued, computing, or waiting for READ_DONE) it sends a heartbeat
+every ``heartbeat_s``: it renews the decode's watchdog for them, and its reply names the requests
+the decode no longer waits for (``dropped``), which the worker stops computing. When the decode
+answers no heartbeat for ``peer_timeout_s`` (dead, hung, or unreachable), every pending ReadReady
+of the link is cancelled and fails its slot's read with a reason naming the decode — well before
+the per-read deadline — and new announces fail at once until a heartbeat succeeds again.
 """
 
 from __future__ import annotations
@@ -14,11 +21,13 @@ import time
 import grpc
 import structlog
 from kvcore.gates import SlotTicket
+from kvcore.tls import PROCESS, secure_or_insecure_channel
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
 LAYOUT_ACK_TIMEOUT_S = 10.0
+RECONNECT_WAIT_S = 3.0  # how long ensure_layout waits for a decode that is not reachable right now
 
 
 class LinkError(RuntimeError):
@@ -36,6 +45,10 @@ class _Outcome:
         self._ok = ok
         self._done.set()
 
+    def failed(self) -> bool:
+        """Answered, and not READ_DONE."""
+        return self._done.is_set() and not self._ok
+
     def result(self, timeout: float | None = None) -> bool:
         if not self._done.wait(timeout):
             raise TimeoutError("no answer to ReadReady in time")
@@ -45,62 +58,160 @@ class _Outcome:
 class DecodeLink:
     """gRPC client of one decode endpoint ``host:port``."""
 
-    def __init__(self, endpoint: str, layout: transfer_pb2.LayoutMetadata, read_timeout_s: float) -> None:
+    def __init__(self, endpoint: str, layout: transfer_pb2.LayoutMetadata, read_timeout_s: float,
+                 tls=PROCESS, peer_timeout_s: float = 10.0, heartbeat_s: float = 1.0) -> None:
         self.endpoint = endpoint
         self._layout = layout
         self._read_timeout_s = read_timeout_s
-        self._channel = grpc.insecure_channel(endpoint)
+        self._peer_timeout_s = peer_timeout_s
+        self._heartbeat_s = heartbeat_s
+        self._channel = secure_or_insecure_channel(endpoint, tls)  # the process's TLS by default
         self._stub = transfer_pb2_grpc.TransferStub(self._channel)
         self._accepted = False
         self._lock = threading.Lock()
+        self._layout_lock = threading.Lock()  # one layout exchange at a time (RPCs under it)
         self.read_latency_ms: list[float] = []
+        self._held: dict[str, int] = {}  # request id -> holders (a request is held once per run)
+        self._dropped: dict[str, str] = {}  # held request id -> why the decode no longer waits for it
+        self._inflight: set = set()  # ReadReady futures not answered yet
+        self._last_answer = time.monotonic()
+        self._dead = ""  # why the decode is considered gone ("" while it answers)
+        self._stop = threading.Event()
+        self._beater = threading.Thread(target=self._beat, name=f"heartbeat-{endpoint}", daemon=True)
+        self._beater.start()
 
     def ensure_layout(self) -> None:
         """ExchangeLayout once per link; raises LinkError with the decode's reason."""
-        with self._lock:
+        with self._layout_lock:
             if self._accepted:
-                return
+                try:  # still known there? a restarted decode lost the layout and needs it again
+                    self._stub.Heartbeat(transfer_pb2.PrefillHeartbeat(layout_version=self._layout.layout_version),
+                                         timeout=RECONNECT_WAIT_S, wait_for_ready=True)
+                    with self._lock:
+                        self._last_answer, self._dead = time.monotonic(), ""
+                    return
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise LinkError(f"decode {self.endpoint} unreachable: {exc.code().name}: "
+                                        f"{exc.details()}") from None
+                    self._accepted = False
             try:
-                ack = self._stub.ExchangeLayout(self._layout, timeout=LAYOUT_ACK_TIMEOUT_S)
+                ack = self._stub.ExchangeLayout(self._layout, timeout=LAYOUT_ACK_TIMEOUT_S, wait_for_ready=True)
             except grpc.RpcError as exc:
                 raise LinkError(f"decode {self.endpoint}: layout exchange failed: {exc.code().name}: "
                                 f"{exc.details()}") from None
             if not ack.accepted:
                 raise LinkError(f"decode {self.endpoint} refused the layout: {ack.reason}")
             self._accepted = True
+            self._last_answer, self._dead = time.monotonic(), ""
 
+    # ---- liveness ------------------------------------------------------------------------------
+
+    def hold(self, request_id: str) -> None:
+        """The link now works for ``request_id`` (until ``release``): heartbeats name it."""
+        with self._lock:
+            if not self._held and not self._inflight:
+                self._last_answer = time.monotonic()  # silence counts only while there is work
+            self._held[request_id] = self._held.get(request_id, 0) + 1
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            n = self._held.get(request_id, 0) - 1
+            if n > 0:
+                self._held[request_id] = n
+            else:
+                self._held.pop(request_id, None)
+                self._dropped.pop(request_id, None)
+
+    def dropped(self, request_id: str) -> str:
+        """Why the decode no longer waits for ``request_id`` ("" while it does)."""
+        with self._lock:
+            return self._dropped.get(request_id, "") or (self._dead if request_id in self._held else "")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            with self._lock:
+                ids = list(self._held)
+                if not ids and not self._inflight:
+                    continue
+            try:
+                reply = self._stub.Heartbeat(transfer_pb2.PrefillHeartbeat(
+                    layout_version=self._layout.layout_version, request_ids=ids),
+                    timeout=min(self._heartbeat_s * 2, self._peer_timeout_s))
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # a restarted decode forgot our layout
+                    with self._lock:
+                        self._accepted = False
+                    self._declare_dead(f"decode {self.endpoint} restarted (it lost the layout): {exc.details()}")
+                    continue
+                silent = time.monotonic() - self._last_answer
+                if silent > self._peer_timeout_s:
+                    self._declare_dead(f"decode {self.endpoint} answered no heartbeat for {silent:.1f} s "
+                                       f"(last error {exc.code().name})")
+                continue
+            with self._lock:
+                self._last_answer, self._dead = time.monotonic(), ""
+                for rid in reply.unknown_request_ids:
+                    if rid in self._held and rid not in self._dropped:
+                        self._dropped[rid] = f"decode {self.endpoint} no longer waits for request {rid}"
+                        log.warning("request_dropped_by_decode", request_id=rid, decode=self.endpoint)
+
+    def _declare_dead(self, reason: str) -> None:
+        with self._lock:
+            first = not self._dead
+            self._dead = reason
+            pending = list(self._inflight)
+        if first:
+            log.warning("decode_unresponsive", decode=self.endpoint, reason=reason, pending_reads=len(pending))
+        for future in pending:
+            future.cancel()
     def announce(self, ticket: SlotTicket, reader, request_id: str, start: int, end: int) -> "_Outcome":
         """ReadReady for rows [start, end) of ``ticket.layer``; the answer settles ``reader``.
 
         Returns the call's future: its result is True for READ_DONE, False for a failure."""
+        outcome = _Outcome()
+        gone = self.dropped(request_id)
+        if gone:  # the decode is unresponsive or dropped the request: fail the read at once
+            log.warning("read_failed", request_id=request_id, layer=ticket.layer, reason=gone)
+            ticket.read_failed(reader, gone)
+            outcome.set(False)
+            return outcome
         req = transfer_pb2.ReadReadyRequest(request_id=request_id, layer=ticket.layer, generation=ticket.generation,
                                             src_start=start, src_end=end, dst_start=start,
                                             layout_version=self._layout.layout_version)
         sent = time.monotonic()
         future = self._stub.ReadReady.future(req, timeout=self._read_timeout_s)
+        with self._lock:
+            self._inflight.add(future)
 
-        def settle(f) -> None:
-            try:
-                result = f.result()
-            except grpc.RpcError as exc:
-                reason = f"decode {self.endpoint}: ReadReady {exc.code().name}: {exc.details()}"
-                log.warning("read_failed", request_id=request_id, layer=ticket.layer, reason=reason)
-                ticket.read_failed(reader, reason)
-                return
-            if result.status == transfer_pb2.READ_DONE:
-                self.read_latency_ms.append((time.monotonic() - sent) * 1000)
-                ticket.read_done(reader)
+        def settle(f) -> bool:
+            with self._lock:
+                self._inflight.discard(f)
+            if f.cancelled():
+                reason = self._dead or f"decode {self.endpoint}: ReadReady cancelled"
             else:
-                log.warning("read_failed", request_id=request_id, layer=ticket.layer, reason=result.reason)
-                ticket.read_failed(reader, result.reason or "READ_FAILED without a reason")
-
-        outcome = _Outcome()
+                try:
+                    result = f.result()
+                except grpc.RpcError as exc:
+                    reason = f"decode {self.endpoint}: ReadReady {exc.code().name}: {exc.details()}"
+                else:
+                    with self._lock:
+                        self._last_answer = time.monotonic()
+                    if result.status == transfer_pb2.READ_DONE:
+                        self.read_latency_ms.append((time.monotonic() - sent) * 1000)
+                        ticket.read_done(reader)
+                        return True
+                    reason = result.reason or "READ_FAILED without a reason"
+            log.warning("read_failed", request_id=request_id, layer=ticket.layer, reason=reason)
+            ticket.read_failed(reader, reason)
+            return False
 
         def settle_and_report(f) -> None:
+            ok = False
             try:
-                settle(f)
+                ok = settle(f)
             finally:
-                outcome.set(not f.exception() and f.result().status == transfer_pb2.READ_DONE)
+                outcome.set(ok)
 
         future.add_done_callback(settle_and_report)
         return outcome
@@ -116,4 +227,6 @@ class DecodeLink:
             raise LinkError(f"decode {self.endpoint} refused the prefill result: {reply.reason}")
 
     def close(self) -> None:
+        self._stop.set()
+        self._beater.join(timeout=5)
         self._channel.close()

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import signal
 import sys
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,15 +19,16 @@ import grpc
 import structlog
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kvcore import tls as kvtls
 from kvcore.backends import BackendUnavailableError, require_available
 from kvcore.config import ConfigError
 from kvcore.logs import configure_logging
-from kvcore.segment import host_id
-from kvcore.settings import prefill_settings
+from kvcore.segment import host_id, sweep_stale_segments
+from kvcore.settings import prefill_settings, check_flags
 from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc, transfer_pb2_grpc
 
 from kvoffload_prefill import __version__
-from kvoffload_prefill.app import build_app
+from kvoffload_prefill.app import DRAINING, build_app
 from kvoffload_prefill.source import LayerSourceServicer
 from kvoffload_prefill.worker import PrefillWorker
 
@@ -40,13 +42,22 @@ class StatsServicer(stats_pb2_grpc.StatsServicer):
 
     def GetStats(self, request, context):
         eng = self.worker.engine
-        pool = eng.pool.stats()
-        counters = {**eng.gates.stats(), "pool_used_bytes": pool.used_bytes, "pool_used_blocks": pool.used_blocks,
-                    "pool_live_leases": pool.live_leases, "pool_complete_objects": pool.complete_objects,
+        counters = {**eng.gates.stats(), **self.worker.ledger.counters(),
                     "device_kv_bytes": eng.allocator.stats().current_bytes}
+        try:
+            pool = eng.pool.stats()
+        except Exception as exc:  # e.g. the metastore is down or forgot the pool: Stats still answers
+            counters["pool_available"] = 0
+            info_pool = repr(exc)
+        else:
+            counters.update({"pool_available": 1, "pool_used_bytes": pool.used_bytes,
+                             "pool_used_blocks": pool.used_blocks, "pool_live_leases": pool.live_leases,
+                             "pool_complete_objects": pool.complete_objects})
+            info_pool = ""
         return stats_pb2.StatsReply(service=SERVICE, version=__version__,
                                     counters={k: float(v) for k, v in counters.items()},
-                                    info={"plan": eng.plan.log_line()})
+                                    info={"plan": eng.plan.log_line(), "pool_error": info_pool},
+                                    ledger_json=self.worker.ledger.snapshot() if request.include_ledger else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,13 +78,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvoffload-metastore that indexes the pool (backend 'kvoffload'); without it the index "
                         "is kept in this process")
     p.add_argument("--read-timeout-s", type=float, default=60.0, help="longest wait for a decode's READ_DONE")
+    p.add_argument("--peer-timeout-s", type=float, default=10.0,
+                   help="a decode that answers no heartbeat for this long is gone: its reads fail (default 10)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the config's torch_dtype")
+    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests get to finish before they are failed (default 30)")
     p.add_argument("--log-level", default="info")
+    kvtls.add_tls_arguments(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        check_flags(args, at_least_one=("max_model_len", "block_size", "chunk_size"),
+                    seconds=("host_pool_gb", "read_timeout_s", "peer_timeout_s"),
+                    seconds_or_zero=("shutdown_grace_s",), ports=("port",), any_ports=("data_port",))
+    except ConfigError as exc:
+        print(f"{SERVICE}: {exc}", file=sys.stderr)
+        return 2
+    try:  # before anything starts: a bad TLS flag fails fast, naming the flag and the path
+        tls = kvtls.from_args(args)
+        if tls is not None:
+            tls.require_identity(SERVICE)
+    except kvtls.TLSConfigError as exc:
+        print(f"{SERVICE}: {exc}", file=sys.stderr)
+        return 2
+    kvtls.configure(tls)  # the gRPC clients of this process (the metastore, the decode links) use it
     configure_logging(SERVICE, args.log_level)
     from dsamodel.engine import build
     from dsamodel.engine.layout import kv_layout
@@ -93,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for w in settings.warnings:
         log.warning("config_warning", warning=w)
+    stale = sweep_stale_segments()  # what killed predecessors left in /dev/shm
+    if stale:
+        log.warning("stale_segments_removed", paths=stale)
     tag = uuid.uuid4().hex[:8]
     pool_bytes, pool_name = int(args.host_pool_gb * 2**30), f"kvoffload-prefill-pool-{tag}"
     if args.metastore:
@@ -110,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     engine.plan.log()
     server = grpc.server(ThreadPoolExecutor(max_workers=8, thread_name_prefix="prefill-grpc"),
                          options=[("grpc.so_reuseport", 0)])
-    data_port = server.add_insecure_port(f"{args.host}:{args.data_port}")
+    data_port = kvtls.add_port(server, f"{args.host}:{args.data_port}", tls)
     worker = PrefillWorker(engine, model_id=model_id, host_id=host_id(), data_endpoint=f"{args.host}:{data_port}",
-                           read_timeout_s=args.read_timeout_s)
+                           read_timeout_s=args.read_timeout_s, peer_timeout_s=args.peer_timeout_s)
     health_servicer = health.HealthServicer()
     transfer_pb2_grpc.add_LayerSourceServicer_to_server(LayerSourceServicer(engine, worker.layout_version), server)
     stats_pb2_grpc.add_StatsServicer_to_server(StatsServicer(worker), server)
@@ -122,9 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     log.info("serving", http=f"{args.host}:{args.port}", data_port=data_port, model=model_id,
              plan=engine.plan.log_line(), backend=settings.store.backend,
-             transfer_backend=settings.d2h.transfer_backend)
+             transfer_backend=settings.d2h.transfer_backend, **(tls.describe() if tls else {"tls": False}))
     try:
-        asyncio.run(_serve_http(app, args.host, args.port))
+        asyncio.run(_serve_http(app, args.host, args.port, lambda: worker.ledger.counters()["ledger_open"],
+                                args.shutdown_grace_s, health_servicer))
     finally:
         health_servicer.enter_graceful_shutdown()
         server.stop(grace=5).wait()
@@ -135,16 +170,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _serve_http(app: web.Application, host: str, port: int) -> None:
+async def _serve_http(app: web.Application, host: str, port: int, busy, grace_s: float, health_servicer) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: refuse new requests (503, health NOT_SERVING), give
+    the ``busy()`` in-flight requests up to ``grace_s`` to finish (a second signal cuts it short),
+    then close; whatever still runs is failed and freed by the shutdown that follows."""
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
-    stop = asyncio.Event()
+    signals = asyncio.Queue()
     aio = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # installed explicitly: PID 1 in a container has none
-        aio.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting_down")
+        aio.add_signal_handler(sig, signals.put_nowait, sig)
+    await signals.get()
+    app[DRAINING].set()
+    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    log.info("draining", in_flight=busy(), grace_s=grace_s)
+    deadline = time.monotonic() + grace_s
+    while busy() and time.monotonic() < deadline and signals.empty():
+        await asyncio.sleep(0.05)
+    log.info("shutting_down", unfinished=busy())
     await runner.cleanup()
 
 

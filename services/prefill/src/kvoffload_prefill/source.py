@@ -21,6 +21,9 @@ class LayerSourceServicer(transfer_pb2_grpc.LayerSourceServicer):
                           f"layout_version {request.layout_version} is not this prefill's ({self.layout_version})")
         if request.layer >= eng.plan.num_logical_layers or request.src_end < request.src_start:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layer {request.layer} or range is malformed")
+        if request.kind not in (transfer_pb2.PLANE_KIND_MAIN, transfer_pb2.PLANE_KIND_INDEXER):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"kind {request.kind}: must be PLANE_KIND_MAIN or PLANE_KIND_INDEXER")
         try:
             ticket = eng.gates.ticket(request.layer)
         except ValueError as exc:
@@ -28,6 +31,10 @@ class LayerSourceServicer(transfer_pb2_grpc.LayerSourceServicer):
         if ticket.generation != request.generation:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"slot of layer {request.layer} holds generation {ticket.generation}, not {request.generation}")
+        if not any(reader[0] == request.request_id for reader in ticket.readers):  # only its readers see the rows
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"request {request.request_id!r} does not read layer {request.layer} (generation "
+                          f"{request.generation})")
         buf = eng.buffers.main(request.layer) if request.kind == transfer_pb2.PLANE_KIND_MAIN \
             else eng.buffers.indexer(request.layer)
         if request.src_end > buf.shape[0]:

@@ -17,6 +17,7 @@ import torch
 from dsamodel.engine.prefill import LayerwisePrefill, PrefillRequest
 from dsamodel.sampling import RequestSampler, SamplingParams
 from kvcore.layout import dtype_name
+from kvcore.ledger import Ledger
 from kvoffload_proto.v1 import transfer_pb2
 
 from kvoffload_prefill.links import DecodeLink
@@ -44,15 +45,19 @@ def endpoint_of(params: dict) -> str:
 
 class PrefillWorker:
     def __init__(self, engine: LayerwisePrefill, *, model_id: str, host_id: str, data_endpoint: str,
-                 read_timeout_s: float = 60.0) -> None:
+                 read_timeout_s: float = 60.0, peer_timeout_s: float = 10.0) -> None:
         self.engine = engine
         self.layout_version = random.randrange(1, 2**63)
         self.layout = self._layout_metadata(model_id, host_id, data_endpoint)
         self._links: dict[str, DecodeLink] = {}
         self._lock = threading.Lock()
         self._read_timeout_s = read_timeout_s
+        self._peer_timeout_s = peer_timeout_s
         self._cached_keys: set[bytes] = set()  # prefix-cache objects this worker wrote or reused
         self._outcomes: dict[str, list] = {}  # request id -> (layer, outcome) of every announce
+        # stage of every request: prefilling -> awaiting_reads -> reporting -> ok | error. No
+        # watchdog here: every wait of the prefill has its own deadline (gate, ReadReady, RPCs).
+        self.ledger = Ledger()
         engine.announce = self._announce
 
     def _layout_metadata(self, model_id: str, host_id: str, data_endpoint: str) -> transfer_pb2.LayoutMetadata:
@@ -85,16 +90,30 @@ class PrefillWorker:
         with self._lock:
             link = self._links.get(endpoint)
             if link is None:
-                link = self._links[endpoint] = DecodeLink(endpoint, self.layout, self._read_timeout_s)
+                link = self._links[endpoint] = DecodeLink(endpoint, self.layout, self._read_timeout_s,
+                                                         peer_timeout_s=self._peer_timeout_s)
         link.ensure_layout()
         return link
 
     def _announce(self, ticket, req: PrefillRequest, start: int, end: int) -> None:
+        """ReadReady to every reader of the layer (their links exist: ``run`` made them)."""
         for reader in ticket.readers:
             rid, endpoint = reader
-            outcome = self.link(endpoint).announce(ticket, reader, rid, start, end)
+            with self._lock:
+                link = self._links[endpoint]
+            outcome = link.announce(ticket, reader, rid, start, end)
             with self._lock:
                 self._outcomes.setdefault(rid, []).append((ticket.layer, outcome))
+
+    def _stop_reason(self, rid: str, link: DecodeLink) -> str:
+        """Why the request should not compute another layer: its decode dropped it or is gone, or
+        one of its layers was not read (the request has failed already)."""
+        why = link.dropped(rid)
+        if why:
+            return why
+        with self._lock:
+            failed = [layer for layer, outcome in self._outcomes.get(rid, []) if outcome.failed()]
+        return f"the decode did not read layer(s) {sorted(set(failed))}" if failed else ""
 
     def run(self, request_id: str, prompt_ids: list[int], transfer_params: dict | None,
             params: SamplingParams | None = None) -> PrefillOutcome:
@@ -106,19 +125,51 @@ class PrefillWorker:
             link = self.link(endpoint)  # the layout is accepted before any slot is taken
             readers = frozenset({(str(transfer_params.get("request_id") or request_id), endpoint)})
         rid = next(iter(readers))[0] if readers else request_id
-        sampler = RequestSampler(params or SamplingParams(max_tokens=1), None)
-        res = self.engine.run(PrefillRequest(rid, torch.tensor(prompt_ids, dtype=torch.long), readers=readers,
-                                             sample=sampler.step))
+        self.ledger.open(rid, "prefilling", peer=f"decode {link.endpoint}" if link else "")
         try:
-            if link is not None:
-                self._await_reads(rid)
-                link.prefill_done(rid, len(prompt_ids), res.first_token)
-        finally:
+            out = self._run(rid, prompt_ids, link, readers, params)
+        except BaseException as exc:
+            self.ledger.finish(rid, "error", repr(exc))
+            raise
+        self.ledger.finish(rid, "ok")
+        return out
+
+    def _run(self, rid: str, prompt_ids: list[int], link: DecodeLink | None, readers: frozenset,
+             params: SamplingParams | None) -> PrefillOutcome:
+        sampler = RequestSampler(params or SamplingParams(max_tokens=1), None)
+        if link is None:
+            res = self.engine.run(PrefillRequest(rid, torch.tensor(prompt_ids, dtype=torch.long), sample=sampler.step))
+            self._release(res)
+            return self._finished(rid, prompt_ids, res)
+        link.hold(rid)  # heartbeats name the request from now on, queued or computing
+        try:
+            res = self.engine.run(PrefillRequest(rid, torch.tensor(prompt_ids, dtype=torch.long), readers=readers,
+                                                 sample=sampler.step, cancelled=lambda: self._stop_reason(rid, link)))
+        except BaseException:
+            link.release(rid)
             with self._lock:
                 self._outcomes.pop(rid, None)
-            self.engine.release(res)
+            raise
+        try:
+            self.ledger.advance(rid, "awaiting_reads")
+            self._await_reads(rid)
+            self.ledger.advance(rid, "reporting")
+            link.prefill_done(rid, len(prompt_ids), res.first_token)
+        finally:
+            link.release(rid)
             with self._lock:
-                self._cached_keys.update(k for k in res.keys if k not in res.owned_keys)
+                self._outcomes.pop(rid, None)
+            self._release(res)
+        return self._finished(rid, prompt_ids, res)
+
+    def _release(self, res) -> None:
+        """End the engine's hand-off; the prompt's hash-keyed blocks stay as prefix cache."""
+        self.engine.release(res)
+        with self._lock:
+            self._cached_keys.update(k for k in res.keys if k not in res.owned_keys)
+
+    @staticmethod
+    def _finished(rid: str, prompt_ids: list[int], res) -> PrefillOutcome:
         log.info("prefill_finished", request_id=rid, prompt_tokens=len(prompt_ids),
                  cached_tokens=res.num_cached_tokens, first_token=res.first_token)
         return PrefillOutcome(rid, res.first_token, len(prompt_ids), res.num_cached_tokens, res.num_computed_tokens)

@@ -3,13 +3,12 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/metaserver, GET /healthcheck,
 POST /reset_prefix_cache, GET /metrics, GET /openapi.json. Middlewares, outermost first:
 request id (honour or assign X-Request-Id, bind it to every log line, count outcomes), errors
-(every non-2xx is an OpenAI-style JSON error), API key (Bearer; /healthcheck, /v1/metaserver and
-/openapi.json exempt: decoders and probes do not hold the client key).
+(every non-2xx is an OpenAI-style JSON error), API key (Bearer; see auth.py: /healthcheck and
+/openapi.json are open, /v1/metaserver takes the per-request token the proxy gave the decoder).
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import re
 import time
 import uuid
@@ -18,6 +17,7 @@ import structlog
 from aiohttp import web
 
 from . import upstream
+from .auth import bearer, matches
 from .balancer import Balancer
 from .config import ProxyConfig
 from .errors import ProxyError
@@ -36,7 +36,9 @@ _request_key = getattr(web, "RequestKey", lambda name, t: name)  # typed keys si
 REQUEST_ID = _request_key("request_id", str)
 STATE = _request_key("state", RequestState)
 INFERENCE_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-AUTH_EXEMPT = {"/healthcheck", "/v1/metaserver", "/openapi.json"}
+AUTH_EXEMPT = {"/healthcheck", "/openapi.json"}  # open to load balancers and API tooling
+METASERVER = "/v1/metaserver"  # decoders authenticate with their request's token, checked in `metaserver`
+_UNAUTHORIZED = "missing or invalid API key (send 'Authorization: Bearer KEY')"
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 
@@ -93,15 +95,26 @@ async def errors_as_json(request: web.Request, handler):
         raise ProxyError(500, f"internal proxy error: {type(e).__name__}") from None
 
 
+def unauthorized(message: str = _UNAUTHORIZED) -> ProxyError:
+    return ProxyError(401, message, headers={"WWW-Authenticate": 'Bearer realm="kvoffload"'})
+
+
+def authenticated(request: web.Request) -> bool:
+    """True when no key is set or the request carries it."""
+    key = request.app[CONFIG].api_key
+    return key is None or matches(bearer(request.headers), key)
+
+
 @web.middleware
 async def api_key(request: web.Request, handler):
-    key = request.app[CONFIG].api_key
-    if key and request.path not in AUTH_EXEMPT:
-        given = request.headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                  key.encode()):
-            raise ProxyError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')")
+    cfg = request.app[CONFIG]
+    if cfg.api_key is not None and request.path not in AUTH_EXEMPT:
+        if request.path == METASERVER:  # the token is bound to the body's request_id: `metaserver` checks it
+            if bearer(request.headers) is None:
+                raise unauthorized("missing metaserver token (send 'Authorization: Bearer TOKEN' with the "
+                                   "kv_transfer_params.metaserver_token the proxy gave this request)")
+        elif not authenticated(request):
+            raise unauthorized()
     return await handler(request)
 
 
@@ -118,6 +131,8 @@ async def metaserver(request: web.Request) -> web.Response:
     start, flow = time.monotonic(), request.app[FLOW]
     data = load_json_object(await request.read())
     reg = validate(MetaserverRegistration, data)
+    if not flow.tokens.check(bearer(request.headers), reg.request_id):  # before any lookup: no oracle
+        raise unauthorized(f"invalid metaserver token for request_id {reg.request_id!r}")
     params = reg.kv_transfer_params if reg.kv_transfer_params is not None else data
     rdv = flow.registry.lookup(reg.request_id)
     parent_rid = rdv.context.request_id if rdv is not None else request[REQUEST_ID]
@@ -148,8 +163,10 @@ async def healthcheck(request: web.Request) -> web.Response:
     results = await asyncio.gather(*(upstream.probe(flow.session, b, "GET", "/health",
                                                     cfg.health_timeout_s) for b in cfg.backends))
     ok = all(r["ok"] for r in results)
-    return web.json_response({"status": "ok" if ok else "unhealthy", "backends": results},
-                             status=200 if ok else 503)
+    body = {"status": "ok" if ok else "unhealthy"}
+    if authenticated(request):  # with --api-key, anonymous probes get the status, not the topology
+        body["backends"] = results
+    return web.json_response(body, status=200 if ok else 503)
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "", "*", "0")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.\-_]{0,251}[A-Za-z0-9])?$")
-API_KEY_ENV = "KVOFFLOAD_PROXY_API_KEY"
+API_KEY_ENV = "KVOFFLOAD_API_KEY"  # the key in the environment keeps it off `ps` and shell history
 
 
 def is_wildcard(host: str) -> bool:
@@ -67,7 +67,7 @@ class Backend(BaseModel):
 class ProxyConfig(BaseModel):
     """Field names are the flags without dashes (`request_timeout_s` is `--request-timeout-s`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)  # inf timeouts hang
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     prefillers: tuple[Backend, ...]
@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decoder-hosts", nargs="+", required=True, metavar="HOST")
     p.add_argument("--decoder-ports", nargs="+", type=int, required=True, metavar="PORT")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer KEY' from clients (or ${API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer KEY' on every route but /healthcheck and "
+                        f"/openapi.json (default ${API_KEY_ENV}; decoders get per-request tokens)")
     p.add_argument("--metaserver-url", default="",
                    help="URL decoders are told to call (default http://HOST:PORT/v1/metaserver)")
     p.add_argument("--request-timeout-s", type=float, default=600.0,
@@ -174,6 +175,11 @@ def config_from_namespace(ns: argparse.Namespace) -> ProxyConfig:
     fields = {k: v for k, v in vars(ns).items() if not k.startswith(("prefiller_", "decoder_"))}
     fields["prefillers"] = _backends("prefiller", ns.prefiller_hosts, ns.prefiller_ports)
     fields["decoders"] = _backends("decoder", ns.decoder_hosts, ns.decoder_ports)
+    own = f"http://{url_host(ns.host.strip('[]'))}:{ns.port}"
+    for b in fields["prefillers"] + fields["decoders"]:
+        if b.url == own:  # the proxy would forward requests to itself
+            raise ValueError(f"--{b.role}-hosts/--{b.role}-ports: {own} is this proxy's own --host/--port; "
+                             f"give the {b.role}'s address")
     try:
         return ProxyConfig(**fields)
     except ValidationError as e:

@@ -22,6 +22,7 @@ import structlog
 from aiohttp import web
 
 from . import upstream
+from .auth import TOKEN_PARAM, MetaserverTokens
 from .balancer import Balancer, Lease
 from .config import ProxyConfig
 from .errors import ProxyError
@@ -34,12 +35,15 @@ log = structlog.get_logger("kvoffload_proxy.flow")
 _CHILD_DONE = object()
 
 
-def decoder_body(req: InferenceRequest, index: int, child_id: str, metaserver_url: str) -> dict:
+def decoder_body(req: InferenceRequest, index: int, child_id: str, metaserver_url: str,
+                 metaserver_token: str | None = None) -> dict:
     body = dict(req.body)
     if req.is_batch:
         body["prompt"] = req.prompts[index]
     body["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True,
                                   "metaserver": metaserver_url, "request_id": child_id}
+    if metaserver_token is not None:  # --api-key set: the decoder's bearer token for /v1/metaserver
+        body["kv_transfer_params"][TOKEN_PARAM] = metaserver_token
     return body
 
 
@@ -89,6 +93,7 @@ class Flow:
         self.prefillers = prefillers
         self.decoders = decoders
         self.metrics = metrics
+        self.tokens = MetaserverTokens(enabled=cfg.api_key is not None)
         connect_budget = sum(cfg.connect_timeout_s + cfg.retry_backoff_s * 2 ** a
                              for a in range(cfg.max_retries + 1))
         self.max_silence_s = cfg.request_timeout_s + connect_budget + 1.0
@@ -137,7 +142,8 @@ class Flow:
     # -- decoders --------------------------------------------------------------------------
     async def _run_child(self, st: RequestState, i: int, out: asyncio.Queue) -> None:
         req, lease, backend = st.req, None, None
-        body = decoder_body(req, i, st.child_ids[i], self.cfg.advertised_metaserver_url)
+        body = decoder_body(req, i, st.child_ids[i], self.cfg.advertised_metaserver_url,
+                            self.tokens.issue(st.child_ids[i]))
         try:
             lease, resp = await upstream.post(
                 self.session, self.decoders, self.cfg, req.path, body, headers=st.headers,

@@ -87,6 +87,11 @@ def build_openapi(api_key_required: bool) -> dict[str, Any]:
             for op in paths[path].values():
                 op["security"] = [{"bearer": []}]
                 op["responses"]["401"] = errors["401"]
+        meta = paths["/v1/metaserver"]["post"]
+        meta["security"] = [{"metaserverToken": []}]
+        meta["responses"]["401"] = _json(err, "Missing token, or not the one issued for this request_id")
+        paths["/healthcheck"]["get"]["description"] = (
+            "Open (load balancers); without the API key the body has only `status`, not `backends`.")
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "kvoffload proxy", "version": __version__,
@@ -94,5 +99,10 @@ def build_openapi(api_key_required: bool) -> dict[str, Any]:
                                 "deployment (decode first)."},
         "paths": paths, "components": {"schemas": components}}
     if api_key_required:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer",
+                       "description": "The proxy's --api-key ($KVOFFLOAD_API_KEY)."},
+            "metaserverToken": {"type": "http", "scheme": "bearer",
+                                "description": "Decoders only: kv_transfer_params.metaserver_token of "
+                                               "the request being registered (issued per request)."}}
     return doc

@@ -55,9 +55,10 @@ async def owned(resp: aiohttp.ClientResponse) -> AsyncIterator[aiohttp.ClientRes
 
 
 async def http_error(resp: aiohttp.ClientResponse, backend: Backend) -> ProxyError:
-    """A non-2xx answer: 4xx relayed as is, anything else a 502 naming the backend."""
+    """A non-2xx answer: 4xx and 503 (a backend that is full or shutting down: the client may retry)
+    relayed as they are, anything else a 502 naming the backend."""
     text = await resp.text(errors="replace")
-    if 400 <= resp.status < 500:
+    if 400 <= resp.status < 500 or resp.status == 503:
         try:
             body = json.loads(text)
         except ValueError:
@@ -67,7 +68,8 @@ async def http_error(resp: aiohttp.ClientResponse, backend: Backend) -> ProxyErr
                               "param": None, "code": resp.status}}
         return ProxyError(resp.status, f"{backend.role} {backend.url} rejected the request "
                                        f"(HTTP {resp.status})", backend=backend.url,
-                          role=backend.role, relay_body=body)
+                          role=backend.role, relay_body=body,
+                          headers={"Retry-After": resp.headers.get("Retry-After", "1")} if resp.status == 503 else None)
     return ProxyError(502, f"{backend.role} {backend.url} answered HTTP {resp.status}: "
                            f"{excerpt(text)}", backend=backend.url, role=backend.role)
 

@@ -33,7 +33,8 @@ def remote_prefill_pool(model: DSAModel, block_size: int, capacity_bytes: int, *
 
     geo = PoolGeometry.from_layout(kv_layout(model.config, block_size, model.dtype), capacity_bytes,
                                    include_indexer=True)
-    return RemoteHostPool.create(metastore, pool_id, _name("kvoffload-prefill", name), geo, replace=True)
+    return RemoteHostPool.create(metastore, pool_id, _name("kvoffload-prefill", name), geo, replace=True,
+                                 rejoin=True)  # a restarted metastore must not retire the prefill
 
 
 def decode_pool(model: DSAModel, block_size: int, capacity_bytes: int, name: str | None = None) -> LocalHostPool:

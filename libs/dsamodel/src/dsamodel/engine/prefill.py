@@ -49,6 +49,8 @@ class PrefillRequest:
     prompt: torch.Tensor  # [P] int64
     readers: frozenset[Hashable] = frozenset()
     sample: Callable[[torch.Tensor], int] | None = None  # first token from [V] logits; greedy if None
+    # why the request should stop ("" to go on); asked before each layer, e.g. its reader went away
+    cancelled: Callable[[], str] | None = None
 
 
 @dataclass
@@ -270,6 +272,9 @@ class LayerwisePrefill:
         s, e = chunk.start, chunk.end
         main, idx = self.buffers.main(i), self.buffers.indexer(i)
         try:
+            why = req.cancelled() if req.cancelled else ""
+            if why:
+                raise PrefillError(f"request {req.request_id} stopped before layer {i}: {why}")
             proj = layer.project(h, positions)
             main[s:e] = proj.kv  # [T, R + r]
             idx[s:e] = proj.index_k  # [T, Di]
@@ -289,7 +294,11 @@ class LayerwisePrefill:
         self._saver.submit(self._save, ticket, chunk, i)
         if self.announce is not None and ticket.readers:
             # the first computed chunk also carries the prefix loaded from the prefix cache
-            self.announce(ticket, req, 0 if chunk.first else s, e)
+            try:
+                self.announce(ticket, req, 0 if chunk.first else s, e)
+            except BaseException as exc:  # readers never told can never answer: fail them now
+                ticket.fail_pending_reads(f"announcing layer {i} failed: {exc!r}")
+                raise
         return h
 
     def _save(self, ticket: SlotTicket, chunk: _Chunk, layer: int) -> None:

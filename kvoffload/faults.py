@@ -1,0 +1,322 @@
+"""Seeded fault injection against the real stack on loopback — the runs behind
+``kvoffload bench faults`` and ``tests/integration/test_faults.py``.
+
+One *run*: a few concurrent client requests (prompts of different lengths, streaming or not) go
+through the proxy; at a random moment one fault hits a service (kill -9 the decode mid-pull, the
+prefill mid-layer, the metastore or the proxy; stop the decode briefly (delayed READ_DONE) or past
+the peer timeout (lost READ_DONE); stop the prefill past the peer timeout; stop it past the
+metastore's heartbeat timeout so its pool and leases expire; overfill the decode). Then every
+killed service is restarted, and the run records:
+
+- whether each request ended (success or error) within its deadline, and how long it took;
+- whether each success returned exactly the single-process engine's greedy tokens;
+- what is still held once the system is idle again: prefill slots, decode pool bytes and
+  sequences, pool and metastore leases, open ledger entries (polled until zero or a timeout);
+- whether a fresh request then succeeds with the right tokens.
+
+The stack runs with short bounds (peer timeout 2 s) so a run takes seconds, not minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, stack_stats
+
+PEER_TIMEOUT_S = 2.0
+POOL_TIMEOUT_MS = 3000  # the metastore's heartbeat timeout for pools
+REQUEST_DEADLINE_S = 45.0  # a client request must end (either way) within this
+BLOCK_SIZE = 16
+MAX_TOKENS = 6
+
+# fault -> relative weight in a randomized run
+FAULTS: dict[str, int] = {
+    "none": 1,
+    "kill_decode": 2,
+    "kill_prefill": 2,
+    "kill_metastore": 1,
+    "kill_proxy": 1,
+    "stall_decode_short": 2,
+    "stall_decode_long": 2,
+    "stall_prefill_long": 2,
+    "expire_pool_and_leases": 1,
+    "overfill_decode": 1,
+}
+
+
+def fault_stack_config(model: Path, log_dir: Path, ports: list[int]) -> StackConfig:
+    """A one-prefill, one-decode stack with short failure bounds (ports: 4 distinct free ports)."""
+    t = str(PEER_TIMEOUT_S)
+    return StackConfig(
+        model=model, log_dir=log_dir, proxy_port=ports[0], prefill_ports=(ports[1],), decode_ports=(ports[2],),
+        kv_port=ports[3] + 1000, metastore_port=ports[3], max_model_len=4096, block_size=BLOCK_SIZE,
+        service_args={
+            "metastore": ["--heartbeat-timeout-ms", str(POOL_TIMEOUT_MS)],
+            "decode-0": ["--peer-timeout-s", t, "--admission-wait-s", "1", "--max-num-seqs", "4",
+                         "--metaserver-timeout-s", "30"],
+            "prefill-0": ["--peer-timeout-s", t, "--read-timeout-s", "15"],
+            "proxy": ["--request-timeout-s", "30", "--metaserver-timeout-s", "10", "--connect-timeout-s", "2"],
+        })
+
+
+@dataclass
+class RequestRecord:
+    prompt_tokens: int
+    stream: bool
+    ok: bool = False
+    ended: bool = False
+    seconds: float = 0.0
+    tokens_equal: bool | None = None  # successes only
+    error: str = ""
+
+
+@dataclass
+class RunRecord:
+    run: int
+    fault: str
+    requests: list[RequestRecord] = field(default_factory=list)
+    leaks: dict[str, float] = field(default_factory=dict)
+    fresh_ok: bool = False
+    seconds: float = 0.0
+
+
+def _prompts() -> list[list[int]]:
+    from dsamodel.tokenizer import ByteTokenizer
+
+    text = "".join(chr(32 + (i * 7919) % 90) for i in range(2400))
+    return [ByteTokenizer().encode(text[:n], add_bos=True) for n in (24, 700, 2400)]
+
+
+def _request(url: str, prompt: list[int], stream: bool, deadline_s: float) -> tuple[bool, list[int], str]:
+    """(ok, tokens, error) of one completion; an error event mid-stream is a failure."""
+    body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=deadline_s) as resp:
+            if not stream:
+                out = json.loads(resp.read())
+                return True, out["choices"][0]["token_ids"], ""
+            ids: list[int] = []
+            for raw in resp:
+                line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    return True, ids, ""
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return False, ids, f"SSE error: {event['error'].get('message', event['error'])}"
+                for choice in event["choices"]:
+                    ids.extend(choice.get("token_ids", []))
+            return False, ids, "the stream ended without data: [DONE] (truncated)"
+    except urllib.error.HTTPError as exc:
+        return False, [], f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return False, [], f"{type(exc).__name__}: {exc}"
+
+
+def held(stats: dict[str, dict[str, float]]) -> dict[str, float]:
+    """What the stack still holds (all zero when idle)."""
+    out = {"leaked_slots": 0.0, "leaked_pool_bytes": 0.0, "leaked_leases": 0.0, "open_requests": 0.0}
+    for name, c in stats.items():
+        if name.startswith("prefill"):
+            out["leaked_slots"] += c.get("held_slots", 0)
+            out["leaked_leases"] += c.get("pool_live_leases", 0)
+            out["open_requests"] += c.get("ledger_open", 0) + (1 - c.get("pool_available", 1))
+        elif name.startswith("decode"):
+            out["leaked_pool_bytes"] += c.get("pool_used_bytes", 0)
+            out["leaked_leases"] += c.get("pool_live_leases", 0)
+            out["open_requests"] += c.get("sequences", 0) + c.get("ledger_open", 0)
+        elif name == "metastore":
+            out["leaked_leases"] += c.get("live_leases", 0)
+    return out
+
+
+class FaultRunner:
+    """Runs seeded fault runs against ``stack``; ``reference(prompt)`` gives the expected tokens."""
+
+    def __init__(self, stack: Stack, reference: Callable[[list[int]], list[int]], seed: int = 0,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.stack, self.reference, self.rng = stack, reference, random.Random(seed)
+        self.prompts = _prompts()
+        self.log = log or (lambda msg: None)
+
+    def run_many(self, n: int, faults: list[str] | None = None) -> list[RunRecord]:
+        names = list(FAULTS)
+        weights = [FAULTS[f] for f in names]
+        plan = faults if faults is not None else self.rng.choices(names, weights, k=n)
+        records = []
+        for i, fault in enumerate(plan):
+            rec = self.run_one(i, fault)
+            self.log(f"run {i} {fault}: {sum(r.ok for r in rec.requests)}/{len(rec.requests)} ok, "
+                     f"max {max((r.seconds for r in rec.requests), default=0):.1f} s, leaks {rec.leaks}, "
+                     f"fresh {'ok' if rec.fresh_ok else 'FAILED'}")
+            records.append(rec)
+        return records
+
+    def run_one(self, index: int, fault: str) -> RunRecord:
+        rng, stack = self.rng, self.stack
+        rec = RunRecord(index, fault)
+        t_run = time.monotonic()
+        count = 4 if fault == "overfill_decode" else rng.randint(1, 3)
+        picks = [(rng.choice(self.prompts), rng.random() < 0.5) for _ in range(count)]
+        if fault == "overfill_decode":  # more long prompts than the decode has sequence slots
+            picks = [(self.prompts[-1], False)] * 6
+        records = [RequestRecord(len(p), s) for p, s in picks]
+        threads = [threading.Thread(target=self._client, args=(p, s, r, fault), daemon=True)
+                   for (p, s), r in zip(picks, records)]
+        for th in threads:
+            th.start()
+        time.sleep(rng.uniform(0.05, 0.8))
+        self._inject(fault)
+        for th in threads:
+            th.join(REQUEST_DEADLINE_S + 5)
+        self._recover()
+        rec.requests = records
+        rec.leaks = self._wait_idle()
+        ok, tokens, err = _request(stack.url, self.prompts[0], False, REQUEST_DEADLINE_S)
+        rec.fresh_ok = ok and tokens == self.reference(self.prompts[0])
+        if not rec.fresh_ok:
+            self.log(f"run {index}: fresh request failed: {err or tokens}")
+        rec.seconds = time.monotonic() - t_run
+        return rec
+
+    def _client(self, prompt: list[int], stream: bool, rec: RequestRecord, fault: str) -> None:
+        t = time.monotonic()
+        ok, tokens, err = _request(self.stack.url, prompt, stream, REQUEST_DEADLINE_S)
+        rec.seconds = time.monotonic() - t
+        rec.ended = rec.seconds <= REQUEST_DEADLINE_S
+        rec.ok, rec.error = ok, err
+        if ok:
+            want = self.reference(prompt)
+            rec.tokens_equal = tokens == want
+            if not rec.tokens_equal:
+                self.log(f"WRONG TOKENS under {fault}: prompt {len(prompt)} stream {stream}: got {tokens}, "
+                         f"want {want}")
+
+    def _inject(self, fault: str) -> None:
+        s, rng = self.stack, self.rng
+        if fault == "none":
+            return
+        if fault.startswith("kill_"):
+            name = {"kill_decode": "decode-0", "kill_prefill": "prefill-0", "kill_metastore": "metastore",
+                    "kill_proxy": "proxy"}[fault]
+            s.signal(name, signal.SIGKILL)
+            s.process(name).wait(10)  # gone for good before anyone restarts it
+            return
+        stalls = {"stall_decode_short": ("decode-0", rng.uniform(0.2, 1.0)),
+                  "stall_decode_long": ("decode-0", PEER_TIMEOUT_S + rng.uniform(1.0, 2.0)),
+                  "stall_prefill_long": ("prefill-0", PEER_TIMEOUT_S + rng.uniform(1.0, 2.0)),
+                  "expire_pool_and_leases": ("prefill-0", POOL_TIMEOUT_MS / 1000 + 1.5)}
+        if fault in stalls:
+            name, seconds = stalls[fault]
+            s.signal(name, signal.SIGSTOP)
+            try:
+                time.sleep(seconds)
+            finally:
+                s.signal(name, signal.SIGCONT)
+
+    def _recover(self) -> None:
+        """Resume anything stopped, restart anything dead (dependencies first)."""
+        for name in ("metastore", "decode-0", "prefill-0", "proxy"):
+            self.stack.signal(name, signal.SIGCONT)
+        for name in ("metastore", "decode-0", "prefill-0", "proxy"):
+            self.stack.restart(name)
+
+    def _wait_idle(self, timeout_s: float = 20.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                leaks = held(stack_stats(self.stack.cfg))
+            except Exception as exc:  # a service still coming up: ask again
+                leaks = {"stats_error": 1.0}
+                self.log(f"stats: {exc!r}")
+            if not any(leaks.values()) or time.monotonic() > deadline:
+                return leaks
+            time.sleep(0.25)
+
+
+def summarize(records: list[RunRecord]) -> dict:
+    reqs = [r for run in records for r in run.requests]
+    leaks = [run.leaks for run in records]
+    return {
+        "runs": len(records),
+        "requests": len(reqs),
+        "terminated": sum(r.ended for r in reqs),
+        "succeeded": sum(r.ok for r in reqs),
+        "failed_with_error": sum(r.ended and not r.ok for r in reqs),
+        "wrong_tokens": sum(r.ok and r.tokens_equal is False for r in reqs),
+        "leaked_slots": sum(x.get("leaked_slots", 0) for x in leaks),
+        "leaked_pool_bytes": sum(x.get("leaked_pool_bytes", 0) for x in leaks),
+        "leaked_leases": sum(x.get("leaked_leases", 0) for x in leaks),
+        "open_requests_after": sum(x.get("open_requests", 0) + x.get("stats_error", 0) for x in leaks),
+        "fresh_request_failures": sum(not run.fresh_ok for run in records),
+        "max_termination_s": round(max((r.seconds for r in reqs), default=0.0), 3),
+        "faults": {f: sum(run.fault == f for run in records) for f in FAULTS},
+    }
+
+
+def reference_tokens(model_dir: Path) -> Callable[[list[int]], list[int]]:
+    """Greedy tokens of the single-process engine with the fault stack's sizes (cached)."""
+    from dsamodel.engine.engine import Engine, EngineConfig
+    from dsamodel.sampling import SamplingParams
+    from dsamodel.weights import load_model
+
+    model = load_model(model_dir)
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def run(prompt: list[int]) -> list[int]:
+        key = tuple(prompt)
+        if key not in cache:
+            eng = Engine(model, EngineConfig(block_size=BLOCK_SIZE, max_model_len=4096, chunk_size=2048, buffers=3,
+                                             topk_buffer_size=128, prefill_pool_bytes=64 << 20,
+                                             decode_pool_bytes=64 << 20))
+            try:
+                cache[key] = eng.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))[0]
+            finally:
+                eng.close()
+        return cache[key]
+
+    return run
+
+
+def bench(runs: int = 20, seed: int = 0, progress: bool = True) -> dict:
+    """``kvoffload bench faults``: ``runs`` seeded fault runs on a fresh loopback stack."""
+    import sys
+
+    from tqdm import tqdm
+
+    ports = random.Random().sample(range(21000, 29000, 7), 4)
+    with tempfile.TemporaryDirectory(prefix="kvoffload-faults-") as tmp:
+        model = ensure_tiny_model(Path(tmp) / "tiny")
+        cfg = fault_stack_config(model, Path(tmp) / "logs", ports)
+        ref = reference_tokens(model)
+        for p in _prompts():
+            ref(p)
+        with Stack(cfg) as stack:
+            runner = FaultRunner(stack, ref, seed)
+            records = []
+            names = list(FAULTS)
+            plan = runner.rng.choices(names, [FAULTS[f] for f in names], k=runs)
+            for i, fault in enumerate(tqdm(plan, desc="fault runs", disable=not progress, file=sys.stderr)):
+                records.append(runner.run_one(i, fault))
+    out = summarize(records)
+    out["seed"] = seed
+    out["goal_met"] = (out["terminated"] == out["requests"] and out["leaked_slots"] == 0
+                       and out["leaked_pool_bytes"] == 0 and out["leaked_leases"] == 0
+                       and out["wrong_tokens"] == 0 and out["fresh_request_failures"] == 0)
+    return out
+
+
+def records_json(records: list[RunRecord]) -> str:
+    return json.dumps([asdict(r) for r in records], indent=1)

@@ -1,0 +1,35 @@
+"""Security defaults of the decode: HTTP and the gRPC control port (Transfer, Health, Stats) bind
+127.0.0.1 unless told otherwise; gRPC is plain without TLS flags; a bad TLS flag fails before the
+model loads, naming the flag."""
+import pytest
+
+from kvoffload_decode.server import build_parser, main
+
+REQUIRED = ["--model", "/nonexistent-model", "--kv-transfer-config", "{}"]
+
+
+def test_binds_loopback_and_plain_by_default():
+    args = build_parser().parse_args(REQUIRED)
+    assert args.host == "127.0.0.1"  # the HTTP port and the control port(s) bind --host
+    assert (args.tls_cert, args.tls_key, args.tls_ca) == (None, None, None)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tls-key", "k.pem"], "--tls-key given without --tls-cert"),
+    (["--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"],
+     "--tls-cert /nonexistent/c.pem: cannot read"),
+])
+def test_bad_tls_flags_exit_2_before_the_model_loads(capsys, argv, message):
+    assert main([*REQUIRED, *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_metaserver_token_is_echoed_only_when_it_is_a_plain_token():
+    """The proxy's per-request /v1/metaserver token (proxy --api-key) goes back as a bearer header;
+    anything that could smuggle header text is dropped."""
+    from kvoffload_decode.app import _metaserver_token
+
+    assert _metaserver_token({"metaserver_token": "ab12" * 16}) == "ab12" * 16
+    for bad in (None, "", "a b", "a\r\nX-Evil: 1", 5, ["x"], "x" * 257, "é"):
+        assert _metaserver_token({"metaserver_token": bad}) is None
+    assert _metaserver_token({}) is None

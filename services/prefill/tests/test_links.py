@@ -1,0 +1,101 @@
+"""DecodeLink liveness: heartbeats name held requests; a decode that stops answering fails the
+pending reads within the peer timeout (not the read deadline); dropped requests are reported."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from kvcore.gates import OccupantFailed, SlotGate
+from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+
+from kvoffload_prefill.links import DecodeLink
+
+
+class FakeDecode(transfer_pb2_grpc.TransferServicer):
+    def __init__(self) -> None:
+        self.beats: list[list[str]] = []
+        self.hang = threading.Event()  # set: heartbeats and reads never answer
+        self.release = threading.Event()
+        self.unknown: set[str] = set()
+
+    def ExchangeLayout(self, request, context):
+        return transfer_pb2.LayoutAck(accepted=True, layout_version=request.layout_version)
+
+    def Heartbeat(self, request, context):
+        if self.hang.is_set():
+            self.release.wait(30)
+        self.beats.append(list(request.request_ids))
+        return transfer_pb2.PrefillHeartbeatReply(
+            unknown_request_ids=[r for r in request.request_ids if r in self.unknown])
+
+    def ReadReady(self, request, context):
+        self.release.wait(30)  # a decode that stopped in the middle of a pull
+        return transfer_pb2.ReadResult(status=transfer_pb2.READ_DONE)
+
+
+@pytest.fixture()
+def decode():
+    fake = FakeDecode()
+    server = grpc.server(ThreadPoolExecutor(max_workers=8))
+    transfer_pb2_grpc.add_TransferServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield fake, f"127.0.0.1:{port}"
+    fake.release.set()
+    server.stop(0)
+
+
+def _link(endpoint: str) -> DecodeLink:
+    layout = transfer_pb2.LayoutMetadata(layout_version=7, model_id="m")
+    link = DecodeLink(endpoint, layout, read_timeout_s=30, tls=None, peer_timeout_s=0.6, heartbeat_s=0.1)
+    link.ensure_layout()
+    return link
+
+
+def test_heartbeats_name_the_held_requests_and_report_dropped_ones(decode):
+    fake, endpoint = decode
+    link = _link(endpoint)
+    try:
+        link.hold("a")
+        link.hold("b")
+        fake.unknown.add("b")
+        deadline = time.monotonic() + 5
+        while not link.dropped("b") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "no longer waits for request b" in link.dropped("b")
+        assert link.dropped("a") == ""
+        assert any(set(b) == {"a", "b"} for b in fake.beats)
+        link.release("a")
+        link.release("b")
+        n = len(fake.beats)
+        time.sleep(0.4)
+        assert len(fake.beats) == n  # nothing held, nothing in flight: no heartbeats
+    finally:
+        link.close()
+
+
+def test_an_unresponsive_decode_fails_pending_reads_within_the_peer_timeout(decode):
+    fake, endpoint = decode
+    link = _link(endpoint)
+    gate = SlotGate(0)
+    try:
+        link.hold("r")
+        ticket = gate.acquire(3, readers=[("r", endpoint)])
+        ticket.computed()
+        ticket.saved()
+        fake.hang.set()
+        t0 = time.monotonic()
+        outcome = link.announce(ticket, ("r", endpoint), "r", 0, 16)
+        assert outcome.result(timeout=10) is False
+        assert time.monotonic() - t0 < 5  # the peer timeout (0.6 s + a beat), not the 30 s read deadline
+        with pytest.raises(OccupantFailed, match=r"answered no heartbeat"):
+            gate.acquire(4, timeout_s=1)
+        assert "answered no heartbeat" in link.dropped("r")
+        # new announces fail at once while the decode is gone
+        t2 = gate.acquire(5, readers=[("r", endpoint)])
+        assert link.announce(t2, ("r", endpoint), "r", 0, 16).result(timeout=1) is False
+    finally:
+        fake.release.set()
+        link.close()
