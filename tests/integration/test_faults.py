@@ -100,3 +100,43 @@ def test_bench_faults_prints_the_issue_fields():
     for key in ("requests", "terminated", "leaked_slots", "leaked_pool_bytes", "leaked_leases", "max_termination_s"):
         assert key in out, out
     assert out["runs"] == 3 and out["goal_met"], out
+
+
+def test_oversized_prompts_are_refused_before_any_kv_and_a_disconnect_frees_everything(runner):
+    """> max_model_len: 400 naming the limit, with no ledger entry or pool byte taken anywhere; a
+    client that hangs up mid-stream cancels its request and everything it held is freed."""
+    import http.client
+    import json
+    import time
+
+    from kvoffload.faults import _request, held
+    from kvoffload.stack import stack_stats
+
+    stack = runner.stack
+    before = stack_stats(stack.cfg)
+    ok, _, error = _request(stack.url, [5] * (stack.cfg.max_model_len + 1), False, REQUEST_DEADLINE_S)
+    assert not ok and error.startswith("HTTP 400") and "max_model_len" in error, error
+    after = stack_stats(stack.cfg)
+    for svc in ("decode-0", "prefill-0"):
+        assert after[svc].get("ledger_open", 0) == 0
+        assert sum(v for k, v in after[svc].items() if k.startswith("ledger_finished")) == \
+            sum(v for k, v in before[svc].items() if k.startswith("ledger_finished")), svc
+    assert not any(held(after).values())
+
+    cancelled = before["decode-0"].get("ledger_finished_cancelled", 0)
+    conn = http.client.HTTPConnection(stack.cfg.host, stack.cfg.proxy_port, timeout=REQUEST_DEADLINE_S)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": runner.prompts[-1], "max_tokens": 1500,
+                                                        "temperature": 0, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    while not resp.readline().startswith(b"data: {"):  # the first token arrived: it is decoding
+        pass
+    conn.close()  # the client hangs up
+    deadline = time.monotonic() + 20
+    while True:
+        stats = stack_stats(stack.cfg)
+        if not any(held(stats).values()) and stats["decode-0"].get("ledger_finished_cancelled", 0) > cancelled:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
