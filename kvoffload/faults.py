@@ -294,8 +294,10 @@ def bench(runs: int = 20, seed: int = 0, progress: bool = True) -> dict:
     """``kvoffload bench faults``: ``runs`` seeded fault runs on a fresh loopback stack."""
     import sys
 
+    from dsamodel.bench import quiet_logs
     from tqdm import tqdm
 
+    quiet_logs()  # stdout carries the JSON only
     ports = random.Random().sample(range(21000, 29000, 7), 4)
     with tempfile.TemporaryDirectory(prefix="kvoffload-faults-") as tmp:
         model = ensure_tiny_model(Path(tmp) / "tiny")
