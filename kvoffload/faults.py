@@ -308,8 +308,8 @@ def bench(runs: int = 20, seed: int = 0, progress: bool = True) -> dict:
         with Stack(cfg) as stack:
             runner = FaultRunner(stack, ref, seed)
             records = []
-            names = list(FAULTS)
-            plan = runner.rng.choices(names, [FAULTS[f] for f in names], k=runs)
+            names = list(FAULTS)  # every kind once (as far as runs allow), then weighted random kinds
+            plan = (names + runner.rng.choices(names, [FAULTS[f] for f in names], k=max(0, runs - len(names))))[:runs]
             for i, fault in enumerate(tqdm(plan, desc="fault runs", disable=not progress, file=sys.stderr)):
                 records.append(runner.run_one(i, fault))
     out = summarize(records)
