@@ -79,14 +79,19 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
                         f"{dtype_name(spec.main.dtype)}/{want_idx_dtype or '-'}")
         return ""
 
+    def _accepted_layout(self, layout_version: int, context):
+        """The layout the prefill sent under ``layout_version``; FAILED_PRECONDITION without one."""
+        with self._lock:
+            meta = self._layouts.get(layout_version)
+        if meta is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"no accepted layout with layout_version {layout_version}: call ExchangeLayout first")
+        return meta
+
     # ---- pulls ---------------------------------------------------------------------------------
 
     def ReadReady(self, request, context):
-        with self._lock:
-            meta = self._layouts.get(request.layout_version)
-        if meta is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"no accepted layout with layout_version {request.layout_version}: call ExchangeLayout first")
+        meta = self._accepted_layout(request.layout_version, context)
         if request.layer >= self.layout.num_layers or request.src_end < request.src_start:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"layer {request.layer} (0..{self.layout.num_layers - 1}) or range "
@@ -193,22 +198,14 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
     # ---- end of a prefill ----------------------------------------------------------------------
 
     def Heartbeat(self, request, context):
-        with self._lock:
-            meta = self._layouts.get(request.layout_version)
-        if meta is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"no accepted layout with layout_version {request.layout_version}: call ExchangeLayout first")
+        meta = self._accepted_layout(request.layout_version, context)
         peer = f"prefill {meta.data_endpoint}"
         unknown = [rid for rid in request.request_ids if not self.loop.heard_from_prefill(rid, peer)]
         self.counters["heartbeats"] += 1
         return transfer_pb2.PrefillHeartbeatReply(unknown_request_ids=unknown)
 
     def PrefillDone(self, request, context):
-        with self._lock:
-            meta = self._layouts.get(request.layout_version)
-        if meta is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"no accepted layout with layout_version {request.layout_version}: call ExchangeLayout first")
+        meta = self._accepted_layout(request.layout_version, context)
         reason = self._premature(request)
         if not reason:
             self.loop.heard_from_prefill(request.request_id, f"prefill {meta.data_endpoint}")
