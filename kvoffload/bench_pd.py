@@ -16,7 +16,6 @@ import json
 import random
 import statistics
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -66,7 +65,6 @@ def _single_process(model_dir: Path, prompts: list[list[int]], max_tokens: int, 
     try:
         t0 = time.perf_counter()
         seqs = [eng.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
-        first: dict[str, float] = {}
         stamps: dict[str, list[float]] = {s.request_id: [] for s in seqs}
         while eng.waiting or eng.running:
             eng.step()

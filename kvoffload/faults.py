@@ -268,26 +268,10 @@ def summarize(records: list[RunRecord]) -> dict:
 
 def reference_tokens(model_dir: Path) -> Callable[[list[int]], list[int]]:
     """Greedy tokens of the single-process engine with the fault stack's sizes (cached)."""
-    from dsamodel.engine.engine import Engine, EngineConfig
-    from dsamodel.sampling import SamplingParams
-    from dsamodel.weights import load_model
+    from kvoffload.reference import greedy_reference
 
-    model = load_model(model_dir)
-    cache: dict[tuple[int, ...], list[int]] = {}
-
-    def run(prompt: list[int]) -> list[int]:
-        key = tuple(prompt)
-        if key not in cache:
-            eng = Engine(model, EngineConfig(block_size=BLOCK_SIZE, max_model_len=4096, chunk_size=2048, buffers=3,
-                                             topk_buffer_size=128, prefill_pool_bytes=64 << 20,
-                                             decode_pool_bytes=64 << 20))
-            try:
-                cache[key] = eng.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))[0]
-            finally:
-                eng.close()
-        return cache[key]
-
-    return run
+    run = greedy_reference(model_dir, block_size=BLOCK_SIZE, max_model_len=4096)
+    return lambda prompt: run(prompt, MAX_TOKENS)
 
 
 def bench(runs: int = 20, seed: int = 0, progress: bool = True) -> dict:

@@ -10,12 +10,9 @@ import random
 import urllib.request
 
 import pytest
-import torch
-from dsamodel.engine.engine import Engine, EngineConfig
-from dsamodel.sampling import SamplingParams
 from dsamodel.tokenizer import ByteTokenizer
-from dsamodel.weights import load_model
 
+from kvoffload.reference import greedy_reference
 from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, post_json, stack_stats
 
 BS = 16
@@ -49,22 +46,7 @@ def stack(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """Greedy tokens of the single-process engine with the stack's sizes."""
-    model = load_model(model_dir)
-    cache: dict = {}
-
-    def run(prompt_ids: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt_ids), max_tokens)
-        if key not in cache:
-            eng = Engine(model, EngineConfig(block_size=BS, max_model_len=8192, chunk_size=2048, buffers=3,
-                                             topk_buffer_size=128, prefill_pool_bytes=64 << 20,
-                                             decode_pool_bytes=64 << 20))
-            try:
-                cache[key] = eng.generate([prompt_ids], SamplingParams(max_tokens=max_tokens))[0]
-            finally:
-                eng.close()
-        return cache[key]
-
-    return run
+    return greedy_reference(model_dir, block_size=BS, max_model_len=8192)
 
 
 def _stream(url: str, body: dict) -> list[int]:

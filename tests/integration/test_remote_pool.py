@@ -15,7 +15,6 @@ from kvcore import metaclient
 from kvcore.hostpool import (
     HostPoolBackend,
     IncompleteObject,
-    LocalHostPool,
     ObjectLeased,
     ObjectNotFound,
     PoolError,

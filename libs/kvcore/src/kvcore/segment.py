@@ -189,7 +189,7 @@ _OWNED_PATHS: dict[str, int] = {}  # segment path -> pid of the process that cre
 
 
 @atexit.register
-def _unlink_owned_segments() -> None:
+def unlink_owned_segments() -> None:
     """A process that exits (normally, or on an unhandled exception) takes its segments with it;
     a forked child that exits does not take its parent's."""
     me = os.getpid()

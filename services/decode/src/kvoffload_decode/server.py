@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import os
 import signal
 import sys
 import time
@@ -23,7 +23,7 @@ from kvcore import tls as kvtls
 from kvcore.backends import BackendUnavailableError, require_available
 from kvcore.config import ConfigError
 from kvcore.logs import configure_logging
-from kvcore.segment import host_id, sweep_stale_segments
+from kvcore.segment import host_id, sweep_stale_segments, unlink_owned_segments
 from kvcore.settings import decode_settings, check_flags
 from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc, transfer_pb2_grpc
 
@@ -177,5 +177,15 @@ async def _serve_http(app: web.Application, host: str, port: int, busy, grace_s:
     await runner.cleanup()
 
 
+def cli() -> None:
+    """The console script: ``main``, then exit at once. Everything was released in order already;
+    the interpreter's own teardown (torch, thread pools) would add a second to every stop."""
+    rc = main()
+    unlink_owned_segments()  # what the exit hooks would do, and os._exit skips
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()
