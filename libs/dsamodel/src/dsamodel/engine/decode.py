@@ -38,6 +38,9 @@ class DecodeSeq:
     seq_slot: int
     num_tokens: int = 0  # tokens whose KV is written
     block_keys: list[bytes] = field(default_factory=list)
+    # runs of consecutive pool blocks, [first logical block, first pool block, length], in order:
+    # a pulled prompt is installed with one copy per run (usually one), no per-call index math
+    runs: list[list[int]] = field(default_factory=list)
 
     @property
     def num_blocks(self) -> int:
@@ -160,11 +163,11 @@ class SparseDecoder:
         end_full = (start + n) // bs  # one past the last block that ends inside it
         if end_full > first_full:
             lo, hi = first_full * bs - start, end_full * bs - start
-            ids = self.block_table[seq.seq_slot, first_full:end_full].to(torch.long)  # [blocks]
-            src = rows[lo:hi].view(end_full - first_full, bs, -1)  # [blocks, bs, row_bytes]
-            cuts = [0, *((ids[1:] != ids[:-1] + 1).nonzero().flatten() + 1).tolist(), len(ids)]
-            for a, b in zip(cuts, cuts[1:]):  # runs of consecutive pool blocks: one memcpy each
-                plane[int(ids[a]) : int(ids[a]) + b - a].copy_(src[a:b])
+            for first, pool_block, length in seq.runs:  # runs of consecutive pool blocks: one memcpy each
+                a, b = max(first, first_full), min(first + length, end_full)
+                if a < b:
+                    plane[pool_block + a - first : pool_block + b - first].copy_(
+                        rows[a * bs - start : b * bs - start].view(b - a, bs, -1))
             edges = torch.cat((torch.arange(0, lo), torch.arange(hi, n))) if lo or hi < n else None
         else:
             edges = torch.arange(n)
@@ -194,6 +197,14 @@ class SparseDecoder:
         if keys:
             ids = self.pool.alloc(keys)
             self.block_table[seq.seq_slot, seq.num_blocks:need] = torch.tensor(ids, dtype=torch.int32)
+            t = torch.tensor(ids)
+            cuts = [0, *((t[1:] != t[:-1] + 1).nonzero().flatten() + 1).tolist(), len(ids)]
+            for a, b in zip(cuts, cuts[1:]):
+                last = seq.runs[-1] if seq.runs else None
+                if last is not None and last[1] + last[2] == ids[a] and last[0] + last[2] == seq.num_blocks + a:
+                    last[2] += b - a  # continues the previous run
+                else:
+                    seq.runs.append([seq.num_blocks + a, ids[a], b - a])
             seq.block_keys.extend(keys)
 
     def _slot_mapping(self, seq: DecodeSeq, positions: torch.Tensor) -> torch.Tensor:
