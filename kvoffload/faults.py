@@ -51,7 +51,10 @@ FAULTS: dict[str, int] = {
     "stall_prefill_long": 2,
     "expire_pool_and_leases": 1,
     "overfill_decode": 1,
+    "fill_host_pool": 1,
 }
+PREFILL_POOL_GB = 0.006  # ~2680 tokens of the tiny model: the longest prompt fits, FILLER_TOKENS does not
+FILLER_TOKENS = 3200
 
 
 def fault_stack_config(model: Path, log_dir: Path, ports: list[int]) -> StackConfig:
@@ -60,6 +63,7 @@ def fault_stack_config(model: Path, log_dir: Path, ports: list[int]) -> StackCon
     return StackConfig(
         model=model, log_dir=log_dir, proxy_port=ports[0], prefill_ports=(ports[1],), decode_ports=(ports[2],),
         kv_port=ports[3] + 1000, metastore_port=ports[3], max_model_len=4096, block_size=BLOCK_SIZE,
+        prefill_pool_gb=PREFILL_POOL_GB,
         service_args={
             "metastore": ["--heartbeat-timeout-ms", str(POOL_TIMEOUT_MS)],
             "decode-0": ["--peer-timeout-s", t, "--admission-wait-s", "1", "--max-num-seqs", "4",
@@ -95,6 +99,12 @@ def _prompts() -> list[list[int]]:
 
     text = "".join(chr(32 + (i * 7919) % 90) for i in range(2400))
     return [ByteTokenizer().encode(text[:n], add_bos=True) for n in (24, 700, 2400)]
+
+
+def _filler() -> list[int]:
+    """A prompt longer than the prefill's host pool holds (the others are prefixes of one text, so
+    their blocks are shared)."""
+    return [1] + [7 + i % 250 for i in range(FILLER_TOKENS)]
 
 
 def _request(url: str, prompt: list[int], stream: bool, deadline_s: float) -> tuple[bool, list[int], str]:
@@ -172,6 +182,8 @@ class FaultRunner:
         picks = [(rng.choice(self.prompts), rng.random() < 0.5) for _ in range(count)]
         if fault == "overfill_decode":  # more long prompts than the decode has sequence slots
             picks = [(self.prompts[-1], False)] * 6
+        if fault == "fill_host_pool":  # one prompt the prefill's host pool cannot hold, among others
+            picks.append((_filler(), rng.random() < 0.5))
         records = [RequestRecord(len(p), s) for p, s in picks]
         threads = [threading.Thread(target=self._client, args=(p, s, r, fault), daemon=True)
                    for (p, s), r in zip(picks, records)]
@@ -197,7 +209,10 @@ class FaultRunner:
         rec.seconds = time.monotonic() - t
         rec.ended = rec.seconds <= REQUEST_DEADLINE_S
         rec.ok, rec.error = ok, err
-        if ok:
+        if ok and len(prompt) > FILLER_TOKENS:
+            rec.tokens_equal = False  # it cannot fit: success would mean the pool bound is not enforced
+            self.log(f"the {len(prompt)}-token filler succeeded under {fault}")
+        elif ok:
             want = self.reference(prompt)
             rec.tokens_equal = tokens == want
             if not rec.tokens_equal:

@@ -4,7 +4,7 @@ Every fault kind once, then randomized runs (50 runs in all): kill -9 the decode
 prefill mid-layer, the metastore, the proxy; stop the decode briefly (delayed READ_DONE: the
 request must still succeed) or past the peer timeout (lost READ_DONE); stop the prefill past the
 peer timeout or past the metastore's heartbeat timeout (its pool and leases expire); overfill the
-decode. After every run: each client request ended within its deadline, every success is
+decode's sequence slots; fill the prefill's host pool (a prompt larger than it, among others). After every run: each client request ended within its deadline, every success is
 bit-identical to the single-process engine, the idle stack holds no slot, pool byte, lease or open
 request, and a fresh request succeeds. ``KVOFFLOAD_FAULT_SEED`` replays another seed.
 """
@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from kvoffload.faults import FAULTS, REQUEST_DEADLINE_S, FaultRunner, fault_stack_config, records_json, \
+from kvoffload.faults import FAULTS, FILLER_TOKENS, REQUEST_DEADLINE_S, FaultRunner, fault_stack_config, records_json, \
     reference_tokens, summarize
 from kvoffload.stack import Stack, ensure_tiny_model
 
@@ -50,6 +50,8 @@ def _check(records) -> None:
             assert all(r.ok for r in run.requests), detail
         for r in run.requests:  # every failure says what failed
             assert r.ok or r.error, detail
+            if r.prompt_tokens > FILLER_TOKENS:  # the pool bound holds, and the error says so
+                assert not r.ok and "host pool full" in r.error, detail
 
 
 def test_every_fault_kind(runner):

@@ -120,3 +120,37 @@ def test_a_prefill_that_goes_quiet_fails_its_request_and_frees_it():
     finally:
         lp.close()
         pool.close()
+
+
+def test_other_threads_get_the_lock_while_a_batch_decodes():
+    """The loop thread gives the lock up between steps for real: Stats, admission, pulls and cancels
+    from other threads are served while a long generation runs, not after it."""
+    import time
+
+    model = tiny_model(dtype="float32")
+    pool = build.decode_pool(model, 16, 8 << 20)
+    lp = DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=4096),
+                    model.config.eos_token_id)
+    try:
+        done = threading.Event()
+        n, c = 20, model.config
+        lp.expect_remote("long", list(range(n)), SamplingParams(max_tokens=4000, ignore_eos=True),
+                         lambda kind, value: done.set() if kind in ("done", "error") else None)
+        for layer in range(len(model.cache_layers)):
+            lp.write_rows("long", layer, 0, torch.randn(n, c.kv_row_width), torch.randn(n, c.index_head_dim))
+        lp.prefill_done("long", n, 7)
+        time.sleep(0.2)  # decoding now
+        waits = []
+        for _ in range(20):
+            t = time.monotonic()
+            lp.stats()
+            waits.append(time.monotonic() - t)
+            time.sleep(0.01)
+        assert not done.is_set(), ("the generation ended before the measurement", waits)
+        t = time.monotonic()
+        assert lp.cancel("long", "test")
+        waits.append(time.monotonic() - t)
+        assert max(waits) < 0.5, waits
+    finally:
+        lp.close()
+        pool.close()

@@ -28,6 +28,7 @@ from kvcore.ledger import Entry, Ledger
 
 log = structlog.get_logger(__name__)
 
+YIELD_S = 0.0002  # the loop's pause between steps, so other threads can take the lock
 Emit = Callable[[str, object], None]  # ("token", id) | ("done", finish_reason) | ("error", message)
 
 
@@ -250,6 +251,10 @@ class DecodeLoop:
 
     def _run(self) -> None:
         while True:
+            # Between steps the lock is free for a moment *without* this thread holding the GIL:
+            # released and re-taken in one breath, it starves every other thread (Stats, admission,
+            # pulls, cancels waited seconds behind a long generation).
+            time.sleep(YIELD_S)
             with self.lock:
                 while not self._stop and not self.running and not any(r.prompt_complete for r in self.pending.values()):
                     self.lock.wait(timeout=1.0)
