@@ -29,3 +29,12 @@ def running(clock):
     server = start(config, clock=clock)
     yield server
     server.shutdown(grace_s=0)
+
+
+@pytest.fixture
+def channel(running):
+    """A plain gRPC channel to ``running``."""
+    import grpc
+
+    with grpc.insecure_channel(running.target) as ch:
+        yield ch

@@ -23,17 +23,12 @@ C = grpc.StatusCode
 
 
 @pytest.fixture
-def server(clock):
-    running = start(MetaStoreConfig(port=0, world_size=3, lease_ttl_ms=60_000, heartbeat_timeout_ms=60_000),
-                    clock=clock)
-    yield running
-    running.shutdown(grace_s=0)
-
-
-@pytest.fixture
-def channel(server):
-    with grpc.insecure_channel(server.target) as ch:
-        yield ch
+def running(clock):
+    """This module's server (room for three pools, long TTLs); ``channel`` comes from conftest."""
+    server = start(MetaStoreConfig(port=0, world_size=3, lease_ttl_ms=60_000, heartbeat_timeout_ms=60_000),
+                   clock=clock)
+    yield server
+    server.shutdown(grace_s=0)
 
 
 @pytest.fixture

@@ -17,12 +17,6 @@ GEOMETRY = pb.PoolGeometry(block_size=4, plane_row_bytes=[8, 8], num_blocks=2,
 
 
 @pytest.fixture
-def channel(running):
-    with grpc.insecure_channel(running.target) as ch:
-        yield ch
-
-
-@pytest.fixture
 def stub(channel):
     return metastore_pb2_grpc.MetaStoreStub(channel)
 
