@@ -77,9 +77,7 @@ def _stack_config(args: argparse.Namespace):
 
     from kvcore.tls import from_args
 
-    tls = from_args(args)  # TLSConfigError names the flag and the path
-    if tls is not None:
-        tls.require_identity("every service of the stack")
+    tls = from_args(args, serving="every service of the stack")  # TLSConfigError names the flag and the path
     model = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_HOME / "models" / "tiny")
     return StackConfig(model=model, log_dir=Path(args.log_dir) if args.log_dir else DEFAULT_HOME / "logs",
                        proxy_port=args.port, max_model_len=args.max_model_len, tls=tls, api_key=args.api_key or None)

@@ -149,9 +149,14 @@ def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
                         "clients verify servers against it (default: the system roots)")
 
 
-def from_args(args: argparse.Namespace) -> TLSConfig | None:
-    return TLSConfig.load(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
-                          getattr(args, "tls_ca", None))
+def from_args(args: argparse.Namespace, serving: str | None = None) -> TLSConfig | None:
+    """The config of the parsed flags; ``serving`` (who serves gRPC with it) also requires a
+    certificate and key of its own whenever any flag is given."""
+    tls = TLSConfig.load(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
+                         getattr(args, "tls_ca", None))
+    if tls is not None and serving is not None:
+        tls.require_identity(serving)
+    return tls
 
 
 def configure(tls: TLSConfig | None) -> None:

@@ -21,6 +21,7 @@ from aiohttp import web
 from dsamodel.openai import RequestError, prompt_ids, sampling_params
 from dsamodel.tokenizer import ByteTokenizer
 from kvcore.logs import REQUEST_IDS
+from kvcore.serving import DRAINING, refuse_while_draining
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvoffload_decode.loop import DecodeFull, DecodeLoop
@@ -70,21 +71,9 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-DRAINING = web.AppKey("draining", asyncio.Event)  # set on SIGTERM: no new requests, in-flight ones finish
-
-
-@web.middleware
-async def _refuse_while_draining(request: web.Request, handler):
-    """While the decode drains for shutdown: new requests get 503 (a balancer retries elsewhere) and
-    /health says so; requests already running are not touched."""
-    if request.app[DRAINING].is_set() and (request.method == "POST" or request.path == "/health"):
-        return _error(503, "decode is shutting down; retry on another decode", "unavailable")
-    return await handler(request)
-
-
 def build_app(loop: DecodeLoop, transfer, tokenizer: ByteTokenizer, settings: AppSettings) -> web.Application:
     metrics = Metrics(loop, transfer)
-    app = web.Application(client_max_size=32 << 20, middlewares=[_refuse_while_draining])
+    app = web.Application(client_max_size=32 << 20, middlewares=[refuse_while_draining("decode")])
     app[DRAINING] = asyncio.Event()
     handler = _Handler(loop, tokenizer, settings, metrics)
     app.router.add_post("/v1/completions", lambda r: handler.complete(r, chat=False))

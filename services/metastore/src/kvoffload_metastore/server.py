@@ -131,9 +131,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[MetaStoreConfig
     dram = parse_size_bytes(a.dram_size, "--dram-size") if a.dram_size is not None else None
     if a.log_level is not None:
         a.log_level = a.log_level.lower()
-    tls = kvtls.from_args(a)  # TLSConfigError (a ValueError) names the flag and the path
-    if tls is not None:
-        tls.require_identity(SERVICE)
+    tls = kvtls.from_args(a, serving=SERVICE)  # TLSConfigError (a ValueError) names the flag and the path
     return build_config(meta_config=a.meta_config, local_config=a.local_config, host=a.host, port=a.port,
                         lease_ttl_ms=a.lease_ttl_ms, world_size=a.world_size, dram_bytes_per_local_service=dram,
                         heartbeat_timeout_ms=a.heartbeat_timeout_ms, log_level=a.log_level,

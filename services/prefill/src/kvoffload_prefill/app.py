@@ -14,6 +14,7 @@ from aiohttp import web
 from dsamodel.openai import RequestError, prompt_ids, sampling_params
 from dsamodel.tokenizer import ByteTokenizer
 from kvcore.logs import REQUEST_IDS
+from kvcore.serving import DRAINING, refuse_while_draining
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvoffload_prefill.worker import PrefillWorker
@@ -48,21 +49,9 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-DRAINING = web.AppKey("draining", asyncio.Event)  # set on SIGTERM: no new requests, in-flight ones finish
-
-
-@web.middleware
-async def _refuse_while_draining(request: web.Request, handler):
-    """While the prefill drains for shutdown: new requests get 503 (a balancer retries elsewhere) and
-    /health says so; requests already running are not touched."""
-    if request.app[DRAINING].is_set() and (request.method == "POST" or request.path == "/health"):
-        return _error(503, "prefill is shutting down; retry on another prefill", "unavailable")
-    return await handler(request)
-
-
 def build_app(worker: PrefillWorker, tokenizer: ByteTokenizer, model_name: str, max_model_len: int) -> web.Application:
     metrics = Metrics(worker)
-    app = web.Application(client_max_size=32 << 20, middlewares=[_refuse_while_draining])
+    app = web.Application(client_max_size=32 << 20, middlewares=[refuse_while_draining("prefill")])
     app[DRAINING] = asyncio.Event()
 
     async def complete(request: web.Request, chat: bool) -> web.Response:

@@ -8,28 +8,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
 import sys
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import structlog
-from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvcore import tls as kvtls
 from kvcore.backends import BackendUnavailableError, require_available
 from kvcore.config import ConfigError
 from kvcore.logs import configure_logging
-from kvcore.segment import host_id, sweep_stale_segments, unlink_owned_segments
+from kvcore.segment import host_id, sweep_stale_segments
+from kvcore.serving import exit_now, serve_until_signal
 from kvcore.settings import prefill_settings, check_flags
 from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc, transfer_pb2_grpc
 
 from kvoffload_prefill import __version__
-from kvoffload_prefill.app import DRAINING, build_app
+from kvoffload_prefill.app import build_app
 from kvoffload_prefill.source import LayerSourceServicer
 from kvoffload_prefill.worker import PrefillWorker
 
@@ -99,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{SERVICE}: {exc}", file=sys.stderr)
         return 2
     try:  # before anything starts: a bad TLS flag fails fast, naming the flag and the path
-        tls = kvtls.from_args(args)
-        if tls is not None:
-            tls.require_identity(SERVICE)
+        tls = kvtls.from_args(args, serving=SERVICE)
     except kvtls.TLSConfigError as exc:
         print(f"{SERVICE}: {exc}", file=sys.stderr)
         return 2
@@ -159,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
              plan=engine.plan.log_line(), backend=settings.store.backend,
              transfer_backend=settings.d2h.transfer_backend, **(tls.describe() if tls else {"tls": False}))
     try:
-        asyncio.run(_serve_http(app, args.host, args.port, lambda: worker.ledger.counters()["ledger_open"],
-                                args.shutdown_grace_s, health_servicer))
+        asyncio.run(serve_until_signal(
+            app, args.host, args.port, lambda: worker.ledger.counters()["ledger_open"], args.shutdown_grace_s,
+            lambda: health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)))
     finally:
         health_servicer.enter_graceful_shutdown()
         server.stop(grace=5).wait()
@@ -171,36 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _serve_http(app: web.Application, host: str, port: int, busy, grace_s: float, health_servicer) -> None:
-    """Serve until SIGTERM/SIGINT, then drain: refuse new requests (503, health NOT_SERVING), give
-    the ``busy()`` in-flight requests up to ``grace_s`` to finish (a second signal cuts it short),
-    then close; whatever still runs is failed and freed by the shutdown that follows."""
-    runner = web.AppRunner(app, handle_signals=False)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    signals = asyncio.Queue()
-    aio = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # installed explicitly: PID 1 in a container has none
-        aio.add_signal_handler(sig, signals.put_nowait, sig)
-    await signals.get()
-    app[DRAINING].set()
-    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    log.info("draining", in_flight=busy(), grace_s=grace_s)
-    deadline = time.monotonic() + grace_s
-    while busy() and time.monotonic() < deadline and signals.empty():
-        await asyncio.sleep(0.05)
-    log.info("shutting_down", unfinished=busy())
-    await runner.cleanup()
-
-
 def cli() -> None:
-    """The console script: ``main``, then exit at once. Everything was released in order already;
-    the interpreter's own teardown (torch, thread pools) would add a second to every stop."""
-    rc = main()
-    unlink_owned_segments()  # what the exit hooks would do, and os._exit skips
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    """The console script: ``main``, then exit at once (everything was released in order already)."""
+    exit_now(main())
 
 
 if __name__ == "__main__":
