@@ -9,6 +9,7 @@ import time
 import uuid
 
 import pytest
+from fakeclock import clock  # noqa: F401 - the clock fixture
 import torch
 from engine_support import prefill_engine, saved_bytes, seeded_prompt, tiny
 from kvcore import metaclient
@@ -34,24 +35,6 @@ from dsamodel.engine.prefill import PrefillRequest
 GEO = PoolGeometry(block_size=4, plane_row_bytes=(8, 16), num_blocks=4, plane_labels=((0, "main"), (0, "indexer")))
 K = [bytes([i]) * 16 for i in range(1, 12)]
 TIMEOUT_MS = 3000
-
-
-class FakeClock:
-    """The MetaStore's monotonic clock, moved by hand (seconds)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance_ms(self, ms: float) -> None:
-        self.now += ms / 1000
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 @pytest.fixture

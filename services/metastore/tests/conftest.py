@@ -1,25 +1,8 @@
 """Shared fixtures: an injectable clock and an in-process server on loopback (a free port)."""
 import pytest
+from fakeclock import clock  # noqa: F401 - the clock fixture
 from kvoffload_metastore.config import MetaStoreConfig
 from kvoffload_metastore.server import start
-
-
-class FakeClock:
-    """A monotonic clock the test moves by hand (seconds)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance_ms(self, ms: float) -> None:
-        self.now += ms / 1000
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 @pytest.fixture
