@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Callable
 
-from kvcore.tls import add_tls_arguments  # light: grpc is imported only when a channel is opened
+from svcruntime.tls import add_tls_arguments  # light: grpc is imported only when a channel is opened
 
 # bench name -> "module:function"; each function takes keyword parameters and returns a dict.
 BENCHES: dict[str, str] = {
@@ -75,7 +75,7 @@ def _stack_config(args: argparse.Namespace):
 
     from kvoffload.stack import DEFAULT_HOME, StackConfig, ensure_tiny_model
 
-    from kvcore.tls import from_args
+    from svcruntime.tls import from_args
 
     tls = from_args(args, serving="every service of the stack")  # TLSConfigError names the flag and the path
     model = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_HOME / "models" / "tiny")
@@ -200,7 +200,7 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvcore.tls import TLSConfigError
+    from svcruntime.tls import TLSConfigError
 
     args = build_parser().parse_args(argv)
     try:

@@ -135,20 +135,63 @@ def _request(url: str, prompt: list[int], stream: bool, deadline_s: float) -> tu
         return False, [], f"{type(exc).__name__}: {exc}"
 
 
+LEAK_KEYS = ("leaked_slots", "leaked_pool_bytes", "leaked_leases", "open_requests")
+
+# The Stats counters the tally reads, per kind of service — exactly what each service's GetStats
+# always reports (prefill: kvcore.gates + the ledger + the pool; decode: the loop + the ledger + the
+# pool; metastore: kvoffload_metastore.metrics.stats_counters). The prefill reports its pool's
+# counters only while the pool answers (``pool_available`` 1); ``pool_available`` 0 counts as open.
+REQUIRED_STATS: dict[str, tuple[str, ...]] = {
+    "prefill": ("held_slots", "ledger_open", "pool_available"),
+    "decode": ("pool_used_bytes", "pool_live_leases", "sequences", "ledger_open"),
+    "metastore": ("live_leases",),
+}
+PREFILL_POOL_STATS = ("pool_live_leases",)  # required when pool_available is 1
+
+
+class MissingStatsKey(LookupError):
+    """A service's Stats lack a counter the leak tally needs (renamed or dropped): never read as 0."""
+
+
+def _kind(name: str) -> str:
+    for kind in ("prefill", "decode"):
+        if name.startswith(kind + "-") or name == kind:
+            return kind
+    if name == "metastore":
+        return name
+    raise MissingStatsKey(f"Stats of an unknown service {name!r}: the leak tally knows prefill-N, decode-N "
+                          f"and metastore")
+
+
+def _require(name: str, counters: dict[str, float], keys: tuple[str, ...]) -> None:
+    missing = [k for k in keys if k not in counters]
+    if missing:
+        raise MissingStatsKey(f"{name}: Stats lack {', '.join(map(repr, missing))} (the leak tally needs "
+                              f"{', '.join(keys)}); the keys present are: {sorted(counters)}")
+
+
 def held(stats: dict[str, dict[str, float]]) -> dict[str, float]:
-    """What the stack still holds (all zero when idle)."""
-    out = {"leaked_slots": 0.0, "leaked_pool_bytes": 0.0, "leaked_leases": 0.0, "open_requests": 0.0}
+    """What the stack still holds (all zero when idle). Every counter it reads must be present:
+    a missing one raises ``MissingStatsKey`` (naming the service, the key and the keys present)
+    instead of counting as 0, and so do Stats without the metastore or of an unknown service."""
+    if "metastore" not in stats:
+        raise MissingStatsKey(f"no Stats of the metastore among {sorted(stats)}")
+    out = dict.fromkeys(LEAK_KEYS, 0.0)
     for name, c in stats.items():
-        if name.startswith("prefill"):
-            out["leaked_slots"] += c.get("held_slots", 0)
-            out["leaked_leases"] += c.get("pool_live_leases", 0)
-            out["open_requests"] += c.get("ledger_open", 0) + (1 - c.get("pool_available", 1))
-        elif name.startswith("decode"):
-            out["leaked_pool_bytes"] += c.get("pool_used_bytes", 0)
-            out["leaked_leases"] += c.get("pool_live_leases", 0)
-            out["open_requests"] += c.get("sequences", 0) + c.get("ledger_open", 0)
-        elif name == "metastore":
-            out["leaked_leases"] += c.get("live_leases", 0)
+        kind = _kind(name)
+        _require(name, c, REQUIRED_STATS[kind])
+        if kind == "prefill":
+            if c["pool_available"]:
+                _require(name, c, PREFILL_POOL_STATS)
+                out["leaked_leases"] += c["pool_live_leases"]
+            out["leaked_slots"] += c["held_slots"]
+            out["open_requests"] += c["ledger_open"] + (1 - c["pool_available"])
+        elif kind == "decode":
+            out["leaked_pool_bytes"] += c["pool_used_bytes"]
+            out["leaked_leases"] += c["pool_live_leases"]
+            out["open_requests"] += c["sequences"] + c["ledger_open"]
+        else:
+            out["leaked_leases"] += c["live_leases"]
     return out
 
 
@@ -253,6 +296,8 @@ class FaultRunner:
         while True:
             try:
                 leaks = held(stack_stats(self.stack.cfg))
+            except MissingStatsKey:  # the tally and the services disagree: asking again cannot help
+                raise
             except Exception as exc:  # a service still coming up: ask again
                 leaks = {"stats_error": 1.0}
                 self.log(f"stats: {exc!r}")
@@ -261,9 +306,24 @@ class FaultRunner:
             time.sleep(0.25)
 
 
+def _leak_total(leaks: list[dict[str, float]], key: str) -> float:
+    """``key`` summed over the runs whose Stats could be read (each of those has every LEAK_KEYS
+    entry; a record without it is an error, not a 0). Runs with ``stats_error`` count in
+    ``stats_unreadable`` (and ``open_requests_after``) instead."""
+    total = 0.0
+    for i, x in enumerate(leaks):
+        if "stats_error" in x:
+            continue
+        if key not in x:
+            raise MissingStatsKey(f"run {i}: its leak record lacks {key!r}; it has {sorted(x)}")
+        total += x[key]
+    return total
+
+
 def summarize(records: list[RunRecord]) -> dict:
     reqs = [r for run in records for r in run.requests]
     leaks = [run.leaks for run in records]
+    unreadable = sum("stats_error" in x for x in leaks)
     return {
         "runs": len(records),
         "requests": len(reqs),
@@ -271,10 +331,11 @@ def summarize(records: list[RunRecord]) -> dict:
         "succeeded": sum(r.ok for r in reqs),
         "failed_with_error": sum(r.ended and not r.ok for r in reqs),
         "wrong_tokens": sum(r.ok and r.tokens_equal is False for r in reqs),
-        "leaked_slots": sum(x.get("leaked_slots", 0) for x in leaks),
-        "leaked_pool_bytes": sum(x.get("leaked_pool_bytes", 0) for x in leaks),
-        "leaked_leases": sum(x.get("leaked_leases", 0) for x in leaks),
-        "open_requests_after": sum(x.get("open_requests", 0) + x.get("stats_error", 0) for x in leaks),
+        "leaked_slots": _leak_total(leaks, "leaked_slots"),
+        "leaked_pool_bytes": _leak_total(leaks, "leaked_pool_bytes"),
+        "leaked_leases": _leak_total(leaks, "leaked_leases"),
+        "open_requests_after": _leak_total(leaks, "open_requests") + unreadable,
+        "stats_unreadable": unreadable,  # runs whose idle Stats could not be read: leaks unknown
         "fresh_request_failures": sum(not run.fresh_ok for run in records),
         "max_termination_s": round(max((r.seconds for r in reqs), default=0.0), 3),
         "faults": {f: sum(run.fault == f for run in records) for f in FAULTS},
@@ -313,7 +374,8 @@ def bench(runs: int = 20, seed: int = 0, progress: bool = True) -> dict:
                 records.append(runner.run_one(i, fault))
     out = summarize(records)
     out["seed"] = seed
-    out["goal_met"] = (out["terminated"] == out["requests"] and out["leaked_slots"] == 0
+    out["goal_met"] = (out["terminated"] == out["requests"] and out["stats_unreadable"] == 0
+                       and out["leaked_slots"] == 0
                        and out["leaked_pool_bytes"] == 0 and out["leaked_leases"] == 0
                        and out["wrong_tokens"] == 0 and out["fresh_request_failures"] == 0)
     return out

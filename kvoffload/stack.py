@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvcore.tls import TLSConfig
+from svcruntime.tls import TLSConfig
 from tqdm import tqdm
 
 DATA_PORT_OFFSET = 10000  # a prefill's gRPC (LayerSource, Health, Stats) port = its HTTP port + this
@@ -228,7 +228,7 @@ def _healthy(url: str, tls: TLSConfig | None = None) -> bool:
     if url.startswith("grpc://"):
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
-        from kvcore.tls import secure_or_insecure_channel
+        from svcruntime.tls import secure_or_insecure_channel
 
         try:
             with secure_or_insecure_channel(url[len("grpc://"):], tls) as ch:
@@ -252,7 +252,7 @@ def post_json(url: str, body: dict, timeout_s: float = 300.0, headers: dict[str,
 
 def grpc_stats(target: str, timeout_s: float = 5.0, tls: TLSConfig | None = None) -> dict[str, float]:
     """A service's ``kvoffload.v1.Stats`` counters (over TLS with ``tls``)."""
-    from kvcore.tls import secure_or_insecure_channel
+    from svcruntime.tls import secure_or_insecure_channel
     from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
 
     with secure_or_insecure_channel(target, tls) as ch:

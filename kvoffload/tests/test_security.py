@@ -1,4 +1,4 @@
-"""Code-base guards for the security defaults: every gRPC channel and port goes through kvcore.tls
+"""Code-base guards for the security defaults: every gRPC channel and port goes through svcruntime.tls
 (so --tls-* reach all of them), and the stack hands every gRPC service the TLS flags and the proxy
 its key through the environment only. (No pickle / eval: tests/integration/test_no_pickle.py.)"""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from kvcore.tls import TLSConfig
+from svcruntime.tls import TLSConfig
 
 from kvoffload.stack import API_KEY_ENV, Stack, StackConfig
 
@@ -26,19 +26,19 @@ def _calls(tree: ast.AST):
 
 def test_sources_found():
     names = {p.relative_to(ROOT).as_posix() for p in SOURCES}
-    assert "libs/kvcore/src/kvcore/tls.py" in names and "kvoffload/stack.py" in names
+    assert "libs/svcruntime/src/svcruntime/tls.py" in names and "kvoffload/stack.py" in names
     assert any(n.startswith("services/proxy/") for n in names)
 
 
-def test_every_grpc_channel_and_port_goes_through_kvcore_tls():
+def test_every_grpc_channel_and_port_goes_through_svcruntime_tls():
     offenders = []
     for path in SOURCES:
-        if path.name == "tls.py" and path.parent.name == "kvcore":
+        if path.name == "tls.py" and path.parent.name == "svcruntime":
             continue
         for node, name in _calls(ast.parse(path.read_text(), str(path))):
             if name in GRPC_RAW:
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
-    assert not offenders, "use kvcore.tls.secure_or_insecure_channel / add_port:\n" + "\n".join(offenders)
+    assert not offenders, "use svcruntime.tls.secure_or_insecure_channel / add_port:\n" + "\n".join(offenders)
 
 
 def test_stack_passes_tls_to_every_grpc_service_and_the_key_by_environment(tmp_path):

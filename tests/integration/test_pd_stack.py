@@ -138,7 +138,7 @@ def test_one_request_id_follows_a_request_through_every_service(stack):
     assert all(by_service.values()), {k: len(v) for k, v in by_service.items()}
     assert {e["event"] for e in by_service["decode-0"]} >= {"request_admitted"}
     assert {e["event"] for e in by_service["prefill-0"]} >= {"prefill_finished"}
-    from kvcore.tls import secure_or_insecure_channel
+    from svcruntime.tls import secure_or_insecure_channel
     from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
 
     with secure_or_insecure_channel(f"{stack.cfg.host}:{stack.cfg.kv_port}", None) as ch:

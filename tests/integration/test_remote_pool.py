@@ -12,7 +12,6 @@ import pytest
 from fakeclock import clock  # noqa: F401 - the clock fixture
 import torch
 from engine_support import prefill_engine, saved_bytes, seeded_prompt, tiny
-from kvcore import metaclient
 from kvcore.hostpool import (
     HostPoolBackend,
     IncompleteObject,
@@ -21,10 +20,9 @@ from kvcore.hostpool import (
     PoolError,
     PoolFullError,
 )
-from kvcore.metaclient import MetaStoreUnavailable, PoolNotRegistered, WorldSizeExceeded
-from kvcore.remotepool import RemoteHostPool
 from kvcore.segment import PoolGeometry, SharedSegment
-from kvoffload_metastore import errors
+from poolclient.errors import MetaStoreUnavailable, PoolNotRegistered, WorldSizeExceeded
+from poolclient.remotepool import RemoteHostPool
 from kvoffload_metastore.config import MetaStoreConfig
 from kvoffload_metastore.server import start
 from structlog.testing import capture_logs
@@ -195,7 +193,7 @@ def test_world_size_refusal_is_clear_and_leaves_nothing_behind(pools, metastore)
 
 
 def test_heartbeat_interval_defaults_to_the_metastores_and_must_beat_its_timeout(pools, metastore):
-    assert pools("dp0", heartbeat_interval_ms=None).heartbeat_interval_ms == TIMEOUT_MS // 3
+    assert pools("dp0", heartbeat_interval_ms=None).membership.heartbeat_interval_ms == TIMEOUT_MS // 3
     with pytest.raises(ValueError, match="heartbeat_interval_ms must be an int in \\[1, 3000\\)"):
         pools("dp1", heartbeat_interval_ms=TIMEOUT_MS)
     assert [r.pool_id for r in metastore.core.pools()] == ["dp0"]  # the refused one deregistered again
@@ -220,7 +218,7 @@ def test_failed_heartbeats_are_retried_and_an_expired_pool_refuses_operations(po
 
     with capture_logs() as logs:
         pool.client.heartbeat = partitioned
-        _wait_until(lambda: pool.heartbeat_failures >= 2, "two failed heartbeats")
+        _wait_until(lambda: pool.membership.heartbeat_failures >= 2, "two failed heartbeats")
         assert pool.alive  # failures alone do not kill the pool: the MetaStore decides
         clock.advance_ms(0.7 * TIMEOUT_MS)
         _wait_until(lambda: _pool_stats(metastore, "dp1").heartbeat_age_ms == 0, "dp1 to beat")
@@ -247,7 +245,7 @@ def test_a_service_pool_rejoins_after_the_metastore_lost_it(pools, metastore, cl
     _fill(pool, K[:2])
     metastore.core.deregister_pool("dp0")
     with capture_logs() as logs:
-        _wait_until(lambda: pool.rejoins == 1, "the pool to rejoin")
+        _wait_until(lambda: pool.membership.rejoins == 1, "the pool to rejoin")
     assert any(e["event"] == "remote_pool_rejoined" for e in logs)
     assert pool.alive and pool.exists(K[:2]) == [False, False]  # the index starts empty
     data = _fill(pool, K[2:4], seed=7)
@@ -268,14 +266,6 @@ def test_close_stops_heartbeats_deregisters_and_unlinks(pools, metastore, clock)
         pool.exists(K[:1])
     clock.advance_ms(10 * TIMEOUT_MS)
     assert metastore.core.stats().pools_expired == 0  # it left cleanly: nothing to expire
-
-
-def test_metastore_errors_are_kvcores():
-    """The service re-exports kvcore's registry errors, and both sides agree on their status codes."""
-    assert errors.WorldSizeExceeded is metaclient.WorldSizeExceeded
-    assert errors.MetaStoreUnavailable is metaclient.MetaStoreUnavailable
-    for cls, name in metaclient.STATUS_NAMES.items():
-        assert errors.STATUS[cls].name == name, cls
 
 
 # ---- the prefill engine over either backend ------------------------------------------------------

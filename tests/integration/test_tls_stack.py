@@ -11,7 +11,7 @@ import urllib.error
 
 import grpc
 import pytest
-from kvcore.tls import TLSConfig
+from svcruntime.tls import TLSConfig
 
 from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, _healthy, ensure_tiny_model, grpc_stats, post_json
 

@@ -53,7 +53,7 @@ def test_i2_sparse_offload_equals_keep_device(dtype, topk_buffer_size):
     assert len(sparse) == len(keep) >= 64
     assert any(len(ids) == 4 for ids, _ in sparse)  # the batch really held 4
     assert {"b"} - set(sparse[-1][0]) == {"b"}  # b left before the end
-    for (ids_s, lg_s), (ids_k, lg_k) in zip(sparse, keep):
+    for (ids_s, lg_s), (ids_k, lg_k) in zip(sparse, keep, strict=True):
         assert ids_s == ids_k
         assert torch.equal(lg_s, lg_k)
 
@@ -62,7 +62,9 @@ def test_native_and_reference_hot_cache_give_identical_logits():
     model = tiny(torch.float32, True)
     native, _ = _schedule(model, keep=False, topk_buffer_size=64, native=True)
     reference, _ = _schedule(model, keep=False, topk_buffer_size=64, native=False)
-    for (_, a), (_, b) in zip(native, reference):
+    assert len(native) == len(reference) > 0  # a shorter (or empty) run is a failure, not fewer checks
+    for (ids_a, a), (ids_b, b) in zip(native, reference, strict=True):
+        assert ids_a == ids_b
         assert torch.equal(a, b)
 
 
@@ -102,7 +104,9 @@ def test_accelerator_staging_path_gives_identical_logits():
         staged, _ = _schedule(model, keep=False, topk_buffer_size=64)
     finally:
         Engine.__init__ = real_init
-    for (_, a), (_, b) in zip(direct, staged):
+    assert len(direct) == len(staged) > 0  # a shorter (or empty) run is a failure, not fewer checks
+    for (ids_a, a), (ids_b, b) in zip(direct, staged, strict=True):
+        assert ids_a == ids_b
         assert torch.equal(a, b)
 
 
@@ -165,7 +169,8 @@ def test_i2_with_speculative_suffix_invalidation(dtype):
     assert 0 < accepted < drafts  # both outcomes happened, many times
     assert accepted >= 10 and drafts - accepted >= 10
     assert out_s == out_k and len(steps_s) == len(steps_k)
-    for (ids_s, tok_s, lg_s), (ids_k, tok_k, lg_k) in zip(steps_s, steps_k):
+    assert steps_s  # the sequences decoded at all
+    for (ids_s, tok_s, lg_s), (ids_k, tok_k, lg_k) in zip(steps_s, steps_k, strict=True):
         assert (ids_s, tok_s) == (ids_k, tok_k)
         assert torch.equal(lg_s, lg_k)
 

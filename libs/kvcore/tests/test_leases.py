@@ -1,60 +1,81 @@
-import time
+"""kvcore.leases: the lease table over plain records (grant, expiry by deadline, renew, release) and
+the in-process ``LocalLease`` handle. Lease behaviour through every pool backend is in the backend
+contract suite (tests/integration/test_backend_contract.py)."""
+
+import threading
 
 import pytest
 
-from kvcore.eviction import LRUEviction
-from kvcore.hostpool import LeaseExpired, ObjectLeased, ObjectNotFound
-
-from pool_support import BS, ROWS, _block, _fill, _geometry, _keys, _name, make_pool  # noqa: F401  (make_pool: fixture)
+from kvcore.leases import Lease, LeaseRecord, LeaseTable, LocalLease, check_ttl_ms
+from kvcore.poolerrors import LeaseExpired
 
 
-# ---- leases, through the pool ----------------------------------------------------------------
+def test_grant_counts_live_leases_per_key():
+    table = LeaseTable()
+    a = table.grant((b"x", b"y"), deadline=10.0)
+    b = table.grant((b"x",), deadline=20.0)
+    assert isinstance(a, LeaseRecord) and a.live and (a.keys, a.deadline) == ((b"x", b"y"), 10.0)
+    assert b"x" in table and table.count(b"x") == 2 and table.count(b"y") == 1 and table.num_live == 2
+    assert b"z" not in table and table.count(b"z") == 0
 
 
-def test_lease_blocks_remove_and_write_and_expires(make_pool):
-    pool = make_pool(2, eviction=LRUEviction())
-    _fill(pool, _keys("a", "b"))
-    lease = pool.lease(_keys("a"), 10_000)
-    assert lease.live and lease.keys == (b"a",) and lease.deadline > time.monotonic()
-    with pytest.raises(ObjectLeased) as e:
-        pool.remove(_keys("b", "a"))
-    assert e.value.key == b"a" and pool.exists(_keys("a", "b")) == [True, True]  # all-or-nothing
-    with pytest.raises(ObjectLeased):
-        pool.put_from(_keys("a"), 0, _block(1, 0))
-    assert pool.stats().live_leases == 1
-    lease.renew(5)
-    time.sleep(0.03)
-    stats = pool.stats()
-    assert (stats.live_leases, stats.lease_expiries) == (0, 1) and not lease.live
-    with pytest.raises(LeaseExpired) as e3:
+def test_expire_drops_exactly_the_records_due():
+    table = LeaseTable()
+    a, b = table.grant((b"x",), 10.0), table.grant((b"x", b"y"), 20.0)
+    table.expire(9.99)
+    assert a.live and b.live
+    table.expire(10.0)  # at the deadline: expired
+    assert a.state == "expired" and b.live and table.count(b"x") == 1
+    table.expire(100.0)
+    assert b.state == "expired" and b"x" not in table and b"y" not in table
+    assert (table.num_live, table.num_expired) == (0, 2)
+
+
+def test_renew_moves_the_deadline_and_the_old_heap_entry_is_ignored():
+    table = LeaseTable()
+    rec = table.grant((b"x",), 10.0)
+    assert table.renew(rec, 30.0) == 30.0 and rec.deadline == 30.0
+    table.expire(15.0)  # the entry for 10.0 no longer matches
+    assert rec.live and table.num_expired == 0
+    table.expire(30.0)
+    assert rec.state == "expired"
+    with pytest.raises(LeaseExpired, match="expired") as e:
+        table.renew(rec, 99.0)
+    assert e.value.key == b"x"
+
+
+def test_release_is_idempotent_and_says_whether_it_released():
+    table = LeaseTable()
+    rec = table.grant((b"x",), 10.0)
+    assert table.release(rec) is True and rec.state == "released" and b"x" not in table
+    assert table.release(rec) is False and table.num_live == 0
+    with pytest.raises(LeaseExpired, match="released"):
+        table.renew(rec, 20.0)
+    table.expire(100.0)  # a released record never counts as expired
+    assert table.num_expired == 0
+
+
+def test_local_lease_works_the_table_under_the_owners_lock_on_the_owners_clock():
+    now = [0.0]
+    table, lock = LeaseTable(), threading.Lock()
+    lease = LocalLease(table.grant((b"x",), 5.0), table, lock, clock=lambda: now[0])
+    assert isinstance(lease, Lease) and lease.keys == (b"x",) and lease.live and lease.deadline == 5.0
+    assert lease.renew(1000) == 1.0  # now + 1 s
+    now[0] = 1.0
+    assert not lease.live and table.num_expired == 1
+    with pytest.raises(LeaseExpired):
         lease.renew(1000)
-    assert e3.value.key == b"a"
     lease.release()  # idempotent after expiry
-    pool.remove(_keys("a"))
-    assert pool.stats().lease_expiries == 1
+    with pytest.raises(ValueError, match="ttl_ms"):
+        lease.renew(0)
+    with LocalLease(table.grant((b"y",), 50.0), table, lock, clock=lambda: now[0]) as held:
+        assert b"y" in table
+    assert not held.live and b"y" not in table
+    assert not lock.locked()
 
 
-def test_lease_pins_incomplete_objects_and_release_is_idempotent(make_pool):
-    pool = make_pool(3, eviction=LRUEviction())
-    _fill(pool, _keys("a"))
-    pool.alloc(_keys("w"))
-    with pytest.raises(ObjectNotFound):
-        pool.lease(_keys("a", "zz"), 1000)
-    assert pool.stats().live_leases == 0
-    writer = pool.lease(_keys("w"), 1000)  # a writer pins the object it is filling
-    pool.put_from(_keys("w"), 0, _block(2, 0))  # unwritten planes of a leased object may be written
-    pool.put_from(_keys("w"), 1, _block(2, 1))
-    with pytest.raises(ObjectLeased):
-        pool.put_from(_keys("w"), 0, _block(3, 0))  # a written plane may not be rewritten
-    with pytest.raises(ObjectLeased):
-        pool.remove(_keys("w"))
-    writer.release()
-    pool.remove(_keys("w"))
-    with pool.lease(_keys("a"), 1000) as l1, pool.lease(_keys("a"), 1000) as l2:
-        l1.release()
-        l1.release()
-        with pytest.raises(ObjectLeased):
-            pool.remove(_keys("a"))  # l2 still protects
-        assert pool.stats().live_leases == 1
-    assert not l2.live and pool.stats().lease_expiries == 0
-    pool.remove(_keys("a"))
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "10", None])
+def test_ttl_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="ttl_ms must be an int > 0"):
+        check_ttl_ms(bad)
+    assert check_ttl_ms(7) == 7

@@ -112,7 +112,8 @@ class Decode:
         return {"pending": pending, "running": running, "seqs": seqs, "indexer": indexer,
                 "pool": (pool.used_blocks, pool.used_bytes, pool.live_leases), "loop": loop.stats(),
                 "counters": {k: v for k, v in self.transfer.counters.items() if k != "read_ms_total"},
-                "layouts": {v: m.SerializeToString(deterministic=True) for v, m in self.transfer._layouts.items()},
+                "layouts": {v: m.SerializeToString(deterministic=True)
+                            for v, m in self.transfer.puller.layouts().items()},
                 "events": list(self.events)}
 
     def host_rows(self, layer: int) -> torch.Tensor:

@@ -8,8 +8,8 @@ import torch
 from kvcore.hostpool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, PoolFullError, PoolStats
 from kvcore.segment import PoolGeometry, SharedSegment
 
-from kvoffload_metastore.client import MetaStoreClient
-from kvoffload_metastore.errors import MetaStoreUnavailable, NoPoolRegistered, PoolNotRegistered, WorldSizeExceeded
+from poolclient.client import MetaStoreClient
+from poolclient.errors import MetaStoreUnavailable, NoPoolRegistered, PoolNotRegistered, WorldSizeExceeded
 
 K = [bytes([i]) * 16 for i in range(1, 12)]
 GEOMETRY = PoolGeometry(block_size=4, plane_row_bytes=(8, 16), num_blocks=3)

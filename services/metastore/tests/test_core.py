@@ -9,13 +9,8 @@ from kvcore.segment import PoolGeometry
 
 from kvoffload_metastore import core as core_module
 from kvoffload_metastore.core import MetaStoreCore
-from kvoffload_metastore.errors import (
-    NoPoolRegistered,
-    PoolConflict,
-    PoolFull,
-    PoolNotRegistered,
-    WorldSizeExceeded,
-)
+from kvoffload_metastore.errors import PoolFull
+from poolclient.errors import NoPoolRegistered, PoolConflict, PoolNotRegistered, WorldSizeExceeded
 
 K = [bytes([i]) * 16 for i in range(1, 20)]
 

@@ -1,17 +1,15 @@
 """Security defaults of the prefill: HTTP and the gRPC data port (LayerSource, Health, Stats) bind
 127.0.0.1 unless told otherwise; gRPC is plain without TLS flags; a bad TLS flag fails before the
-model loads, naming the flag."""
+model loads, naming the flag.
+
+The bind and plain gRPC are checked on the running process, in
+tests/integration/test_binds_default.py (its listening sockets, read from /proc); here: the
+TLS flags."""
 import pytest
 
-from kvoffload_prefill.server import build_parser, main
+from kvoffload_prefill.server import main
 
 REQUIRED = ["--model", "/nonexistent-model", "--kv-transfer-config", "{}"]
-
-
-def test_binds_loopback_and_plain_by_default():
-    args = build_parser().parse_args(REQUIRED)
-    assert args.host == "127.0.0.1"  # the HTTP port and the gRPC data port both bind --host
-    assert (args.tls_cert, args.tls_key, args.tls_ca) == (None, None, None)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -7,7 +7,7 @@ The fakes implement the contract the proxy relies on:
   {do_remote_prefill, metaserver, request_id}; POSTs {"request_id", "kv_transfer_params"} to the
   metaserver, and only if that answered 200 streams a few tokens (SSE) or returns JSON.
 - prefiller: records every request it received and answers JSON (after `delay_s`).
-Both serve GET /health and POST /reset_prefix_cache.
+Both serve GET /health and POST /reset_prefix_cache; decoders also GET /v1/models (their `model`).
 """
 from __future__ import annotations
 
@@ -119,14 +119,33 @@ class FakePrefiller(FakeBackend):
 
 
 class FakeDecoder(FakeBackend):
-    """Modes: ok, http500, reject400, hang (before registering), no_register (waits, never
-    registers), die_midstream (two events, then drops the connection), slow (0.3 s per token),
-    flat_registration (POSTs its params themselves, request_id inside, as reference decoders)."""
+    """Modes: ok, http500, reject400, hang (before registering; /v1/models never answers),
+    no_register (waits, never registers), die_midstream (two events, then drops the connection),
+    slow (0.3 s per token), flat_registration (POSTs its params themselves, request_id inside, as
+    reference decoders), no_models (GET /v1/models is a 404, as a decoder without that route).
+    `model` is the served model name: answers carry it, GET /v1/models lists it (after `delay_s`)."""
 
     def __init__(self, name: str, mode: str = "ok", delay_s: float = 0.0, index: int = 0):
         super().__init__(name, mode, delay_s)
         self.index = index
+        self.model = "m"
+        self.model_queries: list[dict] = []  # the headers of every GET /v1/models
         self.metaserver_answers: list[tuple[int, dict, float]] = []
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.model_queries.append(request.headers.copy())
+        await asyncio.sleep(self.delay_s)
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        if self.mode == "no_models":
+            raise web.HTTPNotFound()
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 1700000000, "owned_by": "fake"}]})
 
     def endpoint_params(self, request_id: str) -> dict[str, Any]:
         return {"remote_host": "127.0.0.1", "remote_port": 30000 + 10 * self.index,
@@ -169,7 +188,7 @@ class FakeDecoder(FakeBackend):
             choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(tokens)}}
                       if chat else {"index": 0, "text": "".join(tokens)})
             return web.json_response({"id": "cmpl-decoder", "object": obj, "created": 1,
-                                      "model": "m", "choices": [{**choice, "finish_reason": "length"}],
+                                      "model": self.model, "choices": [{**choice, "finish_reason": "length"}],
                                       "usage": usage, "kv_transfer_params": {"x": 1}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -181,7 +200,7 @@ class FakeDecoder(FakeBackend):
                 await asyncio.sleep(0.3)
             choice = {"index": 0, "delta": {"content": tok}} if chat else {"index": 0, "text": tok}
             event = {"id": "cmpl-decoder", "object": obj + ".chunk" if chat else obj,
-                     "created": 1, "model": "m", "choices": [{**choice, "finish_reason": None}]}
+                     "created": 1, "model": self.model, "choices": [{**choice, "finish_reason": None}]}
             await resp.write(f"data: {json.dumps(event)}\n\n".encode())
         if (body.get("stream_options") or {}).get("include_usage"):
             await resp.write(f"data: {json.dumps({'id': 'x', 'object': obj, 'choices': [], 'usage': usage})}\n\n".encode())

@@ -51,7 +51,7 @@ async def test_clients_need_the_key(stack):
         assert status == 200 and data["choices"][0]["text"] == "<hi> a b"
         status, _, _ = await s.post("/v1/completions", body, headers={"Authorization": f"bearer  {KEY}"})
         assert status == 200  # the scheme is case-insensitive
-        for method, path in (("GET", "/metrics"), ("POST", "/reset_prefix_cache")):
+        for method, path in (("GET", "/metrics"), ("POST", "/reset_prefix_cache"), ("GET", "/v1/models")):
             async with s.http.request(method, s.url + path) as r:
                 assert r.status == 401, path
             async with s.http.request(method, s.url + path, headers=GOOD) as r:
@@ -88,7 +88,8 @@ async def test_open_routes(stack):
     paths = doc["paths"]
     for path in ("/v1/completions", "/v1/chat/completions", "/reset_prefix_cache"):
         assert paths[path]["post"]["security"] == [{"bearer": []}] and "401" in paths[path]["post"]["responses"]
-    assert paths["/metrics"]["get"]["security"] == [{"bearer": []}]
+    for path in ("/metrics", "/v1/models"):
+        assert paths[path]["get"]["security"] == [{"bearer": []}] and "401" in paths[path]["get"]["responses"]
     assert paths["/v1/metaserver"]["post"]["security"] == [{"metaserverToken": []}]
     assert "security" not in paths["/healthcheck"]["get"]
 

@@ -79,22 +79,35 @@ def test_proxy_conforms_to_its_openapi_document(case, proxy):
     case.validate_response(response, checks=CHECKS)
 
 
+OPERATIONS = sorted(f"{method.upper()} {path}" for path, ops in DOCUMENT["paths"].items() for method in ops)
+
+
 def test_every_operation_was_exercised_with_valid_and_invalid_input():
-    """Runs after the generated tests (file order): the bounded runs did reach the proxy."""
-    if len(SEEN) < len(DOCUMENT["paths"]):
-        pytest.skip("run together with test_proxy_conforms_to_its_openapi_document")
+    """Runs after the generated tests (file order), in the same session: the bounded runs did reach
+    the proxy, for every operation of the document. Without them it fails, never skips: a check
+    that passes when its input is missing cannot fail. So selecting it alone (its node id, a `-k`
+    that leaves generated tests out, `--lf` after such a failure, another process under xdist)
+    fails and says so; `-x` stops the session before it on an earlier failure, so it never passes
+    on a partial run."""
+    missing = [op for op in OPERATIONS if op not in SEEN]
+    assert not missing, (
+        f"never exercised: {', '.join(missing)}. This check reads what "
+        "test_proxy_conforms_to_its_openapi_document recorded in this session: run it together with "
+        "those generated tests, in the same process and after them, e.g. `pytest "
+        "services/proxy/tests/test_schemathesis.py` (no -k that deselects any of them, no xdist)")
     for label, calls in SEEN.items():
-        assert len(calls) >= 5, label
+        assert len(calls) >= 5, (label, calls)
     inference = SEEN["POST /v1/completions"] + SEEN["POST /v1/chat/completions"]
     assert {mode for mode, _ in inference} == {"positive", "negative"}
     assert any(status == 200 for _, status in inference)  # valid requests went through the P/D flow
     assert any(400 <= status < 500 for _, status in inference)  # invalid ones were refused
+    assert any(status == 200 for _, status in SEEN["GET /v1/models"])  # the decoders' models listed
 
 
 def test_the_served_document_is_the_one_tested(proxy):
     doc = requests.get(f"{proxy.url}/openapi.json", timeout=CALL_TIMEOUT_S).json()
     assert doc == DOCUMENT
-    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/metaserver", "/healthcheck",
-                                 "/reset_prefix_cache", "/metrics"}
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/metaserver",
+                                 "/healthcheck", "/reset_prefix_cache", "/metrics"}
     assert doc["openapi"].startswith("3.")
 

@@ -5,13 +5,14 @@ layer: layer i main KV, layer i indexer keys, ...), keyed by ``bytes`` (``kvcore
 ``HostPoolBackend`` is the narrow object-store interface (shaped like memcache_hybrid / Mooncake
 Store) that callers use; ``LocalHostPool`` is the embedded backend over a ``SharedSegment``. A
 distributed backend replaces it without touching callers. Eviction policy is a separate object.
-Elsewhere: ``PoolGeometry`` and ``SharedSegment`` in ``kvcore.segment``, ``Lease`` in
-``kvcore.leases``, the eviction policies in ``kvcore.eviction``.
+Elsewhere: ``PoolGeometry`` and ``SharedSegment`` in ``kvcore.segment``, the ``Lease`` protocol
+and the lease table in ``kvcore.leases``, the errors in ``kvcore.poolerrors``, the eviction
+policies in ``kvcore.eviction``.
 
 Hook map of ``HostPoolBackend``, grouped by caller. All methods are thread-safe; lists are
 batches and every batch is all-or-nothing (on error nothing changed). "Blocks" means waits on
 other threads: ``LocalHostPool`` never waits on the network or on another process;
-``kvcore.remotepool.RemoteHostPool`` also makes bounded calls to the metastore (its timeout).
+``poolclient.remotepool.RemoteHostPool`` also makes bounded calls to the metastore (its timeout).
 
 Engine thread (scheduler / step loop; the metastore servicer calls the same hooks for remote
 processes, one call per RPC)
@@ -32,8 +33,8 @@ processes, one call per RPC)
     Lease on existing objects (complete, or incomplete ones a writer pins while it fills them);
     returns a ``Lease`` the caller must ``release()`` (or let expire: after ``deadline`` it stops
     protecting, and the objects may be evicted). While live, the objects are neither evicted nor
-    removed, and no written plane of them is rewritten (unwritten planes may still be written). Blocks: lock only. Idempotent: no
-    (each call is a new lease). Must not touch: objects' bytes.
+    removed (unwritten planes may still be written: a writer pins what it fills). Blocks: lock
+    only. Idempotent: no (each call is a new lease). Must not touch: objects' bytes.
 ``remove(keys)``
     Free objects (complete or not). Missing keys are ignored, so cleanup after a fault may
     repeat it. A leased key raises ``ObjectLeased`` and nothing is removed. Blocks: until
@@ -48,9 +49,10 @@ Transfer threads (save / load / remote pull)
 ``put_from(keys, plane, src)``
     Copy ``src [len(keys), block_size, row_bytes]`` (CPU, contiguous, any dtype) into ``plane``
     of each allocated object; the plane counts as written once the copy finishes. While copying,
-    the object reads as incomplete. Blocks: for the copy (not under the lock), and first until
-    readers' in-flight copies of a complete object finish. Idempotent: yes (same bytes, same
-    result). Must not touch: a written plane of a leased object (``ObjectLeased``).
+    the object reads as incomplete. A written plane is write-once, in every backend: the same
+    bytes again are a no-op, other bytes raise ``PlaneWritten`` (nothing is written). Blocks: for
+    the copy (not under the lock). Idempotent: yes (same bytes, same result). Must not touch: a
+    written plane (readers in this or other processes may hold its block id under a lease).
 ``get_into(keys, plane, dst)``
     Copy ``plane`` of objects whose ``plane`` is written into ``dst`` (same shape rules); the
     other planes may still be in progress (a layerwise writer reads back its own earlier layers).
@@ -87,62 +89,21 @@ from dataclasses import dataclass
 import torch
 
 from kvcore.eviction import EvictionPolicy, LRUEviction
-from kvcore.leases import Lease, LeaseTable, check_ttl_ms
+from kvcore.leases import Lease, LeaseTable, LocalLease, check_ttl_ms
+from kvcore.poolerrors import (  # noqa: F401 - the pool's error vocabulary, importable from here
+    IncompleteObject,
+    LeaseExpired,
+    ObjectBusy,
+    ObjectExists,
+    ObjectLeased,
+    ObjectNotFound,
+    PoolError,
+    PlaneWritten,
+    PoolFullError,
+)
 from kvcore.segment import PoolGeometry, SharedSegment
 
 MAX_KEY_BYTES = 512
-
-
-# --------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------
-
-
-class PoolError(RuntimeError):
-    """Base of host-pool failures; ``key`` is the first offending key (None if not about one)."""
-
-    def __init__(self, message: str, *, key: bytes | None = None) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-class ObjectNotFound(PoolError):
-    """The key has no object (never allocated, removed, or evicted)."""
-
-
-class IncompleteObject(PoolError):
-    """The object exists but not every plane is written (or a write is in progress)."""
-
-
-class ObjectExists(PoolError):
-    """``alloc`` of a key that already has an object."""
-
-
-class ObjectLeased(PoolError):
-    """The object is protected by a live read lease."""
-
-
-class ObjectBusy(PoolError):
-    """An in-flight copy of the object did not finish within ``io_wait_timeout_s``."""
-
-
-class LeaseExpired(PoolError):
-    """``renew`` of a lease that expired or was released; its objects may be gone."""
-
-
-class PoolFullError(PoolError):
-    """No room for ``needed`` blocks: ``free`` free blocks plus ``evictable`` evictable ones."""
-
-    def __init__(self, *, key: bytes | None, needed: int, free: int, evictable: int = 0, num_blocks: int = 0,
-                 policy: str = "") -> None:
-        super().__init__(
-            f"host pool full: {needed} block(s) needed, {free} free + {evictable} evictable of {num_blocks} "
-            f"(eviction policy {policy or '?'}); release leases, remove finished requests, or enlarge the pool",
-            key=key,
-        )
-        self.needed = needed
-        self.free = free
-        self.evictable = evictable
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,6 +204,20 @@ def _as_block_bytes(t: torch.Tensor, name: str, n: int, geometry: PoolGeometry, 
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous; call .contiguous() first")
     return t.view(torch.uint8).view(n, geometry.block_size, row_bytes)
+
+
+def check_same_bytes(keys: Sequence[bytes], plane: int, dst: torch.Tensor, ids: torch.Tensor,
+                     written: torch.Tensor, src: torch.Tensor) -> None:
+    """The write-once rule of ``put_from``: each already ``written`` object (``ids [n]`` into
+    ``dst [num_blocks, block_size, row_bytes]``) must hold ``src [n, block_size, row_bytes]``
+    already, else ``PlaneWritten`` naming the first key that differs."""
+    if not bool(written.any()):
+        return
+    same = (dst[ids[written]] == src[written]).flatten(1).all(1)  # [n_written]
+    if not bool(same.all()):
+        k = [k for k, w in zip(keys, written.tolist()) if w][int((~same).nonzero()[0])]
+        raise PlaneWritten(f"cannot write plane {plane} of {k!r} with other bytes: a written plane is write-once "
+                           f"(readers may hold its block id); remove the object and alloc it again", key=k)
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,10 +389,10 @@ class LocalHostPool(HostPoolBackend):
         with self._cond:
             self._begin()
             self._resolve(keys)
-            lease = self._leases.grant(tuple(keys), time.monotonic() + ttl_ms / 1000, self)
+            record = self._leases.grant(tuple(keys), time.monotonic() + ttl_ms / 1000)
             for k in keys:
                 self._policy.on_access(k)
-            return lease
+            return LocalLease(record, self._leases, self._cond)
 
     def remove(self, keys: Sequence[bytes]) -> None:
         keys = check_keys(keys, unique=False)
@@ -453,29 +428,23 @@ class LocalHostPool(HostPoolBackend):
         keys = check_keys(keys, unique=True)
         plane = self.geometry.check_plane(plane)
         src_u8 = _as_block_bytes(src, "src", len(keys), self.geometry, plane)  # [n, block_size, row_bytes]
-        deadline = time.monotonic() + self._io_wait_timeout_s
         with self._cond:
-            while True:
-                self._begin()
-                ids = self._resolve(keys)
-                rewrites = self._written[torch.tensor(ids, dtype=torch.long), plane].tolist() if ids else []
-                for k, rewrite in zip(keys, rewrites):
-                    if rewrite and k in self._leases:
-                        raise ObjectLeased(f"cannot rewrite plane {plane} of {k!r}: {self._leases.count(k)} "
-                                           f"live lease(s)", key=k)
-                was_complete = [k for k, c in zip(keys, self._complete_mask(ids)) if c]
-                if self._wait_unpinned(was_complete, deadline, "put_from"):  # readers of a complete object
-                    break
+            self._begin()
+            ids = self._resolve(keys)
             if not keys:
                 return
-            ids_t = torch.tensor(ids, dtype=torch.long)
-            for k in was_complete:
-                self._policy.on_remove(k)  # being rewritten: not evictable, reads as incomplete
-            self._written[ids_t, plane] = False
+            ids_t = torch.tensor(ids, dtype=torch.long)  # [n]
+            written = self._written[ids_t, plane].clone()  # [n]; written planes are write-once
             self._pin(ids, +1)
         ok = False
         try:
-            self._segment.plane(plane).index_copy_(0, ids_t, src_u8)
+            dst = self._segment.plane(plane)  # [num_blocks, block_size, row_bytes]
+            check_same_bytes(keys, plane, dst, ids_t, written, src_u8)
+            fresh = ~written
+            if bool(fresh.all()):
+                dst.index_copy_(0, ids_t, src_u8)
+            elif bool(fresh.any()):
+                dst.index_copy_(0, ids_t[fresh], src_u8[fresh])
             ok = True
         finally:
             with self._cond:
@@ -527,24 +496,3 @@ class LocalHostPool(HostPoolBackend):
         if self._owns_segment:
             self._segment.close()
             self._segment.unlink()
-
-    # ---- lease callbacks -----------------------------------------------------------------------
-
-    def _lease_live(self, lease: Lease) -> bool:
-        with self._cond:
-            self._leases.expire(time.monotonic())
-            return lease._state == "live"
-
-    def _lease_release(self, lease: Lease) -> None:
-        with self._cond:
-            self._leases.expire(time.monotonic())
-            self._leases.release(lease)
-
-    def _lease_renew(self, lease: Lease, ttl_ms: int) -> float:
-        check_ttl_ms(ttl_ms)
-        with self._cond:
-            self._leases.expire(time.monotonic())
-            if lease._state != "live":
-                raise LeaseExpired(f"lease on {len(lease.keys)} key(s) is {lease._state}; its objects may be gone",
-                                   key=lease.keys[0] if lease.keys else None)
-            return self._leases.extend(lease, time.monotonic() + ttl_ms / 1000)

@@ -1,5 +1,5 @@
 """The decode's OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions`` (SSE or
-JSON), ``/health``, ``/metrics``, ``/reset_prefix_cache``.
+JSON), ``/v1/models``, ``/health``, ``/metrics``, ``/reset_prefix_cache``.
 
 A request must come through the proxy (``kv_transfer_params.do_remote_prefill``): the decode admits
 it, tells the proxy's metaserver where to push the KV (an HTTP error there fails the request; only
@@ -20,8 +20,8 @@ import structlog
 from aiohttp import web
 from dsamodel.openai import RequestError, prompt_ids, sampling_params
 from dsamodel.tokenizer import ByteTokenizer
-from kvcore.logs import REQUEST_IDS
-from kvcore.serving import DRAINING, refuse_while_draining
+from svcruntime.logs import REQUEST_IDS
+from svcruntime.serving import DRAINING, refuse_while_draining
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvoffload_decode.loop import DecodeFull, DecodeLoop
@@ -79,6 +79,7 @@ def build_app(loop: DecodeLoop, transfer, tokenizer: ByteTokenizer, settings: Ap
     app.router.add_post("/v1/completions", lambda r: handler.complete(r, chat=False))
     app.router.add_post("/v1/chat/completions", lambda r: handler.complete(r, chat=True))
     app.router.add_get("/health", handler.health)
+    app.router.add_get("/v1/models", handler.models)  # the proxy's GET /v1/models merges these
     app.router.add_get("/metrics", lambda r: web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}))
     app.router.add_post("/reset_prefix_cache", lambda r: web.json_response({"status": "ok", "note": "decode keeps no prefix cache"}))
     return app
@@ -91,6 +92,14 @@ def _error(status: int, message: str, code: str) -> web.Response:
 class _Handler:
     def __init__(self, loop: DecodeLoop, tokenizer: ByteTokenizer, settings: AppSettings, metrics: Metrics) -> None:
         self.loop, self.tokenizer, self.settings, self.metrics = loop, tokenizer, settings, metrics
+        self.created = int(time.time())
+
+    async def models(self, request: web.Request) -> web.Response:
+        """OpenAI model list: the served model name (--served-model-name, default the model
+        directory's name), the one id this decode answers to."""
+        return web.json_response({"object": "list", "data": [{
+            "id": self.settings.model_name, "object": "model", "created": self.created,
+            "owned_by": "kvoffload", "max_model_len": self.settings.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", **self.loop.stats()})

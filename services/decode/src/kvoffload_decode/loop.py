@@ -24,7 +24,7 @@ import structlog
 import torch
 from dsamodel.engine.decode import SparseDecoder
 from dsamodel.sampling import RequestSampler, SamplingParams
-from kvcore.ledger import Entry, Ledger
+from svcruntime.ledger import Entry, Ledger
 
 log = structlog.get_logger(__name__)
 

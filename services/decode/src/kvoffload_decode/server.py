@@ -6,23 +6,16 @@ SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from kvcore import tls as kvtls
-from kvcore.backends import BackendUnavailableError, require_available
-from kvcore.config import ConfigError
-from kvcore.logs import configure_logging
-from kvcore.segment import host_id, sweep_stale_segments
-from kvcore.serving import exit_now, serve_until_signal
-from kvcore.settings import decode_settings, check_flags
-from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc, transfer_pb2_grpc
+from kvcore.backends import require_available
+from kvcore.segment import host_id
+from kvcore.settings import DecodeSettings, decode_settings
+from kvoffload_proto.v1 import transfer_pb2_grpc
+from svcruntime import tls as kvtls
+from svcruntime.serving import GrpcSide, StatsSnapshot, exit_now, run, serve_http, start_process
 
 from kvoffload_decode import __version__
 from kvoffload_decode.app import AppSettings, build_app
@@ -30,20 +23,10 @@ from kvoffload_decode.loop import DecodeLoop
 from kvoffload_decode.transfer import TransferServicer
 
 SERVICE = "kvoffload-decode"
+FLAG_RULES = dict(at_least_one=("max_model_len", "max_num_seqs", "block_size"),
+                  at_least_zero=("dp_rank", "read_retries"), seconds=("metaserver_timeout_s", "peer_timeout_s"),
+                  seconds_or_zero=("admission_wait_s", "shutdown_grace_s"), ports=("port",))
 log = structlog.get_logger(__name__)
-
-
-class StatsServicer(stats_pb2_grpc.StatsServicer):
-    def __init__(self, loop: DecodeLoop, transfer: TransferServicer) -> None:
-        self.loop, self.transfer = loop, transfer
-
-    def GetStats(self, request, context):
-        pool = self.loop.decoder.pool.stats()
-        counters = {**self.loop.stats(), **self.transfer.counters, "pool_used_bytes": pool.used_bytes,
-                    "pool_used_blocks": pool.used_blocks, "pool_live_leases": pool.live_leases}
-        return stats_pb2.StatsReply(service=SERVICE, version=__version__,
-                                    counters={k: float(v) for k, v in counters.items()},
-                                    ledger_json=self.loop.ledger.snapshot() if request.include_ledger else "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,41 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        check_flags(args, at_least_one=("max_model_len", "max_num_seqs", "block_size"),
-                    at_least_zero=("dp_rank", "read_retries"), seconds=("metaserver_timeout_s", "peer_timeout_s"),
-                    seconds_or_zero=("admission_wait_s", "shutdown_grace_s"), ports=("port",))
-    except ConfigError as exc:
-        print(f"{SERVICE}: {exc}", file=sys.stderr)
-        return 2
-    try:  # before anything starts: a bad TLS flag fails fast, naming the flag and the path
-        tls = kvtls.from_args(args, serving=SERVICE)
-    except kvtls.TLSConfigError as exc:
-        print(f"{SERVICE}: {exc}", file=sys.stderr)
-        return 2
-    kvtls.configure(tls)  # the gRPC clients of this process (the streamed pulls from a prefill) use it
-    configure_logging(SERVICE, args.log_level)
+    return run(SERVICE, lambda: serve(args))
+
+
+def serve(args: argparse.Namespace) -> int:
     from dsamodel.engine import build
     from dsamodel.engine.decode import SparseDecoder
     from dsamodel.engine.layout import kv_layout
     from dsamodel.tokenizer import ByteTokenizer
     from dsamodel.weights import load_model
 
+    tls = start_process(SERVICE, args, log_level=args.log_level, **FLAG_RULES)
     model = load_model(args.model, dtype=args.dtype)
     layout = kv_layout(model.config, args.block_size, model.dtype)
-    try:
-        settings = decode_settings(args.kv_transfer_config, args.additional_config, layout,
-                                   index_topk=model.config.index_topk, max_num_seqs=args.max_num_seqs,
-                                   max_model_len=args.max_model_len, dp=args.dp_rank + 1, tp=1)
-        require_available(transfer_backend=settings.d2h.transfer_backend)
-    except (ConfigError, BackendUnavailableError) as exc:
-        print(f"{SERVICE}: {exc}", file=sys.stderr)
-        return 2
-    for w in settings.warnings:
-        log.warning("config_warning", warning=w)
-    stale = sweep_stale_segments()  # what killed predecessors left in /dev/shm
-    if stale:
-        log.warning("stale_segments_removed", paths=stale)
+    settings = _settings(args, layout, model.config.index_topk)
     control_port = settings.control_port(args.dp_rank, 0)
     pool = build.decode_pool(model, args.block_size, settings.host_pool_bytes,
                              name=f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}")
@@ -120,35 +82,39 @@ def main(argv: list[str] | None = None) -> int:
     model_id = args.served_model_name or Path(args.model).resolve().name
     transfer = TransferServicer(loop, layout, model_id, host_id(), model.dtype, read_retries=args.read_retries,
                                 tls=tls)
-
-    server = grpc.server(ThreadPoolExecutor(max_workers=16, thread_name_prefix="transfer"),
-                         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 8 << 20)])
-    health_servicer = health.HealthServicer()
-    transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
-    stats_pb2_grpc.add_StatsServicer_to_server(StatsServicer(loop, transfer), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    kvtls.add_port(server, f"{args.host}:{control_port}", tls)
-    server.start()
+    grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _stats(loop, transfer, ledger), workers=16,
+                         options=[("grpc.max_receive_message_length", 8 << 20)])
+    grpc_side.add(transfer_pb2_grpc.add_TransferServicer_to_server, transfer)
+    grpc_side.add_port(f"{args.host}:{control_port}", tls)
     app = build_app(loop, transfer, ByteTokenizer.from_dir(args.model),
                     AppSettings(model_name=model_id, max_model_len=args.max_model_len, advertise_host=args.host,
                                 control_port=control_port, metaserver_timeout_s=args.metaserver_timeout_s,
                                 admission_wait_s=args.admission_wait_s))
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    grpc_side.start()
     log.info("serving", http=f"{args.host}:{args.port}", control_port=control_port, model=model_id,
              topk_buffer_size=settings.sparse.topk_buffer_size, host_pool_bytes=settings.host_pool_bytes,
              keep_device_kv_cache=settings.sparse.keep_device_kv_cache, **(tls.describe() if tls else {"tls": False}))
-    try:
-        asyncio.run(serve_until_signal(
-            app, args.host, args.port, lambda: loop.stats()["pending"] + loop.stats()["running"], args.shutdown_grace_s,
-            lambda: health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)))
-    finally:
-        health_servicer.enter_graceful_shutdown()
-        server.stop(grace=5).wait()
-        loop.close()
-        transfer.close()
-        pool.close()
-        log.info("stopped")
+    serve_http(app, args.host, args.port, busy=lambda: loop.stats()["pending"] + loop.stats()["running"],
+               grace_s=args.shutdown_grace_s, grpc_side=grpc_side, closers=(loop.close, transfer.close, pool.close))
     return 0
+
+
+def _settings(args: argparse.Namespace, layout, index_topk: int | None) -> DecodeSettings:
+    """The node's configs as users write them, for this decode; ConfigError names what is wrong."""
+    settings = decode_settings(args.kv_transfer_config, args.additional_config, layout, index_topk=index_topk,
+                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                               dp=args.dp_rank + 1, tp=1)
+    require_available(transfer_backend=settings.d2h.transfer_backend)
+    for w in settings.warnings:
+        log.warning("config_warning", warning=w)
+    return settings
+
+
+def _stats(loop: DecodeLoop, transfer: TransferServicer, include_ledger: bool) -> StatsSnapshot:
+    pool = loop.decoder.pool.stats()
+    counters = {**loop.stats(), **transfer.counters, "pool_used_bytes": pool.used_bytes,
+                "pool_used_blocks": pool.used_blocks, "pool_live_leases": pool.live_leases}
+    return StatsSnapshot(counters, ledger_json=loop.ledger.snapshot() if include_ledger else "")
 
 
 def cli() -> None:

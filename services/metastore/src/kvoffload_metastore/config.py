@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from kvcore.tls import TLSConfig
+from svcruntime.tls import TLSConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 META_ENV = "MMC_META_CONFIG_PATH"
@@ -68,7 +68,7 @@ class MetaStoreConfig(BaseModel):
     grace_s: float = Field(5.0, ge=0)
     max_workers: int = Field(8, ge=1)
     sources: tuple[str, ...] = ()  # conf files read, for Stats info
-    tls: TLSConfig | None = None  # --tls-cert/--tls-key/--tls-ca (kvcore.tls); None: plain gRPC
+    tls: TLSConfig | None = None  # --tls-cert/--tls-key/--tls-ca (svcruntime.tls); None: plain gRPC
 
     @property
     def bind_address(self) -> str:

@@ -7,7 +7,8 @@ the block ids it hands out. Expiry (leases, then pools without heartbeats) is ev
 injected monotonic ``clock`` at the start of every call, so there are no timer threads.
 
 Hook map, grouped by caller. Every hook is thread-safe (one lock, held for microseconds; nothing
-blocks on I/O), batches are all-or-nothing, and errors are the types in ``kvoffload_metastore.errors``.
+blocks on I/O), batches are all-or-nothing, and errors are kvcore's pool errors,
+``poolclient.errors``' registry errors and ``PoolFull``.
 
 LocalService (via the servicer, one call per RPC)
 ------------------------------------------------
@@ -47,10 +48,12 @@ from dataclasses import dataclass, field
 import structlog
 from kvcore.eviction import LRUEviction
 from kvcore.hostpool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, check_keys
-from kvcore.leases import Lease, LeaseTable, check_ttl_ms
+from kvcore.leases import LeaseRecord, LeaseTable, check_ttl_ms
 from kvcore.segment import PoolGeometry, SharedSegment
 
-from kvoffload_metastore.errors import NoPoolRegistered, PoolConflict, PoolFull, PoolNotRegistered, WorldSizeExceeded
+from poolclient.errors import NoPoolRegistered, PoolConflict, PoolNotRegistered, WorldSizeExceeded
+
+from kvoffload_metastore.errors import PoolFull
 from kvoffload_metastore.records import Allocation, LeaseGrant, Location, MetaStats, PoolOccupancy, PoolRecord
 
 __all__ = ["MetaStoreCore", "check_keys", "Allocation", "LeaseGrant", "Location", "MetaStats", "PoolOccupancy",
@@ -117,7 +120,7 @@ class MetaStoreCore:
         self._pools: dict[str, _Pool] = {}
         self._objects: dict[bytes, _Object] = {}
         self._leases = LeaseTable()
-        self._lease_by_id: dict[int, Lease] = {}
+        self._lease_by_id: dict[int, LeaseRecord] = {}
         self._lease_ids = itertools.count(1)
         self._expired_at: dict[str, float] = {}  # pool id -> when it expired (for messages)
         self._leases_dropped = 0
@@ -149,8 +152,8 @@ class MetaStoreCore:
             raise PoolNotRegistered(f"pool {pool_id!r} is not registered: {why}")
         return pool
 
-    def _live_leases(self) -> list[tuple[int, Lease]]:
-        live = [(i, lease) for i, lease in self._lease_by_id.items() if lease._state == "live"]
+    def _live_leases(self) -> list[tuple[int, LeaseRecord]]:
+        live = [(i, lease) for i, lease in self._lease_by_id.items() if lease.live]
         if len(live) != len(self._lease_by_id):
             self._lease_by_id = dict(live)
         return live
@@ -373,7 +376,7 @@ class MetaStoreCore:
         with self._lock:
             now = self._begin()
             objs = self._resolve(keys)
-            lease = self._leases.grant(tuple(keys), now + ttl_ms / 1000, self)
+            lease = self._leases.grant(tuple(keys), now + ttl_ms / 1000)
             lease_id = next(self._lease_ids)
             if len(self._lease_by_id) > 2 * self._leases.num_live + 64:
                 self._live_leases()  # drop ids of expired leases (amortized O(1) per grant)
@@ -383,9 +386,9 @@ class MetaStoreCore:
             log.debug("lease granted", lease_id=lease_id, keys=len(keys), ttl_ms=ttl_ms, holder=holder)
             return LeaseGrant(lease_id, ttl_ms, lease.deadline, [self._location(k, o) for k, o in zip(keys, objs)])
 
-    def _live_lease(self, lease_id: int) -> Lease:
+    def _live_lease(self, lease_id: int) -> LeaseRecord:
         lease = self._lease_by_id.get(lease_id)
-        if lease is None or lease._state != "live":
+        if lease is None or not lease.live:
             raise LeaseExpired(f"lease {lease_id} is not live (expired, released, dropped with its pool, or "
                                f"unknown); its objects may be gone: look them up again")
         return lease
@@ -395,36 +398,14 @@ class MetaStoreCore:
         ttl_ms = self._ttl(ttl_ms)
         with self._lock:
             now = self._begin()
-            return ttl_ms, self._leases.extend(self._live_lease(lease_id), now + ttl_ms / 1000)
+            return ttl_ms, self._leases.renew(self._live_lease(lease_id), now + ttl_ms / 1000)
 
     def release_lease(self, lease_id: int) -> bool:
         """Release a lease; False if it was not live. Idempotent."""
         with self._lock:
             self._begin()
             lease = self._lease_by_id.pop(lease_id, None)
-            if lease is None or lease._state != "live":
-                return False
-            self._leases.release(lease)
-            return True
-
-    # kvcore.leases.Lease callbacks, for in-process holders of the Lease objects.
-    def _lease_live(self, lease: Lease) -> bool:
-        with self._lock:
-            self._begin()
-            return lease._state == "live"
-
-    def _lease_release(self, lease: Lease) -> None:
-        with self._lock:
-            self._begin()
-            self._leases.release(lease)
-
-    def _lease_renew(self, lease: Lease, ttl_ms: int) -> float:
-        ttl_ms = self._ttl(ttl_ms)
-        with self._lock:
-            now = self._begin()
-            if lease._state != "live":
-                raise LeaseExpired(f"lease on {len(lease.keys)} key(s) is {lease._state}")
-            return self._leases.extend(lease, now + ttl_ms / 1000)
+            return lease is not None and self._leases.release(lease)
 
     # ---- operators -----------------------------------------------------------------------------
 

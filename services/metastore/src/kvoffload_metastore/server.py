@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from kvcore import tls as kvtls
+from svcruntime import tls as kvtls
 from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2_grpc
 
 from kvoffload_metastore import __version__
 from kvoffload_metastore.config import LOCAL_ENV, META_ENV, MetaStoreConfig, build_config, parse_size_bytes
 from kvoffload_metastore.core import MetaStoreCore
-from kvoffload_metastore.logs import configure_logging
+from svcruntime.logs import configure_logging
 from kvoffload_metastore.metrics import MetaMetrics
 from kvoffload_metastore.servicer import MetaStoreServicer, StatsServicer
 
@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"{SERVICE}: invalid configuration: {e}", file=sys.stderr)
         return 2
-    configure_logging(config.log_level)
+    configure_logging(SERVICE, config.log_level)
     for level, note in notes:
         getattr(log, level)("config key not used", note=note)
     try:

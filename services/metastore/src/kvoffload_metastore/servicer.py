@@ -1,4 +1,4 @@
-"""Thin servicers: proto <-> ``MetaStoreCore`` calls, errors -> gRPC status codes (``errors.STATUS``).
+"""Thin servicers: proto <-> ``MetaStoreCore`` calls, errors -> gRPC status codes (``poolclient.wire``).
 
 ``MetaStoreServicer`` serves ``kvoffload.v1.MetaStore``; ``StatsServicer`` serves the generic
 ``kvoffload.v1.Stats``. Neither holds state of its own beyond the request counters.
@@ -14,39 +14,19 @@ from typing import Any
 
 import grpc
 import structlog
-from kvcore.segment import PoolGeometry
 from kvoffload_proto.v1 import metastore_pb2 as pb
 from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2, stats_pb2_grpc
+from poolclient import wire
+from poolclient.wire import geometry_from_pb, location_to_pb, pool_to_pb
 
-from kvoffload_metastore import errors
 from kvoffload_metastore.core import MetaStoreCore
 from kvoffload_metastore.metrics import MetaMetrics, stats_counters
-from kvoffload_metastore.records import Location, PoolOccupancy, PoolRecord
+from kvoffload_metastore.records import PoolOccupancy
 
 log = structlog.get_logger("kvoffload_metastore.servicer")
 
 
 # ---- conversions -------------------------------------------------------------------------------
-
-
-def geometry_from_pb(g: pb.PoolGeometry) -> PoolGeometry:
-    return PoolGeometry(g.block_size, tuple(g.plane_row_bytes), g.num_blocks,
-                        tuple((label.layer, label.kind) for label in g.plane_labels))
-
-
-def geometry_to_pb(g: PoolGeometry) -> pb.PoolGeometry:
-    return pb.PoolGeometry(block_size=g.block_size, plane_row_bytes=g.plane_row_bytes, num_blocks=g.num_blocks,
-                           plane_labels=[pb.PlaneLabel(layer=layer, kind=kind) for layer, kind in g.plane_labels])
-
-
-def pool_to_pb(r: PoolRecord) -> pb.PoolInfo:
-    return pb.PoolInfo(pool_id=r.pool_id, segment_name=r.segment_name, host=r.host,
-                       geometry=geometry_to_pb(r.geometry), block_bytes=r.block_bytes)
-
-
-def location_to_pb(loc: Location) -> pb.ObjectLocation:
-    return pb.ObjectLocation(key=loc.key, pool_id=loc.pool_id, block_id=loc.block_id, size_bytes=loc.size_bytes,
-                             complete=loc.complete, written_planes=loc.written_planes)
 
 
 def occupancy_to_pb(p: PoolOccupancy) -> pb.PoolStats:
@@ -72,15 +52,15 @@ def _rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             reply = fn(self, request, context)
         except Exception as exc:  # noqa: BLE001 - every error becomes a status
-            code = errors.status_of(exc)
+            code = wire.status_of(exc)
             if code is None:
                 log.exception("rpc failed", method=method)
                 code, message = grpc.StatusCode.INTERNAL, f"{method}: internal error: {type(exc).__name__}: {exc}"
             else:
-                message = errors.message_of(exc)
+                message = wire.message_of(exc)
                 log.debug("rpc refused", method=method, code=code.name, error=message)
             self.metrics.observe(method, code.name)
-            context.set_trailing_metadata(errors.trailing_metadata(exc))
+            context.set_trailing_metadata(wire.trailing_metadata(exc))
             context.abort(code, message)
         self.metrics.observe(method, "OK")
         return reply

@@ -8,13 +8,14 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 
 import structlog
 from aiohttp import web
 from dsamodel.openai import RequestError, prompt_ids, sampling_params
 from dsamodel.tokenizer import ByteTokenizer
-from kvcore.logs import REQUEST_IDS
-from kvcore.serving import DRAINING, refuse_while_draining
+from svcruntime.logs import REQUEST_IDS
+from svcruntime.serving import DRAINING, refuse_while_draining
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvoffload_prefill.worker import PrefillWorker
@@ -49,7 +50,10 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def build_app(worker: PrefillWorker, tokenizer: ByteTokenizer, model_name: str, max_model_len: int) -> web.Application:
+def build_app(worker: PrefillWorker, tokenizer: ByteTokenizer, model_name: str, max_model_len: int,
+              not_ready: Callable[[], str] = lambda: "") -> web.Application:
+    """The HTTP API; ``not_ready()`` says why the prefill cannot take requests now ("" when it can),
+    e.g. its pool is not registered with the metastore: ``/health`` then answers 503 with the reason."""
     metrics = Metrics(worker)
     app = web.Application(client_max_size=32 << 20, middlewares=[refuse_while_draining("prefill")])
     app[DRAINING] = asyncio.Event()
@@ -111,7 +115,14 @@ def build_app(worker: PrefillWorker, tokenizer: ByteTokenizer, model_name: str, 
 
     app.router.add_post("/v1/completions", lambda r: complete(r, False))
     app.router.add_post("/v1/chat/completions", lambda r: complete(r, True))
-    app.router.add_get("/health", lambda r: web.json_response({"status": "ok", **worker.engine.gates.stats()}))
+    async def health(request: web.Request) -> web.Response:
+        reason = not_ready()
+        if reason:
+            return web.json_response({"status": "not_ready", "reason": reason, **worker.engine.gates.stats()},
+                                     status=503)
+        return web.json_response({"status": "ok", **worker.engine.gates.stats()})
+
+    app.router.add_get("/health", health)
     app.router.add_get("/metrics", lambda r: web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}))
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app

@@ -21,7 +21,7 @@ import time
 import grpc
 import structlog
 from kvcore.gates import SlotTicket
-from kvcore.tls import PROCESS, secure_or_insecure_channel
+from svcruntime.tls import PROCESS, secure_or_insecure_channel
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
 log = structlog.get_logger(__name__)

@@ -17,7 +17,7 @@ import torch
 from dsamodel.engine.prefill import LayerwisePrefill, PrefillRequest
 from dsamodel.sampling import RequestSampler, SamplingParams
 from kvcore.layout import dtype_name
-from kvcore.ledger import Ledger
+from svcruntime.ledger import Ledger
 from kvoffload_proto.v1 import transfer_pb2
 
 from kvoffload_prefill.links import DecodeLink

@@ -1,7 +1,8 @@
 """HTTP routes of the proxy (thin: parse, call the flow / registry / probes, answer).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/metaserver, GET /healthcheck,
-POST /reset_prefix_cache, GET /metrics, GET /openapi.json. Middlewares, outermost first:
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (the decoders' models, see
+models.py), POST /v1/metaserver, GET /healthcheck, POST /reset_prefix_cache, GET /metrics,
+GET /openapi.json. Middlewares, outermost first:
 request id (honour or assign X-Request-Id, bind it to every log line, count outcomes), errors
 (every non-2xx is an OpenAI-style JSON error), API key (Bearer; see auth.py: /healthcheck and
 /openapi.json are open, /v1/metaserver takes the per-request token the proxy gave the decoder).
@@ -23,6 +24,7 @@ from .config import ProxyConfig
 from .errors import ProxyError
 from .flow import Flow, RequestState, new_state
 from .metrics import CONTENT_TYPE, ProxyMetrics
+from .models import ModelCatalog
 from .openapi import REQUEST_ID_PATTERN, build_openapi
 from .relay import error_response
 from .schemas import MetaserverRegistration, load_json_object, parse_inference, validate
@@ -31,6 +33,7 @@ log = structlog.get_logger("kvoffload_proxy.app")
 CONFIG = web.AppKey("config", ProxyConfig)
 FLOW = web.AppKey("flow", Flow)
 METRICS = web.AppKey("metrics", ProxyMetrics)
+MODELS = web.AppKey("models", ModelCatalog)
 OPENAPI = web.AppKey("openapi", dict)
 _request_key = getattr(web, "RequestKey", lambda name, t: name)  # typed keys since aiohttp 3.13
 REQUEST_ID = _request_key("request_id", str)
@@ -127,6 +130,12 @@ async def inference(request: web.Request) -> web.StreamResponse:
         return await request.app[FLOW].run(request, st)
 
 
+async def models(request: web.Request) -> web.Response:
+    data = await request.app[MODELS].models(request.app[FLOW].session,
+                                             {"X-Request-Id": request[REQUEST_ID]})
+    return web.json_response({"object": "list", "data": data})
+
+
 async def metaserver(request: web.Request) -> web.Response:
     start, flow = time.monotonic(), request.app[FLOW]
     data = load_json_object(await request.read())
@@ -197,6 +206,7 @@ def create_app(cfg: ProxyConfig) -> web.Application:
     app[CONFIG] = cfg
     app[METRICS] = app_metrics
     app[FLOW] = Flow(cfg, prefillers, decoders, app_metrics)
+    app[MODELS] = ModelCatalog(cfg.decoders, timeout_s=cfg.health_timeout_s)
     app[OPENAPI] = build_openapi(api_key_required=cfg.api_key is not None)
 
     async def client_session(app: web.Application):
@@ -207,6 +217,7 @@ def create_app(cfg: ProxyConfig) -> web.Application:
     app.cleanup_ctx.append(client_session)
     app.router.add_post("/v1/completions", inference)
     app.router.add_post("/v1/chat/completions", inference)
+    app.router.add_get("/v1/models", models, allow_head=False)
     app.router.add_post("/v1/metaserver", metaserver)
     app.router.add_get("/healthcheck", healthcheck, allow_head=False)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)

@@ -33,6 +33,12 @@ def build_openapi(api_key_required: bool) -> dict[str, Any]:
                 "message": {"type": "string"}, "type": {"type": "string"},
                 "param": {"type": ["string", "null"]}, "code": {}}}}},
         "Object": {"type": "object"},
+        "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+            "id": {"type": "string", "minLength": 1}, "object": {"const": "model"},
+            "created": {"type": "integer", "minimum": 0}, "owned_by": {"type": "string"}}},
+        "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": {"$ref": _REF.format(model="Model")}}}},
     }
     err = {"$ref": _REF.format(model="Error")}
     obj = {"$ref": _REF.format(model="Object")}
@@ -65,6 +71,14 @@ def build_openapi(api_key_required: bool) -> dict[str, Any]:
     paths = {
         "/v1/completions": generate(CompletionRequest, "Text completion (prompt lists batched)"),
         "/v1/chat/completions": generate(ChatCompletionRequest, "Chat completion"),
+        "/v1/models": {"get": {
+            "summary": "The models the decoders serve (OpenAI list; each decoder's GET /v1/models, "
+                       "merged, de-duplicated, cached a few seconds)",
+            "parameters": [rid],
+            "responses": {"200": _json({"$ref": _REF.format(model="ModelList")},
+                                       "The ids clients may name in `model`"),
+                          "400": _json(err, "Malformed X-Request-Id header"),
+                          "503": _json(err, "No decoder answered its GET /v1/models")}}},
         "/v1/metaserver": {"post": {
             "summary": "Decoder registration; answered once the prefill dispatch completed",
             "requestBody": {"required": True, "content": {"application/json": {
@@ -83,7 +97,7 @@ def build_openapi(api_key_required: bool) -> dict[str, Any]:
             "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
     }
     if api_key_required:
-        for path in ("/reset_prefix_cache", "/metrics"):
+        for path in ("/v1/models", "/reset_prefix_cache", "/metrics"):
             for op in paths[path].values():
                 op["security"] = [{"bearer": []}]
                 op["responses"]["401"] = errors["401"]

@@ -12,10 +12,10 @@ import sys
 
 import structlog
 from aiohttp import web
+from svcruntime.logs import configure_logging
 
 from .app import FLOW, create_app
 from .config import ProxyConfig, build_parser, config_from_namespace
-from .log import configure_logging
 
 log = structlog.get_logger("kvoffload_proxy.server")
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_namespace(parser.parse_args(argv))
     except ValueError as e:
         parser.error(str(e))
-    configure_logging(cfg.log_level)
+    configure_logging("kvoffload-proxy", cfg.log_level)
     asyncio.run(serve(cfg))
     return 0
 

@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Iterable
 
 from kvcore.eviction import LRUEviction, NoEviction
-from kvcore.hostpool import LocalHostPool
+from kvcore.hostpool import HostPoolBackend, LocalHostPool
 from kvcore.plan import BufferPlan
 from kvcore.segment import PoolGeometry
 
@@ -19,22 +19,16 @@ def _name(prefix: str, name: str | None) -> str:
     return name or f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
+def prefill_geometry(model: DSAModel, block_size: int, capacity_bytes: int) -> PoolGeometry:
+    """The prefill side's pool geometry: main + indexer planes of every layer."""
+    return PoolGeometry.from_layout(kv_layout(model.config, block_size, model.dtype), capacity_bytes,
+                                    include_indexer=True)
+
+
 def prefill_pool(model: DSAModel, block_size: int, capacity_bytes: int, name: str | None = None) -> LocalHostPool:
-    """The prefill side's host pool: main + indexer planes of every layer, LRU prefix cache."""
-    geo = PoolGeometry.from_layout(kv_layout(model.config, block_size, model.dtype), capacity_bytes,
-                                   include_indexer=True)
-    return LocalHostPool.create(_name("kvoffload-prefill", name), geo, eviction=LRUEviction())
-
-
-def remote_prefill_pool(model: DSAModel, block_size: int, capacity_bytes: int, *, metastore: str, pool_id: str,
-                        name: str | None = None):
-    """The prefill side's host pool registered with a kvoffload-metastore (its index lives there)."""
-    from kvcore.remotepool import RemoteHostPool
-
-    geo = PoolGeometry.from_layout(kv_layout(model.config, block_size, model.dtype), capacity_bytes,
-                                   include_indexer=True)
-    return RemoteHostPool.create(metastore, pool_id, _name("kvoffload-prefill", name), geo, replace=True,
-                                 rejoin=True)  # a restarted metastore must not retire the prefill
+    """The prefill side's host pool, indexed in this process, with an LRU prefix cache."""
+    return LocalHostPool.create(_name("kvoffload-prefill", name), prefill_geometry(model, block_size, capacity_bytes),
+                                eviction=LRUEviction())
 
 
 def decode_pool(model: DSAModel, block_size: int, capacity_bytes: int, name: str | None = None) -> LocalHostPool:
@@ -46,7 +40,7 @@ def decode_pool(model: DSAModel, block_size: int, capacity_bytes: int, name: str
 
 def prefill_engine(
     model: DSAModel,
-    pool: LocalHostPool,
+    pool: HostPoolBackend,
     *,
     buffers: int | None,
     independent: Iterable[int] | str,

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from kvcore.bench import OtherLoad
+from kvcore.bench.load import OtherLoad
 from kvcore import gather
 
 GOAL_RATIO_TO_MEMCPY = 0.7

@@ -12,10 +12,9 @@ Hook -> MetaStore calls (all from any thread; the gRPC client is thread-safe)
 ``can_alloc`` / ``alloc``    Alloc (dry run / real) in this pool only; eviction is the MetaStore's
                              LRU over this pool's complete, unleased objects.
 ``put_from(keys, p, src)``   Lease (a copy lease, ``copy_lease_ttl_ms``) -> copy into this pool's
-                             segment -> MarkWritten -> ReleaseLease. Only objects of this pool. A
-                             written plane is never rewritten: other processes may read it under
-                             leases the index does not report, so the same bytes again are a no-op
-                             and other bytes raise ``ObjectLeased``.
+                             segment -> MarkWritten -> ReleaseLease. Only objects of this pool.
+                             Written planes are write-once, as in every backend: the same bytes
+                             again are a no-op, other bytes raise ``PlaneWritten``.
 ``get_into(keys, p, dst)``   Lease -> (Lookup, for objects in other pools) -> copy from this
                              pool's segment or another pool's, attached by name and cached ->
                              ReleaseLease. Other pools must be on this host (``host_id``); a pool
@@ -23,7 +22,7 @@ Hook -> MetaStore calls (all from any thread; the gRPC client is thread-safe)
                              available for it.
 ``exists`` / ``lease`` / ``remove`` / ``block_ids`` / ``stats``
                              Exists / Lease / Remove / Lookup / Stats. ``lease`` returns a
-                             ``RemoteLease`` (same surface as ``Lease``; release is an RPC).
+                             ``RemoteLease`` (a ``kvcore.leases.Lease``; release is an RPC).
                              ``remove`` first waits (``io_wait_timeout_s``, then ``ObjectBusy``)
                              for this process's copies of the keys; another process's copy lease
                              is a lease (``ObjectLeased``). ``block_ids`` of an object in another
@@ -32,54 +31,44 @@ Hook -> MetaStore calls (all from any thread; the gRPC client is thread-safe)
 
 Lifecycle (whoever built the pool)
 ----------------------------------
-``create``/``__init__`` register the segment (RegisterPool; ``WorldSizeExceeded`` when the MetaStore
-holds ``world_size`` pools) and start a daemon thread that heartbeats every
-``heartbeat_interval_ms`` (default: the MetaStore's suggestion, a third of its timeout). A failed
-beat is logged and retried at the next interval. Once the MetaStore answers that the pool is not
-registered (it expired, or was deregistered or replaced), the pool is dead: its objects are gone
-and every hook raises ``PoolNotRegistered`` saying so — unless it was built with ``rejoin=True``
-(what a service wants: a restarted MetaStore must not retire the node): then the next beat
-registers the same segment again, empty as far as the index knows, and the hooks work again. ``close()`` stops the heartbeats,
-deregisters, closes attached segments and closes and unlinks the segment it owns. Idempotent.
+``create``/``__init__`` register the segment and keep it registered (``poolclient.membership``:
+heartbeats; with ``rejoin=True`` a restarted MetaStore gets the pool registered again). Once the
+MetaStore no longer knows the pool, every hook raises ``PoolNotRegistered`` saying why, until a
+re-join. ``close()`` stops the heartbeats, deregisters, closes attached segments and closes and
+unlinks the segment it owns. Idempotent.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TypeVar
 
 import structlog
 import torch
-
 from kvcore.hostpool import (
     HostPoolBackend,
     IncompleteObject,
     ObjectBusy,
     ObjectExists,
-    ObjectLeased,
     ObjectNotFound,
     PoolError,
     PoolFullError,
     PoolStats,
     _as_block_bytes,
     check_keys,
+    check_same_bytes,
 )
 from kvcore.leases import check_ttl_ms
-from kvcore.metaclient import MetaStoreClient, PoolNotRegistered, PoolRecord, RemoteLease, WorldSizeExceeded
-from kvcore.segment import PoolGeometry, SharedSegment
+from kvcore.segment import PoolGeometry, SharedSegment, host_id as this_host_id
+
+from poolclient.client import MetaStoreClient, RemoteLease
+from poolclient.membership import PoolMembership
+from poolclient.records import PoolRecord
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
-
-
-def default_host_id() -> str:
-    """This host's id for the MetaStore: the hostname (a container's own, as is its /dev/shm)."""
-    return socket.gethostname()
 
 
 class RemoteHostPool(HostPoolBackend):
@@ -104,7 +93,7 @@ class RemoteHostPool(HostPoolBackend):
         self._client = client
         self._segment = segment
         self.pool_id: str = client.pool_id
-        self.host_id = host_id or default_host_id()
+        self.host_id = host_id or this_host_id()
         self._copy_lease_ttl_ms = copy_lease_ttl_ms
         self._io_wait_timeout_s = io_wait_timeout_s
         self._owns_segment, self._owns_client = owns_segment, owns_client
@@ -112,29 +101,9 @@ class RemoteHostPool(HostPoolBackend):
         self._copies: dict[bytes, int] = {}  # key -> this process's in-flight copies
         self._attached: dict[str, tuple[str, tuple[int, int], SharedSegment]] = {}  # pool -> (name, inode, seg)
         self._closed = False
-        self._dead: str | None = None  # why the MetaStore no longer knows this pool
-        self._rejoin = rejoin
-        self.rejoins = 0
-        self._heartbeat_failures = 0
-        try:
-            reply = client.register_pool(segment.name, segment.geometry, host=self.host_id, replace=replace)
-        except WorldSizeExceeded as e:
-            raise WorldSizeExceeded(f"the MetaStore at {client.target} refused pool {self.pool_id!r}: {e}") from None
-        self.heartbeat_timeout_ms = int(reply.heartbeat_timeout_ms)
-        self.lease_ttl_ms = int(reply.lease_ttl_ms)
-        interval = int(reply.heartbeat_interval_ms) if heartbeat_interval_ms is None else heartbeat_interval_ms
-        if isinstance(interval, bool) or not isinstance(interval, int) or not 0 < interval < self.heartbeat_timeout_ms:
-            client.deregister_pool()
-            raise ValueError(f"heartbeat_interval_ms must be an int in [1, {self.heartbeat_timeout_ms}) (the "
-                             f"MetaStore's heartbeat timeout), got {heartbeat_interval_ms!r}")
-        self.heartbeat_interval_ms = interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._heartbeat_loop, name=f"kv-heartbeat-{self.pool_id}",
-                                        daemon=True)
-        self._thread.start()
-        log.info("remote_pool_registered", pool_id=self.pool_id, target=client.target, segment=segment.name,
-                 host=self.host_id, num_blocks=segment.geometry.num_blocks, heartbeat_interval_ms=interval,
-                 num_pools=int(reply.num_pools), world_size=int(reply.world_size))
+        self.membership = PoolMembership(client, segment.name, segment.geometry, self.host_id,
+                                         heartbeat_interval_ms=heartbeat_interval_ms, replace=replace,
+                                         rejoin=rejoin, ready_to_rejoin=self._copies_over)
 
     @classmethod
     def create(cls, target: str, pool_id: str, name: str, geometry: PoolGeometry, *, host_id: str | None = None,
@@ -174,83 +143,19 @@ class RemoteHostPool(HostPoolBackend):
     @property
     def alive(self) -> bool:
         """Open and, as far as this process knows, registered with the MetaStore."""
-        return not self._closed and self._dead is None
-
-    @property
-    def heartbeat_failures(self) -> int:
-        """Heartbeats that failed without an answer (each was logged and retried)."""
-        return self._heartbeat_failures
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise PoolError(f"remote host pool {self.pool_id!r} is closed")
-        if self._dead is not None:
-            raise PoolNotRegistered(
-                f"pool {self.pool_id!r} is no longer registered with the MetaStore at {self._client.target} "
-                f"({self._dead}); every object it held is gone: close it and create it again (replace=True "
-                f"reuses the name)")
-
-    def _mark_dead(self, why: str) -> None:
-        with self._cond:
-            if self._dead is None:
-                self._dead = why
-                log.error("remote_pool_dead", pool_id=self.pool_id, target=self._client.target, reason=why)
-
-    def _own_pool_call(self, fn: Callable[..., T], *args: object) -> T:
-        """A call whose PoolNotRegistered can only be about this pool: it marks the pool dead."""
-        try:
-            return fn(*args)
-        except PoolNotRegistered as e:
-            self._mark_dead(str(e))
-            self._check_usable()
-            raise
-
-    # ---- heartbeats ------------------------------------------------------------------------------
+        return self.membership.alive
 
     def heartbeat(self) -> int:
-        """Beat once now; ms until the MetaStore expires the pool without another beat.
+        """Beat once now (see ``PoolMembership.heartbeat``)."""
+        return self.membership.heartbeat()
 
-        ``PoolNotRegistered`` (and the pool is dead from now on) if the MetaStore dropped it."""
-        self._check_usable()
-        return self._own_pool_call(self._client.heartbeat)
+    def _check_usable(self) -> None:
+        self.membership.check_usable()
 
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.heartbeat_interval_ms / 1000):
-            try:
-                self.heartbeat()
-            except PoolNotRegistered:
-                if not self._rejoin:
-                    return  # dead: hooks raise from now on
-                self._try_rejoin()
-            except PoolError as e:
-                if self._closed:
-                    return
-                self._heartbeat_failures += 1
-                log.warning("remote_pool_heartbeat_failed", pool_id=self.pool_id, target=self._client.target,
-                            error=str(e), failures=self._heartbeat_failures,
-                            retry_in_ms=self.heartbeat_interval_ms)
-            except Exception:  # noqa: BLE001 - keep beating whatever one call did
-                self._heartbeat_failures += 1
-                log.exception("remote_pool_heartbeat_error", pool_id=self.pool_id)
-
-    def _try_rejoin(self) -> None:
-        """Register the segment again under the same pool id (the index starts empty) — once the
-        copies that began before the pool died are over: they hold block locations of the old index,
-        which the new one will hand out again."""
+    def _copies_over(self) -> bool:
+        """Wait (up to ``io_wait_timeout_s``) until no copy of this process is in flight; False if one still is."""
         with self._cond:
-            if not self._cond.wait_for(lambda: not self._copies, timeout=self._io_wait_timeout_s):
-                log.warning("remote_pool_rejoin_waiting", pool_id=self.pool_id, copies=len(self._copies))
-                return
-        try:
-            self._client.register_pool(self._segment.name, self._segment.geometry, host=self.host_id, replace=True)
-        except Exception as e:  # noqa: BLE001 - tried again at the next beat
-            self._heartbeat_failures += 1
-            log.warning("remote_pool_rejoin_failed", pool_id=self.pool_id, target=self._client.target, error=str(e))
-            return
-        with self._cond:
-            self._dead = None
-            self.rejoins += 1
-        log.warning("remote_pool_rejoined", pool_id=self.pool_id, target=self._client.target, rejoins=self.rejoins)
+            return self._cond.wait_for(lambda: not self._copies, timeout=self._io_wait_timeout_s)
 
     # ---- copies ----------------------------------------------------------------------------------
 
@@ -323,7 +228,7 @@ class RemoteHostPool(HostPoolBackend):
         if not keys:
             return True
         try:
-            self._own_pool_call(self._client.check_alloc, keys)
+            self.membership.own_pool_call(self._client.check_alloc, keys)
         except (ObjectExists, PoolFullError):
             return False
         return True
@@ -333,14 +238,14 @@ class RemoteHostPool(HostPoolBackend):
         self._check_usable()
         if not keys:
             return []
-        return self._own_pool_call(self._client.alloc, keys)
+        return self.membership.own_pool_call(self._client.alloc, keys)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         keys = check_keys(keys, unique=False)
         self._check_usable()
         return self._client.exists(keys) if keys else []
 
-    def lease(self, keys: Sequence[bytes], ttl_ms: int) -> RemoteLease:
+    def lease(self, keys: Sequence[bytes], ttl_ms: int) -> RemoteLease:  # a kvcore.leases.Lease
         keys = check_keys(keys, unique=True)
         check_ttl_ms(ttl_ms)
         self._check_usable()
@@ -363,7 +268,7 @@ class RemoteHostPool(HostPoolBackend):
 
     def stats(self) -> PoolStats:
         self._check_usable()
-        return self._own_pool_call(self._client.stats)
+        return self.membership.own_pool_call(self._client.stats)
 
     # ---- transfer threads ------------------------------------------------------------------------
 
@@ -383,14 +288,7 @@ class RemoteHostPool(HostPoolBackend):
             dst = self._segment.plane(plane)  # [num_blocks, block_size, row_bytes]
             ids = torch.tensor([loc.block_id for loc in lease.locations], dtype=torch.long)  # [n]
             written = torch.tensor([plane in loc.written_planes for loc in lease.locations])  # [n]
-            if bool(written.any()):
-                same = (dst[ids[written]] == src_u8[written]).flatten(1).all(1)  # [n_written]
-                if not bool(same.all()):
-                    k = [k for k, w in zip(keys, written.tolist()) if w][int((~same).nonzero()[0])]
-                    raise ObjectLeased(
-                        f"cannot rewrite plane {plane} of {k!r} with other bytes: a written plane of a "
-                        f"RemoteHostPool object is immutable (readers in other processes may hold leases); "
-                        f"remove the object and alloc it again", key=k)
+            check_same_bytes(keys, plane, dst, ids, written, src_u8)
             fresh = ~written
             if bool(fresh.all()):
                 dst.index_copy_(0, ids, src_u8)
@@ -450,14 +348,7 @@ class RemoteHostPool(HostPoolBackend):
             if self._closed:
                 return
             self._closed = True
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(self._client.timeout_s + 1)
-        if self._dead is None:
-            try:
-                self._client.deregister_pool()
-            except PoolError as e:  # the MetaStore expires it after heartbeat_timeout_ms
-                log.warning("remote_pool_deregister_failed", pool_id=self.pool_id, error=str(e))
+        self.membership.close()
         if self._owns_client:
             self._client.close()
         with self._cond:
@@ -470,5 +361,5 @@ class RemoteHostPool(HostPoolBackend):
         log.info("remote_pool_closed", pool_id=self.pool_id)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "dead" if self._dead else "live"
+        state = "closed" if self._closed else "dead" if self.membership.dead else "live"
         return f"RemoteHostPool({self.pool_id!r}, {self._client.target!r}, segment={self._segment.name!r}, {state})"

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from kvcore.ledger import Ledger
+from svcruntime.ledger import Ledger
 
 
 def test_stages_outcomes_and_counters():
@@ -76,7 +76,7 @@ def test_a_finished_request_cannot_time_out():
 def test_a_paused_watchdog_forgives_instead_of_blaming_the_peer(monkeypatch):
     """When this process was stopped (SIGSTOP, starvation), the peer's news is still queued: the
     watchdog restarts every silence clock instead of failing the requests."""
-    import kvcore.ledger as ledger_mod
+    import svcruntime.ledger as ledger_mod
 
     fired = []
     led = Ledger(lambda e, r: fired.append(e.request_id), interval_s=0.01)

@@ -1,4 +1,4 @@
-"""kvcore.tls: plain gRPC without flags; TLS with --tls-cert/--tls-key; mTLS with --tls-ca on the
+"""svcruntime.tls: plain gRPC without flags; TLS with --tls-cert/--tls-key; mTLS with --tls-ca on the
 server; every misconfiguration is an error that names the flag and the path."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvcore import tls as kvtls
-from kvcore.tls import TLSConfig, TLSConfigError
+from svcruntime import tls as kvtls
+from svcruntime.tls import TLSConfig, TLSConfigError
 
 tlscerts = pytest.importorskip("tlscerts", reason="needs the cryptography package (root test extra)")
 

@@ -3,7 +3,7 @@ import json
 
 import structlog
 
-from kvcore.logs import REQUEST_IDS, configure_logging
+from svcruntime.logs import REQUEST_IDS, configure_logging
 
 
 def test_linked_wire_ids_log_under_the_proxy_request_id(monkeypatch):

@@ -1,37 +1,21 @@
-"""RemoteHostPool and its MetaStore client without a MetaStore: lazy gRPC imports, the error
-mapping of failed calls, and a create that cannot reach the MetaStore. The hooks against a real
+"""RemoteHostPool and its MetaStore client without a MetaStore: the error mapping of failed calls,
+and a create that cannot reach the MetaStore. The hooks against a real
 MetaStore are tested in tests/integration/test_remote_pool.py."""
 
 import os
-import subprocess
-import sys
 import uuid
 
 import grpc
 import pytest
 
 from kvcore.hostpool import HostPoolBackend, ObjectNotFound, PoolError, PoolFullError
-from kvcore.metaclient import (
-    ERROR_MD,
-    FULL_MD,
-    KEY_MD,
-    MetaStoreClient,
-    MetaStoreUnavailable,
-    WorldSizeExceeded,
-    error_from_rpc,
-)
-from kvcore.remotepool import RemoteHostPool
 from kvcore.segment import PoolGeometry, SharedSegment
+from poolclient.client import MetaStoreClient
+from poolclient.errors import MetaStoreUnavailable, WorldSizeExceeded
+from poolclient.remotepool import RemoteHostPool
+from poolclient.wire import ERROR_MD, FULL_MD, KEY_MD, error_from_rpc
 
 GEO = PoolGeometry(block_size=4, plane_row_bytes=(8,), num_blocks=2)
-
-
-def test_kvcore_imports_without_grpc():
-    code = ("import sys, kvcore, kvcore.hostpool, kvcore.segment, kvcore.metaclient, kvcore.remotepool; "
-            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'kvoffload_proto')); "
-            "assert not loaded, loaded")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
 
 
 def test_remote_pool_implements_every_hook():

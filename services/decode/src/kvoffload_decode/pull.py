@@ -1,0 +1,355 @@
+"""The decode's pull path, without the gRPC server: which prefill layouts are accepted, what a
+ReadReady asks for, pulling the announced rows and installing them (``DecodeLoop.write_rows``),
+the end of a prefill, and the counters of it all. ``TransferServicer`` turns proto requests into
+``LayerPuller`` calls and its results and typed errors into replies and gRPC statuses.
+
+A malformed or unknown message raises a ``PullRefused`` (and changes nothing); every well-formed
+ReadReady gets an answer (``ReadOutcome``, done or failed), so the prefill's reuse gate never
+waits forever. Same host: rows are read straight out of the prefill's shared-memory layer buffer;
+other hosts: streamed from the prefill's LayerSource in bounded chunks (``RowSources`` keeps the
+attached segments and the channels). A failed read of the source is retried (idempotently: the
+same rows land in the same place) up to ``read_retries`` times before the answer is failed.
+Heartbeats, ReadReady and PrefillDone are the news that keep a pending request's watchdog (see
+``DecodeLoop``) quiet. Everything here may be called from many gRPC threads at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+import torch
+from kvcore.layout import KVLayout, dtype_name
+from kvcore.segment import SharedSegment
+from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+
+from kvoffload_decode.loop import DecodeLoop
+
+log = structlog.get_logger(__name__)
+
+# ---- counters ------------------------------------------------------------------------------------
+
+COUNTERS = {  # name -> meaning (the names are what Stats and /metrics expose)
+    "read_done": "ReadReady answered READ_DONE after a pull (a duplicate answered from installed rows is not)",
+    "read_failed": "ReadReady answered READ_FAILED",
+    "read_retries": "retries of a failed read of the source",
+    "bytes_read": "bytes pulled and installed (main + indexer rows) by the READ_DONE pulls",
+    "read_ms_total": "ms the READ_DONE pulls spent moving data (reading the source + installing the rows)",
+    "reads_shared_memory": "plane reads out of the prefill's shared-memory buffer (retries included)",
+    "reads_streamed": "plane reads streamed from the prefill's LayerSource (retries included)",
+    "heartbeats": "Heartbeat messages taken",
+}
+
+
+class PullCounters:
+    """The pull path's counters (``COUNTERS``), safe to update from many threads: every change and
+    every ``snapshot`` holds one lock, so a snapshot never shows half of an ``add``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = {name: 0 for name in COUNTERS}
+        self._values["read_ms_total"] = 0.0
+
+    def increment(self, name: str) -> None:
+        self.add(**{name: 1})
+
+    def add(self, **amounts: float) -> None:
+        """Add to one or more counters at once (KeyError, and nothing added, for an unknown name)."""
+        unknown = [name for name in amounts if name not in self._values]
+        if unknown:
+            raise KeyError(f"unknown counter(s) {unknown}; known: {list(self._values)}")
+        with self._lock:
+            for name, amount in amounts.items():
+                self._values[name] += amount
+
+    def snapshot(self) -> dict[str, float]:
+        """A copy of every counter, taken at one instant."""
+        with self._lock:
+            return dict(self._values)
+
+
+# ---- outcomes and refusals -----------------------------------------------------------------------
+
+
+class PullRefused(Exception):
+    """A message the decode refuses outright; nothing was changed. The subclass says why."""
+
+
+class NoAcceptedLayout(PullRefused):
+    """The message names a ``layout_version`` no accepted ExchangeLayout gave."""
+
+
+class MalformedRead(PullRefused):
+    """A ReadReady whose layer, row range or destination cannot be right."""
+
+
+class UnknownRequest(PullRefused):
+    """The request is not waiting for KV here."""
+
+
+@dataclass(frozen=True)
+class ReadOutcome:
+    """The answer to a well-formed ReadReady: done (``bytes_read``/``read_ms`` of the pull; 0 when
+    the rows were already installed) or failed, with the ``reason``."""
+
+    done: bool
+    reason: str = ""
+    bytes_read: int = 0
+    read_ms: float = 0.0
+
+
+# ---- where rows come from --------------------------------------------------------------------------
+
+
+class RowSources:
+    """Reads rows of one plane of a prefill's layer buffer, as uint8 ``[n, row_bytes]``: out of its
+    shared-memory segment (attached on first use and kept) or streamed from its LayerSource
+    (a channel per endpoint, made by ``connect`` on first use and kept) until ``close``."""
+
+    def __init__(self, connect: Callable[[str], grpc.Channel]) -> None:
+        self._connect = connect
+        self._lock = threading.Lock()
+        self._segments: dict[str, SharedSegment] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def shared_rows(self, region, start: int, end: int, row_bytes: int) -> torch.Tensor:
+        """Rows [start, end) of a ``BufferRegion``: a view of the prefill's memory (installing them
+        is the one copy READ_DONE waits for). ValueError if the region cannot hold them."""
+        if end > region.capacity_tokens or region.row_stride_bytes != row_bytes:
+            raise ValueError(f"buffer region of {region.capacity_tokens} rows x {region.row_stride_bytes} bytes "
+                             f"cannot give rows [{start}, {end}) of {row_bytes} bytes")
+        with self._lock:
+            seg = self._segments.get(region.segment_name)
+            if seg is None:
+                seg = self._segments[region.segment_name] = SharedSegment.attach(region.segment_name)
+        plane = seg.plane_offsets.index(region.offset_bytes)
+        rows = seg.plane(plane).view(-1, row_bytes)  # [capacity, row_bytes] uint8, the prefill's memory
+        return rows[start:end]
+
+    def streamed_rows(self, endpoint: str, request, kind, row_bytes: int) -> torch.Tensor:
+        """The ReadReady's rows of one plane (``kind``) from the LayerSource at ``endpoint``;
+        grpc.RpcError as the source answers, ValueError for chunks that do not add up."""
+        with self._lock:
+            channel = self._channels.get(endpoint)
+            if channel is None:
+                channel = self._channels[endpoint] = self._connect(endpoint)
+        stub = transfer_pb2_grpc.LayerSourceStub(channel)
+        n = request.src_end - request.src_start
+        out = torch.empty(n * row_bytes, dtype=torch.uint8)
+        seen = 0
+        for chunk in stub.ReadLayer(transfer_pb2.ReadLayerRequest(
+                request_id=request.request_id, layer=request.layer, kind=kind, src_start=request.src_start,
+                src_end=request.src_end, generation=request.generation, layout_version=request.layout_version),
+                timeout=60):
+            if chunk.total_bytes != out.numel() or chunk.offset_bytes + len(chunk.data) > out.numel():
+                raise ValueError(f"LayerSource chunk at {chunk.offset_bytes} (+{len(chunk.data)}) does not fit "
+                                 f"{out.numel()} bytes")
+            out[chunk.offset_bytes : chunk.offset_bytes + len(chunk.data)] = torch.frombuffer(
+                bytearray(chunk.data), dtype=torch.uint8)
+            seen += len(chunk.data)
+        if seen != out.numel():
+            raise ValueError(f"LayerSource sent {seen} of {out.numel()} bytes")
+        return out.view(n, row_bytes)
+
+    def close(self) -> None:
+        with self._lock:
+            for seg in self._segments.values():
+                seg.close()
+            for ch in self._channels.values():
+                ch.close()
+            self._segments.clear()
+            self._channels.clear()
+
+
+# ---- the pull path ---------------------------------------------------------------------------------
+
+PERMANENT = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
+             grpc.StatusCode.INVALID_ARGUMENT)  # a LayerSource answer that a retry cannot change
+
+
+class LayerPuller:
+    """One decode rank's side of the transfer: the layouts it accepted (by ``layout_version``), the
+    pulls of announced layers into ``loop`` (through ``sources``, with retries), the prefill's
+    heartbeats and PrefillDone, and the ``counters``."""
+
+    def __init__(self, loop: DecodeLoop, layout: KVLayout, model_id: str, host_id: str, sources: RowSources,
+                 read_retries: int = 2) -> None:
+        self.loop, self.layout, self.model_id, self.host_id = loop, layout, model_id, host_id
+        self.sources = sources
+        self.read_retries = read_retries
+        self.counters = PullCounters()
+        self._layouts: dict[int, transfer_pb2.LayoutMetadata] = {}
+        self._lock = threading.Lock()
+
+    # ---- layout --------------------------------------------------------------------------------
+
+    def exchange_layout(self, m: transfer_pb2.LayoutMetadata) -> str:
+        """Accept the prefill's layout (kept under its ``layout_version``, replacing an earlier one)
+        and return ""; or return why not, keeping what was accepted before."""
+        reason = self.check_layout(m)
+        if not reason:
+            with self._lock:
+                self._layouts[m.layout_version] = m
+        log.info("layout_exchange", accepted=not reason, reason=reason, layout_version=m.layout_version,
+                 data_endpoint=m.data_endpoint)
+        return reason
+
+    def check_layout(self, m: transfer_pb2.LayoutMetadata) -> str:
+        """"" if this decode can pull from a prefill with layout ``m``, else the first mismatch."""
+        if m.layout_version == 0:
+            return "layout_version: must be > 0"
+        if m.model_id != self.model_id:
+            return f"model_id: prefill serves {m.model_id!r}, this decode {self.model_id!r}"
+        if m.num_layers != self.layout.num_layers or len(m.layers) != m.num_layers:
+            return f"num_layers: prefill has {m.num_layers} ({len(m.layers)} described), decode {self.layout.num_layers}"
+        if m.block_size != self.layout.block_size:
+            return f"block_size: prefill {m.block_size}, decode {self.layout.block_size}"
+        if m.prefill_tp_size < 1 or m.prefill_tp_size % 1:
+            return f"prefill_tp_size: {m.prefill_tp_size} is not a multiple of the decode TP size 1"
+        for spec, got in zip(self.layout.layers, m.layers):
+            want_idx = spec.indexer.row_bytes if spec.indexer else 0
+            want_idx_dtype = dtype_name(spec.indexer.dtype) if spec.indexer else ""
+            if got.layer != spec.index or got.main_row_bytes != spec.main.row_bytes \
+                    or got.indexer_row_bytes != want_idx or got.main_dtype != dtype_name(spec.main.dtype) \
+                    or got.indexer_dtype != want_idx_dtype:
+                return (f"layers[{spec.index}]: prefill layer {got.layer} rows {got.main_row_bytes}/"
+                        f"{got.indexer_row_bytes} bytes {got.main_dtype}/{got.indexer_dtype or '-'}, decode layer "
+                        f"{spec.index} rows {spec.main.row_bytes}/{want_idx} bytes "
+                        f"{dtype_name(spec.main.dtype)}/{want_idx_dtype or '-'}")
+        return ""
+
+    def same_host(self, host_id: str) -> bool:
+        """Whether a prefill on ``host_id`` shares this decode's shared memory."""
+        return host_id == self.host_id
+
+    def accepted_layout(self, layout_version: int) -> transfer_pb2.LayoutMetadata:
+        """The layout the prefill sent under ``layout_version``; NoAcceptedLayout without one."""
+        with self._lock:
+            meta = self._layouts.get(layout_version)
+        if meta is None:
+            raise NoAcceptedLayout(f"no accepted layout with layout_version {layout_version}: "
+                                   "call ExchangeLayout first")
+        return meta
+
+    def layouts(self) -> dict[int, transfer_pb2.LayoutMetadata]:
+        """A copy of the accepted layouts by ``layout_version``."""
+        with self._lock:
+            return dict(self._layouts)
+
+    # ---- pulls ---------------------------------------------------------------------------------
+
+    def read_ready(self, request: transfer_pb2.ReadReadyRequest) -> ReadOutcome:
+        """Pull and install the announced rows. PullRefused (nothing changed, nothing pulled) for a
+        malformed or unknown ReadReady; else the answer. Rows already installed (a retry or a
+        duplicate) are not pulled again: the first result stands, counted once."""
+        meta = self.accepted_layout(request.layout_version)
+        if request.layer >= self.layout.num_layers or request.src_end < request.src_start:
+            raise MalformedRead(f"layer {request.layer} (0..{self.layout.num_layers - 1}) or range "
+                                f"[{request.src_start}, {request.src_end}) is malformed")
+        req = self.loop.pending_request(request.request_id)
+        if req is None:
+            raise UnknownRequest(f"request {request.request_id!r} is not waiting for KV here")
+        n = request.src_end - request.src_start
+        if request.dst_start + n > req.num_prompt_tokens:
+            raise MalformedRead(f"rows [{request.dst_start}, {request.dst_start + n}) go past the prompt's "
+                                f"{req.num_prompt_tokens} tokens")
+        self.loop.heard_from_prefill(request.request_id, f"prefill {meta.data_endpoint}")  # a well-formed report
+        with self.loop.lock:
+            installed = req.rows[request.layer]
+        if n and request.dst_start + n <= installed:  # a retry or duplicate: the rows are here
+            return ReadOutcome(done=True)
+        try:
+            t = time.perf_counter()
+            kv, idx = self._read_with_retries(meta, request)
+            copy_s = time.perf_counter() - t  # the pull's own data movement: read out of the
+            copy_s += self.loop.write_rows(request.request_id, request.layer, request.dst_start, kv, idx)  # source, install
+        except Exception as exc:  # answered, never left hanging: the prefill fails the slot's read
+            self.counters.increment("read_failed")
+            reason = f"pull of layer {request.layer} rows [{request.src_start}, {request.src_end}) failed: {exc!r}"
+            log.warning("read_failed", request_id=request.request_id, layer=request.layer, reason=reason)
+            return ReadOutcome(done=False, reason=reason)
+        ms = copy_s * 1000
+        nbytes = kv.numel() * kv.element_size() + idx.numel() * idx.element_size()
+        self.counters.add(read_done=1, bytes_read=nbytes, read_ms_total=ms)
+        return ReadOutcome(done=True, bytes_read=nbytes, read_ms=ms)
+
+    def _read_with_retries(self, meta, request) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_read``, again after a failure (a dropped stream, a short read) up to ``read_retries``
+        times while the request still waits; the last failure propagates."""
+        for attempt in range(self.read_retries + 1):
+            try:
+                return self._read(meta, request)
+            except (grpc.RpcError, ValueError) as exc:
+                code = exc.code() if isinstance(exc, grpc.RpcError) else None
+                if code in PERMANENT or attempt == self.read_retries \
+                        or self.loop.pending_request(request.request_id) is None:
+                    raise
+                self.counters.increment("read_retries")
+                log.warning("read_retry", request_id=request.request_id, layer=request.layer, attempt=attempt + 1,
+                            error=repr(exc))
+                time.sleep(0.05 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _read(self, meta, request) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [src_start, src_end) of one layer: (kv [n, W], index_k [n, Di]) in the model dtype."""
+        spec = self.layout.layers[request.layer]
+        lay = meta.layers[request.layer]
+        parts = []
+        for kind, region, cache in ((transfer_pb2.PLANE_KIND_MAIN, lay.main_buffer, spec.main),
+                                    (transfer_pb2.PLANE_KIND_INDEXER, lay.indexer_buffer, spec.indexer)):
+            if self.same_host(meta.host_id) and region.segment_name:
+                raw = self.sources.shared_rows(region, request.src_start, request.src_end, cache.row_bytes)
+                self.counters.increment("reads_shared_memory")
+            else:
+                raw = self.sources.streamed_rows(meta.data_endpoint, request, kind, cache.row_bytes)
+                self.counters.increment("reads_streamed")
+            parts.append(raw.view(cache.dtype).view(-1, cache.width))
+        return parts[0], parts[1]
+
+    # ---- end of a prefill ----------------------------------------------------------------------
+
+    def heartbeat(self, layout_version: int, request_ids: Iterable[str]) -> list[str]:
+        """The prefill is alive and still working on ``request_ids``; returns those not pending here."""
+        meta = self.accepted_layout(layout_version)
+        peer = f"prefill {meta.data_endpoint}"
+        unknown = [rid for rid in request_ids if not self.loop.heard_from_prefill(rid, peer)]
+        self.counters.increment("heartbeats")
+        return unknown
+
+    def prefill_done(self, layout_version: int, request_id: str, num_prompt_tokens: int, first_token: int) -> str:
+        """The prefill finished the request: "" when its first token is taken, else why not.
+        UnknownRequest if the request is not pending here."""
+        meta = self.accepted_layout(layout_version)
+        reason = self.premature(request_id, num_prompt_tokens, first_token)
+        if not reason:
+            self.loop.heard_from_prefill(request_id, f"prefill {meta.data_endpoint}")
+        try:
+            return reason or self.loop.prefill_done(request_id, num_prompt_tokens, first_token)
+        except KeyError:
+            raise UnknownRequest(f"request {request_id!r} is not waiting for KV here") from None
+
+    def premature(self, request_id: str, num_prompt_tokens: int, first_token: int) -> str:
+        """Why a PrefillDone cannot be taken yet ("" if it can): the prefill sends it only after every
+        layer's READ_DONE, so a missing layer means it came early; a first token is never replaced."""
+        with self.loop.lock:
+            req = self.loop.pending.get(request_id)
+            if req is None or num_prompt_tokens != req.num_prompt_tokens:
+                return ""  # prefill_done names these
+            missing = next(((i, r) for i, r in enumerate(req.rows) if r < req.num_prompt_tokens), None)
+            if missing is not None:
+                return (f"layer {missing[0]} has {missing[1]} of {req.num_prompt_tokens} rows: PrefillDone must "
+                        "follow every layer's READ_DONE")
+            if req.first_token is not None and req.first_token != first_token:
+                return f"the first token is already {req.first_token} (this PrefillDone says {first_token})"
+            return ""
+
+    def close(self) -> None:
+        self.sources.close()
+
+
+__all__ = ["COUNTERS", "LayerPuller", "MalformedRead", "NoAcceptedLayout", "PullCounters", "PullRefused",
+           "ReadOutcome", "RowSources", "UnknownRequest"]

@@ -1,0 +1,485 @@
+"""The decode's pull path (``kvoffload_decode.pull``) without a gRPC server: ``LayerPuller`` over a
+real ``DecodeLoop`` and ``SparseDecoder`` with stand-in row sources, ``RowSources`` over a real
+shared-memory segment and a stand-in channel, and ``PullCounters`` under many threads.
+
+What ``test_transfer_hostile`` covers through the real control port (layout reasons, malformed
+ReadReady, a source's refusals, duplicates, PrefillDone) is not repeated here; this file covers
+retries, the shared-memory path, heartbeats, concurrent pulls and the counters themselves.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from dsamodel.engine import build
+from dsamodel.engine.decode import SparseDecoder
+from dsamodel.engine.layout import kv_layout
+from dsamodel.presets import tiny_model
+from dsamodel.sampling import SamplingParams
+from kvcore.layout import dtype_name
+from kvcore.segment import PoolGeometry, SharedSegment
+from kvoffload_proto.v1 import transfer_pb2 as pb
+
+from kvoffload_decode import pull
+from kvoffload_decode.loop import DecodeLoop
+from kvoffload_decode.pull import (COUNTERS, LayerPuller, MalformedRead, NoAcceptedLayout, PullCounters,
+                                   PullRefused, RowSources, UnknownRequest)
+from kvoffload_decode.transfer import STATUS, TransferServicer
+
+N = 20  # prompt tokens of each request
+VERSION = 3
+HOST = "decode-host"
+STATS_KEYS = {"read_done", "read_failed", "read_retries", "bytes_read", "read_ms_total", "reads_shared_memory",
+              "reads_streamed", "heartbeats"}  # what Stats, /metrics and the kvoffload tools read
+
+
+# ---- PullCounters --------------------------------------------------------------------------------------
+
+
+def test_counters_have_the_names_stats_and_metrics_read():
+    assert set(COUNTERS) == STATS_KEYS
+    assert PullCounters().snapshot() == dict.fromkeys(STATS_KEYS, 0)
+
+
+def test_counters_are_exact_under_16_threads():
+    c = PullCounters()
+    threads, per_thread = 16, 10_000
+    start = threading.Barrier(threads)
+
+    def work(i: int) -> None:
+        start.wait()
+        for _ in range(per_thread):
+            c.increment("read_done")
+            c.add(bytes_read=3, read_ms_total=0.5)
+            if i % 2:
+                c.increment("heartbeats")
+
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(work, range(threads)))
+    snap = c.snapshot()
+    assert snap["read_done"] == threads * per_thread
+    assert snap["bytes_read"] == 3 * threads * per_thread
+    assert snap["read_ms_total"] == 0.5 * threads * per_thread
+    assert snap["heartbeats"] == threads // 2 * per_thread
+    assert snap["read_failed"] == snap["read_retries"] == 0
+
+
+def test_a_snapshot_never_shows_half_of_an_add():
+    """``add`` of several counters is one step: a reader sees bytes_read == 7 * read_done always
+    (the metrics' average read_ms_total / read_done relies on the same)."""
+    c = PullCounters()
+    stop = threading.Event()
+    torn: list[dict] = []
+
+    def writer() -> None:
+        while not stop.is_set():
+            c.add(read_done=1, bytes_read=7)
+
+    def reader() -> None:
+        for _ in range(20_000):
+            s = c.snapshot()
+            if s["bytes_read"] != 7 * s["read_done"]:
+                torn.append(s)
+
+    writers = [threading.Thread(target=writer) for _ in range(4)]
+    for t in writers:
+        t.start()
+    try:
+        reader()
+    finally:
+        stop.set()
+        for t in writers:
+            t.join()
+    assert not torn, torn[:3]
+    assert c.snapshot()["read_done"] > 0
+
+
+def test_a_snapshot_is_a_copy():
+    c = PullCounters()
+    c.add(read_done=2, bytes_read=10)
+    snap = c.snapshot()
+    snap["read_done"] = 99
+    snap["made_up"] = 1
+    assert c.snapshot() == {**dict.fromkeys(STATS_KEYS, 0), "read_done": 2, "bytes_read": 10}
+    c.increment("read_done")
+    assert snap["read_done"] == 99  # the earlier snapshot does not follow
+
+
+def test_an_unknown_counter_is_refused_and_nothing_is_added():
+    c = PullCounters()
+    with pytest.raises(KeyError, match="reads_done"):
+        c.add(read_done=1, reads_done=1)  # a typo anywhere adds nothing
+    with pytest.raises(KeyError):
+        c.increment("nope")
+    assert c.snapshot() == dict.fromkeys(STATS_KEYS, 0)
+
+
+def test_the_servicer_exposes_a_snapshot_under_the_same_names():
+    model = tiny_model(dtype="float32")
+    transfer = TransferServicer(None, kv_layout(model.config, 16, model.dtype), "tiny", HOST, model.dtype)
+    counters = transfer.counters
+    assert set(counters) == STATS_KEYS
+    counters["read_done"] = 5
+    assert transfer.counters["read_done"] == 0
+    transfer.close()
+
+
+def test_every_refusal_has_a_grpc_status():
+    assert STATUS == {NoAcceptedLayout: grpc.StatusCode.FAILED_PRECONDITION,
+                      MalformedRead: grpc.StatusCode.INVALID_ARGUMENT, UnknownRequest: grpc.StatusCode.NOT_FOUND}
+    assert set(PullRefused.__subclasses__()) == set(STATUS)
+
+
+# ---- LayerPuller over a real DecodeLoop, stand-in sources ----------------------------------------------
+
+
+class Rpc(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__(code.name)
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+
+class FakeSources:
+    """``RowSources``' contract over rows in memory; raises the queued ``failures`` first (one per plane read)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.failures: list[Exception] = []
+        self.calls = 0
+        self.closed = False
+        self.on_read = lambda: None
+        self._lock = threading.Lock()
+
+    def streamed_rows(self, endpoint, request, kind, row_bytes):
+        with self._lock:
+            self.calls += 1
+            failure = self.failures.pop(0) if self.failures else None
+        self.on_read()
+        if failure is not None:
+            raise failure
+        kv, idx = self.rows[(request.request_id, request.layer)]
+        plane = kv if kind == pb.PLANE_KIND_MAIN else idx
+        out = plane[request.src_start:request.src_end].contiguous().view(torch.uint8)
+        assert out.shape[1] == row_bytes
+        return out
+
+    def shared_rows(self, region, start, end, row_bytes):
+        raise AssertionError("the stand-in prefill is on another host")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Rank:
+    """A decode rank's loop with ``requests`` pending requests (``r0``, ``r1``, ...) and a puller."""
+
+    def __init__(self, requests: int = 1, read_retries: int = 2, sources=None, host_id: str = "prefill-host",
+                 max_num_seqs: int = 2) -> None:
+        self.model = tiny_model(dtype="float32")
+        c = self.model.config
+        self.layout = kv_layout(c, 16, self.model.dtype)
+        self.pool = build.decode_pool(self.model, 16, 16 << 20)
+        self.loop = DecodeLoop(SparseDecoder(self.model, self.pool, topk_buffer_size=64, max_num_seqs=max_num_seqs,
+                                             max_model_len=256), c.eos_token_id)
+        self.sources = sources if sources is not None else FakeSources()
+        self.puller = LayerPuller(self.loop, self.layout, "tiny", HOST, self.sources, read_retries=read_retries)
+        self.meta = pb.LayoutMetadata(
+            model_id="tiny", num_layers=self.layout.num_layers, block_size=16, prefill_tp_rank=0, prefill_tp_size=1,
+            data_endpoint="prefill:1", host_id=host_id, layout_version=VERSION,
+            layers=[pb.LayerLayout(layer=s.index, slot=s.index, main_row_bytes=s.main.row_bytes,
+                                   main_dtype=dtype_name(s.main.dtype), indexer_row_bytes=s.indexer.row_bytes,
+                                   indexer_dtype=dtype_name(s.indexer.dtype)) for s in self.layout.layers])
+        gen = torch.Generator().manual_seed(0)
+        for i in range(requests):
+            self.loop.expect_remote(f"r{i}", list(range(N)), SamplingParams(max_tokens=3), lambda *e: None)
+            for layer in range(self.layout.num_layers):
+                if isinstance(self.sources, FakeSources):
+                    self.sources.rows[(f"r{i}", layer)] = (torch.randn(N, c.kv_row_width, generator=gen),
+                                                           torch.randn(N, c.index_head_dim, generator=gen))
+
+    def accept(self) -> None:
+        assert self.puller.exchange_layout(self.meta) == ""
+
+    def read(self, **kw) -> pull.ReadOutcome:
+        fields = dict(request_id="r0", layer=0, generation=1, src_start=0, src_end=N, dst_start=0,
+                      layout_version=VERSION)
+        return self.puller.read_ready(pb.ReadReadyRequest(**{**fields, **kw}))
+
+    def rows(self, request_id: str, layer: int) -> int:
+        with self.loop.lock:
+            return self.loop.pending[request_id].rows[layer]
+
+    def host_rows(self, request_id: str, layer: int) -> torch.Tensor:
+        """The request's main-KV rows [0, N) of ``layer`` as the host pool holds them (as the model dtype)."""
+        dec = self.loop.decoder
+        seq = dec.seqs[request_id]
+        plane = self.pool.plane(dec._planes[layer])  # [num_blocks, block_size, row_bytes]
+        ids = dec.block_table[seq.seq_slot, :seq.num_blocks].to(torch.long)
+        return plane[ids].reshape(-1, plane.shape[-1])[:N].clone().view(self.model.dtype)
+
+    def close(self) -> None:
+        self.loop.close()
+        self.puller.close()
+        self.pool.close()
+
+
+@pytest.fixture
+def rank():
+    r = Rank()
+    r.accept()
+    yield r
+    r.close()
+
+
+def counts(rank: Rank, *names: str) -> dict:
+    snap = rank.puller.counters.snapshot()
+    return {k: snap[k] for k in names}
+
+
+def test_a_pull_installs_the_rows_and_counts_them(rank):
+    out = rank.read(layer=2)
+    kv, idx = rank.sources.rows[("r0", 2)]
+    assert out.done and out.reason == "" and out.read_ms >= 0
+    assert out.bytes_read == kv.numel() * 4 + idx.numel() * 4
+    assert rank.rows("r0", 2) == N
+    assert torch.equal(rank.host_rows("r0", 2), kv)
+    assert counts(rank, "read_done", "bytes_read", "reads_streamed", "reads_shared_memory") == {
+        "read_done": 1, "bytes_read": out.bytes_read, "reads_streamed": 2, "reads_shared_memory": 0}
+
+
+def test_a_refused_read_ready_raises_its_type_and_pulls_nothing(rank):
+    for fields, error in [(dict(layout_version=VERSION + 1), NoAcceptedLayout), (dict(layer=99), MalformedRead),
+                          (dict(request_id="nobody"), UnknownRequest), (dict(dst_start=1), MalformedRead)]:
+        with pytest.raises(error):
+            rank.read(**fields)
+    assert rank.sources.calls == 0 and rank.puller.counters.snapshot() == dict.fromkeys(STATS_KEYS, 0)
+
+
+def test_a_duplicate_is_answered_from_the_installed_rows():
+    r = Rank()
+    r.accept()
+    try:
+        first = r.read(layer=1)
+        calls, before = r.sources.calls, r.puller.counters.snapshot()
+        again = r.read(layer=1, src_start=2, src_end=5, dst_start=2)  # a part of what is installed
+        assert again.done and (again.bytes_read, again.read_ms) == (0, 0.0) and first.bytes_read > 0
+        assert r.sources.calls == calls and r.puller.counters.snapshot() == before
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("failure", [ValueError("short read"), Rpc(grpc.StatusCode.UNAVAILABLE)],
+                         ids=["short-read", "unavailable"])
+def test_a_transient_failure_is_retried_and_counted(rank, failure):
+    rank.sources.failures = [failure, failure]  # the first two plane reads fail
+    out = rank.read(layer=1)
+    assert out.done and rank.rows("r0", 1) == N
+    assert counts(rank, "read_retries", "read_done", "read_failed") == {"read_retries": 2, "read_done": 1,
+                                                                       "read_failed": 0}
+
+
+def test_retries_run_out_into_a_failed_answer():
+    r = Rank(read_retries=1)
+    r.accept()
+    try:
+        r.sources.failures = [ValueError("short read")] * 5
+        out = r.read(layer=1)
+        assert not out.done and "pull of layer 1 rows [0, 20) failed: ValueError('short read')" == out.reason
+        assert r.sources.calls == 2  # one try, one retry
+        assert counts(r, "read_retries", "read_failed", "read_done") == {"read_retries": 1, "read_failed": 1,
+                                                                        "read_done": 0}
+        assert r.rows("r0", 1) == 0
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("code", pull.PERMANENT, ids=[c.name for c in pull.PERMANENT])
+def test_a_permanent_refusal_of_the_source_is_not_retried(rank, code):
+    rank.sources.failures = [Rpc(code)]
+    out = rank.read(layer=1)
+    assert not out.done and code.name in out.reason
+    assert rank.sources.calls == 1
+    assert counts(rank, "read_retries", "read_failed") == {"read_retries": 0, "read_failed": 1}
+
+
+def test_no_retry_for_a_request_that_stopped_waiting(rank):
+    rank.sources.failures = [ValueError("short read")] * 3
+    rank.sources.on_read = lambda: rank.loop.cancel("r0", "client went away")
+    out = rank.read(layer=1)
+    assert not out.done and rank.sources.calls == 1
+    assert counts(rank, "read_retries", "read_failed") == {"read_retries": 0, "read_failed": 1}
+
+
+def test_concurrent_pulls_count_exactly():
+    """Many ReadReady at once (as from the 16 control-port threads): every layer of every request
+    is installed once and the counters add up."""
+    r = Rank(requests=4, max_num_seqs=4)
+    r.accept()
+    try:
+        work = [(f"r{i}", layer) for i in range(4) for layer in range(r.layout.num_layers)]
+        with ThreadPoolExecutor(16) as ex:
+            outs = list(ex.map(lambda w: r.read(request_id=w[0], layer=w[1]), work))
+        assert all(o.done for o in outs)
+        per_pull = outs[0].bytes_read
+        assert counts(r, "read_done", "bytes_read", "reads_streamed", "read_failed") == {
+            "read_done": len(work), "bytes_read": per_pull * len(work), "reads_streamed": 2 * len(work),
+            "read_failed": 0}
+        assert all(r.rows(rid, layer) == N for rid, layer in work)
+    finally:
+        r.close()
+
+
+# ---- layouts, heartbeats, PrefillDone -------------------------------------------------------------------
+
+
+def test_layouts_are_kept_by_version_and_handed_out_as_a_copy(rank):
+    assert rank.puller.accepted_layout(VERSION) is rank.meta
+    copy = rank.puller.layouts()
+    copy.clear()
+    assert set(rank.puller.layouts()) == {VERSION}
+    bad = pb.LayoutMetadata()
+    bad.CopyFrom(rank.meta)
+    bad.model_id = "other"
+    assert rank.puller.exchange_layout(bad) == "model_id: prefill serves 'other', this decode 'tiny'"
+    assert rank.puller.accepted_layout(VERSION) is rank.meta  # a refused layout replaces nothing
+    with pytest.raises(NoAcceptedLayout, match="no accepted layout with layout_version 4"):
+        rank.puller.accepted_layout(4)
+    assert not rank.puller.same_host(rank.meta.host_id) and rank.puller.same_host(HOST)
+
+
+def test_heartbeat_names_the_unknown_requests_and_is_counted(rank):
+    assert rank.puller.heartbeat(VERSION, ["r0", "gone", "r0"]) == ["gone"]
+    assert rank.loop.ledger.stage_of("r0") == "pulling"  # the prefill has been heard from
+    with pytest.raises(NoAcceptedLayout):
+        rank.puller.heartbeat(VERSION + 1, ["r0"])
+    assert counts(rank, "heartbeats") == {"heartbeats": 1}
+
+
+def test_prefill_done_for_an_unknown_request_raises(rank):
+    with pytest.raises(UnknownRequest, match="request 'nobody' is not waiting for KV here"):
+        rank.puller.prefill_done(VERSION, "nobody", N, 7)
+
+
+# ---- RowSources: the shared-memory path and the streamed chunks ------------------------------------------
+
+
+@pytest.fixture
+def prefill_segment(rank):
+    """The prefill's layer buffer in shared memory: planes (layer, main|indexer), rows [0, 32)."""
+    specs = rank.layout.layers
+    labels = tuple((s.index, kind) for s in specs for kind in ("main", "indexer"))
+    row_bytes = tuple(c.row_bytes for s in specs for c in (s.main, s.indexer))
+    seg = SharedSegment.create(f"test-pull-{uuid.uuid4().hex[:8]}", PoolGeometry(16, row_bytes, 2, labels))
+    for p, (layer, kind) in enumerate(labels):
+        kv, idx = rank.sources.rows[("r0", layer)]
+        seg.plane(p).view(-1, row_bytes[p])[:N] = (kv if kind == "main" else idx).view(torch.uint8)
+    yield seg, labels
+    seg.close()
+    seg.unlink()
+
+
+def _same_host(rank: Rank, seg: SharedSegment, labels, capacity: int = 32) -> Rank:
+    """A rank whose puller reads the segment through real ``RowSources``, the prefill on its host."""
+    shared = Rank(sources=RowSources(lambda endpoint: pytest.fail(f"streamed from {endpoint}")), host_id=HOST)
+    for p, (layer, kind) in enumerate(labels):
+        lay = shared.meta.layers[layer]
+        region = lay.main_buffer if kind == "main" else lay.indexer_buffer
+        region.segment_name, region.offset_bytes = seg.name, seg.plane_offsets[p]
+        region.row_stride_bytes = seg.geometry.plane_row_bytes[p]
+        region.capacity_tokens = capacity
+    shared.accept()
+    return shared
+
+
+def test_same_host_rows_come_out_of_the_shared_segment_attached_once(rank, prefill_segment, monkeypatch):
+    seg, labels = prefill_segment
+    attached = []
+    real_attach = SharedSegment.attach
+    monkeypatch.setattr(pull.SharedSegment, "attach",
+                        classmethod(lambda cls, name: attached.append(real_attach(name)) or attached[-1]))
+    shared = _same_host(rank, seg, labels)
+    try:
+        for layer in (0, 3):
+            out = shared.read(layer=layer)
+            assert out.done, out.reason
+            assert torch.equal(shared.host_rows("r0", layer), rank.sources.rows[("r0", layer)][0])
+        assert len(attached) == 1  # one attach for every plane of the segment
+        assert counts(shared, "reads_shared_memory", "reads_streamed", "read_done") == {
+            "reads_shared_memory": 4, "reads_streamed": 0, "read_done": 2}
+    finally:
+        shared.close()
+    assert attached[0].closed  # close() lets go of the attached segment
+
+
+def test_a_region_too_small_for_the_rows_fails_the_read(rank, prefill_segment):
+    seg, labels = prefill_segment
+    shared = _same_host(rank, seg, labels, capacity=N - 1)
+    try:
+        out = shared.read(layer=1)
+        assert not out.done and "cannot give rows [0, 20)" in out.reason
+        assert counts(shared, "read_retries", "read_failed", "reads_shared_memory") == {
+            "read_retries": 2, "read_failed": 1, "reads_shared_memory": 0}
+        assert shared.rows("r0", 1) == 0
+    finally:
+        shared.close()
+
+
+class FakeChannel:
+    """Answers every ReadLayer with ``chunks``; records the requests."""
+
+    def __init__(self, chunks) -> None:
+        self.chunks, self.requests, self.closed = chunks, [], False
+
+    def unary_stream(self, method, **kw):
+        assert method == "/kvoffload.v1.LayerSource/ReadLayer"
+
+        def call(request, timeout=None):
+            self.requests.append(request)
+            return iter(self.chunks)
+        return call
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _stream(chunks, rows: int = 2, row_bytes: int = 4):
+    channels = []
+    sources = RowSources(lambda endpoint: channels.append(FakeChannel(chunks)) or channels[-1])
+    req = pb.ReadReadyRequest(request_id="r", layer=1, src_start=3, src_end=3 + rows, generation=2,
+                              layout_version=VERSION)
+    return sources, channels, lambda: sources.streamed_rows("p:1", req, pb.PLANE_KIND_INDEXER, row_bytes)
+
+
+def test_streamed_rows_are_assembled_from_chunks_over_one_channel_per_endpoint():
+    data = bytes(range(8))
+    sources, channels, read = _stream([pb.DataChunk(offset_bytes=4, data=data[4:], total_bytes=8),
+                                       pb.DataChunk(offset_bytes=0, data=data[:4], total_bytes=8)])
+    assert read().tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    read()
+    assert len(channels) == 1 and len(channels[0].requests) == 2
+    sent = channels[0].requests[0]
+    assert (sent.request_id, sent.layer, sent.kind, sent.src_start, sent.src_end, sent.generation,
+            sent.layout_version) == ("r", 1, pb.PLANE_KIND_INDEXER, 3, 5, 2, VERSION)
+    sources.close()
+    assert channels[0].closed
+
+
+@pytest.mark.parametrize("chunks, message", [
+    ([pb.DataChunk(offset_bytes=0, data=bytes(4), total_bytes=8)], "LayerSource sent 4 of 8 bytes"),
+    ([pb.DataChunk(offset_bytes=0, data=bytes(8), total_bytes=16)], "does not fit 8 bytes"),
+    ([pb.DataChunk(offset_bytes=6, data=bytes(4), total_bytes=8)], "chunk at 6 (+4) does not fit 8 bytes"),
+], ids=["short", "wrong-total", "past-the-end"])
+def test_chunks_that_do_not_add_up_are_a_value_error(chunks, message):
+    sources, _, read = _stream(chunks)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        read()
+    sources.close()

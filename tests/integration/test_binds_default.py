@@ -1,0 +1,162 @@
+"""Security defaults through real processes: a metastore, a prefill, a decode and a proxy started
+with no ``--host`` (``kvoffload.stack``'s command lines less that flag) and no TLS flags listen on
+127.0.0.1 only — every listening TCP socket each process holds, read from /proc (its socket fd
+inodes matched against /proc/<pid>/net/tcp{,6}) — and their gRPC ports answer plain gRPC.
+
+Linux only (/proc). A default changed to 0.0.0.0 or :: shows up here as a non-loopback socket."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import sys
+
+import pytest
+
+from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, ensure_tiny_model, stack_stats
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads listening sockets from /proc")
+
+
+def _proc_addr(hex_addr: str) -> str:
+    """An address of /proc/net/tcp{,6} (32-bit words in host order, little-endian here) as text;
+    IPv4-mapped IPv6 (gRPC's dual-stack sockets) as the IPv4 address."""
+    raw = bytes.fromhex(hex_addr)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    addr = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+    return addr.removeprefix("::ffff:") if "." in addr else addr
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (a service that forks a helper holds sockets there too)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket (IPv4 and IPv6) held by ``pid`` or a child."""
+    out = []
+    for p in _descendants(pid):
+        inodes = set()
+        for fd in os.listdir(f"/proc/{p}/fd"):
+            try:
+                target = os.readlink(f"/proc/{p}/fd/{fd}")
+            except OSError:  # closed meanwhile
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+        for table in ("tcp", "tcp6"):
+            with open(f"/proc/{p}/net/{table}") as f:
+                for line in f.readlines()[1:]:
+                    fields = line.split()
+                    local, state, inode = fields[1], fields[3], fields[9]
+                    if state == "0A" and inode in inodes:  # 0A: TCP_LISTEN
+                        addr, port = local.rsplit(":", 1)
+                        out.append((_proc_addr(addr), int(port, 16)))
+    return sorted(set(out))
+
+
+class DefaultHostStack(Stack):
+    """The stack's own command lines without their ``--host`` (flags from ``service_args`` stay)."""
+
+    def commands(self):
+        out = []
+        for name, argv, health in super().commands():
+            i = argv.index("--host")  # the stack's one; a ValueError here means it no longer passes one
+            out.append((name, argv[:i] + argv[i + 2:], health))
+        return out
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _ports() -> list[int]:
+    """proxy, prefill HTTP, decode HTTP, metastore, decode control port; each free (and the
+    prefill's data port, its HTTP port + DATA_PORT_OFFSET)."""
+    rng = random.Random()
+    for _ in range(50):
+        base = rng.randrange(21000, 29000, 10)
+        ports = [base, base + 1, base + 2, base + 3, base + 1003]
+        if all(_free(p) for p in (*ports, base + 1 + DATA_PORT_OFFSET)):
+            return ports
+    raise RuntimeError("no free ports")
+
+
+def expected_ports(cfg: StackConfig) -> dict[str, set[int]]:
+    """The ports each service must be listening on (what the stack dials)."""
+    out = {"metastore": {cfg.metastore_port}, "proxy": {cfg.proxy_port}}
+    for i, port in enumerate(cfg.prefill_ports):
+        out[f"prefill-{i}"] = {port, port + DATA_PORT_OFFSET}
+    for i, port in enumerate(cfg.decode_ports):
+        out[f"decode-{i}"] = {port, cfg.kv_port + 16 * i}
+    return out
+
+
+def default_host_config(model, log_dir, service_args: dict[str, list[str]] | None = None) -> StackConfig:
+    proxy, prefill, decode, metastore, kv = _ports()
+    return StackConfig(model=model, log_dir=log_dir, proxy_port=proxy, prefill_ports=(prefill,),
+                       decode_ports=(decode,), kv_port=kv, metastore_port=metastore, max_model_len=1024,
+                       prefill_pool_gb=0.01, service_args=service_args or {})
+
+
+def non_loopback_binds(stack: Stack) -> list[str]:
+    """What is wrong with the stack's listening sockets: a socket off 127.0.0.1, a port not listened
+    on (so the check looked at the real sockets), a service with none at all."""
+    problems = []
+    for name, ports in expected_ports(stack.cfg).items():
+        sockets = listening_sockets(stack.process(name).pid)
+        if not sockets:
+            problems.append(f"{name}: no listening socket at all")
+        if missing := ports - {port for _, port in sockets}:
+            problems.append(f"{name}: not listening on {sorted(missing)}; it listens on {sockets}")
+        if off := [s for s in sockets if s[0] != "127.0.0.1"]:
+            problems.append(f"{name}: listens off loopback on {off}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("binds")
+    model = ensure_tiny_model(tmp / "tiny")
+    with DefaultHostStack(default_host_config(model, tmp / "logs")) as s:
+        yield s
+
+
+def test_no_service_passes_host(stack):
+    for name, argv, _ in stack.commands():
+        assert "--host" not in argv, (name, argv)
+
+
+def test_every_service_listens_on_loopback_only_by_default(stack):
+    assert set(expected_ports(stack.cfg)) == {name for name, _, _ in stack.commands()}
+    assert non_loopback_binds(stack) == []
+
+
+def test_grpc_is_plain_by_default(stack):
+    """No TLS flags: the metastore, the prefill's data port and the decode's control port answer
+    Stats over plain gRPC."""
+    assert stack.cfg.tls is None
+    stats = stack_stats(stack.cfg)
+    assert set(stats) == {"metastore", "prefill-0", "decode-0"}
+    assert all(stats.values()), stats  # counters came back from each
