@@ -1,12 +1,31 @@
 """``kvoffload bench pd``: the P/D stack through the proxy vs the single-process engine.
 
-Both serve the same 8 concurrent greedy requests of 4096-token prompts with the same engine sizes.
-``ttft_ratio`` and ``tpot_ratio`` compare the medians over the requests (P/D / single process;
-goal for TPOT <= 1.3). ``pull_gbps_ratio_to_memcpy`` (goal >= 0.5): the same-host pull's data
-movement (a layer's rows read out of a prefill's shared-memory buffer and installed into a decode
-host pool and indexer cache, by the decode's own code path) against a memcpy of the same bytes,
-side by side on an idle machine; ``pull_gbps_in_stack`` is what the decode measured during the run
-(both cores busy with prefill compute). Greedy tokens must be identical (I3).
+Both serve the same ``requests`` concurrent greedy requests of ``prompt_tokens``-token prompts with
+the same engine sizes, in ``rounds`` interleaved pairs (P/D round, single-process round, P/D round,
+...; every pair has fresh prompts, so no round reuses another's prefix), so slow drifts of a shared
+machine hit both halves alike; the figures are medians over the rounds. Greedy tokens must be
+identical in every pair (I3, ``tokens_equal``).
+
+- ``ttft_ratio``, ``tpot_ratio``: per pair, the median over the requests of P/D over single
+  process; the median over the pairs (goal for TPOT <= 1.3).
+- ``pull_gbps_in_stack``: the decode's own pull rate during a P/D round (its ``bytes_read`` over
+  ``read_ms_total``: reading a layer's rows out of the prefill's shared memory and installing them
+  in the decode's host pool and indexer cache, summed over the round's pulls).
+- ``memcpy_gbps_in_stack``: its reference under the same load. While each round's prefills and
+  pulls run (from the round's start until every request has its second token, which needs all of
+  its layers pulled), a thread of the bench process repeatedly copies ``memcpy_bytes`` between
+  cold buffers (``dst.copy_(src)``; the bytes of one pull: a layer's rows of one prefill chunk of
+  ``CHUNK_SIZE`` tokens, or of the whole prompt if shorter; ``pull_bytes_per_pull`` is the
+  decode's measured mean), sleeping 4x each copy's time (at least 1 ms: at most ~20% of one
+  core), and sums bytes over seconds like the decode's counters do. The same sampler also runs
+  during the single-process rounds, so both halves carry the same extra load.
+- ``pull_gbps_in_stack_ratio_to_memcpy``: per P/D round pull / memcpy; the median over rounds
+  (goal >= 0.5).
+- ``idle_*`` (with ``idle_pull``): the old out-of-stack figure, kept as a diagnostic: the same
+  pull code path (``SparseDecoder.write_prompt_layer``, the whole prompt of one layer) against a
+  memcpy of the same bytes, side by side in the bench process after the stack is down (other
+  processes on the machine still count). A low in-stack ratio next to a high idle ratio points
+  at the load (scheduling), not at the copy code.
 """
 
 from __future__ import annotations
@@ -16,32 +35,58 @@ import json
 import random
 import statistics
 import tempfile
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 GOAL_TPOT_RATIO = 1.3
 GOAL_PULL_RATIO = 0.5
+CHUNK_SIZE = 2048  # prefill chunk, both halves: the decode pulls a layer's rows one chunk at a time
 
 
-def _stream_timed(url: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
-    """(tokens, time to first token, time per output token after the first) of one streaming request."""
+class _Countdown:
+    """Sets ``event`` once ``n`` requests reported (each request reports once)."""
+
+    def __init__(self, n: int, event: threading.Event) -> None:
+        self._left, self._event, self._lock = n, event, threading.Lock()
+        if n <= 0:
+            event.set()
+
+    def done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self._event.set()
+
+
+def _stream_timed(url: str, prompt: list[int], max_tokens: int, second: _Countdown) -> tuple[list[int], float, float]:
+    """(tokens, time to first token, time per output token after the first) of one streaming
+    request; ``second.done()`` once it has two tokens (or ended)."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     ids, stamps = [], []
-    with urllib.request.urlopen(req, timeout=1800) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(f"request failed: {event['error']}")
-                new = [t for c in event["choices"] for t in c.get("token_ids", [])]
-                ids += new
-                stamps += [time.perf_counter()] * len(new)
+    try:
+        with urllib.request.urlopen(req, timeout=1800) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"request failed: {event['error']}")
+                    new = [t for c in event["choices"] for t in c.get("token_ids", [])]
+                    had = len(ids)
+                    ids += new
+                    stamps += [time.perf_counter()] * len(new)
+                    if had < 2 <= len(ids):
+                        second.done()
+    finally:
+        if len(ids) < 2:
+            second.done()
     return ids, stamps[0] - t0, _tpot(stamps)
 
 
@@ -53,18 +98,63 @@ def _tpot(stamps: list[float]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
-def _single_process(model_dir: Path, prompts: list[list[int]], max_tokens: int, block_size: int):
-    from dsamodel.engine.engine import Engine, EngineConfig
-    from dsamodel.sampling import SamplingParams
-    from dsamodel.weights import load_model
+class _MemcpySampler:
+    """Times ``dst.copy_(src)`` of ``nbytes`` in a thread until ``stop`` is set (at least once).
+    Source and destination rotate over >= 64 MiB each (touched up front), so no copy is
+    cache-hot; after each copy it sleeps 4x its time (<= ~20% of one core)."""
 
-    model = load_model(model_dir)
-    eng = Engine(model, EngineConfig(block_size=block_size, max_model_len=8192, max_num_seqs=len(prompts),
-                                     chunk_size=2048, buffers=3, topk_buffer_size=128,
-                                     prefill_pool_bytes=1 << 30, decode_pool_bytes=1 << 30))
-    try:
+    def __init__(self, nbytes: int) -> None:
+        n = max(2, -(-(64 << 20) // max(nbytes, 1)))
+        self.src = torch.full((n, nbytes), 7, dtype=torch.uint8)  # [n, nbytes]
+        self.dst = torch.zeros(n, nbytes, dtype=torch.uint8)
+        self.nbytes = nbytes
+
+    def start(self, stop: threading.Event) -> Callable[[], tuple[float, int]]:
+        """Starts copying until ``stop`` is set; the returned function waits for the thread and
+        gives (GB/s = bytes over seconds, summed over the copies; number of copies)."""
+        times: list[float] = []
+
+        def loop() -> None:
+            i = 0
+            while True:
+                t = time.perf_counter()
+                self.dst[i % len(self.dst)].copy_(self.src[(i + 1) % len(self.src)])
+                dt = time.perf_counter() - t
+                times.append(dt)
+                i += 1
+                if stop.wait(max(4 * dt, 1e-3)):
+                    return
+
+        th = threading.Thread(target=loop, name="bench-pd-memcpy", daemon=True)
+        th.start()
+
+        def finish() -> tuple[float, int]:
+            th.join()
+            total = sum(times)
+            return (self.nbytes * len(times) / total / 1e9 if total else 0.0), len(times)
+
+        return finish
+
+
+class _Single:
+    """The single-process engine (same sizes as the stack's), loaded once, serving one round at a time."""
+
+    def __init__(self, model_dir: Path, max_num_seqs: int, block_size: int) -> None:
+        from dsamodel.engine.engine import Engine, EngineConfig
+        from dsamodel.weights import load_model
+
+        self.eng = Engine(load_model(model_dir),
+                          EngineConfig(block_size=block_size, max_model_len=8192, max_num_seqs=max_num_seqs,
+                                       chunk_size=CHUNK_SIZE, buffers=3, topk_buffer_size=128,
+                                       prefill_pool_bytes=1 << 30, decode_pool_bytes=1 << 30))
+
+    def round(self, tag: str, prompts: list[list[int]], max_tokens: int, second: threading.Event):
+        """(tokens, TTFTs, TPOTs) per request; sets ``second`` once every request has two tokens."""
+        from dsamodel.sampling import SamplingParams
+
+        eng = self.eng
         t0 = time.perf_counter()
-        seqs = [eng.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
+        seqs = [eng.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
         stamps: dict[str, list[float]] = {s.request_id: [] for s in seqs}
         while eng.waiting or eng.running:
             eng.step()
@@ -72,15 +162,20 @@ def _single_process(model_dir: Path, prompts: list[list[int]], max_tokens: int, 
             for s in seqs:
                 while len(stamps[s.request_id]) < len(s.output_ids):
                     stamps[s.request_id].append(now)
+            if not second.is_set() and all(len(st) >= 2 or s.finished for s, st in zip(seqs, stamps.values())):
+                second.set()
+        second.set()
         ttft = [stamps[s.request_id][0] - t0 for s in seqs]
         tpot = [_tpot(st) for st in stamps.values()]
         return [s.output_ids for s in seqs], ttft, tpot
-    finally:
-        eng.close()
+
+    def close(self) -> None:
+        self.eng.close()
 
 
 def _pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 25) -> tuple[float, float]:
-    """(pull GB/s, memcpy GB/s) of one layer's rows, shared memory -> decode pool + indexer cache."""
+    """(pull GB/s, memcpy GB/s) of one layer's rows, shared memory -> decode pool + indexer cache,
+    side by side in this process with the stack down (the ``idle_*`` diagnostic)."""
     import uuid
 
     import structlog
@@ -127,39 +222,92 @@ def _pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 25) -> tupl
         structlog.reset_defaults()
 
 
-def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, block_size: int = 16) -> dict:
+def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, block_size: int = 16,
+        rounds: int = 3, idle_pull: bool = True) -> dict:
+    """Runs ``rounds`` interleaved P/D + single-process pairs; returns the JSON-ready result
+    (see module docstring)."""
     from dsamodel.bench import quiet_logs
+    from dsamodel.config import ModelConfig
 
     from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, stack_stats
 
+    if rounds < 1:
+        raise ValueError(f"rounds = {rounds} must be >= 1")
     quiet_logs()
 
     work = Path(tempfile.mkdtemp(prefix="kvoffload-bench-pd-"))
     model_dir = ensure_tiny_model(work / "tiny")
+    mc = ModelConfig.from_json(model_dir / "config.json")
+    row_bytes = (mc.kv_row_width + mc.index_head_dim) * mc.dtype.itemsize  # main + indexer row of one token
+    memcpy_bytes = min(prompt_tokens, CHUNK_SIZE) * row_bytes  # one pull: a layer's rows of one prefill chunk
     gen = random.Random(0)
-    prompts = [[gen.randrange(256) for _ in range(prompt_tokens)] for _ in range(requests)]
     base = gen.randrange(31000, 39000, 50)
     cfg = StackConfig(model=model_dir, log_dir=work / "logs", proxy_port=base, prefill_ports=(base + 1,),
                       decode_ports=(base + 2,), kv_port=base + 20, metastore_port=base + 3,
-                      max_model_len=8192, block_size=block_size)
-    with Stack(cfg) as stack:
-        with cf.ThreadPoolExecutor(requests) as pool:
-            pd = list(pool.map(lambda p: _stream_timed(f"{stack.url}/v1/completions", p, max_tokens), prompts))
-        stats = stack_stats(cfg)["decode-0"]
-    single_ids, single_ttft, single_tpot = _single_process(model_dir, prompts, max_tokens, block_size)
-    pd_ttft = statistics.median(r[1] for r in pd)
-    pd_tpot = statistics.median(r[2] for r in pd)
-    in_stack = stats["bytes_read"] / (stats["read_ms_total"] / 1000) / 1e9 if stats["read_ms_total"] else 0.0
-    pull_gbps, memcpy = _pull_vs_memcpy(prompt_tokens, block_size)
-    tpot_ratio = pd_tpot / statistics.median(single_tpot)
-    return {
+                      max_model_len=8192, block_size=block_size,
+                      service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE)]})
+    sampler = _MemcpySampler(memcpy_bytes)
+    per_round: list[dict] = []
+    tokens_equal = True
+    single = _Single(model_dir, requests, block_size)
+    try:
+        with Stack(cfg) as stack, cf.ThreadPoolExecutor(requests) as pool:
+            for rnd in range(rounds):
+                prompts = [[gen.randrange(256) for _ in range(prompt_tokens)] for _ in range(requests)]
+                # P/D half: the decode's pull counters around the round; memcpy sampled under its load
+                before = stack_stats(cfg)["decode-0"]
+                second = threading.Event()
+                countdown = _Countdown(requests, second)
+                memcpy = sampler.start(second)
+                pd = list(pool.map(lambda p: _stream_timed(f"{stack.url}/v1/completions", p, max_tokens, countdown),
+                                   prompts))
+                memcpy_gbps, copies = memcpy()
+                after = stack_stats(cfg)["decode-0"]
+                # single-process half: same prompts, same extra load (the sampler) while it prefills
+                second = threading.Event()
+                memcpy = sampler.start(second)
+                single_ids, single_ttft, single_tpot = single.round(f"r{rnd}", prompts, max_tokens, second)
+                memcpy()
+                tokens_equal &= [r[0] for r in pd] == single_ids
+                nbytes = after["bytes_read"] - before["bytes_read"]
+                ms = after["read_ms_total"] - before["read_ms_total"]
+                pull_gbps = nbytes / (ms / 1000) / 1e9 if ms else 0.0
+                pd_ttft, pd_tpot = statistics.median(r[1] for r in pd), statistics.median(r[2] for r in pd)
+                s_ttft, s_tpot = statistics.median(single_ttft), statistics.median(single_tpot)
+                per_round.append({
+                    "pd_ttft_s": pd_ttft, "single_ttft_s": s_ttft, "ttft_ratio": pd_ttft / s_ttft,
+                    "pd_tpot_s": pd_tpot, "single_tpot_s": s_tpot, "tpot_ratio": pd_tpot / s_tpot if s_tpot else 0.0,
+                    "pulls": int(after["read_done"] - before["read_done"]), "pull_bytes": int(nbytes),
+                    "pull_gbps_in_stack": pull_gbps, "memcpy_gbps_in_stack": memcpy_gbps, "memcpy_copies": copies,
+                    "pull_gbps_in_stack_ratio_to_memcpy": pull_gbps / memcpy_gbps if memcpy_gbps else 0.0,
+                })
+    finally:
+        single.close()
+    del sampler
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in per_round)
+
+    pulls = sum(r["pulls"] for r in per_round)
+    pull_bytes = sum(r["pull_bytes"] for r in per_round)
+    tpot_ratio, pull_ratio = med("tpot_ratio"), med("pull_gbps_in_stack_ratio_to_memcpy")
+    out = {
         "bench": "pd", "requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-        "pd_ttft_s": pd_ttft, "single_ttft_s": statistics.median(single_ttft),
-        "ttft_ratio": pd_ttft / statistics.median(single_ttft),
-        "pd_tpot_s": pd_tpot, "single_tpot_s": statistics.median(single_tpot), "tpot_ratio": tpot_ratio,
-        "pull_bytes": int(stats["bytes_read"]), "pulls": int(stats["read_done"]), "pull_gbps_in_stack": in_stack,
-        "pull_gbps": pull_gbps,
-        "memcpy_gbps": memcpy, "pull_gbps_ratio_to_memcpy": pull_gbps / memcpy,
-        "tokens_equal": [r[0] for r in pd] == single_ids,
-        "goals_met": {"tpot_ratio": tpot_ratio <= GOAL_TPOT_RATIO, "pull_gbps_ratio_to_memcpy": pull_gbps / memcpy >= GOAL_PULL_RATIO},
+        "rounds": rounds,
+        "pd_ttft_s": med("pd_ttft_s"), "single_ttft_s": med("single_ttft_s"), "ttft_ratio": med("ttft_ratio"),
+        "pd_tpot_s": med("pd_tpot_s"), "single_tpot_s": med("single_tpot_s"), "tpot_ratio": tpot_ratio,
+        "pulls": pulls, "pull_bytes": pull_bytes, "pull_bytes_per_pull": pull_bytes // pulls if pulls else 0,
+        "memcpy_bytes": memcpy_bytes,
+        "pull_gbps_in_stack": med("pull_gbps_in_stack"), "memcpy_gbps_in_stack": med("memcpy_gbps_in_stack"),
+        "pull_gbps_in_stack_ratio_to_memcpy": pull_ratio,
+        "tokens_equal": tokens_equal,
+        "goals": {"tpot_ratio": GOAL_TPOT_RATIO, "pull_gbps_in_stack_ratio_to_memcpy": GOAL_PULL_RATIO},
+        "goals_met": {"tpot_ratio": tpot_ratio <= GOAL_TPOT_RATIO,
+                      "pull_gbps_in_stack_ratio_to_memcpy": pull_ratio >= GOAL_PULL_RATIO},
+        "per_round": per_round,
     }
+    if idle_pull:
+        idle_pull_gbps, idle_memcpy = _pull_vs_memcpy(prompt_tokens, block_size)
+        out |= {"idle_pull_gbps": idle_pull_gbps, "idle_memcpy_gbps": idle_memcpy,
+                "idle_pull_ratio_to_memcpy": idle_pull_gbps / idle_memcpy}
+    return out

@@ -77,12 +77,22 @@ def ensure_tiny_model(path: Path) -> Path:
     return path
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies, so no service outlives its launcher."""
-    import ctypes
+# Runs as ``python -c _DIE_WITH_PARENT PARENT_PID ARGV...``: asks the kernel for SIGTERM when the
+# launcher dies (PR_SET_PDEATHSIG), exits if it is already gone, then execs the service. A
+# ``preexec_fn`` would do the same in the forked child, but it forces a fork that runs gRPC's fork
+# handlers in a launcher with live gRPC channels, and those abort the child (grpc/grpc#43055);
+# without one, the child is spawned with vfork and no handler runs.
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; "
+                    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM); "
+                    "os.getppid() == int(sys.argv[1]) or sys.exit('kvoffload: the launcher is gone'); "
+                    "os.execv(sys.argv[2], sys.argv[2:])")
 
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+def _dying_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` wrapped so that the service gets SIGTERM when this process dies (Linux)."""
+    if sys.platform != "linux":
+        return argv
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 def _bin(name: str) -> str:
@@ -142,9 +152,8 @@ class Stack:
             env[API_KEY_ENV] = self.cfg.api_key
         log = self.cfg.log_dir / f"{name}.log"
         with open(log, "ab") as f:
-            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
-                                    env={**env, **self.cfg.service_env.get(name, {})}, start_new_session=True,
-                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            proc = subprocess.Popen(_dying_with_parent(argv), stdout=f, stderr=subprocess.STDOUT,
+                                    env={**env, **self.cfg.service_env.get(name, {})}, start_new_session=True)
         return proc, log
 
     def start(self, timeout_s: float = 180.0, progress: bool = True) -> None:

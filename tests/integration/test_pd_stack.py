@@ -185,3 +185,16 @@ def test_i3_across_hosts_streams_layers_over_grpc(model_dir, tmp_path, reference
     assert d["reads_streamed"] == 2 * 5 * 2 and d["reads_shared_memory"] == 0  # main + indexer, all streamed
     assert d["bytes_read"] == 2501 * 5 * (208 + 32) * 2  # every row of every layer, bf16
     assert stats["prefill-0"]["held_slots"] == 0
+
+
+def test_the_openai_client_lists_the_decoders_model_through_the_proxy(stack):
+    """What many clients call first: the official client's ``models.list()`` through the real proxy
+    reaches the real decode's ``GET /v1/models`` and returns its served model name."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    ids = [m.id for m in client.models.list()]
+    assert ids == [stack.cfg.model.name]
+    decode = f"http://{stack.cfg.host}:{stack.cfg.decode_ports[0]}"
+    with urllib.request.urlopen(f"{decode}/v1/models", timeout=30) as resp:
+        assert [m["id"] for m in json.load(resp)["data"]] == ids

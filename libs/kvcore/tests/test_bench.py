@@ -11,14 +11,21 @@ def test_hotcache_bench_fields():
     out = hotcache.run(rows=2, topk=64, capacity=128, context=1024, overlaps=(0.5, 0.9), steps=4, reference_steps=2, warmup=1)
     json.dumps(out)
     assert out["bench"] == "hotcache" and out["threads"] >= 1
-    assert len(out["cases"]) == 2 and set(out["goals_met"]) == {"speedup", "entries_per_s"}
+    assert len(out["cases"]) == 2 and set(out["goals_met"]) == {"speedup", "speedup_vs_torch", "entries_per_s"}
+    assert set(out["goals"]) == set(out["goals_met"]) and out["torch_threads_tried"][0] == 1
     for case in out["cases"]:
-        assert case["native_s_per_step"] > 0 and case["reference_s_per_step"] > 0
+        assert case["native_s_per_step"] > 0 and case["torch_s_per_step"] > 0 and case["reference_s_per_step"] > 0
         assert case["speedup"] > 0 and case["entries_per_s"] > 0
-        assert 0 <= case["hit_rate"] <= 1 and case["outputs_equal"] is True
+        assert abs(case["speedup_vs_torch"] - case["torch_s_per_step"] / case["native_s_per_step"]) < 1e-9
+        assert case["torch_s_per_step"] == min(case["torch_s_per_step_by_threads"].values())
+        assert case["torch_s_per_step_by_threads"][str(case["torch_threads"])] == case["torch_s_per_step"]
+        assert 0 <= case["hit_rate"] <= 1 and case["outputs_equal"] is True and case["torch_outputs_equal"] is True
+    assert out["outputs_equal"] is True
     assert out["speedup"] == min(c["speedup"] for c in out["cases"])
+    assert out["speedup_vs_torch"] == min(c["speedup_vs_torch"] for c in out["cases"])
     assert out["entries_per_s"] == min(c["entries_per_s"] for c in out["cases"])
     assert out["goals_met"]["speedup"] == (out["speedup"] >= 10)
+    assert out["goals_met"]["speedup_vs_torch"] == (out["speedup_vs_torch"] >= 1)
     assert out["cases"][1]["hit_rate"] > out["cases"][0]["hit_rate"]  # more overlap, more hits
 
 

@@ -102,7 +102,8 @@ def test_invalid_calls_raise_the_references_valueerror_and_change_nothing(call, 
     for c in (TorchHotCache(4, 2), HotCache(4, 2, native=False)):
         c.resolve(0, ["a"], _t([[7, 8]]), [10])
         with pytest.raises(ValueError) as e:
-            c.resolve(call.get("layer", 0), call.get("ids", ["a"]), call.get("topk", _t([[1, 2]])), call.get("stable", [4]))
+            c.resolve(call.get("layer", 0), call.get("ids", ["a"]), call.get("topk", _t([[1, 2]])),
+                      call.get("stable", [4]))
         errors.append(str(e.value))
         assert message in str(e.value)
         assert c.residency("a", 0) == {7: 0, 8: 1} and "new" not in c and c.stats()["steps"] == 1
@@ -147,6 +148,16 @@ def test_torch_equals_reference(scenario):
         for rid in finish:
             assert vec.finish(rid) == ref.finish(rid)
         assert _stats(vec) == _stats(ref)
+
+
+def test_threads_apply_during_a_call_only():
+    before = torch.get_num_threads()
+    c = TorchHotCache(4, 1, threads=1)
+    _same(c.resolve(0, ["a"], _t([[1, 2]]), [9]), TorchHotCache(4, 1).resolve(0, ["a"], _t([[1, 2]]), [9]))
+    assert torch.get_num_threads() == before and c.stats()["impl"] == "torch"
+    with pytest.raises(ValueError, match="stable_lens"):
+        c.resolve(0, ["a"], _t([[1, 2]]), [-1])
+    assert torch.get_num_threads() == before
 
 
 def test_torch_equals_native_on_a_bench_like_trace():

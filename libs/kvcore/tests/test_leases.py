@@ -16,7 +16,7 @@ def test_grant_counts_live_leases_per_key():
     b = table.grant((b"x",), deadline=20.0)
     assert isinstance(a, LeaseRecord) and a.live and (a.keys, a.deadline) == ((b"x", b"y"), 10.0)
     assert b"x" in table and table.count(b"x") == 2 and table.count(b"y") == 1 and table.num_live == 2
-    assert b"z" not in table and table.count(b"z") == 0
+    assert b.live and b"z" not in table and table.count(b"z") == 0
 
 
 def test_expire_drops_exactly_the_records_due():

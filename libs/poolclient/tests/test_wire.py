@@ -4,9 +4,10 @@ proto round trip."""
 
 import grpc
 import pytest
-from kvcore.hostpool import PoolFullError
+from kvcore.hostpool import ObjectNotFound, PoolError, PoolFullError
 from kvcore.segment import PoolGeometry
 from poolclient import wire
+from poolclient.errors import MetaStoreUnavailable, WorldSizeExceeded
 from poolclient.records import Location, PoolRecord
 
 
@@ -49,3 +50,21 @@ def test_geometry_and_records_round_trip():
     assert wire.pool_from_pb(wire.pool_to_pb(rec)) == rec
     loc = Location(b"k", "p0", 2, 96, (0, 1), True)
     assert wire.location_from_pb(wire.location_to_pb(loc)) == loc
+
+
+def test_names_that_do_not_match_their_code_are_never_rebuilt():
+    e = wire.error_from_rpc(_Failed(grpc.StatusCode.NOT_FOUND, "no object", ((wire.ERROR_MD, "ObjectNotFound"),
+                                                                        (wire.KEY_MD, b"k1"))), "Lease")
+    assert type(e) is ObjectNotFound and e.key == b"k1" and str(e) == "no object"
+    e = wire.error_from_rpc(_Failed(grpc.StatusCode.FAILED_PRECONDITION, "full", ((wire.ERROR_MD, "WorldSizeExceeded"),)), "R")
+    assert type(e) is WorldSizeExceeded
+    # a name that does not match its status code, or names no known type, is never rebuilt
+    for name, code in (("WorldSizeExceeded", grpc.StatusCode.NOT_FOUND), ("os.system", grpc.StatusCode.INTERNAL)):
+        e = wire.error_from_rpc(_Failed(code, "x", ((wire.ERROR_MD, name),)), "Exists")
+        assert type(e) is PoolError and code.name in str(e)
+    md = tuple((wire.FULL_MD[n], str(v)) for n, v in (("needed", 3), ("free", 1), ("evictable", 1), ("num_blocks", 4)))
+    e = wire.error_from_rpc(_Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "pool 'p0': full", md + ((wire.KEY_MD, b"k"),)), "A")
+    assert isinstance(e, PoolFullError) and (e.needed, e.free, e.evictable, e.key) == (3, 1, 1, b"k")
+    assert type(wire.error_from_rpc(_Failed(grpc.StatusCode.INVALID_ARGUMENT, "bad", ()), "A")) is ValueError
+    e = wire.error_from_rpc(_Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "slow", ()), "Exists")
+    assert type(e) is MetaStoreUnavailable and e.code == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -12,6 +12,7 @@ import time
 import pytest
 from poolclient.client import MetaStoreClient
 from poolclient.errors import MetaStoreUnavailable
+from sockets import listening_sockets
 from svcruntime.tls import TLSConfig
 from kvoffload_metastore.config import MetaStoreConfig
 from kvoffload_metastore.server import config_from_args, main, start
@@ -34,38 +35,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _proc_addr(hex_addr: str) -> str:
-    """An address of /proc/net/tcp{,6} (32-bit words in host order, little-endian here) as text;
-    IPv4-mapped IPv6 (gRPC's dual-stack sockets) as the IPv4 address."""
-    raw = bytes.fromhex(hex_addr)
-    if len(raw) == 4:
-        return socket.inet_ntop(socket.AF_INET, raw[::-1])
-    addr = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
-    return addr.removeprefix("::ffff:") if "." in addr else addr
-
-
-def listening_sockets(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every listening TCP socket (IPv4 and IPv6) that process ``pid`` holds."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    out = []
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                local, state, inode = fields[1], fields[3], fields[9]
-                if state == "0A" and inode in inodes:  # 0A: TCP_LISTEN
-                    addr, port = local.rsplit(":", 1)
-                    out.append((_proc_addr(addr), int(port, 16)))
-    return sorted(out)
 
 
 def start_metastore(*args: str) -> tuple[subprocess.Popen, list[tuple[str, int]], int]:

@@ -5,8 +5,10 @@ native and reference measured in the same run with interleaved repetitions, medi
 the goals as booleans in ``goals_met``. Nothing is printed; absolute times on shared machines are
 noise, so every headline number is a ratio or a rate measured next to its baseline.
 
-- ``hotcache``: native vs Python-reference ``HotCache.resolve`` on synthetic top-k traces.
+- ``hotcache``: native vs vectorized torch (``hotcache_torch``) vs Python-reference ``HotCache.resolve``
+  on synthetic top-k traces.
 - ``gather``: native ``gather_rows`` vs the torch reference vs a contiguous memcpy of the same bytes.
+- ``load``: ``OtherLoad``, how much of the machine other processes used while a bench ran.
 """
 
 from kvcore.bench import gather, hotcache
