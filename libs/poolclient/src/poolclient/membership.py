@@ -48,6 +48,7 @@ class PoolMembership:
         self._closed = False
         self.rejoins = 0
         self.heartbeat_failures = 0  # beats that failed without an answer (each logged and retried)
+        self._unanswered: str | None = None  # why the last beat got no answer (None: it was answered)
         try:
             reply = client.register_pool(segment_name, geometry, host=host_id, replace=replace)
         except WorldSizeExceeded as e:
@@ -79,6 +80,18 @@ class PoolMembership:
     def dead(self) -> str | None:
         """Why the MetaStore no longer knows the pool (None while it does)."""
         return self._dead
+
+    def not_ready(self) -> str:
+        """Why the pool cannot serve now ("" when it can): closed, dropped by the MetaStore (until a
+        re-join), or the last heartbeat went unanswered (the MetaStore is unreachable)."""
+        if self._closed:
+            return f"pool {self.pool_id!r} is closed"
+        if self._dead is not None:
+            return f"pool {self.pool_id!r} is not registered with the MetaStore at {self._client.target}: {self._dead}"
+        if self._unanswered is not None:
+            return f"the MetaStore at {self._client.target} does not answer pool {self.pool_id!r}'s heartbeats: " \
+                   f"{self._unanswered}"
+        return ""
 
     def check_usable(self) -> None:
         """``PoolError`` once closed, ``PoolNotRegistered`` (saying why) once dead."""
@@ -112,7 +125,15 @@ class PoolMembership:
 
         ``PoolNotRegistered`` (and the pool is dead from now on) if the MetaStore dropped it."""
         self.check_usable()
-        return self.own_pool_call(self._client.heartbeat)
+        try:
+            expires_in_ms = self.own_pool_call(self._client.heartbeat)
+        except PoolNotRegistered:
+            raise
+        except PoolError as e:
+            self._unanswered = str(e)
+            raise
+        self._unanswered = None
+        return expires_in_ms
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_ms / 1000):
@@ -145,6 +166,7 @@ class PoolMembership:
             return
         with self._lock:
             self._dead = None
+            self._unanswered = None
             self.rejoins += 1
         log.warning("remote_pool_rejoined", pool_id=self.pool_id, target=self._client.target, rejoins=self.rejoins)
 

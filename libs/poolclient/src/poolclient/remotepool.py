@@ -145,6 +145,10 @@ class RemoteHostPool(HostPoolBackend):
         """Open and, as far as this process knows, registered with the MetaStore."""
         return self.membership.alive
 
+    def not_ready(self) -> str:
+        """Why the pool cannot serve now ("" when it can; see ``PoolMembership.not_ready``)."""
+        return self.membership.not_ready()
+
     def heartbeat(self) -> int:
         """Beat once now (see ``PoolMembership.heartbeat``)."""
         return self.membership.heartbeat()

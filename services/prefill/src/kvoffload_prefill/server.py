@@ -125,9 +125,9 @@ def _host_pool(args: argparse.Namespace, geometry, name: str):
 
 
 def _not_ready(pool) -> str:
-    """Why the prefill cannot take requests now ("" when it can): its pool left the metastore."""
-    alive = getattr(pool, "alive", True)  # a LocalHostPool is always registered with itself
-    return "" if alive else f"host pool {pool.pool_id!r} is not registered with the metastore (re-joining)"
+    """Why the prefill cannot take requests now ("" when it can): its pool is not registered with
+    the metastore, or the metastore does not answer. A LocalHostPool is always ready."""
+    return pool.not_ready() if isinstance(pool, RemoteHostPool) else ""
 
 
 def _stats(worker: PrefillWorker, include_ledger: bool) -> StatsSnapshot:
