@@ -1,6 +1,6 @@
-"""RemoteHostPool against an in-process MetaStore on loopback: the HostPoolBackend hooks with the
-index in the metastore, two LocalServices sharing objects through shared memory, registration
-limits, heartbeats and expiry, and the prefill engine giving bit-identical results over it."""
+"""RemoteHostPool against an in-process MetaStore on loopback, beyond the backend contract: two
+LocalServices sharing objects through shared memory, registration limits, heartbeats, expiry and
+re-join, and the prefill engine giving bit-identical results over it."""
 
 from __future__ import annotations
 
@@ -12,14 +12,7 @@ import pytest
 from fakeclock import clock  # noqa: F401 - the clock fixture
 import torch
 from engine_support import prefill_engine, saved_bytes, seeded_prompt, tiny
-from kvcore.hostpool import (
-    HostPoolBackend,
-    IncompleteObject,
-    ObjectLeased,
-    ObjectNotFound,
-    PoolError,
-    PoolFullError,
-)
+from kvcore.hostpool import HostPoolBackend, ObjectLeased, ObjectNotFound, PoolError
 from kvcore.segment import PoolGeometry, SharedSegment
 from poolclient.errors import MetaStoreUnavailable, PoolNotRegistered, WorldSizeExceeded
 from poolclient.remotepool import RemoteHostPool
@@ -92,57 +85,8 @@ def _pool_stats(metastore, pool_id: str):
     return next((p for p in metastore.core.stats().pools if p.pool.pool_id == pool_id), None)
 
 
-# ---- one pool ------------------------------------------------------------------------------------
-
-
-def test_round_trip_and_objects_exist_only_when_complete(pools):
-    pool = pools("p0")
-    assert isinstance(pool, HostPoolBackend) and pool.geometry == GEO
-    assert pool.can_alloc(K[:4]) and not pool.can_alloc(K[:5])
-    assert pool.alloc(K[:2]) == [0, 1]
-    assert not pool.can_alloc(K[1:2])  # exists already
-    main = _rows(2, 0, seed=1)
-    pool.put_from(K[:2], 0, main)
-    assert pool.exists(K[:2]) == [False, False]  # the indexer plane is not written yet
-    assert torch.equal(_read(pool, [K[1], K[0], K[1]], 0), main[[1, 0, 1]])  # a writer reads back its planes
-    with pytest.raises(IncompleteObject) as info:
-        _read(pool, K[:1], 1)
-    assert info.value.key == K[0]
-    idx = _rows(2, 1, seed=2)
-    pool.put_from(K[:2], 1, idx)
-    assert pool.exists([K[0], K[5], K[1]]) == [True, False, True]
-    assert torch.equal(_read(pool, K[:2], 1), idx)
-    ids = torch.tensor(pool.block_ids(K[:2]))
-    assert torch.equal(pool.plane(0)[ids], main) and torch.equal(pool.plane(1)[ids], idx)
-    pool.put_from(K[:2], 0, main)  # idempotent: the same bytes again
-    with pytest.raises(ObjectLeased, match="immutable"):
-        pool.put_from(K[:2], 0, _rows(2, 0, seed=9))
-    with pytest.raises(ObjectNotFound):
-        _read(pool, K[6:7], 0)
-    with pytest.raises(ValueError, match="must be"):
-        pool.put_from(K[:2], 0, torch.zeros(2, 4, 9, dtype=torch.uint8))
-    s = pool.stats()
-    assert (s.num_blocks, s.used_blocks, s.free_blocks, s.complete_objects, s.live_leases) == (4, 2, 2, 2, 0)
-    pool.remove(K[:2] + K[9:10])  # missing keys are ignored
-    assert pool.exists(K[:2]) == [False, False] and pool.stats().used_blocks == 0
-
-
-def test_leases_protect_from_removal_and_eviction(pools):
-    pool = pools("p0")
-    _fill(pool, K[:4])
-    lease = pool.lease(K[:1], 60_000)
-    assert lease.live and lease.keys == (K[0],)
-    with pytest.raises(ObjectLeased) as info:
-        pool.remove(K[:2])
-    assert info.value.key == K[0] and pool.exists(K[:2]) == [True, True]  # all-or-nothing
-    pool.alloc(K[4:7])  # full: evicts the three least recently used unleased objects, never K[0]
-    assert pool.exists(K[:4]) == [True, False, False, False] and pool.stats().evictions == 3
-    with pytest.raises(PoolFullError):
-        pool.alloc(K[7:8])  # K[0] is leased, K[4:7] are incomplete: nothing may go
-    lease.release()
-    lease.release()  # idempotent
-    pool.remove(K[:1])
-    assert pool.stats().live_leases == 0
+# The hooks of a single pool are the backend contract (test_backend_contract.py runs it on
+# RemoteHostPool too); here: what only the metastore-indexed pool has.
 
 
 # ---- two LocalServices ---------------------------------------------------------------------------
@@ -257,7 +201,7 @@ def test_a_service_pool_rejoins_after_the_metastore_lost_it(pools, metastore, cl
 def test_close_stops_heartbeats_deregisters_and_unlinks(pools, metastore, clock):
     pool = pools("dp0")
     _fill(pool, K[:2])
-    path, thread = pool.segment.path, pool._thread
+    path, thread = pool.segment.path, pool.membership._thread
     pool.close()
     pool.close()  # idempotent
     assert not thread.is_alive() and not os.path.exists(path) and not pool.alive

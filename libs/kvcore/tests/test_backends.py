@@ -103,10 +103,16 @@ def test_brief_example_message(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
-def test_all_present_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_module_and_npu_present_still_refuse_without_an_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No silent substitution: where the Ascend modules and an NPU are there, the services would
+    still run the embedded backends, so the Ascend names are refused, saying so."""
     install(monkeypatch, ALL_PRESENT)
-    require_available(backend="memcache", transfer_backend="memfabric")
-    assert describe_availability() == {"kvoffload": "available", "memcache": "available", "memfabric": "available"}
+    with pytest.raises(BackendUnavailableError) as info:
+        require_available(backend="memcache", transfer_backend="memfabric")
+    assert [r.split(" cannot")[0] for r in info.value.reasons] == ["backend 'memcache'", "transfer_backend 'memfabric'"]
+    assert all("no memcache adapter yet" in r or "no memfabric adapter yet" in r for r in info.value.reasons)
+    described = describe_availability()
+    assert described["kvoffload"] == "available" and "no memcache adapter yet" in described["memcache"]
 
 
 def test_both_failures_reported(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,11 +127,12 @@ def test_both_failures_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pickle.loads(pickle.dumps(info.value)).reasons == info.value.reasons
 
 
-def test_one_failure_does_not_hide_the_other_passing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_backend_gets_its_own_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     install(monkeypatch, {k: v for k, v in ALL_PRESENT.items() if k != "memcache_hybrid"})
     with pytest.raises(BackendUnavailableError) as info:
         require_available(backend="memcache", transfer_backend="memfabric")
-    assert [r.split(" cannot")[0] for r in info.value.reasons] == ["backend 'memcache'"]
+    memcache, memfabric = info.value.reasons
+    assert "memcache_hybrid cannot be imported" in memcache and "no memfabric adapter yet" in memfabric
 
 
 def test_describe_availability_reasons(monkeypatch: pytest.MonkeyPatch) -> None:

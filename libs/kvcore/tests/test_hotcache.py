@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from kvcore.hotcache import MAX_TOKEN, HotCache, Resolution
+import hotcache_support
 
 BOTH = pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
 
@@ -152,25 +152,11 @@ def test_constructor_validation():
 
 # --- property test: random step sequences, native == reference, invariants ----------------------
 
-REQUESTS = ["r0", "r1", "r2", "r3", "r4"]
+REQUESTS = ("r0", "r1", "r2", "r3", "r4")
 
 
-@st.composite
-def scenarios(draw):
-    capacity = draw(st.integers(1, 10))
-    num_layers = draw(st.integers(1, 3))
-    context = draw(st.integers(1, 3 * capacity + 2))
-    steps = []
-    for _ in range(draw(st.integers(1, 12))):
-        ids = draw(st.lists(st.sampled_from(REQUESTS), unique=True, max_size=4))  # join/leave/reorder
-        k = draw(st.integers(0, capacity))
-        token = st.one_of(st.just(-1), st.integers(0, context + 2))  # padding, duplicates, speculative
-        topk = [draw(st.lists(token, min_size=k, max_size=k)) for _ in ids]
-        stable = [draw(st.integers(0, context)) for _ in ids]  # may shrink between steps
-        finish = draw(st.lists(st.sampled_from(REQUESTS), unique=True, max_size=2))
-        int32 = draw(st.booleans())
-        steps.append((draw(st.integers(0, num_layers - 1)), ids, k, topk, stable, finish, int32))
-    return capacity, num_layers, steps
+def scenarios():
+    return hotcache_support.scenarios(REQUESTS, max_batch=4)
 
 
 def _check_invariants(res: Resolution, ids, topk, stable, before, after, capacity):

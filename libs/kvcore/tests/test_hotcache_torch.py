@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from kvcore.bench.hotcache_torch import TorchHotCache
 from kvcore.hotcache import MAX_TOKEN, HotCache, Resolution
+import hotcache_support
 
 
 def _t(rows: list[list[int]], dtype=torch.int64) -> torch.Tensor:
@@ -112,25 +112,11 @@ def test_invalid_calls_raise_the_references_valueerror_and_change_nothing(call, 
 
 # --- property test: random step sequences, torch == reference ------------------------------------
 
-REQUESTS = ["r0", "r1", "r2", "r3", "r4", "r5"]
+REQUESTS = ("r0", "r1", "r2", "r3", "r4", "r5")
 
 
-@st.composite
-def scenarios(draw):
-    capacity = draw(st.integers(1, 10))
-    num_layers = draw(st.integers(1, 3))
-    context = draw(st.integers(1, 3 * capacity + 2))
-    steps = []
-    for _ in range(draw(st.integers(1, 12))):
-        ids = draw(st.lists(st.sampled_from(REQUESTS), unique=True, max_size=5))  # join/leave/reorder
-        k = draw(st.integers(0, capacity))
-        token = st.one_of(st.just(-1), st.integers(0, context + 2))  # padding, duplicates, speculative
-        topk = [draw(st.lists(token, min_size=k, max_size=k)) for _ in ids]
-        stable = [draw(st.integers(0, context)) for _ in ids]  # may shrink between steps
-        finish = draw(st.lists(st.sampled_from(REQUESTS), unique=True, max_size=2))
-        int32 = draw(st.booleans())
-        steps.append((draw(st.integers(0, num_layers - 1)), ids, k, topk, stable, finish, int32))
-    return capacity, num_layers, steps
+def scenarios():
+    return hotcache_support.scenarios(REQUESTS, max_batch=5)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

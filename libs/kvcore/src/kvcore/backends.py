@@ -2,9 +2,10 @@
 
 ``"kvoffload"`` (the embedded host pool / embedded P→D data path) runs everywhere. The Ascend
 backends need their Python module and a usable Ascend NPU: ``"memcache"`` (memcache_hybrid) and
-``"memfabric"`` (memfabric_hybrid), the NPU seen through torch_npu. Services call
-``require_available`` at start-up: an Ascend backend that cannot run here is an error that says
-exactly why and names the embedded alternative, never a silent substitution. The probes
+``"memfabric"`` (memfabric_hybrid), the NPU seen through torch_npu — and an adapter, which
+kvoffload does not have yet. Services call ``require_available`` at start-up: an Ascend backend
+that cannot run here is an error that says exactly why (missing module, no NPU, or no adapter)
+and names the embedded alternative, never a silent substitution. The probes
 (``import_module``, ``npu_problem``) are module-level so tests can replace them.
 """
 
@@ -81,7 +82,8 @@ def backend_problem(name: str) -> str | None:
     npu = npu_problem()
     if npu is not None:
         return f"{module} imports but no Ascend NPU is available ({npu})"
-    return None
+    return (f"{module} imports and an Ascend NPU is available, but kvoffload has no {name} adapter yet: the "
+            f"services would run the embedded backend instead, and a silent substitution is refused")
 
 
 def _check(kind: str, name: str | None, valid: tuple[str, ...]) -> str | None:
