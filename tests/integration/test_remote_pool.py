@@ -124,6 +124,15 @@ def test_a_pool_on_another_host_has_no_data_path(pools):
     assert "host-a" in str(info.value) and info.value.key == K[0]
 
 
+def test_the_default_host_id_is_the_one_shared_memory_uses(pools, metastore, monkeypatch):
+    """One host identity for the pool and the segments (kvcore.segment.host_id), so KVOFFLOAD_HOST_ID
+    moves both: a pool registered under it is the one other processes of that id can attach."""
+    monkeypatch.setenv("KVOFFLOAD_HOST_ID", "forced-host")
+    pool = pools("dp0")
+    assert pool.host_id == "forced-host"
+    assert [r.host for r in metastore.core.pools()] == ["forced-host"]
+
+
 def test_world_size_refusal_is_clear_and_leaves_nothing_behind(pools, metastore):
     pools("dp0"), pools("dp1")
     name = f"rp-refused-{uuid.uuid4().hex[:8]}"
