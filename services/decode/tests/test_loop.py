@@ -23,20 +23,21 @@ def loop():
     pool.close()
 
 
-def test_a_full_decode_queues_then_admits(loop):
-    events = []
-    loop.expect_remote("a", [1, 2, 3], SamplingParams(max_tokens=2), lambda *e: events.append(e))
-    with pytest.raises(DecodeFull, match="stayed full"):
-        loop.expect_remote("b", [4, 5], SamplingParams(max_tokens=2), lambda *e: None, wait_s=0.05)
-    admitted = threading.Event()
-    t = threading.Thread(target=lambda: (loop.expect_remote("b", [4, 5], SamplingParams(max_tokens=2),
-                                                            lambda *e: None, wait_s=5), admitted.set()))
-    t.start()
-    assert not admitted.wait(0.2)  # still queued behind "a"
+def test_a_full_decode_queues_at_once_and_refuses_past_the_queue_limit(loop):
+    """No waiting at admission: with the only sequence slot taken, a second request is queued at once
+    (host blocks reserved, no slot); past the queue limit a request is refused with a Retry-After."""
+    loop.max_queued = 2
+    loop.expect_remote("a", [1, 2, 3], SamplingParams(max_tokens=2), lambda *e: None)
+    b = loop.expect_remote("b", [4, 5], SamplingParams(max_tokens=2), lambda *e: None)
+    assert b.reserved and loop.decoder.seqs["b"].seq_slot is None  # queued: blocks, no device row
+    with pytest.raises(DecodeFull, match="queue is full") as refused:
+        loop.expect_remote("c", [6], SamplingParams(max_tokens=2), lambda *e: None)
+    assert refused.value.retry_after_s >= 1
+    st = loop.stats()
+    assert st["queued"] == 2 and st["rejected"] == 1 and st["sequences"] == 2
     assert loop.cancel("a", "test")
-    assert admitted.wait(5)
-    t.join()
-    assert loop.stats()["pending"] == 1
+    loop.expect_remote("c", [6], SamplingParams(max_tokens=2), lambda *e: None)  # room again
+    assert loop.stats()["pending"] == 2
 
 
 def test_partial_transfer_is_reported_and_complete_prompt_decodes(loop):

@@ -84,7 +84,7 @@ def test_heap_stays_bounded_under_churn():
 def test_matches_linear_scan_model():
     import random
     rng = random.Random(0)
-    bal = Balancer(_backends(5), kv_weight=0.3)
+    bal = Balancer(_backends(5, "prefiller"), kv_weight=0.3)  # the token score
     live = []
     for _ in range(2000):
         if live and rng.random() < 0.45:
@@ -106,3 +106,29 @@ def test_matches_linear_scan_model():
 def test_needs_backends():
     with pytest.raises(ValueError):
         Balancer([])
+
+
+def test_decoders_go_by_queue_depth_then_free_pool_bytes():
+    bal = Balancer(_backends(3))
+    assert bal.by_queue
+    a = bal.acquire(5000)  # one long request on 0
+    b = bal.acquire(10)
+    c = bal.acquire(10)
+    d = bal.acquire(10)  # every decoder has one: the fewest tokens wins the tie (0 has the most)
+    assert [a.index, b.index, c.index] == [0, 1, 2] and d.index in (1, 2)
+    other = 3 - d.index
+    assert bal.peek() == other  # one in flight on 0 and on `other`; `other` has fewer tokens
+    bal.report(other, {"queued": 0, "free_pool_bytes": 10})
+    bal.report(0, {"queued": 0, "free_pool_bytes": 1 << 30})
+    assert bal.peek() == 0  # same queue depth: more free pool bytes wins over fewer tokens
+    for lease in (a, b, c, d):
+        lease.release()
+    assert bal.is_idle
+
+
+def test_a_decoder_that_answered_429_counts_full_until_retry_after():
+    bal = Balancer(_backends(2))
+    bal.mark_full(0, 30)
+    assert bal.full() == {0} and bal.loads[0].rejections == 1
+    bal.mark_full(1, 0)
+    assert bal.full() == {0}

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 import aiohttp
 import structlog
 from aiohttp import web
-from dsamodel.openai import RequestError, prompt_ids, sampling_params
+from dsamodel.openai import RequestError, check_body, prompt_ids, sampling_params
 from dsamodel.tokenizer import ByteTokenizer
 from svcruntime.logs import REQUEST_IDS
 from svcruntime.serving import DRAINING, refuse_while_draining
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from kvoffload_decode.loop import DecodeFull, DecodeLoop
+from kvoffload_decode.loop import DecodeFull, DecodeLoop, TooLarge
+from kvoffload_decode.responses import Output, Responder
 
 log = structlog.get_logger(__name__)
 
@@ -38,7 +39,6 @@ class AppSettings:
     metaserver_timeout_s: float = 600.0
     token_timeout_s: float = 600.0
     metaserver_retries: int = 3
-    admission_wait_s: float = 300.0  # a request waits this long for a free sequence slot
 
 
 class Metrics:
@@ -56,6 +56,14 @@ class Metrics:
         self.reads = Gauge("kvoffload_decode_read_done_total", "Layer pulls answered READ_DONE", registry=self.registry)
         self.read_ms = Gauge("kvoffload_decode_read_done_ms_avg", "Average READ_DONE latency (ms)",
                              registry=self.registry)
+        self.queued = Gauge("kvoffload_decode_queued_requests", "Requests admitted, not in the running batch yet",
+                            registry=self.registry)
+        self.waiting = Gauge("kvoffload_decode_waiting_for_blocks", "Queued requests still waiting for host blocks",
+                             registry=self.registry)
+        self.running = Gauge("kvoffload_decode_running_requests", "Requests in the running batch",
+                             registry=self.registry)
+        self.rejected = Counter("kvoffload_decode_rejected", "Requests refused with 429 (queue full)",
+                                registry=self.registry)
         self.loop, self.transfer = loop, transfer
 
     def render(self) -> bytes:
@@ -65,6 +73,10 @@ class Metrics:
             self.layer_hit_rate.labels(str(layer)).set(st.layer_hit_rate(layer))
         self.h2d.set(st.h2d_bytes)
         self.pool_used.set(self.loop.decoder.pool.stats().used_bytes)
+        st = self.loop.stats()
+        self.queued.set(st["queued"])
+        self.waiting.set(st["waiting_for_blocks"])
+        self.running.set(st["running"])
         c = self.transfer.counters
         self.reads.set(c["read_done"])
         self.read_ms.set(c["read_ms_total"] / c["read_done"] if c["read_done"] else 0.0)
@@ -75,6 +87,12 @@ def build_app(loop: DecodeLoop, transfer, tokenizer: ByteTokenizer, settings: Ap
     metrics = Metrics(loop, transfer)
     app = web.Application(client_max_size=32 << 20, middlewares=[refuse_while_draining("decode")])
     app[DRAINING] = asyncio.Event()
+
+    async def load_header(request: web.Request, response: web.StreamResponse) -> None:
+        """Every answer carries the decode's load, which the proxy balances on."""
+        response.headers[LOAD_HEADER] = encode_load(loop.load())
+
+    app.on_response_prepare.append(load_header)
     handler = _Handler(loop, tokenizer, settings, metrics)
     app.router.add_post("/v1/completions", lambda r: handler.complete(r, chat=False))
     app.router.add_post("/v1/chat/completions", lambda r: handler.complete(r, chat=True))
@@ -85,6 +103,14 @@ def build_app(loop: DecodeLoop, transfer, tokenizer: ByteTokenizer, settings: Ap
     return app
 
 
+LOAD_HEADER = "X-Decode-Load"
+
+
+def encode_load(load: dict[str, float]) -> str:
+    """``queued=3;running=2;max_queued=64;free_slots=0;free_pool_bytes=123`` (``X-Decode-Load``)."""
+    return ";".join(f"{k}={int(v)}" for k, v in load.items())
+
+
 def _error(status: int, message: str, code: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": code, "code": status}}, status=status)
 
@@ -93,6 +119,7 @@ class _Handler:
     def __init__(self, loop: DecodeLoop, tokenizer: ByteTokenizer, settings: AppSettings, metrics: Metrics) -> None:
         self.loop, self.tokenizer, self.settings, self.metrics = loop, tokenizer, settings, metrics
         self.created = int(time.time())
+        self.responder = Responder(tokenizer, settings.model_name)
 
     async def models(self, request: web.Request) -> web.Response:
         """OpenAI model list: the served model name (--served-model-name, default the model
@@ -102,15 +129,16 @@ class _Handler:
             "owned_by": "kvoffload", "max_model_len": self.settings.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", **self.loop.stats()})
+        return web.json_response({"status": "ok", **self.loop.stats(), "load": self.loop.load()})
 
     async def complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = await request.json()
             if not isinstance(body, dict):
                 raise RequestError("body: must be a JSON object")
+            check_body(body, chat=chat)
             ids = prompt_ids(body, self.tokenizer, chat=chat)
-            params = sampling_params(body)
+            params = sampling_params(body, chat=chat)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "body: malformed JSON", "invalid_request_error")
         except RequestError as exc:
@@ -133,16 +161,30 @@ class _Handler:
             if kind == "error":
                 aio.call_soon_threadsafe(failed.set)
 
-        try:
-            await asyncio.to_thread(self.loop.expect_remote, rid, ids, params, emit, self.settings.admission_wait_s)
+        reserved = asyncio.Event()  # set once the request holds its host blocks
+
+        try:  # admission never waits: queued at once, or 429 when the queue is full
+            admitted = await asyncio.to_thread(self.loop.expect_remote, rid, ids, params, emit,
+                                               lambda: aio.call_soon_threadsafe(reserved.set))
         except DecodeFull as exc:
-            return _error(503, str(exc), "overloaded")
+            self.metrics.rejected.inc()
+            resp = _error(429, str(exc), "rate_limit_error")
+            resp.headers["Retry-After"] = str(int(exc.retry_after_s))
+            return resp
+        except TooLarge as exc:
+            return _error(413, str(exc), "invalid_request_error")
         except ValueError as exc:
             return _error(409, str(exc), "invalid_request_error")
         REQUEST_IDS.link(rid, request.headers.get("X-Request-Id"))  # log lines carry the proxy's id
-        bound.info("request_admitted", prompt_tokens=len(ids), max_tokens=params.max_tokens)
+        bound.info("request_admitted", prompt_tokens=len(ids), max_tokens=params.max_tokens,
+                   holds_blocks=admitted.reserved)
         done = False
         try:
+            if not admitted.reserved:  # host pool full: queued for blocks; lift the proxy's registration deadline
+                problem = await self._wait_for_blocks(rid, ktp["metaserver"], bound, reserved, failed, queue,
+                                                      _metaserver_token(ktp))
+                if problem:
+                    return _error(502, problem, "decode_error")
             self.loop.awaiting_prefill(rid)
             problem = await self._register_unless_failed(rid, ktp["metaserver"], bound, queue, failed,
                                                          _metaserver_token(ktp))
@@ -151,10 +193,12 @@ class _Handler:
             if problem:
                 self.metrics.requests.labels("prefill_failed").inc()
                 return _error(502, problem, "prefill_failed")
+            out = self.responder.output(body, params, ids, admitted.sampler.logprobs.__getitem__, chat=chat)
             if body.get("stream"):
-                response = await self._stream(request, rid, queue, chat, len(ids))
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                response = await self._stream(request, rid, queue, out, len(ids), include_usage)
             else:
-                response = await self._collect(rid, queue, chat, len(ids))
+                response = await self._collect(rid, queue, out, len(ids))
             done = True
             return response
         finally:
@@ -162,6 +206,25 @@ class _Handler:
                 self.loop.cancel(rid, "the client request ended early")
                 self.metrics.requests.labels("cancelled").inc()
             REQUEST_IDS.unlink(rid)
+
+    async def _wait_for_blocks(self, rid: str, metaserver: str, bound, reserved: asyncio.Event,
+                               failed: asyncio.Event, queue: asyncio.Queue, token: str | None) -> str:
+        """A request admitted while the host pool is full: tell the metaserver it is queued (the proxy
+        then waits for its registration as long as the request lives), then wait for its blocks.
+        No timer here: the client's disconnect (the proxy's ``--request-timeout-s``) cancels it."""
+        problem = await self._register(rid, metaserver, bound, token, queued=True)
+        if problem:
+            return problem
+        waits = {asyncio.ensure_future(reserved.wait()), asyncio.ensure_future(failed.wait())}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if reserved.is_set():
+            return ""
+        kind, value = queue.get_nowait()
+        return str(value)
 
     async def _register_unless_failed(self, rid: str, metaserver: str, bound, queue: asyncio.Queue,
                                       failed: asyncio.Event, token: str | None = None) -> str:
@@ -182,12 +245,17 @@ class _Handler:
                 bound.warning("request_failed_while_prefilling", reason=str(value))
                 return str(value)
 
-    async def _register(self, rid: str, metaserver: str, bound, token: str | None = None) -> str:
+    async def _register(self, rid: str, metaserver: str, bound, token: str | None = None,
+                        queued: bool = False) -> str:
         """POST our endpoint to the proxy's metaserver; "" when it answered ok, else what failed.
-        ``token``: the proxy's per-request ``metaserver_token`` (set when the proxy has an API key)."""
+        ``token``: the proxy's per-request ``metaserver_token`` (set when the proxy has an API key).
+        ``queued``: instead, tell it the request is queued here (answered at once; the proxy's
+        registration deadline no longer applies to it)."""
         headers = {"X-Request-Id": rid, **({"Authorization": f"Bearer {token}"} if token else {})}
         params = {"request_id": rid, "remote_host": self.settings.advertise_host,
                   "remote_port": self.settings.control_port, "remote_tp_size": 1, "remote_dp_rank": 0}
+        if queued:
+            params = {"request_id": rid, "queued": True}
         payload = {"request_id": rid, "kv_transfer_params": params}
         timeout = aiohttp.ClientTimeout(total=self.settings.metaserver_timeout_s)
         attempt = 0
@@ -209,74 +277,45 @@ class _Handler:
     async def _next(self, queue: asyncio.Queue) -> tuple[str, object]:
         return await asyncio.wait_for(queue.get(), timeout=self.settings.token_timeout_s)
 
-    def _chunk(self, rid: str, chat: bool, text: str, token_ids: list[int], finish: str | None, first: bool) -> dict:
-        created = int(time.time())
-        if chat:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "token_ids": token_ids, "finish_reason": finish}
-            return {"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": self.settings.model_name, "choices": [choice]}
-        choice = {"index": 0, "text": text, "token_ids": token_ids, "logprobs": None, "finish_reason": finish}
-        return {"id": rid, "object": "text_completion", "created": created, "model": self.settings.model_name,
-                "choices": [choice]}
+    async def _next_or_timeout(self, queue: asyncio.Queue) -> tuple[str, object]:
+        try:
+            return await self._next(queue)
+        except asyncio.TimeoutError:
+            return "timeout", f"no token for {self.settings.token_timeout_s} s"
 
-    async def _stream(self, request: web.Request, rid: str, queue, chat: bool, n_prompt: int) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": rid})
-        await resp.prepare(request)
-        ids: list[int] = []
-        sent = ""
-        while True:
-            try:
-                kind, value = await self._next(queue)
-            except asyncio.TimeoutError:
-                kind, value = "error", f"no token for {self.settings.token_timeout_s} s"
-            if kind == "error":
-                self.metrics.requests.labels("error").inc()
-                await resp.write(f"data: {json.dumps({'error': {'message': value, 'type': 'decode_error'}})}\n\n".encode())
-                self.loop.cancel(rid, str(value))
-                break
-            if kind == "done":
-                chunk = self._chunk(rid, chat, "", [], str(value), False)
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                self.metrics.requests.labels("ok").inc()
-                break
-            ids.append(int(value))
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            piece, sent = text[len(sent):], text
-            await resp.write(f"data: {json.dumps(self._chunk(rid, chat, piece, [int(value)], None, len(ids) == 1))}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+    async def _stream(self, request: web.Request, rid: str, queue, out: Output, n_prompt: int,
+                      include_usage: bool) -> web.StreamResponse:
+        """SSE chunks (see responses.py); an error ends the stream with an error event."""
+        async def next_event() -> tuple[str, object]:
+            kind, value = await self._next_or_timeout(queue)
+            return ("error", value) if kind == "timeout" else (kind, value)
 
-    async def _collect(self, rid: str, queue, chat: bool, n_prompt: int) -> web.Response:
-        ids: list[int] = []
-        while True:
-            try:
-                kind, value = await self._next(queue)
-            except asyncio.TimeoutError:
+        def on_error(message: str) -> None:
+            self.metrics.requests.labels("error").inc()
+            self.loop.cancel(rid, message)
+
+        return await self.responder.stream(request, rid, next_event, out, n_prompt, include_usage, on_error,
+                                           lambda: self.metrics.requests.labels("ok").inc())
+
+    async def _collect(self, rid: str, queue, out: Output, n_prompt: int) -> web.Response:
+        timed_out = []
+
+        async def next_event() -> tuple[str, object]:
+            kind, value = await self._next_or_timeout(queue)
+            if kind == "timeout":
+                timed_out.append(value)
+                return "error", value
+            return kind, value
+
+        obj, error = await self.responder.collect(rid, next_event, out, n_prompt)
+        if obj is None:
+            if timed_out:
                 self.loop.cancel(rid, "token timeout")
-                return _error(504, f"no token for {self.settings.token_timeout_s} s", "timeout")
-            if kind == "error":
-                self.metrics.requests.labels("error").inc()
-                return _error(500, str(value), "decode_error")
-            if kind == "done":
-                finish = str(value)
-                break
-            ids.append(int(value))
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                return _error(504, error, "timeout")
+            self.metrics.requests.labels("error").inc()
+            return _error(500, error, "decode_error")
         self.metrics.requests.labels("ok").inc()
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": len(ids), "total_tokens": n_prompt + len(ids)}
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": ids,
-                      "finish_reason": finish}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        return web.json_response({"id": rid, "object": obj, "created": int(time.time()),
-                                  "model": self.settings.model_name, "choices": [choice], "usage": usage},
-                                 headers={"X-Request-Id": rid})
+        return web.json_response(obj, headers={"X-Request-Id": rid})
 
 
 def _metaserver_token(ktp: dict) -> str | None:

@@ -1,10 +1,23 @@
 """The decode engine loop: requests wait for their remote prefill, then decode in one batch.
 
-A request is admitted (device row + host-pool blocks) when it arrives; the transfer servicer
-installs each pulled layer (``write_rows``) and the prefill's first token (``prefill_done``). Once
-every layer holds the whole prompt and the first token is known, the request joins the running
-batch; the loop thread runs one ``SparseDecoder`` step for the batch at a time, samples, and hands
-every token to the request's ``emit`` callback. ``cancel`` frees a request at any stage.
+Admission and deadlines (one deadline per request, end to end). A request is admitted into the
+decode's queue at once, never after a wait: ``expect_remote`` raises ``DecodeFull`` (HTTP 429 with
+``Retry-After``) only when ``max_queued`` requests already wait for the running batch. An admitted
+request reserves its prompt's host-pool blocks right away — a sequence slot (device row) too when
+one is free; otherwise its pulled indexer keys are staged on the host (``SparseDecoder.reserve``).
+So the decode registers it at the proxy's metaserver at once, the prefill runs while other
+requests decode, and the pulled KV waits in host memory (the cheap resource) for a slot. When the
+host pool cannot hold the prompt either, the request still queues (``waiting``, FIFO) and gets its
+blocks as soon as others free theirs; its ``on_reserved`` callback then lets the HTTP side
+register it (meanwhile the HTTP side tells the metaserver the request is queued, which lifts the
+proxy's registration deadline). Nothing in the decode times a queued request out: it waits until
+the client (or the proxy's ``--request-timeout-s``) gives up, which cancels it.
+
+The transfer servicer installs each pulled layer (``write_rows``) and the prefill's first token
+(``prefill_done``). Once every layer holds the whole prompt and the first token is known, the
+request joins the running batch as soon as it has (or gets) a sequence slot, in arrival order; the
+loop thread runs one ``SparseDecoder`` step for the batch at a time, samples, and hands every token
+to the request's ``emit`` callback. ``cancel`` frees a request at any stage.
 
 The ledger records each request's stage (admitted -> awaiting_prefill -> pulling -> ready ->
 decoding) and outcome; while pulling — once the prefill has been heard from (heartbeat, ReadReady
@@ -23,7 +36,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 from dsamodel.engine.decode import SparseDecoder
-from dsamodel.sampling import RequestSampler, SamplingParams
+from dsamodel.sampling import RequestSampler, SamplingParams, TokenLogprob
 from svcruntime.ledger import Entry, Ledger
 
 log = structlog.get_logger(__name__)
@@ -32,8 +45,26 @@ YIELD_S = 0.0002  # the loop's pause between steps, so other threads can take th
 Emit = Callable[[str, object], None]  # ("token", id) | ("done", finish_reason) | ("error", message)
 
 
+def default_max_queued(decoder: SparseDecoder) -> int:
+    """The default queue limit (``--max-queued-requests 0``): as many requests as the host pool holds
+    at a quarter of ``max_model_len`` each, at least 4 per sequence slot, at most 1024. Queued
+    requests hold host blocks, not device rows, so host memory is what bounds the queue."""
+    g = decoder.pool.geometry
+    pool_tokens = g.num_blocks * g.block_size
+    by_pool = pool_tokens // max(1, decoder.max_model_len // 4)
+    return int(min(1024, max(4 * decoder.indexer.shape[1], by_pool)))
+
+
+class TooLarge(ValueError):
+    """The prompt does not fit in the decode's whole host pool."""
+
+
 class DecodeFull(RuntimeError):
-    """No sequence slot or host-pool room for a new request right now."""
+    """The decode's queue is full: a new request is refused at once (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -47,9 +78,12 @@ class DecodeRequest:
     num_layers: int
     rows: list[int] = field(default_factory=list)  # prompt rows installed, per layer
     first_token: int | None = None
+    first_logprob: TokenLogprob | None = None  # the first token's log-probabilities, when asked for
     arrived_s: float = field(default_factory=time.monotonic)
     copies: int = 0  # pulled rows being installed right now (outside the loop's lock)
     free_after_copies: str | None = None  # cancelled while copies ran: the last copy frees it
+    reserved: bool = False  # holds its prompt's host-pool blocks (else it waits for them, FIFO)
+    on_reserved: Callable[[], None] | None = None  # called (under the lock) when a waiting one got blocks
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -61,16 +95,29 @@ class DecodeRequest:
 
 
 class DecodeLoop:
-    """Owns the ``SparseDecoder``; every decoder call happens under ``self.lock``."""
+    """Owns the ``SparseDecoder``.
 
-    def __init__(self, decoder: SparseDecoder, eos_token_id: int | None, peer_timeout_s: float = 10.0) -> None:
+    Two locks, always taken in this order: ``engine_lock`` serializes every call that changes the
+    decoder's state (a step, admission, freeing); ``lock`` (a condition) guards the bookkeeping —
+    pending and running requests, rows installed, first tokens. A step holds ``engine_lock`` for
+    its whole compute but ``lock`` only to pick the batch and to hand out the sampled tokens, so
+    the transfer path (ReadReady, heartbeats, PrefillDone: ``lock`` only) never waits for a step,
+    and a prefill's reuse gates never wait for the decode's batch. Pulled rows are copied outside
+    both locks (a request's rows and blocks are its own)."""
+
+    def __init__(self, decoder: SparseDecoder, eos_token_id: int | None, peer_timeout_s: float = 10.0,
+                 max_queued: int | None = None) -> None:
         self.decoder = decoder
         self.peer_timeout_s = peer_timeout_s
+        self.max_queued = max_queued if max_queued is not None else default_max_queued(decoder)
         self.ledger = Ledger(self._timed_out).start()
         self.eos_token_id = eos_token_id
+        self.engine_lock = threading.RLock()  # taken before ``lock``, never after
         self.lock = threading.Condition(threading.RLock())
-        self.pending: dict[str, DecodeRequest] = {}  # waiting for the remote prefill
+        self.pending: dict[str, DecodeRequest] = {}  # admitted, not running yet (blocks reserved or waiting)
+        self.waiting: list[DecodeRequest] = []  # the pending ones still waiting for host blocks, FIFO
         self.running: list[DecodeRequest] = []
+        self.rejected = 0  # requests refused because the queue was full
         self._next: dict[str, int] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
@@ -79,26 +126,70 @@ class DecodeLoop:
     # ---- called by the HTTP handlers and the transfer servicer --------------------------------
 
     def expect_remote(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit: Emit,
-                      wait_s: float = 0.0) -> DecodeRequest:
-        """Admit a request whose KV a prefill will push, waiting up to ``wait_s`` for a free sequence
-        slot and host blocks (requests queue rather than fail); raises DecodeFull or ValueError."""
-        deadline = time.monotonic() + wait_s
-        with self.lock:
+                      on_reserved: Callable[[], None] | None = None) -> DecodeRequest:
+        """Admit a request whose KV a prefill will push, at once: its host blocks (and a sequence slot
+        if one is free) are reserved now, or — host pool full — it waits for them (``req.reserved``
+        False; ``on_reserved`` is called, under the loop's lock, when it got them). Raises DecodeFull
+        when ``max_queued`` requests already wait for the batch, ValueError for a reused id."""
+        with self.engine_lock, self.lock:
             if request_id in self.pending or any(r.request_id == request_id for r in self.running):
                 raise ValueError(f"request id {request_id!r} is already in use")
-            while not self.decoder.can_admit(len(prompt_ids) + 1):
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stop:
-                    raise DecodeFull(f"decode is full ({len(self.decoder.seqs)} requests) and stayed full for "
-                                     f"{wait_s:.0f} s; retry later")
-                self.lock.wait(timeout=min(left, 1.0))
-            self.decoder.admit(request_id, len(prompt_ids) + 1)
+            if self._stop:
+                raise DecodeFull("decode is shutting down")
+            if len(self.pending) >= self.max_queued:
+                self.rejected += 1
+                raise DecodeFull(f"decode queue is full ({len(self.pending)} queued, {len(self.running)} "
+                                 f"running, limit --max-queued-requests={self.max_queued}); retry later",
+                                 retry_after_s=self.retry_after_s())
             req = DecodeRequest(request_id, prompt_ids, RequestSampler(params, self.eos_token_id), emit,
-                                len(self.decoder.model.cache_layers))
+                                len(self.decoder.model.cache_layers), on_reserved=on_reserved)
             req.rows = [0] * req.num_layers
-            self.pending[request_id] = req
+            reserved = not self.waiting and self._reserve(req)  # TooLarge: refused, nothing held
             self.ledger.open(request_id, "admitted")
+            self.pending[request_id] = req
+            if not reserved:
+                self.waiting.append(req)
+                self.ledger.advance(request_id, "queued")
             return req
+
+    def retry_after_s(self) -> float:
+        """A client's pause before retrying a refused request: 1 s, up to 5 s for a queue many times
+        deeper than the batch (a refusal is cheap; a long pause would leave the queue idle)."""
+        return float(max(1, min(5, len(self.pending) // (16 * max(1, self.decoder.indexer.shape[1])))))
+
+    def _reserve(self, req: DecodeRequest) -> bool:
+        """Host blocks for the prompt (+ the first sampled token), and a sequence slot when one is free
+        and no queued request waits for one (a slot taken at arrival idles through the prefill, so
+        with a queue, slots go to complete prompts in arrival order); False when the pool cannot
+        hold the blocks now."""
+        n = len(req.prompt_ids) + 1
+        if not self.decoder.can_reserve(n):
+            if not self.decoder.seqs:  # nothing holds blocks, so none will be freed: it can never fit
+                raise TooLarge(f"the prompt ({len(req.prompt_ids)} tokens) does not fit in this decode's "
+                               f"host pool ({self.decoder.pool.stats().capacity_bytes} bytes)")
+            return False
+        self.decoder.reserve(req.request_id, n)
+        if self.decoder.free_slots and not any(self.decoder.seqs[r.request_id].seq_slot is None
+                                               for r in self.pending.values() if r.reserved):
+            self.decoder.bind(req.request_id)
+        req.reserved = True
+        return True
+
+    def _reserve_waiting(self) -> None:
+        """Blocks were freed: give them to the waiting requests, first come first served."""
+        while self.waiting and not self._stop:
+            req = self.waiting[0]
+            try:
+                if not self._reserve(req):
+                    return
+            except TooLarge as exc:
+                req.emit("error", str(exc))
+                self.cancel(req.request_id, str(exc), outcome="error")
+                continue
+            self.waiting.pop(0)
+            self.ledger.advance(req.request_id, "admitted")
+            if req.on_reserved is not None:
+                req.on_reserved()
 
     def awaiting_prefill(self, request_id: str) -> None:
         """The decode told the proxy where to push; the prefill's first report starts the watchdog."""
@@ -138,21 +229,27 @@ class DecodeLoop:
             ok = True
         finally:
             elapsed = time.perf_counter() - t
+            free = None
             with self.lock:
                 req.copies -= 1
                 if req.free_after_copies is not None:
                     if not req.copies:
-                        self._free(req, req.free_after_copies)
+                        free = req.free_after_copies  # the last copy frees it (decoder state: engine_lock)
                     ok = False
                 elif ok and start <= req.rows[layer]:
                     req.rows[layer] = max(req.rows[layer], start + kv.shape[0])
                 self.lock.notify_all()
+            if free is not None:
+                with self.engine_lock, self.lock:
+                    self._free(req, free)
         if not ok:
             raise KeyError(request_id)  # cancelled while its rows were copied
         return elapsed
 
-    def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int) -> str:
-        """The prefill's first token; returns "" when accepted, else why not."""
+    def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int,
+                     first_logprob: TokenLogprob | None = None) -> str:
+        """The prefill's first token (and its log-probabilities when the request asked for them);
+        returns "" when accepted, else why not."""
         with self.lock:
             req = self.pending.get(request_id)
             if req is None:
@@ -160,7 +257,15 @@ class DecodeLoop:
             if num_prompt_tokens != req.num_prompt_tokens:
                 return (f"prefill had {num_prompt_tokens} prompt tokens, the decode request "
                         f"{req.num_prompt_tokens}")
+            want = req.sampler.params.logprobs
+            if want is not None and (first_logprob is None or first_logprob.token != first_token
+                                     or len(first_logprob.top) < want):
+                return (f"the request asks for logprobs (top {want}); the prefill sent "
+                        f"{'none' if first_logprob is None else 'others'} for its first token")
+            if not 0 <= first_token < self.decoder.model.config.vocab_size:
+                return f"first token {first_token} is outside the vocabulary"
             req.first_token = first_token
+            req.first_logprob = first_logprob if want is not None else None
             if req.prompt_complete:  # nothing more to hear from the prefill: the watchdog stands down
                 self.ledger.advance(request_id, "ready")
             self.lock.notify_all()
@@ -180,13 +285,15 @@ class DecodeLoop:
 
     def cancel(self, request_id: str, reason: str, outcome: str = "cancelled") -> bool:
         """Stop a request wherever it is and free everything it holds. False if unknown."""
-        with self.lock:
+        with self.engine_lock, self.lock:
             req = self.pending.pop(request_id, None)
             if req is None:
                 req = next((r for r in self.running if r.request_id == request_id), None)
                 if req is None:
                     return False
                 self.running.remove(req)
+            elif not req.reserved:
+                self.waiting.remove(req)
             if req.copies:
                 req.free_after_copies = outcome
             else:
@@ -196,7 +303,7 @@ class DecodeLoop:
 
     def _timed_out(self, entry: Entry, reason: str) -> None:
         """The watchdog: the request's prefill went quiet; fail it and free what it holds."""
-        with self.lock:
+        with self.engine_lock, self.lock:
             req = self.pending.get(entry.request_id) or next(
                 (r for r in self.running if r.request_id == entry.request_id), None)
             if req is None:
@@ -208,10 +315,21 @@ class DecodeLoop:
     def stats(self) -> dict[str, float]:
         with self.lock:
             return {"pending": len(self.pending), "running": len(self.running),
-                    "sequences": len(self.decoder.seqs), **self.ledger.counters()}
+                    "sequences": len(self.decoder.seqs), "queued": len(self.pending),
+                    "waiting_for_blocks": len(self.waiting), "max_queued": self.max_queued,
+                    "free_slots": self.decoder.free_slots, "rejected": self.rejected, **self.ledger.counters()}
+
+    def load(self) -> dict[str, float]:
+        """What the proxy balances on (the ``X-Decode-Load`` header, ``/health``): queue depth,
+        running requests, free sequence slots and free host-pool bytes."""
+        pool = self.decoder.pool.stats()
+        with self.lock:
+            return {"queued": len(self.pending), "running": len(self.running), "max_queued": self.max_queued,
+                    "free_slots": self.decoder.free_slots,
+                    "free_pool_bytes": max(0, pool.capacity_bytes - pool.used_bytes)}
 
     def close(self) -> None:
-        with self.lock:
+        with self.engine_lock, self.lock:
             self._stop = True
             for req in list(self.pending.values()) + list(self.running):
                 req.emit("error", "decode is shutting down")
@@ -220,6 +338,7 @@ class DecodeLoop:
                 else:
                     self._free(req, "shutdown")
             self.pending.clear()
+            self.waiting.clear()
             self.running.clear()
             self.lock.notify_all()
         self._thread.join(timeout=10)
@@ -232,15 +351,24 @@ class DecodeLoop:
         self.lock.notify_all()  # a queued request may fit now
         self._next.pop(req.request_id, None)
         self.ledger.finish(req.request_id, outcome, error)
+        if self.waiting and not self._stop:
+            self._reserve_waiting()
+
+    def _runnable(self, req: DecodeRequest) -> bool:
+        """Its prompt is complete and it holds a sequence slot or one is free (no copy in flight)."""
+        if not req.prompt_complete or not req.reserved or req.copies:
+            return False
+        return self.decoder.seqs[req.request_id].seq_slot is not None or self.decoder.free_slots > 0
 
     def _admit_ready(self) -> None:
-        for rid, req in list(self.pending.items()):
-            if not req.prompt_complete:
+        for rid, req in list(self.pending.items()):  # arrival order
+            if not self._runnable(req):
                 continue
+            self.decoder.bind(rid)  # a staged request gets its device row now
             del self.pending[rid]
             self.ledger.advance(rid, "decoding")
             self.decoder.set_prompt_done(rid, req.num_prompt_tokens)
-            req.sampler.output_ids.append(req.first_token)
+            req.sampler.accept(req.first_token, req.first_logprob)  # penalties, stop, logprobs see it
             req.emit("token", req.first_token)
             if req.sampler.finished:
                 req.emit("done", req.sampler.finish_reason)
@@ -256,26 +384,32 @@ class DecodeLoop:
             # pulls, cancels waited seconds behind a long generation).
             time.sleep(YIELD_S)
             with self.lock:
-                while not self._stop and not self.running and not any(r.prompt_complete for r in self.pending.values()):
+                while not self._stop and not self.running and not any(self._runnable(r) for r in self.pending.values()):
                     self.lock.wait(timeout=1.0)
-                if self._stop:
-                    return
-                self._admit_ready()
-                if not self.running:
-                    continue
+            with self.engine_lock:  # the batch cannot change until the step is sampled
+                with self.lock:
+                    if self._stop:
+                        return
+                    self._admit_ready()
+                    if not self.running:
+                        continue
+                    ids = [r.request_id for r in self.running]
+                    tokens = torch.tensor([self._next[i] for i in ids])
                 try:
-                    self._step()
+                    logits = self.decoder.step(ids, tokens)  # [R, V], without ``lock``: pulls go on
+                    with self.lock:
+                        self._step(logits)
                 except Exception as exc:  # a failed step fails the batch, not the service
-                    log.error("decode_step_failed", error=repr(exc),
-                              request_ids=[r.request_id for r in self.running])
-                    for req in self.running:
-                        req.emit("error", f"decode step failed: {exc}")
-                        self._free(req, "error", repr(exc))
-                    self.running.clear()
+                    with self.lock:
+                        log.error("decode_step_failed", error=repr(exc),
+                                  request_ids=[r.request_id for r in self.running])
+                        for req in self.running:
+                            req.emit("error", f"decode step failed: {exc}")
+                            self._free(req, "error", repr(exc))
+                        self.running.clear()
 
-    def _step(self) -> None:
-        ids = [r.request_id for r in self.running]
-        logits = self.decoder.step(ids, torch.tensor([self._next[i] for i in ids]))  # [R, V]
+    def _step(self, logits: torch.Tensor) -> None:
+        """Sample the running batch's logits [R, V] (in ``self.running`` order) and hand out the tokens."""
         for req, row in zip(list(self.running), logits):
             token = req.sampler.step(row)
             self._next[req.request_id] = token

@@ -24,6 +24,7 @@ import grpc
 import structlog
 import torch
 from kvcore.layout import KVLayout, dtype_name
+from dsamodel.sampling import TokenLogprob
 from kvcore.segment import SharedSegment
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
@@ -320,15 +321,17 @@ class LayerPuller:
         self.counters.increment("heartbeats")
         return unknown
 
-    def prefill_done(self, layout_version: int, request_id: str, num_prompt_tokens: int, first_token: int) -> str:
-        """The prefill finished the request: "" when its first token is taken, else why not.
-        UnknownRequest if the request is not pending here."""
+    def prefill_done(self, layout_version: int, request_id: str, num_prompt_tokens: int, first_token: int,
+                     first_logprob: TokenLogprob | None = None) -> str:
+        """The prefill finished the request: "" when its first token (and, when the request asked for
+        them, its log-probabilities) is taken, else why not. UnknownRequest if the request is not
+        pending here."""
         meta = self.accepted_layout(layout_version)
         reason = self.premature(request_id, num_prompt_tokens, first_token)
         if not reason:
             self.loop.heard_from_prefill(request_id, f"prefill {meta.data_endpoint}")
         try:
-            return reason or self.loop.prefill_done(request_id, num_prompt_tokens, first_token)
+            return reason or self.loop.prefill_done(request_id, num_prompt_tokens, first_token, first_logprob)
         except KeyError:
             raise UnknownRequest(f"request {request_id!r} is not waiting for KV here") from None
 

@@ -24,8 +24,9 @@ from kvoffload_decode.transfer import TransferServicer
 
 SERVICE = "kvoffload-decode"
 FLAG_RULES = dict(at_least_one=("max_model_len", "max_num_seqs", "block_size"),
-                  at_least_zero=("dp_rank", "read_retries"), seconds=("metaserver_timeout_s", "peer_timeout_s"),
-                  seconds_or_zero=("admission_wait_s", "shutdown_grace_s"), ports=("port",))
+                  at_least_zero=("dp_rank", "read_retries", "max_queued_requests"),
+                  seconds=("metaserver_timeout_s", "peer_timeout_s"), seconds_or_zero=("shutdown_grace_s",),
+                  ports=("port",))
 log = structlog.get_logger(__name__)
 
 
@@ -47,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-timeout-s", type=float, default=10.0,
                    help="fail a request whose prefill sent no heartbeat or data for this long (default 10)")
     p.add_argument("--read-retries", type=int, default=2, help="retries of a failed layer read (default 2)")
-    p.add_argument("--admission-wait-s", type=float, default=300.0,
-                   help="how long a request waits for a free sequence slot and host blocks before 503 (default 300)")
+    p.add_argument("--max-queued-requests", type=int, default=0,
+                   help="requests admitted but not yet in the running batch; one more gets 429 with Retry-After "
+                        "at once (default 0: as many as the host pool holds at max_model_len/4 tokens each, "
+                        "at least 4 x --max-num-seqs, at most 1024)")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests get to finish before they are failed (default 30)")
     p.add_argument("--log-level", default="info")
@@ -78,7 +81,8 @@ def serve(args: argparse.Namespace) -> int:
     decoder = SparseDecoder(model, pool, topk_buffer_size=settings.sparse.topk_buffer_size,
                             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                             keep_device_kv_cache=settings.sparse.keep_device_kv_cache)
-    loop = DecodeLoop(decoder, model.config.eos_token_id, peer_timeout_s=args.peer_timeout_s)
+    loop = DecodeLoop(decoder, model.config.eos_token_id, peer_timeout_s=args.peer_timeout_s,
+                      max_queued=args.max_queued_requests or None)
     model_id = args.served_model_name or Path(args.model).resolve().name
     transfer = TransferServicer(loop, layout, model_id, host_id(), model.dtype, read_retries=args.read_retries,
                                 tls=tls)
@@ -88,12 +92,12 @@ def serve(args: argparse.Namespace) -> int:
     grpc_side.add_port(f"{args.host}:{control_port}", tls)
     app = build_app(loop, transfer, ByteTokenizer.from_dir(args.model),
                     AppSettings(model_name=model_id, max_model_len=args.max_model_len, advertise_host=args.host,
-                                control_port=control_port, metaserver_timeout_s=args.metaserver_timeout_s,
-                                admission_wait_s=args.admission_wait_s))
+                                control_port=control_port, metaserver_timeout_s=args.metaserver_timeout_s))
     grpc_side.start()
     log.info("serving", http=f"{args.host}:{args.port}", control_port=control_port, model=model_id,
              topk_buffer_size=settings.sparse.topk_buffer_size, host_pool_bytes=settings.host_pool_bytes,
-             keep_device_kv_cache=settings.sparse.keep_device_kv_cache, **(tls.describe() if tls else {"tls": False}))
+             keep_device_kv_cache=settings.sparse.keep_device_kv_cache, max_queued_requests=loop.max_queued,
+             **(tls.describe() if tls else {"tls": False}))
     serve_http(app, args.host, args.port, busy=lambda: loop.stats()["pending"] + loop.stats()["running"],
                grace_s=args.shutdown_grace_s, grpc_side=grpc_side, closers=(loop.close, transfer.close, pool.close))
     return 0

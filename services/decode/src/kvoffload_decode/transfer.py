@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 import torch
 from kvcore.layout import KVLayout
+from dsamodel.sampling import TokenLogprob
 from svcruntime.tls import PROCESS, secure_or_insecure_channel
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
@@ -65,10 +66,22 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
     def PrefillDone(self, request, context):
         try:
             reason = self.puller.prefill_done(request.layout_version, request.request_id,
-                                              request.num_prompt_tokens, request.first_token)
+                                              request.num_prompt_tokens, request.first_token,
+                                              first_logprob_of(request))
         except PullRefused as exc:
             _abort(context, exc)
         return transfer_pb2.PrefillDoneReply(accepted=not reason, reason=reason)
 
     def close(self) -> None:
         self.puller.close()
+
+
+def first_logprob_of(request) -> TokenLogprob | None:
+    """PrefillDoneRequest.first_token_logprobs as a TokenLogprob (None when not sent or malformed:
+    the loop then refuses a request that asked for logprobs)."""
+    if not request.HasField("first_token_logprobs"):
+        return None
+    m = request.first_token_logprobs
+    if len(m.top_tokens) != len(m.top_logprobs):
+        return None
+    return TokenLogprob(m.token, m.logprob, tuple(zip(m.top_tokens, m.top_logprobs)))

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import structlog
 from aiohttp import web
-from dsamodel.openai import RequestError, prompt_ids, sampling_params
+from dsamodel.openai import (RequestError, chat_logprobs, check_body, completion_logprobs, prompt_ids,
+                             sampling_params)
 from dsamodel.tokenizer import ByteTokenizer
 from svcruntime.logs import REQUEST_IDS
 from svcruntime.serving import DRAINING, refuse_while_draining
@@ -63,16 +64,25 @@ def build_app(worker: PrefillWorker, tokenizer: ByteTokenizer, model_name: str, 
             body = await request.json()
             if not isinstance(body, dict):
                 raise RequestError("body: must be a JSON object")
-            params = sampling_params(body)
+            check_body(body, chat=chat, max_n=None)
+            n = int(body.get("n") or 1)
+            # choice j of n samples its first token with the seed the proxy gives that choice's decode
+            choice_params = [sampling_params(body, chat=chat, choice=j, first_token_only=True) for j in range(n)]
             prompts = body.get("prompt") if not chat else None
             if isinstance(prompts, list) and prompts and all(isinstance(p, (str, list)) for p in prompts) \
                     and not all(isinstance(p, int) for p in prompts):
-                ids_list = [prompt_ids({"prompt": p}, tokenizer, chat=False) for p in prompts]
+                prompt_list = [prompt_ids({"prompt": p}, tokenizer, chat=False) for p in prompts]
+            else:
+                prompt_list = [prompt_ids(body, tokenizer, chat=chat)]
+            # one child per (prompt, choice), in the proxy's order: child = prompt * n + choice
+            ids_list = [ids for ids in prompt_list for _ in range(n)]
+            sampling = [choice_params[j] for _ in prompt_list for j in range(n)]
+            if len(ids_list) > 1 or body.get("kv_transfer_params_list") is not None:
                 params_list = body.get("kv_transfer_params_list") or [None] * len(ids_list)
                 if not isinstance(params_list, list) or len(params_list) != len(ids_list):
-                    raise RequestError("kv_transfer_params_list: must give one entry per prompt")
+                    raise RequestError("kv_transfer_params_list: must give one entry per prompt and choice "
+                                       f"({len(ids_list)})")
             else:
-                ids_list = [prompt_ids(body, tokenizer, chat=chat)]
                 params_list = [body.get("kv_transfer_params")]
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "body: malformed JSON", "invalid_request_error")
@@ -84,7 +94,7 @@ def build_app(worker: PrefillWorker, tokenizer: ByteTokenizer, model_name: str, 
                               "invalid_request_error")
         rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
         choices, usage = [], 0
-        for i, (ids, ktp) in enumerate(zip(ids_list, params_list)):
+        for i, (ids, ktp, params) in enumerate(zip(ids_list, params_list, sampling)):
             wire_id = str((ktp or {}).get("request_id") or "") if isinstance(ktp, dict) else ""
             REQUEST_IDS.link(wire_id, rid)  # log lines about the wire id carry the proxy's id
             try:
@@ -99,7 +109,10 @@ def build_app(worker: PrefillWorker, tokenizer: ByteTokenizer, model_name: str, 
             finally:
                 REQUEST_IDS.unlink(wire_id)
             text = tokenizer.decode([out.first_token], skip_special_tokens=True)
-            choice = {"index": i, "token_ids": [out.first_token], "finish_reason": "length", "logprobs": None}
+            lps = [out.first_logprob] if out.first_logprob is not None else None
+            logprobs = None if lps is None else chat_logprobs(tokenizer, lps) if chat \
+                else completion_logprobs(tokenizer, lps, [0])
+            choice = {"index": i, "token_ids": [out.first_token], "finish_reason": "length", "logprobs": logprobs}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             choices.append(choice)
             usage += out.num_prompt_tokens

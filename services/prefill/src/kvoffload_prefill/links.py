@@ -216,11 +216,17 @@ class DecodeLink:
         future.add_done_callback(settle_and_report)
         return outcome
 
-    def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int) -> None:
+    def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int, first_logprob=None) -> None:
+        """``first_logprob``: the first token's ``TokenLogprob`` when the request asked for logprobs."""
+        msg = transfer_pb2.PrefillDoneRequest(
+            request_id=request_id, num_prompt_tokens=num_prompt_tokens, first_token=first_token,
+            layout_version=self._layout.layout_version)
+        if first_logprob is not None:
+            msg.first_token_logprobs.CopyFrom(transfer_pb2.TokenLogprobs(
+                token=first_logprob.token, logprob=first_logprob.logprob,
+                top_tokens=[t for t, _ in first_logprob.top], top_logprobs=[lp for _, lp in first_logprob.top]))
         try:
-            reply = self._stub.PrefillDone(transfer_pb2.PrefillDoneRequest(
-                request_id=request_id, num_prompt_tokens=num_prompt_tokens, first_token=first_token,
-                layout_version=self._layout.layout_version), timeout=self._read_timeout_s)
+            reply = self._stub.PrefillDone(msg, timeout=self._read_timeout_s)
         except grpc.RpcError as exc:
             raise LinkError(f"decode {self.endpoint}: PrefillDone {exc.code().name}: {exc.details()}") from None
         if not reply.accepted:

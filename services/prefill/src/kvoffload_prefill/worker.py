@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 from dsamodel.engine.prefill import LayerwisePrefill, PrefillRequest
-from dsamodel.sampling import RequestSampler, SamplingParams
+from dsamodel.sampling import RequestSampler, SamplingParams, TokenLogprob
 from kvcore.layout import dtype_name
 from svcruntime.ledger import Ledger
 from kvoffload_proto.v1 import transfer_pb2
@@ -31,6 +31,7 @@ class PrefillOutcome:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_computed_tokens: int
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 def endpoint_of(params: dict) -> str:
@@ -41,6 +42,10 @@ def endpoint_of(params: dict) -> str:
         raise ValueError("kv_transfer_params: remote_host (str) and remote_port (1..65535) are required, "
                          f"got {params!r}")
     return f"{host}:{port}"
+
+
+def _first_logprob(sampler: RequestSampler) -> TokenLogprob | None:
+    return sampler.logprobs[0] if sampler.logprobs else None
 
 
 class PrefillWorker:
@@ -136,11 +141,13 @@ class PrefillWorker:
 
     def _run(self, rid: str, prompt_ids: list[int], link: DecodeLink | None, readers: frozenset,
              params: SamplingParams | None) -> PrefillOutcome:
-        sampler = RequestSampler(params or SamplingParams(max_tokens=1), None)
+        # the client's parameters hold for the first token too: penalties (none yet), min_tokens
+        # (no EOS or stop token id while min_tokens >= 1), logprobs
+        sampler = RequestSampler(params or SamplingParams(max_tokens=1), self.engine.model.config.eos_token_id)
         if link is None:
             res = self.engine.run(PrefillRequest(rid, torch.tensor(prompt_ids, dtype=torch.long), sample=sampler.step))
             self._release(res)
-            return self._finished(rid, prompt_ids, res)
+            return self._finished(rid, prompt_ids, res, sampler)
         link.hold(rid)  # heartbeats name the request from now on, queued or computing
         try:
             res = self.engine.run(PrefillRequest(rid, torch.tensor(prompt_ids, dtype=torch.long), readers=readers,
@@ -154,13 +161,13 @@ class PrefillWorker:
             self.ledger.advance(rid, "awaiting_reads")
             self._await_reads(rid)
             self.ledger.advance(rid, "reporting")
-            link.prefill_done(rid, len(prompt_ids), res.first_token)
+            link.prefill_done(rid, len(prompt_ids), res.first_token, _first_logprob(sampler))
         finally:
             link.release(rid)
             with self._lock:
                 self._outcomes.pop(rid, None)
             self._release(res)
-        return self._finished(rid, prompt_ids, res)
+        return self._finished(rid, prompt_ids, res, sampler)
 
     def _release(self, res) -> None:
         """End the engine's hand-off; the prompt's hash-keyed blocks stay as prefix cache."""
@@ -169,10 +176,11 @@ class PrefillWorker:
             self._cached_keys.update(k for k in res.keys if k not in res.owned_keys)
 
     @staticmethod
-    def _finished(rid: str, prompt_ids: list[int], res) -> PrefillOutcome:
+    def _finished(rid: str, prompt_ids: list[int], res, sampler: RequestSampler) -> PrefillOutcome:
         log.info("prefill_finished", request_id=rid, prompt_tokens=len(prompt_ids),
                  cached_tokens=res.num_cached_tokens, first_token=res.first_token)
-        return PrefillOutcome(rid, res.first_token, len(prompt_ids), res.num_cached_tokens, res.num_computed_tokens)
+        return PrefillOutcome(rid, res.first_token, len(prompt_ids), res.num_cached_tokens, res.num_computed_tokens,
+                              _first_logprob(sampler))
 
     def _await_reads(self, rid: str) -> None:
         """Every announce of the request answered READ_DONE (each has its own deadline)."""

@@ -10,16 +10,22 @@ awaits or does I/O, so no lock is needed.
   lease drops its tokens when the prefill answered and the rest when the decoders pulled the KV;
   a decoder lease is released whole when its request ends. Always `release()` in a `finally:`.
 
-Score = active tokens + kv_weight x active KV tokens (decoders: kv_weight 0, prefillers 0.3).
-Ties go to fewer active requests, then to the backend picked least recently (round robin among
-idle backends). A min-heap keyed by that tuple holds one live entry per backend; a load change
-pushes a fresh entry; stale ones are dropped when they surface or the heap outgrows 4x.
+Prefillers: score = active tokens + kv_weight x active KV tokens (kv_weight 0.3); ties go to fewer
+active requests. Decoders (``by_queue``): queue depth first — the requests this proxy has in flight
+on the decoder (its own accounting: exact for one proxy, never stale) — then the most free host-pool
+bytes the decoder last reported (``X-Decode-Load`` header on every decoder answer, `report`), then
+active tokens. Either way the last tie goes to the backend picked least recently (round robin among
+idle backends). A decoder that answered 429 (queue full) is `mark_full` until its Retry-After has
+passed; `full()` lists those, which `upstream.post` tries last. A min-heap keyed by that tuple holds
+one live entry per backend; a load change pushes a fresh entry; stale ones are dropped when they
+surface or the heap outgrows 4x.
 """
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import Backend
 
@@ -31,13 +37,29 @@ class BackendLoad:
     num_active_tokens: int = 0
     num_active_kv_tokens: int = 0
     last_pick: int = 0
+    reported: dict[str, int] = field(default_factory=dict)  # the decoder's last X-Decode-Load
+    full_until: float = 0.0  # monotonic time until which a decoder that answered 429 counts as full
+    rejections: int = 0  # 429 answers from this backend
+
+
+def parse_load(header: str | None) -> dict[str, int]:
+    """``queued=3;running=2;free_pool_bytes=123`` -> dict; malformed parts are ignored."""
+    out: dict[str, int] = {}
+    for part in (header or "").split(";"):
+        key, _, value = part.partition("=")
+        try:
+            out[key.strip()] = int(value)
+        except ValueError:
+            continue
+    return out
 
 
 class Balancer:
-    def __init__(self, backends: Sequence[Backend], kv_weight: float = 0.0):
+    def __init__(self, backends: Sequence[Backend], kv_weight: float = 0.0, by_queue: bool | None = None):
         if not backends:
             raise ValueError("a balancer needs at least one backend")
         self.kv_weight = kv_weight
+        self.by_queue = backends[0].role == "decoder" if by_queue is None else by_queue
         self.loads = [BackendLoad(b) for b in backends]
         self._version = [0] * len(backends)
         self._heap: list[tuple[float, int, int, int, int]] = []
@@ -48,6 +70,29 @@ class Balancer:
     def score(self, index: int) -> float:
         load = self.loads[index]
         return load.num_active_tokens + self.kv_weight * load.num_active_kv_tokens
+
+    def key(self, index: int) -> tuple:
+        """The heap order (least first), without the round-robin tie-break."""
+        load = self.loads[index]
+        if self.by_queue:
+            return (load.num_active_requests, -load.reported.get("free_pool_bytes", 0), self.score(index))
+        return (self.score(index), load.num_active_requests)
+
+    def report(self, index: int, load: dict[str, int]) -> None:
+        """A decoder's self-reported load (its ``X-Decode-Load`` header)."""
+        if load and load != self.loads[index].reported:
+            self.loads[index].reported = load
+            self._push(index)
+
+    def mark_full(self, index: int, retry_after_s: float) -> None:
+        """The backend answered 429: try it last until ``retry_after_s`` has passed."""
+        load = self.loads[index]
+        load.rejections += 1
+        load.full_until = max(load.full_until, time.monotonic() + retry_after_s)
+
+    def full(self) -> set[int]:
+        now = time.monotonic()
+        return {i for i, l in enumerate(self.loads) if l.full_until > now}
 
     def peek(self, exclude: Collection[int] = ()) -> int:
         """Least-loaded backend not in `exclude`; if all are excluded, the least-loaded one."""
@@ -61,7 +106,7 @@ class Balancer:
                     skipped.append(heapq.heappop(self._heap))
                 else:
                     return index
-            return skipped[0][3]
+            return skipped[0][-2]
         finally:
             for entry in skipped:
                 heapq.heappush(self._heap, entry)
@@ -88,10 +133,9 @@ class Balancer:
     def _push(self, index: int) -> None:
         self._version[index] += 1
         load = self.loads[index]
-        heapq.heappush(self._heap, (self.score(index), load.num_active_requests, load.last_pick,
-                                    index, self._version[index]))
+        heapq.heappush(self._heap, (self.key(index), load.last_pick, index, self._version[index]))
         if len(self._heap) > 4 * len(self.loads) + 64:  # drop stale entries that never surface
-            self._heap = [e for e in self._heap if e[4] == self._version[e[3]]]
+            self._heap = [e for e in self._heap if e[-1] == self._version[e[-2]]]
             heapq.heapify(self._heap)
 
     @property

@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="longest a backend may stay silent during a request")
     p.add_argument("--metaserver-timeout-s", type=float, default=60.0,
-                   help="longest wait for every decoder of a request to register")
+                   help="longest wait for every decoder of a request to admit and register it (a child "
+                        "a decoder reported queued is exempt)")
     p.add_argument("--connect-timeout-s", type=float, default=5.0)
     p.add_argument("--health-timeout-s", type=float, default=2.0)
     p.add_argument("--max-retries", type=int, default=3,

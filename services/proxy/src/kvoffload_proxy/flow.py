@@ -29,7 +29,7 @@ from .errors import ProxyError
 from .metaserver import Registry, Rendezvous
 from .metrics import ProxyMetrics
 from .relay import JsonRelay, StreamRelay
-from .schemas import InferenceRequest
+from .schemas import InferenceRequest, choice_seed
 
 log = structlog.get_logger("kvoffload_proxy.flow")
 _CHILD_DONE = object()
@@ -37,9 +37,14 @@ _CHILD_DONE = object()
 
 def decoder_body(req: InferenceRequest, index: int, child_id: str, metaserver_url: str,
                  metaserver_token: str | None = None) -> dict:
+    """Child `index` = choice `index % n` of prompt `index // n`: one choice per decoder request,
+    with the choice's derived seed (the prefill derives the same for the first token)."""
     body = dict(req.body)
     if req.is_batch:
         body["prompt"] = req.prompts[index]
+    if req.n > 1:
+        body.pop("best_of", None)  # == n, checked at the edge
+        body.update(n=1, seed=choice_seed(body.get("seed") or 0, index % req.n))
     body["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True,
                                   "metaserver": metaserver_url, "request_id": child_id}
     if metaserver_token is not None:  # --api-key set: the decoder's bearer token for /v1/metaserver
@@ -48,12 +53,14 @@ def decoder_body(req: InferenceRequest, index: int, child_id: str, metaserver_ur
 
 
 def prefill_body(req: InferenceRequest, params: list[dict[str, Any]]) -> dict:
-    """The client's original request, reduced to one prefill step, carrying the decoders' params."""
+    """The client's original request, reduced to one prefill step, carrying the decoders' params
+    (one per child, in child order, when there is more than one prompt or choice). The client's
+    sampling parameters stay: the prefill samples the first token with them (min_tokens included)."""
     body = dict(req.body)
-    body.update(stream=False, max_tokens=1, min_tokens=1)
+    body.update(stream=False, max_tokens=1)
     body.pop("stream_options", None)
     body.pop("max_completion_tokens", None)
-    if req.is_batch:
+    if req.is_batch or req.n > 1:
         body["kv_transfer_params_list"] = params
     else:
         body["kv_transfer_params"] = params[0]
@@ -71,7 +78,7 @@ class RequestState:
 
     @property
     def child_ids(self) -> tuple[str, ...]:
-        if not self.req.is_batch:
+        if not self.req.is_batch and self.req.n == 1:
             return (self.response_id,)
         return tuple(f"{self.response_id}-{i}" for i in range(self.req.num_children))
 
@@ -213,6 +220,8 @@ class Flow:
             return await relay.finish()
         except ProxyError as e:
             st.outcome = e.outcome
+            if e.status == 429:
+                self.metrics.rejected.inc()
             log.warning("request_failed", status=e.status, error=e.message, backend=e.backend)
             return await relay.fail(e)
         except (ConnectionResetError, asyncio.TimeoutError):  # client gone or not reading

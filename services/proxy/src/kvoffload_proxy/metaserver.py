@@ -21,6 +21,14 @@ Hooks, by caller (all on the event loop; nothing blocks the loop):
 Bounds (I6): the registration deadline (`registration_timeout_s`, from `open`) fails a rendezvous
 whose children did not all register (504, naming them); the dispatch is bounded by
 `dispatch_timeout_s` (504). So every `register` call and every flow waiting on `outcome` ends.
+
+One deadline per request: the registration deadline covers only the time until a decoder has
+*admitted* the child. A decoder that admits a child into its queue but cannot reserve its host
+blocks yet says so with a registration whose params are `{"request_id": ..., "queued": true}`:
+answered at once, it exempts that child from the registration deadline (`Rendezvous.queued`); the
+child then registers for real when it got its blocks. Such a child waits as long as the client
+request lives — bounded by the client, the flow's silence backstop (`--request-timeout-s`) and the
+decoder's own connection (a decoder that dies fails the flow's request to it).
 """
 from __future__ import annotations
 
@@ -48,6 +56,7 @@ class Rendezvous:
         self.outcome.add_done_callback(_mark_retrieved)
         self._dispatch_task: asyncio.Task[None] | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        self.queued: set[str] = set()  # children a decoder queued: no registration deadline for them
 
     @property
     def missing_ids(self) -> list[str]:
@@ -102,6 +111,13 @@ class Registry:
             raise ProxyError(404, f"unknown request_id {child_id!r}: no client request is waiting "
                                   "for it (finished, cancelled, timed out or never sent)",
                              param="request_id")
+        if params.get("queued") is True:  # admitted, waiting for host blocks: answered at once
+            if rdv.outcome.done():
+                await rdv.outcome  # raises the error that ended the request
+            if child_id not in rdv.params:
+                rdv.queued.add(child_id)
+                log.info("decoder_queued", parent_id=rdv.parent_id, child_id=child_id)
+            return
         known = rdv.params.get(child_id)
         if known is not None and known != params and rdv.dispatch_started:
             raise ProxyError(409, f"request_id {child_id!r} already registered with other "
@@ -154,7 +170,9 @@ class Registry:
     def _expire(self, rdv: Rendezvous) -> None:
         if rdv.is_complete or rdv.outcome.done():
             return
-        missing = rdv.missing_ids
+        missing = [c for c in rdv.missing_ids if c not in rdv.queued]
+        if not missing:  # every missing child is queued at its decoder: it registers when admitted
+            return
         self._resolve(rdv, ProxyError(
             504, f"{len(missing)} of {len(rdv.child_ids)} decoder(s) did not register at "
                  f"/v1/metaserver within {self.registration_timeout_s:g}s "

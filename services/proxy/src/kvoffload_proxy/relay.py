@@ -1,8 +1,9 @@
 """Decoder output -> client response, keeping the OpenAI shapes.
 
-Children of a prompt list are merged: every object gets the parent's id, choice `index` becomes
-`child * n + index` (OpenAI's order for prompt lists), usage is summed (streamed usage-only chunks
-are held back and sent once, summed, before `[DONE]`). Decoder-internal `kv_transfer_params` are
+Children are merged: child `i * n + j` is choice j of prompt i (one choice per decoder request),
+every object gets the parent's id, choice `index` becomes the child's number (OpenAI's order for
+prompt lists and `n`), usage is summed with each prompt's tokens counted once, not once per choice
+(streamed usage-only chunks are held back and sent once, summed, before `[DONE]`). Decoder-internal `kv_transfer_params` are
 dropped. A failure before the first byte is a plain HTTP error; after it, an SSE
 `data: {"error": ...}` event followed by `data: [DONE]`.
 """
@@ -40,6 +41,18 @@ def remap(obj: dict[str, Any], child: int, n: int, response_id: str) -> dict[str
     return obj
 
 
+def child_usage(usage: Any, child: int, n: int) -> Any:
+    """A child's usage as it counts toward the total: choices after a prompt's first repeat its
+    prompt, which OpenAI counts once."""
+    if n <= 1 or child % n == 0 or not isinstance(usage, dict):
+        return usage
+    usage = dict(usage)
+    prompt = usage.pop("prompt_tokens", 0)
+    if isinstance(usage.get("total_tokens"), int) and isinstance(prompt, int):
+        usage["total_tokens"] -= prompt
+    return usage
+
+
 def add_usage(total: dict[str, Any] | None, usage: Any) -> dict[str, Any] | None:
     if not isinstance(usage, dict):
         return total
@@ -66,10 +79,10 @@ class JsonRelay:
         choices: list[Any] = []
         usage = None
         for child in sorted(self.results):
-            obj = remap(self.results[child], child, self.n, self.response_id)
+            obj = remap(self.results[child], child, 1, self.response_id)
             merged = merged or obj
             choices.extend(obj.get("choices") or [])
-            usage = add_usage(usage, obj.get("usage"))
+            usage = add_usage(usage, child_usage(obj.get("usage"), child, self.n))
         merged["choices"] = choices
         if usage is not None:
             merged["usage"] = usage
@@ -102,10 +115,10 @@ class StreamRelay:
                                timeout_s or self.write_timeout_s)
 
     async def add(self, child: int, obj: dict[str, Any]) -> None:
-        obj = remap(obj, child, self.n, self.response_id)
+        obj = remap(obj, child, 1, self.response_id)
         self.last = obj
         if obj.get("usage") and not obj.get("choices"):
-            self.usage = add_usage(self.usage, obj["usage"])  # summed, sent once at the end
+            self.usage = add_usage(self.usage, child_usage(obj["usage"], child, self.n))  # sent once at the end
             return
         await self._send(json.dumps(obj, separators=(",", ":")))
 

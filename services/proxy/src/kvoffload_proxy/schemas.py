@@ -1,8 +1,11 @@
 """Request bodies the proxy accepts, validated once at the edge (also the OpenAPI schemas).
 
-Only the fields the proxy itself acts on are typed; everything else is passed through to the
-backends untouched (`extra="allow"`). Types are strict: `"stream": "yes"` or `"max_tokens": 1.5`
-is a 400 naming the field, not a silent coercion.
+The inference bodies list exactly the OpenAI parameters the engine honours (`extra="forbid"`):
+an unknown field, or a known one the engine cannot honour (`tools`, `response_format`,
+`logit_bias`, ...), is a 400 naming it, as are combinations it cannot serve (`best_of` != `n`,
+`echo` with `logprobs`, `top_logprobs` without `logprobs`, `stream_options` without `stream`,
+`min_tokens` > `max_tokens`). Types are strict: `"stream": "yes"` or `"max_tokens": 1.5` is a 400
+naming the field, not a silent coercion. A JSON `null` means "not given".
 """
 from __future__ import annotations
 
@@ -24,38 +27,76 @@ def _integral(v: Any) -> Any:
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31), BeforeValidator(_integral)]
 PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]  # Field first, or its bounds leave the JSON schema
+MAX_N = 64  # choices per prompt (dsamodel.openai.MAX_N)
+MAX_LOGPROBS = 20  # top alternatives per token (dsamodel.sampling.MAX_LOGPROBS)
+MAX_STOP = 16
+MAX_SEED = 2**63
 Prompt = (str | Annotated[list[str], Field(min_length=1)]
           | Annotated[list[TokenId], Field(min_length=1)]
           | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+Stop = (Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_STOP)])
 _UNION_HELP = {
     "prompt": "must be a string, a non-empty list of strings, a non-empty list of token ids "
               "(integers >= 0) or a non-empty list of such token-id lists",
-    "content": "must be a string, a list of content-part objects, or null",
+    "content": "must be a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+    "stop": f"must be a non-empty string or a list of 1 to {MAX_STOP} non-empty strings",
 }
+# Known OpenAI / vLLM parameters the engine cannot honour: the 400 says so rather than "unknown".
+UNSUPPORTED = frozenset({
+    "suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+    "response_format", "top_k", "min_p", "repetition_penalty", "prediction", "audio", "modalities",
+    "reasoning_effort", "service_tier", "store", "metadata", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "use_beam_search", "length_penalty", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "echo",
+    "prompt_logprobs", "web_search_options", "logprobs", "top_logprobs", "best_of", "name",
+})
 CHARS_PER_TOKEN = 4  # the proxy does not tokenize; loads are estimates
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
 
 
 class _Generate(_Strict):
     model: str | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     max_tokens: PositiveInt | None = None
-    n: PositiveInt = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_integral)] = 1
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=MAX_SEED), BeforeValidator(_integral)] | None = None
+    stop: Stop | None = None
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    min_tokens: Annotated[int, Field(ge=0), BeforeValidator(_integral)] | None = None
+    ignore_eos: bool | None = None
+    user: str | None = None
 
 
 class CompletionRequest(_Generate):
-    """POST /v1/completions. A list of prompts becomes one child request per prompt."""
+    """POST /v1/completions. A list of prompts becomes one child request per prompt and choice."""
 
     prompt: Prompt
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_integral)] | None = None
+    echo: bool | None = None
+    best_of: PositiveInt | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(_Strict):
-    role: Annotated[str, Field(min_length=1)]
-    content: str | list[dict[str, Any]] | None = None
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
 
 
 class ChatCompletionRequest(_Generate):
@@ -63,9 +104,11 @@ class ChatCompletionRequest(_Generate):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_integral)] | None = None
 
 
-class MetaserverRegistration(_Strict):
+class MetaserverRegistration(BaseModel):
     """POST /v1/metaserver, sent by a decoder once it holds host memory for `request_id`.
 
     `kv_transfer_params` are the decoder's endpoint parameters (host, control ports, dp/tp, ...),
@@ -73,13 +116,16 @@ class MetaserverRegistration(_Strict):
     (the form the reference decoders send).
     """
 
+    model_config = ConfigDict(strict=True, extra="allow")
+
     request_id: Annotated[str, Field(min_length=1, max_length=256)]
     kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
 class InferenceRequest:
-    """A validated client request. `prompts` has one entry per child (None for chat)."""
+    """A validated client request. `prompts` and `num_prompt_tokens` have one entry per child:
+    child `i * n + j` is choice j of prompt i (prompt None for chat)."""
 
     kind: Literal["completions", "chat"]
     body: dict[str, Any]
@@ -97,6 +143,12 @@ class InferenceRequest:
     @property
     def num_children(self) -> int:
         return len(self.prompts)
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request with n > 1; dsamodel.openai.choice_seed derives the
+    same in the prefill (choice 0 keeps the client's seed)."""
+    return (seed + choice * 0x9E3779B97F4A7C15) % MAX_SEED
 
 
 def _reject_constant(name: str) -> Any:
@@ -137,6 +189,10 @@ def validate(model: type[BaseModel], data: dict[str, Any]) -> BaseModel:
         path, union_field = _field_path(tuple(err["loc"]))
         if err["type"] == "missing":
             msg = f"field '{path}' is required"
+        elif err["type"] == "extra_forbidden":
+            name = path.rsplit(".", 1)[-1]
+            msg = (f"field '{path}' is not supported by this server" if name in UNSUPPORTED
+                   else f"field '{path}' is not a recognized parameter")
         elif union_field:
             msg = f"field '{path}' {_UNION_HELP[union_field]}"
         else:
@@ -155,8 +211,8 @@ def _chat_tokens(messages: list[ChatMessage]) -> int:
     for m in messages:
         if isinstance(m.content, str):
             chars += len(m.content)
-        elif m.content:
-            chars += sum(len(p["text"]) for p in m.content if isinstance(p.get("text"), str))
+        else:
+            chars += sum(len(p.text) for p in m.content)
     return max(1, math.ceil(chars / CHARS_PER_TOKEN) + 4 * len(messages))
 
 
@@ -174,6 +230,27 @@ def parse_inference(kind: Literal["completions", "chat"], raw: bytes) -> Inferen
         req = validate(ChatCompletionRequest, data)
         is_batch, prompts, tokens = False, (None,), (_chat_tokens(req.messages),)
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or 16
-    return InferenceRequest(kind=kind, body=data, prompts=prompts, is_batch=is_batch,
-                            stream=req.stream, n=req.n, num_prompt_tokens=tokens,
-                            max_tokens=max_tokens)
+    _check_combinations(req, max_tokens)
+    n = req.n
+    return InferenceRequest(kind=kind, body=data, prompts=tuple(p for p in prompts for _ in range(n)),
+                            is_batch=is_batch, stream=req.stream, n=n,
+                            num_prompt_tokens=tuple(t for t in tokens for _ in range(n)), max_tokens=max_tokens)
+
+
+def _refuse(param: str, message: str) -> ProxyError:
+    return ProxyError(400, f"field '{param}': {message}", param=param)
+
+
+def _check_combinations(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> None:
+    """What the field types cannot say: combinations the engine cannot serve."""
+    if req.stream_options is not None and not req.stream:
+        raise _refuse("stream_options", "only allowed with stream: true")
+    if req.min_tokens is not None and req.min_tokens > max_tokens:
+        raise _refuse("min_tokens", f"{req.min_tokens} exceeds max_tokens ({max_tokens})")
+    if isinstance(req, CompletionRequest):
+        if req.best_of is not None and req.best_of != req.n:
+            raise _refuse("best_of", f"only best_of == n is supported (best_of={req.best_of}, n={req.n})")
+        if req.echo and req.logprobs is not None:
+            raise _refuse("echo", "echo together with logprobs (prompt log-probabilities) is not supported")
+    elif req.top_logprobs is not None and not req.logprobs:
+        raise _refuse("top_logprobs", "needs logprobs: true")

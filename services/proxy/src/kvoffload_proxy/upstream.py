@@ -6,6 +6,12 @@ resend cannot duplicate work), with exponential backoff `retry_backoff_s x 2^att
 retried. Timeouts: `connect_timeout_s` per connection attempt, `request_timeout_s` for any
 silence while reading (headers, body or the gap between two stream events).
 
+Backpressure: a backend that answers 429 (a decoder whose queue is full) did no work, so the
+request goes at once to the next backend not tried yet — those not known to be full first — and
+only when every one refused does the caller get 429 with the smallest ``Retry-After`` they gave
+(the last one's OpenAI-style body). Every decoder answer's ``X-Decode-Load`` header updates the
+balancer (queue depth, free pool bytes).
+
 Status given to the caller: unreachable after retries 503, timed out 504, any other transport
 failure or a backend 5xx 502; a backend 4xx is relayed as it was (status and JSON body).
 """
@@ -14,18 +20,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 import structlog
 
-from .balancer import Balancer, Lease
+from .balancer import Balancer, Lease, parse_load
 from .config import Backend, ProxyConfig
 from .errors import ProxyError, excerpt
 
 log = structlog.get_logger("kvoffload_proxy.upstream")
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+LOAD_HEADER = "X-Decode-Load"  # a decoder's self-reported load, on every answer
+
+
+def retry_after_s(value: str | None, default: float = 1.0) -> float:
+    try:
+        return min(300.0, max(0.0, float(value))) if value is not None else default
+    except ValueError:
+        return default
 
 
 def backend_timeout(cfg: ProxyConfig) -> aiohttp.ClientTimeout:
@@ -84,13 +99,36 @@ async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyCon
     The caller owns both: it must `lease.release()` and close the response. Raises `ProxyError`
     (503 when no backend could be reached, 502/504 for other transport failures)."""
     tried: set[int] = set()
-    for attempt in range(cfg.max_retries + 1):
-        lease = balancer.acquire(num_tokens, num_kv_tokens, exclude=tried)
+    refused: list[tuple[float, dict | None, Backend]] = []  # (Retry-After, body, backend) of 429 answers
+    attempt = 0
+    while attempt <= cfg.max_retries:
+        full = balancer.full() - tried  # tried last
+        lease = balancer.acquire(num_tokens, num_kv_tokens,
+                                 exclude=tried | full if len(tried | full) < len(balancer.loads) else tried)
         backend = lease.backend
         try:
             resp = await session.post(backend.url + path, json=body, headers=headers,
                                       timeout=backend_timeout(cfg))
-            return lease, resp
+            balancer.report(lease.index, parse_load(resp.headers.get(LOAD_HEADER)))
+            if resp.status != 429:
+                return lease, resp
+            wait_s = retry_after_s(resp.headers.get("Retry-After"))
+            try:
+                text = await resp.text(errors="replace")
+            finally:
+                resp.release()
+            lease.release()
+            balancer.mark_full(lease.index, wait_s)
+            tried.add(lease.index)
+            try:
+                answer = json.loads(text)
+            except ValueError:
+                answer = None
+            refused.append((wait_s, answer if isinstance(answer, dict) else None, backend))
+            log.info("backend_full", role=backend.role, backend=backend.url, retry_after_s=wait_s)
+            if len(tried) >= len(balancer.loads):
+                break
+            continue
         except CONNECT_ERRORS as e:
             lease.release()
             tried.add(lease.index)
@@ -101,6 +139,7 @@ async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyCon
             log.warning("backend_connect_retry", role=backend.role, backend=backend.url,
                         attempt=attempt + 1, delay_s=delay, error=last)
             on_retry(backend)
+            attempt += 1
             await asyncio.sleep(delay)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             lease.release()
@@ -108,6 +147,15 @@ async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyCon
         except BaseException:
             lease.release()
             raise
+    if refused:
+        wait_s = max(1, math.ceil(min(w for w, _, _ in refused)))
+        said = refused[-1][1]
+        detail = said["error"].get("message") if said and isinstance(said.get("error"), dict) else None
+        message = (f"every {backend.role} is at its queue limit ({len(refused)} of {len(balancer.loads)} "
+                   f"answered 429); retry after {wait_s} s" + (f" ({detail})" if detail else ""))
+        err_body = {"error": {"message": message, "type": "rate_limit_error", "param": None, "code": 429}}
+        raise ProxyError(429, message, backend=refused[-1][2].url, role=backend.role, relay_body=err_body,
+                         headers={"Retry-After": str(wait_s)})
     raise ProxyError(503, f"no {backend.role} reachable after {cfg.max_retries + 1} attempt(s); "
                           f"last: {backend.url}: {last}", backend=backend.url, role=backend.role)
 

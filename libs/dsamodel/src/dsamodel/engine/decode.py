@@ -32,15 +32,20 @@ from dsamodel.model import DSAModel
 
 @dataclass
 class DecodeSeq:
-    """One admitted request: its device row (``seq_slot``), length and host-pool blocks."""
+    """One admitted request: its device row (``seq_slot``; None while it waits for one), length and
+    host-pool blocks. An unbound request keeps its pulled indexer keys in host staging rows until
+    ``bind`` copies them into the device row it gets."""
 
     request_id: str
-    seq_slot: int
+    seq_slot: int | None
     num_tokens: int = 0  # tokens whose KV is written
     block_keys: list[bytes] = field(default_factory=list)
     # runs of consecutive pool blocks, [first logical block, first pool block, length], in order:
     # a pulled prompt is installed with one copy per run (usually one), no per-call index math
     runs: list[list[int]] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # pool block of each logical block
+    staged_index: torch.Tensor | None = None  # unbound: [L, rows, Di] on the host
+    staged_full: torch.Tensor | None = None  # unbound with keep_device_kv_cache: [L, rows, W]
 
     @property
     def num_blocks(self) -> int:
@@ -115,28 +120,62 @@ class SparseDecoder:
 
     # ---- admission ----------------------------------------------------------------------------
 
+    @property
+    def free_slots(self) -> int:
+        """Sequence slots (device rows) free now."""
+        return len(self._free_slots)
+
     def can_admit(self, num_tokens: int) -> bool:
         """Side-effect-free: a sequence slot and host blocks for ``num_tokens`` are available."""
-        if not self._free_slots or num_tokens > self.max_model_len:
+        return bool(self._free_slots) and self.can_reserve(num_tokens)
+
+    def can_reserve(self, num_tokens: int) -> bool:
+        """Side-effect-free: host blocks for ``num_tokens`` are available (no sequence slot needed)."""
+        if num_tokens > self.max_model_len:
             return False
         return self.pool.can_alloc(_probe_keys(-(-num_tokens // self.block_size)))
 
     def admit(self, request_id: str, num_tokens: int) -> DecodeSeq:
         """Reserve a device row and host-pool blocks for ``num_tokens`` prompt tokens."""
+        if not self._free_slots:
+            raise RuntimeError(f"decode is full: all {self.indexer.shape[1]} sequence slots are in use")
+        seq = self.reserve(request_id, num_tokens)
+        self.bind(request_id)
+        return seq
+
+    def reserve(self, request_id: str, num_tokens: int) -> DecodeSeq:
+        """Reserve host-pool blocks for ``num_tokens`` prompt tokens, without a device row: the prompt
+        can be installed (its indexer keys go to host staging rows) while the request waits for a
+        sequence slot; ``bind`` gives it one before it may step."""
         if request_id in self.seqs:
             raise ValueError(f"request {request_id!r} is already admitted")
         if not 1 <= num_tokens <= self.max_model_len:
             raise ValueError(f"prompt of {num_tokens} tokens: must be 1..max_model_len={self.max_model_len}")
-        if not self._free_slots:
-            raise RuntimeError(f"decode is full: all {self.indexer.shape[1]} sequence slots are in use")
-        seq = DecodeSeq(request_id, self._free_slots.pop())
-        try:
-            self._grow(seq, num_tokens)
-        except BaseException:
-            self._free_slots.append(seq.seq_slot)
-            raise
+        seq = DecodeSeq(request_id, None)
+        self._grow(seq, num_tokens)
+        rows = seq.num_blocks * self.block_size
+        seq.staged_index = torch.zeros((self.indexer.shape[0], rows, self.indexer.shape[-1]), dtype=self.indexer.dtype)
+        if self.full is not None:
+            seq.staged_full = torch.zeros((self.full.shape[0], rows, self.full.shape[-1]), dtype=self.full.dtype)
         self.seqs[request_id] = seq
         return seq
+
+    def bind(self, request_id: str) -> None:
+        """Give a reserved request a free device row and move its staged prompt rows into it. The
+        caller guarantees no ``write_prompt_layer`` of this request runs meanwhile."""
+        seq = self.seqs[request_id]
+        if seq.seq_slot is not None:
+            return
+        if not self._free_slots:
+            raise RuntimeError(f"decode is full: all {self.indexer.shape[1]} sequence slots are in use")
+        slot = self._free_slots.pop()
+        seq.seq_slot = slot
+        self.block_table[slot, : seq.num_blocks] = torch.tensor(seq.block_ids, dtype=torch.int32)
+        n = seq.staged_index.shape[1]
+        self.indexer[:, slot, :n] = seq.staged_index.to(self.indexer.device)
+        if self.full is not None:
+            self.full[:, slot, :n] = seq.staged_full.to(self.full.device)
+        seq.staged_index = seq.staged_full = None
 
     def write_prompt_layer(self, request_id: str, layer: int, kv: torch.Tensor, index_k: torch.Tensor,
                            start: int = 0) -> None:
@@ -150,6 +189,11 @@ class SparseDecoder:
         if not 0 <= layer < self.indexer.shape[0]:
             raise ValueError(f"layer {layer} outside 0..{self.indexer.shape[0] - 1}")
         self._install_rows(seq, layer, start, _bytes(kv))
+        if seq.seq_slot is None:  # waiting for a device row: stage on the host
+            seq.staged_index[layer, start : start + n] = index_k.to(seq.staged_index.device)
+            if seq.staged_full is not None:
+                seq.staged_full[layer, start : start + n] = kv.to(seq.staged_full.device)
+            return
         self.indexer[layer, seq.seq_slot, start : start + n] = index_k.to(self.indexer.device)
         if self.full is not None:
             self.full[layer, seq.seq_slot, start : start + n] = kv.to(self.full.device)
@@ -185,9 +229,10 @@ class SparseDecoder:
             return
         if self.hotcache is not None:
             self.hotcache.finish(request_id)
-        self.block_table[seq.seq_slot] = -1
         self.pool.remove(seq.block_keys)
-        self._free_slots.append(seq.seq_slot)
+        if seq.seq_slot is not None:
+            self.block_table[seq.seq_slot] = -1
+            self._free_slots.append(seq.seq_slot)
 
     def _grow(self, seq: DecodeSeq, num_tokens: int) -> None:
         need = -(-num_tokens // self.block_size)
@@ -196,7 +241,8 @@ class SparseDecoder:
         keys = [request_block_key(seq.request_id, b) for b in range(seq.num_blocks, need)]
         if keys:
             ids = self.pool.alloc(keys)
-            self.block_table[seq.seq_slot, seq.num_blocks:need] = torch.tensor(ids, dtype=torch.int32)
+            if seq.seq_slot is not None:
+                self.block_table[seq.seq_slot, seq.num_blocks:need] = torch.tensor(ids, dtype=torch.int32)
             t = torch.tensor(ids)
             cuts = [0, *((t[1:] != t[:-1] + 1).nonzero().flatten() + 1).tolist(), len(ids)]
             for a, b in zip(cuts, cuts[1:]):
@@ -206,9 +252,10 @@ class SparseDecoder:
                 else:
                     seq.runs.append([seq.num_blocks + a, ids[a], b - a])
             seq.block_keys.extend(keys)
+            seq.block_ids.extend(ids)
 
     def _slot_mapping(self, seq: DecodeSeq, positions: torch.Tensor) -> torch.Tensor:
-        blocks = self.block_table[seq.seq_slot, positions // self.block_size].to(torch.int64)  # [n]
+        blocks = torch.tensor(seq.block_ids, dtype=torch.int64)[positions // self.block_size]  # [n]
         return blocks * self.block_size + positions % self.block_size  # [n] int64
 
     # ---- one step -----------------------------------------------------------------------------

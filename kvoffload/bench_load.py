@@ -1,0 +1,237 @@
+"""``kvoffload bench load``: the P/D stack under a burst of concurrent clients vs the single-process engine.
+
+For each client count in ``clients`` (default 64 and 256) every client sends one streaming greedy
+completion at the same moment, through the proxy of a one-prefill, one-decode stack (the decode's
+default ``--max-num-seqs 8`` and default queue limit; the prefill with ``--chunk-size 2048``). A
+client that gets 429 waits its ``Retry-After`` and sends again (at most ``max_retries`` times), as
+a well-behaved client does; any other error, or 429 after its last retry, is a failure. Then the
+single-process engine (``dsamodel``'s ``Engine``, same sizes, ``max_num_seqs`` = the decode's) runs
+the same requests in this process: all added at once, stepped until done. The halves alternate
+(stack, engine, stack, engine, ... ``rounds`` pairs per client count), each on the same machine and
+cores, and every round has fresh prompts, so no round reuses another's prefix cache. With several
+rounds the counts are summed and every other figure is the median over the rounds (these machines
+are shared and noisy).
+
+The workload is mixed: prompt lengths log-uniform in [``min_prompt``, ``max_prompt``] tokens
+(random byte tokens), ``max_tokens`` uniform in [1, ``max_tokens``]. Defaults keep a run to a few
+minutes on a 2-core machine (prompts 10-1500 tokens, about 300 on average; 1-32 output tokens).
+
+Per client count:
+
+- ``ok``, ``failed``, ``rejected_429`` (429 answers, retried or not), ``retries``;
+- ``ttft_p50_s`` / ``ttft_p99_s`` (client send -> first token, the last try of a retried client),
+  ``tpot_p50_s`` / ``tpot_p99_s`` (mean gap between a request's output tokens after the first);
+- ``output_tokens``, ``wall_s`` (first send to last token), ``output_tokens_per_s``;
+- ``single_*``: the same for the single-process engine, and ``throughput_ratio`` = stack output
+  tokens/s over the engine's; ``tokens_equal``: every stack success returned the engine's greedy
+  tokens (I3).
+
+``goals``: no failures and ``throughput_ratio`` >= 0.9 at every client count; ``goals_met`` says
+which held.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+import random
+import statistics
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+GOAL_THROUGHPUT_RATIO = 0.9
+CHUNK_SIZE = 2048
+MAX_NUM_SEQS = 8  # the decode's default --max-num-seqs
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+def _client(url: str, prompt: list[int], max_tokens: int, start: threading.Event, max_retries: int) -> dict:
+    """One client: waits for ``start``, sends, retries after 429 per Retry-After."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
+    start.wait()
+    rec = {"ok": False, "rejected": 0, "error": "", "ids": [], "ttft": None, "tpot": None, "end": None}
+    for attempt in range(max_retries + 1):
+        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        stamps: list[float] = []
+        ids: list[int] = []
+        try:
+            with urllib.request.urlopen(req, timeout=1800) as resp:
+                for raw in resp:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"stream error: {event['error']}")
+                    new = [t for c in event["choices"] for t in c.get("token_ids", [])]
+                    ids += new
+                    stamps += [time.perf_counter()] * len(new)
+        except urllib.error.HTTPError as e:
+            text = e.read()[:300].decode(errors="replace")
+            if e.code == 429:
+                rec["rejected"] += 1
+                if attempt < max_retries:
+                    time.sleep(float(e.headers.get("Retry-After") or 1))
+                    continue
+            rec["error"] = f"HTTP {e.code}: {text}"
+            return rec
+        except Exception as e:  # noqa: BLE001 - a failure is what the bench counts
+            rec["error"] = f"{type(e).__name__}: {e}"
+            return rec
+        if not stamps:
+            rec["error"] = "no tokens"
+            return rec
+        rec.update(ok=True, ids=ids, ttft=stamps[0] - t0, end=stamps[-1],
+                   tpot=(stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None)
+        return rec
+    return rec
+
+
+def _stack_round(url: str, work: list[tuple[list[int], int]], max_retries: int) -> dict:
+    start = threading.Event()
+    with cf.ThreadPoolExecutor(len(work)) as pool:
+        futures = [pool.submit(_client, url, p, m, start, max_retries) for p, m in work]
+        time.sleep(0.5)  # every client thread is up and waiting
+        t0 = time.perf_counter()
+        start.set()
+        recs = [f.result() for f in futures]
+    ok = [r for r in recs if r["ok"]]
+    out_tokens = sum(len(r["ids"]) for r in ok)
+    wall = (max(r["end"] for r in ok) - t0) if ok else 0.0
+    ttft = [r["ttft"] for r in ok]
+    tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
+    return {"ok": len(ok), "failed": len(recs) - len(ok), "rejected_429": sum(r["rejected"] for r in recs),
+            "retries": sum(r["rejected"] for r in ok),
+            "errors": sorted({r["error"][:200] for r in recs if not r["ok"]})[:5],
+            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+            "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99),
+            "output_tokens": out_tokens, "wall_s": wall,
+            "output_tokens_per_s": out_tokens / wall if wall else 0.0,
+            "_ids": [r["ids"] if r["ok"] else None for r in recs]}
+
+
+class _Single:
+    """The single-process engine with the stack's sizes, loaded once."""
+
+    def __init__(self, model_dir: Path, block_size: int, max_model_len: int) -> None:
+        from dsamodel.engine.engine import Engine, EngineConfig
+        from dsamodel.weights import load_model
+
+        self.eng = Engine(load_model(model_dir),
+                          EngineConfig(block_size=block_size, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS,
+                                       chunk_size=CHUNK_SIZE, buffers=3, topk_buffer_size=128,
+                                       prefill_pool_bytes=1 << 30, decode_pool_bytes=1 << 30))
+
+    def round(self, tag: str, work: list[tuple[list[int], int]]) -> dict:
+        from dsamodel.sampling import SamplingParams
+
+        eng = self.eng
+        t0 = time.perf_counter()
+        seqs = [eng.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(work)]
+        stamps: dict[str, list[float]] = {s.request_id: [] for s in seqs}
+        while eng.waiting or eng.running:
+            eng.step()
+            now = time.perf_counter()
+            for s in seqs:
+                while len(stamps[s.request_id]) < len(s.output_ids):
+                    stamps[s.request_id].append(now)
+        wall = time.perf_counter() - t0
+        ttft = [st[0] - t0 for st in stamps.values()]
+        tpot = [(st[-1] - st[0]) / (len(st) - 1) for st in stamps.values() if len(st) > 1]
+        out_tokens = sum(len(s.output_ids) for s in seqs)
+        return {"ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+                "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99),
+                "output_tokens": out_tokens, "wall_s": wall, "output_tokens_per_s": out_tokens / wall,
+                "_ids": [list(s.output_ids) for s in seqs]}
+
+    def close(self) -> None:
+        self.eng.close()
+
+
+def _workload(gen: random.Random, n: int, min_prompt: int, max_prompt: int, max_tokens: int
+              ) -> list[tuple[list[int], int]]:
+    lo, hi = math.log(min_prompt), math.log(max_prompt)
+    return [([gen.randrange(256) for _ in range(int(math.exp(gen.uniform(lo, hi))))], gen.randint(1, max_tokens))
+            for _ in range(n)]
+
+
+def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_prompt: int = 1500,
+        max_tokens: int = 32, block_size: int = 16, max_retries: int = 20, seed: int = 0, rounds: int = 1,
+        decode_args: tuple[str, ...] = (), service_env: dict[str, dict[str, str]] | None = None) -> dict:
+    """One stack round and one single-process round per client count; returns the JSON-ready result."""
+    from dsamodel.bench import quiet_logs
+
+    from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, stack_stats
+
+    quiet_logs()
+    work_dir = Path(tempfile.mkdtemp(prefix="kvoffload-bench-load-"))
+    model_dir = ensure_tiny_model(work_dir / "tiny")
+    gen = random.Random(seed)
+    base = random.Random().randrange(31000, 39000, 50)
+    max_model_len = 8192
+    cfg = StackConfig(model=model_dir, log_dir=work_dir / "logs", proxy_port=base, prefill_ports=(base + 1,),
+                      decode_ports=(base + 2,), kv_port=base + 20, metastore_port=base + 3,
+                      max_model_len=max_model_len, block_size=block_size,
+                      service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE)], "decode-0": list(decode_args)},
+                      service_env=service_env or {})
+    levels = []
+    single = _Single(model_dir, block_size, max_model_len)
+    try:
+        with Stack(cfg) as stack:
+            for n in clients:
+                per_round = []
+                for rnd in range(rounds):
+                    work = _workload(gen, n, min_prompt, max_prompt, max_tokens)
+                    pd = _stack_round(f"{stack.url}/v1/completions", work, max_retries)
+                    one = single.round(f"c{n}r{rnd}", work)
+                    pd_ids, one_ids = pd.pop("_ids"), one.pop("_ids")
+                    equal = all(a == b for a, b in zip(pd_ids, one_ids) if a is not None)
+                    ratio = pd["output_tokens_per_s"] / one["output_tokens_per_s"] if one["output_tokens_per_s"] else 0.0
+                    per_round.append({"prompt_tokens": sum(len(p) for p, _ in work), **pd,
+                                      **{f"single_{k}": v for k, v in one.items()},
+                                      "throughput_ratio": ratio, "tokens_equal": equal})
+                decode_stats = stack_stats(cfg)["decode-0"]
+                level = {"clients": n, "rounds": rounds}
+                for key, value in per_round[0].items():
+                    values = [r[key] for r in per_round]
+                    if key in ("ok", "failed", "rejected_429", "retries", "prompt_tokens", "output_tokens",
+                               "single_output_tokens"):
+                        level[key] = sum(values)
+                    elif key == "errors":
+                        level[key] = sorted({e for v in values for e in v})[:5]
+                    elif key == "tokens_equal":
+                        level[key] = all(values)
+                    else:
+                        level[key] = statistics.median(values)
+                level |= {"decode_max_queued": int(decode_stats.get("max_queued", 0)),
+                          "decode_rejected_total": int(decode_stats.get("rejected", 0))}
+                if rounds > 1:
+                    level["per_round_throughput_ratio"] = [r["throughput_ratio"] for r in per_round]
+                levels.append(level)
+    finally:
+        single.close()
+    failures = sum(lv["failed"] for lv in levels)
+    worst = min(lv["throughput_ratio"] for lv in levels)
+    return {
+        "bench": "load", "clients": list(clients), "rounds": rounds, "min_prompt": min_prompt, "max_prompt": max_prompt,
+        "max_tokens": max_tokens, "decode_max_num_seqs": MAX_NUM_SEQS, "chunk_size": CHUNK_SIZE,
+        "levels": levels,
+        "ok": sum(lv["ok"] for lv in levels), "failed": failures,
+        "rejected_429": sum(lv["rejected_429"] for lv in levels),
+        "throughput_ratio_min": worst,
+        "tokens_equal": all(lv["tokens_equal"] for lv in levels),
+        "goals": {"failed": 0, "throughput_ratio": GOAL_THROUGHPUT_RATIO},
+        "goals_met": {"failed": failures == 0, "throughput_ratio": worst >= GOAL_THROUGHPUT_RATIO},
+    }

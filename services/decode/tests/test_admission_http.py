@@ -1,0 +1,106 @@
+"""The decode's HTTP admission (issue 11): a request the host pool cannot hold yet is queued, tells
+the metaserver so (the proxy's registration deadline no longer applies to it) and registers for
+real once it got its blocks; past the queue limit a request gets 429 with Retry-After at once;
+every answer carries ``X-Decode-Load``."""
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+from dsamodel.engine import build
+from dsamodel.engine.decode import SparseDecoder
+from dsamodel.presets import tiny_model
+from dsamodel.tokenizer import ByteTokenizer
+
+from kvoffload_decode.app import AppSettings, build_app
+from kvoffload_decode.loop import DecodeLoop
+
+N = 40
+
+
+class _Transfer:
+    counters = {"read_done": 0, "read_ms_total": 0.0}
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+async def _scenario(loop: DecodeLoop) -> None:
+    calls: list[dict] = []
+    answers: dict[str, asyncio.Future] = {}
+
+    async def metaserver(request: web.Request) -> web.Response:
+        body = await request.json()
+        calls.append(body)
+        if body["kv_transfer_params"].get("queued"):
+            return web.json_response({"status": "ok"})
+        fut = answers.setdefault(body["request_id"], asyncio.get_running_loop().create_future())
+        status = await fut  # "the prefill": held until the test answers
+        return web.json_response({"status": "error"}, status=status)
+
+    meta_app = web.Application()
+    meta_app.router.add_post("/v1/metaserver", metaserver)
+    meta_runner, meta_url = await _serve(meta_app)
+    settings = AppSettings(model_name="tiny", max_model_len=256, advertise_host="127.0.0.1", control_port=1)
+    dec_runner, dec_url = await _serve(build_app(loop, _Transfer(), ByteTokenizer(), settings))
+
+    def body(rid: str) -> dict:
+        return {"prompt": list(range(1, N + 1)), "max_tokens": 2, "kv_transfer_params": {
+            "do_remote_prefill": True, "metaserver": f"{meta_url}/v1/metaserver", "request_id": rid}}
+
+    async def until(cond, what: str) -> None:
+        for _ in range(200):
+            if cond():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"timed out waiting for {what}: {calls}")
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            a = asyncio.ensure_future(http.post(f"{dec_url}/v1/completions", json=body("A")))
+            await until(lambda: "A" in answers, "A's registration")
+            b = asyncio.ensure_future(http.post(f"{dec_url}/v1/completions", json=body("B")))
+            await until(lambda: any(c["request_id"] == "B" for c in calls), "B's queued notice")
+            assert calls[-1] == {"request_id": "B", "kv_transfer_params": {"request_id": "B", "queued": True}}
+            assert loop.stats()["waiting_for_blocks"] == 1 and loop.ledger.stage_of("B") == "queued"
+
+            loop.max_queued = 2  # A and B queued: one more is refused at once
+            async with http.post(f"{dec_url}/v1/completions", json=body("C")) as r:
+                assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
+                assert "queued=2" in r.headers["X-Decode-Load"] and "free_pool_bytes=" in r.headers["X-Decode-Load"]
+                err = (await r.json())["error"]
+                assert err["code"] == 429 and err["type"] == "rate_limit_error"
+
+            answers["A"].set_result(502)  # A's prefill failed: A ends and frees its blocks ...
+            async with await a as r:
+                assert r.status == 502
+            await until(lambda: "B" in answers, "B's registration once it got A's blocks")  # ... B gets them
+            assert [c["kv_transfer_params"].get("queued", False) for c in calls if c["request_id"] == "B"] == [True, False]
+            answers["B"].set_result(502)
+            async with await b as r:
+                assert r.status == 502
+        await until(lambda: loop.stats()["sequences"] == 0, "everything freed")
+        assert loop.decoder.pool.stats().used_bytes == 0 and loop.stats()["queued"] == 0
+    finally:
+        await dec_runner.cleanup()
+        await meta_runner.cleanup()
+
+
+def test_a_queued_request_registers_once_it_has_blocks_and_the_queue_limit_is_429():
+    model = tiny_model(dtype="float32")
+    probe = build.decode_pool(model, 16, 1 << 20)
+    block_bytes = probe.geometry.block_bytes
+    probe.close()
+    pool = build.decode_pool(model, 16, block_bytes * 4)  # one request of N + 1 tokens (3 blocks)
+    loop = DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256),
+                      model.config.eos_token_id)
+    try:
+        asyncio.run(asyncio.wait_for(_scenario(loop), 60))
+    finally:
+        loop.close()
+        pool.close()
