@@ -196,7 +196,11 @@ class Flow:
         self._idle.clear()
         req = st.req
         out: asyncio.Queue = asyncio.Queue()
-        rdv = self.registry.open(st.response_id, st.child_ids, st)
+        try:
+            rdv = self.registry.open(st.response_id, st.child_ids, st)
+        except BaseException:
+            self._finished(task)  # never left counted as in flight: a drain would wait for it
+            raise
         rdv.outcome.add_done_callback(
             lambda f: f.exception() is not None and out.put_nowait((None, f.exception())))
         relay = (StreamRelay(request, st.response_id, st.headers, req.n, self.max_silence_s)
@@ -242,13 +246,17 @@ class Flow:
                 await asyncio.wait(children, timeout=5)
             if st.prefill_lease is not None:
                 st.prefill_lease.release()
-            self._inflight.discard(task)
-            if not self._inflight:
-                self._idle.set()
+            self._finished(task)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._inflight.discard(task)
+        if not self._inflight:
+            self._idle.set()
 
     async def drain(self, grace_s: float) -> None:
         """Stop admitting requests, let in-flight ones finish for `grace_s`, then cancel them."""
         self.draining = True
+        log.info("draining_requests", in_flight=len(self._inflight))
         try:
             await asyncio.wait_for(self._idle.wait(), grace_s)
         except asyncio.TimeoutError:

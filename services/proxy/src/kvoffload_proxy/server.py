@@ -36,6 +36,7 @@ async def serve(cfg: ProxyConfig, stop: asyncio.Event | None = None) -> None:
         await stop.wait()
         log.info("proxy_draining", grace_s=cfg.shutdown_grace_s)
         await app[FLOW].drain(cfg.shutdown_grace_s)
+        log.info("proxy_closing")
     finally:
         await runner.cleanup()
         log.info("proxy_stopped")
