@@ -12,12 +12,11 @@ request, and a fresh request succeeds. ``KVOFFLOAD_FAULT_SEED`` replays another 
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 
-from kvoffload.faults import FAULTS, FILLER_TOKENS, REQUEST_DEADLINE_S, FaultRunner, fault_stack_config, records_json, \
-    reference_tokens, summarize
+from kvoffload.faults import FAULTS, FILLER_TOKENS, REQUEST_DEADLINE_S, FaultRunner, fault_ports, fault_stack_config, \
+    records_json, reference_tokens, summarize
 from kvoffload.stack import Stack, ensure_tiny_model
 
 SEED = int(os.environ.get("KVOFFLOAD_FAULT_SEED", "20261129"))
@@ -28,7 +27,7 @@ RANDOM_RUNS = 40  # plus one run of every fault kind: 50 in all
 def runner(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     model = ensure_tiny_model(tmp / "tiny")
-    ports = random.Random().sample(range(21000, 29000, 7), 4)
+    ports = fault_ports()
     ref = reference_tokens(model)
     with Stack(fault_stack_config(model, tmp / "logs", ports)) as stack:
         yield FaultRunner(stack, ref, SEED, log=print)
