@@ -173,13 +173,13 @@ def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_promp
     """One stack round and one single-process round per client count; returns the JSON-ready result."""
     from dsamodel.bench import quiet_logs
 
-    from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, stack_stats
+    from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_port_base, stack_stats
 
     quiet_logs()
     work_dir = Path(tempfile.mkdtemp(prefix="kvoffload-bench-load-"))
     model_dir = ensure_tiny_model(work_dir / "tiny")
     gen = random.Random(seed)
-    base = random.Random().randrange(31000, 39000, 50)
+    base = free_port_base()
     max_model_len = 8192
     cfg = StackConfig(model=model_dir, log_dir=work_dir / "logs", proxy_port=base, prefill_ports=(base + 1,),
                       decode_ports=(base + 2,), kv_port=base + 20, metastore_port=base + 3,

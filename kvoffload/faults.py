@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, ensure_tiny_model, stack_stats
+from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, ensure_tiny_model, free_port_base, stack_stats
 
 PEER_TIMEOUT_S = 2.0
 POOL_TIMEOUT_MS = 3000  # the metastore's heartbeat timeout for pools
@@ -60,22 +60,8 @@ FILLER_TOKENS = 3200
 def fault_ports() -> list[int]:
     """4 ports for ``fault_stack_config`` such that every port its stack binds (those 4, the decode's
     control port and the prefill's data port) is free now: two fault stacks may run at once."""
-    import socket
-
-    def free(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-        return True
-
-    rng = random.Random()
-    for _ in range(100):
-        ports = rng.sample(range(21000, 29000, 7), 4)
-        if all(free(p) for p in (*ports, ports[3] + 1000, ports[1] + DATA_PORT_OFFSET)):
-            return ports
-    raise RuntimeError("no free ports for a fault stack in 21000..29999")
+    base = free_port_base((0, 1, 2, 3, 1003, 1 + DATA_PORT_OFFSET))
+    return [base, base + 1, base + 2, base + 3]
 
 
 def fault_stack_config(model: Path, log_dir: Path, ports: list[int]) -> StackConfig:

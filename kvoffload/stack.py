@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -66,6 +68,28 @@ class StackConfig:
     service_args: dict[str, list[str]] = field(default_factory=dict)  # extra flags per service name
     tls: TLSConfig | None = None  # --tls-cert/--tls-key/--tls-ca for every gRPC service, and for the probes
     api_key: str | None = None  # the proxy requires "Authorization: Bearer KEY" (see auth_headers)
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_base(offsets: tuple[int, ...] = (0, 1, 2, 3, 20, 1 + DATA_PORT_OFFSET)) -> int:
+    """A base port such that ``base + offset`` is free now for every offset (by default a one-prefill,
+    one-decode stack: proxy, prefill, decode, metastore, kv port, the prefill's data port), all below
+    Linux's ephemeral range (32768+): a port there can be taken at any moment by an outgoing
+    connection's local end, and a service's bind then fails."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(11000, 32768 - max(offsets), 10)
+        if all(port_is_free(base + o) for o in offsets):
+            return base
+    raise RuntimeError(f"no free ports for offsets {offsets} below 32768")
 
 
 def ensure_tiny_model(path: Path) -> Path:

@@ -88,12 +88,13 @@ DECODE_EXTRA = json.dumps({"sparse_kv_offload_config": {"enabled": True, "topk_b
 COMMON = ["--model", "/models/tiny", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BS)]
 COMMANDS = {  # the images' default commands (docker/Dockerfile), with the test's sizes spelled out
     "metastore": ["kvoffload-metastore", "--port", "5000", "--dram-size", "256MB"],
-    "decode": ["kvoffload-decode", *COMMON, "--port", "8200", "--kv-transfer-config", DECODE_KV,
+    "decode": ["kvoffload-decode", *COMMON, "--port", "8200", "--shutdown-grace-s", "5", "--kv-transfer-config", DECODE_KV,
                "--additional-config", DECODE_EXTRA],
     "prefill": ["kvoffload-prefill", *COMMON, "--port", "8100", "--data-port", "18100",
-                "--metastore", "metastore:5000", "--host-pool-gb", "0.25", "--kv-transfer-config", PREFILL_KV],
+                "--metastore", "metastore:5000", "--host-pool-gb", "0.25", "--shutdown-grace-s", "5",
+                "--kv-transfer-config", PREFILL_KV],
     "proxy": ["kvoffload-proxy", "--port", "9000", "--prefiller-hosts", "prefill", "--prefiller-ports", "8100",
-              "--decoder-hosts", "decode", "--decoder-ports", "8200"],
+              "--decoder-hosts", "decode", "--decoder-ports", "8200", "--shutdown-grace-s", "5"],
 }
 SHM = {"decode": "1536m", "prefill": "1g"}
 
