@@ -6,6 +6,7 @@ command rather than skipping.
 """
 import json
 import subprocess
+import tomllib
 import zipfile
 from dataclasses import replace
 from pathlib import Path
@@ -118,8 +119,6 @@ def test_missing_packages_name_the_install_command(monkeypatch):
 
 
 def test_the_models_extra_pins_what_the_code_checks():
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-
     root = Path(__file__).resolve().parents[2]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert sorted(extras["models"]) == sorted(mf.REQUIREMENTS)

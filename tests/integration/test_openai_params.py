@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import urllib.error
 import urllib.request
 
@@ -16,17 +15,12 @@ import pytest
 from dsamodel.openai import choice_seed, sampling_params
 from dsamodel.tokenizer import ByteTokenizer
 
-from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, post_json
+from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_port_base, post_json
 
 BS = 16
 TOK = ByteTokenizer()
 PROMPT = "The quick brown fox jumps over the lazy dog. 0123456789 " * 3
 MESSAGES = [{"role": "user", "content": "Count: 1 2 3 4 5 6 7 8 9"}]
-
-
-def _ports(n: int) -> list[int]:
-    base = random.Random().randrange(21000, 29000, 50)
-    return list(range(base, base + n))
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +30,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    ports = _ports(4)
-    cfg = StackConfig(model=model_dir, log_dir=tmp_path_factory.mktemp("stack") / "logs", proxy_port=ports[0],
-                      prefill_ports=(ports[1],), decode_ports=(ports[2],), kv_port=ports[-1] + 1000,
-                      metastore_port=ports[3], max_model_len=2048, block_size=BS)
+    base = free_port_base()  # proxy, prefill, decode, metastore, kv port (+20), prefill data port: all free
+    cfg = StackConfig(model=model_dir, log_dir=tmp_path_factory.mktemp("stack") / "logs", proxy_port=base,
+                      prefill_ports=(base + 1,), decode_ports=(base + 2,), kv_port=base + 20,
+                      metastore_port=base + 3, max_model_len=2048, block_size=BS)
     with Stack(cfg) as s:
         yield s
 
@@ -137,7 +131,7 @@ def _stop_for(text: str) -> str:
     for ch in text[3:]:
         if ch.isprintable() and ch != "\ufffd" and not ch.isspace():
             return ch
-    pytest.skip(f"no printable character in {text!r}")
+    pytest.fail(f"the greedy text has no printable character to stop on: {text!r}")
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
