@@ -173,16 +173,14 @@ def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_promp
     """One stack round and one single-process round per client count; returns the JSON-ready result."""
     from dsamodel.bench import quiet_logs
 
-    from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_port_base, stack_stats
+    from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_stack_ports, stack_stats
 
     quiet_logs()
     work_dir = Path(tempfile.mkdtemp(prefix="kvoffload-bench-load-"))
     model_dir = ensure_tiny_model(work_dir / "tiny")
     gen = random.Random(seed)
-    base = free_port_base()
     max_model_len = 8192
-    cfg = StackConfig(model=model_dir, log_dir=work_dir / "logs", proxy_port=base, prefill_ports=(base + 1,),
-                      decode_ports=(base + 2,), kv_port=base + 20, metastore_port=base + 3,
+    cfg = StackConfig(model=model_dir, log_dir=work_dir / "logs", **free_stack_ports(),
                       max_model_len=max_model_len, block_size=block_size,
                       service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE)], "decode-0": list(decode_args)},
                       service_env=service_env or {})

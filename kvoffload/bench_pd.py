@@ -229,7 +229,7 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
     from dsamodel.bench import quiet_logs
     from dsamodel.config import ModelConfig
 
-    from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_port_base, stack_stats
+    from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_stack_ports, stack_stats
 
     if rounds < 1:
         raise ValueError(f"rounds = {rounds} must be >= 1")
@@ -241,9 +241,7 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
     row_bytes = (mc.kv_row_width + mc.index_head_dim) * mc.dtype.itemsize  # main + indexer row of one token
     memcpy_bytes = min(prompt_tokens, CHUNK_SIZE) * row_bytes  # one pull: a layer's rows of one prefill chunk
     gen = random.Random(0)
-    base = free_port_base()
-    cfg = StackConfig(model=model_dir, log_dir=work / "logs", proxy_port=base, prefill_ports=(base + 1,),
-                      decode_ports=(base + 2,), kv_port=base + 20, metastore_port=base + 3,
+    cfg = StackConfig(model=model_dir, log_dir=work / "logs", **free_stack_ports(),
                       max_model_len=8192, block_size=block_size,
                       service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE)]})
     sampler = _MemcpySampler(memcpy_bytes)

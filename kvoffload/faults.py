@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, ensure_tiny_model, free_port_base, stack_stats
+from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_stack_ports, stack_stats
 
 PEER_TIMEOUT_S = 2.0
 POOL_TIMEOUT_MS = 3000  # the metastore's heartbeat timeout for pools
@@ -57,19 +57,12 @@ PREFILL_POOL_GB = 0.006  # ~2680 tokens of the tiny model: the longest prompt fi
 FILLER_TOKENS = 3200
 
 
-def fault_ports() -> list[int]:
-    """4 ports for ``fault_stack_config`` such that every port its stack binds (those 4, the decode's
-    control port and the prefill's data port) is free now: two fault stacks may run at once."""
-    base = free_port_base((0, 1, 2, 3, 1003, 1 + DATA_PORT_OFFSET))
-    return [base, base + 1, base + 2, base + 3]
-
-
-def fault_stack_config(model: Path, log_dir: Path, ports: list[int]) -> StackConfig:
-    """A one-prefill, one-decode stack with short failure bounds (ports: 4 distinct free ports)."""
+def fault_stack_config(model: Path, log_dir: Path) -> StackConfig:
+    """A one-prefill, one-decode stack with short failure bounds, on ports free now (two fault
+    stacks may run at once)."""
     t = str(PEER_TIMEOUT_S)
     return StackConfig(
-        model=model, log_dir=log_dir, proxy_port=ports[0], prefill_ports=(ports[1],), decode_ports=(ports[2],),
-        kv_port=ports[3] + 1000, metastore_port=ports[3], max_model_len=4096, block_size=BLOCK_SIZE,
+        model=model, log_dir=log_dir, **free_stack_ports(), max_model_len=4096, block_size=BLOCK_SIZE,
         prefill_pool_gb=PREFILL_POOL_GB,
         service_args={
             "metastore": ["--heartbeat-timeout-ms", str(POOL_TIMEOUT_MS)],
@@ -365,10 +358,9 @@ def bench(runs: int = 20, seed: int = 0, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     quiet_logs()  # stdout carries the JSON only
-    ports = fault_ports()
     with tempfile.TemporaryDirectory(prefix="kvoffload-faults-") as tmp:
         model = ensure_tiny_model(Path(tmp) / "tiny")
-        cfg = fault_stack_config(model, Path(tmp) / "logs", ports)
+        cfg = fault_stack_config(model, Path(tmp) / "logs")
         ref = reference_tokens(model)
         for p in _prompts():
             ref(p)

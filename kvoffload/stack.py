@@ -7,6 +7,7 @@ created on first use. Every child logs JSON to its own file; Ctrl-C (or SIGTERM)
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
@@ -90,6 +91,18 @@ def free_port_base(offsets: tuple[int, ...] = (0, 1, 2, 3, 20, 1 + DATA_PORT_OFF
         if all(port_is_free(base + o) for o in offsets):
             return base
     raise RuntimeError(f"no free ports for offsets {offsets} below 32768")
+
+
+def free_stack_ports(prefills: int = 1, decodes: int = 1) -> dict:
+    """StackConfig's port fields for a stack of ``prefills`` and ``decodes`` whose every port (HTTP,
+    the prefills' data ports, the metastore, the decodes' control ports) is free now and below the
+    ephemeral range: ``StackConfig(model=..., log_dir=..., **free_stack_ports())``."""
+    kv = 2 + prefills + decodes
+    offsets = (*range(kv), *(1 + i + DATA_PORT_OFFSET for i in range(prefills)), *(kv + 16 * i for i in range(decodes)))
+    base = free_port_base(offsets)
+    return {"proxy_port": base, "prefill_ports": tuple(range(base + 1, base + 1 + prefills)),
+            "decode_ports": tuple(range(base + 1 + prefills, base + 1 + prefills + decodes)),
+            "metastore_port": base + 1 + prefills + decodes, "kv_port": base + kv}
 
 
 def ensure_tiny_model(path: Path) -> Path:
@@ -272,8 +285,8 @@ def _healthy(url: str, tls: TLSConfig | None = None) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
             return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+    except (urllib.error.URLError, OSError, http.client.HTTPException):
+        return False  # HTTPException: not an HTTP server there (e.g. a socket connected to itself)
 
 
 def post_json(url: str, body: dict, timeout_s: float = 300.0, headers: dict[str, str] | None = None) -> dict:

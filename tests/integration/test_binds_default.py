@@ -7,15 +7,13 @@ Linux only (/proc). A default changed to 0.0.0.0 or :: shows up here as a non-lo
 
 from __future__ import annotations
 
-import random
-import socket
 import sys
 
 import pytest
 
 from sockets import listening_sockets
 
-from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, ensure_tiny_model, stack_stats
+from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, ensure_tiny_model, free_stack_ports, stack_stats
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads listening sockets from /proc")
 
@@ -31,27 +29,6 @@ class DefaultHostStack(Stack):
         return out
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _ports() -> list[int]:
-    """proxy, prefill HTTP, decode HTTP, metastore, decode control port; each free (and the
-    prefill's data port, its HTTP port + DATA_PORT_OFFSET)."""
-    rng = random.Random()
-    for _ in range(50):
-        base = rng.randrange(21000, 29000, 10)
-        ports = [base, base + 1, base + 2, base + 3, base + 1003]
-        if all(_free(p) for p in (*ports, base + 1 + DATA_PORT_OFFSET)):
-            return ports
-    raise RuntimeError("no free ports")
-
-
 def expected_ports(cfg: StackConfig) -> dict[str, set[int]]:
     """The ports each service must be listening on (what the stack dials)."""
     out = {"metastore": {cfg.metastore_port}, "proxy": {cfg.proxy_port}}
@@ -63,9 +40,7 @@ def expected_ports(cfg: StackConfig) -> dict[str, set[int]]:
 
 
 def default_host_config(model, log_dir, service_args: dict[str, list[str]] | None = None) -> StackConfig:
-    proxy, prefill, decode, metastore, kv = _ports()
-    return StackConfig(model=model, log_dir=log_dir, proxy_port=proxy, prefill_ports=(prefill,),
-                       decode_ports=(decode,), kv_port=kv, metastore_port=metastore, max_model_len=1024,
+    return StackConfig(model=model, log_dir=log_dir, **free_stack_ports(), max_model_len=1024,
                        prefill_pool_gb=0.01, service_args=service_args or {})
 
 

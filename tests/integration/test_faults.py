@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from kvoffload.faults import FAULTS, FILLER_TOKENS, REQUEST_DEADLINE_S, FaultRunner, fault_ports, fault_stack_config, \
+from kvoffload.faults import FAULTS, FILLER_TOKENS, REQUEST_DEADLINE_S, FaultRunner, fault_stack_config, \
     records_json, reference_tokens, summarize
 from kvoffload.stack import Stack, ensure_tiny_model
 
@@ -27,9 +27,8 @@ RANDOM_RUNS = 40  # plus one run of every fault kind: 50 in all
 def runner(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     model = ensure_tiny_model(tmp / "tiny")
-    ports = fault_ports()
     ref = reference_tokens(model)
-    with Stack(fault_stack_config(model, tmp / "logs", ports)) as stack:
+    with Stack(fault_stack_config(model, tmp / "logs")) as stack:
         yield FaultRunner(stack, ref, SEED, log=print)
 
 

@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 
 from kvoffload.reference import greedy_reference
-from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, stack_stats
+from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_stack_ports, stack_stats
 
 BS = 16
 QUEUE_LIMIT = 64
@@ -35,10 +35,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    base = random.Random().randrange(21000, 29000, 50)
-    cfg = StackConfig(model=model_dir, log_dir=tmp_path_factory.mktemp("load") / "logs", proxy_port=base,
-                      prefill_ports=(base + 1,), decode_ports=(base + 2,), kv_port=base + 1003,
-                      metastore_port=base + 3, max_model_len=8192, block_size=BS,
+    cfg = StackConfig(model=model_dir, log_dir=tmp_path_factory.mktemp("load") / "logs", **free_stack_ports(),
+                      max_model_len=8192, block_size=BS,
                       service_args={"decode-0": ["--max-num-seqs", "2", "--max-queued-requests", str(QUEUE_LIMIT)],
                                     # a short registration deadline: a queued request must not meet it
                                     "proxy": ["--metaserver-timeout-s", "5"]})

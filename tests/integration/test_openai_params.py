@@ -15,7 +15,7 @@ import pytest
 from dsamodel.openai import choice_seed, sampling_params
 from dsamodel.tokenizer import ByteTokenizer
 
-from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_port_base, post_json
+from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_stack_ports, post_json
 
 BS = 16
 TOK = ByteTokenizer()
@@ -30,10 +30,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    base = free_port_base()  # proxy, prefill, decode, metastore, kv port (+20), prefill data port: all free
-    cfg = StackConfig(model=model_dir, log_dir=tmp_path_factory.mktemp("stack") / "logs", proxy_port=base,
-                      prefill_ports=(base + 1,), decode_ports=(base + 2,), kv_port=base + 20,
-                      metastore_port=base + 3, max_model_len=2048, block_size=BS)
+    cfg = StackConfig(model=model_dir, log_dir=tmp_path_factory.mktemp("stack") / "logs", **free_stack_ports(),
+                      max_model_len=2048, block_size=BS)
     with Stack(cfg) as s:
         yield s
 

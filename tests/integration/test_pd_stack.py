@@ -6,21 +6,15 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import random
 import urllib.request
 
 import pytest
 from dsamodel.tokenizer import ByteTokenizer
 
 from kvoffload.reference import greedy_reference
-from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, post_json, stack_stats
+from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_stack_ports, post_json, stack_stats
 
 BS = 16
-
-
-def _ports(n: int) -> list[int]:
-    base = random.Random().randrange(21000, 29000, 50)
-    return list(range(base, base + n))
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +23,8 @@ def model_dir(tmp_path_factory):
 
 
 def _config(model_dir, tmp, prefills: int, decodes: int) -> StackConfig:
-    ports = _ports(2 + prefills + decodes)
-    return StackConfig(model=model_dir, log_dir=tmp / "logs", proxy_port=ports[0],
-                       prefill_ports=tuple(ports[1 : 1 + prefills]),
-                       decode_ports=tuple(ports[1 + prefills : 1 + prefills + decodes]),
-                       kv_port=ports[-1] + 1000, metastore_port=ports[-1], max_model_len=8192, block_size=BS)
+    return StackConfig(model=model_dir, log_dir=tmp / "logs", **free_stack_ports(prefills, decodes),
+                       max_model_len=8192, block_size=BS)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ gRPC health is NOT_SERVING; once the restarted metastore has the pool again, bot
 from __future__ import annotations
 
 import json
-import random
 import signal
 import time
 import urllib.error
@@ -13,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, _healthy, ensure_tiny_model
+from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, _healthy, ensure_tiny_model, free_stack_ports
 
 
 def _health(url: str) -> tuple[int, dict]:
@@ -37,10 +36,8 @@ def _wait(pred, what: str, timeout_s: float):
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("health")
-    base = random.Random().randrange(30000, 38000, 10)
-    cfg = StackConfig(model=ensure_tiny_model(tmp / "tiny"), log_dir=tmp / "logs", proxy_port=base,
-                      prefill_ports=(base + 1,), decode_ports=(base + 2,), metastore_port=base + 3,
-                      kv_port=base + 5, max_model_len=2048)
+    cfg = StackConfig(model=ensure_tiny_model(tmp / "tiny"), log_dir=tmp / "logs", **free_stack_ports(),
+                      max_model_len=2048)
     with Stack(cfg) as s:
         yield s
 

@@ -6,14 +6,14 @@ certificate-less gRPC client is refused; a client without the key gets 401."""
 
 from __future__ import annotations
 
-import random
 import urllib.error
 
 import grpc
 import pytest
 from svcruntime.tls import TLSConfig
 
-from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, _healthy, ensure_tiny_model, grpc_stats, post_json
+from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, _healthy, ensure_tiny_model, free_stack_ports, grpc_stats, \
+    post_json
 
 tlscerts = pytest.importorskip("tlscerts", reason="needs the cryptography package (root test extra)")
 KEY = "integration-key"
@@ -22,10 +22,8 @@ KEY = "integration-key"
 def test_mtls_on_every_grpc_port_and_api_key_on_the_proxy(tmp_path):
     pki = tlscerts.make_pki(tmp_path / "pki")
     tls = TLSConfig.load(pki.cert, pki.key, pki.ca)
-    base = random.Random().randrange(21000, 29000, 50)
-    cfg = StackConfig(model=ensure_tiny_model(tmp_path / "tiny"), log_dir=tmp_path / "logs", proxy_port=base,
-                      prefill_ports=(base + 1,), decode_ports=(base + 2,), metastore_port=base + 3,
-                      kv_port=base + 1003, max_model_len=4096, block_size=16, tls=tls, api_key=KEY,
+    cfg = StackConfig(model=ensure_tiny_model(tmp_path / "tiny"), log_dir=tmp_path / "logs", **free_stack_ports(),
+                      max_model_len=4096, block_size=16, tls=tls, api_key=KEY,
                       # another "host": the decode streams every layer from the prefill's LayerSource (gRPC)
                       service_env={"prefill-0": {"KVOFFLOAD_HOST_ID": "prefill-host"}})
     assert "--api-key" not in str(Stack(cfg).commands())  # the key travels in the environment, not argv
