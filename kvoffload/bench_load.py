@@ -7,10 +7,10 @@ client that gets 429 waits its ``Retry-After`` and sends again (at most ``max_re
 a well-behaved client does; any other error, or 429 after its last retry, is a failure. Then the
 single-process engine (``dsamodel``'s ``Engine``, same sizes, ``max_num_seqs`` = the decode's) runs
 the same requests in this process: all added at once, stepped until done. The halves alternate
-(stack, engine, stack, engine, ... ``rounds`` pairs per client count), each on the same machine and
-cores, and every round has fresh prompts, so no round reuses another's prefix cache. With several
-rounds the counts are summed and every other figure is the median over the rounds (these machines
-are shared and noisy).
+(stack, engine, stack, engine, ... ``rounds`` pairs per client count, 3 by default), each on the
+same machine and cores, and every round has fresh prompts, so no round reuses another's prefix
+cache. The counts are summed over the rounds and every other figure is their median (these
+machines are shared and noisy: one round's ratio varies by +-0.1 from run to run).
 
 The workload is mixed: prompt lengths log-uniform in [``min_prompt``, ``max_prompt``] tokens
 (random byte tokens), ``max_tokens`` uniform in [1, ``max_tokens``]. Defaults keep a run to a few
@@ -168,7 +168,7 @@ def _workload(gen: random.Random, n: int, min_prompt: int, max_prompt: int, max_
 
 
 def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_prompt: int = 1500,
-        max_tokens: int = 32, block_size: int = 16, max_retries: int = 20, seed: int = 0, rounds: int = 1,
+        max_tokens: int = 32, block_size: int = 16, max_retries: int = 20, seed: int = 0, rounds: int = 3,
         decode_args: tuple[str, ...] = (), service_env: dict[str, dict[str, str]] | None = None) -> dict:
     """One stack round and one single-process round per client count; returns the JSON-ready result."""
     from dsamodel.bench import quiet_logs

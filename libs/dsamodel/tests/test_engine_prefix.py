@@ -77,3 +77,65 @@ def test_leases_keep_the_prefix_from_being_evicted_while_it_is_loaded():
     finally:
         eng.close()
         pool.close()
+
+
+def test_a_hash_block_another_writer_is_filling_is_computed_into_a_copy_of_our_own():
+    """Blocks 2 and 5 of the prompt are allocated (not written) by another writer: the prefill writes
+    request-scoped copies of those two, hash objects of the rest, and its logits are the uncached
+    ones; release drops the copies and leaves the other writer's objects alone."""
+    from kvcore.blockkeys import block_keys, is_request_key
+
+    model = tiny(torch.float32, True)
+    prompt = seeded_prompt(200, 31)
+    pool = prefill_pool(model, BS)
+    eng = prefill_engine(model, pool, buffers=2, independent=[0], chunk_size=64)
+    try:
+        hashes = block_keys("tiny-test", prompt, BS)
+        pool.alloc([hashes[2], hashes[5]])
+        res = eng.run(PrefillRequest("r1", prompt))
+        copies = [b for b, k in enumerate(res.keys) if is_request_key(k)]
+        assert copies == [2, 5, 12]  # 12: the partial tail block (200 = 12 * 16 + 8)
+        assert [k for b, k in enumerate(res.keys) if b not in copies] == [h for b, h in enumerate(hashes) if b not in copies]
+        torch.testing.assert_close(res.logits, forward_dense(model, prompt)[-1], rtol=1e-4, atol=1e-4)
+        eng.release(res)
+        assert pool.exists(hashes) == [b not in (2, 5) for b in range(len(hashes))]
+        assert not any(pool.exists([res.keys[b] for b in copies]))
+        assert pool.stats().live_leases == 0
+    finally:
+        eng.close()
+        pool.close()
+
+
+class _CountingPool:
+    """A pool that counts the calls made through it (everything else goes to the real one)."""
+
+    def __init__(self, pool) -> None:
+        self._pool, self.calls = pool, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._pool, name)
+        if name in ("exists", "alloc", "lease"):
+            def counted(*args, **kwargs):
+                self.calls.append(name)
+                return attr(*args, **kwargs)
+            return counted
+        return attr
+
+
+def test_pool_calls_per_chunk_do_not_grow_with_its_blocks():
+    """A remote pool costs a round trip per call: a chunk of 64 blocks makes as many index calls
+    as a chunk of 4."""
+    model = tiny(torch.float32, True)
+    counts = {}
+    for chunk in (64, 1024):
+        pool = _CountingPool(prefill_pool(model, BS))
+        eng = prefill_engine(model, pool, buffers=2, independent=[0], chunk_size=chunk)
+        try:
+            _prefill(eng, "r", seeded_prompt(1024, 41))
+            counts[chunk] = len(pool.calls)
+        finally:
+            eng.close()
+            pool.close()
+    chunks = {64: 16, 1024: 1}
+    # per chunk: exists, alloc, lease of what it writes; per request: a prefix exists and the hand-off lease
+    assert counts == {c: 3 * n + 2 for c, n in chunks.items()}, counts

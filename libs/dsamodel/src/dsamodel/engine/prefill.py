@@ -205,33 +205,45 @@ class LayerwisePrefill:
     def _plan_chunk(self, req, s, e, hash_keys, keys, owned, leases, allocated) -> _Chunk:
         """Decide the pool object of every block the chunk touches and allocate the new ones.
 
-        ``keys[b]`` is where block b of the request lives; on return it covers the chunk too.
+        ``keys[b]`` is where block b of the request lives; on return it covers the chunk too. A few
+        pool calls per chunk, never one per block (the pool may be a remote index): one ``exists``
+        for the chunk's full blocks, one lease on those someone else already wrote (before the
+        ``alloc`` could evict them), one ``alloc`` for the rest, one lease on what this chunk writes.
         """
         bs = self.block_size
         chunk = _Chunk(s, e, bs)
         chunk.load_keys = list(keys[: -(-s // bs)])  # the prefix [0, s), old tail object included
         del keys[chunk.first_block :]  # the old tail object is superseded by this chunk's
-        for b in range(chunk.first_block, chunk.end_block):
-            full = (b + 1) * bs <= e
-            key = hash_keys[b] if full else request_block_key(req.request_id, b, version=e)
-            if full and self.pool.exists([key])[0]:
-                leases.append(self.pool.lease([key], self.lease_ttl_ms))  # someone else wrote it
-                keys.append(key)
-                continue
-            try:
-                self.pool.alloc([key])
-            except ObjectExists:  # another writer is filling this hash block: keep our own copy
-                key = request_block_key(req.request_id, b, version=e)
-                self.pool.alloc([key])
-            allocated.append(key)
-            if is_request_key(key):
-                owned.append(key)
-            chunk.save_keys.append(key)
-            chunk.save_blocks.append(b)
-            keys.append(key)
+        blocks = range(chunk.first_block, chunk.end_block)
+        full = [b for b in blocks if (b + 1) * bs <= e]
+        written = {b for b, ok in zip(full, self.pool.exists([hash_keys[b] for b in full]) if full else []) if ok}
+        if written:
+            leases.append(self.pool.lease([hash_keys[b] for b in sorted(written)], self.lease_ttl_ms))
+        chunk.save_blocks = [b for b in blocks if b not in written]
+        chunk.save_keys = self._alloc(req, e, [hash_keys[b] if b in full else request_block_key(req.request_id, b, version=e)
+                                               for b in chunk.save_blocks], chunk.save_blocks)
+        allocated += chunk.save_keys
+        owned += [k for k in chunk.save_keys if is_request_key(k)]
+        saved = dict(zip(chunk.save_blocks, chunk.save_keys))
+        keys += [saved[b] if b in saved else hash_keys[b] for b in blocks]
         if chunk.save_keys:
             leases.append(self.pool.lease(chunk.save_keys, self.lease_ttl_ms))  # pinned while we write
         return chunk
+
+    def _alloc(self, req: PrefillRequest, version: int, keys: list[bytes], blocks: list[int]) -> list[bytes]:
+        """Allocate ``keys`` (of ``blocks``) in one call; a hash key another writer holds meanwhile is
+        swapped for a request-scoped copy of ours and the call repeated. Returns the keys allocated."""
+        keys = list(keys)
+        while keys:
+            try:
+                self.pool.alloc(keys)
+                break
+            except ObjectExists as exc:
+                if exc.key not in keys or is_request_key(exc.key):
+                    raise
+                i = keys.index(exc.key)
+                keys[i] = request_block_key(req.request_id, blocks[i], version=version)
+        return keys
 
     # ---- one chunk --------------------------------------------------------------------------
 
