@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 # The versions verified to convert and generate correctly here (also the root `models` extra).
-REQUIREMENTS = ("transformers==5.24.0", "gguf==0.19.0", "accelerate==1.15.0")
+REQUIREMENTS = ("transformers==5.19.0", "gguf==0.19.0", "accelerate==1.15.0")
 PROVENANCE = "kvoffload-provenance.json"
 
 

@@ -146,6 +146,8 @@ def test_store_defaults_and_all() -> None:
         "layerwise_num_shared_buffers": None,
         "layerwise_independent_layers": (0,),
         "layerwise_prefetch_layers": None,
+        "metastore": None,
+        "host_pool_gb": None,
     }
     assert config.warnings == []
     every = parse_kv_transfer_config(with_extra(prefill_only(), layerwise_independent_layers="all"))
@@ -467,3 +469,25 @@ def test_direct_construction_is_strict_with_friendly_messages() -> None:
     with pytest.raises(ValidationError):
         KVTransferConfig(kv_connector="AscendStoreConnector", kv_role="kv_producer")  # backend missing
     assert AdditionalConfig().sparse_kv_offload_config == SparseKVOffloadConfig()
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"metastore": "nohostport"}, 'kv_connector_extra_config.metastore: got \'nohostport\' (str); must be "HOST:PORT"'),
+    ({"metastore": "h:70000"}, "kv_connector_extra_config.metastore: got 'h:70000'"),
+    ({"host_pool_gb": 0}, "kv_connector_extra_config.host_pool_gb: got 0 (int); must be a number of GiB > 0"),
+    ({"host_pool_gb": "1GB"}, "kv_connector_extra_config.host_pool_gb: got '1GB' (str)"),
+])
+def test_store_pool_keys_are_checked(extra, message):
+    with pytest.raises(ConfigError) as e:
+        parse_kv_transfer_config({"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+                                  "kv_connector_extra_config": {"backend": "kvoffload", **extra}})
+    assert message in str(e.value)
+
+
+def test_strict_parsing_makes_an_unknown_key_an_error_with_a_suggestion():
+    body = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"backend": "kvoffload", "metastor": "a:1"}}
+    assert parse_kv_transfer_config(body).store.metastore is None  # not strict: a warning only
+    with pytest.raises(ConfigError) as e:
+        parse_kv_transfer_config(body, strict=True)
+    assert "kv_connector_extra_config: unknown key 'metastor'; did you mean 'metastore'?" in str(e.value)

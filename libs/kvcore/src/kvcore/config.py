@@ -202,6 +202,23 @@ def _dram_gib(value: Any) -> Any:
     raise _rule(f"got {describe_value(value)}; must be whole GiB as an integer > 0 (e.g. 128, not 1.5 or \"10GB\")")
 
 
+def _host_port(value: Any) -> Any:
+    if value is None:
+        return None
+    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if sep and host and port.isdigit() and 1 <= int(port) <= 65535:
+        return value
+    raise _rule(f"got {describe_value(value)}; must be \"HOST:PORT\" (the kvoffload-metastore's address)")
+
+
+def _positive_gib(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise _rule(f"got {describe_value(value)}; must be a number of GiB > 0 (e.g. 1 or 0.5)")
+
+
 StrictBool = Annotated[bool, BeforeValidator(_strict_bool)]
 
 
@@ -279,6 +296,10 @@ class StoreConnectorConfig(_Model):
         Union[Literal["all"], tuple[int, ...]], BeforeValidator(_independent_layers)
     ] = (0,)
     layerwise_prefetch_layers: Annotated[int | None, _int_rule(1, optional=True)] = None
+    # backend "kvoffload": the metastore indexing the pool, and the host memory this node contributes
+    # (the reference prefill also takes them as --metastore / --host-pool-gb)
+    metastore: Annotated[str | None, BeforeValidator(_host_port)] = None
+    host_pool_gb: Annotated[float | None, BeforeValidator(_positive_gib)] = None
 
     def _own_warnings(self) -> list[Problem]:
         if self.use_layerwise:
@@ -531,10 +552,18 @@ def _log_warnings(model: _Model, option: str) -> None:
         _log.warning("ineffective_config_keys", option=option, warnings=other)
 
 
-def parse_kv_transfer_config(value: str | dict[str, Any]) -> KVTransferConfig:
-    """Parse ``--kv-transfer-config`` (JSON string or dict); ConfigError lists every problem."""
+def parse_kv_transfer_config(value: str | dict[str, Any], *, strict: bool = False) -> KVTransferConfig:
+    """Parse ``--kv-transfer-config`` (JSON string or dict); ConfigError lists every problem.
+
+    Unknown keys are logged warnings, or with ``strict`` (our vLLM connectors: nothing else reads
+    their extra config) problems of the ConfigError."""
     data = _load_json(value, "--kv-transfer-config")
-    return _validate(KVTransferConfig, data, "--kv-transfer-config")
+    model = _validate(KVTransferConfig, data, "--kv-transfer-config")
+    unknown = [w for loc, text in model.warning_items() if text.startswith("unknown key ")
+               for w in [f"{format_path(loc, model._ROOT)}: {text.replace(' (ignored)', '')}"]]
+    if strict and unknown:
+        raise ConfigError(unknown)
+    return model
 
 
 def parse_additional_config(value: str | dict[str, Any] | None) -> AdditionalConfig:

@@ -47,10 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=2048)
-    p.add_argument("--host-pool-gb", type=float, default=1.0, help="host KV pool (prefix cache) this node contributes")
+    p.add_argument("--host-pool-gb", type=float,
+                   help="host KV pool (prefix cache) this node contributes (default: the store config's "
+                        "host_pool_gb, else 1)")
     p.add_argument("--metastore", metavar="HOST:PORT",
-                   help="kvoffload-metastore that indexes the pool (backend 'kvoffload'); without it the index "
-                        "is kept in this process")
+                   help="kvoffload-metastore that indexes the pool (default: the store config's metastore); "
+                        "without either the index is kept in this process")
     p.add_argument("--read-timeout-s", type=float, default=60.0, help="longest wait for a decode's READ_DONE")
     p.add_argument("--peer-timeout-s", type=float, default=10.0,
                    help="a decode that answers no heartbeat for this long is gone: its reads fail (default 10)")
@@ -76,6 +78,7 @@ def serve(args: argparse.Namespace) -> int:
     tls = start_process(SERVICE, args, log_level=args.log_level, **FLAG_RULES)
     model = load_model(args.model, dtype=args.dtype)
     settings = _settings(args, kv_layout(model.config, args.block_size, model.dtype))
+    _pool_flags(args, settings.store)
     model_id = args.served_model_name or Path(args.model).resolve().name
     tag = uuid.uuid4().hex[:8]
     pool = _host_pool(args, build.prefill_geometry(model, args.block_size, int(args.host_pool_gb * 2**30)),
@@ -114,6 +117,17 @@ def _settings(args: argparse.Namespace, layout) -> PrefillSettings:
     for w in settings.warnings:
         log.warning("config_warning", warning=w)
     return settings
+
+
+def _pool_flags(args: argparse.Namespace, store) -> None:
+    """--metastore / --host-pool-gb, or the store config's metastore / host_pool_gb; both given and
+    different is an error naming both."""
+    for flag, attr, default in (("--metastore", "metastore", None), ("--host-pool-gb", "host_pool_gb", 1.0)):
+        given, configured = getattr(args, attr), getattr(store, attr)
+        if given is not None and configured is not None and given != configured:
+            raise ConfigError([f"{flag} {given} and kv_connector_extra_config.{attr} {configured!r} disagree; "
+                               "give one of them"])
+        setattr(args, attr, given if given is not None else configured if configured is not None else default)
 
 
 def _host_pool(args: argparse.Namespace, geometry, name: str):

@@ -1,0 +1,101 @@
+"""vLLM's paged KV cache as kvoffload pool geometry, and the key prefix that keeps layouts apart.
+
+A vLLM worker hands the connector one tensor per attention layer whose first dimension is the
+block: ``cache[b]`` is block b of that layer (on CPU ``[num_blocks, num_kv_heads, 2 * block_size,
+head_size]``-like; the order inside a block is the backend's business). The pool stores a block of
+a layer as one plane of one object, byte for byte, so a block goes back into any engine with the
+same layout unchanged; the layout's digest is part of every block key, so engines whose layouts
+differ never read each other's blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from kvcore.segment import PoolGeometry
+
+
+class LayoutMismatch(ValueError):
+    """A cache is not laid out as the connector needs; the message names the layer and both sides."""
+
+
+def model_key_prefix(model_name: str, layout: Mapping[str, object]) -> str:
+    """The block keys' model id: the served model name and a digest of everything that decides the
+    bytes of a block (``layout``: spec fields, device type, vLLM version, layer names)."""
+    digest = hashlib.sha256(json.dumps(layout, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"vllm:{model_name}:{digest}"
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The attention layers' caches in layer order: name, block shape and dtype, bytes per block."""
+
+    layer_names: tuple[str, ...]
+    num_blocks: int
+    block_size: int
+    block_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer."""
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+    def as_rows(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Contiguous blocks ``[n, *block_shape]`` viewed as the pool's ``[n, block_size, row_bytes]``
+        bytes (no copy: a block is copied byte for byte, whatever its inner order)."""
+        return blocks.view(torch.uint8).view(blocks.shape[0], self.block_size, -1)
+
+    def plane(self, layer_name: str) -> int:
+        return self.layer_names.index(layer_name)
+
+    def geometry(self, pool_bytes: int) -> PoolGeometry:
+        """A pool of as many objects (one block of every layer each) as fit in ``pool_bytes``."""
+        if self.block_bytes % self.block_size:
+            raise LayoutMismatch(f"a block of {self.block_bytes} bytes does not split into {self.block_size} rows")
+        per_object = self.block_bytes * len(self.layer_names)
+        num_objects = pool_bytes // per_object
+        if num_objects < 1:
+            raise ValueError(f"host_pool_gb holds no block: one block of all {len(self.layer_names)} layers "
+                             f"is {per_object} bytes, the pool {pool_bytes}")
+        return PoolGeometry(self.block_size, (self.block_bytes // self.block_size,) * len(self.layer_names),
+                            num_objects, tuple((i, "main") for i in range(len(self.layer_names))))
+
+    @classmethod
+    def of(cls, caches: Mapping[str, object], order: Sequence[str], num_blocks: int, block_size: int,
+           page_bytes: int) -> "CacheLayout":
+        """Check vLLM's per-layer caches (``order``: layer order) and describe them.
+
+        Every layer must be one contiguous tensor ``[num_blocks, ...]`` whose block is
+        ``page_bytes`` (the KV cache spec's page size), all with one shape and dtype; anything else
+        is refused with the layer and what was expected.
+        """
+        missing = [n for n in order if n not in caches]
+        if missing or len(order) != len(caches):
+            raise LayoutMismatch(f"vLLM registered caches for {sorted(caches)}, the KV cache config names {list(order)}")
+        first = None
+        for name in order:
+            t = caches[name]
+            if not isinstance(t, torch.Tensor):
+                raise LayoutMismatch(f"layer {name!r}: the connector needs one tensor per layer, got {type(t).__name__}")
+            if t.dim() < 2 or t.shape[0] != num_blocks or not t.is_contiguous():
+                raise LayoutMismatch(f"layer {name!r}: needs a contiguous [num_blocks={num_blocks}, ...] tensor, got "
+                                     f"shape {list(t.shape)} (contiguous: {t.is_contiguous()})")
+            got = (tuple(t.shape[1:]), t.dtype)
+            if first is None:
+                first = got
+            elif got != first:
+                raise LayoutMismatch(f"layer {name!r}: block {list(got[0])} {got[1]} differs from layer "
+                                     f"{order[0]!r}'s {list(first[0])} {first[1]}")
+        layout = cls(tuple(order), num_blocks, block_size, first[0], first[1])
+        if layout.block_bytes != page_bytes:
+            raise LayoutMismatch(f"a block of layer {order[0]!r} is {layout.block_bytes} bytes, the KV cache spec "
+                                 f"says {page_bytes}")
+        return layout

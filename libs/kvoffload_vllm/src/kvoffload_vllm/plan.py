@@ -1,0 +1,108 @@
+"""The store connector's scheduler-side bookkeeping: which blocks each step loads and saves.
+
+Per request it keeps the prompt's chained block keys (``kvcore.blockkeys``, the reference engine's
+keys under a vLLM model id), the request's vLLM block ids, how many tokens the connector promised
+to load, and how far its full prompt blocks are saved. ``step`` turns one scheduler step into
+``Transfer`` lists the worker executes:
+
+- a load: the blocks ``[local hit, local hit + external hit)`` of a new request, once;
+- a save: every prompt block that this step completes (computed tokens after the step cover it),
+  never a block that was a local or pool hit.
+
+No vLLM import: the connector adapts vLLM's scheduler output to these plain arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvcore.blockkeys import block_keys
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Blocks of one request to load or save: ``keys[i]`` <-> vLLM block ``block_ids[i]``."""
+
+    request_id: str
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class _Request:
+    prompt_len: int
+    keys: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    external: int = 0  # tokens the connector promised to load (set at allocation, consumed by a load)
+    saved: int = 0  # full prompt blocks already saved or already present
+
+
+class StorePlanner:
+    def __init__(self, model_id: str, block_size: int) -> None:
+        self.model_id, self.block_size = model_id, block_size
+        self._reqs: dict[str, _Request] = {}
+
+    def _request(self, request_id: str, prompt: Sequence[int]) -> _Request:
+        req = self._reqs.get(request_id)
+        if req is None:
+            req = self._reqs[request_id] = _Request(len(prompt), block_keys(self.model_id, list(prompt), self.block_size))
+        return req
+
+    def lookup(self, request_id: str, prompt: Sequence[int], num_computed: int,
+               exists: Callable[[list[bytes]], list[bool]]) -> int:
+        """Tokens beyond ``num_computed`` (block-aligned) the pool holds: the leading run of complete
+        blocks, leaving at least one prompt token to compute. Asks ``exists`` at most once."""
+        req = self._request(request_id, prompt)
+        first, usable = num_computed // self.block_size, (len(prompt) - 1) // self.block_size
+        if usable <= first:
+            return 0
+        present = exists(req.keys[first:usable])
+        run = next((i for i, ok in enumerate(present) if not ok), len(present))
+        return run * self.block_size
+
+    def allocated(self, request_id: str, num_external: int) -> None:
+        """vLLM allocated blocks for the request, ``num_external`` of its tokens to come from the pool."""
+        if request_id in self._reqs:
+            self._reqs[request_id].external = num_external
+
+    def new_request(self, request_id: str, prompt: Sequence[int], block_ids: Sequence[int], num_computed: int,
+                    num_scheduled: int) -> tuple[Transfer | None, Transfer | None]:
+        """A request scheduled for the first time: (its load or None, its save or None)."""
+        req = self._request(request_id, prompt)
+        req.block_ids = list(block_ids)
+        load = None
+        if req.external:
+            first = (num_computed - req.external) // self.block_size
+            n = req.external // self.block_size
+            load = Transfer(request_id, tuple(req.keys[first:first + n]), tuple(req.block_ids[first:first + n]))
+            req.external = 0
+        req.saved = num_computed // self.block_size
+        return load, self._save(request_id, req, num_computed + num_scheduled)
+
+    def running_request(self, request_id: str, new_block_ids: Sequence[int] | None, resumed: bool,
+                        num_computed: int, num_scheduled: int) -> Transfer | None:
+        """A request scheduled again (``resumed``: after a preemption, ``new_block_ids`` is all of them)."""
+        req = self._reqs.get(request_id)
+        if req is None:
+            return None
+        if resumed:
+            req.block_ids = list(new_block_ids or ())
+            req.saved = num_computed // self.block_size
+        elif new_block_ids:
+            req.block_ids.extend(new_block_ids)
+        return self._save(request_id, req, num_computed + num_scheduled)
+
+    def _save(self, request_id: str, req: _Request, computed_after: int) -> Transfer | None:
+        full = min(min(computed_after, req.prompt_len) // self.block_size, len(req.block_ids))
+        if full <= req.saved:
+            return None
+        out = Transfer(request_id, tuple(req.keys[req.saved:full]), tuple(req.block_ids[req.saved:full]))
+        req.saved = full
+        return out
+
+    def finished(self, request_id: str) -> None:
+        self._reqs.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._reqs)

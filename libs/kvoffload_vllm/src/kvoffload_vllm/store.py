@@ -1,0 +1,370 @@
+"""``AscendStoreConnector`` for vLLM: the layerwise host KV pool and cross-instance prefix cache.
+
+The seed's ``AscendStoreConnector`` semantics on vLLM's ``KVConnectorBase_V1``, with the kvoffload
+host pool (``backend: "kvoffload"``: shared-memory segments indexed by ``kvoffload-metastore``)::
+
+    --kv-transfer-config '{"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "kvoffload_vllm",
+        "kv_connector_extra_config": {"backend": "kvoffload", "use_layerwise": true,
+                                      "metastore": "127.0.0.1:5000", "host_pool_gb": 1}}'
+
+Scheduler side (engine core process)
+    ``get_num_new_matched_tokens``  one MetaStore ``Exists`` over the prompt's block keys beyond the
+                                    local prefix-cache hit: the leading run of complete blocks is
+                                    the external hit (loaded synchronously, before the forward).
+                                    The MetaStore down: a warning and no hit, never a failure.
+    ``update_state_after_alloc``    remembers the promised tokens.
+    ``build_connector_meta``        ``kvoffload_vllm.plan``: this step's loads and saves.
+    ``request_finished``            forgets the request; blocks are freed at once (saves are
+                                    finished by the end of the step that computed them).
+
+Worker side (model runner process), hook by hook
+    ``register_kv_caches``          checks vLLM's per-layer caches (``kvoffload_vllm.layout``),
+                                    contributes a pool of ``host_pool_gb`` to the MetaStore.
+    ``start_load_kv``               a loader thread copies each layer's hit blocks from the pool
+                                    (any pool on this host) into the request's vLLM blocks, layer
+                                    0 first; ``wait_for_layer_load(layer)`` waits for that layer.
+                                    A failed load marks the request's loaded blocks as load errors
+                                    (``get_block_ids_with_load_errors``): vLLM recomputes them.
+    ``save_kv_layer``               at the step's first layer, allocates pool objects for the
+                                    blocks this step completes (blocks already in the pool, or
+                                    being written by another engine, are skipped); then each layer's
+                                    blocks are handed to a saver thread as the forward goes on.
+    ``wait_for_save``               the barrier: every layer written, or the failed objects removed
+                                    (an object is complete, and visible to lookups, only once all
+                                    its layers are written).
+Counters (blocks and bytes saved / loaded, hit tokens, errors) go to structlog lines with the
+request id and to vLLM's connector stats.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+from kvcore.config import STORE_CONNECTOR, ConfigError, parse_kv_transfer_config
+from kvcore.hostpool import ObjectExists, PoolError
+from kvcore.segment import sweep_stale_segments
+from poolclient.client import MetaStoreClient
+from poolclient.remotepool import RemoteHostPool
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvoffload_vllm.layout import CacheLayout, model_key_prefix
+from kvoffload_vllm.plan import StorePlanner, Transfer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = structlog.get_logger("vllm.kvoffload.store")
+
+DEFAULT_HOST_POOL_GB = 1.0
+METASTORE_TIMEOUT_S = 5.0
+COUNTERS = ("blocks_saved", "bytes_saved", "blocks_loaded", "bytes_loaded", "save_errors", "load_errors",
+            "lookups", "hit_tokens")
+
+
+@dataclass
+class StoreStepMetadata(KVConnectorMetadata):
+    """One scheduler step's work for the workers."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class StoreStats(KVConnectorStats):
+    """Sums of ``COUNTERS`` since the last report (vLLM aggregates workers and logs them)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "StoreStats":
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def store_config(vllm_config: "VllmConfig"):
+    """The typed AscendStoreConnector config (unknown keys are errors); ConfigError names the field."""
+    kv = vllm_config.kv_transfer_config
+    parsed = parse_kv_transfer_config({"kv_connector": kv.kv_connector, "kv_role": kv.kv_role,
+                                       "kv_connector_extra_config": dict(kv.kv_connector_extra_config or {})},
+                                      strict=True)
+    store = parsed.store
+    if parsed.kv_connector != STORE_CONNECTOR or store is None:
+        raise ConfigError([f"kv_transfer_config.kv_connector: got {kv.kv_connector!r}; this class is "
+                           f"{STORE_CONNECTOR}"])
+    if store.backend != "kvoffload":
+        raise ConfigError([f"kv_connector_extra_config.backend: got {store.backend!r}; inside vLLM the store "
+                           "runs on 'kvoffload' (the memcache adapter does not exist yet)"])
+    if not store.metastore:
+        raise ConfigError(["kv_connector_extra_config.metastore: missing; the AscendStoreConnector needs the "
+                           "kvoffload-metastore's HOST:PORT (start one with `kvoffload-metastore`)"])
+    return store
+
+
+def cache_spec(kv_cache_config: "KVCacheConfig"):
+    """(layer names, spec) of the one attention group the connector supports; ConfigError otherwise."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise ConfigError([f"AscendStoreConnector: supports one full-attention KV cache group; the model has {kinds}"])
+    return list(groups[0].layer_names), groups[0].kv_cache_spec
+
+
+class AscendStoreConnector(KVConnectorBase_V1):
+    """See the module docstring; one instance per role (scheduler / worker)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        import vllm
+        from vllm.platforms import current_platform
+
+        self._store = store_config(vllm_config)
+        self._block_size = vllm_config.cache_config.block_size
+        self._layer_order, self._spec = cache_spec(kv_cache_config)
+        spec = self._spec
+        model = vllm_config.model_config
+        self.model_id = model_key_prefix(
+            str(model.served_model_name or model.model),
+            {"spec": type(spec).__name__, "block_size": spec.block_size, "num_kv_heads": spec.num_kv_heads,
+             "head_size": spec.head_size, "dtype": str(spec.dtype), "page_bytes": spec.page_size_bytes,
+             "device": current_platform.device_type, "vllm": vllm.__version__, "layers": self._layer_order})
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._lock = threading.Lock()
+        if role == KVConnectorRole.SCHEDULER:
+            self._client = MetaStoreClient(self._store.metastore, timeout_s=METASTORE_TIMEOUT_S)
+            self._planner = StorePlanner(self.model_id, self._block_size)
+        else:
+            self._pool: RemoteHostPool | None = None
+            self._layout: CacheLayout | None = None
+            self._caches: dict[str, torch.Tensor] = {}
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-save")
+            self._step_saves: list[Transfer] | None = None  # allocated at the step's first save_kv_layer
+            self._save_futures: list[tuple[Transfer, Future]] = []
+            self._layer_loaded: dict[str, threading.Event] = {}
+            self._loader: threading.Thread | None = None
+            self._load_errors: set[int] = set()
+        log.info("kvoffload_store_connector", role=role.name, model_id=self.model_id,
+                 metastore=self._store.metastore, block_size=self._block_size)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._counters[k] += v
+
+    # ---- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        prompt = request.prompt_token_ids
+        if not prompt:
+            return 0, False
+        try:
+            hit = self._planner.lookup(request.request_id, prompt, num_computed_tokens, self._client.exists)
+        except PoolError as exc:  # the MetaStore is down or refuses: serve without the pool's prefix cache
+            log.warning("kvoffload_lookup_failed", request_id=request.request_id, error=str(exc))
+            return 0, False
+        self._count(lookups=1, hit_tokens=hit)
+        if hit:
+            log.info("kvoffload_prefix_hit", request_id=request.request_id, hit_tokens=hit,
+                     local_tokens=num_computed_tokens, prompt_tokens=len(prompt))
+        return hit, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self._planner.allocated(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = StoreStepMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            if not new.prompt_token_ids:
+                continue
+            load, save = self._planner.new_request(new.req_id, new.prompt_token_ids, new.block_ids[0],
+                                                   new.num_computed_tokens, scheduled.get(new.req_id, 0))
+            meta.loads += [load] if load else []
+            meta.saves += [save] if save else []
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            save = self._planner.running_request(rid, new_ids[0] if new_ids else None, rid in cached.resumed_req_ids,
+                                                 cached.num_computed_tokens[i], scheduled.get(rid, 0))
+            meta.saves += [save] if save else []
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._planner.finished(request.request_id)
+        return False, None
+
+    # ---- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._layout = CacheLayout.of(kv_caches, self._layer_order, self._kv_cache_config.num_blocks,
+                                      self._block_size, self._spec.page_size_bytes)
+        self._caches = {name: kv_caches[name] for name in self._layer_order}
+        pool_gb = self._store.host_pool_gb or DEFAULT_HOST_POOL_GB
+        geometry = self._layout.geometry(int(pool_gb * 2**30))
+        sweep_stale_segments()
+        tag = uuid.uuid4().hex[:8]
+        self._pool = RemoteHostPool.create(self._store.metastore, f"vllm-{os.getpid()}-{tag}",
+                                           f"kvoffload-vllm-pool-{tag}", geometry, replace=True, rejoin=True,
+                                           timeout_s=METASTORE_TIMEOUT_S)
+        log.info("kvoffload_pool_registered", pool_id=self._pool.pool_id, layers=len(self._layer_order),
+                 block_bytes=self._layout.block_bytes, objects=geometry.num_blocks, host_pool_gb=pool_gb)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StoreStepMetadata)
+        if not meta.loads or self._pool is None:
+            return
+        self._layer_loaded = {name: threading.Event() for name in self._layer_order}
+        self._loader = threading.Thread(target=self._load, args=(list(meta.loads),), name="kvoffload-load",
+                                        daemon=True)
+        self._loader.start()
+
+    def _load(self, loads: list[Transfer]) -> None:
+        """Layer by layer: every load's blocks from the pool into its vLLM blocks; on a failure the
+        blocks of every load of the step become load errors and the remaining layers are released."""
+        keys = [k for t in loads for k in t.keys]
+        ids = torch.tensor([b for t in loads for b in t.block_ids], dtype=torch.long)
+        layout, pending = self._layout, list(self._layer_order)
+        t0 = time.perf_counter()
+        try:
+            staging = torch.empty((len(keys),) + layout.block_shape, dtype=layout.dtype)
+            for name in self._layer_order:
+                self._pool.get_into(keys, layout.plane(name), layout.as_rows(staging))
+                cache = self._caches[name]
+                cache.index_copy_(0, ids.to(cache.device), staging.to(cache.device))
+                pending.remove(name)
+                self._layer_loaded[name].set()
+            self._count(blocks_loaded=len(keys), bytes_loaded=len(keys) * layout.block_bytes * len(self._layer_order))
+            for t in loads:
+                log.info("kvoffload_loaded", request_id=t.request_id, blocks=len(t.keys),
+                         seconds=round(time.perf_counter() - t0, 4))
+        except Exception as exc:  # noqa: BLE001 - reported to vLLM as load errors: it recomputes the blocks
+            with self._lock:
+                self._load_errors.update(ids.tolist())
+            self._count(load_errors=len(keys))
+            log.error("kvoffload_load_failed", request_ids=[t.request_id for t in loads], error=str(exc),
+                      layers_left=len(pending))
+        finally:
+            for name in pending:
+                self._layer_loaded[name].set()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        event = self._layer_loaded.get(layer_name)
+        if event is not None:
+            event.wait()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StoreStepMetadata)
+        if not meta.saves or self._pool is None:
+            return
+        if self._step_saves is None:
+            self._step_saves = self._allocate(meta.saves)
+        if self._step_saves:
+            plane = self._layout.plane(layer_name)
+            for t in self._step_saves:
+                self._save_futures.append((t, self._saver.submit(self._save, t, plane, kv_layer)))
+
+    def _allocate(self, saves: list[Transfer]) -> list[Transfer]:
+        """Pool objects for the step's saves, minus blocks the pool has or another engine is writing."""
+        out = []
+        for t in saves:
+            try:
+                present = self._pool.exists(list(t.keys))
+                keep = [(k, b) for k, b, p in zip(t.keys, t.block_ids, present, strict=True) if not p]
+                while keep:
+                    try:
+                        self._pool.alloc([k for k, _ in keep])
+                        break
+                    except ObjectExists as exc:  # being written by another engine: theirs will do
+                        keep = [(k, b) for k, b in keep if k != exc.key]
+                        if exc.key is None:
+                            raise
+                if keep:
+                    out.append(Transfer(t.request_id, tuple(k for k, _ in keep), tuple(b for _, b in keep)))
+            except PoolError as exc:  # a full pool or a MetaStore outage: the blocks are simply not cached
+                self._count(save_errors=len(t.keys))
+                log.warning("kvoffload_save_skipped", request_id=t.request_id, blocks=len(t.keys), error=str(exc))
+        return out
+
+    def _save(self, t: Transfer, plane: int, kv_layer: torch.Tensor) -> None:
+        ids = torch.tensor(t.block_ids, dtype=torch.long, device=kv_layer.device)
+        blocks = kv_layer.index_select(0, ids).cpu()  # [n, *block_shape], contiguous
+        self._pool.put_from(list(t.keys), plane, self._layout.as_rows(blocks))
+
+    def wait_for_save(self) -> None:
+        futures, self._save_futures, saves, self._step_saves = self._save_futures, [], self._step_saves, None
+        failed: dict[str, tuple[Transfer, BaseException]] = {}
+        for t, fut in futures:
+            try:
+                fut.result()
+            except Exception as exc:  # noqa: BLE001 - the object stays incomplete: removed below
+                failed.setdefault(t.request_id, (t, exc))
+        for t in saves or []:
+            if t.request_id in failed:
+                self._count(save_errors=len(t.keys))
+                log.warning("kvoffload_save_failed", request_id=t.request_id, blocks=len(t.keys),
+                            error=str(failed[t.request_id][1]))
+                try:
+                    self._pool.remove(list(t.keys))
+                except PoolError as exc:
+                    log.warning("kvoffload_remove_failed", request_id=t.request_id, error=str(exc))
+            else:
+                self._count(blocks_saved=len(t.keys), bytes_saved=len(t.keys) * self._layout.block_bytes
+                            * len(self._layer_order))
+                log.info("kvoffload_saved", request_id=t.request_id, blocks=len(t.keys))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._loader is not None:  # sync loads: reported in the pass that ran them
+            self._loader.join()
+            self._loader = None
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+        return out
+
+    # ---- stats and shutdown ------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        with self._lock:
+            data, self._counters = self._counters, dict.fromkeys(COUNTERS, 0)
+        return StoreStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return StoreStats(data=dict(data)) if data is not None else StoreStats()
+
+    def shutdown(self) -> None:
+        if self.role == KVConnectorRole.SCHEDULER:
+            self._client.close()
+            return
+        self._saver.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
