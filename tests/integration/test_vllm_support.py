@@ -1,0 +1,61 @@
+"""The vLLM test support itself, against the real thing: tiny Llama directories are deterministic per seed,
+a real vLLM server on one starts, answers greedily and reproducibly, and leaves no process behind, and a
+server that cannot start fails fast with its log."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from vllm_support import VllmServer, completion, free_port, group_members, tiny_llama_dir
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "llama", seed=0)
+
+
+def test_tiny_llama_is_deterministic_per_seed(tiny, tmp_path):
+    again = tiny_llama_dir(tmp_path / "again", seed=0)
+    other = tiny_llama_dir(tmp_path / "other", seed=1)
+    weights = (tiny / "model.safetensors").read_bytes()
+    assert (again / "model.safetensors").read_bytes() == weights
+    assert (other / "model.safetensors").read_bytes() != weights
+    assert (again / "tokenizer.json").is_file() and (again / "config.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".again.partial-")]
+    assert tiny_llama_dir(tmp_path / "again", seed=0) == again  # complete: left as it is
+    with pytest.raises(ValueError, match="seed"):
+        tiny_llama_dir(tmp_path / "again", seed=2)
+
+
+def test_free_port_is_below_the_ephemeral_range():
+    assert all(1024 <= free_port() < 32768 for _ in range(20))
+
+
+def test_server_answers_greedily_and_leaves_nothing_running(tiny, tmp_path):
+    server = VllmServer(tiny, log_path=tmp_path / "vllm.log")
+    with server:
+        pgid = server.proc.pid
+        assert group_members(pgid), "the server's process group is empty while it runs"
+        first = completion(server.url, "The capital of France is", 8)
+        second = completion(server.url, "The capital of France is", 8)
+        assert first["usage"]["completion_tokens"] == 8
+        assert first["choices"][0]["text"] == second["choices"][0]["text"]
+        assert first["choices"][0]["text"]
+    assert server.proc.returncode is not None
+    assert group_members(pgid) == []
+    server.stop()  # idempotent
+    assert "Starting vLLM server" in server.log_text()
+
+
+def test_server_without_a_model_fails_fast_with_its_log(tmp_path):
+    timeout_s = 180.0
+    server = VllmServer(tmp_path / "no-such-model", log_path=tmp_path / "vllm.log", start_timeout_s=timeout_s)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with status") as info:
+        server.__enter__()
+    assert time.monotonic() - started < timeout_s
+    message = str(info.value)
+    assert "last lines of" in message and "no-such-model" in message.split("last lines of", 1)[1]
+    assert group_members(server.proc.pid) == []
