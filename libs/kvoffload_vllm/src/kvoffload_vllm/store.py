@@ -123,6 +123,11 @@ def store_config(vllm_config: "VllmConfig"):
     if not store.metastore:
         raise ConfigError(["kv_connector_extra_config.metastore: missing; the AscendStoreConnector needs the "
                            "kvoffload-metastore's HOST:PORT (start one with `kvoffload-metastore`)"])
+    unused = sorted(k for k in store.model_fields_set if k.startswith("layerwise_"))
+    if unused:  # the reference engine's shared device buffers; vLLM keeps its own paged cache
+        log.warning("kvoffload_config_ignored", keys=unused,
+                    reason="under vLLM the connector saves and loads layer by layer through vLLM's paged cache; "
+                           "shared device buffers are the reference engine's")
     return store
 
 
