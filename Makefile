@@ -13,7 +13,7 @@ up: install
 	.venv/bin/kvoffload up
 
 bench: install
-	@for b in hotcache gather prefill prefix decode pd load faults; do .venv/bin/kvoffload bench $$b --json || exit 1; done
+	@for b in hotcache gather prefill prefix decode pd load faults vllm; do .venv/bin/kvoffload bench $$b --json || exit 1; done
 
 test: install
 	.venv/bin/python -m pytest

@@ -25,6 +25,7 @@ BENCHES: dict[str, str] = {
     "pd": "kvoffload.bench_pd:run",
     "load": "kvoffload.bench_load:run",
     "faults": "kvoffload.faults:bench",
+    "vllm": "kvoffload.bench_vllm:run",
 }
 
 

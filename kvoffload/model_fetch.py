@@ -77,9 +77,28 @@ class MissingDependencies(FetchError):
     pass
 
 
-def default_cache_dir() -> Path:
+def _home() -> Path:
     home = os.environ.get("KVOFFLOAD_HOME")
-    return (Path(home) if home else Path.home() / ".cache" / "kvoffload") / "downloads"
+    return Path(home) if home else Path.home() / ".cache" / "kvoffload"
+
+
+def default_cache_dir() -> Path:
+    return _home() / "downloads"
+
+
+def cached_model(name: str, log: Callable[[str], None] = print) -> Path:
+    """Model ``name`` built once per machine into ``$KVOFFLOAD_HOME/models/<name>`` (default
+    ``~/.cache/kvoffload``); processes asking at once wait for the first one's build (a file lock)."""
+    import fcntl
+
+    out = _home() / "models" / name
+    if is_complete(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        fetch(name, out, log=log)  # a no-op when the build finished while we waited
+    return out
 
 
 def install_command() -> str:

@@ -15,49 +15,14 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
-from pathlib import Path
 
 import pytest
-from vllm_support import VllmServer, completion, free_port, smollm2_dir, tiny_llama_dir
+from vllm_support import completion, smollm2_dir, tiny_llama_dir
 
-from kvoffload.stack import _healthy
+from kvoffload.vllm_server import Metastore, VllmServer
 
 BLOCK = 128  # vLLM's CPU default block size
-
-
-class Metastore:
-    """A real kvoffload-metastore on a free port, stopped with the context."""
-
-    def __init__(self, log_path: Path) -> None:
-        self.port, self.log_path = free_port(), log_path
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "Metastore":
-        self.proc = subprocess.Popen([str(Path(sys.executable).with_name("kvoffload-metastore")), "--port", str(self.port)],
-                                     stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while not _healthy(f"grpc://{self.address}"):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kvoffload-metastore did not start; see {self.log_path}")
-            time.sleep(0.2)
-        return self
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
 
 
 def store_config(metastore: str | None, **extra) -> str:

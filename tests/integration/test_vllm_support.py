@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_support import VllmServer, completion, free_port, group_members, tiny_llama_dir
+from vllm_support import completion, tiny_llama_dir
+
+from kvoffload.vllm_server import VllmServer, free_port, group_members
 
 
 @pytest.fixture(scope="module")

