@@ -123,41 +123,27 @@ def _stack_round(url: str, work: list[tuple[list[int], int]], max_retries: int) 
 
 
 class _Single:
-    """The single-process engine with the stack's sizes, loaded once."""
+    """The single-process engine with the stack's sizes (``max_num_seqs`` = the decode's)."""
 
     def __init__(self, model_dir: Path, block_size: int, max_model_len: int) -> None:
-        from dsamodel.engine.engine import Engine, EngineConfig
-        from dsamodel.weights import load_model
+        from kvoffload.reference import TimedEngine
 
-        self.eng = Engine(load_model(model_dir),
-                          EngineConfig(block_size=block_size, max_model_len=max_model_len, max_num_seqs=MAX_NUM_SEQS,
-                                       chunk_size=CHUNK_SIZE, buffers=3, topk_buffer_size=128,
-                                       prefill_pool_bytes=1 << 30, decode_pool_bytes=1 << 30))
+        self.engine = TimedEngine(model_dir, block_size=block_size, max_model_len=max_model_len,
+                                  max_num_seqs=MAX_NUM_SEQS, chunk_size=CHUNK_SIZE)
 
     def round(self, tag: str, work: list[tuple[list[int], int]]) -> dict:
-        from dsamodel.sampling import SamplingParams
-
-        eng = self.eng
-        t0 = time.perf_counter()
-        seqs = [eng.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=m)) for i, (p, m) in enumerate(work)]
-        stamps: dict[str, list[float]] = {s.request_id: [] for s in seqs}
-        while eng.waiting or eng.running:
-            eng.step()
-            now = time.perf_counter()
-            for s in seqs:
-                while len(stamps[s.request_id]) < len(s.output_ids):
-                    stamps[s.request_id].append(now)
+        t0, ids, stamps = self.engine.run(tag, work)
         wall = time.perf_counter() - t0
-        ttft = [st[0] - t0 for st in stamps.values()]
-        tpot = [(st[-1] - st[0]) / (len(st) - 1) for st in stamps.values() if len(st) > 1]
-        out_tokens = sum(len(s.output_ids) for s in seqs)
+        ttft = [st[0] - t0 for st in stamps]
+        tpot = [(st[-1] - st[0]) / (len(st) - 1) for st in stamps if len(st) > 1]
+        out_tokens = sum(len(i) for i in ids)
         return {"ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
                 "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99),
                 "output_tokens": out_tokens, "wall_s": wall, "output_tokens_per_s": out_tokens / wall,
-                "_ids": [list(s.output_ids) for s in seqs]}
+                "_ids": ids}
 
     def close(self) -> None:
-        self.eng.close()
+        self.engine.close()
 
 
 def _workload(gen: random.Random, n: int, min_prompt: int, max_prompt: int, max_tokens: int

@@ -140,37 +140,23 @@ class _Single:
     """The single-process engine (same sizes as the stack's), loaded once, serving one round at a time."""
 
     def __init__(self, model_dir: Path, max_num_seqs: int, block_size: int) -> None:
-        from dsamodel.engine.engine import Engine, EngineConfig
-        from dsamodel.weights import load_model
+        from kvoffload.reference import TimedEngine
 
-        self.eng = Engine(load_model(model_dir),
-                          EngineConfig(block_size=block_size, max_model_len=8192, max_num_seqs=max_num_seqs,
-                                       chunk_size=CHUNK_SIZE, buffers=3, topk_buffer_size=128,
-                                       prefill_pool_bytes=1 << 30, decode_pool_bytes=1 << 30))
+        self.engine = TimedEngine(model_dir, block_size=block_size, max_model_len=8192, max_num_seqs=max_num_seqs,
+                                  chunk_size=CHUNK_SIZE)
 
     def round(self, tag: str, prompts: list[list[int]], max_tokens: int, second: threading.Event):
         """(tokens, TTFTs, TPOTs) per request; sets ``second`` once every request has two tokens."""
-        from dsamodel.sampling import SamplingParams
-
-        eng = self.eng
-        t0 = time.perf_counter()
-        seqs = [eng.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=max_tokens)) for i, p in enumerate(prompts)]
-        stamps: dict[str, list[float]] = {s.request_id: [] for s in seqs}
-        while eng.waiting or eng.running:
-            eng.step()
-            now = time.perf_counter()
-            for s in seqs:
-                while len(stamps[s.request_id]) < len(s.output_ids):
-                    stamps[s.request_id].append(now)
-            if not second.is_set() and all(len(st) >= 2 or s.finished for s, st in zip(seqs, stamps.values())):
+        def check(seqs, stamps) -> None:
+            if not second.is_set() and all(len(st) >= 2 or s.finished for s, st in zip(seqs, stamps)):
                 second.set()
+
+        t0, ids, stamps = self.engine.run(tag, [(p, max_tokens) for p in prompts], after_step=check)
         second.set()
-        ttft = [stamps[s.request_id][0] - t0 for s in seqs]
-        tpot = [_tpot(st) for st in stamps.values()]
-        return [s.output_ids for s in seqs], ttft, tpot
+        return ids, [st[0] - t0 for st in stamps], [_tpot(st) for st in stamps]
 
     def close(self) -> None:
-        self.eng.close()
+        self.engine.close()
 
 
 def _pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 25) -> tuple[float, float]:
