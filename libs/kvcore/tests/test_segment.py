@@ -172,3 +172,30 @@ def test_sweep_removes_the_segments_of_killed_processes_only():
         removed = sweep_stale_segments()
         assert SharedSegment.path_for(dead) in removed and not os.path.exists(SharedSegment.path_for(dead))
         assert os.path.exists(seg.path) and seg.path not in removed
+
+
+def test_an_attached_segment_is_gone_once_unlinked_replaced_or_its_owner_killed():
+    name = _name()
+    with SharedSegment.create(name, _geometry()) as owner:
+        seg = SharedSegment.attach(name)
+        assert not seg.gone()  # the owner (this process) runs and the name is its segment
+        owner.unlink()
+        assert seg.gone()
+        seg.close()
+    with SharedSegment.create(name, _geometry()):
+        seg = SharedSegment.attach(name)
+        with SharedSegment.create(name, _geometry(), replace=True):  # the name now means another segment
+            assert seg.gone()
+        seg.close()
+    dead = _name()
+    code = ("import os, signal, sys\nfrom kvcore.segment import SharedSegment, PoolGeometry\n"
+            f"SharedSegment.create({dead!r}, PoolGeometry(4, (8,), 4))\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": SRC})
+    assert proc.returncode == -9, proc.stderr
+    seg = SharedSegment.attach(dead)  # the file is still there: only the owner is gone
+    try:
+        assert seg.gone()
+    finally:
+        seg.close()
+        SharedSegment.path_for(dead) and os.unlink(SharedSegment.path_for(dead))

@@ -483,3 +483,30 @@ def test_chunks_that_do_not_add_up_are_a_value_error(chunks, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         read()
     sources.close()
+
+
+def test_attaching_a_new_prefill_segment_lets_go_of_those_whose_prefill_is_gone():
+    """A prefill restarted under a new segment name: the decode's mapping of the old one (memory the
+    kernel cannot free while mapped) is released when it attaches the new one; a live one is kept."""
+    geometry = PoolGeometry(4, (8,), 2)
+    sources = RowSources(lambda endpoint: pytest.fail(f"streamed from {endpoint}"))
+
+    def region(seg):
+        return pb.BufferRegion(segment_name=seg.name, offset_bytes=seg.plane_offsets[0], row_stride_bytes=8,
+                               capacity_tokens=8)
+
+    old, live, new = (SharedSegment.create(f"test-rows-{uuid.uuid4().hex[:12]}", geometry) for _ in range(3))
+    try:
+        sources.shared_rows(region(old), 0, 2, 8)
+        sources.shared_rows(region(live), 0, 2, 8)
+        attached = dict(sources._segments)
+        old.close()
+        old.unlink()  # the prefill exited
+        sources.shared_rows(region(new), 0, 2, 8)
+        assert set(sources._segments) == {live.name, new.name}
+        assert attached[old.name].closed and not attached[live.name].closed
+    finally:
+        sources.close()
+        for seg in (live, new):
+            seg.close()
+            seg.unlink()

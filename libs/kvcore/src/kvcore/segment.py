@@ -334,7 +334,8 @@ class SharedSegment:
         except FileNotFoundError:
             raise FileNotFoundError(f"no shared segment {path}: has the pool owner created it?") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             if size < _HEADER.size:
                 raise ValueError(f"{path} is not a kvoffload pool segment ({size} bytes, no header)")
             mm = mmap.mmap(fd, size)
@@ -359,7 +360,24 @@ class SharedSegment:
         except BaseException:
             mm.close()
             raise
-        return cls(name, path, mm, geometry, offsets, owner=False)
+        seg = cls(name, path, mm, geometry, offsets, owner=False)
+        seg._identity = (st.st_dev, st.st_ino)
+        seg._owner_pid = meta.get("owner_pid") if isinstance(meta.get("owner_pid"), int) else None
+        return seg
+
+    def gone(self) -> bool:
+        """An attached segment whose owner is gone: its name was unlinked or now names another
+        segment, or the process that created it no longer runs. Its mapping is then only memory held
+        for nothing (the owner's pool or buffers will never be written again)."""
+        identity = getattr(self, "_identity", None)
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        if identity is not None and (st.st_dev, st.st_ino) != identity:
+            return True
+        pid = getattr(self, "_owner_pid", None)
+        return pid is not None and not _alive(pid)
 
     @property
     def closed(self) -> bool:

@@ -108,8 +108,10 @@ class ReadOutcome:
 
 class RowSources:
     """Reads rows of one plane of a prefill's layer buffer, as uint8 ``[n, row_bytes]``: out of its
-    shared-memory segment (attached on first use and kept) or streamed from its LayerSource
-    (a channel per endpoint, made by ``connect`` on first use and kept) until ``close``."""
+    shared-memory segment (attached on first use and kept while its owner lives: attaching a new
+    one first lets go of every segment whose prefill is gone, e.g. restarted under a new segment
+    name) or streamed from its LayerSource (a channel per endpoint, made by ``connect`` on first use
+    and kept) until ``close``."""
 
     def __init__(self, connect: Callable[[str], grpc.Channel]) -> None:
         self._connect = connect
@@ -126,6 +128,9 @@ class RowSources:
         with self._lock:
             seg = self._segments.get(region.segment_name)
             if seg is None:
+                for name in [n for n, old in self._segments.items() if old.gone()]:
+                    self._segments.pop(name).close()
+                    log.info("prefill_segment_released", segment=name)
                 seg = self._segments[region.segment_name] = SharedSegment.attach(region.segment_name)
         plane = seg.plane_offsets.index(region.offset_bytes)
         rows = seg.plane(plane).view(-1, row_bytes)  # [capacity, row_bytes] uint8, the prefill's memory
