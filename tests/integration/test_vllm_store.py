@@ -6,6 +6,8 @@
   the load) and answers with the same tokens, and the same log-probabilities within 1e-3, as a
   server without any connector. A load that reported the hit but skipped the copy would attend
   over an empty cache and change both.
+- Layerwise: while the forward goes on, the layers already computed are saved (the connector logs
+  how many layers were in the pool when the last layer's attention ended).
 - The MetaStore gone: requests are still served (no prefix cache), with a log line saying why.
 - Bad configs (an unknown key, a missing metastore address, another backend): vLLM fails to start
   with an error naming the field.
@@ -54,6 +56,9 @@ def test_a_fresh_server_loads_the_prefix_another_saved_and_answers_as_without_th
         with VllmServer(model, max_model_len=4096, extra_args=kv, log_path=tmp_path / "a.log") as a:
             completion(a.url, prefix, 1)
             assert "kvoffload_saved" in a.log_text() and "blocks=16" in a.log_text(), a.log_text()[-3000:]
+            # layerwise: early layers were in the pool before the last layer's attention ended
+            during = [int(x) for x in re.findall(r"layers_saved_during_forward=(\d+)", a.log_text())]
+            assert during and max(during) >= 10, a.log_text()[-3000:]
             # A keeps running: its pool (the host memory it contributes) lives as long as it does
             with VllmServer(model, max_model_len=4096, extra_args=kv, log_path=tmp_path / "b.log") as b:
                 tokens, logprobs = greedy(b.url, prompt)

@@ -77,7 +77,7 @@ log = structlog.get_logger("vllm.kvoffload.store")
 DEFAULT_HOST_POOL_GB = 1.0
 METASTORE_TIMEOUT_S = 5.0
 COUNTERS = ("blocks_saved", "bytes_saved", "blocks_loaded", "bytes_loaded", "save_errors", "load_errors",
-            "lookups", "hit_tokens")
+            "lookups", "hit_tokens", "layers_saved_during_forward")
 
 
 @dataclass
@@ -172,6 +172,8 @@ class AscendStoreConnector(KVConnectorBase_V1):
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-save")
             self._step_saves: list[Transfer] | None = None  # allocated at the step's first save_kv_layer
             self._save_futures: list[tuple[Transfer, Future]] = []
+            self._handoffs: list[float] = []  # this step: when each layer's save was handed off ...
+            self._saved_at: dict[int, float] = {}  # ... and when each layer's saves finished
             self._layer_loaded: dict[str, threading.Event] = {}
             self._loader: threading.Thread | None = None
             self._load_errors: set[int] = set()
@@ -294,6 +296,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
             self._step_saves = self._allocate(meta.saves)
         if self._step_saves:
             plane = self._layout.plane(layer_name)
+            self._handoffs.append(time.perf_counter())
             for t in self._step_saves:
                 self._save_futures.append((t, self._saver.submit(self._save, t, plane, kv_layer)))
 
@@ -323,9 +326,11 @@ class AscendStoreConnector(KVConnectorBase_V1):
         ids = torch.tensor(t.block_ids, dtype=torch.long, device=kv_layer.device)
         blocks = kv_layer.index_select(0, ids).cpu()  # [n, *block_shape], contiguous
         self._pool.put_from(list(t.keys), plane, self._layout.as_rows(blocks))
+        self._saved_at[plane] = time.perf_counter()  # one saver thread: the layer's last save
 
     def wait_for_save(self) -> None:
         futures, self._save_futures, saves, self._step_saves = self._save_futures, [], self._step_saves, None
+        handoffs, saved_at, self._handoffs, self._saved_at = self._handoffs, self._saved_at, [], {}
         failed: dict[str, tuple[Transfer, BaseException]] = {}
         for t, fut in futures:
             try:
@@ -345,6 +350,14 @@ class AscendStoreConnector(KVConnectorBase_V1):
                 self._count(blocks_saved=len(t.keys), bytes_saved=len(t.keys) * self._layout.block_bytes
                             * len(self._layer_order))
                 log.info("kvoffload_saved", request_id=t.request_id, blocks=len(t.keys))
+        if handoffs:
+            # layerwise: how many layers were already in the pool when the last layer's attention ended
+            during = sum(1 for at in saved_at.values() if at < handoffs[-1])
+            self._count(layers_saved_during_forward=during)
+            log.info("kvoffload_step_saved", layers=len(handoffs), layers_saved_during_forward=during,
+                     forward_s=round(handoffs[-1] - handoffs[0], 4),
+                     first_layer_saved_s=round(min(saved_at.values(), default=handoffs[0]) - handoffs[0], 4),
+                     request_ids=[t.request_id for t in saves or []])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._loader is not None:  # sync loads: reported in the pass that ran them
