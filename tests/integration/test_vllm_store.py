@@ -9,8 +9,8 @@
 - Layerwise: while the forward goes on, the layers already computed are saved (the connector logs
   how many layers were in the pool when the last layer's attention ended).
 - The MetaStore gone: requests are still served (no prefix cache), with a log line saying why.
-- Bad configs (an unknown key, a missing metastore address, another backend): vLLM fails to start
-  with an error naming the field.
+- Bad configs (an unknown key, a missing metastore address, another backend, a role vLLM does not
+  know, a value out of range): vLLM fails to start with an error naming the field.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from kvoffload.vllm_server import Metastore, VllmServer
 BLOCK = 128  # vLLM's CPU default block size
 
 
-def store_config(metastore: str | None, **extra) -> str:
+def store_config(metastore: str | None, role: str = "kv_both", **extra) -> str:
     body = {"backend": "kvoffload", "use_layerwise": True, "host_pool_gb": 0.25, **extra}
     if metastore:
         body["metastore"] = metastore
-    return json.dumps({"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
+    return json.dumps({"kv_connector": "AscendStoreConnector", "kv_role": role,
                        "kv_connector_module_path": "kvoffload_vllm", "kv_connector_extra_config": body})
 
 
@@ -91,6 +91,10 @@ def test_with_the_metastore_gone_requests_are_served_without_the_prefix_cache(tm
     ({"metastor": "127.0.0.1:1"}, "127.0.0.1:5000", "unknown key 'metastor'; did you mean 'metastore'?"),
     ({}, None, "kv_connector_extra_config.metastore: missing"),
     ({"backend": "memcache"}, "127.0.0.1:5000", "kv_connector_extra_config.backend: got 'memcache'"),
+    ({"role": "kv_sender"}, "127.0.0.1:5000", "kv_role\n  Input should be 'kv_producer', 'kv_both' or "
+     "'kv_consumer'"),  # vLLM's own check comes first
+    ({"layerwise_num_shared_buffers": 0}, "127.0.0.1:5000",
+     "kv_connector_extra_config.layerwise_num_shared_buffers: got 0 (int); must be an int >= 1"),
 ])
 def test_a_bad_connector_config_stops_vllm_with_the_field_named(tmp_path, extra, metastore, message):
     model = tiny_llama_dir(tmp_path / "tiny")
