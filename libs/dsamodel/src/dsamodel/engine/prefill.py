@@ -215,7 +215,7 @@ class LayerwisePrefill:
         chunk.load_keys = list(keys[: -(-s // bs)])  # the prefix [0, s), old tail object included
         del keys[chunk.first_block :]  # the old tail object is superseded by this chunk's
         blocks = range(chunk.first_block, chunk.end_block)
-        full = [b for b in blocks if (b + 1) * bs <= e]
+        full = range(chunk.first_block, e // bs)  # the chunk's blocks that end inside it
         written = {b for b, ok in zip(full, self.pool.exists([hash_keys[b] for b in full]) if full else []) if ok}
         if written:
             leases.append(self.pool.lease([hash_keys[b] for b in sorted(written)], self.lease_ttl_ms))
