@@ -103,3 +103,15 @@ def test_a_bad_connector_config_stops_vllm_with_the_field_named(tmp_path, extra,
     with pytest.raises(RuntimeError) as e:
         server.start()
     assert message in str(e.value) or message in server.log_text(), server.log_text()[-3000:]
+
+
+def test_a_tensor_parallel_server_is_refused_until_ranks_keep_their_shards_apart(tmp_path):
+    model = tiny_llama_dir(tmp_path / "tiny")
+    server = VllmServer(model, max_model_len=1024, log_path=tmp_path / "v.log", start_timeout_s=120,
+                        extra_args=["--kv-transfer-config", store_config("127.0.0.1:5000"),
+                                    "--tensor-parallel-size", "2"],
+                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # one core per rank (else vLLM refuses first)
+    with pytest.raises(RuntimeError):
+        server.start()
+    assert "AscendStoreConnector: runs with one rank only for now; got tensor_parallel_size 2" in server.log_text(), \
+        server.log_text()[-3000:]

@@ -151,6 +151,10 @@ class AscendStoreConnector(KVConnectorBase_V1):
         from vllm.platforms import current_platform
 
         self._store = store_config(vllm_config)
+        par = vllm_config.parallel_config
+        if par.tensor_parallel_size * par.pipeline_parallel_size > 1:  # every rank would save its shard
+            raise ConfigError([f"AscendStoreConnector: runs with one rank only for now; got tensor_parallel_size "
+                               f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size}"])
         self._block_size = vllm_config.cache_config.block_size
         self._layer_order, self._spec = cache_spec(kv_cache_config)
         spec = self._spec
