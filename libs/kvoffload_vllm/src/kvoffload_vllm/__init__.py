@@ -16,9 +16,16 @@ __version__ = "0.1.0"
 __all__ = ["AscendStoreConnector"]
 
 
+# The seed's other connector names: said plainly when a config asks for one (vLLM's getattr fails).
+NOT_YET = {"SfaRemoteD2HConnector": "the remote D2H (P/D) connector under vLLM is not implemented yet; "
+                                    "P/D runs on the reference engine (`kvoffload up`); see docs/vllm.md"}
+
+
 def __getattr__(name: str):
     if name == "AscendStoreConnector":
         from kvoffload_vllm.store import AscendStoreConnector
 
         return AscendStoreConnector
+    if name in NOT_YET:
+        raise AttributeError(f"kvoffload_vllm.{name}: {NOT_YET[name]}")
     raise AttributeError(f"module 'kvoffload_vllm' has no attribute {name!r}")
