@@ -8,7 +8,8 @@
   over an empty cache and change both.
 - Layerwise: while the forward goes on, the layers already computed are saved (the connector logs
   how many layers were in the pool when the last layer's attention ended).
-- The MetaStore gone: requests are still served (no prefix cache), with a log line saying why.
+- The MetaStore gone: requests are still served (no prefix cache), with a log line saying why; a
+  MetaStore that does not answer at start-up stops vLLM with its address named.
 - Bad configs (an unknown key, a missing metastore address, another backend, a role vLLM does not
   know, a value out of range): vLLM fails to start with an error naming the field.
 """
@@ -22,7 +23,7 @@ import urllib.request
 import pytest
 from vllm_support import completion, smollm2_dir, tiny_llama_dir
 
-from kvoffload.vllm_server import Metastore, VllmServer
+from kvoffload.vllm_server import Metastore, VllmServer, free_port
 
 BLOCK = 128  # vLLM's CPU default block size
 
@@ -115,3 +116,13 @@ def test_a_tensor_parallel_server_is_refused_until_ranks_keep_their_shards_apart
         server.start()
     assert "AscendStoreConnector: runs with one rank only for now; got tensor_parallel_size 2" in server.log_text(), \
         server.log_text()[-3000:]
+
+
+def test_a_metastore_that_does_not_answer_at_start_stops_vllm_with_its_address(tmp_path):
+    model = tiny_llama_dir(tmp_path / "tiny")
+    nobody = f"127.0.0.1:{free_port()}"  # free: nothing listens there
+    server = VllmServer(model, max_model_len=1024, log_path=tmp_path / "v.log", start_timeout_s=120,
+                        extra_args=["--kv-transfer-config", store_config(nobody)])
+    with pytest.raises(RuntimeError):
+        server.start()
+    assert "MetaStore" in server.log_text() and nobody in server.log_text(), server.log_text()[-3000:]
