@@ -6,6 +6,7 @@ import pytest
 import torch
 from engine_support import prefill_engine, prefill_pool, seeded_prompt, tiny
 
+from dsamodel.engine.build import prefill_geometry
 from dsamodel.engine.prefill import PrefillRequest
 from dsamodel.reference import forward_dense
 
@@ -53,9 +54,7 @@ def test_leases_keep_the_prefix_from_being_evicted_while_it_is_loaded():
 
     model = tiny(torch.float32, True)
     shared = seeded_prompt(256, 21)
-    probe = prefill_pool(model, BS, 1 << 20)
-    block_bytes = probe.geometry.block_bytes
-    probe.close()
+    block_bytes = prefill_geometry(model, BS, 1 << 20).block_bytes
     pool = prefill_pool(model, BS, 18 * block_bytes)  # 16 prefix blocks + 2 free
     eng = prefill_engine(model, pool, buffers=1, independent=[0], chunk_size=64)
     try:

@@ -93,9 +93,7 @@ async def _scenario(loop: DecodeLoop) -> None:
 
 def test_a_queued_request_registers_once_it_has_blocks_and_the_queue_limit_is_429():
     model = tiny_model(dtype="float32")
-    probe = build.decode_pool(model, 16, 1 << 20)
-    block_bytes = probe.geometry.block_bytes
-    probe.close()
+    block_bytes = build.decode_geometry(model, 16, 1 << 20).block_bytes
     pool = build.decode_pool(model, 16, block_bytes * 4)  # one request of N + 1 tokens (3 blocks)
     loop = DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256),
                       model.config.eos_token_id)

@@ -81,9 +81,7 @@ def test_a_queued_request_pulls_without_a_slot_and_decodes_like_one_that_had_it(
 
 def test_a_request_the_pool_cannot_hold_yet_waits_for_blocks_fifo():
     model = tiny_model(dtype="float32")
-    probe = build.decode_pool(model, 16, 1 << 20)
-    block_bytes = probe.geometry.block_bytes
-    probe.close()
+    block_bytes = build.decode_geometry(model, 16, 1 << 20).block_bytes
     blocks_per_request = -(-(N + 1) // 16)  # 3
     lp, pool = _loop(4, pool_bytes=block_bytes * (blocks_per_request + 1))  # room for one request
     try:
@@ -111,9 +109,7 @@ def test_a_request_the_pool_cannot_hold_yet_waits_for_blocks_fifo():
 
 def test_a_prompt_larger_than_the_whole_pool_is_refused_at_once():
     model = tiny_model(dtype="float32")
-    probe = build.decode_pool(model, 16, 1 << 20)
-    block_bytes = probe.geometry.block_bytes
-    probe.close()
+    block_bytes = build.decode_geometry(model, 16, 1 << 20).block_bytes
     lp, pool = _loop(2, pool_bytes=block_bytes * 2)
     try:
         with pytest.raises(TooLarge, match="host pool"):

@@ -31,11 +31,16 @@ def prefill_pool(model: DSAModel, block_size: int, capacity_bytes: int, name: st
                                 eviction=LRUEviction())
 
 
+def decode_geometry(model: DSAModel, block_size: int, capacity_bytes: int) -> PoolGeometry:
+    """The decode side's pool geometry: main planes only (the indexer stays on device)."""
+    return PoolGeometry.from_layout(kv_layout(model.config, block_size, model.dtype), capacity_bytes,
+                                    include_indexer=False)
+
+
 def decode_pool(model: DSAModel, block_size: int, capacity_bytes: int, name: str | None = None) -> LocalHostPool:
-    """The decode side's host pool: main planes only (the indexer stays on device); never evicts."""
-    geo = PoolGeometry.from_layout(kv_layout(model.config, block_size, model.dtype), capacity_bytes,
-                                   include_indexer=False)
-    return LocalHostPool.create(_name("kvoffload-decode", name), geo, eviction=NoEviction())
+    """The decode side's host pool (``decode_geometry``); never evicts."""
+    return LocalHostPool.create(_name("kvoffload-decode", name), decode_geometry(model, block_size, capacity_bytes),
+                                eviction=NoEviction())
 
 
 def prefill_engine(
