@@ -22,15 +22,10 @@ import urllib.request
 import pytest
 
 from kvoffload.reference import greedy_reference
-from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_stack_ports, stack_stats
+from kvoffload.stack import Stack, StackConfig, free_stack_ports, stack_stats
 
 BS = 16
 QUEUE_LIMIT = 64
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 @pytest.fixture(scope="module")

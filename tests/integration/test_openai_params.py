@@ -15,17 +15,12 @@ import pytest
 from dsamodel.openai import choice_seed, sampling_params
 from dsamodel.tokenizer import ByteTokenizer
 
-from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_stack_ports, post_json
+from kvoffload.stack import Stack, StackConfig, free_stack_ports, post_json
 
 BS = 16
 TOK = ByteTokenizer()
 PROMPT = "The quick brown fox jumps over the lazy dog. 0123456789 " * 3
 MESSAGES = [{"role": "user", "content": "Count: 1 2 3 4 5 6 7 8 9"}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,9 @@ import pytest
 from dsamodel.tokenizer import ByteTokenizer
 
 from kvoffload.reference import greedy_reference
-from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_stack_ports, post_json, stack_stats
+from kvoffload.stack import Stack, StackConfig, free_stack_ports, post_json, stack_stats
 
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 def _config(model_dir, tmp, prefills: int, decodes: int) -> StackConfig:

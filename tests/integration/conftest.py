@@ -1,0 +1,13 @@
+"""Fixtures shared by the integration tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload.stack import ensure_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny seeded reference model, written once per test module."""
+    return ensure_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
