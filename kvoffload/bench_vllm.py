@@ -21,12 +21,13 @@ twice, greedy, ``max_tokens`` tokens, streaming:
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from kvoffload.vllm_server import metric_values
 
 GOAL_TTFT_RATIO = 0.3
 PD_MISSING = "not measured: the SfaRemoteD2HConnector (vLLM prefill + vLLM decode through the proxy) is not implemented yet"
@@ -54,8 +55,7 @@ def _stream(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[f
 
 
 def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
+    return sum(metric_values(url, name))
 
 
 def _kv_bytes_per_token(model_dir: Path) -> int:

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 
 import pytest
 from vllm_support import completion, smollm2_dir, tiny_llama_dir
 
-from kvoffload.vllm_server import Metastore, VllmServer, free_port
+from kvoffload.vllm_server import Metastore, VllmServer, free_port, metric_values
 
 BLOCK = 128  # vLLM's CPU default block size
 
@@ -37,8 +36,7 @@ def store_config(metastore: str | None, role: str = "kv_both", **extra) -> str:
 
 
 def metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)]
+    values = metric_values(url, name)
     assert values, f"{name} not in /metrics"
     return sum(values)
 

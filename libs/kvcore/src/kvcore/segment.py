@@ -261,6 +261,8 @@ class SharedSegment:
         self.geometry = geometry
         self.plane_offsets = tuple(plane_offsets)
         self.owner = owner
+        self._identity: tuple[int, int] | None = None  # (device, inode) of an attached segment's file
+        self._owner_pid: int | None = None  # the creator, as an attached segment's header names it
         if owner:
             _OWNED_PATHS[path] = os.getpid()  # unlinked at interpreter exit if the owner never did
         self.size_bytes = len(mm)
@@ -362,22 +364,20 @@ class SharedSegment:
             raise
         seg = cls(name, path, mm, geometry, offsets, owner=False)
         seg._identity = (st.st_dev, st.st_ino)
-        seg._owner_pid = meta.get("owner_pid") if isinstance(meta.get("owner_pid"), int) else None
+        seg._owner_pid = meta["owner_pid"] if isinstance(meta.get("owner_pid"), int) else None
         return seg
 
     def gone(self) -> bool:
         """An attached segment whose owner is gone: its name was unlinked or now names another
         segment, or the process that created it no longer runs. Its mapping is then only memory held
         for nothing (the owner's pool or buffers will never be written again)."""
-        identity = getattr(self, "_identity", None)
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
             return True
-        if identity is not None and (st.st_dev, st.st_ino) != identity:
+        if self._identity is not None and (st.st_dev, st.st_ino) != self._identity:
             return True
-        pid = getattr(self, "_owner_pid", None)
-        return pid is not None and not _alive(pid)
+        return self._owner_pid is not None and not _alive(self._owner_pid)
 
     @property
     def closed(self) -> bool:
