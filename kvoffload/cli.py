@@ -86,6 +86,29 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if report["valid"] else 1
 
 
+ENGINES = ("reference", "vllm")
+# `up` / `demo` flags only the reference engine takes (argparse dest -> flag), and why not vLLM's
+REFERENCE_ONLY = {"tls_cert": "--tls-cert", "tls_key": "--tls-key", "tls_ca": "--tls-ca"}
+REFERENCE_ONLY_WHY = "the vLLM connectors do not speak TLS to the metastore yet (docs/vllm.md)"
+REFERENCE_MAX_MODEL_LEN = 16384
+VLLM_MAX_MODEL_LEN = 4096  # kvoffload.vllm_stack.DEFAULT_MAX_MODEL_LEN (not imported here: --help stays light)
+
+
+def _check_engine(args: argparse.Namespace) -> None:
+    """Refuse (exit 2, with the subcommand's usage) what the chosen engine cannot honour."""
+    if args.engine != "vllm":
+        return
+    given = [flag for dest, flag in REFERENCE_ONLY.items() if getattr(args, dest, None) is not None]
+    if given:
+        args.parser.error(f"{', '.join(given)}: only with --engine reference; {REFERENCE_ONLY_WHY}")
+    import importlib.util
+
+    missing = [m for m in ("vllm", "kvoffload_vllm") if importlib.util.find_spec(m) is None]
+    if missing:
+        args.parser.error(f"--engine vllm needs {' and '.join(missing)}, not installed here: run `make install-vllm` "
+                          f"(scripts/bootstrap --with-vllm)")
+
+
 def _stack_config(args: argparse.Namespace):
     from pathlib import Path
 
@@ -93,20 +116,44 @@ def _stack_config(args: argparse.Namespace):
 
     from svcruntime.tls import from_args
 
+    _check_engine(args)
     tls = from_args(args, serving="every service of the stack")  # TLSConfigError names the flag and the path
-    model = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_HOME / "models" / "tiny")
+    if args.engine == "vllm":
+        from kvoffload.model_fetch import FetchError
+        from kvoffload.vllm_stack import DEFAULT_MAX_MODEL_LEN, default_model
+
+        try:
+            model = Path(args.model) if args.model else default_model()
+        except FetchError as exc:  # says why and what to do
+            print(f"kvoffload {args.command}: cannot build the default model: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+        default_len = DEFAULT_MAX_MODEL_LEN
+    else:
+        model = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_HOME / "models" / "tiny")
+        default_len = REFERENCE_MAX_MODEL_LEN
+    max_model_len = default_len if args.max_model_len is None else args.max_model_len
     return StackConfig(model=model, log_dir=Path(args.log_dir) if args.log_dir else DEFAULT_HOME / "logs",
-                       proxy_port=args.port, max_model_len=args.max_model_len, tls=tls, api_key=args.api_key or None)
+                       proxy_port=args.port, max_model_len=max_model_len, tls=tls, api_key=args.api_key or None)
+
+
+def _make_stack(args: argparse.Namespace, cfg):
+    if args.engine == "vllm":
+        from kvoffload.vllm_stack import VllmStack
+
+        return VllmStack(cfg)
+    from kvoffload.stack import Stack
+
+    return Stack(cfg)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from kvoffload.stack import API_KEY_ENV, Stack
+    from kvoffload.stack import API_KEY_ENV
 
     cfg = _stack_config(args)
-    stack = Stack(cfg)
+    stack = _make_stack(args, cfg)
     stack.start()
     print(f"kvoffload is up: {stack.url}  (logs in {cfg.log_dir}; Ctrl-C stops everything)")
     auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if cfg.api_key else ""
@@ -133,12 +180,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from kvoffload.stack import Stack, post_json, stack_stats
 
     cfg = _stack_config(args)
+    if args.engine == "vllm":
+        from kvoffload.vllm_stack import DEFAULT_MAX_TOKENS, DEMO_QUESTION, run_demo
+
+        text, summary = run_demo(cfg, DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens)
+        print(f"question (after a {summary['prompt_tokens']}-token prompt): {DEMO_QUESTION}")
+        print(f"answer ({summary['completion_tokens']} tokens): {text!r}")
+        print(json.dumps(summary))
+        return 0
     prompt = ("kvoffload keeps almost no KV cache in accelerator memory: layerwise offload on prefill, "
               "sparse offload on decode, a remote pull in between. ") * 40
     with Stack(cfg) as stack:
         t = time.monotonic()
         answer = post_json(f"{stack.url}/v1/completions",
-                           {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0},
+                           {"prompt": prompt, "max_tokens": 32 if args.max_tokens is None else args.max_tokens,
+                            "temperature": 0},
                            headers=stack.auth_headers)
         elapsed = time.monotonic() - t
         stats = stack_stats(cfg)
@@ -152,6 +208,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         "decode_pool_used_bytes_after": int(d["pool_used_bytes"]), "prefill_held_slots_after": int(p["held_slots"]),
         "metastore": {k: stats["metastore"][k] for k in sorted(stats["metastore"]) if k.startswith(("objects", "pools", "live"))},
     }
+    if not args.model:
+        print("note: the tiny model's weights are random, so its text is meaningless; "
+              "`make demo-vllm` shows real text (SmolLM2 under vLLM)")
     print(f"answer ({summary['completion_tokens']} tokens after a {summary['prompt_tokens']}-token prompt): "
           f"{choice['text']!r}")
     print(json.dumps(summary))
@@ -204,16 +263,21 @@ def build_parser() -> argparse.ArgumentParser:
                              ("demo", _cmd_demo, "start the stack, send one long prompt through the proxy, print "
                                                  "the answer and a memory/transfer summary, stop")):
         cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("--model", help="model directory (default: the tiny model, created on first use)")
+        cmd.add_argument("--engine", choices=ENGINES, default="reference",
+                         help="reference: the kvoffload prefill and decode services (DSA model); vllm: vLLM "
+                              "prefill and decode servers with the kvoffload connectors (docs/vllm.md)")
+        cmd.add_argument("--model", help="model directory (default: the tiny seeded DSA model, created on first "
+                                         "use; with --engine vllm: SmolLM2-135M-Instruct, built on first use)")
         cmd.add_argument("--port", type=int, default=9000, help="proxy port")
-        cmd.add_argument("--max-model-len", type=int, default=16384)
+        cmd.add_argument("--max-model-len", type=int,
+                         help=f"default {REFERENCE_MAX_MODEL_LEN}; with --engine vllm {VLLM_MAX_MODEL_LEN}")
         cmd.add_argument("--log-dir", help="where each service logs (default ~/.cache/kvoffload/logs)")
         cmd.add_argument("--api-key", default=os.environ.get("KVOFFLOAD_API_KEY"),
                          help="the proxy requires 'Authorization: Bearer KEY' (default $KVOFFLOAD_API_KEY)")
-        add_tls_arguments(cmd)  # handed to every gRPC service of the stack, and used by its probes
+        add_tls_arguments(cmd)  # handed to every gRPC service of the stack, and used by its probes (reference only)
         if name == "demo":
-            cmd.add_argument("--max-tokens", type=int, default=32)
-        cmd.set_defaults(func=func)
+            cmd.add_argument("--max-tokens", type=int, help="default 32; with --engine vllm 64")
+        cmd.set_defaults(func=func, parser=cmd)
     return parser
 
 

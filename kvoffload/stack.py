@@ -136,8 +136,33 @@ def _bin(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 
 
+def metastore_service(c: StackConfig) -> tuple[str, list[str], str]:
+    """(name, argv, health URL) of the stack's metastore."""
+    tls = c.tls.flags() if c.tls else []
+    return ("metastore", [_bin("kvoffload-metastore"), "--host", c.host, "--port", str(c.metastore_port),
+                          "--dram-size", f"{int(c.prefill_pool_gb * 1024)}MB", *tls],
+            f"grpc://{c.host}:{c.metastore_port}")
+
+
+def proxy_service(c: StackConfig) -> tuple[str, list[str], str]:
+    """(name, argv, health URL) of the stack's proxy, in front of every prefill and decode HTTP port."""
+    proxy = [_bin("kvoffload-proxy"), "--host", c.host, "--port", str(c.proxy_port),
+             "--prefiller-hosts", *[c.host] * len(c.prefill_ports),
+             "--prefiller-ports", *map(str, c.prefill_ports),
+             "--decoder-hosts", *[c.host] * len(c.decode_ports), "--decoder-ports", *map(str, c.decode_ports)]
+    return ("proxy", proxy, f"http://{c.host}:{c.proxy_port}/healthcheck")
+
+
 class Stack:
-    """The running services; ``start`` waits until every one is healthy, ``stop`` ends them all."""
+    """The running services; ``start`` waits until every one is healthy, ``stop`` ends them all.
+
+    The engine lives in ``commands`` (this class: the reference services); the launching is the same
+    for every engine (``kvoffload.vllm_stack.VllmStack`` overrides ``commands`` and the hooks below)."""
+
+    start_timeout_s = 180.0  # start()'s default: every service healthy within this
+    stop_grace_s = 10.0  # stop()'s default: how long each service gets to exit after SIGTERM
+    # services spawned only once every service before them is healthy; the others all start at once
+    spawn_after_healthy: frozenset[str] = frozenset()
 
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
@@ -158,9 +183,7 @@ class Stack:
         tls = c.tls.flags() if c.tls else []
         common = ["--model", str(c.model), "--host", c.host, "--max-model-len", str(c.max_model_len),
                   "--block-size", str(c.block_size), *tls]
-        out = [("metastore", [_bin("kvoffload-metastore"), "--host", c.host, "--port", str(c.metastore_port),
-                              "--dram-size", f"{int(c.prefill_pool_gb * 1024)}MB", *tls],
-                f"grpc://{c.host}:{c.metastore_port}")]
+        out = [metastore_service(c)]
         for i, port in enumerate(c.decode_ports):
             kv_port = c.kv_port + 16 * i  # each decode reserves dp * tp consecutive control ports
             out.append((f"decode-{i}", [_bin("kvoffload-decode"), *common, "--port", str(port),
@@ -174,16 +197,16 @@ class Stack:
                                          "--host-pool-gb", str(c.prefill_pool_gb),
                                          "--kv-transfer-config", prefill_kv_transfer_config(c.kv_port)],
                         f"http://{c.host}:{port}/health"))
-        proxy = [_bin("kvoffload-proxy"), "--host", c.host, "--port", str(c.proxy_port),
-                 "--prefiller-hosts", *[c.host] * len(c.prefill_ports),
-                 "--prefiller-ports", *map(str, c.prefill_ports),
-                 "--decoder-hosts", *[c.host] * len(c.decode_ports), "--decoder-ports", *map(str, c.decode_ports)]
-        out.append(("proxy", proxy, f"http://{c.host}:{c.proxy_port}/healthcheck"))
+        out.append(proxy_service(c))
         return [(name, argv + c.service_args.get(name, []), health) for name, argv, health in out]
+
+    def engine_env(self, name: str) -> dict[str, str]:
+        """What the engine adds to service ``name``'s environment (under the config's own env)."""
+        return {}
 
     def _spawn(self, name: str, argv: list[str]) -> tuple[subprocess.Popen, Path]:
         """Start one service, its output appended to ``log_dir/NAME.log``."""
-        env = {**os.environ, **self.cfg.extra_env}
+        env = {**os.environ, **self.engine_env(name), **self.cfg.extra_env}
         env.pop(API_KEY_ENV, None)
         if name == "proxy" and self.cfg.api_key:
             env[API_KEY_ENV] = self.cfg.api_key
@@ -193,22 +216,34 @@ class Stack:
                                     env={**env, **self.cfg.service_env.get(name, {})}, start_new_session=True)
         return proc, log
 
-    def start(self, timeout_s: float = 180.0, progress: bool = True) -> None:
+    def start(self, timeout_s: float | None = None, progress: bool = True) -> None:
+        """Spawn every service in ``commands`` order (one waiting first for those before it when it is
+        in ``spawn_after_healthy``) and wait, in the same order, until each is healthy; on a failure
+        or a timeout stop what was started and raise."""
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
-        for name, _, _ in self.commands():
-            (self.cfg.log_dir / f"{name}.log").write_bytes(b"")
         cmds = self.commands()
+        for name, _, _ in cmds:
+            (self.cfg.log_dir / f"{name}.log").write_bytes(b"")
+        deadline = time.monotonic() + (self.start_timeout_s if timeout_s is None else timeout_s)
         try:
-            for name, argv, _ in cmds:
-                proc, log = self._spawn(name, argv)
-                self.procs.append((name, proc, log))
-            deadline = time.monotonic() + timeout_s
             with tqdm(total=len(cmds), desc="starting kvoffload", unit="service", disable=not progress,
                       file=sys.stderr) as bar:
-                for (name, argv, health), (_, proc, log) in zip(cmds, self.procs):
-                    bar.set_postfix_str(name)
-                    self._wait_healthy(name, proc, health, log, deadline, self.cfg.tls)
-                    bar.update(1)
+                healthy = 0  # services [0, healthy) answered their health check
+
+                def wait_healthy_until(end: int) -> None:
+                    nonlocal healthy
+                    for (name, _, health), (_, proc, log) in zip(cmds[healthy:end], self.procs[healthy:end]):
+                        bar.set_postfix_str(name)
+                        self._wait_healthy(name, proc, health, log, deadline, self.cfg.tls)
+                        bar.update(1)
+                        healthy += 1
+
+                for i, (name, argv, _) in enumerate(cmds):
+                    if name in self.spawn_after_healthy:
+                        wait_healthy_until(i)
+                    proc, log = self._spawn(name, argv)
+                    self.procs.append((name, proc, log))
+                wait_healthy_until(len(cmds))
         except BaseException:
             self.stop()
             raise
@@ -247,18 +282,23 @@ class Stack:
         self.procs[i] = (name, proc, log)
         self._wait_healthy(name, proc, health, log, time.monotonic() + timeout_s, self.cfg.tls)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Stop in reverse start order (proxy, prefills, decodes, metastore): SIGTERM, wait up to
-        ``grace_s``, then SIGKILL — each service drains before the ones it depends on go."""
-        for _, proc, _ in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop in reverse start order (the reference engine's: proxy, prefills, decodes, metastore):
+        SIGTERM, wait up to ``grace_s`` (default ``stop_grace_s``), then SIGKILL — each service
+        drains before the ones it depends on go."""
+        for name, proc, _ in reversed(self.procs):
+            self._stop_one(name, proc, self.stop_grace_s if grace_s is None else grace_s)
         self.procs.clear()
+
+    def _stop_one(self, name: str, proc: subprocess.Popen, grace_s: float) -> None:
+        """SIGTERM, wait up to ``grace_s``, then SIGKILL."""
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
     def __enter__(self) -> "Stack":
         self.start()

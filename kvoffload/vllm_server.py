@@ -67,6 +67,46 @@ def _health_ok(url: str) -> bool:
         return False
 
 
+def api_server_command(model: Path | str, *, port: int, max_model_len: int, host: str = "127.0.0.1",
+                       extra_args: Sequence[str] = ()) -> list[str]:
+    """The argv of a vLLM OpenAI server on this machine (eager, float32; see docs/vllm.md)."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", host, "--port", str(port), "--enforce-eager", "--dtype", "float32",
+            "--max-model-len", str(max_model_len), *extra_args]
+
+
+def api_server_env(kv_cache_space_gib: int | str = 1) -> dict[str, str]:
+    """What a vLLM server's environment adds: its KV cache size (GiB) and no model hub
+    (HF_HUB_OFFLINE: a model path that does not exist must fail, not be tried as a hub repo id)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib), "HF_HUB_OFFLINE": "1"}
+
+
+def signal_group(proc: subprocess.Popen, sig: signal.Signals, timeout_s: float) -> bool:
+    """Send ``sig`` to the process group ``proc`` leads; True once ``proc`` is reaped and no member of
+    the group is alive (within ``timeout_s``)."""
+    pgid = proc.pid
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reaps the leader, so it does not linger as a zombie
+        if proc.returncode is not None and not group_members(pgid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float, what: str = "the") -> None:
+    """Stop every process of the group ``proc`` leads (``start_new_session``): SIGTERM, wait up to
+    ``timeout_s``, then SIGKILL; :class:`RuntimeError` when a member survives even that."""
+    if not signal_group(proc, signal.SIGTERM, timeout_s):
+        signal_group(proc, signal.SIGKILL, 10.0)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=1)
+    if group_members(proc.pid):
+        raise RuntimeError(f"processes {group_members(proc.pid)} of {what} group {proc.pid} survived SIGKILL")
+
+
 class VllmServer:
     """A real vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on 127.0.0.1, run in
     its own process group. ``with VllmServer(model) as s:`` waits for ``/health``; leaving the block
@@ -79,12 +119,8 @@ class VllmServer:
         self.model = Path(model)
         self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                    "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--dtype", "float32",
-                    "--max-model-len", str(max_model_len), *extra_args]
-        # HF_HUB_OFFLINE: a model path that does not exist must fail, not be tried as a hub repo id
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib), "HF_HUB_OFFLINE": "1",
-                    **(env or {})}
+        self.cmd = api_server_command(model, port=self.port, max_model_len=max_model_len, extra_args=extra_args)
+        self.env = {**os.environ, **api_server_env(kv_cache_space_gib), **(env or {})}
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="vllm-server-")) / "vllm.log"
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -128,25 +164,7 @@ class VllmServer:
         if self.proc is None or self._stopped:
             return
         self._stopped = True
-        pgid = self.proc.pid  # start_new_session: the server leads its own group
-        if not self._signal_group(pgid, signal.SIGTERM, self.stop_timeout_s):
-            self._signal_group(pgid, signal.SIGKILL, 10.0)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=1)
-        if group_members(pgid):
-            raise RuntimeError(f"processes {group_members(pgid)} of the vLLM server's group {pgid} survived SIGKILL")
-
-    def _signal_group(self, pgid: int, sig: signal.Signals, timeout_s: float) -> bool:
-        """Send ``sig`` to group ``pgid``; True once the leader is reaped and no member is alive."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, sig)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.proc.poll()  # reaps the leader, so it does not linger as a zombie
-            if self.proc.returncode is not None and not group_members(pgid):
-                return True
-            time.sleep(0.1)
-        return False
+        stop_group(self.proc, self.stop_timeout_s, what="the vLLM server's")
 
     def __enter__(self) -> VllmServer:
         return self.start()

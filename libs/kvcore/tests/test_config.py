@@ -491,3 +491,23 @@ def test_strict_parsing_makes_an_unknown_key_an_error_with_a_suggestion():
     with pytest.raises(ConfigError) as e:
         parse_kv_transfer_config(body, strict=True)
     assert "kv_connector_extra_config: unknown key 'metastor'; did you mean 'metastore'?" in str(e.value)
+
+
+def test_the_vllm_d2h_keys_are_typed_and_named_for_the_services_that_take_flags_instead():
+    cfg = parse_kv_transfer_config({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 20050,
+                                    "kv_connector_extra_config": {"advertise_host": "10.0.0.7", "data_port": 0,
+                                                                  "peer_timeout_s": 3}}, strict=True)
+    extra = cfg.kv_connector_extra_config
+    assert (extra.advertise_host, extra.data_port, extra.peer_timeout_s) == ("10.0.0.7", 0, 3.0)
+    assert extra.vllm_only_problems() == [
+        "kv_connector_extra_config.advertise_host: read by the vLLM connector only; the kvoffload services take "
+        "--advertise-host instead",
+        "kv_connector_extra_config.data_port: read by the vLLM connector only; the kvoffload services take "
+        "--data-port instead",
+        "kv_connector_extra_config.peer_timeout_s: read by the vLLM connector only; the kvoffload services take "
+        "--peer-timeout-s instead"]
+    for key, bad, rule in (("advertise_host", "0.0.0.0", "not a wildcard"), ("advertise_host", "h:80", "without a port"),
+                           ("data_port", 70000, "in 0..65535"), ("peer_timeout_s", 0, "seconds > 0")):
+        with pytest.raises(ConfigError, match=f"kv_connector_extra_config.{key}: got .*{rule}"):
+            parse_kv_transfer_config({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer",
+                                      "kv_connector_extra_config": {key: bad}}, strict=True)

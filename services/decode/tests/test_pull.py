@@ -1,6 +1,7 @@
 """The decode's pull path (``kvoffload_decode.pull``) without a gRPC server: ``LayerPuller`` over a
-real ``DecodeLoop`` and ``SparseDecoder`` with stand-in row sources, ``RowSources`` over a real
-shared-memory segment and a stand-in channel, and ``PullCounters`` under many threads.
+real ``DecodeLoop`` and ``SparseDecoder`` with stand-in row sources or ``pdlink``'s ``RowSources``
+over a real shared-memory segment, and ``PullCounters`` under many threads. (``RowSources`` on its
+own: libs/pdlink/tests/test_sources.py.)
 
 What ``test_transfer_hostile`` covers through the real control port (layout reasons, malformed
 ReadReady, a source's refusals, duplicates, PrefillDone) is not repeated here; this file covers
@@ -9,7 +10,6 @@ retries, the shared-memory path, heartbeats, concurrent pulls and the counters t
 
 from __future__ import annotations
 
-import re
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -25,11 +25,12 @@ from dsamodel.sampling import SamplingParams
 from kvcore.layout import dtype_name
 from kvcore.segment import PoolGeometry, SharedSegment
 from kvoffload_proto.v1 import transfer_pb2 as pb
+from pdlink.sources import RowSources
 
 from kvoffload_decode import pull
 from kvoffload_decode.loop import DecodeLoop
 from kvoffload_decode.pull import (COUNTERS, LayerPuller, MalformedRead, NoAcceptedLayout, PullCounters,
-                                   PullRefused, RowSources, UnknownRequest)
+                                   PullRefused, UnknownRequest)
 from kvoffload_decode.transfer import STATUS, TransferServicer
 
 N = 20  # prompt tokens of each request
@@ -369,7 +370,7 @@ def test_prefill_done_for_an_unknown_request_raises(rank):
         rank.puller.prefill_done(VERSION, "nobody", N, 7)
 
 
-# ---- RowSources: the shared-memory path and the streamed chunks ------------------------------------------
+# ---- the shared-memory path through RowSources ----------------------------------------------------------
 
 
 @pytest.fixture
@@ -404,7 +405,7 @@ def test_same_host_rows_come_out_of_the_shared_segment_attached_once(rank, prefi
     seg, labels = prefill_segment
     attached = []
     real_attach = SharedSegment.attach
-    monkeypatch.setattr(pull.SharedSegment, "attach",
+    monkeypatch.setattr(SharedSegment, "attach",
                         classmethod(lambda cls, name: attached.append(real_attach(name)) or attached[-1]))
     shared = _same_host(rank, seg, labels)
     try:
@@ -431,82 +432,3 @@ def test_a_region_too_small_for_the_rows_fails_the_read(rank, prefill_segment):
         assert shared.rows("r0", 1) == 0
     finally:
         shared.close()
-
-
-class FakeChannel:
-    """Answers every ReadLayer with ``chunks``; records the requests."""
-
-    def __init__(self, chunks) -> None:
-        self.chunks, self.requests, self.closed = chunks, [], False
-
-    def unary_stream(self, method, **kw):
-        assert method == "/kvoffload.v1.LayerSource/ReadLayer"
-
-        def call(request, timeout=None):
-            self.requests.append(request)
-            return iter(self.chunks)
-        return call
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def _stream(chunks, rows: int = 2, row_bytes: int = 4):
-    channels = []
-    sources = RowSources(lambda endpoint: channels.append(FakeChannel(chunks)) or channels[-1])
-    req = pb.ReadReadyRequest(request_id="r", layer=1, src_start=3, src_end=3 + rows, generation=2,
-                              layout_version=VERSION)
-    return sources, channels, lambda: sources.streamed_rows("p:1", req, pb.PLANE_KIND_INDEXER, row_bytes)
-
-
-def test_streamed_rows_are_assembled_from_chunks_over_one_channel_per_endpoint():
-    data = bytes(range(8))
-    sources, channels, read = _stream([pb.DataChunk(offset_bytes=4, data=data[4:], total_bytes=8),
-                                       pb.DataChunk(offset_bytes=0, data=data[:4], total_bytes=8)])
-    assert read().tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    read()
-    assert len(channels) == 1 and len(channels[0].requests) == 2
-    sent = channels[0].requests[0]
-    assert (sent.request_id, sent.layer, sent.kind, sent.src_start, sent.src_end, sent.generation,
-            sent.layout_version) == ("r", 1, pb.PLANE_KIND_INDEXER, 3, 5, 2, VERSION)
-    sources.close()
-    assert channels[0].closed
-
-
-@pytest.mark.parametrize("chunks, message", [
-    ([pb.DataChunk(offset_bytes=0, data=bytes(4), total_bytes=8)], "LayerSource sent 4 of 8 bytes"),
-    ([pb.DataChunk(offset_bytes=0, data=bytes(8), total_bytes=16)], "does not fit 8 bytes"),
-    ([pb.DataChunk(offset_bytes=6, data=bytes(4), total_bytes=8)], "chunk at 6 (+4) does not fit 8 bytes"),
-], ids=["short", "wrong-total", "past-the-end"])
-def test_chunks_that_do_not_add_up_are_a_value_error(chunks, message):
-    sources, _, read = _stream(chunks)
-    with pytest.raises(ValueError, match=re.escape(message)):
-        read()
-    sources.close()
-
-
-def test_attaching_a_new_prefill_segment_lets_go_of_those_whose_prefill_is_gone():
-    """A prefill restarted under a new segment name: the decode's mapping of the old one (memory the
-    kernel cannot free while mapped) is released when it attaches the new one; a live one is kept."""
-    geometry = PoolGeometry(4, (8,), 2)
-    sources = RowSources(lambda endpoint: pytest.fail(f"streamed from {endpoint}"))
-
-    def region(seg):
-        return pb.BufferRegion(segment_name=seg.name, offset_bytes=seg.plane_offsets[0], row_stride_bytes=8,
-                               capacity_tokens=8)
-
-    old, live, new = (SharedSegment.create(f"test-rows-{uuid.uuid4().hex[:12]}", geometry) for _ in range(3))
-    try:
-        sources.shared_rows(region(old), 0, 2, 8)
-        sources.shared_rows(region(live), 0, 2, 8)
-        attached = dict(sources._segments)
-        old.close()
-        old.unlink()  # the prefill exited
-        sources.shared_rows(region(new), 0, 2, 8)
-        assert set(sources._segments) == {live.name, new.name}
-        assert attached[old.name].closed and not attached[live.name].closed
-    finally:
-        sources.close()
-        for seg in (live, new):
-            seg.close()
-            seg.unlink()

@@ -211,6 +211,25 @@ def _host_port(value: Any) -> Any:
     raise _rule(f"got {describe_value(value)}; must be \"HOST:PORT\" (the kvoffload-metastore's address)")
 
 
+def _host(value: Any) -> Any:
+    if value is None:
+        return None
+    wildcard = value in ("0.0.0.0", "::", "[::]") if isinstance(value, str) else False
+    with_port = isinstance(value, str) and value.count(":") == 1  # "host:port" (IPv6 has more colons)
+    if isinstance(value, str) and value.strip() == value and value and not wildcard and not with_port:
+        return value
+    raise _rule(f"got {describe_value(value)}; must be a host name or address the peers can reach, without a "
+                "port (not a wildcard such as 0.0.0.0)")
+
+
+def _positive_seconds(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise _rule(f"got {describe_value(value)}; must be a number of seconds > 0")
+
+
 def _positive_gib(value: Any) -> Any:
     if value is None:
         return None
@@ -318,6 +337,18 @@ class D2HConnectorConfig(_Model):
 
     transfer_backend: Annotated[str | None, _choice(TRANSFER_BACKENDS, optional=True)] = None
     use_layerwise: StrictBool = False
+    # read by the vLLM connector (kvoffload_vllm); the reference services take them as flags
+    advertise_host: Annotated[str | None, BeforeValidator(_host)] = None  # where peers reach this engine
+    data_port: Annotated[int | None, _int_rule(0, 65535, optional=True)] = None  # producer's LayerSource; 0: any
+    peer_timeout_s: Annotated[float | None, BeforeValidator(_positive_seconds)] = None
+
+    VLLM_ONLY: ClassVar[dict[str, str]] = {"advertise_host": "--advertise-host", "data_port": "--data-port",
+                                           "peer_timeout_s": "--peer-timeout-s"}
+
+    def vllm_only_problems(self, prefix: str = "") -> list[str]:
+        """The vLLM-connector keys this config sets, as errors naming the reference service's flag."""
+        return [f"{prefix}kv_connector_extra_config.{key}: read by the vLLM connector only; the kvoffload "
+                f"services take {flag} instead" for key, flag in self.VLLM_ONLY.items() if key in self.model_fields_set]
 
 
 class MultiConnectorConfig(_Model):

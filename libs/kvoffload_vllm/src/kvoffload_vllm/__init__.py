@@ -6,19 +6,16 @@ A user switches one on with vLLM's own flag and the module path of this package:
         "kv_connector_module_path": "kvoffload_vllm",
         "kv_connector_extra_config": {"backend": "kvoffload", "metastore": "127.0.0.1:5000"}}'
 
-The connector classes import vLLM, so they are loaded on first access (``kvoffload_vllm.layout``
-and ``kvoffload_vllm.plan`` import without it).
+The connector classes import vLLM, so they are loaded on first access (``kvoffload_vllm.layout``,
+``kvoffload_vllm.plan`` and ``kvoffload_vllm.d2h_plan`` import without it). The P/D pair:
+``SfaRemoteD2HConnector`` with ``kv_role`` ``kv_producer`` on the prefill (usually inside vLLM's
+``MultiConnector`` next to the store) and ``kv_consumer`` on the decode; see ``kvoffload_vllm.d2h``.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["AscendStoreConnector"]
-
-
-# The seed's other connector names: said plainly when a config asks for one (vLLM's getattr fails).
-NOT_YET = {"SfaRemoteD2HConnector": "the remote D2H (P/D) connector under vLLM is not implemented yet; "
-                                    "P/D runs on the reference engine (`kvoffload up`); see docs/vllm.md"}
+__all__ = ["AscendStoreConnector", "SfaRemoteD2HConnector"]
 
 
 def __getattr__(name: str):
@@ -26,6 +23,8 @@ def __getattr__(name: str):
         from kvoffload_vllm.store import AscendStoreConnector
 
         return AscendStoreConnector
-    if name in NOT_YET:
-        raise AttributeError(f"kvoffload_vllm.{name}: {NOT_YET[name]}")
+    if name == "SfaRemoteD2HConnector":
+        from kvoffload_vllm.d2h import SfaRemoteD2HConnector
+
+        return SfaRemoteD2HConnector
     raise AttributeError(f"module 'kvoffload_vllm' has no attribute {name!r}")

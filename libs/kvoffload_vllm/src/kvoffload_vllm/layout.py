@@ -30,6 +30,20 @@ def model_key_prefix(model_name: str, layout: Mapping[str, object]) -> str:
     return f"vllm:{model_name}:{digest}"
 
 
+def vllm_model_id(vllm_config, spec, layer_order: Sequence[str]) -> str:
+    """``model_key_prefix`` of a vLLM engine: its served model name and the attention spec, device
+    type, vLLM version and layer names that decide a block's bytes (imports vLLM)."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    model = vllm_config.model_config
+    return model_key_prefix(
+        str(model.served_model_name or model.model),
+        {"spec": type(spec).__name__, "block_size": spec.block_size, "num_kv_heads": spec.num_kv_heads,
+         "head_size": spec.head_size, "dtype": str(spec.dtype), "page_bytes": spec.page_size_bytes,
+         "device": current_platform.device_type, "vllm": vllm.__version__, "layers": list(layer_order)})
+
+
 @dataclass(frozen=True)
 class CacheLayout:
     """The attention layers' caches in layer order: name, block shape and dtype, bytes per block."""

@@ -61,8 +61,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvoffload_vllm.layout import CacheLayout, model_key_prefix
+from kvoffload_vllm.layout import CacheLayout, vllm_model_id
 from kvoffload_vllm.plan import StorePlanner, Transfer
+from kvoffload_vllm.stats import CounterPromMetrics, CounterStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,8 +77,17 @@ log = structlog.get_logger("vllm.kvoffload.store")
 
 DEFAULT_HOST_POOL_GB = 1.0
 METASTORE_TIMEOUT_S = 5.0
-COUNTERS = ("blocks_saved", "bytes_saved", "blocks_loaded", "bytes_loaded", "save_errors", "load_errors",
-            "lookups", "hit_tokens", "layers_saved_during_forward")
+COUNTERS = {
+    "blocks_saved": "blocks (of all layers) written to the host pool",
+    "bytes_saved": "bytes written to the host pool",
+    "blocks_loaded": "blocks (of all layers) loaded from the host pool into vLLM's cache",
+    "bytes_loaded": "bytes loaded from the host pool",
+    "save_errors": "blocks whose save failed or was skipped (pool full, MetaStore down)",
+    "load_errors": "blocks whose load failed (vLLM recomputed them)",
+    "lookups": "prefix lookups at the MetaStore",
+    "hit_tokens": "prompt tokens found in the host pool",
+    "layers_saved_during_forward": "layers in the pool before the last layer's attention of their step ended",
+}
 
 
 @dataclass
@@ -86,25 +96,6 @@ class StoreStepMetadata(KVConnectorMetadata):
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
-
-
-@dataclass
-class StoreStats(KVConnectorStats):
-    """Sums of ``COUNTERS`` since the last report (vLLM aggregates workers and logs them)."""
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> "StoreStats":
-        for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
 
 
 def store_config(vllm_config: "VllmConfig"):
@@ -147,9 +138,6 @@ class AscendStoreConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        import vllm
-        from vllm.platforms import current_platform
-
         self._store = store_config(vllm_config)
         par = vllm_config.parallel_config
         if par.tensor_parallel_size * par.pipeline_parallel_size > 1:  # every rank would save its shard
@@ -157,13 +145,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
                                f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size}"])
         self._block_size = vllm_config.cache_config.block_size
         self._layer_order, self._spec = cache_spec(kv_cache_config)
-        spec = self._spec
-        model = vllm_config.model_config
-        self.model_id = model_key_prefix(
-            str(model.served_model_name or model.model),
-            {"spec": type(spec).__name__, "block_size": spec.block_size, "num_kv_heads": spec.num_kv_heads,
-             "head_size": spec.head_size, "dtype": str(spec.dtype), "page_bytes": spec.page_size_bytes,
-             "device": current_platform.device_type, "vllm": vllm.__version__, "layers": self._layer_order})
+        self.model_id = vllm_model_id(vllm_config, self._spec, self._layer_order)
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
@@ -376,11 +358,15 @@ class AscendStoreConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         with self._lock:
             data, self._counters = self._counters, dict.fromkeys(COUNTERS, 0)
-        return StoreStats(data=data) if any(data.values()) else None
+        return CounterStats(data=data) if any(data.values()) else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
-        return StoreStats(data=dict(data)) if data is not None else StoreStats()
+        return CounterStats(data=dict(data)) if data is not None else CounterStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> CounterPromMetrics:
+        return CounterPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, "store", COUNTERS)
 
     def shutdown(self) -> None:
         if self.role == KVConnectorRole.SCHEDULER:

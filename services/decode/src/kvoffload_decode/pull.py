@@ -6,9 +6,10 @@ the end of a prefill, and the counters of it all. ``TransferServicer`` turns pro
 A malformed or unknown message raises a ``PullRefused`` (and changes nothing); every well-formed
 ReadReady gets an answer (``ReadOutcome``, done or failed), so the prefill's reuse gate never
 waits forever. Same host: rows are read straight out of the prefill's shared-memory layer buffer;
-other hosts: streamed from the prefill's LayerSource in bounded chunks (``RowSources`` keeps the
-attached segments and the channels). A failed read of the source is retried (idempotently: the
-same rows land in the same place) up to ``read_retries`` times before the answer is failed.
+other hosts: streamed from the prefill's LayerSource in bounded chunks (``pdlink.sources.RowSources``
+keeps the attached segments and the channels). A failed read of the source is retried
+(idempotently: the same rows land in the same place) up to ``read_retries`` times before the
+answer is failed.
 Heartbeats, ReadReady and PrefillDone are the news that keep a pending request's watchdog (see
 ``DecodeLoop``) quiet. Everything here may be called from many gRPC threads at once.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -25,8 +26,8 @@ import structlog
 import torch
 from kvcore.layout import KVLayout, dtype_name
 from dsamodel.sampling import TokenLogprob
-from kvcore.segment import SharedSegment
-from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+from kvoffload_proto.v1 import transfer_pb2
+from pdlink.sources import RowSources
 
 from kvoffload_decode.loop import DecodeLoop
 
@@ -101,74 +102,6 @@ class ReadOutcome:
     reason: str = ""
     bytes_read: int = 0
     read_ms: float = 0.0
-
-
-# ---- where rows come from --------------------------------------------------------------------------
-
-
-class RowSources:
-    """Reads rows of one plane of a prefill's layer buffer, as uint8 ``[n, row_bytes]``: out of its
-    shared-memory segment (attached on first use and kept while its owner lives: attaching a new
-    one first lets go of every segment whose prefill is gone, e.g. restarted under a new segment
-    name) or streamed from its LayerSource (a channel per endpoint, made by ``connect`` on first use
-    and kept) until ``close``."""
-
-    def __init__(self, connect: Callable[[str], grpc.Channel]) -> None:
-        self._connect = connect
-        self._lock = threading.Lock()
-        self._segments: dict[str, SharedSegment] = {}
-        self._channels: dict[str, grpc.Channel] = {}
-
-    def shared_rows(self, region, start: int, end: int, row_bytes: int) -> torch.Tensor:
-        """Rows [start, end) of a ``BufferRegion``: a view of the prefill's memory (installing them
-        is the one copy READ_DONE waits for). ValueError if the region cannot hold them."""
-        if end > region.capacity_tokens or region.row_stride_bytes != row_bytes:
-            raise ValueError(f"buffer region of {region.capacity_tokens} rows x {region.row_stride_bytes} bytes "
-                             f"cannot give rows [{start}, {end}) of {row_bytes} bytes")
-        with self._lock:
-            seg = self._segments.get(region.segment_name)
-            if seg is None:
-                for name in [n for n, old in self._segments.items() if old.gone()]:
-                    self._segments.pop(name).close()
-                    log.info("prefill_segment_released", segment=name)
-                seg = self._segments[region.segment_name] = SharedSegment.attach(region.segment_name)
-        plane = seg.plane_offsets.index(region.offset_bytes)
-        rows = seg.plane(plane).view(-1, row_bytes)  # [capacity, row_bytes] uint8, the prefill's memory
-        return rows[start:end]
-
-    def streamed_rows(self, endpoint: str, request, kind, row_bytes: int) -> torch.Tensor:
-        """The ReadReady's rows of one plane (``kind``) from the LayerSource at ``endpoint``;
-        grpc.RpcError as the source answers, ValueError for chunks that do not add up."""
-        with self._lock:
-            channel = self._channels.get(endpoint)
-            if channel is None:
-                channel = self._channels[endpoint] = self._connect(endpoint)
-        stub = transfer_pb2_grpc.LayerSourceStub(channel)
-        n = request.src_end - request.src_start
-        out = torch.empty(n * row_bytes, dtype=torch.uint8)
-        seen = 0
-        for chunk in stub.ReadLayer(transfer_pb2.ReadLayerRequest(
-                request_id=request.request_id, layer=request.layer, kind=kind, src_start=request.src_start,
-                src_end=request.src_end, generation=request.generation, layout_version=request.layout_version),
-                timeout=60):
-            if chunk.total_bytes != out.numel() or chunk.offset_bytes + len(chunk.data) > out.numel():
-                raise ValueError(f"LayerSource chunk at {chunk.offset_bytes} (+{len(chunk.data)}) does not fit "
-                                 f"{out.numel()} bytes")
-            out[chunk.offset_bytes : chunk.offset_bytes + len(chunk.data)] = torch.frombuffer(
-                bytearray(chunk.data), dtype=torch.uint8)
-            seen += len(chunk.data)
-        if seen != out.numel():
-            raise ValueError(f"LayerSource sent {seen} of {out.numel()} bytes")
-        return out.view(n, row_bytes)
-
-    def close(self) -> None:
-        with self._lock:
-            for seg in self._segments.values():
-                seg.close()
-            for ch in self._channels.values():
-                ch.close()
-            self._segments.clear()
-            self._channels.clear()
 
 
 # ---- the pull path ---------------------------------------------------------------------------------
@@ -360,4 +293,4 @@ class LayerPuller:
 
 
 __all__ = ["COUNTERS", "LayerPuller", "MalformedRead", "NoAcceptedLayout", "PullCounters", "PullRefused",
-           "ReadOutcome", "RowSources", "UnknownRequest"]
+           "ReadOutcome", "UnknownRequest"]

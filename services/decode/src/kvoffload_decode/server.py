@@ -108,6 +108,9 @@ def _settings(args: argparse.Namespace, layout, index_topk: int | None) -> Decod
     settings = decode_settings(args.kv_transfer_config, args.additional_config, layout, index_topk=index_topk,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                dp=args.dp_rank + 1, tp=1)
+    vllm_only = settings.d2h.vllm_only_problems()
+    if vllm_only:
+        raise ConfigError(vllm_only)
     require_available(transfer_backend=settings.d2h.transfer_backend)
     for w in settings.warnings:
         log.warning("config_warning", warning=w)

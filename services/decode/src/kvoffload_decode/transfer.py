@@ -12,10 +12,10 @@ from kvcore.layout import KVLayout
 from dsamodel.sampling import TokenLogprob
 from svcruntime.tls import PROCESS, secure_or_insecure_channel
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+from pdlink.sources import RowSources
 
 from kvoffload_decode.loop import DecodeLoop
-from kvoffload_decode.pull import (LayerPuller, MalformedRead, NoAcceptedLayout, PullRefused, RowSources,
-                                   UnknownRequest)
+from kvoffload_decode.pull import LayerPuller, MalformedRead, NoAcceptedLayout, PullRefused, UnknownRequest
 
 STATUS = {NoAcceptedLayout: grpc.StatusCode.FAILED_PRECONDITION, MalformedRead: grpc.StatusCode.INVALID_ARGUMENT,
           UnknownRequest: grpc.StatusCode.NOT_FOUND}  # the status of each refusal

@@ -113,6 +113,9 @@ def _settings(args: argparse.Namespace, layout) -> PrefillSettings:
     if settings.d2h is None:
         raise ConfigError(["kv_transfer_config: a P/D prefill needs SfaRemoteD2HConnector (inside a "
                            "MultiConnector) so the decode can pull its layers"])
+    vllm_only = settings.d2h.vllm_only_problems()
+    if vllm_only:
+        raise ConfigError(vllm_only)
     require_available(backend=settings.store.backend, transfer_backend=settings.d2h.transfer_backend)
     for w in settings.warnings:
         log.warning("config_warning", warning=w)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import grpc
 import torch
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
-
-MAX_CHUNK_BYTES = 1 << 20
+from pdlink.chunks import data_chunks
 
 
 class LayerSourceServicer(transfer_pb2_grpc.LayerSourceServicer):
@@ -40,9 +39,4 @@ class LayerSourceServicer(transfer_pb2_grpc.LayerSourceServicer):
         if request.src_end > buf.shape[0]:
             context.abort(grpc.StatusCode.OUT_OF_RANGE, f"rows up to {request.src_end} of {buf.shape[0]}")
         data = buf[request.src_start : request.src_end].contiguous().view(-1).view(torch.uint8)  # packed rows
-        total = data.numel()
-        raw = data.numpy().tobytes()
-        for off in range(0, total, MAX_CHUNK_BYTES):
-            yield transfer_pb2.DataChunk(offset_bytes=off, data=raw[off : off + MAX_CHUNK_BYTES], total_bytes=total)
-        if total == 0:
-            yield transfer_pb2.DataChunk(offset_bytes=0, data=b"", total_bytes=0)
+        yield from data_chunks(data)

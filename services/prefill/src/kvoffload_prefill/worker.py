@@ -19,8 +19,7 @@ from dsamodel.sampling import RequestSampler, SamplingParams, TokenLogprob
 from kvcore.layout import dtype_name
 from svcruntime.ledger import Ledger
 from kvoffload_proto.v1 import transfer_pb2
-
-from kvoffload_prefill.links import DecodeLink
+from pdlink.links import DecodeLink
 
 log = structlog.get_logger(__name__)
 

@@ -1,5 +1,6 @@
 """DecodeLink liveness: heartbeats name held requests; a decode that stops answering fails the
-pending reads within the peer timeout (not the read deadline); dropped requests are reported."""
+pending reads within the peer timeout (not the read deadline); dropped requests are reported. Any
+``ReadTicket`` is settled, not only kvcore's ``SlotTicket``."""
 
 import threading
 import time
@@ -10,7 +11,7 @@ import pytest
 from kvcore.gates import OccupantFailed, SlotGate
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
-from kvoffload_prefill.links import DecodeLink
+from pdlink.links import DecodeLink
 
 
 class FakeDecode(transfer_pb2_grpc.TransferServicer):
@@ -98,4 +99,38 @@ def test_an_unresponsive_decode_fails_pending_reads_within_the_peer_timeout(deco
         assert link.announce(t2, ("r", endpoint), "r", 0, 16).result(timeout=1) is False
     finally:
         fake.release.set()
+        link.close()
+
+
+class RecordingTicket:
+    """A ``ReadTicket`` of a caller's own (no kvcore gate): records how each read settled."""
+
+    def __init__(self, layer: int, generation: int) -> None:
+        self.layer, self.generation = layer, generation
+        self.settled: list[tuple] = []
+
+    def read_done(self, reader) -> None:
+        self.settled.append(("done", reader))
+
+    def read_failed(self, reader, reason: str) -> None:
+        self.settled.append(("failed", reader, reason))
+
+
+def test_a_read_ticket_of_the_callers_own_is_settled_by_the_answer(decode):
+    fake, endpoint = decode
+    fake.release.set()  # ReadReady answers READ_DONE at once
+    link = _link(endpoint)
+    try:
+        ticket = RecordingTicket(layer=2, generation=5)
+        assert link.announce(ticket, "reader", "r", 0, 16).result(timeout=10) is True
+        assert ticket.settled == [("done", "reader")]
+        link.hold("gone")
+        fake.unknown.add("gone")
+        deadline = time.monotonic() + 5
+        while not link.dropped("gone") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        failed = RecordingTicket(layer=3, generation=6)
+        assert link.announce(failed, "reader", "gone", 0, 16).result(timeout=1) is False
+        assert failed.settled == [("failed", "reader", "decode " + endpoint + " no longer waits for request gone")]
+    finally:
         link.close()

@@ -1,4 +1,5 @@
-"""The prefill's side of the release handshake: one ``DecodeLink`` per decode control endpoint.
+"""The producer's side of the release handshake, used by the prefill service and the vLLM producer
+connector: one ``DecodeLink`` per decode control endpoint.
 
 A link exchanges the layout once (acked within ``LAYOUT_ACK_TIMEOUT_S``), then announces every
 computed layer with a ReadReady whose answer settles the slot ticket: READ_DONE -> ``read_done``,
@@ -17,10 +18,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Hashable
+from typing import Protocol
 
 import grpc
 import structlog
-from kvcore.gates import SlotTicket
 from svcruntime.tls import PROCESS, secure_or_insecure_channel
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
@@ -28,6 +30,21 @@ log = structlog.get_logger(__name__)
 
 LAYOUT_ACK_TIMEOUT_S = 10.0
 RECONNECT_WAIT_S = 3.0  # how long ensure_layout waits for a decode that is not reachable right now
+
+
+class ReadTicket(Protocol):
+    """What ``DecodeLink.announce`` needs of the ticket of an announced layer (``kvcore.gates.SlotTicket``
+    is one): the ``layer`` and ``generation`` it names, and how one reader's read of it settles."""
+
+    @property
+    def layer(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    def read_done(self, reader: Hashable) -> None: ...
+
+    def read_failed(self, reader: Hashable, reason: str) -> None: ...
 
 
 class LinkError(RuntimeError):
@@ -165,7 +182,7 @@ class DecodeLink:
             log.warning("decode_unresponsive", decode=self.endpoint, reason=reason, pending_reads=len(pending))
         for future in pending:
             future.cancel()
-    def announce(self, ticket: SlotTicket, reader, request_id: str, start: int, end: int) -> "_Outcome":
+    def announce(self, ticket: ReadTicket, reader, request_id: str, start: int, end: int) -> "_Outcome":
         """ReadReady for rows [start, end) of ``ticket.layer``; the answer settles ``reader``.
 
         Returns the call's future: its result is True for READ_DONE, False for a failure."""

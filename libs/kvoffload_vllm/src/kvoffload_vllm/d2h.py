@@ -1,0 +1,306 @@
+"""``SfaRemoteD2HConnector`` for vLLM: the P/D pull of a prefill's KV into a decode, layer by layer.
+
+The seed's remote D2H semantics on vLLM's ``KVConnectorBase_V1``, over the ``proto/`` Transfer
+contract (the same one the kvoffload prefill and decode services speak)::
+
+    prefill: {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer",
+              "kv_connector_module_path": "kvoffload_vllm",
+              "kv_connector_extra_config": {"transfer_backend": "kvoffload"}}
+    decode:  {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 20050,
+              "kv_connector_module_path": "kvoffload_vllm", "kv_load_failure_policy": "recompute",
+              "kv_connector_extra_config": {"transfer_backend": "kvoffload"}}
+
+(the prefill's usually sits in a ``MultiConnector`` next to the ``AscendStoreConnector``). The
+kvoffload proxy sends a client request to the decode first, with ``kv_transfer_params``
+``{"do_remote_prefill": true, "metaserver": URL, "request_id": ID}``; the decode registers its
+control endpoint there, and the proxy then sends the prefill the request with that endpoint in its
+``kv_transfer_params``.
+
+Producer (prefill)
+    scheduler  ``update_state_after_alloc`` notes the decode a request sends to;
+               ``build_connector_meta`` turns each step's prompt tokens into sends
+               (``kvoffload_vllm.d2h_plan``); ``request_finished`` delays the free of a request's
+               blocks until every read of them was answered (``get_finished`` reports it).
+    worker     ``kvoffload_vllm.producer``: a LayerSource gRPC server streams blocks out of vLLM's
+               cache; after each layer's attention ``save_kv_layer`` announces the layer to the
+               decode (ReadReady), while the forward goes on.
+Consumer (decode)
+    scheduler  ``get_num_new_matched_tokens`` answers "the whole prompt, asynchronously" for a
+               ``do_remote_prefill`` request (vLLM then computes the last prompt token itself, which
+               samples the first output token); ``update_state_after_alloc`` passes the request's
+               blocks to the worker; ``request_finished`` of a request still loading delays the free
+               until the worker let go of its blocks.
+    worker     ``kvoffload_vllm.consumer``: a Transfer gRPC server on ``kv_port + dp_rank × tp +
+               tp_rank`` takes the layout, the ReadReady announcements (pulls each layer into the
+               request's blocks) and the heartbeats; the registration POST to the proxy's
+               ``/v1/metaserver``; ``get_finished`` reports requests whose every layer landed, and a
+               failed or silent prefill's requests as failed receives (vLLM recomputes them under
+               ``kv_load_failure_policy: "recompute"``, else fails them).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+from kvcore.config import D2H_CONNECTOR, ConfigError, D2HConnectorConfig, parse_kv_transfer_config
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvoffload_vllm.d2h_plan import Send, SendPlanner, peer_of
+from kvoffload_vllm.layout import CacheLayout, vllm_model_id
+from kvoffload_vllm.stats import CounterPromMetrics, CounterStats
+from kvoffload_vllm.store import cache_spec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = structlog.get_logger("vllm.kvoffload.d2h")
+
+DEFAULT_ADVERTISE_HOST = "127.0.0.1"
+DEFAULT_PEER_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Recv:
+    """A decode request whose prompt KV comes from a prefill: vLLM request ``req_id``, known to the
+    proxy and the prefill as ``transfer_id``; ``block_ids`` for the prompt's ``num_tokens`` tokens,
+    of which blocks before ``first_block`` are this decode's own prefix-cache hit."""
+
+    req_id: str
+    transfer_id: str
+    metaserver: str
+    token: str | None
+    num_tokens: int
+    first_block: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class D2HStepMetadata(KVConnectorMetadata):
+    """One scheduler step's work for the workers."""
+
+    sends: list[Send] = field(default_factory=list)  # producer
+    recvs: list[Recv] = field(default_factory=list)  # consumer: new requests to pull
+    cancelled: list[str] = field(default_factory=list)  # consumer: requests finished while still loading
+
+
+@dataclass(frozen=True)
+class D2HSettings:
+    role: str  # "kv_producer" | "kv_consumer"
+    control_port: int | None  # consumer: kv_port + dp_rank * tp + tp_rank
+    advertise_host: str
+    data_port: int
+    peer_timeout_s: float
+    read_timeout_s: float
+
+
+def d2h_settings(vllm_config: "VllmConfig") -> D2HSettings:
+    """The typed SfaRemoteD2HConnector config (unknown keys are errors); ConfigError names the field."""
+    kv = vllm_config.kv_transfer_config
+    parsed = parse_kv_transfer_config({"kv_connector": kv.kv_connector, "kv_role": kv.kv_role,
+                                       "kv_port": kv.kv_port,
+                                       "kv_connector_extra_config": dict(kv.kv_connector_extra_config or {})},
+                                      strict=True)
+    extra = parsed.kv_connector_extra_config
+    if parsed.kv_connector != D2H_CONNECTOR or not isinstance(extra, D2HConnectorConfig):
+        raise ConfigError([f"kv_transfer_config.kv_connector: got {kv.kv_connector!r}; this class is {D2H_CONNECTOR}"])
+    if parsed.kv_role not in ("kv_producer", "kv_consumer"):
+        raise ConfigError([f"kv_transfer_config.kv_role: got {parsed.kv_role!r}; the {D2H_CONNECTOR} is either "
+                           "the prefill ('kv_producer') or the decode ('kv_consumer')"])
+    if extra.transfer_backend not in (None, "kvoffload"):
+        raise ConfigError([f"kv_connector_extra_config.transfer_backend: got {extra.transfer_backend!r}; inside "
+                           "vLLM the pull runs on 'kvoffload' (the memfabric adapter does not exist yet)"])
+    par = vllm_config.parallel_config
+    if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
+        raise ConfigError([f"{D2H_CONNECTOR}: runs with one rank only for now; got tensor_parallel_size "
+                           f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size}"])
+    control_port = None
+    if parsed.kv_role == "kv_consumer":
+        if parsed.kv_port is None:
+            raise ConfigError(["kv_transfer_config.kv_port: missing; the decode's control port is kv_port + "
+                               "dp_rank * tp + tp_rank"])
+        control_port = parsed.kv_port + par.data_parallel_rank * par.tensor_parallel_size
+        if control_port > 65535:
+            raise ConfigError([f"kv_transfer_config.kv_port: {parsed.kv_port} + dp_rank {par.data_parallel_rank} "
+                               "is beyond 65535"])
+    peer_timeout = extra.peer_timeout_s or DEFAULT_PEER_TIMEOUT_S
+    return D2HSettings(parsed.kv_role, control_port, extra.advertise_host or DEFAULT_ADVERTISE_HOST,
+                       extra.data_port or 0, peer_timeout, read_timeout_s=max(30.0, 3 * peer_timeout))
+
+
+class SfaRemoteD2HConnector(KVConnectorBase_V1):
+    """See the module docstring; one instance per role (scheduler / worker)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = d2h_settings(vllm_config)
+        self.producer_role = self.settings.role == "kv_producer"
+        self._block_size = vllm_config.cache_config.block_size
+        self._layer_order, self._spec = cache_spec(kv_cache_config)
+        self.model_id = vllm_model_id(vllm_config, self._spec, self._layer_order)
+        self._lock = threading.Lock()
+        self._side = None  # worker: a Producer or a Consumer, once the caches are registered
+        if role == KVConnectorRole.SCHEDULER:
+            self._planner = SendPlanner()
+            self._matched: dict[str, int] = {}  # consumer: local prefix tokens at the remote match
+            self._new_recvs: list[Recv] = []
+            self._loading: set[str] = set()  # consumer: requests whose pull the worker has not reported
+            self._cancelled: list[str] = []
+        log.info("kvoffload_d2h_connector", role=role.name, kv_role=self.settings.role, model_id=self.model_id,
+                 control_port=self.settings.control_port, advertise_host=self.settings.advertise_host)
+
+    # ---- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if self.producer_role or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if not isinstance(params.get("metaserver"), str) or not isinstance(params.get("request_id"), str):
+            log.warning("kvoffload_d2h_no_metaserver", request_id=request.request_id,
+                        reason="do_remote_prefill without metaserver and request_id: the prompt is computed here")
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._matched[request.request_id] = num_computed_tokens
+        return count, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        prompt_len = len(request.prompt_token_ids or ())
+        if self.producer_role:
+            try:
+                peer = peer_of(params)
+            except ValueError as exc:
+                log.error("kvoffload_d2h_bad_params", request_id=request.request_id, error=str(exc))
+                return
+            if peer is not None:
+                self._planner.allocated(request.request_id, peer, prompt_len)
+            return
+        local = self._matched.pop(request.request_id, None)
+        if local is None or num_external_tokens == 0 or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # once: a preempted request resumes from its own blocks
+        self._new_recvs.append(Recv(request.request_id, params["request_id"], params["metaserver"],
+                                    params.get("metaserver_token"), prompt_len, local // self._block_size,
+                                    tuple(blocks.get_block_ids()[0])))
+        self._loading.add(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = D2HStepMetadata()
+        if not self.producer_role:
+            meta.recvs, self._new_recvs = self._new_recvs, []
+            meta.cancelled, self._cancelled = self._cancelled, []
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            send = self._planner.step(new.req_id, new.block_ids[0], True, new.num_computed_tokens,
+                                      scheduled.get(new.req_id, 0))
+            meta.sends += [send] if send else []
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            send = self._planner.step(rid, new_ids[0] if new_ids else None, rid in cached.resumed_req_ids,
+                                      cached.num_computed_tokens[i], scheduled.get(rid, 0))
+            meta.sends += [send] if send else []
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        for rid in connector_output.finished_recving or ():
+            self._loading.discard(rid)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.producer_role:
+            return self._planner.finished(request.request_id), None
+        self._matched.pop(request.request_id, None)
+        if request.request_id in self._loading:  # the worker may be writing its blocks: it frees them
+            self._loading.discard(request.request_id)
+            self._cancelled.append(request.request_id)
+            return True, None
+        return False, None
+
+    # ---- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = CacheLayout.of(kv_caches, self._layer_order, self._kv_cache_config.num_blocks,
+                                self._block_size, self._spec.page_size_bytes)
+        caches = {name: kv_caches[name] for name in self._layer_order}
+        if self.producer_role:
+            from kvoffload_vllm.producer import Producer
+
+            self._side = Producer(self.settings, self.model_id, layout, caches)
+        else:
+            from kvoffload_vllm.consumer import Consumer
+
+            self._side = Consumer(self.settings, self.model_id, layout, caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, D2HStepMetadata)
+        if not self.producer_role and self._side is not None:
+            self._side.begin_step(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # the consumer's loads are asynchronous: vLLM waits through get_finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if self.producer_role and self._side is not None:
+            self._side.layer_saved(layer_name, self._get_connector_metadata())
+
+    def wait_for_save(self) -> None:
+        if self.producer_role and self._side is not None:
+            self._side.end_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._side is None:
+            return KVConnectorTransferResults()
+        if self.producer_role:
+            return KVConnectorTransferResults(finished_sending=self._side.finished(finished_req_ids))
+        done, failed = self._side.finished()
+        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()  # failed pulls are reported per request (failed_recving), see get_transfer_results
+
+    # ---- stats and shutdown ------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        role = "producer" if self.producer_role else "consumer"
+        data = {f"{role}_{k}": v for k, v in self._side.take_counters().items()} if self._side is not None else {}
+        return CounterStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return CounterStats(data=dict(data)) if data is not None else CounterStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> CounterPromMetrics:
+        from kvoffload_vllm.consumer import COUNTERS as CONSUMER
+        from kvoffload_vllm.producer import COUNTERS as PRODUCER
+
+        counters = {**{f"producer_{k}": v for k, v in PRODUCER.items()},
+                    **{f"consumer_{k}": v for k, v in CONSUMER.items()}}
+        return CounterPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, "d2h", counters)
+
+    def shutdown(self) -> None:
+        if self._side is not None:
+            self._side.close()
+            self._side = None

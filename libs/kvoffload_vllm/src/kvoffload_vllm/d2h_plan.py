@@ -1,0 +1,138 @@
+"""The remote D2H connector's bookkeeping, without vLLM: what each step sends, what has landed.
+
+Producer, scheduler side (``SendPlanner``): a request whose ``kv_transfer_params`` name a decode
+(``remote_host``/``remote_port``, as the proxy's ``/v1/metaserver`` hands them to the prefill) is
+sent as its prompt is computed: every step that computes prompt tokens ``[s, e)`` of it yields a
+``Send`` of the token range ``[0 or s, e)`` (the first send of a request starts at 0, so a local
+prefix-cache hit reaches the decode too) with the request's vLLM block ids so far. Only prompt
+tokens are sent: the decode computes the last one itself.
+
+Consumer, worker side (``Coverage``): which tokens of every layer of one request have landed in
+its vLLM blocks. Between vLLM engines the unit of transfer is the whole block (a block's bytes are
+not token-contiguous), so a range ``[s, e)`` moves blocks ``s // bs .. ceil(e / bs) - 1``, and the
+last of them may be valid only in part. Ranges may land in any order, and a block copied early
+holds fewer valid tokens than the same block copied later: a block is written only when the copy
+at hand holds more valid tokens than the one already there, so an older, shorter copy never
+overwrites a newer one. Blocks before ``first_block`` (the decode's own prefix-cache hit) are
+never written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Where a request's KV goes (producer) or came from (consumer): the decode's control endpoint
+    and the id both sides use for the request (the proxy's child id)."""
+
+    transfer_id: str
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class Send:
+    """Tokens ``[start, end)`` of request ``req_id`` are computed by the end of this step."""
+
+    req_id: str
+    peer: Peer
+    start: int
+    end: int
+    prompt_len: int
+    block_ids: tuple[int, ...]
+
+
+def peer_of(params: dict | None) -> Peer | None:
+    """The decode a prefill request sends to, from its ``kv_transfer_params``; None when it has
+    none. ValueError when the params name a decode incompletely."""
+    if not params or "remote_host" not in params and "remote_port" not in params:
+        return None
+    host, port, rid = params.get("remote_host"), params.get("remote_port"), params.get("request_id")
+    if not isinstance(host, str) or not host or not isinstance(port, int) or isinstance(port, bool) \
+            or not 0 < port < 65536 or not isinstance(rid, str) or not rid:
+        raise ValueError(f"kv_transfer_params must give remote_host (str), remote_port (1..65535) and request_id "
+                         f"(str) together; got {params!r}")
+    return Peer(rid, f"{host}:{port}")
+
+
+@dataclass
+class _Outgoing:
+    peer: Peer
+    prompt_len: int
+    block_ids: list[int]
+    sent_to: int = 0  # prompt tokens covered by sends so far
+
+
+class SendPlanner:
+    """Producer scheduler side: per request its decode and blocks; per step its sends."""
+
+    def __init__(self) -> None:
+        self._reqs: dict[str, _Outgoing] = {}
+
+    def allocated(self, req_id: str, peer: Peer, prompt_len: int) -> None:
+        if req_id not in self._reqs:
+            self._reqs[req_id] = _Outgoing(peer, prompt_len, [])
+
+    def step(self, req_id: str, block_ids: list[int] | None, replace: bool, computed: int,
+             scheduled: int) -> Send | None:
+        """One scheduled step of ``req_id``: ``block_ids`` new (or, with ``replace``, all) blocks;
+        ``computed`` tokens before the step, ``scheduled`` in it. None when nothing is to send."""
+        req = self._reqs.get(req_id)
+        if req is None:
+            return None
+        if block_ids:
+            req.block_ids = list(block_ids) if replace else req.block_ids + list(block_ids)
+        end = min(computed + scheduled, req.prompt_len)
+        if end <= req.sent_to:
+            return None
+        start, req.sent_to = req.sent_to, end
+        return Send(req_id, req.peer, start, end, req.prompt_len, tuple(req.block_ids))
+
+    def finished(self, req_id: str) -> bool:
+        """Forget ``req_id``; True if anything of it was sent (its blocks must outlive the reads)."""
+        req = self._reqs.pop(req_id, None)
+        return req is not None and req.sent_to > 0
+
+
+def blocks_of(start: int, end: int, block_size: int) -> range:
+    """The block indices that hold tokens ``[start, end)``."""
+    return range(start // block_size, -(-end // block_size)) if end > start else range(0)
+
+
+class Coverage:
+    """Consumer side: valid tokens per (layer, block) of one request's ``num_tokens`` to load."""
+
+    def __init__(self, num_layers: int, num_tokens: int, block_size: int, first_block: int = 0) -> None:
+        self.num_tokens, self.block_size, self.first_block = num_tokens, block_size, first_block
+        nblocks = -(-num_tokens // block_size)
+        self.needed = torch.tensor([min(block_size, num_tokens - b * block_size) for b in range(nblocks)],
+                                   dtype=torch.int32)
+        self.valid = torch.zeros((num_layers, nblocks), dtype=torch.int32)
+        self.valid[:, :first_block] = self.needed[:first_block]
+
+    def to_write(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Indices (into ``blocks_of(start, end)``) of the blocks a copy of ``[start, end)`` improves."""
+        blocks = blocks_of(start, min(end, self.num_tokens), self.block_size)
+        if not len(blocks):
+            return torch.empty(0, dtype=torch.long)
+        b = torch.arange(blocks.start, blocks.stop)
+        have = (torch.clamp(end - b * self.block_size, max=self.block_size)).to(torch.int32)
+        better = have > self.valid[layer, blocks.start:blocks.stop]
+        return torch.nonzero(better).flatten()
+
+    def landed(self, layer: int, start: int, end: int, written: torch.Tensor) -> None:
+        """The blocks ``written`` (from ``to_write``) of ``[start, end)`` are in place."""
+        blocks = blocks_of(start, min(end, self.num_tokens), self.block_size)
+        idx = written + blocks.start
+        have = torch.clamp(end - idx * self.block_size, max=self.block_size).to(torch.int32)
+        self.valid[layer, idx] = torch.maximum(self.valid[layer, idx], torch.minimum(have, self.needed[idx]))
+
+    def layers_done(self) -> int:
+        return int((self.valid >= self.needed).all(dim=1).sum())
+
+    @property
+    def complete(self) -> bool:
+        return bool((self.valid >= self.needed).all())

@@ -1,0 +1,278 @@
+"""The remote D2H producer inside a vLLM prefill worker: announce each layer, serve its blocks.
+
+At a step's first layer the scheduler's sends are taken up (vLLM may start a step's loads only
+after its forward, so not in ``start_load_kv``): a link (``pdlink.links.DecodeLink``) per
+decode endpoint exchanges the layout once, then holds the request (its heartbeats keep the decode's
+watchdog quiet while anything of it is outstanding). After each layer's attention
+(``layer_saved``) every send of the step is announced for that layer (ReadReady, answered when the
+decode pulled it); the forward does not wait. The decode pulls through this worker's LayerSource
+gRPC server, which streams whole blocks straight out of vLLM's cache tensor (rows of a vLLM block
+are not token-contiguous, so only block-aligned ranges are served). A request is reported finished
+(``finished``) once vLLM finished it and every announce of it was answered, READ_DONE or not; only
+then may vLLM free its blocks. Its log line says how many layers the decode had pulled before the
+last layer of their step was announced (``layers_read_during_forward``: the pull is layerwise).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+import torch
+from kvcore.layout import dtype_name
+from kvcore.segment import host_id
+from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+from pdlink.chunks import data_chunks
+from pdlink.links import DecodeLink, LinkError
+from svcruntime.tls import add_port
+
+from kvoffload_vllm.d2h_plan import Send, blocks_of
+from kvoffload_vllm.layout import CacheLayout
+
+log = structlog.get_logger("vllm.kvoffload.producer")
+
+COUNTERS = {
+    "requests_sent": "prefill requests whose KV a decode pulls",
+    "layers_announced": "layer announcements (ReadReady) to decodes, one per step and layer",
+    "reads_done": "announcements the decode answered READ_DONE",
+    "reads_failed": "announcements answered READ_FAILED, refused, or not answered in time",
+    "blocks_served": "blocks (of one layer) streamed to decodes by the LayerSource",
+    "bytes_served": "bytes streamed to decodes by the LayerSource",
+    "layers_read_during_forward": "layers a decode had pulled before the last layer of their step was announced",
+}
+
+
+class _StepClock:
+    """When the step's latest layer was announced; after the step, its last layer's."""
+
+    last_layer_at = float("inf")
+
+
+@dataclass
+class _Outgoing:
+    """One request being read by its decode."""
+
+    req_id: str
+    send: Send
+    generation: int
+    block_ids: tuple[int, ...]
+    link: DecodeLink | None
+    outstanding: int = 0  # announces not answered yet
+    failed: list[str] = field(default_factory=list)
+    finished: bool = False  # vLLM finished the request
+    answers: list[tuple[_StepClock, float]] = field(default_factory=list)  # READ_DONE: (its step, when)
+
+    def read_during_forward(self) -> int:
+        """Layers the decode had pulled before the last layer of their step was announced."""
+        return sum(1 for clock, at in self.answers if at < clock.last_layer_at)
+
+
+class _Announce:
+    """The ``pdlink.links.ReadTicket`` of one announce: its answer settles the request's count."""
+
+    def __init__(self, producer: "Producer", out: _Outgoing, layer: int, clock: _StepClock) -> None:
+        self.producer, self.out, self.layer, self.generation = producer, out, layer, out.generation
+        self.clock = clock
+
+    def read_done(self, reader) -> None:
+        self.producer._answered(self.out, "", self.clock)
+
+    def read_failed(self, reader, reason: str) -> None:
+        self.producer._answered(self.out, reason or "READ_FAILED", self.clock)
+
+
+class Producer:
+    def __init__(self, settings, model_id: str, layout: CacheLayout, caches: dict[str, torch.Tensor]) -> None:
+        self.settings, self.layout, self.caches = settings, layout, caches
+        self._bytes = {name: t.view(torch.uint8).view(layout.num_blocks, layout.block_bytes) for name, t in caches.items()}
+        self._lock = threading.Lock()
+        self._reqs: dict[str, _Outgoing] = {}  # by transfer id (the decode's and the proxy's name)
+        self._by_req: dict[str, str] = {}  # vLLM request id -> transfer id
+        self._links: dict[str, DecodeLink] = {}
+        self._step: list[_Outgoing] | None = None  # this step's sends, from its first layer on
+        self._announced_at: list[float] = []
+        self._clock = _StepClock()
+        self._generation = 0
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvoffload-source"))
+        transfer_pb2_grpc.add_LayerSourceServicer_to_server(_LayerSource(self), self._server)
+        port = add_port(self._server, f"{settings.advertise_host}:{settings.data_port}")
+        if not port:
+            raise RuntimeError(f"cannot bind the LayerSource at {settings.advertise_host}:{settings.data_port}")
+        self._server.start()
+        self.data_endpoint = f"{settings.advertise_host}:{port}"
+        row_bytes = layout.block_bytes // layout.block_size
+        self.metadata = transfer_pb2.LayoutMetadata(
+            model_id=model_id, num_layers=len(layout.layer_names), block_size=layout.block_size,
+            layers=[transfer_pb2.LayerLayout(layer=i, slot=i, main_row_bytes=row_bytes,
+                                             main_dtype=dtype_name(layout.dtype))
+                    for i in range(len(layout.layer_names))],
+            prefill_tp_rank=0, prefill_tp_size=1, data_endpoint=self.data_endpoint, host_id=host_id(),
+            layout_version=secrets.randbits(62) + 1)  # vLLM seeds `random`
+        log.info("kvoffload_d2h_producer", data_endpoint=self.data_endpoint, layers=len(layout.layer_names),
+                 block_bytes=layout.block_bytes, layout_version=self.metadata.layout_version)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._counters[k] += v
+
+    def take_counters(self) -> dict[str, int]:
+        with self._lock:
+            data, self._counters = self._counters, dict.fromkeys(COUNTERS, 0)
+        return data
+
+    # ---- a step ------------------------------------------------------------------------------
+
+    def _link(self, endpoint: str) -> DecodeLink:
+        link = self._links.get(endpoint)
+        if link is None:
+            link = self._links[endpoint] = DecodeLink(endpoint, self.metadata, self.settings.read_timeout_s,
+                                                      peer_timeout_s=self.settings.peer_timeout_s)
+        link.ensure_layout()
+        return link
+
+    def _begin_step(self, meta) -> None:
+        self._step, self._clock = [], _StepClock()
+        for send in meta.sends:
+            tid = send.peer.transfer_id
+            with self._lock:
+                out = self._reqs.get(tid)
+            if out is None:
+                try:
+                    link = self._link(send.peer.endpoint)
+                except LinkError as exc:  # the decode's watchdog fails its request; ours is not held
+                    log.error("kvoffload_d2h_link_failed", request_id=send.req_id, transfer_id=tid, error=str(exc))
+                    link = None
+                with self._lock:
+                    self._generation += 1
+                    out = self._reqs[tid] = _Outgoing(send.req_id, send, self._generation, send.block_ids, link)
+                    self._by_req[send.req_id] = tid
+                if link is not None:
+                    link.hold(tid)
+                self._count(requests_sent=1)
+            with self._lock:
+                out.send, out.block_ids = send, send.block_ids
+            if out.link is not None:
+                self._step.append(out)
+
+    def layer_saved(self, layer_name: str, meta) -> None:
+        """Layer ``layer_name``'s attention wrote this step's tokens: announce it for every send."""
+        if self._step is None:
+            self._begin_step(meta)
+        if not self._step:
+            return
+        layer = self.layout.plane(layer_name)
+        for out in self._step:
+            with self._lock:
+                out.outstanding += 1
+            out.link.announce(_Announce(self, out, layer, self._clock), None, out.send.peer.transfer_id,
+                              out.send.start, out.send.end)
+        self._announced_at.append(time.perf_counter())
+        self._clock.last_layer_at = self._announced_at[-1]
+        self._count(layers_announced=1)
+
+    def end_step(self) -> None:
+        if self._announced_at:
+            log.info("kvoffload_d2h_step_announced", layers=len(self._announced_at),
+                     forward_s=round(self._announced_at[-1] - self._announced_at[0], 4),
+                     request_ids=[o.req_id for o in self._step], transfer_ids=[o.send.peer.transfer_id for o in self._step],
+                     tokens=[[o.send.start, o.send.end] for o in self._step])
+        self._step, self._announced_at = None, []
+
+    def _answered(self, out: _Outgoing, failure: str, clock: _StepClock) -> None:
+        at = time.perf_counter()
+        with self._lock:
+            out.outstanding -= 1
+            if failure:
+                out.failed.append(failure)
+            else:
+                out.answers.append((clock, at))
+        self._count(reads_done=0 if failure else 1, reads_failed=1 if failure else 0)
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """vLLM request ids whose blocks may be freed now: finished, and every announce answered."""
+        done: list[_Outgoing] = []
+        with self._lock:
+            for rid in finished_req_ids:
+                tid = self._by_req.get(rid)
+                if tid is not None:
+                    self._reqs[tid].finished = True
+            for tid, out in list(self._reqs.items()):
+                if out.finished and out.outstanding == 0:
+                    done.append(self._reqs.pop(tid))
+                    self._by_req.pop(out.req_id, None)
+        for out in done:
+            tid = out.send.peer.transfer_id
+            during = out.read_during_forward()
+            self._count(layers_read_during_forward=during)
+            if out.link is not None:
+                out.link.release(tid)
+            if out.failed:
+                log.warning("kvoffload_d2h_reads_failed", request_id=out.req_id, transfer_id=tid,
+                            failures=len(out.failed), first=out.failed[0])
+            else:
+                log.info("kvoffload_d2h_sent", request_id=out.req_id, transfer_id=tid, tokens=out.send.end,
+                         layers_read=len(out.answers), layers_read_during_forward=during)
+        return {out.req_id for out in done}
+
+    # ---- the data path -----------------------------------------------------------------------
+
+    def blocks(self, request) -> torch.Tensor:
+        """The bytes of the blocks rows ``[src_start, src_end)`` of one layer of a request cover;
+        LookupError / ValueError (with the gRPC status to answer) when they cannot be served."""
+        if request.layout_version != self.metadata.layout_version:
+            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"layout_version {request.layout_version} is not "
+                           f"this prefill's ({self.metadata.layout_version})")
+        if request.kind != transfer_pb2.PLANE_KIND_MAIN:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "this prefill has no indexer plane (vLLM's KV only)")
+        bs = self.layout.block_size
+        if request.layer >= len(self.layout.layer_names) or request.src_end < request.src_start \
+                or request.src_start % bs or request.src_end % bs:
+            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"layer {request.layer} or range [{request.src_start}, "
+                           f"{request.src_end}) is malformed (vLLM blocks: block-aligned ranges of {bs} rows only)")
+        with self._lock:
+            out = self._reqs.get(request.request_id)
+            if out is None:
+                raise _Refused(grpc.StatusCode.NOT_FOUND, f"request {request.request_id!r} is not being sent here")
+            if out.generation != request.generation:
+                raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"request {request.request_id!r} is generation "
+                               f"{out.generation}, not {request.generation}")
+            blocks = blocks_of(request.src_start, request.src_end, bs)
+            if blocks.stop > len(out.block_ids):
+                raise _Refused(grpc.StatusCode.OUT_OF_RANGE, f"rows up to {request.src_end}: the request holds "
+                               f"{len(out.block_ids)} blocks")
+            ids = torch.tensor(out.block_ids[blocks.start:blocks.stop], dtype=torch.long)
+        data = self._bytes[self.layout.layer_names[request.layer]].index_select(0, ids)
+        self._count(blocks_served=len(ids), bytes_served=data.numel())
+        return data.view(-1)
+
+    def close(self) -> None:
+        self._server.stop(grace=1.0)
+        for link in self._links.values():
+            link.close()
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _LayerSource(transfer_pb2_grpc.LayerSourceServicer):
+    """``kvoffload.v1.LayerSource`` over a ``Producer``'s blocks."""
+
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+
+    def ReadLayer(self, request, context):
+        try:
+            data = self.producer.blocks(request)
+        except _Refused as exc:
+            context.abort(exc.code, str(exc))
+        yield from data_chunks(data)

@@ -1,0 +1,52 @@
+"""The connectors' counters as vLLM connector stats and as Prometheus counters.
+
+Each worker hands vLLM a ``CounterStats`` (sums since its last report) through
+``get_kv_connector_stats``; vLLM adds up the workers' in the API server, logs them with its
+periodic stats line and passes them to ``CounterPromMetrics``, which exposes every counter on the
+server's ``/metrics`` as ``vllm:kvoffload_<connector>_<name>_total`` (with vLLM's engine labels).
+vLLM's ``MultiConnector`` requires every child that reports stats to provide Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+
+@dataclass
+class CounterStats(KVConnectorStats):
+    """Counter sums since the last report (vLLM aggregates workers and logs them)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "CounterStats":
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class CounterPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per name: ``vllm:kvoffload_<connector>_<name>_total``."""
+
+    def __init__(self, vllm_config, metric_types, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                 connector: str, counters: dict[str, str]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {name: self._counter_cls(name=f"vllm:kvoffload_{connector}_{name}_total",
+                                                  documentation=doc, labelnames=labelnames)
+                          for name, doc in counters.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in (transfer_stats_data or {}).items():
+            counter = self._counters.get(name)
+            if counter is not None and value:
+                counter.labels(*labels).inc(value)

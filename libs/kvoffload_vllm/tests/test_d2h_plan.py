@@ -1,0 +1,93 @@
+"""The remote D2H bookkeeping: what a prefill step sends, and which copy of a block a decode keeps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload_vllm.d2h_plan import Coverage, Peer, SendPlanner, blocks_of, peer_of
+
+PEER = Peer("cmpl-1", "127.0.0.1:20050")
+
+
+def test_peer_of_reads_the_metaserver_params_and_refuses_half_of_them():
+    assert peer_of({"do_remote_decode": False}) is None
+    assert peer_of(None) is None
+    assert peer_of({"remote_host": "10.0.0.2", "remote_port": 20050, "request_id": "r"}) == Peer("r", "10.0.0.2:20050")
+    with pytest.raises(ValueError, match="remote_port"):
+        peer_of({"remote_host": "10.0.0.2", "request_id": "r"})
+    with pytest.raises(ValueError):
+        peer_of({"remote_host": "h", "remote_port": True, "request_id": "r"})
+
+
+def test_chunked_prompt_is_sent_chunk_by_chunk_and_only_the_prompt():
+    p = SendPlanner()
+    p.allocated("a", PEER, prompt_len=300)
+    s1 = p.step("a", [7, 8], True, computed=0, scheduled=200)
+    assert (s1.start, s1.end, s1.block_ids) == (0, 200, (7, 8))
+    s2 = p.step("a", [9], False, computed=200, scheduled=100)
+    assert (s2.start, s2.end, s2.block_ids) == (200, 300, (7, 8, 9))
+    assert p.step("a", None, False, computed=300, scheduled=1) is None  # a decode step: nothing to send
+    assert p.finished("a") is True and p.finished("a") is False
+
+
+def test_a_local_prefix_hit_is_sent_too_and_unknown_requests_send_nothing():
+    p = SendPlanner()
+    p.allocated("a", PEER, prompt_len=300)
+    s = p.step("a", [1, 2, 3], True, computed=256, scheduled=44)  # 256 tokens from vLLM's prefix cache
+    assert (s.start, s.end) == (0, 300)
+    assert p.step("b", [4], True, computed=0, scheduled=10) is None
+    assert p.finished("b") is False
+
+
+def test_blocks_of_covers_partial_blocks():
+    assert list(blocks_of(0, 1, 128)) == [0]
+    assert list(blocks_of(200, 300, 128)) == [1, 2]
+    assert list(blocks_of(256, 256, 128)) == []
+
+
+def test_an_older_shorter_copy_never_overwrites_a_newer_one():
+    c = Coverage(num_layers=1, num_tokens=300, block_size=128)
+    newer = c.to_write(0, 200, 300)  # blocks 1, 2 with 128 and 44 valid tokens
+    assert newer.tolist() == [0, 1]
+    c.landed(0, 200, 300, newer)
+    older = c.to_write(0, 0, 200)  # blocks 0 and 1 (block 1 only 72 valid): only block 0 is better
+    assert older.tolist() == [0]
+    c.landed(0, 0, 200, older)
+    assert c.complete and c.layers_done() == 1
+
+
+def test_the_decodes_own_prefix_blocks_are_never_written():
+    c = Coverage(num_layers=2, num_tokens=300, block_size=128, first_block=2)
+    assert c.to_write(0, 0, 300).tolist() == [2]
+    assert not c.complete
+    for layer in (0, 1):
+        c.landed(layer, 0, 300, c.to_write(layer, 0, 300))
+    assert c.complete
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_tokens=st.integers(1, 700), block_size=st.sampled_from([4, 16, 128]), seed=st.integers(0, 2**31))
+def test_any_chunking_landing_in_any_order_leaves_every_block_from_its_fullest_copy(num_tokens, block_size, seed):
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, num_tokens), min(num_tokens - 1, rng.randint(0, 5))))
+    bounds = [0, *cuts, num_tokens]
+    ranges = [(0 if i == 0 else bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+    order = ranges[:]
+    rng.shuffle(order)
+    c = Coverage(1, num_tokens, block_size)
+    nblocks = -(-num_tokens // block_size)
+    written_by = torch.full((nblocks,), -1)  # the end of the range whose copy each block holds
+    for start, end in order:
+        idx = c.to_write(0, start, end)
+        written_by[blocks_of(start, end, block_size).start + idx] = end
+        c.landed(0, start, end, idx)
+    assert c.complete
+    for b in range(nblocks):  # each block holds the copy of the first range that covers its last token
+        last = min((b + 1) * block_size, num_tokens) - 1
+        want = min(end for start, end in ranges if end > last)
+        assert written_by[b] == want

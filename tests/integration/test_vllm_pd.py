@@ -1,0 +1,263 @@
+"""P/D under vLLM: a vLLM prefill and a vLLM decode (``SfaRemoteD2HConnector``) behind the kvoffload proxy.
+
+The prefill runs the guide's MultiConnector (remote D2H producer + the store on a real metastore),
+the decode the D2H consumer, the proxy is the one the reference stack uses, unchanged. A random
+6-layer Llama (fp32) keeps it fast; the fault test runs the real SmolLM2 model.
+
+- Greedy tokens through the proxy equal one plain vLLM server's (no connector), for prompts of 1,
+  block_size - 1 and >= 2,000 tokens, completions and chat, streaming and not, 8 at once. The
+  decode computes the last prompt token itself (vLLM's P/D: it samples the first token), over the
+  pulled KV, in a kernel call of its own: log-probabilities are compared within 1e-3.
+- Layerwise: the decode had pulled early layers before the prefill announced the last one (the
+  producer measures it per request), and it moved the prompt's blocks, no more.
+- The metastore gone: requests are still served through P/D, without the prefix cache, with a log.
+- kill -9 of the prefill mid-transfer: the client's request ends with an error (or recomputed)
+  within the peer timeout, the decode's KV usage returns to idle, and the next request (a new
+  prefill on the same port) succeeds.
+- Bad configs stop vLLM with the field named.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from vllm_support import chat, completion, post_json, smollm2_dir, tiny_llama_dir
+
+from kvoffload.stack import free_stack_ports
+from kvoffload.vllm_server import Metastore, VllmServer, metric_values, signal_group
+from kvoffload.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
+
+BLOCK = 128  # vLLM's CPU default block size
+LAYERS = 6
+TOLERANCE = 1e-3
+PROMPTS = {"one": [1000], "block-1": list(range(2000, 2000 + BLOCK - 1)),
+           "long": [(i * 7919) % 40000 + 1000 for i in range(2100)]}
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow, one per line."}]
+# the prefill on one half of the cores, the decode (and the plain server it is compared with) on the other
+HALVES = split_cores() or ("", "")
+PREFILL_ENV = {"VLLM_CPU_OMP_THREADS_BIND": HALVES[0]} if HALVES[0] else {}
+DECODE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": HALVES[1]} if HALVES[1] else {}
+
+
+class Proxy:
+    """The kvoffload proxy in front of one prefill and one decode (its own process)."""
+
+    def __init__(self, port: int, prefill_port: int, decode_port: int, log_path: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [str(Path(__file__).resolve().parents[2] / ".venv/bin/kvoffload-proxy"), "--host", "127.0.0.1",
+             "--port", str(port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(prefill_port),
+             "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(decode_port)],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/healthcheck", timeout=2)
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.close()
+                    raise RuntimeError(f"the proxy did not come up: {log_path.read_text()[-2000:]}") from None
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+def stream_text(url: str, path: str, body: dict) -> str:
+    """The text of a streamed answer (SSE), pieced together from its deltas."""
+    req = urllib.request.Request(f"{url}{path}", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    text = []
+    with urllib.request.urlopen(req, timeout=180) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(text)
+
+
+def answers(url: str) -> dict[str, object]:
+    """Every request of the comparison, against ``url``: (tokens, logprobs) or text per case."""
+    out: dict[str, object] = {}
+    for name, prompt in PROMPTS.items():
+        lp = completion(url, prompt, 12, logprobs=1, timeout_s=180)["choices"][0]["logprobs"]
+        out[f"completion-{name}"] = (lp["tokens"], lp["token_logprobs"])
+        out[f"stream-{name}"] = stream_text(url, "/v1/completions", {"prompt": prompt, "max_tokens": 12,
+                                                                    "temperature": 0})
+    content = chat(url, CHAT, 16, logprobs=True, timeout_s=180)["choices"][0]["logprobs"]["content"]
+    out["chat"] = ([c["token"] for c in content], [c["logprob"] for c in content])
+    out["chat-stream"] = stream_text(url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 16,
+                                                                   "temperature": 0})
+    burst = [[3000 + 17 * i + j for j in range(150 + 100 * i)] for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        texts = pool.map(lambda p: completion(url, p, 8, timeout_s=300)["choices"][0]["text"], burst)
+    out["burst"] = list(texts)
+    return out
+
+
+def same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        if isinstance(want[key], tuple):
+            (tokens, logprobs), (want_tokens, want_logprobs) = got[key], want[key]
+            assert tokens == want_tokens, key
+            worst = max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True))
+            assert worst < TOLERANCE, (key, worst)
+        else:
+            assert got[key] == want[key], key
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "llama6", num_layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def plain(model, tmp_path_factory):
+    """What one vLLM server without any connector answers (then it stops, to leave the cores free)."""
+    with VllmServer(model, max_model_len=4096, log_path=tmp_path_factory.mktemp("plain") / "v.log",
+                    env=DECODE_ENV) as v:
+        return answers(v.url)
+
+
+@pytest.fixture(scope="module")
+def pd(model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pd")
+    ports = free_stack_ports(1, 1)
+    with Metastore(logs / "metastore.log") as ms:
+        prefill = VllmServer(model, port=ports["prefill_ports"][0], max_model_len=4096, log_path=logs / "prefill.log",
+                             env=PREFILL_ENV, extra_args=["--kv-transfer-config", vllm_prefill_transfer_config(ms.address)])
+        decode = VllmServer(model, port=ports["decode_ports"][0], max_model_len=4096, log_path=logs / "decode.log",
+                            env=DECODE_ENV, extra_args=["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"])])
+        with prefill, decode:
+            proxy = Proxy(ports["proxy_port"], prefill.port, decode.port, logs / "proxy.log")
+            try:
+                yield {"proxy": proxy, "prefill": prefill, "decode": decode, "metastore": ms}
+            finally:
+                proxy.close()
+
+
+def test_greedy_tokens_through_the_proxy_equal_one_plain_vllm_server(pd, plain):
+    same(answers(pd["proxy"].url), plain)
+    decode_log, prefill_log = pd["decode"].log_text(), pd["prefill"].log_text()
+    assert "kvoffload_d2h_pulled" in decode_log and "kvoffload_d2h_load_failed" not in decode_log, decode_log[-3000:]
+    assert "kvoffload_d2h_sent" in prefill_log and "kvoffload_d2h_reads_failed" not in prefill_log
+
+
+def test_the_pull_is_layerwise_and_moves_the_prompts_blocks(pd):
+    prompt = [(i * 104729) % 40000 + 1000 for i in range(3000)]  # not seen before: no prefix-cache hit
+    completion(pd["proxy"].url, prompt, 2, timeout_s=180)
+    decode_log, prefill_log = pd["decode"].log_text(), pd["prefill"].log_text()
+    pulled = [(int(t), int(b)) for t, b in re.findall(r"kvoffload_d2h_pulled\s.*?bytes=(\d+).*?tokens=(\d+)",
+                                                          decode_log)]
+    block_bytes = 2 * 2 * 32 * BLOCK * 4  # K and V, 2 KV heads of 32, fp32, per layer
+    assert (math.ceil(3000 / BLOCK) * block_bytes * LAYERS, 3000) in [(b, t) for b, t in pulled], pulled
+    during = [int(n) for n in re.findall(r"kvoffload_d2h_sent\s.*?layers_read_during_forward=(\d+)", prefill_log)]
+    assert during and max(during) >= 1, prefill_log[-3000:]  # an early layer landed while later ones computed
+
+
+def test_with_the_metastore_gone_requests_are_still_served(pd):
+    pd["metastore"].kill()
+    prompt = PROMPTS["long"][::-1]  # not seen before: the prefill asks the (gone) metastore for it
+    got = completion(pd["proxy"].url, prompt, 12, timeout_s=180)["choices"][0]["text"]
+    assert got == completion(pd["prefill"].url, prompt, 12, timeout_s=180)["choices"][0]["text"]
+    assert "kvoffload_lookup_failed" in pd["prefill"].log_text()
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_both"}, "kv_transfer_config.kv_role: got 'kv_both'"),
+    ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer",  # (vLLM itself defaults kv_port)
+      "kv_connector_extra_config": {"transfer_backend": "memfabric"}}, "transfer_backend: got 'memfabric'"),
+    ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 20050,
+      "kv_connector_extra_config": {"peer_timeout": 3}}, "unknown key 'peer_timeout'; did you mean 'peer_timeout_s'?"),
+    ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer",
+      "kv_connector_extra_config": {"advertise_host": "0.0.0.0"}}, "kv_connector_extra_config.advertise_host: got"),
+])
+def test_a_bad_d2h_config_stops_vllm_with_the_field_named(tmp_path, config, message):
+    model = tiny_llama_dir(tmp_path / "tiny")
+    server = VllmServer(model, max_model_len=1024, log_path=tmp_path / "v.log", start_timeout_s=120,
+                        extra_args=["--kv-transfer-config", json.dumps({**config,
+                                                                        "kv_connector_module_path": "kvoffload_vllm"})])
+    with pytest.raises(RuntimeError):
+        server.start()
+    assert message in server.log_text(), server.log_text()[-3000:]
+
+
+def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decode(tmp_path):
+    """The real SmolLM2 model (30 layers): a 3,000-token prefill takes seconds, so the kill lands
+    while layers are being announced and pulled."""
+    model = smollm2_dir()
+    peer_timeout = 3.0
+    ports = free_stack_ports(1, 1)
+    decode_kv = json.loads(vllm_decode_transfer_config(ports["kv_port"]))
+    decode_kv["kv_connector_extra_config"]["peer_timeout_s"] = peer_timeout
+    prompt = [(i * 7919) % 40000 + 1000 for i in range(3000)]
+    with Metastore(tmp_path / "metastore.log") as ms:
+        prefill_args = ["--kv-transfer-config", vllm_prefill_transfer_config(ms.address)]
+        prefill = VllmServer(model, port=ports["prefill_ports"][0], max_model_len=4096, log_path=tmp_path / "p1.log",
+                             env=PREFILL_ENV, extra_args=prefill_args)
+        decode = VllmServer(model, port=ports["decode_ports"][0], max_model_len=4096, log_path=tmp_path / "d.log",
+                            env=DECODE_ENV, extra_args=["--kv-transfer-config", json.dumps(decode_kv)])
+        with decode:
+            prefill.start()
+            proxy = Proxy(ports["proxy_port"], prefill.port, decode.port, tmp_path / "proxy.log")
+            try:
+                outcome: dict[str, object] = {}
+
+                def client() -> None:
+                    try:
+                        outcome["answer"] = completion(proxy.url, prompt, 4, timeout_s=120)
+                    except Exception as exc:  # noqa: BLE001 - the error is the outcome under test
+                        outcome["error"] = str(exc)
+                    outcome["at"] = time.monotonic()
+
+                thread = threading.Thread(target=client)
+                thread.start()
+                deadline = time.monotonic() + 60
+                while "kvoffload_d2h_layout" not in decode.log_text():  # the prefill is computing and announcing
+                    assert time.monotonic() < deadline, decode.log_text()[-3000:]
+                    time.sleep(0.05)
+                time.sleep(1.0)
+                assert signal_group(prefill.proc, signal.SIGKILL, 10)
+                killed_at = time.monotonic()
+                thread.join(timeout=60)
+                assert not thread.is_alive()
+                assert outcome["at"] - killed_at < peer_timeout + 5, outcome
+                if "answer" in outcome:  # recomputed by the decode: then it is the right answer
+                    assert outcome["answer"]["choices"][0]["finish_reason"] in ("length", "stop")
+                else:
+                    assert "prefill" in str(outcome["error"]) or "502" in str(outcome["error"]), outcome
+                idle_deadline = time.monotonic() + 20
+                while sum(metric_values(decode.url, "vllm:kv_cache_usage_perc")) > 0:
+                    assert time.monotonic() < idle_deadline, "the decode still holds KV blocks"
+                    time.sleep(0.5)
+                prefill.stop()
+                again = VllmServer(model, port=ports["prefill_ports"][0], max_model_len=4096,
+                                   log_path=tmp_path / "p2.log", env=PREFILL_ENV, extra_args=prefill_args)
+                with again:
+                    answer = post_json(f"{proxy.url}/v1/completions", {"prompt": prompt[:500], "max_tokens": 4,
+                                                                       "temperature": 0}, timeout_s=180)
+                    assert answer["choices"][0]["finish_reason"] in ("length", "stop")
+            finally:
+                proxy.close()
+    log = (tmp_path / "d.log").read_text()
+    assert "kvoffload_d2h_cancelled" in log or "kvoffload_d2h_load_failed" in log, log[-3000:]
