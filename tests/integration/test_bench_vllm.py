@@ -1,6 +1,7 @@
 """``kvoffload bench vllm`` on a small model: the pool's hit covers every full block of the prompt
-but the one holding its last token, the hit's tokens equal the miss's, the JSON carries every field
-and says that the P/D figures are not measured (goal not met) instead of leaving them out."""
+but the one holding its last token, the hit's tokens equal the miss's; P/D through the proxy gives
+the plain server's tokens, the decode pulled the prompt's blocks (no more), and the JSON carries
+every field, the P/D ratios and the goal's verdict included."""
 
 from __future__ import annotations
 
@@ -9,14 +10,28 @@ import json
 from vllm_support import tiny_llama_dir
 
 from kvoffload.bench_vllm import run
+from kvoffload.vllm_stack import split_cores
 
 
 def test_bench_vllm_small(tmp_path):
-    r = run(model=str(tiny_llama_dir(tmp_path / "tiny")), prefix_tokens=1024, rounds=1, max_tokens=4, progress=False)
+    r = run(model=str(tiny_llama_dir(tmp_path / "tiny")), prefix_tokens=1024, rounds=1, max_tokens=4,
+            pd_prompt_tokens=300, pd_max_tokens=8, progress=False)
     json.dumps(r)
     assert r["tokens_equal"] is True and r["goals_met"]["tokens_equal"] is True
     assert r["hit_tokens_per_request"] == 1024  # 1064 prompt tokens: 8 full blocks of 128
     assert r["per_round"][0]["miss_hit_tokens"] == 0  # the first send found nothing in the pool
     assert 0 < r["bytes_loaded_per_request"] < r["prompt_kv_bytes"]
     assert 0 < r["ttft_ratio_prefix_hit"] and r["goals_met"]["ttft_ratio_prefix_hit"] == (r["ttft_ratio_prefix_hit"] <= 0.3)
-    assert r["pd_tpot_ratio"] is None and "not implemented" in r["pd"] and r["goals_met"]["pd_tpot_ratio"] is False
+    # P/D against the plain server
+    for key in ("pd_ttft_ratio", "pd_tpot_ratio"):
+        assert isinstance(r[key], float) and r[key] > 0, (key, r)
+    assert r["pd_tokens_equal"] is True and r["pd_per_round"][0]["tokens_equal"] is True
+    assert r["pd_requests_pulled"] == 1 and r["pd_requests_failed"] == 0, r
+    # 300 tokens: 3 blocks of 128, K and V of 2 layers, 2 KV heads of 32, fp32
+    assert r["pd_prompt_kv_bytes"] == 3 * 128 * 2 * 2 * 2 * 32 * 4
+    assert 0 < r["pd_bytes_pulled_per_request"] <= r["pd_prompt_kv_bytes"], r
+    assert r["goals"]["pd_tpot_ratio"] == 1.3
+    assert r["goals_met"]["pd_tpot_ratio"] == (r["pd_tpot_ratio"] <= 1.3)
+    halves = split_cores()
+    if halves:
+        assert r["pd_cores"] == {"plain": halves[1], "prefill": halves[0], "decode": halves[1]}

@@ -23,7 +23,6 @@ import json
 import math
 import re
 import signal
-import subprocess
 import threading
 import time
 import urllib.request
@@ -34,7 +33,7 @@ import pytest
 from vllm_support import chat, completion, post_json, smollm2_dir, tiny_llama_dir
 
 from kvoffload.stack import free_stack_ports
-from kvoffload.vllm_server import Metastore, VllmServer, metric_values, signal_group
+from kvoffload.vllm_server import Metastore, Proxy, VllmServer, metric_values, signal_group
 from kvoffload.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
 
 BLOCK = 128  # vLLM's CPU default block size
@@ -47,37 +46,6 @@ CHAT = [{"role": "user", "content": "Name three colours of the rainbow, one per 
 HALVES = split_cores() or ("", "")
 PREFILL_ENV = {"VLLM_CPU_OMP_THREADS_BIND": HALVES[0]} if HALVES[0] else {}
 DECODE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": HALVES[1]} if HALVES[1] else {}
-
-
-class Proxy:
-    """The kvoffload proxy in front of one prefill and one decode (its own process)."""
-
-    def __init__(self, port: int, prefill_port: int, decode_port: int, log_path: Path) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [str(Path(__file__).resolve().parents[2] / ".venv/bin/kvoffload-proxy"), "--host", "127.0.0.1",
-             "--port", str(port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", str(prefill_port),
-             "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(decode_port)],
-            stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.url}/healthcheck", timeout=2)
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.close()
-                    raise RuntimeError(f"the proxy did not come up: {log_path.read_text()[-2000:]}") from None
-                time.sleep(0.2)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()
 
 
 def stream_text(url: str, path: str, body: dict) -> str:

@@ -65,3 +65,19 @@ def test_a_resumed_request_saves_from_what_it_recomputes():
     assert save.keys == tuple(keys[:2])
     save = plan.running_request("r", [7, 8, 9], True, 0, 12)  # preempted: all blocks anew, all recomputed
     assert (save.keys, save.block_ids) == (tuple(keys), (7, 8, 9))
+
+
+def test_scheduled_requests_reads_new_then_running_requests_of_a_scheduler_step():
+    from types import SimpleNamespace
+
+    from kvoffload_vllm.plan import Scheduled, scheduled_requests
+
+    out = SimpleNamespace(
+        num_scheduled_tokens={"a": 128, "b": 1, "c": 5},
+        scheduled_new_reqs=[SimpleNamespace(req_id="a", prompt_token_ids=[1, 2], block_ids=([3, 4],),
+                                            num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["b", "c"], new_block_ids=[None, ([9],)],
+                                              resumed_req_ids={"c"}, num_computed_tokens=[130, 7]))
+    assert list(scheduled_requests(out)) == [Scheduled("a", True, False, [1, 2], [3, 4], 0, 128),
+                                             Scheduled("b", False, False, None, None, 130, 1),
+                                             Scheduled("c", False, True, None, [9], 7, 5)]

@@ -35,6 +35,7 @@ from svcruntime.tls import PROCESS, add_port, secure_or_insecure_channel
 
 from kvoffload_vllm.d2h_plan import Coverage, blocks_of
 from kvoffload_vllm.layout import CacheLayout
+from kvoffload_vllm.stats import Counters
 
 log = structlog.get_logger("vllm.kvoffload.consumer")
 
@@ -86,7 +87,7 @@ class Consumer:
         self._reqs: dict[str, _Incoming] = {}  # by transfer id
         self._by_req: dict[str, str] = {}  # vLLM request id -> transfer id
         self._layouts: dict[int, transfer_pb2.LayoutMetadata] = {}
-        self._counters = dict.fromkeys(COUNTERS, 0)
+        self.counters = Counters(COUNTERS)
         self._sources = RowSources(lambda endpoint: secure_or_insecure_channel(endpoint, PROCESS))
         self._stop = threading.Event()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvoffload-transfer"))
@@ -99,16 +100,6 @@ class Consumer:
         self._watchdog.start()
         log.info("kvoffload_d2h_consumer", control_endpoint=self.endpoint, layers=len(layout.layer_names),
                  block_bytes=layout.block_bytes, peer_timeout_s=settings.peer_timeout_s)
-
-    def _count(self, **deltas: float) -> None:
-        with self._lock:
-            for k, v in deltas.items():
-                self._counters[k] += v
-
-    def take_counters(self) -> dict[str, float]:
-        with self._lock:
-            data, self._counters = self._counters, dict.fromkeys(COUNTERS, 0)
-        return data
 
     # ---- the scheduler's news ----------------------------------------------------------------
 
@@ -195,13 +186,13 @@ class Consumer:
         for inc in ended:
             seconds = round(time.monotonic() - inc.started, 3)
             if inc.state == "done":
-                self._count(requests_pulled=1)
+                self.counters.add(requests_pulled=1)
                 log.info("kvoffload_d2h_pulled", request_id=inc.recv.req_id, transfer_id=inc.recv.transfer_id,
                          tokens=inc.recv.num_tokens, bytes=inc.bytes, seconds=seconds, prefill=inc.peer)
             elif inc.state == "failed":
-                self._count(requests_failed=1)
+                self.counters.add(requests_failed=1)
             else:
-                self._count(requests_cancelled=1)
+                self.counters.add(requests_cancelled=1)
                 log.info("kvoffload_d2h_cancelled", request_id=inc.recv.req_id, transfer_id=inc.recv.transfer_id)
         return done, failed
 
@@ -247,7 +238,7 @@ class Consumer:
                     unknown.append(rid)
                 else:
                     inc.last_news = now
-        self._count(heartbeats=1)
+        self.counters.add(heartbeats=1)
         return unknown
 
     def read_ready(self, r: transfer_pb2.ReadReadyRequest) -> tuple[bool, str, int, float]:
@@ -287,7 +278,7 @@ class Consumer:
                 complete = inc.coverage.complete
             ms = (time.perf_counter() - t) * 1000
             nbytes = int(data.numel())
-            self._count(reads_done=1, blocks_pulled=len(idx), bytes_pulled=nbytes, pull_ms=ms)
+            self.counters.add(reads_done=1, blocks_pulled=len(idx), bytes_pulled=nbytes, pull_ms=ms)
             with self._lock:
                 inc.bytes += nbytes
                 if complete and inc.state == "loading":
@@ -295,7 +286,7 @@ class Consumer:
             return True, "", nbytes, ms
         except Exception as exc:  # noqa: BLE001 - answered READ_FAILED and the request fails (I5)
             reason = f"pull of layer {r.layer} tokens [{r.src_start}, {r.src_end}) from {meta.data_endpoint} failed: {exc!r}"
-            self._count(reads_failed=1)
+            self.counters.add(reads_failed=1)
             self._fail(r.request_id, reason)
             return False, reason, 0, 0.0
         finally:

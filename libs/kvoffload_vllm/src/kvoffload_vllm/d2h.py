@@ -40,7 +40,6 @@ Consumer (decode)
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvoffload_vllm.d2h_plan import Send, SendPlanner, peer_of
 from kvoffload_vllm.layout import CacheLayout, vllm_model_id
+from kvoffload_vllm.plan import scheduled_requests
 from kvoffload_vllm.stats import CounterPromMetrics, CounterStats
 from kvoffload_vllm.store import cache_spec
 
@@ -152,7 +152,6 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._layer_order, self._spec = cache_spec(kv_cache_config)
         self.model_id = vllm_model_id(vllm_config, self._spec, self._layer_order)
-        self._lock = threading.Lock()
         self._side = None  # worker: a Producer or a Consumer, once the caches are registered
         if role == KVConnectorRole.SCHEDULER:
             self._planner = SendPlanner()
@@ -206,16 +205,8 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
             meta.recvs, self._new_recvs = self._new_recvs, []
             meta.cancelled, self._cancelled = self._cancelled, []
             return meta
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            send = self._planner.step(new.req_id, new.block_ids[0], True, new.num_computed_tokens,
-                                      scheduled.get(new.req_id, 0))
-            meta.sends += [send] if send else []
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
-            send = self._planner.step(rid, new_ids[0] if new_ids else None, rid in cached.resumed_req_ids,
-                                      cached.num_computed_tokens[i], scheduled.get(rid, 0))
+        for s in scheduled_requests(scheduler_output):
+            send = self._planner.step(s.req_id, s.block_ids, s.first or s.resumed, s.computed, s.scheduled)
             meta.sends += [send] if send else []
         return meta
 
@@ -284,7 +275,7 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         role = "producer" if self.producer_role else "consumer"
-        data = {f"{role}_{k}": v for k, v in self._side.take_counters().items()} if self._side is not None else {}
+        data = {f"{role}_{k}": v for k, v in self._side.counters.take().items()} if self._side is not None else {}
         return CounterStats(data=data) if any(data.values()) else None
 
     @classmethod

@@ -14,10 +14,39 @@ No vLLM import: the connector adapts vLLM's scheduler output to these plain argu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvcore.blockkeys import block_keys
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One request of a scheduler step: ``first`` (scheduled for the first time: ``block_ids`` are all
+    its blocks) or not (``block_ids``: the blocks added, all of them again when ``resumed``, None for
+    none); ``computed`` tokens before the step, ``scheduled`` in it; ``prompt`` only when first."""
+
+    req_id: str
+    first: bool
+    resumed: bool
+    prompt: Sequence[int] | None
+    block_ids: list[int] | None
+    computed: int
+    scheduled: int
+
+
+def scheduled_requests(scheduler_output) -> Iterator[Scheduled]:
+    """The requests of vLLM's ``SchedulerOutput`` (new, then running), with the first KV cache
+    group's block ids (the connectors support exactly one group)."""
+    counts = scheduler_output.num_scheduled_tokens
+    for new in scheduler_output.scheduled_new_reqs:
+        yield Scheduled(new.req_id, True, False, new.prompt_token_ids, new.block_ids[0], new.num_computed_tokens,
+                        counts.get(new.req_id, 0))
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, rid in enumerate(cached.req_ids):
+        new_ids = cached.new_block_ids[i]
+        yield Scheduled(rid, False, rid in cached.resumed_req_ids, None, new_ids[0] if new_ids else None,
+                        cached.num_computed_tokens[i], counts.get(rid, 0))
 
 
 @dataclass(frozen=True)

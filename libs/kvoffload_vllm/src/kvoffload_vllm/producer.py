@@ -33,6 +33,7 @@ from svcruntime.tls import add_port
 
 from kvoffload_vllm.d2h_plan import Send, blocks_of
 from kvoffload_vllm.layout import CacheLayout
+from kvoffload_vllm.stats import Counters
 
 log = structlog.get_logger("vllm.kvoffload.producer")
 
@@ -98,7 +99,7 @@ class Producer:
         self._announced_at: list[float] = []
         self._clock = _StepClock()
         self._generation = 0
-        self._counters = dict.fromkeys(COUNTERS, 0)
+        self.counters = Counters(COUNTERS)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvoffload-source"))
         transfer_pb2_grpc.add_LayerSourceServicer_to_server(_LayerSource(self), self._server)
         port = add_port(self._server, f"{settings.advertise_host}:{settings.data_port}")
@@ -116,16 +117,6 @@ class Producer:
             layout_version=secrets.randbits(62) + 1)  # vLLM seeds `random`
         log.info("kvoffload_d2h_producer", data_endpoint=self.data_endpoint, layers=len(layout.layer_names),
                  block_bytes=layout.block_bytes, layout_version=self.metadata.layout_version)
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for k, v in deltas.items():
-                self._counters[k] += v
-
-    def take_counters(self) -> dict[str, int]:
-        with self._lock:
-            data, self._counters = self._counters, dict.fromkeys(COUNTERS, 0)
-        return data
 
     # ---- a step ------------------------------------------------------------------------------
 
@@ -155,7 +146,7 @@ class Producer:
                     self._by_req[send.req_id] = tid
                 if link is not None:
                     link.hold(tid)
-                self._count(requests_sent=1)
+                self.counters.add(requests_sent=1)
             with self._lock:
                 out.send, out.block_ids = send, send.block_ids
             if out.link is not None:
@@ -175,7 +166,7 @@ class Producer:
                               out.send.start, out.send.end)
         self._announced_at.append(time.perf_counter())
         self._clock.last_layer_at = self._announced_at[-1]
-        self._count(layers_announced=1)
+        self.counters.add(layers_announced=1)
 
     def end_step(self) -> None:
         if self._announced_at:
@@ -193,7 +184,7 @@ class Producer:
                 out.failed.append(failure)
             else:
                 out.answers.append((clock, at))
-        self._count(reads_done=0 if failure else 1, reads_failed=1 if failure else 0)
+        self.counters.add(reads_done=0 if failure else 1, reads_failed=1 if failure else 0)
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """vLLM request ids whose blocks may be freed now: finished, and every announce answered."""
@@ -210,7 +201,7 @@ class Producer:
         for out in done:
             tid = out.send.peer.transfer_id
             during = out.read_during_forward()
-            self._count(layers_read_during_forward=during)
+            self.counters.add(layers_read_during_forward=during)
             if out.link is not None:
                 out.link.release(tid)
             if out.failed:
@@ -249,7 +240,7 @@ class Producer:
                                f"{len(out.block_ids)} blocks")
             ids = torch.tensor(out.block_ids[blocks.start:blocks.stop], dtype=torch.long)
         data = self._bytes[self.layout.layer_names[request.layer]].index_select(0, ids)
-        self._count(blocks_served=len(ids), bytes_served=data.numel())
+        self.counters.add(blocks_served=len(ids), bytes_served=data.numel())
         return data.view(-1)
 
     def close(self) -> None:

@@ -9,10 +9,31 @@ vLLM's ``MultiConnector`` requires every child that reports stats to provide Pro
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+
+class Counters:
+    """Named sums, safe to add to from many threads; ``take`` returns them and starts again at 0."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._names = tuple(names)
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(self._names, 0)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._values[k] += v  # KeyError for a name not declared
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            data, self._values = self._values, dict.fromkeys(self._names, 0)
+        return data
 
 
 @dataclass

@@ -62,8 +62,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvoffload_vllm.layout import CacheLayout, vllm_model_id
-from kvoffload_vllm.plan import StorePlanner, Transfer
-from kvoffload_vllm.stats import CounterPromMetrics, CounterStats
+from kvoffload_vllm.plan import StorePlanner, Transfer, scheduled_requests
+from kvoffload_vllm.stats import CounterPromMetrics, Counters, CounterStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -146,7 +146,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._layer_order, self._spec = cache_spec(kv_cache_config)
         self.model_id = vllm_model_id(vllm_config, self._spec, self._layer_order)
-        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._counters = Counters(COUNTERS)
         self._lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
             self._client = MetaStoreClient(self._store.metastore, timeout_s=METASTORE_TIMEOUT_S)
@@ -166,11 +166,6 @@ class AscendStoreConnector(KVConnectorBase_V1):
         log.info("kvoffload_store_connector", role=role.name, model_id=self.model_id,
                  metastore=self._store.metastore, block_size=self._block_size)
 
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for k, v in deltas.items():
-                self._counters[k] += v
-
     # ---- scheduler side ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -182,7 +177,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
         except PoolError as exc:  # the MetaStore is down or refuses: serve without the pool's prefix cache
             log.warning("kvoffload_lookup_failed", request_id=request.request_id, error=str(exc))
             return 0, False
-        self._count(lookups=1, hit_tokens=hit)
+        self._counters.add(lookups=1, hit_tokens=hit)
         if hit:
             log.info("kvoffload_prefix_hit", request_id=request.request_id, hit_tokens=hit,
                      local_tokens=num_computed_tokens, prompt_tokens=len(prompt))
@@ -193,19 +188,14 @@ class AscendStoreConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = StoreStepMetadata()
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            if not new.prompt_token_ids:
-                continue
-            load, save = self._planner.new_request(new.req_id, new.prompt_token_ids, new.block_ids[0],
-                                                   new.num_computed_tokens, scheduled.get(new.req_id, 0))
-            meta.loads += [load] if load else []
-            meta.saves += [save] if save else []
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
-            save = self._planner.running_request(rid, new_ids[0] if new_ids else None, rid in cached.resumed_req_ids,
-                                                 cached.num_computed_tokens[i], scheduled.get(rid, 0))
+        for s in scheduled_requests(scheduler_output):
+            if s.first:
+                if not s.prompt:
+                    continue
+                load, save = self._planner.new_request(s.req_id, s.prompt, s.block_ids, s.computed, s.scheduled)
+                meta.loads += [load] if load else []
+            else:
+                save = self._planner.running_request(s.req_id, s.block_ids, s.resumed, s.computed, s.scheduled)
             meta.saves += [save] if save else []
         return meta
 
@@ -254,14 +244,14 @@ class AscendStoreConnector(KVConnectorBase_V1):
                 cache.index_copy_(0, ids.to(cache.device), staging.to(cache.device))
                 pending.remove(name)
                 self._layer_loaded[name].set()
-            self._count(blocks_loaded=len(keys), bytes_loaded=len(keys) * layout.block_bytes * len(self._layer_order))
+            self._counters.add(blocks_loaded=len(keys), bytes_loaded=len(keys) * layout.block_bytes * len(self._layer_order))
             for t in loads:
                 log.info("kvoffload_loaded", request_id=t.request_id, blocks=len(t.keys),
                          seconds=round(time.perf_counter() - t0, 4))
         except Exception as exc:  # noqa: BLE001 - reported to vLLM as load errors: it recomputes the blocks
             with self._lock:
                 self._load_errors.update(ids.tolist())
-            self._count(load_errors=len(keys))
+            self._counters.add(load_errors=len(keys))
             log.error("kvoffload_load_failed", request_ids=[t.request_id for t in loads], error=str(exc),
                       layers_left=len(pending))
         finally:
@@ -304,7 +294,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
                 if keep:
                     out.append(Transfer(t.request_id, tuple(k for k, _ in keep), tuple(b for _, b in keep)))
             except PoolError as exc:  # a full pool or a MetaStore outage: the blocks are simply not cached
-                self._count(save_errors=len(t.keys))
+                self._counters.add(save_errors=len(t.keys))
                 log.warning("kvoffload_save_skipped", request_id=t.request_id, blocks=len(t.keys), error=str(exc))
         return out
 
@@ -325,7 +315,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
                 failed.setdefault(t.request_id, (t, exc))
         for t in saves or []:
             if t.request_id in failed:
-                self._count(save_errors=len(t.keys))
+                self._counters.add(save_errors=len(t.keys))
                 log.warning("kvoffload_save_failed", request_id=t.request_id, blocks=len(t.keys),
                             error=str(failed[t.request_id][1]))
                 try:
@@ -333,13 +323,13 @@ class AscendStoreConnector(KVConnectorBase_V1):
                 except PoolError as exc:
                     log.warning("kvoffload_remove_failed", request_id=t.request_id, error=str(exc))
             else:
-                self._count(blocks_saved=len(t.keys), bytes_saved=len(t.keys) * self._layout.block_bytes
+                self._counters.add(blocks_saved=len(t.keys), bytes_saved=len(t.keys) * self._layout.block_bytes
                             * len(self._layer_order))
                 log.info("kvoffload_saved", request_id=t.request_id, blocks=len(t.keys))
         if handoffs:
             # layerwise: how many layers were already in the pool when the last layer's attention ended
             during = sum(1 for at in saved_at.values() if at < handoffs[-1])
-            self._count(layers_saved_during_forward=during)
+            self._counters.add(layers_saved_during_forward=during)
             log.info("kvoffload_step_saved", layers=len(handoffs), layers_saved_during_forward=during,
                      forward_s=round(handoffs[-1] - handoffs[0], 4),
                      first_layer_saved_s=round(min(saved_at.values(), default=handoffs[0]) - handoffs[0], 4),
@@ -356,8 +346,7 @@ class AscendStoreConnector(KVConnectorBase_V1):
     # ---- stats and shutdown ------------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        with self._lock:
-            data, self._counters = self._counters, dict.fromkeys(COUNTERS, 0)
+        data = self._counters.take()
         return CounterStats(data=data) if any(data.values()) else None
 
     @classmethod
