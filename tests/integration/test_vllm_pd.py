@@ -165,8 +165,11 @@ def test_a_bad_d2h_config_stops_vllm_with_the_field_named(tmp_path, config, mess
     server = VllmServer(model, max_model_len=1024, log_path=tmp_path / "v.log", start_timeout_s=120,
                         extra_args=["--kv-transfer-config", json.dumps({**config,
                                                                         "kv_connector_module_path": "kvoffload_vllm"})])
-    with pytest.raises(RuntimeError):
-        server.start()
+    try:
+        with pytest.raises(RuntimeError):
+            server.start()
+    finally:
+        server.stop()  # a server that did start is not left behind
     assert message in server.log_text(), server.log_text()[-3000:]
 
 
