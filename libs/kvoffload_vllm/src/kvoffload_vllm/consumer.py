@@ -257,6 +257,8 @@ class Consumer:
             if r.src_end > inc.recv.num_tokens:
                 raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"rows up to {r.src_end} go past the prompt's "
                                f"{inc.recv.num_tokens} tokens")
+            if inc.state == "done":  # a late copy of tokens that all landed already
+                return True, "", 0, 0.0
             if inc.state != "loading":
                 return False, inc.reason or f"request {r.request_id!r} is {inc.state}", 0, 0.0
             inc.last_news, inc.peer = time.monotonic(), meta.data_endpoint
