@@ -50,7 +50,12 @@ def test_demo_with_the_vllm_engine_answers_and_the_decode_pulls_the_prompt_kv(tm
     assert summary["completion_tokens"] > 0 and summary["prompt_tokens"] > 128, (summary, logs)
     assert isinstance(text, str)
     # the proxy ran the P/D flow: the decode registered, the request succeeded, nothing was retried
-    assert proxy["requests"] == {"chat:ok": 1} and proxy["metaserver_registrations"] == {"ok": 1}, (summary, logs)
+    # (the registration is answered once the proxy has the prefill's HTTP answer; a vLLM decode does not
+    # wait for it — it needs only the pulled layers — so on a busy machine the request may finish first
+    # and the proxy then answers the still-open registration "cancelled": either way, exactly one)
+    assert proxy["requests"] == {"chat:ok": 1}, (summary, logs)
+    registrations = proxy["metaserver_registrations"]
+    assert sum(registrations.values()) == 1 and set(registrations) <= {"ok", "cancelled"}, (summary, logs)
     assert proxy["backend_retries"] == 0, (summary, logs)
     # the prefill computed the prompt; the decode took it from the transfer (vLLM computes the last
     # prompt token itself), and no pull failed (vLLM would have recomputed it)
