@@ -52,12 +52,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvoffload_vllm.d2h_plan import Send, SendPlanner, peer_of
 from kvoffload_vllm.layout import CacheLayout, vllm_model_id
 from kvoffload_vllm.plan import scheduled_requests
-from kvoffload_vllm.stats import CounterPromMetrics, CounterStats
+from kvoffload_vllm.stats import CountingConnector
 from kvoffload_vllm.store import cache_spec
 
 if TYPE_CHECKING:
@@ -142,7 +141,7 @@ def d2h_settings(vllm_config: "VllmConfig") -> D2HSettings:
                        extra.data_port or 0, peer_timeout, read_timeout_s=max(30.0, 3 * peer_timeout))
 
 
-class SfaRemoteD2HConnector(KVConnectorBase_V1):
+class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
     """See the module docstring; one instance per role (scheduler / worker)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
@@ -273,23 +272,18 @@ class SfaRemoteD2HConnector(KVConnectorBase_V1):
 
     # ---- stats and shutdown ------------------------------------------------------------------
 
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        role = "producer" if self.producer_role else "consumer"
-        data = {f"{role}_{k}": v for k, v in self._side.counters.take().items()} if self._side is not None else {}
-        return CounterStats(data=data) if any(data.values()) else None
+    prom_name = "d2h"
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
-        return CounterStats(data=dict(data)) if data is not None else CounterStats()
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> CounterPromMetrics:
+    def prom_counters(cls) -> dict[str, str]:
         from kvoffload_vllm.consumer import COUNTERS as CONSUMER
         from kvoffload_vllm.producer import COUNTERS as PRODUCER
 
-        counters = {**{f"producer_{k}": v for k, v in PRODUCER.items()},
-                    **{f"consumer_{k}": v for k, v in CONSUMER.items()}}
-        return CounterPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, "d2h", counters)
+        return {**{f"producer_{k}": v for k, v in PRODUCER.items()}, **{f"consumer_{k}": v for k, v in CONSUMER.items()}}
+
+    def take_counters(self) -> dict[str, float]:
+        role = "producer" if self.producer_role else "consumer"
+        return {f"{role}_{k}": v for k, v in self._side.counters.take().items()} if self._side is not None else {}
 
     def shutdown(self) -> None:
         if self._side is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
@@ -71,3 +71,31 @@ class CounterPromMetrics(KVConnectorPromMetrics):
             counter = self._counters.get(name)
             if counter is not None and value:
                 counter.labels(*labels).inc(value)
+
+
+class CountingConnector:
+    """Mixin (before ``KVConnectorBase_V1`` in the bases) for a connector whose counters vLLM reports:
+    the subclass names its Prometheus prefix (``prom_name``), declares its counters
+    (``prom_counters``) and hands over the sums since the last report (``take_counters``)."""
+
+    prom_name: ClassVar[str]
+
+    @classmethod
+    def prom_counters(cls) -> dict[str, str]:
+        raise NotImplementedError
+
+    def take_counters(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self.take_counters()
+        return CounterStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return CounterStats(data=dict(data)) if data is not None else CounterStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> CounterPromMetrics:
+        return CounterPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, cls.prom_name,
+                                  cls.prom_counters())

@@ -59,11 +59,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvoffload_vllm.layout import CacheLayout, vllm_model_id
 from kvoffload_vllm.plan import StorePlanner, Transfer, scheduled_requests
-from kvoffload_vllm.stats import CounterPromMetrics, Counters, CounterStats
+from kvoffload_vllm.stats import CountingConnector, Counters
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -133,7 +132,7 @@ def cache_spec(kv_cache_config: "KVCacheConfig"):
     return list(groups[0].layer_names), groups[0].kv_cache_spec
 
 
-class AscendStoreConnector(KVConnectorBase_V1):
+class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
     """See the module docstring; one instance per role (scheduler / worker)."""
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
@@ -345,17 +344,14 @@ class AscendStoreConnector(KVConnectorBase_V1):
 
     # ---- stats and shutdown ------------------------------------------------------------------
 
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        data = self._counters.take()
-        return CounterStats(data=data) if any(data.values()) else None
+    prom_name = "store"
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
-        return CounterStats(data=dict(data)) if data is not None else CounterStats()
+    def prom_counters(cls) -> dict[str, str]:
+        return COUNTERS
 
-    @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> CounterPromMetrics:
-        return CounterPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, "store", COUNTERS)
+    def take_counters(self) -> dict[str, float]:
+        return self._counters.take()
 
     def shutdown(self) -> None:
         if self.role == KVConnectorRole.SCHEDULER:
