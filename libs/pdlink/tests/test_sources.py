@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import uuid
 
+import grpc
 import pytest
 from kvcore.segment import PoolGeometry, SharedSegment
 from kvoffload_proto.v1 import transfer_pb2 as pb
@@ -94,3 +95,38 @@ def test_attaching_a_new_prefill_segment_lets_go_of_those_whose_prefill_is_gone(
         for seg in (live, new):
             seg.close()
             seg.unlink()
+
+
+class _Code(grpc.RpcError):
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+
+def test_read_with_retries_retries_what_a_retry_can_change_and_nothing_else(monkeypatch):
+    import pdlink.sources as sources
+
+    monkeypatch.setattr(sources.time, "sleep", lambda s: None)
+    retried = []
+
+    def flaky(errors):
+        def read():
+            if errors:
+                raise errors.pop(0)
+            return "rows"
+        return read
+
+    on_retry = lambda attempt, exc: retried.append(attempt)  # noqa: E731
+    assert sources.read_with_retries(flaky([ValueError("short"), _Code(grpc.StatusCode.UNAVAILABLE)]), 2,
+                                     lambda: True, on_retry) == "rows"
+    assert retried == [1, 2]
+    for code in sources.PERMANENT:  # a permanent refusal: no retry
+        with pytest.raises(grpc.RpcError):
+            sources.read_with_retries(flaky([_Code(code)]), 2, lambda: True, on_retry)
+    with pytest.raises(ValueError):  # retries used up
+        sources.read_with_retries(flaky([ValueError("a")] * 3), 2, lambda: True, on_retry)
+    with pytest.raises(ValueError):  # the reader no longer wants the rows
+        sources.read_with_retries(flaky([ValueError("a")]), 2, lambda: False, on_retry)
+    assert retried == [1, 2, 1, 2]

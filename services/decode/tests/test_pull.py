@@ -25,7 +25,7 @@ from dsamodel.sampling import SamplingParams
 from kvcore.layout import dtype_name
 from kvcore.segment import PoolGeometry, SharedSegment
 from kvoffload_proto.v1 import transfer_pb2 as pb
-from pdlink.sources import RowSources
+from pdlink.sources import PERMANENT, RowSources
 
 from kvoffload_decode import pull
 from kvoffload_decode.loop import DecodeLoop
@@ -303,7 +303,7 @@ def test_retries_run_out_into_a_failed_answer():
         r.close()
 
 
-@pytest.mark.parametrize("code", pull.PERMANENT, ids=[c.name for c in pull.PERMANENT])
+@pytest.mark.parametrize("code", PERMANENT, ids=[c.name for c in PERMANENT])
 def test_a_permanent_refusal_of_the_source_is_not_retried(rank, code):
     rank.sources.failures = [Rpc(code)]
     out = rank.read(layer=1)

@@ -30,7 +30,7 @@ import structlog
 import torch
 from kvcore.layout import dtype_name
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
-from pdlink.sources import RowSources
+from pdlink.sources import RowSources, read_with_retries
 from svcruntime.tls import PROCESS, add_port, secure_or_insecure_channel
 
 from kvoffload_vllm.d2h_plan import Coverage, blocks_of
@@ -301,18 +301,22 @@ class Consumer:
         ask = transfer_pb2.ReadReadyRequest(request_id=r.request_id, layer=r.layer, generation=r.generation,
                                             src_start=blocks.start * bs, src_end=blocks.stop * bs,
                                             layout_version=r.layout_version)
-        for attempt in range(READ_RETRIES + 1):
-            try:
-                rows = self._sources.streamed_rows(meta.data_endpoint, ask, transfer_pb2.PLANE_KIND_MAIN,
-                                                   self.layout.block_bytes // bs)
-                return rows.view(len(blocks), self.layout.block_bytes)
-            except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
-                                  grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE) \
-                        or attempt == READ_RETRIES:
-                    raise
-                time.sleep(0.05 * 2**attempt)
-        raise AssertionError("unreachable")
+
+        def read() -> torch.Tensor:
+            rows = self._sources.streamed_rows(meta.data_endpoint, ask, transfer_pb2.PLANE_KIND_MAIN,
+                                               self.layout.block_bytes // bs)
+            return rows.view(len(blocks), self.layout.block_bytes)
+
+        def on_retry(attempt: int, exc: Exception) -> None:
+            log.warning("kvoffload_d2h_read_retry", transfer_id=r.request_id, layer=r.layer, attempt=attempt,
+                        error=repr(exc))
+
+        return read_with_retries(read, READ_RETRIES, lambda: self._loading(r.request_id), on_retry)
+
+    def _loading(self, transfer_id: str) -> bool:
+        with self._lock:
+            inc = self._reqs.get(transfer_id)
+            return inc is not None and inc.state == "loading"
 
     def close(self) -> None:
         self._stop.set()

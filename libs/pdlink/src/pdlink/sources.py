@@ -1,13 +1,16 @@
 """The consumer's side of the data path: where a decode reads the rows a ReadReady announced.
 Same host: straight out of the prefill's shared-memory layer buffer (``BufferRegion``); other
 hosts: streamed from the prefill's ``LayerSource`` in bounded chunks (``pdlink.chunks``).
-``RowSources`` keeps the attached segments and the channels until it is closed.
+``RowSources`` keeps the attached segments and the channels until it is closed; ``read_with_retries``
+is the retry policy of a read out of either.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -16,6 +19,28 @@ from kvcore.segment import SharedSegment
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+PERMANENT = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
+             grpc.StatusCode.INVALID_ARGUMENT)  # a LayerSource answer that a retry cannot change
+
+
+def read_with_retries(read: Callable[[], T], retries: int, still_wanted: Callable[[], bool],
+                      on_retry: Callable[[int, Exception], None]) -> T:
+    """``read()``, again after a failure that a retry can change (a dropped stream: ``grpc.RpcError``
+    other than ``PERMANENT``; a short read: ``ValueError``) up to ``retries`` times while
+    ``still_wanted()``, after ``on_retry(attempt, error)`` and a backoff of 50 ms x 2^attempt; the
+    last failure propagates. Reads are idempotent: the same rows land in the same place."""
+    for attempt in range(retries + 1):
+        try:
+            return read()
+        except (grpc.RpcError, ValueError) as exc:
+            code = exc.code() if isinstance(exc, grpc.RpcError) else None
+            if code in PERMANENT or attempt == retries or not still_wanted():
+                raise
+            on_retry(attempt + 1, exc)
+            time.sleep(0.05 * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 class RowSources:

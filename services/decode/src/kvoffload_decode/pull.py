@@ -21,13 +21,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import grpc
 import structlog
 import torch
 from kvcore.layout import KVLayout, dtype_name
 from dsamodel.sampling import TokenLogprob
 from kvoffload_proto.v1 import transfer_pb2
-from pdlink.sources import RowSources
+from pdlink.sources import RowSources, read_with_retries
 
 from kvoffload_decode.loop import DecodeLoop
 
@@ -105,10 +104,6 @@ class ReadOutcome:
 
 
 # ---- the pull path ---------------------------------------------------------------------------------
-
-PERMANENT = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
-             grpc.StatusCode.INVALID_ARGUMENT)  # a LayerSource answer that a retry cannot change
-
 
 class LayerPuller:
     """One decode rank's side of the transfer: the layouts it accepted (by ``layout_version``), the
@@ -218,20 +213,14 @@ class LayerPuller:
 
     def _read_with_retries(self, meta, request) -> tuple[torch.Tensor, torch.Tensor]:
         """``_read``, again after a failure (a dropped stream, a short read) up to ``read_retries``
-        times while the request still waits; the last failure propagates."""
-        for attempt in range(self.read_retries + 1):
-            try:
-                return self._read(meta, request)
-            except (grpc.RpcError, ValueError) as exc:
-                code = exc.code() if isinstance(exc, grpc.RpcError) else None
-                if code in PERMANENT or attempt == self.read_retries \
-                        or self.loop.pending_request(request.request_id) is None:
-                    raise
-                self.counters.increment("read_retries")
-                log.warning("read_retry", request_id=request.request_id, layer=request.layer, attempt=attempt + 1,
-                            error=repr(exc))
-                time.sleep(0.05 * 2**attempt)
-        raise AssertionError("unreachable")
+        times while the request still waits (``pdlink.sources.read_with_retries``)."""
+        def on_retry(attempt: int, exc: Exception) -> None:
+            self.counters.increment("read_retries")
+            log.warning("read_retry", request_id=request.request_id, layer=request.layer, attempt=attempt,
+                        error=repr(exc))
+
+        return read_with_retries(lambda: self._read(meta, request), self.read_retries,
+                                 lambda: self.loop.pending_request(request.request_id) is not None, on_retry)
 
     def _read(self, meta, request) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [src_start, src_end) of one layer: (kv [n, W], index_k [n, Di]) in the model dtype."""
