@@ -35,6 +35,7 @@ from svcruntime.tls import PROCESS, add_port, secure_or_insecure_channel
 
 from kvoffload_vllm.d2h_plan import Coverage, blocks_of
 from kvoffload_vllm.layout import CacheLayout
+from kvoffload_vllm.refused import Refused
 from kvoffload_vllm.stats import Counters
 
 log = structlog.get_logger("vllm.kvoffload.consumer")
@@ -67,15 +68,8 @@ class _Incoming:
     state: str = "loading"  # loading | done | failed | cancelled
     reason: str = ""
     busy: int = 0  # pulls in flight
-    reported: bool = False
     bytes: int = 0
     write_lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class _Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class Consumer:
@@ -228,7 +222,7 @@ class Consumer:
 
     def heartbeat(self, layout_version: int, request_ids) -> list[str]:
         if layout_version not in self._layouts:
-            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"no accepted layout {layout_version}")
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"no accepted layout {layout_version}")
         unknown = []
         now = time.monotonic()
         with self._lock:
@@ -242,21 +236,21 @@ class Consumer:
         return unknown
 
     def read_ready(self, r: transfer_pb2.ReadReadyRequest) -> tuple[bool, str, int, float]:
-        """Pull and write one announced range: (done, reason, bytes, ms); _Refused when malformed."""
+        """Pull and write one announced range: (done, reason, bytes, ms); Refused when malformed."""
         meta = self._layouts.get(r.layout_version)
         if meta is None:
-            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"no accepted layout with layout_version "
-                           f"{r.layout_version}: call ExchangeLayout first")
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"no accepted layout with layout_version "
+                          f"{r.layout_version}: call ExchangeLayout first")
         if r.layer >= len(self.layout.layer_names) or r.src_end < r.src_start or r.dst_start != r.src_start:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"layer {r.layer} or range [{r.src_start}, {r.src_end}) "
-                           f"-> {r.dst_start} is malformed")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"layer {r.layer} or range [{r.src_start}, {r.src_end}) "
+                          f"-> {r.dst_start} is malformed")
         with self._lock:
             inc = self._reqs.get(r.request_id)
             if inc is None:
-                raise _Refused(grpc.StatusCode.NOT_FOUND, f"request {r.request_id!r} is not waiting for KV here")
+                raise Refused(grpc.StatusCode.NOT_FOUND, f"request {r.request_id!r} is not waiting for KV here")
             if r.src_end > inc.recv.num_tokens:
-                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"rows up to {r.src_end} go past the prompt's "
-                               f"{inc.recv.num_tokens} tokens")
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"rows up to {r.src_end} go past the prompt's "
+                              f"{inc.recv.num_tokens} tokens")
             if inc.state == "done":  # a late copy of tokens that all landed already
                 return True, "", 0, 0.0
             if inc.state != "loading":
@@ -338,7 +332,7 @@ class _Transfer(transfer_pb2_grpc.TransferServicer):
     def ReadReady(self, request, context):
         try:
             done, reason, nbytes, ms = self.consumer.read_ready(request)
-        except _Refused as exc:
+        except Refused as exc:
             context.abort(exc.code, str(exc))
         if not done:
             return transfer_pb2.ReadResult(status=transfer_pb2.READ_FAILED, reason=reason)
@@ -347,11 +341,14 @@ class _Transfer(transfer_pb2_grpc.TransferServicer):
     def Heartbeat(self, request, context):
         try:
             unknown = self.consumer.heartbeat(request.layout_version, request.request_ids)
-        except _Refused as exc:
+        except Refused as exc:
             context.abort(exc.code, str(exc))
         return transfer_pb2.PrefillHeartbeatReply(unknown_request_ids=unknown)
 
     def PrefillDone(self, request, context):
         # vLLM decodes compute the last prompt token themselves: the prefill's first token is not needed
-        self.consumer.heartbeat(request.layout_version, [request.request_id])
+        try:
+            self.consumer.heartbeat(request.layout_version, [request.request_id])
+        except Refused as exc:
+            context.abort(exc.code, str(exc))
         return transfer_pb2.PrefillDoneReply(accepted=True)

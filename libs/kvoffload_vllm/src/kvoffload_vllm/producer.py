@@ -33,6 +33,7 @@ from svcruntime.tls import add_port
 
 from kvoffload_vllm.d2h_plan import Send, blocks_of
 from kvoffload_vllm.layout import CacheLayout
+from kvoffload_vllm.refused import Refused
 from kvoffload_vllm.stats import Counters
 
 log = structlog.get_logger("vllm.kvoffload.producer")
@@ -61,7 +62,6 @@ class _Outgoing:
     req_id: str
     send: Send
     generation: int
-    block_ids: tuple[int, ...]
     link: DecodeLink | None
     outstanding: int = 0  # announces not answered yet
     failed: list[str] = field(default_factory=list)
@@ -142,13 +142,13 @@ class Producer:
                     link = None
                 with self._lock:
                     self._generation += 1
-                    out = self._reqs[tid] = _Outgoing(send.req_id, send, self._generation, send.block_ids, link)
+                    out = self._reqs[tid] = _Outgoing(send.req_id, send, self._generation, link)
                     self._by_req[send.req_id] = tid
                 if link is not None:
                     link.hold(tid)
                 self.counters.add(requests_sent=1)
             with self._lock:
-                out.send, out.block_ids = send, send.block_ids
+                out.send = send  # the step's tokens and the request's blocks so far
             if out.link is not None:
                 self._step.append(out)
 
@@ -218,27 +218,28 @@ class Producer:
         """The bytes of the blocks rows ``[src_start, src_end)`` of one layer of a request cover;
         LookupError / ValueError (with the gRPC status to answer) when they cannot be served."""
         if request.layout_version != self.metadata.layout_version:
-            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"layout_version {request.layout_version} is not "
-                           f"this prefill's ({self.metadata.layout_version})")
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"layout_version {request.layout_version} is not "
+                          f"this prefill's ({self.metadata.layout_version})")
         if request.kind != transfer_pb2.PLANE_KIND_MAIN:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "this prefill has no indexer plane (vLLM's KV only)")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "this prefill has no indexer plane (vLLM's KV only)")
         bs = self.layout.block_size
         if request.layer >= len(self.layout.layer_names) or request.src_end < request.src_start \
                 or request.src_start % bs or request.src_end % bs:
-            raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"layer {request.layer} or range [{request.src_start}, "
-                           f"{request.src_end}) is malformed (vLLM blocks: block-aligned ranges of {bs} rows only)")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"layer {request.layer} or range [{request.src_start}, "
+                          f"{request.src_end}) is malformed (vLLM blocks: block-aligned ranges of {bs} rows only)")
         with self._lock:
             out = self._reqs.get(request.request_id)
             if out is None:
-                raise _Refused(grpc.StatusCode.NOT_FOUND, f"request {request.request_id!r} is not being sent here")
+                raise Refused(grpc.StatusCode.NOT_FOUND, f"request {request.request_id!r} is not being sent here")
             if out.generation != request.generation:
-                raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, f"request {request.request_id!r} is generation "
-                               f"{out.generation}, not {request.generation}")
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"request {request.request_id!r} is generation "
+                              f"{out.generation}, not {request.generation}")
             blocks = blocks_of(request.src_start, request.src_end, bs)
-            if blocks.stop > len(out.block_ids):
-                raise _Refused(grpc.StatusCode.OUT_OF_RANGE, f"rows up to {request.src_end}: the request holds "
-                               f"{len(out.block_ids)} blocks")
-            ids = torch.tensor(out.block_ids[blocks.start:blocks.stop], dtype=torch.long)
+            block_ids = out.send.block_ids
+            if blocks.stop > len(block_ids):
+                raise Refused(grpc.StatusCode.OUT_OF_RANGE, f"rows up to {request.src_end}: the request holds "
+                              f"{len(block_ids)} blocks")
+            ids = torch.tensor(block_ids[blocks.start:blocks.stop], dtype=torch.long)
         data = self._bytes[self.layout.layer_names[request.layer]].index_select(0, ids)
         self.counters.add(blocks_served=len(ids), bytes_served=data.numel())
         return data.view(-1)
@@ -247,12 +248,6 @@ class Producer:
         self._server.stop(grace=1.0)
         for link in self._links.values():
             link.close()
-
-
-class _Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class _LayerSource(transfer_pb2_grpc.LayerSourceServicer):
@@ -264,6 +259,6 @@ class _LayerSource(transfer_pb2_grpc.LayerSourceServicer):
     def ReadLayer(self, request, context):
         try:
             data = self.producer.blocks(request)
-        except _Refused as exc:
+        except Refused as exc:
             context.abort(exc.code, str(exc))
         yield from data_chunks(data)

@@ -10,6 +10,7 @@ vLLM's ``MultiConnector`` requires every child that reports stats to provide Pro
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -73,7 +74,7 @@ class CounterPromMetrics(KVConnectorPromMetrics):
                 counter.labels(*labels).inc(value)
 
 
-class CountingConnector:
+class CountingConnector(ABC):
     """Mixin (before ``KVConnectorBase_V1`` in the bases) for a connector whose counters vLLM reports:
     the subclass names its Prometheus prefix (``prom_name``), declares its counters
     (``prom_counters``) and hands over the sums since the last report (``take_counters``)."""
@@ -81,11 +82,13 @@ class CountingConnector:
     prom_name: ClassVar[str]
 
     @classmethod
+    @abstractmethod
     def prom_counters(cls) -> dict[str, str]:
-        raise NotImplementedError
+        """Counter name -> what it counts."""
 
+    @abstractmethod
     def take_counters(self) -> dict[str, float]:
-        raise NotImplementedError
+        """The sums since the last call."""
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         data = self.take_counters()
