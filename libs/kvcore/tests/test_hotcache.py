@@ -1,4 +1,4 @@
-"""kvcore.hotcache: exact LRU semantics, native == reference, invariants, validation, threads."""
+"""kvcore.hotcache: exact LRU and SLRU semantics, native == reference, invariants, validation, threads."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from kvcore.hotcache import MAX_TOKEN, HotCache, Resolution
 import hotcache_support
 
 BOTH = pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
+POLICIES = pytest.mark.parametrize("policy", ["lru", "slru"])
 
 
 def _t(rows: list[list[int]], dtype=torch.int64) -> torch.Tensor:
@@ -148,6 +149,27 @@ def test_constructor_validation():
         HotCache(0, 1)
     with pytest.raises(ValueError, match="num_layers"):
         HotCache(4, 0, native=False)
+    with pytest.raises(ValueError, match="policy = 'lfu' must be one of lru, slru"):
+        HotCache(4, 1, policy="lfu")
+
+
+@BOTH
+def test_slru_evicts_tokens_selected_once_before_tokens_hit_again(native):
+    lru, slru = HotCache(4, 1, native=native), HotCache(4, 1, native=native, policy="slru")
+    for c in (lru, slru):
+        c.resolve(0, ["a"], _t([[10, 11]]), [100])  # 10 -> slot 0, 11 -> slot 1 (probation)
+        c.resolve(0, ["a"], _t([[10, 12]]), [100])  # hit 10 (slru: protected); 12 -> slot 2
+        c.resolve(0, ["a"], _t([[13, 14]]), [100])  # 13 -> slot 3; 14 evicts the least recent
+    # lru order before 14: 11 (slot 1), 10 (slot 0), 12, 13 -> evicts 11; slru probation: 11, 12, 13 -> 11 too
+    assert lru.residency("a", 0) == slru.residency("a", 0) == {10: 0, 12: 2, 13: 3, 14: 1}
+    r_lru = lru.resolve(0, ["a"], _t([[15, 16]]), [100])  # lru order: 10, 12, 13, 14 -> evicts 10, 12
+    r_slru = slru.resolve(0, ["a"], _t([[15, 16]]), [100])  # probation 12, 13, 14 -> evicts 12, 13
+    assert r_lru.miss_slots.tolist() == [0, 2] and r_slru.miss_slots.tolist() == [2, 3]
+    assert 10 not in lru.residency("a", 0) and slru.residency("a", 0)[10] == 0
+    # every probation slot selected now: the next miss takes the least-recent protected slot (10)
+    r = slru.resolve(0, ["a"], _t([[15, 16, 14, 17]]), [100])
+    assert r.num_hits == 3 and r.miss_tokens.tolist() == [17] and r.miss_slots.tolist() == [0]
+    assert slru.stats()["policy"] == "slru" and lru.stats()["policy"] == "lru"
 
 
 # --- property test: random step sequences, native == reference, invariants ----------------------
@@ -189,11 +211,13 @@ def _check_invariants(res: Resolution, ids, topk, stable, before, after, capacit
         assert all(t < stable[r] for t in after[rid])
 
 
+@POLICIES
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios())
-def test_native_equals_reference_and_invariants_hold(scenario):
+@given(scenario=scenarios())
+def test_native_equals_reference_and_invariants_hold(policy, scenario):
     capacity, num_layers, steps = scenario
-    native, ref = HotCache(capacity, num_layers, native=True), HotCache(capacity, num_layers, native=False)
+    native = HotCache(capacity, num_layers, native=True, policy=policy)
+    ref = HotCache(capacity, num_layers, native=False, policy=policy)
     for layer, ids, k, topk, stable, finish, int32 in steps:
         t = torch.tensor(topk, dtype=torch.int32 if int32 else torch.int64).reshape(len(ids), k)  # [rows, k]
         before = {rid: native.residency(rid, layer) for rid in ids}
@@ -239,10 +263,11 @@ def test_concurrent_layers_match_sequential():
     assert par.stats() | {"native": None} == seq.stats() | {"native": None}
 
 
-def test_large_batch_uses_parallel_rows_and_matches_reference():
+@POLICIES
+def test_large_batch_uses_parallel_rows_and_matches_reference(policy):
     g = torch.Generator().manual_seed(1)
     ids = [f"q{i}" for i in range(8)]
-    native, ref = HotCache(512, 1), HotCache(512, 1, native=False)
+    native, ref = HotCache(512, 1, policy=policy), HotCache(512, 1, native=False, policy=policy)
     for _ in range(4):
         topk = torch.randint(-1, 2000, (8, 256), generator=g)
         stable = torch.randint(1500, 2001, (8,), generator=g)

@@ -1,5 +1,9 @@
 """The tiny seeded model: a few MB, 4 decoder layers + 1 MTP layer, real top-k sparsity.
 
+``num_hidden_layers`` (default 4) deepens it with more decoder layers of the same shape, e.g. 27
+(+ 1 MTP = 28 cache layers) for benchmarks where many layers share a few device buffers; the
+default config, and so the default seeded weights, are unchanged by the parameter.
+
 ``index_topk`` is 64, so prompts of 1-8K tokens select a small, query-dependent subset. Weights are
 drawn from one seeded CPU generator in ``named_parameters`` order, so the same seed writes
 byte-identical files. Scales keep activations near unit size through the layers: inputs to every
@@ -25,12 +29,13 @@ from dsamodel.weights import save_model
 _RESIDUAL_WRITERS = ("o_proj.weight", "down_proj.weight")
 
 
-def tiny_config(*, dtype: str = "bfloat16") -> ModelConfig:
-    """The tiny preset's config (byte tokenizer vocabulary: 256 bytes + 8 specials)."""
+def tiny_config(*, dtype: str = "bfloat16", num_hidden_layers: int = 4) -> ModelConfig:
+    """The tiny preset's config (byte tokenizer vocabulary: 256 bytes + 8 specials); ``num_hidden_layers``
+    decoder layers (default 4) plus one MTP layer."""
     tok = ByteTokenizer()
     return ModelConfig(
         hidden_size=128,
-        num_hidden_layers=4,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         q_lora_rank=96,
         kv_lora_rank=192,
@@ -72,9 +77,10 @@ def init_weights(model: DSAModel, *, seed: int) -> DSAModel:
     return model
 
 
-def tiny_model(*, seed: int = 0, dtype: str = "float32", device=None) -> DSAModel:
-    """The tiny preset built in memory (what ``write_tiny`` saves, before the dtype cast)."""
-    config = tiny_config(dtype=dtype)
+def tiny_model(*, seed: int = 0, dtype: str = "float32", device=None, num_hidden_layers: int = 4) -> DSAModel:
+    """The tiny preset built in memory (what ``write_tiny`` saves, before the dtype cast); see
+    ``tiny_config`` for ``num_hidden_layers``."""
+    config = tiny_config(dtype=dtype, num_hidden_layers=num_hidden_layers)
     return init_weights(DSAModel(config, device=device), seed=seed)
 
 

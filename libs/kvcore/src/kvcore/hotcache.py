@@ -2,31 +2,47 @@
 
 On sparse decode the full KV lives in the host pool; per request and layer the device keeps a hot
 buffer of ``capacity`` token slots. Each step the indexer selects top-k past tokens; ``resolve``
-maps every selected token to a slot: hits reuse their slot, misses take least-recently-used slots
-of tokens not selected now, and only the misses are gathered from the host pool
+maps every selected token to a slot: hits reuse their slot, misses take the slots the policy
+gives up (least recently used, of tokens not selected now), and only the misses are gathered
+from the host pool
 (``kvcore.gather.gather_rows`` takes ``miss_rows``/``miss_tokens``/``miss_slots`` unchanged).
 
 Residency is keyed by (request id, layer), never by batch row: requests join, leave and reorder
 between steps without touching anyone else's residency. ``finish(request_id)`` frees all of it.
 
+Policies (``policy``):
+
+- ``"lru"`` (default): exact least-recently-used over the slots not selected in this step.
+- ``"slru"``: segmented LRU. A token selected in only one step so far (it entered as a miss and
+  has not been hit since) sits in a probation list; a hit promotes it to a protected list. Misses
+  evict the least-recent probation slot not selected now, and a protected slot only when every
+  probation slot is selected now. It bets that a token the indexer kept for more than one step
+  (a heavy hitter, a token that flickers at the top-k boundary) returns sooner than one it chose
+  once; ``kvoffload bench hotcache`` measures both against Belady's optimum on traces.
+
 Exact semantics (the native C++/OpenMP path and the Python reference produce identical outputs):
 
-- State per (request, layer): ``capacity`` slots, each empty or holding one token; a total LRU
-  order over the slots; a token -> slot lookup. New state: all slots empty, LRU order from least
-  recent ``0, 1, ..., capacity-1``.
+- State per (request, layer): ``capacity`` slots, each empty or holding one token; two LRU lists
+  that hold every slot between them, *probation* and *protected* (``"lru"`` only ever uses
+  probation); a token -> slot lookup. New state: all slots empty, probation from least recent
+  ``0, 1, ..., capacity-1``, protected empty.
 - One step with stable prefix length ``S`` and top-k row ``t[0..k)`` (``-1`` = padding):
 
-  1. Every slot whose token is ``>= S`` becomes empty and moves to the least-recent end (slots in
-     ascending index, each moved in turn).
-  2. Pass over ``t`` in order: a resident token (hit) moves its slot to the most-recent end, once
-     per step, on its first occurrence.
-  3. Pass over ``t`` in order: a token not resolved yet in this step (miss) takes the least-recent
-     slot (evicting its token, if any) and moves it to the most-recent end; duplicates of a token
-     already resolved in this step reuse its slot. Since all hits were moved first and unique
-     tokens <= k <= capacity, a slot selected in this step is never evicted in the same step.
+  1. Every slot whose token is ``>= S`` becomes empty and moves to the least-recent end of
+     probation (slots in ascending index, each moved in turn).
+  2. Pass over ``t`` in order: a resident token (hit) moves its slot to the most-recent end of
+     the hit list (``"lru"``: probation; ``"slru"``: protected), once per step, on its first
+     occurrence.
+  3. Pass over ``t`` in order: a token not resolved yet in this step (miss) takes the victim slot
+     (evicting its token, if any) and moves it to the most-recent end of probation; duplicates of
+     a token already resolved in this step reuse its slot. The victim is the least-recent slot of
+     probation; under ``"slru"``, when probation is empty or that slot was selected in this step,
+     the least-recent slot of protected. Slots selected in this step sit at the most-recent ends
+     (hits moved first, misses appended), and unique tokens <= k <= capacity, so the victim is
+     never a slot selected in the same step.
   4. Misses with token ``>= S`` (speculative suffix, may be rewritten) do not stay resident: after
-     the step their slots become empty and move to the least-recent end (ascending slot index).
-     They are still returned in ``slots`` and the misses of this step.
+     the step their slots become empty and move to the least-recent end of probation (ascending
+     slot index). They are still returned in ``slots`` and the misses of this step.
 
 - Outputs: ``slots[r, j]`` the slot of ``t[j]`` (-1 for padding); misses ordered by row, then by
   first occurrence in the row, each unique miss exactly once; ``num_hits`` counts unique hit tokens
@@ -57,6 +73,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_TOKEN = 2**31 - 2  # largest accepted token index (the native map is indexed by int32 tokens)
+POLICIES = ("lru", "slru")  # index = the native policy code
 
 
 @dataclass(frozen=True)
@@ -72,10 +89,13 @@ class Resolution:
 
 
 class HotCache:
-    """Per-(request, layer) hot-buffer residency. ``native`` switches C++ (threads) vs reference."""
+    """Per-(request, layer) hot-buffer residency. ``native`` switches C++ (threads) vs reference;
+    ``policy`` is one of ``POLICIES`` (module docstring)."""
 
-    def __init__(self, capacity: int, num_layers: int, *, native: bool = True) -> None:
+    def __init__(self, capacity: int, num_layers: int, *, native: bool = True, policy: str = "lru") -> None:
         capacity, num_layers = operator.index(capacity), operator.index(num_layers)
+        if policy not in POLICIES:
+            raise ValueError(f"policy = {policy!r} must be one of {', '.join(POLICIES)}")
         if not 1 <= capacity <= 2**30:
             raise ValueError(f"capacity = {capacity} must be in [1, 2**30]")
         if num_layers < 1:
@@ -83,8 +103,10 @@ class HotCache:
         self.capacity = capacity
         self.num_layers = num_layers
         self.native = native
+        self.policy = policy
         self._lock = threading.Lock()  # guards the request-id map and the counters, not the work
-        self._impl = _Native(capacity, num_layers, self._lock) if native else _Reference(capacity, num_layers, self._lock)
+        impl = _Native if native else _Reference
+        self._impl = impl(capacity, num_layers, self._lock, policy == "slru")
         self._steps = self._hits = self._misses = self._entries = 0
 
     def resolve(
@@ -146,6 +168,7 @@ class HotCache:
         total = self._hits + self._misses
         return {
             "native": self.native,
+            "policy": self.policy,
             "capacity": self.capacity,
             "num_layers": self.num_layers,
             "requests": len(self._impl.requests),
@@ -183,10 +206,10 @@ def _stable_list(stable_lens: Sequence[int] | torch.Tensor, rows: int) -> list[i
 class _Native:
     """C++/OpenMP path: state lives in kvcore._native_hotcache, addressed by integer handles."""
 
-    def __init__(self, capacity: int, num_layers: int, lock: threading.Lock) -> None:
+    def __init__(self, capacity: int, num_layers: int, lock: threading.Lock, slru: bool) -> None:
         from kvcore import _native_hotcache
 
-        self._cache = _native_hotcache.Cache(capacity, num_layers)
+        self._cache = _native_hotcache.Cache(capacity, num_layers, int(slru))
         self._lock = lock
         self.requests: dict[str, int] = {}  # request id -> native handle
 
@@ -228,27 +251,36 @@ class _Native:
 class _LayerState:
     """Reference state of one (request, layer)."""
 
-    __slots__ = ("slot_token", "token_slot", "lru", "resident_bound")
+    __slots__ = ("slot_token", "token_slot", "probation", "protected", "resident_bound")
 
     def __init__(self, capacity: int) -> None:
         self.slot_token = [-1] * capacity  # slot -> token, -1 = empty
         self.token_slot: dict[int, int] = {}
-        self.lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(capacity))  # first = least recent
+        self.probation: OrderedDict[int, None] = OrderedDict.fromkeys(range(capacity))  # first = least recent
+        self.protected: OrderedDict[int, None] = OrderedDict()
         self.resident_bound = 0  # every resident token < resident_bound
+
+    def move(self, slot: int, to: OrderedDict[int, None], *, last: bool = True) -> None:
+        """``slot`` to one end of list ``to`` (out of whichever list held it)."""
+        self.probation.pop(slot, None)
+        self.protected.pop(slot, None)
+        to[slot] = None
+        to.move_to_end(slot, last=last)
 
     def empty(self, slot: int) -> None:
         del self.token_slot[self.slot_token[slot]]
         self.slot_token[slot] = -1
-        self.lru.move_to_end(slot, last=False)
+        self.move(slot, self.probation, last=False)
 
 
 class _Reference:
     """Straightforward Python path: the executable form of the module docstring."""
 
-    def __init__(self, capacity: int, num_layers: int, lock: threading.Lock) -> None:
+    def __init__(self, capacity: int, num_layers: int, lock: threading.Lock, slru: bool) -> None:
         self.capacity = capacity
         self.num_layers = num_layers
         self._lock = lock
+        self.slru = slru
         self.requests: dict[str, list[_LayerState | None]] = {}
 
     def resolve(self, layer: int, ids: list[str], topk: torch.Tensor, stable: list[int]) -> Resolution:
@@ -272,7 +304,7 @@ class _Reference:
         for r, rid in enumerate(ids):
             layers = self.requests.setdefault(rid, [None] * self.num_layers)
             st = layers[layer] = layers[layer] or _LayerState(self.capacity)
-            hits += self._step(st, table[r], lens[r], r, slots[r], misses)
+            hits += self._step(st, table[r], lens[r], r, slots[r], misses, self.slru)
         return Resolution(
             slots=torch.tensor(slots, dtype=torch.int32).reshape(rows, k),
             miss_rows=torch.tensor([m[0] for m in misses], dtype=torch.int32),
@@ -284,18 +316,19 @@ class _Reference:
 
     @staticmethod
     def _step(st: _LayerState, toks: list[int], stable: int, row: int, out: list[int],
-              misses: list[tuple[int, int, int]]) -> int:
+              misses: list[tuple[int, int, int]], slru: bool) -> int:
         if stable < st.resident_bound:  # (1) drop tokens >= stable
             for s, t in enumerate(st.slot_token):
                 if t >= stable:
                     st.empty(s)
         touched: set[int] = set()
+        hit_list = st.protected if slru else st.probation
         for j, t in enumerate(toks):  # (2) hits
             s = st.token_slot.get(t, -1) if t >= 0 else -1
             out[j] = s
             if s >= 0 and s not in touched:
                 touched.add(s)
-                st.lru.move_to_end(s)
+                st.move(s, hit_list)
         hits = len(touched)
         spec = []
         for j, t in enumerate(toks):  # (3) misses
@@ -303,12 +336,15 @@ class _Reference:
                 continue
             s = st.token_slot.get(t, -1)
             if s < 0:
-                s = next(iter(st.lru))
+                s = next(iter(st.probation), -1)
+                if s < 0 or s in touched:  # (only "slru" can get here)
+                    s = next(iter(st.protected))
                 if st.slot_token[s] >= 0:
                     del st.token_slot[st.slot_token[s]]
                 st.slot_token[s] = t
                 st.token_slot[t] = s
-                st.lru.move_to_end(s)
+                st.move(s, st.probation)
+                touched.add(s)
                 misses.append((row, t, s))
                 if t >= stable:
                     spec.append(s)

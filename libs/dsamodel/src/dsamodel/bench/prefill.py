@@ -1,9 +1,27 @@
-"""Prefill bench: layerwise buffer reuse (B=3 + independent [0]) vs no reuse ("all"), tiny model.
+"""Prefill bench: layerwise buffer reuse (B=3 + independent [0]) vs no reuse ("all"), deep tiny model.
+
+The model is the tiny preset deepened to ``num_hidden_layers`` = 27 decoder layers + 1 MTP layer:
+N = 28 cache layers of one spec. With reuse, layer 0 keeps its own buffer (I = 1) and the other 27
+layers share B = 3 buffers, 9 layers per buffer, so every shared buffer is handed from layer to
+layer 8 times per chunk (each hand-over waits for the previous occupant's save): the device holds
+(I + B) / N = 4/28 ≈ 0.143 of the KV the no-reuse engine holds (one buffer per layer). The tiny
+preset's 4 + 1 layers on 4 buffers (ratio 0.8) shared almost nothing and so said nothing about
+reuse under pressure.
 
 Both engines prefill the same prompt, alternating, several times; ``time_ratio`` = median reuse
 time / median no-reuse time (goal <= 1.10: with loads and saves overlapping compute, reuse costs
 little time) and ``device_kv_ratio`` = peak device KV bytes with reuse / without, measured by the
-counting allocator (goal: (I + B) / N within 1%).
+counting allocator (goal: (I + B) / N within 1%). The JSON reports the layer counts and buffer
+numbers (``num_hidden_layers``, ``num_logical_layers`` = N, ``num_independent`` = I,
+``num_shared_buffers`` = B, ``num_buffers`` = I + B, ``layers_per_shared_buffer``).
+
+``prompt_tokens`` is 4096, not the 8192 of the 5-layer model: the deep model computes 28 layers
+instead of 5. On the shared 2-core machine one 4096-token prefill of it took 30-45 s (about 1-1.6 s
+per layer), while the 5-layer model spent 2.5-3 s per layer at 8192 tokens (the indexer scores
+every query against every earlier key, so the cost grows faster than the prompt): at 8192 tokens
+one deep prefill would take 70-90 s and a run's 8 prefills (2 warm-ups + 2 x 3 repetitions) over
+ten minutes. ``chunk_size`` 1024 keeps the 4 chunks per prompt that 8192 / 2048 gave, so each
+layer still loads its growing prefix back into its buffer 3 times per prompt.
 """
 
 from __future__ import annotations
@@ -18,14 +36,15 @@ from dsamodel.presets import tiny_model
 GOAL_TIME_RATIO = 1.10
 
 
-def run(*, prompt_tokens: int = 8192, chunk_size: int = 2048, block_size: int = 64, buffers: int = 3,
-        reps: int = 3, dtype: str = "bfloat16", seed: int = 0) -> dict:
+def run(*, prompt_tokens: int = 4096, chunk_size: int = 1024, block_size: int = 64, num_hidden_layers: int = 27,
+        buffers: int = 3, independent: tuple[int, ...] = (0,), reps: int = 3, dtype: str = "bfloat16",
+        seed: int = 0) -> dict:
     quiet_logs()
-    model = tiny_model(seed=seed, dtype="float32").to(getattr(torch, dtype))
+    model = tiny_model(seed=seed, dtype="float32", num_hidden_layers=num_hidden_layers).to(getattr(torch, dtype))
     prompt = torch.randint(0, 256, (prompt_tokens,), generator=torch.Generator().manual_seed(seed))
     n = len(model.cache_layers)
     engines, pools = {}, []
-    for name, b, indep in (("reuse", buffers, [0]), ("no_reuse", None, "all")):
+    for name, b, indep in (("reuse", buffers, list(independent)), ("no_reuse", None, "all")):
         pool = build.prefill_pool(model, block_size, 4 * prompt_tokens * _token_bytes(model) + (64 << 20))
         pools.append(pool)
         engines[name] = build.prefill_engine(model, pool, buffers=b, independent=indep, chunk_size=chunk_size,
@@ -49,11 +68,18 @@ def run(*, prompt_tokens: int = 8192, chunk_size: int = 2048, block_size: int = 
         dev = {name: e.allocator.stats().peak_by_tag for name, e in engines.items()}
         bytes_of = {name: sum(v for k, v in d.items() if k.startswith("prefill.")) for name, d in dev.items()}
         plan = engines["reuse"].plan
+        num_independent = len(plan.independent_layers)
+        shared_slots = [s for s in plan.slots if not (len(s) == 1 and s[0] in plan.independent_layers)]
         expected = plan.num_buffers / n
         device_kv_ratio = bytes_of["reuse"] / bytes_of["no_reuse"]
         return {
             "bench": "prefill", "prompt_tokens": prompt_tokens, "chunk_size": chunk_size, "block_size": block_size,
-            "num_logical_layers": n, "num_buffers": plan.num_buffers, "dtype": dtype,
+            "num_hidden_layers": model.config.num_hidden_layers,
+            "num_mtp_layers": model.config.num_nextn_predict_layers,
+            "num_logical_layers": n, "num_independent": num_independent,
+            "independent_layers": sorted(plan.independent_layers),
+            "num_shared_buffers": len(shared_slots), "num_buffers": plan.num_buffers,
+            "layers_per_shared_buffer": [len(s) for s in shared_slots], "dtype": dtype,
             "reuse_s": t["reuse"], "no_reuse_s": t["no_reuse"],
             "time_ratio": t["reuse"] / t["no_reuse"],
             "device_kv_bytes": bytes_of["reuse"], "device_kv_bytes_no_reuse": bytes_of["no_reuse"],

@@ -1,25 +1,33 @@
-"""Hot-cache bench: native ``HotCache.resolve`` vs the best vectorized torch code of the same
-semantics, and vs the Python reference, on synthetic top-k traces.
+"""Hot-cache bench: hit rates of the policies against Belady's optimum on top-k traces, the
+per-layer sizing the traces support, and the native path's cost against vectorized torch and the
+Python reference.
 
-Per case (one adjacent-step overlap): every row draws its first top-k uniformly from ``context``
-tokens; each later step keeps ``overlap`` of the previous top-k and draws the rest fresh from the
-tokens not in it, in shuffled order. Three paths resolve the same trace (``warmup`` untimed steps
-first): the native C++/OpenMP path, ``TorchHotCache`` (``kvcore.bench.hotcache_torch``: whole-tensor
-torch ops over all rows and entries, no Python loop over rows or tokens, proven equal to the
-reference by a property test) and the Python reference. Torch runs at 1 intra-op thread and at
-the process's count (``torch_threads_tried``), alternating from step to step; the faster median
-counts (``torch_threads``), both are reported. Step by step the native and torch paths are timed
-back to back, in turn first, then the reference (only on its first ``reference_steps`` steps,
-it is slow).
-``outputs_equal`` (per case): native == reference on every step the reference ran;
-``torch_outputs_equal``: torch == reference on those steps and torch == native on every step; the
-top-level ``outputs_equal`` is all of them. Medians give seconds per step, and
-``entries_per_s = rows * topk / native seconds``.
+Traces (``kvcore.traces``): the synthetic presets ``overlap80/90/95`` (k = 2048, context 32K)
+and, where recorded, ``smollm2`` (a real model's attention: ``kvoffload trace record smollm2``;
+``kvoffload bench hotcache`` records it first when it is missing).
 
-Goals: ``speedup = min(reference / native) >= 10`` (the C++ against plain Python),
-``speedup_vs_torch = min(torch / native) >= 1`` (the C++ is not slower than the best torch code
-of the same semantics: the baseline that says whether the native extension earns its keep) and
-``entries_per_s = min(...) >= 1e8``.
+- ``traces``: each trace's measured locality (adjacent overlap, what the last 12 / 16 steps add,
+  how far back the returning entries were) — the synthetic presets next to the real trace.
+- ``hit_rates``: per trace and capacity ``C = m * k`` for ``m`` in ``sizes``, the hit rate of each
+  policy (``kvcore.hotcache.POLICIES``, native path, every stream of the trace one request) and
+  of Belady's optimum (``kvcore.belady``, offline), and each policy's ratio to it. Each policy's
+  native outputs are checked against its Python reference on the first ``reference_steps`` steps
+  of every trace (``policy_outputs_equal``).
+- ``layer_sizing``: the default policy's per-layer hit-rate curves (capacities k..4k) and the
+  device budget of today's uniform buffers (``layers * 2k`` slots): sized per layer
+  (``kvcore.hotsizing``) at the same budget, the H2D rows per step against uniform
+  (``h2d_ratio_equal_device``), and the smallest budget (in steps of 5 %) whose per-layer sizing
+  moves no more rows than uniform (``device_ratio_equal_h2d``).
+- ``timing``: per preset (``rows`` requests of one layer), native vs ``TorchHotCache``
+  (``kvcore.bench.hotcache_torch``: whole-tensor torch ops of the same semantics, proven equal by
+  a property test; timed at 1 intra-op thread and at the process's count, alternating, the faster
+  counts) vs the Python reference (first ``reference_steps`` steps), back to back step by step;
+  and the native cost per (request, layer, step) on one core (``cost_us``: one thread, median
+  call time / rows). ``outputs_equal``: native == reference == torch wherever both ran.
+
+Goals: ``policy_vs_belady`` — the default policy's hit rate >= 0.95 x Belady's at C = 2k on every
+synthetic preset; ``cost_us`` <= 10 for k = 2048; and as before ``speedup`` (reference / native
+>= 10), ``speedup_vs_torch`` (torch / native >= 1), ``entries_per_s`` (>= 1e8).
 """
 
 from __future__ import annotations
@@ -29,124 +37,241 @@ import time
 
 import torch
 
+from kvcore import belady, hotsizing
 from kvcore.bench.hotcache_torch import TorchHotCache
 from kvcore.bench.load import OtherLoad
-from kvcore.hotcache import HotCache, Resolution, max_threads
+from kvcore.hotcache import POLICIES, HotCache, Resolution, max_threads
+from kvcore.traces import PRESETS, Trace, named
+from kvcore.traces.measure import locality
 
+GOAL_POLICY_VS_BELADY = 0.95
+GOAL_COST_US = 10.0
 GOAL_SPEEDUP = 10.0
 GOAL_SPEEDUP_VS_TORCH = 1.0
 GOAL_ENTRIES_PER_S = 1e8
+DEFAULT_POLICY = "lru"
+CURVE = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0)  # capacities of the per-layer curves, x k
 
 
 def run(
     *,
+    traces: tuple[str, ...] = ("overlap80", "overlap90", "overlap95", "smollm2"),
+    trace: str | None = None,
+    sizes: tuple[float, ...] = (1.0, 1.5, 2.0, 4.0),
     rows: int = 8,
-    topk: int = 2048,
-    capacity: int = 4096,
-    context: int = 32768,
-    overlaps: tuple[float, ...] = (0.6, 0.9, 0.98),
     steps: int = 100,
     reference_steps: int = 5,
     warmup: int = 3,
-    seed: int = 0,
+    synthetic: dict | None = None,
 ) -> dict:
-    """Runs every case; returns the JSON-ready result (see module docstring)."""
-    if topk > min(capacity, context):
-        raise ValueError(f"topk = {topk} exceeds min(capacity, context) = {min(capacity, context)}")
-    gen = torch.Generator().manual_seed(seed)
+    """Runs every part; returns the JSON-ready result (module docstring). ``trace`` replaces
+    ``traces`` by one name; ``synthetic`` overrides the presets' parameters (tests use small ones)."""
+    names = (trace,) if trace else traces
     others = OtherLoad()
-    cases = [_case(rows, topk, capacity, context, ov, steps, min(reference_steps, steps), warmup, gen) for ov in overlaps]
-    speedup = min(c["speedup"] for c in cases)
-    vs_torch = min(c["speedup_vs_torch"] for c in cases)
-    entries = min(c["entries_per_s"] for c in cases)
-    return {
+    loaded = {n: named(n, **(synthetic or {})) if n in PRESETS else named(n) for n in names}
+    out_traces, hit_rates, sizing, equal_policies = {}, {}, {}, True
+    for n, tr in loaded.items():
+        out_traces[n] = _locality(tr)
+        hit_rates[n], eq = _hit_rates(tr, sizes, reference_steps)
+        equal_policies &= eq
+        sizing[n] = _layer_sizing(tr)
+    timing = [_timing(p, rows, steps, reference_steps, warmup, synthetic) for p in names if p in PRESETS]
+    at_2k = {n: hr[_key(2.0)][f"{DEFAULT_POLICY}_vs_belady"] for n, hr in hit_rates.items() if _key(2.0) in hr}
+    presets_2k = [v for n, v in at_2k.items() if n in PRESETS]
+    policy_ok = bool(presets_2k) and min(presets_2k) >= GOAL_POLICY_VS_BELADY
+    result = {
         "bench": "hotcache",
+        "default_policy": DEFAULT_POLICY,
+        "policies": list(POLICIES),
         "threads": max_threads(),
-        "torch_threads_tried": sorted({1, torch.get_num_threads()}),
-        "rows": rows,
-        "topk": topk,
-        "capacity": capacity,
-        "context": context,
-        "speedup": speedup,
-        "speedup_vs_torch": vs_torch,
-        "entries_per_s": entries,
-        "outputs_equal": all(c["outputs_equal"] and c["torch_outputs_equal"] for c in cases),
-        "goals": {
-            "speedup": GOAL_SPEEDUP,
-            "speedup_vs_torch": GOAL_SPEEDUP_VS_TORCH,
-            "entries_per_s": GOAL_ENTRIES_PER_S,
-        },
-        "cpu_used_by_others": others.fraction(),
-        "goals_met": {
-            "speedup": speedup >= GOAL_SPEEDUP,
-            "speedup_vs_torch": vs_torch >= GOAL_SPEEDUP_VS_TORCH,
-            "entries_per_s": entries >= GOAL_ENTRIES_PER_S,
-        },
-        "cases": cases,
+        "traces": out_traces,
+        "hit_rates": hit_rates,
+        "policy_vs_belady_at_2k": at_2k,
+        "policy_outputs_equal": equal_policies,
+        "layer_sizing": sizing,
+    }
+    goals = {"policy_vs_belady": GOAL_POLICY_VS_BELADY}
+    met = {"policy_vs_belady": policy_ok}
+    if timing:
+        cost = max(c["cost_us"] for c in timing)
+        speedup = min(c["speedup"] for c in timing)
+        vs_torch = min(c["speedup_vs_torch"] for c in timing)
+        entries = min(c["entries_per_s"] for c in timing)
+        result |= {"cost_us": cost, "speedup": speedup, "speedup_vs_torch": vs_torch, "entries_per_s": entries,
+                   "torch_threads_tried": sorted({1, torch.get_num_threads()}), "timing": timing}
+        goals |= {"cost_us": GOAL_COST_US, "speedup": GOAL_SPEEDUP, "speedup_vs_torch": GOAL_SPEEDUP_VS_TORCH,
+                  "entries_per_s": GOAL_ENTRIES_PER_S}
+        met |= {"cost_us": cost <= GOAL_COST_US, "speedup": speedup >= GOAL_SPEEDUP,
+                "speedup_vs_torch": vs_torch >= GOAL_SPEEDUP_VS_TORCH, "entries_per_s": entries >= GOAL_ENTRIES_PER_S}
+    result["outputs_equal"] = equal_policies and all(c["outputs_equal"] and c["torch_outputs_equal"] for c in timing)
+    result |= {"goals": goals, "goals_met": met, "cpu_used_by_others": others.fraction()}
+    return result
+
+
+def _key(m: float) -> str:
+    return f"{m:g}k"
+
+
+def _locality(tr: Trace) -> dict:
+    loc = locality(tr)
+    by_layer = loc.pop("overlap_by_layer")
+    return {"kind": tr.meta.get("kind", "unknown"), "streams": tr.streams, "steps": tr.steps, "k": tr.k,
+            "context0": int(tr.context0.min()), **loc,
+            "overlap_by_layer_min": min(by_layer), "overlap_by_layer_max": max(by_layer)}
+
+
+def simulate(tr: Trace, capacity: int, policy: str = DEFAULT_POLICY, *, native: bool = True,
+             steps: int | None = None) -> tuple[HotCache, list[Resolution]]:
+    """Every stream of ``tr`` one request of one layer, resolved step by step (stable length =
+    the step's context): the cache (its stats) and the per-step resolutions."""
+    cache = HotCache(capacity, 1, native=native, policy=policy)
+    ids = [str(s) for s in range(tr.streams)]
+    out = []
+    for t in range(tr.steps if steps is None else min(steps, tr.steps)):
+        out.append(cache.resolve(0, ids, tr.topk[:, t].contiguous(), tr.context(t)))
+    return cache, out
+
+
+def _stream_hits(tr: Trace, capacity: int, policy: str) -> torch.Tensor:
+    """[streams] hits of ``policy`` per stream."""
+    cache = HotCache(capacity, 1, policy=policy)
+    ids = [str(s) for s in range(tr.streams)]
+    hits = torch.zeros(tr.streams, dtype=torch.int64)
+    for t in range(tr.steps):
+        topk = tr.topk[:, t].contiguous()
+        res = cache.resolve(0, ids, topk, tr.context(t))
+        unique = _unique_per_row(topk)  # [streams]
+        missed = torch.bincount(res.miss_rows.long(), minlength=tr.streams)
+        hits += unique - missed
+    return hits
+
+
+def _unique_per_row(topk: torch.Tensor) -> torch.Tensor:
+    s = topk.sort(dim=1).values  # [R, k]
+    new = torch.ones_like(s, dtype=torch.bool)
+    new[:, 1:] = s[:, 1:] != s[:, :-1]
+    return (new & (s >= 0)).sum(1)
+
+
+def _hit_rates(tr: Trace, sizes, reference_steps: int) -> tuple[dict, bool]:
+    out, equal = {}, True
+    for m in sizes:
+        cap = max(int(round(m * tr.k)), tr.k)
+        b = belady.hit_rate(tr, cap)
+        row = {"capacity": cap, "belady": b["hit_rate"]}
+        for policy in POLICIES:
+            cache, _ = simulate(tr, cap, policy)
+            h = cache.stats()["hit_rate"]
+            row[policy] = h
+            row[f"{policy}_vs_belady"] = h / b["hit_rate"] if b["hit_rate"] else 1.0
+        out[_key(m)] = row
+    for policy in POLICIES:  # native == reference on the first steps, at C = 2k
+        cap = 2 * tr.k
+        _, nat = simulate(tr, cap, policy, steps=reference_steps)
+        _, ref = simulate(tr, cap, policy, native=False, steps=reference_steps)
+        equal &= len(nat) == len(ref) and all(_same(a, b) for a, b in zip(nat, ref))
+    return out, equal
+
+
+def _layer_sizing(tr: Trace) -> dict:
+    layers = sorted(set(tr.layers.tolist()))
+    caps = [max(int(round(m * tr.k)), tr.k) for m in CURVE]
+    per_stream = {c: _stream_hits(tr, c, DEFAULT_POLICY) for c in caps}  # [streams] each
+    curves = {layer: [(c, int(per_stream[c][tr.layers == layer].sum())) for c in caps] for layer in layers}
+    uniform_cap = 2 * tr.k
+    budget = uniform_cap * len(layers)
+    uniform = {layer: uniform_cap for layer in layers}
+    total = int(sum(_unique_per_row(tr.topk[:, t]).sum() for t in range(tr.steps)))  # unique selections
+    uniform_miss = total - hotsizing.hits_at(curves, uniform)
+    sized = hotsizing.size_layers(curves, budget)
+    sized_miss = total - hotsizing.hits_at(curves, sized)
+    smallest = None
+    for pct in range(50, 101, 5):  # the smallest budget that moves no more rows than uniform
+        b = budget * pct // 100
+        if b < tr.k * len(layers):
+            continue
+        if total - hotsizing.hits_at(curves, hotsizing.size_layers(curves, b)) <= uniform_miss:
+            smallest = pct / 100
+            break
+    return {
+        "capacities": caps,
+        "budget_slots": budget,
+        "uniform_capacity": uniform_cap,
+        "sized_capacity_by_layer": {str(layer): c for layer, c in sized.items()},
+        "h2d_rows_per_step_uniform": uniform_miss / tr.steps,
+        "h2d_rows_per_step_sized": sized_miss / tr.steps,
+        "h2d_ratio_equal_device": sized_miss / uniform_miss if uniform_miss else 1.0,
+        "device_ratio_equal_h2d": smallest,
+        "hit_rate_curves": {str(layer): [round(h / max(total_l, 1), 5) for _, h in pts]
+                            for layer, pts in curves.items()
+                            for total_l in [int(sum(_unique_per_row(tr.topk[tr.layers == layer][:, t]).sum()
+                                                    for t in range(tr.steps)))]},
     }
 
 
-def trace(rows: int, topk: int, context: int, overlap: float, steps: int, gen: torch.Generator) -> list[torch.Tensor]:
-    """``steps`` top-k tensors [rows, topk] int64 with adjacent-step overlap ``overlap``."""
-    n_keep = round(overlap * topk)
-    cur = torch.rand(rows, context, generator=gen).topk(topk, dim=1).indices  # [rows, topk]
-    out = [cur]
-    for _ in range(steps - 1):
-        keep_pos = torch.rand(rows, topk, generator=gen).argsort(dim=1)[:, :n_keep]  # [rows, n_keep]
-        kept = cur.gather(1, keep_pos)
-        scores = torch.rand(rows, context, generator=gen).scatter_(1, cur, -1.0)  # exclude previous top-k
-        fresh = scores.topk(topk - n_keep, dim=1).indices  # [rows, topk - n_keep]
-        nxt = torch.cat([kept, fresh], dim=1)
-        cur = nxt.gather(1, torch.rand(rows, topk, generator=gen).argsort(dim=1))  # shuffled order
-        out.append(cur)
-    return out
-
-
-def _case(rows, topk, capacity, context, overlap, steps, reference_steps, warmup, gen) -> dict:
-    tr = trace(rows, topk, context, overlap, warmup + steps, gen)
+def _timing(preset_name: str, rows: int, steps: int, reference_steps: int, warmup: int, synthetic) -> dict:
+    params = dict(synthetic or {}) | {"requests": rows, "layers": 1, "steps": warmup + steps}
+    tr = named(preset_name, **params)
+    topk, capacity = tr.k, 2 * tr.k
     ids = [f"req-{r}" for r in range(rows)]
-    stable = [context] * rows
     threads = sorted({1, torch.get_num_threads()})  # torch's intra-op threads, alternating by step
     native, vec = HotCache(capacity, 1, native=True), TorchHotCache(capacity, 1)
     ref = HotCache(capacity, 1, native=False)
+    one_core = HotCache(capacity, 1, native=True)
     equal = torch_equal = True
+    step = [tr.topk[:, t].contiguous() for t in range(tr.steps)]
     for t in range(warmup):
-        rres = ref.resolve(0, ids, tr[t], stable)
-        equal &= _same(native.resolve(0, ids, tr[t], stable), rres)
-        torch_equal &= _same(vec.resolve(0, ids, tr[t], stable), rres)
-    times: dict[str, list[float]] = {name: [] for name in ["native", *(f"torch{n}" for n in threads), "reference"]}
+        stable = tr.context(t)
+        rres = ref.resolve(0, ids, step[t], stable)
+        equal &= _same(native.resolve(0, ids, step[t], stable), rres)
+        torch_equal &= _same(vec.resolve(0, ids, step[t], stable), rres)
+        one_core.resolve(0, ids, step[t], stable)
+    times: dict[str, list[float]] = {name: [] for name in ["native", "one_core", *(f"torch{n}" for n in threads), "reference"]}
     hits = misses = 0
+    before = torch.get_num_threads()
     for t in range(warmup, warmup + steps):
+        stable = tr.context(t)
         vec.threads = threads[t % len(threads)]
         paths = [("native", native), (f"torch{vec.threads}", vec)]
         out = {}
         for name, path in paths if (t // len(threads)) % 2 == 0 else paths[::-1]:  # back to back, in turn first
             t0 = time.perf_counter()
-            out[name] = path.resolve(0, ids, tr[t], stable)
+            out[name] = path.resolve(0, ids, step[t], stable)
             times[name].append(time.perf_counter() - t0)
+        torch.set_num_threads(1)  # one core: OpenMP in this process (the native path's threads) = 1
+        try:
+            t0 = time.perf_counter()
+            single = one_core.resolve(0, ids, step[t], stable)
+            times["one_core"].append(time.perf_counter() - t0)
+        finally:
+            torch.set_num_threads(before)
         res, tres = out["native"], out[f"torch{vec.threads}"]
         torch_equal &= _same(tres, res)
+        equal &= _same(single, res)
         hits, misses = hits + res.num_hits, misses + res.num_misses
         if t - warmup < reference_steps:
             t0 = time.perf_counter()
-            rres = ref.resolve(0, ids, tr[t], stable)
+            rres = ref.resolve(0, ids, step[t], stable)
             times["reference"].append(time.perf_counter() - t0)
             equal &= _same(res, rres)
             torch_equal &= _same(tres, rres)
     med = {name: statistics.median(ts) for name, ts in times.items() if ts}
     threads = [n for n in threads if f"torch{n}" in med]  # (a single step times one count only)
-    by_threads = {str(n): med[f"torch{n}"] for n in threads}
     best = min(threads, key=lambda n: med[f"torch{n}"])
     native_s, torch_s, ref_s = med["native"], med[f"torch{best}"], med["reference"]
     return {
-        "overlap": overlap,
+        "trace": preset_name,
+        "rows": rows,
+        "topk": topk,
+        "capacity": capacity,
         "steps": steps,
         "reference_steps": reference_steps,
         "native_s_per_step": native_s,
         "torch_s_per_step": torch_s,
         "torch_threads": best,
-        "torch_s_per_step_by_threads": by_threads,
+        "torch_s_per_step_by_threads": {str(n): med[f"torch{n}"] for n in threads},
         "reference_s_per_step": ref_s,
+        "cost_us": med["one_core"] / rows * 1e6,
         "speedup": ref_s / native_s,
         "speedup_vs_torch": torch_s / native_s,
         "entries_per_s": rows * topk / native_s,
@@ -162,5 +287,3 @@ def _same(a: Resolution, b: Resolution) -> bool:
         and a.num_misses == b.num_misses
         and all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("slots", "miss_rows", "miss_tokens", "miss_slots"))
     )
-
-

@@ -1,8 +1,10 @@
-// kvcore._native_hotcache: per-(request, layer) hot top-k residency with exact LRU, C++/OpenMP.
+// kvcore._native_hotcache: per-(request, layer) hot top-k residency (exact LRU or segmented LRU),
+// C++/OpenMP.
 //
 // The semantics are defined in kvcore/hotcache.py's module docstring and mirrored line by line by
 // its Python reference; tests require identical outputs. This file owns only the fast path:
-//   Cache(capacity, num_layers)   native state of one HotCache; requests are integer handles.
+//   Cache(capacity, num_layers, policy)   native state of one HotCache (policy 0 = "lru",
+//                                 1 = "slru"); requests are integer handles.
 //   alloc() -> handle, free(handle), residency(handle, layer) -> [(token, slot)]
 //   resolve(layer, handles, topk_ptr, k, topk_is_int64, stable_lens, slots_ptr, miss_rows_ptr,
 //           miss_tokens_ptr, miss_slots_ptr) -> (num_hits, num_misses)
@@ -37,8 +39,11 @@ namespace {
 // Largest accepted token index: the token->slot map is a dense int32 array indexed by token.
 constexpr int64_t kMaxToken = 2147483646;  // INT32_MAX - 1
 
-// State of one (request, layer): `capacity` slots as nodes of a circular doubly-linked LRU list
-// with a sentinel node at index `capacity` (next of sentinel = least recent, prev = most recent).
+// State of one (request, layer): `capacity` slots as nodes of two circular doubly-linked LRU lists,
+// the probation list with its sentinel node at index `capacity` and the protected list with its
+// sentinel at `capacity + 1` (next of a sentinel = least recent, prev = most recent). Misses and
+// empty slots live in probation; hits move to protected under "slru" and to probation under
+// "lru" (so "lru" is one list). Unlinking needs no list id: prev/next stay within a list.
 // A node packs everything a hit or a miss touches into 16 bytes (4 per cache line).
 struct Node {
   int32_t prev, next;
@@ -47,10 +52,11 @@ struct Node {
 };
 
 struct LayerState {
-  explicit LayerState(int32_t capacity) : cap(capacity), nodes(capacity + 1) {
-    // New state: from least recent 0, 1, ..., capacity-1.
+  explicit LayerState(int32_t capacity) : cap(capacity), nodes(capacity + 2) {
+    // New state: probation from least recent 0, 1, ..., capacity-1; protected empty.
     for (int32_t i = 0; i <= cap; ++i)
       nodes[i] = Node{(i + cap) % (cap + 1), (i + 1) % (cap + 1), -1, 0};
+    nodes[cap + 1] = Node{cap + 1, cap + 1, -1, 0};
   }
 
   void unlink(Node* n, int32_t s) {
@@ -95,7 +101,7 @@ struct LayerState {
   }
 
   int32_t cap;
-  std::vector<Node> nodes;          // [cap + 1], sentinel = cap
+  std::vector<Node> nodes;          // [cap + 2], sentinels: cap (probation), cap + 1 (protected)
   uint32_t epoch = 0;
   std::vector<int32_t> token_slot;  // dense token -> slot, -1 = absent
   int64_t resident_bound = 0;       // every resident token < resident_bound
@@ -141,16 +147,17 @@ constexpr int64_t kPrefetch = 16;  // top-k positions looked up ahead
 constexpr int64_t kWalkAhead = 8;  // LRU victims prefetched ahead
 constexpr int64_t kParallelEntries = 4096;  // fewer top-k entries per call: one thread
 
-// LRU moves on raw node pointers (locals keep the compiler from reloading vector internals).
-inline void move_to_most_recent(Node* __restrict n, int32_t cap, int32_t s) {
+// LRU moves on raw node pointers (locals keep the compiler from reloading vector internals):
+// `s` moves to the most-recent end of the list whose sentinel is `list`.
+inline void move_to_most_recent(Node* __restrict n, int32_t list, int32_t s) {
   const int32_t p = n[s].prev, q = n[s].next;
   n[p].next = q;
   n[q].prev = p;
-  const int32_t last = n[cap].prev;
+  const int32_t last = n[list].prev;
   n[last].next = s;
   n[s].prev = last;
-  n[s].next = cap;
-  n[cap].prev = s;
+  n[s].next = list;
+  n[list].prev = s;
 }
 
 // One step of one row; semantics in kvcore/hotcache.py. Returns (hits, misses); misses are
@@ -162,8 +169,10 @@ std::pair<int64_t, int64_t> resolve_row(LayerState& st, const T* __restrict topk
                                         int32_t* __restrict miss_rows,
                                         int64_t* __restrict miss_tokens,
                                         int32_t* __restrict miss_slots, int32_t* __restrict hit_pos,
-                                        int32_t* __restrict miss_pos, std::vector<int32_t>& spec) {
+                                        int32_t* __restrict miss_pos, std::vector<int32_t>& spec,
+                                        bool slru) {
   const int32_t cap = st.cap;
+  const int32_t hit_list = slru ? cap + 1 : cap;
   // (1) Drop tokens >= stable (only possible when the stable length shrank).
   if (stable < st.resident_bound) {
     for (int32_t s = 0; s < cap; ++s)
@@ -199,7 +208,7 @@ std::pair<int64_t, int64_t> resolve_row(LayerState& st, const T* __restrict topk
     const int32_t s = slots[hit_pos[i]];
     if (nd[s].epoch != ep) {
       nd[s].epoch = ep;
-      move_to_most_recent(nd, cap, s);
+      move_to_most_recent(nd, hit_list, s);
       ++hits;
     }
   }
@@ -221,13 +230,17 @@ std::pair<int64_t, int64_t> resolve_row(LayerState& st, const T* __restrict topk
         ahead = nd[ahead].next;
         __builtin_prefetch(nd + ahead, 1);
       }
-      s = nd[cap].next;  // least recent; never selected in this step since unique tokens <= cap
+      // The least-recent probation slot; under "slru", when it is the sentinel or selected in this
+      // step (then every probation slot is: selected ones sit at its most-recent end), the
+      // least-recent protected slot, which then is not selected (unique tokens <= cap).
+      s = nd[cap].next;
+      if (slru && (s == cap || nd[s].epoch == ep)) s = nd[cap + 1].next;
       const int32_t old = nd[s].token;
       if (old >= 0) ts[old] = -1;
       nd[s].token = static_cast<int32_t>(t);
       nd[s].epoch = ep;
       ts[t] = s;
-      move_to_most_recent(nd, cap, s);
+      move_to_most_recent(nd, cap, s);  // misses enter probation
       miss_rows[misses] = row;
       miss_tokens[misses] = t;
       miss_slots[misses] = s;
@@ -247,7 +260,10 @@ std::pair<int64_t, int64_t> resolve_row(LayerState& st, const T* __restrict topk
 
 class Cache {
  public:
-  Cache(int64_t capacity, int64_t num_layers) : cap_(capacity), num_layers_(num_layers) {
+  Cache(int64_t capacity, int64_t num_layers, int64_t policy)
+      : cap_(capacity), num_layers_(num_layers), slru_(policy == 1) {
+    if (policy != 0 && policy != 1)
+      throw py::value_error("policy = " + std::to_string(policy) + " must be 0 (lru) or 1 (slru)");
     if (capacity <= 0 || capacity > (1 << 30))
       throw py::value_error("capacity = " + std::to_string(capacity) + " must be in [1, 2**30]");
     if (num_layers <= 0)
@@ -371,7 +387,7 @@ class Cache {
       auto hm = resolve_row<T>(*states[r], topk + r * k, k, stable[r], static_cast<int32_t>(r),
                                slots + r * k, miss_rows + r * k, miss_tokens + r * k,
                                miss_slots + r * k, scratch.get() + 2 * r * k,
-                               scratch.get() + 2 * r * k + k, spec);
+                               scratch.get() + 2 * r * k + k, spec, slru_);
       row_hits[r] = hm.first;
       row_misses[r] = hm.second;
     }
@@ -423,6 +439,7 @@ class Cache {
   }
 
   int64_t cap_, num_layers_;
+  bool slru_;
   std::shared_mutex mu_;
   std::vector<std::unique_ptr<RequestState>> table_;
   std::vector<int64_t> free_;
@@ -431,11 +448,12 @@ class Cache {
 }  // namespace
 
 PYBIND11_MODULE(_native_hotcache, m) {
-  m.doc() = "Native hot top-k cache (exact LRU per request and layer); see kvcore.hotcache.";
+  m.doc() = "Native hot top-k cache (exact LRU or segmented LRU per request and layer); see kvcore.hotcache.";
   m.attr("MAX_TOKEN") = kMaxToken;
   m.def("max_threads", []() { return omp_get_max_threads(); });
   py::class_<Cache>(m, "Cache")
-      .def(py::init<int64_t, int64_t>(), py::arg("capacity"), py::arg("num_layers"))
+      .def(py::init<int64_t, int64_t, int64_t>(), py::arg("capacity"), py::arg("num_layers"),
+           py::arg("policy"))
       .def("alloc", &Cache::alloc, py::call_guard<py::gil_scoped_release>())
       .def("free", &Cache::free, py::arg("handle"), py::call_guard<py::gil_scoped_release>())
       .def("residency", &Cache::residency, py::arg("handle"), py::arg("layer"),

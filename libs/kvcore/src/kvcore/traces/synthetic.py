@@ -4,7 +4,8 @@ One stream per (request, layer); the context grows by one token per step. Each s
 (``k`` distinct positions) is made of four parts:
 
 - **attention sinks**: the first ``sinks`` positions, always selected (StreamingLLM's sinks);
-- **recent window**: the last ``recent`` positions, always selected (the window slides by one);
+- **recent window**: the last ``recent`` positions, always selected (the window slides by one; the
+  entry leaving it is dropped);
 - **heavy hitters**: ``heavy`` positions drawn Zipf-weighted (exponent ``zipf``) over a per-stream
   random ranking of the context, always selected while they last; each is replaced with
   probability ``heavy_replace`` per step by a fresh Zipf draw (H2O-style heavy hitters that drift
@@ -12,7 +13,8 @@ One stream per (request, layer); the context grows by one token per step. Each s
 - **dynamic remainder** (the rest of ``k``): each entry survives a step with probability ``q``.
   The replaced entries are ``return_frac`` returns — entries dropped 1..``return_window`` steps
   ago, the one dropped ``d`` steps ago weighted ``return_decay ** (d - 1)`` — and the rest new
-  contiguous spans of ``span`` positions on a per-stream grid, so selections cluster.
+  contiguous spans of ``span`` positions on a per-stream grid (never an entry dropped within the
+  return window: returns are only what ``return_frac`` says), so selections cluster.
 
 ``q`` is solved per layer so that the expected adjacent-step overlap equals that layer's target;
 the targets are spaced evenly over ``overlap +- layer_spread`` in a seeded order (one per layer,
@@ -132,6 +134,7 @@ def generate(p: SyntheticParams, name: str = "synthetic") -> Trace:
         valid = pos < ctx  # [P]
         fixed = ((pos < p.sinks) | ((pos >= ctx - p.recent) & valid)).expand(S, P)  # [S, P]
         # heavy hitters: some replaced, then refilled by Zipf draws among the free positions
+        was_heavy = heavy.clone()  # a replaced heavy hitter is dropped (it may come back as a return)
         if t:
             heavy &= torch.rand(S, P, generator=gen) >= p.heavy_replace
         heavy &= ~fixed
@@ -139,12 +142,13 @@ def generate(p: SyntheticParams, name: str = "synthetic") -> Trace:
         free = valid & ~fixed & ~heavy
         heavy |= _draw(log_w, free, need_heavy, gen)
         # dynamic: survivors of the last step, then returns, then new spans
-        keep = sel & ~fixed & ~heavy & valid & (torch.rand(S, P, generator=gen, dtype=torch.float64) < q[:, None])
+        # (the entry leaving the recent window is dropped: it may come back as a return)
+        keep = sel & ~fixed & ~was_heavy & ~heavy & (pos < ctx - p.recent - 1) & (torch.rand(S, P, generator=gen, dtype=torch.float64) < q[:, None])
         new = fixed | heavy | keep
         need = k - new.sum(1)  # [S]
+        age = t - dropped_at  # [S, P] steps since the drop
+        recent_drop = (age >= 1) & (age <= p.return_window) & ~new & valid
         if t:
-            age = t - dropped_at  # [S, P] steps since the drop
-            recent_drop = (age >= 1) & (age <= p.return_window) & ~new & valid
             n_ret = torch.minimum(torch.round(need * p.return_frac).long(), recent_drop.sum(1))
             age_w = (age - 1).clamp(min=0).to(torch.float64) * math.log(max(p.return_decay, 1e-12))
             back = _draw(age_w, recent_drop, n_ret, gen)
@@ -153,7 +157,12 @@ def generate(p: SyntheticParams, name: str = "synthetic") -> Trace:
         span_score = torch.rand(S, P // p.span + 2, generator=gen, dtype=torch.float64)  # [S, spans]
         span_id = (pos[None, :] + phase) // p.span  # [S, P]
         score = span_score.gather(1, span_id) - pos[None, :].to(torch.float64) * 1e-12  # contiguous within a span
-        new |= _top(score, valid & ~new & ~sel & (pos >= p.sinks), need)  # never the entries dropped now
+        # new spans: never an entry dropped now or within the return window (those are returns)
+        # (in a context too small for that, recently dropped entries fill the rest)
+        for allowed in (valid & ~sel & ~recent_drop, valid & ~sel):
+            got = _top(score, allowed & ~new & (pos >= p.sinks), need)
+            new |= got
+            need = need - got.sum(1)
         dropped_at[sel & ~new] = t
         sel = new
         out[:, t] = sel.nonzero()[:, 1].view(S, k).to(torch.int32)  # ascending positions, exactly k per stream
