@@ -29,6 +29,10 @@ BENCHES: dict[str, str] = {
 }
 
 
+# bench name -> the recorded traces its default run reads (kvoffload.trace_record records them)
+RECORDED_TRACES: dict[str, tuple[str, ...]] = {"hotcache": ("smollm2",)}
+
+
 def _load(target: str) -> Callable[..., dict]:
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
@@ -36,9 +40,29 @@ def _load(target: str) -> Callable[..., dict]:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     run = _load(BENCHES[args.name])
+    kwargs = {}
+    if args.trace is not None:  # only to benches that take one
+        import inspect
+
+        if "trace" not in inspect.signature(run).parameters:
+            print(f"kvoffload bench {args.name}: this bench takes no --trace", file=sys.stderr)
+            return 2
+        kwargs["trace"] = args.trace
+    # recorded traces the run needs are recorded first when missing (minutes, once per machine)
+    from kvoffload.trace_record import KNOWN, ensure
+
+    for name in [args.trace] if args.trace else RECORDED_TRACES.get(args.name, ()):
+        if name in KNOWN:
+            ensure(name, log=lambda line: print(f"kvoffload bench {args.name}: {line}", file=sys.stderr))
     if not args.json:
         print(f"kvoffload bench {args.name}: running (ratios are measured side by side in this run)...", file=sys.stderr)
-    result = run()
+    try:
+        result = run(**kwargs)
+    except FileNotFoundError as exc:  # a recorded trace that is not there: its message says how to record it
+        if args.trace is None:
+            raise
+        print(f"kvoffload bench {args.name}: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(result, indent=None if args.json else 2, sort_keys=False))
     return 0
 
@@ -62,6 +86,56 @@ def _cmd_model_fetch(args: argparse.Namespace) -> int:
     except FetchError as exc:
         print(f"kvoffload model fetch: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _cmd_trace_record(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from kvcore.traces.measure import locality
+    from kvcore.traces.trace import Trace, traces_dir
+    from tqdm import tqdm
+
+    from kvoffload.model_fetch import FetchError
+    from kvoffload.trace_record import ensure
+
+    params = {k: getattr(args, k) for k in ("context", "steps", "topk", "requests") if getattr(args, k) is not None}
+    target = Path(args.out) if args.out else traces_dir() / f"{args.name}.pt"
+    fresh = args.force or not target.exists()
+    start = time.monotonic()
+    with tqdm(desc=f"recording {args.name}", unit="step", file=sys.stderr, disable=not fresh) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+        try:
+            path = ensure(args.name, path=target, force=args.force, progress=progress,
+                          log=lambda line: tqdm.write(f"kvoffload trace record: {line}", file=sys.stderr),
+                          **params)
+        except (ValueError, FetchError) as exc:
+            print(f"kvoffload trace record: {exc}", file=sys.stderr)
+            return 2 if isinstance(exc, ValueError) else 1
+    trace = Trace.load(path)
+    if fresh:
+        print(f"wrote {path} ({trace.streams} streams x {trace.steps} steps x top-{trace.k}) "
+              f"in {time.monotonic() - start:.0f} s")
+    else:
+        print(f"{path} already holds trace {args.name} (context {trace.meta.get('context')}, "
+              f"steps {trace.steps}, top-{trace.k}); --force records it again")
+    print(json.dumps(locality(trace), indent=2))
+    return 0
+
+
+def _cmd_trace_show(args: argparse.Namespace) -> int:
+    from kvcore.traces import named
+    from kvcore.traces.measure import locality
+
+    try:
+        trace = named(args.name)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"kvoffload trace show: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(locality(trace), indent=2))
     return 0
 
 
@@ -225,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark and print its JSON (ratios measured in one run)")
     bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     bench.add_argument("--json", action="store_true", help="print one line of JSON only")
+    bench.add_argument("--trace", metavar="NAME", help="run on a top-k trace (a synthetic preset overlap80/90/95 or "
+                                                       "a recorded one), for benches that take one (e.g. decode)")
     bench.set_defaults(func=_cmd_bench)
 
     model = sub.add_parser("model", help="model files").add_subparsers(dest="model_command", required=True,
@@ -243,6 +319,22 @@ def build_parser() -> argparse.ArgumentParser:
                                            "~/.cache/kvoffload/downloads)")
     fetch.add_argument("--force", action="store_true", help="rebuild even when --out is complete")
     fetch.set_defaults(func=_cmd_model_fetch)
+
+    trace = sub.add_parser("trace", help="top-k traces: record one from a real model, show locality").add_subparsers(
+        dest="trace_command", required=True, metavar="ACTION")
+    rec = trace.add_parser("record", help="record a real model's top-k attention trace into the trace cache "
+                                          "($KVOFFLOAD_HOME/traces/NAME.pt) and print its locality")
+    rec.add_argument("name", help="which model (smollm2: SmolLM2-135M-Instruct, built on first use)")
+    rec.add_argument("--context", type=int, help="prompt tokens (default 4096)")
+    rec.add_argument("--steps", type=int, help="decode steps recorded (default 128)")
+    rec.add_argument("--topk", type=int, help="positions selected per step and stream (default 128)")
+    rec.add_argument("--requests", type=int, help="prompts, each on a different document (default 2)")
+    rec.add_argument("--out", help="write the trace here instead of the cache")
+    rec.add_argument("--force", action="store_true", help="record again even when the trace exists")
+    rec.set_defaults(func=_cmd_trace_record)
+    show = trace.add_parser("show", help="print the locality of a named trace (synthetic preset or recorded)")
+    show.add_argument("name", help="overlap80, overlap90, overlap95 or a recorded trace's name")
+    show.set_defaults(func=_cmd_trace_show)
 
     plan = sub.add_parser("plan", help="size a deployment: buffer plan, device and host bytes, config validation")
     plan.add_argument("--model", required=True, help="model directory or config.json (no weights needed)")

@@ -42,6 +42,7 @@ CONNECTORS = (STORE_CONNECTOR, D2H_CONNECTOR, MULTI_CONNECTOR)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 STORE_BACKENDS = ("kvoffload", "memcache")
 TRANSFER_BACKENDS = ("kvoffload", "memfabric")
+HOT_CACHE_POLICIES = ("lru", "slru")  # == kvcore.hotcache.POLICIES (config imports no engine code)
 LAYERWISE_KEYS = ("layerwise_num_shared_buffers", "layerwise_independent_layers", "layerwise_prefetch_layers")
 SPARSE_KEY = "sparse_kv_offload_config"
 
@@ -496,6 +497,8 @@ class SparseKVOffloadConfig(_Model):
     topk_buffer_size: Annotated[int, _int_rule(1)] = 4096
     dram_size_per_dp_GB: Annotated[int, BeforeValidator(_dram_gib)] = 128
     keep_device_kv_cache: StrictBool = False
+    # kvoffload's own key: the hot cache's replacement policy (kvcore.hotcache.POLICIES)
+    hot_cache_policy: Annotated[str, _choice(HOT_CACHE_POLICIES)] = "lru"
 
     @property
     def dram_bytes_per_dp(self) -> int:

@@ -13,10 +13,25 @@ request). The device keeps only the indexer cache and, per request and layer, a 
 
 ``keep_device_kv_cache=True`` also keeps the full KV on device and attends the same top-k from it
 (the reference of I2). Requests join and leave between steps; residency is keyed by request.
+
+**Top-k override** (benchmarks and tests): ``topk_override`` (constructor keyword, or the attribute
+of the same name, set or cleared between steps) replaces the indexer's choice with a given one,
+e.g. a recorded or synthetic trace (``dsamodel.engine.trace_topk``). In every layer the indexer
+still runs (a step costs what a real decode step costs), then::
+
+    topk = topk_override(layer, request_ids, positions)   # -> [N, k], k = index_topk
+
+with ``layer`` the cache layer index (MTP layers included), ``request_ids`` [N] the request of
+each token row and ``positions`` [N] (int64, host) the position each row processes: its context
+holds ``positions[n] + 1`` tokens. The result (any integer dtype, any device) must give, per row,
+distinct positions in ``[0, positions[n]]`` or ``-1`` (padding); it is checked (ValueError) and
+converted to the indexer's dtype and device. The sparse path and the ``keep_device_kv_cache``
+path both use it, so I2 holds on traces too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +43,9 @@ from kvcore.hotcache import HotCache
 
 from dsamodel.attention import batched_indexer_topk, sparse_mla_attention
 from dsamodel.model import DSAModel
+
+# (cache layer, request id per token row [N], positions [N] int64 on the host) -> top-k [N, k]
+TopkOverride = Callable[[int, list[str], torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -86,6 +104,8 @@ class SparseDecoder:
         keep_device_kv_cache: bool = False,
         allocator: DeviceAllocator | None = None,
         native: bool = True,
+        topk_override: TopkOverride | None = None,
+        hot_cache_policy: str = "lru",
     ) -> None:
         cfg = model.config
         self.model, self.pool = model, pool
@@ -111,12 +131,14 @@ class SparseDecoder:
             (n_layers, max_num_seqs, topk_buffer_size, width), dtype, "decode.hot")
         self.full = self.allocator.zeros((n_layers, max_num_seqs, rows, width), dtype, "decode.full_kv") \
             if keep_device_kv_cache else None
-        self.hotcache = None if keep_device_kv_cache else HotCache(topk_buffer_size, n_layers, native=native)
+        self.hotcache = None if keep_device_kv_cache else HotCache(
+            topk_buffer_size, n_layers, native=native, policy=hot_cache_policy)
         self._gather_in_place = self.indexer.device.type == "cpu"  # else: staging + one copy per layer
         self.block_table = torch.full((max_num_seqs, self.max_blocks), -1, dtype=torch.int32)  # host
         self.seqs: dict[str, DecodeSeq] = {}
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.last_step = StepStats()
+        self.topk_override = topk_override  # module docstring: replaces the indexer's choice
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -328,9 +350,13 @@ class SparseDecoder:
         self.indexer[i, slots_dev, pos_dev] = proj.index_k
         keys = self.indexer[i, slots_dev, : int(positions.max()) + 1]  # [N, C, Di]
         topk = batched_indexer_topk(proj.index_q, proj.index_w, keys, pos_dev, self.topk)  # [N, k]
+        if self.topk_override is not None:
+            topk = self._override(i, [request_ids[r] for r in rows.tolist()], positions, topk)
         if self.full is not None:
             self.full[i, slots_dev, pos_dev] = proj.kv
             kv_rows = self.full[i][slots_dev[:, None], topk.clamp(min=0)]  # [N, k, W]
+        elif int(offsets.max()) == 0:  # one token per request (no drafts): one hot-cache step, no reordering
+            kv_rows = self._hot_rows(i, request_ids, slots, topk, stable, stats)
         else:
             kv_rows = torch.empty(topk.shape + (proj.kv.shape[-1],), dtype=proj.kv.dtype, device=dev)
             for j in range(int(offsets.max()) + 1):  # the j-th token of every request: one hot-cache step
@@ -340,6 +366,23 @@ class SparseDecoder:
                                                       [stable[r] for r in rows[sel].tolist()], stats)
         lat = sparse_mla_attention(proj.q_latent, proj.q_rope, kv_rows, topk >= 0, layer.softmax_scale)
         return layer.finish(h, lat)
+
+    def _override(self, layer: int, row_ids: list[str], positions: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+        """``topk_override``'s choice for this layer's rows, checked, as the indexer's dtype and device."""
+        out = self.topk_override(layer, row_ids, positions)
+        if not isinstance(out, torch.Tensor) or out.shape != topk.shape or out.dtype.is_floating_point \
+                or out.dtype.is_complex or out.dtype == torch.bool:
+            got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"topk_override of layer {layer} must return an integer [N, k] = {list(topk.shape)} "
+                             f"tensor, got {got}")
+        pos = positions.to(out.device)[:, None]  # [N, 1]
+        bad = (out < -1) | (out > pos)  # [N, k] outside [0, position] and not padding
+        if bool(bad.any()):
+            n, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"topk_override of layer {layer}: row {n} (request {row_ids[n]!r}, position "
+                             f"{int(positions[n])}) selects {int(out[n, j])}, outside [0, {int(positions[n])}] "
+                             f"and not -1")
+        return out.to(device=topk.device, dtype=topk.dtype)
 
     def _hot_rows(self, layer, request_ids, seq_slots, topk, stable, stats: StepStats) -> torch.Tensor:
         """Resolve the top-k against the hot cache, gather misses, return rows [R, k, W] in top-k order."""

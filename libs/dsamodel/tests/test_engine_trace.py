@@ -1,0 +1,287 @@
+"""Decode on a top-k trace: the override drives the hot cache, I2 still holds, mapping errors are
+clear, and the decode bench reports its trace figures consistently."""
+
+from __future__ import annotations
+
+import pytest
+import structlog
+import torch
+from engine_support import decode_pool, tiny
+from kvcore.traces import SyntheticParams, Trace, generate
+
+import dsamodel.engine.decode as decode_mod
+from dsamodel.bench import decode as decode_bench
+from dsamodel.engine.decode import SparseDecoder
+from dsamodel.engine.trace_topk import TraceTopK
+
+BS = 16
+K = 64  # the tiny preset's index_topk
+
+
+def _hand_trace(*, requests=2, groups=1, layers=4, context0=201, steps=4, k=K, new=16, seed=0) -> Trace:
+    """Per stream: k random positions at step 0, then each step ``new`` of them swapped for positions
+    never selected before (so step t shares exactly k - new with step t - 1, and every new one misses)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = [(r, g, layer) for r in range(requests) for g in range(groups) for layer in range(layers)]
+    out = torch.empty(len(keys), steps, k, dtype=torch.int32)
+    for s in range(len(keys)):
+        cur = torch.randperm(context0, generator=gen)[:k]
+        fresh = torch.ones(context0 + steps, dtype=torch.bool)  # never selected yet
+        for t in range(steps):
+            if t:
+                keep = cur[torch.randperm(k, generator=gen)[: k - new]]
+                free = fresh[: context0 + t].nonzero().flatten()
+                cur = torch.cat((keep, free[torch.randperm(free.numel(), generator=gen)[:new]]))
+            fresh[cur] = False
+            out[s, t] = cur.sort().values.to(torch.int32)
+    col = lambda i: torch.tensor([key[i] for key in keys], dtype=torch.int32)  # noqa: E731
+    return Trace("hand", out, torch.full((len(keys),), context0, dtype=torch.int64), col(2), col(0), col(1))
+
+
+def _decoders(model, keeps, *, override=None, topk_buffer_size=K, max_num_seqs=2, max_model_len=512):
+    pools = [decode_pool(model, BS) for _ in keeps]
+    decs = [SparseDecoder(model, p, topk_buffer_size=topk_buffer_size, max_num_seqs=max_num_seqs,
+                          max_model_len=max_model_len, keep_device_kv_cache=keep, topk_override=override)
+            for p, keep in zip(pools, keeps)]
+    return decs, pools
+
+
+def _install(decs, model, ids, prompt_len, seed=0):
+    """The same seeded prompt KV into every decoder (no prefill)."""
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    for dec in decs:
+        for rid in ids:
+            dec.admit(rid, prompt_len + 1)
+    for layer in range(len(model.cache_layers)):
+        for rid in ids:
+            kv = torch.randn(prompt_len, cfg.kv_row_width, generator=gen).to(model.dtype)
+            index_k = torch.randn(prompt_len, cfg.index_head_dim, generator=gen).to(model.dtype)
+            for dec in decs:
+                dec.write_prompt_layer(rid, layer, kv, index_k)
+    for dec in decs:
+        for rid in ids:
+            dec.set_prompt_done(rid, prompt_len)
+
+
+def _close(pools):
+    for p in pools:
+        p.close()
+
+
+def test_override_drives_the_hot_cache(monkeypatch):
+    """The hot cache holds, misses and hits exactly what the trace selects; the indexer still runs."""
+    model = tiny(torch.float32, False)
+    trace = _hand_trace()
+    ids = ["a", "b"]
+    override = TraceTopK(trace, ids, num_layers=4)
+    calls, indexer_calls = [], []
+    real_indexer = decode_mod.batched_indexer_topk
+
+    def counting_indexer(*a, **kw):
+        indexer_calls.append(1)
+        return real_indexer(*a, **kw)
+
+    def recording(layer, row_ids, positions):
+        calls.append((layer, list(row_ids), positions.tolist()))
+        return override(layer, row_ids, positions)
+
+    monkeypatch.setattr(decode_mod, "batched_indexer_topk", counting_indexer)
+    (dec, plain), pools = _decoders(model, [False, False])
+    dec.topk_override = recording
+    try:
+        _install([dec, plain], model, ids, 200)
+        tokens = torch.tensor([5, 9])
+        for t in range(3):
+            dec.step(ids, tokens)
+            plain.step(ids, tokens)
+            st = dec.last_step
+            assert calls[-4:] == [(layer, ids, [200 + t, 200 + t]) for layer in range(4)]
+            for layer in range(4):
+                assert st.layer_misses[layer] == 2 * (K if t == 0 else 16)  # step 0 cold, then 16 new per step
+                assert st.layer_hits[layer] == 2 * (0 if t == 0 else K - 16)
+                for r, rid in enumerate(ids):
+                    chosen = set(trace.topk[override.streams()[r, layer], t].tolist())
+                    assert set(dec.hotcache.residency(rid, layer)) == chosen  # capacity == k: exactly the set
+                    # the indexer would have chosen otherwise (the check above means something)
+                    assert set(plain.hotcache.residency(rid, layer)) != chosen
+            assert st.h2d_bytes == st.misses * model.config.kv_row_width * 4
+        assert len(calls) == 12 and len(indexer_calls) == 24  # the indexer ran in every layer of both decoders
+    finally:
+        _close(pools)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_i2_holds_on_a_trace(dtype):
+    """Sparse offload and keep_device_kv_cache replay the same trace bit for bit, drafts included; the
+    keep path really uses the override (its logits differ without it)."""
+    model = tiny(dtype, True)  # MTP: 5 cache layers
+    trace = generate(SyntheticParams(overlap=0.8, k=K, context0=256, steps=8, layers=5, requests=2, sinks=4,
+                                     recent=8, heavy=8, seed=3), "syn")
+    ids = ["a", "b"]
+    override = TraceTopK(trace, ids, num_layers=5)
+    (sparse, keep, keep_plain), pools = _decoders(model, [False, True, True], override=override)
+    keep_plain.topk_override = None
+    try:
+        _install([sparse, keep, keep_plain], model, ids, 255)
+        tokens = torch.tensor([3, 7])
+        differs = 0
+        for t in range(5):
+            ls, lk, lp = (d.step(ids, tokens) for d in (sparse, keep, keep_plain))
+            assert torch.equal(ls, lk)
+            differs += not torch.equal(lk, lp)
+            tokens = ls.argmax(-1)
+        assert differs == 5
+        assert sparse.last_step.misses > 0 and sparse.last_step.hits > 0
+        # a draft for "a" (written, not committed) then its rewrite: the speculative path on the trace
+        drafts = [[int(tokens[0]), 11], [int(tokens[1])]]
+        (ls, _), (lk, _) = sparse.forward(ids, drafts), keep.forward(ids, drafts)
+        assert torch.equal(ls, lk) and ls.shape[0] == 3
+        for d in (sparse, keep):
+            for rid in ids:
+                d.commit(rid, d.seqs[rid].num_tokens + 1)  # the draft rejected
+        assert torch.equal(sparse.step(ids, torch.tensor([1, 2])), keep.step(ids, torch.tensor([1, 2])))
+    finally:
+        _close(pools)
+
+
+def test_policies_change_traffic_never_results():
+    """I2 across hot-cache policies: LRU and SLRU decoders give bit-identical logits on a trace with
+    returning entries and a buffer larger than k, while their misses differ (the choice is real)."""
+    model = tiny(torch.float32, False)
+    trace = generate(SyntheticParams(overlap=0.8, k=K, context0=512, steps=12, layers=4, requests=2, sinks=4,
+                                     recent=8, heavy=8, span=4, seed=5), "syn")
+    ids = ["a", "b"]
+    override = TraceTopK(trace, ids, num_layers=4)
+    pools = [decode_pool(model, BS) for _ in range(2)]
+    decs = [SparseDecoder(model, p, topk_buffer_size=80, max_num_seqs=2, max_model_len=640, topk_override=override,
+                          hot_cache_policy=policy) for p, policy in zip(pools, ("lru", "slru"))]
+    try:
+        _install(decs, model, ids, 511)
+        tokens = torch.tensor([3, 7])
+        misses = [0, 0]
+        for _ in range(11):
+            out = [d.step(ids, tokens) for d in decs]
+            assert torch.equal(out[0], out[1])
+            misses = [m + d.last_step.misses for m, d in zip(misses, decs)]
+            tokens = out[0].argmax(-1)
+        assert misses[0] != misses[1]
+        assert decs[1].hotcache.policy == "slru" and decs[0].hotcache.policy == "lru"
+    finally:
+        _close(pools)
+
+
+def test_mapping_errors():
+    trace = _hand_trace(requests=2, groups=2, layers=3, context0=201, steps=2)
+    with pytest.raises(ValueError, match=r"4 \(request, group\) stream pairs; the engine needs one per request: 5"):
+        TraceTopK(trace, ["a", "b", "c", "d", "e"], num_layers=3)
+    with pytest.raises(ValueError, match=r"has 3 layers \(0\.\.2\); the model's 4 cache layers need "
+                                         r"trace layer\(s\) 3"):
+        TraceTopK(trace, ["a"], num_layers=4)
+    with pytest.raises(ValueError, match=r"no \(request, group\) pair \(5, 0\)"):
+        TraceTopK(trace, {"a": (5, 0)}, num_layers=3)
+    ov = TraceTopK(trace, ["a", "b", "c"], num_layers=3)
+    assert ov.pairs == [(0, 0), (0, 1), (1, 0)] and ov.prompt_len("c") == 200
+    got = ov(2, ["c", "a"], torch.tensor([201, 200]))  # request 1 group 0 at step 1, request 0 group 0 at step 0
+    s = ov.streams()
+    assert torch.equal(got, torch.stack((trace.topk[s[2, 2], 1], trace.topk[s[0, 2], 0])).long())
+    assert got.dtype == torch.long
+    with pytest.raises(ValueError, match="needs step 2 of trace 'hand', which has steps 0..1 .*too few steps"):
+        ov(0, ["a"], torch.tensor([202]))
+    with pytest.raises(ValueError, match="needs step -1 .*shorter than context0 - 1"):
+        ov(0, ["a"], torch.tensor([199]))
+    with pytest.raises(ValueError, match="request 'zz' has no stream pair"):
+        ov(0, ["zz"], torch.tensor([200]))
+    with pytest.raises(ValueError, match="cache layer 3 is outside the 3 layers"):
+        ov(3, ["a"], torch.tensor([200]))
+    ragged = Trace("ragged", trace.topk, trace.context0 + (trace.layers == 1).long(), trace.layers, trace.requests,
+                   trace.groups)
+    with pytest.raises(ValueError, match="start at different contexts"):
+        TraceTopK(ragged, ["a"], num_layers=3).prompt_len("a")
+
+
+def test_decoder_checks_what_the_override_returns():
+    model = tiny(torch.float32, False)
+    ids = ["a", "b"]
+    (dec,), pools = _decoders(model, [False])
+    try:
+        _install([dec], model, ids, 100)
+        bad = {
+            "shape": lambda layer, r, p: torch.zeros(len(r), K - 1, dtype=torch.long),
+            "float": lambda layer, r, p: torch.zeros(len(r), K),
+            "future": lambda layer, r, p: p[:, None].expand(-1, K) + 1,
+            "negative": lambda layer, r, p: torch.full((len(r), K), -2),
+        }
+        msgs = {"shape": r"integer \[N, k\] = \[2, 64\] tensor, got torch.int64 \[2, 63\]",
+                "float": "got torch.float32", "future": r"selects 101, outside \[0, 100\]",
+                "negative": r"selects -2, outside \[0, 100\]"}
+        for name, fn in bad.items():
+            dec.topk_override = fn
+            with pytest.raises(ValueError, match=msgs[name]):
+                dec.forward(ids, [[1], [2]])
+        # the end of a trace is an error through the decoder too, not a silent fallback to the indexer
+        dec.topk_override = TraceTopK(_hand_trace(context0=101, steps=1), ids, num_layers=4)
+        dec.step(ids, torch.tensor([1, 2]))
+        with pytest.raises(ValueError, match="too few steps"):
+            dec.step(ids, torch.tensor([1, 2]))
+    finally:
+        _close(pools)
+
+
+@pytest.fixture
+def _restore_logging():
+    yield
+    structlog.reset_defaults()  # the benches silence info logs process-wide
+
+
+def _check_floor(r, *, k, batch, layers, row_bytes):
+    assert (r["topk"], r["batch"], r["layers"], r["row_bytes"]) == (k, batch, layers, row_bytes)
+    floor = (1 - r["hit_rate"]) * k * row_bytes * layers * batch
+    assert r["h2d_floor_bytes_per_step"] == pytest.approx(floor, rel=1e-12)
+    assert r["h2d_floor_ratio"] == pytest.approx(r["h2d_bytes_per_step"] / r["h2d_floor_bytes_per_step"], rel=1e-12)
+    assert set(r["goals"]) == set(r["goals_met"]) == {"step_time_ratio", "device_kv_ratio", "h2d_floor_ratio"}
+    for name, goal in r["goals"].items():
+        assert r["goals_met"][name] == (r[name] <= goal)
+
+
+@pytest.mark.usefixtures("_restore_logging")
+def test_decode_bench_on_a_synthetic_trace():
+    r = decode_bench.run(trace="overlap90", trace_params={"k": K, "sinks": 4, "recent": 8, "heavy": 8}, batch=2,
+                         context=256, steps=3, block_size=BS, dtype="float32")
+    assert r["trace"] == "overlap90" and r["kv_source"] == "installed"
+    assert (r["context"], r["steps"], r["topk_buffer_size"]) == (256, 3, 2 * K)
+    assert r["logits_equal"] is True
+    assert 0 < r["hit_rate"] < 1 and r["h2d_bytes_per_step"] > 0
+    assert r["belady_hit_rate"] >= r["hit_rate"] - 1e-12  # the offline optimum is never beaten
+    assert r["goals"]["step_time_ratio"] == 1.10 and r["goals"]["h2d_floor_ratio"] == 1.02
+    _check_floor(r, k=K, batch=2, layers=4, row_bytes=208 * 4)
+    assert 0 < r["device_kv_ratio"] < 1 and r["sparse_step_s"] > 0 and r["keep_step_s"] > 0
+
+
+@pytest.mark.usefixtures("_restore_logging")
+def test_decode_bench_on_a_recorded_style_trace():
+    """A trace with head groups: one engine request per (request, group), one layer per trace layer."""
+    tr = _hand_trace(requests=1, groups=3, layers=2, context0=150, steps=3, k=32, new=4)
+    r = decode_bench.run(trace=tr, steps=5, block_size=BS, dtype="float32")
+    assert r["trace"] == "hand" and r["steps"] == 2  # at most trace.steps - 1 timed steps
+    assert r["context"] == 150 and r["topk_buffer_size"] == 64 and r["logits_equal"] is True
+    _check_floor(r, k=32, batch=3, layers=2, row_bytes=208 * 4)
+    assert r["hit_rate"] == pytest.approx((32 - 4) / 32)  # 4 of 32 new per step, nothing evicted
+    assert r["h2d_bytes_per_step"] == 4 * 208 * 4 * 2 * 3
+    with pytest.raises(ValueError, match="not generated here"):
+        decode_bench.run(trace=tr, context=100)
+
+
+@pytest.mark.usefixtures("_restore_logging")
+def test_decode_bench_missing_recorded_trace(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVOFFLOAD_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="kvoffload trace record nosuch"):
+        decode_bench.run(trace="nosuch", steps=2)
+
+
+@pytest.mark.usefixtures("_restore_logging")
+def test_decode_bench_without_trace_reports_the_floor():
+    r = decode_bench.run(batch=2, context=512, steps=3, topk_buffer_size=128, block_size=BS, dtype="float32")
+    assert r["trace"] is None and r["kv_source"] == "prefill" and r["logits_equal"] is True
+    assert r["goals"]["step_time_ratio"] == 1.25
+    _check_floor(r, k=K, batch=2, layers=4, row_bytes=208 * 4)
