@@ -34,6 +34,9 @@ def test_hotcache_bench_fields():
         assert sizing["h2d_rows_per_step_sized"] <= sizing["h2d_rows_per_step_uniform"]
         assert sizing["h2d_ratio_equal_device"] <= 1.0 and 0.5 <= sizing["device_ratio_equal_h2d"] <= 1.0
         assert len(sizing["hit_rate_curves"]) == 3
+        for pred in ("returning", "neighbours", "previous_layer"):
+            p = out["prefetch"][name][pred]
+            assert 0 <= p["recall"] <= 1 and 0 <= p["precision"] <= 1 and p["loads_per_miss"] >= 0
     assert out["traces"]["overlap95"]["overlap"] > out["traces"]["overlap80"]["overlap"]
     assert out["policy_vs_belady_at_2k"] == {n: out["hit_rates"][n]["2k"]["lru_vs_belady"] for n in ("overlap80", "overlap95")}
     assert out["goals_met"]["policy_vs_belady"] == (min(out["policy_vs_belady_at_2k"].values()) >= 0.95)

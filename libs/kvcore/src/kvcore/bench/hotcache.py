@@ -18,6 +18,9 @@ and, where recorded, ``smollm2`` (a real model's attention: ``kvoffload trace re
   (``kvcore.hotsizing``) at the same budget, the H2D rows per step against uniform
   (``h2d_ratio_equal_device``), and the smallest budget (in steps of 5 %) whose per-layer sizing
   moves no more rows than uniform (``device_ratio_equal_h2d``).
+- ``prefetch``: per trace, at C = 2k with the default policy, how well each miss predictor of
+  ``kvcore.prefetch`` foresees a step's misses: ``recall`` (misses a prefetch would have loaded
+  before they were needed: H2D moved off the critical path), ``precision``, ``loads_per_miss``.
 - ``timing``: per preset (``rows`` requests of one layer), native vs ``TorchHotCache``
   (``kvcore.bench.hotcache_torch``: whole-tensor torch ops of the same semantics, proven equal by
   a property test; timed at 1 intra-op thread and at the process's count, alternating, the faster
@@ -37,7 +40,7 @@ import time
 
 import torch
 
-from kvcore import belady, hotsizing
+from kvcore import belady, hotsizing, prefetch
 from kvcore.bench.hotcache_torch import TorchHotCache
 from kvcore.bench.load import OtherLoad
 from kvcore.hotcache import POLICIES, HotCache, Resolution, max_threads
@@ -69,12 +72,13 @@ def run(
     names = (trace,) if trace else traces
     others = OtherLoad()
     loaded = {n: named(n, **(synthetic or {})) if n in PRESETS else named(n) for n in names}
-    out_traces, hit_rates, sizing, equal_policies = {}, {}, {}, True
+    out_traces, hit_rates, sizing, prefetched, equal_policies = {}, {}, {}, {}, True
     for n, tr in loaded.items():
         out_traces[n] = _locality(tr)
         hit_rates[n], eq = _hit_rates(tr, sizes, reference_steps)
         equal_policies &= eq
         sizing[n] = _layer_sizing(tr)
+        prefetched[n] = prefetch.evaluate(tr, 2 * tr.k, policy=DEFAULT_POLICY)
     timing = [_timing(p, rows, steps, reference_steps, warmup, synthetic) for p in names if p in PRESETS]
     at_2k = {n: hr[_key(2.0)][f"{DEFAULT_POLICY}_vs_belady"] for n, hr in hit_rates.items() if _key(2.0) in hr}
     presets_2k = [v for n, v in at_2k.items() if n in PRESETS]
@@ -89,6 +93,7 @@ def run(
         "policy_vs_belady_at_2k": at_2k,
         "policy_outputs_equal": equal_policies,
         "layer_sizing": sizing,
+        "prefetch": prefetched,
     }
     goals = {"policy_vs_belady": GOAL_POLICY_VS_BELADY}
     met = {"policy_vs_belady": policy_ok}
