@@ -7,6 +7,7 @@ ones finish for --shutdown-grace-s (the listener stays open meanwhile: their dec
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 
@@ -49,8 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     configure_logging("kvoffload-proxy", cfg.log_level)
-    asyncio.run(serve(cfg))
-    return 0
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(serve(cfg))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()  # unlike asyncio.run, does not wait for the default executor's threads
+    # Everything is closed and logged. A name lookup still running in a resolver thread (aiohttp
+    # resolves peers with getaddrinfo in the default executor; it cannot be cancelled, and while the
+    # network goes down with its peers it can take the resolver's full timeout) would otherwise hold
+    # the interpreter's exit, which joins those threads, past a container's stop timeout.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
