@@ -272,3 +272,57 @@ def test_large_batch_uses_parallel_rows_and_matches_reference(policy):
         topk = torch.randint(-1, 2000, (8, 256), generator=g)
         stable = torch.randint(1500, 2001, (8,), generator=g)
         _same(native.resolve(0, ids, topk, stable), ref.resolve(0, ids, topk, stable))
+
+
+@POLICIES
+@pytest.mark.parametrize("capacity,keep", [(8, 0.9), (40, 0.95), (40, 0.5)])
+def test_long_runs_match_reference(policy, capacity, keep):
+    """Hundreds of steps with locality (the native lists' rings wrap around, their blocks change
+    size with k); stable lengths mostly grow, sometimes shrink; requests finish and rejoin."""
+    g = torch.Generator().manual_seed(capacity + int(keep * 100))
+    ids = ["a", "b", "c"]
+    native, ref = HotCache(capacity, 2, policy=policy), HotCache(capacity, 2, native=False, policy=policy)
+    context = 4 * capacity
+    prev = {rid: torch.randint(0, context, (capacity,), generator=g) for rid in ids}
+    for step in range(300):
+        layer = step % 2 if step % 50 >= 40 else 0
+        k = int(torch.randint(max(1, capacity // 2), capacity + 1, (1,), generator=g))
+        rows = []
+        for rid in ids:  # mostly last step's tokens, a few new ones, duplicates and padding
+            old = prev[rid][torch.randperm(prev[rid].numel(), generator=g)][:k]
+            new = torch.randint(0, context + 3, (k,), generator=g)
+            row = torch.where(torch.rand(k, generator=g) < keep, old[torch.arange(k) % old.numel()], new)
+            row[torch.rand(k, generator=g) < 0.05] = -1
+            prev[rid] = row[row >= 0] if (row >= 0).any() else new
+            rows.append(row)
+        context += 1
+        stable = [context - int(torch.randint(0, 3, (1,), generator=g)) for _ in ids]
+        if step % 37 == 36:
+            stable[1] = context // 2  # shrinks: drops resident tokens
+        topk = torch.stack(rows)  # [3, k]
+        _same(native.resolve(layer, ids, topk, stable), ref.resolve(layer, ids, topk, stable))
+        if step % 60 == 59:
+            assert native.finish("c") and ref.finish("c")
+        if step % 25 == 0:
+            assert native.residency("a", layer) == ref.residency("a", layer)
+    assert native.stats() | {"native": None} == ref.stats() | {"native": None}
+
+
+@POLICIES
+def test_alternating_working_sets_match_reference(policy):
+    """Two working sets that fit together and take turns: every step is all hits on slots that
+    were not selected in the step before, for hundreds of steps (the native rings then fill with
+    superseded entries and must compact), with a few speculative tokens and new tokens mixed in."""
+    g = torch.Generator().manual_seed(7)
+    native, ref = HotCache(16, 1, policy=policy), HotCache(16, 1, native=False, policy=policy)
+    sets = [list(range(0, 7)), list(range(100, 107))]
+    for step in range(400):
+        row = list(sets[step % 2])
+        if step % 9 == 0:
+            row[int(torch.randint(0, 7, (1,), generator=g))] = 200 + step  # a new token (miss)
+        if step % 13 == 0:
+            row.append(10**6)  # speculative: loaded, then dropped to the least-recent end
+        order = torch.randperm(len(row), generator=g).tolist()
+        topk = torch.tensor([[row[i] for i in order]])
+        _same(native.resolve(0, ["a"], topk, [10**6]), ref.resolve(0, ["a"], topk, [10**6]))
+    assert native.residency("a", 0) == ref.residency("a", 0)

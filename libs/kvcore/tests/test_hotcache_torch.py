@@ -147,11 +147,13 @@ def test_threads_apply_during_a_call_only():
 
 
 def test_torch_equals_native_on_a_bench_like_trace():
-    from kvcore.bench.hotcache import trace
+    from kvcore.traces import generate, preset
 
-    g = torch.Generator().manual_seed(3)
+    tr = generate(preset("overlap80", k=128, context0=2000, steps=12, layers=1, requests=4, sinks=4, recent=16,
+                         heavy=16, span=8, seed=3))
     ids = [f"q{i}" for i in range(4)]
     vec, native = TorchHotCache(256, 1), HotCache(256, 1)
-    for i, topk in enumerate(trace(4, 128, 2000, 0.7, 12, g)):
+    for i in range(tr.steps):
+        topk = tr.topk[:, i].contiguous()
         stable = [2000 - 50 * (i % 3)] * 4  # shrinks now and then; some tokens are speculative
         _same(vec.resolve(0, ids, topk, stable), native.resolve(0, ids, topk, stable))

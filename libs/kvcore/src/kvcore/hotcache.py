@@ -72,8 +72,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore.config import HOT_CACHE_POLICIES as POLICIES  # index = the native policy code
+
 MAX_TOKEN = 2**31 - 2  # largest accepted token index (the native map is indexed by int32 tokens)
-POLICIES = ("lru", "slru")  # index = the native policy code
 
 
 @dataclass(frozen=True)
@@ -214,16 +215,23 @@ class _Native:
         self.requests: dict[str, int] = {}  # request id -> native handle
 
     def resolve(self, layer: int, ids: list[str], topk: torch.Tensor, stable: list[int]) -> Resolution:
+        # Lean on purpose: at 8 rows this Python is a visible part of a call's cost.
         rows, k = topk.shape
+        requests = self.requests
         with self._lock:
-            new = [rid for rid in ids if rid not in self.requests]
-            for rid in new:
-                self.requests[rid] = self._cache.alloc()
-            handles = [self.requests[rid] for rid in ids]
-        slots = torch.empty(rows, k, dtype=torch.int32)  # [rows, k]
-        miss_rows = torch.empty(rows * k, dtype=torch.int32)  # [rows*k] -> [M]
-        miss_tokens = torch.empty(rows * k, dtype=torch.int64)
-        miss_slots = torch.empty(rows * k, dtype=torch.int32)
+            try:
+                handles = [requests[rid] for rid in ids]
+                new: list[str] = []
+            except KeyError:  # requests joining: allocate their handles
+                new = [rid for rid in ids if rid not in requests]
+                for rid in new:
+                    requests[rid] = self._cache.alloc()
+                handles = [requests[rid] for rid in ids]
+        empty, i32 = torch.empty, torch.int32
+        slots = empty(rows, k, dtype=i32)  # [rows, k]
+        miss_rows = empty(rows * k, dtype=i32)  # [rows*k] -> [M]
+        miss_tokens = empty(rows * k, dtype=torch.int64)
+        miss_slots = empty(rows * k, dtype=i32)
         try:
             hits, misses = self._cache.resolve(
                 layer, handles, topk.data_ptr(), k, topk.dtype == torch.int64, stable,
@@ -232,9 +240,11 @@ class _Native:
         except (ValueError, IndexError) as e:
             with self._lock:
                 for rid in new:  # an invalid call leaves no state behind
-                    self._cache.free(self.requests.pop(rid))
+                    self._cache.free(requests.pop(rid))
             raise ValueError(str(e)) from None
-        return Resolution(slots, miss_rows[:misses], miss_tokens[:misses], miss_slots[:misses], hits, misses)
+        # resize_ shrinks in place (same storage, contiguous from 0): what [:misses] gives, cheaper
+        return Resolution(slots, miss_rows.resize_(misses), miss_tokens.resize_(misses), miss_slots.resize_(misses),
+                          hits, misses)
 
     def finish(self, request_id: str) -> bool:
         with self._lock:

@@ -13,6 +13,25 @@
 // raised as ValueError naming the argument, the position and the value. The GIL is released while
 // rows are processed (OpenMP over rows: each row is a different request).
 //
+// Structure. Per (request, layer): per slot its token and a stamp (where its one live list entry
+// is), the dense token -> slot map, and the LRU lists (probation; protected under "slru"). A list,
+// least recent first, is ring ++ last step's block ++ this step's block:
+// - a block: the slots moved to the list's most-recent end in one step, in order. A hit is one
+//   stamp read, one stamp write and one sequential append (the doubly-linked lists this replaced
+//   relinked four nodes at random addresses per hit, the main cost at high overlap).
+// - the ring: a lazy-deletion queue (absolute positions [head, tail) in a power-of-two array) of
+//   the slots not moved in the last step. After the hits of a step, the last block's entries still
+//   live (not moved again) are appended to it in order; then every slot not selected in this step
+//   is in a ring, so the misses' victims are the first live ring entries (probation's, then under
+//   "slru" protected's). An emptied slot goes to the least-recent end: prepended at --head.
+// An entry is live iff its slot's stamp names it; entries of slots that moved on stay behind,
+// stale, and are skipped (a ring that cannot take a step's pushes is compacted first: rare, it
+// only receives what the blocks leave). Per step a row passes twice over its k entries (lookup:
+// map entries fetched ahead, and the stamps along the way, as they are cold when a call starts;
+// hits), once over the last block (transfer), then places the misses (their victims collected
+// first, branch-free). On x86 with AVX2 (checked at run time) the validation scan and the lookup
+// run 8 entries at a time.
+//
 // Threading contract: calls may run concurrently from several Python threads provided they touch
 // disjoint (request, layer) pairs (e.g. different layers). alloc/free take the table lock
 // exclusively; resolve holds it shared.
@@ -28,82 +47,287 @@
 #include <shared_mutex>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define KV_X86 1
+#define KV_AVX2 __attribute__((target("avx2,popcnt")))
+#endif
 
 namespace py = pybind11;
 
 namespace {
 
-
 // Largest accepted token index: the token->slot map is a dense int32 array indexed by token.
 constexpr int64_t kMaxToken = 2147483646;  // INT32_MAX - 1
 
-// State of one (request, layer): `capacity` slots as nodes of two circular doubly-linked LRU lists,
-// the probation list with its sentinel node at index `capacity` and the protected list with its
-// sentinel at `capacity + 1` (next of a sentinel = least recent, prev = most recent). Misses and
-// empty slots live in probation; hits move to protected under "slru" and to probation under
-// "lru" (so "lru" is one list). Unlinking needs no list id: prev/next stay within a list.
-// A node packs everything a hit or a miss touches into 16 bytes (4 per cache line).
-struct Node {
-  int32_t prev, next;
-  int32_t token;   // -1 = empty
-  uint32_t epoch;  // == LayerState::epoch: selected in the current step
+constexpr int kProbation = 0, kProtected = 1;  // list ids ("lru" only uses probation)
+
+// Where a slot's live entry is: (index << 3) | (region << 1) | list, truncated to the stamp type;
+// region 0 = the list's ring (index = absolute position), 1 + b = the list's block array b
+// (index in it). 32 bits compare exactly while ring positions of one window differ by < 2^29;
+// larger capacities use 64 bits (LayerState::wide).
+template <typename Stamp>
+inline Stamp stamp_of(int64_t index, int region, int list) {
+  return static_cast<Stamp>((static_cast<uint64_t>(index) << 3) | (region << 1) | list);
+}
+
+// One LRU list, least recent first: ring ++ last step's block ++ this step's block.
+// - ring: a lazy-deletion queue, the slots not moved to the most-recent end in the last step;
+//   entry of absolute position p at ring[p & mask], live ones among [head, tail).
+// - blk[cur] (`last` entries): the slots moved to the most-recent end in the last step, in order;
+//   this step's moves go to blk[cur ^ 1]. Between hits and misses the last step's block entries
+//   still live (not moved again) are appended to the ring; at the end of the step the blocks swap.
+struct List {
+  std::vector<int32_t> ring;  // [mask + 1], a power of two
+  int64_t mask = 0, head = 0, tail = 0;
+  std::vector<int32_t> blk[2];  // [cap] each
+  int cur = 0;
+  int64_t last = 0;
+
+  void init(int64_t ring_entries, int32_t cap) {
+    ring.assign(static_cast<size_t>(ring_entries), 0);
+    mask = ring_entries - 1;
+    blk[0].assign(static_cast<size_t>(cap), 0);
+    blk[1].assign(static_cast<size_t>(cap), 0);
+  }
+  int64_t room() const { return mask + 1 - (tail - head); }
 };
 
+// Ring entries per list: a power of two >= 4x capacity. After a compaction a ring holds at most
+// `capacity` entries, which leaves room for a step's pushes (the last block, <= capacity, plus
+// <= k speculative misses) and for step 1 (<= capacity).
+int64_t ring_size(int64_t cap) {
+  int64_t n = 1;
+  while (n < 4 * cap) n <<= 1;
+  return n;
+}
+
+constexpr int64_t kLookAhead = 64;  // top-k entries whose map entries are fetched ahead
+constexpr int64_t kPrefetch = 16;   // entries fetched ahead by compact() and the misses
+
+// Fetches the lines of an array spread over the n iterations of a loop (line l by iteration
+// l * n / lines), so that they arrive while the loop works on other data: the state a later
+// pass reads at random (the stamps) is cold when a call starts (the other rows, the other layers
+// and torch ran since this row's last step).
+struct Warm {
+  Warm(const void* p, int64_t bytes, int64_t n)
+      : base(static_cast<const char*>(p)), lines((bytes + 63) / 64), n(n) {}
+  void upto(int64_t i) {  // the lines due by iteration i
+    for (; next < lines && next * n < lines * i; ++next) __builtin_prefetch(base + 64 * next, 1);
+  }
+  const char* base;
+  int64_t lines, n, next = 0;
+};
+
+#ifdef KV_X86
+// x86 kernels compiled for AVX2 (the build targets baseline x86-64), taken when the CPU has it
+// (kHasAvx2); each computes exactly what the portable loop it replaces does.
+
+template <typename T>
+KV_AVX2 std::make_unsigned_t<T> scan_row_avx2(const T* __restrict topk, int64_t k, int32_t* hi_out) {
+  using U = std::make_unsigned_t<T>;  // (same loop, compiled for AVX2)
+  U bits = 0;
+  int32_t hi = -1;
+  for (int64_t j = 0; j < k; ++j) {
+    const T t = topk[j];
+    bits |= static_cast<U>(t) + 1;
+    const int32_t t32 = static_cast<int32_t>(t);
+    hi = t32 > hi ? t32 : hi;
+  }
+  *hi_out = hi;
+  return bits;
+}
+
+const bool kHasAvx2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt");
+}();
+
+// kCompress[m]: the indices of the set bits of the 8-bit mask m, as bytes (low byte first);
+// with vpermd it packs the selected lanes of a vector to its front.
+struct CompressTable {
+  uint64_t idx[256];
+  CompressTable() {
+    for (int m = 0; m < 256; ++m) {
+      uint64_t v = 0;
+      int n = 0;
+      for (int b = 0; b < 8; ++b)
+        if (m >> b & 1) v |= static_cast<uint64_t>(b) << (8 * n++);
+      idx[m] = v;
+    }
+  }
+};
+const CompressTable kCompress;
+
+KV_AVX2 inline __m256i compress_perm(unsigned m) {
+  return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(kCompress.idx[m])));
+}
+
+// The lookup of resolve_row, 8 entries per step (one gather): slots[j] = max(map[t[j]], -1), the
+// positions with map[t[j]] == -1 packed into miss_pos; returns their number. Fetches ahead like
+// the portable loop.
+template <typename T>
+KV_AVX2 int64_t lookup_avx2(const T* __restrict topk, int64_t k, const int32_t* __restrict ts,
+                            int32_t* __restrict slots, int32_t* __restrict miss_pos, Warm& warm) {
+  const __m256i minus1 = _mm256_set1_epi32(-1), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  int64_t nm = 0, j = 0;
+  for (; j + 8 <= k; j += 8) {
+    for (int64_t a = j + kLookAhead; a < std::min(j + kLookAhead + 8, k); ++a)
+      __builtin_prefetch(ts + static_cast<int64_t>(topk[a]));
+    warm.upto(j + 8);
+    __m256i s;
+    if constexpr (sizeof(T) == 4) {
+      const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(topk + j));
+      s = _mm256_i32gather_epi32(ts, t, 4);
+    } else {
+      const __m256i t0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(topk + j));
+      const __m256i t1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(topk + j + 4));
+      s = _mm256_set_m128i(_mm256_i64gather_epi32(ts, t1, 4), _mm256_i64gather_epi32(ts, t0, 4));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(slots + j), _mm256_max_epi32(s, minus1));
+    const unsigned m = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(s, minus1)));
+    const __m256i pos = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(j)), lanes);
+    // (writes 8 entries at nm <= j: inside the row's k)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(miss_pos + nm),
+                        _mm256_permutevar8x32_epi32(pos, compress_perm(m)));
+    nm += __builtin_popcount(m);
+  }
+  for (; j < k; ++j) {
+    const int32_t s = ts[static_cast<int64_t>(topk[j])];
+    slots[j] = s < -1 ? -1 : s;
+    miss_pos[nm] = static_cast<int32_t>(j);
+    nm += s == -1;
+  }
+  return nm;
+}
+
+#endif  // KV_X86
+
+// State of one (request, layer): per slot its token and stamp; the probation list (lists[0]) and,
+// under "slru", the protected list (lists[1]); the dense token -> slot map. Methods templated on
+// `Stamp` use the stamp array in use (`wide`: 64 bits).
 struct LayerState {
-  explicit LayerState(int32_t capacity) : cap(capacity), nodes(capacity + 2) {
+  LayerState(int32_t capacity, bool slru)
+      : cap(capacity), wide(ring_size(capacity) > (int64_t{1} << 29)), token(capacity, -1),
+        token_slot(1, -2) {
+    if (wide) stamp64.resize(capacity); else stamp32.resize(capacity);
+    lists[kProbation].init(ring_size(capacity), capacity);
+    if (slru) lists[kProtected].init(ring_size(capacity), capacity);
     // New state: probation from least recent 0, 1, ..., capacity-1; protected empty.
-    for (int32_t i = 0; i <= cap; ++i)
-      nodes[i] = Node{(i + cap) % (cap + 1), (i + 1) % (cap + 1), -1, 0};
-    nodes[cap + 1] = Node{cap + 1, cap + 1, -1, 0};
+    for (int32_t s = 0; s < cap; ++s) {
+      if (wide) push_back<uint64_t>(kProbation, s); else push_back<uint32_t>(kProbation, s);
+    }
   }
 
-  void unlink(Node* n, int32_t s) {
-    n[n[s].prev].next = n[s].next;
-    n[n[s].next].prev = n[s].prev;
+  template <typename Stamp>
+  Stamp* stamps() {
+    if constexpr (sizeof(Stamp) == 4) return stamp32.data(); else return stamp64.data();
   }
-  void to_most_recent(int32_t s) {
-    Node* n = nodes.data();
-    unlink(n, s);
-    const int32_t last = n[cap].prev;
-    n[last].next = s;
-    n[s].prev = last;
-    n[s].next = cap;
-    n[cap].prev = s;
+  template <typename Stamp>
+  void push_back(int list, int32_t s) {  // to the ring's most-recent end
+    List& l = lists[list];
+    l.ring[l.tail & l.mask] = s;
+    stamps<Stamp>()[s] = stamp_of<Stamp>(l.tail++, 0, list);
   }
-  void to_least_recent(int32_t s) {
-    Node* n = nodes.data();
-    unlink(n, s);
-    const int32_t first = n[cap].next;
-    n[first].prev = s;
-    n[s].next = first;
-    n[s].prev = cap;
-    n[cap].next = s;
+  template <typename Stamp>
+  void push_front(int32_t s) {  // to the least-recent end of probation
+    List& l = lists[kProbation];
+    --l.head;
+    l.ring[l.head & l.mask] = s;
+    stamps<Stamp>()[s] = stamp_of<Stamp>(l.head, 0, kProbation);
   }
+  int32_t* map() { return token_slot.data() + 1; }  // map()[t]: slot of token t >= -1
+  template <typename Stamp>
   void empty_slot(int32_t s) {
-    token_slot[nodes[s].token] = -1;
-    nodes[s].token = -1;
-    to_least_recent(s);
+    map()[token[s]] = -1;
+    token[s] = -1;
+    push_front<Stamp>(s);
+  }
+  // Appends the live entries of the last step's block to the ring, in order: a branch-free
+  // compaction (live and stale entries interleave at random; the ring has room for the one write
+  // past them, see reserve), then the stamps of the appended ones.
+  template <typename Stamp>
+  void transfer(int list) {
+    List& l = lists[list];
+    const int32_t* __restrict blk = l.blk[l.cur].data();
+    int32_t* __restrict ring = l.ring.data();
+    Stamp* __restrict st = stamps<Stamp>();
+    const int64_t mask = l.mask, n = l.last, tail0 = l.tail;
+    int64_t tail = tail0;
+    Stamp expect = stamp_of<Stamp>(0, l.cur + 1, list);
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t s = blk[i];
+      ring[tail & mask] = s;
+      tail += st[s] == expect;
+      expect += 8;
+    }
+    for (int64_t p = tail0; p < tail; ++p) st[ring[p & mask]] = stamp_of<Stamp>(p, 0, list);
+    l.tail = tail;
+    l.last = 0;
+  }
+  // Drops a ring's stale entries: its live entries move down, in order, to [head, head + live).
+  // In place (a write never passes the read), then the stamps of the moved ones, like transfer().
+  template <typename Stamp>
+  void compact(int list) {
+    List& l = lists[list];
+    int32_t* __restrict ring = l.ring.data();
+    Stamp* __restrict st = stamps<Stamp>();
+    const int64_t mask = l.mask, head = l.head, tail = l.tail;
+    int64_t n = head;
+    for (int64_t p = head; p < tail; ++p) {
+      if (p + kPrefetch < tail) __builtin_prefetch(st + ring[(p + kPrefetch) & mask]);
+      const int32_t s = ring[p & mask];
+      const bool live = st[s] == stamp_of<Stamp>(p, 0, list);
+      ring[n & mask] = s;
+      n += live;
+    }
+    for (int64_t p = head; p < n; ++p) st[ring[p & mask]] = stamp_of<Stamp>(p, 0, list);
+    l.tail = n;
+  }
+  // Collects the live entries of a ring from its head into slot[*n..], pos[*n..] until *n == want
+  // or the ring is exhausted; returns the position where the scan stopped. Branch-free: the
+  // entry is written every time and kept by advancing *n.
+  template <typename Stamp>
+  int64_t collect(int list, int64_t want, int32_t* __restrict slot, int64_t* __restrict pos,
+                  int64_t* n_io) {
+    const List& l = lists[list];
+    const int32_t* __restrict ring = l.ring.data();
+    const Stamp* __restrict st = stamps<Stamp>();
+    const int64_t mask = l.mask, tail = l.tail;
+    int64_t n = *n_io, p = l.head;
+    for (; n < want && p < tail; ++p) {
+      const int32_t s = ring[p & mask];
+      slot[n] = s;
+      pos[n] = p;
+      n += st[s] == stamp_of<Stamp>(p, 0, list);
+    }
+    *n_io = n;
+    return p;
+  }
+  template <typename Stamp>
+  void reserve(int list, int64_t n) {  // ring room for n pushes
+    if (lists[list].room() < n) compact<Stamp>(list);
   }
   void ensure_token(int64_t max_token) {
-    if (max_token < static_cast<int64_t>(token_slot.size())) return;
-    int64_t n = std::max<int64_t>(max_token + 1, 2 * static_cast<int64_t>(token_slot.size()));
+    const int64_t size = static_cast<int64_t>(token_slot.size()) - 1;  // tokens mapped
+    if (max_token < size) return;
+    int64_t n = std::max<int64_t>(max_token + 1, 2 * size);
     n = std::min<int64_t>(n, kMaxToken + 1);
-    token_slot.resize(static_cast<size_t>(n), -1);
-  }
-  uint32_t next_epoch() {
-    if (++epoch == 0) {  // wrapped: forget all marks
-      for (auto& nd : nodes) nd.epoch = 0;
-      epoch = 1;
-    }
-    return epoch;
+    token_slot.resize(static_cast<size_t>(n + 1), -1);
   }
 
   int32_t cap;
-  std::vector<Node> nodes;          // [cap + 2], sentinels: cap (probation), cap + 1 (protected)
-  uint32_t epoch = 0;
-  std::vector<int32_t> token_slot;  // dense token -> slot, -1 = absent
+  bool wide;                        // 64-bit stamps (rings past 2^29 entries)
+  std::vector<int32_t> token;       // [cap] slot -> token, -1 = empty
+  std::vector<uint32_t> stamp32;    // [cap] slot -> stamp_of its live entry: one of the two
+  std::vector<uint64_t> stamp64;    //   (by `wide`)
+  List lists[2];                    // probation, protected (allocated under "slru" only)
+  std::vector<int32_t> token_slot;  // [1 + tokens]: -2 (what padding -1 looks up), then the
+                                    // dense token -> slot map, -1 = absent (see map())
   int64_t resident_bound = 0;       // every resident token < resident_bound
 };
 
@@ -117,20 +341,37 @@ struct Error {
   int64_t row = 0, col = 0, value = 0;
 };
 
+// -1 <= t <= kMaxToken iff (t + 1) as unsigned < 2^31: OR those (returned) and test one bit. The
+// maximum is taken over the low 32 bits (exact once valid), so the loop vectorizes.
 template <typename T>
-Error check_row(const T* topk, int64_t k, int64_t r, int64_t stable, int64_t* max_token) {
+std::make_unsigned_t<T> scan_row(const T* __restrict topk, int64_t k, int32_t* hi_out) {
+  using U = std::make_unsigned_t<T>;
+  U bits = 0;
+  int32_t hi = -1;
+  for (int64_t j = 0; j < k; ++j) {
+    const T t = topk[j];
+    bits |= static_cast<U>(t) + 1;
+    const int32_t t32 = static_cast<int32_t>(t);
+    hi = t32 > hi ? t32 : hi;
+  }
+  *hi_out = hi;
+  return bits;
+}
+
+template <typename T>
+Error check_row(const T* __restrict topk, int64_t k, int64_t r, int64_t stable, int64_t* max_token) {
   Error e;
   if (stable < 0) {
     e.kind = 1; e.row = r; e.value = stable;
     return e;
   }
-  int64_t lo = -1, hi = -1;  // branch-free min/max (vectorizes); locate the culprit only on error
-  for (int64_t j = 0; j < k; ++j) {
-    const int64_t t = static_cast<int64_t>(topk[j]);
-    lo = std::min(lo, t);
-    hi = std::max(hi, t);
-  }
-  if (lo < -1 || hi > kMaxToken) {
+  int32_t hi;
+#ifdef KV_X86
+  const auto bits = kHasAvx2 ? scan_row_avx2<T>(topk, k, &hi) : scan_row<T>(topk, k, &hi);
+#else
+  const auto bits = scan_row<T>(topk, k, &hi);
+#endif
+  if (bits >> 31) {  // locate the culprit only on error
     for (int64_t j = 0; j < k; ++j) {
       const int64_t t = static_cast<int64_t>(topk[j]);
       if (t < -1 || t > kMaxToken) {
@@ -143,116 +384,137 @@ Error check_row(const T* topk, int64_t k, int64_t r, int64_t stable, int64_t* ma
   return e;
 }
 
-constexpr int64_t kPrefetch = 16;  // top-k positions looked up ahead
-constexpr int64_t kWalkAhead = 8;  // LRU victims prefetched ahead
 constexpr int64_t kParallelEntries = 4096;  // fewer top-k entries per call: one thread
 
-// LRU moves on raw node pointers (locals keep the compiler from reloading vector internals):
-// `s` moves to the most-recent end of the list whose sentinel is `list`.
-inline void move_to_most_recent(Node* __restrict n, int32_t list, int32_t s) {
-  const int32_t p = n[s].prev, q = n[s].next;
-  n[p].next = q;
-  n[q].prev = p;
-  const int32_t last = n[list].prev;
-  n[last].next = s;
-  n[s].prev = last;
-  n[s].next = list;
-  n[list].prev = s;
-}
-
 // One step of one row; semantics in kvcore/hotcache.py. Returns (hits, misses); misses are
-// written in order of first top-k occurrence to the miss_* arrays (row-local region).
-// `hit_pos`/`miss_pos` are scratch arrays of k entries.
-template <typename T>
+// written in order of first top-k occurrence to the miss_* arrays (row-local region of k entries;
+// miss_rows doubles as the scratch list of miss positions). `spec` is a reusable buffer.
+template <typename T, bool kSlru, typename Stamp>
 std::pair<int64_t, int64_t> resolve_row(LayerState& st, const T* __restrict topk, int64_t k,
                                         int64_t stable, int32_t row, int32_t* __restrict slots,
                                         int32_t* __restrict miss_rows,
                                         int64_t* __restrict miss_tokens,
-                                        int32_t* __restrict miss_slots, int32_t* __restrict hit_pos,
-                                        int32_t* __restrict miss_pos, std::vector<int32_t>& spec,
-                                        bool slru) {
+                                        int32_t* __restrict miss_slots, std::vector<int32_t>& spec) {
+  constexpr int kHitList = kSlru ? kProtected : kProbation;
   const int32_t cap = st.cap;
-  const int32_t hit_list = slru ? cap + 1 : cap;
+  List& prob = st.lists[kProbation];
+  List& hl = st.lists[kHitList];
   // (1) Drop tokens >= stable (only possible when the stable length shrank).
   if (stable < st.resident_bound) {
+    st.reserve<Stamp>(kProbation, cap);
     for (int32_t s = 0; s < cap; ++s)
-      if (st.nodes[s].token >= stable) st.empty_slot(s);
+      if (st.token[s] >= stable) st.empty_slot<Stamp>(s);
   }
-  const uint32_t ep = st.next_epoch();
-  Node* __restrict nd = st.nodes.data();
-  int32_t* __restrict ts = st.token_slot.data();
-  // Lookup, branch-free: resident positions go to hit_pos, absent non-padding ones to miss_pos.
-  int64_t nh = 0, nm = 0;
-  for (int64_t j = 0; j < k; ++j) {
-    if (j + kPrefetch < k) {
-      const int64_t t2 = static_cast<int64_t>(topk[j + kPrefetch]);
-      __builtin_prefetch(ts + (t2 < 0 ? 0 : t2));
+  // Ring room for this step: the last blocks' live entries, <= k speculative misses to the
+  // least-recent end of probation, and the one spare write of transfer().
+  st.reserve<Stamp>(kProbation, prob.last + k + 1);
+  if (kSlru) st.reserve<Stamp>(kProtected, hl.last + 1);
+  Stamp* __restrict stamp = st.stamps<Stamp>();
+  int32_t* __restrict ts = st.map();
+  int32_t* __restrict token = st.token.data();
+  // Lookup, branch-free: slots[j] = the slot of t[j], -1 unless resident (padding reads the -2
+  // in front of the map); the absent positions (-1) are listed in miss_rows for (3). Map entries
+  // are fetched kLookAhead positions ahead, and the stamps (read by (2)) along the way.
+  Warm warm_stamps(stamp, static_cast<int64_t>(cap) * static_cast<int64_t>(sizeof(Stamp)), k);
+  int64_t nm = 0;
+#ifdef KV_X86
+  if (kHasAvx2) {
+    nm = lookup_avx2<T>(topk, k, ts, slots, miss_rows, warm_stamps);
+  } else
+#endif
+  {
+    const int64_t k_ahead = std::max<int64_t>(k - kLookAhead, 0);
+    for (int64_t j = 0; j < k; ++j) {
+      if (j < k_ahead) __builtin_prefetch(ts + static_cast<int64_t>(topk[j + kLookAhead]));
+      if ((j & 7) == 0) warm_stamps.upto(j + 8);
+      const int32_t s = ts[static_cast<int64_t>(topk[j])];
+      slots[j] = s < -1 ? -1 : s;
+      miss_rows[nm] = static_cast<int32_t>(j);
+      nm += s == -1;
     }
-    const int64_t t = static_cast<int64_t>(topk[j]);
-    const int32_t s = ts[t < 0 ? 0 : t] | static_cast<int32_t>(t >> 63);  // padding -> -1
-    slots[j] = s;
-    hit_pos[nh] = static_cast<int32_t>(j);
-    miss_pos[nm] = static_cast<int32_t>(j);
-    nh += s >= 0;
-    nm += (s < 0) & (t >= 0);
   }
-  // (2) Hits move to the most-recent end once, on their first occurrence.
+  warm_stamps.upto(k);
+  // (2) A hit's slot moves to the most-recent end of the hit list (its new block) unless it
+  // already did in this step, i.e. its stamp is in that block (low 3 bits == mark). (Measured:
+  // branches beat a branch-free form here.)
+  const int hregion = (hl.cur ^ 1) + 1;
+  int32_t* __restrict hblk = hl.blk[hl.cur ^ 1].data();
+  const Stamp mark = stamp_of<Stamp>(0, hregion, kHitList);
   int64_t hits = 0;
-  for (int64_t i = 0; i < nh; ++i) {
-    if (i + kPrefetch / 2 < nh) __builtin_prefetch(nd + slots[hit_pos[i + kPrefetch / 2]], 1);
-    if (i + kPrefetch / 4 < nh) {  // the list neighbours that unlinking will write
-      const Node& a = nd[slots[hit_pos[i + kPrefetch / 4]]];
-      __builtin_prefetch(nd + a.prev, 1);
-      __builtin_prefetch(nd + a.next, 1);
-    }
-    const int32_t s = slots[hit_pos[i]];
-    if (nd[s].epoch != ep) {
-      nd[s].epoch = ep;
-      move_to_most_recent(nd, hit_list, s);
+  for (int64_t j = 0; j < k; ++j) {
+    const int32_t s = slots[j];
+    if (s >= 0 && (stamp[s] & 7) != mark) {
+      hblk[hits] = s;
+      stamp[s] = stamp_of<Stamp>(hits, hregion, kHitList);
       ++hits;
     }
   }
-  // (3) Misses take the least-recent slot; duplicates reuse the slot taken in this step. The
-  // victims are the list's first nodes in order; a walker prefetches them and their tokens' map
-  // entries ahead.
-  int64_t misses = 0;
-  spec.clear();
-  int32_t ahead = nd[cap].next;
-  for (int64_t w = 0; w < kWalkAhead && ahead != cap; ++w) ahead = nd[ahead].next;
+  // The last step's blocks go to the rings: every slot not selected in this step is now in a
+  // ring, least recent first, and every selected one in a new block.
+  st.transfer<Stamp>(kProbation);
+  if (kSlru) st.transfer<Stamp>(kProtected);
+  // (3) Misses take the least-recent slot and enter probation (its new block, after the hits
+  // under "lru"); duplicates reuse the slot taken in this step. The victims are the live entries
+  // of probation's ring from its head, then under "slru" (probation empty or all selected) those
+  // of protected's ring (enough of them: unique tokens <= capacity). Up to nm of them are
+  // collected first, branch-free (their stamps load in parallel): slots in miss_slots, ring
+  // positions in miss_tokens, each read before the miss of its index overwrites it.
+  int32_t* const vslot = miss_slots;
+  int64_t* const vpos = miss_tokens;
+  int64_t nv = 0;
+  const int64_t pend = st.collect<Stamp>(kProbation, nm, vslot, vpos, &nv);
+  const int64_t nprob = nv;
+  if (kSlru && nv < nm) st.collect<Stamp>(kProtected, nm, vslot, vpos, &nv);
+  const int pregion = (prob.cur ^ 1) + 1;
+  int32_t* __restrict pblk = prob.blk[prob.cur ^ 1].data();
+  int64_t np = kSlru ? 0 : hits, misses = 0, nspec = 0, last_pos = 0;
   for (int64_t i = 0; i < nm; ++i) {
-    const int64_t j = miss_pos[i];
+    const int64_t j = miss_rows[i];  // read before miss_rows[misses <= i] is written
     const int64_t t = static_cast<int64_t>(topk[j]);
     int32_t s = ts[t];
     if (s < 0) {
-      if (ahead != cap) {
-        const int32_t old_ahead = nd[ahead].token;
-        __builtin_prefetch(ts + (old_ahead < 0 ? 0 : old_ahead), 1);
-        ahead = nd[ahead].next;
-        __builtin_prefetch(nd + ahead, 1);
-      }
-      // The least-recent probation slot; under "slru", when it is the sentinel or selected in this
-      // step (then every probation slot is: selected ones sit at its most-recent end), the
-      // least-recent protected slot, which then is not selected (unique tokens <= cap).
-      s = nd[cap].next;
-      if (slru && (s == cap || nd[s].epoch == ep)) s = nd[cap + 1].next;
-      const int32_t old = nd[s].token;
-      if (old >= 0) ts[old] = -1;
-      nd[s].token = static_cast<int32_t>(t);
-      nd[s].epoch = ep;
+      if (misses + kPrefetch < nv) __builtin_prefetch(token + vslot[misses + kPrefetch]);
+      if (misses + kPrefetch / 2 < nv) __builtin_prefetch(ts + token[vslot[misses + kPrefetch / 2]], 1);
+      s = vslot[misses];
+      last_pos = vpos[misses];
+      const int32_t old = token[s];
+      ts[old] = old < 0 ? -2 : -1;  // (an empty slot's -1 reads the padding entry: keep it)
+      token[s] = static_cast<int32_t>(t);
       ts[t] = s;
-      move_to_most_recent(nd, cap, s);  // misses enter probation
+      pblk[np] = s;
+      stamp[s] = stamp_of<Stamp>(np, pregion, kProbation);
+      ++np;
       miss_rows[misses] = row;
       miss_tokens[misses] = t;
       miss_slots[misses] = s;
       ++misses;
-      if (t >= stable) spec.push_back(s);
+      nspec += t >= stable;
     }
     slots[j] = s;
   }
+  // Pop the victims taken (and the stale entries before them).
+  if (misses > 0) {
+    if (misses <= nprob) {
+      prob.head = last_pos + 1;
+    } else {
+      prob.head = pend;
+      st.lists[kProtected].head = last_pos + 1;
+    }
+  }
   // (4) Speculative tokens loaded in this step do not stay resident.
-  if (!spec.empty()) {
+  if (nspec > 0) {
+    spec.clear();
+    for (int64_t m = 0; m < misses; ++m)
+      if (miss_tokens[m] >= stable) spec.push_back(miss_slots[m]);
     std::sort(spec.begin(), spec.end());
-    for (int32_t s : spec) st.empty_slot(s);
+    for (int32_t s : spec) st.empty_slot<Stamp>(s);
+  }
+  // This step's blocks become the last ones.
+  prob.cur ^= 1;
+  prob.last = np;
+  if (kSlru) {
+    hl.cur ^= 1;
+    hl.last = hits;
   }
   st.resident_bound = stable;
   return {hits, misses};
@@ -299,7 +561,7 @@ class Cache {
     const auto& st = table_[h]->layers[layer];
     if (!st) return out;
     for (int32_t s = 0; s < st->cap; ++s)
-      if (st->nodes[s].token >= 0) out.emplace_back(st->nodes[s].token, s);
+      if (st->token[s] >= 0) out.emplace_back(st->token[s], s);
     return out;
   }
 
@@ -356,40 +618,53 @@ class Cache {
     int32_t* miss_rows = reinterpret_cast<int32_t*>(miss_rows_ptr);
     int64_t* miss_tokens = reinterpret_cast<int64_t*>(miss_tokens_ptr);
     int32_t* miss_slots = reinterpret_cast<int32_t*>(miss_slots_ptr);
-    std::vector<Error> errors(rows);
     std::vector<int64_t> per_row(static_cast<size_t>(3 * rows), 0);
     int64_t* max_token = per_row.data();  // [rows]
     int64_t* row_hits = max_token + rows;  // [rows]
     int64_t* row_misses = row_hits + rows;  // [rows]
     // Validate every row before touching any state (serial: cheaper than a fork/join).
-    for (int64_t r = 0; r < rows; ++r)
-      errors[r] = check_row<T>(topk + r * k, k, r, stable[r], &max_token[r]);
-    for (int64_t r = 0; r < rows; ++r)
-      if (errors[r].kind != 0) return errors[r];
+    for (int64_t r = 0; r < rows; ++r) {
+      const Error e = check_row<T>(topk + r * k, k, r, stable[r], &max_token[r]);
+      if (e.kind != 0) return e;
+    }
     // Allocate here (may throw) so that the parallel part cannot fail.
     std::vector<LayerState*> states(rows);
     for (int64_t r = 0; r < rows; ++r) {
       auto& slot = table_[handles[r]]->layers[layer];
-      if (!slot) slot = std::make_unique<LayerState>(static_cast<int32_t>(cap_));
+      if (!slot) slot = std::make_unique<LayerState>(static_cast<int32_t>(cap_), slru_);
       slot->ensure_token(std::max<int64_t>(max_token[r], 0));
       states[r] = slot.get();
     }
-    std::unique_ptr<int32_t[]> scratch(new int32_t[2 * rows * k + 2]);  // hit/miss positions
-    // Static schedule: with the same batch a row (request) stays on its thread, its state in that
+    // Static schedule (thread t takes the t-th contiguous share of the rows; one thread: no team
+    // at all): with the same batch a row (request) stays on its thread, its state in that
     // core's cache. Threads come from the process's OpenMP runtime (torch's libgomp when torch is
     // loaded first), so they are the threads torch's own ops just used. Measured trade-off: a
     // private work-claiming pool was robust when other processes held a core (libgomp's barrier
     // spins ~20 ms before yielding, so a 0.1 ms call can take 12-30 ms then), but it fought
     // torch's spinning OpenMP workers whenever torch ops ran between calls, as in the engine.
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * k >= kParallelEntries)
-    for (int64_t r = 0; r < rows; ++r) {
-      std::vector<int32_t> spec;
-      auto hm = resolve_row<T>(*states[r], topk + r * k, k, stable[r], static_cast<int32_t>(r),
-                               slots + r * k, miss_rows + r * k, miss_tokens + r * k,
-                               miss_slots + r * k, scratch.get() + 2 * r * k,
-                               scratch.get() + 2 * r * k + k, spec, slru_);
-      row_hits[r] = hm.first;
-      row_misses[r] = hm.second;
+    auto work = [&](int64_t lo, int64_t hi) {
+      thread_local std::vector<int32_t> spec;  // speculative slots of a row (capacity kept)
+      for (int64_t r = lo; r < hi; ++r) {
+        auto step = states[r]->wide
+                        ? (slru_ ? resolve_row<T, true, uint64_t> : resolve_row<T, false, uint64_t>)
+                        : (slru_ ? resolve_row<T, true, uint32_t> : resolve_row<T, false, uint32_t>);
+        auto hm = step(*states[r], topk + r * k, k, stable[r], static_cast<int32_t>(r),
+                       slots + r * k, miss_rows + r * k, miss_tokens + r * k, miss_slots + r * k,
+                       spec);
+        row_hits[r] = hm.first;
+        row_misses[r] = hm.second;
+      }
+    };
+    const int64_t threads =
+        rows > 1 && rows * k >= kParallelEntries ? std::min<int64_t>(omp_get_max_threads(), rows) : 1;
+    if (threads <= 1) {
+      work(0, rows);
+    } else {
+#pragma omp parallel num_threads(static_cast<int>(threads))
+      {
+        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+        work(rows * t / n, rows * (t + 1) / n);
+      }
     }
     // Compact the row-local miss regions (destination offset <= source offset: memmove order).
     int64_t off = 0, hits = 0;
