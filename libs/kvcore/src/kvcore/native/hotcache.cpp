@@ -123,13 +123,12 @@ struct Warm {
   int64_t lines, n, next = 0;
 };
 
-#ifdef KV_X86
-// x86 kernels compiled for AVX2 (the build targets baseline x86-64), taken when the CPU has it
-// (kHasAvx2); each computes exactly what the portable loop it replaces does.
-
+// -1 <= t <= kMaxToken iff (t + 1) as unsigned < 2^31: OR those (returned) and test one bit. The
+// maximum is taken over the low 32 bits (exact once valid), so the loop vectorizes.
 template <typename T>
-KV_AVX2 std::make_unsigned_t<T> scan_row_avx2(const T* __restrict topk, int64_t k, int32_t* hi_out) {
-  using U = std::make_unsigned_t<T>;  // (same loop, compiled for AVX2)
+inline __attribute__((always_inline)) std::make_unsigned_t<T> scan_row(const T* __restrict topk,
+                                                                  int64_t k, int32_t* hi_out) {
+  using U = std::make_unsigned_t<T>;
   U bits = 0;
   int32_t hi = -1;
   for (int64_t j = 0; j < k; ++j) {
@@ -140,6 +139,15 @@ KV_AVX2 std::make_unsigned_t<T> scan_row_avx2(const T* __restrict topk, int64_t 
   }
   *hi_out = hi;
   return bits;
+}
+
+#ifdef KV_X86
+// x86 kernels compiled for AVX2 (the build targets baseline x86-64), taken when the CPU has it
+// (kHasAvx2); each computes exactly what the portable loop it replaces does.
+
+template <typename T>
+KV_AVX2 std::make_unsigned_t<T> scan_row_avx2(const T* __restrict topk, int64_t k, int32_t* hi_out) {
+  return scan_row<T>(topk, k, hi_out);  // the portable loop, inlined here and compiled for AVX2
 }
 
 const bool kHasAvx2 = [] {
@@ -340,23 +348,6 @@ struct Error {
   int kind = 0;  // 0 none, 1 stable_lens negative, 2 topk negative, 3 topk too large
   int64_t row = 0, col = 0, value = 0;
 };
-
-// -1 <= t <= kMaxToken iff (t + 1) as unsigned < 2^31: OR those (returned) and test one bit. The
-// maximum is taken over the low 32 bits (exact once valid), so the loop vectorizes.
-template <typename T>
-std::make_unsigned_t<T> scan_row(const T* __restrict topk, int64_t k, int32_t* hi_out) {
-  using U = std::make_unsigned_t<T>;
-  U bits = 0;
-  int32_t hi = -1;
-  for (int64_t j = 0; j < k; ++j) {
-    const T t = topk[j];
-    bits |= static_cast<U>(t) + 1;
-    const int32_t t32 = static_cast<int32_t>(t);
-    hi = t32 > hi ? t32 : hi;
-  }
-  *hi_out = hi;
-  return bits;
-}
 
 template <typename T>
 Error check_row(const T* __restrict topk, int64_t k, int64_t r, int64_t stable, int64_t* max_token) {
