@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.hotcache import HotCache
+from kvcore.traces.synthetic import top_per_row
 from kvcore.traces.trace import Trace
 
 PREDICTORS = ("returning", "neighbours", "previous_layer")
@@ -59,7 +60,7 @@ def evaluate(trace: Trace, capacity: int, *, policy: str = "lru", window: int = 
         if t >= warmup:
             age = t - last  # [S, P]
             ret = (age >= 2) & (age <= window) & ~resident
-            ret = _top_by(ret, last.to(torch.float64), (budget * prev_misses.clamp(min=1)).ceil().long())
+            ret = top_per_row(last.to(torch.float64), ret, (budget * prev_misses.clamp(min=1)).ceil().long())
             nb = torch.zeros_like(new_prev)
             nb[:, 1:] |= new_prev[:, :-1]
             nb[:, :-1] |= new_prev[:, 1:]
@@ -92,12 +93,3 @@ def _resident_mask(cache: HotCache, ids: list[str], S: int, P: int) -> torch.Ten
             out[s, torch.tensor(toks)] = True
     return out
 
-
-def _top_by(mask: torch.Tensor, key: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """Per row, the ``n[row]`` flagged positions of largest ``key``."""
-    k = torch.where(mask, key, torch.full_like(key, -float("inf")))
-    order = k.argsort(dim=1, descending=True, stable=True)
-    take = torch.arange(mask.shape[1])[None, :] < torch.minimum(n, mask.sum(1))[:, None]
-    out = torch.zeros_like(mask)
-    out.scatter_(1, order, take)
-    return out

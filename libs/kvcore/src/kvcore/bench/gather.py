@@ -8,7 +8,7 @@ Two kinds of case, one of each per row size:
 - ``miss_cases`` (one real decode step's misses): the rows a decode step really gathers. The
   synthetic trace ``trace`` (``kvcore.traces.synthetic``, one layer, one stream per request, ``rows``
   requests, top-k ``topk`` over a context of ``context`` tokens growing by one per step) is resolved
-  step by step by ``HotCache(capacity, 1)`` (LRU, the default policy; ``stable_lens`` = the step's context, so every
+  step by step by ``kvcore.bench.hotcache.simulate`` (LRU, the default policy; ``stable_lens`` = the step's context, so every
   miss stays resident, as in ``kvcore.bench.hotcache``). After ``warmup_steps`` steps (the first
   one misses the whole top-k) the ``miss_rows``/``miss_tokens``/``miss_slots`` of each of the next
   ``miss_steps`` steps are gathered unchanged: at the defaults (overlap90, k = 2048, capacity
@@ -42,7 +42,7 @@ import torch
 
 from kvcore.bench.load import OtherLoad
 from kvcore import gather
-from kvcore.hotcache import HotCache
+from kvcore.bench.hotcache import simulate
 from kvcore.traces.synthetic import generate, preset
 
 GOAL_RATIO_TO_MEMCPY = 0.7
@@ -162,14 +162,9 @@ def _miss_steps(trace, rows, topk, context, capacity, warmup_steps, miss_steps, 
     ``{"trace": ..., "steps": [trace step], "misses": [(miss_rows, miss_tokens, miss_slots)]}``."""
     total = warmup_steps + miss_steps
     tr = generate(preset(trace, requests=rows, layers=1, steps=total, k=topk, context0=context, seed=seed), trace)
-    cache = HotCache(capacity, 1)
-    ids = [f"req-{r}" for r in range(rows)]
-    misses, hits = [], 0
-    for t in range(total):
-        res = cache.resolve(0, ids, tr.topk[:, t].contiguous(), tr.context(t))  # topk: [rows, k] int32
-        if t >= warmup_steps:
-            misses.append((res.miss_rows, res.miss_tokens, res.miss_slots))
-            hits += res.num_hits
+    measured = simulate(tr, capacity)[1][warmup_steps:]  # the measured steps' resolutions
+    misses = [(res.miss_rows, res.miss_tokens, res.miss_slots) for res in measured]
+    hits = sum(res.num_hits for res in measured)
     missed = sum(m[0].numel() for m in misses)
     return {"trace": trace, "steps": list(range(warmup_steps, total)), "misses": misses,
             "hit_rate": hits / max(hits + missed, 1)}

@@ -137,18 +137,15 @@ def simulate(tr: Trace, capacity: int, policy: str = DEFAULT_POLICY, *, native: 
     return cache, out
 
 
-def _stream_hits(tr: Trace, capacity: int, policy: str) -> torch.Tensor:
-    """[streams] hits of ``policy`` per stream."""
-    cache = HotCache(capacity, 1, policy=policy)
-    ids = [str(s) for s in range(tr.streams)]
-    hits = torch.zeros(tr.streams, dtype=torch.int64)
-    for t in range(tr.steps):
-        topk = tr.topk[:, t].contiguous()
-        res = cache.resolve(0, ids, topk, tr.context(t))
-        unique = _unique_per_row(topk)  # [streams]
-        missed = torch.bincount(res.miss_rows.long(), minlength=tr.streams)
-        hits += unique - missed
-    return hits
+def _stream_misses(tr: Trace, capacity: int) -> torch.Tensor:
+    """[streams] misses of the default policy per stream over the whole trace."""
+    _, steps = simulate(tr, capacity)
+    return sum(torch.bincount(res.miss_rows.long(), minlength=tr.streams) for res in steps)
+
+
+def _selections(tr: Trace) -> torch.Tensor:
+    """[streams] unique tokens selected per stream, summed over the steps (hits + misses)."""
+    return sum(_unique_per_row(tr.topk[:, t]) for t in range(tr.steps))
 
 
 def _unique_per_row(topk: torch.Tensor) -> torch.Tensor:
@@ -181,12 +178,18 @@ def _hit_rates(tr: Trace, sizes, reference_steps: int) -> tuple[dict, bool]:
 def _layer_sizing(tr: Trace) -> dict:
     layers = sorted(set(tr.layers.tolist()))
     caps = [max(int(round(m * tr.k)), tr.k) for m in CURVE]
-    per_stream = {c: _stream_hits(tr, c, DEFAULT_POLICY) for c in caps}  # [streams] each
-    curves = {layer: [(c, int(per_stream[c][tr.layers == layer].sum())) for c in caps] for layer in layers}
+
+    def per_layer(x: torch.Tensor) -> dict[int, int]:  # [streams] -> sum per layer
+        return {layer: int(x[tr.layers == layer].sum()) for layer in layers}
+
+    selected = _selections(tr)  # [streams]
+    hits_by_cap = {c: per_layer(selected - _stream_misses(tr, c)) for c in caps}
+    curves = {layer: [(c, hits_by_cap[c][layer]) for c in caps] for layer in layers}
+    selected_by_layer = per_layer(selected)
     uniform_cap = 2 * tr.k
     budget = uniform_cap * len(layers)
     uniform = {layer: uniform_cap for layer in layers}
-    total = int(sum(_unique_per_row(tr.topk[:, t]).sum() for t in range(tr.steps)))  # unique selections
+    total = sum(selected_by_layer.values())  # unique selections
     uniform_miss = total - hotsizing.hits_at(curves, uniform)
     sized = hotsizing.size_layers(curves, budget)
     sized_miss = total - hotsizing.hits_at(curves, sized)
@@ -207,10 +210,8 @@ def _layer_sizing(tr: Trace) -> dict:
         "h2d_rows_per_step_sized": sized_miss / tr.steps,
         "h2d_ratio_equal_device": sized_miss / uniform_miss if uniform_miss else 1.0,
         "device_ratio_equal_h2d": smallest,
-        "hit_rate_curves": {str(layer): [round(h / max(total_l, 1), 5) for _, h in pts]
-                            for layer, pts in curves.items()
-                            for total_l in [int(sum(_unique_per_row(tr.topk[tr.layers == layer][:, t]).sum()
-                                                    for t in range(tr.steps)))]},
+        "hit_rate_curves": {str(layer): [round(h / max(selected_by_layer[layer], 1), 5) for _, h in pts]
+                            for layer, pts in curves.items()},
     }
 
 

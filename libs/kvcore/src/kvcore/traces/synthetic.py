@@ -160,7 +160,7 @@ def generate(p: SyntheticParams, name: str = "synthetic") -> Trace:
         # new spans: never an entry dropped now or within the return window (those are returns)
         # (in a context too small for that, recently dropped entries fill the rest)
         for allowed in (valid & ~sel & ~recent_drop, valid & ~sel):
-            got = _top(score, allowed & ~new & (pos >= p.sinks), need)
+            got = top_per_row(score, allowed & ~new & (pos >= p.sinks), need)
             new |= got
             need = need - got.sum(1)
         dropped_at[sel & ~new] = t
@@ -176,10 +176,10 @@ def _draw(log_w: torch.Tensor, allowed: torch.Tensor, n: torch.Tensor, gen: torc
     """Per row, ``n[row]`` allowed positions drawn without replacement with weights ``exp(log_w)``
     (Gumbel top-k) -> bool [S, P]."""
     gumbel = -torch.log(-torch.log(torch.rand(log_w.shape, generator=gen, dtype=torch.float64).clamp(1e-300, 1.0)))
-    return _top(log_w + gumbel, allowed, n)
+    return top_per_row(log_w + gumbel, allowed, n)
 
 
-def _top(score: torch.Tensor, allowed: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+def top_per_row(score: torch.Tensor, allowed: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """Per row, the ``n[row]`` allowed positions of highest score -> bool [S, P]."""
     s = torch.where(allowed, score, torch.full_like(score, _NEG))
     order = s.argsort(dim=1, descending=True, stable=True)  # [S, P]
