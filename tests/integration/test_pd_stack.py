@@ -17,14 +17,20 @@ from kvoffload.stack import Stack, StackConfig, free_stack_ports, post_json, sta
 BS = 16
 
 
-def _config(model_dir, tmp, prefills: int, decodes: int) -> StackConfig:
+def _config(model_dir, tmp, prefills: int, decodes: int, **kw) -> StackConfig:
     return StackConfig(model=model_dir, log_dir=tmp / "logs", **free_stack_ports(prefills, decodes),
-                       max_model_len=8192, block_size=BS)
+                       max_model_len=8192, block_size=BS, **kw)
+
+
+# this module's stack decodes with miss prefetch on (I3 below holds with it; off is the default,
+# which every other stack test runs)
+PREFETCH = {"decode-0": ["--additional-config", json.dumps({"sparse_kv_offload_config": {
+    "enabled": True, "topk_buffer_size": 128, "dram_size_per_dp_GB": 1, "miss_prefetch": True}})]}
 
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    cfg = _config(model_dir, tmp_path_factory.mktemp("stack"), 1, 1)
+    cfg = _config(model_dir, tmp_path_factory.mktemp("stack"), 1, 1, service_args=PREFETCH)
     with Stack(cfg) as s:
         yield s
 
@@ -94,8 +100,10 @@ def test_every_http_service_exports_its_metrics(stack):
     decode, prefill = metrics(c.decode_ports[0]), metrics(c.prefill_ports[0])
     for name in ("kvoffload_decode_hot_cache_hit_rate_by_layer{layer=\"0\"}", "kvoffload_decode_h2d_bytes_per_step",
                  "kvoffload_decode_read_done_ms_avg", "kvoffload_decode_pool_used_bytes",
-                 "kvoffload_decode_requests_total{outcome=\"ok\"}"):
+                 "kvoffload_decode_requests_total{outcome=\"ok\"}", "kvoffload_decode_prefetch_hits_per_step"):
         assert name in decode, name
+    prefetched = [line for line in decode.splitlines() if line.startswith("kvoffload_decode_prefetched_rows_per_step ")]
+    assert len(prefetched) == 1 and float(prefetched[0].split()[1]) > 0, prefetched  # the prefetch really ran
     for name in ("kvoffload_prefill_gate_wait_seconds_total", "kvoffload_prefill_read_done_ms_avg",
                  "kvoffload_prefill_pool_used_bytes", "kvoffload_prefill_requests_total{outcome=\"ok\"}"):
         assert name in prefill, name

@@ -3,6 +3,8 @@ clear, and the decode bench reports its trace figures consistently."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import structlog
 import torch
@@ -168,6 +170,81 @@ def test_policies_change_traffic_never_results():
         assert misses[0] != misses[1]
         assert decs[1].hotcache.policy == "slru" and decs[0].hotcache.policy == "lru"
     finally:
+        _close(pools)
+
+
+def test_miss_prefetch_changes_where_rows_come_from_never_results():
+    """I2 with miss prefetch on and off: a trace whose every layer selects what the layer below did
+    (so from the second step on each miss of layers 1.. was loaded early, exactly: the first step has
+    no miss counts to size a budget from), the indexer's own choice (mostly wrong predictions), and
+    a draft step (prefetch off inside it): logits bit-identical to the prefetch-off decoder and to
+    keep_device_kv_cache throughout."""
+    model = tiny(torch.float32, False)  # 4 cache layers
+    trace = _hand_trace(requests=2, layers=1, context0=301, steps=6, new=12, seed=1)
+    ids = ["a", "b"]
+    override = TraceTopK(trace, ids, num_layers=4, layers=[0, 0, 0, 0])  # every layer: the same selection
+    pools = [decode_pool(model, BS) for _ in range(3)]
+    decs = [SparseDecoder(model, p, topk_buffer_size=K, max_num_seqs=2, max_model_len=512, topk_override=override,
+                          keep_device_kv_cache=keep, miss_prefetch=pf)
+            for p, (keep, pf) in zip(pools, ((False, True), (False, False), (True, False)))]
+    on, off, keep = decs
+    assert on.prefetcher is not None and off.prefetcher is None
+    on.prefetcher.wait_s = 60.0  # loads are never late here: the counts below are exact
+    try:
+        _install(decs, model, ids, 300)
+        tokens = torch.tensor([3, 7])
+        for t in range(5):
+            out = [d.step(ids, tokens) for d in decs]
+            assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+            s_on, s_off = on.last_step, off.last_step
+            assert (s_on.hits, s_on.misses, s_on.h2d_bytes) == (s_off.hits, s_off.misses, s_off.h2d_bytes)
+            if t == 0:
+                assert s_on.prefetched == s_on.prefetch_hits == 0 and s_on.misses == 4 * 2 * K
+            else:
+                assert s_on.prefetch_hits == s_on.prefetched == sum(s_on.layer_misses[i] for i in (1, 2, 3)) == 72
+            assert s_on.prefetch_late == 0 and s_off.prefetched == s_off.prefetch_hits == 0
+            tokens = out[0].argmax(-1)
+        for d in decs:  # the indexer's own choice: predictions mostly wrong, results still equal
+            d.topk_override = None
+        drafts = [[int(tokens[0]), 11], [int(tokens[1])]]
+        outs = [d.forward(ids, drafts)[0] for d in decs]
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        assert on.last_step.prefetched == 0  # no prefetch in a step with drafts
+        for d in decs:
+            for rid in ids:
+                d.commit(rid, d.seqs[rid].num_tokens + 1)
+        for _ in range(3):
+            out = [d.step(ids, tokens) for d in decs]
+            assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+            tokens = out[0].argmax(-1)
+        assert on.last_step.prefetched > 0
+    finally:
+        on.prefetcher.close()
+        _close(pools)
+
+
+def test_a_late_prefetch_is_dropped_never_waited_for():
+    """The critical path does not wait (wait_s 0): a load still queued when its layer resolves is
+    dropped and counted; the rows then come from the host pool and the logits are unchanged."""
+    model = tiny(torch.float32, False)
+    trace = _hand_trace(requests=1, layers=1, context0=301, steps=4, new=12, seed=2)
+    override = TraceTopK(trace, ["a"], num_layers=4, layers=[0, 0, 0, 0])
+    pools = [decode_pool(model, BS) for _ in range(2)]
+    on, off = (SparseDecoder(model, p, topk_buffer_size=K, max_num_seqs=1, max_model_len=512, topk_override=override,
+                             miss_prefetch=pf) for p, pf in zip(pools, (True, False)))
+    gate = threading.Event()
+    try:
+        _install([on, off], model, ["a"], 300)
+        tokens = torch.tensor([5])
+        assert torch.equal(on.step(["a"], tokens), off.step(["a"], tokens))
+        on.prefetcher._pool.submit(gate.wait)  # the loader thread is busy until the step is over
+        assert torch.equal(on.step(["a"], tokens), off.step(["a"], tokens))
+        st = on.last_step
+        assert st.prefetched > 0 and st.prefetch_late == 3 and st.prefetch_hits == 0 and on.prefetcher.late == 3
+        assert (st.hits, st.misses) == (off.last_step.hits, off.last_step.misses)
+    finally:
+        gate.set()
+        on.prefetcher.close()
         _close(pools)
 
 

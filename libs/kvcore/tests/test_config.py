@@ -190,6 +190,8 @@ def test_additional_config_defaults(value: Any) -> None:
     )
     assert sparse.hot_cache_policy == "lru"
     assert parse_additional_config({SPARSE: {"hot_cache_policy": "slru"}}).sparse.hot_cache_policy == "slru"
+    assert sparse.miss_prefetch is False
+    assert parse_additional_config({SPARSE: {"miss_prefetch": True}}).sparse.miss_prefetch is True
 
 
 def test_other_features_keys_are_kept_silently() -> None:
@@ -347,6 +349,7 @@ INVALID_ADDITIONAL = [
     (sparse(enabled="true"), f"{SPARSE}.enabled", ["'true' (str)", "must be true or false"]),
     (sparse(enabled=1), f"{SPARSE}.enabled", ["1 (int)", "must be true or false"]),
     (sparse(keep_device_kv_cache="false"), f"{SPARSE}.keep_device_kv_cache", ["must be true or false"]),
+    (sparse(miss_prefetch="on"), f"{SPARSE}.miss_prefetch", ["'on' (str)", "must be true or false"]),
     (sparse(hot_cache_policy="lfu"), f"{SPARSE}.hot_cache_policy", ["'lfu' (str)", "must be one of 'lru', 'slru'"]),
     (sparse(topk_buffer_size=0), f"{SPARSE}.topk_buffer_size", ["got 0 (int)", "must be an int"]),
     (sparse(topk_buffer_size=-128), f"{SPARSE}.topk_buffer_size", ["got -128 (int)"]),

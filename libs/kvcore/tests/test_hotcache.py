@@ -83,6 +83,22 @@ def test_residency_is_per_request_not_per_row(native):
 
 
 @BOTH
+def test_resident_reads_without_changing_state(native):
+    c = HotCache(3, 2, native=native)
+    c.resolve(0, ["a"], _t([[5, 3]]), [10])
+    got = c.resident(0, ["a", "zz"], _t([[5, 4, -1, 3], [5, 4, -1, 3]]))
+    assert got.dtype == torch.bool and got.tolist() == [[True, False, False, True], [False] * 4]
+    assert c.resident(1, ["a"], _t([[5, 3]])).tolist() == [[False, False]]  # layers are independent
+    assert "zz" not in c and c.residency("a", 0) == {5: 0, 3: 1} and c.stats()["steps"] == 1
+    with pytest.raises(ValueError, match="int64"):
+        c.resident(0, ["a"], _t([[5]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="2 entries but tokens has 1 rows"):
+        c.resident(0, ["a", "b"], _t([[5]]))
+    with pytest.raises(ValueError, match="layer = 2"):
+        c.resident(2, ["a"], _t([[5]]))
+
+
+@BOTH
 def test_int32_topk_and_tensor_stable_lens(native):
     a, b = HotCache(6, 1, native=native), HotCache(6, 1, native=native)
     rows = [[4, -1, 4, 0], [2, 5, 1, 3]]
@@ -227,6 +243,15 @@ def test_native_equals_reference_and_invariants_hold(policy, scenario):
         after = {rid: native.residency(rid, layer) for rid in ids}
         assert after == {rid: ref.residency(rid, layer) for rid in ids}
         _check_invariants(a, ids, topk, stable, before, after, capacity)
+        probe_ids = [*ids, "never-seen"]  # resident(): the residency maps, read-only, on both paths
+        probe = torch.tensor([[-1, 0, 1, 2, 3, 5, 8, 13, 2**31 - 2]] * len(probe_ids), dtype=torch.int64)
+        probe[: len(ids), : min(k, 3)] = t[:, :3].to(torch.int64)
+        want = [[int(x) in after.get(rid, {}) for x in row] for rid, row in zip(probe_ids, probe.tolist(), strict=True)]
+        steps_before = native.stats()["steps"]
+        assert native.resident(layer, probe_ids, probe).tolist() == want
+        assert ref.resident(layer, probe_ids, probe).tolist() == want
+        assert native.stats()["steps"] == steps_before
+        assert {rid: native.residency(rid, layer) for rid in ids} == after
         for rid in finish:
             assert native.finish(rid) == ref.finish(rid)
             assert rid not in native and all(native.residency(rid, L) == {} for L in range(num_layers))

@@ -499,6 +499,8 @@ class SparseKVOffloadConfig(_Model):
     keep_device_kv_cache: StrictBool = False
     # kvoffload's own key: the hot cache's replacement policy (kvcore.hotcache.POLICIES)
     hot_cache_policy: Annotated[str, _choice(HOT_CACHE_POLICIES)] = "lru"
+    # kvoffload's own key: load the next layer's predicted misses while a layer runs
+    miss_prefetch: StrictBool = False
 
     @property
     def dram_bytes_per_dp(self) -> int:

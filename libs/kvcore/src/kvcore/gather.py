@@ -36,6 +36,14 @@ def max_threads() -> int:
     return _native_gather.max_threads()
 
 
+def use_one_thread_here() -> None:
+    """Native gathers and scatters called from this thread run on it alone (no OpenMP team): for
+    a background loader, whose work must not spin extra threads against the main thread's."""
+    from kvcore import _native_gather
+
+    _native_gather.set_calling_thread_threads(1)
+
+
 def gather_rows(
     pool: torch.Tensor,
     block_table: torch.Tensor,

@@ -150,6 +150,23 @@ class HotCache:
             self._entries += rows * k
         return res
 
+    def resident(self, layer: int, request_ids: Sequence[str], tokens: torch.Tensor) -> torch.Tensor:
+        """Read-only: bool ``[rows, n]``, True where ``tokens[r, j]`` is resident in (request r,
+        ``layer``) now. Changes no state (no recency, no counters; a request with no state has
+        nothing resident), so it may run while another thread resolves a different layer; padding
+        (-1) and tokens never seen are not resident. ``tokens``: contiguous CPU int64 [rows, n]."""
+        layer = operator.index(layer)
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer = {layer} is out of range [0, {self.num_layers})")
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.device.type != "cpu" \
+                or tokens.dim() != 2 or not tokens.is_contiguous():
+            raise ValueError(f"tokens must be a contiguous CPU int64 [rows, n] tensor, got {_describe(tokens)}"
+                             + (f" of shape {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else ""))
+        ids = list(request_ids)
+        if len(ids) != tokens.shape[0]:
+            raise ValueError(f"request_ids has {len(ids)} entries but tokens has {tokens.shape[0]} rows")
+        return self._impl.resident(layer, ids, tokens)
+
     def finish(self, request_id: str) -> bool:
         """Frees every layer's state of ``request_id``; idempotent (False when it had none)."""
         return self._impl.finish(request_id)
@@ -245,6 +262,13 @@ class _Native:
         # resize_ shrinks in place (same storage, contiguous from 0): what [:misses] gives, cheaper
         return Resolution(slots, miss_rows.resize_(misses), miss_tokens.resize_(misses), miss_slots.resize_(misses),
                           hits, misses)
+
+    def resident(self, layer: int, ids: list[str], tokens: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            handles = [self.requests.get(rid, -1) for rid in ids]
+        out = torch.empty(tokens.shape, dtype=torch.bool)
+        self._cache.resident(layer, handles, tokens.data_ptr(), tokens.shape[1], out.data_ptr())
+        return out
 
     def finish(self, request_id: str) -> bool:
         with self._lock:
@@ -363,6 +387,13 @@ class _Reference:
             st.empty(s)
         st.resident_bound = stable
         return hits
+
+    def resident(self, layer: int, ids: list[str], tokens: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            maps = [(self.requests.get(rid) or [None] * self.num_layers)[layer] for rid in ids]
+            table = tokens.tolist()
+            return torch.tensor([[st is not None and t in st.token_slot for t in row]
+                                 for st, row in zip(maps, table, strict=True)], dtype=torch.bool).reshape(tokens.shape)
 
     def finish(self, request_id: str) -> bool:
         with self._lock:

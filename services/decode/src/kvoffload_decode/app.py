@@ -52,6 +52,12 @@ class Metrics:
                                     registry=self.registry)
         self.h2d = Gauge("kvoffload_decode_h2d_bytes_per_step", "Host-to-device bytes of the last step",
                          registry=self.registry)
+        self.prefetched = Gauge("kvoffload_decode_prefetched_rows_per_step",
+                                "Rows the miss prefetch loaded early in the last step (0 with it off)",
+                                registry=self.registry)
+        self.prefetch_hits = Gauge("kvoffload_decode_prefetch_hits_per_step",
+                                   "Misses of the last step served by rows the prefetch had loaded early",
+                                   registry=self.registry)
         self.pool_used = Gauge("kvoffload_decode_pool_used_bytes", "Host-pool bytes in use", registry=self.registry)
         self.reads = Gauge("kvoffload_decode_read_done_total", "Layer pulls answered READ_DONE", registry=self.registry)
         self.read_ms = Gauge("kvoffload_decode_read_done_ms_avg", "Average READ_DONE latency (ms)",
@@ -72,6 +78,8 @@ class Metrics:
         for layer in set(st.layer_hits) | set(st.layer_misses):
             self.layer_hit_rate.labels(str(layer)).set(st.layer_hit_rate(layer))
         self.h2d.set(st.h2d_bytes)
+        self.prefetched.set(st.prefetched)
+        self.prefetch_hits.set(st.prefetch_hits)
         self.pool_used.set(self.loop.decoder.pool.stats().used_bytes)
         st = self.loop.stats()
         self.queued.set(st["queued"])

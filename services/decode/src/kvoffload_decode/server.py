@@ -81,7 +81,8 @@ def serve(args: argparse.Namespace) -> int:
     decoder = SparseDecoder(model, pool, topk_buffer_size=settings.sparse.topk_buffer_size,
                             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                             keep_device_kv_cache=settings.sparse.keep_device_kv_cache,
-                            hot_cache_policy=settings.sparse.hot_cache_policy)
+                            hot_cache_policy=settings.sparse.hot_cache_policy,
+                            miss_prefetch=settings.sparse.miss_prefetch)
     loop = DecodeLoop(decoder, model.config.eos_token_id, peer_timeout_s=args.peer_timeout_s,
                       max_queued=args.max_queued_requests or None)
     model_id = args.served_model_name or Path(args.model).resolve().name
@@ -97,7 +98,7 @@ def serve(args: argparse.Namespace) -> int:
     grpc_side.start()
     log.info("serving", http=f"{args.host}:{args.port}", control_port=control_port, model=model_id,
              topk_buffer_size=settings.sparse.topk_buffer_size, hot_cache_policy=settings.sparse.hot_cache_policy,
-             host_pool_bytes=settings.host_pool_bytes,
+             miss_prefetch=settings.sparse.miss_prefetch, host_pool_bytes=settings.host_pool_bytes,
              keep_device_kv_cache=settings.sparse.keep_device_kv_cache, max_queued_requests=loop.max_queued,
              **(tls.describe() if tls else {"tls": False}))
     serve_http(app, args.host, args.port, busy=lambda: loop.stats()["pending"] + loop.stats()["running"],

@@ -35,6 +35,14 @@ layers x batch, the bytes a step must move at that hit rate, and ``h2d_floor_rat
 floor (goal <= 1.02: nothing moved beyond the misses); ``belady_hit_rate`` (trace mode): the
 offline optimum for the same buffer and steps (``kvcore.belady``), the ceiling for any policy;
 ``logits_equal``: both engines' logits bit-identical at every step (I2).
+
+Miss prefetch (trace mode): a third decoder, the sparse one with ``miss_prefetch`` on
+(``dsamodel.engine.prefetch``), steps in the same rotation. ``prefetch`` reports the share of the
+misses that were already loaded when their layer needed them (``misses_loaded_early``), the rows
+it loaded per miss (``rows_loaded_per_miss``: the extra traffic of wrong predictions), the seconds
+per step spent loading misses on the critical path with and without it and the share of that time
+moved off (``load_time_moved_off``), its median step time against the sparse decoder without it
+(``step_time_ratio_vs_off``) and whether its logits equal the others' at every step.
 """
 
 from __future__ import annotations
@@ -169,35 +177,51 @@ def _run_trace(trace, *, batch, context, steps, topk_buffer_size, block_size, dt
     decoders: dict[str, SparseDecoder] = {}
     pools = []
     try:
-        for name, keep in (("sparse", False), ("keep", True)):
+        for name, keep, pf in (("sparse", False, False), ("keep", True, False), ("prefetch", False, True)):
             pools.append(build.decode_pool(model, block_size, pool_bytes))
             decoders[name] = SparseDecoder(model, pools[-1], topk_buffer_size=topk_buffer_size, max_num_seqs=batch,
-                                           max_model_len=max_len, keep_device_kv_cache=keep, topk_override=override)
+                                           max_model_len=max_len, keep_device_kv_cache=keep, topk_override=override,
+                                           miss_prefetch=pf)
         _install(decoders.values(), model, ids, prompt_lens, seed)
         setup_s = time.perf_counter() - t0
         gen = torch.Generator().manual_seed(seed + 1)
         tokens = torch.randint(0, 256, (batch,), generator=gen)
         lg = {name: dec.step(ids, tokens) for name, dec in decoders.items()}  # warm-up: trace step 0, cold cache
         equal = torch.equal(lg["sparse"], lg["keep"])
+        pf_equal = torch.equal(lg["sparse"], lg["prefetch"])
         tokens = lg["sparse"].argmax(-1)
-        times: dict[str, list[float]] = {"sparse": [], "keep": []}
-        total = StepStats()
+        times: dict[str, list[float]] = {name: [] for name in decoders}
+        total, pf_total = StepStats(), StepStats()
         for _ in range(steps):
             for name, dec in decoders.items():
                 t = time.perf_counter()
                 lg[name] = dec.step(ids, tokens)
                 times[name].append(time.perf_counter() - t)
             equal &= torch.equal(lg["sparse"], lg["keep"])
+            pf_equal &= torch.equal(lg["sparse"], lg["prefetch"])
             _add(total, decoders["sparse"].last_step)
-            tokens = lg["sparse"].argmax(-1)  # greedy, the same tokens into both
+            _add(pf_total, decoders["prefetch"].last_step)
+            tokens = lg["sparse"].argmax(-1)  # greedy, the same tokens into all
         dev = {name: _device_kv(dec.allocator) for name, dec in decoders.items()}
     finally:
+        if "prefetch" in decoders:
+            decoders["prefetch"].prefetcher.close()
         for p in pools:
             p.close()
+    prefetch = {
+        "misses_loaded_early": pf_total.prefetch_hits / max(pf_total.misses, 1),
+        "rows_loaded_per_miss": pf_total.prefetched / max(pf_total.misses, 1),
+        "load_s_per_step_off": total.load_s / steps, "load_s_per_step_on": pf_total.load_s / steps,
+        "load_time_moved_off": 1.0 - pf_total.load_s / total.load_s if total.load_s else 0.0,
+        "step_time_ratio_vs_off": statistics.median(times["prefetch"]) / statistics.median(times["sparse"]),
+        "same_misses": (pf_total.hits, pf_total.misses) == (total.hits, total.misses),
+        "logits_equal": bool(pf_equal),
+    }
     belady = _belady_hit_rate(tr, override.streams().flatten(), steps + 1, topk_buffer_size)
     return _report(trace=tr.name, model=model, batch=batch, context=max(prompt_lens) + 1, steps=steps, dtype=dtype,
                    topk_buffer_size=topk_buffer_size, times=times, dev=dev, total=total, equal=bool(equal),
-                   extra={"kv_source": "installed", "setup_s": setup_s, "belady_hit_rate": belady})
+                   extra={"kv_source": "installed", "setup_s": setup_s, "belady_hit_rate": belady,
+                          "prefetch": prefetch})
 
 
 def _install(decoders, model: DSAModel, ids: list[str], prompt_lens: list[int], seed: int) -> None:
@@ -240,6 +264,9 @@ def _add(total: StepStats, st: StepStats) -> None:
     total.hits += st.hits
     total.misses += st.misses
     total.h2d_bytes += st.h2d_bytes
+    total.prefetched += st.prefetched
+    total.prefetch_hits += st.prefetch_hits
+    total.load_s += st.load_s
 
 
 def _device_kv(allocator) -> int:

@@ -14,6 +14,12 @@ request). The device keeps only the indexer cache and, per request and layer, a 
 ``keep_device_kv_cache=True`` also keeps the full KV on device and attends the same top-k from it
 (the reference of I2). Requests join and leave between steps; residency is keyed by request.
 
+**Miss prefetch** (``miss_prefetch=True``): while a layer runs, the rows the next layer is predicted
+to miss are gathered on a background thread; its misses found there skip the host-pool gather
+(``dsamodel.engine.prefetch``; results unchanged, I2). ``StepStats`` counts the rows loaded early,
+the misses they served, the loads dropped as late and the seconds the step spent loading misses on
+its critical path.
+
 **Top-k override** (benchmarks and tests): ``topk_override`` (constructor keyword, or the attribute
 of the same name, set or cleared between steps) replaces the indexer's choice with a given one,
 e.g. a recorded or synthetic trace (``dsamodel.engine.trace_topk``). In every layer the indexer
@@ -34,6 +40,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import time
+
 import torch
 from kvcore.blockkeys import request_block_key
 from kvcore.device import DeviceAllocator
@@ -42,6 +50,7 @@ from kvcore.hostpool import HostPoolBackend
 from kvcore.hotcache import HotCache
 
 from dsamodel.attention import batched_indexer_topk, sparse_mla_attention
+from dsamodel.engine.prefetch import MissPrefetcher
 from dsamodel.model import DSAModel
 
 # (cache layer, request id per token row [N], positions [N] int64 on the host) -> top-k [N, k]
@@ -72,11 +81,18 @@ class DecodeSeq:
 
 @dataclass
 class StepStats:
-    """What the last step moved: hot-cache hits/misses and host-to-device bytes."""
+    """What the last step moved: hot-cache hits/misses and host-to-device bytes (every miss's row,
+    early or not); with miss prefetch, the rows loaded early (``prefetched``), the misses they served
+    (``prefetch_hits``: their H2D was off the critical path) and ``load_s``, the seconds the step
+    spent loading misses on its critical path (gathers, copies from staging, waits for a prefetch)."""
 
     hits: int = 0
     misses: int = 0
     h2d_bytes: int = 0
+    prefetched: int = 0
+    prefetch_hits: int = 0
+    prefetch_late: int = 0  # layers whose early load was not done in time (dropped)
+    load_s: float = 0.0
     layer_hits: dict[int, int] = field(default_factory=dict)
     layer_misses: dict[int, int] = field(default_factory=dict)
 
@@ -106,6 +122,7 @@ class SparseDecoder:
         native: bool = True,
         topk_override: TopkOverride | None = None,
         hot_cache_policy: str = "lru",
+        miss_prefetch: bool = False,
     ) -> None:
         cfg = model.config
         self.model, self.pool = model, pool
@@ -133,6 +150,8 @@ class SparseDecoder:
             if keep_device_kv_cache else None
         self.hotcache = None if keep_device_kv_cache else HotCache(
             topk_buffer_size, n_layers, native=native, policy=hot_cache_policy)
+        self.prefetcher = MissPrefetcher(self.hotcache, native=native) \
+            if miss_prefetch and self.hotcache is not None else None
         self._gather_in_place = self.indexer.device.type == "cpu"  # else: staging + one copy per layer
         self.block_table = torch.full((max_num_seqs, self.max_blocks), -1, dtype=torch.int32)  # host
         self.seqs: dict[str, DecodeSeq] = {}
@@ -251,6 +270,8 @@ class SparseDecoder:
             return
         if self.hotcache is not None:
             self.hotcache.finish(request_id)
+        if self.prefetcher is not None:
+            self.prefetcher.forget(request_id)
         self.pool.remove(seq.block_keys)
         if seq.seq_slot is not None:
             self.block_table[seq.seq_slot] = -1
@@ -309,8 +330,12 @@ class SparseDecoder:
         stable = [s.num_tokens + 1 for s in seqs]
         h = self.model.embed(flat.to(self.model.device))  # [N, D]
         stats = StepStats()
-        for layer in self.model.layers:
-            h = self._layer(layer, h, request_ids, rows, start[rows] + offsets, offsets, stable, stats)
+        if self.prefetcher is not None:
+            self.prefetcher.cancel()  # anything a failed step left behind
+        layers = self.model.layers
+        for j, layer in enumerate(layers):
+            after = layers[j + 1].cache_index if j + 1 < len(layers) else None
+            h = self._layer(layer, h, request_ids, rows, start[rows] + offsets, offsets, stable, stats, after)
         self.last_step = stats
         return self.model.logits(h), h
 
@@ -338,8 +363,10 @@ class SparseDecoder:
         h = self._layer(layer, h, request_ids, rows, pos, offsets, stable, StepStats())
         return self.model.mtp_logits(h, depth=0)
 
-    def _layer(self, layer, h, request_ids, rows, positions, offsets, stable, stats: StepStats) -> torch.Tensor:
-        """One cache layer for N tokens (request ``rows[n]`` at ``positions[n]``) -> h [N, D]."""
+    def _layer(self, layer, h, request_ids, rows, positions, offsets, stable, stats: StepStats,
+               prefetch_for: int | None = None) -> torch.Tensor:
+        """One cache layer for N tokens (request ``rows[n]`` at ``positions[n]``) -> h [N, D];
+        with miss prefetch on, starts loading the predicted misses of cache layer ``prefetch_for``."""
         i, dev = layer.cache_index, self.model.device
         slots = torch.tensor([self.seqs[r].seq_slot for r in request_ids], dtype=torch.long)[rows]  # [N]
         mapping = self.block_table[slots, positions // self.block_size].to(torch.int64) \
@@ -356,6 +383,10 @@ class SparseDecoder:
             self.full[i, slots_dev, pos_dev] = proj.kv
             kv_rows = self.full[i][slots_dev[:, None], topk.clamp(min=0)]  # [N, k, W]
         elif int(offsets.max()) == 0:  # one token per request (no drafts): one hot-cache step, no reordering
+            if self.prefetcher is not None and prefetch_for is not None:
+                stats.prefetched += self.prefetcher.start(
+                    prefetch_for, request_ids, self.pool.plane(self._planes[prefetch_for]), self.block_table[slots],
+                    topk, positions, self.hot[prefetch_for])
             kv_rows = self._hot_rows(i, request_ids, slots, topk, stable, stats)
         else:
             kv_rows = torch.empty(topk.shape + (proj.kv.shape[-1],), dtype=proj.kv.dtype, device=dev)
@@ -388,19 +419,24 @@ class SparseDecoder:
         """Resolve the top-k against the hot cache, gather misses, return rows [R, k, W] in top-k order."""
         res = self.hotcache.resolve(layer, request_ids, topk.cpu().contiguous(), stable)
         hot = self.hot[layer]  # [S, capacity, W]
-        m = res.miss_rows.numel()
-        if m and self._gather_in_place:  # host memory: gather straight into the hot buffer
-            gather_rows(self.pool.plane(self._planes[layer]), self.block_table[seq_slots], res.miss_rows,
-                        res.miss_tokens, hot.view(torch.uint8), seq_slots.to(torch.int32), res.miss_slots,
-                        native=self.native)
-        elif m:  # accelerator: gather into host staging rows, then one copy into the slots
-            staging = torch.empty((1, m, hot.shape[-1] * hot.element_size()), dtype=torch.uint8,
-                                  pin_memory=torch.cuda.is_available())  # [1, M, row_bytes]
-            gather_rows(self.pool.plane(self._planes[layer]), self.block_table[seq_slots], res.miss_rows,
-                        res.miss_tokens, staging, torch.zeros(len(request_ids), dtype=torch.int32),
-                        torch.arange(m, dtype=torch.int32), native=self.native)
-            rows = staging[0].to(hot.device, non_blocking=True).view(hot.dtype).view(m, -1)  # [M, W]
-            hot[seq_slots[res.miss_rows.long()].to(hot.device), res.miss_slots.long().to(hot.device)] = rows
+        t0 = time.perf_counter()
+        miss_rows, miss_tokens, miss_slots = res.miss_rows, res.miss_tokens, res.miss_slots
+        staged = None
+        if self.prefetcher is not None:
+            late = self.prefetcher.late
+            staged = self.prefetcher.take(layer)
+            stats.prefetch_late += self.prefetcher.late - late
+            self.prefetcher.observe(layer, request_ids, miss_rows)
+        if staged is not None and miss_rows.numel():  # misses loaded early: copy them from staging
+            found, at = staged.find(miss_rows, miss_tokens)  # [M], [F]
+            if bool(found.any()):
+                hot[seq_slots[miss_rows[found].long()].to(hot.device), miss_slots[found].long().to(hot.device)] = \
+                    staged.rows[at.to(staged.rows.device)]
+                stats.prefetch_hits += int(at.numel())
+                rest = ~found
+                miss_rows, miss_tokens, miss_slots = miss_rows[rest], miss_tokens[rest], miss_slots[rest]
+        self._load(layer, seq_slots, miss_rows, miss_tokens, miss_slots)
+        stats.load_s += time.perf_counter() - t0
         stats.hits += res.num_hits
         stats.misses += res.num_misses
         stats.layer_hits[layer] = stats.layer_hits.get(layer, 0) + res.num_hits
@@ -408,6 +444,23 @@ class SparseDecoder:
         stats.h2d_bytes += res.num_misses * hot.shape[-1] * hot.element_size()
         slots = res.slots.to(torch.long).clamp(min=0).to(hot.device)  # [R, k]
         return hot[seq_slots.to(hot.device)[:, None], slots]  # [R, k, W]
+
+    def _load(self, layer: int, seq_slots: torch.Tensor, miss_rows: torch.Tensor, miss_tokens: torch.Tensor,
+              miss_slots: torch.Tensor) -> None:
+        """Gather misses (batch row, token, hot slot; [M] each) from the host pool into their slots."""
+        hot, m = self.hot[layer], miss_rows.numel()  # hot: [S, capacity, W]
+        if m and self._gather_in_place:  # host memory: gather straight into the hot buffer
+            gather_rows(self.pool.plane(self._planes[layer]), self.block_table[seq_slots], miss_rows,
+                        miss_tokens, hot.view(torch.uint8), seq_slots.to(torch.int32), miss_slots,
+                        native=self.native)
+        elif m:  # accelerator: gather into host staging rows, then one copy into the slots
+            staging = torch.empty((1, m, hot.shape[-1] * hot.element_size()), dtype=torch.uint8,
+                                  pin_memory=torch.cuda.is_available())  # [1, M, row_bytes]
+            gather_rows(self.pool.plane(self._planes[layer]), self.block_table[seq_slots], miss_rows,
+                        miss_tokens, staging, torch.zeros(seq_slots.numel(), dtype=torch.int32),
+                        torch.arange(m, dtype=torch.int32), native=self.native)
+            rows = staging[0].to(hot.device, non_blocking=True).view(hot.dtype).view(m, -1)  # [M, W]
+            hot[seq_slots[miss_rows.long()].to(hot.device), miss_slots.long().to(hot.device)] = rows
 
 
 def _bytes(rows: torch.Tensor) -> torch.Tensor:

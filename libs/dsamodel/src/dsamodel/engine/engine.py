@@ -35,6 +35,7 @@ class EngineConfig:
     topk_buffer_size: int = 128
     keep_device_kv_cache: bool = False
     hot_cache_policy: str = "lru"  # kvcore.hotcache.POLICIES
+    miss_prefetch: bool = False  # dsamodel.engine.prefetch
     prefill_pool_bytes: int = 256 << 20
     decode_pool_bytes: int = 256 << 20
     model_id: str = "model"
@@ -82,6 +83,7 @@ class Engine:
             model, self.decode_pool, topk_buffer_size=config.topk_buffer_size, max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len, keep_device_kv_cache=config.keep_device_kv_cache,
             allocator=self.allocator, native=config.native, hot_cache_policy=config.hot_cache_policy,
+            miss_prefetch=config.miss_prefetch,
         )
         if config.num_speculative_tokens and not model.config.num_nextn_predict_layers:
             raise ValueError("num_speculative_tokens=1 needs a model with an MTP layer (num_nextn_predict_layers >= 1)")

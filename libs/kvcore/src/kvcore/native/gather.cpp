@@ -236,6 +236,9 @@ void scatter_rows(uintptr_t pool_ptr, int64_t num_blocks, int64_t block_size, in
 PYBIND11_MODULE(_native_gather, m) {
   m.doc() = "Native gather/scatter of token rows (bytes) with bounds checks; see kvcore.gather.";
   m.def("max_threads", []() { return omp_get_max_threads(); });
+  // OpenMP's thread count is per calling thread: a background loader sets 1 so its gathers never
+  // start a second team that spins against the main thread's.
+  m.def("set_calling_thread_threads", [](int n) { omp_set_num_threads(n); }, py::arg("n"));
   m.def("gather_rows", &gather_rows, py::arg("pool_ptr"), py::arg("num_blocks"),
         py::arg("block_size"), py::arg("row_bytes"), py::arg("block_table_ptr"), py::arg("R"),
         py::arg("max_blocks"), py::arg("miss_rows_ptr"), py::arg("miss_tokens_ptr"), py::arg("M"),

@@ -6,6 +6,8 @@
 //   Cache(capacity, num_layers, policy)   native state of one HotCache (policy 0 = "lru",
 //                                 1 = "slru"); requests are integer handles.
 //   alloc() -> handle, free(handle), residency(handle, layer) -> [(token, slot)]
+//   resident(layer, handles, tokens_ptr, n, out_ptr)   read-only: out[r, j] = 1 iff token
+//           tokens[r, j] (int64, [rows, n]) is resident in (handles[r], layer); handle -1 = none
 //   resolve(layer, handles, topk_ptr, k, topk_is_int64, stable_lens, slots_ptr, miss_rows_ptr,
 //           miss_tokens_ptr, miss_slots_ptr) -> (num_hits, num_misses)
 // Pointers are data_ptr() integers of CPU tensors validated by the Python wrapper (dtype,
@@ -556,6 +558,33 @@ class Cache {
     return out;
   }
 
+  // Read-only residency test (module comment): never allocates or changes state, so it may run
+  // while another thread resolves a different layer.
+  void resident(int64_t layer, const std::vector<int64_t>& handles, uintptr_t tokens_ptr, int64_t n,
+                uintptr_t out_ptr) {
+    check_layer(layer);
+    const int64_t rows = static_cast<int64_t>(handles.size());
+    const int64_t* tokens = reinterpret_cast<const int64_t*>(tokens_ptr);
+    uint8_t* out = reinterpret_cast<uint8_t*>(out_ptr);
+    py::gil_scoped_release release;
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t h = handles[r];
+      const LayerState* st = h >= 0 && h < static_cast<int64_t>(table_.size()) && table_[h]
+                                 ? table_[h]->layers[layer].get()
+                                 : nullptr;
+      const int64_t* t = tokens + r * n;
+      uint8_t* o = out + r * n;
+      if (st == nullptr) {
+        std::fill(o, o + n, uint8_t{0});
+        continue;
+      }
+      const int32_t* map = st->token_slot.data() + 1;
+      const int64_t mapped = static_cast<int64_t>(st->token_slot.size()) - 1;
+      for (int64_t j = 0; j < n; ++j) o[j] = t[j] >= 0 && t[j] < mapped && map[t[j]] >= 0;
+    }
+  }
+
   py::tuple resolve(int64_t layer, const std::vector<int64_t>& handles, uintptr_t topk_ptr,
                     int64_t k, bool topk_is_int64, const std::vector<int64_t>& stable, uintptr_t slots_ptr,
                     uintptr_t miss_rows_ptr, uintptr_t miss_tokens_ptr, uintptr_t miss_slots_ptr) {
@@ -724,6 +753,8 @@ PYBIND11_MODULE(_native_hotcache, m) {
       .def("free", &Cache::free, py::arg("handle"), py::call_guard<py::gil_scoped_release>())
       .def("residency", &Cache::residency, py::arg("handle"), py::arg("layer"),
            py::call_guard<py::gil_scoped_release>())
+      .def("resident", &Cache::resident, py::arg("layer"), py::arg("handles"), py::arg("tokens_ptr"),
+           py::arg("n"), py::arg("out_ptr"))
       .def("resolve", &Cache::resolve, py::arg("layer"), py::arg("handles"), py::arg("topk_ptr"),
            py::arg("k"), py::arg("topk_is_int64"), py::arg("stable_lens"), py::arg("slots_ptr"),
            py::arg("miss_rows_ptr"), py::arg("miss_tokens_ptr"), py::arg("miss_slots_ptr"));
