@@ -333,6 +333,24 @@ def test_long_runs_match_reference(policy, capacity, keep):
     assert native.stats() | {"native": None} == ref.stats() | {"native": None}
 
 
+@pytest.mark.parametrize("capacity", [32766, 32767])  # the last 16-bit-map capacity, the first 32-bit one
+def test_both_token_map_widths_match_reference(capacity):
+    """Every slot in use (slot numbers up to capacity - 1), evictions, padding, a shrink and
+    ``resident`` past the mapped tokens, on either side of the native map's width switch."""
+    g = torch.Generator().manual_seed(capacity)
+    native, ref = HotCache(capacity, 1), HotCache(capacity, 1, native=False)
+    context = 3 * capacity
+    first = torch.randperm(context, generator=g)[:capacity]
+    rows = [first, torch.cat((first[: capacity // 2], torch.randperm(context, generator=g)[: capacity - capacity // 2]))]
+    for step, row in enumerate(rows + [torch.where(torch.rand(capacity, generator=g) < 0.1, -1, rows[1])]):
+        stable = [context if step < 2 else context // 2]
+        topk = row[None].contiguous()
+        _same(native.resolve(0, ["a"], topk, stable), ref.resolve(0, ["a"], topk, stable))
+        assert native.residency("a", 0) == ref.residency("a", 0)
+    probe = torch.cat((rows[1][:64], torch.tensor([-1, context + 5, 2**31 - 2])))[None].contiguous()
+    assert torch.equal(native.resident(0, ["a"], probe), ref.resident(0, ["a"], probe))
+
+
 @POLICIES
 def test_alternating_working_sets_match_reference(policy):
     """Two working sets that fit together and take turns: every step is all hits on slots that

@@ -53,8 +53,9 @@ Exact semantics (the native C++/OpenMP path and the Python reference produce ide
 Validation (ValueError naming the argument, the position and the value; no state changes):
 ``layer`` in range; request ids unique; ``topk`` a contiguous CPU ``[rows, k]`` int32/int64 tensor
 with ``k <= capacity``; then per row in order: ``stable_lens[r] >= 0``, every ``topk[r, j] >= -1``
-and ``<= MAX_TOKEN`` (the native token -> slot map is a dense int32 array per (request, layer):
-4 bytes per token up to the largest token seen, small next to the KV it indexes).
+and ``<= MAX_TOKEN`` (the native token -> slot map is a dense array per (request, layer) indexed
+by int32 tokens: 2 bytes per token up to the largest token seen when ``capacity <= 32766``, else
+4; small next to the KV it indexes).
 
 Threading: the native path releases the GIL and spreads rows over OpenMP threads
 (``max_threads()``; the same threads torch's ops use).

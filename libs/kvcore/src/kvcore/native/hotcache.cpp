@@ -16,7 +16,8 @@
 // rows are processed (OpenMP over rows: each row is a different request).
 //
 // Structure. Per (request, layer): per slot its token and a stamp (where its one live list entry
-// is), the dense token -> slot map, and the LRU lists (probation; protected under "slru"). A list,
+// is), the dense token -> slot map (16-bit entries when the capacity allows: half the cold bytes
+// a step reads), and the LRU lists (probation; protected under "slru"). A list,
 // least recent first, is ring ++ last step's block ++ this step's block:
 // - a block: the slots moved to the list's most-recent end in one step, in order. A hit is one
 //   stamp read, one stamp write and one sequential append (the doubly-linked lists this replaced
@@ -63,10 +64,15 @@ namespace py = pybind11;
 
 namespace {
 
-// Largest accepted token index: the token->slot map is a dense int32 array indexed by token.
+// Largest accepted token index: the token->slot map is a dense array indexed by int32 tokens
+// (16-bit entries up to kNarrowSlots slots, else 32-bit).
 constexpr int64_t kMaxToken = 2147483646;  // INT32_MAX - 1
 
-constexpr int kProbation = 0, kProtected = 1;  // list ids ("lru" only uses probation)
+constexpr int kProbation = 0, kProtected = 1;
+
+// Capacities up to this use a 16-bit token -> slot map: half the bytes of the structure a step
+// reads most, and mostly cold when it starts (its other layers and torch ran since).
+constexpr int32_t kNarrowSlots = 32766;  // list ids ("lru" only uses probation)
 
 // Where a slot's live entry is: (index << 3) | (region << 1) | list, truncated to the stamp type;
 // region 0 = the list's ring (index = absolute position), 1 + b = the list's block array b
@@ -180,9 +186,13 @@ KV_AVX2 inline __m256i compress_perm(unsigned m) {
 // The lookup of resolve_row, 8 entries per step (one gather): slots[j] = max(map[t[j]], -1), the
 // positions with map[t[j]] == -1 packed into miss_pos; returns their number. Fetches ahead like
 // the portable loop.
-template <typename T>
-KV_AVX2 int64_t lookup_avx2(const T* __restrict topk, int64_t k, const int32_t* __restrict ts,
+// A 16-bit map is gathered 32 bits at a time (the entry and the next one: the map has one spare
+// entry at its end) and sign-extended from the low half.
+template <typename T, typename Map>
+KV_AVX2 int64_t lookup_avx2(const T* __restrict topk, int64_t k, const Map* __restrict ts,
                             int32_t* __restrict slots, int32_t* __restrict miss_pos, Warm& warm) {
+  constexpr int kScale = sizeof(Map);
+  const int* base = reinterpret_cast<const int*>(ts);
   const __m256i minus1 = _mm256_set1_epi32(-1), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   int64_t nm = 0, j = 0;
   for (; j + 8 <= k; j += 8) {
@@ -192,12 +202,13 @@ KV_AVX2 int64_t lookup_avx2(const T* __restrict topk, int64_t k, const int32_t* 
     __m256i s;
     if constexpr (sizeof(T) == 4) {
       const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(topk + j));
-      s = _mm256_i32gather_epi32(ts, t, 4);
+      s = _mm256_i32gather_epi32(base, t, kScale);
     } else {
       const __m256i t0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(topk + j));
       const __m256i t1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(topk + j + 4));
-      s = _mm256_set_m128i(_mm256_i64gather_epi32(ts, t1, 4), _mm256_i64gather_epi32(ts, t0, 4));
+      s = _mm256_set_m128i(_mm256_i64gather_epi32(base, t1, kScale), _mm256_i64gather_epi32(base, t0, kScale));
     }
+    if constexpr (sizeof(Map) == 2) s = _mm256_srai_epi32(_mm256_slli_epi32(s, 16), 16);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(slots + j), _mm256_max_epi32(s, minus1));
     const unsigned m = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(s, minus1)));
     const __m256i pos = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(j)), lanes);
@@ -222,8 +233,9 @@ KV_AVX2 int64_t lookup_avx2(const T* __restrict topk, int64_t k, const int32_t* 
 // `Stamp` use the stamp array in use (`wide`: 64 bits).
 struct LayerState {
   LayerState(int32_t capacity, bool slru)
-      : cap(capacity), wide(ring_size(capacity) > (int64_t{1} << 29)), token(capacity, -1),
-        token_slot(1, -2) {
+      : cap(capacity), wide(ring_size(capacity) > (int64_t{1} << 29)), narrow(capacity <= kNarrowSlots),
+        token(capacity, -1) {
+    if (narrow) token_slot16.assign(2, -2); else token_slot32.assign(1, -2);
     if (wide) stamp64.resize(capacity); else stamp32.resize(capacity);
     lists[kProbation].init(ring_size(capacity), capacity);
     if (slru) lists[kProtected].init(ring_size(capacity), capacity);
@@ -250,10 +262,19 @@ struct LayerState {
     l.ring[l.head & l.mask] = s;
     stamps<Stamp>()[s] = stamp_of<Stamp>(l.head, 0, kProbation);
   }
-  int32_t* map() { return token_slot.data() + 1; }  // map()[t]: slot of token t >= -1
-  template <typename Stamp>
+  template <typename Map>
+  Map* map() {  // map<Map>()[t]: slot of token t >= -1 (the map in use, by `narrow`)
+    if constexpr (sizeof(Map) == 2) return token_slot16.data() + 1; else return token_slot32.data() + 1;
+  }
+  int64_t mapped() const {  // tokens the map covers
+    return narrow ? static_cast<int64_t>(token_slot16.size()) - 2 : static_cast<int64_t>(token_slot32.size()) - 1;
+  }
+  int32_t slot_of(int64_t t) const {  // the map entry of token 0 <= t < mapped()
+    return narrow ? token_slot16[static_cast<size_t>(t) + 1] : token_slot32[static_cast<size_t>(t) + 1];
+  }
+  template <typename Stamp, typename Map>
   void empty_slot(int32_t s) {
-    map()[token[s]] = -1;
+    map<Map>()[token[s]] = -1;
     token[s] = -1;
     push_front<Stamp>(s);
   }
@@ -323,21 +344,28 @@ struct LayerState {
     if (lists[list].room() < n) compact<Stamp>(list);
   }
   void ensure_token(int64_t max_token) {
-    const int64_t size = static_cast<int64_t>(token_slot.size()) - 1;  // tokens mapped
+    const int64_t size = mapped();
     if (max_token < size) return;
     int64_t n = std::max<int64_t>(max_token + 1, 2 * size);
     n = std::min<int64_t>(n, kMaxToken + 1);
-    token_slot.resize(static_cast<size_t>(n + 1), -1);
+    if (narrow) {  // [-2, map..., spare]: the spare keeps the 32-bit gather of the last entry inside
+      token_slot16.back() = -1;
+      token_slot16.resize(static_cast<size_t>(n + 2), -1);
+    } else {
+      token_slot32.resize(static_cast<size_t>(n + 1), -1);
+    }
   }
 
   int32_t cap;
   bool wide;                        // 64-bit stamps (rings past 2^29 entries)
+  bool narrow;                      // 16-bit token -> slot map (capacity <= kNarrowSlots)
   std::vector<int32_t> token;       // [cap] slot -> token, -1 = empty
   std::vector<uint32_t> stamp32;    // [cap] slot -> stamp_of its live entry: one of the two
   std::vector<uint64_t> stamp64;    //   (by `wide`)
   List lists[2];                    // probation, protected (allocated under "slru" only)
-  std::vector<int32_t> token_slot;  // [1 + tokens]: -2 (what padding -1 looks up), then the
-                                    // dense token -> slot map, -1 = absent (see map())
+  std::vector<int32_t> token_slot32;  // [1 + tokens]: -2 (what padding -1 looks up), then the
+                                      // dense token -> slot map, -1 = absent (see map())
+  std::vector<int16_t> token_slot16;  // narrow: the same in 16 bits, plus one spare entry at the end
   int64_t resident_bound = 0;       // every resident token < resident_bound
 };
 
@@ -382,7 +410,7 @@ constexpr int64_t kParallelEntries = 4096;  // fewer top-k entries per call: one
 // One step of one row; semantics in kvcore/hotcache.py. Returns (hits, misses); misses are
 // written in order of first top-k occurrence to the miss_* arrays (row-local region of k entries;
 // miss_rows doubles as the scratch list of miss positions). `spec` is a reusable buffer.
-template <typename T, bool kSlru, typename Stamp>
+template <typename T, bool kSlru, typename Stamp, typename Map>
 std::pair<int64_t, int64_t> resolve_row(LayerState& st, const T* __restrict topk, int64_t k,
                                         int64_t stable, int32_t row, int32_t* __restrict slots,
                                         int32_t* __restrict miss_rows,
@@ -396,14 +424,14 @@ std::pair<int64_t, int64_t> resolve_row(LayerState& st, const T* __restrict topk
   if (stable < st.resident_bound) {
     st.reserve<Stamp>(kProbation, cap);
     for (int32_t s = 0; s < cap; ++s)
-      if (st.token[s] >= stable) st.empty_slot<Stamp>(s);
+      if (st.token[s] >= stable) st.empty_slot<Stamp, Map>(s);
   }
   // Ring room for this step: the last blocks' live entries, <= k speculative misses to the
   // least-recent end of probation, and the one spare write of transfer().
   st.reserve<Stamp>(kProbation, prob.last + k + 1);
   if (kSlru) st.reserve<Stamp>(kProtected, hl.last + 1);
   Stamp* __restrict stamp = st.stamps<Stamp>();
-  int32_t* __restrict ts = st.map();
+  Map* __restrict ts = st.map<Map>();
   int32_t* __restrict token = st.token.data();
   // Lookup, branch-free: slots[j] = the slot of t[j], -1 unless resident (padding reads the -2
   // in front of the map); the absent positions (-1) are listed in miss_rows for (3). Map entries
@@ -412,7 +440,7 @@ std::pair<int64_t, int64_t> resolve_row(LayerState& st, const T* __restrict topk
   int64_t nm = 0;
 #ifdef KV_X86
   if (kHasAvx2) {
-    nm = lookup_avx2<T>(topk, k, ts, slots, miss_rows, warm_stamps);
+    nm = lookup_avx2<T, Map>(topk, k, ts, slots, miss_rows, warm_stamps);
   } else
 #endif
   {
@@ -471,9 +499,9 @@ std::pair<int64_t, int64_t> resolve_row(LayerState& st, const T* __restrict topk
       s = vslot[misses];
       last_pos = vpos[misses];
       const int32_t old = token[s];
-      ts[old] = old < 0 ? -2 : -1;  // (an empty slot's -1 reads the padding entry: keep it)
+      ts[old] = static_cast<Map>(old < 0 ? -2 : -1);  // (an empty slot's -1 reads the padding entry: keep it)
       token[s] = static_cast<int32_t>(t);
-      ts[t] = s;
+      ts[t] = static_cast<Map>(s);
       pblk[np] = s;
       stamp[s] = stamp_of<Stamp>(np, pregion, kProbation);
       ++np;
@@ -500,7 +528,7 @@ std::pair<int64_t, int64_t> resolve_row(LayerState& st, const T* __restrict topk
     for (int64_t m = 0; m < misses; ++m)
       if (miss_tokens[m] >= stable) spec.push_back(miss_slots[m]);
     std::sort(spec.begin(), spec.end());
-    for (int32_t s : spec) st.empty_slot<Stamp>(s);
+    for (int32_t s : spec) st.empty_slot<Stamp, Map>(s);
   }
   // This step's blocks become the last ones.
   prob.cur ^= 1;
@@ -579,9 +607,8 @@ class Cache {
         std::fill(o, o + n, uint8_t{0});
         continue;
       }
-      const int32_t* map = st->token_slot.data() + 1;
-      const int64_t mapped = static_cast<int64_t>(st->token_slot.size()) - 1;
-      for (int64_t j = 0; j < n; ++j) o[j] = t[j] >= 0 && t[j] < mapped && map[t[j]] >= 0;
+      const int64_t mapped = st->mapped();
+      for (int64_t j = 0; j < n; ++j) o[j] = t[j] >= 0 && t[j] < mapped && st->slot_of(t[j]) >= 0;
     }
   }
 
@@ -665,9 +692,12 @@ class Cache {
     auto work = [&](int64_t lo, int64_t hi) {
       thread_local std::vector<int32_t> spec;  // speculative slots of a row (capacity kept)
       for (int64_t r = lo; r < hi; ++r) {
-        auto step = states[r]->wide
-                        ? (slru_ ? resolve_row<T, true, uint64_t> : resolve_row<T, false, uint64_t>)
-                        : (slru_ ? resolve_row<T, true, uint32_t> : resolve_row<T, false, uint32_t>);
+        auto step = states[r]->wide     ? (slru_ ? resolve_row<T, true, uint64_t, int32_t>
+                                                 : resolve_row<T, false, uint64_t, int32_t>)
+                    : states[r]->narrow ? (slru_ ? resolve_row<T, true, uint32_t, int16_t>
+                                                 : resolve_row<T, false, uint32_t, int16_t>)
+                                        : (slru_ ? resolve_row<T, true, uint32_t, int32_t>
+                                                 : resolve_row<T, false, uint32_t, int32_t>);
         auto hm = step(*states[r], topk + r * k, k, stable[r], static_cast<int32_t>(r),
                        slots + r * k, miss_rows + r * k, miss_tokens + r * k, miss_slots + r * k,
                        spec);
