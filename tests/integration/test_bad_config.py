@@ -515,3 +515,15 @@ def test_console_script_prefill_refuses_sparse_offload(tiny_dir):
     assert ("kvoffload-prefill: sparse_kv_offload_config.enabled: got True on a prefill (kv_producer) node; never "
             "enable sparse_kv_offload_config on prefill (only keep_device_kv_cache: true, a debug mode, allows it)"
             ) in proc.stderr.splitlines()
+
+
+def test_console_script_prefill_refuses_a_bad_dram_size(tiny_dir, tmp_path):
+    """The prefill sizes its pool from mmc-local.conf's dram.size (no --host-pool-gb): a bad value
+    there is a start-up error naming the file, line and key."""
+    conf = tmp_path / "mmc-local.conf"
+    conf.write_text("ock.mmc.local_service.dram.size = 2.5GB\n")
+    proc = run_script("kvoffload-prefill", ["--model", tiny_dir, "--port", "1", "--kv-transfer-config",
+                                            json.dumps(PREFILL_KV)], env={"MMC_LOCAL_CONFIG_PATH": str(conf)})
+    assert proc.returncode == 2
+    assert (f"kvoffload-prefill: ock.mmc.local_service.dram.size ({conf}:1): expected a size like 10GB or 512MB, "
+            f"got '2.5GB'") in proc.stderr.splitlines()

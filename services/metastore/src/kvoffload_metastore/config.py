@@ -23,18 +23,15 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
+from kvcore.mmcconf import DRAM_KEY, LOCAL_ENV, META_ENV, parse_size_bytes, read_conf  # noqa: F401 (re-exported)
 from svcruntime.tls import TLSConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-META_ENV = "MMC_META_CONFIG_PATH"
-LOCAL_ENV = "MMC_LOCAL_CONFIG_PATH"
 URL_KEY = "ock.mmc.meta_service_url"
 TTL_KEY = "ock.mmc.meta.lease_ttl_ms"
 WORLD_KEY = "ock.mmc.local_service.world_size"
-DRAM_KEY = "ock.mmc.local_service.dram.size"
 LOG_KEY = "ock.mmc.log_level"
 
 IGNORED = {
@@ -48,8 +45,6 @@ IGNORED = {
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 LOG_LEVELS: tuple[str, ...] = LogLevel.__args__  # type: ignore[attr-defined]
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 class MetaStoreConfig(BaseModel):
@@ -75,15 +70,6 @@ class MetaStoreConfig(BaseModel):
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
-def parse_size_bytes(text: str, key: str = DRAM_KEY) -> int:
-    """``"10GB"`` -> 10 * 2**30. Units B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (all binary)."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ValueError(f"{key}: expected a size like 10GB or 512MB, got {text!r}")
-    unit = (m.group(2) or "").upper().replace("I", "").rstrip("B") or ("B" if m.group(2) else "")
-    return int(m.group(1)) * _UNITS[unit]
-
-
 def parse_url(text: str, key: str = URL_KEY) -> tuple[str, int]:
     """``tcp://HOST:PORT`` -> (host, port); IPv6 hosts in brackets."""
     m = re.match(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\s\[\]]+):(\d{1,5})$", text)
@@ -103,27 +89,6 @@ def _log_level(text: str, key: str) -> str:
     if level not in LOG_LEVELS:
         raise ValueError(f"{key}: expected one of {', '.join(LOG_LEVELS)}, got {text!r}")
     return level
-
-
-def read_conf(path: str | os.PathLike[str]) -> dict[str, tuple[str, str]]:
-    """``key -> (value, "file:line")`` of one conf file; ValueError on a malformed or repeated line."""
-    out: dict[str, tuple[str, str]] = {}
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ValueError(f"cannot read conf file {path}: {e.strerror or e}") from None
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        where = f"{path}:{n}"
-        key, eq, value = (s.strip() for s in line.partition("="))
-        if not eq or not key:
-            raise ValueError(f"{where}: expected 'key = value', got {raw.strip()!r}")
-        if key in out:
-            raise ValueError(f"{where}: {key} is repeated (first at {out[key][1]})")
-        out[key] = (value, where)
-    return out
 
 
 def conf_settings(entries: Mapping[str, tuple[str, str]]) -> tuple[dict[str, Any], list[tuple[str, str]]]:

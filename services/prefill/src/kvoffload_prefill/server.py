@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
@@ -15,6 +16,7 @@ from kvcore.backends import require_available
 from kvcore.config import ConfigError
 from kvcore.eviction import LRUEviction
 from kvcore.hostpool import LocalHostPool
+from kvcore.mmcconf import local_dram_size
 from kvcore.segment import host_id
 from kvcore.settings import PrefillSettings, prefill_settings
 from kvoffload_proto.v1 import transfer_pb2_grpc
@@ -48,8 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=2048)
     p.add_argument("--host-pool-gb", type=float,
-                   help="host KV pool (prefix cache) this node contributes (default: the store config's "
-                        "host_pool_gb, else 1)")
+                   help="host KV pool (prefix cache) this node contributes, GiB (default: the store config's "
+                        "host_pool_gb, else ock.mmc.local_service.dram.size of --local-config, else 1)")
+    p.add_argument("--local-config", help="mmc-local.conf whose ock.mmc.local_service.dram.size sizes the host "
+                                          "pool when neither --host-pool-gb nor host_pool_gb is given "
+                                          "(default: $MMC_LOCAL_CONFIG_PATH)")
     p.add_argument("--metastore", metavar="HOST:PORT",
                    help="kvoffload-metastore that indexes the pool (default: the store config's metastore); "
                         "without either the index is kept in this process")
@@ -79,9 +84,11 @@ def serve(args: argparse.Namespace) -> int:
     model = load_model(args.model, dtype=args.dtype)
     settings = _settings(args, kv_layout(model.config, args.block_size, model.dtype))
     _pool_flags(args, settings.store)
+    log.info("host pool size", bytes=args.host_pool_bytes, source=args.host_pool_source,
+             **({"overrides": args.host_pool_overrides} if args.host_pool_overrides else {}))
     model_id = args.served_model_name or Path(args.model).resolve().name
     tag = uuid.uuid4().hex[:8]
-    pool = _host_pool(args, build.prefill_geometry(model, args.block_size, int(args.host_pool_gb * 2**30)),
+    pool = _host_pool(args, build.prefill_geometry(model, args.block_size, args.host_pool_bytes),
                       f"kvoffload-prefill-pool-{tag}")
     engine = build.prefill_engine(
         model, pool, buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
@@ -122,15 +129,31 @@ def _settings(args: argparse.Namespace, layout) -> PrefillSettings:
     return settings
 
 
-def _pool_flags(args: argparse.Namespace, store) -> None:
+def _pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None = None) -> None:
     """--metastore / --host-pool-gb, or the store config's metastore / host_pool_gb; both given and
-    different is an error naming both."""
-    for flag, attr, default in (("--metastore", "metastore", None), ("--host-pool-gb", "host_pool_gb", 1.0)):
+    different is an error naming both. The pool size (``args.host_pool_bytes``), by one rule:
+    --host-pool-gb / host_pool_gb > ``ock.mmc.local_service.dram.size`` of the mmc-local.conf named
+    by --local-config or $MMC_LOCAL_CONFIG_PATH > 1 GiB; ``args.host_pool_source`` names the winner
+    and ``args.host_pool_overrides`` the sources it overrode (for the start-up log line)."""
+    sources = []
+    for flag, attr in (("--metastore", "metastore"), ("--host-pool-gb", "host_pool_gb")):
         given, configured = getattr(args, attr), getattr(store, attr)
         if given is not None and configured is not None and given != configured:
             raise ConfigError([f"{flag} {given} and kv_connector_extra_config.{attr} {configured!r} disagree; "
                                "give one of them"])
-        setattr(args, attr, given if given is not None else configured if configured is not None else default)
+        setattr(args, attr, given if given is not None else configured)
+        if attr == "host_pool_gb" and args.host_pool_gb is not None:
+            named = flag if given is not None else f"kv_connector_extra_config.{attr}"
+            sources.append((int(args.host_pool_gb * 2**30), named))
+    try:
+        dram = local_dram_size(getattr(args, "local_config", None), env)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    if dram is not None:
+        sources.append(dram)
+    sources.append((2**30, "default (1 GiB)"))
+    (args.host_pool_bytes, args.host_pool_source), rest = sources[0], sources[1:-1]
+    args.host_pool_overrides = [f"{name} = {size} bytes" for size, name in rest]
 
 
 def _host_pool(args: argparse.Namespace, geometry, name: str):
