@@ -25,4 +25,5 @@ bench: install-vllm
 	@for b in hotcache gather prefill prefix decode pd load faults vllm; do .venv/bin/kvoffload bench $$b --json || exit 1; done
 
 test: install-vllm
+	@scripts/install-mooncake .venv
 	.venv/bin/python -m pytest

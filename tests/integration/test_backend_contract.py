@@ -39,6 +39,9 @@ from kvcore.leases import Lease
 from kvcore.segment import PoolGeometry
 from kvoffload_metastore.config import MetaStoreConfig
 from kvoffload_metastore.server import start
+from poolclient.mooncake import MooncakeHostPool
+from poolclient.mooncake_master import MooncakeMaster
+from poolclient.mooncake_store import MooncakeStore
 from poolclient.remotepool import RemoteHostPool
 
 BS = 4
@@ -65,7 +68,27 @@ def _remote(num_blocks: int, ctx: dict) -> HostPoolBackend:
     return RemoteHostPool.create(ctx["metastore"].target, f"pool-{ctx['n']}", _name(), geometry(num_blocks))
 
 
-BACKENDS: dict[str, Callable[[int, dict], HostPoolBackend]] = {"local": _local, "remote": _remote}
+_MOONCAKE: dict = {}  # one real mooncake_master and store client for the module (a client close takes ~2 s)
+
+
+def _mooncake(num_blocks: int, _ctx: dict) -> HostPoolBackend:
+    if "store" not in _MOONCAKE:
+        _MOONCAKE["master"] = MooncakeMaster.start()
+        _MOONCAKE["store"] = MooncakeStore.connect(_MOONCAKE["master"].address, global_segment_bytes=64 << 20)
+    return MooncakeHostPool(_MOONCAKE["store"], geometry(num_blocks), namespace=_name(), eviction=LRUEviction())
+
+
+BACKENDS: dict[str, Callable[[int, dict], HostPoolBackend]] = {"local": _local, "remote": _remote,
+                                                                "mooncake": _mooncake}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_mooncake():
+    yield
+    if "store" in _MOONCAKE:
+        _MOONCAKE.pop("store").close()
+    if "master" in _MOONCAKE:
+        _MOONCAKE.pop("master").stop()
 
 
 @pytest.fixture(params=sorted(BACKENDS))

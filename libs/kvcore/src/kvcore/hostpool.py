@@ -234,6 +234,10 @@ class LocalHostPool(HostPoolBackend):
     waits up to ``io_wait_timeout_s`` for them). Exactly one ``LocalHostPool`` indexes a segment
     (e.g. in the metastore); other processes ``SharedSegment.attach`` it and use the block ids it
     hands out under leases.
+
+    Subclass hooks (``poolclient.mooncake.MooncakeHostPool`` uses them; the defaults do nothing):
+    ``_before_drop`` and ``_publish``, called with the lock held; ``_grant`` is the lease step of
+    ``lease`` without its lookup.
     """
 
     def __init__(self, segment: SharedSegment, *, eviction: EvictionPolicy | None = None,
@@ -336,9 +340,46 @@ class LocalHostPool(HostPoolBackend):
         self._cond.wait(left)
         return False
 
-    def _shortfall_victims(self, n: int) -> tuple[int, list[bytes]]:
+    def _shortfall_victims(self, n: int, kept: Iterable[bytes] = ()) -> tuple[int, list[bytes]]:
         free = len(self._free)
-        return free, self._policy.victims(n - free, self._can_evict) if n > free else []
+        if n <= free:
+            return free, []
+        return free, self._policy.victims(n - free, lambda k: k not in kept and self._can_evict(k))
+
+    def _victims(self, keys: list[bytes]) -> list[bytes]:
+        """Victims making room for ``keys`` that ``_before_drop`` let go; ``PoolFullError`` if too few."""
+        kept: dict[bytes, str] = {}
+        while True:
+            free, victims = self._shortfall_victims(len(keys), kept)
+            if free + len(victims) < len(keys):
+                raise PoolFullError(key=keys[free + len(victims)], needed=len(keys), free=free,
+                                    evictable=len(victims), num_blocks=self.geometry.num_blocks,
+                                    policy=type(self._policy).__name__)
+            refused = self._before_drop(victims)
+            if not refused:
+                return victims
+            kept.update(refused)
+
+    def _grant(self, keys: list[bytes], ttl_ms: int) -> LocalLease:
+        """A lease on ``keys`` for ``ttl_ms`` that counts as a use; the caller checked the keys."""
+        record = self._leases.grant(tuple(keys), time.monotonic() + ttl_ms / 1000)
+        for k in keys:
+            self._policy.on_access(k)
+        return LocalLease(record, self._leases, self._cond)
+
+    # ---- subclass hooks (call with the lock held) -----------------------------------------------
+
+    def _before_drop(self, keys: list[bytes]) -> dict[bytes, str]:
+        """``keys`` (not leased here, not in copy) are about to be dropped by eviction or ``remove``:
+        free what the backend keeps of them elsewhere, all or nothing. Returns ``{key: why}`` for
+        keys it must keep (then nothing was freed: eviction picks other victims, ``remove`` raises
+        ``ObjectLeased``); may raise a ``PoolError`` (nothing freed). Default: ``{}``."""
+        return {}
+
+    def _publish(self, keys: list[bytes], ids: list[int]) -> None:
+        """``put_from`` has copied the plane that completes objects ``keys`` (blocks ``ids``) and is
+        about to mark it written. Raising aborts: the plane stays unwritten for the whole batch and
+        the error reaches the caller. Default: nothing."""
 
     # ---- engine thread -------------------------------------------------------------------------
 
@@ -358,11 +399,7 @@ class LocalHostPool(HostPoolBackend):
             for k in keys:
                 if k in self._index:
                     raise ObjectExists(f"key {k!r} already has an object (block {self._index[k]})", key=k)
-            free, victims = self._shortfall_victims(len(keys))
-            if free + len(victims) < len(keys):
-                raise PoolFullError(key=keys[free + len(victims)], needed=len(keys), free=free,
-                                    evictable=len(victims), num_blocks=self.geometry.num_blocks,
-                                    policy=type(self._policy).__name__)
+            victims = self._victims(keys)
             self._drop(victims)
             self._evictions += len(victims)
             ids = [self._free.pop() for _ in keys]
@@ -389,10 +426,7 @@ class LocalHostPool(HostPoolBackend):
         with self._cond:
             self._begin()
             self._resolve(keys)
-            record = self._leases.grant(tuple(keys), time.monotonic() + ttl_ms / 1000)
-            for k in keys:
-                self._policy.on_access(k)
-            return LocalLease(record, self._leases, self._cond)
+            return self._grant(keys, ttl_ms)
 
     def remove(self, keys: Sequence[bytes]) -> None:
         keys = check_keys(keys, unique=False)
@@ -406,6 +440,10 @@ class LocalHostPool(HostPoolBackend):
                         raise ObjectLeased(f"cannot remove {k!r}: {self._leases.count(k)} live lease(s)", key=k)
                 if self._wait_unpinned(present, deadline, "remove"):
                     break
+            refused = self._before_drop(present)
+            if refused:
+                k = next(iter(refused))
+                raise ObjectLeased(f"cannot remove {k!r}: {refused[k]}", key=k)
             self._drop(present)
 
     def stats(self) -> PoolStats:
@@ -449,12 +487,16 @@ class LocalHostPool(HostPoolBackend):
         finally:
             with self._cond:
                 self._pin(ids, -1)
+                self._cond.notify_all()
                 if ok:
+                    after = self._written[ids_t]  # [n, num_planes] (a copy)
+                    after[:, plane] = True
+                    completes = (after.all(1) & ~self._written[ids_t, plane]).tolist()  # [n]: this write completes
+                    self._publish([k for k, c in zip(keys, completes) if c], [b for b, c in zip(ids, completes) if c])
                     self._written[ids_t, plane] = True
                     for k, c in zip(keys, self._complete_mask(ids)):
                         if c:
                             self._policy.on_complete(k)
-                self._cond.notify_all()
 
     def get_into(self, keys: Sequence[bytes], plane: int, dst: torch.Tensor) -> None:
         keys = check_keys(keys, unique=False)

@@ -9,6 +9,9 @@
 - ``client``: ``MetaStoreClient`` and its ``RemoteLease``.
 - ``membership``: a pool's registration, heartbeats and re-join after a MetaStore restart.
 - ``remotepool``: ``RemoteHostPool``, the ``kvcore.hostpool.HostPoolBackend`` over that index.
+- ``mooncake``: ``MooncakeHostPool``, a ``kvcore.hostpool.LocalHostPool`` whose objects are shared
+  through Mooncake Store instead; ``mooncake_objects`` (its objects in the store), ``mooncake_store``
+  (the store client) and ``mooncake_master`` (starts a ``mooncake_master``) serve it.
 """
 
 __version__ = "0.1.0"

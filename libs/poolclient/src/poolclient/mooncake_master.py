@@ -1,0 +1,232 @@
+"""Start and stop a real ``mooncake_master`` (Mooncake Store's metadata master) on loopback.
+
+``MooncakeMaster.start(MasterConfig())`` runs the ``mooncake_master`` console script of the
+``mooncake-transfer-engine-non-cuda`` wheel as a child process, its RPC server and its HTTP
+metrics/admin server both bound to ``MasterConfig.host`` (127.0.0.1 unless told: the binary's own
+default is 0.0.0.0), on free ports unless given, and returns once the master answers: its admin
+``/health`` says ``service_ready`` and its RPC port accepts connections. ``stop()`` ends it
+(SIGTERM, then SIGKILL), ``kill()`` ends it at once (a crash, for fault tests), ``restart()``
+starts a fresh master on the same ports (a restarted master knows no key). Used by the tests and
+by ``kvoffload up --pool mooncake``.
+
+``kv_lease_ttl_ms`` is the master's ``--default_kv_lease_ttl``: how long an object stays leased
+(not removable without force) after a client checks or reads it. ``MooncakeHostPool`` must be
+told the same value (``store_lease_ttl_ms``) to keep readers' leases alive. A missing wheel or a
+missing ``libibverbs1`` raises ``MooncakeNotInstalled`` naming the binary and what to install.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+INSTALL_HINT = ("install Mooncake Store with `pip install mooncake-transfer-engine-non-cuda==0.3.13.post1` "
+                "(or `pip install kvoffload-poolclient[mooncake]`) and Debian's `apt-get install -y "
+                "libibverbs1`; scripts/install-mooncake does both")
+
+
+class MooncakeNotInstalled(ImportError):
+    """The Mooncake wheel, its ``mooncake_master`` binary or the ``libibverbs1`` it links is missing."""
+
+
+class MooncakeMasterError(RuntimeError):
+    """``mooncake_master`` did not start, or exited, or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    """How to run one ``mooncake_master``. Ports 0 mean "pick a free one"."""
+
+    host: str = "127.0.0.1"
+    rpc_port: int = 0
+    metrics_port: int = 0
+    kv_lease_ttl_ms: int = 5_000
+    client_ttl_s: int = 10
+    start_timeout_s: float = 20.0
+    binary: str | None = None
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        for name in ("rpc_port", "metrics_port"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or not 0 <= v < 65536:
+                raise ValueError(f"{name} must be a port number 0..65535 (0: a free one), got {v!r}")
+        if not isinstance(self.kv_lease_ttl_ms, int) or self.kv_lease_ttl_ms < 1:
+            raise ValueError(f"kv_lease_ttl_ms must be an int >= 1, got {self.kv_lease_ttl_ms!r}")
+        if not isinstance(self.client_ttl_s, int) or self.client_ttl_s < 1:
+            raise ValueError(f"client_ttl_s must be an int >= 1, got {self.client_ttl_s!r}")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s!r}")
+
+
+def find_master_binary(binary: str | None = None) -> str:
+    """Path of ``mooncake_master``: ``binary`` if given, else beside this Python, else on PATH."""
+    if binary is not None:
+        if not os.access(binary, os.X_OK):
+            raise MooncakeNotInstalled(f"mooncake_master binary {binary!r} is not an executable file; {INSTALL_HINT}")
+        return binary
+    beside = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("mooncake_master")
+    if found is None:
+        raise MooncakeNotInstalled(f"no mooncake_master binary beside {sys.executable} or on PATH; {INSTALL_HINT}")
+    return found
+
+
+def free_port(host: str) -> int:
+    """A port on ``host`` that nothing listens on now (the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_answers(host: str, port: int, timeout_s: float) -> bool:
+    """True if a TCP connection to ``host:port`` succeeds within ``timeout_s``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class MooncakeMaster:
+    """One running ``mooncake_master`` child process (see the module docstring)."""
+
+    def __init__(self, config: MasterConfig, binary: str, rpc_port: int, metrics_port: int) -> None:
+        self.config = config
+        self.binary = binary
+        self.rpc_port = rpc_port
+        self.metrics_port = metrics_port
+        self._log_dir = tempfile.mkdtemp(prefix="mooncake-master-")
+        self.log_path = os.path.join(self._log_dir, "master.log")
+        self._proc: subprocess.Popen | None = None
+
+    @classmethod
+    def start(cls, config: MasterConfig | None = None) -> "MooncakeMaster":
+        """Start a master and wait until it answers (``MooncakeMasterError`` past ``start_timeout_s``)."""
+        config = config or MasterConfig()
+        binary = find_master_binary(config.binary)
+        tries = 3 if config.rpc_port == 0 or config.metrics_port == 0 else 1  # a picked port may be taken
+        while True:
+            master = cls(config, binary, config.rpc_port or free_port(config.host),
+                         config.metrics_port or free_port(config.host))
+            try:
+                master._launch()
+                return master
+            except MooncakeMasterError:
+                master.stop()
+                tries -= 1
+                if tries == 0:
+                    raise
+
+    @property
+    def address(self) -> str:
+        """``host:rpc_port``, what clients pass as ``master_server_addr``."""
+        return f"{self.config.host}:{self.rpc_port}"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://{self.config.host}:{self.metrics_port}/health"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _args(self) -> list[str]:
+        c = self.config
+        return [self.binary, f"--rpc_address={c.host}", f"--rpc_port={self.rpc_port}",
+                f"--metrics_host={c.host}", f"--metrics_port={self.metrics_port}",
+                f"--default_kv_lease_ttl={c.kv_lease_ttl_ms}", f"--client_ttl={c.client_ttl_s}",
+                "--enable_http_metadata_server=false", *c.extra_args]
+
+    def _log_tail(self, n: int = 2000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - n))
+                return f.read().decode(errors="replace").strip()
+        except OSError:
+            return ""
+
+    def _launch(self) -> None:
+        for port in (self.rpc_port, self.metrics_port):  # the binary keeps running when its RPC port is taken
+            if port_answers(self.config.host, port, 0.2):
+                raise MooncakeMasterError(f"cannot start {self.binary} on {self.config.host}:{port}: something "
+                                          f"listens there already (another mooncake_master?); pick another port")
+        with open(self.log_path, "ab") as log:
+            try:
+                self._proc = subprocess.Popen(self._args(), stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True)
+            except OSError as e:
+                raise MooncakeNotInstalled(f"cannot run {self.binary}: {e}; {INSTALL_HINT}") from e
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                tail = self._log_tail()
+                if "libibverbs" in tail:
+                    raise MooncakeNotInstalled(f"{self.binary} cannot load libibverbs.so.1 (exit {code}); "
+                                               f"{INSTALL_HINT}. Its output: {tail}")
+                raise MooncakeMasterError(f"{self.binary} exited with {code} while starting on {self.address} "
+                                          f"(metrics port {self.metrics_port}); its output: {tail}")
+            if self._healthy() and port_answers(self.config.host, self.rpc_port, 0.5):
+                return
+            if time.monotonic() > deadline:
+                raise MooncakeMasterError(f"{self.binary} did not answer on {self.address} / {self.health_url} "
+                                          f"within {self.config.start_timeout_s} s; its output: {self._log_tail()}")
+            time.sleep(0.05)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=0.5) as r:
+                return r.status == 200 and bool(json.loads(r.read()).get("service_ready"))
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def kill(self) -> None:
+        """End the master at once (SIGKILL), as a crash would. Keys and clients are lost."""
+        if self.running:
+            assert self._proc is not None
+            self._proc.kill()
+            self._proc.wait()
+
+    def restart(self) -> None:
+        """Stop this master (if running) and start a fresh one on the same ports and flags."""
+        self.stop(keep_log=True)
+        self._launch()
+
+    def stop(self, *, keep_log: bool = False, grace_s: float = 5.0) -> None:
+        """End the master (SIGTERM, SIGKILL after ``grace_s``) and drop its log. Idempotent."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if not keep_log:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+
+    def __enter__(self) -> "MooncakeMaster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"MooncakeMaster({self.address}, pid={self.pid}, {'running' if self.running else 'stopped'})"

@@ -1,0 +1,156 @@
+"""``StoreObjects``: how one ``MooncakeHostPool``'s objects live in Mooncake Store.
+
+Memory. The pool's blocks live in its ``kvcore.segment.SharedSegment`` (plane p a
+``[num_blocks, block_size, row_bytes_p]`` region); the whole mapping is registered with the store
+client, so puts are zero-copy. Objects. A complete object is ONE Mooncake object, key
+``<namespace>/<key hex>``, bytes = the block's rows of plane 0, then plane 1, ...
+(``part_bytes[p] = block_size * row_bytes_p`` each), put from the planes in place. Sentinel.
+``<namespace>/.pool-<pool id>`` holds the segment's first ``HEADER_BYTES``; while it exists, the
+master still has this pool's objects (a restarted master has none). Every call here is one batch
+of store calls (split at 1024 keys by ``MooncakeStore``); the pool's lock is the caller's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kvcore.hostpool import ObjectNotFound, PoolError
+from kvcore.segment import SharedSegment
+
+from poolclient.mooncake_store import (
+    OBJECT_HAS_LEASE,
+    OBJECT_NOT_FOUND,
+    MooncakeStore,
+    MooncakeStoreError,
+    code_name,
+)
+
+HEADER_BYTES = 64  # the sentinel object's bytes: the start of the segment's header
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What a non-forced batch remove did: ``removed`` keys, ``leased`` ones (Mooncake's lease:
+    a reader elsewhere checked or read them lately), and the first other ``error`` (None if none)."""
+
+    removed: list[bytes]
+    leased: list[bytes]
+    error: MooncakeStoreError | None
+
+
+class StoreObjects:
+    """One pool's registered segment and its objects' keys and bytes in the store."""
+
+    def __init__(self, store: MooncakeStore, segment: SharedSegment, namespace: str, pool_id: str) -> None:
+        g = segment.geometry
+        self.store, self.geometry, self.namespace, self.pool_id = store, g, namespace, pool_id
+        self.part_bytes = [g.block_size * rb for rb in g.plane_row_bytes]  # per object, per plane
+        planes = [segment.plane(p) for p in range(g.num_planes)]
+        self._part_base = torch.tensor([t.data_ptr() for t in planes], dtype=torch.long)  # [num_planes]
+        self._part_stride = torch.tensor(self.part_bytes, dtype=torch.long)  # [num_planes]
+        self._base = planes[0].data_ptr() - segment.plane_offsets[0]  # the mapping's start (its header)
+        self.sentinel = f"{namespace}/.pool-{pool_id}"
+        store.register(self._base, segment.size_bytes)
+
+    def key(self, key: bytes) -> str:
+        return f"{self.namespace}/{key.hex()}"
+
+    def fail(self, op: str, code: int, key: bytes | None, what: str = "") -> MooncakeStoreError:
+        return MooncakeStoreError(f"Mooncake Store {op} {what}failed with {code_name(code)} (master "
+                                  f"{self.store.master}, pool {self.pool_id[:8]}, namespace {self.namespace!r})",
+                                  code=code, key=key)
+
+    # ---- the sentinel --------------------------------------------------------------------------
+
+    def put_sentinel(self) -> None:
+        code = self.store.put_parts([self.sentinel], [[self._base]], [[HEADER_BYTES]])[0]
+        if code != 0:
+            raise self.fail("put", code, None, f"of pool sentinel {self.sentinel!r} ")
+
+    def sentinel_present(self) -> bool:
+        code = self.store.exists([self.sentinel])[0]
+        if code < 0:
+            raise self.fail("exists", code, None, "of the pool sentinel ")
+        return code == 1
+
+    # ---- objects -------------------------------------------------------------------------------
+
+    def put(self, keys: list[bytes], ids: list[int]) -> None:
+        """Put objects ``keys`` from blocks ``ids``, all or none (``MooncakeStoreError``). A key the
+        store holds already is a silent no-op in this Mooncake (the first put wins)."""
+        if not keys:
+            return
+        ptrs = self._part_base[None, :] + torch.tensor(ids, dtype=torch.long)[:, None] * self._part_stride[None, :]
+        codes = self.store.put_parts([self.key(k) for k in keys], ptrs.tolist(), [self.part_bytes] * len(keys))
+        bad = next((i for i, c in enumerate(codes) if c != 0), None)
+        if bad is not None:
+            done = [self.key(k) for k, c in zip(keys, codes) if c == 0]
+            if done:
+                self.store.remove(done, force=True)
+            raise self.fail("put", codes[bad], keys[bad], f"of {len(keys)} object(s) (none written) ")
+
+    def remove(self, keys: list[bytes]) -> Removal:
+        """Remove objects without force (a leased one stays; a missing one counts as done)."""
+        if not keys:
+            return Removal([], [], None)
+        codes = self.store.remove([self.key(k) for k in keys])
+        bad = next((i for i, c in enumerate(codes) if c not in (0, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE)), None)
+        return Removal([k for k, c in zip(keys, codes) if c == 0],
+                       [k for k, c in zip(keys, codes) if c == OBJECT_HAS_LEASE],
+                       None if bad is None else self.fail("remove", codes[bad], keys[bad], f"of {len(keys)} object(s) "))
+
+    def exists(self, keys: list[bytes], op: str) -> list[bool]:
+        """Which keys are complete in the store; the master leases those that are (``op`` names the caller)."""
+        if not keys:
+            return []
+        codes = self.store.exists([self.key(k) for k in keys])
+        bad = next((i for i, c in enumerate(codes) if c < 0), None)
+        if bad is not None:
+            raise self.fail(f"exists (for {op})", codes[bad], keys[bad])
+        return [c == 1 for c in codes]
+
+    def touch(self, skeys: list[str]) -> None:
+        """Extend Mooncake's lease on store keys (a check is what grants it); missing keys are skipped."""
+        if skeys:
+            self.store.exists(skeys)
+
+    def fetch(self, keys: list[bytes], plane: int) -> torch.Tensor:
+        """Plane ``plane`` of objects read from the store: ``[len(keys), block_size, row_bytes]``."""
+        g = self.geometry
+        uniq = list(dict.fromkeys(keys))
+        staging = torch.empty(len(uniq), g.block_bytes, dtype=torch.uint8)  # [m, block_bytes]: whole objects
+        registered = self.store.protocol != "tcp"  # TCP reads land in any memory; RDMA needs it registered
+        if registered:
+            self.store.register(staging.data_ptr(), staging.numel())
+        try:
+            base = staging.data_ptr()
+            codes = self.store.get_into([self.key(k) for k in uniq],
+                                        [base + i * g.block_bytes for i in range(len(uniq))], [g.block_bytes] * len(uniq))
+        finally:
+            if registered:
+                self.store.unregister(staging.data_ptr())
+        for k, c in zip(uniq, codes):
+            if c == OBJECT_NOT_FOUND:
+                raise ObjectNotFound(f"no object for key {k!r} in this pool or in Mooncake Store", key=k)
+            if c < 0:
+                raise self.fail("get", c, k, f"of {len(uniq)} object(s) ")
+            if c != g.block_bytes:
+                raise PoolError(f"object {k!r} in Mooncake Store has {c} B, but this pool's objects have "
+                                f"{g.block_bytes} B ({g}): it was written with another geometry", key=k)
+        off = sum(self.part_bytes[:plane])
+        rows = staging[:, off:off + self.part_bytes[plane]].reshape(len(uniq), g.block_size, g.plane_row_bytes[plane])
+        if len(uniq) == len(keys):
+            return rows
+        pos = {k: i for i, k in enumerate(uniq)}
+        return rows[torch.tensor([pos[k] for k in keys], dtype=torch.long)]
+
+    def drop_all(self, keys: list[bytes]) -> None:
+        """Force-remove ``keys`` and the sentinel (the pool is closing); errors are the caller's to log."""
+        codes = self.store.remove([self.key(k) for k in keys] + [self.sentinel], force=True)
+        bad = next((c for c in codes if c not in (0, OBJECT_NOT_FOUND)), None)
+        if bad is not None:
+            raise self.fail("remove", bad, None, f"of the closing pool's {len(keys)} object(s) ")
+
+    def close(self) -> None:
+        self.store.unregister(self._base)
