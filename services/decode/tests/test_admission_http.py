@@ -46,7 +46,8 @@ async def _scenario(loop: DecodeLoop) -> None:
     meta_app = web.Application()
     meta_app.router.add_post("/v1/metaserver", metaserver)
     meta_runner, meta_url = await _serve(meta_app)
-    settings = AppSettings(model_name="tiny", max_model_len=256, advertise_host="127.0.0.1", control_port=1)
+    settings = AppSettings(model_name="tiny", max_model_len=256, advertise_host="127.0.0.1", control_port=1,
+                           dp_rank=1)
     dec_runner, dec_url = await _serve(build_app(loop, _Transfer(), ByteTokenizer(), settings))
 
     def body(rid: str) -> dict:
@@ -64,6 +65,9 @@ async def _scenario(loop: DecodeLoop) -> None:
         async with aiohttp.ClientSession() as http:
             a = asyncio.ensure_future(http.post(f"{dec_url}/v1/completions", json=body("A")))
             await until(lambda: "A" in answers, "A's registration")
+            assert calls[0] == {"request_id": "A", "kv_transfer_params": {  # its true DP rank (--dp-rank 1)
+                "request_id": "A", "remote_host": "127.0.0.1", "remote_port": 1, "remote_tp_size": 1,
+                "remote_dp_rank": 1}}
             b = asyncio.ensure_future(http.post(f"{dec_url}/v1/completions", json=body("B")))
             await until(lambda: any(c["request_id"] == "B" for c in calls), "B's queued notice")
             assert calls[-1] == {"request_id": "B", "kv_transfer_params": {"request_id": "B", "queued": True}}

@@ -36,6 +36,7 @@ class AppSettings:
     max_model_len: int
     advertise_host: str
     control_port: int
+    dp_rank: int = 0  # registered with the proxy as remote_dp_rank
     metaserver_timeout_s: float = 600.0
     token_timeout_s: float = 600.0
     metaserver_retries: int = 3
@@ -261,7 +262,8 @@ class _Handler:
         registration deadline no longer applies to it)."""
         headers = {"X-Request-Id": rid, **({"Authorization": f"Bearer {token}"} if token else {})}
         params = {"request_id": rid, "remote_host": self.settings.advertise_host,
-                  "remote_port": self.settings.control_port, "remote_tp_size": 1, "remote_dp_rank": 0}
+                  "remote_port": self.settings.control_port, "remote_tp_size": 1,
+                  "remote_dp_rank": self.settings.dp_rank}
         if queued:
             params = {"request_id": rid, "queued": True}
         payload = {"request_id": rid, "kv_transfer_params": params}

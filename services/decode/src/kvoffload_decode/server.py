@@ -94,7 +94,8 @@ def serve(args: argparse.Namespace) -> int:
     grpc_side.add_port(f"{args.host}:{control_port}", tls)
     app = build_app(loop, transfer, ByteTokenizer.from_dir(args.model),
                     AppSettings(model_name=model_id, max_model_len=args.max_model_len, advertise_host=args.host,
-                                control_port=control_port, metaserver_timeout_s=args.metaserver_timeout_s))
+                                control_port=control_port, dp_rank=args.dp_rank,
+                                metaserver_timeout_s=args.metaserver_timeout_s))
     grpc_side.start()
     log.info("serving", http=f"{args.host}:{args.port}", control_port=control_port, model=model_id,
              topk_buffer_size=settings.sparse.topk_buffer_size, hot_cache_policy=settings.sparse.hot_cache_policy,
