@@ -64,8 +64,8 @@ def pair():
     torch.manual_seed(0)
     prefill_caches = {name: torch.randn((8, 2, 8, 3)) for name in LAYERS}
     decode_caches = {name: torch.zeros((8, 2, 8, 3)) for name in LAYERS}
-    consumer = Consumer(D2HSettings("kv_consumer", free_port(), "127.0.0.1", 0, 1.0, 10.0), "model-a", LAYOUT,
-                        decode_caches)
+    consumer = Consumer(D2HSettings("kv_consumer", free_port(), "127.0.0.1", 0, 1.0, 10.0, dp_rank=1), "model-a",
+                        LAYOUT, decode_caches)
     producer = Producer(D2HSettings("kv_producer", None, "127.0.0.1", 0, 1.0, 10.0), "model-a", LAYOUT,
                         prefill_caches)
     meta = Metaserver()
@@ -95,6 +95,7 @@ def test_a_chunked_prompt_lands_block_for_block_and_ends_once(pair):
     until(lambda: meta.bodies)
     params = meta.bodies[0]["kv_transfer_params"]
     assert (params["request_id"], params["remote_port"]) == ("cmpl-1", consumer.settings.control_port)
+    assert params["remote_dp_rank"] == 1  # its true DP rank
     peer = Peer("cmpl-1", consumer.endpoint)
     for start, end, blocks in ((0, 6, (1, 2)), (6, 10, (1, 2, 3))):  # two chunks; block 2 written by both
         step = D2HStepMetadata(sends=[Send("vllm-p", peer, start, end, 10, blocks)])

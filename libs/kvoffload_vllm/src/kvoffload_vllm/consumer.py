@@ -116,7 +116,8 @@ class Consumer:
         """POST our endpoint to the proxy's metaserver; its answer comes once the prefill answered."""
         recv = inc.recv
         params = {"request_id": recv.transfer_id, "remote_host": self.settings.advertise_host,
-                  "remote_port": self.settings.control_port, "remote_tp_size": 1, "remote_dp_rank": 0}
+                  "remote_port": self.settings.control_port, "remote_tp_size": 1,
+                  "remote_dp_rank": self.settings.dp_rank}
         body = json.dumps({"request_id": recv.transfer_id, "kv_transfer_params": params}).encode()
         headers = {"Content-Type": "application/json", "X-Request-Id": recv.transfer_id}
         if recv.token:

@@ -105,6 +105,7 @@ class D2HSettings:
     data_port: int
     peer_timeout_s: float
     read_timeout_s: float
+    dp_rank: int = 0  # consumer: registered with the proxy as remote_dp_rank
 
 
 def d2h_settings(vllm_config: "VllmConfig") -> D2HSettings:
@@ -138,7 +139,8 @@ def d2h_settings(vllm_config: "VllmConfig") -> D2HSettings:
                                "is beyond 65535"])
     peer_timeout = extra.peer_timeout_s or DEFAULT_PEER_TIMEOUT_S
     return D2HSettings(parsed.kv_role, control_port, extra.advertise_host or DEFAULT_ADVERTISE_HOST,
-                       extra.data_port or 0, peer_timeout, read_timeout_s=max(30.0, 3 * peer_timeout))
+                       extra.data_port or 0, peer_timeout, read_timeout_s=max(30.0, 3 * peer_timeout),
+                       dp_rank=par.data_parallel_rank)
 
 
 class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
