@@ -72,6 +72,8 @@ def test_real_deepseek_v32_config_loads(tmp_path):
     assert cfg.dtype == torch.bfloat16
     assert cfg.rope_theta == 10000 and cfg.bos_token_id == 0 and cfg.eos_token_id == 1
     assert cfg.softmax_scale == pytest.approx(192**-0.5)
+    assert ModelConfig.from_dict({**DSV32_CONFIG, "architectures": ["DeepseekV32ForCausalLM"]}).architectures == \
+        ("DeepseekV32ForCausalLM",)
 
 
 def test_round_trip_and_defaults(tmp_path):
@@ -107,6 +109,7 @@ def test_missing_required_key_is_named(key):
         ("eos_token_id", 200000),
         ("num_nextn_predict_layers", -1),
         ("tie_word_embeddings", "no"),
+        ("architectures", "DeepseekV32ForCausalLM"),
     ],
 )
 def test_bad_values_are_named(key, value):

@@ -44,13 +44,29 @@ def test_guide_configs_on_deepseek_v32():
     assert p["num_logical_layers"] == 62 and p["num_buffers"] == 4
     assert p["log_line"] == "Layerwise KV cache reuse merged 124 descriptors into 8 descriptors using 4 buffer assignments."
     tokens = 8 * 131072
-    per_layer = tokens * (576 * 2 + 128 * 2)
+    index = 128 + 4  # DeepseekV32ForCausalLM: 128 fp8 key bytes + one float32 scale per 128 elements
+    per_layer = tokens * (576 * 2 + index)
     assert p["device_kv_bytes_no_offload"] == 62 * per_layer and p["device_kv_bytes"] == 4 * per_layer
     assert d["device_kv_bytes_no_offload"] == 62 * per_layer
-    assert d["device_kv_bytes"] == 8 * 62 * (131072 * 128 * 2 + 4096 * 576 * 2)
+    assert d["device_kv_bytes"] == 8 * 62 * (131072 * index + 4096 * 576 * 2)
     assert d["host_kv_bytes"] == tokens * 62 * 576 * 2
     assert d["control_ports"] == [20050]
     assert "Layerwise KV cache reuse merged" in format_report(r)
+
+
+def test_the_indexer_is_sized_as_fp8_plus_scale_and_says_why():
+    r = plan_report(_deployment())
+    ix = r["model"]["indexer"]
+    assert (ix["dtype"], ix["key_bytes"], ix["scale_bytes"], ix["scale_dtype"], ix["scale_block"], ix["row_bytes"]) == \
+        ("float8_e4m3fn", 128, 4, "float32", 128, 132)
+    assert r["model"]["indexer_row_bytes"] == 132 and "DeepseekV32ForCausalLM" in ix["source"]
+    assert ("indexer cache: 132 B/token = 128 B float8_e4m3fn + 4 B float32 scale (one per 128 elements); "
+            "architectures DeepseekV32ForCausalLM") in format_report(r)
+    other = plan_report(_deployment(config=ModelConfig.from_dict({**DSV32, "architectures": ["GlmForCausalLM"]})))
+    ox = other["model"]["indexer"]
+    assert (ox["dtype"], ox["row_bytes"], ox["scale_bytes"], ox["scale_block"]) == ("bfloat16", 256, 0, None)
+    assert ox["source"] == "torch_dtype bfloat16 (architectures ['GlmForCausalLM']: no fp8 indexer cache)"
+    assert other["prefill"]["device_kv_bytes"] > r["prefill"]["device_kv_bytes"]
 
 
 @pytest.mark.parametrize("kw, fragment", [

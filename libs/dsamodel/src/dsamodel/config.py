@@ -8,7 +8,9 @@ Unknown keys are ignored, so a real DeepSeek-V3.2 ``config.json`` loads as is. I
 - ``rope_scaling`` (YaRN): RoPE here is plain, with base ``rope_theta``, and the softmax scale is
   ``qk_head_dim ** -0.5`` without YaRN's mscale.
 - ``quantization_config`` (fp8 blocks), the indexer's Hadamard rotation and fp8 keys: weights and
-  indexer keys stay in ``torch_dtype``, indexer scores are computed in float32.
+  indexer keys stay in ``torch_dtype``, indexer scores are computed in float32. (``architectures``
+  is kept: ``kvoffload plan`` sizes a DeepseekV32ForCausalLM's indexer cache as the serving
+  engines store it, fp8 keys plus scales; see ``dsamodel.sizing``.)
 
 Missing required keys and bad values raise ``ValueError`` naming the key.
 """
@@ -68,8 +70,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     tie_word_embeddings: bool = False
+    architectures: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.architectures, list):
+            object.__setattr__(self, "architectures", tuple(self.architectures))
+        if not isinstance(self.architectures, tuple) or not all(isinstance(a, str) for a in self.architectures):
+            raise ValueError(f"architectures must be a list of strings, got {self.architectures!r}")
         for key in _REQUIRED_INTS:
             _check_int(key, getattr(self, key), minimum=1)
         if self.q_lora_rank is not None:

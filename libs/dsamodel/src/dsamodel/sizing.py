@@ -4,6 +4,12 @@ Nothing runs: the model's layout comes from ``config.json`` alone (no weights), 
 decode configs are validated exactly as the services would (Ascend backend names are accepted
 here: sizing is not running), and the report gives, per side, the layer -> slot table, the plan's
 log line, device bytes with and without offload and host-pool bytes.
+
+The indexer cache is sized as the serving engine stores it (``indexer_cache_format``): for
+``DeepseekV32ForCausalLM`` (``architectures`` in config.json) the keys are float8_e4m3fn plus one
+float32 scale per 128-element block (DeepSeek-V3.2's indexer: 128 key bytes + 4 scale bytes per
+token at ``index_head_dim`` 128); for any other architecture, ``torch_dtype`` and no scale. The
+report's ``model.indexer`` names the dtype, the scale bytes and block, and that source.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from kvcore.config import ConfigError
 from kvcore.layout import KVLayout
 from kvcore.plan import BufferPlan
@@ -36,11 +43,52 @@ class Deployment:
     decode_additional_config: str | None = None
 
 
+FP8_INDEXER_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
+INDEX_SCALE_BLOCK = 128  # elements per float32 scale of an fp8 indexer key (DeepSeek-V3.2)
+
+
+@dataclass(frozen=True)
+class IndexerCacheFormat:
+    """How one token's indexer key is stored: ``dtype`` elements, plus ``scale_bytes`` of scales
+    (one float32 per ``scale_block`` elements; none when 0), and why (``source``)."""
+
+    dtype: torch.dtype
+    key_bytes: int
+    scale_bytes: int
+    scale_block: int | None
+    source: str
+
+    @property
+    def row_bytes(self) -> int:
+        return self.key_bytes + self.scale_bytes
+
+    def describe(self) -> dict[str, Any]:
+        return {"dtype": str(self.dtype).removeprefix("torch."), "key_bytes": self.key_bytes,
+                "scale_bytes": self.scale_bytes, "scale_dtype": "float32" if self.scale_bytes else None,
+                "scale_block": self.scale_block, "row_bytes": self.row_bytes, "source": self.source}
+
+
+def indexer_cache_format(config: ModelConfig) -> IndexerCacheFormat:
+    """The indexer cache format of ``config`` (module docstring)."""
+    fp8 = next((a for a in config.architectures if a in FP8_INDEXER_ARCHITECTURES), None)
+    if fp8 is not None:
+        blocks = -(-config.index_head_dim // INDEX_SCALE_BLOCK)
+        return IndexerCacheFormat(
+            torch.float8_e4m3fn, config.index_head_dim, 4 * blocks, INDEX_SCALE_BLOCK,
+            f"architectures {fp8}: the serving engines store its indexer keys as float8_e4m3fn with one "
+            f"float32 scale per {INDEX_SCALE_BLOCK}-element block")
+    return IndexerCacheFormat(
+        config.dtype, config.index_head_dim * config.dtype.itemsize, 0, None,
+        f"torch_dtype {config.torch_dtype} (architectures {list(config.architectures)}: no fp8 indexer cache)")
+
+
 def layout_of(config: ModelConfig, block_size: int) -> KVLayout:
+    fmt = indexer_cache_format(config)
     return KVLayout.for_mla(
         num_hidden_layers=config.num_hidden_layers, kv_lora_rank=config.kv_lora_rank,
         qk_rope_head_dim=config.qk_rope_head_dim, block_size=block_size, dtype=config.dtype,
         num_mtp_layers=config.num_nextn_predict_layers, index_head_dim=config.index_head_dim,
+        index_dtype=fmt.dtype, index_scale_bytes=fmt.scale_bytes,
     )
 
 
@@ -52,7 +100,8 @@ def plan_report(d: Deployment) -> dict[str, Any]:
         "model": {"num_hidden_layers": d.config.num_hidden_layers,
                   "num_mtp_layers": d.config.num_nextn_predict_layers, "index_topk": d.config.index_topk,
                   "main_row_bytes": layout.layers[0].main.row_bytes,
-                  "indexer_row_bytes": layout.layers[0].indexer.row_bytes if layout.has_indexer else 0},
+                  "indexer_row_bytes": layout.layers[0].indexer.row_bytes if layout.has_indexer else 0,
+                  "indexer": indexer_cache_format(d.config).describe()},
         "sizes": {"block_size": d.block_size, "max_model_len": d.max_model_len, "max_num_seqs": d.max_num_seqs},
         "errors": [], "warnings": [],
     }
@@ -130,6 +179,10 @@ def _decode_section(layout: KVLayout, s, d: Deployment) -> dict[str, Any]:
 def format_report(report: dict[str, Any]) -> str:
     """Human-readable form of ``plan_report``."""
     lines = []
+    ix = report["model"]["indexer"]
+    scale = (f" + {ix['scale_bytes']} B {ix['scale_dtype']} scale (one per {ix['scale_block']} elements)"
+             if ix["scale_bytes"] else "")
+    lines.append(f"indexer cache: {ix['row_bytes']} B/token = {ix['key_bytes']} B {ix['dtype']}{scale}; {ix['source']}")
     for side in ("prefill", "decode"):
         sec = report.get(side)
         if not sec:
