@@ -22,7 +22,7 @@ demo-vllm: install-vllm
 	.venv/bin/kvoffload demo --engine vllm
 
 bench: install-vllm
-	@for b in hotcache gather prefill prefix decode pd load faults vllm; do .venv/bin/kvoffload bench $$b --json || exit 1; done
+	@for b in hotcache gather prefill prefix decode pd load faults vllm pool; do .venv/bin/kvoffload bench $$b --json || exit 1; done
 
 test: install-vllm
 	@scripts/install-mooncake .venv

@@ -1,0 +1,216 @@
+"""Pool bench: put/get throughput of each host-pool backend, as a ratio to memcpy in the same run.
+
+Two object shapes: ``kv_block`` — one block of 64 token rows of 576 bytes (DeepSeek's MLA latent
+row in bf16: 36 KiB), 512 of them per batch; and ``1mib`` — objects of 1 MiB (64 rows of 16 KiB),
+32 per batch. Per backend and shape:
+
+- ``put``: ``alloc`` + ``put_from`` of a fresh batch of keys, in this process;
+- ``get``: ``get_into`` of that batch, in this process (single-process);
+- ``get_cross_process``: ``get_into`` of the same keys by a second process with its own client
+  (how a decode or another prefill reads a pool it does not own).
+
+Each is the median of ``repeats`` timed runs, reported as GB/s and as ``*_ratio`` = that rate /
+the rate of a plain ``memcpy`` (``torch`` copy) of the same bytes measured in the same run (the
+machine is shared: absolute rates mean little, the ratios are the result).
+
+Backends (``backends`` in the JSON, one entry each):
+
+- ``kvoffload``: the embedded pool — ``LocalHostPool`` for the single-process figures, and a
+  ``RemoteHostPool`` registered with a real ``kvoffload-metastore`` for the cross-process read
+  (the reader attaches the writer's shared-memory segment);
+- ``mooncake``: ``MooncakeHostPool`` against a real ``mooncake_master`` on loopback (TCP), the
+  reader a second store client in another process;
+- ``memcache``: runs only where ``kvcore.backends`` says it can (an Ascend host with an adapter);
+  elsewhere its entry is ``{"available": false, "reason": ...}`` with the exact reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import ExitStack
+
+import torch
+from kvcore.segment import PoolGeometry
+
+SHAPES = {"kv_block": (64, 576, 512), "1mib": (64, 16384, 32)}  # name -> (rows, row bytes, objects per batch)
+
+
+def run(*, repeats: int = 5, shapes: tuple[str, ...] = tuple(SHAPES)) -> dict:
+    """The bench (module docstring); ``shapes`` narrows the object shapes (tests use one)."""
+    backends: dict[str, dict] = {}
+    memcpy = {name: _memcpy_gbps(name, repeats) for name in shapes}
+    with ExitStack() as stack:
+        backends["kvoffload"] = _kvoffload(stack, shapes, repeats, memcpy)
+        backends["mooncake"] = _mooncake(stack, shapes, repeats, memcpy)
+    backends["memcache"] = _memcache()
+    return {"bench": "pool", "repeats": repeats, "shapes": {n: _shape_info(n) for n in shapes},
+            "memcpy_gbps": memcpy, "backends": backends}
+
+
+def _shape_info(name: str) -> dict:
+    rows, row_bytes, count = SHAPES[name]
+    return {"rows": rows, "row_bytes": row_bytes, "object_bytes": rows * row_bytes, "objects": count}
+
+
+def _geometry(name: str) -> PoolGeometry:
+    """Room for two batches of ``name`` (one is in the pool at a time)."""
+    rows, row_bytes, count = SHAPES[name]
+    return PoolGeometry(rows, (row_bytes,), 2 * count)
+
+
+def _batch(name: str, seed: int) -> torch.Tensor:
+    rows, row_bytes, count = SHAPES[name]
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (count, rows, row_bytes), dtype=torch.uint8, generator=g)
+
+
+def _memcpy_gbps(name: str, repeats: int) -> float:
+    src = _batch(name, 0)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return src.numel() / statistics.median(times) / 1e9
+
+
+def _measure(pool, name: str, repeats: int, memcpy: dict, read_elsewhere: Callable[[list[bytes]], float] | None) -> dict:
+    """put / get (and the cross-process get) of one shape on one pool."""
+    src = _batch(name, 1)
+    nbytes = src.numel()
+    puts, gets, keys = [], [], []
+    for r in range(repeats):  # a fresh batch each time (objects are write-once), dropped after
+        keys = [f"bench-{name}-{r}-{i}-{uuid.uuid4().hex[:6]}".encode() for i in range(src.shape[0])]
+        t0 = time.perf_counter()
+        pool.alloc(keys)
+        pool.put_from(keys, 0, src)
+        puts.append(time.perf_counter() - t0)
+        dst = torch.empty_like(src)
+        t0 = time.perf_counter()
+        pool.get_into(keys, 0, dst)
+        gets.append(time.perf_counter() - t0)
+        if not torch.equal(dst, src):
+            raise AssertionError(f"{type(pool).__name__} returned other bytes than it was given ({name})")
+        if r < repeats - 1:
+            pool.remove(keys)
+    out = {"put_gbps": nbytes / statistics.median(puts) / 1e9, "get_gbps": nbytes / statistics.median(gets) / 1e9}
+    if read_elsewhere is not None:  # the last batch stays (the caller closes the pool): a reader's
+        out["get_cross_process_gbps"] = nbytes / read_elsewhere(keys) / 1e9  # Mooncake lease outlives it
+    for key in [k for k in list(out) if k.endswith("_gbps")]:
+        out[key.removesuffix("_gbps") + "_ratio"] = out[key] / memcpy[name]
+    return out
+
+
+def _reader(kind: str, name: str, repeats: int, **conn) -> Callable[[list[bytes]], float]:
+    """A second process that reads ``keys`` ``repeats`` times and answers the median seconds."""
+    def read(keys: list[bytes]) -> float:
+        args = {"kind": kind, "shape": name, "repeats": repeats, "keys": [k.hex() for k in keys], **conn}
+        proc = subprocess.run([sys.executable, "-m", "kvoffload.bench_pool", "read", json.dumps(args)],
+                              capture_output=True, text=True, timeout=300, env=os.environ.copy())
+        if proc.returncode != 0:
+            raise RuntimeError(f"the {kind} reader process failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        return float(json.loads(proc.stdout.strip().splitlines()[-1])["seconds"])
+    return read
+
+
+def _kvoffload(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
+    from kvcore.eviction import LRUEviction
+    from kvcore.hostpool import LocalHostPool
+    from poolclient.remotepool import RemoteHostPool
+
+    target = _start_metastore(stack)
+    out = {"available": True, "single_process_pool": "LocalHostPool", "cross_process_pool": "RemoteHostPool",
+           "metastore": target}
+    for name in shapes:
+        local = LocalHostPool.create(f"kvoffload-bench-{uuid.uuid4().hex[:8]}", _geometry(name), eviction=LRUEviction())
+        with local:
+            single = _measure(local, name, repeats, memcpy, None)
+        remote = RemoteHostPool.create(target, f"bench-writer-{uuid.uuid4().hex[:6]}",
+                                       f"kvoffload-bench-{uuid.uuid4().hex[:8]}", _geometry(name))
+        with remote:
+            cross = _measure(remote, name, repeats, memcpy, _reader("kvoffload", name, repeats, target=target))
+        out[name] = {**single, **{k: v for k, v in cross.items() if "cross_process" in k}}
+    return out
+
+
+def _mooncake(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
+    try:
+        from poolclient.mooncake import MooncakeHostPool
+        from poolclient.mooncake_master import MasterConfig, MooncakeMaster
+        master = MooncakeMaster.start(MasterConfig())
+    except Exception as exc:  # not installed here (scripts/install-mooncake), or the master cannot start
+        return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
+    stack.callback(master.stop)
+    out = {"available": True, "master": master.address, "transport": "tcp (loopback)"}
+    for name in shapes:
+        namespace = f"bench-{uuid.uuid4().hex[:8]}"
+        pool = MooncakeHostPool.connect(master.address, _geometry(name), namespace=namespace)
+        with pool:
+            out[name] = _measure(pool, name, repeats, memcpy,
+                                 _reader("mooncake", name, repeats, master=master.address, namespace=namespace))
+    return out
+
+
+def _memcache() -> dict:
+    from kvcore.backends import backend_problem
+
+    problem = backend_problem("memcache")
+    if problem is not None:
+        return {"available": False, "reason": problem}
+    return {"available": False, "reason": "memcache_hybrid runs here, but kvoffload has no memcache pool adapter "
+                                          "to measure yet"}
+
+
+def _start_metastore(stack: ExitStack) -> str:
+    from kvoffload.stack import _bin, _healthy, free_port_base
+
+    port = free_port_base((0,))
+    proc = subprocess.Popen([_bin("kvoffload-metastore"), "--host", "127.0.0.1", "--port", str(port),
+                             "--world-size", "16", "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stack.callback(lambda: (proc.terminate(), proc.wait(timeout=10)))
+    deadline = time.monotonic() + 30
+    while not _healthy(f"grpc://127.0.0.1:{port}"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"kvoffload-metastore did not start on port {port}: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.1)
+    return f"127.0.0.1:{port}"
+
+
+def _read_main(args: dict) -> None:
+    """The reader process: its own client, ``get_into`` of the keys; prints the median seconds."""
+    name, keys = args["shape"], [bytes.fromhex(k) for k in args["keys"]]
+    rows, row_bytes, _ = SHAPES[name]
+    dst = torch.empty(len(keys), rows, row_bytes, dtype=torch.uint8)
+    if args["kind"] == "kvoffload":
+        from poolclient.remotepool import RemoteHostPool
+
+        geometry = PoolGeometry(rows, (row_bytes,), 1)
+        pool = RemoteHostPool.create(args["target"], f"bench-reader-{uuid.uuid4().hex[:6]}",
+                                     f"kvoffload-bench-{uuid.uuid4().hex[:8]}", geometry)
+    else:
+        from poolclient.mooncake import MooncakeHostPool
+
+        pool = MooncakeHostPool.connect(args["master"], PoolGeometry(rows, (row_bytes,), 1),
+                                        namespace=args["namespace"])
+    with pool:
+        times = []
+        for _ in range(args["repeats"]):
+            t0 = time.perf_counter()
+            pool.get_into(keys, 0, dst)
+            times.append(time.perf_counter() - t0)
+    print(json.dumps({"seconds": statistics.median(times)}))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "read":
+        raise SystemExit("usage: python -m kvoffload.bench_pool read JSON (the bench's reader process)")
+    _read_main(json.loads(sys.argv[2]))
