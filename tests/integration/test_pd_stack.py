@@ -22,15 +22,18 @@ def _config(model_dir, tmp, prefills: int, decodes: int, **kw) -> StackConfig:
                        max_model_len=8192, block_size=BS, **kw)
 
 
-# this module's stack decodes with miss prefetch on (I3 below holds with it; off is the default,
-# which every other stack test runs)
-PREFETCH = {"decode-0": ["--additional-config", json.dumps({"sparse_kv_offload_config": {
-    "enabled": True, "topk_buffer_size": 128, "dram_size_per_dp_GB": 1, "miss_prefetch": True}})]}
+# this module's stack decodes with miss prefetch and MTP speculative decoding on (I3 below holds
+# with them: greedy tokens equal the plain single-process engine's; off is the default, which every
+# other stack test runs)
+DECODE_ARGS = {"decode-0": [
+    "--additional-config", json.dumps({"sparse_kv_offload_config": {
+        "enabled": True, "topk_buffer_size": 128, "dram_size_per_dp_GB": 1, "miss_prefetch": True}}),
+    "--speculative-config", json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 1})]}
 
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    cfg = _config(model_dir, tmp_path_factory.mktemp("stack"), 1, 1, service_args=PREFETCH)
+    cfg = _config(model_dir, tmp_path_factory.mktemp("stack"), 1, 1, service_args=DECODE_ARGS)
     with Stack(cfg) as s:
         yield s
 
@@ -81,6 +84,16 @@ def test_i3_chat(stack, reference, stream):
     assert got == reference(ids, 10)
 
 
+def test_the_decode_drafts_with_the_mtp_layer(stack):
+    """Greedy requests start with the prefill's MTP draft and redraft every step (the tokens are
+    checked against the plain engine by the I3 tests above)."""
+    before = stack_stats(stack.cfg)["decode-0"]
+    post_json(f"{stack.url}/v1/completions", {"prompt": "draft " * 40, "max_tokens": 16, "temperature": 0})
+    after = stack_stats(stack.cfg)["decode-0"]
+    assert after["drafts"] - before["drafts"] >= 15  # one draft verified per step after the first token
+    assert after["drafts_accepted"] <= after["drafts"]
+
+
 def test_nothing_is_left_held(stack):
     post_json(f"{stack.url}/v1/completions", {"prompt": "one more", "max_tokens": 3, "temperature": 0})
     stats = stack_stats(stack.cfg)
@@ -90,7 +103,8 @@ def test_nothing_is_left_held(stack):
 
 
 def test_every_http_service_exports_its_metrics(stack):
-    post_json(f"{stack.url}/v1/completions", {"prompt": "x" * 300, "max_tokens": 4, "temperature": 0})
+    # sampled, so it never drafts: its steps run the miss prefetch (a step with drafts does not)
+    post_json(f"{stack.url}/v1/completions", {"prompt": "x" * 300, "max_tokens": 4, "temperature": 0.5, "seed": 1})
     c = stack.cfg
 
     def metrics(port):

@@ -233,11 +233,15 @@ class DecodeLink:
         future.add_done_callback(settle_and_report)
         return outcome
 
-    def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int, first_logprob=None) -> None:
-        """``first_logprob``: the first token's ``TokenLogprob`` when the request asked for logprobs."""
+    def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int, first_logprob=None,
+                     draft_token: int | None = None) -> None:
+        """``first_logprob``: the first token's ``TokenLogprob`` when the request asked for logprobs;
+        ``draft_token``: the MTP layer's greedy guess for the token after ``first_token``, if any."""
         msg = transfer_pb2.PrefillDoneRequest(
             request_id=request_id, num_prompt_tokens=num_prompt_tokens, first_token=first_token,
             layout_version=self._layout.layout_version)
+        if draft_token is not None:
+            msg.has_draft, msg.draft_token = True, draft_token
         if first_logprob is not None:
             msg.first_token_logprobs.CopyFrom(transfer_pb2.TokenLogprobs(
                 token=first_logprob.token, logprob=first_logprob.logprob,

@@ -19,6 +19,11 @@ request joins the running batch as soon as it has (or gets) a sequence slot, in 
 loop thread runs one ``SparseDecoder`` step for the batch at a time, samples, and hands every token
 to the request's ``emit`` callback. ``cancel`` frees a request at any stage.
 
+Speculative decoding (``num_speculative_tokens`` 1, ``--speculative-config``): a greedy request
+whose PrefillDone carried the prefill's MTP draft starts with it, and every step verifies and
+redrafts (``dsamodel.engine.speculative``): one or two tokens per request and step, the same
+greedy tokens as without it; ``stats()`` counts drafts and accepted drafts.
+
 The ledger records each request's stage (admitted -> awaiting_prefill -> pulling -> ready ->
 decoding) and outcome; while pulling — once the prefill has been heard from (heartbeat, ReadReady
 or PrefillDone) and until the prompt is complete — silence longer than ``peer_timeout_s`` fails
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 from dsamodel.engine.decode import SparseDecoder
+from dsamodel.engine.speculative import DraftStats, decode_step
 from dsamodel.sampling import RequestSampler, SamplingParams, TokenLogprob
 from svcruntime.ledger import Entry, Ledger
 
@@ -79,6 +85,7 @@ class DecodeRequest:
     rows: list[int] = field(default_factory=list)  # prompt rows installed, per layer
     first_token: int | None = None
     first_logprob: TokenLogprob | None = None  # the first token's log-probabilities, when asked for
+    draft: int | None = None  # the prefill's MTP draft for the token after first_token, if it sent one
     arrived_s: float = field(default_factory=time.monotonic)
     copies: int = 0  # pulled rows being installed right now (outside the loop's lock)
     free_after_copies: str | None = None  # cancelled while copies ran: the last copy frees it
@@ -100,14 +107,20 @@ class DecodeLoop:
     Two locks, always taken in this order: ``engine_lock`` serializes every call that changes the
     decoder's state (a step, admission, freeing); ``lock`` (a condition) guards the bookkeeping —
     pending and running requests, rows installed, first tokens. A step holds ``engine_lock`` for
-    its whole compute but ``lock`` only to pick the batch and to hand out the sampled tokens, so
+    its whole compute and sampling but ``lock`` only to pick the batch and to hand out the tokens, so
     the transfer path (ReadReady, heartbeats, PrefillDone: ``lock`` only) never waits for a step,
     and a prefill's reuse gates never wait for the decode's batch. Pulled rows are copied outside
     both locks (a request's rows and blocks are its own)."""
 
     def __init__(self, decoder: SparseDecoder, eos_token_id: int | None, peer_timeout_s: float = 10.0,
-                 max_queued: int | None = None) -> None:
+                 max_queued: int | None = None, num_speculative_tokens: int = 0) -> None:
+        if num_speculative_tokens not in (0, 1):
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be 0 or 1")
+        if num_speculative_tokens and not decoder.model.config.num_nextn_predict_layers:
+            raise ValueError("speculative decoding needs a model with an MTP layer (num_nextn_predict_layers >= 1)")
         self.decoder = decoder
+        self.speculative = num_speculative_tokens
+        self.draft_stats = DraftStats()
         self.peer_timeout_s = peer_timeout_s
         self.max_queued = max_queued if max_queued is not None else default_max_queued(decoder)
         self.ledger = Ledger(self._timed_out).start()
@@ -119,6 +132,7 @@ class DecodeLoop:
         self.running: list[DecodeRequest] = []
         self.rejected = 0  # requests refused because the queue was full
         self._next: dict[str, int] = {}
+        self._drafts: dict[str, int] = {}  # running greedy requests' MTP drafts (speculative decoding)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
         self._thread.start()
@@ -247,9 +261,9 @@ class DecodeLoop:
         return elapsed
 
     def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int,
-                     first_logprob: TokenLogprob | None = None) -> str:
-        """The prefill's first token (and its log-probabilities when the request asked for them);
-        returns "" when accepted, else why not."""
+                     first_logprob: TokenLogprob | None = None, draft_token: int | None = None) -> str:
+        """The prefill's first token (and its log-probabilities when the request asked for them, and
+        its MTP draft when it sent one); returns "" when accepted, else why not."""
         with self.lock:
             req = self.pending.get(request_id)
             if req is None:
@@ -262,9 +276,13 @@ class DecodeLoop:
                                      or len(first_logprob.top) < want):
                 return (f"the request asks for logprobs (top {want}); the prefill sent "
                         f"{'none' if first_logprob is None else 'others'} for its first token")
-            if not 0 <= first_token < self.decoder.model.config.vocab_size:
+            vocab = self.decoder.model.config.vocab_size
+            if not 0 <= first_token < vocab:
                 return f"first token {first_token} is outside the vocabulary"
+            if draft_token is not None and not 0 <= draft_token < vocab:
+                return f"draft token {draft_token} is outside the vocabulary"
             req.first_token = first_token
+            req.draft = draft_token
             req.first_logprob = first_logprob if want is not None else None
             if req.prompt_complete:  # nothing more to hear from the prefill: the watchdog stands down
                 self.ledger.advance(request_id, "ready")
@@ -317,7 +335,9 @@ class DecodeLoop:
             return {"pending": len(self.pending), "running": len(self.running),
                     "sequences": len(self.decoder.seqs), "queued": len(self.pending),
                     "waiting_for_blocks": len(self.waiting), "max_queued": self.max_queued,
-                    "free_slots": self.decoder.free_slots, "rejected": self.rejected, **self.ledger.counters()}
+                    "free_slots": self.decoder.free_slots, "rejected": self.rejected,
+                    "drafts": self.draft_stats.drafts, "drafts_accepted": self.draft_stats.accepted,
+                    **self.ledger.counters()}
 
     def load(self) -> dict[str, float]:
         """What the proxy balances on (the ``X-Decode-Load`` header, ``/health``): queue depth,
@@ -350,6 +370,7 @@ class DecodeLoop:
         self.decoder.finish(req.request_id)
         self.lock.notify_all()  # a queued request may fit now
         self._next.pop(req.request_id, None)
+        self._drafts.pop(req.request_id, None)
         self.ledger.finish(req.request_id, outcome, error)
         if self.waiting and not self._stop:
             self._reserve_waiting()
@@ -375,6 +396,8 @@ class DecodeLoop:
                 self._free(req, "ok")
             else:
                 self._next[rid] = req.first_token
+                if self.speculative and req.draft is not None and req.sampler.params.temperature == 0:
+                    self._drafts[rid] = req.draft
                 self.running.append(req)
 
     def _run(self) -> None:
@@ -393,12 +416,11 @@ class DecodeLoop:
                     self._admit_ready()
                     if not self.running:
                         continue
-                    ids = [r.request_id for r in self.running]
-                    tokens = torch.tensor([self._next[i] for i in ids])
-                try:
-                    logits = self.decoder.step(ids, tokens)  # [R, V], without ``lock``: pulls go on
+                    batch = [(r.request_id, r.sampler) for r in self.running]
+                try:  # without ``lock``: pulls go on (``engine_lock`` keeps the batch as it is)
+                    produced = decode_step(self.decoder, batch, self._next, self._drafts, self.draft_stats)
                     with self.lock:
-                        self._step(logits)
+                        self._hand_out(produced)
                 except Exception as exc:  # a failed step fails the batch, not the service
                     with self.lock:
                         log.error("decode_step_failed", error=repr(exc),
@@ -408,12 +430,11 @@ class DecodeLoop:
                             self._free(req, "error", repr(exc))
                         self.running.clear()
 
-    def _step(self, logits: torch.Tensor) -> None:
-        """Sample the running batch's logits [R, V] (in ``self.running`` order) and hand out the tokens."""
-        for req, row in zip(list(self.running), logits):
-            token = req.sampler.step(row)
-            self._next[req.request_id] = token
-            req.emit("token", token)
+    def _hand_out(self, produced: dict[str, list[int]]) -> None:
+        """Hand the step's tokens (one or two per request, already sampled) to the running requests."""
+        for req in list(self.running):
+            for token in produced[req.request_id]:
+                req.emit("token", token)
             if req.sampler.finished:
                 req.emit("done", req.sampler.finish_reason)
                 self.running.remove(req)

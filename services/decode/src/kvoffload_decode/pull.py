@@ -249,16 +249,17 @@ class LayerPuller:
         return unknown
 
     def prefill_done(self, layout_version: int, request_id: str, num_prompt_tokens: int, first_token: int,
-                     first_logprob: TokenLogprob | None = None) -> str:
+                     first_logprob: TokenLogprob | None = None, draft_token: int | None = None) -> str:
         """The prefill finished the request: "" when its first token (and, when the request asked for
-        them, its log-probabilities) is taken, else why not. UnknownRequest if the request is not
-        pending here."""
+        them, its log-probabilities; and its MTP draft when one came) is taken, else why not.
+        UnknownRequest if the request is not pending here."""
         meta = self.accepted_layout(layout_version)
         reason = self.premature(request_id, num_prompt_tokens, first_token)
         if not reason:
             self.loop.heard_from_prefill(request_id, f"prefill {meta.data_endpoint}")
         try:
-            return reason or self.loop.prefill_done(request_id, num_prompt_tokens, first_token, first_logprob)
+            return reason or self.loop.prefill_done(request_id, num_prompt_tokens, first_token, first_logprob,
+                                                    draft_token)
         except KeyError:
             raise UnknownRequest(f"request {request_id!r} is not waiting for KV here") from None
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import structlog
 from kvcore.backends import require_available
+from kvcore.config import ConfigError
 from kvcore.segment import host_id
 from kvcore.settings import DecodeSettings, decode_settings
 from kvoffload_proto.v1 import transfer_pb2_grpc
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests admitted but not yet in the running batch; one more gets 429 with Retry-After "
                         "at once (default 0: as many as the host pool holds at max_model_len/4 tokens each, "
                         "at least 4 x --max-num-seqs, at most 1024)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='MTP speculative decoding, vLLM\'s format: {"method": "deepseek_mtp", '
+                        '"num_speculative_tokens": 1} (greedy requests; the model needs an MTP layer)')
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests get to finish before they are failed (default 30)")
     p.add_argument("--log-level", default="info")
@@ -68,11 +72,19 @@ def serve(args: argparse.Namespace) -> int:
     from dsamodel.engine import build
     from dsamodel.engine.decode import SparseDecoder
     from dsamodel.engine.layout import kv_layout
+    from dsamodel.engine.speculative import parse_speculative_config
     from dsamodel.tokenizer import ByteTokenizer
     from dsamodel.weights import load_model
 
     tls = start_process(SERVICE, args, log_level=args.log_level, **FLAG_RULES)
+    try:
+        speculative = parse_speculative_config(args.speculative_config)
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
     model = load_model(args.model, dtype=args.dtype)
+    if speculative and not model.config.num_nextn_predict_layers:
+        raise ConfigError([f"--speculative-config: the model at {args.model} has no MTP layer "
+                           "(num_nextn_predict_layers is 0)"])
     layout = kv_layout(model.config, args.block_size, model.dtype)
     settings = _settings(args, layout, model.config.index_topk)
     control_port = settings.control_port(args.dp_rank, 0)
@@ -84,7 +96,7 @@ def serve(args: argparse.Namespace) -> int:
                             hot_cache_policy=settings.sparse.hot_cache_policy,
                             miss_prefetch=settings.sparse.miss_prefetch)
     loop = DecodeLoop(decoder, model.config.eos_token_id, peer_timeout_s=args.peer_timeout_s,
-                      max_queued=args.max_queued_requests or None)
+                      max_queued=args.max_queued_requests or None, num_speculative_tokens=speculative)
     model_id = args.served_model_name or Path(args.model).resolve().name
     transfer = TransferServicer(loop, layout, model_id, host_id(), model.dtype, read_retries=args.read_retries,
                                 tls=tls)
@@ -101,6 +113,7 @@ def serve(args: argparse.Namespace) -> int:
              topk_buffer_size=settings.sparse.topk_buffer_size, hot_cache_policy=settings.sparse.hot_cache_policy,
              miss_prefetch=settings.sparse.miss_prefetch, host_pool_bytes=settings.host_pool_bytes,
              keep_device_kv_cache=settings.sparse.keep_device_kv_cache, max_queued_requests=loop.max_queued,
+             num_speculative_tokens=speculative,
              **(tls.describe() if tls else {"tls": False}))
     serve_http(app, args.host, args.port, busy=lambda: loop.stats()["pending"] + loop.stats()["running"],
                grace_s=args.shutdown_grace_s, grpc_side=grpc_side, closers=(loop.close, transfer.close, pool.close))

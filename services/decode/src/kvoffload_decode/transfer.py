@@ -67,7 +67,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         try:
             reason = self.puller.prefill_done(request.layout_version, request.request_id,
                                               request.num_prompt_tokens, request.first_token,
-                                              first_logprob_of(request))
+                                              first_logprob_of(request),
+                                              request.draft_token if request.has_draft else None)
         except PullRefused as exc:
             _abort(context, exc)
         return transfer_pb2.PrefillDoneReply(accepted=not reason, reason=reason)

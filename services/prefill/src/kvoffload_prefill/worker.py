@@ -160,7 +160,8 @@ class PrefillWorker:
             self.ledger.advance(rid, "awaiting_reads")
             self._await_reads(rid)
             self.ledger.advance(rid, "reporting")
-            link.prefill_done(rid, len(prompt_ids), res.first_token, _first_logprob(sampler))
+            draft = int(torch.argmax(res.draft_logits)) if res.draft_logits is not None else None  # MTP's guess
+            link.prefill_done(rid, len(prompt_ids), res.first_token, _first_logprob(sampler), draft)
         finally:
             link.release(rid)
             with self._lock:

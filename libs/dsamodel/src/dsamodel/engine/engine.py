@@ -17,6 +17,7 @@ from kvcore.device import DeviceAllocator
 from dsamodel.engine import build
 from dsamodel.engine.decode import SparseDecoder
 from dsamodel.engine.prefill import PrefillRequest, PrefillResult
+from dsamodel.engine.speculative import DraftStats, decode_step, greedy_draft
 from dsamodel.model import DSAModel
 from dsamodel.sampling import RequestSampler, SamplingParams
 
@@ -91,7 +92,15 @@ class Engine:
         self.running: list[Sequence] = []
         self._next_input: dict[str, int] = {}
         self._draft: dict[str, int] = {}  # greedy requests under speculative decode: the MTP draft
-        self.num_drafts = self.num_accepted = 0
+        self.draft_stats = DraftStats()
+
+    @property
+    def num_drafts(self) -> int:
+        return self.draft_stats.drafts
+
+    @property
+    def num_accepted(self) -> int:
+        return self.draft_stats.accepted
 
     def add_request(self, request_id: str, prompt_ids: list[int] | torch.Tensor, params: SamplingParams) -> Sequence:
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
@@ -123,7 +132,7 @@ class Engine:
 
     def _propose(self, seq: Sequence, draft_logits: torch.Tensor) -> int:
         """The draft token for the position after the next input: the MTP head's greedy choice."""
-        return int(torch.argmax(draft_logits))
+        return greedy_draft(seq.request_id, draft_logits)
 
     def _retire(self, seq: Sequence) -> None:
         self.decoder.finish(seq.request_id)
@@ -131,37 +140,11 @@ class Engine:
         self._draft.pop(seq.request_id, None)
 
     def _decode_step(self) -> None:
-        """One decode step; a request with a draft verifies it (greedy) and drafts the next one."""
-        ids = [s.request_id for s in self.running]
-        inputs = [[self._next_input[i]] + ([self._draft[i]] if i in self._draft else []) for i in ids]
-        logits, h = self.decoder.forward(ids, inputs)  # [N, V], [N, D]
-        row = 0
-        mtp_ids, mtp_pos, mtp_rows, mtp_next = [], [], [], []
-        for seq, toks in zip(self.running, inputs):
-            rid, p = seq.request_id, self.decoder.seqs[seq.request_id].num_tokens
-            token = seq.sampler.step(logits[row])
-            accepted = len(toks) == 2 and token == toks[1] and not seq.finished
-            self.num_drafts += len(toks) == 2
-            self.num_accepted += accepted
-            if accepted:
-                token = seq.sampler.step(logits[row + 1])  # the bonus token
-            self.decoder.commit(rid, p + 1 + accepted)
-            self._next_input[rid] = token
-            if rid in self._draft:
-                del self._draft[rid]
-                if not seq.finished:  # grow the MTP cache over the new final positions, draft again
-                    mtp_ids.append(rid)
-                    mtp_pos.append([p, p + 1] if accepted else [p])
-                    mtp_rows += [row, row + 1] if accepted else [row]
-                    mtp_next.append([toks[1], token] if accepted else [token])
-            row += len(toks)
-        if mtp_ids:
-            h_prev = self.model.final_norm(h[torch.tensor(mtp_rows, device=h.device)])  # [M, D]
-            draft_logits = self.decoder.mtp_forward(mtp_ids, mtp_pos, h_prev, mtp_next)  # [M, V]
-            ends = torch.tensor([len(ps) for ps in mtp_pos]).cumsum(0) - 1
-            seqs = {s.request_id: s for s in self.running}
-            for rid, lg in zip(mtp_ids, draft_logits[ends]):
-                self._draft[rid] = self._propose(seqs[rid], lg)
+        """One decode step (``dsamodel.engine.speculative``): a request with a draft verifies it
+        (greedy) and drafts the next one."""
+        seqs = {s.request_id: s for s in self.running}
+        decode_step(self.decoder, [(s.request_id, s.sampler) for s in self.running], self._next_input, self._draft,
+                    self.draft_stats, lambda rid, logits: self._propose(seqs[rid], logits))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion; output token ids per prompt, in order."""
