@@ -26,6 +26,7 @@ BENCHES: dict[str, str] = {
     "load": "kvoffload.bench_load:run",
     "faults": "kvoffload.faults:bench",
     "vllm": "kvoffload.bench_vllm:run",
+    "pool": "kvoffload.bench_pool:run",
 }
 
 
@@ -163,7 +164,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 ENGINES = ("reference", "vllm")
 # `up` / `demo` flags only the reference engine takes (argparse dest -> flag), and why not vLLM's
 REFERENCE_ONLY = {"tls_cert": "--tls-cert", "tls_key": "--tls-key", "tls_ca": "--tls-ca"}
-REFERENCE_ONLY_WHY = "the vLLM connectors do not speak TLS to the metastore yet (docs/vllm.md)"
+REFERENCE_ONLY_WHY = ("the vLLM connectors do not speak TLS to the metastore yet, and their store runs on backend "
+                      "'kvoffload' only (docs/vllm.md)")
+POOLS = ("kvoffload", "mooncake")  # `up` / `demo --pool` (== kvoffload.stack.POOLS; not imported: --help stays light)
 REFERENCE_MAX_MODEL_LEN = 16384
 VLLM_MAX_MODEL_LEN = 4096  # kvoffload.vllm_stack.DEFAULT_MAX_MODEL_LEN (not imported here: --help stays light)
 
@@ -173,6 +176,8 @@ def _check_engine(args: argparse.Namespace) -> None:
     if args.engine != "vllm":
         return
     given = [flag for dest, flag in REFERENCE_ONLY.items() if getattr(args, dest, None) is not None]
+    if getattr(args, "pool", "kvoffload") != "kvoffload":
+        given.append(f"--pool {args.pool}")
     if given:
         args.parser.error(f"{', '.join(given)}: only with --engine reference; {REFERENCE_ONLY_WHY}")
     import importlib.util
@@ -207,7 +212,8 @@ def _stack_config(args: argparse.Namespace):
         default_len = REFERENCE_MAX_MODEL_LEN
     max_model_len = default_len if args.max_model_len is None else args.max_model_len
     return StackConfig(model=model, log_dir=Path(args.log_dir) if args.log_dir else DEFAULT_HOME / "logs",
-                       proxy_port=args.port, max_model_len=max_model_len, tls=tls, api_key=args.api_key or None)
+                       proxy_port=args.port, max_model_len=max_model_len, tls=tls, api_key=args.api_key or None,
+                       pool=args.pool)
 
 
 def _make_stack(args: argparse.Namespace, cfg):
@@ -280,8 +286,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         "prefill_device_kv_bytes": int(p["device_kv_bytes"]), "prefill_pool_used_bytes": int(p["pool_used_bytes"]),
         "decode_bytes_pulled": int(d["bytes_read"]), "decode_layer_pulls": int(d["read_done"]),
         "decode_pool_used_bytes_after": int(d["pool_used_bytes"]), "prefill_held_slots_after": int(p["held_slots"]),
-        "metastore": {k: stats["metastore"][k] for k in sorted(stats["metastore"]) if k.startswith(("objects", "pools", "live"))},
     }
+    if "metastore" in stats:  # pool "kvoffload" (with --pool mooncake the stack runs no metastore)
+        summary["metastore"] = {k: stats["metastore"][k] for k in sorted(stats["metastore"])
+                                if k.startswith(("objects", "pools", "live"))}
     if not args.model:
         print("note: the tiny model's weights are random, so its text is meaningless; "
               "`make demo-vllm` shows real text (SmolLM2 under vLLM)")
@@ -364,6 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--max-model-len", type=int,
                          help=f"default {REFERENCE_MAX_MODEL_LEN}; with --engine vllm {VLLM_MAX_MODEL_LEN}")
         cmd.add_argument("--log-dir", help="where each service logs (default ~/.cache/kvoffload/logs)")
+        cmd.add_argument("--pool", choices=POOLS, default="kvoffload",
+                         help="the prefill's host-pool backend: kvoffload (default: the embedded pool, indexed by "
+                              "kvoffload-metastore) or mooncake (Mooncake Store: the stack runs a mooncake_master "
+                              "on 127.0.0.1 instead of the metastore; needs scripts/install-mooncake); reference "
+                              "engine only")
         cmd.add_argument("--api-key", default=os.environ.get("KVOFFLOAD_API_KEY"),
                          help="the proxy requires 'Authorization: Bearer KEY' (default $KVOFFLOAD_API_KEY)")
         add_tls_arguments(cmd)  # handed to every gRPC service of the stack, and used by its probes (reference only)
@@ -380,6 +393,7 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from poolclient.mooncake_master import MooncakeNotInstalled
     from svcruntime.tls import TLSConfigError
 
     args = build_parser().parse_args(argv)
@@ -388,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     except TLSConfigError as exc:
         print(f"kvoffload: {exc}", file=sys.stderr)
         return 2
+    except MooncakeNotInstalled as exc:  # --pool mooncake without the wheel: says what to install
+        print(f"kvoffload: --pool mooncake: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

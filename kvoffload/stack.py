@@ -1,8 +1,11 @@
 """``kvoffload up`` / ``kvoffload demo``: the whole P/D stack on loopback, one process per service.
 
 Configs are the guide's (MultiConnector prefill with layerwise reuse, sparse-offload decode); only
-``backend`` / ``transfer_backend`` name the embedded ``"kvoffload"`` backends. The tiny model is
-created on first use. Every child logs JSON to its own file; Ctrl-C (or SIGTERM) stops them all.
+``backend`` / ``transfer_backend`` name kvoffload's backends: the embedded ``"kvoffload"`` ones, or
+with ``StackConfig.pool = "mooncake"`` (``kvoffload up --pool mooncake``) the prefill's host pool on
+Mooncake Store, served by a real ``mooncake_master`` the stack runs in place of the metastore. The
+tiny model is created on first use. Every child logs JSON to its own file; Ctrl-C (or SIGTERM)
+stops them all.
 """
 
 from __future__ import annotations
@@ -27,18 +30,27 @@ from tqdm import tqdm
 DATA_PORT_OFFSET = 10000  # a prefill's gRPC (LayerSource, Health, Stats) port = its HTTP port + this
 DEFAULT_HOME = Path(os.environ.get("KVOFFLOAD_HOME", Path.home() / ".cache" / "kvoffload"))
 API_KEY_ENV = "KVOFFLOAD_API_KEY"  # the proxy's --api-key, passed in its environment (never on a command line)
+POOLS = ("kvoffload", "mooncake")  # StackConfig.pool / `kvoffload up --pool`: the prefill's host-pool backend
+MOONCAKE_MASTER = "mooncake-master"  # the service name (and log file) of the stack's mooncake_master
 
 
-def prefill_kv_transfer_config(kv_port: int, buffers: int = 3) -> str:
+def prefill_store_config(buffers: int = 3, mooncake_master: str | None = None) -> dict:
+    """The prefill's AscendStoreConnector extra config: the embedded pool, or with ``mooncake_master``
+    (``HOST:PORT``) the mooncake backend."""
+    pool = {"backend": "kvoffload"} if mooncake_master is None else {"backend": "mooncake",
+                                                                     "mooncake_master": mooncake_master}
+    return {**pool, "use_layerwise": True, "layerwise_num_shared_buffers": buffers,
+            "layerwise_independent_layers": [0]}
+
+
+def prefill_kv_transfer_config(kv_port: int, buffers: int = 3, mooncake_master: str | None = None) -> str:
     return json.dumps({
         "kv_connector": "MultiConnector", "kv_role": "kv_producer",
         "kv_connector_extra_config": {"connectors": [
             {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer", "kv_port": kv_port,
              "kv_connector_extra_config": {"transfer_backend": "kvoffload"}},
             {"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer",
-             "kv_connector_extra_config": {"backend": "kvoffload", "use_layerwise": True,
-                                           "layerwise_num_shared_buffers": buffers,
-                                           "layerwise_independent_layers": [0]}}]}})
+             "kv_connector_extra_config": prefill_store_config(buffers, mooncake_master)}]}})
 
 
 def decode_kv_transfer_config(kv_port: int) -> str:
@@ -69,6 +81,18 @@ class StackConfig:
     service_args: dict[str, list[str]] = field(default_factory=dict)  # extra flags per service name
     tls: TLSConfig | None = None  # --tls-cert/--tls-key/--tls-ca for every gRPC service, and for the probes
     api_key: str | None = None  # the proxy requires "Authorization: Bearer KEY" (see auth_headers)
+    pool: str = "kvoffload"  # the prefill's host-pool backend, one of POOLS
+    mooncake_port: int = 50051  # pool "mooncake": the master's RPC port
+    mooncake_metrics_port: int = 9003  # ... and its metrics / admin /health port
+
+    def __post_init__(self) -> None:
+        if self.pool not in POOLS:
+            raise ValueError(f"pool: got {self.pool!r}; must be one of {', '.join(map(repr, POOLS))}")
+
+    @property
+    def mooncake_master(self) -> str:
+        """``HOST:PORT`` of the stack's mooncake_master (pool "mooncake")."""
+        return f"{self.host}:{self.mooncake_port}"
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -93,16 +117,22 @@ def free_port_base(offsets: tuple[int, ...] = (0, 1, 2, 3, 20, 1 + DATA_PORT_OFF
     raise RuntimeError(f"no free ports for offsets {offsets} below 32768")
 
 
-def free_stack_ports(prefills: int = 1, decodes: int = 1) -> dict:
+def free_stack_ports(prefills: int = 1, decodes: int = 1, mooncake: bool = False) -> dict:
     """StackConfig's port fields for a stack of ``prefills`` and ``decodes`` whose every port (HTTP,
-    the prefills' data ports, the metastore, the decodes' control ports) is free now and below the
-    ephemeral range: ``StackConfig(model=..., log_dir=..., **free_stack_ports())``."""
+    the prefills' data ports, the metastore, the decodes' control ports, with ``mooncake`` the
+    mooncake_master's RPC and metrics ports) is free now and below the ephemeral range:
+    ``StackConfig(model=..., log_dir=..., **free_stack_ports())``."""
     kv = 2 + prefills + decodes
-    offsets = (*range(kv), *(1 + i + DATA_PORT_OFFSET for i in range(prefills)), *(kv + 16 * i for i in range(decodes)))
+    master = (kv + 16 * decodes, kv + 16 * decodes + 1) if mooncake else ()
+    offsets = (*range(kv), *(1 + i + DATA_PORT_OFFSET for i in range(prefills)), *(kv + 16 * i for i in range(decodes)),
+               *master)
     base = free_port_base(offsets)
-    return {"proxy_port": base, "prefill_ports": tuple(range(base + 1, base + 1 + prefills)),
-            "decode_ports": tuple(range(base + 1 + prefills, base + 1 + prefills + decodes)),
-            "metastore_port": base + 1 + prefills + decodes, "kv_port": base + kv}
+    ports = {"proxy_port": base, "prefill_ports": tuple(range(base + 1, base + 1 + prefills)),
+             "decode_ports": tuple(range(base + 1 + prefills, base + 1 + prefills + decodes)),
+             "metastore_port": base + 1 + prefills + decodes, "kv_port": base + kv}
+    if mooncake:
+        ports.update(mooncake_port=base + master[0], mooncake_metrics_port=base + master[1])
+    return ports
 
 
 def ensure_tiny_model(path: Path) -> Path:
@@ -144,6 +174,17 @@ def metastore_service(c: StackConfig) -> tuple[str, list[str], str]:
             f"grpc://{c.host}:{c.metastore_port}")
 
 
+def mooncake_master_service(c: StackConfig) -> tuple[str, list[str], str]:
+    """(name, argv, health URL) of the stack's mooncake_master (pool "mooncake"): the wheel's binary
+    with RPC and metrics bound to the stack's host (poolclient.mooncake_master.master_argv), healthy
+    when its admin ``/health`` answers. ``MooncakeNotInstalled`` (what to install) without the wheel."""
+    from poolclient.mooncake_master import MasterConfig, find_master_binary, master_argv
+
+    config = MasterConfig(host=c.host, rpc_port=c.mooncake_port, metrics_port=c.mooncake_metrics_port)
+    return (MOONCAKE_MASTER, master_argv(find_master_binary(), config, c.mooncake_port, c.mooncake_metrics_port),
+            f"http://{c.host}:{c.mooncake_metrics_port}/health")
+
+
 def proxy_service(c: StackConfig) -> tuple[str, list[str], str]:
     """(name, argv, health URL) of the stack's proxy, in front of every prefill and decode HTTP port."""
     proxy = [_bin("kvoffload-proxy"), "--host", c.host, "--port", str(c.proxy_port),
@@ -167,6 +208,9 @@ class Stack:
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
         self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+        if cfg.pool == "mooncake":  # the prefills connect to the master at start-up: it must answer by then,
+            # so the service after it (and with it every later one) is spawned once the master is healthy
+            self.spawn_after_healthy = self.spawn_after_healthy | {self.commands()[1][0]}
 
     @property
     def url(self) -> str:
@@ -183,7 +227,10 @@ class Stack:
         tls = c.tls.flags() if c.tls else []
         common = ["--model", str(c.model), "--host", c.host, "--max-model-len", str(c.max_model_len),
                   "--block-size", str(c.block_size), *tls]
-        out = [metastore_service(c)]
+        mooncake = c.pool == "mooncake"
+        out = [mooncake_master_service(c) if mooncake else metastore_service(c)]
+        index = [] if mooncake else ["--metastore", f"{c.host}:{c.metastore_port}"]  # mooncake: the master indexes
+        prefill_kv = prefill_kv_transfer_config(c.kv_port, mooncake_master=c.mooncake_master if mooncake else None)
         for i, port in enumerate(c.decode_ports):
             kv_port = c.kv_port + 16 * i  # each decode reserves dp * tp consecutive control ports
             out.append((f"decode-{i}", [_bin("kvoffload-decode"), *common, "--port", str(port),
@@ -193,9 +240,8 @@ class Stack:
         for i, port in enumerate(c.prefill_ports):
             out.append((f"prefill-{i}", [_bin("kvoffload-prefill"), *common, "--port", str(port),
                                          "--data-port", str(port + DATA_PORT_OFFSET),
-                                         "--metastore", f"{c.host}:{c.metastore_port}",
-                                         "--host-pool-gb", str(c.prefill_pool_gb),
-                                         "--kv-transfer-config", prefill_kv_transfer_config(c.kv_port)],
+                                         *index, "--host-pool-gb", str(c.prefill_pool_gb),
+                                         "--kv-transfer-config", prefill_kv],
                         f"http://{c.host}:{port}/health"))
         out.append(proxy_service(c))
         return [(name, argv + c.service_args.get(name, []), health) for name, argv, health in out]
@@ -222,6 +268,7 @@ class Stack:
         or a timeout stop what was started and raise."""
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
         cmds = self.commands()
+        self._check_master_ports()
         for name, _, _ in cmds:
             (self.cfg.log_dir / f"{name}.log").write_bytes(b"")
         deadline = time.monotonic() + (self.start_timeout_s if timeout_s is None else timeout_s)
@@ -247,6 +294,21 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+
+    def _check_master_ports(self) -> None:
+        """Pool "mooncake": a mooncake_master keeps running when its RPC port is taken, and a health
+        probe would then reach whatever listens on the metrics port: refuse ports something listens
+        on up front (a connect, not a bind: the master binds over connections in TIME_WAIT)."""
+        from poolclient.mooncake_master import port_answers
+
+        c = self.cfg
+        if c.pool != "mooncake":
+            return
+        taken = [p for p in (c.mooncake_port, c.mooncake_metrics_port) if port_answers(c.host, p, 0.5)]
+        if taken:
+            raise RuntimeError(f"cannot start {MOONCAKE_MASTER} on {c.host}: something listens on port(s) {taken} "
+                               f"(another mooncake_master?); pick others (StackConfig.mooncake_port / "
+                               f"mooncake_metrics_port)")
 
     @staticmethod
     def _wait_healthy(name: str, proc: subprocess.Popen, url: str, log: Path, deadline: float,
@@ -283,7 +345,8 @@ class Stack:
         self._wait_healthy(name, proc, health, log, time.monotonic() + timeout_s, self.cfg.tls)
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Stop in reverse start order (the reference engine's: proxy, prefills, decodes, metastore):
+        """Stop in reverse start order (the reference engine's: proxy, prefills, decodes, then the
+        metastore, or with pool "mooncake" the mooncake_master):
         SIGTERM, wait up to ``grace_s`` (default ``stop_grace_s``), then SIGKILL — each service
         drains before the ones it depends on go."""
         for name, proc, _ in reversed(self.procs):
@@ -336,6 +399,24 @@ def post_json(url: str, body: dict, timeout_s: float = 300.0, headers: dict[str,
         return json.loads(resp.read())
 
 
+def stream_token_ids(url: str, body: dict, timeout_s: float = 300.0) -> list[int]:
+    """POST ``body`` with ``stream: true``; the token ids of every SSE event, in order (an event
+    carrying an error raises AssertionError with it)."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    ids: list[int] = []
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                ids.extend(choice.get("token_ids", []))
+    return ids
+
+
 def grpc_stats(target: str, timeout_s: float = 5.0, tls: TLSConfig | None = None) -> dict[str, float]:
     """A service's ``kvoffload.v1.Stats`` counters (over TLS with ``tls``)."""
     from svcruntime.tls import secure_or_insecure_channel
@@ -347,8 +428,8 @@ def grpc_stats(target: str, timeout_s: float = 5.0, tls: TLSConfig | None = None
 
 
 def stack_stats(cfg: StackConfig) -> dict[str, dict[str, float]]:
-    """Stats of every prefill (data port) and decode (control port) of the stack."""
-    out = {"metastore": grpc_stats(f"{cfg.host}:{cfg.metastore_port}", tls=cfg.tls)}
+    """Stats of the metastore (pool "kvoffload"), every prefill (data port) and decode (control port)."""
+    out = {"metastore": grpc_stats(f"{cfg.host}:{cfg.metastore_port}", tls=cfg.tls)} if cfg.pool == "kvoffload" else {}
     for i, port in enumerate(cfg.prefill_ports):
         out[f"prefill-{i}"] = grpc_stats(f"{cfg.host}:{port + DATA_PORT_OFFSET}", tls=cfg.tls)
     for i, _ in enumerate(cfg.decode_ports):

@@ -12,7 +12,7 @@ import pytest
 from dsamodel.tokenizer import ByteTokenizer
 
 from kvoffload.reference import greedy_reference
-from kvoffload.stack import Stack, StackConfig, free_stack_ports, post_json, stack_stats
+from kvoffload.stack import Stack, StackConfig, free_stack_ports, post_json, stack_stats, stream_token_ids
 
 BS = 16
 
@@ -44,22 +44,6 @@ def reference(model_dir):
     return greedy_reference(model_dir, block_size=BS, max_model_len=8192)
 
 
-def _stream(url: str, body: dict) -> list[int]:
-    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    ids: list[int] = []
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            for choice in event["choices"]:
-                ids.extend(choice.get("token_ids", []))
-    return ids
-
-
 TOK = ByteTokenizer()
 LONG_TEXT = "".join(chr(32 + (i * 7919) % 90) for i in range(4200))
 
@@ -70,7 +54,7 @@ def test_i3_completions(stack, reference, prompt, stream):
     ids = TOK.encode(LONG_TEXT, add_bos=True) if prompt == "long" else prompt
     body = {"prompt": ids, "max_tokens": 12, "temperature": 0}
     url = f"{stack.url}/v1/completions"
-    got = _stream(url, body) if stream else post_json(url, body)["choices"][0]["token_ids"]
+    got = stream_token_ids(url, body) if stream else post_json(url, body)["choices"][0]["token_ids"]
     assert got == reference(ids, 12)
 
 
@@ -80,7 +64,7 @@ def test_i3_chat(stack, reference, stream):
     ids = TOK.encode(TOK.apply_chat_template(messages), add_bos=False)
     body = {"messages": messages, "max_tokens": 10, "temperature": 0}
     url = f"{stack.url}/v1/chat/completions"
-    got = _stream(url, body) if stream else post_json(url, body)["choices"][0]["token_ids"]
+    got = stream_token_ids(url, body) if stream else post_json(url, body)["choices"][0]["token_ids"]
     assert got == reference(ids, 10)
 
 
@@ -162,7 +146,7 @@ def test_two_prefills_two_decodes_sixteen_concurrent_streams(model_dir, tmp_path
     prompts = [TOK.encode(f"request {i}: " + "kv offload " * (5 + 7 * i), add_bos=True) for i in range(16)]
     with Stack(cfg) as s:
         with cf.ThreadPoolExecutor(16) as pool:
-            outs = list(pool.map(lambda p: _stream(f"{s.url}/v1/completions",
+            outs = list(pool.map(lambda p: stream_token_ids(f"{s.url}/v1/completions",
                                                    {"prompt": p, "max_tokens": 8, "temperature": 0}), prompts))
         stats = stack_stats(cfg)
     for p, out in zip(prompts, outs):

@@ -1,4 +1,5 @@
-"""Backend availability: the embedded backend always runs; Ascend ones need module + NPU, else say why."""
+"""Backend availability: the embedded backend always runs; mooncake needs its module (no NPU); Ascend ones
+need module + NPU; else say why."""
 
 from __future__ import annotations
 
@@ -154,5 +155,41 @@ def test_unknown_backend_name_is_a_config_error(kw: dict[str, str], path: str) -
 def test_real_machine_reports_something_for_every_backend() -> None:
     described = describe_availability()
     assert described["kvoffload"] == "available"
-    assert set(described) == {"kvoffload", "memcache", "memfabric"}
+    assert set(described) == {"kvoffload", "memcache", "mooncake", "memfabric"}
     assert all(isinstance(v, str) and v for v in described.values())
+
+
+# ---- mooncake: runs where mooncake.store imports; no NPU needed ----------------------------------
+
+
+def test_mooncake_runs_where_its_module_imports_without_an_npu(monkeypatch: pytest.MonkeyPatch) -> None:
+    install(monkeypatch, {"mooncake.store": ModuleType("mooncake.store")})  # no torch_npu, no NPU
+    require_available(backend="mooncake", transfer_backend="kvoffload")
+    assert describe_availability()["mooncake"] == "available"
+
+
+@pytest.mark.parametrize("failure", [
+    ModuleNotFoundError("No module named 'mooncake'", name="mooncake"),
+    ImportError("libibverbs.so.1: cannot open shared object file: No such file or directory"),
+])
+def test_mooncake_without_its_module_names_the_cause_and_the_install(monkeypatch: pytest.MonkeyPatch,
+                                                                      failure: BaseException) -> None:
+    install(monkeypatch, {}, {"mooncake.store": failure})
+    message = unavailable(backend="mooncake")
+    assert message == (f"backend 'mooncake' cannot run here: mooncake.store cannot be imported "
+                       f"({type(failure).__name__}: {failure}); install Mooncake Store: scripts/install-mooncake (it "
+                       f"runs `apt-get install -y libibverbs1` and `pip install "
+                       f"mooncake-transfer-engine-non-cuda==0.3.13.post1`); {STORE_ALTERNATIVE}")
+
+
+def test_mooncake_on_this_machine_is_what_importing_it_says() -> None:
+    """The real probe: available exactly when ``import mooncake.store`` works here (make test installs it)."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        with pytest.raises(BackendUnavailableError, match="scripts/install-mooncake"):
+            require_available(backend="mooncake")
+        assert type(exc).__name__ in describe_availability()["mooncake"]
+    else:
+        require_available(backend="mooncake")
+        assert describe_availability()["mooncake"] == "available"

@@ -148,6 +148,9 @@ def test_store_defaults_and_all() -> None:
         "layerwise_prefetch_layers": None,
         "metastore": None,
         "host_pool_gb": None,
+        "mooncake_master": None,
+        "mooncake_namespace": "kvoffload",
+        "mooncake_lease_ttl_ms": 5000,
     }
     assert config.warnings == []
     every = parse_kv_transfer_config(with_extra(prefill_only(), layerwise_independent_layers="all"))
@@ -223,7 +226,8 @@ INVALID_KV = [
     (with_top(D2H, kv_port=65536), "kv_port", ["got 65536 (int)", "1..65535"]),
     (with_top(D2H, kv_port=20050.0), "kv_port", ["20050.0 (float)", "int"]),
     (with_top(STORE, kv_connector_extra_config=[]), EXTRA, ["[] (list)", "JSON object"]),
-    (with_extra(STORE, backend="mooncake"), f"{EXTRA}.backend", ["'mooncake' (str)", "'kvoffload'", "'memcache'"]),
+    (with_extra(STORE, backend="redis"), f"{EXTRA}.backend",
+     ["'redis' (str)", "'kvoffload'", "'memcache'", "'mooncake'"]),
     (with_extra(STORE, backend="memcahce"), f"{EXTRA}.backend", ["did you mean 'memcache'?"]),
     (without(STORE, "backend", extra=True), f"{EXTRA}.backend", ["required key is missing", "'kvoffload'"]),
     (with_top(STORE, kv_connector_extra_config=None), f"{EXTRA}.backend", ["required key is missing"]),
@@ -517,3 +521,85 @@ def test_the_vllm_d2h_keys_are_typed_and_named_for_the_services_that_take_flags_
         with pytest.raises(ConfigError, match=f"kv_connector_extra_config.{key}: got .*{rule}"):
             parse_kv_transfer_config({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer",
                                       "kv_connector_extra_config": {key: bad}}, strict=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# backend "mooncake": its keys, required with it and refused with the others
+
+MOONCAKE = "127.0.0.1:50051"
+
+
+def store_extra(**extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer", "kv_connector_extra_config": extra}
+
+
+@pytest.mark.parametrize("inside_multi", [False, True], ids=["alone", "multi"])
+def test_mooncake_backend_with_its_master(inside_multi: bool) -> None:
+    base = prefill_multi(backend="mooncake", transfer_backend="kvoffload") if inside_multi else prefill_only("mooncake")
+    raw = copy.deepcopy(base)
+    extra = (raw["kv_connector_extra_config"]["connectors"][1] if inside_multi else raw)["kv_connector_extra_config"]
+    extra.update(mooncake_master=MOONCAKE, host_pool_gb=0.5)
+    store = parse_kv_transfer_config(json.dumps(raw), strict=True).store
+    assert store is not None and store.backend == "mooncake"
+    assert store.mooncake_master == MOONCAKE
+    assert (store.mooncake_namespace, store.mooncake_lease_ttl_ms) == ("kvoffload", 5000)
+    assert store.host_pool_gb == 0.5 and store.metastore is None
+    extra.update(mooncake_namespace="team-a", mooncake_lease_ttl_ms=30_000)
+    store = parse_kv_transfer_config(raw).store
+    assert (store.mooncake_namespace, store.mooncake_lease_ttl_ms) == ("team-a", 30_000)
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ({"backend": "mooncake"},
+     ["kv_connector_extra_config.mooncake_master: required with backend 'mooncake'; must be \"HOST:PORT\" (the "
+      "mooncake_master's RPC address, e.g. \"127.0.0.1:50051\")"]),
+    ({"backend": "mooncake", "mooncake_master": None}, ["kv_connector_extra_config.mooncake_master: required with"]),
+    ({"backend": "mooncake", "mooncake_master": MOONCAKE, "metastore": "127.0.0.1:5000"},
+     ["kv_connector_extra_config.metastore: applies to backend 'kvoffload' only (the kvoffload-metastore that "
+      "indexes the embedded pool; the mooncake backend keeps its index in the mooncake_master), not 'mooncake'; "
+      "remove it"]),
+    ({"backend": "kvoffload", "mooncake_master": MOONCAKE},
+     ["kv_connector_extra_config.mooncake_master: applies to backend 'mooncake' only (the mooncake backend's "
+      "master), not 'kvoffload'; remove it"]),
+    ({"backend": "memcache", "mooncake_namespace": "a"},
+     ["kv_connector_extra_config.mooncake_namespace: applies to backend 'mooncake' only (the mooncake backend's key "
+      "namespace), not 'memcache'; remove it"]),
+    ({"backend": "kvoffload", "mooncake_lease_ttl_ms": 5000},
+     ["kv_connector_extra_config.mooncake_lease_ttl_ms: applies to backend 'mooncake' only"]),
+    ({"backend": "mooncake", "mooncake_master": "50051"},
+     ["kv_connector_extra_config.mooncake_master: got '50051' (str); must be \"HOST:PORT\" (the mooncake_master's "
+      "RPC address)"]),
+    ({"backend": "mooncake", "mooncake_master": "h:0"}, ["kv_connector_extra_config.mooncake_master: got 'h:0' (str)"]),
+    ({"backend": "mooncake", "mooncake_master": MOONCAKE, "mooncake_namespace": "a/b"},
+     ["kv_connector_extra_config.mooncake_namespace: got 'a/b' (str); must be a non-empty string without '/' or "
+      "surrounding spaces"]),
+    ({"backend": "mooncake", "mooncake_master": MOONCAKE, "mooncake_namespace": ""},
+     ["kv_connector_extra_config.mooncake_namespace: got '' (str)"]),
+    ({"backend": "mooncake", "mooncake_master": MOONCAKE, "mooncake_lease_ttl_ms": 0},
+     ["kv_connector_extra_config.mooncake_lease_ttl_ms: got 0 (int); must be an int >= 1"]),
+    ({"backend": "mooncake", "mooncake_master": MOONCAKE, "mooncake_lease_ttl_ms": "5s"},
+     ["kv_connector_extra_config.mooncake_lease_ttl_ms: got '5s' (str); must be an int >= 1"]),
+    ({"backend": "mooncake", "metastore": "127.0.0.1:5000", "mooncake_lease_ttl_ms": 0},  # every problem at once
+     ["kv_connector_extra_config.mooncake_lease_ttl_ms: got 0", "kv_connector_extra_config.mooncake_master: required",
+      "kv_connector_extra_config.metastore: applies to backend 'kvoffload' only"]),
+])
+def test_mooncake_rules(extra: dict[str, Any], expected: list[str]) -> None:
+    errors = errors_of(parse_kv_transfer_config, store_extra(**extra))
+    assert len(errors) == len(expected), errors
+    for want in expected:
+        assert any(e.startswith(want) for e in errors), (want, errors)
+
+
+def test_mooncake_rules_name_the_field_inside_a_multi_connector() -> None:
+    raw = prefill_multi(backend="mooncake", transfer_backend="kvoffload")
+    raw["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]["metastore"] = "127.0.0.1:5000"
+    errors = errors_of(parse_kv_transfer_config, raw)
+    prefix = "kv_connector_extra_config.connectors[1].kv_connector_extra_config."
+    assert [e.split(":")[0] for e in errors] == [f"{prefix}mooncake_master", f"{prefix}metastore"], errors
+
+
+def test_the_other_backends_are_unchanged_by_the_mooncake_keys() -> None:
+    """A memcache config may still carry metastore (as before); kvoffload's keys keep their meaning."""
+    assert parse_kv_transfer_config(store_extra(backend="memcache", metastore="h:1")).store.metastore == "h:1"
+    store = parse_kv_transfer_config(store_extra(backend="kvoffload", metastore="h:1", host_pool_gb=2)).store
+    assert (store.metastore, store.host_pool_gb, store.mooncake_master) == ("h:1", 2.0, None)

@@ -1,12 +1,16 @@
 """Availability checks of the host-pool and P→D transfer backends named in user configs.
 
-``"kvoffload"`` (the embedded host pool / embedded P→D data path) runs everywhere. The Ascend
-backends need their Python module and a usable Ascend NPU: ``"memcache"`` (memcache_hybrid) and
-``"memfabric"`` (memfabric_hybrid), the NPU seen through torch_npu — and an adapter, which
-kvoffload does not have yet. Services call ``require_available`` at start-up: an Ascend backend
-that cannot run here is an error that says exactly why (missing module, no NPU, or no adapter)
-and names the embedded alternative, never a silent substitution. The probes
-(``import_module``, ``npu_problem``) are module-level so tests can replace them.
+``"kvoffload"`` (the embedded host pool / embedded P→D data path) runs everywhere.
+``"mooncake"`` (the host pool over Mooncake Store, ``poolclient.mooncake``) runs wherever its
+Python module ``mooncake.store`` imports (wheel ``mooncake-transfer-engine-non-cuda`` plus
+Debian's ``libibverbs1``; no NPU needed); the mooncake_master it talks to is checked when the
+pool connects. The Ascend backends need their Python module and a usable Ascend NPU:
+``"memcache"`` (memcache_hybrid) and ``"memfabric"`` (memfabric_hybrid), the NPU seen through
+torch_npu — and an adapter, which kvoffload does not have yet. Services call
+``require_available`` at start-up: a backend that cannot run here is an error that says exactly
+why (missing module and how to install it, no NPU, or no adapter) and names the embedded
+alternative, never a silent substitution. The probes (``import_module``, ``npu_problem``) are
+module-level so tests can replace them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ AVAILABLE = "available"
 
 # backend name -> Python module it needs (the embedded backend needs none)
 ASCEND_MODULES = {"memcache": "memcache_hybrid", "memfabric": "memfabric_hybrid"}
+MOONCAKE_MODULE = "mooncake.store"
+MOONCAKE_INSTALL = ("install Mooncake Store: scripts/install-mooncake (it runs `apt-get install -y libibverbs1` and "
+                    "`pip install mooncake-transfer-engine-non-cuda==0.3.13.post1`)")
 
 _ALTERNATIVES = {
     "backend": "use backend 'kvoffload' (the embedded host pool managed by kvoffload-metastore)",
@@ -72,6 +79,12 @@ def npu_problem() -> str | None:
 
 def backend_problem(name: str) -> str | None:
     """None when the backend ``name`` can run here, else the exact reason it cannot."""
+    if name == "mooncake":
+        try:
+            import_module(MOONCAKE_MODULE)
+        except Exception as exc:  # a missing libibverbs.so.1 is an ImportError too
+            return f"{MOONCAKE_MODULE} cannot be imported ({_failure(exc)}); {MOONCAKE_INSTALL}"
+        return None
     module = ASCEND_MODULES.get(name)
     if module is None:
         return None

@@ -40,7 +40,7 @@ D2H_CONNECTOR = "SfaRemoteD2HConnector"
 MULTI_CONNECTOR = "MultiConnector"
 CONNECTORS = (STORE_CONNECTOR, D2H_CONNECTOR, MULTI_CONNECTOR)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-STORE_BACKENDS = ("kvoffload", "memcache")
+STORE_BACKENDS = ("kvoffload", "memcache", "mooncake")
 TRANSFER_BACKENDS = ("kvoffload", "memfabric")
 HOT_CACHE_POLICIES = ("lru", "slru")  # == kvcore.hotcache.POLICIES (config imports no engine code)
 LAYERWISE_KEYS = ("layerwise_num_shared_buffers", "layerwise_independent_layers", "layerwise_prefetch_layers")
@@ -203,13 +203,26 @@ def _dram_gib(value: Any) -> Any:
     raise _rule(f"got {describe_value(value)}; must be whole GiB as an integer > 0 (e.g. 128, not 1.5 or \"10GB\")")
 
 
-def _host_port(value: Any) -> Any:
+def _address(what: str) -> BeforeValidator:
+    """``"HOST:PORT"`` (port 1..65535) or None; ``what`` names whose address it is."""
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return None
+        host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+        if sep and host and port.isdigit() and 1 <= int(port) <= 65535:
+            return value
+        raise _rule(f"got {describe_value(value)}; must be \"HOST:PORT\" ({what})")
+
+    return BeforeValidator(check)
+
+
+def _namespace(value: Any) -> Any:
     if value is None:
         return None
-    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-    if sep and host and port.isdigit() and 1 <= int(port) <= 65535:
+    if isinstance(value, str) and value and "/" not in value and value.strip() == value:
         return value
-    raise _rule(f"got {describe_value(value)}; must be \"HOST:PORT\" (the kvoffload-metastore's address)")
+    raise _rule(f"got {describe_value(value)}; must be a non-empty string without '/' or surrounding spaces")
 
 
 def _host(value: Any) -> Any:
@@ -316,10 +329,40 @@ class StoreConnectorConfig(_Model):
         Union[Literal["all"], tuple[int, ...]], BeforeValidator(_independent_layers)
     ] = (0,)
     layerwise_prefetch_layers: Annotated[int | None, _int_rule(1, optional=True)] = None
-    # backend "kvoffload": the metastore indexing the pool, and the host memory this node contributes
-    # (the reference prefill also takes them as --metastore / --host-pool-gb)
-    metastore: Annotated[str | None, BeforeValidator(_host_port)] = None
+    # backend "kvoffload": the metastore indexing the pool (the reference prefill also takes --metastore)
+    metastore: Annotated[str | None, _address("the kvoffload-metastore's address")] = None
+    # every backend: the host memory this node contributes (the reference prefill also takes --host-pool-gb)
     host_pool_gb: Annotated[float | None, BeforeValidator(_positive_gib)] = None
+    # backend "mooncake": the mooncake_master, the key namespace pools share, the master's lease TTL
+    mooncake_master: Annotated[str | None, _address("the mooncake_master's RPC address")] = None
+    mooncake_namespace: Annotated[str, BeforeValidator(_namespace)] = "kvoffload"
+    mooncake_lease_ttl_ms: Annotated[int, _int_rule(1)] = 5_000  # the master's --default_kv_lease_ttl
+
+    # keys that belong to one backend: key -> (that backend, what it is for); with another backend,
+    # giving one is an error. (``metastore`` is refused by "mooncake" only: a memcache config may
+    # carry it, as before, and is refused at start-up anyway.)
+    BACKEND_KEYS: ClassVar[dict[str, tuple[str, str]]] = {
+        "mooncake_master": ("mooncake", "the mooncake backend's master"),
+        "mooncake_namespace": ("mooncake", "the mooncake backend's key namespace"),
+        "mooncake_lease_ttl_ms": ("mooncake", "the mooncake backend's lease TTL"),
+        "metastore": ("kvoffload", "the kvoffload-metastore that indexes the embedded pool; the mooncake backend "
+                                   "keeps its index in the mooncake_master"),
+    }
+
+    @classmethod
+    def _raw_problems(cls, data: dict[str, Any]) -> list[Problem]:
+        backend = data.get("backend")
+        if backend not in STORE_BACKENDS:
+            return []  # the backend itself is reported
+        problems: list[Problem] = []
+        if backend == "mooncake" and data.get("mooncake_master") is None:
+            problems.append((("mooncake_master",), "required with backend 'mooncake'; must be \"HOST:PORT\" (the "
+                                                   "mooncake_master's RPC address, e.g. \"127.0.0.1:50051\")"))
+        for key, (owner, what) in cls.BACKEND_KEYS.items():
+            refused = backend != owner and (owner == "mooncake" or backend == "mooncake")
+            if data.get(key) is not None and refused:
+                problems.append(((key,), f"applies to backend {owner!r} only ({what}), not {backend!r}; remove it"))
+        return problems
 
     def _own_warnings(self) -> list[Problem]:
         if self.use_layerwise:

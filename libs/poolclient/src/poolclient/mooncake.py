@@ -39,7 +39,9 @@ Faults. A failed store call raises ``MooncakeStoreError`` (a ``PoolError``) nami
 Mooncake's error code and the master; the batch changed nothing. A master restart loses every key:
 the Mooncake client re-mounts its segment by itself, and the keeper notices that this pool's
 sentinel key is gone (it checks every ``keeper_interval_s``) and puts every complete object of
-the pool again, so the next requests succeed. Construction without the wheel or ``libibverbs1``
+the pool again, so the next requests succeed; ``not_ready()`` says why while the keeper's last
+check failed, the store does not answer, or the pool is not put again yet (the prefill's
+health reports it). Construction without the wheel or ``libibverbs1``
 raises ``MooncakeNotInstalled`` saying what to install; without a master it raises within
 ``connect_timeout_s``.
 """
@@ -107,6 +109,7 @@ class MooncakeHostPool(LocalHostPool):
         self._published = torch.zeros(geometry.num_blocks, dtype=torch.bool)  # [num_blocks]: store copy believed there
         self._store_leased: set[bytes] = set()  # keys held in the store that a local lease covers (or did)
         self._stop = threading.Event()
+        self._keeper_problem = ""  # why the keeper's last tick failed ("": it succeeded), see not_ready
         self._keeper = threading.Thread(target=self._keep, args=(min(keeper_interval_s, store_lease_ttl_ms / 3000),),
                                         name=f"mooncake-pool-{self.pool_id[:8]}", daemon=True)
         self._keeper.start()
@@ -246,7 +249,26 @@ class MooncakeHostPool(LocalHostPool):
                 self._refresh_store_leases()
                 self._republish_if_lost()
             except PoolError as e:  # the master is down or restarting (or the pool closed): try again next tick
+                self._keeper_problem = f"Mooncake Store at {self._store.master} failed the pool's upkeep: {e}"
                 log.warning("mooncake_keeper_failed", pool=self.pool_id[:8], error=str(e))
+            else:
+                self._keeper_problem = ""
+
+    def not_ready(self) -> str:
+        """Why this pool cannot serve now, "" when it can: the keeper's last tick failed, or the store
+        does not answer now, or it lost this pool's sentinel (a master restart: the keeper puts the
+        pool again within ``keeper_interval_s`` once the client has re-mounted its segment). Any
+        thread; one store call (``exists`` of the sentinel), bounded by the client's RPC timeout."""
+        if self._keeper_problem:
+            return self._keeper_problem
+        try:
+            present = self._objects.sentinel_present()
+        except PoolError as e:
+            return f"Mooncake Store at {self._store.master} does not answer: {e}"
+        if not present:
+            return (f"Mooncake Store at {self._store.master} lost this pool's objects (a master restart?): "
+                    f"they are being put again")
+        return ""
 
     def _refresh_store_leases(self) -> None:
         with self._cond:

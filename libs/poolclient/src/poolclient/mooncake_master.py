@@ -100,6 +100,16 @@ def port_answers(host: str, port: int, timeout_s: float) -> bool:
         return False
 
 
+def master_argv(binary: str, config: MasterConfig, rpc_port: int, metrics_port: int) -> list[str]:
+    """The command line of a master per ``config`` on those ports (also for launchers of their own,
+    such as ``kvoffload up --pool mooncake``): RPC and metrics bound to ``config.host``, no HTTP
+    metadata server (clients use the P2P handshake)."""
+    c = config
+    return [binary, f"--rpc_address={c.host}", f"--rpc_port={rpc_port}", f"--metrics_host={c.host}",
+            f"--metrics_port={metrics_port}", f"--default_kv_lease_ttl={c.kv_lease_ttl_ms}",
+            f"--client_ttl={c.client_ttl_s}", "--enable_http_metadata_server=false", *c.extra_args]
+
+
 class MooncakeMaster:
     """One running ``mooncake_master`` child process (see the module docstring)."""
 
@@ -148,11 +158,7 @@ class MooncakeMaster:
         return self._proc.pid if self._proc is not None else None
 
     def _args(self) -> list[str]:
-        c = self.config
-        return [self.binary, f"--rpc_address={c.host}", f"--rpc_port={self.rpc_port}",
-                f"--metrics_host={c.host}", f"--metrics_port={self.metrics_port}",
-                f"--default_kv_lease_ttl={c.kv_lease_ttl_ms}", f"--client_ttl={c.client_ttl_s}",
-                "--enable_http_metadata_server=false", *c.extra_args]
+        return master_argv(self.binary, self.config, self.rpc_port, self.metrics_port)
 
     def _log_tail(self, n: int = 2000) -> str:
         try:

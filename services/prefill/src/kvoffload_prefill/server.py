@@ -1,8 +1,9 @@
 """``kvoffload-prefill``: the kv_producer. Takes ``--kv-transfer-config`` as users write it
 (AscendStoreConnector alone, or MultiConnector with SfaRemoteD2HConnector + AscendStoreConnector),
-refuses sparse offload, runs layerwise prefill over shared-memory layer buffers and the host pool,
-serves LayerSource + Health + Stats over gRPC and the OpenAI HTTP dispatch, and shuts down in order
-on SIGTERM/SIGINT."""
+refuses sparse offload, runs layerwise prefill over shared-memory layer buffers and the host pool
+(backend ``kvoffload``: in this process or indexed by the metastore; ``mooncake``: shared through a
+mooncake_master), serves LayerSource + Health + Stats over gRPC and the OpenAI HTTP dispatch, and
+shuts down in order on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -15,14 +16,16 @@ import structlog
 from kvcore.backends import require_available
 from kvcore.config import ConfigError
 from kvcore.eviction import LRUEviction
-from kvcore.hostpool import LocalHostPool
+from kvcore.hostpool import LocalHostPool, PoolError
 from kvcore.mmcconf import local_dram_size
 from kvcore.segment import host_id
 from kvcore.settings import PrefillSettings, prefill_settings
 from kvoffload_proto.v1 import transfer_pb2_grpc
+from poolclient.mooncake import MooncakeHostPool
+from poolclient.mooncake_master import MooncakeNotInstalled, port_answers
 from poolclient.remotepool import RemoteHostPool
 from svcruntime import tls as kvtls
-from svcruntime.serving import GrpcSide, StatsSnapshot, exit_now, run, serve_http, start_process
+from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, run, serve_http, start_process
 
 from kvoffload_prefill import __version__
 from kvoffload_prefill.app import build_app
@@ -33,6 +36,8 @@ SERVICE = "kvoffload-prefill"
 FLAG_RULES = dict(at_least_one=("max_model_len", "block_size", "chunk_size"),
                   seconds=("host_pool_gb", "read_timeout_s", "peer_timeout_s"),
                   seconds_or_zero=("shutdown_grace_s",), ports=("port",), any_ports=("data_port",))
+MOONCAKE_CONNECT_TIMEOUT_S = 5.0  # the mooncake_master must answer within this at start-up
+MOONCAKE_PROBE_TIMEOUT_S = 0.5  # readiness: the master's RPC port accepts a connection within this
 log = structlog.get_logger(__name__)
 
 
@@ -88,7 +93,7 @@ def serve(args: argparse.Namespace) -> int:
              **({"overrides": args.host_pool_overrides} if args.host_pool_overrides else {}))
     model_id = args.served_model_name or Path(args.model).resolve().name
     tag = uuid.uuid4().hex[:8]
-    pool = _host_pool(args, build.prefill_geometry(model, args.block_size, args.host_pool_bytes),
+    pool = _host_pool(args, settings.store, build.prefill_geometry(model, args.block_size, args.host_pool_bytes),
                       f"kvoffload-prefill-pool-{tag}")
     engine = build.prefill_engine(
         model, pool, buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
@@ -145,6 +150,9 @@ def _pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None =
         if attr == "host_pool_gb" and args.host_pool_gb is not None:
             named = flag if given is not None else f"kv_connector_extra_config.{attr}"
             sources.append((int(args.host_pool_gb * 2**30), named))
+    if store.backend == "mooncake" and args.metastore is not None:
+        raise ConfigError([f"--metastore {args.metastore}: applies to backend 'kvoffload' only; backend 'mooncake' "
+                           "keeps its objects in the mooncake_master (kv_connector_extra_config.mooncake_master)"])
     try:
         dram = local_dram_size(getattr(args, "local_config", None), env)
     except ValueError as e:
@@ -156,8 +164,21 @@ def _pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None =
     args.host_pool_overrides = [f"{name} = {size} bytes" for size, name in rest]
 
 
-def _host_pool(args: argparse.Namespace, geometry, name: str):
-    """The prefill's host pool: indexed by the metastore (``--metastore``) or in this process."""
+def _host_pool(args: argparse.Namespace, store, geometry, name: str):
+    """The prefill's host pool. Backend ``kvoffload``: indexed by the metastore (``--metastore``) or
+    in this process. Backend ``mooncake``: a ``MooncakeHostPool`` of its own client of the
+    mooncake_master (``mooncake_master``), reachable by peers at ``--host``; a master that does not
+    answer within ``MOONCAKE_CONNECT_TIMEOUT_S``, or a missing wheel, is a start-up error."""
+    if store.backend == "mooncake":
+        try:
+            pool = MooncakeHostPool.connect(store.mooncake_master, geometry, namespace=store.mooncake_namespace,
+                                            eviction=LRUEviction(), store_lease_ttl_ms=store.mooncake_lease_ttl_ms,
+                                            connect_timeout_s=MOONCAKE_CONNECT_TIMEOUT_S, local_hostname=args.host)
+        except (PoolError, MooncakeNotInstalled) as e:
+            raise StartupError(f"backend 'mooncake': {e}") from None
+        log.info("mooncake_pool_connected", master=store.mooncake_master, namespace=store.mooncake_namespace,
+                 pool=repr(pool))
+        return pool
     if not args.metastore:
         return LocalHostPool.create(name, geometry, eviction=LRUEviction())
     return RemoteHostPool.create(args.metastore, f"prefill-{args.host}:{args.port}", name, geometry, replace=True,
@@ -166,8 +187,17 @@ def _host_pool(args: argparse.Namespace, geometry, name: str):
 
 def _not_ready(pool) -> str:
     """Why the prefill cannot take requests now ("" when it can): its pool is not registered with
-    the metastore, or the metastore does not answer. A LocalHostPool is always ready."""
-    return pool.not_ready() if isinstance(pool, RemoteHostPool) else ""
+    the metastore, or the metastore does not answer; or the mooncake_master does not answer, or the
+    Mooncake pool's upkeep failed (``MooncakeHostPool.not_ready``). A LocalHostPool is always ready."""
+    if isinstance(pool, RemoteHostPool):
+        return pool.not_ready()
+    if isinstance(pool, MooncakeHostPool):
+        host, _, port = pool.store.master.rpartition(":")
+        if not port_answers(host, int(port), MOONCAKE_PROBE_TIMEOUT_S):
+            return (f"the mooncake_master at {pool.store.master} does not answer (down or restarting): the host "
+                    f"pool cannot reach Mooncake Store")
+        return pool.not_ready()  # e.g. re-putting its objects after a master restart
+    return ""
 
 
 def _stats(worker: PrefillWorker, include_ledger: bool) -> StatsSnapshot:
