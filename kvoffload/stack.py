@@ -84,10 +84,18 @@ class StackConfig:
     pool: str = "kvoffload"  # the prefill's host-pool backend, one of POOLS
     mooncake_port: int = 50051  # pool "mooncake": the master's RPC port
     mooncake_metrics_port: int = 9003  # ... and its metrics / admin /health port
+    # the decodes are the data-parallel ranks of ONE decode deployment: one --kv-transfer-config
+    # (kv_port), decode i runs --dp-rank i on control port kv_port + i and registers as DP rank i;
+    # otherwise each decode is a deployment of its own (kv_port + 16 i, DP rank 0)
+    decode_dp: bool = False
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
             raise ValueError(f"pool: got {self.pool!r}; must be one of {', '.join(map(repr, POOLS))}")
+
+    def decode_control_port(self, i: int) -> int:
+        """Control (Transfer gRPC) port of decode ``i``."""
+        return self.kv_port + (i if self.decode_dp else 16 * i)
 
     @property
     def mooncake_master(self) -> str:
@@ -125,7 +133,7 @@ def free_stack_ports(prefills: int = 1, decodes: int = 1, mooncake: bool = False
     kv = 2 + prefills + decodes
     master = (kv + 16 * decodes, kv + 16 * decodes + 1) if mooncake else ()
     offsets = (*range(kv), *(1 + i + DATA_PORT_OFFSET for i in range(prefills)), *(kv + 16 * i for i in range(decodes)),
-               *master)
+               *(kv + i for i in range(decodes)), *master)  # control ports of separate decodes, and of DP ranks
     base = free_port_base(offsets)
     ports = {"proxy_port": base, "prefill_ports": tuple(range(base + 1, base + 1 + prefills)),
              "decode_ports": tuple(range(base + 1 + prefills, base + 1 + prefills + decodes)),
@@ -232,8 +240,9 @@ class Stack:
         index = [] if mooncake else ["--metastore", f"{c.host}:{c.metastore_port}"]  # mooncake: the master indexes
         prefill_kv = prefill_kv_transfer_config(c.kv_port, mooncake_master=c.mooncake_master if mooncake else None)
         for i, port in enumerate(c.decode_ports):
-            kv_port = c.kv_port + 16 * i  # each decode reserves dp * tp consecutive control ports
-            out.append((f"decode-{i}", [_bin("kvoffload-decode"), *common, "--port", str(port),
+            # a deployment reserves dp * tp consecutive control ports from its kv_port
+            kv_port, dp = (c.kv_port, ["--dp-rank", str(i)]) if c.decode_dp else (c.decode_control_port(i), [])
+            out.append((f"decode-{i}", [_bin("kvoffload-decode"), *common, "--port", str(port), *dp,
                                         "--kv-transfer-config", decode_kv_transfer_config(kv_port),
                                         "--additional-config", decode_additional_config()],
                         f"http://{c.host}:{port}/health"))
@@ -433,5 +442,5 @@ def stack_stats(cfg: StackConfig) -> dict[str, dict[str, float]]:
     for i, port in enumerate(cfg.prefill_ports):
         out[f"prefill-{i}"] = grpc_stats(f"{cfg.host}:{port + DATA_PORT_OFFSET}", tls=cfg.tls)
     for i, _ in enumerate(cfg.decode_ports):
-        out[f"decode-{i}"] = grpc_stats(f"{cfg.host}:{cfg.kv_port + 16 * i}", tls=cfg.tls)
+        out[f"decode-{i}"] = grpc_stats(f"{cfg.host}:{cfg.decode_control_port(i)}", tls=cfg.tls)
     return out

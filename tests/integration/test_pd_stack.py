@@ -162,6 +162,25 @@ def test_two_prefills_two_decodes_sixteen_concurrent_streams(model_dir, tmp_path
             assert st["held_slots"] == 0 and st["pool_live_leases"] == 0
 
 
+def test_i3_on_two_decode_dp_ranks(model_dir, tmp_path, reference):
+    """Two decode processes as the DP ranks 0 and 1 of one deployment (one kv_port, --dp-rank):
+    each serves on kv_port + rank, registers under its true DP rank, and the proxy spreads the
+    requests over both; tokens equal the single-process engine's."""
+    cfg = _config(model_dir, tmp_path, 1, 2, decode_dp=True)
+    prompts = [TOK.encode(LONG_TEXT[: 300 + 40 * i], add_bos=True) for i in range(8)]
+    with Stack(cfg) as s, cf.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: post_json(f"{s.url}/v1/completions",
+                                                 {"prompt": p, "max_tokens": 6, "temperature": 0}), prompts))
+        stats = stack_stats(cfg)
+    for p, out in zip(prompts, outs):
+        assert out["choices"][0]["token_ids"] == reference(p, 6)
+    assert all(stats[f"decode-{i}"]["read_done"] > 0 for i in range(2)), stats  # both ranks served
+    registered = [json.loads(line) for line in (cfg.log_dir / "proxy.log").read_text().splitlines()
+                  if '"decoder_registered"' in line]
+    by_port = {r["remote"]: r["remote_dp_rank"] for r in registered}
+    assert by_port == {f"{cfg.host}:{cfg.kv_port}": 0, f"{cfg.host}:{cfg.kv_port + 1}": 1}, by_port
+
+
 def test_i3_across_hosts_streams_layers_over_grpc(model_dir, tmp_path, reference):
     """A prefill on "another host": the decode cannot attach its shared memory and pulls every layer
     from the prefill's LayerSource in bounded chunks; tokens are unchanged."""

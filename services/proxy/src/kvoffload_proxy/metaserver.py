@@ -124,6 +124,10 @@ class Registry:
                                   "kv_transfer_params and its prefill was dispatched",
                              param="kv_transfer_params")
         if not rdv.outcome.done():
+            if known is None:
+                log.info("decoder_registered", parent_id=rdv.parent_id, child_id=child_id,
+                         remote=f"{params.get('remote_host')}:{params.get('remote_port')}",
+                         remote_dp_rank=params.get("remote_dp_rank"), remote_tp_size=params.get("remote_tp_size"))
             rdv.params[child_id] = params
             if rdv.is_complete and not rdv.dispatch_started:
                 self._start_dispatch(rdv)
