@@ -26,4 +26,5 @@ bench: install-vllm
 
 test: install-vllm
 	@scripts/install-mooncake .venv
+	@scripts/install-memcache .venv
 	.venv/bin/python -m pytest

@@ -11,6 +11,7 @@ within a timeout, having started nothing.
 from __future__ import annotations
 
 import copy
+import glob
 import json
 import os
 import subprocess
@@ -557,3 +558,50 @@ def test_console_script_prefill_refuses_a_bad_dram_size(tiny_dir, tmp_path):
     assert proc.returncode == 2
     assert (f"kvoffload-prefill: ock.mmc.local_service.dram.size ({conf}:1): expected a size like 10GB or 512MB, "
             f"got '2.5GB'") in proc.stderr.splitlines()
+
+
+ASCEND_DRIVER_FILES = ("/etc/ascend_install.info", "/usr/local/Ascend/driver/version.info")  # where MemFabric looks
+
+
+def test_console_script_prefill_on_memcache_without_an_ascend_driver_names_the_cause(tiny_dir, tmp_path):
+    """backend 'memcache' against a real MetaService (started here): on a host with memcache_hybrid but
+    no Ascend driver the LocalService cannot start, so the prefill exits 2 with the library's reason and
+    the driver named, never runs the embedded pool, and leaves no shared-memory segment behind."""
+    from kvcore.segment import SharedSegment
+    from poolclient.memcache_meta import MemcacheMetaService, MetaSettings
+
+    present = [p for p in ASCEND_DRIVER_FILES if os.path.exists(p)]
+    if present:
+        pytest.skip(f"an Ascend driver is installed here ({', '.join(present)}): this test needs a host without one")
+    def segments() -> set[str]:  # the prefill's own segments and any Memcache pool's (others may run meanwhile)
+        names = ("kvoffload-prefill-pool-x", "kvoffload-prefill-buffers-x", "memcache-x")
+        return {p for n in names for p in glob.glob(SharedSegment.path_for(n)[:-1] + "*")}
+
+    before = segments()
+    kv = edit(PREFILL_KV, ((*STORE, "backend"), "memcache"))
+    with MemcacheMetaService.start(MetaSettings()) as meta:
+        conf = _write(tmp_path, "mmc-local.conf",
+                      f"ock.mmc.meta_service_url = {meta.meta_service_url}\n"
+                      f"ock.mmc.local_service.config_store_url = {meta.config_store_url}\n"
+                      "ock.mmc.local_service.protocol = device_sdma\nock.mmc.local_service.dram.size = 64MB\n")
+        proc = run_script("kvoffload-prefill", ["--model", tiny_dir, "--port", "1", "--kv-transfer-config", kv,
+                                                "--local-config", conf])
+        assert meta.running
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = next(line for line in proc.stderr.splitlines() if line.startswith("kvoffload-prefill: "))
+    assert line.startswith("kvoffload-prefill: backend 'memcache': memcache_hybrid cannot start its LocalService "
+                           "here: DistributedObjectStore.init(device_id=0, init_bm=True) returned "), line
+    assert f"MetaService {meta.meta_service_url}, conf {conf}" in line
+    assert "the current version of ascend driver does not support mf!" in line  # the library's own words
+    assert "needs an Ascend NPU driver" in line and "does not fall back to its embedded pool" in line
+    assert "serving" not in proc.stdout + proc.stderr
+    assert segments() == before
+
+
+def test_console_script_prefill_on_memcache_needs_its_local_conf(tiny_dir):
+    kv = edit(PREFILL_KV, ((*STORE, "backend"), "memcache"))
+    proc = run_script("kvoffload-prefill", ["--model", tiny_dir, "--port", "1", "--kv-transfer-config", kv])
+    assert proc.returncode == 2
+    assert ("kvoffload-prefill: backend 'memcache': needs the LocalService's mmc-local.conf (its "
+            "ock.mmc.meta_service_url, ock.mmc.local_service.config_store_url, protocol and dram.size): give "
+            "--local-config or set $MMC_LOCAL_CONFIG_PATH") in proc.stderr.splitlines(), proc.stderr[-2000:]

@@ -1,5 +1,6 @@
-"""Backend availability: the embedded backend always runs; mooncake needs its module (no NPU); Ascend ones
-need module + NPU; else say why."""
+"""Backend availability: the embedded backend always runs; mooncake and memcache need their module (no NPU:
+memcache's adapter decides about its data path at construction); memfabric needs module + NPU + an adapter;
+else say why."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def test_embedded_backends_always_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     ("kw", "words"),
     [
         ({"backend": "memcache"}, ["backend 'memcache' cannot run here: memcache_hybrid cannot be imported",
-                                   "ModuleNotFoundError: No module named 'memcache_hybrid'", STORE_ALTERNATIVE]),
+                                   "ModuleNotFoundError: No module named 'memcache_hybrid'",
+                                   "scripts/install-memcache", STORE_ALTERNATIVE]),
         ({"transfer_backend": "memfabric"}, ["transfer_backend 'memfabric' cannot run here: memfabric_hybrid cannot be "
                                              "imported", "No module named 'memfabric_hybrid'", TRANSFER_ALTERNATIVE]),
     ],
@@ -81,7 +83,6 @@ def test_module_missing(monkeypatch: pytest.MonkeyPatch, kw: dict[str, str], wor
     ],
 )
 @pytest.mark.parametrize(("kw", "module", "alternative"), [
-    ({"backend": "memcache"}, "memcache_hybrid", STORE_ALTERNATIVE),
     ({"transfer_backend": "memfabric"}, "memfabric_hybrid", TRANSFER_ALTERNATIVE),
 ])
 def test_module_present_but_no_npu(
@@ -98,22 +99,32 @@ def test_module_present_but_no_npu(
 def test_brief_example_message(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(backends, "import_module", lambda name: ModuleType(name))
     monkeypatch.setattr(backends, "npu_problem", lambda: "torch_npu not installed")
-    assert unavailable(backend="memcache") == (
-        "backend 'memcache' cannot run here: memcache_hybrid imports but no Ascend NPU is available "
-        "(torch_npu not installed); use backend 'kvoffload' (the embedded host pool managed by kvoffload-metastore)"
+    assert unavailable(transfer_backend="memfabric") == (
+        "transfer_backend 'memfabric' cannot run here: memfabric_hybrid imports but no Ascend NPU is available "
+        "(torch_npu not installed); use transfer_backend 'kvoffload' (the embedded P→D data path: shared memory on "
+        "one host, gRPC streaming across hosts)"
     )
 
 
-def test_module_and_npu_present_still_refuse_without_an_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No silent substitution: where the Ascend modules and an NPU are there, the services would
-    still run the embedded backends, so the Ascend names are refused, saying so."""
+def test_module_and_npu_present_still_refuse_memfabric_without_an_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No silent substitution: where memfabric_hybrid and an NPU are there, the services would still
+    run the embedded data path, so "memfabric" is refused, saying so; "memcache" has its adapter."""
     install(monkeypatch, ALL_PRESENT)
     with pytest.raises(BackendUnavailableError) as info:
         require_available(backend="memcache", transfer_backend="memfabric")
-    assert [r.split(" cannot")[0] for r in info.value.reasons] == ["backend 'memcache'", "transfer_backend 'memfabric'"]
-    assert all("no memcache adapter yet" in r or "no memfabric adapter yet" in r for r in info.value.reasons)
+    assert [r.split(" cannot")[0] for r in info.value.reasons] == ["transfer_backend 'memfabric'"]
+    assert "no memfabric adapter yet" in info.value.reasons[0]
     described = describe_availability()
-    assert described["kvoffload"] == "available" and "no memcache adapter yet" in described["memcache"]
+    assert described["kvoffload"] == described["memcache"] == "available"
+
+
+def test_memcache_is_available_where_its_module_imports_without_an_npu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter's construction decides about the data path (MemcacheUnavailable at start-up), not
+    this check: no NPU probe for memcache."""
+    install(monkeypatch, {"memcache_hybrid": ModuleType("memcache_hybrid")})  # no torch_npu, no NPU
+    monkeypatch.setattr(backends, "npu_problem", lambda: pytest.fail("memcache must not probe the NPU"))
+    require_available(backend="memcache", transfer_backend="kvoffload")
+    assert describe_availability()["memcache"] == "available"
 
 
 def test_both_failures_reported(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,3 +204,16 @@ def test_mooncake_on_this_machine_is_what_importing_it_says() -> None:
     else:
         require_available(backend="mooncake")
         assert describe_availability()["mooncake"] == "available"
+
+
+def test_memcache_on_this_machine_is_what_importing_it_says() -> None:
+    """The real probe: available exactly when ``import memcache_hybrid`` works here (make test installs it)."""
+    try:
+        import memcache_hybrid  # noqa: F401
+    except Exception as exc:
+        with pytest.raises(BackendUnavailableError, match="scripts/install-memcache"):
+            require_available(backend="memcache")
+        assert type(exc).__name__ in describe_availability()["memcache"]
+    else:
+        require_available(backend="memcache")
+        assert describe_availability()["memcache"] == "available"

@@ -4,13 +4,15 @@
 ``"mooncake"`` (the host pool over Mooncake Store, ``poolclient.mooncake``) runs wherever its
 Python module ``mooncake.store`` imports (wheel ``mooncake-transfer-engine-non-cuda`` plus
 Debian's ``libibverbs1``; no NPU needed); the mooncake_master it talks to is checked when the
-pool connects. The Ascend backends need their Python module and a usable Ascend NPU:
-``"memcache"`` (memcache_hybrid) and ``"memfabric"`` (memfabric_hybrid), the NPU seen through
-torch_npu — and an adapter, which kvoffload does not have yet. Services call
-``require_available`` at start-up: a backend that cannot run here is an error that says exactly
-why (missing module and how to install it, no NPU, or no adapter) and names the embedded
-alternative, never a silent substitution. The probes (``import_module``, ``npu_problem``) are
-module-level so tests can replace them.
+pool connects. ``"memcache"`` (the host pool over Memcache, ``poolclient.memcache``) is available
+wherever ``memcache_hybrid`` imports: whether its data path runs here (it needs an Ascend NPU
+driver) is decided by the adapter's own construction, the single source of truth, which fails
+with the library's reason at start-up. ``"memfabric"`` (memfabric_hybrid) needs its Python module
+and a usable Ascend NPU, seen through torch_npu — and an adapter, which kvoffload does not have
+yet. Services call ``require_available`` at start-up: a backend that cannot run here is an error
+that says exactly why (missing module and how to install it, no NPU, or no adapter) and names the
+embedded alternative, never a silent substitution. The probes (``import_module``,
+``npu_problem``) are module-level so tests can replace them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ AVAILABLE = "available"
 
 # backend name -> Python module it needs (the embedded backend needs none)
 ASCEND_MODULES = {"memcache": "memcache_hybrid", "memfabric": "memfabric_hybrid"}
+MEMCACHE_INSTALL = "install Memcache: scripts/install-memcache (it runs `pip install memcache_hybrid==1.3.0`)"
 MOONCAKE_MODULE = "mooncake.store"
 MOONCAKE_INSTALL = ("install Mooncake Store: scripts/install-mooncake (it runs `apt-get install -y libibverbs1` and "
                     "`pip install mooncake-transfer-engine-non-cuda==0.3.13.post1`)")
@@ -91,7 +94,9 @@ def backend_problem(name: str) -> str | None:
     try:
         import_module(module)
     except Exception as exc:
-        return f"{module} cannot be imported ({_failure(exc)})"
+        return f"{module} cannot be imported ({_failure(exc)})" + (f"; {MEMCACHE_INSTALL}" if name == "memcache" else "")
+    if name == "memcache":
+        return None  # the adapter's construction says whether its data path runs here
     npu = npu_problem()
     if npu is not None:
         return f"{module} imports but no Ascend NPU is available ({npu})"

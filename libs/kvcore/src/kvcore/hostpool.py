@@ -235,7 +235,8 @@ class LocalHostPool(HostPoolBackend):
     (e.g. in the metastore); other processes ``SharedSegment.attach`` it and use the block ids it
     hands out under leases.
 
-    Subclass hooks (``poolclient.mooncake.MooncakeHostPool`` uses them; the defaults do nothing):
+    Subclass hooks (``poolclient.storepool.StoreHostPool``, the Mooncake and Memcache pools, uses
+    them; the defaults do nothing):
     ``_before_drop`` and ``_publish``, called with the lock held; ``_grant`` is the lease step of
     ``lease`` without its lookup.
     """

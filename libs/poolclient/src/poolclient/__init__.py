@@ -1,4 +1,5 @@
-"""poolclient: the host KV pool whose index lives in a kvoffload-metastore.
+"""poolclient: the host KV pool whose index lives in a kvoffload-metastore, or on an existing
+distributed store (Mooncake Store, Memcache).
 
 - ``errors``: the registry errors (``PoolNotRegistered``, ``PoolConflict``, ``WorldSizeExceeded``,
   ``NoPoolRegistered``) and ``MetaStoreUnavailable``; object errors are kvcore's.
@@ -9,9 +10,15 @@
 - ``client``: ``MetaStoreClient`` and its ``RemoteLease``.
 - ``membership``: a pool's registration, heartbeats and re-join after a MetaStore restart.
 - ``remotepool``: ``RemoteHostPool``, the ``kvcore.hostpool.HostPoolBackend`` over that index.
-- ``mooncake``: ``MooncakeHostPool``, a ``kvcore.hostpool.LocalHostPool`` whose objects are shared
+- ``storepool``: ``StoreHostPool``, a ``kvcore.hostpool.LocalHostPool`` whose complete objects are also
+  kept in an existing distributed store (the base of the next two); ``serverprocess``: a child server
+  process (start until healthy, stop, kill, restart; the base of the launchers below).
+- ``mooncake``: ``MooncakeHostPool``, a ``StoreHostPool`` whose objects are shared
   through Mooncake Store instead; ``mooncake_objects`` (its objects in the store), ``mooncake_store``
   (the store client) and ``mooncake_master`` (starts a ``mooncake_master``) serve it.
+- ``memcache``: ``MemcacheHostPool``, a ``StoreHostPool`` over Memcache (``memcache_hybrid``);
+  ``memcache_client`` (a LocalService, its start-up errors), ``memcache_conf`` (the seed's
+  ``mmc-meta.conf`` / ``mmc-local.conf`` keys) and ``memcache_meta`` (starts a MetaService) serve it.
 """
 
 __version__ = "0.1.0"

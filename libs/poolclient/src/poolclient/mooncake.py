@@ -1,6 +1,7 @@
 """``MooncakeHostPool``: the host KV pool over Mooncake Store (``backend: "mooncake"``).
 
-Where bytes live. A ``MooncakeHostPool`` is a ``kvcore.hostpool.LocalHostPool`` over a
+Where bytes live. A ``MooncakeHostPool`` is a ``poolclient.storepool.StoreHostPool`` (a
+``kvcore.hostpool.LocalHostPool``; the split between keys held here and in the store is its) over a
 ``SharedSegment`` of its own (``/dev/shm/kvoffload-mooncake-<pool id>``, created by the pool and
 closed and unlinked on ``close``) whose whole mapping is registered with the store client
 (``poolclient.mooncake_objects``). Everything local is ``LocalHostPool``'s own code: the index, free
@@ -49,29 +50,25 @@ raises ``MooncakeNotInstalled`` saying what to install; without a master it rais
 from __future__ import annotations
 
 import threading
-import uuid
-from collections.abc import Sequence
 
 import structlog
 import torch
 from kvcore.eviction import EvictionPolicy
-from kvcore.hostpool import LocalHostPool, ObjectExists, ObjectNotFound, PoolError, _as_block_bytes, check_keys
-from kvcore.leases import Lease, check_ttl_ms
+from kvcore.hostpool import PoolError
+from kvcore.leases import check_ttl_ms
 from kvcore.segment import PoolGeometry, SharedSegment
 
 from poolclient.mooncake_objects import StoreObjects
 from poolclient.mooncake_store import MooncakeStore, MooncakeStoreError
+from poolclient.storepool import StoreHostPool, store_bytes_for
 
 log = structlog.get_logger(__name__)
 
-
-def segment_bytes_for(geometry: PoolGeometry) -> int:
-    """A store segment that holds every object of ``geometry`` (allocator slack included)."""
-    return ((geometry.num_blocks * geometry.block_bytes * 9 // 8 + (16 << 20)) >> 20) << 20
+segment_bytes_for = store_bytes_for  # a store segment that holds every object of a geometry
 
 
-class MooncakeHostPool(LocalHostPool):
-    """A ``LocalHostPool`` whose objects are shared through Mooncake Store (see the module docstring).
+class MooncakeHostPool(StoreHostPool):
+    """A ``StoreHostPool`` whose objects are shared through Mooncake Store (see the module docstring).
 
     ``MooncakeHostPool(store, geometry)`` uses a connected ``MooncakeStore`` (several pools may share
     one) and leaves it open on ``close``; ``MooncakeHostPool.connect(master, geometry)`` connects its
@@ -79,36 +76,21 @@ class MooncakeHostPool(LocalHostPool):
     the same ``namespace``; ``store_lease_ttl_ms`` must equal the master's ``--default_kv_lease_ttl``.
     """
 
+    STORE = "Mooncake Store"
+
     def __init__(self, store: MooncakeStore, geometry: PoolGeometry, *, namespace: str = "kvoffload",
                  eviction: EvictionPolicy | None = None, store_lease_ttl_ms: int = 5_000,
                  io_wait_timeout_s: float = 30.0, keeper_interval_s: float = 1.0, owns_store: bool = False) -> None:
         if not isinstance(store, MooncakeStore):
             raise ValueError(f"store must be a connected MooncakeStore, got {type(store).__name__}")
-        if not isinstance(namespace, str) or not namespace or "/" in namespace:
-            raise ValueError(f"namespace must be a non-empty str without '/', got {namespace!r}")
         check_ttl_ms(store_lease_ttl_ms)
         if not keeper_interval_s > 0:
             raise ValueError(f"keeper_interval_s must be > 0, got {keeper_interval_s}")
-        self.pool_id = uuid.uuid4().hex
-        segment = SharedSegment.create(f"mooncake-{self.pool_id}", geometry)  # ValueError for a bad geometry
-        try:
-            super().__init__(segment, eviction=eviction, io_wait_timeout_s=io_wait_timeout_s, owns_segment=True)
-            self._objects = StoreObjects(store, segment, namespace, self.pool_id)  # registers the segment
-            try:
-                self._objects.put_sentinel()
-            except BaseException:
-                self._objects.close()
-                raise
-        except BaseException:
-            segment.close()
-            segment.unlink()
-            raise
         self._store, self._owns_store = store, owns_store
-        self.namespace = namespace
         self._store_lease_ttl_ms = store_lease_ttl_ms
-        self._published = torch.zeros(geometry.num_blocks, dtype=torch.bool)  # [num_blocks]: store copy believed there
+        super().__init__(geometry, prefix="mooncake", namespace=namespace, eviction=eviction,
+                         io_wait_timeout_s=io_wait_timeout_s)
         self._store_leased: set[bytes] = set()  # keys held in the store that a local lease covers (or did)
-        self._stop = threading.Event()
         self._keeper_problem = ""  # why the keeper's last tick failed ("": it succeeded), see not_ready
         self._keeper = threading.Thread(target=self._keep, args=(min(keeper_interval_s, store_lease_ttl_ms / 3000),),
                                         name=f"mooncake-pool-{self.pool_id[:8]}", daemon=True)
@@ -136,28 +118,30 @@ class MooncakeHostPool(LocalHostPool):
     def store(self) -> MooncakeStore:
         return self._store
 
-    # ---- LocalHostPool's hooks (called with the lock held) -----------------------------------------
+    # ---- the store primitives of StoreHostPool -----------------------------------------------------
 
-    def _published_of(self, keys: list[bytes]) -> list[bytes]:
-        if not keys:
-            return []
-        flags = self._published[torch.tensor([self._index[k] for k in keys], dtype=torch.long)].tolist()
-        return [k for k, f in zip(keys, flags) if f]
+    def _attach(self, segment: SharedSegment) -> None:
+        self._objects = StoreObjects(self._store, segment, self.namespace, self.pool_id)  # registers the segment
+        try:
+            self._objects.put_sentinel()
+        except BaseException:
+            self._objects.close()
+            raise
 
-    def _before_drop(self, keys: list[bytes]) -> dict[bytes, str]:
-        """Remove the store copies of ``keys`` without force, all or nothing: ``{key: why}`` for those a
-        reader elsewhere leases (Mooncake's lease); any other error raises ``MooncakeStoreError``."""
-        r = self._objects.remove(self._published_of(keys))
-        if r.error is not None or r.leased:
-            self._restore(r.removed)
-            if r.error is not None:
-                raise r.error
-            return {k: f"a reader in another process holds Mooncake's lease on it (it lasts up to "
-                       f"{self._store_lease_ttl_ms} ms after that reader's last read or lease refresh)"
-                    for k in r.leased}
-        if keys:
-            self._published[torch.tensor([self._index[k] for k in keys], dtype=torch.long)] = False
-        return {}
+    def _store_put(self, keys: list[bytes], ids: list[int]) -> None:
+        self._objects.put(keys, ids)
+
+    def _store_remove(self, keys: list[bytes]) -> dict[bytes, str]:
+        """Remove without force, all or nothing: ``{key: why}`` for those a reader elsewhere leases
+        (Mooncake's lease); any other error raises ``MooncakeStoreError``."""
+        r = self._objects.remove(keys)
+        if r.error is None and not r.leased:
+            return {}
+        self._restore(r.removed)
+        if r.error is not None:
+            raise r.error
+        return {k: f"a reader in another process holds Mooncake's lease on it (it lasts up to "
+                   f"{self._store_lease_ttl_ms} ms after that reader's last read or lease refresh)" for k in r.leased}
 
     def _restore(self, keys: list[bytes]) -> None:
         """Put back store copies removed by a batch that then failed; the keeper retries what fails here."""
@@ -168,83 +152,35 @@ class MooncakeHostPool(LocalHostPool):
             self._published[torch.tensor(ids, dtype=torch.long)] = False
             log.warning("mooncake_restore_failed", pool=self.pool_id[:8], keys=len(keys), error=str(e))
 
-    def _publish(self, keys: list[bytes], ids: list[int]) -> None:
-        """Put the objects this ``put_from`` completes to the store, all or none (else it raises)."""
-        if keys and self._stop.is_set():
-            raise PoolError("host pool is closing")
-        self._objects.put(keys, ids)
-        if ids:
-            self._published[torch.tensor(ids, dtype=torch.long)] = True
+    def _store_exists(self, keys: list[bytes], op: str) -> list[bool]:
+        return self._objects.exists(keys, op)  # the master leases those that are there
 
-    # ---- fall-backs to the store for keys this pool does not hold ---------------------------------
-
-    def _in_store(self, keys: list[bytes], op: str) -> list[bool]:
-        """Per key: not in this pool, and complete in the store (which leases it; ``op`` names the caller)."""
+    def _store_lease(self, keys: list[bytes], ttl_ms: int) -> list[bool]:
+        """Mooncake's lease is the one a check grants; the keeper refreshes it while a local lease lives."""
+        found = self._objects.exists(keys, "lease")
         with self._cond:
-            self._begin()
-            others = list(dict.fromkeys(k for k in keys if k not in self._index))
-        found = {k for k, ok in zip(others, self._objects.exists(others, op)) if ok}
-        return [k in found for k in keys]
+            self._store_leased.update(k for k, ok in zip(keys, found) if ok)
+        return found
 
-    def can_alloc(self, keys: Sequence[bytes]) -> bool:
-        keys = check_keys(keys, unique=True)
-        return not any(self._in_store(keys, "can_alloc")) and super().can_alloc(keys)
+    def _store_read(self, keys: list[bytes], staging: torch.Tensor) -> None:
+        self._objects.read_into(keys, staging)
 
-    def alloc(self, keys: Sequence[bytes]) -> list[int]:
-        keys = check_keys(keys, unique=True)
-        for k, there in zip(keys, self._in_store(keys, "alloc")):
-            if there:
-                raise ObjectExists(f"key {k!r} already has an object in Mooncake Store (namespace "
-                                   f"{self.namespace!r}): another pool wrote it", key=k)
-        return super().alloc(keys)
+    def _store_remove_all(self, keys: list[bytes]) -> None:
+        self._objects.drop_all(keys)
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        here = super().exists(keys)
-        return [h or s for h, s in zip(here, self._in_store(list(keys), "exists"))]
+    def _halt(self) -> None:
+        self._keeper.join()
 
-    def lease(self, keys: Sequence[bytes], ttl_ms: int) -> Lease:
-        keys = check_keys(keys, unique=True)
-        check_ttl_ms(ttl_ms)
-        held = self._in_store(keys, "lease")
-        with self._cond:
-            self._begin()
-            for k, there in zip(keys, held):
-                if not there and k not in self._index:  # never here, or removed or evicted meanwhile
-                    raise ObjectNotFound(f"no object for key {k!r} in this pool or in Mooncake Store", key=k)
-            self._store_leased.update(k for k, there in zip(keys, held) if there)
-            return self._grant(keys, ttl_ms)
-
-    def get_into(self, keys: Sequence[bytes], plane: int, dst: torch.Tensor) -> None:
-        keys = check_keys(keys, unique=False)
-        with self._cond:
-            self._begin()
-            local = [k in self._index for k in keys]
-        if all(local):
-            return super().get_into(keys, plane, dst)
-        g = self.geometry
-        plane = g.check_plane(plane)
-        dst_u8 = _as_block_bytes(dst, "dst", len(keys), g, plane)  # [n, block_size, row_bytes]
-        local_t = torch.tensor(local, dtype=torch.bool)  # [n]
-        mine = torch.empty(int(local_t.sum()), g.block_size, g.plane_row_bytes[plane], dtype=torch.uint8)
-        super().get_into([k for k, loc in zip(keys, local) if loc], plane, mine)
-        fetched = self._objects.fetch([k for k, loc in zip(keys, local) if not loc], plane)
-        dst_u8[local_t] = mine
-        dst_u8[~local_t] = fetched
-
-    def block_ids(self, keys: Sequence[bytes]) -> list[int]:
-        try:
-            return super().block_ids(keys)
-        except ObjectNotFound as e:
-            if e.key is not None and self._objects.exists([e.key], "block_ids")[0]:
-                raise PoolError(f"block_ids: object {e.key!r} is held in Mooncake Store by another pool, and "
-                                f"plane(p) views only this pool: read it with get_into", key=e.key) from None
-            raise
+    def _detach(self) -> None:
+        self._objects.close()
+        if self._owns_store:
+            self._store.close()
 
     # ---- keeper thread -----------------------------------------------------------------------------
 
     def _keep(self, interval_s: float) -> None:
         """Refresh Mooncake's lease on store keys under live leases; re-put this pool after a master restart."""
-        while not self._stop.wait(interval_s):
+        while not self._closing.wait(interval_s):
             try:
                 self._refresh_store_leases()
                 self._republish_if_lost()
@@ -291,27 +227,6 @@ class MooncakeHostPool(LocalHostPool):
                 self._objects.put([self._block_key[b] for b in lost], lost)  # type: ignore[misc]
                 self._published[torch.tensor(lost, dtype=torch.long)] = True
                 log.info("mooncake_pool_republished", pool=self.pool_id[:8], objects=len(lost))
-
-    # ---- lifecycle -------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Stop the keeper, remove this pool's store copies and sentinel, release the segment (and the
-        store client if it owns it). Idempotent."""
-        self._stop.set()  # from here no object is published (see _publish)
-        self._keeper.join()
-        with self._cond:
-            if self._closed:
-                return
-            mine = self._published_of(list(self._index))
-        try:
-            self._objects.drop_all(mine)
-        except PoolError as e:
-            log.warning("mooncake_pool_close_remove_failed", pool=self.pool_id[:8], error=str(e))
-        self._objects.close()
-        super().close()
-        if self._owns_store:
-            self._store.close()
-        log.info("mooncake_pool_closed", pool=self.pool_id[:8], master=self._store.master)
 
     def __repr__(self) -> str:
         return (f"MooncakeHostPool({self.pool_id[:8]}, master={self._store.master!r}, namespace={self.namespace!r}, "

@@ -20,15 +20,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+
+from poolclient.serverprocess import ServerProcess, free_port, port_answers
+
+__all__ = ["INSTALL_HINT", "MasterConfig", "MooncakeMaster", "MooncakeMasterError", "MooncakeNotInstalled",
+           "find_master_binary", "free_port", "master_argv", "port_answers"]
 
 INSTALL_HINT = ("install Mooncake Store with `pip install mooncake-transfer-engine-non-cuda==0.3.13.post1` "
                 "(or `pip install kvoffload-poolclient[mooncake]`) and Debian's `apt-get install -y "
@@ -84,22 +85,6 @@ def find_master_binary(binary: str | None = None) -> str:
     return found
 
 
-def free_port(host: str) -> int:
-    """A port on ``host`` that nothing listens on now (the caller binds it soon after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_answers(host: str, port: int, timeout_s: float) -> bool:
-    """True if a TCP connection to ``host:port`` succeeds within ``timeout_s``."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
 def master_argv(binary: str, config: MasterConfig, rpc_port: int, metrics_port: int) -> list[str]:
     """The command line of a master per ``config`` on those ports (also for launchers of their own,
     such as ``kvoffload up --pool mooncake``): RPC and metrics bound to ``config.host``, no HTTP
@@ -110,35 +95,26 @@ def master_argv(binary: str, config: MasterConfig, rpc_port: int, metrics_port: 
             f"--client_ttl={c.client_ttl_s}", "--enable_http_metadata_server=false", *c.extra_args]
 
 
-class MooncakeMaster:
+class MooncakeMaster(ServerProcess):
     """One running ``mooncake_master`` child process (see the module docstring)."""
 
+    START_ERROR = MooncakeMasterError
+
     def __init__(self, config: MasterConfig, binary: str, rpc_port: int, metrics_port: int) -> None:
+        super().__init__(tempfile.mkdtemp(prefix="mooncake-master-"), "master.log", config.start_timeout_s)
         self.config = config
         self.binary = binary
         self.rpc_port = rpc_port
         self.metrics_port = metrics_port
-        self._log_dir = tempfile.mkdtemp(prefix="mooncake-master-")
-        self.log_path = os.path.join(self._log_dir, "master.log")
-        self._proc: subprocess.Popen | None = None
 
     @classmethod
     def start(cls, config: MasterConfig | None = None) -> "MooncakeMaster":
         """Start a master and wait until it answers (``MooncakeMasterError`` past ``start_timeout_s``)."""
-        config = config or MasterConfig()
-        binary = find_master_binary(config.binary)
-        tries = 3 if config.rpc_port == 0 or config.metrics_port == 0 else 1  # a picked port may be taken
-        while True:
-            master = cls(config, binary, config.rpc_port or free_port(config.host),
-                         config.metrics_port or free_port(config.host))
-            try:
-                master._launch()
-                return master
-            except MooncakeMasterError:
-                master.stop()
-                tries -= 1
-                if tries == 0:
-                    raise
+        c = config or MasterConfig()
+        binary = find_master_binary(c.binary)
+        tries = 3 if c.rpc_port == 0 or c.metrics_port == 0 else 1  # a picked port may be taken
+        return cls.start_retrying(lambda: cls(c, binary, c.rpc_port or free_port(c.host),
+                                              c.metrics_port or free_port(c.host)), tries)
 
     @property
     def address(self) -> str:
@@ -149,52 +125,39 @@ class MooncakeMaster:
     def health_url(self) -> str:
         return f"http://{self.config.host}:{self.metrics_port}/health"
 
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+    # ---- ServerProcess -------------------------------------------------------------------------
 
     @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+    def title(self) -> str:
+        return self.binary
 
-    def _args(self) -> list[str]:
+    @property
+    def endpoint(self) -> str:
+        return f"{self.address} / {self.health_url}"
+
+    def argv(self) -> list[str]:
         return master_argv(self.binary, self.config, self.rpc_port, self.metrics_port)
 
-    def _log_tail(self, n: int = 2000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, os.path.getsize(self.log_path) - n))
-                return f.read().decode(errors="replace").strip()
-        except OSError:
-            return ""
+    def ports(self) -> list[tuple[str, str, int]]:
+        return [("RPC", self.config.host, self.rpc_port), ("metrics", self.config.host, self.metrics_port)]
 
-    def _launch(self) -> None:
-        for port in (self.rpc_port, self.metrics_port):  # the binary keeps running when its RPC port is taken
-            if port_answers(self.config.host, port, 0.2):
-                raise MooncakeMasterError(f"cannot start {self.binary} on {self.config.host}:{port}: something "
-                                          f"listens there already (another mooncake_master?); pick another port")
-        with open(self.log_path, "ab") as log:
-            try:
-                self._proc = subprocess.Popen(self._args(), stdout=log, stderr=subprocess.STDOUT,
-                                              stdin=subprocess.DEVNULL, start_new_session=True)
-            except OSError as e:
-                raise MooncakeNotInstalled(f"cannot run {self.binary}: {e}; {INSTALL_HINT}") from e
-        deadline = time.monotonic() + self.config.start_timeout_s
-        while True:
-            code = self._proc.poll()
-            if code is not None:
-                tail = self._log_tail()
-                if "libibverbs" in tail:
-                    raise MooncakeNotInstalled(f"{self.binary} cannot load libibverbs.so.1 (exit {code}); "
-                                               f"{INSTALL_HINT}. Its output: {tail}")
-                raise MooncakeMasterError(f"{self.binary} exited with {code} while starting on {self.address} "
-                                          f"(metrics port {self.metrics_port}); its output: {tail}")
-            if self._healthy() and port_answers(self.config.host, self.rpc_port, 0.5):
-                return
-            if time.monotonic() > deadline:
-                raise MooncakeMasterError(f"{self.binary} did not answer on {self.address} / {self.health_url} "
-                                          f"within {self.config.start_timeout_s} s; its output: {self._log_tail()}")
-            time.sleep(0.05)
+    def port_taken(self, what: str, host: str, port: int) -> str:
+        return (f"cannot start {self.binary} on {host}:{port}: something listens there already (another "
+                f"mooncake_master?); pick another port")
+
+    def exited(self, code: int) -> Exception | None:
+        tail = self.log_tail()
+        if "libibverbs" in tail:
+            return MooncakeNotInstalled(f"{self.binary} cannot load libibverbs.so.1 (exit {code}); {INSTALL_HINT}. "
+                                        f"Its output: {tail}")
+        return None
+
+    def spawn_failed(self, error: OSError) -> Exception:
+        return MooncakeNotInstalled(f"cannot run {self.binary}: {error}; {INSTALL_HINT}")
+
+    def answers(self) -> bool:
+        """The admin ``/health`` says ``service_ready`` and the RPC port accepts connections."""
+        return self._healthy() and port_answers(self.config.host, self.rpc_port, 0.5)
 
     def _healthy(self) -> bool:
         try:
@@ -202,37 +165,3 @@ class MooncakeMaster:
                 return r.status == 200 and bool(json.loads(r.read()).get("service_ready"))
         except (OSError, ValueError, urllib.error.URLError):
             return False
-
-    def kill(self) -> None:
-        """End the master at once (SIGKILL), as a crash would. Keys and clients are lost."""
-        if self.running:
-            assert self._proc is not None
-            self._proc.kill()
-            self._proc.wait()
-
-    def restart(self) -> None:
-        """Stop this master (if running) and start a fresh one on the same ports and flags."""
-        self.stop(keep_log=True)
-        self._launch()
-
-    def stop(self, *, keep_log: bool = False, grace_s: float = 5.0) -> None:
-        """End the master (SIGTERM, SIGKILL after ``grace_s``) and drop its log. Idempotent."""
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if not keep_log:
-            shutil.rmtree(self._log_dir, ignore_errors=True)
-
-    def __enter__(self) -> "MooncakeMaster":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        return f"MooncakeMaster({self.address}, pid={self.pid}, {'running' if self.running else 'stopped'})"

@@ -115,35 +115,28 @@ class StoreObjects:
         if skeys:
             self.store.exists(skeys)
 
-    def fetch(self, keys: list[bytes], plane: int) -> torch.Tensor:
-        """Plane ``plane`` of objects read from the store: ``[len(keys), block_size, row_bytes]``."""
+    def read_into(self, keys: list[bytes], staging: torch.Tensor) -> None:
+        """Read whole objects ``keys`` (distinct) into the rows of ``staging`` (``[len(keys), block_bytes]``
+        uint8); ``ObjectNotFound`` for a missing key, ``PoolError`` for one of another geometry."""
         g = self.geometry
-        uniq = list(dict.fromkeys(keys))
-        staging = torch.empty(len(uniq), g.block_bytes, dtype=torch.uint8)  # [m, block_bytes]: whole objects
+        base = staging.data_ptr()
         registered = self.store.protocol != "tcp"  # TCP reads land in any memory; RDMA needs it registered
         if registered:
-            self.store.register(staging.data_ptr(), staging.numel())
+            self.store.register(base, staging.numel())
         try:
-            base = staging.data_ptr()
-            codes = self.store.get_into([self.key(k) for k in uniq],
-                                        [base + i * g.block_bytes for i in range(len(uniq))], [g.block_bytes] * len(uniq))
+            codes = self.store.get_into([self.key(k) for k in keys],
+                                        [base + i * g.block_bytes for i in range(len(keys))], [g.block_bytes] * len(keys))
         finally:
             if registered:
-                self.store.unregister(staging.data_ptr())
-        for k, c in zip(uniq, codes):
+                self.store.unregister(base)
+        for k, c in zip(keys, codes):
             if c == OBJECT_NOT_FOUND:
                 raise ObjectNotFound(f"no object for key {k!r} in this pool or in Mooncake Store", key=k)
             if c < 0:
-                raise self.fail("get", c, k, f"of {len(uniq)} object(s) ")
+                raise self.fail("get", c, k, f"of {len(keys)} object(s) ")
             if c != g.block_bytes:
                 raise PoolError(f"object {k!r} in Mooncake Store has {c} B, but this pool's objects have "
                                 f"{g.block_bytes} B ({g}): it was written with another geometry", key=k)
-        off = sum(self.part_bytes[:plane])
-        rows = staging[:, off:off + self.part_bytes[plane]].reshape(len(uniq), g.block_size, g.plane_row_bytes[plane])
-        if len(uniq) == len(keys):
-            return rows
-        pos = {k: i for i, k in enumerate(uniq)}
-        return rows[torch.tensor([pos[k] for k in keys], dtype=torch.long)]
 
     def drop_all(self, keys: list[bytes]) -> None:
         """Force-remove ``keys`` and the sentinel (the pool is closing); errors are the caller's to log."""

@@ -2,12 +2,13 @@
 (AscendStoreConnector alone, or MultiConnector with SfaRemoteD2HConnector + AscendStoreConnector),
 refuses sparse offload, runs layerwise prefill over shared-memory layer buffers and the host pool
 (backend ``kvoffload``: in this process or indexed by the metastore; ``mooncake``: shared through a
-mooncake_master), serves LayerSource + Health + Stats over gRPC and the OpenAI HTTP dispatch, and
+mooncake_master; ``memcache``: shared through a Memcache MetaService), serves LayerSource + Health + Stats over gRPC and the OpenAI HTTP dispatch, and
 shuts down in order on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,10 +18,13 @@ from kvcore.backends import require_available
 from kvcore.config import ConfigError
 from kvcore.eviction import LRUEviction
 from kvcore.hostpool import LocalHostPool, PoolError
-from kvcore.mmcconf import local_dram_size
+from kvcore.mmcconf import LOCAL_ENV, local_dram_size
 from kvcore.segment import host_id
 from kvcore.settings import PrefillSettings, prefill_settings
 from kvoffload_proto.v1 import transfer_pb2_grpc
+from poolclient.memcache import MemcacheHostPool
+from poolclient.memcache_client import MemcacheUnavailable
+from poolclient.memcache_meta import MemcacheNotInstalled
 from poolclient.mooncake import MooncakeHostPool
 from poolclient.mooncake_master import MooncakeNotInstalled, port_answers
 from poolclient.remotepool import RemoteHostPool
@@ -58,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host KV pool (prefix cache) this node contributes, GiB (default: the store config's "
                         "host_pool_gb, else ock.mmc.local_service.dram.size of --local-config, else 1)")
     p.add_argument("--local-config", help="mmc-local.conf whose ock.mmc.local_service.dram.size sizes the host "
-                                          "pool when neither --host-pool-gb nor host_pool_gb is given "
+                                          "pool when neither --host-pool-gb nor host_pool_gb is given; with backend "
+                                          "memcache also the LocalService's conf, required "
                                           "(default: $MMC_LOCAL_CONFIG_PATH)")
     p.add_argument("--metastore", metavar="HOST:PORT",
                    help="kvoffload-metastore that indexes the pool (default: the store config's metastore); "
@@ -153,6 +158,17 @@ def _pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None =
     if store.backend == "mooncake" and args.metastore is not None:
         raise ConfigError([f"--metastore {args.metastore}: applies to backend 'kvoffload' only; backend 'mooncake' "
                            "keeps its objects in the mooncake_master (kv_connector_extra_config.mooncake_master)"])
+    env = os.environ if env is None else env
+    args.memcache_local_config = getattr(args, "local_config", None) or env.get(LOCAL_ENV)
+    if store.backend == "memcache":
+        if args.metastore is not None:
+            raise ConfigError([f"--metastore {args.metastore}: applies to backend 'kvoffload' only; backend "
+                               "'memcache' reads its MetaService from the mmc-local.conf (--local-config or "
+                               f"${LOCAL_ENV})"])
+        if not args.memcache_local_config:
+            raise ConfigError([f"backend 'memcache': needs the LocalService's mmc-local.conf (its "
+                               "ock.mmc.meta_service_url, ock.mmc.local_service.config_store_url, protocol and "
+                               f"dram.size): give --local-config or set ${LOCAL_ENV}"])
     try:
         dram = local_dram_size(getattr(args, "local_config", None), env)
     except ValueError as e:
@@ -168,7 +184,17 @@ def _host_pool(args: argparse.Namespace, store, geometry, name: str):
     """The prefill's host pool. Backend ``kvoffload``: indexed by the metastore (``--metastore``) or
     in this process. Backend ``mooncake``: a ``MooncakeHostPool`` of its own client of the
     mooncake_master (``mooncake_master``), reachable by peers at ``--host``; a master that does not
-    answer within ``MOONCAKE_CONNECT_TIMEOUT_S``, or a missing wheel, is a start-up error."""
+    answer within ``MOONCAKE_CONNECT_TIMEOUT_S``, or a missing wheel, is a start-up error. Backend
+    ``memcache``: a ``MemcacheHostPool`` whose LocalService starts from the mmc-local.conf
+    (``--local-config`` / ``$MMC_LOCAL_CONFIG_PATH``); where its data path cannot start (no Ascend
+    driver), a missing wheel or a bad conf, the start-up error names the cause (never the embedded pool)."""
+    if store.backend == "memcache":
+        try:
+            pool = MemcacheHostPool.connect(geometry, local_config=args.memcache_local_config, eviction=LRUEviction())
+        except (PoolError, MemcacheUnavailable, MemcacheNotInstalled, ValueError) as e:
+            raise StartupError(f"backend 'memcache': {e}") from None
+        log.info("memcache_pool_connected", meta=pool.client.meta_service_url, pool=repr(pool))
+        return pool
     if store.backend == "mooncake":
         try:
             pool = MooncakeHostPool.connect(store.mooncake_master, geometry, namespace=store.mooncake_namespace,
