@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -45,7 +46,7 @@ def port_answers(host: str, port: int, timeout_s: float) -> bool:
         return False
 
 
-class ServerProcess:
+class ServerProcess(ABC):
     """One child server process (see the module docstring)."""
 
     START_ERROR: type[Exception] = RuntimeError
@@ -60,21 +61,26 @@ class ServerProcess:
     # ---- what a subclass gives -------------------------------------------------------------------
 
     @property
+    @abstractmethod
     def title(self) -> str:
-        raise NotImplementedError
+        """What the server is, for messages (e.g. the binary's name)."""
 
     @property
+    @abstractmethod
     def endpoint(self) -> str:
-        raise NotImplementedError
+        """``HOST:PORT`` clients use."""
 
+    @abstractmethod
     def argv(self) -> list[str]:
-        raise NotImplementedError
+        """The child's command line."""
 
+    @abstractmethod
     def ports(self) -> list[tuple[str, str, int]]:
-        raise NotImplementedError
+        """``(name, host, port)`` the child binds, checked free before it starts."""
 
+    @abstractmethod
     def answers(self) -> bool:
-        raise NotImplementedError
+        """True once the child serves."""
 
     def env(self) -> dict[str, str] | None:
         return None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from abc import abstractmethod
 from collections.abc import Sequence
 
 import structlog
@@ -73,29 +74,37 @@ class StoreHostPool(LocalHostPool):
 
     # ---- the store primitives (subclasses) -----------------------------------------------------
 
+    @abstractmethod
     def _attach(self, segment: SharedSegment) -> None:
-        raise NotImplementedError
+        """Register the pool's segment with the store client."""
 
+    @abstractmethod
     def _store_put(self, keys: list[bytes], ids: list[int]) -> None:
-        raise NotImplementedError
+        """Put the complete objects ``keys`` (blocks ``ids``) to the store, all or none."""
 
+    @abstractmethod
     def _store_remove(self, keys: list[bytes]) -> dict[bytes, str]:
-        raise NotImplementedError
+        """Remove the store copies of ``keys``, all or nothing; ``{key: why}`` for copies the store keeps."""
 
+    @abstractmethod
     def _store_exists(self, keys: list[bytes], op: str) -> list[bool]:
-        raise NotImplementedError
+        """Per key: complete in the store (``op`` names the caller in errors)."""
 
+    @abstractmethod
     def _store_read(self, keys: list[bytes], staging: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Read whole objects ``keys`` from the store into ``staging``."""
 
+    @abstractmethod
     def _store_lease(self, keys: list[bytes], ttl_ms: int) -> list[bool]:
-        raise NotImplementedError
+        """Take the store's own lease on ``keys`` for ``ttl_ms``; per key, whether it exists."""
 
+    @abstractmethod
     def _store_remove_all(self, keys: list[bytes]) -> None:
-        raise NotImplementedError
+        """Remove the store copies of ``keys`` on close (best effort, logged)."""
 
+    @abstractmethod
     def _detach(self) -> None:
-        raise NotImplementedError
+        """Unregister the segment; close a client the pool owns."""
 
     def _halt(self) -> None:
         """First step of ``close`` (after ``_closing`` is set): stop background work. Default: nothing."""

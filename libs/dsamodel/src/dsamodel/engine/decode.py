@@ -37,10 +37,9 @@ path both use it, so I2 holds on traces too.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import time
 
 import torch
 from kvcore.blockkeys import request_block_key
