@@ -1,7 +1,8 @@
 """The P/D stack with the prefill's host pool on Mooncake Store (``kvoffload up --pool mooncake``):
 a real ``mooncake_master`` started by the stack in place of the metastore, two prefills with
 ``backend: "mooncake"``, one decode, the proxy. I3 through it; a long shared prefix hits the prefix
-cache, also on the other prefill (read from Mooncake Store); a killed master fails requests at once
+cache, also on the other prefill (read from Mooncake Store); a killed prefill that wrote a prefix
+fails the one request that reads it next, and the next ones compute it again; a killed master fails requests at once
 with a clear error and the prefills report not ready, and after its restart the next requests
 succeed. Plus the start-up error of a prefill whose master does not answer, and ``up``'s flag."""
 
@@ -142,6 +143,43 @@ def test_nothing_is_left_held(stack):
         assert stats[name]["held_slots"] == 0 and stats[name]["pool_live_leases"] == 0, stats[name]
         assert stats[name]["pool_available"] == 1
     assert stats["decode-0"]["pool_used_bytes"] == 0 and stats["decode-0"]["sequences"] == 0
+
+
+def test_a_dead_prefix_owner_fails_one_request_then_the_prefix_is_computed_again(stack, reference):
+    """The prefill that wrote a shared prefix is SIGKILLed. The master lists its objects until its
+    client_ttl (10 s), but their bytes died with it: the next request with that prefix, on the
+    other prefill, fails at once with an error naming the unreachable owner and removes them from
+    the store (without that, every such request would fail until the client_ttl); the requests after it
+    compute the prefix again and succeed with the reference tokens. Then the dead prefill restarts
+    and both serve."""
+    prefix = "".join(chr(35 + (i * 17) % 85) for i in range(1200))
+    url = f"{stack.url}/v1/completions"
+
+    def ask(n: int) -> tuple[str, dict]:
+        ids = TOK.encode(prefix + f" ask {n}", add_bos=True)
+        rid = f"mooncake-dead-owner-{uuid.uuid4().hex}"
+        out = post_json(url, {"prompt": ids, "max_tokens": 5, "temperature": 0}, headers={"X-Request-Id": rid},
+                        timeout_s=OUTAGE_S + 5)
+        assert out["choices"][0]["token_ids"] == reference(ids, 5)
+        [(name, event)] = _finished(stack, rid)
+        return name, event
+
+    owner, first = ask(0)
+    assert first["cached_tokens"] == 0
+    stack.signal(owner, signal.SIGKILL)
+    stack.process(owner).wait(10)
+    t = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as info:  # well within the master's client_ttl (10 s)
+        ask(1)
+    assert time.monotonic() - t < OUTAGE_S
+    message = info.value.read().decode()
+    assert info.value.code >= 500 and "owner's segment does not answer" in message, message
+    for n in (2, 3):
+        name, event = ask(n)
+        assert name != owner
+    stack.restart(owner)
+    _wait_health(stack, 200, RECOVERY_S)
+    assert ask(4)[1]["cached_tokens"] >= (1 + 1200) // BS * BS  # the prefix, written again, hits
 
 
 def test_master_killed_fails_requests_clearly_and_its_restart_recovers(stack, reference):

@@ -264,6 +264,31 @@ def test_objects_put_by_another_process_are_read_and_leased_here(master, store):
     assert child.proc.returncode == 0
 
 
+def test_objects_of_a_dead_owner_fail_one_read_clearly_and_are_then_computed_again():
+    """The process that wrote objects dies (SIGKILL): the master lists its objects until its
+    --client_ttl (60 s here), but their bytes cannot be read. The first read fails at once with
+    TRANSFER_FAIL, naming the dead owner, and removes them from the store, so the next ``exists``
+    misses them and the reader writes them itself, well before the master would have noticed."""
+    with MooncakeMaster.start(MasterConfig(kv_lease_ttl_ms=STORE_LEASE_TTL_MS, client_ttl_s=60)) as m:
+        ns, n = f"d-{uuid.uuid4().hex[:8]}", 40
+        keys = [f"k{i}".encode() for i in range(n)]
+        child = Child(m, ns, n)
+        with MooncakeHostPool.connect(m.address, geo(64), namespace=ns, store_lease_ttl_ms=STORE_LEASE_TTL_MS) as reader:
+            assert torch.equal(read(reader, keys[:3], 0), data(7, 0, 3))  # readable while the owner lives
+            child.proc.kill()
+            child.proc.wait(10)
+            t = time.monotonic()
+            assert reader.exists(keys) == [True] * n  # the master does not know yet
+            with pytest.raises(MooncakeStoreError, match=rf"of {n} of {n} object\(s\) \(their owner's segment does "
+                                                         rf"not answer.*{n} removed from the store") as e:
+                read(reader, keys, 1)
+            assert e.value.code == -800
+            assert reader.exists(keys) == [False] * n
+            fill(reader, keys, seed=7)  # computed again here: the same bytes
+            assert torch.equal(read(reader, keys, 1), data(7, 1, n))
+            assert time.monotonic() - t < 30  # long before the master's client_ttl would have dropped them
+
+
 # ---- master restart ------------------------------------------------------------------------------
 
 

@@ -42,7 +42,10 @@ the Mooncake client re-mounts its segment by itself, and the keeper notices that
 sentinel key is gone (it checks every ``keeper_interval_s``) and puts every complete object of
 the pool again, so the next requests succeed; ``not_ready()`` says why while the keeper's last
 check failed, the store does not answer, or the pool is not put again yet (the prefill's
-health reports it). Construction without the wheel or ``libibverbs1``
+health reports it). A dead owner (its process gone; the master lists its objects until its
+``--client_ttl``): the first read of its objects fails with TRANSFER_FAIL and removes them from the
+store (``mooncake_objects.StoreObjects.read_into``), so the next requests compute them again.
+Construction without the wheel or ``libibverbs1``
 raises ``MooncakeNotInstalled`` saying what to install; without a master it raises within
 ``connect_timeout_s``.
 """

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
 import torch
 from kvcore.hostpool import ObjectNotFound, PoolError
 from kvcore.segment import SharedSegment
@@ -21,10 +22,13 @@ from kvcore.segment import SharedSegment
 from poolclient.mooncake_store import (
     OBJECT_HAS_LEASE,
     OBJECT_NOT_FOUND,
+    TRANSFER_FAIL,
     MooncakeStore,
     MooncakeStoreError,
     code_name,
 )
+
+log = structlog.get_logger(__name__)
 
 HEADER_BYTES = 64  # the sentinel object's bytes: the start of the segment's header
 
@@ -129,6 +133,9 @@ class StoreObjects:
         finally:
             if registered:
                 self.store.unregister(base)
+        unreachable = [k for k, c in zip(keys, codes) if c == TRANSFER_FAIL]
+        if unreachable:
+            raise self._drop_unreachable(unreachable, len(keys))
         for k, c in zip(keys, codes):
             if c == OBJECT_NOT_FOUND:
                 raise ObjectNotFound(f"no object for key {k!r} in this pool or in Mooncake Store", key=k)
@@ -137,6 +144,22 @@ class StoreObjects:
             if c != g.block_bytes:
                 raise PoolError(f"object {k!r} in Mooncake Store has {c} B, but this pool's objects have "
                                 f"{g.block_bytes} B ({g}): it was written with another geometry", key=k)
+
+    def _drop_unreachable(self, keys: list[bytes], batch: int) -> MooncakeStoreError:
+        """Objects whose bytes could not be transferred: their owner's segment does not answer (its
+        process died; the master lists its objects until its ``--client_ttl``). They are removed
+        from the store (forced: nobody can read them), so the next ``exists`` misses them and the
+        caller computes them again instead of failing on them until the master notices; a removal
+        that fails is logged, not raised. The error to raise for this read, naming it all."""
+        codes = self.store.remove([self.key(k) for k in keys], force=True)
+        dropped = sum(c in (0, OBJECT_NOT_FOUND) for c in codes)
+        log.warning("mooncake_unreachable_objects_dropped", pool=self.pool_id[:8], namespace=self.namespace,
+                    objects=len(keys), dropped=dropped,
+                    remove_errors=sorted({code_name(c) for c in codes if c not in (0, OBJECT_NOT_FOUND)}))
+        return self.fail("get", TRANSFER_FAIL, keys[0],
+                         f"of {len(keys)} of {batch} object(s) (their owner's segment does not answer: its process "
+                         f"is gone or unreachable; {dropped} removed from the store, so the next request computes "
+                         f"them again) ")
 
     def drop_all(self, keys: list[bytes]) -> None:
         """Force-remove ``keys`` and the sentinel (the pool is closing); errors are the caller's to log."""
