@@ -166,6 +166,7 @@ ENGINES = ("reference", "vllm")
 REFERENCE_ONLY = {"tls_cert": "--tls-cert", "tls_key": "--tls-key", "tls_ca": "--tls-ca"}
 REFERENCE_ONLY_WHY = ("the vLLM connectors do not speak TLS to the metastore yet, and their store runs on backend "
                       "'kvoffload' only (docs/vllm.md)")
+MODES = ("pd", "offload-only")  # `up --mode` (== kvoffload.stack.MODES; not imported: --help stays light)
 POOLS = ("kvoffload", "mooncake")  # `up` / `demo --pool` (== kvoffload.stack.POOLS; not imported: --help stays light)
 REFERENCE_MAX_MODEL_LEN = 16384
 VLLM_MAX_MODEL_LEN = 4096  # kvoffload.vllm_stack.DEFAULT_MAX_MODEL_LEN (not imported here: --help stays light)
@@ -178,6 +179,8 @@ def _check_engine(args: argparse.Namespace) -> None:
     given = [flag for dest, flag in REFERENCE_ONLY.items() if getattr(args, dest, None) is not None]
     if getattr(args, "pool", "kvoffload") != "kvoffload":
         given.append(f"--pool {args.pool}")
+    if getattr(args, "mode", "pd") != "pd":
+        given.append(f"--mode {args.mode}")
     if given:
         args.parser.error(f"{', '.join(given)}: only with --engine reference; {REFERENCE_ONLY_WHY}")
     import importlib.util
@@ -211,9 +214,14 @@ def _stack_config(args: argparse.Namespace):
         model = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_HOME / "models" / "tiny")
         default_len = REFERENCE_MAX_MODEL_LEN
     max_model_len = default_len if args.max_model_len is None else args.max_model_len
+    mode = getattr(args, "mode", "pd")
+    if mode == "offload-only" and args.api_key:
+        args.parser.error("--api-key (or $KVOFFLOAD_API_KEY): --mode offload-only runs no proxy, and the proxy is "
+                          "what checks the key; unset it or use --mode pd")
+    ports = {"prefill_ports": (args.port,)} if mode == "offload-only" else {"proxy_port": args.port}
     return StackConfig(model=model, log_dir=Path(args.log_dir) if args.log_dir else DEFAULT_HOME / "logs",
-                       proxy_port=args.port, max_model_len=max_model_len, tls=tls, api_key=args.api_key or None,
-                       pool=args.pool)
+                       max_model_len=max_model_len, tls=tls, api_key=args.api_key or None, pool=args.pool,
+                       mode=mode, **ports)
 
 
 def _make_stack(args: argparse.Namespace, cfg):
@@ -368,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "prefill and decode servers with the kvoffload connectors (docs/vllm.md)")
         cmd.add_argument("--model", help="model directory (default: the tiny seeded DSA model, created on first "
                                          "use; with --engine vllm: SmolLM2-135M-Instruct, built on first use)")
-        cmd.add_argument("--port", type=int, default=9000, help="proxy port")
+        cmd.add_argument("--port", type=int, default=9000,
+                         help="proxy port (with --mode offload-only: the prefill's HTTP port)")
         cmd.add_argument("--max-model-len", type=int,
                          help=f"default {REFERENCE_MAX_MODEL_LEN}; with --engine vllm {VLLM_MAX_MODEL_LEN}")
         cmd.add_argument("--log-dir", help="where each service logs (default ~/.cache/kvoffload/logs)")
@@ -382,6 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_tls_arguments(cmd)  # handed to every gRPC service of the stack, and used by its probes (reference only)
         if name == "demo":
             cmd.add_argument("--max-tokens", type=int, help="default 32; with --engine vllm 64")
+        else:
+            cmd.add_argument("--mode", choices=MODES, default="pd",
+                             help="pd (default): metastore, prefill, decode and proxy; offload-only: the "
+                                  "metastore (or mooncake_master) and one prefill with an AscendStoreConnector "
+                                  "alone, serving complete requests itself on --port (layerwise offload and the "
+                                  "pool's prefix cache; no decode, no proxy); reference engine only")
         cmd.set_defaults(func=func, parser=cmd)
     return parser
 

@@ -32,6 +32,9 @@ DEFAULT_HOME = Path(os.environ.get("KVOFFLOAD_HOME", Path.home() / ".cache" / "k
 API_KEY_ENV = "KVOFFLOAD_API_KEY"  # the proxy's --api-key, passed in its environment (never on a command line)
 POOLS = ("kvoffload", "mooncake")  # StackConfig.pool / `kvoffload up --pool`: the prefill's host-pool backend
 MOONCAKE_MASTER = "mooncake-master"  # the service name (and log file) of the stack's mooncake_master
+# StackConfig.mode / `kvoffload up --mode`: "pd" (prefill, decode, proxy) or "offload-only" (the seed's
+# first deployment: prefills with an AscendStoreConnector alone serve complete requests; no decode, no proxy)
+MODES = ("pd", "offload-only")
 
 
 def prefill_store_config(buffers: int = 3, mooncake_master: str | None = None) -> dict:
@@ -41,6 +44,15 @@ def prefill_store_config(buffers: int = 3, mooncake_master: str | None = None) -
                                                                      "mooncake_master": mooncake_master}
     return {**pool, "use_layerwise": True, "layerwise_num_shared_buffers": buffers,
             "layerwise_independent_layers": [0]}
+
+
+def offload_only_kv_transfer_config(buffers: int = 3, mooncake_master: str | None = None,
+                                    independent: list[int] | str = (0,)) -> str:
+    """A prefill with an AscendStoreConnector alone (offload-only: it serves complete requests)."""
+    extra = {**prefill_store_config(buffers, mooncake_master), "layerwise_independent_layers":
+             independent if isinstance(independent, str) else list(independent)}
+    return json.dumps({"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer",
+                       "kv_connector_extra_config": extra})
 
 
 def prefill_kv_transfer_config(kv_port: int, buffers: int = 3, mooncake_master: str | None = None) -> str:
@@ -88,10 +100,13 @@ class StackConfig:
     # (kv_port), decode i runs --dp-rank i on control port kv_port + i and registers as DP rank i;
     # otherwise each decode is a deployment of its own (kv_port + 16 i, DP rank 0)
     decode_dp: bool = False
+    mode: str = "pd"  # one of MODES; "offload-only": no decodes and no proxy (decode_ports, proxy_port unused)
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
             raise ValueError(f"pool: got {self.pool!r}; must be one of {', '.join(map(repr, POOLS))}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode: got {self.mode!r}; must be one of {', '.join(map(repr, MODES))}")
 
     def decode_control_port(self, i: int) -> int:
         """Control (Transfer gRPC) port of decode ``i``."""
@@ -222,7 +237,9 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return f"http://{self.cfg.host}:{self.cfg.proxy_port}"
+        """Where clients send requests: the proxy, or in offload-only mode the first prefill."""
+        port = self.cfg.prefill_ports[0] if self.cfg.mode == "offload-only" else self.cfg.proxy_port
+        return f"http://{self.cfg.host}:{port}"
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -238,8 +255,11 @@ class Stack:
         mooncake = c.pool == "mooncake"
         out = [mooncake_master_service(c) if mooncake else metastore_service(c)]
         index = [] if mooncake else ["--metastore", f"{c.host}:{c.metastore_port}"]  # mooncake: the master indexes
-        prefill_kv = prefill_kv_transfer_config(c.kv_port, mooncake_master=c.mooncake_master if mooncake else None)
-        for i, port in enumerate(c.decode_ports):
+        master = c.mooncake_master if mooncake else None
+        offload_only = c.mode == "offload-only"
+        prefill_kv = offload_only_kv_transfer_config(mooncake_master=master) if offload_only else \
+            prefill_kv_transfer_config(c.kv_port, mooncake_master=master)
+        for i, port in enumerate(() if offload_only else c.decode_ports):
             # a deployment reserves dp * tp consecutive control ports from its kv_port
             kv_port, dp = (c.kv_port, ["--dp-rank", str(i)]) if c.decode_dp else (c.decode_control_port(i), [])
             out.append((f"decode-{i}", [_bin("kvoffload-decode"), *common, "--port", str(port), *dp,
@@ -252,7 +272,8 @@ class Stack:
                                          *index, "--host-pool-gb", str(c.prefill_pool_gb),
                                          "--kv-transfer-config", prefill_kv],
                         f"http://{c.host}:{port}/health"))
-        out.append(proxy_service(c))
+        if not offload_only:
+            out.append(proxy_service(c))
         return [(name, argv + c.service_args.get(name, []), health) for name, argv, health in out]
 
     def engine_env(self, name: str) -> dict[str, str]:
@@ -441,6 +462,6 @@ def stack_stats(cfg: StackConfig) -> dict[str, dict[str, float]]:
     out = {"metastore": grpc_stats(f"{cfg.host}:{cfg.metastore_port}", tls=cfg.tls)} if cfg.pool == "kvoffload" else {}
     for i, port in enumerate(cfg.prefill_ports):
         out[f"prefill-{i}"] = grpc_stats(f"{cfg.host}:{port + DATA_PORT_OFFSET}", tls=cfg.tls)
-    for i, _ in enumerate(cfg.decode_ports):
+    for i, _ in enumerate(() if cfg.mode == "offload-only" else cfg.decode_ports):
         out[f"decode-{i}"] = grpc_stats(f"{cfg.host}:{cfg.decode_control_port(i)}", tls=cfg.tls)
     return out

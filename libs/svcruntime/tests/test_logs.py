@@ -27,3 +27,45 @@ def test_linked_wire_ids_log_under_the_proxy_request_id(monkeypatch):
     got = [(e["event"], e["request_id"], e.get("child_id")) for e in lines]
     assert got == [("a", "trace-abc", "cmpl-1-0"), ("b", "same", None), ("c", "other", None), ("d", "cmpl-1-0", None)]
     assert all(e["service"] == "svc" for e in lines)
+
+
+def test_lines_from_many_threads_and_both_loggers_stay_whole(monkeypatch):
+    """structlog loggers and stdlib loggers (e.g. aiohttp's access log) writing at once from many
+    threads: every line is one JSON object (a line written as text, then newline, by one thread
+    could get another thread's line in between)."""
+    import logging
+    import threading
+
+    class SlowStream(io.StringIO):  # a write that lets other threads run, like a real stream's flush
+        def write(self, text: str) -> int:
+            n = super().write(text)
+            threading.Event().wait(0.0001)
+            return n
+
+    out = SlowStream()
+    monkeypatch.setattr("sys.stderr", out)
+    configure_logging("svc")
+    slog, plain = structlog.get_logger("t"), logging.getLogger("t.access")
+    start = threading.Barrier(8)
+
+    def work(i: int) -> None:
+        start.wait()
+        for j in range(100):
+            if i % 2:
+                slog.info("s", thread=i, n=j)
+            else:
+                plain.info("p %d %d", i, j)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        structlog.reset_defaults()
+        logging.getLogger().handlers[:] = []
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 800
+    events = [json.loads(x) for x in lines]
+    assert sum(e["event"] == "s" for e in events) == 400

@@ -53,10 +53,15 @@ REQUEST_IDS = RequestIds()
 
 class _CurrentStderr:
     """Whatever ``sys.stderr`` is when a line is written (not when logging was configured): a
-    replaced stream (a test's capture, closed since) must never break a later log call."""
+    replaced stream (a test's capture, closed since) must never break a later log call. Each line
+    arrives as one ``write`` (structlog's WriteLogger and logging's StreamHandler both write line +
+    newline at once); one lock keeps lines from two threads, or from the two paths, whole."""
+
+    _lock = threading.Lock()
 
     def write(self, text: str) -> int:
-        return sys.stderr.write(text)
+        with self._lock:
+            return sys.stderr.write(text)
 
     def flush(self) -> None:
         sys.stderr.flush()
@@ -87,7 +92,7 @@ def configure_logging(service: str, level: str = "info", stream: TextIO | None =
     structlog.configure(
         processors=[*shared, *render],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(out),
+        logger_factory=structlog.WriteLoggerFactory(out),  # line + newline in one write
         cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(out)

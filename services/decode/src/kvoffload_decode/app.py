@@ -19,13 +19,14 @@ import aiohttp
 import structlog
 from aiohttp import web
 from dsamodel.openai import RequestError, check_body, prompt_ids, sampling_params
+from dsamodel.openai_output import Output, Responder
 from dsamodel.tokenizer import ByteTokenizer
 from svcruntime.logs import REQUEST_IDS
 from svcruntime.serving import DRAINING, refuse_while_draining
+from svcruntime.sse import sse_response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvoffload_decode.loop import DecodeFull, DecodeLoop, TooLarge
-from kvoffload_decode.responses import Output, Responder
 
 log = structlog.get_logger(__name__)
 
@@ -295,7 +296,7 @@ class _Handler:
 
     async def _stream(self, request: web.Request, rid: str, queue, out: Output, n_prompt: int,
                       include_usage: bool) -> web.StreamResponse:
-        """SSE chunks (see responses.py); an error ends the stream with an error event."""
+        """SSE chunks (dsamodel.openai_output); an error ends the stream with an error event."""
         async def next_event() -> tuple[str, object]:
             kind, value = await self._next_or_timeout(queue)
             return ("error", value) if kind == "timeout" else (kind, value)
@@ -304,8 +305,8 @@ class _Handler:
             self.metrics.requests.labels("error").inc()
             self.loop.cancel(rid, message)
 
-        return await self.responder.stream(request, rid, next_event, out, n_prompt, include_usage, on_error,
-                                           lambda: self.metrics.requests.labels("ok").inc())
+        return await sse_response(request, rid, self.responder.events(
+            rid, next_event, out, n_prompt, include_usage, on_error, lambda: self.metrics.requests.labels("ok").inc()))
 
     async def _collect(self, rid: str, queue, out: Output, n_prompt: int) -> web.Response:
         timed_out = []

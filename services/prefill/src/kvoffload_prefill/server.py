@@ -1,5 +1,6 @@
-"""``kvoffload-prefill``: the kv_producer. Takes ``--kv-transfer-config`` as users write it
-(AscendStoreConnector alone, or MultiConnector with SfaRemoteD2HConnector + AscendStoreConnector),
+"""``kvoffload-prefill``: the kv_producer. Takes ``--kv-transfer-config`` as users write it:
+MultiConnector with SfaRemoteD2HConnector + AscendStoreConnector (a P/D prefill), or
+AscendStoreConnector alone (offload-only: it serves complete requests itself, no decode or proxy);
 refuses sparse offload, runs layerwise prefill over shared-memory layer buffers and the host pool
 (backend ``kvoffload``: in this process or indexed by the metastore; ``mooncake``: shared through a
 mooncake_master; ``memcache``: shared through a Memcache MetaService), serves LayerSource + Health + Stats over gRPC and the OpenAI HTTP dispatch, and
@@ -33,11 +34,13 @@ from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, 
 
 from kvoffload_prefill import __version__
 from kvoffload_prefill.app import build_app
+from kvoffload_prefill.generate import GenerateLoop
+from kvoffload_prefill.offload_app import build_offload_app
 from kvoffload_prefill.source import LayerSourceServicer
 from kvoffload_prefill.worker import PrefillWorker
 
 SERVICE = "kvoffload-prefill"
-FLAG_RULES = dict(at_least_one=("max_model_len", "block_size", "chunk_size"),
+FLAG_RULES = dict(at_least_one=("max_model_len", "block_size", "chunk_size", "max_num_seqs"),
                   seconds=("host_pool_gb", "read_timeout_s", "peer_timeout_s"),
                   seconds_or_zero=("shutdown_grace_s",), ports=("port",), any_ports=("data_port",))
 MOONCAKE_CONNECT_TIMEOUT_S = 5.0  # the mooncake_master must answer within this at start-up
@@ -71,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-timeout-s", type=float, default=60.0, help="longest wait for a decode's READ_DONE")
     p.add_argument("--peer-timeout-s", type=float, default=10.0,
                    help="a decode that answers no heartbeat for this long is gone: its reads fail (default 10)")
+    p.add_argument("--max-num-seqs", type=int, default=8,
+                   help="offload-only mode (no SfaRemoteD2HConnector): requests decoded together (default 8)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the config's torch_dtype")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests get to finish before they are failed (default 30)")
@@ -100,6 +105,9 @@ def serve(args: argparse.Namespace) -> int:
     tag = uuid.uuid4().hex[:8]
     pool = _host_pool(args, settings.store, build.prefill_geometry(model, args.block_size, args.host_pool_bytes),
                       f"kvoffload-prefill-pool-{tag}")
+    tokenizer = ByteTokenizer.from_dir(args.model)
+    if settings.d2h is None:
+        return _serve_offload_only(args, tls, model, tokenizer, settings, pool, model_id)
     engine = build.prefill_engine(
         model, pool, buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
         independent=sorted(settings.independent_layers), chunk_size=args.chunk_size,
@@ -113,7 +121,7 @@ def serve(args: argparse.Namespace) -> int:
                            read_timeout_s=args.read_timeout_s, peer_timeout_s=args.peer_timeout_s)
     grpc_side.add(transfer_pb2_grpc.add_LayerSourceServicer_to_server,
                   LayerSourceServicer(engine, worker.layout_version))
-    app = build_app(worker, ByteTokenizer.from_dir(args.model), model_id, args.max_model_len,
+    app = build_app(worker, tokenizer, model_id, args.max_model_len,
                     not_ready=lambda: _not_ready(pool))
     grpc_side.start()
     log.info("serving", http=f"{args.host}:{args.port}", data_port=data_port, model=model_id,
@@ -124,16 +132,63 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_offload_only(args: argparse.Namespace, tls, model, tokenizer, settings: PrefillSettings, pool,
+                        model_id: str) -> int:
+    """Offload-only mode: no decode pulls from this node; it serves complete requests itself
+    (``generate.GenerateLoop``: layerwise prefill over the shared buffers and the host pool's
+    prefix cache, then decode in this process), with gRPC Health + Stats and the same lifecycle."""
+    from dsamodel.engine import build
+    from dsamodel.engine.engine import Engine, EngineConfig
+
+    blocks_per_seq = -(-args.max_model_len // args.block_size)
+    block_bytes = build.decode_geometry(model, args.block_size, 1 << 30).block_bytes
+    engine = Engine(model, EngineConfig(
+        block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        chunk_size=args.chunk_size, buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
+        independent=tuple(sorted(settings.independent_layers)), prefetch_layers=settings.prefetch_layers,
+        decode_pool_bytes=block_bytes * blocks_per_seq * args.max_num_seqs, model_id=model_id), prefill_pool=pool)
+    engine.prefill.plan.log()
+    loop = GenerateLoop(engine)
+    grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _offload_stats(loop), workers=2,
+                         not_ready=lambda: _not_ready(pool))
+    data_port = grpc_side.add_port(f"{args.host}:{args.data_port}", tls)
+    app = build_offload_app(loop, tokenizer, model_id, args.max_model_len, not_ready=lambda: _not_ready(pool))
+    grpc_side.start()
+    log.info("serving", mode="offload-only", http=f"{args.host}:{args.port}", data_port=data_port, model=model_id,
+             plan=engine.prefill.plan.log_line(), backend=settings.store.backend, max_num_seqs=args.max_num_seqs,
+             **(tls.describe() if tls else {"tls": False}))
+    serve_http(app, args.host, args.port, busy=loop.busy, grace_s=args.shutdown_grace_s, grpc_side=grpc_side,
+               closers=(loop.close, engine.close, pool.close))
+    return 0
+
+
+def _offload_stats(loop: GenerateLoop) -> StatsSnapshot:
+    eng = loop.engine
+    counters = {**loop.stats(), "device_kv_bytes": eng.allocator.stats().current_bytes}
+    try:
+        pool = eng.prefill_pool.stats()
+    except Exception as exc:
+        counters["pool_available"] = 0
+        pool_error = repr(exc)
+    else:
+        counters.update({"pool_available": 1, "pool_used_bytes": pool.used_bytes, "pool_used_blocks": pool.used_blocks,
+                         "pool_live_leases": pool.live_leases, "pool_complete_objects": pool.complete_objects})
+        pool_error = ""
+    return StatsSnapshot(counters, {"mode": "offload-only", "plan": eng.prefill.plan.log_line(),
+                                    "pool_error": pool_error}, "")
+
+
 def _settings(args: argparse.Namespace, layout) -> PrefillSettings:
-    """The node's configs as users write them, for a P/D prefill; ConfigError names what is wrong."""
+    """The node's configs as users write them: a P/D prefill (MultiConnector with
+    SfaRemoteD2HConnector), or offload-only (AscendStoreConnector alone, ``settings.d2h`` None);
+    ConfigError names what is wrong."""
     settings = prefill_settings(args.kv_transfer_config, args.additional_config, layout, tp=1)
-    if settings.d2h is None:
-        raise ConfigError(["kv_transfer_config: a P/D prefill needs SfaRemoteD2HConnector (inside a "
-                           "MultiConnector) so the decode can pull its layers"])
-    vllm_only = settings.d2h.vllm_only_problems()
-    if vllm_only:
-        raise ConfigError(vllm_only)
-    require_available(backend=settings.store.backend, transfer_backend=settings.d2h.transfer_backend)
+    if settings.d2h is not None:
+        vllm_only = settings.d2h.vllm_only_problems()
+        if vllm_only:
+            raise ConfigError(vllm_only)
+    require_available(backend=settings.store.backend,
+                      transfer_backend=settings.d2h.transfer_backend if settings.d2h else None)
     for w in settings.warnings:
         log.warning("config_warning", warning=w)
     return settings

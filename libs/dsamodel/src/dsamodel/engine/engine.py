@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from kvcore.device import DeviceAllocator
+from kvcore.hostpool import HostPoolBackend
 
 from dsamodel.engine import build
 from dsamodel.engine.decode import SparseDecoder
@@ -70,10 +71,16 @@ class Sequence:
 class Engine:
     """Prefill + sparse decode of one model in one process (the reference for I3)."""
 
-    def __init__(self, model: DSAModel, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, model: DSAModel, config: EngineConfig = EngineConfig(),
+                 prefill_pool: HostPoolBackend | None = None) -> None:
+        """``prefill_pool``: the host pool (prefix cache) the prefill saves to and loads from, e.g.
+        a shared one of another backend; the caller keeps it and closes it. Default: one of
+        ``config.prefill_pool_bytes`` in this process, closed by ``close``."""
         self.model, self.config = model, config
         self.allocator = DeviceAllocator(model.device)
-        self.prefill_pool = build.prefill_pool(model, config.block_size, config.prefill_pool_bytes)
+        self._owns_prefill_pool = prefill_pool is None
+        self.prefill_pool = prefill_pool if prefill_pool is not None else \
+            build.prefill_pool(model, config.block_size, config.prefill_pool_bytes)
         self.decode_pool = build.decode_pool(model, config.block_size, config.decode_pool_bytes)
         self.prefill = build.prefill_engine(
             model, self.prefill_pool, buffers=config.buffers, independent=config.independent,
@@ -88,6 +95,7 @@ class Engine:
         )
         if config.num_speculative_tokens and not model.config.num_nextn_predict_layers:
             raise ValueError("num_speculative_tokens=1 needs a model with an MTP layer (num_nextn_predict_layers >= 1)")
+        self.prefix_keys: set[bytes] = set()  # prefix-cache objects (hash keys) the prompts wrote or reused
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._next_input: dict[str, int] = {}
@@ -130,6 +138,19 @@ class Engine:
                 finished.append(seq)
         return finished
 
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting or running request (its decode state freed); False if it is not here."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                return True
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.running.remove(seq)
+                self._retire(seq)
+                return True
+        return False
+
     def _propose(self, seq: Sequence, draft_logits: torch.Tensor) -> int:
         """The draft token for the position after the next input: the MTP head's greedy choice."""
         return greedy_draft(seq.request_id, draft_logits)
@@ -156,6 +177,8 @@ class Engine:
 
     def _prefill(self, seq: Sequence) -> None:
         res = self.prefill.run(PrefillRequest(seq.request_id, seq.prompt, sample=seq.sampler.step))
+        owned = set(res.owned_keys)
+        self.prefix_keys.update(k for k in res.keys if k not in owned)
         try:
             seq.num_cached_tokens, seq.num_computed_tokens = res.num_cached_tokens, res.num_computed_tokens
             if not seq.finished:
@@ -189,5 +212,6 @@ class Engine:
 
     def close(self) -> None:
         self.prefill.close()
-        self.prefill_pool.close()
+        if self._owns_prefill_pool:
+            self.prefill_pool.close()
         self.decode_pool.close()

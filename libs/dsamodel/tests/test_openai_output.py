@@ -1,11 +1,11 @@
-"""The decode's output side: stop text never shown, stop token ids counted not shown, echo, logprobs."""
+"""The OpenAI output side: stop text never shown, stop token ids counted not shown, echo, logprobs."""
 
 import asyncio
 
 from dsamodel.sampling import SamplingParams, TokenLogprob
 from dsamodel.tokenizer import ByteTokenizer
 
-from kvoffload_decode.responses import Responder
+from dsamodel.openai_output import Responder
 
 TOK = ByteTokenizer()
 

@@ -1,4 +1,5 @@
-"""The decode's output side: sampled tokens -> OpenAI completion / chat responses (JSON or SSE).
+"""The output side of the OpenAI API: sampled tokens -> completion / chat answers (a JSON object, or
+the objects of an SSE stream), without any HTTP (the services write them; both use this module).
 
 Stop strings are cut here with ``dsamodel.sampling.StopText``, the same matcher the sampler ends
 the sequence with: the stop text and everything after it never reach the client, and in a stream
@@ -10,12 +11,10 @@ a last chunk with ``usage`` and no choices.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
 from dsamodel.openai import chat_logprobs, completion_logprobs, finish_reason
 from dsamodel.sampling import SamplingParams, StopText
 from dsamodel.tokenizer import ByteTokenizer
@@ -56,7 +55,7 @@ class Output:
 
 
 class Responder:
-    """Builds the decode's JSON answer and SSE stream for one served model."""
+    """Builds the JSON answer and the SSE stream's objects for one served model."""
 
     def __init__(self, tokenizer: ByteTokenizer, model_name: str) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
@@ -81,43 +80,34 @@ class Responder:
     def usage(self, n_prompt: int, n_completion: int) -> dict:
         return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
 
-    async def stream(self, request: web.Request, rid: str, next_event: Next, out: Output, n_prompt: int,
-                     include_usage: bool, on_error: Callable[[str], None], on_ok: Callable[[], None]
-                     ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": rid})
-        await resp.prepare(request)
-
-        async def send(obj: dict) -> None:
-            await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
-
+    async def events(self, rid: str, next_event: Next, out: Output, n_prompt: int, include_usage: bool,
+                     on_error: Callable[[str], None], on_ok: Callable[[], None]) -> AsyncIterator[dict]:
+        """The objects of the SSE stream, in order (each goes out as ``data: <json>``; the writer
+        ends with ``data: [DONE]``); an error ends it with an error object after ``on_error``."""
         first = True
         if out.echo:
-            await send(self.chunk(rid, out.chat, out.echo, [], None, first))
+            yield self.chunk(rid, out.chat, out.echo, [], None, first)
             first = False
         while True:
             kind, value = await next_event()
             if kind == "error":
                 on_error(str(value))
-                await send({"error": {"message": value, "type": "decode_error"}})
-                break
+                yield {"error": {"message": value, "type": "decode_error"}}
+                return
             if kind == "done":
                 piece, ids, lp = out.take(final=True)
-                await send(self.chunk(rid, out.chat, piece, ids, finish_reason(str(value)), first, lp))
+                yield self.chunk(rid, out.chat, piece, ids, finish_reason(str(value)), first, lp)
                 if include_usage:
-                    await send({"id": rid, "object": "chat.completion.chunk" if out.chat else "text_completion",
-                                "created": int(time.time()), "model": self.model_name, "choices": [],
-                                "usage": self.usage(n_prompt, out.num_tokens)})
+                    yield {"id": rid, "object": "chat.completion.chunk" if out.chat else "text_completion",
+                           "created": int(time.time()), "model": self.model_name, "choices": [],
+                           "usage": self.usage(n_prompt, out.num_tokens)}
                 on_ok()
-                break
+                return
             out.add(int(value))
             piece, ids, lp = out.take()
             if piece or ids or first:
-                await send(self.chunk(rid, out.chat, piece, ids, None, first, lp))
+                yield self.chunk(rid, out.chat, piece, ids, None, first, lp)
                 first = False
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
 
     async def collect(self, rid: str, next_event: Next, out: Output, n_prompt: int) -> tuple[dict | None, str]:
         """The JSON answer, or (None, error message)."""
