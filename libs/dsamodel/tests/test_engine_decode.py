@@ -208,3 +208,38 @@ def test_prompt_rows_land_where_the_block_table_says(start, n):
         assert torch.equal(plane[rows], kv.view(torch.uint8).view(n, -1))
     finally:
         pool.close()
+
+
+def test_a_cancelled_request_frees_its_state_and_changes_no_other_result():
+    """``Engine.cancel`` of a waiting and of a running request: the others' tokens equal a run
+    without them, and nothing of the cancelled ones is left (decode state, decode pool blocks).
+    The engine also runs over a prefill pool it was given, which it leaves open on close."""
+    from dsamodel.engine import build
+
+    model = tiny(torch.float32, True)
+    cfg = EngineConfig(block_size=BS, max_model_len=1024, max_num_seqs=2, chunk_size=128, buffers=2,
+                       prefill_pool_bytes=16 << 20, decode_pool_bytes=16 << 20)
+    alone = Engine(model, cfg)
+    try:
+        want = alone.generate([seeded_prompt(120, 1)], SamplingParams(max_tokens=24))[0]
+    finally:
+        alone.close()
+    pool = build.prefill_pool(model, BS, 16 << 20)
+    eng = Engine(model, cfg, prefill_pool=pool)
+    try:
+        keep = eng.add_request("keep", seeded_prompt(120, 1), SamplingParams(max_tokens=24))
+        eng.add_request("run", seeded_prompt(200, 2), SamplingParams(max_tokens=50))
+        eng.add_request("wait", seeded_prompt(90, 3), SamplingParams(max_tokens=50))  # max_num_seqs 2: queued
+        for _ in range(5):
+            eng.step()
+        assert [s.request_id for s in eng.waiting] == ["wait"]
+        assert eng.cancel("wait") and eng.cancel("run") and not eng.cancel("run")
+        assert set(eng.decoder.seqs) == {"keep"}
+        while eng.waiting or eng.running:
+            eng.step()
+        assert keep.output_ids == want
+        assert not eng.decoder.seqs and eng.decode_pool.stats().used_blocks == 0
+    finally:
+        eng.close()
+    assert pool.stats().complete_objects > 0  # still open: the caller owns it
+    pool.close()
