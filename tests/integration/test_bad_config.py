@@ -528,17 +528,6 @@ def test_console_script_decode_refuses_a_store_connector(tiny_dir):
             "SfaRemoteD2HConnector (alone or inside a MultiConnector)") in proc.stderr.splitlines()
 
 
-def test_console_script_decode_refuses_an_ascend_only_transfer_backend(tiny_dir):
-    kv = edit(DECODE_KV, (("kv_connector_extra_config", "transfer_backend"), "memfabric"))
-    proc = run_script("kvoffload-decode", ["--model", tiny_dir, "--port", "1", "--kv-transfer-config", kv,
-                                           "--additional-config", json.dumps(SPARSE)])
-    assert proc.returncode == 2
-    line = next(line for line in proc.stderr.splitlines() if line.startswith("kvoffload-decode: "))
-    assert line.startswith("kvoffload-decode: transfer_backend 'memfabric' cannot run here: ")
-    assert line.endswith("use transfer_backend 'kvoffload' (the embedded P→D data path: shared memory on one host, "
-                         "gRPC streaming across hosts)")
-
-
 def test_console_script_prefill_refuses_sparse_offload(tiny_dir):
     proc = run_script("kvoffload-prefill", ["--model", tiny_dir, "--port", "1", "--kv-transfer-config",
                                             json.dumps(PREFILL_KV), "--additional-config", json.dumps(SPARSE)])

@@ -44,10 +44,11 @@ def _schedule(model, *, keep: bool, topk_buffer_size: int, native: bool = True):
         eng.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "fp8_indexer"), [(torch.float32, False), (torch.bfloat16, False),
+                                                    (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16-fp8-indexer"])
 @pytest.mark.parametrize("topk_buffer_size", [128, 64])  # 64 == index_topk: no spare slots
-def test_i2_sparse_offload_equals_keep_device(dtype, topk_buffer_size):
-    model = tiny(dtype, True)
+def test_i2_sparse_offload_equals_keep_device(dtype, fp8_indexer, topk_buffer_size):
+    model = tiny(dtype, True, fp8_indexer)
     sparse, _ = _schedule(model, keep=False, topk_buffer_size=topk_buffer_size)
     keep, _ = _schedule(model, keep=True, topk_buffer_size=topk_buffer_size)
     assert len(sparse) == len(keep) >= 64
@@ -68,8 +69,9 @@ def test_native_and_reference_hot_cache_give_identical_logits():
         assert torch.equal(a, b)
 
 
-def test_engine_greedy_tokens_match_the_dense_model():
-    model = tiny(torch.float32, True)
+@pytest.mark.parametrize("fp8_indexer", [False, True], ids=["plain-indexer", "fp8-indexer"])
+def test_engine_greedy_tokens_match_the_dense_model(fp8_indexer):
+    model = tiny(torch.float32, True, fp8_indexer)
     prompts = [seeded_prompt(n, n).tolist() for n in (1, BS - 1, 333)]
     params = SamplingParams(max_tokens=10)
     eng = Engine(model, EngineConfig(block_size=BS, max_model_len=1024, max_num_seqs=4, chunk_size=100,

@@ -1,11 +1,12 @@
-"""Backend availability: the embedded backend always runs; mooncake and memcache need their module (no NPU:
-memcache's adapter decides about its data path at construction); memfabric needs module + NPU + an adapter;
-else say why."""
+"""Backend availability: the embedded backend always runs; mooncake, memcache and memfabric need their
+module (no NPU: the memcache and memfabric adapters decide about their data path at construction);
+else say why, with what to install."""
 
 from __future__ import annotations
 
+import importlib
 import pickle
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -16,10 +17,6 @@ from kvcore.config import ConfigError
 
 STORE_ALTERNATIVE = "use backend 'kvoffload' (the embedded host pool managed by kvoffload-metastore)"
 TRANSFER_ALTERNATIVE = "use transfer_backend 'kvoffload' (the embedded P→D data path"
-
-
-def fake_torch(available: bool = True, count: int = 1) -> Any:
-    return SimpleNamespace(npu=SimpleNamespace(is_available=lambda: available, device_count=lambda: count))
 
 
 def install(monkeypatch: pytest.MonkeyPatch, present: dict[str, Any], failing: dict[str, BaseException] | None = None) -> None:
@@ -36,8 +33,8 @@ def install(monkeypatch: pytest.MonkeyPatch, present: dict[str, Any], failing: d
     monkeypatch.setattr(backends, "import_module", fake_import)
 
 
-ALL_PRESENT = {"memcache_hybrid": ModuleType("memcache_hybrid"), "memfabric_hybrid": ModuleType("memfabric_hybrid"),
-               "torch_npu": ModuleType("torch_npu"), "torch": fake_torch()}
+ALL_PRESENT = {"memcache_hybrid": ModuleType("memcache_hybrid"), "memfabric_hybrid": ModuleType("memfabric_hybrid")}
+MEMFABRIC_INSTALL = "install MemFabric: scripts/install-memcache (it runs `pip install memfabric_hybrid==1.3.0`)"
 
 
 def unavailable(**kw: Any) -> str:
@@ -60,71 +57,40 @@ def test_embedded_backends_always_pass(monkeypatch: pytest.MonkeyPatch) -> None:
                                    "ModuleNotFoundError: No module named 'memcache_hybrid'",
                                    "scripts/install-memcache", STORE_ALTERNATIVE]),
         ({"transfer_backend": "memfabric"}, ["transfer_backend 'memfabric' cannot run here: memfabric_hybrid cannot be "
-                                             "imported", "No module named 'memfabric_hybrid'", TRANSFER_ALTERNATIVE]),
+                                             "imported", "No module named 'memfabric_hybrid'", MEMFABRIC_INSTALL,
+                                             TRANSFER_ALTERNATIVE]),
     ],
 )
 def test_module_missing(monkeypatch: pytest.MonkeyPatch, kw: dict[str, str], words: list[str]) -> None:
-    install(monkeypatch, {"torch_npu": ALL_PRESENT["torch_npu"], "torch": fake_torch()})
+    install(monkeypatch, {})
     message = unavailable(**kw)
     for word in words:
         assert word in message, (word, message)
 
 
-@pytest.mark.parametrize(
-    ("present", "failing", "reason"),
-    [
-        ({}, {}, "(torch_npu not installed (ModuleNotFoundError: No module named 'torch_npu'))"),
-        ({}, {"torch_npu": OSError("libascendcl.so: cannot open shared object file")},
-         "(torch_npu fails to import (OSError: libascendcl.so: cannot open shared object file))"),
-        ({"torch_npu": ModuleType("torch_npu"), "torch": fake_torch(available=False)}, {},
-         "torch.npu.is_available() is False (no Ascend NPU or driver)"),
-        ({"torch_npu": ModuleType("torch_npu"), "torch": fake_torch(count=0)}, {}, "torch.npu.device_count() is 0"),
-        ({"torch_npu": ModuleType("torch_npu"), "torch": SimpleNamespace()}, {}, "the torch_npu device query failed"),
-    ],
-)
-@pytest.mark.parametrize(("kw", "module", "alternative"), [
-    ({"transfer_backend": "memfabric"}, "memfabric_hybrid", TRANSFER_ALTERNATIVE),
-])
-def test_module_present_but_no_npu(
-    monkeypatch: pytest.MonkeyPatch, present: dict[str, Any], failing: dict[str, BaseException], reason: str,
-    kw: dict[str, str], module: str, alternative: str,
-) -> None:
-    install(monkeypatch, {module: ModuleType(module), **present}, failing)
-    message = unavailable(**kw)
-    name = next(iter(kw.values()))
-    assert f"'{name}' cannot run here: {module} imports but no Ascend NPU is available" in message
-    assert reason in message and alternative in message
-
-
-def test_brief_example_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(backends, "import_module", lambda name: ModuleType(name))
-    monkeypatch.setattr(backends, "npu_problem", lambda: "torch_npu not installed")
-    assert unavailable(transfer_backend="memfabric") == (
-        "transfer_backend 'memfabric' cannot run here: memfabric_hybrid imports but no Ascend NPU is available "
-        "(torch_npu not installed); use transfer_backend 'kvoffload' (the embedded P→D data path: shared memory on "
-        "one host, gRPC streaming across hosts)"
-    )
-
-
-def test_module_and_npu_present_still_refuse_memfabric_without_an_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No silent substitution: where memfabric_hybrid and an NPU are there, the services would still
-    run the embedded data path, so "memfabric" is refused, saying so; "memcache" has its adapter."""
+def test_module_present_means_available_for_every_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No silent substitution either way: where memcache_hybrid and memfabric_hybrid import, both
+    backends pass this check and their adapters (poolclient.memcache, pdlink.memfabric) are what the
+    services build; whether the data path runs is their construction's call, with the library's reason."""
     install(monkeypatch, ALL_PRESENT)
-    with pytest.raises(BackendUnavailableError) as info:
-        require_available(backend="memcache", transfer_backend="memfabric")
-    assert [r.split(" cannot")[0] for r in info.value.reasons] == ["transfer_backend 'memfabric'"]
-    assert "no memfabric adapter yet" in info.value.reasons[0]
+    require_available(backend="memcache", transfer_backend="memfabric")
     described = describe_availability()
-    assert described["kvoffload"] == described["memcache"] == "available"
+    assert described["kvoffload"] == described["memcache"] == described["memfabric"] == "available"
 
 
-def test_memcache_is_available_where_its_module_imports_without_an_npu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The adapter's construction decides about the data path (MemcacheUnavailable at start-up), not
-    this check: no NPU probe for memcache."""
-    install(monkeypatch, {"memcache_hybrid": ModuleType("memcache_hybrid")})  # no torch_npu, no NPU
-    monkeypatch.setattr(backends, "npu_problem", lambda: pytest.fail("memcache must not probe the NPU"))
-    require_available(backend="memcache", transfer_backend="kvoffload")
-    assert describe_availability()["memcache"] == "available"
+@pytest.mark.parametrize(("kw", "module"), [({"backend": "memcache"}, "memcache_hybrid"),
+                                            ({"transfer_backend": "memfabric"}, "memfabric_hybrid")])
+def test_an_ascend_backend_is_available_where_its_module_imports_without_an_npu(
+        monkeypatch: pytest.MonkeyPatch, kw: dict[str, str], module: str) -> None:
+    """The adapter's construction decides about the data path (MemcacheUnavailable /
+    MemfabricUnavailable at start-up), not this check: nothing but its own module is imported."""
+    imported: list[str] = []
+    install(monkeypatch, {module: ModuleType(module)})  # no torch_npu, no NPU
+    probe = backends.import_module
+    monkeypatch.setattr(backends, "import_module", lambda name: imported.append(name) or probe(name))
+    require_available(**kw)
+    assert imported == [module]
+    assert describe_availability()[next(iter(kw.values()))] == "available"
 
 
 def test_both_failures_reported(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,19 +106,23 @@ def test_both_failures_reported(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_each_backend_gets_its_own_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    install(monkeypatch, {k: v for k, v in ALL_PRESENT.items() if k != "memcache_hybrid"})
+    install(monkeypatch, {}, {"memfabric_hybrid": OSError("libmf_smem.so: cannot open shared object file")})
     with pytest.raises(BackendUnavailableError) as info:
         require_available(backend="memcache", transfer_backend="memfabric")
     memcache, memfabric = info.value.reasons
-    assert "memcache_hybrid cannot be imported" in memcache and "no memfabric adapter yet" in memfabric
+    assert "memcache_hybrid cannot be imported (ModuleNotFoundError" in memcache
+    assert "scripts/install-memcache" in memcache
+    assert memfabric == ("transfer_backend 'memfabric' cannot run here: memfabric_hybrid cannot be imported (OSError: "
+                         f"libmf_smem.so: cannot open shared object file); {MEMFABRIC_INSTALL}; use transfer_backend "
+                         "'kvoffload' (the embedded P→D data path: shared memory on one host, gRPC streaming across "
+                         "hosts)")
 
 
 def test_describe_availability_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     install(monkeypatch, {"memfabric_hybrid": ModuleType("memfabric_hybrid")})
     described = describe_availability()
-    assert described["kvoffload"] == "available"
+    assert described["kvoffload"] == described["memfabric"] == "available"
     assert described["memcache"].startswith("memcache_hybrid cannot be imported (ModuleNotFoundError")
-    assert described["memfabric"].startswith("memfabric_hybrid imports but no Ascend NPU is available (torch_npu")
 
 
 @pytest.mark.parametrize(("kw", "path"), [({"backend": "memfabric"}, "backend"), ({"backend": "redis"}, "backend"),
@@ -206,14 +176,17 @@ def test_mooncake_on_this_machine_is_what_importing_it_says() -> None:
         assert describe_availability()["mooncake"] == "available"
 
 
-def test_memcache_on_this_machine_is_what_importing_it_says() -> None:
-    """The real probe: available exactly when ``import memcache_hybrid`` works here (make test installs it)."""
+@pytest.mark.parametrize(("kw", "module"), [({"backend": "memcache"}, "memcache_hybrid"),
+                                            ({"transfer_backend": "memfabric"}, "memfabric_hybrid")])
+def test_ascend_backends_on_this_machine_are_what_importing_them_says(kw: dict[str, str], module: str) -> None:
+    """The real probe: available exactly when the module imports here (make test installs both wheels)."""
+    name = next(iter(kw.values()))
     try:
-        import memcache_hybrid  # noqa: F401
+        importlib.import_module(module)
     except Exception as exc:
         with pytest.raises(BackendUnavailableError, match="scripts/install-memcache"):
-            require_available(backend="memcache")
-        assert type(exc).__name__ in describe_availability()["memcache"]
+            require_available(**kw)
+        assert type(exc).__name__ in describe_availability()[name]
     else:
-        require_available(backend="memcache")
-        assert describe_availability()["memcache"] == "available"
+        require_available(**kw)
+        assert describe_availability()[name] == "available"

@@ -603,3 +603,50 @@ def test_the_other_backends_are_unchanged_by_the_mooncake_keys() -> None:
     assert parse_kv_transfer_config(store_extra(backend="memcache", metastore="h:1")).store.metastore == "h:1"
     store = parse_kv_transfer_config(store_extra(backend="kvoffload", metastore="h:1", host_pool_gb=2)).store
     assert (store.metastore, store.host_pool_gb, store.mooncake_master) == ("h:1", 2.0, None)
+
+
+# ---- transfer_backend "memfabric": its TransferEngine's device and data operation ----------------
+
+
+def test_memfabric_keys_default_and_set() -> None:
+    plain = parse_kv_transfer_config(decode_d2h("memfabric")).kv_connector_extra_config
+    assert (plain.memfabric_device_id, plain.memfabric_data_op) == (0, "sdma")
+    config = parse_kv_transfer_config(with_extra(decode_d2h("memfabric"), memfabric_device_id=3,
+                                                 memfabric_data_op="host_rdma"))
+    extra = config.kv_connector_extra_config
+    assert (extra.memfabric_device_id, extra.memfabric_data_op) == (3, "host_rdma")
+    assert config.warnings == []
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ({"memfabric_device_id": 1},
+     f"{EXTRA}.memfabric_device_id: applies to transfer_backend 'memfabric' only (the Ascend NPU memfabric's "
+     "TransferEngine binds; default 0), not 'kvoffload'; remove it"),
+    ({"memfabric_data_op": "sdma"},
+     f"{EXTRA}.memfabric_data_op: applies to transfer_backend 'memfabric' only (memfabric's data operation; default "
+     "'sdma'), not 'kvoffload'; remove it"),
+])
+def test_memfabric_keys_are_refused_with_the_embedded_transfer_backend(extra: dict[str, Any], expected: str) -> None:
+    assert errors_of(parse_kv_transfer_config, with_extra(decode_d2h("kvoffload"), **extra)) == [expected]
+
+
+def test_memfabric_keys_inside_a_multi_connector_name_the_field() -> None:
+    raw = prefill_multi("kvoffload", "kvoffload")
+    raw["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"]["memfabric_device_id"] = 0
+    assert errors_of(parse_kv_transfer_config, raw)[0].startswith(
+        f"{EXTRA}.connectors[0].{EXTRA}.memfabric_device_id: applies to transfer_backend 'memfabric' only")
+
+
+@pytest.mark.parametrize(("extra", "path", "words"), [
+    ({"memfabric_device_id": -1}, "memfabric_device_id", ["got -1 (int); must be an int >= 0"]),
+    ({"memfabric_device_id": True}, "memfabric_device_id", ["got True (bool)"]),
+    ({"memfabric_device_id": "0"}, "memfabric_device_id", ["got '0' (str)"]),
+    ({"memfabric_data_op": "rdma"}, "memfabric_data_op", ["'rdma' (str)", "'sdma', 'host_rdma', 'device_rdma'",
+                                                          "did you mean"]),
+    ({"memfabric_data_op": "host-rdma"}, "memfabric_data_op", ["'host-rdma' (str)", "did you mean 'host_rdma'?"]),
+])
+def test_memfabric_key_values(extra: dict[str, Any], path: str, words: list[str]) -> None:
+    errors = errors_of(parse_kv_transfer_config, with_extra(decode_d2h("memfabric"), **extra))
+    assert len(errors) == 1 and errors[0].startswith(f"{EXTRA}.{path}: "), errors
+    for word in words:
+        assert word in errors[0], (word, errors)

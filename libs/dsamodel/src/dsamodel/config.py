@@ -7,10 +7,11 @@ Unknown keys are ignored, so a real DeepSeek-V3.2 ``config.json`` loads as is. I
   layer of this library uses a dense SwiGLU MLP of ``intermediate_size``.
 - ``rope_scaling`` (YaRN): RoPE here is plain, with base ``rope_theta``, and the softmax scale is
   ``qk_head_dim ** -0.5`` without YaRN's mscale.
-- ``quantization_config`` (fp8 blocks), the indexer's Hadamard rotation and fp8 keys: weights and
-  indexer keys stay in ``torch_dtype``, indexer scores are computed in float32. (``architectures``
-  is kept: ``kvoffload plan`` sizes a DeepseekV32ForCausalLM's indexer cache as the serving
-  engines store it, fp8 keys plus scales; see ``dsamodel.sizing``.)
+- ``quantization_config`` (fp8 blocks) and the indexer's Hadamard rotation: weights stay in
+  ``torch_dtype``, indexer scores are computed in float32. ``architectures`` is kept: a
+  DeepseekV32ForCausalLM's indexer cache holds fp8 keys plus float32 scales, as the serving engines
+  store it (``dsamodel.sizing`` sizes it, ``dsamodel.indexcodec`` encodes it); otherwise indexer
+  keys are cached in ``torch_dtype``.
 
 Missing required keys and bad values raise ``ValueError`` naming the key.
 """

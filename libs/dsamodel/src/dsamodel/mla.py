@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dsamodel.config import ModelConfig
+from dsamodel.indexcodec import IndexCodec
 from dsamodel.modules import IndexerLayerNorm, RMSNorm, linear
 from dsamodel.rope import apply_rope
 
@@ -48,6 +49,7 @@ class Indexer(nn.Module):
 
     def __init__(self, config: ModelConfig, q_in_features: int, *, dtype: torch.dtype, device) -> None:
         super().__init__()
+        self.codec = IndexCodec(config)  # how the keys are stored in caches (plain or fp8 + scales)
         self.n_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dsamodel.config import ModelConfig
+from dsamodel.indexcodec import IndexCodec
 from dsamodel.mla import MLAttention, Projection
 from dsamodel.modules import RMSNorm, SwiGLU, linear
 
@@ -121,6 +122,11 @@ class DSAModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.requires_grad_(False)
+
+    @property
+    def index_codec(self) -> IndexCodec:
+        """How the indexer keys are stored in caches (every layer's indexer has the same)."""
+        return self.model.layers[0].self_attn.indexer.codec
 
     @property
     def layers(self) -> tuple[DecoderLayer, ...]:

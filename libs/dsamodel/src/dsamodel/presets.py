@@ -29,9 +29,11 @@ from dsamodel.weights import save_model
 _RESIDUAL_WRITERS = ("o_proj.weight", "down_proj.weight")
 
 
-def tiny_config(*, dtype: str = "bfloat16", num_hidden_layers: int = 4) -> ModelConfig:
+def tiny_config(*, dtype: str = "bfloat16", num_hidden_layers: int = 4, fp8_indexer: bool = False) -> ModelConfig:
     """The tiny preset's config (byte tokenizer vocabulary: 256 bytes + 8 specials); ``num_hidden_layers``
-    decoder layers (default 4) plus one MTP layer."""
+    decoder layers (default 4) plus one MTP layer. ``fp8_indexer``: architecture
+    ``DeepseekV32ForCausalLM``, so its indexer cache holds fp8 keys plus float32 scales, as
+    DeepSeek-V3.2's does (``dsamodel.indexcodec``); the weights are the same."""
     tok = ByteTokenizer()
     return ModelConfig(
         hidden_size=128,
@@ -55,6 +57,7 @@ def tiny_config(*, dtype: str = "bfloat16", num_hidden_layers: int = 4) -> Model
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         tie_word_embeddings=False,
+        architectures=("DeepseekV32ForCausalLM",) if fp8_indexer else (),
     )
 
 
@@ -77,17 +80,18 @@ def init_weights(model: DSAModel, *, seed: int) -> DSAModel:
     return model
 
 
-def tiny_model(*, seed: int = 0, dtype: str = "float32", device=None, num_hidden_layers: int = 4) -> DSAModel:
+def tiny_model(*, seed: int = 0, dtype: str = "float32", device=None, num_hidden_layers: int = 4,
+               fp8_indexer: bool = False) -> DSAModel:
     """The tiny preset built in memory (what ``write_tiny`` saves, before the dtype cast); see
-    ``tiny_config`` for ``num_hidden_layers``."""
-    config = tiny_config(dtype=dtype, num_hidden_layers=num_hidden_layers)
+    ``tiny_config`` for ``num_hidden_layers`` and ``fp8_indexer``."""
+    config = tiny_config(dtype=dtype, num_hidden_layers=num_hidden_layers, fp8_indexer=fp8_indexer)
     return init_weights(DSAModel(config, device=device), seed=seed)
 
 
-def write_tiny(out_dir: str | Path, *, seed: int = 0, dtype: str = "bfloat16") -> Path:
+def write_tiny(out_dir: str | Path, *, seed: int = 0, dtype: str = "bfloat16", fp8_indexer: bool = False) -> Path:
     """Write config.json, model.safetensors and tokenizer_config.json of the tiny preset."""
     out_dir = Path(out_dir)
-    model = tiny_model(seed=seed, dtype="float32")
+    model = tiny_model(seed=seed, dtype="float32", fp8_indexer=fp8_indexer)
     if dtype != "float32":
         model = model.to(tiny_config(dtype=dtype).dtype)  # validates dtype; fp32 draws, then one cast
     save_model(model, out_dir)

@@ -31,7 +31,8 @@ def select_topk(
     """The indexer's causal top-k over this sequence's own rows, or ``selector``'s choice: [T, k]."""
     if selector is not None:
         return selector(layer.cache_index, proj, positions)
-    return indexer_topk(proj.index_q, proj.index_w, proj.index_k, positions, topk)
+    codec = layer.self_attn.indexer.codec  # the keys as a cache holds them (fp8: quantized)
+    return indexer_topk(proj.index_q, proj.index_w, codec.decode(codec.encode(proj.index_k)), positions, topk)
 
 
 def dense_layer(layer: DecoderLayer, h: torch.Tensor, topk: int, selector: Selector | None = None) -> torch.Tensor:
@@ -94,7 +95,8 @@ def _naive_layer(layer: DecoderLayer, h: torch.Tensor, topk: int, selector: Sele
     scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * layer.softmax_scale  # [H, T, T]
     if selector is None:
         index_q, index_w, index_k = attn.indexer.project(x, qr, positions)
-        indices = indexer_topk(index_q, index_w, index_k, positions, topk)  # [T, k]
+        codec = attn.indexer.codec  # the keys as a cache holds them (fp8: quantized)
+        indices = indexer_topk(index_q, index_w, codec.decode(codec.encode(index_k)), positions, topk)  # [T, k]
     else:
         indices = selector(layer.cache_index, layer.project(h, positions), positions)
     mask = torch.zeros((t, t + 1), dtype=torch.bool, device=h.device)  # [T, T + 1]; column T absorbs -1

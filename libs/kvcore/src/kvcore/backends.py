@@ -4,15 +4,14 @@
 ``"mooncake"`` (the host pool over Mooncake Store, ``poolclient.mooncake``) runs wherever its
 Python module ``mooncake.store`` imports (wheel ``mooncake-transfer-engine-non-cuda`` plus
 Debian's ``libibverbs1``; no NPU needed); the mooncake_master it talks to is checked when the
-pool connects. ``"memcache"`` (the host pool over Memcache, ``poolclient.memcache``) is available
-wherever ``memcache_hybrid`` imports: whether its data path runs here (it needs an Ascend NPU
-driver) is decided by the adapter's own construction, the single source of truth, which fails
-with the library's reason at start-up. ``"memfabric"`` (memfabric_hybrid) needs its Python module
-and a usable Ascend NPU, seen through torch_npu — and an adapter, which kvoffload does not have
-yet. Services call ``require_available`` at start-up: a backend that cannot run here is an error
-that says exactly why (missing module and how to install it, no NPU, or no adapter) and names the
-embedded alternative, never a silent substitution. The probes (``import_module``,
-``npu_problem``) are module-level so tests can replace them.
+pool connects. ``"memcache"`` (the host pool over Memcache, ``poolclient.memcache``) and
+``"memfabric"`` (the P→D layer pull over memfabric_hybrid's TransferEngine, ``pdlink.memfabric``)
+are available wherever ``memcache_hybrid`` / ``memfabric_hybrid`` import: whether their data path
+runs here (it needs an Ascend NPU driver) is decided by the adapter's own construction, the single
+source of truth, which fails with the library's reason at start-up. Services call
+``require_available`` at start-up: a backend that cannot run here is an error that says exactly
+why (missing module and how to install it) and names the embedded alternative, never a silent
+substitution. The import probe (``import_module``) is module-level so tests can replace it.
 """
 
 from __future__ import annotations
@@ -28,6 +27,8 @@ AVAILABLE = "available"
 # backend name -> Python module it needs (the embedded backend needs none)
 ASCEND_MODULES = {"memcache": "memcache_hybrid", "memfabric": "memfabric_hybrid"}
 MEMCACHE_INSTALL = "install Memcache: scripts/install-memcache (it runs `pip install memcache_hybrid==1.3.0`)"
+MEMFABRIC_INSTALL = "install MemFabric: scripts/install-memcache (it runs `pip install memfabric_hybrid==1.3.0`)"
+_INSTALL = {"memcache": MEMCACHE_INSTALL, "memfabric": MEMFABRIC_INSTALL}
 MOONCAKE_MODULE = "mooncake.store"
 MOONCAKE_INSTALL = ("install Mooncake Store: scripts/install-mooncake (it runs `apt-get install -y libibverbs1` and "
                     "`pip install mooncake-transfer-engine-non-cuda==0.3.13.post1`)")
@@ -61,25 +62,6 @@ def _failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def npu_problem() -> str | None:
-    """None when an Ascend NPU is usable through torch_npu, else why not (replaceable in tests)."""
-    try:
-        import_module("torch_npu")
-    except Exception as exc:  # a broken install raises more than ImportError (missing driver libs)
-        reason = "torch_npu not installed" if isinstance(exc, ImportError) else "torch_npu fails to import"
-        return f"{reason} ({_failure(exc)})"
-    try:
-        torch = import_module("torch")
-        if not torch.npu.is_available():
-            return "torch.npu.is_available() is False (no Ascend NPU or driver)"
-        count = torch.npu.device_count()
-    except Exception as exc:
-        return f"the torch_npu device query failed ({_failure(exc)})"
-    if count <= 0:
-        return f"torch.npu.device_count() is {count} (no Ascend NPU visible)"
-    return None
-
-
 def backend_problem(name: str) -> str | None:
     """None when the backend ``name`` can run here, else the exact reason it cannot."""
     if name == "mooncake":
@@ -93,15 +75,9 @@ def backend_problem(name: str) -> str | None:
         return None
     try:
         import_module(module)
-    except Exception as exc:
-        return f"{module} cannot be imported ({_failure(exc)})" + (f"; {MEMCACHE_INSTALL}" if name == "memcache" else "")
-    if name == "memcache":
-        return None  # the adapter's construction says whether its data path runs here
-    npu = npu_problem()
-    if npu is not None:
-        return f"{module} imports but no Ascend NPU is available ({npu})"
-    return (f"{module} imports and an Ascend NPU is available, but kvoffload has no {name} adapter yet: the "
-            f"services would run the embedded backend instead, and a silent substitution is refused")
+    except Exception as exc:  # a broken install raises more than ImportError (missing shared libraries)
+        return f"{module} cannot be imported ({_failure(exc)}); {_INSTALL[name]}"
+    return None  # the adapter's construction says whether its data path runs here
 
 
 def _check(kind: str, name: str | None, valid: tuple[str, ...]) -> str | None:

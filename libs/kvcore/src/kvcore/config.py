@@ -42,6 +42,9 @@ CONNECTORS = (STORE_CONNECTOR, D2H_CONNECTOR, MULTI_CONNECTOR)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 STORE_BACKENDS = ("kvoffload", "memcache", "mooncake")
 TRANSFER_BACKENDS = ("kvoffload", "memfabric")
+# memfabric_hybrid.TransDataOpType members, lower-case (its TransferEngine's data operation; the
+# library's default is SDMA)
+MEMFABRIC_DATA_OPS = ("sdma", "host_rdma", "device_rdma", "device_urma", "device_uboe")
 HOT_CACHE_POLICIES = ("lru", "slru")  # == kvcore.hotcache.POLICIES (config imports no engine code)
 LAYERWISE_KEYS = ("layerwise_num_shared_buffers", "layerwise_independent_layers", "layerwise_prefetch_layers")
 SPARSE_KEY = "sparse_kv_offload_config"
@@ -385,9 +388,25 @@ class D2HConnectorConfig(_Model):
     advertise_host: Annotated[str | None, BeforeValidator(_host)] = None  # where peers reach this engine
     data_port: Annotated[int | None, _int_rule(0, 65535, optional=True)] = None  # producer's LayerSource; 0: any
     peer_timeout_s: Annotated[float | None, BeforeValidator(_positive_seconds)] = None
+    # transfer_backend "memfabric" only: TransferEngine.initialize's device_id and data_op_type
+    memfabric_device_id: Annotated[int, _int_rule(0)] = 0
+    memfabric_data_op: Annotated[str, _choice(MEMFABRIC_DATA_OPS)] = "sdma"
 
     VLLM_ONLY: ClassVar[dict[str, str]] = {"advertise_host": "--advertise-host", "data_port": "--data-port",
                                            "peer_timeout_s": "--peer-timeout-s"}
+    # keys of transfer_backend "memfabric": key -> what it is (with its default); refused with "kvoffload"
+    MEMFABRIC_KEYS: ClassVar[dict[str, str]] = {
+        "memfabric_device_id": "the Ascend NPU memfabric's TransferEngine binds; default 0",
+        "memfabric_data_op": "memfabric's data operation; default 'sdma'",
+    }
+
+    @classmethod
+    def _raw_problems(cls, data: dict[str, Any]) -> list[Problem]:
+        backend = data.get("transfer_backend")
+        if backend == "memfabric" or backend not in TRANSFER_BACKENDS:
+            return []  # a missing or unknown transfer_backend is reported on its own
+        return [((key,), f"applies to transfer_backend 'memfabric' only ({what}), not {backend!r}; remove it")
+                for key, what in cls.MEMFABRIC_KEYS.items() if key in data]
 
     def vllm_only_problems(self, prefix: str = "") -> list[str]:
         """The vLLM-connector keys this config sets, as errors naming the reference service's flag."""

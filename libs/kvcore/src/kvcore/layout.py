@@ -83,6 +83,14 @@ class CacheSpec:
         """Bytes of one token row."""
         return self.width * self.dtype.itemsize + self.scale_bytes
 
+    @property
+    def storage(self) -> tuple[torch.dtype, int]:
+        """(dtype, width) of a tensor holding these rows: ``(dtype, width)``, or for fp8 elements or
+        rows with scale bytes ``(uint8, row_bytes)`` (the rows are moved as bytes)."""
+        if self.scale_bytes or self.dtype.itemsize == 1:
+            return torch.uint8, self.row_bytes
+        return self.dtype, self.width
+
 
 @dataclass(frozen=True)
 class LayerSpec:

@@ -123,7 +123,7 @@ def d2h_settings(vllm_config: "VllmConfig") -> D2HSettings:
                            "the prefill ('kv_producer') or the decode ('kv_consumer')"])
     if extra.transfer_backend not in (None, "kvoffload"):
         raise ConfigError([f"kv_connector_extra_config.transfer_backend: got {extra.transfer_backend!r}; inside "
-                           "vLLM the pull runs on 'kvoffload' (the memfabric adapter does not exist yet)"])
+                           "vLLM the pull runs on 'kvoffload' (memfabric is a path of the kvoffload services only)"])
     par = vllm_config.parallel_config
     if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
         raise ConfigError([f"{D2H_CONNECTOR}: runs with one rank only for now; got tensor_parallel_size "

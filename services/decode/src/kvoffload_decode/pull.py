@@ -7,9 +7,12 @@ A malformed or unknown message raises a ``PullRefused`` (and changes nothing); e
 ReadReady gets an answer (``ReadOutcome``, done or failed), so the prefill's reuse gate never
 waits forever. Same host: rows are read straight out of the prefill's shared-memory layer buffer;
 other hosts: streamed from the prefill's LayerSource in bounded chunks (``pdlink.sources.RowSources``
-keeps the attached segments and the channels). A failed read of the source is retried
+keeps the attached segments and the channels). With transfer_backend "memfabric" every layer is read
+through memfabric instead (``pdlink.memfabric.MemfabricRows``: both planes in one batched read from
+the session the prefill's layout names), and a layout whose transfer_backend differs from this
+decode's is refused. A failed read of the source (a dropped stream, a short read) is retried
 (idempotently: the same rows land in the same place) up to ``read_retries`` times before the
-answer is failed.
+answer is failed; a failed memfabric read (``MemfabricError``, its return code) is failed at once.
 Heartbeats, ReadReady and PrefillDone are the news that keep a pending request's watchdog (see
 ``DecodeLoop``) quiet. Everything here may be called from many gRPC threads at once.
 """
@@ -26,6 +29,7 @@ import torch
 from kvcore.layout import KVLayout, dtype_name
 from dsamodel.sampling import TokenLogprob
 from kvoffload_proto.v1 import transfer_pb2
+from pdlink.memfabric import MemfabricRows
 from pdlink.sources import RowSources, read_with_retries
 
 from kvoffload_decode.loop import DecodeLoop
@@ -108,12 +112,13 @@ class ReadOutcome:
 class LayerPuller:
     """One decode rank's side of the transfer: the layouts it accepted (by ``layout_version``), the
     pulls of announced layers into ``loop`` (through ``sources``, with retries), the prefill's
-    heartbeats and PrefillDone, and the ``counters``."""
+    heartbeats and PrefillDone, and the ``counters``. With ``memfabric`` (transfer_backend "memfabric")
+    every pull reads through it, never ``sources``."""
 
     def __init__(self, loop: DecodeLoop, layout: KVLayout, model_id: str, host_id: str, sources: RowSources,
-                 read_retries: int = 2) -> None:
+                 read_retries: int = 2, memfabric: MemfabricRows | None = None) -> None:
         self.loop, self.layout, self.model_id, self.host_id = loop, layout, model_id, host_id
-        self.sources = sources
+        self.sources, self.memfabric = sources, memfabric
         self.read_retries = read_retries
         self.counters = PullCounters()
         self._layouts: dict[int, transfer_pb2.LayoutMetadata] = {}
@@ -142,6 +147,11 @@ class LayerPuller:
             return f"num_layers: prefill has {m.num_layers} ({len(m.layers)} described), decode {self.layout.num_layers}"
         if m.block_size != self.layout.block_size:
             return f"block_size: prefill {m.block_size}, decode {self.layout.block_size}"
+        mine = "memfabric" if self.memfabric is not None else "kvoffload"
+        theirs = "memfabric" if m.memfabric_session else "kvoffload"
+        if mine != theirs:
+            return (f"memfabric_session: the prefill's transfer_backend is {theirs!r} (session "
+                    f"{m.memfabric_session or 'none'}), this decode's {mine!r}; both sides must use the same one")
         if m.prefill_tp_size < 1 or m.prefill_tp_size % 1:
             return f"prefill_tp_size: {m.prefill_tp_size} is not a multiple of the decode TP size 1"
         for spec, got in zip(self.layout.layers, m.layers):
@@ -223,9 +233,17 @@ class LayerPuller:
                                  lambda: self.loop.pending_request(request.request_id) is not None, on_retry)
 
     def _read(self, meta, request) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [src_start, src_end) of one layer: (kv [n, W], index_k [n, Di]) in the model dtype."""
+        """Rows [src_start, src_end) of one layer: (kv [n, W], indexer rows [n, Wi]) as the caches store
+        them (``CacheSpec.storage``: the model dtype; an fp8 indexer's rows as bytes, keys + scales)."""
         spec = self.layout.layers[request.layer]
         lay = meta.layers[request.layer]
+        if self.memfabric is not None:  # both planes in one batched memfabric read
+            caches = (spec.main, spec.indexer)
+            raws = self.memfabric.layer_rows(meta, request.src_start, request.src_end,
+                                             [(lay.main_buffer, spec.main.row_bytes),
+                                              (lay.indexer_buffer, spec.indexer.row_bytes)])
+            kv, idx = (_rows(raw, cache) for raw, cache in zip(raws, caches))
+            return kv, idx
         parts = []
         for kind, region, cache in ((transfer_pb2.PLANE_KIND_MAIN, lay.main_buffer, spec.main),
                                     (transfer_pb2.PLANE_KIND_INDEXER, lay.indexer_buffer, spec.indexer)):
@@ -235,7 +253,7 @@ class LayerPuller:
             else:
                 raw = self.sources.streamed_rows(meta.data_endpoint, request, kind, cache.row_bytes)
                 self.counters.increment("reads_streamed")
-            parts.append(raw.view(cache.dtype).view(-1, cache.width))
+            parts.append(_rows(raw, cache))
         return parts[0], parts[1]
 
     # ---- end of a prefill ----------------------------------------------------------------------
@@ -280,6 +298,14 @@ class LayerPuller:
 
     def close(self) -> None:
         self.sources.close()
+        if self.memfabric is not None:
+            self.memfabric.close()
+
+
+def _rows(raw: torch.Tensor, cache) -> torch.Tensor:
+    """Raw bytes [n, row_bytes] of one cache -> its rows as stored ([n, W] of ``cache.storage``)."""
+    dtype, width = cache.storage
+    return raw.view(dtype).view(-1, width)
 
 
 __all__ = ["COUNTERS", "LayerPuller", "MalformedRead", "NoAcceptedLayout", "PullCounters", "PullRefused",

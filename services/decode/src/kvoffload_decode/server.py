@@ -1,7 +1,8 @@
 """``kvoffload-decode``: the kv_consumer. Parses the node's configs as users write them, loads the
 model, builds the sparse-offload decoder over its host pool, serves the Transfer control port
 (gRPC, ``kv_port + dp_rank * tp + tp_rank``) and the OpenAI HTTP API, and shuts down in order on
-SIGTERM/SIGINT."""
+SIGTERM/SIGINT. With transfer_backend "memfabric" it pulls every layer through memfabric_hybrid
+(``pdlink.memfabric``); where that cannot start, it stops with memfabric's reason (exit 2)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from kvcore.config import ConfigError
 from kvcore.segment import host_id
 from kvcore.settings import DecodeSettings, decode_settings
 from kvoffload_proto.v1 import transfer_pb2_grpc
+from pdlink.memfabric import MemfabricNotInstalled, MemfabricRows, MemfabricTransfer, MemfabricUnavailable
 from svcruntime import tls as kvtls
-from svcruntime.serving import GrpcSide, StatsSnapshot, exit_now, run, serve_http, start_process
+from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, run, serve_http, start_process
 
 from kvoffload_decode import __version__
 from kvoffload_decode.app import AppSettings, build_app
@@ -87,6 +89,7 @@ def serve(args: argparse.Namespace) -> int:
                            "(num_nextn_predict_layers is 0)"])
     layout = kv_layout(model.config, args.block_size, model.dtype)
     settings = _settings(args, layout, model.config.index_topk)
+    memfabric = _memfabric_rows(args, settings.d2h, layout)
     control_port = settings.control_port(args.dp_rank, 0)
     pool = build.decode_pool(model, args.block_size, settings.host_pool_bytes,
                              name=f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}")
@@ -99,7 +102,7 @@ def serve(args: argparse.Namespace) -> int:
                       max_queued=args.max_queued_requests or None, num_speculative_tokens=speculative)
     model_id = args.served_model_name or Path(args.model).resolve().name
     transfer = TransferServicer(loop, layout, model_id, host_id(), model.dtype, read_retries=args.read_retries,
-                                tls=tls)
+                                tls=tls, memfabric=memfabric)
     grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _stats(loop, transfer, ledger), workers=16,
                          options=[("grpc.max_receive_message_length", 8 << 20)])
     grpc_side.add(transfer_pb2_grpc.add_TransferServicer_to_server, transfer)
@@ -113,7 +116,8 @@ def serve(args: argparse.Namespace) -> int:
              topk_buffer_size=settings.sparse.topk_buffer_size, hot_cache_policy=settings.sparse.hot_cache_policy,
              miss_prefetch=settings.sparse.miss_prefetch, host_pool_bytes=settings.host_pool_bytes,
              keep_device_kv_cache=settings.sparse.keep_device_kv_cache, max_queued_requests=loop.max_queued,
-             num_speculative_tokens=speculative,
+             num_speculative_tokens=speculative, transfer_backend=settings.d2h.transfer_backend,
+             **({"memfabric_session": memfabric.transfer.session} if memfabric else {}),
              **(tls.describe() if tls else {"tls": False}))
     serve_http(app, args.host, args.port, busy=lambda: loop.stats()["pending"] + loop.stats()["running"],
                grace_s=args.shutdown_grace_s, grpc_side=grpc_side, closers=(loop.close, transfer.close, pool.close))
@@ -132,6 +136,26 @@ def _settings(args: argparse.Namespace, layout, index_topk: int | None) -> Decod
     for w in settings.warnings:
         log.warning("config_warning", warning=w)
     return settings
+
+
+def _memfabric_rows(args: argparse.Namespace, d2h, layout) -> MemfabricRows | None:
+    """transfer_backend "memfabric": this decode's memfabric TransferEngine (role "Decode", at --host)
+    and its registered staging buffer (--max-model-len rows of the widest layer); else None. Where
+    memfabric cannot start (no Ascend driver, no wheel) a StartupError with its own reason: never the
+    embedded data path."""
+    if d2h.transfer_backend != "memfabric":
+        return None
+    widest = max(s.main.row_bytes + (s.indexer.row_bytes if s.indexer else 0) for s in layout.layers)
+    try:
+        transfer = MemfabricTransfer.start("Decode", args.host, device_id=d2h.memfabric_device_id,
+                                           data_op=d2h.memfabric_data_op)
+        try:
+            return MemfabricRows(transfer, args.max_model_len * widest)
+        except BaseException:
+            transfer.close()
+            raise
+    except (MemfabricUnavailable, MemfabricNotInstalled, ValueError) as e:
+        raise StartupError(f"transfer_backend 'memfabric': {e}") from None
 
 
 def _stats(loop: DecodeLoop, transfer: TransferServicer, include_ledger: bool) -> StatsSnapshot:

@@ -12,6 +12,7 @@ from kvcore.layout import KVLayout
 from dsamodel.sampling import TokenLogprob
 from svcruntime.tls import PROCESS, secure_or_insecure_channel
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+from pdlink.memfabric import MemfabricRows
 from pdlink.sources import RowSources
 
 from kvoffload_decode.loop import DecodeLoop
@@ -29,11 +30,13 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
     """Serves ``kvoffload.v1.Transfer`` for one decode rank over a ``LayerPuller``."""
 
     def __init__(self, loop: DecodeLoop, layout: KVLayout, model_id: str, host_id: str, dtype: torch.dtype,
-                 read_retries: int = 2, tls=PROCESS) -> None:
+                 read_retries: int = 2, tls=PROCESS, memfabric: MemfabricRows | None = None) -> None:
         self.dtype = dtype
-        # streamed pulls from a prefill's LayerSource go over ``tls``: the process's TLS by default
+        # streamed pulls from a prefill's LayerSource go over ``tls``: the process's TLS by default;
+        # with ``memfabric`` (transfer_backend "memfabric") every pull reads through it instead
         sources = RowSources(lambda endpoint: secure_or_insecure_channel(endpoint, tls))
-        self.puller = LayerPuller(loop, layout, model_id, host_id, sources, read_retries=read_retries)
+        self.puller = LayerPuller(loop, layout, model_id, host_id, sources, read_retries=read_retries,
+                                  memfabric=memfabric)
 
     @property
     def counters(self) -> dict[str, float]:
@@ -44,7 +47,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         reason = self.puller.exchange_layout(request)
         return transfer_pb2.LayoutAck(accepted=not reason, reason=reason, layout_version=request.layout_version,
                                       decode_tp_rank=0, decode_tp_size=1,
-                                      shared_memory=self.puller.same_host(request.host_id))
+                                      shared_memory=self.puller.memfabric is None
+                                      and self.puller.same_host(request.host_id))
 
     def ReadReady(self, request, context):
         try:

@@ -4,7 +4,9 @@ AscendStoreConnector alone (offload-only: it serves complete requests itself, no
 refuses sparse offload, runs layerwise prefill over shared-memory layer buffers and the host pool
 (backend ``kvoffload``: in this process or indexed by the metastore; ``mooncake``: shared through a
 mooncake_master; ``memcache``: shared through a Memcache MetaService), serves LayerSource + Health + Stats over gRPC and the OpenAI HTTP dispatch, and
-shuts down in order on SIGTERM/SIGINT."""
+shuts down in order on SIGTERM/SIGINT. With transfer_backend "memfabric" it registers its layer
+buffers with memfabric_hybrid (``pdlink.memfabric``) and advertises its session in the layout the
+decodes get; where that cannot start, it stops with memfabric's reason (exit 2)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from kvcore.mmcconf import LOCAL_ENV, local_dram_size
 from kvcore.segment import host_id
 from kvcore.settings import PrefillSettings, prefill_settings
 from kvoffload_proto.v1 import transfer_pb2_grpc
+from pdlink.memfabric import MemfabricNotInstalled, MemfabricTransfer, MemfabricUnavailable
 from poolclient.memcache import MemcacheHostPool
 from poolclient.memcache_client import MemcacheUnavailable
 from poolclient.memcache_meta import MemcacheNotInstalled
@@ -99,6 +102,7 @@ def serve(args: argparse.Namespace) -> int:
     model = load_model(args.model, dtype=args.dtype)
     settings = _settings(args, kv_layout(model.config, args.block_size, model.dtype))
     _pool_flags(args, settings.store)
+    memfabric = _memfabric(args, settings.d2h)  # before the pool: fail fast, holding nothing
     log.info("host pool size", bytes=args.host_pool_bytes, source=args.host_pool_source,
              **({"overrides": args.host_pool_overrides} if args.host_pool_overrides else {}))
     model_id = args.served_model_name or Path(args.model).resolve().name
@@ -119,6 +123,8 @@ def serve(args: argparse.Namespace) -> int:
     data_port = grpc_side.add_port(f"{args.host}:{args.data_port}", tls)
     worker = PrefillWorker(engine, model_id=model_id, host_id=host_id(), data_endpoint=f"{args.host}:{data_port}",
                            read_timeout_s=args.read_timeout_s, peer_timeout_s=args.peer_timeout_s)
+    if memfabric is not None:
+        _share_layer_buffers(memfabric, engine, worker)
     grpc_side.add(transfer_pb2_grpc.add_LayerSourceServicer_to_server,
                   LayerSourceServicer(engine, worker.layout_version))
     app = build_app(worker, tokenizer, model_id, args.max_model_len,
@@ -126,9 +132,13 @@ def serve(args: argparse.Namespace) -> int:
     grpc_side.start()
     log.info("serving", http=f"{args.host}:{args.port}", data_port=data_port, model=model_id,
              plan=engine.plan.log_line(), backend=settings.store.backend,
-             transfer_backend=settings.d2h.transfer_backend, **(tls.describe() if tls else {"tls": False}))
+             transfer_backend=settings.d2h.transfer_backend,
+             **({"memfabric_session": memfabric.session} if memfabric else {}),
+             **(tls.describe() if tls else {"tls": False}))
+    # memfabric lets go of the layer buffers before the engine unmaps them
+    closers = (worker.close, *((memfabric.close,) if memfabric else ()), engine.close, pool.close)
     serve_http(app, args.host, args.port, busy=lambda: worker.ledger.counters()["ledger_open"],
-               grace_s=args.shutdown_grace_s, grpc_side=grpc_side, closers=(worker.close, engine.close, pool.close))
+               grace_s=args.shutdown_grace_s, grpc_side=grpc_side, closers=closers)
     return 0
 
 
@@ -233,6 +243,33 @@ def _pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None =
     sources.append((2**30, "default (1 GiB)"))
     (args.host_pool_bytes, args.host_pool_source), rest = sources[0], sources[1:-1]
     args.host_pool_overrides = [f"{name} = {size} bytes" for size, name in rest]
+
+
+def _memfabric(args: argparse.Namespace, d2h) -> MemfabricTransfer | None:
+    """transfer_backend "memfabric": this prefill's memfabric TransferEngine (role "Prefill", the
+    config-store host, at --host); else (also offload-only: no SfaRemoteD2HConnector) None. Where
+    memfabric cannot start (no Ascend driver, no wheel) a StartupError with its own reason: never
+    the embedded data path."""
+    if d2h is None or d2h.transfer_backend != "memfabric":
+        return None
+    try:
+        return MemfabricTransfer.start("Prefill", args.host, device_id=d2h.memfabric_device_id,
+                                       data_op=d2h.memfabric_data_op)
+    except (MemfabricUnavailable, MemfabricNotInstalled, ValueError) as e:
+        raise StartupError(f"transfer_backend 'memfabric': {e}") from None
+
+
+def _share_layer_buffers(transfer: MemfabricTransfer, engine, worker: PrefillWorker) -> None:
+    """Register the layer-buffer segment with memfabric and put the session and the segment's
+    address in the layout every decode gets (LayoutMetadata.memfabric_session / _segment_address)."""
+    segment = engine.buffers.segment
+    address = segment.plane(0).data_ptr() - segment.plane_offsets[0]  # byte 0 of the mapping
+    try:
+        transfer.register(address, segment.size_bytes)
+    except MemfabricUnavailable as e:
+        raise StartupError(f"transfer_backend 'memfabric': {e}") from None
+    worker.layout.memfabric_session = transfer.session
+    worker.layout.memfabric_segment_address = address
 
 
 def _host_pool(args: argparse.Namespace, store, geometry, name: str):

@@ -28,7 +28,8 @@ class Residency:
 
 
 class LayerBuffers:
-    """Per-slot device tensors of ``num_blocks * block_size`` token rows in the model dtype."""
+    """Per-slot device tensors of ``num_blocks * block_size`` token rows in the model dtype (an fp8
+    indexer cache: uint8 rows of keys + scales, ``CacheSpec.storage``)."""
 
     def __init__(self, plan: BufferPlan, num_blocks: int, allocator: DeviceAllocator, dtype: torch.dtype,
                  *, segment_name: str | None = None) -> None:
@@ -42,9 +43,6 @@ class LayerBuffers:
         self._indexer: dict[int, torch.Tensor] = {}
         self.segment: SharedSegment | None = None
         self.plane_of: dict[tuple[int, str], int] = {}  # (slot, kind) -> plane of the segment
-        for d in plan.descriptors:
-            if d.spec.scale_bytes:
-                raise ValueError("quantized caches (scale bytes) are not supported by the reference engine")
         if segment_name is not None:
             if allocator.device.type != "cpu":
                 raise ValueError(f"shared-memory layer buffers need the cpu device, not {allocator.device}")
@@ -55,10 +53,11 @@ class LayerBuffers:
         for p, d in enumerate(plan.descriptors):
             target = self._main if d.kind == "main" else self._indexer
             tag = f"prefill.{d.kind}"
+            sdtype, width = d.spec.storage if d.kind == "indexer" else (dtype, d.spec.width)  # fp8 indexer: bytes
             if self.segment is None:
-                target[d.slot] = allocator.zeros((rows, d.spec.width), dtype, tag=tag)  # [rows, W]
+                target[d.slot] = allocator.zeros((rows, width), sdtype, tag=tag)  # [rows, W]
             else:
-                view = self.segment.plane(p).view(dtype).view(rows, d.spec.width)  # [rows, W] shared
+                view = self.segment.plane(p).view(sdtype).view(rows, width)  # [rows, W] shared
                 target[d.slot] = allocator.track(view, tag)
         self._residency: dict[int, Residency | None] = {s: None for s in range(plan.num_buffers)}
 
@@ -78,7 +77,7 @@ class LayerBuffers:
         return self._main[self.plan.slot_of(layer)]
 
     def indexer(self, layer: int) -> torch.Tensor:
-        """[rows, index_head_dim] indexer rows of ``layer``'s slot."""
+        """[rows, W] indexer rows of ``layer``'s slot (``model.index_codec`` encoded)."""
         slot = self.plan.slot_of(layer)
         if slot not in self._indexer:
             raise ValueError(f"layer {layer} has no indexer cache")

@@ -138,11 +138,12 @@ class SparseDecoder:
         n_layers = len(model.cache_layers)
         self._planes = [pool.geometry.plane_index(i, "main") for i in range(n_layers)]
         self.allocator = allocator or DeviceAllocator(model.device)
-        width, idx_width, dtype = cfg.kv_row_width, cfg.index_head_dim, model.dtype
+        width, dtype = cfg.kv_row_width, model.dtype
         self.max_blocks = -(-max_model_len // self.block_size)
         rows = self.max_blocks * self.block_size
         # indexer: [L, S, rows, Di]; hot: [L, S, capacity, W]; full (debug only): [L, S, rows, W]
-        self.indexer = self.allocator.zeros((n_layers, max_num_seqs, rows, idx_width), dtype, "decode.indexer")
+        idx_dtype, idx_width = model.index_codec.storage(dtype)  # fp8 indexer: uint8 rows of keys + scales
+        self.indexer = self.allocator.zeros((n_layers, max_num_seqs, rows, idx_width), idx_dtype, "decode.indexer")
         self.hot = None if keep_device_kv_cache else self.allocator.zeros(
             (n_layers, max_num_seqs, topk_buffer_size, width), dtype, "decode.hot")
         self.full = self.allocator.zeros((n_layers, max_num_seqs, rows, width), dtype, "decode.full_kv") \
@@ -373,8 +374,9 @@ class SparseDecoder:
         slots_dev, pos_dev = slots.to(dev), positions.to(dev)
         proj = layer.project(h, pos_dev)
         scatter_rows(self.pool.plane(self._planes[i]), mapping, _bytes(proj.kv), native=self.native)
-        self.indexer[i, slots_dev, pos_dev] = proj.index_k
-        keys = self.indexer[i, slots_dev, : int(positions.max()) + 1]  # [N, C, Di]
+        codec = self.model.index_codec
+        self.indexer[i, slots_dev, pos_dev] = codec.encode(proj.index_k)
+        keys = codec.decode(self.indexer[i, slots_dev, : int(positions.max()) + 1])  # [N, C, Di]
         topk = batched_indexer_topk(proj.index_q, proj.index_w, keys, pos_dev, self.topk)  # [N, k]
         if self.topk_override is not None:
             topk = self._override(i, [request_ids[r] for r in rows.tolist()], positions, topk)

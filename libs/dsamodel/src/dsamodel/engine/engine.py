@@ -200,8 +200,9 @@ class Engine:
                 rows = []
                 for kind in ("main", "indexer"):
                     plane = geo.plane_index(i, kind)
-                    width = geo.plane_row_bytes[plane] // self.model.dtype.itemsize
-                    buf = torch.empty((len(res.keys), geo.block_size, width), dtype=self.model.dtype)
+                    dtype, width = (self.model.dtype, self.model.config.kv_row_width) if kind == "main" \
+                        else self.model.index_codec.storage(self.model.dtype)
+                    buf = torch.empty((len(res.keys), geo.block_size, width), dtype=dtype)
                     pool.get_into(res.keys, plane, buf)
                     rows.append(buf.view(-1, width)[:num_tokens])  # [P, W]
                 dec.write_prompt_layer(res.request_id, i, rows[0], rows[1])

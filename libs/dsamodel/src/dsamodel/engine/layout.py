@@ -6,10 +6,14 @@ import torch
 from kvcore.layout import KVLayout
 
 from dsamodel.config import ModelConfig
+from dsamodel.sizing import indexer_cache_format
 
 
 def kv_layout(config: ModelConfig, block_size: int, dtype: torch.dtype | None = None) -> KVLayout:
-    """Main latent cache (kv_lora_rank + rope) and indexer keys per layer, in ``dtype``."""
+    """Main latent cache (kv_lora_rank + rope) in ``dtype`` and indexer keys per layer: in ``dtype``,
+    or fp8 plus scales where the config's indexer cache is fp8 (``dsamodel.indexcodec``)."""
+    fmt = indexer_cache_format(config)
+    fp8 = fmt.scale_bytes > 0
     return KVLayout.for_mla(
         num_hidden_layers=config.num_hidden_layers,
         kv_lora_rank=config.kv_lora_rank,
@@ -18,4 +22,6 @@ def kv_layout(config: ModelConfig, block_size: int, dtype: torch.dtype | None = 
         dtype=dtype or config.dtype,
         num_mtp_layers=config.num_nextn_predict_layers,
         index_head_dim=config.index_head_dim,
+        index_dtype=fmt.dtype if fp8 else None,
+        index_scale_bytes=fmt.scale_bytes,
     )

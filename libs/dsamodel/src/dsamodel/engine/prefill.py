@@ -289,11 +289,12 @@ class LayerwisePrefill:
                 raise PrefillError(f"request {req.request_id} stopped before layer {i}: {why}")
             proj = layer.project(h, positions)
             main[s:e] = proj.kv  # [T, R + r]
-            idx[s:e] = proj.index_k  # [T, Di]
+            idx[s:e] = self.model.index_codec.encode(proj.index_k)  # [T, W]
             pad_end = chunk.end_block * self.block_size
             main[e:pad_end] = 0  # tail rows are saved too: make them deterministic
             idx[e:pad_end] = 0
-            topk = indexer_topk(proj.index_q, proj.index_w, idx[:e], positions, self.model.config.index_topk)
+            topk = indexer_topk(proj.index_q, proj.index_w, self.model.index_codec.decode(idx[:e]), positions,
+                                self.model.config.index_topk)
             rows, valid = gather_rows(main[:e], topk)  # [T, k, R + r], [T, k]
             lat = sparse_mla_attention(proj.q_latent, proj.q_rope, rows, valid, layer.softmax_scale)
             h = layer.finish(h, lat)  # [T, D]

@@ -1,0 +1,59 @@
+"""How indexer keys are stored in caches (``IndexCodec``).
+
+Plain (most configs): rows of ``index_head_dim`` elements in the model dtype, stored as computed.
+fp8 (``sizing.indexer_cache_format`` says so: DeepSeek-V3.2's ``DeepseekV32ForCausalLM``, and the
+tiny preset with ``fp8_indexer``): each key is scaled per 128-element block by ``amax / 448`` (the
+largest float8_e4m3fn value), cast to float8_e4m3fn, and stored as one uint8 row of
+``index_head_dim`` key bytes followed by one float32 scale per block (132 bytes at
+``index_head_dim`` 128). Every holder of indexer rows (prefill layer buffers, host pools, the P→D
+pull, the decode's device cache) stores ``encode(index_k)`` rows and moves them as bytes; the
+indexer scores ``decode(rows)`` (float32 for fp8), so all paths select from the same keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsamodel.config import ModelConfig
+from dsamodel.sizing import indexer_cache_format
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+class IndexCodec:
+    """The storage of one model's indexer keys (module docstring)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        fmt = indexer_cache_format(config)
+        self.width = config.index_head_dim
+        self.fp8 = fmt.dtype == FP8
+        self.block = fmt.scale_block or 0
+        self.num_blocks = -(-self.width // self.block) if self.fp8 else 0
+        self.row_bytes = fmt.row_bytes if self.fp8 else None
+
+    def storage(self, dtype: torch.dtype) -> tuple[torch.dtype, int]:
+        """(dtype, width) of a tensor of indexer rows, for a model computing in ``dtype``."""
+        return (torch.uint8, self.row_bytes) if self.fp8 else (dtype, self.width)
+
+    def encode(self, keys: torch.Tensor) -> torch.Tensor:
+        """[T, Di] keys -> [T, storage width] rows to store (plain: the keys themselves)."""
+        if not self.fp8:
+            return keys
+        t = keys.shape[0]
+        padded = torch.zeros((t, self.num_blocks * self.block), dtype=torch.float32, device=keys.device)
+        padded[:, : self.width] = keys.to(torch.float32)
+        blocks = padded.view(t, self.num_blocks, self.block)  # [T, nb, 128]
+        scale = blocks.abs().amax(-1).clamp(min=1e-12) / FP8_MAX  # [T, nb]
+        q = (blocks / scale[..., None]).to(FP8).view(t, -1)[:, : self.width]  # [T, Di]
+        return torch.cat([q.view(torch.uint8), scale.view(torch.uint8).view(t, 4 * self.num_blocks)], dim=1)
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """[..., storage width] stored rows -> [..., Di] keys (fp8: float32, dequantized)."""
+        if not self.fp8:
+            return rows
+        lead = rows.shape[:-1]
+        q = rows[..., : self.width].contiguous().view(FP8).to(torch.float32)  # [..., Di]
+        scale = rows[..., self.width :].contiguous().view(torch.float32)  # [..., nb]
+        per_element = scale.repeat_interleave(self.block, dim=-1)[..., : self.width]  # [..., Di]
+        return (q * per_element).reshape(*lead, self.width)

@@ -1,0 +1,279 @@
+"""transfer_backend ``"memfabric"``: the P→D layer pull over memfabric_hybrid 1.3.0's ``TransferEngine``.
+``MemfabricTransfer`` is one started engine (both sides); ``MemfabricRows`` is the decode's reads
+through it.
+
+How memfabric_hybrid 1.3.0 pairs the two sides (its Python API docs and the log strings of its
+binding; a host without an Ascend driver fails ``initialize`` before any of it):
+
+- Roles. ``initialize(store_url, session_id, role, device_id, data_op_type, store_server_role)``:
+  the engine whose ``role`` equals ``store_server_role`` creates a config store itself, at its own
+  session address, and publishes the memory it registers there; any other engine is a store client
+  that joins a peer session's store on its first transfer with it. The decode reads from the
+  prefill (``batch_transfer_sync_read``), so the prefill is the store server on both sides
+  (``STORE_SERVER_ROLE``); no separate store (``create_config_store``) is needed.
+- Addresses. Only the protocol of ``store_url`` is used (``tcp://``; its host and port are not).
+  ``session_id`` is the host peers reach this process at; memfabric picks the port (a free one in
+  ``$MF_CONFIG_STORE_PORT_START``..``$MF_CONFIG_STORE_PORT_END``, default 9000..65535) and
+  ``get_rpc_port`` returns it after ``initialize``. The prefill advertises its session "HOST:PORT"
+  and the address of its registered layer-buffer segment in ``LayoutMetadata``.
+
+Failures. memfabric's calls return only a number; the reason is in its log lines, which it prints
+to stdout (the binding's own ADAPTER lines included). The start-up calls (``initialize``,
+``register_memory``) run with file descriptors 1 and 2 captured (``native_output``; the bytes are
+written back afterwards) and raise ``MemfabricUnavailable`` naming the call, its return code and
+memfabric's own ERROR lines. (``set_extern_logger`` is not used: it misses the ADAPTER lines, and
+it is process-wide and cannot be undone, so it would also divert the lines memcache_hybrid, over
+the same native library, prints for ``poolclient.memcache_client`` to parse.) Without an Ascend
+driver 1.3.0's ``initialize`` returns -1 saying "check driver version failed", "the current
+version of ascend driver does not support mf!", "hybm core init failed: -1". A missing module is
+``MemfabricNotInstalled``, naming what to install.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import structlog
+import torch
+from kvcore.backends import MEMFABRIC_INSTALL
+from kvcore.config import MEMFABRIC_DATA_OPS
+
+log = structlog.get_logger(__name__)
+
+MODULE = "memfabric_hybrid"
+ROLES = ("Prefill", "Decode")
+STORE_SERVER_ROLE = "Prefill"  # the prefill's engine hosts the config store; the decode's joins it
+STORE_PROTOCOL = "tcp://"
+DRIVER_HINT = ("memfabric's data path needs an Ascend NPU driver (Ascend HDK) on this host; kvoffload does not fall "
+               "back to its embedded P→D data path")
+
+_capture_lock = threading.Lock()
+_ERROR_LINE = re.compile(r"\bERROR\b.*?\[(\w+) ([\w.]+:\d+) \w+\] (.*)$")  # "... ERROR [pid-tid][TAG file:line fn] msg"
+
+
+class MemfabricNotInstalled(ImportError):
+    """``memfabric_hybrid`` cannot be imported."""
+
+
+class MemfabricError(RuntimeError):
+    """A memfabric call failed: ``code`` is what it returned, ``reason`` memfabric's own account ("" if none)."""
+
+    def __init__(self, message: str, *, code: int, reason: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+
+
+class MemfabricUnavailable(MemfabricError):
+    """A start-up call failed: the engine cannot run (or register memory) here."""
+
+    @property
+    def needs_ascend_driver(self) -> bool:
+        return "driver" in self.reason.lower()
+
+
+def import_memfabric() -> Any:
+    """The ``memfabric_hybrid`` module, or ``MemfabricNotInstalled`` saying what to install."""
+    try:
+        import memfabric_hybrid
+    except Exception as e:  # a broken install raises more than ImportError (missing shared libraries)
+        raise MemfabricNotInstalled(f"cannot import {MODULE} ({type(e).__name__}: {e}); {MEMFABRIC_INSTALL}") from e
+    return memfabric_hybrid
+
+
+@contextmanager
+def native_output() -> Iterator[list[str]]:
+    """Capture what native code writes to fds 1 and 2 in the block; the list gets the lines after the
+    block, and the bytes go back to the fd they were written to (delayed, never lost)."""
+    lines: list[str] = []
+    with _capture_lock, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = {1: os.dup(1), 2: os.dup(2)}
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            ctypes.CDLL(None).fflush(None)  # the library's C stdio buffers
+            for fd, tmp in ((1, out), (2, err)):
+                os.dup2(saved[fd], fd)
+                os.close(saved[fd])
+                tmp.seek(0)
+                data = tmp.read()
+                if data:
+                    os.write(fd, data)
+                lines.extend(data.decode(errors="replace").splitlines())
+
+
+def native_reason(lines: Sequence[str]) -> str:
+    """memfabric's ERROR lines, the first of each source line: ``msg (TAG file:line)``, joined by "; "."""
+    seen: set[str] = set()
+    out = []
+    for line in lines:
+        m = _ERROR_LINE.search(line)
+        if m is None or m.group(2) in seen:
+            continue
+        seen.add(m.group(2))
+        out.append(f"{m.group(3).strip()} ({m.group(1)} {m.group(2)})")
+    return "; ".join(out)
+
+
+def _last_error(mf: Any) -> str:
+    return str(mf.get_and_clear_last_err_msg() or "").strip()
+
+
+def _checked(mf: Any, call: str, fn: Callable[[], int]) -> None:
+    """Run a start-up call with its native output captured; MemfabricUnavailable unless it returns 0."""
+    with native_output() as lines:
+        code = int(fn())
+    if code == 0:
+        return
+    reason = "; ".join(r for r in (native_reason(lines), _last_error(mf)) if r) \
+        or f"{MODULE} printed no reason (set ASCEND_MF_LOG_LEVEL=0 for its debug log)"
+    driver = "driver" in reason.lower()
+    raise MemfabricUnavailable(f"{MODULE} cannot start here: {call} returned {code}; {MODULE} says: {reason}"
+                               + (f"; {DRIVER_HINT}" if driver else ""), code=code, reason=reason)
+
+
+def _session_host(host: str) -> str:
+    if not isinstance(host, str) or not host or host.strip() != host:
+        raise ValueError(f"host must be the address peers reach this process at, got {host!r}")
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host  # IPv6 as memfabric parses it
+
+
+class MemfabricTransfer:
+    """This process's started TransferEngine (see the module docstring). ``session`` ("HOST:PORT") is
+    what peers read from; ``register`` publishes host memory (the prefill's layer-buffer segment, the
+    decode's staging buffer); ``read`` copies ranges of a peer session's registered memory into local
+    registered memory in one batched sync read; ``close`` releases it all, in order."""
+
+    def __init__(self, mf: Any, engine: Any, role: str, session: str) -> None:
+        self._mf, self._engine = mf, engine
+        self.role, self.session = role, session
+        self._registered: list[int] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def start(cls, role: str, host: str, *, device_id: int = 0, data_op: str = "sdma") -> "MemfabricTransfer":
+        """Initialize an engine for ``role`` ("Prefill" or "Decode") at ``host``, on NPU ``device_id``,
+        with ``data_op`` (one of ``MEMFABRIC_DATA_OPS``). ValueError for bad arguments,
+        MemfabricNotInstalled, or MemfabricUnavailable with memfabric's own reason."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
+            raise ValueError(f"device_id must be an int >= 0, got {device_id!r}")
+        if data_op not in MEMFABRIC_DATA_OPS:
+            raise ValueError(f"data_op must be one of {MEMFABRIC_DATA_OPS}, got {data_op!r}")
+        session_host = _session_host(host)
+        mf = import_memfabric()
+        op = getattr(mf.TransDataOpType, data_op.upper())
+        store_url = STORE_PROTOCOL + session_host
+        engine = mf.TransferEngine()
+        call = (f"TransferEngine.initialize(store_url={store_url!r}, session_id={session_host!r}, role={role!r}, "
+                f"device_id={device_id}, data_op_type={op.name}, store_server_role={STORE_SERVER_ROLE!r})")
+        _checked(mf, call, lambda: engine.initialize(store_url, session_host, role, device_id, op, STORE_SERVER_ROLE))
+        port = int(engine.get_rpc_port())
+        transfer = cls(mf, engine, role, f"{session_host}:{port}")
+        if port <= 0:
+            transfer.close()
+            raise MemfabricUnavailable(f"{MODULE} cannot start here: TransferEngine.get_rpc_port() returned {port} "
+                                       f"after {call} succeeded", code=port, reason=_last_error(mf))
+        log.info("memfabric_started", role=role, session=transfer.session, device_id=device_id, data_op=data_op)
+        return transfer
+
+    def _open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"memfabric session {self.session} is closed")
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Publish ``nbytes`` of host memory at ``address`` to peers; MemfabricUnavailable if refused."""
+        if address <= 0 or nbytes <= 0:
+            raise ValueError(f"register needs an address and a size > 0, got 0x{address:x} and {nbytes}")
+        self._open()
+        _checked(self._mf, f"TransferEngine.register_memory(0x{address:x}, {nbytes}) of session {self.session}",
+                 lambda: self._engine.register_memory(address, nbytes))
+        self._registered.append(address)
+
+    def read(self, peer_session: str, local: Sequence[int], peer: Sequence[int], lengths: Sequence[int]) -> None:
+        """Copy ``lengths[i]`` bytes at ``peer[i]`` (registered by ``peer_session``) to ``local[i]``
+        (registered here) with one batched sync read; MemfabricError if it fails."""
+        if not len(local) == len(peer) == len(lengths):
+            raise ValueError(f"read needs as many local addresses ({len(local)}), peer addresses ({len(peer)}) "
+                             f"and lengths ({len(lengths)})")
+        self._open()
+        code = int(self._engine.batch_transfer_sync_read(peer_session, list(local), list(peer), list(lengths)))
+        if code != 0:
+            reason = _last_error(self._mf)
+            raise MemfabricError(f"{MODULE} TransferEngine.batch_transfer_sync_read from session {peer_session} "
+                                 f"({len(lengths)} ranges, {sum(lengths)} bytes) returned {code}"
+                                 + (f": {reason}" if reason else " (its log on stdout says why)"),
+                                 code=code, reason=reason)
+
+    def close(self) -> None:
+        """Unregister the registered memory, destroy the engine, uninitialize memfabric. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for address in reversed(self._registered):
+            code = self._engine.unregister_memory(address)
+            if code != 0:
+                log.warning("memfabric_unregister_failed", session=self.session, address=hex(address), code=code)
+        self._engine.destroy()
+        self._engine.unInitialize()
+        log.info("memfabric_closed", role=self.role, session=self.session)
+
+
+class MemfabricRows:
+    """The decode's reads through ``transfer`` (which it owns and closes): a staging buffer of
+    ``staging_bytes`` registered with it, and ``layer_rows``, the announced rows of a layer's planes
+    read from the prefill session its layout names in one batched read, then copied out of the
+    staging buffer (so the next read may reuse it: reads take turns)."""
+
+    def __init__(self, transfer: MemfabricTransfer, staging_bytes: int) -> None:
+        if staging_bytes < 1:
+            raise ValueError(f"staging_bytes must be >= 1, got {staging_bytes}")
+        self.transfer = transfer
+        self._staging = torch.empty(staging_bytes, dtype=torch.uint8)
+        self._lock = threading.Lock()
+        transfer.register(self._staging.data_ptr(), staging_bytes)
+
+    def layer_rows(self, meta, start: int, end: int, planes: Sequence[tuple[Any, int]]) -> list[torch.Tensor]:
+        """Rows [start, end) of each plane, given as (``BufferRegion``, row bytes), out of the memory the
+        prefill of layout ``meta`` registered: uint8 ``[end - start, row_bytes]`` per plane. ValueError
+        when the layout or a region cannot give them or they exceed the staging buffer; MemfabricError
+        when the read fails."""
+        if not meta.memfabric_session or not meta.memfabric_segment_address:
+            raise ValueError("the prefill's layout names no memfabric_session / memfabric_segment_address")
+        n = end - start
+        for region, row_bytes in planes:
+            if end > region.capacity_tokens or region.row_stride_bytes != row_bytes:
+                raise ValueError(f"buffer region of {region.capacity_tokens} rows x {region.row_stride_bytes} bytes "
+                                 f"cannot give rows [{start}, {end}) of {row_bytes} bytes")
+        sizes = [n * row_bytes for _, row_bytes in planes]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        if sum(sizes) > self._staging.numel():
+            raise ValueError(f"rows [{start}, {end}) need {sum(sizes)} bytes; the memfabric staging buffer holds "
+                             f"{self._staging.numel()}")
+        base = self._staging.data_ptr()
+        ranges = [(base + off, meta.memfabric_segment_address + region.offset_bytes + start * row_bytes, size)
+                  for off, size, (region, row_bytes) in zip(offsets, sizes, planes) if size]
+        with self._lock:
+            if ranges:
+                local, peer, lengths = (list(column) for column in zip(*ranges))
+                self.transfer.read(meta.memfabric_session, local, peer, lengths)
+            return [self._staging[off : off + size].clone().view(n, row_bytes)
+                    for off, size, (_, row_bytes) in zip(offsets, sizes, planes)]
+
+    def close(self) -> None:
+        self.transfer.close()  # unregisters the staging buffer first
