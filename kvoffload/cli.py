@@ -42,13 +42,16 @@ def _load(target: str) -> Callable[..., dict]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     run = _load(BENCHES[args.name])
     kwargs = {}
-    if args.trace is not None:  # only to benches that take one
+    for option in ("trace", "pool"):  # only to benches that take one
+        value = getattr(args, option)
+        if value is None:
+            continue
         import inspect
 
-        if "trace" not in inspect.signature(run).parameters:
-            print(f"kvoffload bench {args.name}: this bench takes no --trace", file=sys.stderr)
+        if option not in inspect.signature(run).parameters:
+            print(f"kvoffload bench {args.name}: this bench takes no --{option}", file=sys.stderr)
             return 2
-        kwargs["trace"] = args.trace
+        kwargs[option] = value
     # recorded traces the run needs are recorded first when missing (minutes, once per machine)
     from kvoffload.trace_record import KNOWN, ensure
 
@@ -318,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one line of JSON only")
     bench.add_argument("--trace", metavar="NAME", help="run on a top-k trace (a synthetic preset overlap80/90/95 or "
                                                        "a recorded one), for benches that take one (e.g. decode)")
+    bench.add_argument("--pool", choices=("kvoffload", "mooncake"),
+                       help="the prefill's host-pool backend of the stack, for benches that take one (faults; "
+                            "default kvoffload)")
     bench.set_defaults(func=_cmd_bench)
 
     model = sub.add_parser("model", help="model files").add_subparsers(dest="model_command", required=True,

@@ -15,6 +15,15 @@ killed service is restarted, and the run records:
 - whether a fresh request then succeeds with the right tokens.
 
 The stack runs with short bounds (peer timeout 2 s) so a run takes seconds, not minutes.
+
+The same suite runs on a stack whose prefill pool is on Mooncake Store (``pool="mooncake"``: a real
+``mooncake_master`` in place of the metastore), with that stack's faults (``MOONCAKE_FAULTS``): kill -9
+of the master (every key is lost; the prefill reports not ready until it has put its objects again)
+and kill -9 of the prefill, which leaves a dead segment owner behind: the master lists the dead
+process's objects until its client_ttl, and the restarted prefill meets them on its next prefix hit:
+that one request fails naming the cause and the objects are removed from the store, so the next
+request computes the prefix again. The run's fresh request is that request when it shares the
+prefix; it is then sent once more and must succeed (``fresh_dead_owner_failures`` counts these).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_stack_ports, stack_stats
+from kvoffload.stack import MOONCAKE_MASTER, Stack, StackConfig, ensure_tiny_model, free_stack_ports, stack_stats
 
 PEER_TIMEOUT_S = 2.0
 POOL_TIMEOUT_MS = 3000  # the metastore's heartbeat timeout for pools
@@ -53,19 +62,41 @@ FAULTS: dict[str, int] = {
     "overfill_decode": 1,
     "fill_host_pool": 1,
 }
+# the faults of a stack whose prefill pool is on Mooncake Store: no metastore to kill or to let the
+# pool expire at; its master instead, and kill_prefill leaves a dead segment owner (module docstring)
+MOONCAKE_FAULTS: dict[str, int] = {
+    "none": 1,
+    "kill_decode": 2,
+    "kill_prefill": 2,
+    "kill_mooncake_master": 2,
+    "kill_proxy": 1,
+    "stall_decode_short": 1,
+    "stall_decode_long": 1,
+    "stall_prefill_long": 1,
+    "overfill_decode": 1,
+    "fill_host_pool": 1,
+}
+FAULTS_BY_POOL = {"kvoffload": FAULTS, "mooncake": MOONCAKE_FAULTS}
+# the one failure a read of a dead owner's objects is allowed (poolclient.mooncake_objects)
+DEAD_OWNER_ERROR = "their owner's segment does not answer"
+RECOVERY_S = 60.0  # after a restart every prefill reports ready within this (a new master: objects put again)
 PREFILL_POOL_GB = 0.006  # ~2680 tokens of the tiny model: the longest prompt fits, FILLER_TOKENS does not
 FILLER_TOKENS = 3200
 
 
-def fault_stack_config(model: Path, log_dir: Path) -> StackConfig:
+def fault_stack_config(model: Path, log_dir: Path, pool: str = "kvoffload") -> StackConfig:
     """A one-prefill, one-decode stack with short failure bounds, on ports free now (two fault
-    stacks may run at once)."""
+    stacks may run at once); ``pool`` is the prefill's host-pool backend ("kvoffload": indexed by a
+    metastore; "mooncake": on Mooncake Store, a real mooncake_master)."""
+    if pool not in FAULTS_BY_POOL:
+        raise ValueError(f"pool: got {pool!r}; the fault suite runs on {', '.join(map(repr, FAULTS_BY_POOL))}")
     t = str(PEER_TIMEOUT_S)
+    metastore = {"metastore": ["--heartbeat-timeout-ms", str(POOL_TIMEOUT_MS)]} if pool == "kvoffload" else {}
     return StackConfig(
-        model=model, log_dir=log_dir, **free_stack_ports(), max_model_len=4096, block_size=BLOCK_SIZE,
-        prefill_pool_gb=PREFILL_POOL_GB,
+        model=model, log_dir=log_dir, **free_stack_ports(mooncake=pool == "mooncake"), max_model_len=4096,
+        block_size=BLOCK_SIZE, prefill_pool_gb=PREFILL_POOL_GB, pool=pool,
         service_args={
-            "metastore": ["--heartbeat-timeout-ms", str(POOL_TIMEOUT_MS)],
+            **metastore,
             "decode-0": ["--peer-timeout-s", t, "--max-queued-requests", "8", "--max-num-seqs", "4",
                          "--metaserver-timeout-s", "30"],
             "prefill-0": ["--peer-timeout-s", t, "--read-timeout-s", "15"],
@@ -91,6 +122,7 @@ class RunRecord:
     requests: list[RequestRecord] = field(default_factory=list)
     leaks: dict[str, float] = field(default_factory=dict)
     fresh_ok: bool = False
+    fresh_dead_owner_failures: int = 0  # pool "mooncake": the fresh request met a dead owner's objects
     seconds: float = 0.0
 
 
@@ -170,12 +202,17 @@ def _require(name: str, counters: dict[str, float], keys: tuple[str, ...]) -> No
                               f"{', '.join(keys)}); the keys present are: {sorted(counters)}")
 
 
-def held(stats: dict[str, dict[str, float]]) -> dict[str, float]:
+def held(stats: dict[str, dict[str, float]], pool: str = "kvoffload") -> dict[str, float]:
     """What the stack still holds (all zero when idle). Every counter it reads must be present:
     a missing one raises ``MissingStatsKey`` (naming the service, the key and the keys present)
-    instead of counting as 0, and so do Stats without the metastore or of an unknown service."""
-    if "metastore" not in stats:
+    instead of counting as 0, and so do Stats without the metastore (``pool`` "kvoffload": the
+    metastore indexes the prefill's pool; other pools have none), without a prefill or a decode,
+    or of an unknown service."""
+    if pool == "kvoffload" and "metastore" not in stats:
         raise MissingStatsKey(f"no Stats of the metastore among {sorted(stats)}")
+    kinds = {_kind(name) for name in stats}
+    if not {"prefill", "decode"} <= kinds:
+        raise MissingStatsKey(f"the leak tally needs Stats of a prefill and a decode; got {sorted(stats)}")
     out = dict.fromkeys(LEAK_KEYS, 0.0)
     for name, c in stats.items():
         kind = _kind(name)
@@ -201,12 +238,19 @@ class FaultRunner:
     def __init__(self, stack: Stack, reference: Callable[[list[int]], list[int]], seed: int = 0,
                  log: Callable[[str], None] | None = None) -> None:
         self.stack, self.reference, self.rng = stack, reference, random.Random(seed)
+        self.pool = stack.cfg.pool
+        self.faults = FAULTS_BY_POOL[self.pool]
+        # restart order: dependencies first (the metastore or the mooncake_master, then the decode, ...)
+        self.services = ("metastore" if self.pool == "kvoffload" else MOONCAKE_MASTER, "decode-0", "prefill-0", "proxy")
         self.prompts = _prompts()
         self.log = log or (lambda msg: None)
 
     def run_many(self, n: int, faults: list[str] | None = None) -> list[RunRecord]:
-        names = list(FAULTS)
-        weights = [FAULTS[f] for f in names]
+        names = list(self.faults)
+        weights = [self.faults[f] for f in names]
+        unknown = [f for f in faults or () if f not in self.faults]
+        if unknown:
+            raise ValueError(f"faults {unknown} do not apply to a {self.pool!r} stack; its faults: {names}")
         plan = faults if faults is not None else self.rng.choices(names, weights, k=n)
         records = []
         for i, fault in enumerate(plan):
@@ -240,6 +284,10 @@ class FaultRunner:
         rec.requests = records
         rec.leaks = self._wait_idle()
         ok, tokens, err = _request(stack.url, self.prompts[0], False, REQUEST_DEADLINE_S)
+        if not ok and self.pool == "mooncake" and DEAD_OWNER_ERROR in err:  # once, then computed again
+            rec.fresh_dead_owner_failures += 1
+            self.log(f"run {index}: the fresh request met a dead owner's objects: {err[:300]}")
+            ok, tokens, err = _request(stack.url, self.prompts[0], False, REQUEST_DEADLINE_S)
         rec.fresh_ok = ok and tokens == self.reference(self.prompts[0])
         if not rec.fresh_ok:
             self.log(f"run {index}: fresh request failed: {err or tokens}")
@@ -268,7 +316,7 @@ class FaultRunner:
             return
         if fault.startswith("kill_"):
             name = {"kill_decode": "decode-0", "kill_prefill": "prefill-0", "kill_metastore": "metastore",
-                    "kill_proxy": "proxy"}[fault]
+                    "kill_mooncake_master": MOONCAKE_MASTER, "kill_proxy": "proxy"}[fault]
             s.signal(name, signal.SIGKILL)
             s.process(name).wait(10)  # gone for good before anyone restarts it
             return
@@ -285,17 +333,27 @@ class FaultRunner:
                 s.signal(name, signal.SIGCONT)
 
     def _recover(self) -> None:
-        """Resume anything stopped, restart anything dead (dependencies first)."""
-        for name in ("metastore", "decode-0", "prefill-0", "proxy"):
+        """Resume anything stopped, restart anything dead (dependencies first), then wait until every
+        prefill reports ready (a restarted metastore or master: the pool registered or its objects
+        put again), so the run's fresh request meets a stack that is whole again."""
+        for name in self.services:
             self.stack.signal(name, signal.SIGCONT)
-        for name in ("metastore", "decode-0", "prefill-0", "proxy"):
+        for name in self.services:
             self.stack.restart(name)
+        cfg = self.stack.cfg
+        deadline = time.monotonic() + RECOVERY_S
+        for port in cfg.prefill_ports:
+            while not _ready(f"http://{cfg.host}:{port}/health"):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the prefill on port {port} is not ready {RECOVERY_S:.0f} s after the "
+                                       f"restarts; see {cfg.log_dir}")
+                time.sleep(0.2)
 
     def _wait_idle(self, timeout_s: float = 20.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                leaks = held(stack_stats(self.stack.cfg))
+                leaks = held(stack_stats(self.stack.cfg), self.pool)
             except MissingStatsKey:  # the tally and the services disagree: asking again cannot help
                 raise
             except Exception as exc:  # a service still coming up: ask again
@@ -320,7 +378,12 @@ def _leak_total(leaks: list[dict[str, float]], key: str) -> float:
     return total
 
 
-def summarize(records: list[RunRecord]) -> dict:
+def summarize(records: list[RunRecord], faults: dict[str, int] = FAULTS) -> dict:
+    """The suite's figures over ``records``; ``faults`` (the stack's fault kinds) keys the count of
+    runs per kind."""
+    strays = sorted({run.fault for run in records} - set(faults))
+    if strays:
+        raise ValueError(f"runs of faults {strays} that are not among {list(faults)}")
     reqs = [r for run in records for r in run.requests]
     leaks = [run.leaks for run in records]
     unreadable = sum("stats_error" in x for x in leaks)
@@ -337,8 +400,9 @@ def summarize(records: list[RunRecord]) -> dict:
         "open_requests_after": _leak_total(leaks, "open_requests") + unreadable,
         "stats_unreadable": unreadable,  # runs whose idle Stats could not be read: leaks unknown
         "fresh_request_failures": sum(not run.fresh_ok for run in records),
+        "fresh_dead_owner_failures": sum(run.fresh_dead_owner_failures for run in records),
         "max_termination_s": round(max((r.seconds for r in reqs), default=0.0), 3),
-        "faults": {f: sum(run.fault == f for run in records) for f in FAULTS},
+        "faults": {f: sum(run.fault == f for run in records) for f in faults},
     }
 
 
@@ -350,8 +414,9 @@ def reference_tokens(model_dir: Path) -> Callable[[list[int]], list[int]]:
     return lambda prompt: run(prompt, MAX_TOKENS)
 
 
-def bench(runs: int = 20, seed: int = 0, progress: bool = True) -> dict:
-    """``kvoffload bench faults``: ``runs`` seeded fault runs on a fresh loopback stack."""
+def bench(runs: int = 20, seed: int = 0, progress: bool = True, pool: str = "kvoffload") -> dict:
+    """``kvoffload bench faults``: ``runs`` seeded fault runs on a fresh loopback stack whose
+    prefill pool is ``pool`` ("kvoffload" or "mooncake")."""
     import sys
 
     from dsamodel.bench import quiet_logs
@@ -360,24 +425,35 @@ def bench(runs: int = 20, seed: int = 0, progress: bool = True) -> dict:
     quiet_logs()  # stdout carries the JSON only
     with tempfile.TemporaryDirectory(prefix="kvoffload-faults-") as tmp:
         model = ensure_tiny_model(Path(tmp) / "tiny")
-        cfg = fault_stack_config(model, Path(tmp) / "logs")
+        cfg = fault_stack_config(model, Path(tmp) / "logs", pool)
         ref = reference_tokens(model)
         for p in _prompts():
             ref(p)
         with Stack(cfg) as stack:
             runner = FaultRunner(stack, ref, seed)
             records = []
-            names = list(FAULTS)  # every kind once (as far as runs allow), then weighted random kinds
-            plan = (names + runner.rng.choices(names, [FAULTS[f] for f in names], k=max(0, runs - len(names))))[:runs]
+            faults = runner.faults
+            names = list(faults)  # every kind once (as far as runs allow), then weighted random kinds
+            plan = (names + runner.rng.choices(names, [faults[f] for f in names], k=max(0, runs - len(names))))[:runs]
             for i, fault in enumerate(tqdm(plan, desc="fault runs", disable=not progress, file=sys.stderr)):
                 records.append(runner.run_one(i, fault))
-    out = summarize(records)
+    out = summarize(records, runner.faults)
     out["seed"] = seed
+    out["pool"] = pool
     out["goal_met"] = (out["terminated"] == out["requests"] and out["stats_unreadable"] == 0
                        and out["leaked_slots"] == 0
                        and out["leaked_pool_bytes"] == 0 and out["leaked_leases"] == 0
                        and out["wrong_tokens"] == 0 and out["fresh_request_failures"] == 0)
     return out
+
+
+def _ready(url: str) -> bool:
+    """HTTP 200 from a service's /health (any other answer, or none, is not ready)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def records_json(records: list[RunRecord]) -> str:

@@ -26,6 +26,16 @@ def test_trace_is_refused_by_a_bench_that_takes_none(capsys):
     assert "this bench takes no --trace" in capsys.readouterr().err
 
 
+def test_pool_is_refused_by_a_bench_that_takes_none_and_checked_by_one(capsys):
+    from kvoffload.cli import main
+
+    assert main(["bench", "prefix", "--pool", "mooncake"]) == 2
+    assert "this bench takes no --pool" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["bench", "faults", "--pool", "memcache"])
+    assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
 def test_a_missing_recorded_trace_says_how_to_record_it(tmp_path, monkeypatch, capsys):
     from kvoffload.cli import main
 

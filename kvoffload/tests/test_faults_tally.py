@@ -137,3 +137,23 @@ def test_summarize_sums_every_run_and_needs_every_leak_key():
 def test_summarize_counts_unreadable_stats_as_not_idle():
     out = summarize([_run(held(_idle())), _run({"stats_error": 1.0})])
     assert out["stats_unreadable"] == 1 and out["open_requests_after"] == 1
+
+
+def test_a_stack_on_mooncake_store_has_no_metastore_but_needs_its_prefill_and_decode():
+    stats = _idle()
+    del stats["metastore"]
+    assert held(stats, pool="mooncake") == dict.fromkeys(LEAK_KEYS, 0.0)
+    for gone in ("prefill-0", "decode-0"):
+        with pytest.raises(MissingStatsKey, match="a prefill and a decode"):
+            held({k: v for k, v in stats.items() if k != gone}, pool="mooncake")
+    stats["decode-0"]["pool_used_bytes"] = 64.0
+    assert held(stats, pool="mooncake")["leaked_pool_bytes"] == 64
+
+
+def test_summarize_counts_the_runs_of_each_fault_of_the_stack():
+    from kvoffload.faults import MOONCAKE_FAULTS
+
+    runs = [RunRecord(0, "kill_mooncake_master", leaks=dict.fromkeys(LEAK_KEYS, 0.0), fresh_ok=True)]
+    assert summarize(runs, MOONCAKE_FAULTS)["faults"] == {f: int(f == "kill_mooncake_master") for f in MOONCAKE_FAULTS}
+    with pytest.raises(ValueError, match="kill_mooncake_master"):
+        summarize(runs)  # not a fault of the default stack

@@ -239,7 +239,9 @@ def held(stats: dict) -> dict[str, float]:
         keys = {"prefill": ("held_slots", "pool_live_leases", "ledger_open"),
                 "decode": ("pool_used_bytes", "pool_live_leases", "sequences", "ledger_open"),
                 "metastore": ("live_leases",)}[name]
-        out.update({f"{name}.{k}": c.get(k, 0.0) for k in keys})
+        missing = [k for k in keys if k not in c]
+        assert not missing, f"{name}: Stats lack {missing} (a renamed counter must not read as 0); it has {sorted(c)}"
+        out.update({f"{name}.{k}": c[k] for k in keys})
     return out
 
 
@@ -382,9 +384,9 @@ def test_i3_across_containers_streams_layers_over_grpc(stack, reference):
         assert complete(stack.url, prompt, 12) == reference(prompt, 12), len(prompt)
     assert complete(stack.url, prompts[1], 12, stream=True) == reference(prompts[1], 12)
     after = dict(stack.stats("decode")["decode"].counters)
-    assert after["reads_streamed"] > before.get("reads_streamed", 0)
-    assert after["reads_shared_memory"] == before.get("reads_shared_memory", 0) == 0  # separate hosts: no shm
-    assert after["read_failed"] == before.get("read_failed", 0)
+    assert after["reads_streamed"] > before["reads_streamed"]
+    assert after["reads_shared_memory"] == before["reads_shared_memory"] == 0  # separate hosts: no shm
+    assert after["read_failed"] == before["read_failed"]
     assert not wait_idle(stack)
 
 

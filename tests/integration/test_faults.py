@@ -7,6 +7,10 @@ peer timeout or past the metastore's heartbeat timeout (its pool and leases expi
 decode's sequence slots; fill the prefill's host pool (a prompt larger than it, among others). After every run: each client request ended within its deadline, every success is
 bit-identical to the single-process engine, the idle stack holds no slot, pool byte, lease or open
 request, and a fresh request succeeds. ``KVOFFLOAD_FAULT_SEED`` replays another seed.
+
+The same checks on a stack whose prefill pool is on Mooncake Store (a real ``mooncake_master``):
+every one of its fault kinds once, then a few random ones — kill -9 of the master (every key lost),
+and of the prefill (a dead segment owner the master still lists).
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ import os
 
 import pytest
 
-from kvoffload.faults import FAULTS, FILLER_TOKENS, REQUEST_DEADLINE_S, FaultRunner, fault_stack_config, \
-    records_json, reference_tokens, summarize
+from kvoffload.faults import FAULTS, FILLER_TOKENS, MOONCAKE_FAULTS, REQUEST_DEADLINE_S, FaultRunner, \
+    fault_stack_config, records_json, reference_tokens, summarize
 from kvoffload.stack import Stack, ensure_tiny_model
 
 SEED = int(os.environ.get("KVOFFLOAD_FAULT_SEED", "20261129"))
 RANDOM_RUNS = 40  # plus one run of every fault kind: 50 in all
+MOONCAKE_RANDOM_RUNS = 6  # plus one run of every kind of the Mooncake stack
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +37,17 @@ def runner(tmp_path_factory):
         yield FaultRunner(stack, ref, SEED, log=print)
 
 
-def _check(records) -> None:
-    summary = summarize(records)
+@pytest.fixture(scope="module")
+def mooncake_runner(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults-mooncake")
+    model = ensure_tiny_model(tmp / "tiny")
+    ref = reference_tokens(model)
+    with Stack(fault_stack_config(model, tmp / "logs", pool="mooncake")) as stack:
+        yield FaultRunner(stack, ref, SEED, log=print)
+
+
+def _check(records, faults=FAULTS) -> None:
+    summary = summarize(records, faults)
     bad = [r for r in records if not r.fresh_ok or any(v for v in r.leaks.values())
            or any(not q.ended or q.tokens_equal is False for q in r.requests)]
     detail = f"seed {SEED}: {summary}\nruns with a problem: {records_json(bad)[:20000]}"
@@ -58,6 +72,24 @@ def test_every_fault_kind(runner):
 
 def test_randomized_fault_runs(runner):
     _check(runner.run_many(RANDOM_RUNS))
+
+
+def test_every_fault_kind_with_the_pool_on_mooncake_store(mooncake_runner):
+    runs = mooncake_runner.run_many(len(MOONCAKE_FAULTS), list(MOONCAKE_FAULTS))
+    runs += mooncake_runner.run_many(MOONCAKE_RANDOM_RUNS)
+    _check(runs, MOONCAKE_FAULTS)
+    for run in runs:
+        # only a killed prefill leaves a dead segment owner, whose objects fail one read (then gone)
+        assert run.fresh_dead_owner_failures == 0 or run.fault == "kill_prefill", records_json([run])
+        if run.fault == "kill_mooncake_master":  # a request the master's loss failed says so
+            for r in run.requests:
+                assert r.ok or "ooncake" in r.error or "shutting down" in r.error or "not ready" in r.error \
+                    or r.error.startswith("HTTP 50"), r.error
+
+
+def test_a_metastore_fault_does_not_apply_to_a_mooncake_stack(mooncake_runner):
+    with pytest.raises(ValueError, match="kill_metastore"):
+        mooncake_runner.run_many(1, ["kill_metastore"])
 
 
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(runner):
@@ -118,12 +150,12 @@ def test_oversized_prompts_are_refused_before_any_kv_and_a_disconnect_frees_ever
     assert not ok and error.startswith("HTTP 400") and "max_model_len" in error, error
     after = stack_stats(stack.cfg)
     for svc in ("decode-0", "prefill-0"):
-        assert after[svc].get("ledger_open", 0) == 0
+        assert after[svc]["ledger_open"] == 0
         assert sum(v for k, v in after[svc].items() if k.startswith("ledger_finished")) == \
             sum(v for k, v in before[svc].items() if k.startswith("ledger_finished")), svc
     assert not any(held(after).values())
 
-    cancelled = before["decode-0"].get("ledger_finished_cancelled", 0)
+    cancelled = before["decode-0"].get("ledger_finished_cancelled", 0)  # a ledger outcome is counted from its first
     conn = http.client.HTTPConnection(stack.cfg.host, stack.cfg.proxy_port, timeout=REQUEST_DEADLINE_S)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": runner.prompts[-1], "max_tokens": 1500,
                                                         "temperature": 0, "stream": True}),

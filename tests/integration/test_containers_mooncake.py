@@ -1,0 +1,226 @@
+"""compose.mooncake.yaml's stack across containers (testcontainers, Ryuk off): test_containers.py's
+stack with a ``mooncake-master`` container (image kvoffload/mooncake-master, the command of
+compose.mooncake.yaml) in place of the metastore, and the prefill's host pool on Mooncake Store
+(``"backend": "mooncake"``, no --metastore), on a fresh ``internal`` network.
+
+- the prefill connects to the master in its own container (``mooncake_pool_connected``), and the
+  images' HEALTHCHECKs (the master's: its admin /health says service_ready) turn healthy;
+- I3: greedy tokens through the proxy equal the single-process engine's;
+- a shared long prefix hits the prefix cache on the second request (the prefill's
+  ``prefill_finished`` reports it in ``cached_tokens``);
+- every container stops within 2 s.
+
+Needs a Docker engine and the images (``scripts/images``; built here when one is missing), like
+test_containers.py, whose stack and helpers it reuses. Skipped, saying why, only when no engine
+answers. Select with ``-m containers``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvoffload.stack import prefill_kv_transfer_config
+from poolclient.mooncake_master import port_answers
+
+
+def _sibling(name: str):
+    """A test module of this folder, imported by path (the tests run with --import-mode=importlib)."""
+    spec = importlib.util.spec_from_file_location(f"kvoffload_it_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = sys.modules.get(spec.name)
+    if module is None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+tc = _sibling("test_containers")
+pytestmark = [pytest.mark.containers, pytest.mark.skipif(tc._PROBLEM is not None, reason=tc._PROBLEM or "")]
+
+MASTER = "mooncake-master"
+SERVICES = (MASTER, "prefill", "decode", "proxy")
+MASTER_ADDRESS = f"{MASTER}:50051"
+MASTER_PORTS = {MASTER: 9003, f"{MASTER}-rpc": 50051}  # admin/metrics (/health), RPC
+
+
+def _commands() -> dict[str, list[str]]:
+    """test_containers.py's commands, with compose.mooncake.yaml's master and the prefill without
+    --metastore, its store connector on Mooncake Store."""
+    compose = yaml.safe_load((tc.ROOT / "compose.mooncake.yaml").read_text())
+    prefill = list(tc.COMMANDS["prefill"])
+    i = prefill.index("--metastore")
+    del prefill[i:i + 2]
+    prefill[prefill.index("--kv-transfer-config") + 1] = prefill_kv_transfer_config(
+        tc.PORTS["decode-control"], mooncake_master=MASTER_ADDRESS)
+    return {**tc.COMMANDS, "prefill": prefill, MASTER: compose["services"][MASTER]["command"]}
+
+
+COMMANDS = _commands()
+LONG_TEXT = tc.LONG_TEXT
+
+
+class MooncakeStack(tc.ContainerStack):
+    """mooncake-master, decode, prefill and proxy in containers on one internal network."""
+
+    def start(self) -> None:
+        self.network.create()
+        for name in (MASTER, "decode"):
+            self._run(name)
+        self.wait_ready(MASTER)  # the prefill connects to it at start-up (5 s, or it exits)
+        self._run("prefill")
+        for name in ("decode", "prefill"):
+            self.wait_ready(name)
+        self._run("proxy")
+        self.wait_ready("proxy")
+
+    def _run(self, name: str) -> None:  # ContainerStack._run with this stack's commands
+        c = (tc.DockerContainer(f"kvoffload/{name}:{self.tag}")
+             .with_command(COMMANDS[name])
+             .with_network(self.network).with_network_aliases(name)
+             .with_kwargs(init=True, hostname=name, shm_size=tc.SHM.get(name), labels={"kvoffload-test": "1"}))
+        if name in ("prefill", "decode"):
+            c.with_volume_mapping(self.volume, "/models", "rw")
+        self.containers[name] = c.start()
+
+    def target(self, port_name: str) -> str:  # the master's health (HTTP /health) and RPC ports too
+        if port_name in MASTER_PORTS:
+            return f"{self.ip(MASTER)}:{MASTER_PORTS[port_name]}"
+        return super().target(port_name)
+
+    def events(self, name: str, event: str) -> list[dict]:
+        """The JSON log lines of one container with that ``event``."""
+        out = []
+        for line in self.wrapped(name).logs().decode(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("event") == event:
+                    out.append(record)
+        return out
+
+
+@pytest.fixture(scope="module")
+def images():
+    """The images of this stack; built with scripts/images when one is missing (an older build has
+    no mooncake-master, nor Mooncake Store in its prefill)."""
+    tag = tc._image_tag()
+    client = tc.docker.from_env(timeout=60)
+    try:
+        missing = [s for s in SERVICES if not client.images.list(name=f"kvoffload/{s}:{tag}")]
+    finally:
+        client.close()
+    if missing:
+        log = tc.ROOT / ".cache" / "images.log"
+        log.parent.mkdir(exist_ok=True)
+        with open(log, "wb") as f:
+            rc = subprocess.run([str(tc.ROOT / "scripts/images")], stdout=f, stderr=subprocess.STDOUT).returncode
+        assert rc == 0, f"scripts/images failed ({rc}); its output ends with:\n{log.read_text()[-3000:]}"
+    return tag
+
+
+@pytest.fixture(scope="module")
+def stack(images, tmp_path_factory):
+    s = MooncakeStack(images, tmp_path_factory.mktemp("mooncake-container-logs"))
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+reference = tc.reference  # the single-process engine, with the decode container's model files
+
+
+def _complete(stack: MooncakeStack, prompt: list[int], max_tokens: int, request_id: str) -> list[int]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    req = urllib.request.Request(f"{stack.url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "X-Request-Id": request_id})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())["choices"][0]["token_ids"]
+
+
+def _finished(stack: MooncakeStack, request_id: str) -> dict:
+    deadline = time.monotonic() + 10  # the line reaches the container's log
+    while not (found := [e for e in stack.events("prefill", "prefill_finished") if e.get("request_id") == request_id]):
+        assert time.monotonic() < deadline, f"no prefill_finished for {request_id}"
+        time.sleep(0.2)
+    [event] = found
+    return event
+
+
+# -- tests -------------------------------------------------------------------------------------------
+
+def test_the_prefill_pool_is_on_the_master_container(stack):
+    [connected] = stack.events("prefill", "mooncake_pool_connected")
+    assert connected["master"] == MASTER_ADDRESS, connected
+    assert "--metastore" not in COMMANDS["prefill"]
+    assert port_answers(stack.ip(MASTER), MASTER_PORTS[f"{MASTER}-rpc"], 3.0)  # the RPC port the prefill uses
+    for name in SERVICES:  # the images' own HEALTHCHECKs agree (a first probe may still be pending)
+        deadline = time.monotonic() + 30
+        while (status := stack.wrapped(name).attrs["State"].get("Health", {}).get("Status")) != "healthy":
+            assert status in ("starting", None) and time.monotonic() < deadline, (name, status)
+            time.sleep(1)
+    assert tc.held(stack.stats("prefill", "decode")) == {k: 0.0 for k in tc.held(stack.stats("prefill", "decode"))}
+
+
+def test_i3_through_the_proxy(stack, reference):
+    tok = tc._tok()
+    prompts = [[65], list(range(66, 66 + tc.BS - 1)), tok.encode(LONG_TEXT[:4200], add_bos=True)]
+    for prompt in prompts:
+        assert _complete(stack, prompt, 12, f"mooncake-i3-{uuid.uuid4().hex}") == reference(prompt, 12), len(prompt)
+    assert tc.complete(stack.url, prompts[2], 12, stream=True) == reference(prompts[2], 12)
+    decode = dict(stack.stats("decode")["decode"].counters)
+    assert decode["reads_streamed"] > 0 and decode["reads_shared_memory"] == 0  # separate hosts
+    assert not tc.wait_idle(stack, "prefill", "decode")
+
+
+def test_a_shared_long_prefix_hits_the_prefix_cache(stack, reference):
+    """Two prompts sharing a 1500-token prefix, one after the other: the second reports the whole
+    shared prefix (whole blocks) as cached, read from the pool on Mooncake Store; tokens equal the
+    reference."""
+    tok = tc._tok()
+    prefix = "".join(chr(40 + (i * 31) % 80) for i in range(1500))
+    cached = []
+    for n in range(2):
+        ids = tok.encode(prefix + f" question {n}: why?", add_bos=True)
+        rid = f"mooncake-prefix-{uuid.uuid4().hex}"
+        assert _complete(stack, ids, 6, rid) == reference(ids, 6)
+        cached.append(_finished(stack, rid)["cached_tokens"])
+    assert cached[0] == 0, cached
+    assert cached[1] >= (1 + 1500) // tc.BS * tc.BS, cached  # BOS + prefix, whole blocks
+    assert not tc.wait_idle(stack, "prefill", "decode")
+
+
+def test_every_container_stops_within_2s(stack):
+    """Last (it stops the stack): SIGTERM through the init process ends each idle container
+    cleanly (exit 0) in under 2 s, in compose's order; a slow stop is measured once more."""
+
+    def stop(name: str) -> float:
+        c = stack.wrapped(name)
+        t0 = time.monotonic()
+        c.stop(timeout=10)
+        took = time.monotonic() - t0
+        c.reload()
+        assert c.attrs["State"]["ExitCode"] == 0, (name, c.attrs["State"], c.logs().decode()[-2000:])
+        return took
+
+    took = {}
+    for name in ("proxy", "prefill", "decode", MASTER):
+        took[name] = stop(name)
+        if took[name] >= 2.0:
+            stack.restart(name)
+            took[name] = min(took[name], stop(name))
+    print("stop times", {k: round(v, 2) for k, v in took.items()})
+    assert max(took.values()) < 2.0, took
