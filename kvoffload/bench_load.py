@@ -181,6 +181,9 @@ def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_promp
                     pd = _stack_round(f"{stack.url}/v1/completions", work, max_retries)
                     one = single.round(f"c{n}r{rnd}", work)
                     pd_ids, one_ids = pd.pop("_ids"), one.pop("_ids")
+                    if len(pd_ids) != len(one_ids):
+                        raise RuntimeError(f"round {rnd}: {len(pd_ids)} stack answers for {len(one_ids)} engine "
+                                           f"answers of the same {len(work)} requests")
                     equal = all(a == b for a, b in zip(pd_ids, one_ids) if a is not None)
                     ratio = pd["output_tokens_per_s"] / one["output_tokens_per_s"] if one["output_tokens_per_s"] else 0.0
                     per_round.append({"prompt_tokens": sum(len(p) for p, _ in work), **pd,
@@ -199,8 +202,8 @@ def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_promp
                         level[key] = all(values)
                     else:
                         level[key] = statistics.median(values)
-                level |= {"decode_max_queued": int(decode_stats.get("max_queued", 0)),
-                          "decode_rejected_total": int(decode_stats.get("rejected", 0))}
+                level |= {"decode_max_queued": int(decode_stats["max_queued"]),
+                          "decode_rejected_total": int(decode_stats["rejected"])}
                 if rounds > 1:
                     level["per_round_throughput_ratio"] = [r["throughput_ratio"] for r in per_round]
                 levels.append(level)

@@ -17,6 +17,11 @@ def test_hotcache_bench_fields():
     assert out["policies"] == ["lru", "slru"]
     assert set(out["goals_met"]) == {"policy_vs_belady", "cost_us", "speedup", "speedup_vs_torch", "entries_per_s"}
     assert set(out["goals"]) == set(out["goals_met"])
+    assert set(out["gaps"]) == {g for g, ok in out["goals_met"].items() if not ok}
+    for g, gap in out["gaps"].items():  # the judged figure against its goal, and where
+        assert gap["goal"] == out["goals"][g] and gap["worst_on"] in ("overlap80", "overlap95"), gap
+        if g != "policy_vs_belady":
+            assert gap["measured"] == out[g], gap
     for name in ("overlap80", "overlap95"):
         loc = out["traces"][name]
         assert loc["kind"] == "synthetic" and loc["k"] == 64 and loc["streams"] == 6 and 0 < loc["overlap"] <= 1
