@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 import time
 import urllib.request
@@ -113,31 +112,14 @@ class MooncakeStack(tc.ContainerStack):
 
 @pytest.fixture(scope="module")
 def images():
-    """The images of this stack; built with scripts/images when one is missing (an older build has
-    no mooncake-master, nor Mooncake Store in its prefill)."""
-    tag = tc._image_tag()
-    client = tc.docker.from_env(timeout=60)
-    try:
-        missing = [s for s in SERVICES if not client.images.list(name=f"kvoffload/{s}:{tag}")]
-    finally:
-        client.close()
-    if missing:
-        log = tc.ROOT / ".cache" / "images.log"
-        log.parent.mkdir(exist_ok=True)
-        with open(log, "wb") as f:
-            rc = subprocess.run([str(tc.ROOT / "scripts/images")], stdout=f, stderr=subprocess.STDOUT).returncode
-        assert rc == 0, f"scripts/images failed ({rc}); its output ends with:\n{log.read_text()[-3000:]}"
-    return tag
+    """The images of this stack (an older build has no mooncake-master, nor Mooncake Store in its
+    prefill: scripts/images builds them)."""
+    return tc.ensure_images(SERVICES)
 
 
 @pytest.fixture(scope="module")
 def stack(images, tmp_path_factory):
-    s = MooncakeStack(images, tmp_path_factory.mktemp("mooncake-container-logs"))
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
+    yield from tc.running(MooncakeStack(images, tmp_path_factory.mktemp("mooncake-container-logs")))
 
 
 reference = tc.reference  # the single-process engine, with the decode container's model files
@@ -205,22 +187,6 @@ def test_a_shared_long_prefix_hits_the_prefix_cache(stack, reference):
 
 def test_every_container_stops_within_2s(stack):
     """Last (it stops the stack): SIGTERM through the init process ends each idle container
-    cleanly (exit 0) in under 2 s, in compose's order; a slow stop is measured once more."""
-
-    def stop(name: str) -> float:
-        c = stack.wrapped(name)
-        t0 = time.monotonic()
-        c.stop(timeout=10)
-        took = time.monotonic() - t0
-        c.reload()
-        assert c.attrs["State"]["ExitCode"] == 0, (name, c.attrs["State"], c.logs().decode()[-2000:])
-        return took
-
-    took = {}
-    for name in ("proxy", "prefill", "decode", MASTER):
-        took[name] = stop(name)
-        if took[name] >= 2.0:
-            stack.restart(name)
-            took[name] = min(took[name], stop(name))
-    print("stop times", {k: round(v, 2) for k, v in took.items()})
+    cleanly (exit 0) in under 2 s, in compose's order."""
+    took = tc.stop_times(stack, ("proxy", "prefill", "decode", MASTER))
     assert max(took.values()) < 2.0, took
