@@ -79,8 +79,6 @@ def test_every_fault_kind_with_the_pool_on_mooncake_store(mooncake_runner):
     runs += mooncake_runner.run_many(MOONCAKE_RANDOM_RUNS)
     _check(runs, MOONCAKE_FAULTS)
     for run in runs:
-        # only a killed prefill leaves a dead segment owner, whose objects fail one read (then gone)
-        assert run.fresh_dead_owner_failures == 0 or run.fault == "kill_prefill", records_json([run])
         if run.fault == "kill_mooncake_master":  # a request the master's loss failed says so
             for r in run.requests:
                 assert r.ok or "ooncake" in r.error or "shutting down" in r.error or "not ready" in r.error \

@@ -138,3 +138,96 @@ def test_pool_calls_per_chunk_do_not_grow_with_its_blocks():
     chunks = {64: 16, 1024: 1}
     # per chunk: exists, alloc, lease of what it writes; per request: a prefix exists and the hand-off lease
     assert counts == {c: 3 * n + 2 for c, n in chunks.items()}, counts
+
+
+class _DeadOwnerPool:
+    """A real pool seen as a distributed store sees a dead owner's objects: keys in ``unreachable``
+    are listed (``exists``) until a read meets them, which raises ``ObjectUnreachable`` and drops
+    them from the listing (as Mooncake's backend force-removes them); an ``alloc`` of a dropped
+    key replaces the stale object. ``planes`` limits the failing reads to those planes."""
+
+    def __init__(self, pool, planes=None) -> None:
+        self._pool, self.planes, self.failed_reads = pool, planes, 0
+        self.unreachable: set[bytes] = set()
+        self.gone: set[bytes] = set()
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+    def exists(self, keys):
+        return [ok and k not in self.gone for k, ok in zip(keys, self._pool.exists(keys), strict=True)]
+
+    def alloc(self, keys):
+        stale = [k for k in keys if k in self.gone]
+        self._pool.remove(stale)
+        self.gone -= set(stale)
+        return self._pool.alloc(keys)
+
+    def get_into(self, keys, plane, dst):
+        from kvcore.hostpool import ObjectUnreachable
+
+        dead = [k for k in keys if k in self.unreachable]
+        if dead and (self.planes is None or plane in self.planes):
+            self.unreachable -= set(dead)
+            self.gone |= set(dead)
+            self.failed_reads += 1
+            raise ObjectUnreachable(f"{len(dead)} object(s) of a dead owner", key=dead[0])
+        return self._pool.get_into(keys, plane, dst)
+
+
+def test_an_unreachable_prefix_is_computed_again_in_the_same_request():
+    """The cached prefix's owner is gone (its objects listed, their bytes not): the request does not
+    fail, it runs again without that prefix, logs why, and its logits are the uncached ones."""
+    from kvcore.blockkeys import block_keys
+    from structlog.testing import capture_logs
+
+    model = tiny(torch.float32, True)
+    shared = seeded_prompt(300, 51)
+    second = torch.cat((shared, seeded_prompt(40, 52)))
+    pool = _DeadOwnerPool(prefill_pool(model, BS))
+    eng = prefill_engine(model, pool, buffers=2, independent=[0], chunk_size=64)
+    try:
+        assert _prefill(eng, "r1", torch.cat((shared, seeded_prompt(30, 53)))).num_computed_tokens == 330
+        pool.unreachable = set(block_keys("tiny-test", shared, BS)[: 300 // BS])
+        with capture_logs() as logs:
+            r2 = _prefill(eng, "r2", second)
+        assert pool.failed_reads == 1
+        assert (r2.num_cached_tokens, r2.num_computed_tokens) == (0, 340)
+        torch.testing.assert_close(r2.logits, forward_dense(model, second)[-1], rtol=1e-4, atol=1e-4)
+        [event] = [e for e in logs if e["event"] == "prefill_prefix_unreachable"]
+        assert event["request_id"] == "r2" and "dead owner" in event["error"], event
+        assert eng.gates.stats()["held_slots"] == 0 and pool.stats().live_leases == 0
+        assert _prefill(eng, "r3", second).num_cached_tokens == 336  # written again: it hits
+    finally:
+        eng.close()
+        pool.close()
+
+
+def test_an_unreachable_prefix_after_a_layer_was_announced_fails_the_request():
+    """Once a reader was told of a layer it may hold this try's rows: no second try, the error
+    stands (I5), and nothing is left held."""
+    from kvcore.blockkeys import block_keys
+    from kvcore.hostpool import ObjectUnreachable
+
+    model = tiny(torch.float32, False)
+    shared = seeded_prompt(200, 61)
+    real = prefill_pool(model, BS)
+    pool = _DeadOwnerPool(real, planes={real.geometry.plane_index(1, "main")})  # layer 1's reads fail
+    eng = prefill_engine(model, pool, buffers=2, independent=[0], chunk_size=64)
+    announced = []
+
+    def announce(ticket, req, start, end):
+        announced.append(ticket.layer)
+        ticket.read_done(next(iter(ticket.readers)))
+
+    try:
+        _prefill(eng, "r1", torch.cat((shared, seeded_prompt(20, 62))))
+        eng.announce = announce
+        pool.unreachable = set(block_keys("tiny-test", shared, BS)[: 200 // BS])
+        with pytest.raises(ObjectUnreachable, match="dead owner"):
+            eng.run(PrefillRequest("r2", torch.cat((shared, seeded_prompt(20, 63))), readers=frozenset({"decode"})))
+        assert announced == [0] and pool.failed_reads == 1
+        assert eng.gates.stats()["held_slots"] == 0 and pool.stats().live_leases == 0
+    finally:
+        eng.close()
+        pool.close()

@@ -14,7 +14,8 @@ import uuid
 
 import pytest
 import torch
-from kvcore.hostpool import HostPoolBackend, IncompleteObject, ObjectLeased, ObjectNotFound, PoolError
+from kvcore.hostpool import (HostPoolBackend, IncompleteObject, ObjectLeased, ObjectNotFound, ObjectUnreachable,
+                             PoolError)
 from kvcore.segment import PoolGeometry
 from poolclient.mooncake import MooncakeHostPool
 from poolclient.mooncake_master import MasterConfig, MooncakeMaster, MooncakeNotInstalled, free_port, port_answers
@@ -267,7 +268,7 @@ def test_objects_put_by_another_process_are_read_and_leased_here(master, store):
 def test_objects_of_a_dead_owner_fail_one_read_clearly_and_are_then_computed_again():
     """The process that wrote objects dies (SIGKILL): the master lists its objects until its
     --client_ttl (60 s here), but their bytes cannot be read. The first read fails at once with
-    TRANSFER_FAIL, naming the dead owner, and removes them from the store, so the next ``exists``
+    TRANSFER_FAIL (an ``ObjectUnreachable``), naming the dead owner, and removes them from the store, so the next ``exists``
     misses them and the reader writes them itself, well before the master would have noticed."""
     with MooncakeMaster.start(MasterConfig(kv_lease_ttl_ms=STORE_LEASE_TTL_MS, client_ttl_s=60)) as m:
         ns, n = f"d-{uuid.uuid4().hex[:8]}", 40
@@ -283,6 +284,7 @@ def test_objects_of_a_dead_owner_fail_one_read_clearly_and_are_then_computed_aga
                                                          rf"not answer.*{n} removed from the store") as e:
                 read(reader, keys, 1)
             assert e.value.code == -800
+            assert isinstance(e.value, ObjectUnreachable)  # the one error a reader may answer with a recompute
             assert reader.exists(keys) == [False] * n
             fill(reader, keys, seed=7)  # computed again here: the same bytes
             assert torch.equal(read(reader, keys, 1), data(7, 1, n))

@@ -58,6 +58,7 @@ Transfer threads (save / load / remote pull)
     other planes may still be in progress (a layerwise writer reads back its own earlier layers).
     Counts as a use for LRU. Blocks: for the copy (not under the lock). Idempotent: yes. Must
     not touch: objects whose plane is unwritten (``IncompleteObject``) or missing ones
+    (a distributed backend whose object's owner is gone raises ``ObjectUnreachable`` and removes it)
     (``ObjectNotFound``).
 ``block_ids(keys)``
     Block id of each allocated object, for block tables of native gather/scatter over
@@ -97,6 +98,7 @@ from kvcore.poolerrors import (  # noqa: F401 - the pool's error vocabulary, imp
     ObjectExists,
     ObjectLeased,
     ObjectNotFound,
+    ObjectUnreachable,
     PoolError,
     PlaneWritten,
     PoolFullError,

@@ -20,6 +20,12 @@ class IncompleteObject(PoolError):
     """The object exists but not every plane is written (or a write is in progress)."""
 
 
+class ObjectUnreachable(PoolError):
+    """The object is listed but its bytes cannot be read: the process that held them is gone (a
+    distributed store's dead owner, listed until the store notices). The backend has removed it,
+    so ``exists`` now misses it and the caller may compute those blocks again."""
+
+
 class ObjectExists(PoolError):
     """``alloc`` of a key that already has an object."""
 

@@ -23,6 +23,7 @@ from poolclient.mooncake_store import (
     OBJECT_HAS_LEASE,
     OBJECT_NOT_FOUND,
     TRANSFER_FAIL,
+    MooncakeObjectsUnreachable,
     MooncakeStore,
     MooncakeStoreError,
     code_name,
@@ -60,10 +61,10 @@ class StoreObjects:
     def key(self, key: bytes) -> str:
         return f"{self.namespace}/{key.hex()}"
 
-    def fail(self, op: str, code: int, key: bytes | None, what: str = "") -> MooncakeStoreError:
-        return MooncakeStoreError(f"Mooncake Store {op} {what}failed with {code_name(code)} (master "
-                                  f"{self.store.master}, pool {self.pool_id[:8]}, namespace {self.namespace!r})",
-                                  code=code, key=key)
+    def fail(self, op: str, code: int, key: bytes | None, what: str = "",
+             cls: type[MooncakeStoreError] = MooncakeStoreError) -> MooncakeStoreError:
+        return cls(f"Mooncake Store {op} {what}failed with {code_name(code)} (master {self.store.master}, pool "
+                   f"{self.pool_id[:8]}, namespace {self.namespace!r})", code=code, key=key)
 
     # ---- the sentinel --------------------------------------------------------------------------
 
@@ -145,7 +146,7 @@ class StoreObjects:
                 raise PoolError(f"object {k!r} in Mooncake Store has {c} B, but this pool's objects have "
                                 f"{g.block_bytes} B ({g}): it was written with another geometry", key=k)
 
-    def _drop_unreachable(self, keys: list[bytes], batch: int) -> MooncakeStoreError:
+    def _drop_unreachable(self, keys: list[bytes], batch: int) -> MooncakeObjectsUnreachable:
         """Objects whose bytes could not be transferred: their owner's segment does not answer (its
         process died; the master lists its objects until its ``--client_ttl``). They are removed
         from the store (forced: nobody can read them), so the next ``exists`` misses them and the
@@ -158,8 +159,8 @@ class StoreObjects:
                     remove_errors=sorted({code_name(c) for c in codes if c not in (0, OBJECT_NOT_FOUND)}))
         return self.fail("get", TRANSFER_FAIL, keys[0],
                          f"of {len(keys)} of {batch} object(s) (their owner's segment does not answer: its process "
-                         f"is gone or unreachable; {dropped} removed from the store, so the next request computes "
-                         f"them again) ")
+                         f"is gone or unreachable; {dropped} removed from the store, so whoever asks next computes "
+                         f"them again) ", MooncakeObjectsUnreachable)
 
     def drop_all(self, keys: list[bytes]) -> None:
         """Force-remove ``keys`` and the sentinel (the pool is closing); errors are the caller's to log."""

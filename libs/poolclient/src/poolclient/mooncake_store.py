@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvcore.hostpool import PoolError
+from kvcore.hostpool import ObjectUnreachable, PoolError
 
 from poolclient.mooncake_master import INSTALL_HINT, MooncakeNotInstalled, port_answers
 
@@ -54,6 +54,11 @@ class MooncakeStoreError(PoolError):
     def __init__(self, message: str, *, code: int, key: bytes | None = None) -> None:
         super().__init__(message, key=key)
         self.code = code
+
+
+class MooncakeObjectsUnreachable(MooncakeStoreError, ObjectUnreachable):
+    """A read met objects the master lists whose owner's segment does not answer (its process is
+    gone); they were force-removed from the store."""
 
 
 def code_name(code: int) -> str:

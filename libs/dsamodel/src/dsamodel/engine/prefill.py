@@ -13,6 +13,12 @@ compute, and a saver thread writes finished layers to the host pool, so transfer
 (torch ops release the GIL). Pool objects are written once: full blocks under their chained hash
 key (the prefix cache), a partial tail block under a request key that names how many tokens it
 holds. Every failure settles the tickets it leaves behind, so no slot stays held (I4, I6).
+
+A cached prefix whose objects turn out unreachable (``ObjectUnreachable``: listed by a distributed
+store, but their owner is gone; the backend removed them) is a prefix-cache miss, not a failed
+request: while no layer has been announced to a reader yet, the request runs once more and
+computes those blocks (``prefill_prefix_unreachable`` in the log). After an announcement the
+decode may hold rows of the first try, so the error stands (I5).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 from kvcore.blockkeys import block_keys, is_request_key, request_block_key
 from kvcore.device import DeviceAllocator
 from kvcore.gates import GateSet, SlotTicket
-from kvcore.hostpool import HostPoolBackend, ObjectExists
+from kvcore.hostpool import HostPoolBackend, ObjectExists, ObjectUnreachable
 from kvcore.leases import Lease
 from kvcore.plan import BufferPlan
 
@@ -136,6 +142,8 @@ class LayerwisePrefill:
         self._planes = [(self._plane(i, "main"), self._plane(i, "indexer")) for i in range(layout.num_layers)]
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kv-save")
         self._lock = threading.Lock()  # one request at a time through the buffers
+        self._announced = False  # this try of the running request told a reader of a layer
+        self._try = 0  # which try of the running request: the slot gates' owner is (request id, try)
 
     def _plane(self, layer: int, kind: str) -> int | None:
         try:
@@ -153,6 +161,17 @@ class LayerwisePrefill:
         if prompt.numel() > self.max_model_len:
             raise ValueError(f"prompt of {prompt.numel()} tokens exceeds max_model_len={self.max_model_len}")
         with self._lock:
+            self._announced, self._try = False, 0
+            try:
+                return self._run(req)
+            except ObjectUnreachable as exc:
+                if self._announced:
+                    raise
+                log.warning("prefill_prefix_unreachable", request_id=req.request_id, error=str(exc),
+                            action="computing the prefix again")
+            # the backend removed them: the prefix match now stops before them. Another owner for the
+            # gates, so the first try's failed slots are not reported to this one
+            self._try = 1
             return self._run(req)
 
     def _run(self, req: PrefillRequest) -> PrefillResult:
@@ -307,6 +326,7 @@ class LayerwisePrefill:
         self._saver.submit(self._save, ticket, chunk, i)
         if self.announce is not None and ticket.readers:
             # the first computed chunk also carries the prefix loaded from the prefix cache
+            self._announced = True  # from here a reader may hold this try's rows
             try:
                 self.announce(ticket, req, 0 if chunk.first else s, e)
             except BaseException as exc:  # readers never told can never answer: fail them now
@@ -387,7 +407,7 @@ class _Loader:
                 fut.set_exception(RuntimeError("prefill aborted"))
                 continue
             try:
-                ticket = self.engine.gates.acquire(layer, self.req.readers, owner=self.req.request_id)
+                ticket = self.engine.gates.acquire(layer, self.req.readers, owner=(self.req.request_id, self.engine._try))
             except BaseException as exc:
                 fut.set_exception(exc)
                 continue
