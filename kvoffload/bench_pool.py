@@ -187,7 +187,7 @@ def _memcache(stack: ExitStack, shapes) -> dict:
 
 
 def _start_metastore(stack: ExitStack) -> str:
-    from kvoffload.stack import _bin, _healthy, free_port_base
+    from kvoffload.stack import _bin, free_port_base, healthy
 
     port = free_port_base((0,))
     proc = subprocess.Popen([_bin("kvoffload-metastore"), "--host", "127.0.0.1", "--port", str(port),
@@ -195,7 +195,7 @@ def _start_metastore(stack: ExitStack) -> str:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stack.callback(lambda: (proc.terminate(), proc.wait(timeout=10)))
     deadline = time.monotonic() + 30
-    while not _healthy(f"grpc://127.0.0.1:{port}"):
+    while not healthy(f"grpc://127.0.0.1:{port}"):
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"kvoffload-metastore did not start on port {port}: {proc.stderr.read()[-2000:]}")
         time.sleep(0.1)

@@ -38,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvoffload.stack import MOONCAKE_MASTER, Stack, StackConfig, ensure_tiny_model, free_stack_ports, stack_stats
+from kvoffload.stack import (MOONCAKE_MASTER, Stack, StackConfig, healthy, ensure_tiny_model, free_stack_ports,
+                             stack_stats)
 
 PEER_TIMEOUT_S = 2.0
 POOL_TIMEOUT_MS = 3000  # the metastore's heartbeat timeout for pools
@@ -334,7 +335,7 @@ class FaultRunner:
         cfg = self.stack.cfg
         deadline = time.monotonic() + RECOVERY_S
         for port in cfg.prefill_ports:
-            while not _ready(f"http://{cfg.host}:{port}/health"):
+            while not healthy(f"http://{cfg.host}:{port}/health"):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the prefill on port {port} is not ready {RECOVERY_S:.0f} s after the "
                                        f"restarts; see {cfg.log_dir}")
@@ -435,15 +436,6 @@ def bench(runs: int = 20, seed: int = 0, progress: bool = True, pool: str = "kvo
                        and out["leaked_pool_bytes"] == 0 and out["leaked_leases"] == 0
                        and out["wrong_tokens"] == 0 and out["fresh_request_failures"] == 0)
     return out
-
-
-def _ready(url: str) -> bool:
-    """HTTP 200 from a service's /health (any other answer, or none, is not ready)."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
 
 
 def records_json(records: list[RunRecord]) -> str:

@@ -325,15 +325,15 @@ class Stack:
         try:
             with tqdm(total=len(cmds), desc="starting kvoffload", unit="service", disable=not progress,
                       file=sys.stderr) as bar:
-                healthy = 0  # services [0, healthy) answered their health check
+                ready = 0  # services [0, ready) answered their health check
 
                 def wait_healthy_until(end: int) -> None:
-                    nonlocal healthy
-                    for (name, _, health), (_, proc, log) in zip(cmds[healthy:end], self.procs[healthy:end]):
+                    nonlocal ready
+                    for (name, _, health), (_, proc, log) in zip(cmds[ready:end], self.procs[ready:end]):
                         bar.set_postfix_str(name)
                         self._wait_healthy(name, proc, health, log, deadline, self.cfg.tls)
                         bar.update(1)
-                        healthy += 1
+                        ready += 1
 
                 for i, (name, argv, _) in enumerate(cmds):
                     if name in self.spawn_after_healthy:
@@ -368,7 +368,7 @@ class Stack:
                 tail = log.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"{name} exited with status {proc.returncode} while starting; "
                                    f"its log ({log}) ends with:\n{tail}")
-            if _healthy(url, tls):
+            if healthy(url, tls):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name} not healthy at {url} in time; see {log}")
@@ -421,7 +421,7 @@ class Stack:
         self.stop()
 
 
-def _healthy(url: str, tls: TLSConfig | None = None) -> bool:
+def healthy(url: str, tls: TLSConfig | None = None) -> bool:
     """HTTP 200 from an http:// URL, or SERVING from the gRPC health service at grpc://host:port
     (over TLS with ``tls``)."""
     if url.startswith("grpc://"):

@@ -196,7 +196,7 @@ class Metastore:
         return f"127.0.0.1:{self.port}"
 
     def __enter__(self) -> "Metastore":
-        from kvoffload.stack import _healthy
+        from kvoffload.stack import healthy
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -204,7 +204,7 @@ class Metastore:
                                           "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + self.start_timeout_s
-        while not _healthy(f"grpc://{self.address}"):
+        while not healthy(f"grpc://{self.address}"):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.__exit__()
                 raise RuntimeError(f"kvoffload-metastore on {self.address} did not start:\n{tail(self.log_path)}")

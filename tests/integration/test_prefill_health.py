@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, _healthy, ensure_tiny_model, free_stack_ports
+from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, healthy, ensure_tiny_model, free_stack_ports
 
 
 def _health(url: str) -> tuple[int, dict]:
@@ -45,14 +45,14 @@ def stack(tmp_path_factory):
 def test_prefill_is_not_ready_while_the_metastore_is_gone_and_ready_once_it_has_the_pool_again(stack):
     port = stack.cfg.prefill_ports[0]
     http, grpc_health = f"http://127.0.0.1:{port}/health", f"grpc://127.0.0.1:{port + DATA_PORT_OFFSET}"
-    assert _health(http)[0] == 200 and _healthy(grpc_health)
+    assert _health(http)[0] == 200 and healthy(grpc_health)
 
     stack.signal("metastore", signal.SIGKILL)
     stack.process("metastore").wait(10)
     status, body = _wait(lambda: (got := _health(http))[0] == 503 and got, "503 from the prefill", 20)
     assert body["status"] == "not_ready" and "MetaStore" in body["reason"], body
-    assert not _healthy(grpc_health)
+    assert not healthy(grpc_health)
 
     stack.restart("metastore")  # an empty index: the next beat is refused, and the pool registers again
     _wait(lambda: _health(http)[0] == 200, "ready again", 30)
-    assert _healthy(grpc_health)
+    assert healthy(grpc_health)

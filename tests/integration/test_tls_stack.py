@@ -12,7 +12,7 @@ import grpc
 import pytest
 from svcruntime.tls import TLSConfig
 
-from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, _healthy, ensure_tiny_model, free_stack_ports, grpc_stats, \
+from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, healthy, ensure_tiny_model, free_stack_ports, grpc_stats, \
     post_json
 
 tlscerts = pytest.importorskip("tlscerts", reason="needs the cryptography package (root test extra)")
@@ -38,10 +38,10 @@ def test_mtls_on_every_grpc_port_and_api_key_on_the_proxy(tmp_path):
         metastore = f"{cfg.host}:{cfg.metastore_port}"
         grpc_ports = {"metastore": metastore, "prefill-0": f"{cfg.host}:{cfg.prefill_ports[0] + DATA_PORT_OFFSET}",
                       "decode-0": f"{cfg.host}:{cfg.kv_port}"}
-        assert _healthy(f"grpc://{metastore}", tls)
-        assert not _healthy(f"grpc://{metastore}")  # a plain gRPC health probe is refused
-        assert not _healthy(f"grpc://{metastore}", TLSConfig.load(ca=pki.ca))  # TLS without a client certificate
-        assert not _healthy(f"grpc://{metastore}", TLSConfig.load(pki.other_cert, pki.other_key, pki.ca))
+        assert healthy(f"grpc://{metastore}", tls)
+        assert not healthy(f"grpc://{metastore}")  # a plain gRPC health probe is refused
+        assert not healthy(f"grpc://{metastore}", TLSConfig.load(ca=pki.ca))  # TLS without a client certificate
+        assert not healthy(f"grpc://{metastore}", TLSConfig.load(pki.other_cert, pki.other_key, pki.ca))
         stats = {name: grpc_stats(target, tls=tls) for name, target in grpc_ports.items()}
         for name, target in grpc_ports.items():
             with pytest.raises(grpc.RpcError) as plain:
