@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload import cli
-from kvoffload.stack import Stack, StackConfig, free_stack_ports
+from kvoffload.stack import Stack, StackConfig, colocated_threads_env, free_stack_ports
 from kvoffload.vllm_stack import (DEFAULT_MAX_MODEL_LEN, VllmStack, split_cores, vllm_decode_transfer_config,
                                   vllm_prefill_transfer_config)
 
@@ -90,7 +90,9 @@ def test_only_the_vllm_children_get_the_vllm_environment(tmp_path, monkeypatch):
     assert stack.engine_env("prefill-0") == {**base, "VLLM_CPU_OMP_THREADS_BIND": "0,1"}
     assert stack.engine_env("decode-0") == {**base, "VLLM_CPU_OMP_THREADS_BIND": "2,3"}
     assert stack.engine_env("metastore") == stack.engine_env("proxy") == {}
-    assert Stack(_cfg(tmp_path)).engine_env("prefill-0") == {}
+    reference = Stack(_cfg(tmp_path)).engine_env("prefill-0")  # the reference stack's own thread plan only
+    assert not any(k.startswith("VLLM_") for k in reference) and reference == colocated_threads_env(
+        "prefill-0", 4, os.environ)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert stack.engine_env("decode-0") == base  # one core: nothing to split
 
