@@ -58,8 +58,8 @@ Transfer threads (save / load / remote pull)
     other planes may still be in progress (a layerwise writer reads back its own earlier layers).
     Counts as a use for LRU. Blocks: for the copy (not under the lock). Idempotent: yes. Must
     not touch: objects whose plane is unwritten (``IncompleteObject``) or missing ones
-    (a distributed backend whose object's owner is gone raises ``ObjectUnreachable`` and removes it)
-    (``ObjectNotFound``).
+    (``ObjectNotFound``). A distributed backend that lists an object whose owner is gone raises
+    ``ObjectUnreachable`` and removes it (the caller may compute it again).
 ``block_ids(keys)``
     Block id of each allocated object, for block tables of native gather/scatter over
     ``plane(p)``. The ids stay valid only while the caller holds a lease (complete objects) or
