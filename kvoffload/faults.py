@@ -236,8 +236,9 @@ class FaultRunner:
         self.stack, self.reference, self.rng = stack, reference, random.Random(seed)
         self.pool = stack.cfg.pool
         self.faults = FAULTS_BY_POOL[self.pool]
-        # restart order: dependencies first (the metastore or the mooncake_master, then the decode, ...)
-        self.services = ("metastore" if self.pool == "kvoffload" else MOONCAKE_MASTER, "decode-0", "prefill-0", "proxy")
+        # restart order = the stack's start order: dependencies first (the metastore or the
+        # mooncake_master, then the decode, the prefill, the proxy)
+        self.services = [name for name, _, _ in stack.commands()]
         self.prompts = _prompts()
         self.log = log or (lambda msg: None)
 

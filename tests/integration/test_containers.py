@@ -257,11 +257,12 @@ def wait_idle(stack: ContainerStack, *names: str) -> dict[str, float]:
 # -- requests ----------------------------------------------------------------------------------------
 
 def complete(url: str, prompt: list[int], max_tokens: int, stream: bool = False,
-             timeout_s: float = 300.0) -> list[int]:
-    """Greedy token ids of one completion through the proxy; raises on any error (SSE error events too)."""
+             timeout_s: float = 300.0, request_id: str | None = None) -> list[int]:
+    """Greedy token ids of one completion through the proxy (sent with ``X-Request-Id`` when
+    ``request_id`` is given); raises on any error (SSE error events too)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"X-Request-Id": request_id} if request_id else {})}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         if not stream:
             return json.loads(resp.read())["choices"][0]["token_ids"]

@@ -21,7 +21,6 @@ import importlib.util
 import json
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -125,14 +124,6 @@ def stack(images, tmp_path_factory):
 reference = tc.reference  # the single-process engine, with the decode container's model files
 
 
-def _complete(stack: MooncakeStack, prompt: list[int], max_tokens: int, request_id: str) -> list[int]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    req = urllib.request.Request(f"{stack.url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "X-Request-Id": request_id})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return json.loads(resp.read())["choices"][0]["token_ids"]
-
-
 def _finished(stack: MooncakeStack, request_id: str) -> dict:
     deadline = time.monotonic() + 10  # the line reaches the container's log
     while not (found := [e for e in stack.events("prefill", "prefill_finished") if e.get("request_id") == request_id]):
@@ -161,7 +152,7 @@ def test_i3_through_the_proxy(stack, reference):
     tok = tc._tok()
     prompts = [[65], list(range(66, 66 + tc.BS - 1)), tok.encode(LONG_TEXT[:4200], add_bos=True)]
     for prompt in prompts:
-        assert _complete(stack, prompt, 12, f"mooncake-i3-{uuid.uuid4().hex}") == reference(prompt, 12), len(prompt)
+        assert tc.complete(stack.url, prompt, 12, request_id=f"mooncake-i3-{uuid.uuid4().hex}") == reference(prompt, 12), len(prompt)
     assert tc.complete(stack.url, prompts[2], 12, stream=True) == reference(prompts[2], 12)
     decode = dict(stack.stats("decode")["decode"].counters)
     assert decode["reads_streamed"] > 0 and decode["reads_shared_memory"] == 0  # separate hosts
@@ -178,7 +169,7 @@ def test_a_shared_long_prefix_hits_the_prefix_cache(stack, reference):
     for n in range(2):
         ids = tok.encode(prefix + f" question {n}: why?", add_bos=True)
         rid = f"mooncake-prefix-{uuid.uuid4().hex}"
-        assert _complete(stack, ids, 6, rid) == reference(ids, 6)
+        assert tc.complete(stack.url, ids, 6, request_id=rid) == reference(ids, 6)
         cached.append(_finished(stack, rid)["cached_tokens"])
     assert cached[0] == 0, cached
     assert cached[1] >= (1 + 1500) // tc.BS * tc.BS, cached  # BOS + prefix, whole blocks
