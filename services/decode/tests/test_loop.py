@@ -155,3 +155,70 @@ def test_other_threads_get_the_lock_while_a_batch_decodes():
     finally:
         lp.close()
         pool.close()
+
+
+def _install_prompt(lp: DecodeLoop, request_id: str, n: int, first_token: int = 7) -> None:
+    c = lp.decoder.model.config
+    for layer in range(len(lp.decoder.model.cache_layers)):
+        lp.write_rows(request_id, layer, 0, torch.randn(n, c.kv_row_width), torch.randn(n, c.index_head_dim))
+    lp.prefill_done(request_id, n, first_token)
+
+
+def test_a_step_waits_for_a_request_on_its_way_and_never_for_nothing():
+    """Gathering a batch: a lone request decodes at once, step after step; while another admitted
+    request is still being prefilled (and the batch has room) each step is held up to
+    step_gather_s, and the moment that request's prompt is complete it joins without waiting out
+    the rest."""
+    import time
+
+    gather = 1.0
+    model = tiny_model(dtype="float32")
+    pool = build.decode_pool(model, 16, 8 << 20)
+    lp = DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256),
+                    model.config.eos_token_id, step_gather_s=gather)
+    stamps: dict[str, list[float]] = {"alone": [], "a": [], "b": []}
+    done = {k: threading.Event() for k in stamps}
+
+    def emit(rid):
+        def on(kind, value):
+            if kind == "token":
+                stamps[rid].append(time.monotonic())
+            elif kind in ("done", "error"):
+                done[rid].set()
+        return on
+
+    try:
+        lp.expect_remote("alone", list(range(20)), SamplingParams(max_tokens=6, ignore_eos=True), emit("alone"))
+        _install_prompt(lp, "alone", 20)
+        assert done["alone"].wait(30)
+        assert len(stamps["alone"]) == 6 and lp.stats()["gather_waits"] == 0  # nothing on its way: no wait
+        assert stamps["alone"][-1] - stamps["alone"][0] < gather, stamps["alone"]
+
+        lp.expect_remote("b", list(range(12)), SamplingParams(max_tokens=2, ignore_eos=True), emit("b"))  # on its way
+        lp.expect_remote("a", list(range(20)), SamplingParams(max_tokens=4, ignore_eos=True), emit("a"))
+        _install_prompt(lp, "a", 20)
+        deadline = time.monotonic() + 30
+        while len(stamps["a"]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gaps = [y - x for x, y in zip(stamps["a"][1:], stamps["a"][2:])]
+        assert len(stamps["a"]) == 3 and gaps and min(gaps) > 0.8 * gather, stamps["a"]  # held for "b"
+        t = time.monotonic()
+        _install_prompt(lp, "b", 12)
+        assert done["b"].wait(30) and done["a"].wait(30)
+        assert stamps["b"][0] - t < 0.5 * gather, (t, stamps["b"])  # joined at once, not after the wait
+        st = lp.stats()
+        assert st["gather_waits"] >= 1 and st["gather_wait_s"] > 0.8 * gather, st
+    finally:
+        lp.close()
+        pool.close()
+
+
+def test_step_gather_must_not_be_negative():
+    model = tiny_model(dtype="float32")
+    pool = build.decode_pool(model, 16, 8 << 20)
+    try:
+        with pytest.raises(ValueError, match="step_gather_s=-1"):
+            DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=1, max_model_len=256),
+                       model.config.eos_token_id, step_gather_s=-1)
+    finally:
+        pool.close()

@@ -22,13 +22,13 @@ from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, 
 
 from kvoffload_decode import __version__
 from kvoffload_decode.app import AppSettings, build_app
-from kvoffload_decode.loop import DecodeLoop
+from kvoffload_decode.loop import DEFAULT_STEP_GATHER_S, DecodeLoop
 from kvoffload_decode.transfer import TransferServicer
 
 SERVICE = "kvoffload-decode"
 FLAG_RULES = dict(at_least_one=("max_model_len", "max_num_seqs", "block_size"),
                   at_least_zero=("dp_rank", "read_retries", "max_queued_requests"),
-                  seconds=("metaserver_timeout_s", "peer_timeout_s"), seconds_or_zero=("shutdown_grace_s",),
+                  seconds=("metaserver_timeout_s", "peer_timeout_s"), seconds_or_zero=("shutdown_grace_s", "step_gather_ms"),
                   ports=("port",))
 log = structlog.get_logger(__name__)
 
@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests admitted but not yet in the running batch; one more gets 429 with Retry-After "
                         "at once (default 0: as many as the host pool holds at max_model_len/4 tokens each, "
                         "at least 4 x --max-num-seqs, at most 1024)")
+    p.add_argument("--step-gather-ms", type=float, default=DEFAULT_STEP_GATHER_S * 1000,
+                   help="while the batch has room and admitted requests are still being prefilled or pulled, "
+                        "hold the next step up to this long after the previous one began, so they join it "
+                        f"(default {DEFAULT_STEP_GATHER_S * 1000:g}; 0: step at once; a lone request never waits)")
     p.add_argument("--speculative-config", metavar="JSON",
                    help='MTP speculative decoding, vLLM\'s format: {"method": "deepseek_mtp", '
                         '"num_speculative_tokens": 1} (greedy requests; the model needs an MTP layer)')
@@ -99,7 +103,8 @@ def serve(args: argparse.Namespace) -> int:
                             hot_cache_policy=settings.sparse.hot_cache_policy,
                             miss_prefetch=settings.sparse.miss_prefetch)
     loop = DecodeLoop(decoder, model.config.eos_token_id, peer_timeout_s=args.peer_timeout_s,
-                      max_queued=args.max_queued_requests or None, num_speculative_tokens=speculative)
+                      max_queued=args.max_queued_requests or None, num_speculative_tokens=speculative,
+                      step_gather_s=args.step_gather_ms / 1000)
     model_id = args.served_model_name or Path(args.model).resolve().name
     transfer = TransferServicer(loop, layout, model_id, host_id(), model.dtype, read_retries=args.read_retries,
                                 tls=tls, memfabric=memfabric)
@@ -116,6 +121,7 @@ def serve(args: argparse.Namespace) -> int:
              topk_buffer_size=settings.sparse.topk_buffer_size, hot_cache_policy=settings.sparse.hot_cache_policy,
              miss_prefetch=settings.sparse.miss_prefetch, host_pool_bytes=settings.host_pool_bytes,
              keep_device_kv_cache=settings.sparse.keep_device_kv_cache, max_queued_requests=loop.max_queued,
+             step_gather_ms=args.step_gather_ms,
              num_speculative_tokens=speculative, transfer_backend=settings.d2h.transfer_backend,
              **({"memfabric_session": memfabric.transfer.session} if memfabric else {}),
              **(tls.describe() if tls else {"tls": False}))

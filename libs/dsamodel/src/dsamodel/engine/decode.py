@@ -126,7 +126,7 @@ class SparseDecoder:
         cfg = model.config
         self.model, self.pool = model, pool
         self.block_size = pool.geometry.block_size
-        self.max_model_len = max_model_len
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         self.topk = cfg.index_topk
         if topk_buffer_size < self.topk or topk_buffer_size % self.block_size:
             raise ValueError(
