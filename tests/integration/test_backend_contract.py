@@ -187,6 +187,25 @@ def test_written_planes_are_write_once(make_pool):
         read(pool, keys("c"), 1)
 
 
+def test_several_planes_at_once_are_put_from_per_plane(make_pool):
+    """``put_planes_from`` (a layer's main KV and indexer keys in one call) writes what one
+    ``put_from`` per plane writes: both planes read back, the objects complete, the same bytes again
+    a no-op, other bytes ``PlaneWritten``."""
+    pool = make_pool()
+    k = keys("a", "b")
+    pool.alloc(k)
+    pool.put_planes_from(k, {1: block(4, 1, 2), 0: block(4, 0, 2)})
+    assert pool.exists(k) == [True, True] and pool.stats().complete_objects == 2
+    assert torch.equal(read(pool, k, 0), block(4, 0, 2)) and torch.equal(read(pool, k, 1), block(4, 1, 2))
+    pool.put_planes_from(k, {0: block(4, 0, 2), 1: block(4, 1, 2)})  # the same bytes: a no-op
+    with pytest.raises(PlaneWritten) as e:
+        pool.put_planes_from(k, {0: block(4, 0, 2), 1: block(5, 1, 2)})
+    assert e.value.key == b"a" and torch.equal(read(pool, k, 1), block(4, 1, 2))
+    pool.alloc(keys("c"))
+    pool.put_planes_from(keys("c"), {0: block(6, 0)})  # one plane: put_from
+    assert pool.exists(keys("c")) == [False] and torch.equal(read(pool, keys("c"), 0), block(6, 0))
+
+
 def test_missing_keys_raise_not_found_with_the_key(make_pool):
     pool = make_pool()
     pool.alloc(keys("a"))

@@ -12,7 +12,7 @@ import pytest
 from fakeclock import clock  # noqa: F401 - the clock fixture
 import torch
 from engine_support import prefill_engine, saved_bytes, seeded_prompt, tiny
-from kvcore.hostpool import HostPoolBackend, ObjectLeased, ObjectNotFound, PoolError
+from kvcore.hostpool import HostPoolBackend, IncompleteObject, ObjectLeased, ObjectNotFound, PlaneWritten, PoolError
 from kvcore.segment import PoolGeometry, SharedSegment
 from poolclient.errors import MetaStoreUnavailable, PoolNotRegistered, WorldSizeExceeded
 from poolclient.remotepool import RemoteHostPool
@@ -262,3 +262,26 @@ def test_prefill_over_the_metastore_pool_is_bit_identical(metastore):
         assert len(g[4]) == len(w[4]) == geometry.num_planes
         for a, b in zip(g[4], w[4]):
             assert torch.equal(a, b)
+
+
+def test_several_planes_cost_the_round_trips_of_one(pools, metastore):
+    """``put_planes_from`` (the prefill's save of a layer: main KV + indexer keys) is one copy lease,
+    one MarkWritten and one release for every plane together, not three RPCs per plane; a
+    conflicting plane is found before any plane is copied."""
+    pool = pools("p0")
+    pool.alloc(K[:2])
+    data = [_rows(2, p, 40 + p) for p in range(GEO.num_planes)]
+    before = metastore.metrics.request_counts()
+    pool.put_planes_from(K[:2], dict(enumerate(data)))
+    after = metastore.metrics.request_counts()
+    calls = {m: after[(m, c)] - before.get((m, c), 0) for (m, c) in after if after[(m, c)] != before.get((m, c), 0)}
+    assert calls == {"Lease": 1, "MarkWritten": 1, "ReleaseLease": 1}, calls
+    assert pool.exists(K[:2]) == [True, True]
+    assert all(torch.equal(_read(pool, K[:2], p), data[p]) for p in range(GEO.num_planes))
+    pool.alloc(K[2:3])
+    pool.put_from(K[:1], 0, data[0][:1])
+    with pytest.raises(PlaneWritten):  # plane 1 of K[0] differs: plane 0 of K[2] is not written either
+        pool.put_planes_from([K[2], K[0]], {0: torch.cat((_rows(1, 0, 50), data[0][:1])),
+                                           1: torch.cat((_rows(1, 1, 51), _rows(1, 1, 52)))})
+    with pytest.raises(IncompleteObject, match="no written plane 0"):
+        _read(pool, K[2:3], 0)

@@ -107,6 +107,19 @@ def test_deregister_is_idempotent_and_counts_what_it_dropped(clock):
 # ---- objects --------------------------------------------------------------------------------------
 
 
+def test_several_planes_are_marked_in_one_call_all_or_nothing(clock):
+    core = make(clock)
+    core.register_pool("a", "seg-a", geometry(num_blocks=4))
+    core.alloc(K[:2], "a")
+    assert core.mark_written(K[:2], [1, 0]) == [True, True]
+    core.alloc(K[2:3], "a")
+    with pytest.raises(ValueError, match=r"plane must be an int in \[0, 2\), got 7"):
+        core.mark_written(K[2:3], [0, 7])
+    assert core.lookup(K[2:3])[0].written_planes == ()  # plane 0 was not marked either
+    with pytest.raises(ValueError, match="no plane"):
+        core.mark_written(K[2:3], [])
+
+
 def test_alloc_lookup_exists_remove(clock):
     core = make(clock)
     core.register_pool("a", "seg-a", geometry(num_blocks=4))

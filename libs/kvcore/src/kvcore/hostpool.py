@@ -53,6 +53,10 @@ Transfer threads (save / load / remote pull)
     bytes again are a no-op, other bytes raise ``PlaneWritten`` (nothing is written). Blocks: for
     the copy (not under the lock). Idempotent: yes (same bytes, same result). Must not touch: a
     written plane (readers in this or other processes may hold its block id under a lease).
+    Several planes of the same objects (a layer's main KV and indexer keys):
+    ``put_planes_from(keys, {plane: src})``, a concrete method that calls ``put_from`` per plane
+    in plane order; a backend may override it to save round trips (``RemoteHostPool``: one copy
+    lease and one MarkWritten for all of them).
 ``get_into(keys, plane, dst)``
     Copy ``plane`` of objects whose ``plane`` is written into ``dst`` (same shape rules); the
     other planes may still be in progress (a layerwise writer reads back its own earlier layers).
@@ -84,7 +88,7 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +150,11 @@ class HostPoolBackend(ABC):
 
     @abstractmethod
     def put_from(self, keys: Sequence[bytes], plane: int, src: torch.Tensor) -> None: ...
+
+    def put_planes_from(self, keys: Sequence[bytes], srcs: Mapping[int, torch.Tensor]) -> None:
+        """``put_from(keys, plane, src)`` for each ``plane -> src`` of ``srcs``, in plane order."""
+        for plane in sorted(srcs):
+            self.put_from(keys, plane, srcs[plane])
 
     @abstractmethod
     def get_into(self, keys: Sequence[bytes], plane: int, dst: torch.Tensor) -> None: ...

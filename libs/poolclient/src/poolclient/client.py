@@ -162,9 +162,14 @@ class MetaStoreClient:
                                                           require_hint=require_hint))
         return Allocation(pool_from_pb(reply.pool), list(reply.block_ids), reply.evicted_objects)
 
-    def mark_written(self, keys: Sequence[bytes], plane: int) -> list[bool]:
-        """Report plane ``plane`` of each object written; per key whether it is now complete."""
-        return list(self._call("MarkWritten", pb.MarkWrittenRequest(keys=list(keys), plane=plane)).complete)
+    def mark_written(self, keys: Sequence[bytes], plane: int | Sequence[int]) -> list[bool]:
+        """Report plane ``plane`` (or each of several planes) of each object written; per key
+        whether it is now complete."""
+        if isinstance(plane, int):
+            request = pb.MarkWrittenRequest(keys=list(keys), plane=plane)
+        else:
+            request = pb.MarkWrittenRequest(keys=list(keys), planes=list(plane))
+        return list(self._call("MarkWritten", request).complete)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return list(self._call("Exists", pb.ExistsRequest(keys=list(keys))).exists)

@@ -15,6 +15,8 @@ Hook -> MetaStore calls (all from any thread; the gRPC client is thread-safe)
                              segment -> MarkWritten -> ReleaseLease. Only objects of this pool.
                              Written planes are write-once, as in every backend: the same bytes
                              again are a no-op, other bytes raise ``PlaneWritten``.
+``put_planes_from``          The same three calls for several planes at once (the prefill saves a
+                             layer's main KV and indexer keys with one).
 ``get_into(keys, p, dst)``   Lease -> (Lookup, for objects in other pools) -> copy from this
                              pool's segment or another pool's, attached by name and cached ->
                              ReleaseLease. Other pools must be on this host (``host_id``); a pool
@@ -43,7 +45,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import structlog
@@ -277,28 +279,35 @@ class RemoteHostPool(HostPoolBackend):
     # ---- transfer threads ------------------------------------------------------------------------
 
     def put_from(self, keys: Sequence[bytes], plane: int, src: torch.Tensor) -> None:
+        self.put_planes_from(keys, {plane: src})
+
+    def put_planes_from(self, keys: Sequence[bytes], srcs: Mapping[int, torch.Tensor]) -> None:
         keys = check_keys(keys, unique=True)
         g = self.geometry
-        plane = g.check_plane(plane)
-        src_u8 = _as_block_bytes(src, "src", len(keys), g, plane)  # [n, block_size, row_bytes]
+        planes = sorted(g.check_plane(p) for p in srcs)
+        if len(set(planes)) != len(planes):
+            raise ValueError(f"put_planes_from: planes {list(srcs)} name one plane twice")
+        src_u8 = {p: _as_block_bytes(srcs[p], "src", len(keys), g, p) for p in planes}  # [n, block_size, row_bytes]
         self._check_usable()
-        if not keys:
+        if not keys or not planes:
             return
         with self._copying(keys, "put_from") as lease:
             for k, loc in zip(keys, lease.locations):
                 if loc.pool_id != self.pool_id:
                     raise PoolError(f"put_from: object {k!r} lives in pool {loc.pool_id!r}; pool "
                                     f"{self.pool_id!r} writes only objects it allocated", key=k)
-            dst = self._segment.plane(plane)  # [num_blocks, block_size, row_bytes]
             ids = torch.tensor([loc.block_id for loc in lease.locations], dtype=torch.long)  # [n]
-            written = torch.tensor([plane in loc.written_planes for loc in lease.locations])  # [n]
-            check_same_bytes(keys, plane, dst, ids, written, src_u8)
-            fresh = ~written
-            if bool(fresh.all()):
-                dst.index_copy_(0, ids, src_u8)
-            elif bool(fresh.any()):
-                dst.index_copy_(0, ids[fresh], src_u8[fresh])
-            self._client.mark_written(keys, plane)
+            for plane in planes:  # every plane checked before any is written
+                written = torch.tensor([plane in loc.written_planes for loc in lease.locations])  # [n]
+                check_same_bytes(keys, plane, self._segment.plane(plane), ids, written, src_u8[plane])
+            for plane in planes:
+                dst = self._segment.plane(plane)  # [num_blocks, block_size, row_bytes]
+                fresh = ~torch.tensor([plane in loc.written_planes for loc in lease.locations])  # [n]
+                if bool(fresh.all()):
+                    dst.index_copy_(0, ids, src_u8[plane])
+                elif bool(fresh.any()):
+                    dst.index_copy_(0, ids[fresh], src_u8[plane][fresh])
+            self._client.mark_written(keys, planes[0] if len(planes) == 1 else planes)
 
     def get_into(self, keys: Sequence[bytes], plane: int, dst: torch.Tensor) -> None:
         keys = check_keys(keys, unique=False)

@@ -24,7 +24,7 @@ Writers and readers (prefill / decode engines, via the servicer)
     The checks have no side effects (``check_alloc`` raises what ``alloc`` would); ``alloc``
     evicts LRU complete, unleased objects if needed.
     The caller owns the new (incomplete) objects until complete or removed: never evicted.
-``mark_written(keys, plane)`` -> complete flags. Idempotent.
+``mark_written(keys, plane)`` -> complete flags (``plane`` may be a list: several planes at once). Idempotent.
 ``lookup(keys)`` / ``exists(keys)``: no side effects (not a use for LRU).
 ``lease(keys, ttl_ms, holder)`` -> ``LeaseGrant``: the holder releases it or lets it expire after
     ``ttl_ms`` (default ``lease_ttl_ms``); while live, its objects are neither evicted nor removed.
@@ -316,20 +316,24 @@ class MetaStoreCore:
                 ids.append(obj.block_id)
             return Allocation(pool.record, ids, len(victims))
 
-    def mark_written(self, keys: Sequence[bytes], plane: int) -> list[bool]:
+    def mark_written(self, keys: Sequence[bytes], plane: int | Sequence[int]) -> list[bool]:
         keys = check_keys(keys, unique=True)
+        planes = [plane] if isinstance(plane, int) else list(plane)
+        if not planes:
+            raise ValueError("mark_written: no plane given")
         with self._lock:
             self._begin()
             objs = self._resolve(keys)
             for k, obj in zip(keys, objs):
                 try:
-                    obj.pool.record.geometry.check_plane(plane)
+                    for p in planes:
+                        obj.pool.record.geometry.check_plane(p)
                 except ValueError as e:
                     raise ValueError(f"key {k!r} in pool {obj.pool.record.pool_id!r}: {e}") from None
             out = []
             for k, obj in zip(keys, objs):
                 was = obj.complete
-                obj.written.add(plane)
+                obj.written.update(planes)
                 if obj.complete and not was:
                     obj.pool.policy.on_complete(k)
                 out.append(obj.complete)

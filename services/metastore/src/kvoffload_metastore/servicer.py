@@ -116,7 +116,8 @@ class MetaStoreServicer(metastore_pb2_grpc.MetaStoreServicer):
 
     @_rpc
     def MarkWritten(self, request: pb.MarkWrittenRequest, context: grpc.ServicerContext) -> pb.MarkWrittenReply:
-        return pb.MarkWrittenReply(complete=self.core.mark_written(list(request.keys), request.plane))
+        planes = list(request.planes) or request.plane
+        return pb.MarkWrittenReply(complete=self.core.mark_written(list(request.keys), planes))
 
     @_rpc
     def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext) -> pb.RemoveReply:

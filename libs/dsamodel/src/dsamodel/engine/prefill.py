@@ -339,11 +339,10 @@ class LayerwisePrefill:
             if chunk.save_keys:
                 blocks = torch.tensor(chunk.save_blocks, dtype=torch.long)
                 main_plane, idx_plane = self._planes[layer]
-                src = self.buffers.blocks(self.buffers.main(layer))[blocks].cpu()  # [n, bs, R + r]
-                self.pool.put_from(chunk.save_keys, main_plane, src)
+                srcs = {main_plane: self.buffers.blocks(self.buffers.main(layer))[blocks].cpu()}  # [n, bs, R + r]
                 if idx_plane is not None:
-                    src = self.buffers.blocks(self.buffers.indexer(layer))[blocks].cpu()  # [n, bs, Di]
-                    self.pool.put_from(chunk.save_keys, idx_plane, src)
+                    srcs[idx_plane] = self.buffers.blocks(self.buffers.indexer(layer))[blocks].cpu()  # [n, bs, Di]
+                self.pool.put_planes_from(chunk.save_keys, srcs)  # one round trip for both (remote pools)
         except BaseException as exc:
             log.error("prefill_save_failed", layer=layer, error=str(exc))
             self._save_errors.append(exc)
