@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsamodel.config import ModelConfig
@@ -137,9 +138,13 @@ class MLAttention(nn.Module):
             index_q=index_q, index_w=index_w, index_k=index_k,
         )
 
-    def output(self, attn_latent: torch.Tensor) -> torch.Tensor:
-        """attn_latent [T, H, R] -> W_UV up-projection and o_proj -> [T, D]."""
+    def output(self, attn_latent: torch.Tensor, *, partial: bool = False) -> torch.Tensor:
+        """attn_latent [T, H, R] -> W_UV up-projection and o_proj -> [T, D]; ``partial``: this TP
+        rank's heads' share of o_proj, in float32, to be summed over the ranks."""
         t = attn_latent.shape[0]
         _, w_uv = self.w_uk_uv()  # [H, v, R]
         o = torch.bmm(attn_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
-        return self.o_proj(o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim))  # [T, D]
+        o = o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim)  # [T, H*v]
+        if partial:
+            return F.linear(o.to(torch.float32), self.o_proj.weight.to(torch.float32))  # [T, D]
+        return self.o_proj(o)  # [T, D]

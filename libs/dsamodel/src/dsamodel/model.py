@@ -28,6 +28,7 @@ from dsamodel.config import ModelConfig
 from dsamodel.indexcodec import IndexCodec
 from dsamodel.mla import MLAttention, Projection
 from dsamodel.modules import RMSNorm, SwiGLU, linear
+from dsamodel.tp import SOLO, TPGroup
 
 __all__ = ["DSAModel", "DecoderLayer", "MTPLayer", "Projection"]
 
@@ -45,6 +46,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAttention(config, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+        self.tp: TPGroup = SOLO  # the ranks this layer is sharded over (dsamodel.tp.shard_model)
 
     def project(self, h: torch.Tensor, positions: torch.Tensor) -> Projection:
         """h [T, D] residual stream, positions [T] -> the layer's queries and cache rows."""
@@ -59,8 +61,12 @@ class DecoderLayer(nn.Module):
         expected = (h.shape[0], attn.num_heads, attn.kv_lora_rank)
         if tuple(attn_latent.shape) != expected:
             raise ValueError(f"attn_latent must be [T, H, R] = {list(expected)}, got {list(attn_latent.shape)}")
-        h = h + attn.output(attn_latent.to(h.dtype))  # [T, D]
-        return h + self.mlp(self.post_attention_layernorm(h))  # [T, D]
+        if self.tp.size == 1:
+            h = h + attn.output(attn_latent.to(h.dtype))  # [T, D]
+            return h + self.mlp(self.post_attention_layernorm(h))  # [T, D]
+        # this rank's heads and intermediate: float32 partial sums, reduced over the ranks (dsamodel.tp)
+        h = h + self.tp.reduce(attn.output(attn_latent.to(h.dtype), partial=True)).to(h.dtype)  # [T, D]
+        return h + self.tp.reduce(self.mlp(self.post_attention_layernorm(h), partial=True)).to(h.dtype)
 
     def _check_hidden(self, h: torch.Tensor) -> None:
         dtype = self.input_layernorm.weight.dtype
@@ -121,6 +127,7 @@ class DSAModel(nn.Module):
         self.lm_head = linear(config.hidden_size, config.vocab_size, dtype=dtype, device=device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.tp: TPGroup = SOLO  # dsamodel.tp.shard_model sets the group of a sharded model
         self.requires_grad_(False)
 
     @property

@@ -58,5 +58,10 @@ class SwiGLU(nn.Module):
         self.up_proj = linear(hidden, intermediate, dtype=dtype, device=device)
         self.down_proj = linear(intermediate, hidden, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, D]
+    def forward(self, x: torch.Tensor, *, partial: bool = False) -> torch.Tensor:
+        """x [T, D] -> [T, D]; ``partial``: this TP rank's share of down_proj, in float32, to be
+        summed over the ranks (``dsamodel.tp``)."""
+        a = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [T, I]
+        if partial:
+            return F.linear(a.to(torch.float32), self.down_proj.weight.to(torch.float32))  # [T, D]
+        return self.down_proj(a)  # [T, D]
