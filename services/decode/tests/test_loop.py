@@ -164,11 +164,11 @@ def _install_prompt(lp: DecodeLoop, request_id: str, n: int, first_token: int = 
     lp.prefill_done(request_id, n, first_token)
 
 
-def test_a_step_waits_for_a_request_on_its_way_and_never_for_nothing():
-    """Gathering a batch: a lone request decodes at once, step after step; while another admitted
-    request is still being prefilled (and the batch has room) each step is held up to
-    step_gather_s, and the moment that request's prompt is complete it joins without waiting out
-    the rest."""
+def test_a_step_waits_at_saturation_only_and_a_request_that_can_join_joins_at_once():
+    """Gathering a batch: a lone request decodes at once, step after step, and so does one whose
+    batch has room for every request still being prefilled; with more of those than room (a
+    backlog) each step is held up to step_gather_s, and the moment one's prompt is complete it
+    joins without waiting out the rest."""
     import time
 
     gather = 1.0
@@ -176,7 +176,7 @@ def test_a_step_waits_for_a_request_on_its_way_and_never_for_nothing():
     pool = build.decode_pool(model, 16, 8 << 20)
     lp = DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256),
                     model.config.eos_token_id, step_gather_s=gather)
-    stamps: dict[str, list[float]] = {"alone": [], "a": [], "b": []}
+    stamps: dict[str, list[float]] = {k: [] for k in ("alone", "a", "b", "c")}
     done = {k: threading.Event() for k in stamps}
 
     def emit(rid):
@@ -187,27 +187,39 @@ def test_a_step_waits_for_a_request_on_its_way_and_never_for_nothing():
                 done[rid].set()
         return on
 
+    def tokens_of(rid, n):
+        deadline = time.monotonic() + 30
+        while len(stamps[rid]) < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(stamps[rid]) >= n, stamps[rid]
+        return stamps[rid][:n]
+
+    def gaps(ts):
+        return [y - x for x, y in zip(ts, ts[1:])]
+
     try:
         lp.expect_remote("alone", list(range(20)), SamplingParams(max_tokens=6, ignore_eos=True), emit("alone"))
         _install_prompt(lp, "alone", 20)
         assert done["alone"].wait(30)
-        assert len(stamps["alone"]) == 6 and lp.stats()["gather_waits"] == 0  # nothing on its way: no wait
-        assert stamps["alone"][-1] - stamps["alone"][0] < gather, stamps["alone"]
+        assert len(stamps["alone"]) == 6 and max(gaps(stamps["alone"])) < 0.5 * gather, stamps["alone"]
 
-        lp.expect_remote("b", list(range(12)), SamplingParams(max_tokens=2, ignore_eos=True), emit("b"))  # on its way
-        lp.expect_remote("a", list(range(20)), SamplingParams(max_tokens=4, ignore_eos=True), emit("a"))
+        lp.expect_remote("b", list(range(12)), SamplingParams(max_tokens=2, ignore_eos=True), emit("b"))
+        lp.expect_remote("a", list(range(20)), SamplingParams(max_tokens=40, ignore_eos=True), emit("a"))
         _install_prompt(lp, "a", 20)
-        deadline = time.monotonic() + 30
-        while len(stamps["a"]) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        gaps = [y - x for x, y in zip(stamps["a"][1:], stamps["a"][2:])]
-        assert len(stamps["a"]) == 3 and gaps and min(gaps) > 0.8 * gather, stamps["a"]  # held for "b"
+        assert max(gaps(tokens_of("a", 6))) < 0.5 * gather  # "b" fits the batch's room: no hold
+        assert lp.stats()["gather_waits"] == 0
+        n = len(stamps["a"])
+        lp.expect_remote("c", list(range(12)), SamplingParams(max_tokens=2, ignore_eos=True), emit("c"))
+        held = tokens_of("a", n + 3)[n:]  # two on their way, room for one: a backlog
+        assert min(gaps(held)) > 0.8 * gather, held
         t = time.monotonic()
         _install_prompt(lp, "b", 12)
-        assert done["b"].wait(30) and done["a"].wait(30)
+        assert done["b"].wait(30)
         assert stamps["b"][0] - t < 0.5 * gather, (t, stamps["b"])  # joined at once, not after the wait
         st = lp.stats()
-        assert st["gather_waits"] >= 1 and st["gather_wait_s"] > 0.8 * gather, st
+        assert st["gather_waits"] >= 2 and st["gather_wait_s"] > 1.6 * gather, st
+        assert lp.cancel("c", "test")
+        assert done["a"].wait(30) and len(stamps["a"]) == 40
     finally:
         lp.close()
         pool.close()

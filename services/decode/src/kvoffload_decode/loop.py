@@ -21,12 +21,14 @@ to the request's ``emit`` callback. ``cancel`` frees a request at any stage.
 
 Gathering a batch (``step_gather_s``, ``--step-gather-ms``). A step costs nearly the same for one
 request as for a full batch (the model's fixed per-layer work dominates), and on cores it shares
-with a prefill every step is time that prefill does not get. So while the batch has room and
-admitted requests are on their way (their prefill or pull is running), the loop holds the next step
-until one of them can join or ``step_gather_s`` has passed since the previous step began; with
-nothing on its way, or a full batch, it steps at once. A lone request therefore decodes at full
-speed; under a burst the decode steps fuller batches less often and the prefill gets the cores
-(``bench load``: about 40 % less decode CPU for the same tokens). ``stats()`` counts the waits.
+with a prefill every step is time that prefill does not get. So at saturation — the batch has
+room, and more admitted requests are on their way (their prefill or pull running) than that room
+holds — the loop holds the next step until one of them can join or ``step_gather_s`` has passed
+since the previous step began. Below saturation (every request on its way fits, or nothing is on
+its way) it steps at once: a lone request, or a few long prompts arriving one by one, decode at
+full speed, and only a backlog, which will fill the batch anyway, trades a little TPOT for
+throughput (``bench load``: about 40 % less decode CPU for the same tokens, TPOT still under the
+single-process engine's). ``stats()`` counts the waits.
 
 Speculative decoding (``num_speculative_tokens`` 1, ``--speculative-config``): a greedy request
 whose PrefillDone carried the prefill's MTP draft starts with it, and every step verifies and
@@ -451,15 +453,17 @@ class DecodeLoop:
                         self.running.clear()
 
     def _gather(self) -> None:
-        """Under ``lock``: hold the next step while the batch has room and a request is on its way,
-        until one can join or ``step_gather_s`` has passed since the previous step began."""
+        """Under ``lock``: at saturation (more requests on their way than the batch has room for),
+        hold the next step until one can join or ``step_gather_s`` has passed since the previous
+        step began (module doc)."""
         began = time.monotonic()
         deadline = self._step_started + self.step_gather_s
         waited = False
-        while not self._stop and self.running and len(self.running) < self.decoder.max_num_seqs:
+        while not self._stop and self.running:
+            room = self.decoder.max_num_seqs - len(self.running)
             coming = [r for r in self.pending.values() if r.reserved]  # not those still waiting for blocks
-            if not coming or any(self._runnable(r) for r in coming):
-                break
+            if room <= 0 or len(coming) <= room or any(self._runnable(r) for r in coming):
+                break  # a full batch, not saturated (every request on its way fits), or one can join now
             left = deadline - time.monotonic()
             if left <= 0:
                 break

@@ -56,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "at once (default 0: as many as the host pool holds at max_model_len/4 tokens each, "
                         "at least 4 x --max-num-seqs, at most 1024)")
     p.add_argument("--step-gather-ms", type=float, default=DEFAULT_STEP_GATHER_S * 1000,
-                   help="while the batch has room and admitted requests are still being prefilled or pulled, "
-                        "hold the next step up to this long after the previous one began, so they join it "
-                        f"(default {DEFAULT_STEP_GATHER_S * 1000:g}; 0: step at once; a lone request never waits)")
+                   help="at saturation (more admitted requests still being prefilled or pulled than the batch has "
+                        "room for), hold the next step up to this long after the previous one began, so they join "
+                        f"it (default {DEFAULT_STEP_GATHER_S * 1000:g}; 0: step at once; below saturation it never waits)")
     p.add_argument("--speculative-config", metavar="JSON",
                    help='MTP speculative decoding, vLLM\'s format: {"method": "deepseek_mtp", '
                         '"num_speculative_tokens": 1} (greedy requests; the model needs an MTP layer)')
