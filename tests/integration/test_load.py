@@ -123,6 +123,7 @@ def test_64_concurrent_requests_queue_and_all_succeed_then_the_excess_of_a_burst
     assert d["pool_used_bytes"] == 0 and d["sequences"] == 0 and d["pool_live_leases"] == 0, d
     assert d["queued"] == 0 and d["waiting_for_blocks"] == 0 and d["ledger_open"] == 0, d
     assert d["free_slots"] == 2 and d["rejected"] >= len(refused), d
+    assert d["gather_waits"] > 0 and d["gather_wait_s"] > 0, d  # the bursts saturated it: steps were held
     assert p["held_slots"] == 0 and p["pool_live_leases"] == 0, p
     assert stats["metastore"]["live_leases"] == 0, stats["metastore"]
 
@@ -135,3 +136,4 @@ def test_64_concurrent_requests_queue_and_all_succeed_then_the_excess_of_a_burst
         decode_metrics = resp.read().decode()
     assert _metric(decode_metrics, "kvoffload_decode_rejected_total") >= len(refused)
     assert _metric(decode_metrics, "kvoffload_decode_queued_requests") == 0
+    assert _metric(decode_metrics, "kvoffload_decode_gather_waits_total") == d["gather_waits"]

@@ -72,6 +72,11 @@ class Metrics:
                              registry=self.registry)
         self.rejected = Counter("kvoffload_decode_rejected", "Requests refused with 429 (queue full)",
                                 registry=self.registry)
+        self.gather_waits = Gauge("kvoffload_decode_gather_waits_total",
+                                  "Steps held at saturation for requests on their way (--step-gather-ms)",
+                                  registry=self.registry)
+        self.gather_wait_s = Gauge("kvoffload_decode_gather_wait_seconds_total",
+                                   "Seconds steps were held at saturation", registry=self.registry)
         self.loop, self.transfer = loop, transfer
 
     def render(self) -> bytes:
@@ -87,6 +92,8 @@ class Metrics:
         self.queued.set(st["queued"])
         self.waiting.set(st["waiting_for_blocks"])
         self.running.set(st["running"])
+        self.gather_waits.set(st["gather_waits"])
+        self.gather_wait_s.set(st["gather_wait_s"])
         c = self.transfer.counters
         self.reads.set(c["read_done"])
         self.read_ms.set(c["read_ms_total"] / c["read_done"] if c["read_done"] else 0.0)

@@ -28,7 +28,8 @@ from kvoffload_decode.transfer import TransferServicer
 SERVICE = "kvoffload-decode"
 FLAG_RULES = dict(at_least_one=("max_model_len", "max_num_seqs", "block_size"),
                   at_least_zero=("dp_rank", "read_retries", "max_queued_requests"),
-                  seconds=("metaserver_timeout_s", "peer_timeout_s"), seconds_or_zero=("shutdown_grace_s", "step_gather_ms"),
+                  seconds=("metaserver_timeout_s", "peer_timeout_s"),
+                  seconds_or_zero=("shutdown_grace_s", "step_gather_ms"),
                   ports=("port",))
 log = structlog.get_logger(__name__)
 
