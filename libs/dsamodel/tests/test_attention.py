@@ -132,3 +132,14 @@ def test_sparse_attention_and_gather_errors():
         gather_rows(torch.zeros(4, 3), torch.tensor([[0, 4]]))
     with pytest.raises(ValueError, match="int64"):
         gather_rows(torch.zeros(4, 3), torch.tensor([[0, 1]], dtype=torch.int32))
+
+
+def test_sparse_attention_leaves_its_inputs_alone():
+    """It zeroes invalid rows in a copy of its own, whatever the input dtype (a float32 input must
+    not be the tensor it writes into)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        q_lat, q_rope, rows, valid = (t.to(dtype) if t.is_floating_point() else t for t in attention_inputs(seed=2))
+        rows[~valid] = float("nan")
+        before = rows.clone()
+        sparse_mla_attention(q_lat, q_rope, rows, valid, 0.3)
+        assert torch.equal(rows.isnan(), before.isnan()) and torch.equal(rows.nan_to_num(), before.nan_to_num())

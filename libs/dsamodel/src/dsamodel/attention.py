@@ -124,7 +124,9 @@ def sparse_mla_attention(
     """
     _check_attention_inputs(q_latent, q_rope, kv_rows, valid, softmax_scale)
     r_lat = q_latent.shape[-1]
-    rows = torch.where(valid[..., None], kv_rows.to(torch.float32), 0.0).contiguous()  # [T, k, R + r]
+    rows = kv_rows.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # [T, k, R + r], ours
+    # invalid rows (stale or uninitialized slots, NaN included) become zeros, in place: one copy, not two
+    torch.where(valid[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device), out=rows)
     q = torch.cat((q_latent, q_rope), dim=-1).to(torch.float32)  # [T, H, R + r]
     scores = torch.bmm(q, rows.transpose(1, 2)) * softmax_scale  # [T, H, k]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
