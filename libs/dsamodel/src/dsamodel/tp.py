@@ -146,12 +146,11 @@ def shard_model(model, group: TPGroup):
     if getattr(model, "tp", SOLO).size != 1:
         raise ValueError(f"the model is already sharded ({model.tp!r})")
     model.tp = group
-    if group.size == 1:
-        for layer in model.cache_layers:
-            layer.tp = group
-        return model
     n, r = group.size, group.rank
     for layer in model.cache_layers:
+        layer.tp = group
+        if n == 1:
+            continue  # one rank: the whole layer
         attn = layer.self_attn
         h = attn.num_heads // n
         heads = slice(r * h, (r + 1) * h)
@@ -168,5 +167,4 @@ def shard_model(model, group: TPGroup):
         _keep_rows(mlp.gate_proj, part)
         _keep_rows(mlp.up_proj, part)
         _keep_cols(mlp.down_proj, part)
-        layer.tp = group
     return model

@@ -297,17 +297,17 @@ class RemoteHostPool(HostPoolBackend):
                     raise PoolError(f"put_from: object {k!r} lives in pool {loc.pool_id!r}; pool "
                                     f"{self.pool_id!r} writes only objects it allocated", key=k)
             ids = torch.tensor([loc.block_id for loc in lease.locations], dtype=torch.long)  # [n]
+            written = {p: torch.tensor([p in loc.written_planes for loc in lease.locations]) for p in planes}  # [n]
             for plane in planes:  # every plane checked before any is written
-                written = torch.tensor([plane in loc.written_planes for loc in lease.locations])  # [n]
-                check_same_bytes(keys, plane, self._segment.plane(plane), ids, written, src_u8[plane])
+                check_same_bytes(keys, plane, self._segment.plane(plane), ids, written[plane], src_u8[plane])
             for plane in planes:
                 dst = self._segment.plane(plane)  # [num_blocks, block_size, row_bytes]
-                fresh = ~torch.tensor([plane in loc.written_planes for loc in lease.locations])  # [n]
+                fresh = ~written[plane]
                 if bool(fresh.all()):
                     dst.index_copy_(0, ids, src_u8[plane])
                 elif bool(fresh.any()):
                     dst.index_copy_(0, ids[fresh], src_u8[plane][fresh])
-            self._client.mark_written(keys, planes[0] if len(planes) == 1 else planes)
+            self._client.mark_written(keys, planes)
 
     def get_into(self, keys: Sequence[bytes], plane: int, dst: torch.Tensor) -> None:
         keys = check_keys(keys, unique=False)
