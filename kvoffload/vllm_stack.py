@@ -227,14 +227,31 @@ def _scrape_all(stack: VllmStack) -> dict[str, dict | str]:
     return out
 
 
-def _settled(stack: VllmStack, timeout_s: float = 5.0) -> dict[str, dict]:
+def _settled(stack: VllmStack, timeout_s: float = 5.0, since: dict | None = None) -> dict[str, dict]:
     """The metrics once two scrapes 0.5 s apart agree (a server may record a step's counters just
-    after it answered), or the last scrape after ``timeout_s``."""
+    after it answered), or the last scrape after ``timeout_s``. With ``since`` (an earlier scrape),
+    also not before a prefill and a decode server each counted one more finished request than
+    then: a vLLM decode can answer before its prefill server has (it needs only the pulled layers),
+    and that server's counters move only once it answered the proxy."""
+
+    def finished(now: dict) -> bool:
+        if since is None:
+            return True
+        done = {"prefill-": 0.0, "decode-": 0.0}
+        for name, samples in now.items():
+            role = next((r for r in done if name.startswith(r)), None)
+            was = since.get(name)
+            if role is None or isinstance(samples, str) or isinstance(was, str):
+                continue
+            done[role] += (_total(samples, "vllm:request_success_total")
+                           - _total(was or {}, "vllm:request_success_total"))
+        return all(v >= 1 for v in done.values())
+
     deadline, last = time.monotonic() + timeout_s, _scrape_all(stack)
     while time.monotonic() < deadline:
         time.sleep(0.5)
         now = _scrape_all(stack)
-        if now == last:
+        if now == last and finished(now):
             break
         last = now
     return last
@@ -250,7 +267,7 @@ def demo(stack: VllmStack, max_tokens: int = DEFAULT_MAX_TOKENS, timeout_s: floa
                        {"messages": messages, "max_tokens": max_tokens, "temperature": 0},
                        timeout_s=timeout_s, headers=stack.auth_headers)
     elapsed = time.monotonic() - t
-    after = _settled(stack)
+    after = _settled(stack, timeout_s=30.0, since=before)
     logged = _logged_pulls(stack, logs_before)
     views = {}
     for name, now in after.items():

@@ -122,7 +122,9 @@ class FakeDecoder(FakeBackend):
     """Modes: ok, http500, reject400, hang (before registering; /v1/models never answers),
     no_register (waits, never registers), die_midstream (two events, then drops the connection),
     slow (0.3 s per token), flat_registration (POSTs its params themselves, request_id inside, as
-    reference decoders), no_models (GET /v1/models is a 404, as a decoder without that route).
+    reference decoders), no_models (GET /v1/models is a 404, as a decoder without that route),
+    no_wait (registers, then answers without waiting for the registration's answer, as a vLLM
+    decode does once it pulled the layers: it may finish before the prefiller answered).
     `model` is the served model name: answers carry it, GET /v1/models lists it (after `delay_s`)."""
 
     def __init__(self, name: str, mode: str = "ok", delay_s: float = 0.0, index: int = 0):
@@ -131,6 +133,7 @@ class FakeDecoder(FakeBackend):
         self.model = "m"
         self.model_queries: list[dict] = []  # the headers of every GET /v1/models
         self.metaserver_answers: list[tuple[int, dict, float]] = []
+        self.registrations: list[asyncio.Future] = []
 
     def app(self) -> web.Application:
         app = super().app()
@@ -174,8 +177,13 @@ class FakeDecoder(FakeBackend):
         if self.mode in ("hang", "no_register"):
             await asyncio.sleep(3600)
         # shielded: the answer is recorded even when the proxy drops this request meanwhile
-        answer = await asyncio.shield(asyncio.ensure_future(
-            self.register(body["kv_transfer_params"])))
+        registration = asyncio.ensure_future(self.register(body["kv_transfer_params"]))
+        self.registrations.append(registration)
+        if self.mode == "no_wait":
+            await asyncio.sleep(0.1)  # registered by now; the answer is not awaited
+            answer = (200, {}, time.monotonic())
+        else:
+            answer = await asyncio.shield(registration)
         if answer[0] != 200:
             return web.json_response({"error": {"message": f"metaserver refused: {answer[1]}"}},
                                      status=502)

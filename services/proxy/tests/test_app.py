@@ -32,8 +32,9 @@ async def _assert_idle(s):
     """Nothing leaked: no open rendezvous, no load left on any backend."""
     flow = s.app[FLOW]
     idle = lambda: (len(flow.registry) == 0 and flow.prefillers.is_idle  # noqa: E731
-                    and flow.decoders.is_idle)
-    assert await _until(idle), (len(flow.registry), flow.prefillers.loads, flow.decoders.loads)
+                    and flow.decoders.is_idle and flow.in_flight == 0)
+    assert await _until(idle), (len(flow.registry), flow.prefillers.loads, flow.decoders.loads,
+                                flow.in_flight)
 
 
 async def test_completion_json_prefill_shape_and_metaserver_after_prefill(stack):
@@ -304,6 +305,52 @@ async def test_client_disconnect_cancels_decoder_request(stack):
         except asyncio.TimeoutError:
             pass
         assert await _until(lambda: s.decoders[0].cancelled == 1)
+        await _assert_idle(s)
+
+
+async def test_a_request_cancelled_again_while_it_cleans_up_is_still_accounted(stack):
+    """The client leaving cancels the handler; a drain (or aiohttp, once the connection is gone)
+    may cancel it again while its `finally:` waits for the decoder tasks: the request still
+    leaves the in-flight set and releases its leases (a drain would otherwise wait its whole
+    grace for a request that ended long ago)."""
+    async with stack(decoders=("slow",)) as s:
+        flow = s.app[FLOW]
+        async with s.http.post(s.url + "/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+            assert r.status == 200
+            await r.content.readline()  # mid-stream
+            [task] = list(flow._inflight)
+            cancels = 0
+            while not task.done():  # a cancel on every turn of the loop, the cleanup's wait included
+                task.cancel()
+                cancels += 1
+                await asyncio.sleep(0)
+        assert cancels >= 2
+        await _assert_idle(s)
+
+
+async def test_a_request_answered_before_its_prefill_lets_the_prefill_finish(stack):
+    """A decoder that answers before the prefiller has (a vLLM decode needs only the pulled
+    layers): the client gets its answer at once, the prefill is not cancelled (its server would count
+    an aborted request) but answered, the waiting registration gets that answer, and afterwards
+    nothing is held."""
+    async with stack(decoders=("no_wait",), prefill_delay_s=0.8) as s:
+        t0 = time.monotonic()
+        status, data, _ = await s.post("/v1/completions", {"prompt": "hi"})
+        assert status == 200 and data["choices"][0]["text"] == "<hi> a b"
+        assert time.monotonic() - t0 < 0.7  # not held for the prefill
+        assert s.prefillers[0].done_at == []
+        assert await _until(lambda: s.decoders[0].metaserver_answers, 3.0)
+        assert s.prefillers[0].cancelled == 0 and len(s.prefillers[0].done_at) == 1
+        assert s.decoders[0].metaserver_answers[0][0] == 200
+        await _assert_idle(s)
+
+    async with stack(decoders=("no_wait",), prefillers=("hang",)) as s:  # shutdown: cancelled then
+        status, _, _ = await s.post("/v1/completions", {"prompt": "hi"})
+        assert status == 200 and s.prefillers[0].cancelled == 0
+        await s.app[FLOW].registry.aclose()
+        assert await _until(lambda: s.prefillers[0].cancelled == 1)
+        assert await _until(lambda: s.decoders[0].metaserver_answers)
+        assert s.decoders[0].metaserver_answers[0][0] == 410
         await _assert_idle(s)
 
 

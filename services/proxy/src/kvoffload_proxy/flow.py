@@ -118,6 +118,7 @@ class Flow:
                                              auto_decompress=True)
 
     async def close(self) -> None:
+        await self.registry.aclose()
         if self.session is not None:
             await self.session.close()
 
@@ -143,6 +144,8 @@ class Flow:
             raise upstream.transport_error(e, lease.backend, "running the prefill") from None
         finally:
             lease.release_tokens()
+            if rdv.closed:  # the request was answered before its prefill: nobody else releases it
+                lease.release()
         log.info("prefill_done", prefiller=lease.backend.url, parent_id=rdv.parent_id,
                  children=len(rdv.child_ids), ms=round((time.monotonic() - start) * 1000, 1))
 
@@ -207,6 +210,7 @@ class Flow:
                  if req.stream else JsonRelay(st.response_id, st.headers, req.n))
         children = [asyncio.create_task(self._run_child(st, i, out))
                     for i in range(req.num_children)]
+        answered = False
         try:
             pending = set(range(req.num_children))
             while pending:
@@ -221,6 +225,7 @@ class Flow:
                     continue
                 self._note_output(st, i)
                 await relay.add(i, item)
+            answered = True
             return await relay.finish()
         except ProxyError as e:
             st.outcome = e.outcome
@@ -241,12 +246,19 @@ class Flow:
         finally:
             for t in children:
                 t.cancel()
-            self.registry.close(rdv)
-            if children:
-                await asyncio.wait(children, timeout=5)
-            if st.prefill_lease is not None:
-                st.prefill_lease.release()
-            self._finished(task)
+            self.registry.close(rdv, answered=answered)
+            try:
+                if children:
+                    await asyncio.wait(children, timeout=5)
+            finally:  # a second cancel (a drain, the client leaving) lands here: still accounted
+                if st.prefill_lease is not None:
+                    st.prefill_lease.release()
+                self._finished(task)
+
+    @property
+    def in_flight(self) -> int:
+        """Client requests between admission and their last accounting step (0 when idle)."""
+        return len(self._inflight)
 
     def _finished(self, task: asyncio.Task) -> None:
         self._inflight.discard(task)

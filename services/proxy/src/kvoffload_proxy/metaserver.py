@@ -10,8 +10,12 @@ Hooks, by caller (all on the event loop; nothing blocks the loop):
   `Registry.open(parent_id, child_ids, context)` -> `Rendezvous`, before dispatching to decoders.
   `Rendezvous.outcome`: a future that resolves to None once the prefill answered, or to the
   `ProxyError` that failed the request; the flow watches it to fail fast.
-  `Registry.close(rdv, error)`: in `finally:`; idempotent; cancels a running dispatch and answers
-  waiting decoders with `error` (410 "cancelled" by default). Forgets the child ids.
+  `Registry.close(rdv, error, answered=False)`: in `finally:`; idempotent; cancels a running
+  dispatch and answers waiting decoders with `error` (410 "cancelled" by default). Forgets the
+  child ids. `answered=True` (every decoder finished its answer): a dispatch still running is left
+  to finish instead — its prefiller has done the work (the decoders pulled every layer) and is only
+  answering, and cancelling it now would make that server count an aborted request; the dispatch,
+  bounded as ever, then answers the waiting decoders itself. `Registry.aclose()` cancels those.
 - metaserver route (one task per decoder call): `Registry.register(child_id, params)`; waits for the
   outcome and returns (-> 200 {"status": "ok"}) or raises `ProxyError` (-> that status). A repeated
   call with the same params (a decoder retrying a lost answer) joins the same outcome; different
@@ -57,6 +61,7 @@ class Rendezvous:
         self._dispatch_task: asyncio.Task[None] | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self.queued: set[str] = set()  # children a decoder queued: no registration deadline for them
+        self.closed = False  # the client request ended (`Registry.close`)
 
     @property
     def missing_ids(self) -> list[str]:
@@ -86,6 +91,7 @@ class Registry:
         self.registration_timeout_s = registration_timeout_s
         self.dispatch_timeout_s = dispatch_timeout_s
         self._by_child: dict[str, Rendezvous] = {}
+        self._finishing: set[asyncio.Task[None]] = set()  # dispatches of answered requests
 
     def __len__(self) -> int:
         """Open rendezvous (0 when idle: nothing leaked)."""
@@ -135,17 +141,32 @@ class Registry:
         await asyncio.wait_for(asyncio.shield(rdv.outcome),
                                self.registration_timeout_s + self.dispatch_timeout_s + 1.0)
 
-    def close(self, rdv: Rendezvous, error: ProxyError | None = None) -> None:
+    def close(self, rdv: Rendezvous, error: ProxyError | None = None, *, answered: bool = False) -> None:
+        rdv.closed = True
         if rdv._deadline is not None:
             rdv._deadline.cancel()
-        if rdv._dispatch_task is not None and not rdv._dispatch_task.done():
-            rdv._dispatch_task.cancel()
-        self._resolve(rdv, error or ProxyError(
-            410, f"request {rdv.parent_id} ended before its prefill completed (client "
-                 "disconnected or the request failed)"))
+        task = rdv._dispatch_task
+        if answered and task is not None and not task.done():
+            log.info("prefill_left_to_finish", parent_id=rdv.parent_id)
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+        else:
+            if task is not None and not task.done():
+                task.cancel()
+            self._resolve(rdv, error or ProxyError(
+                410, f"request {rdv.parent_id} ended before its prefill completed (client "
+                     "disconnected or the request failed)"))
         for c in rdv.child_ids:
             if self._by_child.get(c) is rdv:
                 del self._by_child[c]
+
+    async def aclose(self) -> None:
+        """Cancel the dispatches left to finish (shutdown) and wait for them."""
+        tasks = list(self._finishing)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     def _start_dispatch(self, rdv: Rendezvous) -> None:
         if rdv._deadline is not None:
