@@ -420,3 +420,31 @@ def test_decode_ranks_bind_consecutive_ports():
                         layout, index_topk=32, max_num_seqs=1, max_model_len=64, dp=2, tp=4)
     assert s.control_ports() == list(range(30000, 30008))
     assert [s.control_port(d, t) for d in range(2) for t in range(4)] == list(range(30000, 30008))
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (2, 1), (2, 2), (4, 2), (8, 4)])
+def test_the_handshake_accepts_exactly_the_contributors_of_a_decode_rank(p_tp, d_tp):
+    from kvcore.settings import tp_contributors, tp_handshake_problem
+
+    for d in range(d_tp):
+        for p in range(p_tp):
+            problem = tp_handshake_problem(p_tp, p, d_tp, d)
+            assert (problem == "") == (p in tp_contributors(p_tp, d_tp, d)), (p, d, problem)
+            if problem:  # both sides' ranks named
+                assert f"prefill tp rank {p} of {p_tp}" in problem and f"decode tp rank {d}" in problem
+
+
+@pytest.mark.parametrize("p_tp, p_rank, d_tp, d_rank, words", [
+    (1, 0, 2, 0, ["prefill tp 1", "decode tp 2", ">= decode TP"]),
+    (6, 0, 4, 0, ["prefill tp 6", "decode tp 4", "divisible"]),
+    (0, 0, 1, 0, ["prefill tp 0", "decode tp 1"]),
+    (2, 2, 1, 0, ["prefill_tp_rank: 2", "0..1", "prefill tp 2"]),
+    (2, 0, 1, 1, ["decode_tp_rank: 1", "0..0", "decode tp 1"]),
+    (2, 0, 1, True, ["decode_tp_rank: True (bool)"]),
+])
+def test_the_handshake_names_both_values_of_a_mismatch(p_tp, p_rank, d_tp, d_rank, words):
+    from kvcore.settings import tp_handshake_problem
+
+    problem = tp_handshake_problem(p_tp, p_rank, d_tp, d_rank)
+    for word in words:
+        assert word in problem, (word, problem)

@@ -11,7 +11,7 @@ import pytest
 from kvcore.gates import OccupantFailed, SlotGate
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
-from pdlink.links import DecodeLink
+from pdlink.links import DecodeLink, LinkError
 
 
 class FakeDecode(transfer_pb2_grpc.TransferServicer):
@@ -20,9 +20,11 @@ class FakeDecode(transfer_pb2_grpc.TransferServicer):
         self.hang = threading.Event()  # set: heartbeats and reads never answer
         self.release = threading.Event()
         self.unknown: set[str] = set()
+        self.tp = (0, 1)  # the decode TP rank and size its acks report
 
     def ExchangeLayout(self, request, context):
-        return transfer_pb2.LayoutAck(accepted=True, layout_version=request.layout_version)
+        return transfer_pb2.LayoutAck(accepted=True, layout_version=request.layout_version,
+                                      decode_tp_rank=self.tp[0], decode_tp_size=self.tp[1])
 
     def Heartbeat(self, request, context):
         if self.hang.is_set():
@@ -48,11 +50,22 @@ def decode():
     server.stop(0)
 
 
-def _link(endpoint: str) -> DecodeLink:
-    layout = transfer_pb2.LayoutMetadata(layout_version=7, model_id="m")
+def _link(endpoint: str, prefill_tp: tuple[int, int] = (0, 1)) -> DecodeLink:
+    layout = transfer_pb2.LayoutMetadata(layout_version=7, model_id="m", prefill_tp_rank=prefill_tp[0],
+                                         prefill_tp_size=prefill_tp[1])
     link = DecodeLink(endpoint, layout, read_timeout_s=30, tls=None, peer_timeout_s=0.6, heartbeat_s=0.1)
     link.ensure_layout()
     return link
+
+
+def test_a_decode_whose_tp_rank_this_prefill_rank_does_not_feed_is_refused_naming_both(decode):
+    fake, endpoint = decode
+    fake.tp = (1, 2)  # decode TP rank 1 of 2: fed by prefill TP ranks 2, 3 of 4, or 1 of 2
+    with pytest.raises(LinkError, match="prefill tp rank 0 of 2 feeds decode tp rank 0 of 2, not decode tp rank 1"):
+        _link(endpoint, prefill_tp=(0, 2))
+    with pytest.raises(LinkError, match="prefill tp 1, decode tp 2; prefill TP must be >= decode TP"):
+        _link(endpoint)
+    _link(endpoint, prefill_tp=(3, 4)).close()  # a contributor of that rank
 
 
 def test_heartbeats_name_the_held_requests_and_report_dropped_ones(decode):

@@ -357,6 +357,21 @@ def test_layouts_are_kept_by_version_and_handed_out_as_a_copy(rank):
     assert not rank.puller.same_host(rank.meta.host_id) and rank.puller.same_host(HOST)
 
 
+def test_a_decode_tp_rank_accepts_only_the_layouts_of_its_contributors(rank):
+    """Decode TP rank 1 of 2 takes layouts from prefill TP ranks 2 and 3 of 4 (its contributor group)
+    and refuses every other rank and any prefill TP that cannot feed decode TP 2, naming both sides."""
+    rank.puller.tp_rank, rank.puller.tp_size = 1, 2
+    m = pb.LayoutMetadata()
+    m.CopyFrom(rank.meta)
+    for p_tp, p_rank, want in [(4, 2, ""), (4, 3, ""), (2, 1, ""),
+                               (4, 1, "tp rank: prefill tp rank 1 of 4 feeds decode tp rank 0 of 2, not decode tp rank 1"),
+                               (1, 0, "tp: prefill tp 1, decode tp 2; prefill TP must be >= decode TP"),
+                               (3, 2, "tp: prefill tp 3, decode tp 2; prefill TP must be >= decode TP and divisible")]:
+        m.prefill_tp_size, m.prefill_tp_rank, m.layout_version = p_tp, p_rank, VERSION + 10 + p_tp * 4 + p_rank
+        reason = rank.puller.exchange_layout(m)
+        assert reason.startswith(want) if want else reason == "", (p_tp, p_rank, reason)
+
+
 def test_heartbeat_names_the_unknown_requests_and_is_counted(rank):
     assert rank.puller.heartbeat(VERSION, ["r0", "gone", "r0"]) == ["gone"]
     assert rank.loop.ledger.stage_of("r0") == "pulling"  # the prefill has been heard from

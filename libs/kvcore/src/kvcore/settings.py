@@ -348,11 +348,9 @@ def decode_settings(
 def check_pd_pair(prefill: PrefillSettings, decode: DecodeSettings) -> None:
     """A prefill and a decode deployment can work together (TP ratio, same P→D transfer backend)."""
     errors: list[str] = []
-    if prefill.tp < decode.tp or prefill.tp % decode.tp:
-        errors.append(
-            f"tp: prefill tp {prefill.tp}, decode tp {decode.tp}; "
-            "prefill TP must be >= decode TP and divisible by it"
-        )
+    problem = tp_pair_problem(prefill.tp, decode.tp)
+    if problem:
+        errors.append(problem)
     p_backend = prefill.d2h.transfer_backend if prefill.d2h else None
     d_backend = decode.d2h.transfer_backend
     if prefill.d2h is None:
@@ -370,6 +368,38 @@ def check_pd_pair(prefill: PrefillSettings, decode: DecodeSettings) -> None:
         raise ConfigError(errors)
 
 
+def _shown(value: Any) -> str:
+    return str(value) if _is_int(value) else describe_value(value)
+
+
+def tp_pair_problem(prefill_tp: int, decode_tp: int) -> str:
+    """"" when ``prefill_tp`` prefill ranks can feed ``decode_tp`` decode ranks (prefill TP >= decode
+    TP and divisible by it), else why, naming both values."""
+    if not (_is_int(prefill_tp) and _is_int(decode_tp)) or prefill_tp < 1 or decode_tp < 1 \
+            or prefill_tp < decode_tp or prefill_tp % decode_tp:
+        return (f"tp: prefill tp {_shown(prefill_tp)}, decode tp {_shown(decode_tp)}; "
+                "prefill TP must be >= decode TP and divisible by it")
+    return ""
+
+
+def tp_handshake_problem(prefill_tp_size: int, prefill_tp_rank: int, decode_tp_size: int, decode_tp_rank: int) -> str:
+    """"" when prefill TP rank ``prefill_tp_rank`` (of ``prefill_tp_size``) is a contributor of decode TP
+    rank ``decode_tp_rank`` (of ``decode_tp_size``), else why, naming the values of both sides: the
+    check both ends of a layout exchange make."""
+    problem = tp_pair_problem(prefill_tp_size, decode_tp_size)
+    if problem:
+        return problem
+    if not _is_int(prefill_tp_rank) or not 0 <= prefill_tp_rank < prefill_tp_size:
+        return f"prefill_tp_rank: {_shown(prefill_tp_rank)} is outside 0..{prefill_tp_size - 1} (prefill tp {prefill_tp_size})"
+    if not _is_int(decode_tp_rank) or not 0 <= decode_tp_rank < decode_tp_size:
+        return f"decode_tp_rank: {_shown(decode_tp_rank)} is outside 0..{decode_tp_size - 1} (decode tp {decode_tp_size})"
+    target = prefill_tp_rank // (prefill_tp_size // decode_tp_size)
+    if target != decode_tp_rank:
+        return (f"tp rank: prefill tp rank {prefill_tp_rank} of {prefill_tp_size} feeds decode tp rank {target} "
+                f"of {decode_tp_size}, not decode tp rank {decode_tp_rank}")
+    return ""
+
+
 def tp_contributors(prefill_tp: int, decode_tp: int, decode_tp_rank: int) -> list[int]:
     """Prefill TP ranks that feed decode TP rank ``decode_tp_rank``.
 
@@ -378,9 +408,9 @@ def tp_contributors(prefill_tp: int, decode_tp: int, decode_tp_rank: int) -> lis
     only when all of them reported (MLA KV is replicated across TP, so each contributor carries the
     same rows and any one of them suffices for the data; all must ack for the release handshake).
     """
-    if prefill_tp < 1 or decode_tp < 1 or prefill_tp < decode_tp or prefill_tp % decode_tp:
-        raise ValueError(f"tp: prefill tp {prefill_tp}, decode tp {decode_tp}; "
-                         "prefill TP must be >= decode TP and divisible by it")
+    problem = tp_pair_problem(prefill_tp, decode_tp)
+    if problem:
+        raise ValueError(problem)
     if not 0 <= decode_tp_rank < decode_tp:
         raise ValueError(f"decode_tp_rank {decode_tp_rank} outside 0..{decode_tp - 1}")
     ratio = prefill_tp // decode_tp

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import grpc
 import structlog
+from kvcore.settings import tp_handshake_problem
 from svcruntime.tls import PROCESS, secure_or_insecure_channel
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
@@ -119,6 +120,11 @@ class DecodeLink:
                                 f"{exc.details()}") from None
             if not ack.accepted:
                 raise LinkError(f"decode {self.endpoint} refused the layout: {ack.reason}")
+            tp = tp_handshake_problem(self._layout.prefill_tp_size, self._layout.prefill_tp_rank,
+                                      ack.decode_tp_size, ack.decode_tp_rank)
+            if tp:  # the decode accepted, but its rank is not one this prefill rank feeds
+                raise LinkError(f"decode {self.endpoint} accepted the layout but is not this prefill rank's "
+                                f"target: {tp}")
             self._accepted = True
             self._last_answer, self._dead = time.monotonic(), ""
 

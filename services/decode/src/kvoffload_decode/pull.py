@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 from kvcore.layout import KVLayout, dtype_name
+from kvcore.settings import tp_handshake_problem
 from dsamodel.sampling import TokenLogprob
 from kvoffload_proto.v1 import transfer_pb2
 from pdlink.memfabric import MemfabricRows
@@ -116,8 +117,10 @@ class LayerPuller:
     every pull reads through it, never ``sources``."""
 
     def __init__(self, loop: DecodeLoop, layout: KVLayout, model_id: str, host_id: str, sources: RowSources,
-                 read_retries: int = 2, memfabric: MemfabricRows | None = None) -> None:
+                 read_retries: int = 2, memfabric: MemfabricRows | None = None, *, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         self.loop, self.layout, self.model_id, self.host_id = loop, layout, model_id, host_id
+        self.tp_rank, self.tp_size = tp_rank, tp_size  # this decode rank: only its contributors' layouts
         self.sources, self.memfabric = sources, memfabric
         self.read_retries = read_retries
         self.counters = PullCounters()
@@ -152,8 +155,9 @@ class LayerPuller:
         if mine != theirs:
             return (f"memfabric_session: the prefill's transfer_backend is {theirs!r} (session "
                     f"{m.memfabric_session or 'none'}), this decode's {mine!r}; both sides must use the same one")
-        if m.prefill_tp_size < 1 or m.prefill_tp_size % 1:
-            return f"prefill_tp_size: {m.prefill_tp_size} is not a multiple of the decode TP size 1"
+        tp = tp_handshake_problem(m.prefill_tp_size, m.prefill_tp_rank, self.tp_size, self.tp_rank)
+        if tp:
+            return tp
         for spec, got in zip(self.layout.layers, m.layers):
             want_idx = spec.indexer.row_bytes if spec.indexer else 0
             want_idx_dtype = dtype_name(spec.indexer.dtype) if spec.indexer else ""

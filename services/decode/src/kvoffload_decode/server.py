@@ -95,7 +95,8 @@ def serve(args: argparse.Namespace) -> int:
     layout = kv_layout(model.config, args.block_size, model.dtype)
     settings = _settings(args, layout, model.config.index_topk)
     memfabric = _memfabric_rows(args, settings.d2h, layout)
-    control_port = settings.control_port(args.dp_rank, 0)
+    tp_rank = 0  # one rank per decode process for now (settings.tp is 1)
+    control_port = settings.control_port(args.dp_rank, tp_rank)
     pool = build.decode_pool(model, args.block_size, settings.host_pool_bytes,
                              name=f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}")
     decoder = SparseDecoder(model, pool, topk_buffer_size=settings.sparse.topk_buffer_size,
@@ -108,7 +109,7 @@ def serve(args: argparse.Namespace) -> int:
                       step_gather_s=args.step_gather_ms / 1000)
     model_id = args.served_model_name or Path(args.model).resolve().name
     transfer = TransferServicer(loop, layout, model_id, host_id(), model.dtype, read_retries=args.read_retries,
-                                tls=tls, memfabric=memfabric)
+                                tls=tls, memfabric=memfabric, tp_rank=tp_rank, tp_size=settings.tp)
     grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _stats(loop, transfer, ledger), workers=16,
                          options=[("grpc.max_receive_message_length", 8 << 20)])
     grpc_side.add(transfer_pb2_grpc.add_TransferServicer_to_server, transfer)

@@ -30,13 +30,14 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
     """Serves ``kvoffload.v1.Transfer`` for one decode rank over a ``LayerPuller``."""
 
     def __init__(self, loop: DecodeLoop, layout: KVLayout, model_id: str, host_id: str, dtype: torch.dtype,
-                 read_retries: int = 2, tls=PROCESS, memfabric: MemfabricRows | None = None) -> None:
+                 read_retries: int = 2, tls=PROCESS, memfabric: MemfabricRows | None = None, *,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
         self.dtype = dtype
         # streamed pulls from a prefill's LayerSource go over ``tls``: the process's TLS by default;
         # with ``memfabric`` (transfer_backend "memfabric") every pull reads through it instead
         sources = RowSources(lambda endpoint: secure_or_insecure_channel(endpoint, tls))
         self.puller = LayerPuller(loop, layout, model_id, host_id, sources, read_retries=read_retries,
-                                  memfabric=memfabric)
+                                  memfabric=memfabric, tp_rank=tp_rank, tp_size=tp_size)
 
     @property
     def counters(self) -> dict[str, float]:
@@ -46,7 +47,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
     def ExchangeLayout(self, request, context):
         reason = self.puller.exchange_layout(request)
         return transfer_pb2.LayoutAck(accepted=not reason, reason=reason, layout_version=request.layout_version,
-                                      decode_tp_rank=0, decode_tp_size=1,
+                                      decode_tp_rank=self.puller.tp_rank, decode_tp_size=self.puller.tp_size,
                                       shared_memory=self.puller.memfabric is None
                                       and self.puller.same_host(request.host_id))
 

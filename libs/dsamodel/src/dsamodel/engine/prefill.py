@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -40,6 +41,9 @@ from kvcore.plan import BufferPlan
 from dsamodel.attention import gather_rows, indexer_topk, sparse_mla_attention
 from dsamodel.engine.buffers import LayerBuffers
 from dsamodel.model import DSAModel, DecoderLayer
+
+if TYPE_CHECKING:
+    from dsamodel.engine.tp_prefill import Followers
 
 log = structlog.get_logger(__name__)
 
@@ -114,6 +118,7 @@ class LayerwisePrefill:
         lease_ttl_ms: int = 600_000,
         announce: Announce | None = None,
         buffer_segment: str | None = None,
+        followers: Followers | None = None,
     ) -> None:
         layout = plan.layout
         if layout.num_layers != len(model.cache_layers):
@@ -139,6 +144,7 @@ class LayerwisePrefill:
                                     segment_name=buffer_segment)
         self.gates = GateSet(plan.layer_to_slot, default_timeout_s=gate_timeout_s)
         self.announce = announce
+        self.followers = followers  # TP ranks 1..N-1 (dsamodel.engine.tp_prefill); None: one rank
         self._planes = [(self._plane(i, "main"), self._plane(i, "indexer")) for i in range(layout.num_layers)]
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kv-save")
         self._lock = threading.Lock()  # one request at a time through the buffers
@@ -161,6 +167,8 @@ class LayerwisePrefill:
         if prompt.numel() > self.max_model_len:
             raise ValueError(f"prompt of {prompt.numel()} tokens exceeds max_model_len={self.max_model_len}")
         with self._lock:
+            if self.followers is not None:
+                self.followers.check()
             self._announced, self._try = False, 0
             try:
                 return self._run(req)
@@ -274,7 +282,10 @@ class LayerwisePrefill:
         layers = model.cache_layers
         pipeline = _Loader(self, req, chunk)
         logits = first = draft = None
+        followers = self.followers
         try:
+            if followers is not None:
+                followers.chunk(req.request_id, req.prompt[s : e + 1].tolist(), s, e, final)
             h = model.embed(tokens)  # [T, D]
             base = model.config.num_hidden_layers
             for layer in layers[:base]:
@@ -282,6 +293,8 @@ class LayerwisePrefill:
             if final:
                 logits = model.logits(h[-1:])[0]  # [V]
                 first = req.sample(logits) if req.sample else int(torch.argmax(logits))
+                if followers is not None and len(layers) > base:
+                    followers.first(first)  # their MTP layer's last input
             if len(layers) > base:
                 nxt = req.prompt[s + 1 : e + 1].to(model.device)
                 if nxt.numel() < e - s:
@@ -292,6 +305,8 @@ class LayerwisePrefill:
                 if final:
                     draft = model.mtp_logits(h_mtp[-1:], depth=0)[0]  # [V]
         except BaseException as exc:
+            if followers is not None:
+                followers.abort(exc)
             pipeline.abort(exc)
             raise
         pipeline.finish()
@@ -306,17 +321,17 @@ class LayerwisePrefill:
             why = req.cancelled() if req.cancelled else ""
             if why:
                 raise PrefillError(f"request {req.request_id} stopped before layer {i}: {why}")
+            if self.followers is not None:
+                self.followers.layer(main[:s], idx[:s])  # go on, with the rows [0, s) this slot holds
             proj = layer.project(h, positions)
             main[s:e] = proj.kv  # [T, R + r]
             idx[s:e] = self.model.index_codec.encode(proj.index_k)  # [T, W]
             pad_end = chunk.end_block * self.block_size
             main[e:pad_end] = 0  # tail rows are saved too: make them deterministic
             idx[e:pad_end] = 0
-            topk = indexer_topk(proj.index_q, proj.index_w, self.model.index_codec.decode(idx[:e]), positions,
-                                self.model.config.index_topk)
-            rows, valid = gather_rows(main[:e], topk)  # [T, k, R + r], [T, k]
-            lat = sparse_mla_attention(proj.q_latent, proj.q_rope, rows, valid, layer.softmax_scale)
-            h = layer.finish(h, lat)  # [T, D]
+            h = layer.finish(h, attend(self.model, layer, proj, main[:e], idx[:e], positions))  # [T, D]
+            if self.followers is not None:
+                self.followers.layer_done()
         except BaseException as exc:
             self.buffers.forget(i)
             _fail_ticket(ticket, exc, compute=True, save=True, reads=True)
@@ -373,6 +388,15 @@ class LayerwisePrefill:
         self.gates.abort_all("prefill engine closed")
         self._saver.shutdown(wait=True)
         self.buffers.close()
+
+
+def attend(model: DSAModel, layer: DecoderLayer, proj, main: torch.Tensor, idx: torch.Tensor,
+           positions: torch.Tensor) -> torch.Tensor:
+    """The chunk's sparse attention: its queries (``proj``) select top-k of the rows ``main`` / ``idx``
+    (every row up to the chunk's end) and attend over them -> latent [T, H, R] for ``layer.finish``."""
+    topk = indexer_topk(proj.index_q, proj.index_w, model.index_codec.decode(idx), positions, model.config.index_topk)
+    rows, valid = gather_rows(main, topk)  # [T, k, R + r], [T, k]
+    return sparse_mla_attention(proj.q_latent, proj.q_rope, rows, valid, layer.softmax_scale)
 
 
 def _fail_ticket(ticket: SlotTicket, exc: BaseException, *, compute: bool, save: bool, reads: bool) -> None:

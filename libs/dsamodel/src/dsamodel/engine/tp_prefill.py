@@ -1,0 +1,203 @@
+"""Tensor-parallel prefill: rank 0 leads, ranks 1..N-1 follow it layer by layer.
+
+Rank 0 runs the whole ``LayerwisePrefill``: the host pool, the shared layer buffers, the saves, the
+announcements to decode endpoints and the first token. Only it touches the pool (as in the
+reference: only TP rank 0 saves). Every rank holds its shard of the model (``dsamodel.tp``) and runs
+every layer of every chunk, because each layer ends in two reductions over all ranks. A follower
+needs no pool and no buffers of its own: rank 0 sends it, in order over a ``Channel``,
+
+- ``("chunk", request_id, tokens, start, end, final)``: the chunk ``[start, end)`` begins (``tokens``
+  is ``prompt[start:end + 1]``: the chunk and, for the MTP layer, the token after it);
+- ``("layer", main, indexer)`` before each layer: go on; ``main`` / ``indexer`` are the (shape, dtype)
+  of the rows ``[0, start)`` rank 0's slot holds (the prefix and earlier chunks), which follow as
+  two tensors (none when ``start`` is 0);
+- ``("first", token)`` in a final chunk with an MTP layer: the sampled first token it needs;
+- ``("stop", reason)`` instead of any of those: rank 0 gave the request up (its decode went away,
+  a load failed); the follower drops the chunk and waits for the next one;
+- ``("close",)``: the follower returns (after a barrier with rank 0: a broadcast may return on rank 0
+  before the others received it, and the group must not be torn down under them).
+
+The cache rows are the same on every rank (the latent projection and the indexer are replicated),
+so a follower computes its chunk's rows itself and attends over the same rows rank 0 does.
+
+A failure of rank 0 while the followers wait for a message is told to them (``stop``). One inside a
+layer's computation (after ``layer`` was sent; a bug, out of memory) leaves the followers inside a
+reduction that rank 0 will not join: the group is then out of step, rank 0 says so on every later
+request (``TPGroupBroken``), and the followers' collectives time out. The service restarts it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import structlog
+import torch
+
+from dsamodel.engine.prefill import attend
+from dsamodel.model import DSAModel
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["Channel", "DistChannel", "Followers", "TPGroupBroken", "follow"]
+
+
+class TPGroupBroken(RuntimeError):
+    """The followers are no longer in step with rank 0; the group must be restarted."""
+
+
+class Channel(Protocol):
+    """Rank 0 -> every follower, in order (a broadcast)."""
+
+    def send(self, obj: Any) -> None: ...
+    def recv(self) -> Any: ...
+    def send_tensor(self, t: torch.Tensor) -> None: ...
+    def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+    def sync(self) -> None:
+        """Every rank has got here (a broadcast may return on rank 0 before the others received it)."""
+        ...
+
+
+class DistChannel:
+    """Broadcasts from rank 0 over the default ``torch.distributed`` group (gloo on CPU). Tensors
+    travel as bytes, so any dtype does (bfloat16, fp8 indexer keys)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+
+    def send(self, obj: Any) -> None:
+        self._dist.broadcast_object_list([obj], src=0)
+
+    def recv(self) -> Any:
+        box = [None]
+        self._dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def send_tensor(self, t: torch.Tensor) -> None:
+        self._dist.broadcast(t.contiguous().view(torch.uint8), src=0)
+
+    def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        self._dist.broadcast(out.view(torch.uint8), src=0)
+        return out
+
+    def sync(self) -> None:
+        self._dist.barrier()
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+class Followers:
+    """Rank 0's side of the protocol (module doc). ``LayerwisePrefill`` calls it from its compute
+    thread; ``waiting`` is whether the followers wait for a message now (so a ``stop`` reaches them)."""
+
+    def __init__(self, channel: Channel, size: int) -> None:
+        self.channel, self.size = channel, size
+        self.waiting = True
+        self.broken = ""  # why the group is out of step ("" while it is not)
+
+    def check(self) -> None:
+        if self.broken:
+            raise TPGroupBroken(f"the {self.size} TP ranks are out of step ({self.broken}); restart the prefill")
+
+    def chunk(self, request_id: str, tokens: list[int], start: int, end: int, final: bool) -> None:
+        self.check()
+        self.channel.send(("chunk", request_id, tokens, start, end, final))
+        self.waiting = True
+
+    def layer(self, main: torch.Tensor, indexer: torch.Tensor) -> None:
+        """Go on with the next layer; ``main`` / ``indexer``: rows ``[0, start)`` of rank 0's slot."""
+        self.channel.send(("layer", (tuple(main.shape), str(main.dtype)), (tuple(indexer.shape), str(indexer.dtype))))
+        if main.shape[0]:
+            self.channel.send_tensor(main.cpu())
+            self.channel.send_tensor(indexer.cpu())
+        self.waiting = False  # computing: in the layer's reductions
+
+    def layer_done(self) -> None:
+        self.waiting = True
+
+    def first(self, token: int) -> None:
+        self.channel.send(("first", int(token)))
+
+    def abort(self, exc: BaseException) -> None:
+        """Rank 0 gave up the running chunk: tell waiting followers, else mark the group broken."""
+        if self.broken:
+            return
+        if self.waiting:
+            self.channel.send(("stop", repr(exc)[:500]))
+        else:
+            self.broken = f"rank 0 failed inside a layer: {exc!r}"[:500]
+            log.error("tp_group_out_of_step", size=self.size, error=repr(exc))
+
+    def close(self) -> None:
+        """The followers return from ``follow``; returns once they all have the message (so rank 0
+        may tear the process group down)."""
+        if not self.broken:
+            self.channel.send(("close",))
+            self.channel.sync()
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _expect(channel: Channel, *kinds: str) -> tuple:
+    msg = channel.recv()
+    if msg[0] == "stop":
+        raise _Stopped(msg[1])
+    if msg[0] not in kinds:
+        raise RuntimeError(f"TP follower: expected {' or '.join(kinds)} from rank 0, got {msg[0]!r}")
+    return msg
+
+
+def _layer(model: DSAModel, channel: Channel, layer, h: torch.Tensor, positions: torch.Tensor, start: int):
+    _, (main_shape, main_dtype), (idx_shape, idx_dtype) = _expect(channel, "layer")
+    main_dtype, idx_dtype = _dtype(main_dtype), _dtype(idx_dtype)
+    if start:
+        main_prefix = channel.recv_tensor(main_shape, main_dtype)
+        idx_prefix = channel.recv_tensor(idx_shape, idx_dtype)
+    proj = layer.project(h, positions)
+    main = proj.kv.to(main_dtype)
+    idx = model.index_codec.encode(proj.index_k).to(idx_dtype)
+    if start:
+        main, idx = torch.cat((main_prefix, main)), torch.cat((idx_prefix, idx))
+    return layer.finish(h, attend(model, layer, proj, main, idx, positions))
+
+
+def follow(model: DSAModel, channel: Channel) -> int:
+    """A follower rank's loop: run every chunk rank 0 announces until it closes; returns the number
+    of chunks run to the end."""
+    layers, base = model.cache_layers, model.config.num_hidden_layers
+    done = 0
+    while True:
+        msg = channel.recv()
+        if msg[0] == "close":
+            channel.sync()
+            return done
+        if msg[0] != "chunk":
+            raise RuntimeError(f"TP follower: expected chunk or close from rank 0, got {msg[0]!r}")
+        _, request_id, tokens, start, end, final = msg
+        try:
+            with torch.inference_mode():
+                ids = torch.tensor(tokens, dtype=torch.long, device=model.device)
+                positions = torch.arange(start, end, device=model.device)
+                h = model.embed(ids[: end - start])
+                for layer in layers[:base]:
+                    h = _layer(model, channel, layer, h, positions, start)
+                if len(layers) > base:
+                    nxt = ids[1:]
+                    if final:  # the token after the prompt is the first token: rank 0 sends it
+                        _, first = _expect(channel, "first")
+                        nxt = torch.cat((nxt, torch.tensor([first], device=model.device)))
+                    h_mtp = model.mtp_input(model.final_norm(h), nxt, depth=0)
+                    _layer(model, channel, layers[base], h_mtp, positions, start)
+        except _Stopped as stop:
+            log.info("tp_follower_chunk_stopped", request_id=request_id, reason=str(stop))
+            continue
+        done += 1
