@@ -137,7 +137,8 @@ class LayerPuller:
             with self._lock:
                 self._layouts[m.layout_version] = m
         log.info("layout_exchange", accepted=not reason, reason=reason, layout_version=m.layout_version,
-                 data_endpoint=m.data_endpoint)
+                 data_endpoint=m.data_endpoint, prefill_tp_rank=m.prefill_tp_rank, prefill_tp_size=m.prefill_tp_size,
+                 decode_tp_rank=self.tp_rank, decode_tp_size=self.tp_size)
         return reason
 
     def check_layout(self, m: transfer_pb2.LayoutMetadata) -> str:

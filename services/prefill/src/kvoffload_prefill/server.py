@@ -43,7 +43,7 @@ from kvoffload_prefill.source import LayerSourceServicer
 from kvoffload_prefill.worker import PrefillWorker
 
 SERVICE = "kvoffload-prefill"
-FLAG_RULES = dict(at_least_one=("max_model_len", "block_size", "chunk_size", "max_num_seqs"),
+FLAG_RULES = dict(at_least_one=("max_model_len", "block_size", "chunk_size", "max_num_seqs", "tensor_parallel_size"),
                   seconds=("host_pool_gb", "read_timeout_s", "peer_timeout_s"),
                   seconds_or_zero=("shutdown_grace_s",), ports=("port",), any_ports=("data_port",))
 MOONCAKE_CONNECT_TIMEOUT_S = 5.0  # the mooncake_master must answer within this at start-up
@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=8,
                    help="offload-only mode (no SfaRemoteD2HConnector): requests decoded together (default 8)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the config's torch_dtype")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="TP ranks (default 1): this process is rank 0 and starts ranks 1..N-1 (gloo); attention "
+                        "heads and the MLP are sharded over them; N must divide the model's heads and intermediate")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests get to finish before they are failed (default 30)")
     p.add_argument("--log-level", default="info")
@@ -111,15 +114,22 @@ def serve(args: argparse.Namespace) -> int:
                       f"kvoffload-prefill-pool-{tag}")
     tokenizer = ByteTokenizer.from_dir(args.model)
     if settings.d2h is None:
+        if args.tensor_parallel_size > 1:
+            pool.close()
+            raise ConfigError([f"--tensor-parallel-size: got {args.tensor_parallel_size}; offload-only mode "
+                               "(no SfaRemoteD2HConnector) runs one rank, use 1"])
         return _serve_offload_only(args, tls, model, tokenizer, settings, pool, model_id)
+    ranks = _tp_ranks(args, model, pool)
     engine = build.prefill_engine(
         model, pool, buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
         independent=sorted(settings.independent_layers), chunk_size=args.chunk_size,
         max_model_len=args.max_model_len, prefetch=settings.prefetch_layers, model_id=model_id,
-        buffer_segment=f"kvoffload-prefill-buffers-{tag}", gate_timeout_s=args.read_timeout_s + 30)
+        buffer_segment=f"kvoffload-prefill-buffers-{tag}", gate_timeout_s=args.read_timeout_s + 30,
+        followers=ranks.followers if ranks else None)
     engine.plan.log()
+    not_ready = (lambda: ranks.not_ready() or _not_ready(pool)) if ranks else (lambda: _not_ready(pool))
     grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _stats(worker, ledger), workers=8,
-                         not_ready=lambda: _not_ready(pool))
+                         not_ready=not_ready)
     data_port = grpc_side.add_port(f"{args.host}:{args.data_port}", tls)
     worker = PrefillWorker(engine, model_id=model_id, host_id=host_id(), data_endpoint=f"{args.host}:{data_port}",
                            read_timeout_s=args.read_timeout_s, peer_timeout_s=args.peer_timeout_s)
@@ -127,16 +137,17 @@ def serve(args: argparse.Namespace) -> int:
         _share_layer_buffers(memfabric, engine, worker)
     grpc_side.add(transfer_pb2_grpc.add_LayerSourceServicer_to_server,
                   LayerSourceServicer(engine, worker.layout_version))
-    app = build_app(worker, tokenizer, model_id, args.max_model_len,
-                    not_ready=lambda: _not_ready(pool))
+    app = build_app(worker, tokenizer, model_id, args.max_model_len, not_ready=not_ready)
     grpc_side.start()
     log.info("serving", http=f"{args.host}:{args.port}", data_port=data_port, model=model_id,
+             tensor_parallel_size=args.tensor_parallel_size,
              plan=engine.plan.log_line(), backend=settings.store.backend,
              transfer_backend=settings.d2h.transfer_backend,
              **({"memfabric_session": memfabric.session} if memfabric else {}),
              **(tls.describe() if tls else {"tls": False}))
     # memfabric lets go of the layer buffers before the engine unmaps them
-    closers = (worker.close, *((memfabric.close,) if memfabric else ()), engine.close, pool.close)
+    closers = (worker.close, *((memfabric.close,) if memfabric else ()), engine.close,
+               *((ranks.close,) if ranks else ()), pool.close)
     serve_http(app, args.host, args.port, busy=lambda: worker.ledger.counters()["ledger_open"],
                grace_s=args.shutdown_grace_s, grpc_side=grpc_side, closers=closers)
     return 0
@@ -192,7 +203,7 @@ def _settings(args: argparse.Namespace, layout) -> PrefillSettings:
     """The node's configs as users write them: a P/D prefill (MultiConnector with
     SfaRemoteD2HConnector), or offload-only (AscendStoreConnector alone, ``settings.d2h`` None);
     ConfigError names what is wrong."""
-    settings = prefill_settings(args.kv_transfer_config, args.additional_config, layout, tp=1)
+    settings = prefill_settings(args.kv_transfer_config, args.additional_config, layout, tp=args.tensor_parallel_size)
     if settings.d2h is not None:
         vllm_only = settings.d2h.vllm_only_problems()
         if vllm_only:
@@ -301,6 +312,27 @@ def _host_pool(args: argparse.Namespace, store, geometry, name: str):
         return LocalHostPool.create(name, geometry, eviction=LRUEviction())
     return RemoteHostPool.create(args.metastore, f"prefill-{args.host}:{args.port}", name, geometry, replace=True,
                                  rejoin=True)  # a restarted metastore must not retire the prefill
+
+
+def _tp_ranks(args: argparse.Namespace, model, pool):
+    """Ranks 1..N-1 started and joined, ``model`` sharded (None with one rank); a size the model
+    cannot be sharded over is a ConfigError naming both."""
+    from dsamodel.tp import check_tp_size
+
+    from kvoffload_prefill.tp_ranks import TPRanks
+
+    size = args.tensor_parallel_size
+    if size == 1:
+        return None
+    try:
+        check_tp_size(model.config, size)
+    except ValueError as exc:
+        pool.close()
+        raise ConfigError([f"--tensor-parallel-size: {exc}"]) from None
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share this host's cores
+    return TPRanks.start(model, model_dir=args.model, dtype=args.dtype, size=size, log_level=args.log_level)
 
 
 def _not_ready(pool) -> str:

@@ -87,7 +87,9 @@ class PrefillWorker:
             layers.append(lay)
         return transfer_pb2.LayoutMetadata(
             model_id=model_id, num_layers=len(layers), block_size=eng.block_size, layers=layers,
-            prefill_tp_rank=0, prefill_tp_size=1, data_endpoint=data_endpoint, host_id=host_id,
+            # rank 0 computes and sends every layer; its followers (TP ranks 1..N-1) talk to no decode
+            prefill_tp_rank=0, prefill_tp_size=eng.followers.size if eng.followers else 1,
+            data_endpoint=data_endpoint, host_id=host_id,
             layout_version=self.layout_version)
 
     def link(self, endpoint: str) -> DecodeLink:
