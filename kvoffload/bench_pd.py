@@ -21,6 +21,11 @@ identical in every pair (I3, ``tokens_equal``).
   during the single-process rounds, so both halves carry the same extra load.
 - ``pull_gbps_in_stack_ratio_to_memcpy``: per P/D round pull / memcpy; the median over rounds
   (goal >= 0.5).
+- ``tp_2_1`` (with ``tp``): the same pairs with a tensor-parallel prefill, (prefill TP, decode TP)
+  = (2, 1): the prefill starts a second rank process (``--tensor-parallel-size 2``). On a float32
+  tiny model, against the one-rank engine on it: a TP size sums its partial results in another
+  order, so in bfloat16 the greedy tokens of TP 2 may differ from TP 1's, in float32 they agree.
+  Its ``ttft_ratio`` / ``tpot_ratio`` / ``tokens_equal`` / ``pulls`` / ``pull_bytes`` as above.
 - ``idle_*`` (with ``idle_pull``): the old out-of-stack figure, kept as a diagnostic: the same
   pull code path (``SparseDecoder.write_prompt_layer``, the whole prompt of one layer) against a
   memcpy of the same bytes, side by side in the bench process after the stack is down (other
@@ -208,29 +213,16 @@ def _pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 25) -> tupl
         structlog.reset_defaults()
 
 
-def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, block_size: int = 16,
-        rounds: int = 3, idle_pull: bool = True) -> dict:
-    """Runs ``rounds`` interleaved P/D + single-process pairs; returns the JSON-ready result
-    (see module docstring)."""
-    from dsamodel.bench import quiet_logs
-    from dsamodel.config import ModelConfig
+def _rounds(model_dir: Path, log_dir: Path, prefill_args: list[str], *, requests: int, prompt_tokens: int,
+            max_tokens: int, block_size: int, rounds: int, gen: random.Random, sampler: "_MemcpySampler"
+            ) -> tuple[list[dict], bool]:
+    """``rounds`` interleaved P/D + single-process pairs on ``model_dir`` (the prefill started with
+    ``prefill_args``): (per-round figures, whether greedy tokens were equal in every pair)."""
+    from kvoffload.stack import Stack, StackConfig, free_stack_ports, stack_stats
 
-    from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_stack_ports, stack_stats
-
-    if rounds < 1:
-        raise ValueError(f"rounds = {rounds} must be >= 1")
-    quiet_logs()
-
-    work = Path(tempfile.mkdtemp(prefix="kvoffload-bench-pd-"))
-    model_dir = ensure_tiny_model(work / "tiny")
-    mc = ModelConfig.from_json(model_dir / "config.json")
-    row_bytes = (mc.kv_row_width + mc.index_head_dim) * mc.dtype.itemsize  # main + indexer row of one token
-    memcpy_bytes = min(prompt_tokens, CHUNK_SIZE) * row_bytes  # one pull: a layer's rows of one prefill chunk
-    gen = random.Random(0)
-    cfg = StackConfig(model=model_dir, log_dir=work / "logs", **free_stack_ports(),
-                      max_model_len=8192, block_size=block_size,
-                      service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE)]})
-    sampler = _MemcpySampler(memcpy_bytes)
+    cfg = StackConfig(model=model_dir, log_dir=log_dir, **free_stack_ports(), max_model_len=8192,
+                      block_size=block_size,
+                      service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE), *prefill_args]})
     per_round: list[dict] = []
     tokens_equal = True
     single = _Single(model_dir, requests, block_size)
@@ -267,22 +259,55 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
                 })
     finally:
         single.close()
-    del sampler
+    return per_round, tokens_equal
 
-    def med(key: str) -> float:
-        return statistics.median(r[key] for r in per_round)
+
+def _median(per_round: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in per_round)
+
+
+def _row_bytes(model_dir: Path) -> int:
+    from dsamodel.config import ModelConfig
+
+    mc = ModelConfig.from_json(model_dir / "config.json")
+    return (mc.kv_row_width + mc.index_head_dim) * mc.dtype.itemsize  # main + indexer row of one token
+
+
+def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, block_size: int = 16,
+        rounds: int = 3, idle_pull: bool = True, tp: bool = True) -> dict:
+    """Runs ``rounds`` interleaved P/D + single-process pairs; returns the JSON-ready result
+    (see module docstring). With ``tp``, the same again with a TP 2 prefill (``tp_2_1``)."""
+    from dsamodel.bench import quiet_logs
+    from dsamodel.presets import write_tiny
+
+    from kvoffload.stack import ensure_tiny_model
+
+    if rounds < 1:
+        raise ValueError(f"rounds = {rounds} must be >= 1")
+    quiet_logs()
+
+    work = Path(tempfile.mkdtemp(prefix="kvoffload-bench-pd-"))
+    model_dir = ensure_tiny_model(work / "tiny")
+    memcpy_bytes = min(prompt_tokens, CHUNK_SIZE) * _row_bytes(model_dir)  # one pull: a layer's rows of one chunk
+    gen = random.Random(0)
+    sizes = dict(requests=requests, prompt_tokens=prompt_tokens, max_tokens=max_tokens, block_size=block_size,
+                 rounds=rounds, gen=gen)
+    sampler = _MemcpySampler(memcpy_bytes)
+    per_round, tokens_equal = _rounds(model_dir, work / "logs", [], sampler=sampler, **sizes)
+    del sampler
 
     pulls = sum(r["pulls"] for r in per_round)
     pull_bytes = sum(r["pull_bytes"] for r in per_round)
-    tpot_ratio, pull_ratio = med("tpot_ratio"), med("pull_gbps_in_stack_ratio_to_memcpy")
+    tpot_ratio, pull_ratio = _median(per_round, "tpot_ratio"), _median(per_round, "pull_gbps_in_stack_ratio_to_memcpy")
     out = {
         "bench": "pd", "requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-        "rounds": rounds,
-        "pd_ttft_s": med("pd_ttft_s"), "single_ttft_s": med("single_ttft_s"), "ttft_ratio": med("ttft_ratio"),
-        "pd_tpot_s": med("pd_tpot_s"), "single_tpot_s": med("single_tpot_s"), "tpot_ratio": tpot_ratio,
+        "rounds": rounds, **{k: _median(per_round, k) for k in ("pd_ttft_s", "single_ttft_s", "ttft_ratio",
+                                                                 "pd_tpot_s", "single_tpot_s")},
+        "tpot_ratio": tpot_ratio,
         "pulls": pulls, "pull_bytes": pull_bytes, "pull_bytes_per_pull": pull_bytes // pulls if pulls else 0,
         "memcpy_bytes": memcpy_bytes,
-        "pull_gbps_in_stack": med("pull_gbps_in_stack"), "memcpy_gbps_in_stack": med("memcpy_gbps_in_stack"),
+        "pull_gbps_in_stack": _median(per_round, "pull_gbps_in_stack"),
+        "memcpy_gbps_in_stack": _median(per_round, "memcpy_gbps_in_stack"),
         "pull_gbps_in_stack_ratio_to_memcpy": pull_ratio,
         "tokens_equal": tokens_equal,
         "goals": {"tpot_ratio": GOAL_TPOT_RATIO, "pull_gbps_in_stack_ratio_to_memcpy": GOAL_PULL_RATIO},
@@ -290,6 +315,18 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
                       "pull_gbps_in_stack_ratio_to_memcpy": pull_ratio >= GOAL_PULL_RATIO},
         "per_round": per_round,
     }
+    if tp:  # (prefill TP, decode TP) = (2, 1); float32: a TP size's partial sums round differently
+        model32 = write_tiny(work / "tiny-float32", dtype="float32")
+        sampler = _MemcpySampler(min(prompt_tokens, CHUNK_SIZE) * _row_bytes(model32))
+        tp_rounds, tp_equal = _rounds(model32, work / "logs-tp2", ["--tensor-parallel-size", "2"],
+                                      sampler=sampler, **sizes)
+        del sampler
+        out["tp_2_1"] = {
+            "prefill_tp": 2, "decode_tp": 1, "dtype": "float32",
+            **{k: _median(tp_rounds, k) for k in ("pd_ttft_s", "single_ttft_s", "ttft_ratio", "pd_tpot_s",
+                                                   "single_tpot_s", "tpot_ratio")},
+            "pulls": sum(r["pulls"] for r in tp_rounds), "pull_bytes": sum(r["pull_bytes"] for r in tp_rounds),
+            "tokens_equal": tp_equal, "per_round": tp_rounds}
     if idle_pull:
         idle_pull_gbps, idle_memcpy = _pull_vs_memcpy(prompt_tokens, block_size)
         out |= {"idle_pull_gbps": idle_pull_gbps, "idle_memcpy_gbps": idle_memcpy,

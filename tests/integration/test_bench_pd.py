@@ -16,3 +16,8 @@ def test_bench_pd_fields():
     assert r["pulls"] == 2 * 2 * 5 and r["pull_bytes_per_pull"] == r["memcpy_bytes"]  # the reference copies one pull's bytes
     assert set(r["goals_met"]) == set(r["goals"]) == {"tpot_ratio", "pull_gbps_in_stack_ratio_to_memcpy"}
     assert r["goals_met"]["pull_gbps_in_stack_ratio_to_memcpy"] == (r["pull_gbps_in_stack_ratio_to_memcpy"] >= 0.5)
+    tp = r["tp_2_1"]  # the same with a TP 2 prefill, float32
+    assert (tp["prefill_tp"], tp["decode_tp"], tp["dtype"]) == (2, 1, "float32") and tp["tokens_equal"]
+    assert tp["ttft_ratio"] > 0 and tp["tpot_ratio"] > 0 and len(tp["per_round"]) == 2
+    assert tp["pulls"] == 2 * 2 * 5  # one copy of every layer of every request: rank 0 sends each once
+    assert tp["pull_bytes"] == 2 * r["pull_bytes"]  # float32 rows: twice the bfloat16 bytes
