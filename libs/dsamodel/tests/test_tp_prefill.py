@@ -122,3 +122,41 @@ def test_a_failure_inside_a_layer_breaks_the_group_loudly_never_silently(tmp_pat
     assert first.startswith("MemoryError: rank 0 ran out of memory"), first
     assert second.startswith("TPGroupBroken: the 2 TP ranks are out of step"), second
     assert got[1].startswith("timed out"), got[1]
+
+
+def _dying_rank(rank: int, size: int, init: str, out: dict) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size, timeout=timedelta(seconds=30))
+    model = shard_model(tiny(torch.float32), DistGroup())
+    channel = DistChannel()
+    if rank == 1:  # dies in the middle of the first chunk: rank 0 is about to need it in a reduction
+        assert channel.recv()[0] == "chunk" and channel.recv()[0] == "layer"
+        os._exit(3)
+    pool = prefill_pool(model, BS)
+    eng = prefill_engine(model, pool, buffers=2, independent=[0], chunk_size=CHUNK, followers=Followers(channel, size))
+    errors = []
+    for rid in ("x", "y"):
+        try:
+            eng.run(PrefillRequest(rid, PROMPTS["c"]))
+        except BaseException as exc:  # noqa: BLE001 - recorded and checked by the test
+            errors.append(type(exc).__name__)
+    out[0] = (errors, eng.gates.stats()["held_slots"], pool.stats().live_leases)
+    eng.close()
+    pool.close()
+    os._exit(0)  # the group is broken: no orderly teardown
+
+
+def test_a_follower_that_dies_fails_the_request_and_leaves_nothing_held(tmp_path):
+    with mp.Manager() as manager:
+        out = manager.dict()
+        ctx = mp.spawn(_dying_rank, args=(2, f"file://{tmp_path}/rendezvous", out), nprocs=2, join=False)
+        for p in ctx.processes:
+            p.join(120)
+        got = dict(out)
+    errors, held_slots, live_leases = got[0]
+    assert errors[0] != "TPGroupBroken" and errors[1] == "TPGroupBroken", errors
+    assert held_slots == 0 and live_leases == 0

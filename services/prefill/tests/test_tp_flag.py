@@ -34,3 +34,29 @@ def test_a_size_that_cannot_work_exits_2_naming_it(capsys, tiny, config, size, m
     assert main(["--model", tiny, "--kv-transfer-config", config, "--max-model-len", "256",
                  "--tensor-parallel-size", size]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_rank_that_cannot_start_ends_the_wait_at_once_naming_it(tmp_path):
+    """Rank 1 cannot load its model (here: a directory that does not exist): rank 0 stops waiting
+    for the group as soon as that process exits, with a StartupError naming the rank and its exit
+    code, and leaves no process behind. In a child interpreter: the join is process-global."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys\n"
+        "from dsamodel.presets import tiny_model\n"
+        "from svcruntime.serving import StartupError\n"
+        "from kvoffload_prefill.tp_ranks import TPRanks\n"
+        "try:\n"
+        f"    TPRanks.start(tiny_model(), model_dir={str(tmp_path / 'missing')!r}, dtype=None, size=2, log_level='error')\n"
+        "except StartupError as exc:\n"
+        "    print('STARTUP', exc)\n"
+        "    sys.exit(0)\n"
+        "sys.exit(1)\n")
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, (run.stdout, run.stderr[-2000:])
+    assert "STARTUP --tensor-parallel-size 2: TP rank 1 exited with code 1 before it joined the group" in run.stdout
+    assert time.monotonic() - t0 < 60

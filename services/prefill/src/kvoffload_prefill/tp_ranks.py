@@ -57,11 +57,11 @@ class TPRanks:
                                    *(["--dtype", dtype] if dtype else [])])
                  for r in range(1, size)]
         try:
-            dist.init_process_group("gloo", init_method=init, rank=0, world_size=size,
-                                    timeout=timedelta(seconds=JOIN_TIMEOUT_S))
+            _join(procs, init, size)
         except BaseException:
             for p in procs:
                 p.kill()
+                p.wait()
             shutil.rmtree(workdir, ignore_errors=True)
             raise
         shard_model(model, DistGroup())
@@ -102,6 +102,35 @@ class TPRanks:
             dist.destroy_process_group()
         shutil.rmtree(self._workdir, ignore_errors=True)
         log.info("tp_ranks_closed", size=self.size, exit_codes=[p.returncode for p in self._procs])
+
+
+def _join(procs: list[subprocess.Popen], init: str, size: int) -> None:
+    """Join the group as rank 0, watching the followers meanwhile: one that exits before it joined
+    (its model did not load, say) ends the wait at once, naming its rank and exit code."""
+    import torch.distributed as dist
+
+    from svcruntime.serving import StartupError
+
+    failed: list[BaseException] = []
+
+    def init_group() -> None:
+        try:
+            dist.init_process_group("gloo", init_method=init, rank=0, world_size=size,
+                                    timeout=timedelta(seconds=JOIN_TIMEOUT_S))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
+            failed.append(exc)
+
+    joiner = threading.Thread(target=init_group, name="tp-join", daemon=True)
+    joiner.start()
+    while joiner.is_alive():
+        joiner.join(0.2)
+        for rank, p in enumerate(procs, start=1):
+            code = p.poll()
+            if code is not None and joiner.is_alive():
+                raise StartupError(f"--tensor-parallel-size {size}: TP rank {rank} exited with code {code} "
+                                   "before it joined the group (its log lines above say why)")
+    if failed:
+        raise StartupError(f"--tensor-parallel-size {size}: joining the TP group failed: {failed[0]!r}")
 
 
 def _follower_main(argv: list[str] | None = None) -> int:

@@ -130,7 +130,11 @@ class Followers:
         if self.broken:
             return
         if self.waiting:
-            self.channel.send(("stop", repr(exc)[:500]))
+            try:
+                self.channel.send(("stop", repr(exc)[:500]))
+            except Exception as send_exc:  # a follower is gone: never raise over the caller's cleanup
+                self.broken = f"telling the followers to stop failed: {send_exc!r}"[:500]
+                log.error("tp_group_out_of_step", size=self.size, error=repr(send_exc))
         else:
             self.broken = f"rank 0 failed inside a layer: {exc!r}"[:500]
             log.error("tp_group_out_of_step", size=self.size, error=repr(exc))
