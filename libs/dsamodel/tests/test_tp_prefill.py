@@ -104,13 +104,17 @@ def _broken_rank(rank: int, size: int, init: str, out: dict) -> None:
                 errors.append(f"{type(exc).__name__}: {exc}")
         layer.project = real
         out[0] = errors
+        eng.close()
+        pool.close()
     else:
         try:
             follow(model, DistChannel())
             out[rank] = "returned"
         except RuntimeError as exc:  # its reduction timed out: rank 0 never joined it
             out[rank] = f"timed out: {type(exc).__name__}"
-    # no destroy_process_group: the group is broken; the process ends
+    import os
+
+    os._exit(0)  # the group is broken: no orderly teardown (gloo's destructors may abort on it)
 
 
 def test_a_failure_inside_a_layer_breaks_the_group_loudly_never_silently(tmp_path):

@@ -332,7 +332,11 @@ def _tp_ranks(args: argparse.Namespace, model, pool):
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share this host's cores
-    return TPRanks.start(model, model_dir=args.model, dtype=args.dtype, size=size, log_level=args.log_level)
+    try:
+        return TPRanks.start(model, model_dir=args.model, dtype=args.dtype, size=size, log_level=args.log_level)
+    except BaseException:
+        pool.close()
+        raise
 
 
 def _not_ready(pool) -> str:

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -38,8 +38,8 @@ from kvcore.hostpool import HostPoolBackend, ObjectExists, ObjectUnreachable
 from kvcore.leases import Lease
 from kvcore.plan import BufferPlan
 
-from dsamodel.attention import gather_rows, indexer_topk, sparse_mla_attention
 from dsamodel.engine.buffers import LayerBuffers
+from dsamodel.engine.chunk_attention import attend
 from dsamodel.model import DSAModel, DecoderLayer
 
 if TYPE_CHECKING:
@@ -388,15 +388,6 @@ class LayerwisePrefill:
         self.gates.abort_all("prefill engine closed")
         self._saver.shutdown(wait=True)
         self.buffers.close()
-
-
-def attend(model: DSAModel, layer: DecoderLayer, proj, main: torch.Tensor, idx: torch.Tensor,
-           positions: torch.Tensor) -> torch.Tensor:
-    """The chunk's sparse attention: its queries (``proj``) select top-k of the rows ``main`` / ``idx``
-    (every row up to the chunk's end) and attend over them -> latent [T, H, R] for ``layer.finish``."""
-    topk = indexer_topk(proj.index_q, proj.index_w, model.index_codec.decode(idx), positions, model.config.index_topk)
-    rows, valid = gather_rows(main, topk)  # [T, k, R + r], [T, k]
-    return sparse_mla_attention(proj.q_latent, proj.q_rope, rows, valid, layer.softmax_scale)
 
 
 def _fail_ticket(ticket: SlotTicket, exc: BaseException, *, compute: bool, save: bool, reads: bool) -> None:

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import structlog
 import torch
 
-from dsamodel.engine.prefill import attend
+from dsamodel.engine.chunk_attention import attend
 from dsamodel.model import DSAModel
 
 log = structlog.get_logger(__name__)
