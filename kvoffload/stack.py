@@ -377,6 +377,17 @@ class Stack:
     def process(self, name: str) -> subprocess.Popen:
         return next(proc for n, proc, _ in self.procs if n == name)
 
+    def events(self, name: str, event: str, **fields) -> list[dict]:
+        """The JSON log lines of service ``name`` whose ``event`` is ``event`` and whose other fields
+        equal ``fields`` (e.g. ``request_id=...``), in log order."""
+        out = []
+        for line in (self.cfg.log_dir / f"{name}.log").read_text().splitlines():
+            if line.startswith("{"):
+                record = json.loads(line)
+                if record.get("event") == event and all(record.get(k) == v for k, v in fields.items()):
+                    out.append(record)
+        return out
+
     def signal(self, name: str, sig: int) -> None:
         """Send ``sig`` to one service (fault injection: SIGKILL, SIGSTOP, SIGCONT)."""
         proc = self.process(name)

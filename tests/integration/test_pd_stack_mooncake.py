@@ -73,22 +73,11 @@ def _wait_health(stack: Stack, status: int, timeout_s: float) -> list[dict]:
         time.sleep(0.1)
 
 
-def _events(stack: Stack, name: str, event: str, request_id: str) -> list[dict]:
-    """The ``event`` log lines of service ``name`` for one request."""
-    out = []
-    for line in (stack.cfg.log_dir / f"{name}.log").read_text().splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            if record.get("event") == event and record.get("request_id") == request_id:
-                out.append(record)
-    return out
-
-
 def _finished(stack: Stack, request_id: str) -> list[tuple[str, dict]]:
     """(prefill name, its ``prefill_finished`` log line) for the request with that X-Request-Id."""
     time.sleep(0.3)  # the line reaches the log file
     return [(f"prefill-{i}", e) for i in range(len(stack.cfg.prefill_ports))
-            for e in _events(stack, f"prefill-{i}", "prefill_finished", request_id)]
+            for e in stack.events(f"prefill-{i}", "prefill_finished", request_id=request_id)]
 
 
 def test_the_stack_runs_a_real_master_in_place_of_the_metastore(stack):
@@ -177,11 +166,11 @@ def test_a_dead_prefix_owner_costs_a_recompute_not_a_request(stack, reference):
     name, event, rid = ask(1)  # well within the master's client_ttl (10 s)
     assert time.monotonic() - t < OUTAGE_S and name != owner
     assert event["cached_tokens"] == 0, event
-    [why] = _events(stack, name, "prefill_prefix_unreachable", rid)
+    [why] = stack.events(name, "prefill_prefix_unreachable", request_id=rid)
     assert "owner's segment does not answer" in why["error"], why
     for n in (2, 3):
         name, event, rid = ask(n)
-        assert name != owner and not _events(stack, name, "prefill_prefix_unreachable", rid)
+        assert name != owner and not stack.events(name, "prefill_prefix_unreachable", request_id=rid)
     stack.restart(owner)
     _wait_health(stack, 200, RECOVERY_S)
     assert ask(4)[1]["cached_tokens"] >= (1 + 1200) // BS * BS  # the prefix, written again, hits

@@ -46,14 +46,6 @@ def reference(model32):
     return greedy_reference(model32, block_size=BS, max_model_len=4096)
 
 
-def _events(stack, name: str, event: str) -> list[dict]:
-    out = []
-    for line in (stack.cfg.log_dir / f"{name}.log").read_text().splitlines():
-        if line.startswith("{") and f'"{event}"' in line:
-            out.append(json.loads(line))
-    return out
-
-
 @pytest.mark.parametrize("prompt", [[65], "long"], ids=["1", "3000"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_i3_with_a_tp2_prefill(stack, reference, prompt, stream):
@@ -65,16 +57,16 @@ def test_i3_with_a_tp2_prefill(stack, reference, prompt, stream):
 
 
 def test_the_decode_accepted_a_prefill_tp2_layout(stack):
-    [joined] = _events(stack, "prefill-0", "tp_ranks_joined")
+    [joined] = stack.events("prefill-0", "tp_ranks_joined")
     assert joined["size"] == 2 and len(joined["pids"]) == 1
-    accepted = [e for e in _events(stack, "decode-0", "layout_exchange") if e["accepted"]]
+    accepted = [e for e in stack.events("decode-0", "layout_exchange") if e["accepted"]]
     assert accepted and all((e["prefill_tp_rank"], e["prefill_tp_size"], e["decode_tp_rank"], e["decode_tp_size"])
                             == (0, 2, 0, 1) for e in accepted), accepted
 
 
 def test_a_dead_rank_makes_the_prefill_not_ready_and_requests_fail_fast(stack):
     """Last (it kills rank 1)."""
-    [joined] = _events(stack, "prefill-0", "tp_ranks_joined")
+    [joined] = stack.events("prefill-0", "tp_ranks_joined")
     import os
 
     os.kill(joined["pids"][0], signal.SIGKILL)
