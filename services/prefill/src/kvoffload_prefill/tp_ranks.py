@@ -34,7 +34,8 @@ class TPRanks:
     """Ranks 1..N-1 of one prefill, started and joined by ``start``; rank 0 is this process."""
 
     def __init__(self, size: int, procs: list[subprocess.Popen], workdir: str) -> None:
-        from dsamodel.engine.tp_prefill import DistChannel, Followers
+        from dsamodel.engine.tp_channel import DistChannel
+        from dsamodel.engine.tp_prefill import Followers
 
         self.size, self._procs, self._workdir = size, procs, workdir
         self.followers = Followers(DistChannel(), size)
@@ -139,7 +140,8 @@ def _follower_main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from svcruntime.logs import configure_logging
 
-    from dsamodel.engine.tp_prefill import DistChannel, follow
+    from dsamodel.engine.tp_channel import DistChannel
+    from dsamodel.engine.tp_prefill import follow
     from dsamodel.tp import DistGroup, shard_model
     from dsamodel.weights import load_model
 

@@ -28,69 +28,16 @@ request (``TPGroupBroken``), and the followers' collectives time out. The servic
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
 import structlog
 import torch
 
 from dsamodel.engine.chunk_attention import attend
+from dsamodel.engine.tp_channel import Channel, TPGroupBroken, tensor_dtype, tensor_spec
 from dsamodel.model import DSAModel
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["Channel", "DistChannel", "Followers", "TPGroupBroken", "follow"]
-
-
-class TPGroupBroken(RuntimeError):
-    """The followers are no longer in step with rank 0; the group must be restarted."""
-
-
-class Channel(Protocol):
-    """Rank 0 -> every follower, in order (a broadcast)."""
-
-    def send(self, obj: Any) -> None: ...
-    def recv(self) -> Any: ...
-    def send_tensor(self, t: torch.Tensor) -> None: ...
-    def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
-    def sync(self) -> None:
-        """Every rank has got here (a broadcast may return on rank 0 before the others received it)."""
-        ...
-
-
-class DistChannel:
-    """Broadcasts from rank 0 over the default ``torch.distributed`` group (gloo on CPU). Tensors
-    travel as bytes, so any dtype does (bfloat16, fp8 indexer keys)."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self._dist = dist
-
-    def send(self, obj: Any) -> None:
-        self._dist.broadcast_object_list([obj], src=0)
-
-    def recv(self) -> Any:
-        box = [None]
-        self._dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def send_tensor(self, t: torch.Tensor) -> None:
-        self._dist.broadcast(t.contiguous().view(torch.uint8), src=0)
-
-    def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
-        self._dist.broadcast(out.view(torch.uint8), src=0)
-        return out
-
-    def sync(self) -> None:
-        self._dist.barrier()
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
-    return dtype
+__all__ = ["Followers", "follow"]
 
 
 class Followers:
@@ -113,7 +60,7 @@ class Followers:
 
     def layer(self, main: torch.Tensor, indexer: torch.Tensor) -> None:
         """Go on with the next layer; ``main`` / ``indexer``: rows ``[0, start)`` of rank 0's slot."""
-        self.channel.send(("layer", (tuple(main.shape), str(main.dtype)), (tuple(indexer.shape), str(indexer.dtype))))
+        self.channel.send(("layer", tensor_spec(main), tensor_spec(indexer)))
         if main.shape[0]:
             self.channel.send_tensor(main.cpu())
             self.channel.send_tensor(indexer.cpu())
@@ -162,7 +109,7 @@ def _expect(channel: Channel, *kinds: str) -> tuple:
 
 def _layer(model: DSAModel, channel: Channel, layer, h: torch.Tensor, positions: torch.Tensor, start: int):
     _, (main_shape, main_dtype), (idx_shape, idx_dtype) = _expect(channel, "layer")
-    main_dtype, idx_dtype = _dtype(main_dtype), _dtype(idx_dtype)
+    main_dtype, idx_dtype = tensor_dtype(main_dtype), tensor_dtype(idx_dtype)
     if start:
         main_prefix = channel.recv_tensor(main_shape, main_dtype)
         idx_prefix = channel.recv_tensor(idx_shape, idx_dtype)
