@@ -165,3 +165,72 @@ def test_a_follower_that_dies_fails_the_request_and_leaves_nothing_held(tmp_path
     errors, held_slots, live_leases = got[0]
     assert errors[0] != "TPGroupBroken" and errors[1] == "TPGroupBroken", errors
     assert held_slots == 0 and live_leases == 0
+
+
+def _contributor_rank(rank: int, size: int, init: str, names: list[str], out: dict) -> None:
+    import torch.distributed as dist
+    from kvcore.segment import SharedSegment
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size, timeout=timedelta(seconds=60))
+    try:
+        model = shard_model(tiny(torch.float32), DistGroup())
+        if rank != 0:
+            out[rank] = follow(model, DistChannel())
+            return
+        followers = Followers(DistChannel(), size)
+        pool = prefill_pool(model, BS)
+        eng = prefill_engine(model, pool, buffers=2, independent=[0], chunk_size=CHUNK, followers=followers,
+                             buffer_segment=names[0])
+        followers.buffers(eng.plan, eng.buffers.num_blocks, names[1:])
+        theirs = [SharedSegment.attach(n) for n in names[1:]]
+        compared, unequal = [], 0
+
+        def announce(ticket, req, start, end):  # every follower's rows are in place when rank 0 announces
+            nonlocal unequal
+            for (slot, kind), p in eng.buffers.plane_of.items():
+                if slot != eng.plan.slot_of(ticket.layer):
+                    continue
+                row_bytes = eng.buffers.segment.plane(p).shape[-1]
+                mine = eng.buffers.segment.plane(p).reshape(-1, row_bytes)[start:end]
+                unequal += sum(not torch.equal(mine, seg.plane(p).reshape(-1, row_bytes)[start:end]) for seg in theirs)
+            compared.append((req.request_id, ticket.layer, start, end))
+            for reader in ticket.readers:
+                ticket.read_done(reader)
+
+        eng.announce = announce
+        try:
+            for rid in ("a", "a2", "c"):
+                res = eng.run(PrefillRequest(rid, PROMPTS[rid[0]], readers=frozenset({(rid, "decode")})))
+                eng.release(res)
+            out[0] = (compared, unequal)
+            for seg in theirs:
+                seg.close()
+            followers.close()
+        finally:
+            eng.close()
+            pool.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_follower_holds_rank_0s_rows_when_a_layer_is_announced(tmp_path):
+    import uuid
+
+    from kvcore.segment import SharedSegment
+
+    size = 4
+    names = [f"kvoffload-test-tp-{uuid.uuid4().hex[:8]}-{r}" for r in range(size)]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_contributor_rank, args=(size, f"file://{tmp_path}/rendezvous", names, out), nprocs=size, join=True)
+        got = dict(out)
+    compared, unequal = got[0]
+    layers = len(tiny(torch.float32).cache_layers)
+    # a: 4 chunks; a2: the prefix hit and its last chunk; c: 2 chunks; every layer of each
+    assert len(compared) == (4 + 1 + 2) * layers and unequal == 0
+    assert ("a2", 0, 0, 11 * BS + 2) in compared  # the prefix loaded from the pool is announced, and held, too
+    assert [got[r] for r in range(1, size)] == [7] * (size - 1)
+    for name in names:  # each rank removed its segment on the way out
+        with pytest.raises(FileNotFoundError):
+            SharedSegment.attach(name)

@@ -4,12 +4,14 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from dsamodel.engine import build
 from dsamodel.engine.decode import SparseDecoder
 from dsamodel.presets import tiny_model
 from dsamodel.sampling import SamplingParams
 
-from kvoffload_decode.loop import DecodeFull, DecodeLoop
+from kvoffload_decode.loop import DecodeFull, DecodeLoop, installed_prefix
 
 
 @pytest.fixture()
@@ -234,3 +236,37 @@ def test_step_gather_must_not_be_negative():
                        model.config.eos_token_id, step_gather_s=-1)
     finally:
         pool.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_installed_prefix_grows_only_over_rows_really_installed_in_any_order(data):
+    """Contributor shares (and retries of them) arrive in any order: the prefix is always the longest
+    run of installed rows from 0, as a set of installed rows says."""
+    n = data.draw(st.integers(1, 60))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, n - 1), max_size=6)) if n > 1 else []))
+    shares = list(zip([0, *cuts], [*cuts, n]))
+    arrivals = data.draw(st.permutations(shares + data.draw(st.lists(st.sampled_from(shares), max_size=3))))
+    prefix, ahead, rows = 0, [], set()
+    for start, end in arrivals:
+        prefix = installed_prefix(prefix, ahead, start, end)
+        rows |= set(range(start, end))
+        want = next(i for i in range(n + 1) if i not in rows)
+        assert prefix == want
+        assert all(a > prefix for a, _ in ahead)
+    assert prefix == n and not ahead
+
+
+def test_a_share_that_arrives_before_the_one_in_front_of_it_completes_the_prompt(loop):
+    """Two contributor ranks' shares of each layer, the second first: the prompt is complete only once
+    both are in (a high-water mark would have dropped the early one and never completed)."""
+    model = loop.decoder.model
+    loop.expect_remote("s", list(range(40)), SamplingParams(max_tokens=1), lambda *e: None)
+    width, (idx_dtype, idx_width) = model.config.kv_row_width, model.index_codec.storage(model.dtype)
+    for layer in range(len(model.cache_layers)):
+        loop.write_rows("s", layer, 25, torch.zeros(15, width), torch.zeros(15, idx_width, dtype=idx_dtype))
+    assert "layer 0 has 0 of 40 rows" in loop.check_prompt_complete("s")
+    for layer in range(len(model.cache_layers)):
+        loop.write_rows("s", layer, 0, torch.zeros(25, width), torch.zeros(25, idx_width, dtype=idx_dtype))
+    assert loop.pending["s"].rows == [40] * len(model.cache_layers)
+    assert loop.check_prompt_complete("s").endswith("incomplete: no first token")  # the rows are all in

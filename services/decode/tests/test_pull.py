@@ -48,6 +48,15 @@ def test_counters_have_the_names_stats_and_metrics_read():
     assert PullCounters().snapshot() == dict.fromkeys(STATS_KEYS, 0)
 
 
+def test_a_pull_counts_its_bytes_for_the_prefill_tp_rank_it_read_from():
+    c = PullCounters()
+    c.add_read(1, 300, 2.0)
+    c.add_read(0, 100, 1.0)
+    c.add_read(1, 5, 0.5)
+    assert c.snapshot() == {**dict.fromkeys(STATS_KEYS, 0), "read_done": 3, "bytes_read": 405, "read_ms_total": 3.5,
+                            "bytes_read_prefill_tp_rank_0": 100, "bytes_read_prefill_tp_rank_1": 305}
+
+
 def test_counters_are_exact_under_16_threads():
     c = PullCounters()
     threads, per_thread = 16, 10_000
@@ -370,6 +379,31 @@ def test_a_decode_tp_rank_accepts_only_the_layouts_of_its_contributors(rank):
         m.prefill_tp_size, m.prefill_tp_rank, m.layout_version = p_tp, p_rank, VERSION + 10 + p_tp * 4 + p_rank
         reason = rank.puller.exchange_layout(m)
         assert reason.startswith(want) if want else reason == "", (p_tp, p_rank, reason)
+
+
+def test_two_contributors_shares_of_every_layer_complete_the_prompt_and_are_counted_by_rank(rank):
+    """Prefill TP ranks 0 and 1 of 2 feed this decode rank (TP 1): each sends its share of every layer,
+    rank 1's first. The prompt is whole, the host pool holds the prefill's rows, and the bytes each
+    rank's share carried sum to one copy of the prompt's KV."""
+    m = pb.LayoutMetadata()
+    m.CopyFrom(rank.meta)
+    rank.meta.prefill_tp_size = 2
+    assert rank.puller.exchange_layout(rank.meta) == ""
+    m.prefill_tp_size, m.prefill_tp_rank, m.layout_version = 2, 1, VERSION + 1
+    assert rank.puller.exchange_layout(m) == ""
+    cut = 13
+    for layer in range(rank.layout.num_layers):
+        assert rank.read(layer=layer, src_start=cut, dst_start=cut, layout_version=VERSION + 1).done
+        assert rank.rows("r0", layer) == 0
+        assert rank.read(layer=layer, src_end=cut).done
+        assert rank.rows("r0", layer) == N
+        assert torch.equal(rank.host_rows("r0", layer), rank.sources.rows[("r0", layer)][0])
+    snap = rank.puller.counters.snapshot()
+    one_copy = sum((kv.numel() + idx.numel()) * 4 for kv, idx in (rank.sources.rows[("r0", i)]
+                                                                  for i in range(rank.layout.num_layers)))
+    assert snap["bytes_read"] == one_copy
+    assert snap["bytes_read_prefill_tp_rank_0"] == one_copy * cut // N
+    assert snap["bytes_read_prefill_tp_rank_1"] == one_copy * (N - cut) // N
 
 
 def test_heartbeat_names_the_unknown_requests_and_is_counted(rank):

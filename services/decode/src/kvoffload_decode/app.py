@@ -27,6 +27,7 @@ from svcruntime.sse import sse_response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvoffload_decode.loop import DecodeFull, DecodeLoop, TooLarge
+from kvoffload_decode.pull import BY_RANK
 
 log = structlog.get_logger(__name__)
 
@@ -62,6 +63,9 @@ class Metrics:
                                    registry=self.registry)
         self.pool_used = Gauge("kvoffload_decode_pool_used_bytes", "Host-pool bytes in use", registry=self.registry)
         self.reads = Gauge("kvoffload_decode_read_done_total", "Layer pulls answered READ_DONE", registry=self.registry)
+        self.bytes_by_rank = Gauge("kvoffload_decode_bytes_read_by_prefill_tp_rank",
+                                   "Bytes pulled out of each prefill TP rank's layer buffers (its share of every layer)",
+                                   ["prefill_tp_rank"], registry=self.registry)
         self.read_ms = Gauge("kvoffload_decode_read_done_ms_avg", "Average READ_DONE latency (ms)",
                              registry=self.registry)
         self.queued = Gauge("kvoffload_decode_queued_requests", "Requests admitted, not in the running batch yet",
@@ -97,6 +101,9 @@ class Metrics:
         c = self.transfer.counters
         self.reads.set(c["read_done"])
         self.read_ms.set(c["read_ms_total"] / c["read_done"] if c["read_done"] else 0.0)
+        for name, value in c.items():
+            if name.startswith(BY_RANK):
+                self.bytes_by_rank.labels(name.removeprefix(BY_RANK)).set(value)
         return generate_latest(self.registry)
 
 

@@ -73,6 +73,20 @@ def default_max_queued(decoder: SparseDecoder) -> int:
     return int(min(1024, max(4 * decoder.indexer.shape[1], by_pool)))
 
 
+def installed_prefix(prefix: int, ahead: list[tuple[int, int]], start: int, end: int) -> int:
+    """Rows ``[0, prefix)`` and the ranges in ``ahead`` are installed; so is ``[start, end)`` now.
+    Returns the new length of the installed prefix; ``ahead`` keeps (sorted, updated in place) the
+    ranges still separated from it by a gap. Contributor ranks send their shares of a layer in any
+    order, and a retry or duplicate may repeat a range."""
+    if end <= start:
+        return prefix
+    ahead.append((start, end))
+    ahead.sort()
+    while ahead and ahead[0][0] <= prefix:
+        prefix = max(prefix, ahead.pop(0)[1])
+    return prefix
+
+
 class TooLarge(ValueError):
     """The prompt does not fit in the decode's whole host pool."""
 
@@ -94,7 +108,10 @@ class DecodeRequest:
     sampler: RequestSampler
     emit: Emit
     num_layers: int
-    rows: list[int] = field(default_factory=list)  # prompt rows installed, per layer
+    rows: list[int] = field(default_factory=list)  # per layer: rows [0, rows[layer]) are installed
+    # per layer: installed ranges past rows[layer] (a contributor's share that arrived before the
+    # share in front of it), disjoint and sorted; they join rows[layer] once the gap is filled
+    ahead: list[list[tuple[int, int]]] = field(default_factory=list)
     first_token: int | None = None
     first_logprob: TokenLogprob | None = None  # the first token's log-probabilities, when asked for
     draft: int | None = None  # the prefill's MTP draft for the token after first_token, if it sent one
@@ -177,6 +194,7 @@ class DecodeLoop:
             req = DecodeRequest(request_id, prompt_ids, RequestSampler(params, self.eos_token_id), emit,
                                 len(self.decoder.model.cache_layers), on_reserved=on_reserved)
             req.rows = [0] * req.num_layers
+            req.ahead = [[] for _ in range(req.num_layers)]
             reserved = not self.waiting and self._reserve(req)  # TooLarge: refused, nothing held
             self.ledger.open(request_id, "admitted")
             self.pending[request_id] = req
@@ -269,8 +287,8 @@ class DecodeLoop:
                     if not req.copies:
                         free = req.free_after_copies  # the last copy frees it (decoder state: engine_lock)
                     ok = False
-                elif ok and start <= req.rows[layer]:
-                    req.rows[layer] = max(req.rows[layer], start + kv.shape[0])
+                elif ok:
+                    req.rows[layer] = installed_prefix(req.rows[layer], req.ahead[layer], start, start + kv.shape[0])
                 self.lock.notify_all()
             if free is not None:
                 with self.engine_lock, self.lock:

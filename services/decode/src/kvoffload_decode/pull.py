@@ -49,6 +49,10 @@ COUNTERS = {  # name -> meaning (the names are what Stats and /metrics expose)
     "reads_streamed": "plane reads streamed from the prefill's LayerSource (retries included)",
     "heartbeats": "Heartbeat messages taken",
 }
+# and, per prefill TP rank r whose rows this decode pulled, ``bytes_read_prefill_tp_rank_<r>``: the
+# part of bytes_read read out of that rank's layer buffers (the ranks of a contributor group send
+# their shares of every layer; the parts sum to bytes_read)
+BY_RANK = "bytes_read_prefill_tp_rank_"
 
 
 class PullCounters:
@@ -60,8 +64,18 @@ class PullCounters:
         self._values: dict[str, float] = {name: 0 for name in COUNTERS}
         self._values["read_ms_total"] = 0.0
 
+        self._by_rank: dict[int, float] = {}
+
     def increment(self, name: str) -> None:
         self.add(**{name: 1})
+
+    def add_read(self, prefill_tp_rank: int, nbytes: int, ms: float) -> None:
+        """One READ_DONE pull of ``nbytes`` out of prefill TP rank ``prefill_tp_rank``'s buffers."""
+        with self._lock:
+            self._values["read_done"] += 1
+            self._values["bytes_read"] += nbytes
+            self._values["read_ms_total"] += ms
+            self._by_rank[prefill_tp_rank] = self._by_rank.get(prefill_tp_rank, 0) + nbytes
 
     def add(self, **amounts: float) -> None:
         """Add to one or more counters at once (KeyError, and nothing added, for an unknown name)."""
@@ -75,7 +89,7 @@ class PullCounters:
     def snapshot(self) -> dict[str, float]:
         """A copy of every counter, taken at one instant."""
         with self._lock:
-            return dict(self._values)
+            return {**self._values, **{f"{BY_RANK}{r}": b for r, b in sorted(self._by_rank.items())}}
 
 
 # ---- outcomes and refusals -----------------------------------------------------------------------
@@ -223,7 +237,7 @@ class LayerPuller:
             return ReadOutcome(done=False, reason=reason)
         ms = copy_s * 1000
         nbytes = kv.numel() * kv.element_size() + idx.numel() * idx.element_size()
-        self.counters.add(read_done=1, bytes_read=nbytes, read_ms_total=ms)
+        self.counters.add_read(meta.prefill_tp_rank, nbytes, ms)
         return ReadOutcome(done=True, bytes_read=nbytes, read_ms=ms)
 
     def _read_with_retries(self, meta, request) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ Rank 0 runs the whole ``LayerwisePrefill``: the host pool, the shared layer buff
 announcements to decode endpoints and the first token. Only it touches the pool (as in the
 reference: only TP rank 0 saves). Every rank holds its shard of the model (``dsamodel.tp``) and runs
 every layer of every chunk, because each layer ends in two reductions over all ranks. A follower
-needs no pool and no buffers of its own: rank 0 sends it, in order over a ``Channel``,
+needs no pool: rank 0 sends it, in order over a ``Channel``,
 
 - ``("chunk", request_id, tokens, start, end, final)``: the chunk ``[start, end)`` begins (``tokens``
   is ``prompt[start:end + 1]``: the chunk and, for the MTP layer, the token after it);
@@ -20,6 +20,17 @@ needs no pool and no buffers of its own: rank 0 sends it, in order over a ``Chan
 The cache rows are the same on every rank (the latent projection and the indexer are replicated),
 so a follower computes its chunk's rows itself and attends over the same rows rank 0 does.
 
+**Contributor buffers.** A decode rank pulls a request's rows from its contributor group of prefill
+ranks, each sending its share, so that no byte crosses twice and no rank carries every transfer.
+For that each follower keeps the rows in layer buffers of its own, a shared-memory segment laid out
+as rank 0's (same plan, slots and rows): ``Followers.buffers(plan, num_blocks, names)`` sends
+``("buffers", plan, num_blocks, names)`` once, before any chunk, and every follower creates
+``names[rank - 1]``; from then on each layer writes its rows ``[0, end)`` into the same slot rank 0
+uses. Rank 0 keeps the control: it acquired the slot (its reuse gate waits for every contributor's
+reads of the previous occupant) before it sends ``layer``, and a follower writes its rows before
+the layer's reductions, which rank 0 leaves only once every rank has joined them. So when rank 0
+announces a layer, every follower's copy of it is in place.
+
 A failure of rank 0 while the followers wait for a message is told to them (``stop``). One inside a
 layer's computation (after ``layer`` was sent; a bug, out of memory) leaves the followers inside a
 reduction that rank 0 will not join: the group is then out of step, rank 0 says so on every later
@@ -30,7 +41,9 @@ from __future__ import annotations
 
 import structlog
 import torch
+from kvcore.device import DeviceAllocator
 
+from dsamodel.engine.buffers import LayerBuffers
 from dsamodel.engine.chunk_attention import attend
 from dsamodel.engine.tp_channel import Channel, TPGroupBroken, tensor_dtype, tensor_spec
 from dsamodel.model import DSAModel
@@ -52,6 +65,15 @@ class Followers:
     def check(self) -> None:
         if self.broken:
             raise TPGroupBroken(f"the {self.size} TP ranks are out of step ({self.broken}); restart the prefill")
+
+    def buffers(self, plan, num_blocks: int, segment_names: list[str]) -> None:
+        """Every follower creates its contributor buffers (module doc): ``segment_names[rank - 1]``,
+        laid out as rank 0's ``LayerBuffers(plan, num_blocks, ...)``; returns once all have."""
+        if len(segment_names) != self.size - 1:
+            raise ValueError(f"{len(segment_names)} segment names for {self.size - 1} followers")
+        self.check()
+        self.channel.send(("buffers", plan, num_blocks, list(segment_names)))
+        self.channel.sync()
 
     def chunk(self, request_id: str, tokens: list[int], start: int, end: int, final: bool) -> None:
         self.check()
@@ -107,7 +129,8 @@ def _expect(channel: Channel, *kinds: str) -> tuple:
     return msg
 
 
-def _layer(model: DSAModel, channel: Channel, layer, h: torch.Tensor, positions: torch.Tensor, start: int):
+def _layer(model: DSAModel, channel: Channel, layer, h: torch.Tensor, positions: torch.Tensor, start: int,
+           buffers: LayerBuffers | None):
     _, (main_shape, main_dtype), (idx_shape, idx_dtype) = _expect(channel, "layer")
     main_dtype, idx_dtype = tensor_dtype(main_dtype), tensor_dtype(idx_dtype)
     if start:
@@ -118,6 +141,10 @@ def _layer(model: DSAModel, channel: Channel, layer, h: torch.Tensor, positions:
     idx = model.index_codec.encode(proj.index_k).to(idx_dtype)
     if start:
         main, idx = torch.cat((main_prefix, main)), torch.cat((idx_prefix, idx))
+    if buffers is not None:  # this rank's copy, for the decode ranks it contributes to
+        i, end = layer.cache_index, main.shape[0]
+        buffers.main(i)[:end] = main
+        buffers.indexer(i)[:end] = idx
     return layer.finish(h, attend(model, layer, proj, main, idx, positions))
 
 
@@ -126,29 +153,48 @@ def follow(model: DSAModel, channel: Channel) -> int:
     of chunks run to the end."""
     layers, base = model.cache_layers, model.config.num_hidden_layers
     done = 0
-    while True:
-        msg = channel.recv()
-        if msg[0] == "close":
-            channel.sync()
-            return done
-        if msg[0] != "chunk":
-            raise RuntimeError(f"TP follower: expected chunk or close from rank 0, got {msg[0]!r}")
-        _, request_id, tokens, start, end, final = msg
-        try:
-            with torch.inference_mode():
-                ids = torch.tensor(tokens, dtype=torch.long, device=model.device)
-                positions = torch.arange(start, end, device=model.device)
-                h = model.embed(ids[: end - start])
-                for layer in layers[:base]:
-                    h = _layer(model, channel, layer, h, positions, start)
-                if len(layers) > base:
-                    nxt = ids[1:]
-                    if final:  # the token after the prompt is the first token: rank 0 sends it
-                        _, first = _expect(channel, "first")
-                        nxt = torch.cat((nxt, torch.tensor([first], device=model.device)))
-                    h_mtp = model.mtp_input(model.final_norm(h), nxt, depth=0)
-                    _layer(model, channel, layers[base], h_mtp, positions, start)
-        except _Stopped as stop:
-            log.info("tp_follower_chunk_stopped", request_id=request_id, reason=str(stop))
-            continue
-        done += 1
+    buffers: LayerBuffers | None = None
+    try:
+        while True:
+            msg = channel.recv()
+            if msg[0] == "close":
+                channel.sync()
+                return done
+            if msg[0] == "buffers":
+                _, plan, num_blocks, names = msg
+                if buffers is not None:
+                    raise RuntimeError("TP follower: rank 0 sent its buffers twice")
+                buffers = LayerBuffers(plan, num_blocks, DeviceAllocator(model.device), model.dtype,
+                                       segment_name=names[model.tp.rank - 1])
+                channel.sync()
+                continue
+            done += _chunk(model, channel, msg, buffers)
+    finally:
+        if buffers is not None:
+            buffers.close()
+
+
+def _chunk(model: DSAModel, channel: Channel, msg: tuple, buffers: LayerBuffers | None) -> int:
+    """Run the chunk ``msg`` announces; 1 when it ran to the end, 0 when rank 0 stopped it."""
+    layers, base = model.cache_layers, model.config.num_hidden_layers
+    if msg[0] != "chunk":
+        raise RuntimeError(f"TP follower: expected chunk or close from rank 0, got {msg[0]!r}")
+    _, request_id, tokens, start, end, final = msg
+    try:
+        with torch.inference_mode():
+            ids = torch.tensor(tokens, dtype=torch.long, device=model.device)
+            positions = torch.arange(start, end, device=model.device)
+            h = model.embed(ids[: end - start])
+            for layer in layers[:base]:
+                h = _layer(model, channel, layer, h, positions, start, buffers)
+            if len(layers) > base:
+                nxt = ids[1:]
+                if final:  # the token after the prompt is the first token: rank 0 sends it
+                    _, first = _expect(channel, "first")
+                    nxt = torch.cat((nxt, torch.tensor([first], device=model.device)))
+                h_mtp = model.mtp_input(model.final_norm(h), nxt, depth=0)
+                _layer(model, channel, layers[base], h_mtp, positions, start, buffers)
+    except _Stopped as stop:
+        log.info("tp_follower_chunk_stopped", request_id=request_id, reason=str(stop))
+        return 0
+    return 1
