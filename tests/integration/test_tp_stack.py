@@ -1,8 +1,9 @@
 """Tensor-parallel prefill in the P/D stack: a prefill with ``--tensor-parallel-size 2`` (rank 0 the
 service, rank 1 a process it started, gloo between them) and a TP 1 decode with MTP drafting, on a
 float32 tiny model (a TP size sums its partial results in another order: in float32 the greedy
-tokens equal the one-rank engine's; in bf16 they may not). I3 through the proxy; the layout the
-decode accepted says prefill TP 2; and when rank 1 dies the prefill says so (not ready, naming the
+tokens equal the one-rank engine's; in bf16 they may not). I3 through the proxy; the decode accepted
+one layout from each prefill rank and pulled each rank's share of every layer out of that rank's
+own buffers, one copy of the prompt in all; and when rank 1 dies the prefill says so (not ready, naming the
 rank) and fails requests at once instead of waiting on it."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dsamodel.presets import write_tiny
 from dsamodel.tokenizer import ByteTokenizer
 
 from kvoffload.reference import greedy_reference
-from kvoffload.stack import Stack, StackConfig, free_stack_ports, post_json, stream_token_ids
+from kvoffload.stack import Stack, StackConfig, free_stack_ports, post_json, stack_stats, stream_token_ids
 
 BS = 16
 TOK = ByteTokenizer()
@@ -60,8 +61,32 @@ def test_the_decode_accepted_a_prefill_tp2_layout(stack):
     [joined] = stack.events("prefill-0", "tp_ranks_joined")
     assert joined["size"] == 2 and len(joined["pids"]) == 1
     accepted = [e for e in stack.events("decode-0", "layout_exchange") if e["accepted"]]
-    assert accepted and all((e["prefill_tp_rank"], e["prefill_tp_size"], e["decode_tp_rank"], e["decode_tp_size"])
-                            == (0, 2, 0, 1) for e in accepted), accepted
+    assert accepted and all((e["prefill_tp_size"], e["decode_tp_rank"], e["decode_tp_size"]) == (2, 0, 1)
+                            for e in accepted), accepted
+    assert sorted(e["prefill_tp_rank"] for e in accepted) == [0, 1]  # one layout per prefill rank
+
+
+def test_each_prefill_rank_sends_its_share_and_the_shares_make_one_copy(stack, model32, reference):
+    """The decode pulled a request's KV from both prefill ranks (its contributor group), each rank's
+    half out of that rank's own buffers, and the halves sum to one copy of the prompt's KV."""
+    from dsamodel.engine.layout import kv_layout
+    from dsamodel.weights import load_model
+
+    model = load_model(str(model32))
+    one_row = sum(s.main.row_bytes + s.indexer.row_bytes for s in kv_layout(model.config, BS, model.dtype).layers)
+    ids = TOK.encode(LONG_TEXT[::-1][:2000], add_bos=True)  # a prompt no earlier test sent: no prefix hit
+    before = stack_stats(stack.cfg)["decode-0"]
+    got = post_json(f"{stack.url}/v1/completions", {"prompt": ids, "max_tokens": 4, "temperature": 0})
+    after = stack_stats(stack.cfg)["decode-0"]
+    assert got["choices"][0]["token_ids"] == reference(ids, 4)
+    delta = {k: after[k] - before.get(k, 0) for k in ("bytes_read", "bytes_read_prefill_tp_rank_0",
+                                                      "bytes_read_prefill_tp_rank_1")}
+    assert delta["bytes_read"] == len(ids) * one_row
+    assert delta["bytes_read_prefill_tp_rank_0"] + delta["bytes_read_prefill_tp_rank_1"] == delta["bytes_read"]
+    for rank in (0, 1):
+        assert 0.4 < delta[f"bytes_read_prefill_tp_rank_{rank}"] / delta["bytes_read"] < 0.6, delta
+    accepted = {e["prefill_tp_rank"] for e in stack.events("decode-0", "layout_exchange") if e["accepted"]}
+    assert accepted == {0, 1}
 
 
 def test_a_dead_rank_makes_the_prefill_not_ready_and_requests_fail_fast(stack):

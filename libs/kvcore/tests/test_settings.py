@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcore.config import ConfigError, D2HConnectorConfig, parse_additional_config, parse_kv_transfer_config
 from kvcore.layout import KVLayout
@@ -448,3 +450,21 @@ def test_the_handshake_names_both_values_of_a_mismatch(p_tp, p_rank, d_tp, d_ran
     problem = tp_handshake_problem(p_tp, p_rank, d_tp, d_rank)
     for word in words:
         assert word in problem, (word, problem)
+
+
+@settings(max_examples=200, deadline=None)
+@given(start=st.integers(0, 500), n=st.integers(0, 300), count=st.integers(1, 8))
+def test_contributor_shares_partition_the_rows(start, n, count):
+    from kvcore.settings import contributor_share
+
+    shares = [contributor_share(start, start + n, i, count) for i in range(count)]
+    assert shares[0][0] == start and shares[-1][1] == start + n
+    assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+    assert max(b - a for a, b in shares) - min(b - a for a, b in shares) <= 1
+
+
+def test_a_contributor_outside_its_group_has_no_share():
+    from kvcore.settings import contributor_share
+
+    with pytest.raises(ValueError, match="contributor 2 outside 0..1"):
+        contributor_share(0, 10, 2, 2)

@@ -50,7 +50,7 @@ class Prefill:
         self.engine.announce = announce
         self.result = self.engine.run(PrefillRequest("r", torch.arange(P) % 200, readers=frozenset({READER})))
         self.server = grpc.server(ThreadPoolExecutor(max_workers=2))
-        transfer_pb2_grpc.add_LayerSourceServicer_to_server(LayerSourceServicer(self.engine, VERSION), self.server)
+        transfer_pb2_grpc.add_LayerSourceServicer_to_server(LayerSourceServicer(self.engine, {VERSION: self.engine.buffers}), self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -107,8 +107,8 @@ def test_the_legitimate_read_streams_the_rows(prefill):
 
 
 HOSTILE = [
-    ("other-layout-version", dict(layout_version=12), C.FAILED_PRECONDITION, "layout_version 12 is not this prefill's"),
-    ("layout-version-zero", dict(layout_version=0), C.FAILED_PRECONDITION, "layout_version 0 is not this prefill's"),
+    ("other-layout-version", dict(layout_version=12), C.FAILED_PRECONDITION, "layout_version 12 is not one of this prefill's"),
+    ("layout-version-zero", dict(layout_version=0), C.FAILED_PRECONDITION, "layout_version 0 is not one of this prefill's"),
     ("layer-past-the-end", dict(layer=5), C.INVALID_ARGUMENT, "layer 5"),
     ("layer-max", dict(layer=U32_MAX), C.INVALID_ARGUMENT, f"layer {U32_MAX}"),
     ("reversed-range", dict(src_start=9, src_end=3), C.INVALID_ARGUMENT, "range is malformed"),

@@ -1,5 +1,5 @@
 """--tensor-parallel-size on the prefill: a size the model cannot be sharded over, or one below 1,
-and TP in offload-only mode exit 2 with a message naming the flag and both values, before any rank
+and TP in offload-only mode or with memfabric exit 2 with a message naming the flag and both values, before any rank
 process starts. (The running TP prefill: tests/integration/test_tp_stack.py.)"""
 
 import json
@@ -29,6 +29,8 @@ def tiny(tmp_path_factory):
     (PD, "3", "--tensor-parallel-size: tensor parallel size 3 does not divide the model's num_attention_heads=4"),
     (PD, "0", "--tensor-parallel-size"),
     (OFFLOAD_ONLY, "2", "--tensor-parallel-size: got 2; offload-only mode (no SfaRemoteD2HConnector) runs one rank"),
+    (PD.replace('"transfer_backend": "kvoffload"', '"transfer_backend": "memfabric"'), "2",
+     "--tensor-parallel-size: got 2; with transfer_backend 'memfabric' the prefill runs one rank"),
 ])
 def test_a_size_that_cannot_work_exits_2_naming_it(capsys, tiny, config, size, message):
     assert main(["--model", tiny, "--kv-transfer-config", config, "--max-model-len", "256",

@@ -405,8 +405,8 @@ def tp_contributors(prefill_tp: int, decode_tp: int, decode_tp_rank: int) -> lis
 
     With ``ratio = prefill_tp / decode_tp`` (prefill TP >= decode TP and divisible), decode rank r
     pulls from prefill ranks ``[r * ratio, (r + 1) * ratio)``; its part of a request is complete
-    only when all of them reported (MLA KV is replicated across TP, so each contributor carries the
-    same rows and any one of them suffices for the data; all must ack for the release handshake).
+    only when all of them reported. MLA KV is replicated across TP, so every contributor holds the
+    same rows; each sends its share of every layer (``contributor_share``), so no row crosses twice.
     """
     problem = tp_pair_problem(prefill_tp, decode_tp)
     if problem:
@@ -415,6 +415,17 @@ def tp_contributors(prefill_tp: int, decode_tp: int, decode_tp_rank: int) -> lis
         raise ValueError(f"decode_tp_rank {decode_tp_rank} outside 0..{decode_tp - 1}")
     ratio = prefill_tp // decode_tp
     return list(range(decode_tp_rank * ratio, (decode_tp_rank + 1) * ratio))
+
+
+def contributor_share(start: int, end: int, index: int, count: int) -> tuple[int, int]:
+    """The rows of ``[start, end)`` the ``index``-th of ``count`` contributors sends: consecutive,
+    as even as the rows allow (the first ones one row shorter); the shares partition the range."""
+    if not 0 <= index < count:
+        raise ValueError(f"contributor {index} outside 0..{count - 1}")
+    if end < start:
+        raise ValueError(f"rows [{start}, {end}) are not a range")
+    n = end - start
+    return start + index * n // count, start + (index + 1) * n // count
 
 
 def tp_target(prefill_tp: int, decode_tp: int, prefill_tp_rank: int) -> int:

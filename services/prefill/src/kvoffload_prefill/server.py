@@ -105,6 +105,10 @@ def serve(args: argparse.Namespace) -> int:
     model = load_model(args.model, dtype=args.dtype)
     settings = _settings(args, kv_layout(model.config, args.block_size, model.dtype))
     _pool_flags(args, settings.store)
+    if settings.d2h is not None and settings.d2h.transfer_backend == "memfabric" and args.tensor_parallel_size > 1:
+        raise ConfigError([f"--tensor-parallel-size: got {args.tensor_parallel_size}; with transfer_backend "
+                           "'memfabric' the prefill runs one rank (its followers' layer buffers are not registered "
+                           "with memfabric), use 1"])
     memfabric = _memfabric(args, settings.d2h)  # before the pool: fail fast, holding nothing
     log.info("host pool size", bytes=args.host_pool_bytes, source=args.host_pool_source,
              **({"overrides": args.host_pool_overrides} if args.host_pool_overrides else {}))
@@ -126,17 +130,20 @@ def serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, prefetch=settings.prefetch_layers, model_id=model_id,
         buffer_segment=f"kvoffload-prefill-buffers-{tag}", gate_timeout_s=args.read_timeout_s + 30,
         followers=ranks.followers if ranks else None)
+    follower_buffers = _follower_buffers(ranks, engine, tag) if ranks else []
     engine.plan.log()
     not_ready = (lambda: ranks.not_ready() or _not_ready(pool)) if ranks else (lambda: _not_ready(pool))
     grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _stats(worker, ledger), workers=8,
                          not_ready=not_ready)
     data_port = grpc_side.add_port(f"{args.host}:{args.data_port}", tls)
     worker = PrefillWorker(engine, model_id=model_id, host_id=host_id(), data_endpoint=f"{args.host}:{data_port}",
-                           read_timeout_s=args.read_timeout_s, peer_timeout_s=args.peer_timeout_s)
+                           read_timeout_s=args.read_timeout_s, peer_timeout_s=args.peer_timeout_s,
+                           follower_segments=tuple(b.segment.name for b in follower_buffers))
     if memfabric is not None:
         _share_layer_buffers(memfabric, engine, worker)
     grpc_side.add(transfer_pb2_grpc.add_LayerSourceServicer_to_server,
-                  LayerSourceServicer(engine, worker.layout_version))
+                  LayerSourceServicer(engine, {lay.layout_version: bufs for lay, bufs
+                                               in zip(worker.layouts, (engine.buffers, *follower_buffers))}))
     app = build_app(worker, tokenizer, model_id, args.max_model_len, not_ready=not_ready)
     grpc_side.start()
     log.info("serving", http=f"{args.host}:{args.port}", data_port=data_port, model=model_id,
@@ -147,6 +154,7 @@ def serve(args: argparse.Namespace) -> int:
              **(tls.describe() if tls else {"tls": False}))
     # memfabric lets go of the layer buffers before the engine unmaps them
     closers = (worker.close, *((memfabric.close,) if memfabric else ()), engine.close,
+               *(b.close for b in follower_buffers),
                *((ranks.close,) if ranks else ()), pool.close)
     serve_http(app, args.host, args.port, busy=lambda: worker.ledger.counters()["ledger_open"],
                grace_s=args.shutdown_grace_s, grpc_side=grpc_side, closers=closers)
@@ -336,6 +344,25 @@ def _tp_ranks(args: argparse.Namespace, model, pool):
         return TPRanks.start(model, model_dir=args.model, dtype=args.dtype, size=size, log_level=args.log_level)
     except BaseException:
         pool.close()
+        raise
+
+
+def _follower_buffers(ranks, engine, tag: str) -> list:
+    """Each follower creates its layer buffers (``dsamodel.engine.tp_prefill``: contributor
+    buffers) and rank 0 attaches them, to name them in that rank's layout and serve them to
+    decodes on other hosts. On failure everything started is stopped."""
+    from dsamodel.engine.buffers import LayerBuffers
+    from kvcore.device import DeviceAllocator
+
+    names = [f"kvoffload-prefill-buffers-{tag}-tp{r}" for r in range(1, ranks.size)]
+    try:
+        ranks.followers.buffers(engine.plan, engine.buffers.num_blocks, names)
+        return [LayerBuffers(engine.plan, engine.buffers.num_blocks, DeviceAllocator(engine.model.device),
+                             engine.model.dtype, segment_name=n, attach=True) for n in names]
+    except BaseException:
+        engine.close()
+        ranks.close()
+        engine.pool.close()
         raise
 
 

@@ -4,6 +4,15 @@ announcing every layer to the decode endpoints a request names and reporting its
 ``run(prompt_ids, transfer_params)`` is the whole job of one request: readers = the decode
 endpoints in ``transfer_params``; the engine announces each computed layer through their
 ``DecodeLink``; the reuse gate holds each slot until the save and every READ_DONE arrived.
+
+A tensor-parallel prefill (``follower_segments``: the layer buffers of TP ranks 1..N-1, which hold
+the same rows as rank 0's) has one layout per rank, each naming that rank's buffers, and one link
+per rank to every decode it feeds: its contributor group. A reader is (request, decode endpoint,
+prefill TP rank), and each rank's link announces that rank's share of every layer
+(``kvcore.settings.contributor_share``), read out of that rank's buffers: no row crosses twice and
+the slot is reused only once every share was read. Rank 0 does the talking for all of them (it
+decides when a slot is taken, so it also knows when each follower's copy is in place), and its link
+reports the first token.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import torch
 from dsamodel.engine.prefill import LayerwisePrefill, PrefillRequest
 from dsamodel.sampling import RequestSampler, SamplingParams, TokenLogprob
 from kvcore.layout import dtype_name
+from kvcore.settings import contributor_share
 from svcruntime.ledger import Ledger
 from kvoffload_proto.v1 import transfer_pb2
 from pdlink.links import DecodeLink
@@ -49,11 +59,19 @@ def _first_logprob(sampler: RequestSampler) -> TokenLogprob | None:
 
 class PrefillWorker:
     def __init__(self, engine: LayerwisePrefill, *, model_id: str, host_id: str, data_endpoint: str,
-                 read_timeout_s: float = 60.0, peer_timeout_s: float = 10.0) -> None:
+                 read_timeout_s: float = 60.0, peer_timeout_s: float = 10.0,
+                 follower_segments: tuple[str, ...] = ()) -> None:
         self.engine = engine
-        self.layout_version = random.randrange(1, 2**63)
-        self.layout = self._layout_metadata(model_id, host_id, data_endpoint)
-        self._links: dict[str, DecodeLink] = {}
+        size = engine.followers.size if engine.followers else 1
+        if len(follower_segments) != size - 1:
+            raise ValueError(f"a TP {size} prefill needs the layer buffers of its {size - 1} follower(s), "
+                             f"got {len(follower_segments)}")
+        versions = random.sample(range(1, 2**62), size)  # distinct
+        # rank 0's layout, then each follower's: its own buffers, the same slots, rows and offsets
+        self.layouts = [self._layout_metadata(model_id, host_id, data_endpoint, rank, version, segment)
+                        for rank, (version, segment) in enumerate(zip(versions, (None, *follower_segments)))]
+        self.layout, self.layout_version = self.layouts[0], versions[0]
+        self._links: dict[tuple[str, int], DecodeLink] = {}  # (decode endpoint, prefill TP rank) -> link
         self._lock = threading.Lock()
         self._read_timeout_s = read_timeout_s
         self._peer_timeout_s = peer_timeout_s
@@ -64,7 +82,8 @@ class PrefillWorker:
         self.ledger = Ledger()
         engine.announce = self._announce
 
-    def _layout_metadata(self, model_id: str, host_id: str, data_endpoint: str) -> transfer_pb2.LayoutMetadata:
+    def _layout_metadata(self, model_id: str, host_id: str, data_endpoint: str, rank: int, version: int,
+                         segment_name: str | None) -> transfer_pb2.LayoutMetadata:
         eng, bufs = self.engine, self.engine.buffers
         layers = []
         for spec in eng.plan.layout.layers:
@@ -80,41 +99,51 @@ class PrefillWorker:
                     if cache is None:
                         continue
                     plane = bufs.plane_of[(slot, kind)]
-                    region.segment_name = bufs.segment.name
+                    region.segment_name = segment_name or bufs.segment.name
                     region.offset_bytes = bufs.segment.plane_offsets[plane]
                     region.row_stride_bytes = cache.row_bytes
                     region.capacity_tokens = bufs.capacity_tokens
             layers.append(lay)
         return transfer_pb2.LayoutMetadata(
             model_id=model_id, num_layers=len(layers), block_size=eng.block_size, layers=layers,
-            # rank 0 computes and sends every layer; its followers (TP ranks 1..N-1) talk to no decode
-            prefill_tp_rank=0, prefill_tp_size=eng.followers.size if eng.followers else 1,
+            prefill_tp_rank=rank, prefill_tp_size=eng.followers.size if eng.followers else 1,
             data_endpoint=data_endpoint, host_id=host_id,
-            layout_version=self.layout_version)
+            layout_version=version)
 
-    def link(self, endpoint: str) -> DecodeLink:
-        with self._lock:
-            link = self._links.get(endpoint)
-            if link is None:
-                link = self._links[endpoint] = DecodeLink(endpoint, self.layout, self._read_timeout_s,
+    def links(self, endpoint: str) -> list[DecodeLink]:
+        """The links of every prefill TP rank to the decode at ``endpoint``, in rank order, each with
+        its layout accepted (a decode TP 1 rank: every prefill rank is one of its contributors)."""
+        out = []
+        for layout in self.layouts:
+            key = (endpoint, layout.prefill_tp_rank)
+            with self._lock:
+                link = self._links.get(key)
+                if link is None:
+                    link = self._links[key] = DecodeLink(endpoint, layout, self._read_timeout_s,
                                                          peer_timeout_s=self._peer_timeout_s)
-        link.ensure_layout()
-        return link
+            link.ensure_layout()
+            out.append(link)
+        return out
 
     def _announce(self, ticket, req: PrefillRequest, start: int, end: int) -> None:
-        """ReadReady to every reader of the layer (their links exist: ``run`` made them)."""
+        """ReadReady of its share to every reader of the layer (their links exist: ``run`` made them);
+        a rank whose share is empty (fewer rows than ranks) has nothing to read: settled here."""
         for reader in ticket.readers:
-            rid, endpoint = reader
+            rid, endpoint, rank = reader
+            a, b = contributor_share(start, end, rank, len(self.layouts))
+            if a == b:
+                ticket.read_done(reader)
+                continue
             with self._lock:
-                link = self._links[endpoint]
-            outcome = link.announce(ticket, reader, rid, start, end)
+                link = self._links[(endpoint, rank)]
+            outcome = link.announce(ticket, reader, rid, a, b)
             with self._lock:
                 self._outcomes.setdefault(rid, []).append((ticket.layer, outcome))
 
-    def _stop_reason(self, rid: str, link: DecodeLink) -> str:
+    def _stop_reason(self, rid: str, links: list[DecodeLink]) -> str:
         """Why the request should not compute another layer: its decode dropped it or is gone, or
         one of its layers was not read (the request has failed already)."""
-        why = link.dropped(rid)
+        why = next((w for w in (link.dropped(rid) for link in links) if w), "")
         if why:
             return why
         with self._lock:
@@ -125,36 +154,43 @@ class PrefillWorker:
             params: SamplingParams | None = None) -> PrefillOutcome:
         """Prefill one prompt; with decode params, every layer goes to that decode endpoint."""
         readers: frozenset = frozenset()
-        link = None
+        links: list[DecodeLink] = []
+        rid = request_id
         if transfer_params:
             endpoint = endpoint_of(transfer_params)
-            link = self.link(endpoint)  # the layout is accepted before any slot is taken
-            readers = frozenset({(str(transfer_params.get("request_id") or request_id), endpoint)})
-        rid = next(iter(readers))[0] if readers else request_id
-        self.ledger.open(rid, "prefilling", peer=f"decode {link.endpoint}" if link else "")
+            decode_tp = transfer_params.get("remote_tp_size", 1)
+            if decode_tp != 1:
+                raise ValueError(f"kv_transfer_params.remote_tp_size: got {decode_tp!r}; this prefill feeds "
+                                 "decode TP 1 (one decode rank per endpoint)")
+            links = self.links(endpoint)  # the layouts are accepted before any slot is taken
+            rid = str(transfer_params.get("request_id") or request_id)
+            readers = frozenset((rid, endpoint, rank) for rank in range(len(links)))
+        self.ledger.open(rid, "prefilling", peer=f"decode {links[0].endpoint}" if links else "")
         try:
-            out = self._run(rid, prompt_ids, link, readers, params)
+            out = self._run(rid, prompt_ids, links, readers, params)
         except BaseException as exc:
             self.ledger.finish(rid, "error", repr(exc))
             raise
         self.ledger.finish(rid, "ok")
         return out
 
-    def _run(self, rid: str, prompt_ids: list[int], link: DecodeLink | None, readers: frozenset,
+    def _run(self, rid: str, prompt_ids: list[int], links: list[DecodeLink], readers: frozenset,
              params: SamplingParams | None) -> PrefillOutcome:
         # the client's parameters hold for the first token too: penalties (none yet), min_tokens
         # (no EOS or stop token id while min_tokens >= 1), logprobs
         sampler = RequestSampler(params or SamplingParams(max_tokens=1), self.engine.model.config.eos_token_id)
-        if link is None:
+        if not links:
             res = self.engine.run(PrefillRequest(rid, torch.tensor(prompt_ids, dtype=torch.long), sample=sampler.step))
             self._release(res)
             return self._finished(rid, prompt_ids, res, sampler)
-        link.hold(rid)  # heartbeats name the request from now on, queued or computing
+        for link in links:
+            link.hold(rid)  # heartbeats name the request from now on, queued or computing
         try:
             res = self.engine.run(PrefillRequest(rid, torch.tensor(prompt_ids, dtype=torch.long), readers=readers,
-                                                 sample=sampler.step, cancelled=lambda: self._stop_reason(rid, link)))
+                                                 sample=sampler.step, cancelled=lambda: self._stop_reason(rid, links)))
         except BaseException:
-            link.release(rid)
+            for link in links:
+                link.release(rid)
             with self._lock:
                 self._outcomes.pop(rid, None)
             raise
@@ -163,9 +199,10 @@ class PrefillWorker:
             self._await_reads(rid)
             self.ledger.advance(rid, "reporting")
             draft = int(torch.argmax(res.draft_logits)) if res.draft_logits is not None else None  # MTP's guess
-            link.prefill_done(rid, len(prompt_ids), res.first_token, _first_logprob(sampler), draft)
+            links[0].prefill_done(rid, len(prompt_ids), res.first_token, _first_logprob(sampler), draft)
         finally:
-            link.release(rid)
+            for link in links:
+                link.release(rid)
             with self._lock:
                 self._outcomes.pop(rid, None)
             self._release(res)

@@ -32,7 +32,10 @@ class LayerBuffers:
     indexer cache: uint8 rows of keys + scales, ``CacheSpec.storage``)."""
 
     def __init__(self, plan: BufferPlan, num_blocks: int, allocator: DeviceAllocator, dtype: torch.dtype,
-                 *, segment_name: str | None = None) -> None:
+                 *, segment_name: str | None = None, attach: bool = False) -> None:
+        """``segment_name``: the buffers live in that shared-memory segment, created here (and
+        removed by ``close``), or with ``attach`` the one another process created for the same plan
+        and ``num_blocks`` (a TP follower's, which rank 0 serves to the decodes it feeds)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.plan = plan
@@ -48,7 +51,12 @@ class LayerBuffers:
                 raise ValueError(f"shared-memory layer buffers need the cpu device, not {allocator.device}")
             labels = tuple((d.slot, d.kind) for d in plan.descriptors)
             geo = PoolGeometry(self.block_size, tuple(d.spec.row_bytes for d in plan.descriptors), num_blocks, labels)
-            self.segment = SharedSegment.create(segment_name, geo, replace=True)
+            self.segment = SharedSegment.attach(segment_name) if attach \
+                else SharedSegment.create(segment_name, geo, replace=True)
+            if attach and self.segment.geometry != geo:
+                self.segment.close()
+                raise ValueError(f"segment {segment_name!r} is not laid out for this plan "
+                                 f"({self.segment.geometry} != {geo})")
             self.plane_of = {label: p for p, label in enumerate(labels)}
         for p, d in enumerate(plan.descriptors):
             target = self._main if d.kind == "main" else self._indexer
@@ -60,12 +68,15 @@ class LayerBuffers:
                 view = self.segment.plane(p).view(sdtype).view(rows, width)  # [rows, W] shared
                 target[d.slot] = allocator.track(view, tag)
         self._residency: dict[int, Residency | None] = {s: None for s in range(plan.num_buffers)}
+        self._owner = not attach
 
     def close(self) -> None:
-        """Release the shared-memory segment (if any); the buffers are unusable afterwards."""
+        """Release the shared-memory segment (if any; removed if created here); the buffers are
+        unusable afterwards."""
         if self.segment is not None:
             self.segment.close()
-            self.segment.unlink()
+            if self._owner:
+                self.segment.unlink()
             self.segment = None
 
     @property
