@@ -25,7 +25,10 @@ identical in every pair (I3, ``tokens_equal``).
   = (2, 1): the prefill starts a second rank process (``--tensor-parallel-size 2``). On a float32
   tiny model, against the one-rank engine on it: a TP size sums its partial results in another
   order, so in bfloat16 the greedy tokens of TP 2 may differ from TP 1's, in float32 they agree.
-  Its ``ttft_ratio`` / ``tpot_ratio`` / ``tokens_equal`` / ``pulls`` / ``pull_bytes`` as above.
+  Its ``ttft_ratio`` / ``tpot_ratio`` / ``tokens_equal`` / ``pulls`` / ``pull_bytes`` as above; each
+  prefill rank sends its share of every layer (two pulls a layer), and
+  ``pull_bytes_by_prefill_tp_rank`` says how many bytes each rank's shares carried (about half each,
+  one copy of the prompts in all).
 - ``idle_*`` (with ``idle_pull``): the old out-of-stack figure, kept as a diagnostic: the same
   pull code path (``SparseDecoder.write_prompt_layer``, the whole prompt of one layer) against a
   memcpy of the same bytes, side by side in the bench process after the stack is down (other
@@ -51,6 +54,7 @@ import torch
 GOAL_TPOT_RATIO = 1.3
 GOAL_PULL_RATIO = 0.5
 CHUNK_SIZE = 2048  # prefill chunk, both halves: the decode pulls a layer's rows one chunk at a time
+BY_RANK = "bytes_read_prefill_tp_rank_"  # the decode's Stats: bytes pulled out of prefill TP rank <r>
 
 
 class _Countdown:
@@ -254,6 +258,9 @@ def _rounds(model_dir: Path, log_dir: Path, prefill_args: list[str], *, requests
                     "pd_ttft_s": pd_ttft, "single_ttft_s": s_ttft, "ttft_ratio": pd_ttft / s_ttft,
                     "pd_tpot_s": pd_tpot, "single_tpot_s": s_tpot, "tpot_ratio": pd_tpot / s_tpot if s_tpot else 0.0,
                     "pulls": int(after["read_done"] - before["read_done"]), "pull_bytes": int(nbytes),
+                    # per prefill TP rank: its shares (a rank that had pulled nothing before had no counter)
+                    "pull_bytes_by_prefill_tp_rank": {k.removeprefix(BY_RANK): int(v - before.get(k, 0))
+                                                      for k, v in sorted(after.items()) if k.startswith(BY_RANK)},
                     "pull_gbps_in_stack": pull_gbps, "memcpy_gbps_in_stack": memcpy_gbps, "memcpy_copies": copies,
                     "pull_gbps_in_stack_ratio_to_memcpy": pull_gbps / memcpy_gbps if memcpy_gbps else 0.0,
                 })
@@ -326,6 +333,8 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
             **{k: _median(tp_rounds, k) for k in ("pd_ttft_s", "single_ttft_s", "ttft_ratio", "pd_tpot_s",
                                                    "single_tpot_s", "tpot_ratio")},
             "pulls": sum(r["pulls"] for r in tp_rounds), "pull_bytes": sum(r["pull_bytes"] for r in tp_rounds),
+            "pull_bytes_by_prefill_tp_rank": {rank: sum(r["pull_bytes_by_prefill_tp_rank"][rank] for r in tp_rounds)
+                                              for rank in tp_rounds[0]["pull_bytes_by_prefill_tp_rank"]},
             "tokens_equal": tp_equal, "per_round": tp_rounds}
     if idle_pull:
         idle_pull_gbps, idle_memcpy = _pull_vs_memcpy(prompt_tokens, block_size)

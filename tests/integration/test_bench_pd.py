@@ -19,5 +19,10 @@ def test_bench_pd_fields():
     tp = r["tp_2_1"]  # the same with a TP 2 prefill, float32
     assert (tp["prefill_tp"], tp["decode_tp"], tp["dtype"]) == (2, 1, "float32") and tp["tokens_equal"]
     assert tp["ttft_ratio"] > 0 and tp["tpot_ratio"] > 0 and len(tp["per_round"]) == 2
-    assert tp["pulls"] == 2 * 2 * 5  # one copy of every layer of every request: rank 0 sends each once
-    assert tp["pull_bytes"] == 2 * r["pull_bytes"]  # float32 rows: twice the bfloat16 bytes
+    assert tp["pulls"] == 2 * 2 * 2 * 5  # every layer of every request in two shares, one per prefill rank
+    assert tp["pull_bytes"] == 2 * r["pull_bytes"]  # one copy; float32 rows: twice the bfloat16 bytes
+    by_rank = tp["pull_bytes_by_prefill_tp_rank"]
+    assert sorted(by_rank) == ["0", "1"] and sum(by_rank.values()) == tp["pull_bytes"]
+    assert all(0.4 < b / tp["pull_bytes"] < 0.6 for b in by_rank.values()), by_rank
+    for rnd in tp["per_round"]:
+        assert sum(rnd["pull_bytes_by_prefill_tp_rank"].values()) == rnd["pull_bytes"]

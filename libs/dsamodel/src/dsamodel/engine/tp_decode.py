@@ -36,7 +36,7 @@ collective, and a reduction left unjoined times out.
 from __future__ import annotations
 
 import threading
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import structlog
 import torch
@@ -82,12 +82,17 @@ class LeadDecoder(SparseDecoder):
             self.broken = why[:500]
             log.error("tp_decode_group_out_of_step", size=self.size, error=self.broken)
 
+    @contextmanager
     def _computing(self, op: tuple, *tensors: torch.Tensor):
         """Send ``op`` (a step the followers join), then let rank 0 compute; an error while it does
         breaks the group (the followers may wait in a reduction rank 0 will not reach)."""
         self._ops.append(op)
         self._flush(*tensors)
-        return _BreakOnError(self)
+        try:
+            yield
+        except BaseException as exc:
+            self._break(f"rank 0 failed inside a step: {exc!r}")
+            raise
 
     # ---- state changes: applied here first, then queued -----------------------------------------
 
@@ -167,19 +172,6 @@ class LeadDecoder(SparseDecoder):
         self._ops.append(("close",))
         self._flush()
         self.channel.sync()
-
-
-class _BreakOnError:
-    def __init__(self, lead: LeadDecoder) -> None:
-        self.lead = lead
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is not None:
-            self.lead._break(f"rank 0 failed inside a step: {exc!r}")
-        return False
 
 
 def follow_decode(decoder: SparseDecoder, channel: Channel, lock: threading.Lock | None = None) -> int:
