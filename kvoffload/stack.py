@@ -100,6 +100,7 @@ class StackConfig:
     # (kv_port), decode i runs --dp-rank i on control port kv_port + i and registers as DP rank i;
     # otherwise each decode is a deployment of its own (kv_port + 16 i, DP rank 0)
     decode_dp: bool = False
+    decode_tp: int = 1  # each decode runs --tensor-parallel-size N: rank t of DP rank d on kv_port + d N + t
     mode: str = "pd"  # one of MODES; "offload-only": no decodes and no proxy (decode_ports, proxy_port unused)
 
     def __post_init__(self) -> None:
@@ -109,8 +110,8 @@ class StackConfig:
             raise ValueError(f"mode: got {self.mode!r}; must be one of {', '.join(map(repr, MODES))}")
 
     def decode_control_port(self, i: int) -> int:
-        """Control (Transfer gRPC) port of decode ``i``."""
-        return self.kv_port + (i if self.decode_dp else 16 * i)
+        """Control (Transfer gRPC) port of decode ``i`` (its TP rank 0; rank t listens on this + t)."""
+        return self.kv_port + (i * self.decode_tp if self.decode_dp else 16 * i)
 
     @property
     def mooncake_master(self) -> str:
@@ -281,7 +282,8 @@ class Stack:
         for i, port in enumerate(() if offload_only else c.decode_ports):
             # a deployment reserves dp * tp consecutive control ports from its kv_port
             kv_port, dp = (c.kv_port, ["--dp-rank", str(i)]) if c.decode_dp else (c.decode_control_port(i), [])
-            out.append((f"decode-{i}", [_bin("kvoffload-decode"), *common, "--port", str(port), *dp,
+            tp = ["--tensor-parallel-size", str(c.decode_tp)] if c.decode_tp > 1 else []
+            out.append((f"decode-{i}", [_bin("kvoffload-decode"), *common, "--port", str(port), *dp, *tp,
                                         "--kv-transfer-config", decode_kv_transfer_config(kv_port),
                                         "--additional-config", decode_additional_config()],
                         f"http://{c.host}:{port}/health"))

@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -39,6 +40,7 @@ class AppSettings:
     advertise_host: str
     control_port: int
     dp_rank: int = 0  # registered with the proxy as remote_dp_rank
+    tp_size: int = 1  # registered as remote_tp_size: rank t of this decode listens on control_port + t
     metaserver_timeout_s: float = 600.0
     token_timeout_s: float = 600.0
     metaserver_retries: int = 3
@@ -107,7 +109,10 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def build_app(loop: DecodeLoop, transfer, tokenizer: ByteTokenizer, settings: AppSettings) -> web.Application:
+def build_app(loop: DecodeLoop, transfer, tokenizer: ByteTokenizer, settings: AppSettings,
+              not_ready: Callable[[], str] = lambda: "") -> web.Application:
+    """The HTTP API; ``not_ready()`` says why the decode cannot serve now ("" when it can: a TP
+    decode whose rank died cannot), which ``/health`` answers with 503."""
     metrics = Metrics(loop, transfer)
     app = web.Application(client_max_size=32 << 20, middlewares=[refuse_while_draining("decode")])
     app[DRAINING] = asyncio.Event()
@@ -117,7 +122,7 @@ def build_app(loop: DecodeLoop, transfer, tokenizer: ByteTokenizer, settings: Ap
         response.headers[LOAD_HEADER] = encode_load(loop.load())
 
     app.on_response_prepare.append(load_header)
-    handler = _Handler(loop, tokenizer, settings, metrics)
+    handler = _Handler(loop, tokenizer, settings, metrics, not_ready)
     app.router.add_post("/v1/completions", lambda r: handler.complete(r, chat=False))
     app.router.add_post("/v1/chat/completions", lambda r: handler.complete(r, chat=True))
     app.router.add_get("/health", handler.health)
@@ -140,8 +145,10 @@ def _error(status: int, message: str, code: str) -> web.Response:
 
 
 class _Handler:
-    def __init__(self, loop: DecodeLoop, tokenizer: ByteTokenizer, settings: AppSettings, metrics: Metrics) -> None:
+    def __init__(self, loop: DecodeLoop, tokenizer: ByteTokenizer, settings: AppSettings, metrics: Metrics,
+                 not_ready: Callable[[], str] = lambda: "") -> None:
         self.loop, self.tokenizer, self.settings, self.metrics = loop, tokenizer, settings, metrics
+        self.not_ready = not_ready
         self.created = int(time.time())
         self.responder = Responder(tokenizer, settings.model_name)
 
@@ -153,6 +160,9 @@ class _Handler:
             "owned_by": "kvoffload", "max_model_len": self.settings.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
+        reason = self.not_ready()
+        if reason:
+            return web.json_response({"status": "not_ready", "reason": reason, **self.loop.stats()}, status=503)
         return web.json_response({"status": "ok", **self.loop.stats(), "load": self.loop.load()})
 
     async def complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
@@ -277,7 +287,7 @@ class _Handler:
         registration deadline no longer applies to it)."""
         headers = {"X-Request-Id": rid, **({"Authorization": f"Bearer {token}"} if token else {})}
         params = {"request_id": rid, "remote_host": self.settings.advertise_host,
-                  "remote_port": self.settings.control_port, "remote_tp_size": 1,
+                  "remote_port": self.settings.control_port, "remote_tp_size": self.settings.tp_size,
                   "remote_dp_rank": self.settings.dp_rank}
         if queued:
             params = {"request_id": rid, "queued": True}

@@ -53,12 +53,14 @@ import structlog
 import torch
 from dsamodel.engine.decode import SparseDecoder
 from dsamodel.engine.speculative import DraftStats, decode_step
+from dsamodel.engine.tp_decode import LeadDecoder
 from dsamodel.sampling import RequestSampler, SamplingParams, TokenLogprob
 from svcruntime.ledger import Entry, Ledger
 
 log = structlog.get_logger(__name__)
 
 YIELD_S = 0.0002  # the loop's pause between steps, so other threads can take the lock
+RANK_POLL_S = 0.002  # TP: the pause between polls of the follower ranks while a request waits on them
 DEFAULT_STEP_GATHER_S = 0.05  # the longest a step waits for requests on their way (module doc)
 Emit = Callable[[str, object], None]  # ("token", id) | ("done", finish_reason) | ("error", message)
 
@@ -119,6 +121,7 @@ class DecodeRequest:
     copies: int = 0  # pulled rows being installed right now (outside the loop's lock)
     free_after_copies: str | None = None  # cancelled while copies ran: the last copy frees it
     reserved: bool = False  # holds its prompt's host-pool blocks (else it waits for them, FIFO)
+    ranks_whole: bool = False  # TP: every follower rank said it holds the prompt whole
     on_reserved: Callable[[], None] | None = None  # called (under the lock) when a waiting one got blocks
 
     @property
@@ -149,6 +152,8 @@ class DecodeLoop:
         if num_speculative_tokens and not decoder.model.config.num_nextn_predict_layers:
             raise ValueError("speculative decoding needs a model with an MTP layer (num_nextn_predict_layers >= 1)")
         self.decoder = decoder
+        # TP (a LeadDecoder): the follower ranks pull their own rows; a request runs once all hold it
+        self.lead = decoder if isinstance(decoder, LeadDecoder) else None
         self.speculative = num_speculative_tokens
         self.draft_stats = DraftStats()
         self.peer_timeout_s = peer_timeout_s
@@ -417,6 +422,8 @@ class DecodeLoop:
         """Its prompt is complete and it holds a sequence slot or one is free (no copy in flight)."""
         if not req.prompt_complete or not req.reserved or req.copies:
             return False
+        if self.lead is not None and not req.ranks_whole:
+            return False
         return self.decoder.seqs[req.request_id].seq_slot is not None or self.decoder.free_slots > 0
 
     def _admit_ready(self) -> None:
@@ -446,8 +453,12 @@ class DecodeLoop:
             time.sleep(YIELD_S)
             with self.lock:
                 while not self._stop and not self.running and not any(self._runnable(r) for r in self.pending.values()):
+                    if self._awaiting_ranks():
+                        break  # polled below
                     self.lock.wait(timeout=1.0)
                 self._gather()
+            if self.lead is not None and not self._poll_ranks() and not self.running:
+                time.sleep(RANK_POLL_S)
             with self.engine_lock:  # the batch cannot change until the step is sampled
                 with self.lock:
                     if self._stop:
@@ -469,6 +480,37 @@ class DecodeLoop:
                             req.emit("error", f"decode step failed: {exc}")
                             self._free(req, "error", repr(exc))
                         self.running.clear()
+
+    def _awaiting_ranks(self) -> list[DecodeRequest]:
+        """Under ``lock``, TP: the requests rank 0 holds whole that not every follower has confirmed."""
+        if self.lead is None:
+            return []
+        return [r for r in self.pending.values() if r.prompt_complete and r.reserved and not r.ranks_whole]
+
+    def _poll_ranks(self) -> bool:
+        """TP: ask the followers which requests they hold whole; True when one became runnable. A
+        poll that fails (a follower is gone) fails the requests that waited on it."""
+        with self.lock:
+            waiting = self._awaiting_ranks()
+        if not waiting:
+            return False
+        try:
+            with self.engine_lock:
+                answers = self.lead.poll()
+        except Exception as exc:
+            log.error("tp_poll_failed", error=repr(exc), request_ids=[r.request_id for r in waiting])
+            for req in waiting:
+                req.emit("error", f"decode TP ranks: {exc}")
+                self.cancel(req.request_id, str(exc), outcome="error")
+            return False
+        whole = set.intersection(*(set(a) for a in answers))
+        with self.lock:
+            ready = [r for r in waiting if r.request_id in whole and r.request_id in self.pending]
+            for req in ready:
+                req.ranks_whole = True
+            if ready:
+                self.lock.notify_all()
+        return bool(ready)
 
     def _gather(self) -> None:
         """Under ``lock``: at saturation (more requests on their way than the batch has room for),

@@ -7,6 +7,8 @@ SIGTERM/SIGINT. With transfer_backend "memfabric" it pulls every layer through m
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -47,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="TP ranks: this process is rank 0 and starts ranks 1..N-1 on this host, each with its own "
+                        "control port (kv_port + dp_rank*N + rank), pool and shard of the model (default 1)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the config's torch_dtype")
     p.add_argument("--metaserver-timeout-s", type=float, default=600.0)
     p.add_argument("--peer-timeout-s", type=float, default=10.0,
@@ -71,11 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    return run(SERVICE, lambda: serve(args))
+    return run(SERVICE, lambda: serve(args, argv))
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, argv: list[str]) -> int:
     from dsamodel.engine import build
     from dsamodel.engine.decode import SparseDecoder
     from dsamodel.engine.layout import kv_layout
@@ -93,50 +99,93 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError([f"--speculative-config: the model at {args.model} has no MTP layer "
                            "(num_nextn_predict_layers is 0)"])
     layout = kv_layout(model.config, args.block_size, model.dtype)
-    settings = _settings(args, layout, model.config.index_topk)
+    settings = settings_of(args, layout, model.config.index_topk)
+    if settings.tp > 1 and settings.d2h.transfer_backend == "memfabric":
+        raise ConfigError([f"--tensor-parallel-size: got {settings.tp}; with transfer_backend 'memfabric' the decode "
+                           "runs one rank, use 1"])
     memfabric = _memfabric_rows(args, settings.d2h, layout)
-    tp_rank = 0  # one rank per decode process for now (settings.tp is 1)
+    tp_rank = 0  # this process; ranks 1..tp-1 are its TPRanks
     control_port = settings.control_port(args.dp_rank, tp_rank)
-    pool = build.decode_pool(model, args.block_size, settings.host_pool_bytes,
-                             name=f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}")
-    decoder = SparseDecoder(model, pool, topk_buffer_size=settings.sparse.topk_buffer_size,
-                            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                            keep_device_kv_cache=settings.sparse.keep_device_kv_cache,
-                            hot_cache_policy=settings.sparse.hot_cache_policy,
-                            miss_prefetch=settings.sparse.miss_prefetch)
+    ranks = _tp_ranks(args, model, settings.tp, argv)
+    try:
+        pool = build.decode_pool(model, args.block_size, settings.host_pool_bytes,
+                                 name=f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}")
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+    if ranks is None:
+        decoder = SparseDecoder(model, pool, **decoder_options(args, settings))
+    else:
+        decoder = ranks.lead(model, pool, **decoder_options(args, settings))
     loop = DecodeLoop(decoder, model.config.eos_token_id, peer_timeout_s=args.peer_timeout_s,
                       max_queued=args.max_queued_requests or None, num_speculative_tokens=speculative,
                       step_gather_s=args.step_gather_ms / 1000)
-    model_id = args.served_model_name or Path(args.model).resolve().name
+    model_id = model_id_of(args)
     transfer = TransferServicer(loop, layout, model_id, host_id(), model.dtype, read_retries=args.read_retries,
                                 tls=tls, memfabric=memfabric, tp_rank=tp_rank, tp_size=settings.tp)
     grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _stats(loop, transfer, ledger), workers=16,
-                         options=[("grpc.max_receive_message_length", 8 << 20)])
+                         options=[("grpc.max_receive_message_length", 8 << 20)],
+                         not_ready=ranks.not_ready if ranks else (lambda: ""))
     grpc_side.add(transfer_pb2_grpc.add_TransferServicer_to_server, transfer)
     grpc_side.add_port(f"{args.host}:{control_port}", tls)
     app = build_app(loop, transfer, ByteTokenizer.from_dir(args.model),
                     AppSettings(model_name=model_id, max_model_len=args.max_model_len, advertise_host=args.host,
-                                control_port=control_port, dp_rank=args.dp_rank,
-                                metaserver_timeout_s=args.metaserver_timeout_s))
+                                control_port=control_port, dp_rank=args.dp_rank, tp_size=settings.tp,
+                                metaserver_timeout_s=args.metaserver_timeout_s),
+                    not_ready=ranks.not_ready if ranks else (lambda: ""))
     grpc_side.start()
     log.info("serving", http=f"{args.host}:{args.port}", control_port=control_port, model=model_id,
              topk_buffer_size=settings.sparse.topk_buffer_size, hot_cache_policy=settings.sparse.hot_cache_policy,
              miss_prefetch=settings.sparse.miss_prefetch, host_pool_bytes=settings.host_pool_bytes,
              keep_device_kv_cache=settings.sparse.keep_device_kv_cache, max_queued_requests=loop.max_queued,
-             step_gather_ms=args.step_gather_ms,
+             step_gather_ms=args.step_gather_ms, tensor_parallel_size=settings.tp,
              num_speculative_tokens=speculative, transfer_backend=settings.d2h.transfer_backend,
              **({"memfabric_session": memfabric.transfer.session} if memfabric else {}),
              **(tls.describe() if tls else {"tls": False}))
     serve_http(app, args.host, args.port, busy=lambda: loop.stats()["pending"] + loop.stats()["running"],
-               grace_s=args.shutdown_grace_s, grpc_side=grpc_side, closers=(loop.close, transfer.close, pool.close))
+               grace_s=args.shutdown_grace_s, grpc_side=grpc_side,
+               closers=(loop.close, transfer.close, *((ranks.close,) if ranks else ()), pool.close))
     return 0
 
 
-def _settings(args: argparse.Namespace, layout, index_topk: int | None) -> DecodeSettings:
+def _tp_ranks(args: argparse.Namespace, model, size: int, argv: list[str]):
+    """Ranks 1..size-1 started and joined, ``model`` sharded (None with one rank); a size the model
+    cannot be sharded over is a ConfigError naming both."""
+    from dsamodel.tp import check_tp_size
+
+    from kvoffload_decode.tp_ranks import TPRanks
+
+    if size == 1:
+        return None
+    try:
+        check_tp_size(model.config, size)
+    except ValueError as exc:
+        raise ConfigError([f"--tensor-parallel-size: {exc}"]) from None
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share this host's cores
+    return TPRanks.start(model, size=size, argv=argv)
+
+
+def model_id_of(args: argparse.Namespace) -> str:
+    return args.served_model_name or Path(args.model).resolve().name
+
+
+def decoder_options(args: argparse.Namespace, settings: DecodeSettings) -> dict:
+    """The ``SparseDecoder`` keywords these flags and configs give (every TP rank builds the same)."""
+    return dict(topk_buffer_size=settings.sparse.topk_buffer_size, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, keep_device_kv_cache=settings.sparse.keep_device_kv_cache,
+                hot_cache_policy=settings.sparse.hot_cache_policy, miss_prefetch=settings.sparse.miss_prefetch)
+
+
+def settings_of(args: argparse.Namespace, layout, index_topk: int | None) -> DecodeSettings:
     """The node's configs as users write them, for this decode; ConfigError names what is wrong."""
+    if args.tensor_parallel_size < 1:
+        raise ConfigError([f"--tensor-parallel-size: got {args.tensor_parallel_size}; must be an int >= 1"])
     settings = decode_settings(args.kv_transfer_config, args.additional_config, layout, index_topk=index_topk,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                               dp=args.dp_rank + 1, tp=1)
+                               dp=args.dp_rank + 1, tp=args.tensor_parallel_size)
     vllm_only = settings.d2h.vllm_only_problems()
     if vllm_only:
         raise ConfigError(vllm_only)

@@ -7,12 +7,14 @@ endpoints in ``transfer_params``; the engine announces each computed layer throu
 
 A tensor-parallel prefill (``follower_segments``: the layer buffers of TP ranks 1..N-1, which hold
 the same rows as rank 0's) has one layout per rank, each naming that rank's buffers, and one link
-per rank to every decode it feeds: its contributor group. A reader is (request, decode endpoint,
-prefill TP rank), and each rank's link announces that rank's share of every layer
+per rank to every decode rank it feeds (a request names decode TP ``remote_tp_size`` ranks; rank t's
+contributor group is ``kvcore.settings.tp_contributors``). A reader is (request, decode endpoint,
+prefill TP rank, its place in the group, the group's size), and each rank's link announces that
+rank's share of every layer
 (``kvcore.settings.contributor_share``), read out of that rank's buffers: no row crosses twice and
 the slot is reused only once every share was read. Rank 0 does the talking for all of them (it
 decides when a slot is taken, so it also knows when each follower's copy is in place), and its link
-reports the first token.
+to decode TP rank 0 reports the first token.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from dsamodel.engine.prefill import LayerwisePrefill, PrefillRequest
 from dsamodel.sampling import RequestSampler, SamplingParams, TokenLogprob
 from kvcore.layout import dtype_name
-from kvcore.settings import contributor_share
+from kvcore.settings import contributor_share, tp_contributors
 from svcruntime.ledger import Ledger
 from kvoffload_proto.v1 import transfer_pb2
 from pdlink.links import DecodeLink
@@ -43,14 +45,16 @@ class PrefillOutcome:
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
-def endpoint_of(params: dict) -> str:
-    """The decode control endpoint a request's kv_transfer_params name ("host:port")."""
+def decode_endpoints(params: dict) -> list[str]:
+    """The control endpoints ("host:port") of the decode TP ranks a request's kv_transfer_params
+    name: rank t of ``remote_tp_size`` listens on ``remote_port + t``."""
     host, port = params.get("remote_host"), params.get("remote_port")
+    tp = params.get("remote_tp_size", 1)
     if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
-            or not 0 < port < 65536:
-        raise ValueError("kv_transfer_params: remote_host (str) and remote_port (1..65535) are required, "
-                         f"got {params!r}")
-    return f"{host}:{port}"
+            or isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or not 0 < port <= 65536 - tp:
+        raise ValueError("kv_transfer_params: remote_host (str), remote_port (1..65535) and remote_tp_size "
+                         f"(int >= 1, its ports at most 65535) are required, got {params!r}")
+    return [f"{host}:{port + t}" for t in range(tp)]
 
 
 def _first_logprob(sampler: RequestSampler) -> TokenLogprob | None:
@@ -110,11 +114,11 @@ class PrefillWorker:
             data_endpoint=data_endpoint, host_id=host_id,
             layout_version=version)
 
-    def links(self, endpoint: str) -> list[DecodeLink]:
-        """The links of every prefill TP rank to the decode at ``endpoint``, in rank order, each with
-        its layout accepted (a decode TP 1 rank: every prefill rank is one of its contributors)."""
+    def links(self, endpoint: str, ranks: list[int]) -> list[DecodeLink]:
+        """The links of prefill TP ``ranks`` (the contributor group of the decode rank at ``endpoint``)
+        to it, in rank order, each with its layout accepted."""
         out = []
-        for layout in self.layouts:
+        for layout in (self.layouts[r] for r in ranks):
             key = (endpoint, layout.prefill_tp_rank)
             with self._lock:
                 link = self._links.get(key)
@@ -129,8 +133,8 @@ class PrefillWorker:
         """ReadReady of its share to every reader of the layer (their links exist: ``run`` made them);
         a rank whose share is empty (fewer rows than ranks) has nothing to read: settled here."""
         for reader in ticket.readers:
-            rid, endpoint, rank = reader
-            a, b = contributor_share(start, end, rank, len(self.layouts))
+            rid, endpoint, rank, index, count = reader
+            a, b = contributor_share(start, end, index, count)
             if a == b:
                 ticket.read_done(reader)
                 continue
@@ -152,19 +156,21 @@ class PrefillWorker:
 
     def run(self, request_id: str, prompt_ids: list[int], transfer_params: dict | None,
             params: SamplingParams | None = None) -> PrefillOutcome:
-        """Prefill one prompt; with decode params, every layer goes to that decode endpoint."""
+        """Prefill one prompt; with decode params, every layer goes to that decode's TP ranks."""
         readers: frozenset = frozenset()
         links: list[DecodeLink] = []
         rid = request_id
         if transfer_params:
-            endpoint = endpoint_of(transfer_params)
-            decode_tp = transfer_params.get("remote_tp_size", 1)
-            if decode_tp != 1:
-                raise ValueError(f"kv_transfer_params.remote_tp_size: got {decode_tp!r}; this prefill feeds "
-                                 "decode TP 1 (one decode rank per endpoint)")
-            links = self.links(endpoint)  # the layouts are accepted before any slot is taken
             rid = str(transfer_params.get("request_id") or request_id)
-            readers = frozenset((rid, endpoint, rank) for rank in range(len(links)))
+            endpoints, found = decode_endpoints(transfer_params), []
+            for t, endpoint in enumerate(endpoints):  # decode TP rank t and its contributor group
+                try:
+                    group = tp_contributors(len(self.layouts), len(endpoints), t)
+                except ValueError as exc:
+                    raise ValueError(f"kv_transfer_params.remote_tp_size: {exc}") from None
+                links += self.links(endpoint, group)  # the layouts are accepted before any slot is taken
+                found += [(rid, endpoint, rank, i, len(group)) for i, rank in enumerate(group)]
+            readers = frozenset(found)
         self.ledger.open(rid, "prefilling", peer=f"decode {links[0].endpoint}" if links else "")
         try:
             out = self._run(rid, prompt_ids, links, readers, params)

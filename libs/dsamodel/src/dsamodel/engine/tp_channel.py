@@ -30,6 +30,9 @@ class Channel(Protocol):
     def sync(self) -> None:
         """Every rank has got here (a broadcast may return on rank 0 before the others received it)."""
         ...
+    def gather(self, obj: Any) -> list | None:
+        """Every rank sends ``obj``; rank 0 gets the followers' ones, in rank order (others: None)."""
+        ...
 
 
 class DistChannel:
@@ -59,6 +62,14 @@ class DistChannel:
 
     def sync(self) -> None:
         self._dist.barrier()
+
+    def gather(self, obj: Any) -> list | None:
+        if self._dist.get_rank() != 0:
+            self._dist.gather_object(obj, None, dst=0)
+            return None
+        out = [None] * self._dist.get_world_size()
+        self._dist.gather_object(obj, out, dst=0)
+        return out[1:]
 
 
 def tensor_spec(t: torch.Tensor) -> tuple[tuple[int, ...], str]:

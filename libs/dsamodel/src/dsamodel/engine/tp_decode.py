@@ -19,12 +19,15 @@ next step (which the followers must join) or ``sync``. The ops::
     ("forward", request_ids, tokens)                          the base layers: a step
     ("mtp", request_ids, positions, next_tokens, h_spec)      + h_prev: the MTP layer
     ("sync",)    a barrier: every follower has applied everything before it
+    ("poll",)    every follower answers with its ``status()`` (a gather to rank 0)
     ("close",)   the follower returns (after a barrier)
 
 ``send_rows`` (the default) sends every installed prompt row along: one process computed or pulled
 them and the followers take rank 0's copy (the engine tests). A decode service whose ranks each
-pull their own rows turns it off and installs them on each rank itself; its ``sync`` after a
-reserve then tells it that every rank can take a row of that request.
+pull their own rows turns it off and installs them on each rank itself: then every ``reserve`` is
+followed by a barrier (when it returns, every rank can take rows of that request), and ``poll``
+asks the followers which requests they hold whole. ``follow_decode``'s ``on_op`` sees every op a
+follower applied (its service keeps its own bookkeeping of pulls by it).
 
 A follower does not decide anything, so any error on it means it is no longer in step: it raises
 out of ``follow_decode`` and its process ends. On rank 0, an error while sending, or inside a step
@@ -36,7 +39,9 @@ collective, and a reduction left unjoined times out.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import structlog
 import torch
@@ -74,10 +79,10 @@ class LeadDecoder(SparseDecoder):
             for t in tensors:
                 self.channel.send_tensor(t.detach().cpu())
         except Exception as exc:  # a follower is gone: the group cannot go on
-            self._break(f"sending to the followers failed: {exc!r}")
+            self.mark_broken(f"sending to the followers failed: {exc!r}")
             raise TPGroupBroken(f"the {self.size} TP decode ranks are out of step ({self.broken})") from exc
 
-    def _break(self, why: str) -> None:
+    def mark_broken(self, why: str) -> None:
         if not self.broken:
             self.broken = why[:500]
             log.error("tp_decode_group_out_of_step", size=self.size, error=self.broken)
@@ -91,7 +96,7 @@ class LeadDecoder(SparseDecoder):
         try:
             yield
         except BaseException as exc:
-            self._break(f"rank 0 failed inside a step: {exc!r}")
+            self.mark_broken(f"rank 0 failed inside a step: {exc!r}")
             raise
 
     # ---- state changes: applied here first, then queued -----------------------------------------
@@ -100,6 +105,8 @@ class LeadDecoder(SparseDecoder):
         self.check()
         seq = super().reserve(request_id, num_tokens)
         self._ops.append(("reserve", request_id, num_tokens))
+        if not self.send_rows:  # the ranks pull their own rows: every one must know the request first
+            self.sync()
         return seq
 
     def bind(self, request_id: str) -> None:
@@ -120,9 +127,16 @@ class LeadDecoder(SparseDecoder):
         self._ops.append(("done", request_id, num_tokens))
 
     def finish(self, request_id: str) -> None:
+        """Free the request here and on every follower at once (not with the next step: an idle
+        decode's followers must not hold what rank 0 freed). Never raises over the caller's cleanup:
+        a follower that cannot be told has broken the group."""
         super().finish(request_id)
         if not self.broken:
             self._ops.append(("finish", request_id))
+            try:
+                self._flush()
+            except TPGroupBroken:
+                pass  # marked broken, logged by _flush
 
     def commit(self, request_id: str, num_tokens: int) -> None:
         super().commit(request_id, num_tokens)
@@ -161,7 +175,17 @@ class LeadDecoder(SparseDecoder):
         try:
             self.channel.sync()
         except Exception as exc:
-            self._break(f"a follower did not reach the barrier: {exc!r}")
+            self.mark_broken(f"a follower did not reach the barrier: {exc!r}")
+            raise TPGroupBroken(f"the {self.size} TP decode ranks are out of step ({self.broken})") from exc
+
+    def poll(self) -> list:
+        """Every follower's ``status()`` (``follow_decode``), in rank order."""
+        self._ops.append(("poll",))
+        self._flush()
+        try:
+            return self.channel.gather(None)
+        except Exception as exc:
+            self.mark_broken(f"a follower did not answer a poll: {exc!r}")
             raise TPGroupBroken(f"the {self.size} TP decode ranks are out of step ({self.broken})") from exc
 
     def close_followers(self) -> None:
@@ -174,10 +198,12 @@ class LeadDecoder(SparseDecoder):
         self.channel.sync()
 
 
-def follow_decode(decoder: SparseDecoder, channel: Channel, lock: threading.Lock | None = None) -> int:
+def follow_decode(decoder: SparseDecoder, channel: Channel, lock: threading.Lock | None = None, *,
+                  on_op: Callable[[tuple], None] | None = None, status: Callable[[], Any] | None = None) -> int:
     """A follower rank's loop over its own ``decoder`` (its shard of the model, its own pool): apply
     rank 0's ops in order until it closes; returns the number of steps run. ``lock`` is held while
-    an op is applied (a service's own pull threads install rows under it)."""
+    an op is applied, and ``on_op(op)`` is called after it (a service's own pull threads install
+    rows under the lock); ``status()`` is this rank's answer to a poll."""
     guard = lock if lock is not None else nullcontext()
     steps = 0
     while True:
@@ -191,6 +217,9 @@ def follow_decode(decoder: SparseDecoder, channel: Channel, lock: threading.Lock
                 return steps
             if kind == "sync":
                 channel.sync()
+                continue
+            if kind == "poll":
+                channel.gather(status() if status is not None else None)
                 continue
             with guard:
                 if kind == "reserve":
@@ -217,3 +246,5 @@ def follow_decode(decoder: SparseDecoder, channel: Channel, lock: threading.Lock
                     decoder.mtp_forward(ids, positions, h_prev, next_tokens)
                 else:
                     raise RuntimeError(f"TP decode follower: unknown op {kind!r} from rank 0")
+                if on_op is not None:
+                    on_op(op)

@@ -1,0 +1,94 @@
+"""What a decode TP follower rank knows about its requests: the rows it pulled of each.
+
+A follower (TP rank 1..N-1 of a decode, ``kvoffload_decode.tp_ranks``) serves its own control port
+and pulls its contributor prefill ranks' shares into its own pool, through the same
+``LayerPuller`` rank 0 uses. ``FollowerPulls`` stands in for the ``DecodeLoop`` there: a request is
+known here from the moment rank 0's ``reserve`` reached this rank (``on_op``, called by
+``follow_decode``: rank 0 reserves, then waits at a barrier until every rank has) until its
+``finish``; the installed rows are counted per layer as rank 0 counts them; ``status`` answers rank
+0's poll with the requests whose prompt this rank holds whole (rank 0 runs a request only once
+every rank does). The first token is rank 0's business: a PrefillDone here is refused.
+
+Everything that changes the decoder holds ``lock``, which ``follow_decode`` holds while it applies
+an op (a step included), so a pull waits for a step and a step for a pull's install.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from dsamodel.engine.decode import SparseDecoder
+
+from kvoffload_decode.loop import installed_prefix
+
+
+@dataclass
+class PulledRequest:
+    """One request as a follower sees it: its prompt length and the rows installed per layer."""
+
+    request_id: str
+    num_prompt_tokens: int
+    rows: list[int]
+    ahead: list[list[tuple[int, int]]]
+    first_token: int | None = None  # never set here (rank 0 takes the first token)
+
+    @property
+    def whole(self) -> bool:
+        return all(r >= self.num_prompt_tokens for r in self.rows)
+
+
+class FollowerPulls:
+    """The loop a follower's ``LayerPuller`` installs into (module doc)."""
+
+    def __init__(self, decoder: SparseDecoder, tp_rank: int) -> None:
+        self.decoder, self.tp_rank = decoder, tp_rank
+        self.lock = threading.RLock()
+        self.pending: dict[str, PulledRequest] = {}
+        self.num_layers = len(decoder.model.cache_layers)
+
+    def on_op(self, op: tuple) -> None:
+        """Called by ``follow_decode`` after each of rank 0's ops (under ``lock``)."""
+        if op[0] == "reserve":  # rank 0 reserves the prompt and the first sampled token
+            rid, num_tokens = op[1], op[2]
+            self.pending[rid] = PulledRequest(rid, num_tokens - 1, [0] * self.num_layers,
+                                              [[] for _ in range(self.num_layers)])
+        elif op[0] in ("finish", "done"):  # freed, or running: nothing more to pull either way
+            self.pending.pop(op[1], None)
+
+    def status(self) -> list[str]:
+        """The requests whose prompt every layer of this rank holds whole (rank 0's poll)."""
+        with self.lock:
+            return [rid for rid, req in self.pending.items() if req.whole]
+
+    def pending_request(self, request_id: str) -> PulledRequest | None:
+        with self.lock:
+            return self.pending.get(request_id)
+
+    def heard_from_prefill(self, request_id: str, peer: str) -> bool:
+        """Rank 0 keeps each request's watchdog; here only: is it still expected?"""
+        with self.lock:
+            return request_id in self.pending
+
+    def write_rows(self, request_id: str, layer: int, start: int, kv: torch.Tensor, index_k: torch.Tensor) -> float:
+        """Install rows [start, start + n) of a layer; returns the seconds the copy took."""
+        with self.lock:
+            req = self.pending.get(request_id)
+            if req is None:
+                raise KeyError(request_id)
+            if start + kv.shape[0] > req.num_prompt_tokens:
+                raise ValueError(f"rows [{start}, {start + kv.shape[0]}) go past the prompt's "
+                                 f"{req.num_prompt_tokens} tokens")
+            t = time.perf_counter()
+            self.decoder.write_prompt_layer(request_id, layer, kv, index_k, start=start)
+            req.rows[layer] = installed_prefix(req.rows[layer], req.ahead[layer], start, start + kv.shape[0])
+            return time.perf_counter() - t
+
+    def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int, first_logprob=None,
+                     draft_token: int | None = None) -> str:
+        if request_id not in self.pending:
+            raise KeyError(request_id)
+        return (f"PrefillDone goes to decode TP rank 0; this is rank {self.tp_rank}, which only pulls its "
+                "contributors' rows")
