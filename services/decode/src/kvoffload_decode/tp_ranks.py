@@ -103,7 +103,7 @@ def _follower_main(argv: list[str] | None = None) -> int:
 
     from kvoffload_decode import __version__
     from kvoffload_decode.follower import FollowerPulls
-    from kvoffload_decode.server import SERVICE, build_parser, decoder_options, model_id_of, settings_of
+    from kvoffload_decode.options import SERVICE, build_parser, decoder_options, model_id_of, settings_of
     from kvoffload_decode.transfer import TransferServicer
 
     p = argparse.ArgumentParser(prog="kvoffload-decode tp rank")

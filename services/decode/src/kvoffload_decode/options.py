@@ -1,0 +1,94 @@
+"""The decode's command line and what it gives: the flags (``build_parser``), their checks, the
+validated settings and the ``SparseDecoder`` options. One place, so that every TP rank of a decode
+(``kvoffload_decode.tp_ranks``: each parses rank 0's arguments) builds exactly what rank 0 builds."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import structlog
+from kvcore.backends import require_available
+from kvcore.config import ConfigError
+from kvcore.settings import DecodeSettings, decode_settings
+from svcruntime import tls as kvtls
+
+from kvoffload_decode import __version__
+from kvoffload_decode.loop import DEFAULT_STEP_GATHER_S
+
+DESCRIPTION = "``kvoffload-decode``: the kv_consumer (sparse-offload decode of a P/D stack)."
+SERVICE = "kvoffload-decode"
+FLAG_RULES = dict(at_least_one=("max_model_len", "max_num_seqs", "block_size", "tensor_parallel_size"),
+                  at_least_zero=("dp_rank", "read_retries", "max_queued_requests"),
+                  seconds=("metaserver_timeout_s", "peer_timeout_s"),
+                  seconds_or_zero=("shutdown_grace_s", "step_gather_ms"),
+                  ports=("port",))
+log = structlog.get_logger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=SERVICE, description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+    p.add_argument("--served-model-name", help="model id shared with the prefill (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1", help="bind and advertise address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8200, help="HTTP port")
+    p.add_argument("--kv-transfer-config", required=True, help="SfaRemoteD2HConnector kv_consumer JSON")
+    p.add_argument("--additional-config", help="JSON with sparse_kv_offload_config")
+    p.add_argument("--max-model-len", type=int, default=16384)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="TP ranks: this process is rank 0 and starts ranks 1..N-1 on this host, each with its own "
+                        "control port (kv_port + dp_rank*N + rank), pool and shard of the model (default 1)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the config's torch_dtype")
+    p.add_argument("--metaserver-timeout-s", type=float, default=600.0)
+    p.add_argument("--peer-timeout-s", type=float, default=10.0,
+                   help="fail a request whose prefill sent no heartbeat or data for this long (default 10)")
+    p.add_argument("--read-retries", type=int, default=2, help="retries of a failed layer read (default 2)")
+    p.add_argument("--max-queued-requests", type=int, default=0,
+                   help="requests admitted but not yet in the running batch; one more gets 429 with Retry-After "
+                        "at once (default 0: as many as the host pool holds at max_model_len/4 tokens each, "
+                        "at least 4 x --max-num-seqs, at most 1024)")
+    p.add_argument("--step-gather-ms", type=float, default=DEFAULT_STEP_GATHER_S * 1000,
+                   help="at saturation (more admitted requests still being prefilled or pulled than the batch has "
+                        "room for), hold the next step up to this long after the previous one began, so they join "
+                        f"it (default {DEFAULT_STEP_GATHER_S * 1000:g}; 0: step at once; below saturation it never waits)")
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='MTP speculative decoding, vLLM\'s format: {"method": "deepseek_mtp", '
+                        '"num_speculative_tokens": 1} (greedy requests; the model needs an MTP layer)')
+    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests get to finish before they are failed (default 30)")
+    p.add_argument("--log-level", default="info")
+    kvtls.add_tls_arguments(p)
+    return p
+
+
+def model_id_of(args: argparse.Namespace) -> str:
+    return args.served_model_name or Path(args.model).resolve().name
+
+
+def decoder_options(args: argparse.Namespace, settings: DecodeSettings) -> dict:
+    """The ``SparseDecoder`` keywords these flags and configs give (every TP rank builds the same)."""
+    return dict(topk_buffer_size=settings.sparse.topk_buffer_size, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, keep_device_kv_cache=settings.sparse.keep_device_kv_cache,
+                hot_cache_policy=settings.sparse.hot_cache_policy, miss_prefetch=settings.sparse.miss_prefetch)
+
+
+def settings_of(args: argparse.Namespace, layout, index_topk: int | None) -> DecodeSettings:
+    """The node's configs as users write them, for this decode; ConfigError names what is wrong."""
+    if args.tensor_parallel_size < 1:
+        raise ConfigError([f"--tensor-parallel-size: got {args.tensor_parallel_size}; must be an int >= 1"])
+    settings = decode_settings(args.kv_transfer_config, args.additional_config, layout, index_topk=index_topk,
+                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                               dp=args.dp_rank + 1, tp=args.tensor_parallel_size)
+    vllm_only = settings.d2h.vllm_only_problems()
+    if vllm_only:
+        raise ConfigError(vllm_only)
+    require_available(transfer_backend=settings.d2h.transfer_backend)
+    for w in settings.warnings:
+        log.warning("config_warning", warning=w)
+    return settings
+
+
