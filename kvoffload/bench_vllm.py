@@ -28,7 +28,8 @@ through the proxy; both had a warm-up request of that length first.
 
 - ``pd_ttft_ratio`` / ``pd_tpot_ratio``: the median P/D TTFT / TPOT over the median plain one (TPOT
   of a request: the time from its first streamed token to its last over the tokens after the first;
-  goal for TPOT <= 1.3);
+  when a server delivered every token in one event, that server's own inter-token latency, and
+  ``*_tpot_source`` in ``pd_per_round`` says "server"; goal for TPOT <= 1.3);
 - ``pd_tokens_equal``: the tokens through the proxy equal the plain server's in every round. The
   decode computes the last prompt token itself (vLLM's P/D: the decode samples the first token),
   over the KV it pulled;
@@ -121,12 +122,29 @@ def _pd_prompt(r: int, tokens: int) -> list[int]:
     return [(i * 6151 + (r + 2) * 92821) % 40000 + 1000 for i in range(tokens)]
 
 
-def _timed_rounds(url: str, name: str, rounds: int, prompt_tokens: int, max_tokens: int) -> list[dict]:
-    """Per round r, the TTFT, TPOT and tokens of round r's prompt on ``url``."""
+ITL = ("vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count")
+
+
+def _timed_rounds(url: str, name: str, rounds: int, prompt_tokens: int, max_tokens: int,
+                  server_url: str) -> list[dict]:
+    """Per round r, the TTFT, TPOT and tokens of round r's prompt on ``url``. TPOT is what the client
+    saw (``_tpot``) unless every token reached it in one event: a server whose API process falls
+    behind its engine merges the outputs it has not sent yet, and then the stream holds no timing at
+    all. That round's TPOT is the generating server's (``server_url``) own inter-token latency over
+    the round instead, and ``tpot_source`` says which one it is ("stream" or "server")."""
     out = []
     for r in range(rounds):
+        before = _settled(server_url, list(ITL))
         ttft, tokens, stamps = _stream(url, name, _pd_prompt(r, prompt_tokens), max_tokens)
-        out.append({"ttft_s": ttft, "tpot_s": _tpot(stamps), "tokens": tokens})
+        if len(stamps) > 1 and stamps[-1] == stamps[0]:
+            after = _settled(server_url, list(ITL))
+            total, steps = (after[k] - before[k] for k in ITL)
+            if steps <= 0:
+                raise RuntimeError(f"{server_url} streamed {len(stamps)} tokens in one event and counted no "
+                                   "inter-token latency: this round's TPOT cannot be measured")
+            out.append({"ttft_s": ttft, "tpot_s": total / steps, "tpot_source": "server", "tokens": tokens})
+        else:
+            out.append({"ttft_s": ttft, "tpot_s": _tpot(stamps), "tpot_source": "stream", "tokens": tokens})
     return out
 
 
@@ -149,7 +167,7 @@ def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens
                     start_timeout_s=300) as plain:
         say(f"plain server up on cores {halves[1] if halves else 'all'}")
         _stream(plain.url, name, _pd_prompt(-1, prompt_tokens), max_tokens)  # warm-up
-        plain_rounds = _timed_rounds(plain.url, name, rounds, prompt_tokens, max_tokens)
+        plain_rounds = _timed_rounds(plain.url, name, rounds, prompt_tokens, max_tokens, plain.url)
     say(f"plain: {[{k: v for k, v in p.items() if k != 'tokens'} for p in plain_rounds]}")
 
     ports = free_stack_ports(1, 1)
@@ -165,11 +183,12 @@ def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens
             say("P/D stack up (metastore, prefill, decode, proxy)")
             _stream(proxy.url, name, _pd_prompt(-1, prompt_tokens), max_tokens)  # warm-up
             before = _settled(decode.url, counters)
-            pd_rounds = _timed_rounds(proxy.url, name, rounds, prompt_tokens, max_tokens)
+            pd_rounds = _timed_rounds(proxy.url, name, rounds, prompt_tokens, max_tokens, decode.url)
             after = _settled(decode.url, counters)
     pulled, requests, failed = (after[c] - before[c] for c in counters)
     per_round = [{"plain_ttft_s": p["ttft_s"], "pd_ttft_s": d["ttft_s"], "plain_tpot_s": p["tpot_s"],
-                  "pd_tpot_s": d["tpot_s"], "tokens_equal": p["tokens"] == d["tokens"]}
+                  "pd_tpot_s": d["tpot_s"], "plain_tpot_source": p["tpot_source"], "pd_tpot_source": d["tpot_source"],
+                  "tokens_equal": p["tokens"] == d["tokens"]}
                  for p, d in zip(plain_rounds, pd_rounds)]
     say(f"P/D: {per_round}")
     med = {k: statistics.median(p[k] for p in per_round) for k in ("plain_ttft_s", "pd_ttft_s", "plain_tpot_s",

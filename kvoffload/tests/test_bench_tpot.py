@@ -13,3 +13,20 @@ def test_tokens_that_arrive_in_one_chunk_do_not_make_tpot_zero():
     # bench pd: the second half only (the first tokens may come in one burst)
     assert bench_pd._tpot([0.5, 0.5, 0.5, 0.5, 1.0, 1.2, 1.2, 1.6]) == pytest.approx(0.2)
     assert bench_pd._tpot([0.5, 0.6]) == 0.0
+
+
+def test_a_stream_with_every_token_in_one_event_takes_the_servers_inter_token_latency(monkeypatch):
+    """A server whose API process fell behind merges all outputs into one event: the stream has no
+    timing, so the round's TPOT is the server's own (Δ sum / Δ count of its ITL histogram)."""
+    streams = iter([(0.5, ["a", "b", "c"], [0.5, 0.5, 0.5]), (0.4, ["a", "b", "c"], [0.4, 0.6, 0.8])])
+    reads = iter([{bench_vllm.ITL[0]: 1.0, bench_vllm.ITL[1]: 10}, {bench_vllm.ITL[0]: 1.3, bench_vllm.ITL[1]: 13},
+                  {bench_vllm.ITL[0]: 1.3, bench_vllm.ITL[1]: 13}])
+    monkeypatch.setattr(bench_vllm, "_stream", lambda *a: next(streams))
+    monkeypatch.setattr(bench_vllm, "_settled", lambda url, names: next(reads))
+    merged, streamed = bench_vllm._timed_rounds("proxy", "m", 2, 10, 3, "decode")
+    assert (merged["tpot_source"], merged["tpot_s"]) == ("server", pytest.approx(0.1))
+    assert (streamed["tpot_source"], streamed["tpot_s"]) == ("stream", pytest.approx(0.2))
+    reads = iter([{bench_vllm.ITL[0]: 1.0, bench_vllm.ITL[1]: 10}] * 2)
+    streams = iter([(0.5, ["a", "b"], [0.5, 0.5])])
+    with pytest.raises(RuntimeError, match="cannot be measured"):
+        bench_vllm._timed_rounds("proxy", "m", 1, 10, 2, "decode")

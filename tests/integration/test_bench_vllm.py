@@ -26,6 +26,7 @@ def test_bench_vllm_small(tmp_path):
     for key in ("pd_ttft_ratio", "pd_tpot_ratio"):
         assert isinstance(r[key], float) and r[key] > 0, (key, r)
     assert r["pd_tokens_equal"] is True and r["pd_per_round"][0]["tokens_equal"] is True
+    assert {r["pd_per_round"][0][f"{side}_tpot_source"] for side in ("plain", "pd")} <= {"stream", "server"}
     assert r["pd_requests_pulled"] == 1 and r["pd_requests_failed"] == 0, r
     # 300 tokens: 3 blocks of 128, K and V of 2 layers, 2 KV heads of 32, fp32
     assert r["pd_prompt_kv_bytes"] == 3 * 128 * 2 * 2 * 2 * 32 * 4
