@@ -12,6 +12,8 @@ One concept per module:
                  ``project`` -> (engine caches rows, selects, gathers) -> ``finish``.
 - ``reference``  whole-sequence paths: ``forward_dense`` (absorbed, sparse, gathered: the
                  no-offload reference) and ``forward_naive`` (per-head K/V, boolean mask).
+- ``dense_decode`` ``generate_full_kv``: ``generate_dense``'s tokens incrementally, over a full KV
+                 per layer (no blocks, buffers, pools or hot cache): the stacks' test oracle.
 - ``weights``    HF-named safetensors load/save; ``tokenizer`` byte tokenizer; ``sampling``
                  greedy and seeded top-p; ``presets`` the tiny seeded test model.
 
