@@ -1,5 +1,5 @@
 # The two commands of the README. Each installs what it needs (idempotently) first.
-.PHONY: demo demo-vllm up bench test install install-vllm
+.PHONY: demo demo-vllm up bench test check test-deps install install-vllm
 
 install:
 	@scripts/bootstrap
@@ -21,10 +21,40 @@ up: install
 demo-vllm: install-vllm
 	.venv/bin/kvoffload demo --engine vllm
 
+# every benchmark, each printing its JSON, even after one fails; then a summary, one line per bench, from
+# its exit status (kvoffload bench --help: 0 goals met, 3 goals not met, else an error; pool sets no goal);
+# fails when any bench missed a goal or failed
 bench: install-vllm
-	@for b in hotcache gather prefill prefix decode pd load faults vllm pool; do .venv/bin/kvoffload bench $$b --json || exit 1; done
+	@status=0; summary=""; \
+	for b in hotcache gather prefill prefix decode pd load faults vllm pool; do \
+	  .venv/bin/kvoffload bench $$b --json; rc=$$?; \
+	  case "$$rc:$$b" in \
+	    0:pool) verdict="no goal (it reports figures only)";; \
+	    0:*) verdict="goals met";; \
+	    3:*) verdict="goals not met"; status=1;; \
+	    *) verdict="error (exit $$rc)"; status=1;; \
+	  esac; \
+	  summary="$$summary  $$b: $$verdict\n"; \
+	done; \
+	printf "\nkvoffload bench summary:\n%b" "$$summary" >&2; exit $$status
 
-test: install-vllm
+# the tests' own servers and stores: Mooncake Store, Memcache's MetaService (each once per machine)
+test-deps: install-vllm
 	@scripts/install-mooncake .venv
 	@scripts/install-memcache .venv
-	.venv/bin/python -m pytest
+
+# two workers; each module is one group (its servers start once), the vLLM modules one group together
+# (root conftest.py); the slowest 40 tests and the total are printed at the end
+PYTEST = .venv/bin/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=40
+
+# every test (~25 min here, 2 cores): unit, property, cross-process, P/D stacks, vLLM, containers
+# (a Docker engine and the images are started/built first: scripts/dockerd, scripts/images)
+test: test-deps
+	@scripts/dockerd start
+	@scripts/images
+	$(PYTEST)
+
+# the inner loop (~10 min here): every unit and property test, and for each invariant I1-I6 and for
+# security at least one real cross-process test (a reference stack, one vLLM P/D round trip)
+check: test-deps
+	$(PYTEST) -m "not slow"

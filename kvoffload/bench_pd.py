@@ -7,7 +7,10 @@ machine hit both halves alike; the figures are medians over the rounds. Greedy t
 identical in every pair (I3, ``tokens_equal``).
 
 - ``ttft_ratio``, ``tpot_ratio``: per pair, the median over the requests of P/D over single
-  process; the median over the pairs (goal for TPOT <= 1.3).
+  process; the median over the pairs (goal for TPOT <= 1.3). A request's TPOT is timed over the
+  second half of its tokens; when those arrived at once (one chunk, or fewer than two tokens) its
+  TPOT was not measured, and neither is its round's ``tpot_ratio`` nor the bench's: None, the goal
+  not met, and ``not_measured`` says why.
 - ``pull_gbps_in_stack``: the decode's own pull rate during a P/D round (its ``bytes_read`` over
   ``read_ms_total``: reading a layer's rows out of the prefill's shared memory and installing them
   in the decode's host pool and indexer cache, summed over the round's pulls).
@@ -20,7 +23,11 @@ identical in every pair (I3, ``tokens_equal``).
   core), and sums bytes over seconds like the decode's counters do. The same sampler also runs
   during the single-process rounds, so both halves carry the same extra load.
 - ``pull_gbps_in_stack_ratio_to_memcpy``: per P/D round pull / memcpy; the median over rounds
-  (goal >= 0.5).
+  (goal >= 0.5). None (not measured, the goal not met) when a round's decode timed no pull or the
+  sampler no copy.
+- ``tokens_equal``: greedy tokens equal in every pair (goal; ``tp_2_1_tokens_equal`` too with ``tp``).
+- ``goals`` / ``goals_met``: each goal and whether it held; ``not_measured``: goal -> why its figure
+  is None (a goal is never judged on a figure that was not measured).
 - ``tp_2_1`` (with ``tp``): the same pairs with a tensor-parallel prefill, (prefill TP, decode TP)
   = (2, 1): the prefill starts a second rank process (``--tensor-parallel-size 2``). On a float32
   tiny model, against the one-rank engine on it: a TP size sums its partial results in another
@@ -72,9 +79,10 @@ class _Countdown:
                 self._event.set()
 
 
-def _stream_timed(url: str, prompt: list[int], max_tokens: int, second: _Countdown) -> tuple[list[int], float, float]:
-    """(tokens, time to first token, time per output token after the first) of one streaming
-    request; ``second.done()`` once it has two tokens (or ended)."""
+def _stream_timed(url: str, prompt: list[int], max_tokens: int, second: _Countdown
+                  ) -> tuple[list[int], float, float | None]:
+    """(tokens, time to first token, time per output token after the first: ``_tpot``) of one
+    streaming request; ``second.done()`` once it has two tokens (or ended)."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
@@ -99,12 +107,15 @@ def _stream_timed(url: str, prompt: list[int], max_tokens: int, second: _Countdo
     return ids, stamps[0] - t0, _tpot(stamps)
 
 
-def _tpot(stamps: list[float]) -> float:
+def _tpot(stamps: list[float]) -> float | None:
     """Seconds per token over the second half of a stream (the first tokens can arrive in one burst
     when decoding starts before the client's stream is connected end to end): that half's span over
-    its gaps. Not a median of gaps: tokens that arrive in one chunk would make it 0."""
+    its gaps. Not a median of gaps: tokens that arrive in one chunk would make it 0. None (not
+    measured) when that half has fewer than two tokens or they all arrived at once."""
     half = stamps[len(stamps) // 2 :]
-    return (half[-1] - half[0]) / (len(half) - 1) if len(half) > 1 else 0.0
+    if len(half) < 2 or half[-1] == half[0]:
+        return None
+    return (half[-1] - half[0]) / (len(half) - 1)
 
 
 class _MemcpySampler:
@@ -155,7 +166,7 @@ class _Single:
                                   chunk_size=CHUNK_SIZE)
 
     def round(self, tag: str, prompts: list[list[int]], max_tokens: int, second: threading.Event):
-        """(tokens, TTFTs, TPOTs) per request; sets ``second`` once every request has two tokens."""
+        """(tokens, TTFTs, TPOTs (``_tpot``)) per request; sets ``second`` once every request has two tokens."""
         def check(seqs, stamps) -> None:
             if not second.is_set() and all(len(st) >= 2 or s.finished for s, st in zip(seqs, stamps)):
                 second.set()
@@ -249,28 +260,82 @@ def _rounds(model_dir: Path, log_dir: Path, prefill_args: list[str], *, requests
                 single_ids, single_ttft, single_tpot = single.round(f"r{rnd}", prompts, max_tokens, second)
                 memcpy()
                 tokens_equal &= [r[0] for r in pd] == single_ids
-                nbytes = after["bytes_read"] - before["bytes_read"]
-                ms = after["read_ms_total"] - before["read_ms_total"]
-                pull_gbps = nbytes / (ms / 1000) / 1e9 if ms else 0.0
-                pd_ttft, pd_tpot = statistics.median(r[1] for r in pd), statistics.median(r[2] for r in pd)
-                s_ttft, s_tpot = statistics.median(single_ttft), statistics.median(single_tpot)
-                per_round.append({
-                    "pd_ttft_s": pd_ttft, "single_ttft_s": s_ttft, "ttft_ratio": pd_ttft / s_ttft,
-                    "pd_tpot_s": pd_tpot, "single_tpot_s": s_tpot, "tpot_ratio": pd_tpot / s_tpot if s_tpot else 0.0,
-                    "pulls": int(after["read_done"] - before["read_done"]), "pull_bytes": int(nbytes),
-                    # per prefill TP rank: its shares (a rank that had pulled nothing before had no counter)
-                    "pull_bytes_by_prefill_tp_rank": {k.removeprefix(BY_RANK): int(v - before.get(k, 0))
-                                                      for k, v in sorted(after.items()) if k.startswith(BY_RANK)},
-                    "pull_gbps_in_stack": pull_gbps, "memcpy_gbps_in_stack": memcpy_gbps, "memcpy_copies": copies,
-                    "pull_gbps_in_stack_ratio_to_memcpy": pull_gbps / memcpy_gbps if memcpy_gbps else 0.0,
-                })
+                per_round.append(_round_figures(pd, single_ttft, single_tpot, before, after) |
+                                 _pull_figures(before, after, memcpy_gbps, copies))
     finally:
         single.close()
     return per_round, tokens_equal
 
 
-def _median(per_round: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in per_round)
+def _ratio(num: float | None, den: float | None) -> float | None:
+    """num / den; None (not measured) when either is None or den is 0."""
+    return num / den if num is not None and den else None
+
+
+def _measured_median(values: list[float | None]) -> float | None:
+    """The median of ``values``; None (not measured) when any of them is."""
+    return None if any(v is None for v in values) else statistics.median(values)
+
+
+def _round_figures(pd: list[tuple[list[int], float, float | None]], single_ttft: list[float],
+                   single_tpot: list[float | None], before: dict, after: dict) -> dict:
+    """One pair's TTFT / TPOT figures (``pd``: ``_stream_timed`` per request) and the decode's pulls
+    (its stats ``before`` and ``after`` the P/D round)."""
+    pd_ttft, s_ttft = statistics.median(r[1] for r in pd), statistics.median(single_ttft)
+    pd_tpot, s_tpot = _measured_median([r[2] for r in pd]), _measured_median(single_tpot)
+    return {
+        "pd_ttft_s": pd_ttft, "single_ttft_s": s_ttft, "ttft_ratio": pd_ttft / s_ttft,
+        "pd_tpot_s": pd_tpot, "single_tpot_s": s_tpot, "tpot_ratio": _ratio(pd_tpot, s_tpot),
+        "pulls": int(after["read_done"] - before["read_done"]),
+        "pull_bytes": int(after["bytes_read"] - before["bytes_read"]),
+        # per prefill TP rank: its shares (a rank that had pulled nothing before had no counter)
+        "pull_bytes_by_prefill_tp_rank": {k.removeprefix(BY_RANK): int(v - before.get(k, 0))
+                                          for k, v in sorted(after.items()) if k.startswith(BY_RANK)},
+    }
+
+
+def _pull_figures(before: dict, after: dict, memcpy_gbps: float, copies: int) -> dict:
+    """The decode's pull rate over a P/D round against the memcpy sampled under the same load;
+    None (not measured) when the decode timed no pull of any byte or the sampler no copy."""
+    nbytes = after["bytes_read"] - before["bytes_read"]
+    seconds = (after["read_ms_total"] - before["read_ms_total"]) / 1000
+    pull_gbps = nbytes / seconds / 1e9 if nbytes > 0 and seconds > 0 else None
+    return {"pull_gbps_in_stack": pull_gbps, "memcpy_gbps_in_stack": memcpy_gbps, "memcpy_copies": copies,
+            "pull_gbps_in_stack_ratio_to_memcpy": _ratio(pull_gbps, memcpy_gbps)}
+
+
+def _median(per_round: list[dict], key: str) -> float | None:
+    """The median of ``key`` over the rounds; None (not measured) when a round did not measure it."""
+    return _measured_median([r[key] for r in per_round])
+
+
+# goal -> why its figure can be None (not measured)
+NOT_MEASURED = {
+    "tpot_ratio": "a request's tokens after the first half of its stream arrived at once (one chunk, or "
+                  "fewer than two tokens), so no gap between tokens was timed",
+    "pull_gbps_in_stack_ratio_to_memcpy": "the decode timed no pull of any byte (its bytes_read / read_ms_total "
+                                          "did not grow), or the memcpy sampler timed no copy",
+}
+
+
+def _not_measured(per_round: list[dict], key: str) -> str:
+    rounds = [i for i, r in enumerate(per_round) if r[key] is None]
+    return f"not measured in round(s) {rounds}: {NOT_MEASURED[key]}"
+
+
+def _goals(out: dict, per_round: list[dict]) -> dict:
+    """``goals``, ``goals_met`` and ``not_measured`` of the result ``out`` so far (a goal whose figure
+    is None was not measured: not met, and ``not_measured`` says why)."""
+    tpot, pull = out["tpot_ratio"], out["pull_gbps_in_stack_ratio_to_memcpy"]
+    goals = {"tpot_ratio": GOAL_TPOT_RATIO, "pull_gbps_in_stack_ratio_to_memcpy": GOAL_PULL_RATIO,
+             "tokens_equal": True}
+    met = {"tpot_ratio": tpot is not None and tpot <= GOAL_TPOT_RATIO,
+           "pull_gbps_in_stack_ratio_to_memcpy": pull is not None and pull >= GOAL_PULL_RATIO,
+           "tokens_equal": out["tokens_equal"]}
+    if "tp_2_1" in out:
+        goals["tp_2_1_tokens_equal"], met["tp_2_1_tokens_equal"] = True, out["tp_2_1"]["tokens_equal"]
+    return {"goals": goals, "goals_met": met,
+            "not_measured": {k: _not_measured(per_round, k) for k in NOT_MEASURED if out[k] is None}}
 
 
 def _row_bytes(model_dir: Path) -> int:
@@ -305,21 +370,15 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
 
     pulls = sum(r["pulls"] for r in per_round)
     pull_bytes = sum(r["pull_bytes"] for r in per_round)
-    tpot_ratio, pull_ratio = _median(per_round, "tpot_ratio"), _median(per_round, "pull_gbps_in_stack_ratio_to_memcpy")
     out = {
         "bench": "pd", "requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
         "rounds": rounds, **{k: _median(per_round, k) for k in ("pd_ttft_s", "single_ttft_s", "ttft_ratio",
-                                                                 "pd_tpot_s", "single_tpot_s")},
-        "tpot_ratio": tpot_ratio,
-        "pulls": pulls, "pull_bytes": pull_bytes, "pull_bytes_per_pull": pull_bytes // pulls if pulls else 0,
+                                                                 "pd_tpot_s", "single_tpot_s", "tpot_ratio")},
+        "pulls": pulls, "pull_bytes": pull_bytes, "pull_bytes_per_pull": pull_bytes // pulls if pulls else None,
         "memcpy_bytes": memcpy_bytes,
-        "pull_gbps_in_stack": _median(per_round, "pull_gbps_in_stack"),
-        "memcpy_gbps_in_stack": _median(per_round, "memcpy_gbps_in_stack"),
-        "pull_gbps_in_stack_ratio_to_memcpy": pull_ratio,
+        **{k: _median(per_round, k) for k in ("pull_gbps_in_stack", "memcpy_gbps_in_stack",
+                                               "pull_gbps_in_stack_ratio_to_memcpy")},
         "tokens_equal": tokens_equal,
-        "goals": {"tpot_ratio": GOAL_TPOT_RATIO, "pull_gbps_in_stack_ratio_to_memcpy": GOAL_PULL_RATIO},
-        "goals_met": {"tpot_ratio": tpot_ratio <= GOAL_TPOT_RATIO,
-                      "pull_gbps_in_stack_ratio_to_memcpy": pull_ratio >= GOAL_PULL_RATIO},
         "per_round": per_round,
     }
     if tp:  # (prefill TP, decode TP) = (2, 1); float32: a TP size's partial sums round differently
@@ -336,6 +395,7 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
             "pull_bytes_by_prefill_tp_rank": {rank: sum(r["pull_bytes_by_prefill_tp_rank"][rank] for r in tp_rounds)
                                               for rank in tp_rounds[0]["pull_bytes_by_prefill_tp_rank"]},
             "tokens_equal": tp_equal, "per_round": tp_rounds}
+    out |= _goals(out, per_round)
     if idle_pull:
         idle_pull_gbps, idle_memcpy = _pull_vs_memcpy(prompt_tokens, block_size)
         out |= {"idle_pull_gbps": idle_pull_gbps, "idle_memcpy_gbps": idle_memcpy,

@@ -46,6 +46,9 @@ SHAPES = {"kv_block": (64, 576, 512), "1mib": (64, 16384, 32)}  # name -> (rows,
 
 def run(*, repeats: int = 5, shapes: tuple[str, ...] = tuple(SHAPES)) -> dict:
     """The bench (module docstring); ``shapes`` narrows the object shapes (tests use one)."""
+    from dsamodel.bench import quiet_logs
+
+    quiet_logs()  # the pools' info logs are dropped, their warnings go to stderr: stdout is the JSON's
     backends: dict[str, dict] = {}
     memcpy = {name: _memcpy_gbps(name, repeats) for name in shapes}
     with ExitStack() as stack:

@@ -33,13 +33,20 @@ through the proxy; both had a warm-up request of that length first.
 - ``pd_tokens_equal``: the tokens through the proxy equal the plain server's in every round. The
   decode computes the last prompt token itself (vLLM's P/D: the decode samples the first token),
   over the KV it pulled;
+- ``pd_requests_pulled`` / ``pd_requests_failed``: the decode's ``vllm:kvoffload_d2h_consumer_requests_
+  pulled_total`` / ``..._requests_failed_total``, deltas over the rounds (goals: every P/D request
+  pulled, ``pd_requests_pulled`` >= ``rounds``, and none failed: a decode that recomputed the prompt
+  instead of pulling it gives the same tokens, so ``pd_tokens_equal`` alone cannot tell);
 - ``pd_bytes_pulled_per_request`` (the decode's ``vllm:kvoffload_d2h_consumer_bytes_pulled_total``
-  over its ``..._requests_pulled_total``, both as deltas over the rounds) against
-  ``pd_prompt_kv_bytes``: the blocks the prompt occupies (vLLM moves whole blocks of 128 tokens),
-  K and V of every layer in float32;
+  over its ``..._requests_pulled_total``, both as deltas over the rounds; None when nothing was
+  pulled) against ``pd_prompt_kv_bytes``: the blocks the prompt occupies (vLLM moves whole blocks of
+  128 tokens), K and V of every layer in float32;
 - ``pd_cores``: the ``VLLM_CPU_OMP_THREADS_BIND`` each server got (None: unbound, one core only).
 
 ``tokens_equal`` covers both parts: the hit's tokens equal the miss's, and P/D's equal plain's.
+
+``goals`` / ``goals_met``: each goal and whether it held; ``not_measured``: goal -> why its figure is
+None (a goal is never judged on a figure that was not measured: it is not met).
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvoffload.vllm_server import metric_values
+from kvoffload.prom import metric
+
 
 GOAL_TTFT_RATIO = 0.3
 GOAL_PD_TPOT_RATIO = 1.3
@@ -85,15 +93,11 @@ def _stream(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[f
     return stamps[0], tokens, stamps
 
 
-def _tpot(stamps: list[float]) -> float:
+def _tpot(stamps: list[float]) -> float | None:
     """Seconds per output token after the first: the span from the first token to the last over
-    the tokens in between (0.0 with one token). Not a median of gaps: a server that falls behind
-    sends several tokens in one chunk, and those gaps of zero would make the median 0."""
-    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
-
-
-def _metric(url: str, name: str) -> float:
-    return sum(metric_values(url, name))
+    the tokens in between (None with one token: nothing to time). Not a median of gaps: a server
+    that falls behind sends several tokens in one chunk, and those gaps of zero would make the median 0."""
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
 
 
 def _kv_bytes_per_token(model_dir: Path) -> int:
@@ -107,10 +111,10 @@ def _settled(url: str, names: list[str], timeout_s: float = 10.0) -> dict[str, f
     """The sums of the counters ``names`` on ``url`` once two reads 0.5 s apart agree (vLLM records a
     step's connector stats with that step's outputs, a moment after the client may have its answer),
     or the last read after ``timeout_s``."""
-    last, deadline = {n: _metric(url, n) for n in names}, time.monotonic() + timeout_s
+    last, deadline = {n: metric(url, n) for n in names}, time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        now = {n: _metric(url, n) for n in names}
+        now = {n: metric(url, n) for n in names}
         if now == last:
             break
         last = now
@@ -131,12 +135,16 @@ def _timed_rounds(url: str, name: str, rounds: int, prompt_tokens: int, max_toke
     saw (``_tpot``) unless every token reached it in one event: a server whose API process falls
     behind its engine merges the outputs it has not sent yet, and then the stream holds no timing at
     all. That round's TPOT is the generating server's (``server_url``) own inter-token latency over
-    the round instead, and ``tpot_source`` says which one it is ("stream" or "server")."""
+    the round instead, and ``tpot_source`` says which one it is ("stream" or "server"). A round that
+    gave one token has no TPOT at all: RuntimeError."""
     out = []
     for r in range(rounds):
         before = _settled(server_url, list(ITL))
         ttft, tokens, stamps = _stream(url, name, _pd_prompt(r, prompt_tokens), max_tokens)
-        if len(stamps) > 1 and stamps[-1] == stamps[0]:
+        if len(stamps) < 2:
+            raise RuntimeError(f"{url} streamed {len(stamps)} token for round {r}: a TPOT needs two or more "
+                               "(the model stopped early; this round's TPOT cannot be measured)")
+        if stamps[-1] == stamps[0]:
             after = _settled(server_url, list(ITL))
             total, steps = (after[k] - before[k] for k in ITL)
             if steps <= 0:
@@ -199,7 +207,7 @@ def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens
         "pd_tpot_ratio": med["pd_tpot_s"] / med["plain_tpot_s"] if med["plain_tpot_s"] else None,
         "pd_tokens_equal": all(p["tokens_equal"] for p in per_round),
         "pd_requests_pulled": int(requests), "pd_requests_failed": int(failed),
-        "pd_bytes_pulled_per_request": int(pulled / requests) if requests else 0,
+        "pd_bytes_pulled_per_request": int(pulled / requests) if requests else None,
         "pd_prompt_kv_bytes": math.ceil(prompt_tokens / BLOCK_SIZE) * BLOCK_SIZE * _kv_bytes_per_token(model_dir),
         "pd_cores": {"plain": decode_env.get("VLLM_CPU_OMP_THREADS_BIND"),
                      "prefill": prefill_env.get("VLLM_CPU_OMP_THREADS_BIND"),
@@ -226,11 +234,11 @@ def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3,
             for r in range(rounds):
                 prompt = [(i * 7919 + r * 104729) % 40000 + 1000 for i in range(prefix_tokens)] + \
                          [(i * 31 + r) % 5000 + 200 for i in range(40)]
-                hits_before = _metric(server.url, "vllm:external_prefix_cache_hits_total")
+                hits_before = metric(server.url, "vllm:external_prefix_cache_hits_total")
                 miss_ttft, miss_tokens, _ = _stream(server.url, name, prompt, max_tokens)
-                hits_mid = _metric(server.url, "vllm:external_prefix_cache_hits_total")
+                hits_mid = metric(server.url, "vllm:external_prefix_cache_hits_total")
                 hit_ttft, hit_tokens, _ = _stream(server.url, name, prompt, max_tokens)
-                hits_after = _metric(server.url, "vllm:external_prefix_cache_hits_total")
+                hits_after = metric(server.url, "vllm:external_prefix_cache_hits_total")
                 per_round.append({"miss_ttft_s": miss_ttft, "hit_ttft_s": hit_ttft,
                                   "ttft_ratio": hit_ttft / miss_ttft, "tokens_equal": hit_tokens == miss_tokens,
                                   "miss_hit_tokens": hits_mid - hits_before, "hit_tokens": hits_after - hits_mid})
@@ -242,8 +250,7 @@ def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3,
     hit_tokens = statistics.median(p["hit_tokens"] for p in per_round)
     ratio = statistics.median(p["ttft_ratio"] for p in per_round)
     tokens_equal = all(p["tokens_equal"] for p in per_round) and pd["pd_tokens_equal"]
-    pd_tpot_met = pd["pd_tpot_ratio"] is not None and pd["pd_tpot_ratio"] <= GOAL_PD_TPOT_RATIO
-    return {
+    out = {
         "bench": "vllm", "model": str(model_dir), "prefix_tokens": prefix_tokens, "rounds": rounds,
         "per_round": per_round,
         "ttft_ratio_prefix_hit": ratio,
@@ -254,7 +261,20 @@ def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3,
         "bytes_loaded_per_request": int(hit_tokens * per_token),
         "prompt_kv_bytes": prompt_len * per_token,
         **pd,
-        "goals": {"ttft_ratio_prefix_hit": GOAL_TTFT_RATIO, "pd_tpot_ratio": GOAL_PD_TPOT_RATIO, "tokens_equal": True},
-        "goals_met": {"ttft_ratio_prefix_hit": ratio <= GOAL_TTFT_RATIO, "pd_tpot_ratio": pd_tpot_met,
-                      "tokens_equal": tokens_equal},
     }
+    return out | _goals(out)
+
+
+def _goals(out: dict) -> dict:
+    """``goals``, ``goals_met`` and ``not_measured`` of the result ``out`` so far."""
+    tpot = out["pd_tpot_ratio"]
+    goals = {"ttft_ratio_prefix_hit": GOAL_TTFT_RATIO, "pd_tpot_ratio": GOAL_PD_TPOT_RATIO, "tokens_equal": True,
+             "pd_requests_pulled": out["rounds"], "pd_requests_failed": 0}
+    met = {"ttft_ratio_prefix_hit": out["ttft_ratio_prefix_hit"] <= GOAL_TTFT_RATIO,
+           "pd_tpot_ratio": tpot is not None and tpot <= GOAL_PD_TPOT_RATIO,
+           "tokens_equal": out["tokens_equal"],
+           "pd_requests_pulled": out["pd_requests_pulled"] >= out["rounds"],
+           "pd_requests_failed": out["pd_requests_failed"] == 0}
+    not_measured = {} if tpot is not None else {
+        "pd_tpot_ratio": "the plain server's median TPOT is 0: its requests had a single output token"}
+    return {"goals": goals, "goals_met": met, "not_measured": not_measured}

@@ -15,10 +15,13 @@ import structlog
 
 
 def quiet_logs() -> None:
-    """Benchmarks print one JSON document: keep the engines' info logs out of stdout."""
+    """Benchmarks print one JSON document on stdout: the engines' info logs are dropped, and their
+    warnings and errors go to stderr (the ``sys.stderr`` of the moment each is logged)."""
     import logging
+    import sys
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+                        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
 
 
 def interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
