@@ -9,7 +9,10 @@ metastore's heartbeat timeout so its pool and leases expire; overfill the decode
 killed service is restarted, and the run records:
 
 - whether each request ended (success or error) within its deadline, and how long it took;
-- whether each success returned exactly the single-process engine's greedy tokens;
+- whether each success returned exactly the oracle's greedy tokens (``kvoffload.reference``: the
+  plain full-KV path, none of the stack's machinery), and whether
+  each failure got the error its fault gives (``EXPECTED_ERRORS``: the fault's status, and a message
+  naming the service it hit; any 50x is not enough);
 - what is still held once the system is idle again: prefill slots, decode pool bytes and
   sequences, pool and metastore leases, open ledger entries (polled until zero or a timeout);
 - whether a fresh request then succeeds with the right tokens.
@@ -26,8 +29,10 @@ the objects are removed from the store and that request computes the prefix agai
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
+import re
 import signal
 import tempfile
 import threading
@@ -38,8 +43,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvoffload.stack import (MOONCAKE_MASTER, Stack, StackConfig, healthy, ensure_tiny_model, free_stack_ports,
-                             stack_stats)
+from kvoffload.stack import (DATA_PORT_OFFSET, MOONCAKE_MASTER, Stack, StackConfig, healthy, ensure_tiny_model,
+                             free_stack_ports, stack_stats)
 
 PEER_TIMEOUT_S = 2.0
 POOL_TIMEOUT_MS = 3000  # the metastore's heartbeat timeout for pools
@@ -110,6 +115,9 @@ class RequestRecord:
     seconds: float = 0.0
     tokens_equal: bool | None = None  # successes only
     error: str = ""
+    # failures only: why the error is not the one the run's fault gives (``wrong_error``), "" when it
+    # is; None: not judged, which counts as wrong
+    wrong_error: str | None = None
 
 
 @dataclass
@@ -136,7 +144,9 @@ def _filler() -> list[int]:
 
 
 def _request(url: str, prompt: list[int], stream: bool, deadline_s: float) -> tuple[bool, list[int], str]:
-    """(ok, tokens, error) of one completion; an error event mid-stream is a failure."""
+    """(ok, tokens, error) of one completion; an error event mid-stream is a failure. The error says
+    its status first ("HTTP 502: <body>", "SSE error 502: <message>"; ``error_status`` reads it)
+    or, with no HTTP answer, the exception ("RemoteDisconnected: ...")."""
     body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     try:
@@ -153,14 +163,118 @@ def _request(url: str, prompt: list[int], stream: bool, deadline_s: float) -> tu
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
-                    return False, ids, f"SSE error: {event['error'].get('message', event['error'])}"
+                    return False, ids, _sse_error(event["error"])
                 for choice in event["choices"]:
                     ids.extend(choice.get("token_ids", []))
             return False, ids, "the stream ended without data: [DONE] (truncated)"
     except urllib.error.HTTPError as exc:
-        return False, [], f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return False, [], f"HTTP {exc.code}: {exc.read()[:ERROR_CHARS].decode(errors='replace')}"
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
         return False, [], f"{type(exc).__name__}: {exc}"
+
+
+ERROR_CHARS = 2000  # of an error body: enough for the proxy's message and the backend's it quotes
+
+
+def _sse_error(error: object) -> str:
+    """An SSE error event's error object as "SSE error <code>: <message>" (no code: "SSE error: ...")."""
+    if not isinstance(error, dict):
+        return f"SSE error: {error}"
+    code = error.get("code")
+    return f"SSE error{f' {code}' if isinstance(code, int) else ''}: {error.get('message', error)}"
+
+
+def error_status(error: str) -> int | None:
+    """The HTTP status an error of ``_request`` carries (an SSE error event's code), None when the
+    request got no HTTP answer (the connection broke)."""
+    m = re.match(r"(?:HTTP|SSE error) (\d{3})\b", error)
+    return int(m.group(1)) if m else None
+
+
+# ---- the error each fault may give ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExpectedError:
+    """What a request that ``fault`` failed must have been told: one of ``statuses`` (None: no HTTP
+    answer, the client's connection broke) and a message that names ``peer``, the service the fault
+    hit, the way the proxy and the services name it (``peer_names``), and says ``says`` when set.
+    No statuses: the fault must fail no request."""
+
+    statuses: frozenset[int | None] = frozenset()
+    peer: str = ""
+    says: str = ""
+
+
+# What each fault gives, read off how the proxy and the services fail (services/proxy upstream.py,
+# flow.py; the decode's app.py and watchdog; the prefill's worker; pdlink's links):
+# - a dead decode: the proxy's 502 "decoder <url> failed while sending the request / relaying the
+#   response" (an SSE error once streaming), or 503 "no decoder reachable"; or the prefill's 502 about
+#   its peer ("decode <host:port> no longer waits", "the decode did not read layer(s)"), relayed as
+#   "prefiller <url> answered HTTP 502";
+# - a dead prefill: 502 "prefiller <url> failed while running the prefill" / 503 "no prefiller
+#   reachable", or the decode's watchdog, "prefill <host:port> sent no news", relayed as 502;
+# - a dead metastore: the prefill's 502 "prefill failed: MetaStore <call>: UNAVAILABLE";
+# - a dead proxy: no HTTP answer, the connection breaks;
+# - a decode stopped past the peer timeout: the prefill's 502 (its reads not done); a prefill
+#   stopped past it (and past the pool's heartbeat timeout): the decode's watchdog, 502;
+# - more requests than the decode's queue holds: 429 "every decoder is at its queue limit";
+# - a prompt the prefill's host pool cannot hold: the prefill's 502 "host pool full";
+# - a dead mooncake_master: the prefill's 502 naming Mooncake's failed call ("Mooncake Store exists
+#   failed ... the master does not answer").
+EXPECTED_ERRORS: dict[str, ExpectedError] = {
+    "none": ExpectedError(),
+    "stall_decode_short": ExpectedError(),  # READ_DONE only delayed: nothing fails
+    "kill_decode": ExpectedError(frozenset({502, 503}), "decode"),
+    "kill_prefill": ExpectedError(frozenset({502, 503}), "prefill"),
+    "kill_metastore": ExpectedError(frozenset({502}), "metastore"),
+    "kill_mooncake_master": ExpectedError(frozenset({502}), "mooncake"),
+    "kill_proxy": ExpectedError(frozenset({None}), "proxy"),
+    "stall_decode_long": ExpectedError(frozenset({502}), "decode"),
+    "stall_prefill_long": ExpectedError(frozenset({502}), "prefill"),
+    "expire_pool_and_leases": ExpectedError(frozenset({502}), "prefill"),
+    "overfill_decode": ExpectedError(frozenset({429}), "decode", "queue limit"),
+    "fill_host_pool": ExpectedError(frozenset({502}), "prefill", "host pool full"),
+}
+
+
+def peer_names(cfg: StackConfig) -> dict[str, tuple[str, ...]]:
+    """How errors name each service of a one-prefill, one-decode stack ``cfg``: the proxy names a
+    backend by role and URL ("decoder http://host:port"; "every decoder" when all refused), the
+    services their peers by role and gRPC address ("prefill host:data_port", "decode
+    host:control_port") or role ("the decode did not read ..."); the metastore and Mooncake are
+    named by name. A broken connection to the proxy is named by the exception that says so."""
+    h, prefill, decode = cfg.host, cfg.prefill_ports[0], cfg.decode_ports[0]
+    return {
+        "decode": (f"http://{h}:{decode}", f"decode {h}:{cfg.decode_control_port(0)}", "the decode ",
+                   "every decoder "),
+        "prefill": (f"http://{h}:{prefill}", f"prefill {h}:{prefill + DATA_PORT_OFFSET}", "the prefill "),
+        "metastore": ("MetaStore", "metastore"),
+        "mooncake": ("Mooncake", "mooncake"),
+        "proxy": ("RemoteDisconnected", "ConnectionResetError", "ConnectionRefusedError", "Connection refused",
+                  "IncompleteRead", "BrokenPipeError", "the stream ended without data: [DONE]"),
+    }
+
+
+def _shown(status: int | None) -> str:
+    return "no HTTP answer" if status is None else f"HTTP {status}"
+
+
+def wrong_error(fault: str, error: str, names: dict[str, tuple[str, ...]]) -> str:
+    """Why ``error`` (a failed request's, as ``_request`` wrote it) is not what ``fault`` gives
+    (``EXPECTED_ERRORS``); "" when it is. Any 50x is not enough: the status must be the fault's and
+    the message must name the service the fault hit."""
+    want = EXPECTED_ERRORS[fault]
+    status = error_status(error)
+    if not want.statuses:
+        return f"{fault} must fail no request; this one got {_shown(status)}"
+    if status not in want.statuses:
+        wanted = " or ".join(sorted(map(_shown, want.statuses)))
+        return f"{fault} gives {wanted}, not {_shown(status)}"
+    if not any(name in error for name in names[want.peer]):
+        return f"{fault}: the error does not name the {want.peer} ({' / '.join(names[want.peer])})"
+    if want.says and want.says not in error:
+        return f"{fault}: the error does not say {want.says!r}"
+    return ""
 
 
 LEAK_KEYS = ("leaked_slots", "leaked_pool_bytes", "leaked_leases", "open_requests")
@@ -241,6 +355,7 @@ class FaultRunner:
         self.services = [name for name, _, _ in stack.commands()]
         self.prompts = _prompts()
         self.log = log or (lambda msg: None)
+        self.names = peer_names(stack.cfg)
 
     def run_many(self, n: int, faults: list[str] | None = None) -> list[RunRecord]:
         names = list(self.faults)
@@ -293,10 +408,14 @@ class FaultRunner:
         rec.seconds = time.monotonic() - t
         rec.ended = rec.seconds <= REQUEST_DEADLINE_S
         rec.ok, rec.error = ok, err
-        if ok and len(prompt) > FILLER_TOKENS:
+        if not ok:
+            rec.wrong_error = wrong_error(fault, err, self.names)
+            if rec.wrong_error:
+                self.log(f"WRONG ERROR under {fault}: {rec.wrong_error}: {err[:500]}")
+        elif len(prompt) > FILLER_TOKENS:
             rec.tokens_equal = False  # it cannot fit: success would mean the pool bound is not enforced
             self.log(f"the {len(prompt)}-token filler succeeded under {fault}")
-        elif ok:
+        else:
             want = self.reference(prompt)
             rec.tokens_equal = tokens == want
             if not rec.tokens_equal:
@@ -386,6 +505,8 @@ def summarize(records: list[RunRecord], faults: dict[str, int] = FAULTS) -> dict
         "terminated": sum(r.ended for r in reqs),
         "succeeded": sum(r.ok for r in reqs),
         "failed_with_error": sum(r.ended and not r.ok for r in reqs),
+        # failures whose error is not the one their run's fault gives (status and the peer it names)
+        "wrong_errors": sum(not r.ok and r.wrong_error != "" for r in reqs),
         "wrong_tokens": sum(r.ok and r.tokens_equal is False for r in reqs),
         "leaked_slots": _leak_total(leaks, "leaked_slots"),
         "leaked_pool_bytes": _leak_total(leaks, "leaked_pool_bytes"),
@@ -399,7 +520,8 @@ def summarize(records: list[RunRecord], faults: dict[str, int] = FAULTS) -> dict
 
 
 def reference_tokens(model_dir: Path) -> Callable[[list[int]], list[int]]:
-    """Greedy tokens of the single-process engine with the fault stack's sizes (cached)."""
+    """The oracle's greedy tokens (``kvoffload.reference``: the plain full-KV path, none of the
+    stack's machinery) of ``MAX_TOKENS`` after a prompt, within the fault stack's max_model_len (cached)."""
     from kvoffload.reference import greedy_reference
 
     run = greedy_reference(model_dir, block_size=BLOCK_SIZE, max_model_len=4096)
@@ -432,11 +554,30 @@ def bench(runs: int = 20, seed: int = 0, progress: bool = True, pool: str = "kvo
     out = summarize(records, runner.faults)
     out["seed"] = seed
     out["pool"] = pool
-    out["goal_met"] = (out["terminated"] == out["requests"] and out["stats_unreadable"] == 0
-                       and out["leaked_slots"] == 0
-                       and out["leaked_pool_bytes"] == 0 and out["leaked_leases"] == 0
-                       and out["wrong_tokens"] == 0 and out["fresh_request_failures"] == 0)
+    out["goal_met"] = goal_met(out)
     return out
+
+
+# the figures of ``summarize`` that must be 0 for the suite's goal: nothing held or open once the
+# stack is idle (and its Stats read), every answer right, every error its fault's own, every fresh
+# request after a run served
+GOAL_ZERO = ("stats_unreadable", "leaked_slots", "leaked_pool_bytes", "leaked_leases", "open_requests_after",
+             "wrong_tokens", "wrong_errors", "fresh_request_failures")
+
+
+class MissingFigure(LookupError):
+    """A figure the goal is judged on is not in the summary: it was not measured, so no pass."""
+
+
+def goal_met(summary: dict) -> bool:
+    """Whether ``summary`` (``summarize``'s) meets the fault suite's goal: runs and requests took
+    place, every request ended within its deadline, and every ``GOAL_ZERO`` figure is 0. A figure
+    the summary lacks raises ``MissingFigure`` naming it."""
+    missing = [k for k in ("runs", "requests", "terminated", *GOAL_ZERO) if k not in summary]
+    if missing:
+        raise MissingFigure(f"the fault summary lacks {', '.join(missing)}; it has {sorted(summary)}")
+    return (summary["runs"] > 0 and summary["requests"] > 0 and summary["terminated"] == summary["requests"]
+            and all(summary[k] == 0 for k in GOAL_ZERO))
 
 
 def records_json(records: list[RunRecord]) -> str:

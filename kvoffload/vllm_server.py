@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -174,12 +173,6 @@ class VllmServer:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
-
-
-def metric_values(url: str, name: str) -> list[float]:
-    """The values of Prometheus sample ``name`` (one per label set) in ``GET {url}/metrics``."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    return [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)]
 
 
 class Metastore:

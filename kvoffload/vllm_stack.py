@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvoffload.prom import Metrics, MissingMetric, scrape
 from kvoffload.stack import Stack, StackConfig, metastore_service, post_json, proxy_service
 from kvoffload.vllm_server import api_server_command, api_server_env, stop_group
 
@@ -137,39 +138,69 @@ _COUNTERS = frozenset({"vllm:prompt_tokens_by_source_total", "vllm:generation_to
                        "vllm:request_success_total", "kvoffload_proxy_requests_total",
                        "kvoffload_proxy_metaserver_latency_seconds_count",
                        "kvoffload_proxy_metaserver_latency_seconds_sum", "kvoffload_proxy_backend_retries_total"})
+# What each server must export, checked on every scrape: a missing one makes that server's summary
+# an error naming it, never a 0 that passes "no prompt token computed" or "nothing retried". vLLM
+# creates each series the summary reads at start-up (every prompt-token source, every finish
+# reason), so those samples must be there; the proxy's counters are labelled by endpoint, outcome
+# and backend and get a series on first use, so of those the metric itself must be declared.
+_VLLM_SERIES: tuple[tuple[str, dict[str, str]], ...] = (
+    ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),
+    ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"}),
+    ("vllm:prompt_tokens_by_source_total", {"source": "local_cache_hit"}),
+    ("vllm:generation_tokens_total", {}), ("vllm:request_success_total", {}))
+_PROXY_METRICS = ("kvoffload_proxy_requests_total", "kvoffload_proxy_metaserver_latency_seconds_count",
+                  "kvoffload_proxy_metaserver_latency_seconds_sum", "kvoffload_proxy_backend_retries_total")
 
 
-def _scrape(url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple], float]:
-    """The ``_COUNTERS`` samples of ``GET url/metrics``: (name, sorted labels) -> value."""
-    import urllib.request
+def _counters(metrics: Metrics, proxy: bool) -> dict[tuple[str, tuple], float]:
+    """The ``_COUNTERS`` samples of one scrape, (name, sorted labels) -> value, once every series
+    the summary reads is there (``MissingMetric`` naming the first one that is not)."""
+    if proxy:
+        undeclared = [n for n in _PROXY_METRICS if not metrics.declares(n)]
+        if undeclared:
+            raise MissingMetric(f"{metrics.source}: the proxy does not export {', '.join(undeclared)}")
+    else:
+        for name, labels in _VLLM_SERIES:
+            metrics.values(name, **labels)
+    return {k: v for k, v in metrics.samples.items() if k[0] in _COUNTERS}
 
-    from prometheus_client.parser import text_string_to_metric_families
 
-    req = urllib.request.Request(f"{url}/metrics", headers=headers or {})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        text = resp.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples if s.name in _COUNTERS}
+def _scrape(url: str, headers: dict[str, str] | None = None, proxy: bool = False) -> dict[tuple[str, tuple], float]:
+    """The ``_COUNTERS`` samples of ``GET url/metrics`` (``_counters``)."""
+    return _counters(scrape(url, headers), proxy)
 
 
 def _total(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
-    """The sum of sample ``name`` over the label sets that have ``labels``."""
+    """The sum of sample ``name`` over the label sets that have ``labels`` (0 for none: a proxy
+    counter with no series yet; ``_counters`` checked that the metric exists)."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
 
 
+def _series(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    """``_total`` of a series that must be there (vLLM's: created at start-up): ``MissingMetric``
+    when it is not."""
+    want = set(labels.items())
+    if not any(n == name and want <= set(ls) for n, ls in samples):
+        raise MissingMetric(f"no sample {name} with labels {labels} among {sorted({n for n, _ in samples})}")
+    return _total(samples, name, **labels)
+
+
 def _delta(after: dict, before: dict) -> dict:
+    """``after`` minus ``before`` per series; a series ``before`` lacks started at 0 (a proxy series
+    created by its first increment: vLLM's and the proxy's metrics themselves were checked there)."""
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
 def _vllm_view(d: dict) -> dict:
     """What one vLLM server did, from its /metrics: prompt tokens by where their KV came from."""
-    return {"prompt_tokens_computed": int(_total(d, "vllm:prompt_tokens_by_source_total", source="local_compute")),
-            "prompt_tokens_pulled": int(_total(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")),
-            "prompt_tokens_local_cache_hit": int(_total(d, "vllm:prompt_tokens_by_source_total",
-                                                        source="local_cache_hit")),
-            "generation_tokens": int(_total(d, "vllm:generation_tokens_total")),
-            "requests": int(_total(d, "vllm:request_success_total"))}
+    return {"prompt_tokens_computed": int(_series(d, "vllm:prompt_tokens_by_source_total", source="local_compute")),
+            "prompt_tokens_pulled": int(_series(d, "vllm:prompt_tokens_by_source_total",
+                                                source="external_kv_transfer")),
+            "prompt_tokens_local_cache_hit": int(_series(d, "vllm:prompt_tokens_by_source_total",
+                                                         source="local_cache_hit")),
+            "generation_tokens": int(_series(d, "vllm:generation_tokens_total")),
+            "requests": int(_series(d, "vllm:request_success_total"))}
 
 
 def _proxy_view(d: dict) -> dict:
@@ -214,16 +245,19 @@ def _logged_pulls(stack: VllmStack, since: dict[str, int]) -> dict[str, dict]:
 
 
 def _scrape_all(stack: VllmStack) -> dict[str, dict | str]:
-    """Every server's ``_COUNTERS``, or why they could not be read (a server that died, say)."""
+    """Every server's ``_COUNTERS``, or why they could not be read (a server that died, or one that
+    does not export a series the summary reads: that server's summary is then that error)."""
     c = stack.cfg
     urls = {**{f"prefill-{i}": f"http://{c.host}:{p}" for i, p in enumerate(c.prefill_ports)},
             **{f"decode-{i}": f"http://{c.host}:{p}" for i, p in enumerate(c.decode_ports)}, "proxy": stack.url}
     out: dict[str, dict | str] = {}
     for name, url in urls.items():
         try:
-            out[name] = _scrape(url, stack.auth_headers if name == "proxy" else None)
+            out[name] = _scrape(url, stack.auth_headers if name == "proxy" else None, proxy=name == "proxy")
         except OSError as exc:
             out[name] = f"/metrics unreadable: {exc}"
+        except MissingMetric as exc:
+            out[name] = f"/metrics lacks what the summary reads: {exc}"
     return out
 
 

@@ -21,8 +21,11 @@ import urllib.request
 
 import pytest
 
+from kvoffload.prom import scrape
 from kvoffload.reference import greedy_reference
 from kvoffload.stack import Stack, StackConfig, free_stack_ports, stack_stats
+
+pytestmark = pytest.mark.stack
 
 BS = 16
 QUEUE_LIMIT = 64
@@ -71,11 +74,6 @@ def _request(url: str, prompt: list[int], max_tokens: int, stream: bool) -> tupl
 def _burst(url: str, work: list[tuple[list[int], int, bool]]) -> list[tuple[int, list[int], dict, float]]:
     with cf.ThreadPoolExecutor(len(work)) as pool:
         return list(pool.map(lambda w: _request(url, *w), work))
-
-
-def _metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
 
 
 def _idle(cfg: StackConfig, timeout_s: float = 20.0) -> dict:
@@ -127,13 +125,12 @@ def test_64_concurrent_requests_queue_and_all_succeed_then_the_excess_of_a_burst
     assert p["held_slots"] == 0 and p["pool_live_leases"] == 0, p
     assert stats["metastore"]["live_leases"] == 0, stats["metastore"]
 
-    with urllib.request.urlopen(f"{stack.url}/metrics", timeout=10) as resp:
-        proxy_metrics = resp.read().decode()
-    assert _metric(proxy_metrics, "kvoffload_proxy_rejected_requests_total") == len(refused)
-    assert _metric(proxy_metrics, "kvoffload_proxy_backend_rejections_total") >= len(refused)
-    assert "kvoffload_proxy_decoder_queue_depth" in proxy_metrics
-    with urllib.request.urlopen(f"http://{stack.cfg.host}:{stack.cfg.decode_ports[0]}/metrics", timeout=10) as resp:
-        decode_metrics = resp.read().decode()
-    assert _metric(decode_metrics, "kvoffload_decode_rejected_total") >= len(refused)
-    assert _metric(decode_metrics, "kvoffload_decode_queued_requests") == 0
-    assert _metric(decode_metrics, "kvoffload_decode_gather_waits_total") == d["gather_waits"]
+    # every metric read must be there: a missing one raises MissingMetric naming it, never reads 0
+    proxy_metrics = scrape(stack.url)
+    assert proxy_metrics.total("kvoffload_proxy_rejected_requests_total") == len(refused)
+    assert proxy_metrics.total("kvoffload_proxy_backend_rejections_total") >= len(refused)
+    assert proxy_metrics.values("kvoffload_proxy_decoder_queue_depth")
+    decode_metrics = scrape(f"http://{stack.cfg.host}:{stack.cfg.decode_ports[0]}")
+    assert decode_metrics.total("kvoffload_decode_rejected_total") >= len(refused)
+    assert decode_metrics.total("kvoffload_decode_queued_requests") == 0
+    assert decode_metrics.total("kvoffload_decode_gather_waits_total") == d["gather_waits"]

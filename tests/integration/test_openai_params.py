@@ -17,6 +17,8 @@ from dsamodel.tokenizer import ByteTokenizer
 
 from kvoffload.stack import Stack, StackConfig, free_stack_ports, post_json
 
+pytestmark = pytest.mark.stack
+
 BS = 16
 TOK = ByteTokenizer()
 PROMPT = "The quick brown fox jumps over the lazy dog. 0123456789 " * 3
@@ -247,13 +249,13 @@ def test_completion_logprobs_are_the_engines_log_softmax(stack, engine, stream):
         ids, lp = choice["token_ids"], choice["logprobs"]
         token_lps = lp["token_logprobs"]
         assert len(lp["tokens"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == len(ids)
-        for k, (top, e) in enumerate(zip(lp["top_logprobs"], ref_lp)):
+        for k, (top, e) in enumerate(zip(lp["top_logprobs"], ref_lp, strict=True)):
             assert 3 <= len(top) <= 4
             assert max(top.values()) == pytest.approx(e.top[0][1], abs=1e-4)
             assert lp["tokens"][k] in top
         assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
     assert ids == ref_ids and len(token_lps) == len(ids)
-    for got_lp, e in zip(token_lps, ref_lp):
+    for got_lp, e in zip(token_lps, ref_lp, strict=True):  # one logprob per token, as many as the engine's
         assert got_lp == pytest.approx(e.logprob, abs=1e-4) and got_lp <= 0
         assert e.logprob == pytest.approx(e.top[0][1])  # greedy picks the most likely token
 
@@ -267,7 +269,7 @@ def test_chat_logprobs(stack, engine, stream):
     else:
         content = post_json(f"{stack.url}/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
     assert len(content) == len(ref_lp)
-    for entry, e in zip(content, ref_lp):
+    for entry, e in zip(content, ref_lp, strict=True):
         assert entry["logprob"] == pytest.approx(e.logprob, abs=1e-4)
         assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx([lp for _, lp in e.top], abs=1e-4)
         assert isinstance(entry["bytes"], list) and len(entry["top_logprobs"]) == 2

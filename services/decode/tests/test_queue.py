@@ -114,7 +114,7 @@ def test_a_prompt_larger_than_the_whole_pool_is_refused_at_once():
     try:
         with pytest.raises(TooLarge, match="host pool"):
             lp.expect_remote("big", list(range(N)), SamplingParams(max_tokens=2), lambda *e: None)
-        assert lp.stats()["pending"] == 0 and lp.stats().get("ledger_open", 0) == 0
+        assert lp.stats()["pending"] == 0 and lp.stats()["ledger_open"] == 0
     finally:
         lp.close()
         pool.close()

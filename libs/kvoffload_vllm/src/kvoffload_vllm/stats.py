@@ -65,6 +65,9 @@ class CounterPromMetrics(KVConnectorPromMetrics):
         self._counters = {name: self._counter_cls(name=f"vllm:kvoffload_{connector}_{name}_total",
                                                   documentation=doc, labelnames=labelnames)
                           for name, doc in counters.items()}
+        for counter in self._counters.values():  # every series exported from the start, at 0: a reader
+            for labels in per_engine_labelvalues.values():  # tells "none yet" from "not exported"
+                counter.labels(*labels)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
