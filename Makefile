@@ -43,18 +43,19 @@ test-deps: install-vllm
 	@scripts/install-mooncake .venv
 	@scripts/install-memcache .venv
 
-# two workers; each module is one group (its servers start once), the vLLM modules one group together
-# (root conftest.py); the slowest 40 tests and the total are printed at the end
-PYTEST = .venv/bin/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=40
+# one worker: on these 2 cores the tests that start servers are CPU-bound, and two at once starved
+# each other into timeouts (pytest -n 2 --dist loadgroup still works: see the root conftest.py);
+# the slowest 40 tests and the total are printed at the end
+PYTEST = .venv/bin/python -m pytest --durations=40
 
-# every test (~25 min here, 2 cores): unit, property, cross-process, P/D stacks, vLLM, containers
+# every test: unit, property, cross-process, P/D stacks, vLLM, containers
 # (a Docker engine and the images are started/built first: scripts/dockerd, scripts/images)
 test: test-deps
 	@scripts/dockerd start
 	@scripts/images
 	$(PYTEST)
 
-# the inner loop (~10 min here): every unit and property test, and for each invariant I1-I6 and for
+# the inner loop: every unit and property test, and for each invariant I1-I6 and for
 # security at least one real cross-process test (a reference stack, one vLLM P/D round trip)
 check: test-deps
 	$(PYTEST) -m "not slow"

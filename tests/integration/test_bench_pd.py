@@ -4,7 +4,7 @@ import pytest
 
 from kvoffload.bench_pd import run
 
-pytestmark = pytest.mark.stack
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 
 def test_bench_pd_fields():

@@ -5,12 +5,16 @@ every field, the P/D ratios and the goal's verdict included."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from vllm_support import tiny_llama_dir
 
 from kvoffload.bench_vllm import run
 from kvoffload.vllm_stack import split_cores
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_bench_vllm_small(tmp_path):

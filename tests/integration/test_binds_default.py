@@ -15,7 +15,7 @@ from sockets import listening_sockets
 
 from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, ensure_tiny_model, free_stack_ports, stack_stats
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads listening sockets from /proc")
+pytestmark = [pytest.mark.stack, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads listening sockets from /proc"), pytest.mark.slow]
 
 
 class DefaultHostStack(Stack):

@@ -12,7 +12,9 @@ sparse-offload decode).
   container is started again a new request succeeds with the right tokens.
 
 Needs a Docker engine (``scripts/dockerd start``) and the images (``scripts/images``; built here when
-missing). Skipped, saying why, only when no engine answers. Select with ``-m containers``.
+missing); ``make test`` starts both. Without an engine every test fails, saying why (a missing
+dependency is a failure, never a skip). Select with ``-m containers``, leave out with
+``-m "not containers"``.
 """
 
 from __future__ import annotations
@@ -49,14 +51,21 @@ def _engine_problem() -> str | None:
         client = docker.from_env(timeout=10)
         client.ping()
         client.close()
-    except Exception as exc:  # noqa: BLE001 - any failure to reach the engine is a reason to skip
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the engine is the reason the tests fail
         return (f"no Docker engine answers at {os.environ.get('DOCKER_HOST', 'unix:///var/run/docker.sock')} "
                 f"({type(exc).__name__}: {exc}); start one with scripts/dockerd start (.ci/run does)")
     return None
 
 
 _PROBLEM = _engine_problem()
-pytestmark = [pytest.mark.containers, pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")]
+pytestmark = [pytest.mark.containers, pytest.mark.slow]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def docker_engine() -> None:
+    """Fails every test of a module that needs the engine, with the reason, when none answers."""
+    if _PROBLEM is not None:
+        pytest.fail(_PROBLEM, pytrace=False)
 
 if _PROBLEM is None:
     import docker

@@ -74,16 +74,19 @@ def test_every_fault_kind(runner):
     _check(runner.run_many(len(FAULTS), list(FAULTS)))
 
 
+@pytest.mark.slow
 def test_randomized_fault_runs(runner):
     _check(runner.run_many(RANDOM_RUNS))
 
 
+@pytest.mark.slow
 def test_every_fault_kind_with_the_pool_on_mooncake_store(mooncake_runner):
     runs = mooncake_runner.run_many(len(MOONCAKE_FAULTS), list(MOONCAKE_FAULTS))
     runs += mooncake_runner.run_many(MOONCAKE_RANDOM_RUNS)
     _check(runs, MOONCAKE_FAULTS)  # a request the master's loss failed says so (EXPECTED_ERRORS)
 
 
+@pytest.mark.slow
 def test_a_metastore_fault_does_not_apply_to_a_mooncake_stack(mooncake_runner):
     with pytest.raises(ValueError, match="kill_metastore"):
         mooncake_runner.run_many(1, ["kill_metastore"])
@@ -121,6 +124,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(runner):
     assert ok and tokens == runner.reference(runner.prompts[0]), error
 
 
+@pytest.mark.slow
 def test_bench_faults_prints_the_issue_fields():
     """``kvoffload bench faults`` on its own fresh stack (a few runs here; the bench's default is 20)."""
     from kvoffload.faults import bench

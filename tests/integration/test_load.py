@@ -25,7 +25,7 @@ from kvoffload.prom import scrape
 from kvoffload.reference import greedy_reference
 from kvoffload.stack import Stack, StackConfig, free_stack_ports, stack_stats
 
-pytestmark = pytest.mark.stack
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 BS = 16
 QUEUE_LIMIT = 64

@@ -29,6 +29,8 @@ from kvoffload.stack import (
     stream_token_ids,
 )
 
+pytestmark = pytest.mark.stack
+
 BS = 16
 TOK = ByteTokenizer()
 LONG_TEXT = "".join(chr(32 + (i * 7919) % 90) for i in range(2600))

@@ -17,7 +17,7 @@ from dsamodel.tokenizer import ByteTokenizer
 
 from kvoffload.stack import Stack, StackConfig, free_stack_ports, post_json
 
-pytestmark = pytest.mark.stack
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 BS = 16
 TOK = ByteTokenizer()

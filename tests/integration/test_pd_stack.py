@@ -1,5 +1,5 @@
 """I3 through real processes on loopback: greedy tokens through proxy -> prefill -> decode equal the
-single-process engine, for short and long prompts, completions and chat, streaming and not; and
+plain full-KV oracle (``kvoffload.reference``: no shared buffers, host pool or hot cache), for short and long prompts, completions and chat, streaming and not; and
 afterwards no slot, pool byte or lease is left held (Stats)."""
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from dsamodel.tokenizer import ByteTokenizer
 from kvoffload.reference import greedy_reference
 from kvoffload.stack import Stack, StackConfig, free_stack_ports, post_json, stack_stats, stream_token_ids
 
+pytestmark = pytest.mark.stack
+
 BS = 16
 
 
@@ -23,7 +25,7 @@ def _config(model_dir, tmp, prefills: int, decodes: int, **kw) -> StackConfig:
 
 
 # this module's stack decodes with miss prefetch and MTP speculative decoding on (I3 below holds
-# with them: greedy tokens equal the plain single-process engine's; off is the default, which every
+# with them: greedy tokens equal the plain full-KV oracle's; off is the default, which every
 # other stack test runs)
 DECODE_ARGS = {"decode-0": [
     "--additional-config", json.dumps({"sparse_kv_offload_config": {
@@ -40,7 +42,7 @@ def stack(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """Greedy tokens of the single-process engine with the stack's sizes."""
+    """The oracle's greedy tokens (the model's plain full-KV path, kvoffload.reference)."""
     return greedy_reference(model_dir, block_size=BS, max_model_len=8192)
 
 
@@ -141,6 +143,7 @@ def test_one_request_id_follows_a_request_through_every_service(stack):
     assert [s for s, _ in mine[0]["history"]] == ["admitted", "awaiting_prefill", "pulling", "ready", "decoding", "ok"]
 
 
+@pytest.mark.slow
 def test_two_prefills_two_decodes_sixteen_concurrent_streams(model_dir, tmp_path, reference):
     cfg = _config(model_dir, tmp_path, 2, 2)
     prompts = [TOK.encode(f"request {i}: " + "kv offload " * (5 + 7 * i), add_bos=True) for i in range(16)]
@@ -162,10 +165,11 @@ def test_two_prefills_two_decodes_sixteen_concurrent_streams(model_dir, tmp_path
             assert st["held_slots"] == 0 and st["pool_live_leases"] == 0
 
 
+@pytest.mark.slow
 def test_i3_on_two_decode_dp_ranks(model_dir, tmp_path, reference):
     """Two decode processes as the DP ranks 0 and 1 of one deployment (one kv_port, --dp-rank):
     each serves on kv_port + rank, registers under its true DP rank, and the proxy spreads the
-    requests over both; tokens equal the single-process engine's."""
+    requests over both; tokens equal the oracle's."""
     cfg = _config(model_dir, tmp_path, 1, 2, decode_dp=True)
     prompts = [TOK.encode(LONG_TEXT[: 300 + 40 * i], add_bos=True) for i in range(8)]
     with Stack(cfg) as s, cf.ThreadPoolExecutor(8) as pool:
@@ -181,6 +185,7 @@ def test_i3_on_two_decode_dp_ranks(model_dir, tmp_path, reference):
     assert by_port == {f"{cfg.host}:{cfg.kv_port}": 0, f"{cfg.host}:{cfg.kv_port + 1}": 1}, by_port
 
 
+@pytest.mark.slow
 def test_i3_across_hosts_streams_layers_over_grpc(model_dir, tmp_path, reference):
     """A prefill on "another host": the decode cannot attach its shared memory and pulls every layer
     from the prefill's LayerSource in bounded chunks; tokens are unchanged."""

@@ -17,6 +17,8 @@ from dsamodel.weights import load_model
 from kvoffload.reference import greedy_reference
 from kvoffload.stack import Stack, StackConfig, free_stack_ports, post_json, stack_stats, stream_token_ids
 
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
+
 BS = 16
 TOK = ByteTokenizer()
 

@@ -33,6 +33,8 @@ from kvoffload.stack import (
     stream_token_ids,
 )
 
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
+
 BS = 16
 TOK = ByteTokenizer()
 LONG_TEXT = "".join(chr(32 + (i * 7919) % 90) for i in range(2600))
@@ -50,7 +52,7 @@ def stack(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """Greedy tokens of the single-process engine with the stack's sizes."""
+    """The oracle's greedy tokens (the model's plain full-KV path, kvoffload.reference)."""
     return greedy_reference(model_dir, block_size=BS, max_model_len=8192)
 
 

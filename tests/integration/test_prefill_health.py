@@ -14,6 +14,8 @@ import pytest
 
 from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, healthy, ensure_tiny_model, free_stack_ports
 
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
+
 
 def _health(url: str) -> tuple[int, dict]:
     try:

@@ -10,12 +10,14 @@ import urllib.error
 
 import grpc
 import pytest
+import tlscerts  # test support on the root pytest pythonpath (needs cryptography, a test extra)
 from svcruntime.tls import TLSConfig
 
 from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, healthy, ensure_tiny_model, free_stack_ports, grpc_stats, \
     post_json
 
-tlscerts = pytest.importorskip("tlscerts", reason="needs the cryptography package (root test extra)")
+pytestmark = pytest.mark.stack
+
 KEY = "integration-key"
 
 

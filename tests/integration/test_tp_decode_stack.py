@@ -24,6 +24,8 @@ from dsamodel.tokenizer import ByteTokenizer
 from kvoffload.reference import greedy_reference
 from kvoffload.stack import Stack, StackConfig, free_stack_ports, grpc_stats, post_json, stream_token_ids
 
+pytestmark = [pytest.mark.stack, pytest.mark.slow]
+
 BS = 16
 TOK = ByteTokenizer()
 LONG_TEXT = "".join(chr(32 + (i * 7919) % 90) for i in range(2000))

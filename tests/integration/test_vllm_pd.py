@@ -30,11 +30,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from vllm_support import chat, completion, post_json, smollm2_dir, tiny_llama_dir
+from vllm_support import chat, completion, failed_starts, post_json, smollm2_dir, tiny_llama_dir
 
+from kvoffload.prom import scrape
 from kvoffload.stack import free_stack_ports
-from kvoffload.vllm_server import Metastore, Proxy, VllmServer, metric_values, signal_group
+from kvoffload.vllm_server import Metastore, Proxy, VllmServer, signal_group
 from kvoffload.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
+
+pytestmark = pytest.mark.vllm
 
 BLOCK = 128  # vLLM's CPU default block size
 LAYERS = 6
@@ -131,6 +134,7 @@ def test_greedy_tokens_through_the_proxy_equal_one_plain_vllm_server(pd, plain):
     assert "kvoffload_d2h_sent" in prefill_log and "kvoffload_d2h_reads_failed" not in prefill_log
 
 
+@pytest.mark.slow
 def test_the_pull_is_layerwise_and_moves_the_prompts_blocks(pd):
     prompt = [(i * 104729) % 40000 + 1000 for i in range(3000)]  # not seen before: no prefix-cache hit
     completion(pd["proxy"].url, prompt, 2, timeout_s=180)
@@ -143,6 +147,7 @@ def test_the_pull_is_layerwise_and_moves_the_prompts_blocks(pd):
     assert during and max(during) >= 1, prefill_log[-3000:]  # an early layer landed while later ones computed
 
 
+@pytest.mark.slow
 def test_with_the_metastore_gone_requests_are_still_served(pd):
     pd["metastore"].kill()
     prompt = PROMPTS["long"][::-1]  # not seen before: the prefill asks the (gone) metastore for it
@@ -151,28 +156,42 @@ def test_with_the_metastore_gone_requests_are_still_served(pd):
     assert "kvoffload_lookup_failed" in pd["prefill"].log_text()
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_both"}, "kv_transfer_config.kv_role: got 'kv_both'"),
-    ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer",  # (vLLM itself defaults kv_port)
-      "kv_connector_extra_config": {"transfer_backend": "memfabric"}}, "transfer_backend: got 'memfabric'"),
-    ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 20050,
-      "kv_connector_extra_config": {"peer_timeout": 3}}, "unknown key 'peer_timeout'; did you mean 'peer_timeout_s'?"),
-    ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer",
-      "kv_connector_extra_config": {"advertise_host": "0.0.0.0"}}, "kv_connector_extra_config.advertise_host: got"),
-])
-def test_a_bad_d2h_config_stops_vllm_with_the_field_named(tmp_path, config, message):
-    model = tiny_llama_dir(tmp_path / "tiny")
-    server = VllmServer(model, max_model_len=1024, log_path=tmp_path / "v.log", start_timeout_s=120,
-                        extra_args=["--kv-transfer-config", json.dumps({**config,
-                                                                        "kv_connector_module_path": "kvoffload_vllm"})])
-    try:
-        with pytest.raises(RuntimeError):
-            server.start()
-    finally:
-        server.stop()  # a server that did start is not left behind
-    assert message in server.log_text(), server.log_text()[-3000:]
+BAD_D2H_CONFIGS = {  # id: (kv-transfer-config, the message that names the field)
+    "both-role": ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_both"},
+                  "kv_transfer_config.kv_role: got 'kv_both'"),
+    "memfabric": ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer",  # (vLLM itself defaults kv_port)
+                   "kv_connector_extra_config": {"transfer_backend": "memfabric"}}, "transfer_backend: got 'memfabric'"),
+    "unknown-key": ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 20050,
+                     "kv_connector_extra_config": {"peer_timeout": 3}},
+                    "unknown key 'peer_timeout'; did you mean 'peer_timeout_s'?"),
+    "wildcard-host": ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer",
+                       "kv_connector_extra_config": {"advertise_host": "0.0.0.0"}},
+                      "kv_connector_extra_config.advertise_host: got"),
+}
 
 
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """Every bad config's launch, started side by side: (error, log) by case."""
+    tmp = tmp_path_factory.mktemp("refused")
+    model = tiny_llama_dir(tmp / "tiny")
+    servers = {name: VllmServer(model, max_model_len=1024, log_path=tmp / f"{name}.log", start_timeout_s=300,
+                                extra_args=["--kv-transfer-config",
+                                            json.dumps({**config, "kv_connector_module_path": "kvoffload_vllm"})])
+               for name, (config, _) in BAD_D2H_CONFIGS.items()}
+    errors = failed_starts(servers)
+    return {name: (errors[name], servers[name].log_text()) for name in servers}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BAD_D2H_CONFIGS)
+def test_a_bad_d2h_config_stops_vllm_with_the_field_named(refused, case):
+    error, log = refused[case]
+    assert not error.startswith("STARTED"), error
+    assert BAD_D2H_CONFIGS[case][1] in log, log[-3000:]
+
+
+@pytest.mark.slow
 def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decode(tmp_path):
     """The real SmolLM2 model (30 layers): a 3,000-token prefill takes seconds, so the kill lands
     while layers are being announced and pulled."""
@@ -218,7 +237,8 @@ def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decod
                 else:
                     assert "prefill" in str(outcome["error"]) or "502" in str(outcome["error"]), outcome
                 idle_deadline = time.monotonic() + 20
-                while sum(metric_values(decode.url, "vllm:kv_cache_usage_perc")) > 0:
+                # KV usage must be exported: a missing metric raises MissingMetric, it is not "idle"
+                while scrape(decode.url).total("vllm:kv_cache_usage_perc") > 0:
                     assert time.monotonic() < idle_deadline, "the decode still holds KV blocks"
                     time.sleep(0.5)
                 prefill.stop()

@@ -20,9 +20,12 @@ import json
 import re
 
 import pytest
-from vllm_support import completion, smollm2_dir, tiny_llama_dir
+from vllm_support import completion, failed_starts, smollm2_dir, tiny_llama_dir
 
-from kvoffload.vllm_server import Metastore, VllmServer, free_port, metric_values
+from kvoffload.prom import metric
+from kvoffload.vllm_server import Metastore, VllmServer, free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 BLOCK = 128  # vLLM's CPU default block size
 
@@ -33,12 +36,6 @@ def store_config(metastore: str | None, role: str = "kv_both", **extra) -> str:
         body["metastore"] = metastore
     return json.dumps({"kv_connector": "AscendStoreConnector", "kv_role": role,
                        "kv_connector_module_path": "kvoffload_vllm", "kv_connector_extra_config": body})
-
-
-def metric(url: str, name: str) -> float:
-    values = metric_values(url, name)
-    assert values, f"{name} not in /metrics"
-    return sum(values)
 
 
 def greedy(url: str, prompt: list[int], n: int = 12) -> tuple[list[str], list[float]]:
@@ -86,41 +83,56 @@ def test_with_the_metastore_gone_requests_are_served_without_the_prefix_cache(tm
     assert "kvoffload_lookup_failed" in log and "kvoffload_save_skipped" in log, log[-3000:]
 
 
-@pytest.mark.parametrize("extra,metastore,message", [
-    ({"metastor": "127.0.0.1:1"}, "127.0.0.1:5000", "unknown key 'metastor'; did you mean 'metastore'?"),
-    ({}, None, "kv_connector_extra_config.metastore: missing"),
-    ({"backend": "memcache"}, "127.0.0.1:5000", "kv_connector_extra_config.backend: got 'memcache'"),
-    ({"role": "kv_sender"}, "127.0.0.1:5000", "kv_role\n  Input should be 'kv_producer', 'kv_both' or "
-     "'kv_consumer'"),  # vLLM's own check comes first
-    ({"layerwise_num_shared_buffers": 0}, "127.0.0.1:5000",
-     "kv_connector_extra_config.layerwise_num_shared_buffers: got 0 (int); must be an int >= 1"),
-])
-def test_a_bad_connector_config_stops_vllm_with_the_field_named(tmp_path, extra, metastore, message):
-    model = tiny_llama_dir(tmp_path / "tiny")
-    server = VllmServer(model, max_model_len=1024, extra_args=["--kv-transfer-config", store_config(metastore, **extra)],
-                        log_path=tmp_path / "v.log", start_timeout_s=120)
-    with pytest.raises(RuntimeError) as e:
-        server.start()
-    assert message in str(e.value) or message in server.log_text(), server.log_text()[-3000:]
+BAD_CONFIGS = {  # id: (extra config, metastore, the message that names the field)
+    "unknown-key": ({"metastor": "127.0.0.1:1"}, "127.0.0.1:5000",
+                    "unknown key 'metastor'; did you mean 'metastore'?"),
+    "no-metastore": ({}, None, "kv_connector_extra_config.metastore: missing"),
+    "other-backend": ({"backend": "memcache"}, "127.0.0.1:5000", "kv_connector_extra_config.backend: got 'memcache'"),
+    "unknown-role": ({"role": "kv_sender"}, "127.0.0.1:5000", "kv_role\n  Input should be 'kv_producer', 'kv_both' or "
+                     "'kv_consumer'"),  # vLLM's own check comes first
+    "zero-buffers": ({"layerwise_num_shared_buffers": 0}, "127.0.0.1:5000",
+                     "kv_connector_extra_config.layerwise_num_shared_buffers: got 0 (int); must be an int >= 1"),
+}
 
 
-def test_a_tensor_parallel_server_is_refused_until_ranks_keep_their_shards_apart(tmp_path):
-    model = tiny_llama_dir(tmp_path / "tiny")
-    server = VllmServer(model, max_model_len=1024, log_path=tmp_path / "v.log", start_timeout_s=120,
-                        extra_args=["--kv-transfer-config", store_config("127.0.0.1:5000"),
-                                    "--tensor-parallel-size", "2"],
-                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # one core per rank (else vLLM refuses first)
-    with pytest.raises(RuntimeError):
-        server.start()
-    assert "AscendStoreConnector: runs with one rank only for now; got tensor_parallel_size 2" in server.log_text(), \
-        server.log_text()[-3000:]
+@pytest.fixture(scope="module")
+def nobody() -> str:
+    return f"127.0.0.1:{free_port()}"  # free: nothing listens there
 
 
-def test_a_metastore_that_does_not_answer_at_start_stops_vllm_with_its_address(tmp_path):
-    model = tiny_llama_dir(tmp_path / "tiny")
-    nobody = f"127.0.0.1:{free_port()}"  # free: nothing listens there
-    server = VllmServer(model, max_model_len=1024, log_path=tmp_path / "v.log", start_timeout_s=120,
-                        extra_args=["--kv-transfer-config", store_config(nobody)])
-    with pytest.raises(RuntimeError):
-        server.start()
-    assert "MetaStore" in server.log_text() and nobody in server.log_text(), server.log_text()[-3000:]
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory, nobody) -> dict[str, tuple[str, str]]:
+    """Every launch of this module that must fail, started side by side: (error, log) by case."""
+    tmp = tmp_path_factory.mktemp("refused")
+    model = tiny_llama_dir(tmp / "tiny")
+
+    def server(name: str, kv_config: str, *extra: str, env: dict | None = None) -> VllmServer:
+        return VllmServer(model, max_model_len=1024, log_path=tmp / f"{name}.log", start_timeout_s=300, env=env,
+                          extra_args=["--kv-transfer-config", kv_config, *extra])
+
+    servers = {name: server(name, store_config(metastore, **extra)) for name, (extra, metastore, _) in BAD_CONFIGS.items()}
+    servers["tp2"] = server("tp2", store_config("127.0.0.1:5000"), "--tensor-parallel-size", "2",
+                            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # one core per rank (else vLLM refuses first)
+    servers["nobody"] = server("nobody", store_config(nobody))
+    errors = failed_starts(servers)
+    return {name: (errors[name], servers[name].log_text()) for name in servers}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_a_bad_connector_config_stops_vllm_with_the_field_named(refused, case):
+    error, log = refused[case]
+    message = BAD_CONFIGS[case][2]
+    assert not error.startswith("STARTED"), error
+    assert message in error or message in log, log[-3000:]
+
+
+def test_a_tensor_parallel_server_is_refused_until_ranks_keep_their_shards_apart(refused):
+    error, log = refused["tp2"]
+    assert not error.startswith("STARTED"), error
+    assert "AscendStoreConnector: runs with one rank only for now; got tensor_parallel_size 2" in log, log[-3000:]
+
+
+def test_a_metastore_that_does_not_answer_at_start_stops_vllm_with_its_address(refused, nobody):
+    error, log = refused["nobody"]
+    assert not error.startswith("STARTED"), error
+    assert "MetaStore" in log and nobody in log, log[-3000:]

@@ -12,6 +12,8 @@ from vllm_support import completion, tiny_llama_dir
 
 from kvoffload.vllm_server import VllmServer, free_port, group_members
 
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:

@@ -11,6 +11,8 @@ the demo prints.
 
 from __future__ import annotations
 
+import pytest
+
 from pathlib import Path
 
 from vllm_support import tiny_llama_dir
@@ -18,6 +20,8 @@ from vllm_support import tiny_llama_dir
 from kvoffload.stack import StackConfig, free_stack_ports
 from kvoffload.vllm_server import tail
 from kvoffload.vllm_stack import VllmStack, demo
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 NOISE = ("Route: ", "GET /health", "GET /metrics", "nanobind", "leaked ")

@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import tlscerts  # test support on the root pytest pythonpath (needs cryptography, a test extra)
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from svcruntime import tls as kvtls
 from svcruntime.tls import TLSConfig, TLSConfigError
 
-tlscerts = pytest.importorskip("tlscerts", reason="needs the cryptography package (root test extra)")
 
 
 @pytest.fixture(scope="module")

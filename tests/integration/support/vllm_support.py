@@ -134,3 +134,25 @@ def chat(url: str, messages: list[dict], max_tokens: int, *, timeout_s: float = 
     the body."""
     return post_json(f"{url}/v1/chat/completions",
                      {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw}, timeout_s)
+
+
+# ---- launches that must fail --------------------------------------------------------------------
+
+def failed_starts(servers: dict[str, Any], at_once: int = 2) -> dict[str, str]:
+    """Start every ``VllmServer`` of ``servers`` (each expected to refuse its config) side by side, at
+    most ``at_once`` at a time, and return the ``RuntimeError`` message of each, by the same keys: a
+    vLLM start-up is paid in parallel instead of once per case. A server that starts after all is
+    stopped, and its message says so (the test reading it then fails)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def outcome(server: Any) -> str:
+        try:
+            server.start()
+        except RuntimeError as exc:
+            return str(exc)
+        finally:
+            server.stop()  # one that did start is not left behind
+        return f"STARTED: the server on {server.url} accepted its config"
+
+    with ThreadPoolExecutor(at_once) as pool:
+        return dict(zip(servers, pool.map(outcome, servers.values()), strict=True))

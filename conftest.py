@@ -1,0 +1,90 @@
+"""Suite-wide rules every test run keeps (loaded by pytest from the repository root).
+
+Parallel runs (``make test`` and ``make check`` run ``pytest -n 2 --dist loadgroup``): each test
+module is one xdist group, so a module's servers (module-scoped fixtures) start once, on one worker;
+every module that starts vLLM servers joins one group, ``vllm``, since each such server takes half
+the cores and two at once would starve each other. The heaviest groups are queued first (vLLM, then
+containers, then reference stacks) so that the other worker works through the rest meanwhile.
+
+A skip is allowed only for hardware or a platform this machine does not have (an Ascend driver,
+CUDA, Linux's /proc). Any other skip — a missing package, a Docker engine that did not start, a
+server that could not be launched — is a missing dependency, and the test fails with the skip's
+reason instead of passing by accident. ``HARDWARE_SKIPS`` lists the reasons a skip may give.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+# A skip reason must match one of these to stay a skip; each names hardware or a platform.
+HARDWARE_SKIPS = (
+    re.compile(r"Ascend driver", re.IGNORECASE),  # memcache / memfabric data paths, and tests that need a host without one
+    re.compile(r"\bCUDA\b"),  # tests of the CPU-only refusals on a machine that has CUDA
+    re.compile(r"reads listening sockets from /proc"),  # Linux only
+)
+
+
+# the order groups are queued in under xdist: heavier first
+GROUP_WEIGHT = {"vllm": 3, "containers": 2, "stack": 1}
+
+
+def group_of(item: pytest.Item) -> tuple[str, int]:
+    """(xdist group, weight) of a test: ``vllm`` for every vLLM module, else its own module."""
+    if item.get_closest_marker("vllm"):
+        return "vllm", GROUP_WEIGHT["vllm"]
+    weight = max((w for name, w in GROUP_WEIGHT.items() if item.get_closest_marker(name)), default=0)
+    return item.nodeid.split("::", 1)[0], weight
+
+
+# per-test timeouts (pytest-timeout; the first test of a module pays its module's server start-ups):
+# pyproject's 300 s by default, longer for the markers below, unless a test names its own
+MARKER_TIMEOUT_S = {"vllm": 1200, "containers": 900, "stack": 900}
+
+
+def timeout_of(item: pytest.Item) -> int | None:
+    """The timeout a test's markers give it (None: pyproject's default or the test's own)."""
+    if item.get_closest_marker("timeout"):
+        return None
+    return max((t for name, t in MARKER_TIMEOUT_S.items() if item.get_closest_marker(name)), default=None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if (seconds := timeout_of(item)) is not None:
+            item.add_marker(pytest.mark.timeout(seconds))
+    if not getattr(config.option, "loadgroup", False):  # set on xdist's workers under --dist loadgroup
+        return
+    weights = {}
+    for item in items:
+        group, weights[item.nodeid] = group_of(item)
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: -weights[item.nodeid])  # stable: a module's tests keep their order
+
+
+def skip_reason(report: pytest.TestReport) -> str:
+    """The reason a skipped report gives (pytest keeps it as ``(path, line, "Skipped: reason")``)."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def allowed_skip(reason: str) -> bool:
+    return any(p.search(reason) for p in HARDWARE_SKIPS)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = skip_reason(report)
+    if allowed_skip(reason):
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"{item.nodeid}: skipped for a reason that is not missing hardware, so it fails: {reason}\n"
+                       "(a missing dependency fails the run; see HARDWARE_SKIPS in the root conftest.py)")

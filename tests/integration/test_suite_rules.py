@@ -1,0 +1,113 @@
+"""The suite's own rules (the root conftest.py and pyproject's pytest options), run on small inner
+suites: a skip for a missing dependency fails, a skip for missing hardware stays a skip, an unknown
+marker is an error, and a hang fails at the per-test timeout with a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def suite(pytester: pytest.Pytester) -> pytest.Pytester:
+    """An inner suite that runs under the repository's conftest.py and pytest options."""
+    pytester.makeconftest((ROOT / "conftest.py").read_text())
+    pytester.makeini("[pytest]\naddopts = --strict-markers -rs\ntimeout = 300\nmarkers =\n    slow: slow\n    stack: stack\n    vllm: vllm\n")
+    return pytester
+
+
+def test_a_skip_for_a_missing_package_fails_with_its_reason(suite):
+    suite.makepyfile("""
+        import pytest
+        def test_needs_a_package():
+            pytest.importorskip("surely_not_installed_here")
+    """)
+    result = suite.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*not missing hardware*surely_not_installed_here*"])
+
+
+def test_a_skip_for_no_docker_engine_fails(suite):
+    suite.makepyfile("""
+        import pytest
+        pytestmark = pytest.mark.skipif(True, reason="no Docker engine answers at unix:///var/run/docker.sock")
+        def test_containers():
+            pass
+    """)
+    suite.runpytest().assert_outcomes(errors=1)  # skipped while setting up: an error, which fails the run
+
+
+def test_a_skip_for_missing_hardware_stays_a_skip_and_prints_its_reason(suite):
+    suite.makepyfile("""
+        import pytest
+        def test_npu():
+            pytest.skip("memcache data path needs an Ascend driver: libascendcl.so not found")
+    """)
+    result = suite.runpytest()
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED*needs an Ascend driver*"])
+
+
+def test_an_xfail_is_left_alone(suite):
+    suite.makepyfile("""
+        import pytest
+        @pytest.mark.xfail(reason="known", strict=True)
+        def test_known():
+            assert False
+    """)
+    suite.runpytest().assert_outcomes(xfailed=1)
+
+
+def test_an_unknown_marker_is_an_error(suite):
+    suite.makepyfile("""
+        import pytest
+        @pytest.mark.slwo
+        def test_typo():
+            pass
+    """)
+    result = suite.runpytest()
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*'slwo' not found in `markers`*"])
+
+
+def test_a_hang_fails_at_the_timeout_with_a_traceback(suite):
+    suite.makepyfile("""
+        import time
+        import pytest
+        @pytest.mark.timeout(1)
+        def test_hangs():
+            time.sleep(60)
+    """)
+    result = suite.runpytest()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*time.sleep(60)*", "*Timeout*"])
+
+
+def test_server_tests_get_the_longer_timeout_of_their_marker_unless_they_name_one(suite):
+    suite.makepyfile("""
+        import pytest
+        def timeout(request):
+            return request.node.get_closest_marker("timeout").args[0]
+        @pytest.mark.stack
+        def test_stack(request):
+            assert timeout(request) == 900
+        @pytest.mark.vllm
+        def test_vllm(request):
+            assert timeout(request) == 1200
+        @pytest.mark.vllm
+        @pytest.mark.timeout(42)
+        def test_own(request):
+            assert timeout(request) == 42
+    """)
+    suite.runpytest().assert_outcomes(passed=3)
+
+
+def test_the_repository_runs_under_these_rules():
+    """The inner suites above copy what the repository's pytest options say: keep them in step."""
+    text = (ROOT / "pyproject.toml").read_text()
+    assert '--strict-markers -rs"' in text and "\ntimeout = " in text
