@@ -1,10 +1,12 @@
 """Suite-wide rules every test run keeps (loaded by pytest from the repository root).
 
-Parallel runs (``make test`` and ``make check`` run ``pytest -n 2 --dist loadgroup``): each test
-module is one xdist group, so a module's servers (module-scoped fixtures) start once, on one worker;
-every module that starts vLLM servers joins one group, ``vllm``, since each such server takes half
-the cores and two at once would starve each other. The heaviest groups are queued first (vLLM, then
-containers, then reference stacks) so that the other worker works through the rest meanwhile.
+Each test gets a timeout by its markers (``MARKER_TIMEOUT_S``): a hang fails with a traceback.
+
+Parallel runs (``pytest -n 2 --dist loadgroup``; ``make test`` and ``make check`` run one worker,
+since on 2 cores two server-heavy modules at once starve each other): each test module is one xdist
+group, so a module's servers (module-scoped fixtures) start once, on one worker; every module that
+starts vLLM servers joins one group, ``vllm`` (each such server takes half the cores). The heaviest
+groups are queued first (vLLM, then containers, then reference stacks).
 
 A skip is allowed only for hardware or a platform this machine does not have (an Ascend driver,
 CUDA, Linux's /proc). Any other skip — a missing package, a Docker engine that did not start, a

@@ -107,6 +107,24 @@ def test_server_tests_get_the_longer_timeout_of_their_marker_unless_they_name_on
     suite.runpytest().assert_outcomes(passed=3)
 
 
+def test_under_xdist_a_module_runs_on_one_worker_and_the_vllm_modules_share_one(suite):
+    for name in ("a", "b", "c"):
+        suite.makepyfile(**{f"test_{name}": f"""
+            import pytest
+            {"pytestmark = pytest.mark.vllm" if name != "c" else ""}
+            @pytest.mark.parametrize("i", range(4))
+            def test_worker(worker_id, i):
+                with open("workers.txt", "a") as f:
+                    f.write("{name} " + worker_id + "\\n")
+        """})
+    suite.runpytest("-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder").assert_outcomes(passed=12)
+    seen: dict[str, set[str]] = {}
+    for module, worker in (line.split() for line in (suite.path / "workers.txt").read_text().splitlines()):
+        seen.setdefault(module, set()).add(worker)
+    assert all(len(workers) == 1 for workers in seen.values()), seen
+    assert seen["a"] == seen["b"], seen  # the vLLM modules: one group
+
+
 def test_the_repository_runs_under_these_rules():
     """The inner suites above copy what the repository's pytest options say: keep them in step."""
     text = (ROOT / "pyproject.toml").read_text()
