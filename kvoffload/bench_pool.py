@@ -165,28 +165,42 @@ def _mooncake(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
 
 
 def _memcache(stack: ExitStack, shapes) -> dict:
-    """Memcache's entry: its pool is built for real against a real MetaService; where memcache_hybrid
-    refuses to start (no Ascend driver), the entry is the reason it gave."""
+    """Memcache's entry: its pool is built for real, in a process of its own (memcache_hybrid keeps
+    one LocalService per process), against a real MetaService; where memcache_hybrid refuses to
+    start (no Ascend driver), the entry is the reason it gave."""
     from kvcore.backends import backend_problem
 
     problem = backend_problem("memcache")
     if problem is not None:
         return {"available": False, "reason": problem}
-    from poolclient.memcache import MemcacheHostPool
-    from poolclient.memcache_client import MemcacheUnavailable
-    from poolclient.memcache_conf import LocalSettings
     from poolclient.memcache_meta import MemcacheMetaService, MetaSettings
 
     meta = MemcacheMetaService.start(MetaSettings())
     stack.callback(meta.stop)
-    settings = LocalSettings(meta.meta_service_url, meta.config_store_url, dram_bytes=1, protocol="host_shm")
+    args = {"shape": shapes[0], "meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url}
+    proc = subprocess.run([sys.executable, "-m", "kvoffload.bench_pool", "memcache", json.dumps(args)],
+                          capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"the memcache probe process failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _memcache_main(args: dict) -> None:
+    """The memcache probe process: builds the pool; prints its entry."""
+    from poolclient.memcache import MemcacheHostPool
+    from poolclient.memcache_client import MemcacheUnavailable
+    from poolclient.memcache_conf import LocalSettings
+
+    settings = LocalSettings(args["meta_service_url"], args["config_store_url"], dram_bytes=1, protocol="host_shm")
     try:
-        pool = MemcacheHostPool.connect(_geometry(shapes[0]), settings=settings)
+        pool = MemcacheHostPool.connect(_geometry(args["shape"]), settings=settings)
     except MemcacheUnavailable as exc:
-        return {"available": False, "reason": f"memcache_hybrid cannot start a LocalService here: {exc.reason}"}
-    pool.close()  # it started: an Ascend host; its figures are not measured by this bench yet
-    return {"available": False, "reason": "memcache_hybrid started a LocalService here, but this bench does not "
-                                          "measure the memcache pool yet"}
+        entry = {"available": False, "reason": f"memcache_hybrid cannot start a LocalService here: {exc.reason}"}
+    else:
+        pool.close()  # it started: an Ascend host; its figures are not measured by this bench yet
+        entry = {"available": False, "reason": "memcache_hybrid started a LocalService here, but this bench does "
+                                               "not measure the memcache pool yet"}
+    print(json.dumps(entry))
 
 
 def _start_metastore(stack: ExitStack) -> str:
@@ -231,6 +245,7 @@ def _read_main(args: dict) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "read":
-        raise SystemExit("usage: python -m kvoffload.bench_pool read JSON (the bench's reader process)")
-    _read_main(json.loads(sys.argv[2]))
+    if len(sys.argv) != 3 or sys.argv[1] not in ("read", "memcache"):
+        raise SystemExit("usage: python -m kvoffload.bench_pool read|memcache JSON (the bench's reader process, "
+                         "its memcache probe)")
+    (_read_main if sys.argv[1] == "read" else _memcache_main)(json.loads(sys.argv[2]))

@@ -64,7 +64,7 @@ def servers(tmp_path, monkeypatch):
     monkeypatch.setattr(kvoffload.vllm_server, "Metastore", _Service)
     monkeypatch.setattr(kvoffload.vllm_server, "Proxy", _Proxy)
     monkeypatch.setattr(bench_vllm, "_stream", stream)
-    monkeypatch.setattr(bench_vllm, "_metric", lambda url, name: metrics[name])
+    monkeypatch.setattr(bench_vllm, "metric", lambda url, name: metrics[name])
     monkeypatch.setattr(bench_vllm, "_settled", lambda url, names: {n: metrics[n] for n in names})
     model = tmp_path / "model"
     model.mkdir()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -180,6 +181,25 @@ def test_module_without_device_gets_the_error_never_the_embedded_pool(meta, tmp_
         built = MemcacheHostPool.connect(geo(), local_config=str(conf))
     assert built is None and f"conf {conf}" in str(info.value)
     assert memcache_segments() == before
+
+
+def test_a_second_meta_service_in_one_process_is_refused_at_once(meta):
+    """memcache_hybrid keeps one LocalService per process: once set up for ``meta`` (and its init
+    failed), a connect to another MetaService would dial the first one's config store for minutes.
+    It is refused at once, before any connection (one MetaService runs per host, so the other is
+    only an address here)."""
+    without_ascend_driver()
+    with pytest.raises(MemcacheUnavailable):  # this process's LocalService: set up for ``meta``
+        MemcacheClient.connect(settings_for(meta))
+    other = LocalSettings(meta_service_url="tcp://127.0.0.1:1026", config_store_url="tcp://127.0.0.1:1027",
+                          dram_bytes=dram_bytes_for(geo()), protocol="host_shm")
+    started = time.monotonic()
+    with pytest.raises(MemcacheUnavailable, match="already set up its LocalService") as info:
+        MemcacheClient.connect(other)
+    assert time.monotonic() - started < 2
+    e = info.value
+    assert meta.meta_service_url in e.reason and "tcp://127.0.0.1:1026" in str(e) and not e.needs_ascend_driver
+    assert "another process" in str(e)
 
 
 # ---- the data path (Ascend only) -----------------------------------------------------------------

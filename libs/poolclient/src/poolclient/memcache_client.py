@@ -15,6 +15,13 @@ the process's stdout. So ``connect`` captures file descriptors 1 and 2 during ``
 ``needs_ascend_driver`` says whether the driver is the cause. ``contribute_memory=False`` starts
 a metadata-only client (it runs here; puts then fail: no LocalService memory to place them in).
 
+One LocalService per process. memcache_hybrid keeps its set-up state for the life of the process:
+until every client it started is closed, a second ``setup`` is ignored ("mmc is already setup"),
+and after an ``init`` that failed it is ignored for good; the LocalService then keeps dialling the
+config store it was first given, for minutes, when that MetaService is gone. So ``connect`` records
+the MetaService and config store of the process's ``setup`` and refuses, at once, a ``connect`` to
+another pair while that one holds (``MemcacheUnavailable``): start that client in another process.
+
 Calls (not run here: they need a started data path). Batches of ``str`` keys, one code per key
 (0: success, else memcache_hybrid's error code): ``put_layers`` / ``get_layers`` (one object =
 several memory ranges, ``batch_put_from_layers`` / ``batch_get_into_layers`` with host-memory copy
@@ -45,6 +52,9 @@ DRIVER_HINT = ("The Memcache data path (MemFabric's hybm layer under every ock.m
                "an Ascend NPU driver (Ascend HDK) on this host; kvoffload does not fall back to its embedded pool")
 
 _capture_lock = threading.Lock()
+_setup_lock = threading.Lock()
+_process_setup: tuple[str, str] | None = None  # (meta_service_url, config_store_url) of this process's setup
+_open_clients = 0  # started clients not yet closed; at 0 a setup whose init succeeded is released
 _LINE = re.compile(r"\b(ERROR|error|WARN|warning)\b.*?\[(\w+) ([\w.]+:\d+) (\w+)\] (.*)$")
 
 
@@ -126,6 +136,14 @@ def build_local_config(mmc: Any, fields: dict[str, Any]) -> Any:
     return config
 
 
+def _client_closed() -> None:
+    global _process_setup, _open_clients
+    with _setup_lock:
+        _open_clients -= 1
+        if _open_clients == 0:
+            _process_setup = None
+
+
 class MemcacheClient:
     """One started LocalService client (see the module docstring). Thread-safe as the library is."""
 
@@ -164,12 +182,23 @@ class MemcacheClient:
 
     @classmethod
     def _start(cls, mmc: Any, path: str, device_id: int, contribute_memory: bool, owns_conf: bool) -> "MemcacheClient":
+        global _process_setup, _open_clients
         fields = local_fields(path)
-        store = mmc.DistributedObjectStore()
-        code = store.setup(build_local_config(mmc, fields))
-        if code != 0:
-            raise MemcacheUnavailable(f"{MODULE} DistributedObjectStore.setup(LocalConfig from {path}) returned {code}",
-                                      reason=f"setup returned {code}", code=code, needs_ascend_driver=False)
+        wanted = (str(fields.get("meta_service_url", "tcp://127.0.0.1:5000")), str(fields.get("config_store_url", "")))
+        with _setup_lock:
+            if _process_setup is not None and _process_setup != wanted:
+                reason = (f"this process already set up its LocalService for MetaService {_process_setup[0]} "
+                          f"(config store {_process_setup[1]}); {MODULE} keeps one per process")
+                raise MemcacheUnavailable(f"{MODULE} cannot start a LocalService for MetaService {wanted[0]} (config "
+                                          f"store {wanted[1]}, conf {path}): {reason}. Connect from another process",
+                                          reason=reason, code=-1, needs_ascend_driver=False)
+            store = mmc.DistributedObjectStore()
+            code = store.setup(build_local_config(mmc, fields))
+            if code != 0:
+                raise MemcacheUnavailable(f"{MODULE} DistributedObjectStore.setup(LocalConfig from {path}) returned "
+                                          f"{code}", reason=f"setup returned {code}", code=code,
+                                          needs_ascend_driver=False)
+            _process_setup = wanted  # kept after a failed init: the library keeps it too
         with native_output() as lines:
             code = store.init(device_id, contribute_memory)
         if code != 0:
@@ -182,6 +211,8 @@ class MemcacheClient:
                 f"{fields.get('meta_service_url', 'tcp://127.0.0.1:5000')}, conf {path}). {MODULE} says: {reason}"
                 + (f". {DRIVER_HINT}" if driver else ""),
                 reason=reason, code=code, needs_ascend_driver=driver)
+        with _setup_lock:
+            _open_clients += 1
         return cls(store, path, fields, contribute_memory, owns_conf)
 
     def _check(self) -> Any:
@@ -228,6 +259,7 @@ class MemcacheClient:
         if not self._closed:
             self._closed = True
             self._store.close()
+            _client_closed()
             if self._owns_conf:
                 os.unlink(self.local_config)
 
