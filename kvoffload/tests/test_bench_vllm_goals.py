@@ -25,6 +25,12 @@ class _Service:
         self.port = port or (args[0] if args and isinstance(args[0], int) else 1)
         self.url, self.address = f"http://127.0.0.1:{self.port}", f"127.0.0.1:{self.port}"
 
+    def start(self) -> "_Service":
+        return self
+
+    def stop(self) -> None:
+        return None
+
     def __enter__(self) -> "_Service":
         return self
 

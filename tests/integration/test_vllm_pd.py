@@ -34,7 +34,7 @@ from vllm_support import chat, completion, failed_starts, post_json, smollm2_dir
 
 from kvoffload.prom import scrape
 from kvoffload.stack import free_stack_ports
-from kvoffload.vllm_server import Metastore, Proxy, VllmServer, signal_group
+from kvoffload.vllm_server import Metastore, Proxy, VllmServer, running, signal_group
 from kvoffload.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
 
 pytestmark = pytest.mark.vllm
@@ -119,7 +119,7 @@ def pd(model, tmp_path_factory):
                              env=PREFILL_ENV, extra_args=["--kv-transfer-config", vllm_prefill_transfer_config(ms.address)])
         decode = VllmServer(model, port=ports["decode_ports"][0], max_model_len=4096, log_path=logs / "decode.log",
                             env=DECODE_ENV, extra_args=["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"])])
-        with prefill, decode:
+        with running(prefill, decode):
             proxy = Proxy(ports["proxy_port"], prefill.port, decode.port, logs / "proxy.log")
             try:
                 yield {"proxy": proxy, "prefill": prefill, "decode": decode, "metastore": ms}
@@ -207,8 +207,7 @@ def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decod
                              env=PREFILL_ENV, extra_args=prefill_args)
         decode = VllmServer(model, port=ports["decode_ports"][0], max_model_len=4096, log_path=tmp_path / "d.log",
                             env=DECODE_ENV, extra_args=["--kv-transfer-config", json.dumps(decode_kv)])
-        with decode:
-            prefill.start()
+        with running(decode, prefill):
             proxy = Proxy(ports["proxy_port"], prefill.port, decode.port, tmp_path / "proxy.log")
             try:
                 outcome: dict[str, object] = {}

@@ -23,7 +23,7 @@ import pytest
 from vllm_support import completion, failed_starts, smollm2_dir, tiny_llama_dir
 
 from kvoffload.prom import metric
-from kvoffload.vllm_server import Metastore, VllmServer, free_port
+from kvoffload.vllm_server import Metastore, VllmServer, free_port, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -49,19 +49,21 @@ def test_a_fresh_server_loads_the_prefix_another_saved_and_answers_as_without_th
     prompt = prefix + [(i * 31) % 5000 + 200 for i in range(57)]
     with Metastore(tmp_path / "metastore.log") as ms:
         kv = ["--kv-transfer-config", store_config(ms.address)]
-        with VllmServer(model, max_model_len=4096, extra_args=kv, log_path=tmp_path / "a.log") as a:
+        # started side by side; B gets no request until A has saved, so B starts fresh
+        with running(VllmServer(model, max_model_len=4096, extra_args=kv, log_path=tmp_path / "a.log"),
+                     VllmServer(model, max_model_len=4096, extra_args=kv, log_path=tmp_path / "b.log"),
+                     VllmServer(model, max_model_len=4096, log_path=tmp_path / "plain.log")) as (a, b, plain):
+            assert "kvoffload_loaded" not in b.log_text()
             completion(a.url, prefix, 1)
             assert "kvoffload_saved" in a.log_text() and "blocks=16" in a.log_text(), a.log_text()[-3000:]
             # layerwise: early layers were in the pool before the last layer's attention ended
             during = [int(x) for x in re.findall(r"layers_saved_during_forward=(\d+)", a.log_text())]
             assert during and max(during) >= 10, a.log_text()[-3000:]
             # A keeps running: its pool (the host memory it contributes) lives as long as it does
-            with VllmServer(model, max_model_len=4096, extra_args=kv, log_path=tmp_path / "b.log") as b:
-                tokens, logprobs = greedy(b.url, prompt)
-                hits = metric(b.url, "vllm:external_prefix_cache_hits_total")
-                log = b.log_text()
-    with VllmServer(model, max_model_len=4096, log_path=tmp_path / "plain.log") as plain:
-        want_tokens, want_logprobs = greedy(plain.url, prompt)
+            tokens, logprobs = greedy(b.url, prompt)
+            hits = metric(b.url, "vllm:external_prefix_cache_hits_total")
+            log = b.log_text()
+            want_tokens, want_logprobs = greedy(plain.url, prompt)
     assert hits == 16 * BLOCK, log[-3000:]  # every block A saved; the partial 17th was never saved
     assert "kvoffload_loaded" in log and "blocks=16" in log
     assert tokens == want_tokens

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from vllm_support import completion, tiny_llama_dir
 
-from kvoffload.vllm_server import VllmServer, free_port, group_members
+from kvoffload.vllm_server import VllmServer, free_port, group_members, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -63,3 +63,16 @@ def test_server_without_a_model_fails_fast_with_its_log(tmp_path):
     message = str(info.value)
     assert "last lines of" in message and "no-such-model" in message.split("last lines of", 1)[1]
     assert group_members(server.proc.pid) == []
+
+
+def test_servers_started_together_all_stop_when_one_cannot_start(tiny, tmp_path):
+    """``running``: the server that cannot start raises its own error, and the one still starting is
+    stopped then, not left to finish starting."""
+    good = VllmServer(tiny, log_path=tmp_path / "good.log")
+    bad = VllmServer(tmp_path / "no-such-model", log_path=tmp_path / "bad.log")
+    with pytest.raises(RuntimeError, match="no-such-model") as info:
+        with running(good, bad):
+            pytest.fail("a server that cannot start was reported started")
+    assert "exited with status" in str(info.value) and str(bad.url) in str(info.value)
+    assert good.start_s is None  # stopped while starting: it never answered /health
+    assert group_members(good.proc.pid) == [] and group_members(bad.proc.pid) == []
