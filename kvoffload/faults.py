@@ -347,7 +347,7 @@ class FaultRunner:
 
     def __init__(self, stack: Stack, reference: Callable[[list[int]], list[int]], seed: int = 0,
                  log: Callable[[str], None] | None = None) -> None:
-        self.stack, self.reference, self.rng = stack, reference, random.Random(seed)
+        self.stack, self.reference, self.seed, self.rng = stack, reference, seed, random.Random(seed)
         self.pool = stack.cfg.pool
         self.faults = FAULTS_BY_POOL[self.pool]
         # restart order = the stack's start order: dependencies first (the metastore or the
@@ -531,10 +531,7 @@ def reference_tokens(model_dir: Path) -> Callable[[list[int]], list[int]]:
 def bench(runs: int = 20, seed: int = 0, progress: bool = True, pool: str = "kvoffload") -> dict:
     """``kvoffload bench faults``: ``runs`` seeded fault runs on a fresh loopback stack whose
     prefill pool is ``pool`` ("kvoffload" or "mooncake")."""
-    import sys
-
     from dsamodel.bench import quiet_logs
-    from tqdm import tqdm
 
     quiet_logs()  # stdout carries the JSON only
     with tempfile.TemporaryDirectory(prefix="kvoffload-faults-") as tmp:
@@ -544,16 +541,25 @@ def bench(runs: int = 20, seed: int = 0, progress: bool = True, pool: str = "kvo
         for p in _prompts():
             ref(p)
         with Stack(cfg) as stack:
-            runner = FaultRunner(stack, ref, seed)
-            records = []
-            faults = runner.faults
-            names = list(faults)  # every kind once (as far as runs allow), then weighted random kinds
-            plan = (names + runner.rng.choices(names, [faults[f] for f in names], k=max(0, runs - len(names))))[:runs]
-            for i, fault in enumerate(tqdm(plan, desc="fault runs", disable=not progress, file=sys.stderr)):
-                records.append(runner.run_one(i, fault))
-    out = summarize(records, runner.faults)
-    out["seed"] = seed
+            out = bench_runs(FaultRunner(stack, ref, seed), runs, progress)
     out["pool"] = pool
+    return out
+
+
+def bench_runs(runner: FaultRunner, runs: int, progress: bool = False) -> dict:
+    """The bench's runs on ``runner``'s stack: every fault kind once (as far as ``runs`` allows),
+    then kinds drawn by weight; their summary, its seed and whether the goal is met."""
+    import sys
+
+    from tqdm import tqdm
+
+    faults = runner.faults
+    names = list(faults)
+    plan = (names + runner.rng.choices(names, [faults[f] for f in names], k=max(0, runs - len(names))))[:runs]
+    records = [runner.run_one(i, fault)
+               for i, fault in enumerate(tqdm(plan, desc="fault runs", disable=not progress, file=sys.stderr))]
+    out = summarize(records, faults)
+    out["seed"] = runner.seed
     out["goal_met"] = goal_met(out)
     return out
 

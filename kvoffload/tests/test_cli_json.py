@@ -14,6 +14,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+from kvoffload.bench_pool import SHAPES
 from kvoffload.cli import build_parser
 
 KVOFFLOAD = Path(sys.executable).with_name("kvoffload")
@@ -59,18 +62,35 @@ def test_plan_json_prints_one_json_document(tmp_path):
 
 def test_bench_pool_json_prints_one_json_document_and_its_logs_on_stderr():
     """The pool bench starts a metastore, a mooncake_master and Memcache's MetaService, and the
-    memcache library logs from native code on file descriptor 1: all of it must reach stderr."""
+    memcache library logs from native code on file descriptor 1: all of it must reach stderr. Its
+    document: every backend has its entry, the measured ones read back what they were given in this
+    process and in another one, and the figures are ratios to memcpy of the same run (this test
+    merges the one ``test_bench_pool.py`` held: the same bench run twice)."""
     proc = _driven("""
         import functools, sys
         import kvoffload.bench_pool as bench
-        bench.run = functools.partial(bench.run, repeats=1, shapes=("kv_block",))  # small sizes
+        bench.run = functools.partial(bench.run, repeats=2, shapes=("kv_block",))  # small sizes
         from kvoffload.cli import main
         sys.exit(main(["bench", "pool", "--json"]))
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)
-    assert result["bench"] == "pool" and set(result["backends"]) == {"kvoffload", "mooncake", "memcache"}
+    r = json.loads(proc.stdout)
+    assert r["bench"] == "pool" and set(r["backends"]) == {"kvoffload", "mooncake", "memcache"}
     assert "kvoffload bench pool: no goal to meet" in proc.stderr
+    rows, row_bytes, count = SHAPES["kv_block"]
+    assert r["shapes"]["kv_block"] == {"rows": rows, "row_bytes": row_bytes, "object_bytes": rows * row_bytes,
+                                       "objects": count}
+    memcpy = r["memcpy_gbps"]["kv_block"]
+    assert memcpy > 0
+    for name in ("kvoffload", "mooncake"):  # make test installs Mooncake: both must have run
+        b = r["backends"][name]
+        assert b["available"] is True, b
+        fig = b["kv_block"]
+        for op in ("put", "get", "get_cross_process"):
+            assert fig[f"{op}_gbps"] > 0
+            assert fig[f"{op}_ratio"] == pytest.approx(fig[f"{op}_gbps"] / memcpy)
+    memcache = r["backends"]["memcache"]  # no Ascend NPU here: memcache_hybrid's own reason, the driver
+    assert memcache["available"] is False and "ascend driver" in memcache["reason"].lower(), memcache
 
 
 def test_whatever_a_bench_writes_to_stdout_goes_to_stderr():

@@ -352,7 +352,7 @@ def test_bench_faults_is_not_met_while_a_request_is_still_open(monkeypatch):
 
     class Runner:
         def __init__(self, stack, ref, seed):
-            self.faults, self.rng = faults.FAULTS, faults.random.Random(seed)
+            self.faults, self.seed, self.rng = faults.FAULTS, seed, faults.random.Random(seed)
 
         def run_one(self, i, fault):
             req = faults.RequestRecord(24, False, ok=True, ended=True, seconds=0.1, tokens_equal=True)
