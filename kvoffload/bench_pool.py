@@ -114,15 +114,21 @@ def _measure(pool, name: str, repeats: int, memcpy: dict, read_elsewhere: Callab
     return out
 
 
+def _child(mode: str, args: dict, what: str) -> str:
+    """Runs ``python -m kvoffload.bench_pool MODE JSON`` (a reader or the memcache probe) and returns
+    its stdout; a non-zero exit raises with the end of its stderr."""
+    proc = subprocess.run([sys.executable, "-m", "kvoffload.bench_pool", mode, json.dumps(args)],
+                          capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {what} process failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return proc.stdout
+
+
 def _reader(kind: str, name: str, repeats: int, **conn) -> Callable[[list[bytes]], float]:
     """A second process that reads ``keys`` ``repeats`` times and answers the median seconds."""
     def read(keys: list[bytes]) -> float:
         args = {"kind": kind, "shape": name, "repeats": repeats, "keys": [k.hex() for k in keys], **conn}
-        proc = subprocess.run([sys.executable, "-m", "kvoffload.bench_pool", "read", json.dumps(args)],
-                              capture_output=True, text=True, timeout=300, env=os.environ.copy())
-        if proc.returncode != 0:
-            raise RuntimeError(f"the {kind} reader process failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-        return float(json.loads(proc.stdout.strip().splitlines()[-1])["seconds"])
+        return float(json.loads(_child("read", args, f"{kind} reader").strip().splitlines()[-1])["seconds"])
     return read
 
 
@@ -178,14 +184,11 @@ def _memcache(stack: ExitStack, shapes) -> dict:
     meta = MemcacheMetaService.start(MetaSettings())
     stack.callback(meta.stop)
     args = {"shape": shapes[0], "meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url}
-    proc = subprocess.run([sys.executable, "-m", "kvoffload.bench_pool", "memcache", json.dumps(args)],
-                          capture_output=True, text=True, timeout=300, env=os.environ.copy())
-    if proc.returncode != 0:
-        raise RuntimeError(f"the memcache probe process failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    out = _child("memcache", args, "memcache probe")
     # the library logs on stdout too, even as the process exits: the entry is the line the probe printed
-    entries = [line for line in proc.stdout.splitlines() if line.startswith('{"available": ')]
+    entries = [line for line in out.splitlines() if line.startswith('{"available": ')]
     if len(entries) != 1:
-        raise RuntimeError(f"the memcache probe printed {len(entries)} entries: {proc.stdout.strip()[-2000:]}")
+        raise RuntimeError(f"the memcache probe printed {len(entries)} entries: {out.strip()[-2000:]}")
     return json.loads(entries[0])
 
 

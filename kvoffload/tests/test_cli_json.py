@@ -64,8 +64,8 @@ def test_bench_pool_json_prints_one_json_document_and_its_logs_on_stderr():
     """The pool bench starts a metastore, a mooncake_master and Memcache's MetaService, and the
     memcache library logs from native code on file descriptor 1: all of it must reach stderr. Its
     document: every backend has its entry, the measured ones read back what they were given in this
-    process and in another one, and the figures are ratios to memcpy of the same run (this test
-    merges the one ``test_bench_pool.py`` held: the same bench run twice)."""
+    process and in another one, and the figures are ratios to memcpy of the same run (merged from
+    ``test_bench_pool.py``, which ran this bench a second time to check them)."""
     proc = _driven("""
         import functools, sys
         import kvoffload.bench_pool as bench
