@@ -43,10 +43,10 @@ test-deps: install-vllm
 	@scripts/install-mooncake .venv
 	@scripts/install-memcache .venv
 
-# one worker: on these 2 cores the tests that start servers are CPU-bound, and two at once starved
-# each other into timeouts (pytest -n 2 --dist loadgroup still works: see the root conftest.py);
-# the slowest 40 tests and the total are printed at the end
-PYTEST = .venv/bin/python -m pytest --durations=40
+# two workers, one per core (pytest-xdist): each test module is one group, every module that starts vLLM
+# servers joins one group `vllm`, heaviest groups queued first (the root conftest.py; --no-loadscope-reorder
+# keeps that order); each worker's torch runs one thread. The slowest 40 tests and the total are printed at the end
+PYTEST = .venv/bin/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=40
 
 # every test: unit, property, cross-process, P/D stacks, vLLM, containers
 # (a Docker engine and the images are started/built first: scripts/dockerd, scripts/images)

@@ -2,11 +2,12 @@
 
 Each test gets a timeout by its markers (``MARKER_TIMEOUT_S``): a hang fails with a traceback.
 
-Parallel runs (``pytest -n 2 --dist loadgroup``; ``make test`` and ``make check`` run one worker,
-since on 2 cores two server-heavy modules at once starve each other): each test module is one xdist
-group, so a module's servers (module-scoped fixtures) start once, on one worker; every module that
-starts vLLM servers joins one group, ``vllm`` (each such server takes half the cores). The heaviest
-groups are queued first (vLLM, then containers, then reference stacks).
+Parallel runs (``make test`` and ``make check``: ``pytest -n 2 --dist loadgroup --no-loadscope-reorder``):
+each test module is one xdist group, so a module's servers (module-scoped fixtures) start once, on
+one worker; every module that starts vLLM servers joins one group, ``vllm`` (each such server takes
+half the cores), so two vLLM start-ups never meet two more. The heaviest groups are queued first
+(vLLM, then containers, then reference stacks; ``--no-loadscope-reorder`` keeps that order), and
+each worker's torch runs one intra-op thread (two workers already fill the two cores).
 
 A skip is allowed only for hardware or a platform this machine does not have (an Ascend driver,
 CUDA, Linux's /proc). Any other skip — a missing package, a Docker engine that did not start, a
@@ -16,9 +17,11 @@ reason instead of passing by accident. ``HARDWARE_SKIPS`` lists the reasons a sk
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
+import structlog
 
 # A skip reason must match one of these to stay a skip; each names hardware or a platform.
 HARDWARE_SKIPS = (
@@ -64,6 +67,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group, weights[item.nodeid] = group_of(item)
         item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: -weights[item.nodeid])  # stable: a module's tests keep their order
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # two workers on two cores: torch's intra-op pool in each would ask for both, and OpenMP threads
+        # spinning against each other made the engine tests 4-6x slower; servers a test starts are
+        # other processes and keep their own settings
+        import torch
+
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _structlog_config_kept():
+    """Each test starts from the structlog configuration the run had: a test that configures logging
+    (a service's ``configure_logging`` at level warning, a bench) must not filter what a later test
+    captures with ``structlog.testing.capture_logs`` on the same worker."""
+    saved = structlog.get_config()
+    saved["processors"] = list(saved["processors"])
+    yield
+    structlog.configure(**saved)
 
 
 def skip_reason(report: pytest.TestReport) -> str:

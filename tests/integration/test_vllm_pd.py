@@ -30,11 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from vllm_support import chat, completion, failed_starts, post_json, smollm2_dir, tiny_llama_dir
+from vllm_support import chat, completion, failed_starts, post_json, refusals, smollm2_dir, tiny_llama_dir
 
 from kvoffload.prom import scrape
 from kvoffload.stack import free_stack_ports
-from kvoffload.vllm_server import Metastore, Proxy, VllmServer, running, signal_group
+from kvoffload.vllm_server import Metastore, Proxy, VllmServer, api_server_command, free_port, running, signal_group
 from kvoffload.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
 
 pytestmark = pytest.mark.vllm
@@ -170,17 +170,25 @@ BAD_D2H_CONFIGS = {  # id: (kv-transfer-config, the message that names the field
 }
 
 
+REAL_LAUNCH = "both-role"  # the case started as a real server (its exit status and log); the others in-process
+
+
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory) -> dict[str, tuple[str, str]]:
-    """Every bad config's launch, started side by side: (error, log) by case."""
+    """Every bad config's start-up: (error, log) by case. One is a real server launch; the others go as
+    far as vLLM's engine in one process that imports vLLM once (``refusals``)."""
     tmp = tmp_path_factory.mktemp("refused")
     model = tiny_llama_dir(tmp / "tiny")
-    servers = {name: VllmServer(model, max_model_len=1024, log_path=tmp / f"{name}.log", start_timeout_s=300,
-                                extra_args=["--kv-transfer-config",
-                                            json.dumps({**config, "kv_connector_module_path": "kvoffload_vllm"})])
-               for name, (config, _) in BAD_D2H_CONFIGS.items()}
-    errors = failed_starts(servers)
-    return {name: (errors[name], servers[name].log_text()) for name in servers}
+    args = {name: ["--kv-transfer-config", json.dumps({**config, "kv_connector_module_path": "kvoffload_vllm"})]
+            for name, (config, _) in BAD_D2H_CONFIGS.items()}
+    # the control: a good decode config, which must build its engine the same way (the way is not vacuous)
+    args["good"] = ["--kv-transfer-config", vllm_decode_transfer_config(free_port())]
+    out = refusals({name: api_server_command(model, port=free_port(), max_model_len=1024, extra_args=a)[3:]
+                    for name, a in args.items() if name != REAL_LAUNCH}, tmp / "in-process")
+    server = VllmServer(model, max_model_len=1024, log_path=tmp / f"{REAL_LAUNCH}.log", start_timeout_s=300,
+                        extra_args=args[REAL_LAUNCH])
+    error = failed_starts({REAL_LAUNCH: server})[REAL_LAUNCH]
+    return out | {REAL_LAUNCH: (error, server.log_text())}
 
 
 @pytest.mark.slow
@@ -188,7 +196,16 @@ def refused(tmp_path_factory) -> dict[str, tuple[str, str]]:
 def test_a_bad_d2h_config_stops_vllm_with_the_field_named(refused, case):
     error, log = refused[case]
     assert not error.startswith("STARTED"), error
-    assert BAD_D2H_CONFIGS[case][1] in log, log[-3000:]
+    message = BAD_D2H_CONFIGS[case][1]
+    assert message in error or message in log, error[-3000:] + log[-3000:]
+
+
+@pytest.mark.slow
+def test_the_in_process_start_up_builds_the_engine_of_a_good_config(refused):
+    error, log = refused["good"]
+    assert error == "STARTED: good built its engine", error[-3000:] + log[-3000:]
+    built = [line for line in log.splitlines() if "kvoffload_d2h_connector" in line]  # both roles' connectors
+    assert any("role=WORKER" in line for line in built) and any("role=SCHEDULER" in line for line in built), log
 
 
 @pytest.mark.slow

@@ -20,10 +20,10 @@ import json
 import re
 
 import pytest
-from vllm_support import completion, failed_starts, smollm2_dir, tiny_llama_dir
+from vllm_support import completion, failed_starts, refusals, smollm2_dir, tiny_llama_dir
 
 from kvoffload.prom import metric
-from kvoffload.vllm_server import Metastore, VllmServer, free_port, running
+from kvoffload.vllm_server import Metastore, VllmServer, api_server_command, free_port, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -104,20 +104,28 @@ def nobody() -> str:
 
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory, nobody) -> dict[str, tuple[str, str]]:
-    """Every launch of this module that must fail, started side by side: (error, log) by case."""
+    """Every start-up of this module that must fail: (error, log) by case. The bad configs go as far as
+    vLLM's engine in one process that imports vLLM once (``refusals``); the tensor-parallel server and
+    the unanswering metastore are real launches, side by side, so the exit path of a real server (status,
+    log) is covered here too."""
     tmp = tmp_path_factory.mktemp("refused")
     model = tiny_llama_dir(tmp / "tiny")
 
+    def args(kv_config: str, *extra: str) -> list[str]:
+        return ["--kv-transfer-config", kv_config, *extra]
+
     def server(name: str, kv_config: str, *extra: str, env: dict | None = None) -> VllmServer:
         return VllmServer(model, max_model_len=1024, log_path=tmp / f"{name}.log", start_timeout_s=300, env=env,
-                          extra_args=["--kv-transfer-config", kv_config, *extra])
+                          extra_args=args(kv_config, *extra))
 
-    servers = {name: server(name, store_config(metastore, **extra)) for name, (extra, metastore, _) in BAD_CONFIGS.items()}
-    servers["tp2"] = server("tp2", store_config("127.0.0.1:5000"), "--tensor-parallel-size", "2",
-                            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # one core per rank (else vLLM refuses first)
-    servers["nobody"] = server("nobody", store_config(nobody))
+    out = refusals({name: api_server_command(model, port=free_port(), max_model_len=1024,
+                                             extra_args=args(store_config(metastore, **extra)))[3:]
+                    for name, (extra, metastore, _) in BAD_CONFIGS.items()}, tmp / "in-process")
+    servers = {"tp2": server("tp2", store_config("127.0.0.1:5000"), "--tensor-parallel-size", "2",
+                             env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),  # one core per rank (else vLLM refuses first)
+               "nobody": server("nobody", store_config(nobody))}
     errors = failed_starts(servers)
-    return {name: (errors[name], servers[name].log_text()) for name in servers}
+    return out | {name: (errors[name], servers[name].log_text()) for name in servers}
 
 
 @pytest.mark.parametrize("case", BAD_CONFIGS)

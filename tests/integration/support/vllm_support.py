@@ -156,3 +156,26 @@ def failed_starts(servers: dict[str, Any], at_once: int = 2) -> dict[str, str]:
 
     with ThreadPoolExecutor(at_once) as pool:
         return dict(zip(servers, pool.map(outcome, servers.values()), strict=True))
+
+
+def refusals(cases: dict[str, list[str]], log_dir: Path, timeout_s: float = 600.0) -> dict[str, tuple[str, str]]:
+    """Each case's server arguments (``api_server_command(...)[3:]``) taken as far as vLLM's engine in
+    one process that imports vLLM once (``vllm_refusals.py``): ``(error, log)`` by case, where
+    ``error`` is the exception that stopped it with its causes, or ``STARTED: ...`` when its engine was
+    built after all (the test reading it then fails)."""
+    import subprocess
+    import sys
+
+    from kvoffload.vllm_server import api_server_env
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_refusals.py"))],
+                          input=json.dumps(cases), capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, **api_server_env(), "VLLM_REFUSALS_LOG_DIR": str(log_dir)})
+    found = {r["case"]: r for r in (json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
+                                    if line.startswith("RESULT "))}
+    if proc.returncode != 0 or found.keys() != cases.keys():
+        raise RuntimeError(f"vllm_refusals.py exited with {proc.returncode} and answered {sorted(found)} of "
+                           f"{sorted(cases)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return {name: (f"STARTED: {name} built its engine" if r["started"] else r["error"],
+                   Path(r["log"]).read_text(errors="replace")) for name, r in found.items()}
