@@ -156,27 +156,42 @@ def _timed_rounds(url: str, name: str, rounds: int, prompt_tokens: int, max_toke
     return out
 
 
-def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens: int, progress: bool) -> dict:
-    """The plain server, then the P/D stack, on the same prompts: the ``pd_*`` fields."""
-    from kvoffload.stack import free_stack_ports
-    from kvoffload.vllm_server import Metastore, Proxy, VllmServer, running
-    from kvoffload.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
+def _cores() -> tuple[dict[str, str], dict[str, str]]:
+    """The prefill's and the decode's environment: each on one half of the cores (the plain server the
+    P/D stack is compared with runs on the decode's half)."""
+    from kvoffload.vllm_stack import split_cores
 
     halves = split_cores()
-    prefill_env = {"VLLM_CPU_OMP_THREADS_BIND": halves[0]} if halves else {}
-    decode_env = {"VLLM_CPU_OMP_THREADS_BIND": halves[1]} if halves else {}
-    name, max_len = str(model_dir), prompt_tokens + max_tokens + 512
+    return ({"VLLM_CPU_OMP_THREADS_BIND": halves[0]} if halves else {},
+            {"VLLM_CPU_OMP_THREADS_BIND": halves[1]} if halves else {})
 
-    def say(line: str) -> None:
-        if progress:
-            print(f"bench vllm: {line}", file=sys.stderr)
 
-    with VllmServer(model_dir, max_model_len=max_len, env=decode_env, log_path=work / "plain.log",
-                    start_timeout_s=300) as plain:
-        say(f"plain server up on cores {halves[1] if halves else 'all'}")
-        _stream(plain.url, name, _pd_prompt(-1, prompt_tokens), max_tokens)  # warm-up
-        plain_rounds = _timed_rounds(plain.url, name, rounds, prompt_tokens, max_tokens, plain.url)
+def _plain_server(model_dir: Path, work: Path, prompt_tokens: int, max_tokens: int):
+    from kvoffload.vllm_server import VllmServer
+
+    return VllmServer(model_dir, max_model_len=prompt_tokens + max_tokens + 512, env=_cores()[1],
+                      log_path=work / "plain.log", start_timeout_s=300)
+
+
+def _plain(plain, rounds: int, prompt_tokens: int, max_tokens: int, say) -> list[dict]:
+    """The P/D part's baseline: the same prompts on the plain server (nothing else runs meanwhile)."""
+    name = str(plain.model)
+    say(f"plain server up on cores {_cores()[1].get('VLLM_CPU_OMP_THREADS_BIND', 'all')}")
+    _stream(plain.url, name, _pd_prompt(-1, prompt_tokens), max_tokens)  # warm-up
+    plain_rounds = _timed_rounds(plain.url, name, rounds, prompt_tokens, max_tokens, plain.url)
     say(f"plain: {[{k: v for k, v in p.items() if k != 'tokens'} for p in plain_rounds]}")
+    return plain_rounds
+
+
+def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens: int, say,
+        plain_rounds: list[dict]) -> dict:
+    """The P/D stack on the prompts the plain server answered (``plain_rounds``): the ``pd_*`` fields."""
+    from kvoffload.stack import free_stack_ports
+    from kvoffload.vllm_server import Metastore, Proxy, VllmServer, running
+    from kvoffload.vllm_stack import vllm_decode_transfer_config, vllm_prefill_transfer_config
+
+    prefill_env, decode_env = _cores()
+    name, max_len = str(model_dir), prompt_tokens + max_tokens + 512
 
     ports = free_stack_ports(1, 1)
     counters = [CONSUMER.format(c) for c in ("bytes_pulled", "requests_pulled", "requests_failed")]
@@ -218,17 +233,24 @@ def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens
 def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3, max_tokens: int = 8,
         pd_prompt_tokens: int = 2000, pd_max_tokens: int = 32, progress: bool = True) -> dict:
     from kvoffload.model_fetch import cached_model
-    from kvoffload.vllm_server import Metastore, VllmServer
+    from kvoffload.vllm_server import Metastore, VllmServer, running
 
     model_dir = Path(model) if model else cached_model("smollm2", log=lambda line: None)
     work = Path(tempfile.mkdtemp(prefix="kvoffload-bench-vllm-"))
+
+    def say(line: str) -> None:
+        if progress:
+            print(f"bench vllm: {line}", file=sys.stderr)
+
     per_round = []
     with Metastore(work / "metastore.log") as ms:
         kv = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_connector_module_path": "kvoffload_vllm",
               "kv_connector_extra_config": {"backend": "kvoffload", "metastore": ms.address, "host_pool_gb": 1}}
         args = ["--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
-        with VllmServer(model_dir, max_model_len=prefix_tokens + 512, extra_args=args, kv_cache_space_gib=2,
-                        log_path=work / "vllm.log", start_timeout_s=300) as server:
+        server = VllmServer(model_dir, max_model_len=prefix_tokens + 512, extra_args=args, kv_cache_space_gib=2,
+                            log_path=work / "vllm.log", start_timeout_s=300)
+        # the P/D part's plain server starts beside it (a start-up is mostly one core's work) and waits
+        with running(server, _plain_server(model_dir, work, pd_prompt_tokens, pd_max_tokens)) as (server, plain):
             name = str(model_dir)
             _stream(server.url, name, [100 + i for i in range(64)], 2)  # warm-up
             for r in range(rounds):
@@ -242,9 +264,10 @@ def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3,
                 per_round.append({"miss_ttft_s": miss_ttft, "hit_ttft_s": hit_ttft,
                                   "ttft_ratio": hit_ttft / miss_ttft, "tokens_equal": hit_tokens == miss_tokens,
                                   "miss_hit_tokens": hits_mid - hits_before, "hit_tokens": hits_after - hits_mid})
-                if progress:
-                    print(f"bench vllm: round {r + 1}/{rounds}: {per_round[-1]}", file=sys.stderr)
-    pd = _pd(model_dir, work, rounds, pd_prompt_tokens, pd_max_tokens, progress)
+                say(f"round {r + 1}/{rounds}: {per_round[-1]}")
+            server.stop()  # the plain server is measured alone
+            plain_rounds = _plain(plain, rounds, pd_prompt_tokens, pd_max_tokens, say)
+    pd = _pd(model_dir, work, rounds, pd_prompt_tokens, pd_max_tokens, say, plain_rounds)
     per_token = _kv_bytes_per_token(model_dir)
     prompt_len = prefix_tokens + 40
     hit_tokens = statistics.median(p["hit_tokens"] for p in per_round)

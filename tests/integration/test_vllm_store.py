@@ -43,45 +43,52 @@ def greedy(url: str, prompt: list[int], n: int = 12) -> tuple[list[str], list[fl
     return out["tokens"], out["token_logprobs"]
 
 
-def test_a_fresh_server_loads_the_prefix_another_saved_and_answers_as_without_the_pool(tmp_path):
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """A metastore; servers A and B with the store connector on it, and a plain server: the real
+    SmolLM2, started side by side. The prefix-reuse test runs first (B gets no request until A saved,
+    so B starts fresh); the metastore-gone test then kills this metastore, so it comes last."""
+    logs = tmp_path_factory.mktemp("store")
     model = smollm2_dir()
+    with Metastore(logs / "metastore.log") as ms:
+        kv = ["--kv-transfer-config", store_config(ms.address)]
+        with running(VllmServer(model, max_model_len=4096, extra_args=kv, log_path=logs / "a.log"),
+                     VllmServer(model, max_model_len=4096, extra_args=kv, log_path=logs / "b.log"),
+                     VllmServer(model, max_model_len=4096, log_path=logs / "plain.log")) as (a, b, plain):
+            yield {"metastore": ms, "a": a, "b": b, "plain": plain}
+
+
+def test_a_fresh_server_loads_the_prefix_another_saved_and_answers_as_without_the_pool(servers):
+    a, b, plain = servers["a"], servers["b"], servers["plain"]
     prefix = [(i * 7919) % 40000 + 1000 for i in range(16 * BLOCK + 40)]  # 16 full blocks + a partial one
     prompt = prefix + [(i * 31) % 5000 + 200 for i in range(57)]
-    with Metastore(tmp_path / "metastore.log") as ms:
-        kv = ["--kv-transfer-config", store_config(ms.address)]
-        # started side by side; B gets no request until A has saved, so B starts fresh
-        with running(VllmServer(model, max_model_len=4096, extra_args=kv, log_path=tmp_path / "a.log"),
-                     VllmServer(model, max_model_len=4096, extra_args=kv, log_path=tmp_path / "b.log"),
-                     VllmServer(model, max_model_len=4096, log_path=tmp_path / "plain.log")) as (a, b, plain):
-            assert "kvoffload_loaded" not in b.log_text()
-            completion(a.url, prefix, 1)
-            assert "kvoffload_saved" in a.log_text() and "blocks=16" in a.log_text(), a.log_text()[-3000:]
-            # layerwise: early layers were in the pool before the last layer's attention ended
-            during = [int(x) for x in re.findall(r"layers_saved_during_forward=(\d+)", a.log_text())]
-            assert during and max(during) >= 10, a.log_text()[-3000:]
-            # A keeps running: its pool (the host memory it contributes) lives as long as it does
-            tokens, logprobs = greedy(b.url, prompt)
-            hits = metric(b.url, "vllm:external_prefix_cache_hits_total")
-            log = b.log_text()
-            want_tokens, want_logprobs = greedy(plain.url, prompt)
+    assert "kvoffload_loaded" not in b.log_text()
+    completion(a.url, prefix, 1)
+    assert "kvoffload_saved" in a.log_text() and "blocks=16" in a.log_text(), a.log_text()[-3000:]
+    # layerwise: early layers were in the pool before the last layer's attention ended
+    during = [int(x) for x in re.findall(r"layers_saved_during_forward=(\d+)", a.log_text())]
+    assert during and max(during) >= 10, a.log_text()[-3000:]
+    # A keeps running: its pool (the host memory it contributes) lives as long as it does
+    tokens, logprobs = greedy(b.url, prompt)
+    hits = metric(b.url, "vllm:external_prefix_cache_hits_total")
+    log = b.log_text()
+    want_tokens, want_logprobs = greedy(plain.url, prompt)
     assert hits == 16 * BLOCK, log[-3000:]  # every block A saved; the partial 17th was never saved
     assert "kvoffload_loaded" in log and "blocks=16" in log
     assert tokens == want_tokens
     assert max(abs(x - y) for x, y in zip(logprobs, want_logprobs, strict=True)) < 1e-3
 
 
-def test_with_the_metastore_gone_requests_are_served_without_the_prefix_cache(tmp_path):
-    model = tiny_llama_dir(tmp_path / "tiny")
+def test_with_the_metastore_gone_requests_are_served_without_the_prefix_cache(servers):
+    v = servers["a"]
     prompt = list(range(1000, 1000 + 3 * BLOCK + 5))
-    with Metastore(tmp_path / "metastore.log") as ms:
-        kv = ["--kv-transfer-config", store_config(ms.address)]
-        with VllmServer(model, max_model_len=1024, extra_args=kv, log_path=tmp_path / "v.log") as v:
-            first = completion(v.url, prompt, 4)["choices"][0]["text"]
-            ms.kill()
-            again = completion(v.url, [t + 1 for t in prompt], 4, timeout_s=60)  # a lookup, new blocks to save
-            assert again["choices"][0]["finish_reason"] in ("length", "stop")
-            assert completion(v.url, prompt, 4)["choices"][0]["text"] == first
-            log = v.log_text()
+    first = completion(v.url, prompt, 4)["choices"][0]["text"]
+    before = len(v.log_text())
+    servers["metastore"].kill()
+    again = completion(v.url, [t + 1 for t in prompt], 4, timeout_s=60)  # a lookup, new blocks to save
+    assert again["choices"][0]["finish_reason"] in ("length", "stop")
+    assert completion(v.url, prompt, 4)["choices"][0]["text"] == first
+    log = v.log_text()[before:]  # what the server logged once the metastore was gone
     assert "kvoffload_lookup_failed" in log and "kvoffload_save_skipped" in log, log[-3000:]
 
 
