@@ -5,7 +5,7 @@ Each test gets a timeout by its markers (``MARKER_TIMEOUT_S``): a hang fails wit
 Parallel runs (``make test`` and ``make check``: ``pytest -n 2 --dist loadgroup --no-loadscope-reorder``):
 each test module is one xdist group, so a module's servers (module-scoped fixtures) start once, on
 one worker; every module that starts vLLM servers joins one group, ``vllm`` (each such server takes
-half the cores), so two vLLM start-ups never meet two more. The heaviest groups are queued first
+half the cores), so two modules' vLLM servers never run at once. The heaviest groups are queued first
 (vLLM, then containers, then reference stacks; ``--no-loadscope-reorder`` keeps that order), and
 each worker's torch runs one intra-op thread (two workers already fill the two cores).
 

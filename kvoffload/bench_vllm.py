@@ -173,9 +173,8 @@ def _plain_server(model_dir: Path, work: Path, prompt_tokens: int, max_tokens: i
                       log_path=work / "plain.log", start_timeout_s=300)
 
 
-def _plain(plain, rounds: int, prompt_tokens: int, max_tokens: int, say) -> list[dict]:
+def _plain(plain, name: str, rounds: int, prompt_tokens: int, max_tokens: int, say) -> list[dict]:
     """The P/D part's baseline: the same prompts on the plain server (nothing else runs meanwhile)."""
-    name = str(plain.model)
     say(f"plain server up on cores {_cores()[1].get('VLLM_CPU_OMP_THREADS_BIND', 'all')}")
     _stream(plain.url, name, _pd_prompt(-1, prompt_tokens), max_tokens)  # warm-up
     plain_rounds = _timed_rounds(plain.url, name, rounds, prompt_tokens, max_tokens, plain.url)
@@ -266,7 +265,7 @@ def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3,
                                   "miss_hit_tokens": hits_mid - hits_before, "hit_tokens": hits_after - hits_mid})
                 say(f"round {r + 1}/{rounds}: {per_round[-1]}")
             server.stop()  # the plain server is measured alone
-            plain_rounds = _plain(plain, rounds, pd_prompt_tokens, pd_max_tokens, say)
+            plain_rounds = _plain(plain, name, rounds, pd_prompt_tokens, pd_max_tokens, say)
     pd = _pd(model_dir, work, rounds, pd_prompt_tokens, pd_max_tokens, say, plain_rounds)
     per_token = _kv_bytes_per_token(model_dir)
     prompt_len = prefix_tokens + 40
