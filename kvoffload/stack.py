@@ -480,8 +480,10 @@ def stream_token_ids(url: str, body: dict, timeout_s: float = 300.0) -> list[int
     return ids
 
 
-def grpc_stats(target: str, timeout_s: float = 5.0, tls: TLSConfig | None = None) -> dict[str, float]:
-    """A service's ``kvoffload.v1.Stats`` counters (over TLS with ``tls``)."""
+def grpc_stats(target: str, timeout_s: float = 15.0, tls: TLSConfig | None = None) -> dict[str, float]:
+    """A service's ``kvoffload.v1.Stats`` counters (over TLS with ``tls``). The timeout allows for a
+    loaded machine: with the tests on two workers a prefill just started once took over 5 s to accept
+    the connection (its HTTP/2 SETTINGS frame)."""
     from svcruntime.tls import secure_or_insecure_channel
     from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
 
