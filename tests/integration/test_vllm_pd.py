@@ -34,7 +34,7 @@ from vllm_support import chat, completion, failed_starts, post_json, refusals, s
 
 from kvoffload.prom import scrape
 from kvoffload.stack import free_stack_ports
-from kvoffload.vllm_server import Metastore, Proxy, VllmServer, api_server_command, free_port, running, signal_group
+from kvoffload.vllm_server import Metastore, Proxy, VllmServer, free_port, running, signal_group
 from kvoffload.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
 
 pytestmark = pytest.mark.vllm
@@ -183,8 +183,7 @@ def refused(tmp_path_factory) -> dict[str, tuple[str, str]]:
             for name, (config, _) in BAD_D2H_CONFIGS.items()}
     # the control: a good decode config, which must build its engine the same way (the way is not vacuous)
     args["good"] = ["--kv-transfer-config", vllm_decode_transfer_config(free_port())]
-    out = refusals({name: api_server_command(model, port=free_port(), max_model_len=1024, extra_args=a)[3:]
-                    for name, a in args.items() if name != REAL_LAUNCH}, tmp / "in-process")
+    out = refusals(model, {name: a for name, a in args.items() if name != REAL_LAUNCH}, tmp / "in-process")
     server = VllmServer(model, max_model_len=1024, log_path=tmp / f"{REAL_LAUNCH}.log", start_timeout_s=300,
                         extra_args=args[REAL_LAUNCH])
     error = failed_starts({REAL_LAUNCH: server})[REAL_LAUNCH]

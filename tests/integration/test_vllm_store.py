@@ -23,7 +23,7 @@ import pytest
 from vllm_support import completion, failed_starts, refusals, smollm2_dir, tiny_llama_dir
 
 from kvoffload.prom import metric
-from kvoffload.vllm_server import Metastore, VllmServer, api_server_command, free_port, running
+from kvoffload.vllm_server import Metastore, VllmServer, free_port, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -125,9 +125,8 @@ def refused(tmp_path_factory, nobody) -> dict[str, tuple[str, str]]:
         return VllmServer(model, max_model_len=1024, log_path=tmp / f"{name}.log", start_timeout_s=300, env=env,
                           extra_args=args(kv_config, *extra))
 
-    out = refusals({name: api_server_command(model, port=free_port(), max_model_len=1024,
-                                             extra_args=args(store_config(metastore, **extra)))[3:]
-                    for name, (extra, metastore, _) in BAD_CONFIGS.items()}, tmp / "in-process")
+    out = refusals(model, {name: args(store_config(metastore, **extra))
+                           for name, (extra, metastore, _) in BAD_CONFIGS.items()}, tmp / "in-process")
     servers = {"tp2": server("tp2", store_config("127.0.0.1:5000"), "--tensor-parallel-size", "2",
                              env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),  # one core per rank (else vLLM refuses first)
                "nobody": server("nobody", store_config(nobody))}

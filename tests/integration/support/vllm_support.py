@@ -158,19 +158,23 @@ def failed_starts(servers: dict[str, Any], at_once: int = 2) -> dict[str, str]:
         return dict(zip(servers, pool.map(outcome, servers.values()), strict=True))
 
 
-def refusals(cases: dict[str, list[str]], log_dir: Path, timeout_s: float = 600.0) -> dict[str, tuple[str, str]]:
-    """Each case's server arguments (``api_server_command(...)[3:]``) taken as far as vLLM's engine in
-    one process that imports vLLM once (``vllm_refusals.py``): ``(error, log)`` by case, where
-    ``error`` is the exception that stopped it with its causes, or ``STARTED: ...`` when its engine was
-    built after all (the test reading it then fails)."""
+def refusals(model: Path, cases: dict[str, list[str]], log_dir: Path, max_model_len: int = 1024,
+             timeout_s: float = 600.0) -> dict[str, tuple[str, str]]:
+    """Each case's extra server arguments (``VllmServer``'s ``extra_args``), on ``model``, taken as far
+    as vLLM's engine in one process that imports vLLM once (``vllm_refusals.py``): ``(error, log)`` by
+    case, where ``error`` is the exception that stopped it with its causes, or ``STARTED: ...`` when its
+    engine was built after all (the test reading it then fails)."""
     import subprocess
     import sys
 
-    from kvoffload.vllm_server import api_server_env
+    from kvoffload.vllm_server import api_server_command, api_server_env, free_port
 
+    argv = {name: api_server_command(model, port=free_port(), max_model_len=max_model_len, extra_args=extra)
+            for name, extra in cases.items()}
+    argv = {name: a[a.index("--model"):] for name, a in argv.items()}  # the server's own arguments
     log_dir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_refusals.py"))],
-                          input=json.dumps(cases), capture_output=True, text=True, timeout=timeout_s,
+                          input=json.dumps(argv), capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, **api_server_env(), "VLLM_REFUSALS_LOG_DIR": str(log_dir)})
     found = {r["case"]: r for r in (json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
                                     if line.startswith("RESULT "))}
