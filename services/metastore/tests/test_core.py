@@ -10,6 +10,7 @@ from kvcore.segment import PoolGeometry
 from kvoffload_metastore import core as core_module
 from kvoffload_metastore.core import MetaStoreCore
 from kvoffload_metastore.errors import PoolFull
+from kvoffload_metastore.leasebook import MAX_LEASE_TTL_MS
 from poolclient.errors import NoPoolRegistered, PoolConflict, PoolNotRegistered, WorldSizeExceeded
 
 K = [bytes([i]) * 16 for i in range(1, 20)]
@@ -248,7 +249,7 @@ def test_lease_rules(clock):
     assert g.ttl_ms == 5 and g.locations[0].complete is False
     with pytest.raises(ObjectNotFound):
         core.lease([K[0], K[3]])
-    for bad in (-1, 1.5, True, core_module.MAX_LEASE_TTL_MS + 1):
+    for bad in (-1, 1.5, True, MAX_LEASE_TTL_MS + 1):
         with pytest.raises(ValueError, match="ttl_ms"):
             core.lease(K[:1], ttl_ms=bad)
     assert core.release_lease(g.lease_id) is True
@@ -265,7 +266,7 @@ def test_expired_lease_ids_do_not_accumulate(clock):
     for _ in range(500):
         core.lease(K[:1])
         clock.advance_ms(2)
-    assert len(core._lease_by_id) <= 65
+    assert len(core._leases) <= 65
 
 
 def test_shutdown_releases_everything(clock):

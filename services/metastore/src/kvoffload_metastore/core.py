@@ -1,8 +1,8 @@
 """``MetaStoreCore``: the index of the embedded host pool, shared by every LocalService. No gRPC.
 
 The core holds facts only: registered pools (segment, geometry, last heartbeat), key -> (pool,
-block, written planes), read leases (kvcore ``LeaseTable``) and one LRU policy per pool (kvcore
-``LRUEviction``). It never touches pool bytes: writers and readers copy them in shared memory at
+block, written planes) (both ``pool_state``), read leases (``leasebook.LeaseBook``, over kvcore's
+``LeaseTable``) and one LRU policy per pool (kvcore ``LRUEviction``). It never touches pool bytes: writers and readers copy them in shared memory at
 the block ids it hands out. Expiry (leases, then pools without heartbeats) is evaluated on the
 injected monotonic ``clock`` at the start of every call, so there are no timer threads.
 
@@ -39,21 +39,19 @@ Operators
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import structlog
-from kvcore.eviction import LRUEviction
-from kvcore.hostpool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, check_keys
-from kvcore.leases import LeaseRecord, LeaseTable, check_ttl_ms
+from kvcore.hostpool import ObjectExists, ObjectLeased, ObjectNotFound, check_keys
 from kvcore.segment import PoolGeometry, SharedSegment
 
 from poolclient.errors import NoPoolRegistered, PoolConflict, PoolNotRegistered, WorldSizeExceeded
 
 from kvoffload_metastore.errors import PoolFull
+from kvoffload_metastore.leasebook import LeaseBook, lease_ttl_ms
+from kvoffload_metastore.pool_state import PoolState, StoredObject
 from kvoffload_metastore.records import Allocation, LeaseGrant, Location, MetaStats, PoolOccupancy, PoolRecord
 
 __all__ = ["MetaStoreCore", "check_keys", "Allocation", "LeaseGrant", "Location", "MetaStats", "PoolOccupancy",
@@ -61,45 +59,9 @@ __all__ = ["MetaStoreCore", "check_keys", "Allocation", "LeaseGrant", "Location"
 
 log = structlog.get_logger("kvoffload_metastore.core")
 
-MAX_LEASE_TTL_MS = 86_400_000
 MAX_POOL_ID_CHARS = 200
 MAX_POOL_BYTES = 2**48  # one pool's segment (block_bytes * num_blocks); world_size of them fit in uint64
 MAX_REMEMBERED_EXPIRIES = 1024  # expired pool ids kept for error messages
-
-
-# ---- mutable state (under the lock) --------------------------------------------------------------
-
-
-@dataclass
-class _Object:
-    pool: "_Pool"
-    block_id: int
-    written: set[int] = field(default_factory=set)
-
-    @property
-    def complete(self) -> bool:
-        return len(self.written) == self.pool.record.geometry.num_planes
-
-
-@dataclass
-class _Pool:
-    record: PoolRecord
-    last_beat: float
-    keys: set[bytes] = field(default_factory=set)
-    recycled: list[int] = field(default_factory=list)  # freed block ids, reused first
-    next_unused: int = 0                               # blocks [next_unused, num_blocks) never used
-    policy: LRUEviction = field(default_factory=LRUEviction)
-    evictions: int = 0
-
-    @property
-    def free_blocks(self) -> int:
-        return len(self.recycled) + self.record.geometry.num_blocks - self.next_unused
-
-    def take_block(self) -> int:
-        if self.recycled:
-            return self.recycled.pop()
-        self.next_unused += 1
-        return self.next_unused - 1
 
 
 class MetaStoreCore:
@@ -117,13 +79,10 @@ class MetaStoreCore:
         self.dram_bytes_per_local_service = dram_bytes_per_local_service
         self._clock = clock
         self._lock = threading.Lock()
-        self._pools: dict[str, _Pool] = {}
-        self._objects: dict[bytes, _Object] = {}
-        self._leases = LeaseTable()
-        self._lease_by_id: dict[int, LeaseRecord] = {}
-        self._lease_ids = itertools.count(1)
+        self._pools: dict[str, PoolState] = {}
+        self._objects: dict[bytes, StoredObject] = {}
+        self._leases = LeaseBook()
         self._expired_at: dict[str, float] = {}  # pool id -> when it expired (for messages)
-        self._leases_dropped = 0
         self._pools_expired = 0
         self._evictions = 0
 
@@ -131,7 +90,7 @@ class MetaStoreCore:
 
     def _begin(self) -> float:
         now = self._clock()
-        self._leases.expire(now)
+        self._leases.table.expire(now)
         deadline = self.heartbeat_timeout_ms / 1000
         for pool in [p for p in self._pools.values() if now - p.last_beat >= deadline]:
             objects, leases = self._drop_pool(pool)
@@ -143,7 +102,7 @@ class MetaStoreCore:
                         dropped_objects=objects, dropped_leases=leases)
         return now
 
-    def _pool(self, pool_id: str) -> _Pool:
+    def _pool(self, pool_id: str) -> PoolState:
         pool = self._pools.get(pool_id)
         if pool is None:
             when = self._expired_at.get(pool_id)
@@ -152,27 +111,15 @@ class MetaStoreCore:
             raise PoolNotRegistered(f"pool {pool_id!r} is not registered: {why}")
         return pool
 
-    def _live_leases(self) -> list[tuple[int, LeaseRecord]]:
-        live = [(i, lease) for i, lease in self._lease_by_id.items() if lease.live]
-        if len(live) != len(self._lease_by_id):
-            self._lease_by_id = dict(live)
-        return live
-
-    def _drop_pool(self, pool: _Pool) -> tuple[int, int]:
+    def _drop_pool(self, pool: PoolState) -> tuple[int, int]:
         """Drop a pool with its objects and every lease on them; returns (objects, leases)."""
-        dropped = 0
-        for lease_id, lease in self._live_leases():
-            if any(k in pool.keys for k in lease.keys):
-                self._leases.release(lease)
-                del self._lease_by_id[lease_id]
-                dropped += 1
+        dropped = self._leases.drop_touching(pool.keys)
         for k in pool.keys:
             del self._objects[k]
         del self._pools[pool.record.pool_id]
-        self._leases_dropped += dropped
         return len(pool.keys), dropped
 
-    def _resolve(self, keys: list[bytes]) -> list[_Object]:
+    def _resolve(self, keys: list[bytes]) -> list[StoredObject]:
         objs = []
         for k in keys:
             obj = self._objects.get(k)
@@ -181,7 +128,7 @@ class MetaStoreCore:
             objs.append(obj)
         return objs
 
-    def _location(self, key: bytes, obj: _Object) -> Location:
+    def _location(self, key: bytes, obj: StoredObject) -> Location:
         return Location(key, obj.pool.record.pool_id, obj.block_id, obj.pool.record.block_bytes,
                         tuple(sorted(obj.written)), obj.complete)
 
@@ -189,7 +136,7 @@ class MetaStoreCore:
         obj = self._objects.get(key)
         return obj is not None and obj.complete and key not in self._leases
 
-    def _candidates(self, pool_hint: str | None, require_hint: bool) -> list[_Pool]:
+    def _candidates(self, pool_hint: str | None, require_hint: bool) -> list[PoolState]:
         if not self._pools:
             raise NoPoolRegistered("no pool is registered: start a LocalService (prefill or decode) first")
         by_room = sorted(self._pools.values(), key=lambda p: (-p.free_blocks, p.record.pool_id))
@@ -200,7 +147,7 @@ class MetaStoreCore:
         hinted = self._pool(pool_hint)
         return [hinted] if require_hint else [hinted] + [p for p in by_room if p is not hinted]
 
-    def _plan_alloc(self, keys: list[bytes], pool_hint: str | None, require_hint: bool) -> tuple[_Pool, list[bytes]]:
+    def _plan_alloc(self, keys: list[bytes], pool_hint: str | None, require_hint: bool) -> tuple[PoolState, list[bytes]]:
         """(pool, victims) for ``keys``, or raise; no side effects."""
         for k in keys:
             obj = self._objects.get(k)
@@ -250,7 +197,7 @@ class MetaStoreCore:
                     f"cannot register pool {pool_id!r}: world_size={self.world_size} pools are registered "
                     f"({', '.join(sorted(self._pools)[:8])}{', ...' if len(self._pools) > 8 else ''}); raise "
                     f"ock.mmc.local_service.world_size or stop a LocalService")
-            self._pools[pool_id] = _Pool(record, last_beat=now)
+            self._pools[pool_id] = PoolState(record, last_beat=now)
             self._expired_at.pop(pool_id, None)
             log.info("pool registered", pool_id=pool_id, segment=segment_name, host=host,
                      num_blocks=geometry.num_blocks, block_bytes=geometry.block_bytes)
@@ -310,7 +257,7 @@ class MetaStoreCore:
             self._evictions += len(victims)
             ids = []
             for k in keys:
-                obj = _Object(pool, pool.take_block())
+                obj = StoredObject(pool, pool.take_block())
                 self._objects[k] = obj
                 pool.keys.add(k)
                 ids.append(obj.block_id)
@@ -358,7 +305,7 @@ class MetaStoreCore:
             present = [k for k in dict.fromkeys(keys) if k in self._objects]
             for k in present:
                 if k in self._leases:
-                    raise ObjectLeased(f"cannot remove {k!r}: {self._leases.count(k)} live lease(s)", key=k)
+                    raise ObjectLeased(f"cannot remove {k!r}: {self._leases.table.count(k)} live lease(s)", key=k)
             for k in present:
                 obj = self._objects.pop(k)
                 obj.pool.keys.discard(k)
@@ -368,48 +315,30 @@ class MetaStoreCore:
 
     # ---- leases --------------------------------------------------------------------------------
 
-    def _ttl(self, ttl_ms: int | None) -> int:
-        ttl_ms = self.lease_ttl_ms if ttl_ms in (None, 0) else check_ttl_ms(ttl_ms)
-        if ttl_ms > MAX_LEASE_TTL_MS:
-            raise ValueError(f"ttl_ms must be <= {MAX_LEASE_TTL_MS} (a day), got {ttl_ms}")
-        return ttl_ms
-
     def lease(self, keys: Sequence[bytes], ttl_ms: int | None = None, holder: str = "") -> LeaseGrant:
         keys = check_keys(keys, unique=True)
-        ttl_ms = self._ttl(ttl_ms)
+        ttl_ms = lease_ttl_ms(ttl_ms, self.lease_ttl_ms)
         with self._lock:
             now = self._begin()
             objs = self._resolve(keys)
-            lease = self._leases.grant(tuple(keys), now + ttl_ms / 1000)
-            lease_id = next(self._lease_ids)
-            if len(self._lease_by_id) > 2 * self._leases.num_live + 64:
-                self._live_leases()  # drop ids of expired leases (amortized O(1) per grant)
-            self._lease_by_id[lease_id] = lease
+            lease_id, lease = self._leases.grant(tuple(keys), now + ttl_ms / 1000)
             for k, obj in zip(keys, objs):
                 obj.pool.policy.on_access(k)
             log.debug("lease granted", lease_id=lease_id, keys=len(keys), ttl_ms=ttl_ms, holder=holder)
             return LeaseGrant(lease_id, ttl_ms, lease.deadline, [self._location(k, o) for k, o in zip(keys, objs)])
 
-    def _live_lease(self, lease_id: int) -> LeaseRecord:
-        lease = self._lease_by_id.get(lease_id)
-        if lease is None or not lease.live:
-            raise LeaseExpired(f"lease {lease_id} is not live (expired, released, dropped with its pool, or "
-                               f"unknown); its objects may be gone: look them up again")
-        return lease
-
     def renew_lease(self, lease_id: int, ttl_ms: int | None = None) -> tuple[int, float]:
         """New (ttl_ms, deadline) of a live lease; ``LeaseExpired`` otherwise."""
-        ttl_ms = self._ttl(ttl_ms)
+        ttl_ms = lease_ttl_ms(ttl_ms, self.lease_ttl_ms)
         with self._lock:
             now = self._begin()
-            return ttl_ms, self._leases.renew(self._live_lease(lease_id), now + ttl_ms / 1000)
+            return ttl_ms, self._leases.renew(lease_id, now + ttl_ms / 1000)
 
     def release_lease(self, lease_id: int) -> bool:
         """Release a lease; False if it was not live. Idempotent."""
         with self._lock:
             self._begin()
-            lease = self._lease_by_id.pop(lease_id, None)
-            return lease is not None and self._leases.release(lease)
+            return self._leases.release(lease_id)
 
     # ---- operators -----------------------------------------------------------------------------
 
@@ -423,17 +352,14 @@ class MetaStoreCore:
                 for p in self._pools.values()
             ]
             return MetaStats(pools, self.world_size, self.lease_ttl_ms, self.heartbeat_timeout_ms,
-                             self.dram_bytes_per_local_service, self._leases.num_live, self._leases.num_expired,
-                             self._leases_dropped, self._evictions, self._pools_expired)
+                             self.dram_bytes_per_local_service, self._leases.table.num_live,
+                             self._leases.table.num_expired, self._leases.dropped, self._evictions,
+                             self._pools_expired)
 
     def shutdown(self) -> tuple[int, int]:
         """Release every lease and drop every pool (after the server stopped); returns (pools, leases)."""
         with self._lock:
-            leases = 0
-            for _, lease in self._live_leases():
-                self._leases.release(lease)
-                leases += 1
-            self._lease_by_id.clear()
+            leases = self._leases.release_all()
             pools = len(self._pools)
             self._pools.clear()
             self._objects.clear()
