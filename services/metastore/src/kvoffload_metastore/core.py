@@ -2,8 +2,8 @@
 
 The core holds facts only: registered pools (segment, geometry, last heartbeat), key -> (pool,
 block, written planes) (both ``pool_state``), read leases (``leasebook.LeaseBook``, over kvcore's
-``LeaseTable``) and one LRU policy per pool (kvcore ``LRUEviction``). It never touches pool bytes: writers and readers copy them in shared memory at
-the block ids it hands out. Expiry (leases, then pools without heartbeats) is evaluated on the
+``LeaseTable``) and one LRU policy per pool (kvcore ``LRUEviction``). It never touches pool bytes:
+writers and readers copy them in shared memory at the block ids it hands out. Expiry (leases, then pools without heartbeats) is evaluated on the
 injected monotonic ``clock`` at the start of every call, so there are no timer threads.
 
 Hook map, grouped by caller. Every hook is thread-safe (one lock, held for microseconds; nothing
