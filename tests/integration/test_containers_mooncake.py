@@ -11,40 +11,34 @@ compose.mooncake.yaml) in place of the metastore, and the prefill's host pool on
 - every container stops in time (2 s; the prefill 2 s plus Mooncake's ~2 s client close).
 
 Needs a Docker engine and the images (``scripts/images``; built here when one is missing), like
-test_containers.py, whose stack and helpers it reuses. Skipped, saying why, only when no engine
+test_containers.py, whose stack and helpers (tests/integration/support: ``container_stack``,
+``container_requests``) it reuses. Skipped, saying why, only when no engine
 answers. Select with ``-m containers``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import yaml
+from container_requests import LONG_TEXT, byte_tokenizer, complete
+from container_stack import (BS, COMMANDS as REFERENCE_COMMANDS, PORTS, ROOT, ContainerStack, ensure_images, held,
+                             require_docker_engine, running, served_reference, stop_times, wait_idle)
 
-from kvoffload.stack import prefill_kv_transfer_config
+from kvoffload.connector_configs import prefill_kv_transfer_config
 from poolclient.mooncake_master import port_answers
 
-
-def _sibling(name: str):
-    """A test module of this folder, imported by path (the tests run with --import-mode=importlib)."""
-    spec = importlib.util.spec_from_file_location(f"kvoffload_it_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = sys.modules.get(spec.name)
-    if module is None:
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-tc = _sibling("test_containers")
 pytestmark = [pytest.mark.containers, pytest.mark.slow]
-docker_engine = tc.docker_engine  # every test fails, with the reason, when no engine answers
+
+
+@pytest.fixture(autouse=True, scope="module")
+def docker_engine() -> None:
+    """Fails every test of this module, with the reason, when no Docker engine answers."""
+    require_docker_engine()
+
 
 MASTER = "mooncake-master"
 SERVICES = (MASTER, "prefill", "decode", "proxy")
@@ -55,21 +49,22 @@ MASTER_PORTS = {MASTER: 9003, f"{MASTER}-rpc": 50051}  # admin/metrics (/health)
 def _commands() -> dict[str, list[str]]:
     """test_containers.py's commands, with compose.mooncake.yaml's master and the prefill without
     --metastore, its store connector on Mooncake Store."""
-    compose = yaml.safe_load((tc.ROOT / "compose.mooncake.yaml").read_text())
-    prefill = list(tc.COMMANDS["prefill"])
+    compose = yaml.safe_load((ROOT / "compose.mooncake.yaml").read_text())
+    prefill = list(REFERENCE_COMMANDS["prefill"])
     i = prefill.index("--metastore")
     del prefill[i:i + 2]
     prefill[prefill.index("--kv-transfer-config") + 1] = prefill_kv_transfer_config(
-        tc.PORTS["decode-control"], mooncake_master=MASTER_ADDRESS)
-    return {**tc.COMMANDS, "prefill": prefill, MASTER: compose["services"][MASTER]["command"]}
+        PORTS["decode-control"], mooncake_master=MASTER_ADDRESS)
+    return {**REFERENCE_COMMANDS, "prefill": prefill, MASTER: compose["services"][MASTER]["command"]}
 
 
 COMMANDS = _commands()
-LONG_TEXT = tc.LONG_TEXT
 
 
-class MooncakeStack(tc.ContainerStack):
+class MooncakeStack(ContainerStack):
     """mooncake-master, decode, prefill and proxy in containers on one internal network."""
+
+    commands = COMMANDS
 
     def start(self) -> None:
         self.network.create()
@@ -81,15 +76,6 @@ class MooncakeStack(tc.ContainerStack):
             self.wait_ready(name)
         self._run("proxy")
         self.wait_ready("proxy")
-
-    def _run(self, name: str) -> None:  # ContainerStack._run with this stack's commands
-        c = (tc.DockerContainer(f"kvoffload/{name}:{self.tag}")
-             .with_command(COMMANDS[name])
-             .with_network(self.network).with_network_aliases(name)
-             .with_kwargs(init=True, hostname=name, shm_size=tc.SHM.get(name), labels={"kvoffload-test": "1"}))
-        if name in ("prefill", "decode"):
-            c.with_volume_mapping(self.volume, "/models", "rw")
-        self.containers[name] = c.start()
 
     def target(self, port_name: str) -> str:  # the master's health (HTTP /health) and RPC ports too
         if port_name in MASTER_PORTS:
@@ -114,15 +100,18 @@ class MooncakeStack(tc.ContainerStack):
 def images():
     """The images of this stack (an older build has no mooncake-master, nor Mooncake Store in its
     prefill: scripts/images builds them)."""
-    return tc.ensure_images(SERVICES)
+    return ensure_images(SERVICES)
 
 
 @pytest.fixture(scope="module")
 def stack(images, tmp_path_factory):
-    yield from tc.running(MooncakeStack(images, tmp_path_factory.mktemp("mooncake-container-logs")))
+    yield from running(MooncakeStack(images, tmp_path_factory.mktemp("mooncake-container-logs")))
 
 
-reference = tc.reference  # the single-process engine, with the decode container's model files
+@pytest.fixture(scope="module")
+def reference(stack, tmp_path_factory):
+    """The single-process engine, with the decode container's model files."""
+    return served_reference(stack, tmp_path_factory)
 
 
 def _finished(stack: MooncakeStack, request_id: str) -> dict:
@@ -146,35 +135,35 @@ def test_the_prefill_pool_is_on_the_master_container(stack):
         while (status := stack.wrapped(name).attrs["State"].get("Health", {}).get("Status")) != "healthy":
             assert status in ("starting", None) and time.monotonic() < deadline, (name, status)
             time.sleep(1)
-    assert tc.held(stack.stats("prefill", "decode")) == {k: 0.0 for k in tc.held(stack.stats("prefill", "decode"))}
+    assert held(stack.stats("prefill", "decode")) == {k: 0.0 for k in held(stack.stats("prefill", "decode"))}
 
 
 def test_i3_through_the_proxy(stack, reference):
-    tok = tc._tok()
-    prompts = [[65], list(range(66, 66 + tc.BS - 1)), tok.encode(LONG_TEXT[:4200], add_bos=True)]
+    tok = byte_tokenizer()
+    prompts = [[65], list(range(66, 66 + BS - 1)), tok.encode(LONG_TEXT[:4200], add_bos=True)]
     for prompt in prompts:
-        assert tc.complete(stack.url, prompt, 12, request_id=f"mooncake-i3-{uuid.uuid4().hex}") == reference(prompt, 12), len(prompt)
-    assert tc.complete(stack.url, prompts[2], 12, stream=True) == reference(prompts[2], 12)
+        assert complete(stack.url, prompt, 12, request_id=f"mooncake-i3-{uuid.uuid4().hex}") == reference(prompt, 12), len(prompt)
+    assert complete(stack.url, prompts[2], 12, stream=True) == reference(prompts[2], 12)
     decode = dict(stack.stats("decode")["decode"].counters)
     assert decode["reads_streamed"] > 0 and decode["reads_shared_memory"] == 0  # separate hosts
-    assert not tc.wait_idle(stack, "prefill", "decode")
+    assert not wait_idle(stack, "prefill", "decode")
 
 
 def test_a_shared_long_prefix_hits_the_prefix_cache(stack, reference):
     """Two prompts sharing a 1500-token prefix, one after the other: the second reports the whole
     shared prefix (whole blocks) as cached, read from the pool on Mooncake Store; tokens equal the
     reference."""
-    tok = tc._tok()
+    tok = byte_tokenizer()
     prefix = "".join(chr(40 + (i * 31) % 80) for i in range(1500))
     cached = []
     for n in range(2):
         ids = tok.encode(prefix + f" question {n}: why?", add_bos=True)
         rid = f"mooncake-prefix-{uuid.uuid4().hex}"
-        assert tc.complete(stack.url, ids, 6, request_id=rid) == reference(ids, 6)
+        assert complete(stack.url, ids, 6, request_id=rid) == reference(ids, 6)
         cached.append(_finished(stack, rid)["cached_tokens"])
     assert cached[0] == 0, cached
-    assert cached[1] >= (1 + 1500) // tc.BS * tc.BS, cached  # BOS + prefix, whole blocks
-    assert not tc.wait_idle(stack, "prefill", "decode")
+    assert cached[1] >= (1 + 1500) // BS * BS, cached  # BOS + prefix, whole blocks
+    assert not wait_idle(stack, "prefill", "decode")
 
 
 # A Mooncake store client's close() takes about 2 s (measured on this machine, in Mooncake's own
@@ -188,5 +177,5 @@ def test_every_container_stops_in_time(stack):
     """Last (it stops the stack): SIGTERM through the init process ends each idle container
     cleanly (exit 0), in compose's order, within 2 s (the prefill: 2 s plus Mooncake's client close),
     well inside compose's 10 s grace."""
-    took = tc.stop_times(stack, tuple(STOP_BOUND_S))
+    took = stop_times(stack, tuple(STOP_BOUND_S))
     assert all(took[name] < bound for name, bound in STOP_BOUND_S.items()), took
