@@ -2,8 +2,9 @@
 
 Each test takes ``make_pool(num_blocks)`` -> an empty pool of ``geometry(num_blocks)`` (two planes:
 16 and 8 bytes per token row, 4 tokens per block) whose eviction policy is LRU, and must pass for
-every entry of ``BACKENDS``. A new backend plugs in by adding a factory there; its own quirks
-(segments, metastore membership, ...) are tested beside it, not here.
+every entry of ``BACKENDS`` (``pool_contract_backends``; the data the tests write is
+``pool_contract_data``, both in tests/integration/support). A new backend plugs in by adding a factory
+there; its own quirks (segments, metastore membership, ...) are tested beside it, not here.
 
 Rules this suite fixes for every backend (the hook map in ``kvcore.hostpool`` states them):
 batches are all-or-nothing; ``exists`` is true only for complete objects; written planes are
@@ -17,17 +18,13 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
-from collections.abc import Callable
 
 import pytest
 import torch
-from kvcore.eviction import LRUEviction
 from kvcore.hostpool import (
     HostPoolBackend,
     IncompleteObject,
     LeaseExpired,
-    LocalHostPool,
     ObjectExists,
     ObjectLeased,
     ObjectNotFound,
@@ -36,59 +33,14 @@ from kvcore.hostpool import (
     PoolFullError,
 )
 from kvcore.leases import Lease
-from kvcore.segment import PoolGeometry
-from kvoffload_metastore.config import MetaStoreConfig
-from kvoffload_metastore.server import start
-from poolclient.mooncake import MooncakeHostPool
-from poolclient.mooncake_master import MooncakeMaster
-from poolclient.mooncake_store import MooncakeStore
-from poolclient.remotepool import RemoteHostPool
-
-BS = 4
-ROWS = (16, 8)  # plane 0: 16 bytes per token row, plane 1: 8
-
-
-def geometry(num_blocks: int) -> PoolGeometry:
-    return PoolGeometry(BS, ROWS, num_blocks)
-
-
-def _name() -> str:
-    return f"contract-{uuid.uuid4().hex[:12]}"
-
-
-def _local(num_blocks: int, _ctx: dict) -> HostPoolBackend:
-    return LocalHostPool.create(_name(), geometry(num_blocks), eviction=LRUEviction())
-
-
-def _remote(num_blocks: int, ctx: dict) -> HostPoolBackend:
-    if "metastore" not in ctx:
-        ctx["metastore"] = start(MetaStoreConfig(port=0, world_size=64, lease_ttl_ms=30_000,
-                                                 heartbeat_timeout_ms=10_000))
-    ctx["n"] = ctx.get("n", 0) + 1
-    return RemoteHostPool.create(ctx["metastore"].target, f"pool-{ctx['n']}", _name(), geometry(num_blocks))
-
-
-_MOONCAKE: dict = {}  # one real mooncake_master and store client for the module (a client close takes ~2 s)
-
-
-def _mooncake(num_blocks: int, _ctx: dict) -> HostPoolBackend:
-    if "store" not in _MOONCAKE:
-        _MOONCAKE["master"] = MooncakeMaster.start()
-        _MOONCAKE["store"] = MooncakeStore.connect(_MOONCAKE["master"].address, global_segment_bytes=64 << 20)
-    return MooncakeHostPool(_MOONCAKE["store"], geometry(num_blocks), namespace=_name(), eviction=LRUEviction())
-
-
-BACKENDS: dict[str, Callable[[int, dict], HostPoolBackend]] = {"local": _local, "remote": _remote,
-                                                                "mooncake": _mooncake}
+from pool_contract_backends import BACKENDS, stop_mooncake
+from pool_contract_data import BS, ROWS, block, fill, geometry, keys, read
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _stop_mooncake():
     yield
-    if "store" in _MOONCAKE:
-        _MOONCAKE.pop("store").close()
-    if "master" in _MOONCAKE:
-        _MOONCAKE.pop("master").stop()
+    stop_mooncake()
 
 
 @pytest.fixture(params=sorted(BACKENDS))
@@ -106,28 +58,6 @@ def make_pool(request):
         pool.close()
     if "metastore" in ctx:
         ctx["metastore"].shutdown(grace_s=0)
-
-
-def block(seed: int, plane: int, n: int = 1) -> torch.Tensor:
-    """[n, BS, ROWS[plane]] random bytes."""
-    g = torch.Generator().manual_seed(seed * 10 + plane)
-    return torch.randint(0, 256, (n, BS, ROWS[plane]), dtype=torch.uint8, generator=g)
-
-
-def fill(pool: HostPoolBackend, keys: list[bytes], seed: int = 0) -> None:
-    pool.alloc(keys)
-    for p in range(len(ROWS)):
-        pool.put_from(keys, p, block(seed, p, len(keys)))
-
-
-def read(pool: HostPoolBackend, keys: list[bytes], plane: int) -> torch.Tensor:
-    out = torch.empty(len(keys), BS, ROWS[plane], dtype=torch.uint8)
-    pool.get_into(keys, plane, out)
-    return out
-
-
-def keys(*names: str) -> list[bytes]:
-    return [n.encode() for n in names]
 
 
 # ---- objects ---------------------------------------------------------------------------------------
