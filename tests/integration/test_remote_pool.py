@@ -13,7 +13,8 @@ from fakeclock import clock  # noqa: F401 - the clock fixture
 import torch
 from engine_support import prefill_engine, saved_bytes, seeded_prompt, tiny
 from kvcore.hostpool import HostPoolBackend, IncompleteObject, ObjectLeased, ObjectNotFound, PlaneWritten, PoolError
-from kvcore.segment import PoolGeometry, SharedSegment
+from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment
 from poolclient.errors import MetaStoreUnavailable, PoolNotRegistered, WorldSizeExceeded
 from poolclient.remotepool import RemoteHostPool
 from kvoffload_metastore.config import MetaStoreConfig

@@ -13,8 +13,8 @@ import torch
 from kvcore.blockkeys import request_block_key
 from kvcore.eviction import NoEviction
 from kvcore.gather import gather_rows, scatter_rows
-from kvcore.hostpool import LocalHostPool
-from kvcore.segment import PoolGeometry
+from kvcore.localpool import LocalHostPool
+from kvcore.poolgeometry import PoolGeometry
 
 BS, ROW = 16, 1152  # bytes per token row: a DeepSeek-V3.2 bf16 latent row
 

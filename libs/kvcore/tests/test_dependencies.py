@@ -70,8 +70,8 @@ mods = [m.name for m in pkgutil.walk_packages(kvcore.__path__, "kvcore.")]
 for name in mods:
     importlib.import_module(name)
 from kvcore.eviction import LRUEviction
-from kvcore.hostpool import LocalHostPool
-from kvcore.segment import PoolGeometry
+from kvcore.localpool import LocalHostPool
+from kvcore.poolgeometry import PoolGeometry
 import uuid
 with LocalHostPool.create(f"deps-{uuid.uuid4().hex[:8]}", PoolGeometry(4, (8,), 2), eviction=LRUEviction()) as pool:
     pool.alloc([b"k"])

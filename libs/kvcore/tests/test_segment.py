@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvcore.layout import KVLayout
-from kvcore.segment import PoolGeometry, SharedSegment
+from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 BS = 4
@@ -149,7 +150,7 @@ def test_owner_process_exit_removes_its_segments(tmp_path):
     import uuid
 
     name = f"exit-{uuid.uuid4().hex[:8]}"
-    code = ("from kvcore.segment import SharedSegment, PoolGeometry\n"
+    code = ("from kvcore.segment import SharedSegment\nfrom kvcore.poolgeometry import PoolGeometry\n"
             f"SharedSegment.create({name!r}, PoolGeometry(4, (8,), 4))\n")  # never closed
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -162,7 +163,8 @@ def test_sweep_removes_the_segments_of_killed_processes_only():
     from kvcore.segment import sweep_stale_segments
 
     dead, live = _name(), _name()
-    code = ("import os, signal\nfrom kvcore.segment import SharedSegment, PoolGeometry\n"
+    code = ("import os, signal\nfrom kvcore.segment import SharedSegment\n"
+            "from kvcore.poolgeometry import PoolGeometry\n"
             f"SharedSegment.create({dead!r}, PoolGeometry(4, (8,), 4))\nos.kill(os.getpid(), signal.SIGKILL)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": SRC})
@@ -188,7 +190,8 @@ def test_an_attached_segment_is_gone_once_unlinked_replaced_or_its_owner_killed(
             assert seg.gone()
         seg.close()
     dead = _name()
-    code = ("import os, signal, sys\nfrom kvcore.segment import SharedSegment, PoolGeometry\n"
+    code = ("import os, signal, sys\nfrom kvcore.segment import SharedSegment\n"
+            "from kvcore.poolgeometry import PoolGeometry\n"
             f"SharedSegment.create({dead!r}, PoolGeometry(4, (8,), 4))\nos.kill(os.getpid(), signal.SIGKILL)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": SRC})

@@ -10,7 +10,8 @@ import uuid
 
 import grpc
 import pytest
-from kvcore.segment import PoolGeometry, SharedSegment
+from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment
 from kvoffload_proto.v1 import transfer_pb2 as pb
 
 from pdlink.sources import RowSources

@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 from kvcore import backends
-from kvcore.segment import PoolGeometry, SharedSegment
+from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment
 from poolclient.memcache import MemcacheHostPool, dram_bytes_for
 from poolclient.memcache_client import MemcacheClient, MemcacheUnavailable, native_reason
 from poolclient.memcache_conf import LOCAL_KEYS, LocalSettings, local_fields, meta_urls

@@ -16,7 +16,7 @@ import pytest
 import torch
 from kvcore.hostpool import (HostPoolBackend, IncompleteObject, ObjectLeased, ObjectNotFound, ObjectUnreachable,
                              PoolError)
-from kvcore.segment import PoolGeometry
+from kvcore.poolgeometry import PoolGeometry
 from poolclient.mooncake import MooncakeHostPool
 from poolclient.mooncake_master import MasterConfig, MooncakeMaster, MooncakeNotInstalled, free_port, port_answers
 from poolclient.mooncake_store import MAX_BATCH_KEYS, MooncakeStore, MooncakeStoreError
@@ -111,7 +111,7 @@ def test_poolclient_imports_without_mooncake_and_construction_says_what_to_insta
     script = ("import sys; sys.modules['mooncake'] = None\n"  # as if the wheel were not installed
               "import poolclient, poolclient.mooncake\n"
               "from poolclient.mooncake import MooncakeHostPool\n"
-              "from kvcore.segment import PoolGeometry\n"
+              "from kvcore.poolgeometry import PoolGeometry\n"
               "try:\n"
               "    MooncakeHostPool.connect('127.0.0.1:1', PoolGeometry(4, (8,), 2))\n"
               "except ImportError as e:\n"
@@ -178,7 +178,7 @@ def test_batches_over_1024_keys(pool, store):
 CHILD = r"""
 import sys, torch
 from kvcore.hostpool import ObjectLeased
-from kvcore.segment import PoolGeometry
+from kvcore.poolgeometry import PoolGeometry
 from poolclient.mooncake import MooncakeHostPool
 master, ns, n, ttl = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 def data(seed, plane, n):

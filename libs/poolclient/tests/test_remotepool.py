@@ -8,7 +8,8 @@ import uuid
 import pytest
 
 from kvcore.hostpool import HostPoolBackend
-from kvcore.segment import PoolGeometry, SharedSegment
+from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment
 from poolclient.client import MetaStoreClient
 from poolclient.errors import MetaStoreUnavailable
 from poolclient.remotepool import RemoteHostPool

@@ -5,7 +5,7 @@ proto round trip."""
 import grpc
 import pytest
 from kvcore.hostpool import ObjectNotFound, PoolError, PoolFullError
-from kvcore.segment import PoolGeometry
+from kvcore.poolgeometry import PoolGeometry
 from poolclient import wire
 from poolclient.errors import MetaStoreUnavailable, WorldSizeExceeded
 from poolclient.records import Location, PoolRecord

@@ -6,7 +6,8 @@ import grpc
 import pytest
 import torch
 from kvcore.hostpool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, PoolFullError, PoolStats
-from kvcore.segment import PoolGeometry, SharedSegment
+from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment
 
 from poolclient.client import MetaStoreClient
 from poolclient.errors import MetaStoreUnavailable, NoPoolRegistered, PoolNotRegistered, WorldSizeExceeded

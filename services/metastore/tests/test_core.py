@@ -5,7 +5,7 @@ import re
 import pytest
 from kvcore.hostpool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, PoolFullError
 
-from kvcore.segment import PoolGeometry
+from kvcore.poolgeometry import PoolGeometry
 
 from kvoffload_metastore import core as core_module
 from kvoffload_metastore.core import MetaStoreCore

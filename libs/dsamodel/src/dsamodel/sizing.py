@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvcore.config import ConfigError
+from kvcore.configerrors import ConfigError
+from kvcore.decodesettings import decode_settings
 from kvcore.layout import KVLayout
+from kvcore.pdpair import check_pd_pair
 from kvcore.plan import BufferPlan
-from kvcore.settings import check_pd_pair, decode_settings, prefill_settings
+from kvcore.prefillsettings import prefill_settings
 
 from dsamodel.config import ModelConfig
 

@@ -2,16 +2,47 @@
 
 One concept per module:
 
-- ``config`` / ``settings``: the JSON users write (``--kv-transfer-config``, ``--additional-config``)
-  and the per-node rules that need the model and the parallel sizes; ``backends``: whether an
-  Ascend backend can run here.
+The JSON users write (``--kv-transfer-config``, ``--additional-config``) and the node rules:
+
+- ``config``: the parse entry points (``parse_kv_transfer_config``, ``parse_additional_config``).
+- ``transferconfig``: ``KVTransferConfig`` and ``MultiConnectorConfig`` (``--kv-transfer-config``).
+- ``connectorconfig``: each connector's extra config (``StoreConnectorConfig``, ``D2HConnectorConfig``).
+- ``additionalconfig``: ``AdditionalConfig`` and its ``SparseKVOffloadConfig``.
+- ``confignames``: the names the JSON accepts (connectors, roles, backends, policies, keys).
+- ``configerrors``: ``ConfigError`` and the friendly messages of config problems.
+- ``configfields``: the strict field rules of the config models.
+- ``configmodel``: ``ConfigModel``, their base (unknown keys as warnings, every problem at once).
+- ``nodeconfig``: a node's two JSON options parsed together, and its connectors looked up in them.
+- ``prefillsettings`` / ``decodesettings``: the validated settings of a prefill / decode node.
+- ``pdpair``: whether a prefill and a decode deployment pair, and which TP ranks feed which.
+- ``backends``: whether a host-pool or P→D transfer backend can run here.
+- ``mmcconf``: the Memcache conf files (``mmc-meta.conf`` / ``mmc-local.conf``).
+
+The model's caches and the prefill's buffers:
+
 - ``layout``: per-layer cache specs; ``plan``: the prefill buffer plan, descriptor merge and memory
-  accounting; ``gates``: the slot reuse gates (I4).
-- ``hotcache``: decode hot top-k residency (native + reference); ``gather``: native gather/scatter
-  of token rows.
-- ``hostpool``: the host KV pool interface and its embedded backend, over ``segment`` (named shared
-  memory), ``leases`` and ``eviction``; ``blockkeys``: stable chained block keys.
-- ``device``: devices and the counting allocator; ``bench``: side-by-side benchmarks.
+  accounting.
+- ``gates``: the slot reuse gates (I4); ``slottickets``: a slot's occupant (``SlotTicket``).
+
+Sparse decode:
+
+- ``hotcache``: decode hot top-k residency (native path); ``hotcache_reference``: its Python
+  reference path.
+- ``gather``: native gather/scatter of token rows.
+- ``belady``: the offline optimum hit rate; ``hotsizing``: per-layer buffer sizes from hit-rate
+  curves; ``prefetch``: miss prediction; ``traces/``: top-k traces.
+
+The host pool:
+
+- ``hostpool``: the ``HostPoolBackend`` interface, its hook map and the checks every backend applies.
+- ``localpool``: ``LocalHostPool``, the embedded backend.
+- ``poolgeometry``: ``PoolGeometry``, the shape of a pool; ``segment``: ``SharedSegment``, the named
+  shared memory that holds it.
+- ``leases``: the ``Lease`` protocol and the lease table; ``eviction``: eviction policies;
+  ``poolerrors``: the pool's typed errors.
+- ``blockkeys``: stable chained block keys.
+
+And: ``device``: devices and the counting allocator; ``bench/``: side-by-side benchmarks.
 
 No model code and no service code lives here.
 """

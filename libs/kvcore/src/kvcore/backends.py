@@ -19,7 +19,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from kvcore.config import STORE_BACKENDS, TRANSFER_BACKENDS, ConfigError, describe_value
+from kvcore.configerrors import ConfigError, describe_value
+from kvcore.confignames import STORE_BACKENDS, TRANSFER_BACKENDS
 
 EMBEDDED = "kvoffload"
 AVAILABLE = "available"

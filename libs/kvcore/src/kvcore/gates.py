@@ -7,7 +7,8 @@ READ_FAILED from every registered reader (any hashable id, e.g. ``(request_id, e
 set is fixed at ``acquire``; an empty set never blocks; a reader owning no blocks must still ack),
 (c) the compute that produced it. Ownership is handed over as a ``SlotTicket``: it *is* the
 occupant until a later ``acquire`` on the same slot supersedes it. Nobody releases a ticket
-explicitly: it frees its slot by having all of its items settled.
+explicitly: it frees its slot by having all of its items settled. ``SlotTicket`` and the
+occupant's state live in ``kvcore.slottickets``; the hook map below covers both modules.
 
 Failures. ``save_failed``/``compute_failed``/``read_failed`` settle an item as failed. The first
 waiter of the same ``owner`` (e.g. the same request; ``None`` by default) that reaches the slot
@@ -60,10 +61,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-PENDING, DONE, FAILED = "pending", "done", "failed"
-_MAX_LISTED_READERS = 8
+from kvcore.slottickets import DONE, FAILED, PENDING, Occupancy, SlotTicket
 
 
 class SlotGateError(RuntimeError):
@@ -86,45 +86,6 @@ class GateAborted(SlotGateError):
     """The gate was aborted (shutdown)."""
 
 
-class _Occupancy:
-    """Mutable state of one occupant; guarded by its gate's lock."""
-
-    __slots__ = ("layer", "generation", "readers", "owner", "compute", "save", "reads_done", "reads_failed",
-                 "failures", "failure_reported")
-
-    def __init__(self, layer: int, generation: int, readers: frozenset, owner: Hashable):
-        self.layer, self.generation, self.readers, self.owner = layer, generation, readers, owner
-        self.compute = self.save = PENDING
-        self.reads_done: set = set()
-        self.reads_failed: dict = {}  # reader -> reason
-        self.failures: list[tuple[str, str, BaseException | None]] = []  # (item, description, exception)
-        self.failure_reported = False
-
-    def reads_pending(self) -> list:
-        return sorted((r for r in self.readers if r not in self.reads_done and r not in self.reads_failed), key=repr)
-
-    @property
-    def settled(self) -> bool:
-        return self.compute != PENDING and self.save != PENDING and len(self.reads_done) + len(self.reads_failed) == len(self.readers)
-
-    @property
-    def free(self) -> bool:
-        return self.settled and (not self.failures or self.failure_reported)
-
-    def pending(self) -> str:
-        parts = []
-        if self.save == PENDING:
-            parts.append("save pending")
-        waiting = self.reads_pending()
-        if waiting:
-            shown = ", ".join(repr(r) for r in waiting[:_MAX_LISTED_READERS])
-            more = f" and {len(waiting) - _MAX_LISTED_READERS} more" if len(waiting) > _MAX_LISTED_READERS else ""
-            parts.append(f"READ_DONE pending from {len(waiting)} of {len(self.readers)} readers: {shown}{more}")
-        if self.compute == PENDING:
-            parts.append("compute pending")
-        return "; ".join(parts)
-
-
 @dataclass(frozen=True)
 class GateSnapshot:
     """What one slot holds right now (``layer`` None: never occupied)."""
@@ -145,64 +106,6 @@ class GateSnapshot:
     aborted: str | None
 
 
-@dataclass(frozen=True, eq=False)
-class SlotTicket:
-    """The occupant of ``slot``: ``layer`` owns the buffer until a later acquire supersedes it.
-
-    Every item settles exactly once, from whichever thread finishes it; the slot frees itself when
-    all have settled. A call on a superseded ticket (stale ``generation``), a second settle of the
-    same item or an unregistered reader raises ValueError and changes nothing.
-    """
-
-    slot: int
-    layer: int
-    generation: int
-    readers: frozenset
-    _gate: SlotGate = field(repr=False)
-    _occ: _Occupancy = field(repr=False)
-
-    def computed(self) -> None:
-        self._gate._settle(self, "compute", DONE)
-
-    def compute_failed(self, cause: BaseException) -> None:
-        self._gate._settle(self, "compute", FAILED, cause=cause)
-
-    def saved(self) -> None:
-        self._gate._settle(self, "save", DONE)
-
-    def save_failed(self, cause: BaseException) -> None:
-        self._gate._settle(self, "save", FAILED, cause=cause)
-
-    def read_done(self, reader: Hashable) -> None:
-        self._gate._settle(self, "read", DONE, reader=reader)
-
-    def read_failed(self, reader: Hashable, reason: str) -> None:
-        self._gate._settle(self, "read", FAILED, reader=reader, reason=reason)
-
-    def fail_pending_reads(self, reason: str) -> int:
-        """READ_FAILED for every reader that has not answered yet (e.g. its announce could not be
-        sent); returns how many. Readers that answered keep their answer."""
-        with self._gate._cond:
-            occ = self._occ
-            pending = [r for r in occ.readers if r not in occ.reads_done and r not in occ.reads_failed]
-        for reader in pending:
-            try:
-                self.read_failed(reader, reason)
-            except ValueError:  # answered meanwhile
-                pass
-        return len(pending)
-
-    @property
-    def is_settled(self) -> bool:
-        with self._gate._cond:
-            return self._occ.settled
-
-    def pending(self) -> str:
-        """What is still missing, e.g. ``"save pending; compute pending"``; ``""`` once settled."""
-        with self._gate._cond:
-            return self._occ.pending()
-
-
 class SlotGate:
     """Reuse gate of one physical slot; see the module docstring for who calls what."""
 
@@ -210,7 +113,7 @@ class SlotGate:
         self.slot = slot
         self.default_timeout_s = _check_timeout(default_timeout_s)
         self._cond = threading.Condition()
-        self._occ: _Occupancy | None = None
+        self._occ: Occupancy | None = None
         self._ticket: SlotTicket | None = None
         self._generation = 0
         self._queue: deque[object] = deque()
@@ -297,12 +200,12 @@ class SlotGate:
 
     def _grant(self, layer: int, readers: frozenset, owner: Hashable) -> SlotTicket:
         self._generation += 1
-        self._occ = _Occupancy(layer, self._generation, readers, owner)
+        self._occ = Occupancy(layer, self._generation, readers, owner)
         self._ticket = SlotTicket(self.slot, layer, self._generation, readers, self, self._occ)
         self._counts["acquires"] += 1
         return self._ticket
 
-    def _report_failure(self, layer: int, occ: _Occupancy) -> OccupantFailed:
+    def _report_failure(self, layer: int, occ: Occupancy) -> OccupantFailed:
         occ.failure_reported = True
         self._counts["failures"] += 1
         still = occ.pending()

@@ -5,8 +5,8 @@ import uuid
 import pytest
 import torch
 
-from kvcore.hostpool import LocalHostPool
-from kvcore.segment import PoolGeometry
+from kvcore.localpool import LocalHostPool
+from kvcore.poolgeometry import PoolGeometry
 
 BS = 4
 ROWS = (16, 8)  # plane 0: 16 bytes/token, plane 1: 8 bytes/token

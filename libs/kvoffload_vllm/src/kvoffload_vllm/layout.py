@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from kvcore.segment import PoolGeometry
+from kvcore.poolgeometry import PoolGeometry
 
 
 class LayoutMismatch(ValueError):

@@ -49,7 +49,9 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
-from kvcore.config import STORE_CONNECTOR, ConfigError, parse_kv_transfer_config
+from kvcore.config import parse_kv_transfer_config
+from kvcore.configerrors import ConfigError
+from kvcore.confignames import STORE_CONNECTOR
 from kvcore.hostpool import ObjectExists, PoolError
 from kvcore.segment import sweep_stale_segments
 from poolclient.client import MetaStoreClient

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import grpc
 import structlog
-from kvcore.settings import tp_handshake_problem
+from kvcore.pdpair import tp_handshake_problem
 from svcruntime.tls import PROCESS, secure_or_insecure_channel
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
@@ -34,7 +34,7 @@ RECONNECT_WAIT_S = 3.0  # how long ensure_layout waits for a decode that is not 
 
 
 class ReadTicket(Protocol):
-    """What ``DecodeLink.announce`` needs of the ticket of an announced layer (``kvcore.gates.SlotTicket``
+    """What ``DecodeLink.announce`` needs of the ticket of an announced layer (``kvcore.slottickets.SlotTicket``
     is one): the ``layer`` and ``generation`` it names, and how one reader's read of it settles."""
 
     @property

@@ -44,7 +44,7 @@ from typing import Any
 import structlog
 import torch
 from kvcore.backends import MEMFABRIC_INSTALL
-from kvcore.config import MEMFABRIC_DATA_OPS
+from kvcore.confignames import MEMFABRIC_DATA_OPS
 
 log = structlog.get_logger(__name__)
 

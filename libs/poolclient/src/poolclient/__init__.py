@@ -10,7 +10,7 @@ distributed store (Mooncake Store, Memcache).
 - ``client``: ``MetaStoreClient`` and its ``RemoteLease``.
 - ``membership``: a pool's registration, heartbeats and re-join after a MetaStore restart.
 - ``remotepool``: ``RemoteHostPool``, the ``kvcore.hostpool.HostPoolBackend`` over that index.
-- ``storepool``: ``StoreHostPool``, a ``kvcore.hostpool.LocalHostPool`` whose complete objects are also
+- ``storepool``: ``StoreHostPool``, a ``kvcore.localpool.LocalHostPool`` whose complete objects are also
   kept in an existing distributed store (the base of the next two); ``serverprocess``: a child server
   process (start until healthy, stop, kill, restart; the base of the launchers below).
 - ``mooncake``: ``MooncakeHostPool``, a ``StoreHostPool`` whose objects are shared

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from kvcore.hostpool import ObjectExists, PoolFullError, PoolStats
 from kvcore.leases import check_ttl_ms
-from kvcore.segment import PoolGeometry
+from kvcore.poolgeometry import PoolGeometry
 from kvoffload_proto.v1 import metastore_pb2 as pb
 from kvoffload_proto.v1 import metastore_pb2_grpc as pb_grpc
 from svcruntime.tls import PROCESS, secure_or_insecure_channel

@@ -1,6 +1,6 @@
 """The MetaStore's registry errors; object errors (``ObjectNotFound``, ``ObjectExists``,
 ``ObjectLeased``, ``PoolFullError``, ``LeaseExpired``) are kvcore's host-pool errors, so a caller
-of ``MetaStoreClient`` handles the same types as a caller of ``kvcore.hostpool.LocalHostPool``."""
+of ``MetaStoreClient`` handles the same types as a caller of ``kvcore.localpool.LocalHostPool``."""
 
 from __future__ import annotations
 

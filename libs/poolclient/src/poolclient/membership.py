@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import structlog
 from kvcore.hostpool import PoolError
-from kvcore.segment import PoolGeometry
+from kvcore.poolgeometry import PoolGeometry
 
 from poolclient.client import MetaStoreClient
 from poolclient.errors import PoolNotRegistered, WorldSizeExceeded

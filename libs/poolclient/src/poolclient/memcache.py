@@ -10,7 +10,7 @@ the library's own words; there is no fall-back to the embedded pool. Not run her
 below needs a started LocalService, i.e. an Ascend host; it follows memcache_hybrid 1.3.0's API.
 
 Where bytes live. A ``MemcacheHostPool`` is a ``poolclient.storepool.StoreHostPool`` (a
-``kvcore.hostpool.LocalHostPool``) over its own ``SharedSegment`` (``kvoffload-memcache-<pool
+``kvcore.localpool.LocalHostPool``) over its own ``SharedSegment`` (``kvoffload-memcache-<pool
 id>``), registered with the client (``register_buffer``); the index, free list, written planes,
 pins, leases, eviction and stats are ``LocalHostPool``'s, and its hook map holds ("blocks: lock
 only" reads "plus bounded Memcache calls" where a hook below calls the store). Memcache is the
@@ -35,7 +35,8 @@ import structlog
 import torch
 from kvcore.eviction import EvictionPolicy
 from kvcore.hostpool import ObjectNotFound
-from kvcore.segment import PoolGeometry, SharedSegment
+from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment
 
 from poolclient.memcache_client import MemcacheClient, MemcacheStoreError, MemcacheUnavailable  # noqa: F401
 from poolclient.memcache_conf import LocalSettings

@@ -1,7 +1,7 @@
 """``MooncakeHostPool``: the host KV pool over Mooncake Store (``backend: "mooncake"``).
 
 Where bytes live. A ``MooncakeHostPool`` is a ``poolclient.storepool.StoreHostPool`` (a
-``kvcore.hostpool.LocalHostPool``; the split between keys held here and in the store is its) over a
+``kvcore.localpool.LocalHostPool``; the split between keys held here and in the store is its) over a
 ``SharedSegment`` of its own (``/dev/shm/kvoffload-mooncake-<pool id>``, created by the pool and
 closed and unlinked on ``close``) whose whole mapping is registered with the store client
 (``poolclient.mooncake_objects``). Everything local is ``LocalHostPool``'s own code: the index, free
@@ -59,7 +59,8 @@ import torch
 from kvcore.eviction import EvictionPolicy
 from kvcore.hostpool import PoolError
 from kvcore.leases import check_ttl_ms
-from kvcore.segment import PoolGeometry, SharedSegment
+from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment
 
 from poolclient.mooncake_objects import StoreObjects
 from poolclient.mooncake_store import MooncakeStore, MooncakeStoreError

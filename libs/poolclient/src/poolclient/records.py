@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcore.segment import PoolGeometry
+from kvcore.poolgeometry import PoolGeometry
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,8 @@ from kvcore.hostpool import (
     check_same_bytes,
 )
 from kvcore.leases import check_ttl_ms
-from kvcore.segment import PoolGeometry, SharedSegment, host_id as this_host_id
+from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment, host_id as this_host_id
 
 from poolclient.client import MetaStoreClient, RemoteLease
 from poolclient.membership import PoolMembership

@@ -2,7 +2,7 @@
 distributed store (``poolclient.mooncake.MooncakeHostPool`` over Mooncake Store,
 ``poolclient.memcache.MemcacheHostPool`` over Memcache).
 
-Where bytes live. A ``StoreHostPool`` is a ``kvcore.hostpool.LocalHostPool`` over a
+Where bytes live. A ``StoreHostPool`` is a ``kvcore.localpool.LocalHostPool`` over a
 ``SharedSegment`` of its own (``/dev/shm/kvoffload-<prefix>-<pool id>``, created here, closed and
 unlinked on ``close``); its index, free list, written planes, pins, leases, eviction and stats are
 ``LocalHostPool``'s. The store is the shared layer: when ``put_from`` writes an object's last
@@ -37,9 +37,11 @@ from collections.abc import Sequence
 import structlog
 import torch
 from kvcore.eviction import EvictionPolicy
-from kvcore.hostpool import LocalHostPool, ObjectExists, ObjectNotFound, PoolError, _as_block_bytes, check_keys
+from kvcore.hostpool import ObjectExists, ObjectNotFound, PoolError, _as_block_bytes, check_keys
 from kvcore.leases import Lease, check_ttl_ms
-from kvcore.segment import PoolGeometry, SharedSegment
+from kvcore.localpool import LocalHostPool
+from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment
 
 log = structlog.get_logger(__name__)
 

@@ -45,7 +45,8 @@ from collections.abc import Callable, Sequence
 
 import structlog
 from kvcore.hostpool import ObjectExists, ObjectLeased, ObjectNotFound, check_keys
-from kvcore.segment import PoolGeometry, SharedSegment
+from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment
 
 from poolclient.errors import NoPoolRegistered, PoolConflict, PoolNotRegistered, WorldSizeExceeded
 

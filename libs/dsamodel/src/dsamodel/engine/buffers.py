@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from kvcore.device import DeviceAllocator
 from kvcore.plan import BufferPlan
-from kvcore.segment import PoolGeometry, SharedSegment
+from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment
 
 
 @dataclass(frozen=True)

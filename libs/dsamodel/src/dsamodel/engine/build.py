@@ -6,9 +6,10 @@ import uuid
 from collections.abc import Iterable
 
 from kvcore.eviction import LRUEviction, NoEviction
-from kvcore.hostpool import HostPoolBackend, LocalHostPool
+from kvcore.hostpool import HostPoolBackend
+from kvcore.localpool import LocalHostPool
 from kvcore.plan import BufferPlan
-from kvcore.segment import PoolGeometry
+from kvcore.poolgeometry import PoolGeometry
 
 from dsamodel.engine.layout import kv_layout
 from dsamodel.engine.prefill import LayerwisePrefill
