@@ -13,30 +13,24 @@ code, and fails requests from then on (``TPGroupBroken``) instead of waiting on 
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-from datetime import timedelta
 
 import structlog
-from svcruntime.ranks import RankProcesses
+from svcruntime.ranks import LeadRanks, RankProcesses, follower_parser, join_group, share_cores
 
 log = structlog.get_logger(__name__)
 
-JOIN_TIMEOUT_S = 300.0  # every rank loaded its model and joined the group within this
-COLLECTIVE_TIMEOUT_S = 600.0  # a follower waits this long for rank 0's next message or reduction
 
-
-class TPRanks:
+class TPRanks(LeadRanks):
     """Ranks 1..N-1 of one prefill (``svcruntime.ranks.RankProcesses``) and rank 0's ``Followers``."""
 
     def __init__(self, processes: RankProcesses) -> None:
         from dsamodel.engine.tp_channel import DistChannel
         from dsamodel.engine.tp_prefill import Followers
 
-        self.size, self.processes = processes.size, processes
+        super().__init__(processes)
         self.followers = Followers(DistChannel(), processes.size)
-        processes.watch(self._rank_exited)
+        self.watch()
 
     @classmethod
     def start(cls, model, *, model_dir: str, dtype: str | None, size: int, log_level: str) -> TPRanks:
@@ -47,36 +41,24 @@ class TPRanks:
         processes = RankProcesses.start(
             size, lambda r, init: [sys.executable, "-m", "kvoffload_prefill.tp_ranks", "--model", model_dir,
                                    "--rank", str(r), "--size", str(size), "--init", init, "--log-level", log_level,
-                                   *(["--dtype", dtype] if dtype else [])],
-            join_timeout_s=JOIN_TIMEOUT_S)
+                                   *(["--dtype", dtype] if dtype else [])])
         shard_model(model, DistGroup())
         log.info("tp_ranks_joined", size=size, pids=processes.pids)
         return cls(processes)
 
-    def _rank_exited(self, rank: int, pid: int, code: int) -> None:
+    def broken(self) -> str:
+        return self.followers.broken
+
+    def mark_broken(self, why: str) -> None:
         if not self.followers.broken:
-            self.followers.broken = f"TP rank {rank} (pid {pid}) exited with code {code}"
+            self.followers.broken = why
 
-    def not_ready(self) -> str:
-        """Why the group cannot serve ("" while every rank is in step)."""
-        return f"tensor parallel group: {self.followers.broken}" if self.followers.broken else ""
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Tell the followers to return, wait for them (killing any that does not end in time)."""
-        whole = not self.followers.broken
-        if whole:
-            try:
-                self.followers.close()
-            except Exception as exc:  # a follower gone at the last moment: they are killed below
-                log.warning("tp_close_failed", error=repr(exc))
-                whole = False
-        codes = self.processes.stop(group_whole=whole, timeout_s=timeout_s)
-        log.info("tp_ranks_closed", size=self.size, exit_codes=codes)
+    def followers_closer(self):
+        return None if self.followers.broken else self.followers.close
 
 
 def _follower_main(argv: list[str] | None = None) -> int:
     """One follower rank: load the model, join the group, keep the shard, follow rank 0."""
-    import torch
     import torch.distributed as dist
     from svcruntime.logs import configure_logging
 
@@ -85,19 +67,15 @@ def _follower_main(argv: list[str] | None = None) -> int:
     from dsamodel.tp import DistGroup, shard_model
     from dsamodel.weights import load_model
 
-    p = argparse.ArgumentParser(prog="kvoffload-prefill tp rank")
+    p = follower_parser("kvoffload-prefill tp rank")
     p.add_argument("--model", required=True)
     p.add_argument("--dtype")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--size", type=int, required=True)
-    p.add_argument("--init", required=True)
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     configure_logging(f"kvoffload-prefill-tp{args.rank}", args.log_level)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.size))
+    share_cores(args.size)
     model = load_model(args.model, dtype=args.dtype)
-    dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    join_group(args.init, args.rank, args.size)
     shard_model(model, DistGroup())
     log.info("tp_rank_following", rank=args.rank, size=args.size)
     chunks = follow(model, DistChannel())
