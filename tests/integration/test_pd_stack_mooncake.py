@@ -21,17 +21,11 @@ from pathlib import Path
 import pytest
 from dsamodel.tokenizer import ByteTokenizer
 
+from kvoffload.connector_configs import prefill_kv_transfer_config
+from kvoffload.ports import free_stack_ports
 from kvoffload.reference import greedy_reference
-from kvoffload.stack import (
-    MOONCAKE_MASTER,
-    Stack,
-    StackConfig,
-    free_stack_ports,
-    post_json,
-    prefill_kv_transfer_config,
-    stack_stats,
-    stream_token_ids,
-)
+from kvoffload.stack import MOONCAKE_MASTER, Stack, StackConfig
+from kvoffload.stack_client import post_json, stack_stats, stream_token_ids
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
@@ -221,11 +215,12 @@ def test_prefill_without_a_master_is_a_start_up_error(model_dir):
 
 
 def test_up_takes_pool_mooncake_for_the_reference_engine_only(tmp_path, capsys):
-    from kvoffload.cli import _stack_config, build_parser, main
+    from kvoffload.cli import build_parser, main
+    from kvoffload.cli_stack import stack_config
 
     args = build_parser().parse_args(["up", "--pool", "mooncake", "--model", str(tmp_path), "--log-dir",
                                       str(tmp_path)])
-    cfg = _stack_config(args)
+    cfg = stack_config(args)
     assert cfg.pool == "mooncake"
     assert [n for n, _, _ in Stack(cfg).commands()][0] == MOONCAKE_MASTER
     assert build_parser().parse_args(["up"]).pool == "kvoffload"  # the default stays the embedded pool
@@ -240,15 +235,16 @@ def test_prefill_pool_flags_with_the_mooncake_backend(tmp_path):
     keeps its one rule: --host-pool-gb / host_pool_gb > mmc-local.conf's dram.size > 1 GiB."""
     import argparse
 
-    from kvcore.config import ConfigError, StoreConnectorConfig
-    from kvoffload_prefill.server import _pool_flags
+    from kvcore.configerrors import ConfigError
+    from kvcore.connectorconfig import StoreConnectorConfig
+    from kvoffload_prefill.options import pool_flags
 
     def args(**kw):
         return argparse.Namespace(**{"metastore": None, "host_pool_gb": None, "local_config": None, **kw})
 
     store = StoreConnectorConfig(backend="mooncake", mooncake_master="127.0.0.1:50051")
     with pytest.raises(ConfigError) as info:
-        _pool_flags(args(metastore="127.0.0.1:5000"), store, {})
+        pool_flags(args(metastore="127.0.0.1:5000"), store, {})
     assert str(info.value) == ("--metastore 127.0.0.1:5000: applies to backend 'kvoffload' only; backend 'mooncake' "
                                "keeps its objects in the mooncake_master (kv_connector_extra_config.mooncake_master)")
     conf = tmp_path / "mmc-local.conf"
@@ -260,7 +256,7 @@ def test_prefill_pool_flags_with_the_mooncake_backend(tmp_path):
         (args(), StoreConnectorConfig(backend="mooncake", mooncake_master="h:1", host_pool_gb=2), 2 * 2**30,
          "kv_connector_extra_config.host_pool_gb"),
     ]:
-        _pool_flags(a, cfg, {})
+        pool_flags(a, cfg, {})
         assert (a.host_pool_bytes, a.metastore) == (size, None)
         assert a.host_pool_source.startswith(source.split(" (")[0]), a.host_pool_source
 

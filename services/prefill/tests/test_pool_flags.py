@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from kvcore.config import ConfigError, StoreConnectorConfig
+from kvcore.configerrors import ConfigError
+from kvcore.connectorconfig import StoreConnectorConfig
 
-from kvoffload_prefill.server import _pool_flags
+from kvoffload_prefill.options import pool_flags
 
 GIB = 2**30
 NO_ENV: dict[str, str] = {}
@@ -28,45 +29,45 @@ def _conf(tmp_path, size: str = "3GB"):
 
 def test_neither_gives_no_metastore_and_one_gib():
     args = _args()
-    _pool_flags(args, StoreConnectorConfig(backend="kvoffload"), NO_ENV)
+    pool_flags(args, StoreConnectorConfig(backend="kvoffload"), NO_ENV)
     assert (args.metastore, args.host_pool_gb, args.host_pool_bytes) == (None, None, GIB)
     assert args.host_pool_source == "default (1 GiB)" and args.host_pool_overrides == []
 
 
 def test_the_config_fills_what_the_flags_leave_out():
     args = _args(host_pool_gb=0.5)
-    _pool_flags(args, StoreConnectorConfig(backend="kvoffload", metastore="10.0.0.1:5000", host_pool_gb=0.5), NO_ENV)
+    pool_flags(args, StoreConnectorConfig(backend="kvoffload", metastore="10.0.0.1:5000", host_pool_gb=0.5), NO_ENV)
     assert (args.metastore, args.host_pool_bytes, args.host_pool_source) == ("10.0.0.1:5000", GIB // 2, "--host-pool-gb")
     args = _args()
-    _pool_flags(args, StoreConnectorConfig(backend="kvoffload", host_pool_gb=2), NO_ENV)
+    pool_flags(args, StoreConnectorConfig(backend="kvoffload", host_pool_gb=2), NO_ENV)
     assert (args.host_pool_bytes, args.host_pool_source) == (2 * GIB, "kv_connector_extra_config.host_pool_gb")
 
 
 def test_a_flag_and_a_config_key_that_disagree_name_both():
     with pytest.raises(ConfigError) as e:
-        _pool_flags(_args(metastore="a:1"), StoreConnectorConfig(backend="kvoffload", metastore="b:2"), NO_ENV)
+        pool_flags(_args(metastore="a:1"), StoreConnectorConfig(backend="kvoffload", metastore="b:2"), NO_ENV)
     assert "--metastore a:1" in str(e.value) and "kv_connector_extra_config.metastore 'b:2'" in str(e.value)
 
 
 def test_dram_size_sizes_the_pool_unless_a_flag_overrides_it(tmp_path):
     conf = _conf(tmp_path)
     args = _args(local_config=str(conf))
-    _pool_flags(args, StoreConnectorConfig(backend="kvoffload"), NO_ENV)
+    pool_flags(args, StoreConnectorConfig(backend="kvoffload"), NO_ENV)
     assert args.host_pool_bytes == 3 * GIB and args.host_pool_overrides == []
     assert args.host_pool_source == f"ock.mmc.local_service.dram.size ({conf}:3)"
     args = _args()  # the same file through the seed's variable
-    _pool_flags(args, StoreConnectorConfig(backend="kvoffload"), {"MMC_LOCAL_CONFIG_PATH": str(conf)})
+    pool_flags(args, StoreConnectorConfig(backend="kvoffload"), {"MMC_LOCAL_CONFIG_PATH": str(conf)})
     assert args.host_pool_bytes == 3 * GIB
     args = _args(host_pool_gb=0.25, local_config=str(conf))  # the flag wins, and the log says what it overrode
-    _pool_flags(args, StoreConnectorConfig(backend="kvoffload"), NO_ENV)
+    pool_flags(args, StoreConnectorConfig(backend="kvoffload"), NO_ENV)
     assert (args.host_pool_bytes, args.host_pool_source) == (GIB // 4, "--host-pool-gb")
     assert args.host_pool_overrides == [f"ock.mmc.local_service.dram.size ({conf}:3) = {3 * GIB} bytes"]
 
 
 def test_a_bad_dram_size_or_missing_file_is_a_config_error_naming_it(tmp_path):
     with pytest.raises(ConfigError, match=r"dram.size \(.*mmc-local.conf:3\): expected a size like 10GB"):
-        _pool_flags(_args(local_config=str(_conf(tmp_path, "lots"))), StoreConnectorConfig(backend="kvoffload"), NO_ENV)
+        pool_flags(_args(local_config=str(_conf(tmp_path, "lots"))), StoreConnectorConfig(backend="kvoffload"), NO_ENV)
     with pytest.raises(ConfigError, match=r"expected a size > 0"):
-        _pool_flags(_args(local_config=str(_conf(tmp_path, "0GB"))), StoreConnectorConfig(backend="kvoffload"), NO_ENV)
+        pool_flags(_args(local_config=str(_conf(tmp_path, "0GB"))), StoreConnectorConfig(backend="kvoffload"), NO_ENV)
     with pytest.raises(ConfigError, match="cannot read conf file .*nope.conf"):
-        _pool_flags(_args(local_config=str(tmp_path / "nope.conf")), StoreConnectorConfig(backend="kvoffload"), NO_ENV)
+        pool_flags(_args(local_config=str(tmp_path / "nope.conf")), StoreConnectorConfig(backend="kvoffload"), NO_ENV)

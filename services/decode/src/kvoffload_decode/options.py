@@ -9,9 +9,9 @@ from pathlib import Path
 
 import structlog
 from kvcore.backends import require_available
-from kvcore.config import ConfigError
-from kvcore.settings import DecodeSettings, decode_settings
-from svcruntime import tls as kvtls
+from kvcore.configerrors import ConfigError
+from kvcore.decodesettings import DecodeSettings, decode_settings
+from svcruntime.flags import add_model_service_flags, add_process_flags, add_shared_flag
 
 from kvoffload_decode import __version__
 from kvoffload_decode.loop import DEFAULT_STEP_GATHER_S
@@ -28,24 +28,20 @@ log = structlog.get_logger(__name__)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=SERVICE, description=DESCRIPTION)
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    p.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
-    p.add_argument("--served-model-name", help="model id shared with the prefill (default: the directory name)")
-    p.add_argument("--host", default="127.0.0.1", help="bind and advertise address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8200, help="HTTP port")
+    add_model_service_flags(p, __version__, port=8200, peer="prefill")
     p.add_argument("--kv-transfer-config", required=True, help="SfaRemoteD2HConnector kv_consumer JSON")
     p.add_argument("--additional-config", help="JSON with sparse_kv_offload_config")
-    p.add_argument("--max-model-len", type=int, default=16384)
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--block-size", type=int, default=16)
+    add_shared_flag(p, "--max-model-len")
+    add_shared_flag(p, "--max-num-seqs")
+    add_shared_flag(p, "--block-size")
     p.add_argument("--dp-rank", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="TP ranks: this process is rank 0 and starts ranks 1..N-1 on this host, each with its own "
-                        "control port (kv_port + dp_rank*N + rank), pool and shard of the model (default 1)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the config's torch_dtype")
+    add_shared_flag(p, "--tensor-parallel-size",
+                    help="TP ranks: this process is rank 0 and starts ranks 1..N-1 on this host, each with its own "
+                         "control port (kv_port + dp_rank*N + rank), pool and shard of the model (default 1)")
+    add_shared_flag(p, "--dtype")
     p.add_argument("--metaserver-timeout-s", type=float, default=600.0)
-    p.add_argument("--peer-timeout-s", type=float, default=10.0,
-                   help="fail a request whose prefill sent no heartbeat or data for this long (default 10)")
+    add_shared_flag(p, "--peer-timeout-s",
+                    help="fail a request whose prefill sent no heartbeat or data for this long (default 10)")
     p.add_argument("--read-retries", type=int, default=2, help="retries of a failed layer read (default 2)")
     p.add_argument("--max-queued-requests", type=int, default=0,
                    help="requests admitted but not yet in the running batch; one more gets 429 with Retry-After "
@@ -58,10 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", metavar="JSON",
                    help='MTP speculative decoding, vLLM\'s format: {"method": "deepseek_mtp", '
                         '"num_speculative_tokens": 1} (greedy requests; the model needs an MTP layer)')
-    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
-                   help="on SIGTERM, how long in-flight requests get to finish before they are failed (default 30)")
-    p.add_argument("--log-level", default="info")
-    kvtls.add_tls_arguments(p)
+    add_process_flags(p)
     return p
 
 

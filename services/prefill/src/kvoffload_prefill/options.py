@@ -1,0 +1,114 @@
+"""The prefill's command line and what it gives: the flags (``build_parser``), their checks, the
+validated settings (``settings_of``) and the host pool's flags resolved against the store config
+(``pool_flags``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+
+import structlog
+from kvcore.backends import require_available
+from kvcore.configerrors import ConfigError
+from kvcore.mmcconf import LOCAL_ENV, local_dram_size
+from kvcore.prefillsettings import PrefillSettings, prefill_settings
+from svcruntime.flags import add_model_service_flags, add_process_flags, add_shared_flag
+
+from kvoffload_prefill import __version__
+
+DESCRIPTION = "``kvoffload-prefill``: the kv_producer. Takes ``--kv-transfer-config`` as users write it:"
+SERVICE = "kvoffload-prefill"
+FLAG_RULES = dict(at_least_one=("max_model_len", "block_size", "chunk_size", "max_num_seqs", "tensor_parallel_size"),
+                  seconds=("host_pool_gb", "read_timeout_s", "peer_timeout_s"),
+                  seconds_or_zero=("shutdown_grace_s",), ports=("port",), any_ports=("data_port",))
+log = structlog.get_logger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=SERVICE, description=DESCRIPTION)
+    add_model_service_flags(p, __version__, port=8100, peer="decode")
+    p.add_argument("--data-port", type=int, default=0, help="gRPC LayerSource/Health/Stats port (0: any free)")
+    p.add_argument("--kv-transfer-config", required=True, help="AscendStoreConnector or MultiConnector JSON")
+    p.add_argument("--additional-config", help="must not enable sparse_kv_offload_config")
+    add_shared_flag(p, "--max-model-len")
+    add_shared_flag(p, "--block-size")
+    p.add_argument("--chunk-size", type=int, default=2048)
+    p.add_argument("--host-pool-gb", type=float,
+                   help="host KV pool (prefix cache) this node contributes, GiB (default: the store config's "
+                        "host_pool_gb, else ock.mmc.local_service.dram.size of --local-config, else 1)")
+    p.add_argument("--local-config", help="mmc-local.conf whose ock.mmc.local_service.dram.size sizes the host "
+                                          "pool when neither --host-pool-gb nor host_pool_gb is given; with backend "
+                                          "memcache also the LocalService's conf, required "
+                                          "(default: $MMC_LOCAL_CONFIG_PATH)")
+    p.add_argument("--metastore", metavar="HOST:PORT",
+                   help="kvoffload-metastore that indexes the pool (default: the store config's metastore); "
+                        "without either the index is kept in this process")
+    p.add_argument("--read-timeout-s", type=float, default=60.0, help="longest wait for a decode's READ_DONE")
+    add_shared_flag(p, "--peer-timeout-s",
+                    help="a decode that answers no heartbeat for this long is gone: its reads fail (default 10)")
+    add_shared_flag(p, "--max-num-seqs",
+                    help="offload-only mode (no SfaRemoteD2HConnector): requests decoded together (default 8)")
+    add_shared_flag(p, "--dtype")
+    add_shared_flag(p, "--tensor-parallel-size",
+                    help="TP ranks (default 1): this process is rank 0 and starts ranks 1..N-1 (gloo); attention "
+                         "heads and the MLP are sharded over them; N must divide the model's heads and intermediate")
+    add_process_flags(p)
+    return p
+
+
+def settings_of(args: argparse.Namespace, layout) -> PrefillSettings:
+    """The node's configs as users write them: a P/D prefill (MultiConnector with
+    SfaRemoteD2HConnector), or offload-only (AscendStoreConnector alone, ``settings.d2h`` None);
+    ConfigError names what is wrong."""
+    settings = prefill_settings(args.kv_transfer_config, args.additional_config, layout, tp=args.tensor_parallel_size)
+    if settings.d2h is not None:
+        vllm_only = settings.d2h.vllm_only_problems()
+        if vllm_only:
+            raise ConfigError(vllm_only)
+    require_available(backend=settings.store.backend,
+                      transfer_backend=settings.d2h.transfer_backend if settings.d2h else None)
+    for w in settings.warnings:
+        log.warning("config_warning", warning=w)
+    return settings
+
+
+def pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None = None) -> None:
+    """--metastore / --host-pool-gb, or the store config's metastore / host_pool_gb; both given and
+    different is an error naming both. The pool size (``args.host_pool_bytes``), by one rule:
+    --host-pool-gb / host_pool_gb > ``ock.mmc.local_service.dram.size`` of the mmc-local.conf named
+    by --local-config or $MMC_LOCAL_CONFIG_PATH > 1 GiB; ``args.host_pool_source`` names the winner
+    and ``args.host_pool_overrides`` the sources it overrode (for the start-up log line)."""
+    sources = []
+    for flag, attr in (("--metastore", "metastore"), ("--host-pool-gb", "host_pool_gb")):
+        given, configured = getattr(args, attr), getattr(store, attr)
+        if given is not None and configured is not None and given != configured:
+            raise ConfigError([f"{flag} {given} and kv_connector_extra_config.{attr} {configured!r} disagree; "
+                               "give one of them"])
+        setattr(args, attr, given if given is not None else configured)
+        if attr == "host_pool_gb" and args.host_pool_gb is not None:
+            named = flag if given is not None else f"kv_connector_extra_config.{attr}"
+            sources.append((int(args.host_pool_gb * 2**30), named))
+    if store.backend == "mooncake" and args.metastore is not None:
+        raise ConfigError([f"--metastore {args.metastore}: applies to backend 'kvoffload' only; backend 'mooncake' "
+                           "keeps its objects in the mooncake_master (kv_connector_extra_config.mooncake_master)"])
+    env = os.environ if env is None else env
+    args.memcache_local_config = getattr(args, "local_config", None) or env.get(LOCAL_ENV)
+    if store.backend == "memcache":
+        if args.metastore is not None:
+            raise ConfigError([f"--metastore {args.metastore}: applies to backend 'kvoffload' only; backend "
+                               "'memcache' reads its MetaService from the mmc-local.conf (--local-config or "
+                               f"${LOCAL_ENV})"])
+        if not args.memcache_local_config:
+            raise ConfigError([f"backend 'memcache': needs the LocalService's mmc-local.conf (its "
+                               "ock.mmc.meta_service_url, ock.mmc.local_service.config_store_url, protocol and "
+                               f"dram.size): give --local-config or set ${LOCAL_ENV}"])
+    try:
+        dram = local_dram_size(getattr(args, "local_config", None), env)
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    if dram is not None:
+        sources.append(dram)
+    sources.append((2**30, "default (1 GiB)"))
+    (args.host_pool_bytes, args.host_pool_source), rest = sources[0], sources[1:-1]
+    args.host_pool_overrides = [f"{name} = {size} bytes" for size, name in rest]
