@@ -11,7 +11,9 @@ from dsamodel.engine.decode import SparseDecoder
 from dsamodel.presets import tiny_model
 from dsamodel.sampling import SamplingParams
 
-from kvoffload_decode.loop import DecodeFull, DecodeLoop, installed_prefix
+from kvoffload_decode.admission import DecodeFull
+from kvoffload_decode.loop import DecodeLoop
+from kvoffload_decode.rows import installed_prefix
 
 
 @pytest.fixture()

@@ -11,7 +11,8 @@ from dsamodel.engine.decode import SparseDecoder
 from dsamodel.presets import tiny_model
 from dsamodel.sampling import SamplingParams
 
-from kvoffload_decode.loop import DecodeLoop, TooLarge, default_max_queued
+from kvoffload_decode.admission import TooLarge, default_max_queued
+from kvoffload_decode.loop import DecodeLoop
 
 N = 40
 

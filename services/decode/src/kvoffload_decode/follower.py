@@ -1,13 +1,14 @@
 """What a decode TP follower rank knows about its requests: the rows it pulled of each.
 
 A follower (TP rank 1..N-1 of a decode, ``kvoffload_decode.tp_ranks``) serves its own control port
-and pulls its contributor prefill ranks' shares into its own pool, through the same
-``LayerPuller`` rank 0 uses. ``FollowerPulls`` stands in for the ``DecodeLoop`` there: a request is
-known here from the moment rank 0's ``reserve`` reached this rank (``on_op``, called by
+and pulls its contributor prefill ranks' shares into its own pool, through the same pull path
+rank 0 uses (``kvoffload_decode.pull``). ``FollowerPulls`` stands in for the ``DecodeLoop`` there: a
+request is known here from the moment rank 0's ``reserve`` reached this rank (``on_op``, called by
 ``follow_decode``: rank 0 reserves, then waits at a barrier until every rank has) until its
-``finish``; the installed rows are counted per layer as rank 0 counts them; ``status`` answers rank
-0's poll with the requests whose prompt this rank holds whole (rank 0 runs a request only once
-every rank does). The first token is rank 0's business: a PrefillDone here is refused.
+``finish``; the rows are installed and counted per layer as rank 0 does it (the ``RowInstaller``
+of ``kvoffload_decode.rows``); ``status`` answers rank 0's poll with the requests whose prompt this
+rank holds whole (rank 0 runs a request only once every rank does). The first token is rank 0's
+business: a PrefillDone here is refused.
 
 Everything that changes the decoder holds ``lock``, which ``follow_decode`` holds while it applies
 an op (a step included), so a pull waits for a step and a step for a pull's install.
@@ -16,13 +17,12 @@ an op (a step included), so a pull waits for a step and a step for a pull's inst
 from __future__ import annotations
 
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from dsamodel.engine.decode import SparseDecoder
 
-from kvoffload_decode.loop import installed_prefix
+from kvoffload_decode.rows import RowInstaller
 
 
 @dataclass
@@ -34,6 +34,8 @@ class PulledRequest:
     rows: list[int]
     ahead: list[list[tuple[int, int]]]
     first_token: int | None = None  # never set here (rank 0 takes the first token)
+    copies: int = 0  # pulled rows being installed right now (``RowInstaller``)
+    free_after_copies: str | None = None  # never set here: rank 0's ops free a request, between installs
 
     @property
     def whole(self) -> bool:
@@ -45,9 +47,10 @@ class FollowerPulls:
 
     def __init__(self, decoder: SparseDecoder, tp_rank: int) -> None:
         self.decoder, self.tp_rank = decoder, tp_rank
-        self.lock = threading.RLock()
+        self.lock = threading.Condition(threading.RLock())
         self.pending: dict[str, PulledRequest] = {}
         self.num_layers = len(decoder.model.cache_layers)
+        self.installer = RowInstaller(decoder, self.lock, self.pending, copy_lock=self.lock)
 
     def on_op(self, op: tuple) -> None:
         """Called by ``follow_decode`` after each of rank 0's ops (under ``lock``)."""
@@ -73,18 +76,9 @@ class FollowerPulls:
             return request_id in self.pending
 
     def write_rows(self, request_id: str, layer: int, start: int, kv: torch.Tensor, index_k: torch.Tensor) -> float:
-        """Install rows [start, start + n) of a layer; returns the seconds the copy took."""
-        with self.lock:
-            req = self.pending.get(request_id)
-            if req is None:
-                raise KeyError(request_id)
-            if start + kv.shape[0] > req.num_prompt_tokens:
-                raise ValueError(f"rows [{start}, {start + kv.shape[0]}) go past the prompt's "
-                                 f"{req.num_prompt_tokens} tokens")
-            t = time.perf_counter()
-            self.decoder.write_prompt_layer(request_id, layer, kv, index_k, start=start)
-            req.rows[layer] = installed_prefix(req.rows[layer], req.ahead[layer], start, start + kv.shape[0])
-            return time.perf_counter() - t
+        """Install rows [start, start + n) of a layer, under ``lock`` (a step waits for it, and it for
+        a step); returns the seconds the copy took."""
+        return self.installer.write_rows(request_id, layer, start, kv, index_k)
 
     def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int, first_logprob=None,
                      draft_token: int | None = None) -> str:

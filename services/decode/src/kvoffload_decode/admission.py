@@ -1,0 +1,121 @@
+"""The decode loop's admission (``Admission``, a part of ``DecodeLoop``): a request is admitted into
+the decode's queue at once, never after a wait.
+
+``expect_remote`` raises ``DecodeFull`` (HTTP 429 with ``Retry-After``) only when ``max_queued``
+requests already wait for the running batch. An admitted request reserves its prompt's host-pool
+blocks right away — a sequence slot (device row) too when one is free; otherwise its pulled
+indexer keys are staged on the host (``SparseDecoder.reserve``). So the decode registers it at the
+proxy's metaserver at once, the prefill runs while other requests decode, and the pulled KV waits
+in host memory (the cheap resource) for a slot. When the host pool cannot hold the prompt either,
+the request still queues (``waiting``, FIFO) and gets its blocks as soon as others free theirs
+(``_reserve_waiting``); its ``on_reserved`` callback then lets the HTTP side register it
+(meanwhile the HTTP side tells the metaserver the request is queued, which lifts the proxy's
+registration deadline). Nothing in the decode times a queued request out: it waits until the
+client (or the proxy's ``--request-timeout-s``) gives up, which cancels it. A prompt that does not
+fit in the whole host pool is refused (``TooLarge``, HTTP 413).
+
+It works on the loop's state (``decoder``, ``engine_lock`` and ``lock``, ``pending``, ``waiting``,
+``running``, ``ledger``; see ``DecodeLoop``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dsamodel.engine.decode import SparseDecoder
+from dsamodel.sampling import RequestSampler, SamplingParams
+
+from kvoffload_decode.request import DecodeRequest, Emit
+
+
+class TooLarge(ValueError):
+    """The prompt does not fit in the decode's whole host pool."""
+
+
+class DecodeFull(RuntimeError):
+    """The decode's queue is full: a new request is refused at once (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def default_max_queued(decoder: SparseDecoder) -> int:
+    """The default queue limit (``--max-queued-requests 0``): as many requests as the host pool holds
+    at a quarter of ``max_model_len`` each, at least 4 per sequence slot, at most 1024. Queued
+    requests hold host blocks, not device rows, so host memory is what bounds the queue."""
+    g = decoder.pool.geometry
+    pool_tokens = g.num_blocks * g.block_size
+    by_pool = pool_tokens // max(1, decoder.max_model_len // 4)
+    return int(min(1024, max(4 * decoder.indexer.shape[1], by_pool)))
+
+
+class Admission:
+    """``DecodeLoop``'s admission (module doc)."""
+
+    def expect_remote(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit: Emit,
+                      on_reserved: Callable[[], None] | None = None) -> DecodeRequest:
+        """Admit a request whose KV a prefill will push, at once: its host blocks (and a sequence slot
+        if one is free) are reserved now, or — host pool full — it waits for them (``req.reserved``
+        False; ``on_reserved`` is called, under the loop's lock, when it got them). Raises DecodeFull
+        when ``max_queued`` requests already wait for the batch, ValueError for a reused id."""
+        with self.engine_lock, self.lock:
+            if request_id in self.pending or any(r.request_id == request_id for r in self.running):
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if self._stop:
+                raise DecodeFull("decode is shutting down")
+            if len(self.pending) >= self.max_queued:
+                self.rejected += 1
+                raise DecodeFull(f"decode queue is full ({len(self.pending)} queued, {len(self.running)} "
+                                 f"running, limit --max-queued-requests={self.max_queued}); retry later",
+                                 retry_after_s=self.retry_after_s())
+            req = DecodeRequest(request_id, prompt_ids, RequestSampler(params, self.eos_token_id), emit,
+                                len(self.decoder.model.cache_layers), on_reserved=on_reserved)
+            req.rows = [0] * req.num_layers
+            req.ahead = [[] for _ in range(req.num_layers)]
+            reserved = not self.waiting and self._reserve(req)  # TooLarge: refused, nothing held
+            self.ledger.open(request_id, "admitted")
+            self.pending[request_id] = req
+            if not reserved:
+                self.waiting.append(req)
+                self.ledger.advance(request_id, "queued")
+            return req
+
+    def retry_after_s(self) -> float:
+        """A client's pause before retrying a refused request: 1 s, up to 5 s for a queue many times
+        deeper than the batch (a refusal is cheap; a long pause would leave the queue idle)."""
+        return float(max(1, min(5, len(self.pending) // (16 * max(1, self.decoder.indexer.shape[1])))))
+
+    def _reserve(self, req: DecodeRequest) -> bool:
+        """Host blocks for the prompt (+ the first sampled token), and a sequence slot when one is free
+        and no queued request waits for one (a slot taken at arrival idles through the prefill, so
+        with a queue, slots go to complete prompts in arrival order); False when the pool cannot
+        hold the blocks now."""
+        n = len(req.prompt_ids) + 1
+        if not self.decoder.can_reserve(n):
+            if not self.decoder.seqs:  # nothing holds blocks, so none will be freed: it can never fit
+                raise TooLarge(f"the prompt ({len(req.prompt_ids)} tokens) does not fit in this decode's "
+                               f"host pool ({self.decoder.pool.stats().capacity_bytes} bytes)")
+            return False
+        self.decoder.reserve(req.request_id, n)
+        if self.decoder.free_slots and not any(self.decoder.seqs[r.request_id].seq_slot is None
+                                               for r in self.pending.values() if r.reserved):
+            self.decoder.bind(req.request_id)
+        req.reserved = True
+        return True
+
+    def _reserve_waiting(self) -> None:
+        """Blocks were freed: give them to the waiting requests, first come first served."""
+        while self.waiting and not self._stop:
+            req = self.waiting[0]
+            try:
+                if not self._reserve(req):
+                    return
+            except TooLarge as exc:
+                req.emit("error", str(exc))
+                self.cancel(req.request_id, str(exc), outcome="error")
+                continue
+            self.waiting.pop(0)
+            self.ledger.advance(req.request_id, "admitted")
+            if req.on_reserved is not None:
+                req.on_reserved()
