@@ -30,21 +30,36 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
 
 
-async def _scenario(loop: DecodeLoop) -> None:
-    calls: list[dict] = []
-    answers: dict[str, asyncio.Future] = {}
+class _Metaserver:
+    """The proxy's ``/v1/metaserver``: records every call; a queued notice is answered at once, a
+    registration when the test sets its status in ``answers`` ("the prefill")."""
 
-    async def metaserver(request: web.Request) -> web.Response:
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.answers: dict[str, asyncio.Future] = {}
+
+    async def handle(self, request: web.Request) -> web.Response:
         body = await request.json()
-        calls.append(body)
+        self.calls.append(body)
         if body["kv_transfer_params"].get("queued"):
             return web.json_response({"status": "ok"})
-        fut = answers.setdefault(body["request_id"], asyncio.get_running_loop().create_future())
-        status = await fut  # "the prefill": held until the test answers
+        fut = self.answers.setdefault(body["request_id"], asyncio.get_running_loop().create_future())
+        status = await fut  # held until the test answers
         return web.json_response({"status": "error"}, status=status)
 
+    async def until(self, cond, what: str) -> None:
+        for _ in range(200):
+            if cond():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"timed out waiting for {what}: {self.calls}")
+
+
+async def _scenario(loop: DecodeLoop) -> None:
+    meta = _Metaserver()
+    calls, answers, until = meta.calls, meta.answers, meta.until
     meta_app = web.Application()
-    meta_app.router.add_post("/v1/metaserver", metaserver)
+    meta_app.router.add_post("/v1/metaserver", meta.handle)
     meta_runner, meta_url = await _serve(meta_app)
     settings = AppSettings(model_name="tiny", max_model_len=256, advertise_host="127.0.0.1", control_port=1,
                            dp_rank=1)
@@ -53,13 +68,6 @@ async def _scenario(loop: DecodeLoop) -> None:
     def body(rid: str) -> dict:
         return {"prompt": list(range(1, N + 1)), "max_tokens": 2, "kv_transfer_params": {
             "do_remote_prefill": True, "metaserver": f"{meta_url}/v1/metaserver", "request_id": rid}}
-
-    async def until(cond, what: str) -> None:
-        for _ in range(200):
-            if cond():
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"timed out waiting for {what}: {calls}")
 
     try:
         async with aiohttp.ClientSession() as http:

@@ -8,6 +8,8 @@ A service's ``main`` reads top-down with these parts:
   and configured for every gRPC client of the process, logging set up; returns the TLS config.
 - ``GrpcSide``: the service's gRPC server with ``grpc.health.v1`` (readiness asked of a callable
   on every check, never a hard-coded SERVING) and ``kvoffload.v1.Stats`` (a snapshot callable).
+- ``draining_app``: a model service's aiohttp app, answering 503 once it drains; ``error_response``:
+  an HTTP error in the OpenAI API's shape.
 - ``serve_http``: serve an aiohttp app until SIGTERM/SIGINT, then drain — set ``DRAINING``
   (``refuse_while_draining``: new requests and ``/health`` get 503), health NOT_SERVING, give
   in-flight requests ``grace_s`` (a second signal cuts it short), close HTTP — and shut down in
@@ -33,7 +35,7 @@ import structlog
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvcore.backends import BackendUnavailableError
-from kvcore.config import ConfigError
+from kvcore.configerrors import ConfigError
 from kvcore.segment import sweep_stale_segments, unlink_owned_segments
 from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
 
@@ -172,14 +174,26 @@ class GrpcSide:
 # ---- HTTP: drain on SIGTERM, then the ordered shutdown --------------------------------------------
 
 
+def error_response(status: int, message: str, code: str) -> web.Response:
+    """An HTTP error as the OpenAI API answers it: ``{"error": {"message", "type": code, "code": status}}``."""
+    return web.json_response({"error": {"message": message, "type": code, "code": status}}, status=status)
+
+
+def draining_app(service: str) -> web.Application:
+    """An aiohttp app of ``service`` (bodies up to 32 MiB) that refuses new requests once it drains
+    (``refuse_while_draining``)."""
+    app = web.Application(client_max_size=32 << 20, middlewares=[refuse_while_draining(service)])
+    app[DRAINING] = asyncio.Event()
+    return app
+
+
 def refuse_while_draining(service: str):
     """The middleware of ``service``'s app (the app must hold ``app[DRAINING] = asyncio.Event()``)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler):
         if request.app[DRAINING].is_set() and (request.method == "POST" or request.path == "/health"):
-            return web.json_response({"error": {"message": f"{service} is shutting down; retry on another {service}",
-                                                "type": "unavailable", "code": 503}}, status=503)
+            return error_response(503, f"{service} is shutting down; retry on another {service}", "unavailable")
         return await handler(request)
 
     return middleware

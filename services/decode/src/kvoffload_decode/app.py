@@ -21,14 +21,16 @@ import structlog
 from aiohttp import web
 from dsamodel.openai import RequestError, check_body, prompt_ids, sampling_params
 from dsamodel.openai_output import Output, Responder
+from dsamodel.sampling import SamplingParams
 from dsamodel.tokenizer import ByteTokenizer
 from svcruntime.logs import REQUEST_IDS
-from svcruntime.serving import DRAINING, refuse_while_draining
+from svcruntime.serving import draining_app, error_response
 from svcruntime.sse import sse_response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from kvoffload_decode.loop import DecodeFull, DecodeLoop, TooLarge
-from kvoffload_decode.pull import BY_RANK
+from kvoffload_decode.admission import DecodeFull, TooLarge
+from kvoffload_decode.loop import DecodeLoop
+from pdlink.pullcounters import BY_RANK
 
 log = structlog.get_logger(__name__)
 
@@ -114,8 +116,7 @@ def build_app(loop: DecodeLoop, transfer, tokenizer: ByteTokenizer, settings: Ap
     """The HTTP API; ``not_ready()`` says why the decode cannot serve now ("" when it can: a TP
     decode whose rank died cannot), which ``/health`` answers with 503."""
     metrics = Metrics(loop, transfer)
-    app = web.Application(client_max_size=32 << 20, middlewares=[refuse_while_draining("decode")])
-    app[DRAINING] = asyncio.Event()
+    app = draining_app("decode")
 
     async def load_header(request: web.Request, response: web.StreamResponse) -> None:
         """Every answer carries the decode's load, which the proxy balances on."""
@@ -140,8 +141,24 @@ def encode_load(load: dict[str, float]) -> str:
     return ";".join(f"{k}={int(v)}" for k, v in load.items())
 
 
-def _error(status: int, message: str, code: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": code, "code": status}}, status=status)
+class _Events:
+    """What the loop tells one request's handler, from the loop's threads: tokens and errors
+    (``queue``; ``failed`` is set with the first error: the watchdog may fail a request early), and
+    that a request queued for host blocks got them (``reserved``)."""
+
+    def __init__(self, aio: asyncio.AbstractEventLoop) -> None:
+        self.aio = aio
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.failed = asyncio.Event()
+        self.reserved = asyncio.Event()
+
+    def emit(self, kind: str, value: object) -> None:
+        self.aio.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+        if kind == "error":
+            self.aio.call_soon_threadsafe(self.failed.set)
+
+    def on_reserved(self) -> None:
+        self.aio.call_soon_threadsafe(self.reserved.set)
 
 
 class _Handler:
@@ -166,73 +183,30 @@ class _Handler:
         return web.json_response({"status": "ok", **self.loop.stats(), "load": self.loop.load()})
 
     async def complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise RequestError("body: must be a JSON object")
-            check_body(body, chat=chat)
-            ids = prompt_ids(body, self.tokenizer, chat=chat)
-            params = sampling_params(body, chat=chat)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "body: malformed JSON", "invalid_request_error")
-        except RequestError as exc:
-            return _error(400, str(exc), "invalid_request_error")
-        if len(ids) + params.max_tokens > self.settings.max_model_len:
-            return _error(400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                               f"max_model_len={self.settings.max_model_len}", "invalid_request_error")
-        ktp = body.get("kv_transfer_params") or {}
-        if not isinstance(ktp, dict) or not ktp.get("do_remote_prefill") or not ktp.get("metaserver"):
-            return _error(400, "kv_transfer_params: this decode node serves requests with a remote prefill "
-                               "(do_remote_prefill and metaserver, as the proxy sends them)", "invalid_request_error")
+        parsed = await self._parse(request, chat)
+        if isinstance(parsed, web.Response):
+            return parsed
+        body, ids, params, ktp = parsed
         rid = str(ktp.get("request_id") or request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}")
         bound = log.bind(request_id=rid)
-        queue: asyncio.Queue = asyncio.Queue()
-        failed = asyncio.Event()  # set with the first error: the watchdog may fail a request early
-        aio = asyncio.get_running_loop()
-
-        def emit(kind: str, value: object) -> None:
-            aio.call_soon_threadsafe(queue.put_nowait, (kind, value))
-            if kind == "error":
-                aio.call_soon_threadsafe(failed.set)
-
-        reserved = asyncio.Event()  # set once the request holds its host blocks
-
-        try:  # admission never waits: queued at once, or 429 when the queue is full
-            admitted = await asyncio.to_thread(self.loop.expect_remote, rid, ids, params, emit,
-                                               lambda: aio.call_soon_threadsafe(reserved.set))
-        except DecodeFull as exc:
-            self.metrics.rejected.inc()
-            resp = _error(429, str(exc), "rate_limit_error")
-            resp.headers["Retry-After"] = str(int(exc.retry_after_s))
-            return resp
-        except TooLarge as exc:
-            return _error(413, str(exc), "invalid_request_error")
-        except ValueError as exc:
-            return _error(409, str(exc), "invalid_request_error")
+        events = _Events(asyncio.get_running_loop())
+        admitted = await self._admit(rid, ids, params, events)
+        if isinstance(admitted, web.Response):
+            return admitted
         REQUEST_IDS.link(rid, request.headers.get("X-Request-Id"))  # log lines carry the proxy's id
         bound.info("request_admitted", prompt_tokens=len(ids), max_tokens=params.max_tokens,
                    holds_blocks=admitted.reserved)
         done = False
         try:
-            if not admitted.reserved:  # host pool full: queued for blocks; lift the proxy's registration deadline
-                problem = await self._wait_for_blocks(rid, ktp["metaserver"], bound, reserved, failed, queue,
-                                                      _metaserver_token(ktp))
-                if problem:
-                    return _error(502, problem, "decode_error")
-            self.loop.awaiting_prefill(rid)
-            problem = await self._register_unless_failed(rid, ktp["metaserver"], bound, queue, failed,
-                                                         _metaserver_token(ktp))
-            if not problem:  # the prefill reported done before the metaserver answered: all KV must be here
-                problem = self.loop.check_prompt_complete(rid)
-            if problem:
-                self.metrics.requests.labels("prefill_failed").inc()
-                return _error(502, problem, "prefill_failed")
+            problem = await self._await_prefill(rid, ktp, bound, events, admitted.reserved)
+            if problem is not None:
+                return problem
             out = self.responder.output(body, params, ids, admitted.sampler.logprobs.__getitem__, chat=chat)
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                response = await self._stream(request, rid, queue, out, len(ids), include_usage)
+                response = await self._stream(request, rid, events.queue, out, len(ids), include_usage)
             else:
-                response = await self._collect(rid, queue, out, len(ids))
+                response = await self._collect(rid, events.queue, out, len(ids))
             done = True
             return response
         finally:
@@ -241,31 +215,87 @@ class _Handler:
                 self.metrics.requests.labels("cancelled").inc()
             REQUEST_IDS.unlink(rid)
 
-    async def _wait_for_blocks(self, rid: str, metaserver: str, bound, reserved: asyncio.Event,
-                               failed: asyncio.Event, queue: asyncio.Queue, token: str | None) -> str:
+    async def _parse(self, request: web.Request, chat: bool) -> tuple[dict, list[int], SamplingParams, dict] | web.Response:
+        """The request's body, prompt, sampling parameters and ``kv_transfer_params``, or the 400 that
+        refuses it."""
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise RequestError("body: must be a JSON object")
+            check_body(body, chat=chat)
+            ids = prompt_ids(body, self.tokenizer, chat=chat)
+            params = sampling_params(body, chat=chat)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(400, "body: malformed JSON", "invalid_request_error")
+        except RequestError as exc:
+            return error_response(400, str(exc), "invalid_request_error")
+        if len(ids) + params.max_tokens > self.settings.max_model_len:
+            return error_response(400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                       f"max_model_len={self.settings.max_model_len}", "invalid_request_error")
+        ktp = body.get("kv_transfer_params") or {}
+        if not isinstance(ktp, dict) or not ktp.get("do_remote_prefill") or not ktp.get("metaserver"):
+            return error_response(400, "kv_transfer_params: this decode node serves requests with a remote prefill "
+                                       "(do_remote_prefill and metaserver, as the proxy sends them)",
+                                  "invalid_request_error")
+        return body, ids, params, ktp
+
+    async def _admit(self, rid: str, ids: list[int], params: SamplingParams, events: _Events):
+        """The loop's ``DecodeRequest``, admitted at once (never a wait: queued, or 429 when the queue
+        is full), or the error answer."""
+        try:
+            return await asyncio.to_thread(self.loop.expect_remote, rid, ids, params, events.emit,
+                                           events.on_reserved)
+        except DecodeFull as exc:
+            self.metrics.rejected.inc()
+            resp = error_response(429, str(exc), "rate_limit_error")
+            resp.headers["Retry-After"] = str(int(exc.retry_after_s))
+            return resp
+        except TooLarge as exc:
+            return error_response(413, str(exc), "invalid_request_error")
+        except ValueError as exc:
+            return error_response(409, str(exc), "invalid_request_error")
+
+    async def _await_prefill(self, rid: str, ktp: dict, bound, events: _Events, reserved: bool) -> web.Response | None:
+        """Tell the proxy's metaserver where to push (once the request holds its host blocks) and wait
+        for the prefill: None when the prompt's KV and first token are all here, else the error answer."""
+        token = _metaserver_token(ktp)
+        if not reserved:  # host pool full: queued for blocks; lift the proxy's registration deadline
+            problem = await self._wait_for_blocks(rid, ktp["metaserver"], bound, events, token)
+            if problem:
+                return error_response(502, problem, "decode_error")
+        self.loop.awaiting_prefill(rid)
+        problem = await self._register_unless_failed(rid, ktp["metaserver"], bound, events, token)
+        if not problem:  # the prefill reported done before the metaserver answered: all KV must be here
+            problem = self.loop.check_prompt_complete(rid)
+        if problem:
+            self.metrics.requests.labels("prefill_failed").inc()
+            return error_response(502, problem, "prefill_failed")
+        return None
+
+    async def _wait_for_blocks(self, rid: str, metaserver: str, bound, events: _Events, token: str | None) -> str:
         """A request admitted while the host pool is full: tell the metaserver it is queued (the proxy
         then waits for its registration as long as the request lives), then wait for its blocks.
         No timer here: the client's disconnect (the proxy's ``--request-timeout-s``) cancels it."""
         problem = await self._register(rid, metaserver, bound, token, queued=True)
         if problem:
             return problem
-        waits = {asyncio.ensure_future(reserved.wait()), asyncio.ensure_future(failed.wait())}
+        waits = {asyncio.ensure_future(events.reserved.wait()), asyncio.ensure_future(events.failed.wait())}
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waits:
                 w.cancel()
-        if reserved.is_set():
+        if events.reserved.is_set():
             return ""
-        kind, value = queue.get_nowait()
+        kind, value = events.queue.get_nowait()
         return str(value)
 
-    async def _register_unless_failed(self, rid: str, metaserver: str, bound, queue: asyncio.Queue,
-                                      failed: asyncio.Event, token: str | None = None) -> str:
+    async def _register_unless_failed(self, rid: str, metaserver: str, bound, events: _Events,
+                                      token: str | None = None) -> str:
         """``_register``, cut short when the request fails meanwhile (its prefill went quiet):
         the metaserver's answer can take the whole prefill, a dead prefill must not."""
         register = asyncio.ensure_future(self._register(rid, metaserver, bound, token))
-        failure = asyncio.ensure_future(failed.wait())
+        failure = asyncio.ensure_future(events.failed.wait())
         try:
             await asyncio.wait({register, failure}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -274,7 +304,7 @@ class _Handler:
             return register.result()
         register.cancel()
         while True:  # the error the request failed with (tokens before it are dropped: it failed)
-            kind, value = queue.get_nowait()
+            kind, value = events.queue.get_nowait()
             if kind == "error":
                 bound.warning("request_failed_while_prefilling", reason=str(value))
                 return str(value)
@@ -346,9 +376,9 @@ class _Handler:
         if obj is None:
             if timed_out:
                 self.loop.cancel(rid, "token timeout")
-                return _error(504, error, "timeout")
+                return error_response(504, error, "timeout")
             self.metrics.requests.labels("error").inc()
-            return _error(500, error, "decode_error")
+            return error_response(500, error, "decode_error")
         self.metrics.requests.labels("ok").inc()
         return web.json_response(obj, headers={"X-Request-Id": rid})
 

@@ -9,22 +9,23 @@ its flags and settings are ``kvoffload_decode.options``."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import uuid
 
 import structlog
-from kvcore.config import ConfigError
+from kvcore.configerrors import ConfigError
 from kvcore.segment import host_id
 from kvoffload_proto.v1 import transfer_pb2_grpc
+from pdlink.transfer_service import TransferServicer
 from pdlink.memfabric import MemfabricNotInstalled, MemfabricRows, MemfabricTransfer, MemfabricUnavailable
+from svcruntime.ranks import share_cores
 from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, run, serve_http, start_process
 
 from kvoffload_decode import __version__
 from kvoffload_decode.app import AppSettings, build_app
 from kvoffload_decode.loop import DecodeLoop
 from kvoffload_decode.options import FLAG_RULES, SERVICE, build_parser, decoder_options, model_id_of, settings_of
-from kvoffload_decode.transfer import TransferServicer
+from kvoffload_decode.transfer import decode_transfer
 
 log = structlog.get_logger(__name__)
 
@@ -36,22 +37,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace, argv: list[str]) -> int:
-    from dsamodel.engine import build
-    from dsamodel.engine.decode import SparseDecoder
     from dsamodel.engine.layout import kv_layout
-    from dsamodel.engine.speculative import parse_speculative_config
     from dsamodel.tokenizer import ByteTokenizer
-    from dsamodel.weights import load_model
 
     tls = start_process(SERVICE, args, log_level=args.log_level, **FLAG_RULES)
-    try:
-        speculative = parse_speculative_config(args.speculative_config)
-    except ValueError as exc:
-        raise ConfigError([str(exc)]) from None
-    model = load_model(args.model, dtype=args.dtype)
-    if speculative and not model.config.num_nextn_predict_layers:
-        raise ConfigError([f"--speculative-config: the model at {args.model} has no MTP layer "
-                           "(num_nextn_predict_layers is 0)"])
+    model, speculative = _load_model(args)
     layout = kv_layout(model.config, args.block_size, model.dtype)
     settings = settings_of(args, layout, model.config.index_topk)
     if settings.tp > 1 and settings.d2h.transfer_backend == "memfabric":
@@ -61,23 +51,13 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     tp_rank = 0  # this process; ranks 1..tp-1 are its TPRanks
     control_port = settings.control_port(args.dp_rank, tp_rank)
     ranks = _tp_ranks(args, model, settings.tp, argv)
-    try:
-        pool = build.decode_pool(model, args.block_size, settings.host_pool_bytes,
-                                 name=f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}")
-    except BaseException:
-        if ranks is not None:
-            ranks.close()
-        raise
-    if ranks is None:
-        decoder = SparseDecoder(model, pool, **decoder_options(args, settings))
-    else:
-        decoder = ranks.lead(model, pool, **decoder_options(args, settings))
+    decoder, pool = _decoder(args, model, settings, ranks, control_port)
     loop = DecodeLoop(decoder, model.config.eos_token_id, peer_timeout_s=args.peer_timeout_s,
                       max_queued=args.max_queued_requests or None, num_speculative_tokens=speculative,
                       step_gather_s=args.step_gather_ms / 1000)
     model_id = model_id_of(args)
-    transfer = TransferServicer(loop, layout, model_id, host_id(), model.dtype, read_retries=args.read_retries,
-                                tls=tls, memfabric=memfabric, tp_rank=tp_rank, tp_size=settings.tp)
+    transfer = decode_transfer(loop, layout, model_id, host_id(), read_retries=args.read_retries, tls=tls,
+                               memfabric=memfabric, tp_rank=tp_rank, tp_size=settings.tp)
     grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _stats(loop, transfer, ledger), workers=16,
                          options=[("grpc.max_receive_message_length", 8 << 20)],
                          not_ready=ranks.not_ready if ranks else (lambda: ""))
@@ -103,6 +83,41 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _load_model(args: argparse.Namespace):
+    """The model, and the speculative tokens of ``--speculative-config`` (0: off); a config the model
+    cannot run (no MTP layer) is a ConfigError."""
+    from dsamodel.engine.speculative import parse_speculative_config
+    from dsamodel.weights import load_model
+
+    try:
+        speculative = parse_speculative_config(args.speculative_config)
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
+    model = load_model(args.model, dtype=args.dtype)
+    if speculative and not model.config.num_nextn_predict_layers:
+        raise ConfigError([f"--speculative-config: the model at {args.model} has no MTP layer "
+                           "(num_nextn_predict_layers is 0)"])
+    return model, speculative
+
+
+def _decoder(args: argparse.Namespace, model, settings, ranks, control_port: int):
+    """This rank's host pool and the decoder over it: a ``SparseDecoder``, or with TP ranks, rank 0's
+    ``LeadDecoder`` (the ranks are closed when the pool cannot be made)."""
+    from dsamodel.engine import build
+    from dsamodel.engine.decode import SparseDecoder
+
+    try:
+        pool = build.decode_pool(model, args.block_size, settings.host_pool_bytes,
+                                 name=f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}")
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+    if ranks is None:
+        return SparseDecoder(model, pool, **decoder_options(args, settings)), pool
+    return ranks.lead(model, pool, **decoder_options(args, settings)), pool
+
+
 def _tp_ranks(args: argparse.Namespace, model, size: int, argv: list[str]):
     """Ranks 1..size-1 started and joined, ``model`` sharded (None with one rank); a size the model
     cannot be sharded over is a ConfigError naming both."""
@@ -116,9 +131,7 @@ def _tp_ranks(args: argparse.Namespace, model, size: int, argv: list[str]):
         check_tp_size(model.config, size)
     except ValueError as exc:
         raise ConfigError([f"--tensor-parallel-size: {exc}"]) from None
-    import torch
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share this host's cores
+    share_cores(size)  # the ranks share this host's cores
     return TPRanks.start(model, size=size, argv=argv)
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import structlog
 from dsamodel.engine.engine import Engine, Sequence
 from dsamodel.sampling import RequestSampler, SamplingParams
-from kvcore.hostpool import ObjectLeased
+
+from kvoffload_prefill.prefix_cache import remove_unleased
 
 log = structlog.get_logger(__name__)
 
@@ -85,15 +86,9 @@ class GenerateLoop:
 
     def _reset_prefix_cache(self) -> dict[str, int]:
         keys, self.engine.prefix_keys = list(self.engine.prefix_keys), set()
-        removed = kept = 0
-        for key in keys:
-            try:
-                self.engine.prefill_pool.remove([key])
-                removed += 1
-            except ObjectLeased:
-                kept += 1
-                self.engine.prefix_keys.add(key)
-        return {"removed": removed, "kept_leased": kept}
+        counts, kept = remove_unleased(self.engine.prefill_pool, keys)
+        self.engine.prefix_keys.update(kept)
+        return counts
 
     def busy(self) -> int:
         with self._cond:

@@ -8,10 +8,10 @@ endpoints in ``transfer_params``; the engine announces each computed layer throu
 A tensor-parallel prefill (``follower_segments``: the layer buffers of TP ranks 1..N-1, which hold
 the same rows as rank 0's) has one layout per rank, each naming that rank's buffers, and one link
 per rank to every decode rank it feeds (a request names decode TP ``remote_tp_size`` ranks; rank t's
-contributor group is ``kvcore.settings.tp_contributors``). A reader is (request, decode endpoint,
+contributor group is ``kvcore.pdpair.tp_contributors``). A reader is (request, decode endpoint,
 prefill TP rank, its place in the group, the group's size), and each rank's link announces that
 rank's share of every layer
-(``kvcore.settings.contributor_share``), read out of that rank's buffers: no row crosses twice and
+(``kvcore.pdpair.contributor_share``), read out of that rank's buffers: no row crosses twice and
 the slot is reused only once every share was read. Rank 0 does the talking for all of them (it
 decides when a slot is taken, so it also knows when each follower's copy is in place), and its link
 to decode TP rank 0 reports the first token.
@@ -28,10 +28,12 @@ import torch
 from dsamodel.engine.prefill import LayerwisePrefill, PrefillRequest
 from dsamodel.sampling import RequestSampler, SamplingParams, TokenLogprob
 from kvcore.layout import dtype_name
-from kvcore.settings import contributor_share, tp_contributors
+from kvcore.pdpair import contributor_share, tp_contributors
 from svcruntime.ledger import Ledger
 from kvoffload_proto.v1 import transfer_pb2
 from pdlink.links import DecodeLink
+
+from kvoffload_prefill.prefix_cache import remove_unleased
 
 log = structlog.get_logger(__name__)
 
@@ -237,20 +239,12 @@ class PrefillWorker:
 
     def reset_prefix_cache(self) -> dict[str, int]:
         """Drop every prefix-cache object not being read right now; returns removed / kept counts."""
-        from kvcore.hostpool import ObjectLeased
-
         with self._lock:
             keys, self._cached_keys = list(self._cached_keys), set()
-        removed = kept = 0
-        for key in keys:
-            try:
-                self.engine.pool.remove([key])
-                removed += 1
-            except ObjectLeased:
-                kept += 1
-                with self._lock:
-                    self._cached_keys.add(key)
-        return {"removed": removed, "kept_leased": kept}
+        counts, kept = remove_unleased(self.engine.pool, keys)
+        with self._lock:
+            self._cached_keys.update(kept)
+        return counts
 
     def read_latency_ms(self) -> list[float]:
         with self._lock:
