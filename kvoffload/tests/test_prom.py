@@ -59,7 +59,7 @@ def test_the_decodes_own_metrics_are_read_by_name():
     """Every name ``tests/integration/test_load.py`` reads from a decode, in a decode's real export."""
     from types import SimpleNamespace
 
-    from kvoffload_decode.app import Metrics as DecodeMetrics
+    from kvoffload_decode.metrics import Metrics as DecodeMetrics
 
     stats = {"queued": 0, "waiting_for_blocks": 0, "running": 0, "rejected": 3, "gather_waits": 5,
              "gather_wait_s": 0.5}

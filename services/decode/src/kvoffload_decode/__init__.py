@@ -4,7 +4,8 @@ from the prefill, sparse-offload decode and token streaming (``kvoffload-decode`
 Modules:
 - ``server``: ``serve()`` and the ``kvoffload-decode`` command
 - ``options``: its flags, their checks, the validated settings and the ``SparseDecoder`` options
-- ``app``: the OpenAI HTTP API (admission, metaserver registration, SSE / JSON answers, metrics)
+- ``app``: the OpenAI HTTP API (admission, metaserver registration, SSE / JSON answers)
+- ``metrics``: its Prometheus ``/metrics``
 - ``loop``: ``DecodeLoop``, which owns the decoder and runs the batch (gathering, sampling, cancel,
   the watchdog's verdict); its parts:
   - ``admission``: admission at once, the queue limit (``DecodeFull``), the wait for host blocks
