@@ -134,40 +134,25 @@ def _run_prompts(*, batch, context, steps, topk_buffer_size, block_size, dtype, 
 
 def _run_trace(trace, *, batch, context, steps, topk_buffer_size, block_size, dtype, seed, trace_params) -> dict:
     """With a trace: two SparseDecoders with installed prompt KV replay the trace's top-k."""
-    from kvcore.traces import PRESETS, Trace, named
-
     from dsamodel.engine.trace_topk import TraceTopK
 
     t0 = time.perf_counter()
     base = tiny_config(dtype="float32")
-    synthetic = not isinstance(trace, Trace) and trace in PRESETS
-    if not synthetic and (context is not None or trace_params):
-        raise ValueError(f"trace {getattr(trace, 'name', trace)!r} is not generated here: it has its own contexts "
-                         f"and parameters (no context= or trace_params=)")
-    if isinstance(trace, Trace):
-        tr = trace
-    elif synthetic:
-        params = {"requests": 8 if batch is None else batch, "layers": base.num_hidden_layers,
-                  "context0": TRACE_CONTEXT if context is None else context, "steps": steps + 1, "seed": seed,
-                  **trace_params}
-        tr = named(trace, **params)
-    else:
-        tr = named(trace)  # FileNotFoundError: not recorded yet (its message says how to record it)
+    tr = _trace(trace, base, batch=batch, context=context, steps=steps, seed=seed, trace_params=trace_params)
     pairs = sorted(set(zip(tr.requests.tolist(), tr.groups.tolist())))
     batch = len(pairs) if batch is None else batch
     steps = min(steps, tr.steps - 1)
     if steps < 1:
         raise ValueError(f"trace {tr.name!r} has {tr.steps} step(s); the bench needs 2 or more (a warm-up step, then "
                          f"timed steps)")
-    num_layers = tr.num_layers
     ids = [f"r{i}" for i in range(batch)]
-    override = TraceTopK(tr, ids, num_layers=num_layers)
+    override = TraceTopK(tr, ids, num_layers=tr.num_layers)
     prompt_lens = [override.prompt_len(r) for r in ids]
     if min(prompt_lens) < 1:
         raise ValueError(f"trace {tr.name!r} starts at context {min(prompt_lens) + 1}: a prompt needs >= 1 token")
     k = tr.k
     max_len = max(prompt_lens) + 1 + steps + 1  # tokens after the warm-up and the timed steps
-    cfg = dataclasses.replace(base, index_topk=k, num_hidden_layers=num_layers, num_nextn_predict_layers=0,
+    cfg = dataclasses.replace(base, index_topk=k, num_hidden_layers=tr.num_layers, num_nextn_predict_layers=0,
                               max_position_embeddings=max(base.max_position_embeddings, max_len))
     model = init_weights(DSAModel(cfg, dtype=torch.float32), seed=seed).to(getattr(torch, dtype))
     if topk_buffer_size is None:
@@ -184,31 +169,69 @@ def _run_trace(trace, *, batch, context, steps, topk_buffer_size, block_size, dt
                                            miss_prefetch=pf)
         _install(decoders.values(), model, ids, prompt_lens, seed)
         setup_s = time.perf_counter() - t0
-        gen = torch.Generator().manual_seed(seed + 1)
-        tokens = torch.randint(0, 256, (batch,), generator=gen)
-        lg = {name: dec.step(ids, tokens) for name, dec in decoders.items()}  # warm-up: trace step 0, cold cache
-        equal = torch.equal(lg["sparse"], lg["keep"])
-        pf_equal = torch.equal(lg["sparse"], lg["prefetch"])
-        tokens = lg["sparse"].argmax(-1)
-        times: dict[str, list[float]] = {name: [] for name in decoders}
-        total, pf_total = StepStats(), StepStats()
-        for _ in range(steps):
-            for name, dec in decoders.items():
-                t = time.perf_counter()
-                lg[name] = dec.step(ids, tokens)
-                times[name].append(time.perf_counter() - t)
-            equal &= torch.equal(lg["sparse"], lg["keep"])
-            pf_equal &= torch.equal(lg["sparse"], lg["prefetch"])
-            _add(total, decoders["sparse"].last_step)
-            _add(pf_total, decoders["prefetch"].last_step)
-            tokens = lg["sparse"].argmax(-1)  # greedy, the same tokens into all
+        times, total, pf_total, equal, pf_equal = _replay(decoders, ids, steps, seed)
         dev = {name: _device_kv(dec.allocator) for name, dec in decoders.items()}
     finally:
         if "prefetch" in decoders:
             decoders["prefetch"].prefetcher.close()
         for p in pools:
             p.close()
-    prefetch = {
+    belady = _belady_hit_rate(tr, override.streams().flatten(), steps + 1, topk_buffer_size)
+    return _report(trace=tr.name, model=model, batch=batch, context=max(prompt_lens) + 1, steps=steps, dtype=dtype,
+                   topk_buffer_size=topk_buffer_size, times=times, dev=dev, total=total, equal=bool(equal),
+                   extra={"kv_source": "installed", "setup_s": setup_s, "belady_hit_rate": belady,
+                          "prefetch": _prefetch_report(times, total, pf_total, steps, pf_equal)})
+
+
+def _trace(trace, base, *, batch, context, steps, seed, trace_params):
+    """The ``Trace`` to replay: ``trace`` itself, a synthetic preset generated at the bench's sizes, or
+    a recorded one by name (as recorded: no ``context`` or ``trace_params``)."""
+    from kvcore.traces import PRESETS, Trace, named
+
+    synthetic = not isinstance(trace, Trace) and trace in PRESETS
+    if not synthetic and (context is not None or trace_params):
+        raise ValueError(f"trace {getattr(trace, 'name', trace)!r} is not generated here: it has its own contexts "
+                         f"and parameters (no context= or trace_params=)")
+    if isinstance(trace, Trace):
+        return trace
+    if synthetic:
+        params = {"requests": 8 if batch is None else batch, "layers": base.num_hidden_layers,
+                  "context0": TRACE_CONTEXT if context is None else context, "steps": steps + 1, "seed": seed,
+                  **trace_params}
+        return named(trace, **params)
+    return named(trace)  # FileNotFoundError: not recorded yet (its message says how to record it)
+
+
+def _replay(decoders: dict[str, SparseDecoder], ids: list[str], steps: int, seed: int):
+    """A warm-up step (trace step 0, cold cache), then ``steps`` timed steps of every decoder in turn,
+    greedy tokens of the sparse one fed to all: (step times by decoder, the sparse and the prefetch
+    decoders' summed ``StepStats``, whether sparse == keep logits and sparse == prefetch logits at every
+    step)."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, 256, (len(ids),), generator=gen)
+    lg = {name: dec.step(ids, tokens) for name, dec in decoders.items()}  # warm-up: trace step 0, cold cache
+    equal = torch.equal(lg["sparse"], lg["keep"])
+    pf_equal = torch.equal(lg["sparse"], lg["prefetch"])
+    tokens = lg["sparse"].argmax(-1)
+    times: dict[str, list[float]] = {name: [] for name in decoders}
+    total, pf_total = StepStats(), StepStats()
+    for _ in range(steps):
+        for name, dec in decoders.items():
+            t = time.perf_counter()
+            lg[name] = dec.step(ids, tokens)
+            times[name].append(time.perf_counter() - t)
+        equal &= torch.equal(lg["sparse"], lg["keep"])
+        pf_equal &= torch.equal(lg["sparse"], lg["prefetch"])
+        _add(total, decoders["sparse"].last_step)
+        _add(pf_total, decoders["prefetch"].last_step)
+        tokens = lg["sparse"].argmax(-1)  # greedy, the same tokens into all
+    return times, total, pf_total, equal, pf_equal
+
+
+def _prefetch_report(times: dict[str, list[float]], total: StepStats, pf_total: StepStats, steps: int,
+                     pf_equal: bool) -> dict:
+    """Miss prefetch on (the prefetch decoder) against off (the sparse one): the report's ``prefetch``."""
+    return {
         "misses_loaded_early": pf_total.prefetch_hits / max(pf_total.misses, 1),
         "rows_loaded_per_miss": pf_total.prefetched / max(pf_total.misses, 1),
         "load_s_per_step_off": total.load_s / steps, "load_s_per_step_on": pf_total.load_s / steps,
@@ -217,11 +240,6 @@ def _run_trace(trace, *, batch, context, steps, topk_buffer_size, block_size, dt
         "same_misses": (pf_total.hits, pf_total.misses) == (total.hits, total.misses),
         "logits_equal": bool(pf_equal),
     }
-    belady = _belady_hit_rate(tr, override.streams().flatten(), steps + 1, topk_buffer_size)
-    return _report(trace=tr.name, model=model, batch=batch, context=max(prompt_lens) + 1, steps=steps, dtype=dtype,
-                   topk_buffer_size=topk_buffer_size, times=times, dev=dev, total=total, equal=bool(equal),
-                   extra={"kv_source": "installed", "setup_s": setup_s, "belady_hit_rate": belady,
-                          "prefetch": prefetch})
 
 
 def _install(decoders, model: DSAModel, ids: list[str], prompt_lens: list[int], seed: int) -> None:

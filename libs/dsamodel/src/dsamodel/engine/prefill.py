@@ -9,10 +9,10 @@ For each chunk, every cache layer (base layers, then MTP layers) runs the design
     announce the layer to its readers    # remote decode endpoints (P/D); none in one process
 
 A loader thread acquires slots and loads prefixes up to ``prefetch_layers`` layers ahead of the
-compute, and a saver thread writes finished layers to the host pool, so transfers overlap compute
-(torch ops release the GIL). Pool objects are written once: full blocks under their chained hash
-key (the prefix cache), a partial tail block under a request key that names how many tokens it
-holds. Every failure settles the tickets it leaves behind, so no slot stays held (I4, I6).
+compute (``dsamodel.engine.prefill_loader``), and a saver thread writes finished layers to the host
+pool, so transfers overlap compute (torch ops release the GIL). Which pool object holds each block
+(the prefix cache, request-scoped tails) is ``dsamodel.engine.prefill_blocks``'s. Every failure
+settles the tickets it leaves behind, so no slot stays held (I4, I6).
 
 A cached prefix whose objects turn out unreachable (``ObjectUnreachable``: listed by a distributed
 store, but their owner is gone; the backend removed them) is a prefix-cache miss, not a failed
@@ -25,21 +25,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import structlog
 import torch
-from kvcore.blockkeys import block_keys, is_request_key, request_block_key
+from kvcore.blockkeys import block_keys
 from kvcore.device import DeviceAllocator
-from kvcore.gates import GateSet, SlotTicket
-from kvcore.hostpool import HostPoolBackend, ObjectExists, ObjectUnreachable
+from kvcore.gates import GateSet
+from kvcore.hostpool import HostPoolBackend, ObjectUnreachable
 from kvcore.leases import Lease
 from kvcore.plan import BufferPlan
+from kvcore.slottickets import SlotTicket
 
 from dsamodel.engine.buffers import LayerBuffers
 from dsamodel.engine.chunk_attention import attend
+from dsamodel.engine.prefill_blocks import Chunk, PromptBlocks
+from dsamodel.engine.prefill_loader import SlotLoader, fail_ticket
 from dsamodel.model import DSAModel, DecoderLayer
 
 if TYPE_CHECKING:
@@ -85,19 +88,6 @@ class PrefillResult:
 
 class PrefillError(RuntimeError):
     """A prefill failed; the request ends with this error and every slot it held is settled."""
-
-
-class _Chunk:
-    """Block bookkeeping of one chunk [start, end) of a request."""
-
-    def __init__(self, start: int, end: int, block_size: int) -> None:
-        self.start, self.end = start, end
-        self.first_block = start // block_size
-        self.end_block = -(-end // block_size)
-        self.first = False  # the request's first computed chunk (after any prefix-cache hit)
-        self.load_keys: list[bytes] = []  # objects of blocks [0, ceil(start / block_size))
-        self.save_keys: list[bytes] = []  # objects this chunk writes ...
-        self.save_blocks: list[int] = []  # ... and their block indices
 
 
 class LayerwisePrefill:
@@ -185,102 +175,47 @@ class LayerwisePrefill:
     def _run(self, req: PrefillRequest) -> PrefillResult:
         bs, n = self.block_size, req.prompt.numel()
         self._save_errors: list[BaseException] = []
-        hash_keys = block_keys(self.model_id, req.prompt, bs)
-        cached_blocks = self._match_prefix(hash_keys, n)
-        keys: list[bytes] = hash_keys[:cached_blocks]
-        lease = self.pool.lease(keys, self.lease_ttl_ms) if keys else None
-        owned: list[bytes] = []  # request-scoped objects, removed on release
-        allocated: list[bytes] = []  # every object this request allocated
-        leases = [lease] if lease else []
+        blocks = PromptBlocks(self.pool, req.request_id, block_keys(self.model_id, req.prompt, bs), n, bs,
+                              self.lease_ttl_ms)
         logits = first = draft = None
         try:
-            start = cached_blocks * bs
+            start = blocks.cached_blocks * bs
             for s in range(start, n, self.chunk_size):
                 e = min(s + self.chunk_size, n)
-                chunk = self._plan_chunk(req, s, e, hash_keys, keys, owned, leases, allocated)
+                chunk = blocks.plan_chunk(s, e)
                 chunk.first = s == start
                 logits, first, draft = self._run_chunk(req, chunk, final=e == n)
             self._saver.submit(lambda: None).result()  # this request's saves are written
             if self._save_errors:
                 raise PrefillError(f"saving request {req.request_id} to the host pool failed: "
                                    f"{self._save_errors[0]!r}") from self._save_errors[0]
-            for old in leases:
-                old.release()
-            full_lease = self.pool.lease(keys, self.lease_ttl_ms)
+            blocks.release_leases()
+            full_lease = self.pool.lease(blocks.keys, self.lease_ttl_ms)
         except BaseException:
-            for old in leases:
-                old.release()
+            blocks.release_leases()
             self._saver.submit(lambda: None).result()
-            written = [k for k, done in zip(allocated, self.pool.exists(allocated)) if done and k not in owned]
-            self.pool.remove([k for k in allocated if k not in written])  # complete hash blocks stay cached
+            blocks.remove_unwritten()  # complete hash blocks stay cached
             raise
         log.info("prefill_done", request_id=req.request_id, prompt_tokens=n,
                  cached_tokens=start, computed_tokens=n - start)
-        return PrefillResult(req.request_id, logits, first, draft, start, n - start, keys, full_lease, owned)
+        return PrefillResult(req.request_id, logits, first, draft, start, n - start, blocks.keys, full_lease,
+                             blocks.owned)
 
     def release(self, result: PrefillResult) -> None:
         """End the hand-off: release the lease and drop the request-scoped objects."""
         result.lease.release()
         self.pool.remove(result.owned_keys)
 
-    def _match_prefix(self, hash_keys: list[bytes], num_tokens: int) -> int:
-        """Leading full blocks already complete in the pool, leaving at least one token to compute."""
-        usable = (num_tokens - 1) // self.block_size
-        present = self.pool.exists(hash_keys[:usable])
-        return next((i for i, ok in enumerate(present) if not ok), len(present))
-
-    def _plan_chunk(self, req, s, e, hash_keys, keys, owned, leases, allocated) -> _Chunk:
-        """Decide the pool object of every block the chunk touches and allocate the new ones.
-
-        ``keys[b]`` is where block b of the request lives; on return it covers the chunk too. A few
-        pool calls per chunk, never one per block (the pool may be a remote index): one ``exists``
-        for the chunk's full blocks, one lease on those someone else already wrote (before the
-        ``alloc`` could evict them), one ``alloc`` for the rest, one lease on what this chunk writes.
-        """
-        bs = self.block_size
-        chunk = _Chunk(s, e, bs)
-        chunk.load_keys = list(keys[: -(-s // bs)])  # the prefix [0, s), old tail object included
-        del keys[chunk.first_block :]  # the old tail object is superseded by this chunk's
-        blocks = range(chunk.first_block, chunk.end_block)
-        full = range(chunk.first_block, e // bs)  # the chunk's blocks that end inside it
-        written = {b for b, ok in zip(full, self.pool.exists([hash_keys[b] for b in full]) if full else []) if ok}
-        if written:
-            leases.append(self.pool.lease([hash_keys[b] for b in sorted(written)], self.lease_ttl_ms))
-        chunk.save_blocks = [b for b in blocks if b not in written]
-        chunk.save_keys = self._alloc(req, e, [hash_keys[b] if b in full else request_block_key(req.request_id, b, version=e)
-                                               for b in chunk.save_blocks], chunk.save_blocks)
-        allocated += chunk.save_keys
-        owned += [k for k in chunk.save_keys if is_request_key(k)]
-        saved = dict(zip(chunk.save_blocks, chunk.save_keys))
-        keys += [saved[b] if b in saved else hash_keys[b] for b in blocks]
-        if chunk.save_keys:
-            leases.append(self.pool.lease(chunk.save_keys, self.lease_ttl_ms))  # pinned while we write
-        return chunk
-
-    def _alloc(self, req: PrefillRequest, version: int, keys: list[bytes], blocks: list[int]) -> list[bytes]:
-        """Allocate ``keys`` (of ``blocks``) in one call; a hash key another writer holds meanwhile is
-        swapped for a request-scoped copy of ours and the call repeated. Returns the keys allocated."""
-        keys = list(keys)
-        while keys:
-            try:
-                self.pool.alloc(keys)
-                break
-            except ObjectExists as exc:
-                if exc.key not in keys or is_request_key(exc.key):
-                    raise
-                i = keys.index(exc.key)
-                keys[i] = request_block_key(req.request_id, blocks[i], version=version)
-        return keys
-
     # ---- one chunk --------------------------------------------------------------------------
 
-    def _run_chunk(self, req: PrefillRequest, chunk: _Chunk, *, final: bool):
+    def _run_chunk(self, req: PrefillRequest, chunk: Chunk, *, final: bool):
         model = self.model
         s, e = chunk.start, chunk.end
         tokens = req.prompt[s:e].to(model.device)
         positions = torch.arange(s, e, device=model.device)
         layers = model.cache_layers
-        pipeline = _Loader(self, req, chunk)
+        pipeline = SlotLoader(self.gates, self.buffers, self.plan.num_logical_layers, self.prefetch_layers, req.readers,
+                              (req.request_id, self._try), lambda ticket: self._load(ticket, req, chunk))
         logits = first = draft = None
         followers = self.followers
         try:
@@ -312,7 +247,7 @@ class LayerwisePrefill:
         pipeline.finish()
         return logits, first, draft
 
-    def _layer(self, layer: DecoderLayer, ticket: SlotTicket, req, chunk: _Chunk, h, positions):
+    def _layer(self, layer: DecoderLayer, ticket: SlotTicket, req, chunk: Chunk, h, positions):
         """Compute one layer of the chunk in its slot, then hand the slot to the saver."""
         i = layer.cache_index
         s, e = chunk.start, chunk.end
@@ -334,7 +269,7 @@ class LayerwisePrefill:
                 self.followers.layer_done()
         except BaseException as exc:
             self.buffers.forget(i)
-            _fail_ticket(ticket, exc, compute=True, save=True, reads=True)
+            fail_ticket(ticket, exc, compute=True, save=True, reads=True)
             raise
         ticket.computed()
         self.buffers.set_residency(i, req.request_id, e)
@@ -349,7 +284,7 @@ class LayerwisePrefill:
                 raise
         return h
 
-    def _save(self, ticket: SlotTicket, chunk: _Chunk, layer: int) -> None:
+    def _save(self, ticket: SlotTicket, chunk: Chunk, layer: int) -> None:
         try:
             if chunk.save_keys:
                 blocks = torch.tensor(chunk.save_blocks, dtype=torch.long)
@@ -365,7 +300,7 @@ class LayerwisePrefill:
             return
         ticket.saved()
 
-    def _load(self, ticket: SlotTicket, req: PrefillRequest, chunk: _Chunk) -> None:
+    def _load(self, ticket: SlotTicket, req: PrefillRequest, chunk: Chunk) -> None:
         """Make the slot hold ``ticket.layer``'s rows [0, chunk.start) of the request."""
         layer = ticket.layer
         lo = self.buffers.load_from(layer, req.request_id, chunk.start)
@@ -388,73 +323,3 @@ class LayerwisePrefill:
         self.gates.abort_all("prefill engine closed")
         self._saver.shutdown(wait=True)
         self.buffers.close()
-
-
-def _fail_ticket(ticket: SlotTicket, exc: BaseException, *, compute: bool, save: bool, reads: bool) -> None:
-    """Settle whatever ``ticket`` will now never do, so its slot frees once the rest settles."""
-    if compute:
-        ticket.compute_failed(exc)
-    if save:
-        ticket.save_failed(exc)
-    if reads:
-        for reader in ticket.readers:
-            ticket.read_failed(reader, f"prefill failed before announcing: {exc}")
-
-
-class _Loader:
-    """Acquires slots and loads prefixes in layer order, at most ``prefetch_layers`` ahead."""
-
-    def __init__(self, engine: LayerwisePrefill, req: PrefillRequest, chunk: _Chunk) -> None:
-        self.engine, self.req, self.chunk = engine, req, chunk
-        n = engine.plan.num_logical_layers
-        self._futures: list[Future] = [Future() for _ in range(n)]
-        self._permits = threading.Semaphore(engine.prefetch_layers)
-        self._stop = threading.Event()
-        self._taken = 0
-        self._thread = threading.Thread(target=self._work, name="kv-load", daemon=True)
-        self._thread.start()
-
-    def _work(self) -> None:
-        for layer, fut in enumerate(self._futures):
-            self._permits.acquire()
-            if self._stop.is_set():
-                fut.set_exception(RuntimeError("prefill aborted"))
-                continue
-            try:
-                ticket = self.engine.gates.acquire(layer, self.req.readers, owner=(self.req.request_id, self.engine._try))
-            except BaseException as exc:
-                fut.set_exception(exc)
-                continue
-            try:
-                self.engine._load(ticket, self.req, self.chunk)
-            except BaseException as exc:
-                self.engine.buffers.forget(layer)
-                _fail_ticket(ticket, exc, compute=True, save=True, reads=True)
-                fut.set_exception(exc)
-                continue
-            fut.set_result(ticket)
-
-    def take(self, layer: int) -> SlotTicket:
-        """The ticket of ``layer`` once its prefix is loaded (raises the loader's error)."""
-        if layer != self._taken:
-            raise RuntimeError(f"layers must be taken in order: expected {self._taken}, got {layer}")
-        self._taken += 1
-        try:
-            return self._futures[layer].result()
-        finally:
-            self._permits.release()
-
-    def abort(self, exc: BaseException) -> None:
-        """Stop loading and settle tickets acquired for layers that will not run."""
-        self._stop.set()
-        for _ in self._futures:
-            self._permits.release()
-        self._thread.join()
-        for fut in self._futures[self._taken :]:
-            if fut.exception() is None:
-                ticket = fut.result()
-                self.engine.buffers.forget(ticket.layer)
-                _fail_ticket(ticket, exc, compute=True, save=True, reads=True)
-
-    def finish(self) -> None:
-        self._thread.join()

@@ -46,7 +46,8 @@ from typing import Any
 import structlog
 import torch
 
-from dsamodel.engine.decode import DecodeSeq, SparseDecoder
+from dsamodel.engine.decode import SparseDecoder
+from dsamodel.engine.decode_requests import DecodeSeq
 from dsamodel.engine.tp_channel import Channel, TPGroupBroken, tensor_dtype, tensor_spec
 
 log = structlog.get_logger(__name__)
