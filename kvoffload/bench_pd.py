@@ -41,6 +41,8 @@ identical in every pair (I3, ``tokens_equal``).
   memcpy of the same bytes, side by side in the bench process after the stack is down (other
   processes on the machine still count). A low in-stack ratio next to a high idle ratio points
   at the load (scheduling), not at the copy code.
+
+The memcpy references (the sampler, the idle diagnostic) are ``kvoffload.bench_pd_memcpy``'s.
 """
 
 from __future__ import annotations
@@ -53,10 +55,10 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
-import torch
+from kvoffload.bench_pd_memcpy import MemcpySampler, pull_vs_memcpy
+from kvoffload.sse import sse_events
 
 GOAL_TPOT_RATIO = 1.3
 GOAL_PULL_RATIO = 0.5
@@ -89,18 +91,15 @@ def _stream_timed(url: str, prompt: list[int], max_tokens: int, second: _Countdo
     ids, stamps = [], []
     try:
         with urllib.request.urlopen(req, timeout=1800) as resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if line.startswith("data: {"):
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise RuntimeError(f"request failed: {event['error']}")
-                    new = [t for c in event["choices"] for t in c.get("token_ids", [])]
-                    had = len(ids)
-                    ids += new
-                    stamps += [time.perf_counter()] * len(new)
-                    if had < 2 <= len(ids):
-                        second.done()
+            for event in sse_events(resp):
+                if "error" in event:
+                    raise RuntimeError(f"request failed: {event['error']}")
+                new = [t for c in event["choices"] for t in c.get("token_ids", [])]
+                had = len(ids)
+                ids += new
+                stamps += [time.perf_counter()] * len(new)
+                if had < 2 <= len(ids):
+                    second.done()
     finally:
         if len(ids) < 2:
             second.done()
@@ -116,44 +115,6 @@ def _tpot(stamps: list[float]) -> float | None:
     if len(half) < 2 or half[-1] == half[0]:
         return None
     return (half[-1] - half[0]) / (len(half) - 1)
-
-
-class _MemcpySampler:
-    """Times ``dst.copy_(src)`` of ``nbytes`` in a thread until ``stop`` is set (at least once).
-    Source and destination rotate over >= 64 MiB each (touched up front), so no copy is
-    cache-hot; after each copy it sleeps 4x its time (<= ~20% of one core)."""
-
-    def __init__(self, nbytes: int) -> None:
-        n = max(2, -(-(64 << 20) // max(nbytes, 1)))
-        self.src = torch.full((n, nbytes), 7, dtype=torch.uint8)  # [n, nbytes]
-        self.dst = torch.zeros(n, nbytes, dtype=torch.uint8)
-        self.nbytes = nbytes
-
-    def start(self, stop: threading.Event) -> Callable[[], tuple[float, int]]:
-        """Starts copying until ``stop`` is set; the returned function waits for the thread and
-        gives (GB/s = bytes over seconds, summed over the copies; number of copies)."""
-        times: list[float] = []
-
-        def loop() -> None:
-            i = 0
-            while True:
-                t = time.perf_counter()
-                self.dst[i % len(self.dst)].copy_(self.src[(i + 1) % len(self.src)])
-                dt = time.perf_counter() - t
-                times.append(dt)
-                i += 1
-                if stop.wait(max(4 * dt, 1e-3)):
-                    return
-
-        th = threading.Thread(target=loop, name="bench-pd-memcpy", daemon=True)
-        th.start()
-
-        def finish() -> tuple[float, int]:
-            th.join()
-            total = sum(times)
-            return (self.nbytes * len(times) / total / 1e9 if total else 0.0), len(times)
-
-        return finish
 
 
 class _Single:
@@ -179,61 +140,14 @@ class _Single:
         self.engine.close()
 
 
-def _pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 25) -> tuple[float, float]:
-    """(pull GB/s, memcpy GB/s) of one layer's rows, shared memory -> decode pool + indexer cache,
-    side by side in this process with the stack down (the ``idle_*`` diagnostic)."""
-    import uuid
-
-    import structlog
-    from dsamodel.engine import build
-    from dsamodel.engine.decode import SparseDecoder
-    from dsamodel.presets import tiny_model
-    from kvcore.segment import PoolGeometry, SharedSegment
-
-    model = tiny_model(dtype="float32").to(torch.bfloat16)
-    c = model.config
-    main_bytes, idx_bytes = c.kv_row_width * 2, c.index_head_dim * 2
-    blocks = -(-prompt_tokens // block_size)
-    seg = SharedSegment.create(f"kvoffload-bench-pull-{uuid.uuid4().hex[:8]}",
-                               PoolGeometry(block_size, (main_bytes, idx_bytes), blocks))
-    pool = build.decode_pool(model, block_size, 1 << 30)
-    dec = SparseDecoder(model, pool, topk_buffer_size=128, max_num_seqs=1, max_model_len=prompt_tokens + 16)
-    try:
-        dec.admit("bench", prompt_tokens + 1)
-        main = seg.plane(0).view(-1, main_bytes)[:prompt_tokens]  # the prefill's buffer rows
-        idx = seg.plane(1).view(-1, idx_bytes)[:prompt_tokens]
-        main.fill_(3)
-        idx.fill_(5)
-        nbytes = main.numel() + idx.numel()
-        layers = len(model.cache_layers)
-        dst = torch.empty(layers, nbytes, dtype=torch.uint8)  # like the pool: one region per layer
-        src = torch.cat((main.reshape(-1), idx.reshape(-1)))
-        pulls, copies = [], []
-        for r in range(reps + layers):  # the first round over the layers touches every page once
-            t = time.perf_counter()
-            dec.write_prompt_layer("bench", r % layers, main.view(torch.bfloat16).view(prompt_tokens, -1),
-                                   idx.view(torch.bfloat16).view(prompt_tokens, -1))
-            t1 = time.perf_counter()
-            dst[r % layers].copy_(src)
-            t2 = time.perf_counter()
-            if r >= layers:
-                pulls.append(t1 - t)
-                copies.append(t2 - t1)
-        return nbytes / statistics.median(pulls) / 1e9, nbytes / statistics.median(copies) / 1e9
-    finally:
-        dec.finish("bench")
-        pool.close()
-        seg.close()
-        seg.unlink()
-        structlog.reset_defaults()
-
-
 def _rounds(model_dir: Path, log_dir: Path, prefill_args: list[str], *, requests: int, prompt_tokens: int,
-            max_tokens: int, block_size: int, rounds: int, gen: random.Random, sampler: "_MemcpySampler"
+            max_tokens: int, block_size: int, rounds: int, gen: random.Random, sampler: MemcpySampler
             ) -> tuple[list[dict], bool]:
     """``rounds`` interleaved P/D + single-process pairs on ``model_dir`` (the prefill started with
     ``prefill_args``): (per-round figures, whether greedy tokens were equal in every pair)."""
-    from kvoffload.stack import Stack, StackConfig, free_stack_ports, stack_stats
+    from kvoffload.ports import free_stack_ports
+    from kvoffload.stack import Stack, StackConfig
+    from kvoffload.stack_client import stack_stats
 
     cfg = StackConfig(model=model_dir, log_dir=log_dir, **free_stack_ports(), max_model_len=8192,
                       block_size=block_size,
@@ -364,7 +278,7 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
     gen = random.Random(0)
     sizes = dict(requests=requests, prompt_tokens=prompt_tokens, max_tokens=max_tokens, block_size=block_size,
                  rounds=rounds, gen=gen)
-    sampler = _MemcpySampler(memcpy_bytes)
+    sampler = MemcpySampler(memcpy_bytes)
     per_round, tokens_equal = _rounds(model_dir, work / "logs", [], sampler=sampler, **sizes)
     del sampler
 
@@ -383,7 +297,7 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
     }
     if tp:  # (prefill TP, decode TP) = (2, 1); float32: a TP size's partial sums round differently
         model32 = write_tiny(work / "tiny-float32", dtype="float32")
-        sampler = _MemcpySampler(min(prompt_tokens, CHUNK_SIZE) * _row_bytes(model32))
+        sampler = MemcpySampler(min(prompt_tokens, CHUNK_SIZE) * _row_bytes(model32))
         tp_rounds, tp_equal = _rounds(model32, work / "logs-tp2", ["--tensor-parallel-size", "2"],
                                       sampler=sampler, **sizes)
         del sampler
@@ -397,7 +311,7 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
             "tokens_equal": tp_equal, "per_round": tp_rounds}
     out |= _goals(out, per_round)
     if idle_pull:
-        idle_pull_gbps, idle_memcpy = _pull_vs_memcpy(prompt_tokens, block_size)
+        idle_pull_gbps, idle_memcpy = pull_vs_memcpy(prompt_tokens, block_size)
         out |= {"idle_pull_gbps": idle_pull_gbps, "idle_memcpy_gbps": idle_memcpy,
                 "idle_pull_ratio_to_memcpy": idle_pull_gbps / idle_memcpy}
     return out

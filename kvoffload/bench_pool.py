@@ -39,7 +39,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 
 import torch
-from kvcore.segment import PoolGeometry
+from kvcore.poolgeometry import PoolGeometry
 
 SHAPES = {"kv_block": (64, 576, 512), "1mib": (64, 16384, 32)}  # name -> (rows, row bytes, objects per batch)
 
@@ -134,7 +134,7 @@ def _reader(kind: str, name: str, repeats: int, **conn) -> Callable[[list[bytes]
 
 def _kvoffload(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
     from kvcore.eviction import LRUEviction
-    from kvcore.hostpool import LocalHostPool
+    from kvcore.localpool import LocalHostPool
     from poolclient.remotepool import RemoteHostPool
 
     target = _start_metastore(stack)
@@ -211,7 +211,9 @@ def _memcache_main(args: dict) -> None:
 
 
 def _start_metastore(stack: ExitStack) -> str:
-    from kvoffload.stack import _bin, free_port_base, healthy
+    from kvoffload.ports import free_port_base
+    from kvoffload.stack import _bin
+    from kvoffload.stack_client import healthy
 
     port = free_port_base((0,))
     proc = subprocess.Popen([_bin("kvoffload-metastore"), "--host", "127.0.0.1", "--port", str(port),

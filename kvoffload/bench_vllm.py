@@ -37,7 +37,7 @@ through the proxy; both had a warm-up request of that length first.
   pulled_total`` / ``..._requests_failed_total``, deltas over the rounds (goals: every P/D request
   pulled, ``pd_requests_pulled`` >= ``rounds``, and none failed: a decode that recomputed the prompt
   instead of pulling it gives the same tokens, so ``pd_tokens_equal`` alone cannot tell);
-- ``pd_bytes_pulled_per_request`` (the decode's ``vllm:kvoffload_d2h_consumer_bytes_pulled_total``
+- ``pd_bytes_pulled_per_request`` (the decode's ``vllm:kvoffload_d2h_consumer_bytes_read_total``
   over its ``..._requests_pulled_total``, both as deltas over the rounds; None when nothing was
   pulled) against ``pd_prompt_kv_bytes``: the blocks the prompt occupies (vLLM moves whole blocks of
   128 tokens), K and V of every layer in float32;
@@ -61,6 +61,7 @@ import urllib.request
 from pathlib import Path
 
 from kvoffload.prom import metric
+from kvoffload.sse import sse_events
 
 
 GOAL_TTFT_RATIO = 0.3
@@ -77,11 +78,7 @@ def _stream(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[f
     req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     t0, tokens, stamps = time.perf_counter(), [], []
     with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
+        for event in sse_events(resp):
             if "error" in event:
                 raise RuntimeError(f"the completion on {url} failed: {event['error']}")
             for choice in event["choices"]:
@@ -185,7 +182,7 @@ def _plain(plain, name: str, rounds: int, prompt_tokens: int, max_tokens: int, s
 def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens: int, say,
         plain_rounds: list[dict]) -> dict:
     """The P/D stack on the prompts the plain server answered (``plain_rounds``): the ``pd_*`` fields."""
-    from kvoffload.stack import free_stack_ports
+    from kvoffload.ports import free_stack_ports
     from kvoffload.vllm_server import Metastore, Proxy, VllmServer, running
     from kvoffload.vllm_stack import vllm_decode_transfer_config, vllm_prefill_transfer_config
 
@@ -193,7 +190,7 @@ def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens
     name, max_len = str(model_dir), prompt_tokens + max_tokens + 512
 
     ports = free_stack_ports(1, 1)
-    counters = [CONSUMER.format(c) for c in ("bytes_pulled", "requests_pulled", "requests_failed")]
+    counters = [CONSUMER.format(c) for c in ("bytes_read", "requests_pulled", "requests_failed")]
     with Metastore(work / "pd-metastore.log") as ms:
         prefill = VllmServer(model_dir, port=ports["prefill_ports"][0], max_model_len=max_len, env=prefill_env,
                              log_path=work / "prefill.log", start_timeout_s=300,

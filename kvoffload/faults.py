@@ -11,10 +11,11 @@ killed service is restarted, and the run records:
 - whether each request ended (success or error) within its deadline, and how long it took;
 - whether each success returned exactly the oracle's greedy tokens (``kvoffload.reference``: the
   plain full-KV path, none of the stack's machinery), and whether
-  each failure got the error its fault gives (``EXPECTED_ERRORS``: the fault's status, and a message
-  naming the service it hit; any 50x is not enough);
+  each failure got the error its fault gives (``kvoffload.fault_catalog``: the fault's status, and
+  a message naming the service it hit; any 50x is not enough);
 - what is still held once the system is idle again: prefill slots, decode pool bytes and
-  sequences, pool and metastore leases, open ledger entries (polled until zero or a timeout);
+  sequences, pool and metastore leases, open ledger entries (polled until zero or a timeout;
+  ``kvoffload.fault_tally`` counts them and sums the runs);
 - whether a fresh request then succeeds with the right tokens.
 
 The stack runs with short bounds (peer timeout 2 s) so a run takes seconds, not minutes.
@@ -32,7 +33,6 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import re
 import signal
 import tempfile
 import threading
@@ -40,47 +40,19 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvoffload.stack import (DATA_PORT_OFFSET, MOONCAKE_MASTER, Stack, StackConfig, healthy, ensure_tiny_model,
-                             free_stack_ports, stack_stats)
+from kvoffload.fault_catalog import FAULTS_BY_POOL, peer_names, wrong_error
+from kvoffload.fault_tally import MissingStatsKey, RequestRecord, RunRecord, goal_met, held, summarize
+from kvoffload.ports import free_stack_ports
+from kvoffload.stack import MOONCAKE_MASTER, Stack, StackConfig, ensure_tiny_model
+from kvoffload.stack_client import healthy, stack_stats
 
 PEER_TIMEOUT_S = 2.0
 POOL_TIMEOUT_MS = 3000  # the metastore's heartbeat timeout for pools
 REQUEST_DEADLINE_S = 45.0  # a client request must end (either way) within this
 BLOCK_SIZE = 16
 MAX_TOKENS = 6
-
-# fault -> relative weight in a randomized run
-FAULTS: dict[str, int] = {
-    "none": 1,
-    "kill_decode": 2,
-    "kill_prefill": 2,
-    "kill_metastore": 1,
-    "kill_proxy": 1,
-    "stall_decode_short": 2,
-    "stall_decode_long": 2,
-    "stall_prefill_long": 2,
-    "expire_pool_and_leases": 1,
-    "overfill_decode": 1,
-    "fill_host_pool": 1,
-}
-# the faults of a stack whose prefill pool is on Mooncake Store: no metastore to kill or to let the
-# pool expire at; its master instead, and kill_prefill leaves a dead segment owner (module docstring)
-MOONCAKE_FAULTS: dict[str, int] = {
-    "none": 1,
-    "kill_decode": 2,
-    "kill_prefill": 2,
-    "kill_mooncake_master": 2,
-    "kill_proxy": 1,
-    "stall_decode_short": 1,
-    "stall_decode_long": 1,
-    "stall_prefill_long": 1,
-    "overfill_decode": 1,
-    "fill_host_pool": 1,
-}
-FAULTS_BY_POOL = {"kvoffload": FAULTS, "mooncake": MOONCAKE_FAULTS}
 RECOVERY_S = 60.0  # after a restart every prefill reports ready within this (a new master: objects put again)
 PREFILL_POOL_GB = 0.006  # ~2680 tokens of the tiny model: the longest prompt fits, FILLER_TOKENS does not
 FILLER_TOKENS = 3200
@@ -104,30 +76,6 @@ def fault_stack_config(model: Path, log_dir: Path, pool: str = "kvoffload") -> S
             "prefill-0": ["--peer-timeout-s", t, "--read-timeout-s", "15"],
             "proxy": ["--request-timeout-s", "30", "--metaserver-timeout-s", "10", "--connect-timeout-s", "2"],
         })
-
-
-@dataclass
-class RequestRecord:
-    prompt_tokens: int
-    stream: bool
-    ok: bool = False
-    ended: bool = False
-    seconds: float = 0.0
-    tokens_equal: bool | None = None  # successes only
-    error: str = ""
-    # failures only: why the error is not the one the run's fault gives (``wrong_error``), "" when it
-    # is; None: not judged, which counts as wrong
-    wrong_error: str | None = None
-
-
-@dataclass
-class RunRecord:
-    run: int
-    fault: str
-    requests: list[RequestRecord] = field(default_factory=list)
-    leaks: dict[str, float] = field(default_factory=dict)
-    fresh_ok: bool = False
-    seconds: float = 0.0
 
 
 def _prompts() -> list[list[int]]:
@@ -182,164 +130,6 @@ def _sse_error(error: object) -> str:
         return f"SSE error: {error}"
     code = error.get("code")
     return f"SSE error{f' {code}' if isinstance(code, int) else ''}: {error.get('message', error)}"
-
-
-def error_status(error: str) -> int | None:
-    """The HTTP status an error of ``_request`` carries (an SSE error event's code), None when the
-    request got no HTTP answer (the connection broke)."""
-    m = re.match(r"(?:HTTP|SSE error) (\d{3})\b", error)
-    return int(m.group(1)) if m else None
-
-
-# ---- the error each fault may give ----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ExpectedError:
-    """What a request that ``fault`` failed must have been told: one of ``statuses`` (None: no HTTP
-    answer, the client's connection broke) and a message that names ``peer``, the service the fault
-    hit, the way the proxy and the services name it (``peer_names``), and says ``says`` when set.
-    No statuses: the fault must fail no request."""
-
-    statuses: frozenset[int | None] = frozenset()
-    peer: str = ""
-    says: str = ""
-
-
-# What each fault gives, read off how the proxy and the services fail (services/proxy upstream.py,
-# flow.py; the decode's app.py and watchdog; the prefill's worker; pdlink's links):
-# - a dead decode: the proxy's 502 "decoder <url> failed while sending the request / relaying the
-#   response" (an SSE error once streaming), or 503 "no decoder reachable"; or the prefill's 502 about
-#   its peer ("decode <host:port> no longer waits", "the decode did not read layer(s)"), relayed as
-#   "prefiller <url> answered HTTP 502";
-# - a dead prefill: 502 "prefiller <url> failed while running the prefill" / 503 "no prefiller
-#   reachable", or the decode's watchdog, "prefill <host:port> sent no news", relayed as 502;
-# - a dead metastore: the prefill's 502 "prefill failed: MetaStore <call>: UNAVAILABLE";
-# - a dead proxy: no HTTP answer, the connection breaks;
-# - a decode stopped past the peer timeout: the prefill's 502 (its reads not done); a prefill
-#   stopped past it (and past the pool's heartbeat timeout): the decode's watchdog, 502;
-# - more requests than the decode's queue holds: 429 "every decoder is at its queue limit";
-# - a prompt the prefill's host pool cannot hold: the prefill's 502 "host pool full";
-# - a dead mooncake_master: the prefill's 502 naming Mooncake's failed call ("Mooncake Store exists
-#   failed ... the master does not answer").
-EXPECTED_ERRORS: dict[str, ExpectedError] = {
-    "none": ExpectedError(),
-    "stall_decode_short": ExpectedError(),  # READ_DONE only delayed: nothing fails
-    "kill_decode": ExpectedError(frozenset({502, 503}), "decode"),
-    "kill_prefill": ExpectedError(frozenset({502, 503}), "prefill"),
-    "kill_metastore": ExpectedError(frozenset({502}), "metastore"),
-    "kill_mooncake_master": ExpectedError(frozenset({502}), "mooncake"),
-    "kill_proxy": ExpectedError(frozenset({None}), "proxy"),
-    "stall_decode_long": ExpectedError(frozenset({502}), "decode"),
-    "stall_prefill_long": ExpectedError(frozenset({502}), "prefill"),
-    "expire_pool_and_leases": ExpectedError(frozenset({502}), "prefill"),
-    "overfill_decode": ExpectedError(frozenset({429}), "decode", "queue limit"),
-    "fill_host_pool": ExpectedError(frozenset({502}), "prefill", "host pool full"),
-}
-
-
-def peer_names(cfg: StackConfig) -> dict[str, tuple[str, ...]]:
-    """How errors name each service of a one-prefill, one-decode stack ``cfg``: the proxy names a
-    backend by role and URL ("decoder http://host:port"; "every decoder" when all refused), the
-    services their peers by role and gRPC address ("prefill host:data_port", "decode
-    host:control_port") or role ("the decode did not read ..."); the metastore and Mooncake are
-    named by name. A broken connection to the proxy is named by the exception that says so."""
-    h, prefill, decode = cfg.host, cfg.prefill_ports[0], cfg.decode_ports[0]
-    return {
-        "decode": (f"http://{h}:{decode}", f"decode {h}:{cfg.decode_control_port(0)}", "the decode ",
-                   "every decoder "),
-        "prefill": (f"http://{h}:{prefill}", f"prefill {h}:{prefill + DATA_PORT_OFFSET}", "the prefill "),
-        "metastore": ("MetaStore", "metastore"),
-        "mooncake": ("Mooncake", "mooncake"),
-        "proxy": ("RemoteDisconnected", "ConnectionResetError", "ConnectionRefusedError", "Connection refused",
-                  "IncompleteRead", "BrokenPipeError", "the stream ended without data: [DONE]"),
-    }
-
-
-def _shown(status: int | None) -> str:
-    return "no HTTP answer" if status is None else f"HTTP {status}"
-
-
-def wrong_error(fault: str, error: str, names: dict[str, tuple[str, ...]]) -> str:
-    """Why ``error`` (a failed request's, as ``_request`` wrote it) is not what ``fault`` gives
-    (``EXPECTED_ERRORS``); "" when it is. Any 50x is not enough: the status must be the fault's and
-    the message must name the service the fault hit."""
-    want = EXPECTED_ERRORS[fault]
-    status = error_status(error)
-    if not want.statuses:
-        return f"{fault} must fail no request; this one got {_shown(status)}"
-    if status not in want.statuses:
-        wanted = " or ".join(sorted(map(_shown, want.statuses)))
-        return f"{fault} gives {wanted}, not {_shown(status)}"
-    if not any(name in error for name in names[want.peer]):
-        return f"{fault}: the error does not name the {want.peer} ({' / '.join(names[want.peer])})"
-    if want.says and want.says not in error:
-        return f"{fault}: the error does not say {want.says!r}"
-    return ""
-
-
-LEAK_KEYS = ("leaked_slots", "leaked_pool_bytes", "leaked_leases", "open_requests")
-
-# The Stats counters the tally reads, per kind of service — exactly what each service's GetStats
-# always reports (prefill: kvcore.gates + the ledger + the pool; decode: the loop + the ledger + the
-# pool; metastore: kvoffload_metastore.metrics.stats_counters). The prefill reports its pool's
-# counters only while the pool answers (``pool_available`` 1); ``pool_available`` 0 counts as open.
-REQUIRED_STATS: dict[str, tuple[str, ...]] = {
-    "prefill": ("held_slots", "ledger_open", "pool_available"),
-    "decode": ("pool_used_bytes", "pool_live_leases", "sequences", "ledger_open"),
-    "metastore": ("live_leases",),
-}
-PREFILL_POOL_STATS = ("pool_live_leases",)  # required when pool_available is 1
-
-
-class MissingStatsKey(LookupError):
-    """A service's Stats lack a counter the leak tally needs (renamed or dropped): never read as 0."""
-
-
-def _kind(name: str) -> str:
-    for kind in ("prefill", "decode"):
-        if name.startswith(kind + "-") or name == kind:
-            return kind
-    if name == "metastore":
-        return name
-    raise MissingStatsKey(f"Stats of an unknown service {name!r}: the leak tally knows prefill-N, decode-N "
-                          f"and metastore")
-
-
-def _require(name: str, counters: dict[str, float], keys: tuple[str, ...]) -> None:
-    missing = [k for k in keys if k not in counters]
-    if missing:
-        raise MissingStatsKey(f"{name}: Stats lack {', '.join(map(repr, missing))} (the leak tally needs "
-                              f"{', '.join(keys)}); the keys present are: {sorted(counters)}")
-
-
-def held(stats: dict[str, dict[str, float]], pool: str = "kvoffload") -> dict[str, float]:
-    """What the stack still holds (all zero when idle). Every counter it reads must be present:
-    a missing one raises ``MissingStatsKey`` (naming the service, the key and the keys present)
-    instead of counting as 0, and so do Stats without the metastore (``pool`` "kvoffload": the
-    metastore indexes the prefill's pool; other pools have none), without a prefill or a decode,
-    or of an unknown service."""
-    if pool == "kvoffload" and "metastore" not in stats:
-        raise MissingStatsKey(f"no Stats of the metastore among {sorted(stats)}")
-    kinds = {_kind(name) for name in stats}
-    if not {"prefill", "decode"} <= kinds:
-        raise MissingStatsKey(f"the leak tally needs Stats of a prefill and a decode; got {sorted(stats)}")
-    out = dict.fromkeys(LEAK_KEYS, 0.0)
-    for name, c in stats.items():
-        kind = _kind(name)
-        _require(name, c, REQUIRED_STATS[kind])
-        if kind == "prefill":
-            if c["pool_available"]:
-                _require(name, c, PREFILL_POOL_STATS)
-                out["leaked_leases"] += c["pool_live_leases"]
-            out["leaked_slots"] += c["held_slots"]
-            out["open_requests"] += c["ledger_open"] + (1 - c["pool_available"])
-        elif kind == "decode":
-            out["leaked_pool_bytes"] += c["pool_used_bytes"]
-            out["leaked_leases"] += c["pool_live_leases"]
-            out["open_requests"] += c["sequences"] + c["ledger_open"]
-        else:
-            out["leaked_leases"] += c["live_leases"]
-    return out
 
 
 class FaultRunner:
@@ -476,49 +266,6 @@ class FaultRunner:
             time.sleep(0.25)
 
 
-def _leak_total(leaks: list[dict[str, float]], key: str) -> float:
-    """``key`` summed over the runs whose Stats could be read (each of those has every LEAK_KEYS
-    entry; a record without it is an error, not a 0). Runs with ``stats_error`` count in
-    ``stats_unreadable`` (and ``open_requests_after``) instead."""
-    total = 0.0
-    for i, x in enumerate(leaks):
-        if "stats_error" in x:
-            continue
-        if key not in x:
-            raise MissingStatsKey(f"run {i}: its leak record lacks {key!r}; it has {sorted(x)}")
-        total += x[key]
-    return total
-
-
-def summarize(records: list[RunRecord], faults: dict[str, int] = FAULTS) -> dict:
-    """The suite's figures over ``records``; ``faults`` (the stack's fault kinds) keys the count of
-    runs per kind."""
-    strays = sorted({run.fault for run in records} - set(faults))
-    if strays:
-        raise ValueError(f"runs of faults {strays} that are not among {list(faults)}")
-    reqs = [r for run in records for r in run.requests]
-    leaks = [run.leaks for run in records]
-    unreadable = sum("stats_error" in x for x in leaks)
-    return {
-        "runs": len(records),
-        "requests": len(reqs),
-        "terminated": sum(r.ended for r in reqs),
-        "succeeded": sum(r.ok for r in reqs),
-        "failed_with_error": sum(r.ended and not r.ok for r in reqs),
-        # failures whose error is not the one their run's fault gives (status and the peer it names)
-        "wrong_errors": sum(not r.ok and r.wrong_error != "" for r in reqs),
-        "wrong_tokens": sum(r.ok and r.tokens_equal is False for r in reqs),
-        "leaked_slots": _leak_total(leaks, "leaked_slots"),
-        "leaked_pool_bytes": _leak_total(leaks, "leaked_pool_bytes"),
-        "leaked_leases": _leak_total(leaks, "leaked_leases"),
-        "open_requests_after": _leak_total(leaks, "open_requests") + unreadable,
-        "stats_unreadable": unreadable,  # runs whose idle Stats could not be read: leaks unknown
-        "fresh_request_failures": sum(not run.fresh_ok for run in records),
-        "max_termination_s": round(max((r.seconds for r in reqs), default=0.0), 3),
-        "faults": {f: sum(run.fault == f for run in records) for f in faults},
-    }
-
-
 def reference_tokens(model_dir: Path) -> Callable[[list[int]], list[int]]:
     """The oracle's greedy tokens (``kvoffload.reference``: the plain full-KV path, none of the
     stack's machinery) of ``MAX_TOKENS`` after a prompt, within the fault stack's max_model_len (cached)."""
@@ -562,29 +309,3 @@ def bench_runs(runner: FaultRunner, runs: int, progress: bool = False) -> dict:
     out["seed"] = runner.seed
     out["goal_met"] = goal_met(out)
     return out
-
-
-# the figures of ``summarize`` that must be 0 for the suite's goal: nothing held or open once the
-# stack is idle (and its Stats read), every answer right, every error its fault's own, every fresh
-# request after a run served
-GOAL_ZERO = ("stats_unreadable", "leaked_slots", "leaked_pool_bytes", "leaked_leases", "open_requests_after",
-             "wrong_tokens", "wrong_errors", "fresh_request_failures")
-
-
-class MissingFigure(LookupError):
-    """A figure the goal is judged on is not in the summary: it was not measured, so no pass."""
-
-
-def goal_met(summary: dict) -> bool:
-    """Whether ``summary`` (``summarize``'s) meets the fault suite's goal: runs and requests took
-    place, every request ended within its deadline, and every ``GOAL_ZERO`` figure is 0. A figure
-    the summary lacks raises ``MissingFigure`` naming it."""
-    missing = [k for k in ("runs", "requests", "terminated", *GOAL_ZERO) if k not in summary]
-    if missing:
-        raise MissingFigure(f"the fault summary lacks {', '.join(missing)}; it has {sorted(summary)}")
-    return (summary["runs"] > 0 and summary["requests"] > 0 and summary["terminated"] == summary["requests"]
-            and all(summary[k] == 0 for k in GOAL_ZERO))
-
-
-def records_json(records: list[RunRecord]) -> str:
-    return json.dumps([asdict(r) for r in records], indent=1)

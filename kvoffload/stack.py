@@ -6,28 +6,30 @@ with ``StackConfig.pool = "mooncake"`` (``kvoffload up --pool mooncake``) the pr
 Mooncake Store, served by a real ``mooncake_master`` the stack runs in place of the metastore. The
 tiny model is created on first use. Every child logs JSON to its own file; Ctrl-C (or SIGTERM)
 stops them all.
+
+Its parts: the ports (``kvoffload.ports``), the services' connector configs
+(``kvoffload.connector_configs``) and the client side of a running stack (``kvoffload.stack_client``).
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from svcruntime.tls import TLSConfig
 from tqdm import tqdm
 
-DATA_PORT_OFFSET = 10000  # a prefill's gRPC (LayerSource, Health, Stats) port = its HTTP port + this
+from kvoffload.connector_configs import (decode_additional_config, decode_kv_transfer_config,
+                                         offload_only_kv_transfer_config, prefill_kv_transfer_config)
+from kvoffload.ports import DATA_PORT_OFFSET
+from kvoffload.stack_client import healthy
+
 DEFAULT_HOME = Path(os.environ.get("KVOFFLOAD_HOME", Path.home() / ".cache" / "kvoffload"))
 API_KEY_ENV = "KVOFFLOAD_API_KEY"  # the proxy's --api-key, passed in its environment (never on a command line)
 POOLS = ("kvoffload", "mooncake")  # StackConfig.pool / `kvoffload up --pool`: the prefill's host-pool backend
@@ -35,44 +37,6 @@ MOONCAKE_MASTER = "mooncake-master"  # the service name (and log file) of the st
 # StackConfig.mode / `kvoffload up --mode`: "pd" (prefill, decode, proxy) or "offload-only" (the seed's
 # first deployment: prefills with an AscendStoreConnector alone serve complete requests; no decode, no proxy)
 MODES = ("pd", "offload-only")
-
-
-def prefill_store_config(buffers: int = 3, mooncake_master: str | None = None) -> dict:
-    """The prefill's AscendStoreConnector extra config: the embedded pool, or with ``mooncake_master``
-    (``HOST:PORT``) the mooncake backend."""
-    pool = {"backend": "kvoffload"} if mooncake_master is None else {"backend": "mooncake",
-                                                                     "mooncake_master": mooncake_master}
-    return {**pool, "use_layerwise": True, "layerwise_num_shared_buffers": buffers,
-            "layerwise_independent_layers": [0]}
-
-
-def offload_only_kv_transfer_config(buffers: int = 3, mooncake_master: str | None = None,
-                                    independent: list[int] | str = (0,)) -> str:
-    """A prefill with an AscendStoreConnector alone (offload-only: it serves complete requests)."""
-    extra = {**prefill_store_config(buffers, mooncake_master), "layerwise_independent_layers":
-             independent if isinstance(independent, str) else list(independent)}
-    return json.dumps({"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer",
-                       "kv_connector_extra_config": extra})
-
-
-def prefill_kv_transfer_config(kv_port: int, buffers: int = 3, mooncake_master: str | None = None) -> str:
-    return json.dumps({
-        "kv_connector": "MultiConnector", "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"connectors": [
-            {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer", "kv_port": kv_port,
-             "kv_connector_extra_config": {"transfer_backend": "kvoffload"}},
-            {"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer",
-             "kv_connector_extra_config": prefill_store_config(buffers, mooncake_master)}]}})
-
-
-def decode_kv_transfer_config(kv_port: int) -> str:
-    return json.dumps({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": kv_port,
-                       "kv_connector_extra_config": {"transfer_backend": "kvoffload", "use_layerwise": True}})
-
-
-def decode_additional_config(topk_buffer_size: int = 128, dram_gb: int = 1) -> str:
-    return json.dumps({"sparse_kv_offload_config": {"enabled": True, "topk_buffer_size": topk_buffer_size,
-                                                    "dram_size_per_dp_GB": dram_gb}})
 
 
 @dataclass
@@ -117,46 +81,6 @@ class StackConfig:
     def mooncake_master(self) -> str:
         """``HOST:PORT`` of the stack's mooncake_master (pool "mooncake")."""
         return f"{self.host}:{self.mooncake_port}"
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_base(offsets: tuple[int, ...] = (0, 1, 2, 3, 20, 1 + DATA_PORT_OFFSET)) -> int:
-    """A base port such that ``base + offset`` is free now for every offset (by default a one-prefill,
-    one-decode stack: proxy, prefill, decode, metastore, kv port, the prefill's data port), all below
-    Linux's ephemeral range (32768+): a port there can be taken at any moment by an outgoing
-    connection's local end, and a service's bind then fails."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(11000, 32768 - max(offsets), 10)
-        if all(port_is_free(base + o) for o in offsets):
-            return base
-    raise RuntimeError(f"no free ports for offsets {offsets} below 32768")
-
-
-def free_stack_ports(prefills: int = 1, decodes: int = 1, mooncake: bool = False) -> dict:
-    """StackConfig's port fields for a stack of ``prefills`` and ``decodes`` whose every port (HTTP,
-    the prefills' data ports, the metastore, the decodes' control ports, with ``mooncake`` the
-    mooncake_master's RPC and metrics ports) is free now and below the ephemeral range:
-    ``StackConfig(model=..., log_dir=..., **free_stack_ports())``."""
-    kv = 2 + prefills + decodes
-    master = (kv + 16 * decodes, kv + 16 * decodes + 1) if mooncake else ()
-    offsets = (*range(kv), *(1 + i + DATA_PORT_OFFSET for i in range(prefills)), *(kv + 16 * i for i in range(decodes)),
-               *(kv + i for i in range(decodes)), *master)  # control ports of separate decodes, and of DP ranks
-    base = free_port_base(offsets)
-    ports = {"proxy_port": base, "prefill_ports": tuple(range(base + 1, base + 1 + prefills)),
-             "decode_ports": tuple(range(base + 1 + prefills, base + 1 + prefills + decodes)),
-             "metastore_port": base + 1 + prefills + decodes, "kv_port": base + kv}
-    if mooncake:
-        ports.update(mooncake_port=base + master[0], mooncake_metrics_port=base + master[1])
-    return ports
 
 
 def ensure_tiny_model(path: Path) -> Path:
@@ -432,71 +356,3 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def healthy(url: str, tls: TLSConfig | None = None) -> bool:
-    """HTTP 200 from an http:// URL, or SERVING from the gRPC health service at grpc://host:port
-    (over TLS with ``tls``)."""
-    if url.startswith("grpc://"):
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-        from svcruntime.tls import secure_or_insecure_channel
-
-        try:
-            with secure_or_insecure_channel(url[len("grpc://"):], tls) as ch:
-                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, http.client.HTTPException):
-        return False  # HTTPException: not an HTTP server there (e.g. a socket connected to itself)
-
-
-def post_json(url: str, body: dict, timeout_s: float = 300.0, headers: dict[str, str] | None = None) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
-
-
-def stream_token_ids(url: str, body: dict, timeout_s: float = 300.0) -> list[int]:
-    """POST ``body`` with ``stream: true``; the token ids of every SSE event, in order (an event
-    carrying an error raises AssertionError with it)."""
-    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    ids: list[int] = []
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            for choice in event["choices"]:
-                ids.extend(choice.get("token_ids", []))
-    return ids
-
-
-def grpc_stats(target: str, timeout_s: float = 15.0, tls: TLSConfig | None = None) -> dict[str, float]:
-    """A service's ``kvoffload.v1.Stats`` counters (over TLS with ``tls``). The timeout allows for a
-    loaded machine: with the tests on two workers a prefill just started once took over 5 s to accept
-    the connection (its HTTP/2 SETTINGS frame)."""
-    from svcruntime.tls import secure_or_insecure_channel
-    from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
-
-    with secure_or_insecure_channel(target, tls) as ch:
-        reply = stats_pb2_grpc.StatsStub(ch).GetStats(stats_pb2.StatsRequest(), timeout=timeout_s)
-    return dict(reply.counters)
-
-
-def stack_stats(cfg: StackConfig) -> dict[str, dict[str, float]]:
-    """Stats of the metastore (pool "kvoffload"), every prefill (data port) and decode (control port)."""
-    out = {"metastore": grpc_stats(f"{cfg.host}:{cfg.metastore_port}", tls=cfg.tls)} if cfg.pool == "kvoffload" else {}
-    for i, port in enumerate(cfg.prefill_ports):
-        out[f"prefill-{i}"] = grpc_stats(f"{cfg.host}:{port + DATA_PORT_OFFSET}", tls=cfg.tls)
-    for i, _ in enumerate(() if cfg.mode == "offload-only" else cfg.decode_ports):
-        out[f"decode-{i}"] = grpc_stats(f"{cfg.host}:{cfg.decode_control_port(i)}", tls=cfg.tls)
-    return out

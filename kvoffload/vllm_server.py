@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Mapping, Sequence
 
-from kvoffload.stack import free_port_base
+from kvoffload.ports import free_port_base
 
 
 def free_port() -> int:
@@ -217,7 +217,7 @@ class Metastore:
         return f"127.0.0.1:{self.port}"
 
     def __enter__(self) -> "Metastore":
-        from kvoffload.stack import healthy
+        from kvoffload.stack_client import healthy
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from kvoffload.prom import Metrics, MissingMetric, scrape
-from kvoffload.stack import Stack, StackConfig, metastore_service, post_json, proxy_service
+from kvoffload.stack import Stack, StackConfig, metastore_service, proxy_service
+from kvoffload.stack_client import post_json
 from kvoffload.vllm_server import api_server_command, api_server_env, stop_group
 
 VLLM_KVCACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE of each vLLM server (its own paged KV cache)

@@ -1,7 +1,8 @@
 """The CLI parses its subcommands and refuses unknown benchmarks."""
 import pytest
 
-from kvoffload.cli import BENCHES, build_parser
+from kvoffload.cli import build_parser
+from kvoffload.cli_bench import BENCHES
 
 
 def test_bench_names_resolve_to_callables():
@@ -70,9 +71,9 @@ def test_trace_show_prints_the_locality_of_a_preset(capsys):
 def test_bench_exit_status_says_whether_the_goals_were_met(monkeypatch, capsys, result, status, says):
     import json
 
-    from kvoffload import cli
+    from kvoffload import cli, cli_bench
 
-    monkeypatch.setattr(cli, "_load", lambda target: lambda: result)
+    monkeypatch.setattr(cli_bench, "_load", lambda target: lambda: result)
     assert cli.main(["bench", "prefix", "--json"]) == status
     out, err = capsys.readouterr()
     assert json.loads(out) == result  # the JSON is printed whatever the verdict
@@ -80,13 +81,13 @@ def test_bench_exit_status_says_whether_the_goals_were_met(monkeypatch, capsys, 
 
 
 def test_a_bench_without_goals_exits_0_and_says_so_but_its_goals_count_if_it_has_some(monkeypatch, capsys):
-    from kvoffload import cli
+    from kvoffload import cli, cli_bench
 
-    assert set(cli.NO_GOALS) == {"pool"}
-    monkeypatch.setattr(cli, "_load", lambda target: lambda: {"bench": "pool"})
+    assert set(cli_bench.NO_GOALS) == {"pool"}
+    monkeypatch.setattr(cli_bench, "_load", lambda target: lambda: {"bench": "pool"})
     assert cli.main(["bench", "pool", "--json"]) == 0
     assert "kvoffload bench pool: no goal to meet" in capsys.readouterr().err
-    monkeypatch.setattr(cli, "_load", lambda target: lambda: {"bench": "pool", "goals_met": {"rate": False}})
+    monkeypatch.setattr(cli_bench, "_load", lambda target: lambda: {"bench": "pool", "goals_met": {"rate": False}})
     assert cli.main(["bench", "pool", "--json"]) == 3
 
 
@@ -110,7 +111,7 @@ def _make_bench_recipe() -> str:
 def test_make_bench_names_every_bench_and_the_goal_less_ones_as_the_cli_does():
     import re
 
-    from kvoffload.cli import NO_GOALS
+    from kvoffload.cli_bench import NO_GOALS
 
     recipe = _make_bench_recipe()
     names = re.search(r"for b in ([\w ]+); do", recipe).group(1).split()

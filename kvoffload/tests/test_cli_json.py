@@ -99,7 +99,7 @@ def test_whatever_a_bench_writes_to_stdout_goes_to_stderr():
     proc = _driven("""
         import ctypes, os, subprocess, sys
         import structlog
-        from kvoffload import cli
+        from kvoffload import cli, cli_bench
 
         def noisy():
             print("a print")
@@ -109,7 +109,7 @@ def test_whatever_a_bench_writes_to_stdout_goes_to_stderr():
             structlog.get_logger().warning("a structlog warning")
             return {"bench": "noisy", "goals_met": {"quiet": True}}
 
-        cli._load = lambda target: noisy
+        cli_bench._load = lambda target: noisy
         sys.exit(cli.main(["bench", "prefix", "--json"]))
     """, timeout=120)
     assert proc.returncode == 0, proc.stderr

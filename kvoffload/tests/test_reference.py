@@ -8,11 +8,11 @@ import pytest
 import torch
 from dsamodel import dense_decode
 from dsamodel.engine import decode as decode_module
-from dsamodel.engine import buffers, engine, prefill
+from dsamodel.engine import buffers, decode_requests, engine, prefill
 from dsamodel.engine.engine import Engine, EngineConfig
 from dsamodel.sampling import SamplingParams
 from dsamodel.weights import load_model
-from kvcore import gather, hostpool, hotcache
+from kvcore import gather, hotcache, localpool
 
 from kvoffload.reference import greedy_reference
 from kvoffload.stack import ensure_tiny_model
@@ -55,9 +55,10 @@ def test_the_oracle_builds_none_of_the_engine_machinery(model_dir, oracle_tokens
 
     for owner, name in [(engine.Engine, "__init__"), (prefill.LayerwisePrefill, "__init__"),
                         (decode_module.SparseDecoder, "__init__"), (buffers.LayerBuffers, "__init__"),
-                        (hotcache.HotCache, "__init__"), (hostpool.LocalHostPool, "__init__"),
+                        (hotcache.HotCache, "__init__"), (localpool.LocalHostPool, "__init__"),
                         (gather, "gather_rows"), (gather, "scatter_rows"),
-                        (decode_module, "gather_rows"), (decode_module, "scatter_rows")]:
+                        (decode_module, "gather_rows"), (decode_module, "scatter_rows"),
+                        (decode_requests, "scatter_rows")]:
         monkeypatch.setattr(owner, name, forbidden)
     assert greedy_reference(model_dir, max_model_len=4096)(PROMPT, MAX_TOKENS) == oracle_tokens
 

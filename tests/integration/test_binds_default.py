@@ -13,7 +13,9 @@ import pytest
 
 from sockets import listening_sockets
 
-from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, ensure_tiny_model, free_stack_ports, stack_stats
+from kvoffload.ports import DATA_PORT_OFFSET, free_stack_ports
+from kvoffload.stack import Stack, StackConfig, ensure_tiny_model
+from kvoffload.stack_client import stack_stats
 
 pytestmark = [pytest.mark.stack, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads listening sockets from /proc"), pytest.mark.slow]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvcore.config import StoreConnectorConfig
-from kvoffload.stack import prefill_kv_transfer_config
+from kvcore.connectorconfig import StoreConnectorConfig
+from kvoffload.connector_configs import prefill_kv_transfer_config
 from kvoffload_proxy.config import API_KEY_ENV
 from poolclient.mooncake_master import MasterConfig, master_argv
 

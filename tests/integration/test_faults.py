@@ -19,8 +19,9 @@ import os
 
 import pytest
 
-from kvoffload.faults import FAULTS, FILLER_TOKENS, MOONCAKE_FAULTS, REQUEST_DEADLINE_S, FaultRunner, \
-    fault_stack_config, records_json, reference_tokens, summarize
+from kvoffload.fault_catalog import FAULTS, MOONCAKE_FAULTS
+from kvoffload.fault_tally import records_json, summarize
+from kvoffload.faults import FILLER_TOKENS, REQUEST_DEADLINE_S, FaultRunner, fault_stack_config, reference_tokens
 from kvoffload.stack import Stack, ensure_tiny_model
 
 pytestmark = pytest.mark.stack
@@ -101,7 +102,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(runner):
     import time
 
     from kvoffload.faults import _request
-    from kvoffload.stack import stack_stats
+    from kvoffload.stack_client import stack_stats
 
     stack, prompt = runner.stack, runner.prompts[-1]
     got: dict = {}
@@ -144,8 +145,9 @@ def test_oversized_prompts_are_refused_before_any_kv_and_a_disconnect_frees_ever
     import json
     import time
 
-    from kvoffload.faults import _request, held
-    from kvoffload.stack import stack_stats
+    from kvoffload.fault_tally import held
+    from kvoffload.faults import _request
+    from kvoffload.stack_client import stack_stats
 
     stack = runner.stack
     before = stack_stats(stack.cfg)

@@ -21,9 +21,11 @@ import urllib.request
 
 import pytest
 
+from kvoffload.ports import free_stack_ports
 from kvoffload.prom import scrape
 from kvoffload.reference import greedy_reference
-from kvoffload.stack import Stack, StackConfig, free_stack_ports, stack_stats
+from kvoffload.stack import Stack, StackConfig
+from kvoffload.stack_client import stack_stats
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 

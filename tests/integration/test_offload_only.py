@@ -18,16 +18,11 @@ import uuid
 import pytest
 from dsamodel.tokenizer import ByteTokenizer
 
+from kvoffload.connector_configs import offload_only_kv_transfer_config
+from kvoffload.ports import free_stack_ports
 from kvoffload.reference import greedy_reference
-from kvoffload.stack import (
-    Stack,
-    StackConfig,
-    free_stack_ports,
-    offload_only_kv_transfer_config,
-    post_json,
-    stack_stats,
-    stream_token_ids,
-)
+from kvoffload.stack import Stack, StackConfig
+from kvoffload.stack_client import post_json, stack_stats, stream_token_ids
 
 pytestmark = pytest.mark.stack
 
@@ -187,12 +182,13 @@ def test_i1_buffer_reuse_changes_nothing_the_client_sees(stack, model_dir, tmp_p
 
 
 def test_up_takes_mode_offload_only_for_the_reference_engine_only(tmp_path, capsys, monkeypatch):
-    from kvoffload.cli import _stack_config, build_parser, main
+    from kvoffload.cli import build_parser, main
+    from kvoffload.cli_stack import stack_config
 
     monkeypatch.delenv("KVOFFLOAD_API_KEY", raising=False)
     args = build_parser().parse_args(["up", "--mode", "offload-only", "--port", "9100", "--model", str(tmp_path),
                                       "--log-dir", str(tmp_path)])
-    cfg = _stack_config(args)
+    cfg = stack_config(args)
     assert (cfg.mode, cfg.prefill_ports) == ("offload-only", (9100,))
     assert [n for n, _, _ in Stack(cfg).commands()] == ["metastore", "prefill-0"]
     assert build_parser().parse_args(["up"]).mode == "pd"

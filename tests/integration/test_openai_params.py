@@ -15,7 +15,9 @@ import pytest
 from dsamodel.openai import choice_seed, sampling_params
 from dsamodel.tokenizer import ByteTokenizer
 
-from kvoffload.stack import Stack, StackConfig, free_stack_ports, post_json
+from kvoffload.ports import free_stack_ports
+from kvoffload.stack import Stack, StackConfig
+from kvoffload.stack_client import post_json
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 

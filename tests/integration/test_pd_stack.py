@@ -11,8 +11,10 @@ import urllib.request
 import pytest
 from dsamodel.tokenizer import ByteTokenizer
 
+from kvoffload.ports import free_stack_ports
 from kvoffload.reference import greedy_reference
-from kvoffload.stack import Stack, StackConfig, free_stack_ports, post_json, stack_stats, stream_token_ids
+from kvoffload.stack import Stack, StackConfig
+from kvoffload.stack_client import post_json, stack_stats, stream_token_ids
 
 pytestmark = pytest.mark.stack
 

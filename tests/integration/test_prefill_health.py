@@ -12,7 +12,9 @@ import urllib.request
 
 import pytest
 
-from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, healthy, ensure_tiny_model, free_stack_ports
+from kvoffload.ports import DATA_PORT_OFFSET, free_stack_ports
+from kvoffload.stack import Stack, StackConfig, ensure_tiny_model
+from kvoffload.stack_client import healthy
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 

@@ -13,8 +13,9 @@ import pytest
 import tlscerts  # test support on the root pytest pythonpath (needs cryptography, a test extra)
 from svcruntime.tls import TLSConfig
 
-from kvoffload.stack import DATA_PORT_OFFSET, Stack, StackConfig, healthy, ensure_tiny_model, free_stack_ports, grpc_stats, \
-    post_json
+from kvoffload.ports import DATA_PORT_OFFSET, free_stack_ports
+from kvoffload.stack import Stack, StackConfig, ensure_tiny_model
+from kvoffload.stack_client import healthy, grpc_stats, post_json
 
 pytestmark = pytest.mark.stack
 

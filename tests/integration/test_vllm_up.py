@@ -17,7 +17,8 @@ from pathlib import Path
 
 from vllm_support import tiny_llama_dir
 
-from kvoffload.stack import StackConfig, free_stack_ports
+from kvoffload.ports import free_stack_ports
+from kvoffload.stack import StackConfig
 from kvoffload.vllm_server import tail
 from kvoffload.vllm_stack import VllmStack, demo
 

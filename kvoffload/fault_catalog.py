@@ -1,0 +1,139 @@
+"""The fault suite's catalogue: the faults it injects, and the error each may give a request.
+
+``FAULTS`` (a stack whose prefill pool the metastore indexes) and ``MOONCAKE_FAULTS`` (a prefill pool
+on Mooncake Store) weigh each fault kind in a randomized run. ``EXPECTED_ERRORS`` says what a request
+a fault failed must have been told: the fault's status, and a message naming the service it hit
+(``peer_names``: how the proxy and the services name each one); ``wrong_error`` judges an error
+against it (any 50x is not enough).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvoffload.ports import DATA_PORT_OFFSET
+from kvoffload.stack import StackConfig
+
+# fault -> relative weight in a randomized run
+FAULTS: dict[str, int] = {
+    "none": 1,
+    "kill_decode": 2,
+    "kill_prefill": 2,
+    "kill_metastore": 1,
+    "kill_proxy": 1,
+    "stall_decode_short": 2,
+    "stall_decode_long": 2,
+    "stall_prefill_long": 2,
+    "expire_pool_and_leases": 1,
+    "overfill_decode": 1,
+    "fill_host_pool": 1,
+}
+# the faults of a stack whose prefill pool is on Mooncake Store: no metastore to kill or to let the
+# pool expire at; its master instead, and kill_prefill leaves a dead segment owner (module docstring)
+MOONCAKE_FAULTS: dict[str, int] = {
+    "none": 1,
+    "kill_decode": 2,
+    "kill_prefill": 2,
+    "kill_mooncake_master": 2,
+    "kill_proxy": 1,
+    "stall_decode_short": 1,
+    "stall_decode_long": 1,
+    "stall_prefill_long": 1,
+    "overfill_decode": 1,
+    "fill_host_pool": 1,
+}
+FAULTS_BY_POOL = {"kvoffload": FAULTS, "mooncake": MOONCAKE_FAULTS}
+
+
+def error_status(error: str) -> int | None:
+    """The HTTP status an error of ``_request`` carries (an SSE error event's code), None when the
+    request got no HTTP answer (the connection broke)."""
+    m = re.match(r"(?:HTTP|SSE error) (\d{3})\b", error)
+    return int(m.group(1)) if m else None
+
+
+# ---- the error each fault may give ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExpectedError:
+    """What a request that ``fault`` failed must have been told: one of ``statuses`` (None: no HTTP
+    answer, the client's connection broke) and a message that names ``peer``, the service the fault
+    hit, the way the proxy and the services name it (``peer_names``), and says ``says`` when set.
+    No statuses: the fault must fail no request."""
+
+    statuses: frozenset[int | None] = frozenset()
+    peer: str = ""
+    says: str = ""
+
+
+# What each fault gives, read off how the proxy and the services fail (services/proxy upstream.py,
+# flow.py; the decode's app.py and watchdog; the prefill's worker; pdlink's links):
+# - a dead decode: the proxy's 502 "decoder <url> failed while sending the request / relaying the
+#   response" (an SSE error once streaming), or 503 "no decoder reachable"; or the prefill's 502 about
+#   its peer ("decode <host:port> no longer waits", "the decode did not read layer(s)"), relayed as
+#   "prefiller <url> answered HTTP 502";
+# - a dead prefill: 502 "prefiller <url> failed while running the prefill" / 503 "no prefiller
+#   reachable", or the decode's watchdog, "prefill <host:port> sent no news", relayed as 502;
+# - a dead metastore: the prefill's 502 "prefill failed: MetaStore <call>: UNAVAILABLE";
+# - a dead proxy: no HTTP answer, the connection breaks;
+# - a decode stopped past the peer timeout: the prefill's 502 (its reads not done); a prefill
+#   stopped past it (and past the pool's heartbeat timeout): the decode's watchdog, 502;
+# - more requests than the decode's queue holds: 429 "every decoder is at its queue limit";
+# - a prompt the prefill's host pool cannot hold: the prefill's 502 "host pool full";
+# - a dead mooncake_master: the prefill's 502 naming Mooncake's failed call ("Mooncake Store exists
+#   failed ... the master does not answer").
+EXPECTED_ERRORS: dict[str, ExpectedError] = {
+    "none": ExpectedError(),
+    "stall_decode_short": ExpectedError(),  # READ_DONE only delayed: nothing fails
+    "kill_decode": ExpectedError(frozenset({502, 503}), "decode"),
+    "kill_prefill": ExpectedError(frozenset({502, 503}), "prefill"),
+    "kill_metastore": ExpectedError(frozenset({502}), "metastore"),
+    "kill_mooncake_master": ExpectedError(frozenset({502}), "mooncake"),
+    "kill_proxy": ExpectedError(frozenset({None}), "proxy"),
+    "stall_decode_long": ExpectedError(frozenset({502}), "decode"),
+    "stall_prefill_long": ExpectedError(frozenset({502}), "prefill"),
+    "expire_pool_and_leases": ExpectedError(frozenset({502}), "prefill"),
+    "overfill_decode": ExpectedError(frozenset({429}), "decode", "queue limit"),
+    "fill_host_pool": ExpectedError(frozenset({502}), "prefill", "host pool full"),
+}
+
+
+def peer_names(cfg: StackConfig) -> dict[str, tuple[str, ...]]:
+    """How errors name each service of a one-prefill, one-decode stack ``cfg``: the proxy names a
+    backend by role and URL ("decoder http://host:port"; "every decoder" when all refused), the
+    services their peers by role and gRPC address ("prefill host:data_port", "decode
+    host:control_port") or role ("the decode did not read ..."); the metastore and Mooncake are
+    named by name. A broken connection to the proxy is named by the exception that says so."""
+    h, prefill, decode = cfg.host, cfg.prefill_ports[0], cfg.decode_ports[0]
+    return {
+        "decode": (f"http://{h}:{decode}", f"decode {h}:{cfg.decode_control_port(0)}", "the decode ",
+                   "every decoder "),
+        "prefill": (f"http://{h}:{prefill}", f"prefill {h}:{prefill + DATA_PORT_OFFSET}", "the prefill "),
+        "metastore": ("MetaStore", "metastore"),
+        "mooncake": ("Mooncake", "mooncake"),
+        "proxy": ("RemoteDisconnected", "ConnectionResetError", "ConnectionRefusedError", "Connection refused",
+                  "IncompleteRead", "BrokenPipeError", "the stream ended without data: [DONE]"),
+    }
+
+
+def _shown(status: int | None) -> str:
+    return "no HTTP answer" if status is None else f"HTTP {status}"
+
+
+def wrong_error(fault: str, error: str, names: dict[str, tuple[str, ...]]) -> str:
+    """Why ``error`` (a failed request's, as ``_request`` wrote it) is not what ``fault`` gives
+    (``EXPECTED_ERRORS``); "" when it is. Any 50x is not enough: the status must be the fault's and
+    the message must name the service the fault hit."""
+    want = EXPECTED_ERRORS[fault]
+    status = error_status(error)
+    if not want.statuses:
+        return f"{fault} must fail no request; this one got {_shown(status)}"
+    if status not in want.statuses:
+        wanted = " or ".join(sorted(map(_shown, want.statuses)))
+        return f"{fault} gives {wanted}, not {_shown(status)}"
+    if not any(name in error for name in names[want.peer]):
+        return f"{fault}: the error does not name the {want.peer} ({' / '.join(names[want.peer])})"
+    if want.says and want.says not in error:
+        return f"{fault}: the error does not say {want.says!r}"
+    return ""
