@@ -21,7 +21,7 @@ from engine_support import decode_pool, seeded_prompt, tiny
 
 from dsamodel.engine.decode import SparseDecoder
 from dsamodel.engine.engine import Engine, EngineConfig
-from dsamodel.engine.tp_channel import DistChannel, TPGroupBroken
+from dsamodel.engine.tp_channel import DistChannel
 from dsamodel.engine.tp_decode import LeadDecoder, follow_decode
 from dsamodel.sampling import SamplingParams
 from dsamodel.tp import DistGroup, shard_model

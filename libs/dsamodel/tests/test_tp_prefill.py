@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from engine_support import prefill_engine, prefill_pool, seeded_prompt, tiny
 
 from dsamodel.engine.prefill import PrefillError, PrefillRequest
-from dsamodel.engine.tp_channel import DistChannel, TPGroupBroken
+from dsamodel.engine.tp_channel import DistChannel
 from dsamodel.engine.tp_prefill import Followers, follow
 from dsamodel.tp import DistGroup, shard_model
 

@@ -151,7 +151,6 @@ def _layer(model: DSAModel, channel: Channel, layer, h: torch.Tensor, positions:
 def follow(model: DSAModel, channel: Channel) -> int:
     """A follower rank's loop: run every chunk rank 0 announces until it closes; returns the number
     of chunks run to the end."""
-    layers, base = model.cache_layers, model.config.num_hidden_layers
     done = 0
     buffers: LayerBuffers | None = None
     try:
