@@ -43,7 +43,8 @@ import torch
 from kvcore import belady, hotsizing, prefetch
 from kvcore.bench.hotcache_torch import TorchHotCache
 from kvcore.bench.load import OtherLoad
-from kvcore.hotcache import POLICIES, HotCache, Resolution, max_threads
+from kvcore.hotcache import POLICIES, HotCache, max_threads
+from kvcore.hotcache_resolution import Resolution
 from kvcore.traces import PRESETS, Trace, named
 from kvcore.traces.measure import locality
 
@@ -101,11 +102,8 @@ def run(
     judged = {"policy_vs_belady": (at_2k[worst_preset], worst_preset) if worst_preset else
               (None, "no synthetic preset ran")}
     if timing:
-        # each figure is the worst preset's: the highest cost, the lowest of the others
-        worst = {g: pick(timing, key=lambda c, g=g: c[g]) for g, pick in
-                 {"cost_us": max, "speedup": min, "speedup_vs_torch": min, "entries_per_s": min}.items()}
-        figures = {g: c[g] for g, c in worst.items()}
-        judged |= {g: (c[g], c["trace"]) for g, c in worst.items()}
+        figures, timing_judged = _worst_timing(timing)
+        judged |= timing_judged
         result |= {**figures, "torch_threads_tried": sorted({1, torch.get_num_threads()}), "timing": timing}
         goals |= {"cost_us": GOAL_COST_US, "speedup": GOAL_SPEEDUP, "speedup_vs_torch": GOAL_SPEEDUP_VS_TORCH,
                   "entries_per_s": GOAL_ENTRIES_PER_S}
@@ -118,6 +116,14 @@ def run(
     gaps = {g: {"measured": judged[g][0], "goal": goals[g], "worst_on": judged[g][1]} for g, ok in met.items() if not ok}
     result |= {"goals": goals, "goals_met": met, "gaps": gaps, "cpu_used_by_others": others.fraction()}
     return result
+
+
+def _worst_timing(timing: list[dict]) -> tuple[dict, dict]:
+    """The timing figures the goals judge, each the worst preset's (the highest cost, the lowest of
+    the others), and for each (the figure, the preset it was measured on)."""
+    worst = {g: pick(timing, key=lambda c, g=g: c[g]) for g, pick in
+             {"cost_us": max, "speedup": min, "speedup_vs_torch": min, "entries_per_s": min}.items()}
+    return {g: c[g] for g, c in worst.items()}, {g: (c[g], c["trace"]) for g, c in worst.items()}
 
 
 def _key(m: float) -> str:
@@ -226,8 +232,41 @@ def _timing(preset_name: str, rows: int, steps: int, reference_steps: int, warmu
     params = dict(synthetic or {}) | {"requests": rows, "layers": 1, "steps": warmup + steps}
     tr = named(preset_name, **params)
     topk, capacity = tr.k, 2 * tr.k
-    ids = [f"req-{r}" for r in range(rows)]
     threads = sorted({1, torch.get_num_threads()})  # torch's intra-op threads, alternating by step
+    times, hits, misses, equal, torch_equal = _timed_steps(tr, rows, capacity, threads, steps, reference_steps,
+                                                           warmup)
+    med = {name: statistics.median(ts) for name, ts in times.items() if ts}
+    threads = [n for n in threads if f"torch{n}" in med]  # (a single step times one count only)
+    best = min(threads, key=lambda n: med[f"torch{n}"])
+    native_s, torch_s, ref_s = med["native"], med[f"torch{best}"], med["reference"]
+    return {
+        "trace": preset_name,
+        "rows": rows,
+        "topk": topk,
+        "capacity": capacity,
+        "steps": steps,
+        "reference_steps": reference_steps,
+        "native_s_per_step": native_s,
+        "torch_s_per_step": torch_s,
+        "torch_threads": best,
+        "torch_s_per_step_by_threads": {str(n): med[f"torch{n}"] for n in threads},
+        "reference_s_per_step": ref_s,
+        "cost_us": med["one_core"] / rows * 1e6,
+        "speedup": ref_s / native_s,
+        "speedup_vs_torch": torch_s / native_s,
+        "entries_per_s": rows * topk / native_s,
+        "hit_rate": hits / max(hits + misses, 1),
+        "outputs_equal": equal,
+        "torch_outputs_equal": torch_equal,
+    }
+
+
+def _timed_steps(tr: Trace, rows: int, capacity: int, threads: list[int], steps: int, reference_steps: int,
+                 warmup: int) -> tuple[dict[str, list[float]], int, int, bool, bool]:
+    """``rows`` requests of one layer through every path, ``warmup`` untimed steps then ``steps`` timed
+    ones, back to back step by step: (seconds of each call by path, the native path's hits and misses,
+    native == one core == reference, torch == native == reference)."""
+    ids = [f"req-{r}" for r in range(rows)]
     native, vec = HotCache(capacity, 1, native=True), TorchHotCache(capacity, 1)
     ref = HotCache(capacity, 1, native=False)
     one_core = HotCache(capacity, 1, native=True)
@@ -268,30 +307,7 @@ def _timing(preset_name: str, rows: int, steps: int, reference_steps: int, warmu
             times["reference"].append(time.perf_counter() - t0)
             equal &= _same(res, rres)
             torch_equal &= _same(tres, rres)
-    med = {name: statistics.median(ts) for name, ts in times.items() if ts}
-    threads = [n for n in threads if f"torch{n}" in med]  # (a single step times one count only)
-    best = min(threads, key=lambda n: med[f"torch{n}"])
-    native_s, torch_s, ref_s = med["native"], med[f"torch{best}"], med["reference"]
-    return {
-        "trace": preset_name,
-        "rows": rows,
-        "topk": topk,
-        "capacity": capacity,
-        "steps": steps,
-        "reference_steps": reference_steps,
-        "native_s_per_step": native_s,
-        "torch_s_per_step": torch_s,
-        "torch_threads": best,
-        "torch_s_per_step_by_threads": {str(n): med[f"torch{n}"] for n in threads},
-        "reference_s_per_step": ref_s,
-        "cost_us": med["one_core"] / rows * 1e6,
-        "speedup": ref_s / native_s,
-        "speedup_vs_torch": torch_s / native_s,
-        "entries_per_s": rows * topk / native_s,
-        "hit_rate": hits / max(hits + misses, 1),
-        "outputs_equal": equal,
-        "torch_outputs_equal": torch_equal,
-    }
+    return times, hits, misses, equal, torch_equal
 
 
 def _same(a: Resolution, b: Resolution) -> bool:

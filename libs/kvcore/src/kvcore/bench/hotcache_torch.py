@@ -47,7 +47,8 @@ import threading
 
 import torch
 
-from kvcore.hotcache import MAX_TOKEN, HotCache, Resolution
+from kvcore.hotcache import HotCache
+from kvcore.hotcache_resolution import MAX_TOKEN, Resolution
 
 __all__ = ["TorchHotCache"]
 
@@ -165,10 +166,7 @@ class _TorchImpl:
         tmax = _validate(t, S)
         if R == 0:
             return _empty(0, k)
-        new = [rid for rid in ids if rid not in self.requests]  # per row: the id -> handle dict
-        if new:
-            self._alloc(new)
-        hs = [self.requests[rid] for rid in ids]
+        hs = self._handles_of(ids)
         h = torch.tensor(hs)  # [R]
         if tmax >= self._width:
             self._resize(self._handles, max(2 * self._width, tmax + 1))
@@ -181,11 +179,7 @@ class _TorchImpl:
         order = order_l[h0 : h0 + R] if block else order_l.index_select(0, h)  # [R, C] least recent first
 
         if bool((S < bound_l.index_select(0, h)).any()):  # (1) drop tokens >= S where S shrank
-            cells = base + self._arange  # [R, C]
-            drop = tok.index_select(0, cells.view(-1)).view(R, C) >= S[:, None]
-            if bool(drop.any()):
-                tok.index_fill_(0, cells[drop], -1)
-                order = _to_front_desc(order, drop)
+            order = self._drop_shrunk(tok, order, base, S)
         if k == 0:
             self._store(order_l, order, block, h0, h, bound_l, S)
             return _empty(R, 0)
@@ -203,37 +197,15 @@ class _TorchImpl:
         n_hits = hit_first.sum(1, keepdim=True)  # [R, 1]
         n_miss = miss_first.sum(1, keepdim=True)
 
-        # (2)+(3) as one permutation: after (2) the order is [non-hits, in order][hits by first
-        # occurrence]; (3) gives the M front slots to the misses in order and moves them to the
-        # back, i.e. rotates left by M. New position of each slot, then one scatter.
-        final = hit_first.cumsum(1) + (C - 1 - n_hits - n_miss)  # [R, k] final position of each hit
-        slot = at.view(R, k) - base  # [R, k] slot of each hit
-        pos_by_slot = torch.full((R, C + 1), -1, dtype=torch.int64)
-        pos_by_slot.scatter_(1, torch.where(hit_first, slot, C), final)  # column C: a sink
-        pos = pos_by_slot.gather(1, order)  # [R, C] by position: a hit's final position, else -1
-        rest = pos < 0
-        before = rest.cumsum(1) - (1 + n_miss)  # a non-hit's position, rotated left by M
-        before += (before < 0) * C  # (cheaper than remainder)
-        pos = torch.where(rest, before, pos)
-        order = torch.empty_like(order).scatter_(1, pos, order)
-
-        idx = miss_first.view(-1).nonzero().squeeze(1)  # [M] row-major: by row, then first occurrence
-        miss_rows = idx // k
-        miss_tokens = t.view(-1).index_select(0, idx)
-        miss_rank = miss_first.cumsum(1).view(-1).index_select(0, idx) - 1  # [M] rank in its row
-        victim = (C - n_miss.view(-1)).index_select(0, miss_rows) + miss_rank  # [M] position after (3)
-        miss_slots = order.view(-1).index_select(0, miss_rows * C + victim)
-        cell = base.view(-1).index_select(0, miss_rows) + miss_slots  # [M] tok index
-        tok.index_put_((cell,), miss_tokens)
-        map_l.index_put_((h.index_select(0, miss_rows) * T + miss_tokens,), cell)
+        order = _reorder(order, hit_first, at.view(R, k) - base, n_hits, n_miss)  # (2)+(3)
+        miss_rows, miss_tokens, miss_slots, cell = _place_misses(tok, map_l, t, h, T, order, base, miss_first,
+                                                                 n_miss)
         slots = map_l.index_select(0, key).view(R, k) - base  # every token is placed now (duplicates too)
         slots.masked_fill_(~valid, -1)
 
         spec = miss_tokens >= S.index_select(0, miss_rows)  # (4) speculative misses are not kept
         if bool(spec.any()):
-            tok.index_fill_(0, cell[spec], -1)
-            drop = torch.zeros(R * C, dtype=torch.bool).index_fill_(0, (miss_rows * C + miss_slots)[spec], True)
-            order = _to_front_desc(order, drop.view(R, C))
+            order = _drop_speculative(tok, order, cell, miss_rows, miss_slots, spec)
 
         self._store(order_l, order, block, h0, h, bound_l, S)
         return Resolution(
@@ -242,8 +214,26 @@ class _TorchImpl:
             miss_tokens=miss_tokens,
             miss_slots=miss_slots.int(),
             num_hits=int(n_hits.sum()),
-            num_misses=idx.numel(),
+            num_misses=miss_rows.numel(),
         )
+
+    def _handles_of(self, ids: list[str]) -> list[int]:
+        """Each row's handle, those of requests joining allocated (per row: the id -> handle dict)."""
+        new = [rid for rid in ids if rid not in self.requests]
+        if new:
+            self._alloc(new)
+        return [self.requests[rid] for rid in ids]
+
+    def _drop_shrunk(self, tok: torch.Tensor, order: torch.Tensor, base: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+        """(1) Empty each row's slots holding tokens >= its stable length ``S`` and move them to the
+        front of ``order`` [R, C]; the new order."""
+        R, C = order.shape
+        cells = base + self._arange  # [R, C]
+        drop = tok.index_select(0, cells.view(-1)).view(R, C) >= S[:, None]
+        if bool(drop.any()):
+            tok.index_fill_(0, cells[drop], -1)
+            order = _to_front_desc(order, drop)
+        return order
 
     def _cols(self, R: int, k: int) -> torch.Tensor:
         if self._cols_cache.shape != (R * k,) or self._cols_k != k:
@@ -257,6 +247,53 @@ class _TorchImpl:
         else:
             order_l.index_copy_(0, h, order)
         bound_l.index_copy_(0, h, S)
+
+
+def _reorder(order: torch.Tensor, hit_first: torch.Tensor, slot: torch.Tensor, n_hits: torch.Tensor,
+             n_miss: torch.Tensor) -> torch.Tensor:
+    """(2)+(3) as one permutation of ``order`` [R, C]: after (2) the order is [non-hits, in order][hits
+    by first occurrence]; (3) gives the M front slots to the misses in order and moves them to the
+    back, i.e. rotates left by M. New position of each slot, then one scatter. ``hit_first`` [R, k]
+    marks first occurrences that hit, ``slot`` [R, k] their slots, ``n_hits`` / ``n_miss`` [R, 1]."""
+    R, C = order.shape
+    final = hit_first.cumsum(1) + (C - 1 - n_hits - n_miss)  # [R, k] final position of each hit
+    pos_by_slot = torch.full((R, C + 1), -1, dtype=torch.int64)
+    pos_by_slot.scatter_(1, torch.where(hit_first, slot, C), final)  # column C: a sink
+    pos = pos_by_slot.gather(1, order)  # [R, C] by position: a hit's final position, else -1
+    rest = pos < 0
+    before = rest.cumsum(1) - (1 + n_miss)  # a non-hit's position, rotated left by M
+    before += (before < 0) * C  # (cheaper than remainder)
+    pos = torch.where(rest, before, pos)
+    return torch.empty_like(order).scatter_(1, pos, order)
+
+
+def _place_misses(tok: torch.Tensor, map_l: torch.Tensor, t: torch.Tensor, h: torch.Tensor, T: int,
+                  order: torch.Tensor, base: torch.Tensor, miss_first: torch.Tensor, n_miss: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(3) The misses (``miss_first`` [R, k]) into the slots ``order`` (after the permutation) gave
+    them, written to ``tok`` and the map: (rows, tokens, slots, tok indices) [M] each, row-major (by
+    row, then first occurrence)."""
+    k, C = miss_first.shape[1], order.shape[1]
+    idx = miss_first.view(-1).nonzero().squeeze(1)  # [M] row-major: by row, then first occurrence
+    miss_rows = idx // k
+    miss_tokens = t.view(-1).index_select(0, idx)
+    miss_rank = miss_first.cumsum(1).view(-1).index_select(0, idx) - 1  # [M] rank in its row
+    victim = (C - n_miss.view(-1)).index_select(0, miss_rows) + miss_rank  # [M] position after (3)
+    miss_slots = order.view(-1).index_select(0, miss_rows * C + victim)
+    cell = base.view(-1).index_select(0, miss_rows) + miss_slots  # [M] tok index
+    tok.index_put_((cell,), miss_tokens)
+    map_l.index_put_((h.index_select(0, miss_rows) * T + miss_tokens,), cell)
+    return miss_rows, miss_tokens, miss_slots, cell
+
+
+def _drop_speculative(tok: torch.Tensor, order: torch.Tensor, cell: torch.Tensor, miss_rows: torch.Tensor,
+                      miss_slots: torch.Tensor, spec: torch.Tensor) -> torch.Tensor:
+    """(4) Empty the slots of the speculative misses (``spec`` [M]) and move them to the front of
+    ``order`` [R, C]; the new order."""
+    R, C = order.shape
+    tok.index_fill_(0, cell[spec], -1)
+    drop = torch.zeros(R * C, dtype=torch.bool).index_fill_(0, (miss_rows * C + miss_slots)[spec], True)
+    return _to_front_desc(order, drop.view(R, C))
 
 
 def _validate(t: torch.Tensor, S: torch.Tensor) -> int:
