@@ -3,6 +3,10 @@
 Each module exposes ``run(**params) -> dict``: both sides of a comparison run in the same
 process, interleaved, and the report gives ratios (absolute times on shared machines are noise)
 plus the goals as booleans in ``goals_met``.
+
+- ``prefill``  layerwise buffer reuse vs no reuse, on a deep tiny model.
+- ``prefix``   the prefix cache: a second request on a shared prefix vs the first.
+- ``decode``   sparse offload vs ``keep_device_kv_cache``, on prompts or on a top-k trace (I2).
 """
 
 from __future__ import annotations
