@@ -6,14 +6,10 @@ import http.client
 import json
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING
 
 from svcruntime.tls import TLSConfig
 
 from kvoffload.ports import DATA_PORT_OFFSET
-
-if TYPE_CHECKING:
-    from kvoffload.stack import StackConfig
 
 
 def healthy(url: str, tls: TLSConfig | None = None) -> bool:
@@ -74,8 +70,9 @@ def grpc_stats(target: str, timeout_s: float = 15.0, tls: TLSConfig | None = Non
     return dict(reply.counters)
 
 
-def stack_stats(cfg: StackConfig) -> dict[str, dict[str, float]]:
-    """Stats of the metastore (pool "kvoffload"), every prefill (data port) and decode (control port)."""
+def stack_stats(cfg) -> dict[str, dict[str, float]]:
+    """Stats of the metastore (pool "kvoffload"), every prefill (data port) and decode (control port) of
+    the stack ``cfg`` (a ``kvoffload.stack.StackConfig``) describes."""
     out = {"metastore": grpc_stats(f"{cfg.host}:{cfg.metastore_port}", tls=cfg.tls)} if cfg.pool == "kvoffload" else {}
     for i, port in enumerate(cfg.prefill_ports):
         out[f"prefill-{i}"] = grpc_stats(f"{cfg.host}:{port + DATA_PORT_OFFSET}", tls=cfg.tls)

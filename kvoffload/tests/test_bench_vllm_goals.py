@@ -59,7 +59,7 @@ def servers(tmp_path, monkeypatch):
     def stream(url: str, model: str, prompt: list[int], max_tokens: int):
         if url in _Proxy.urls:  # the decode pulls the prompt's KV (or fails to)
             metrics[bench_vllm.CONSUMER.format(pd_outcome["counter"])] += 1
-            metrics[bench_vllm.CONSUMER.format("bytes_pulled")] += 1000 * (pd_outcome["counter"] == "requests_pulled")
+            metrics[bench_vllm.CONSUMER.format("bytes_read")] += 1000 * (pd_outcome["counter"] == "requests_pulled")
         hit = tuple(prompt) in seen  # the store part's second send of a prompt loads it from the pool
         seen.add(tuple(prompt))
         metrics[HITS] += hit * (len(prompt) // bench_vllm.BLOCK_SIZE) * bench_vllm.BLOCK_SIZE

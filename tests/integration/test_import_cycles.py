@@ -4,59 +4,8 @@ under ``TYPE_CHECKING`` — since each is a dependency a reader must follow."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def packages() -> dict[str, Path]:
-    """Top-level package name -> its directory, for every package this repository ships."""
-    found = {p.parent.name: p.parent for p in ROOT.glob("libs/*/src/*/__init__.py")}
-    found.update({p.parent.name: p.parent for p in ROOT.glob("services/*/src/*/__init__.py")})
-    found["kvoffload"] = ROOT / "kvoffload"
-    return found
-
-
-def modules(package: str, directory: Path) -> dict[str, Path]:
-    """Dotted module name -> file, for every module of the package (tests and generated stubs excluded)."""
-    out = {}
-    for path in directory.rglob("*.py"):
-        rel = path.relative_to(directory).with_suffix("")
-        if "tests" in rel.parts or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
-            continue
-        parts = [package, *rel.parts]
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
-
-
-def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """The modules of ``known`` that module ``name`` (at ``path``) imports, anywhere in its body."""
-    is_package = path.name == "__init__.py"
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
-                prefix = ".".join(base + ([node.module] if node.module else []))
-            else:
-                prefix = node.module or ""
-            targets = [f"{prefix}.{a.name}" for a in node.names] + [prefix]
-        else:
-            continue
-        for target in targets:
-            while target and target not in known:  # "pkg.mod.Class" -> "pkg.mod"
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                found.add(target)
-    return found
-
+from package_tree import imports_of, modules, packages
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan), each sorted."""

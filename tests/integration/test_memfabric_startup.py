@@ -19,8 +19,8 @@ from dsamodel.presets import tiny_model
 from kvcore.layout import dtype_name
 from kvoffload_proto.v1 import transfer_pb2 as pb
 
-from kvoffload.stack import decode_additional_config, decode_kv_transfer_config, prefill_kv_transfer_config
-from kvoffload_decode.transfer import TransferServicer
+from kvoffload.connector_configs import decode_additional_config, decode_kv_transfer_config, prefill_kv_transfer_config
+from kvoffload_decode.transfer import decode_transfer
 
 DRIVER_FILES = ("/etc/ascend_install.info", "/usr/local/Ascend/driver/version.info")  # where memfabric looks
 START_TIMEOUT_S = 120  # the service must have exited by then (model load included)
@@ -82,13 +82,13 @@ def _layout_of_a_prefill(layout, memfabric_session: str) -> pb.LayoutMetadata:
 def test_an_embedded_decode_refuses_a_memfabric_prefills_layout():
     model = tiny_model(dtype="float32")
     layout = kv_layout(model.config, 16, model.dtype)
-    transfer = TransferServicer(None, layout, "tiny", "decode-host", model.dtype)
+    transfer = decode_transfer(None, layout, "tiny", "decode-host")
     try:
         ack = transfer.ExchangeLayout(_layout_of_a_prefill(layout, "10.0.0.1:9000"), None)
         assert not ack.accepted and ack.reason == (
             "memfabric_session: the prefill's transfer_backend is 'memfabric' (session 10.0.0.1:9000), this "
             "decode's 'kvoffload'; both sides must use the same one")
-        assert transfer.puller.layouts() == {}
+        assert transfer.consumer.layouts() == {}
         ack = transfer.ExchangeLayout(_layout_of_a_prefill(layout, ""), None)
         assert ack.accepted and ack.shared_memory  # the same prefill on the embedded path: shared memory
     finally:

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 from vllm_support import chat, completion, failed_starts, post_json, refusals, smollm2_dir, tiny_llama_dir
 
+from kvoffload.ports import free_stack_ports
 from kvoffload.prom import scrape
-from kvoffload.stack import free_stack_ports
 from kvoffload.vllm_server import Metastore, Proxy, VllmServer, free_port, running, signal_group
 from kvoffload.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
 
@@ -238,7 +238,7 @@ def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decod
                 thread = threading.Thread(target=client)
                 thread.start()
                 deadline = time.monotonic() + 60
-                while "kvoffload_d2h_layout" not in decode.log_text():  # the prefill is computing and announcing
+                while "layout_exchange" not in decode.log_text():  # the prefill is computing and announcing
                     assert time.monotonic() < deadline, decode.log_text()[-3000:]
                     time.sleep(0.05)
                 time.sleep(1.0)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from kvcore.hotcache import MAX_TOKEN, HotCache, Resolution
+from kvcore.hotcache import HotCache
+from kvcore.hotcache_resolution import MAX_TOKEN, Resolution
 import hotcache_support
 
 BOTH = pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])

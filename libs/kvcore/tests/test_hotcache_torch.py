@@ -8,7 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from kvcore.bench.hotcache_torch import TorchHotCache
-from kvcore.hotcache import MAX_TOKEN, HotCache, Resolution
+from kvcore.hotcache import HotCache
+from kvcore.hotcache_resolution import MAX_TOKEN, Resolution
 import hotcache_support
 
 

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from kvoffload_vllm.consumer import Consumer
+from kvoffload_vllm.consumer import COUNTERS, Consumer
 from kvoffload_vllm.d2h import D2HSettings, D2HStepMetadata, Recv
 from kvoffload_vllm.d2h_plan import Peer, Send
 from kvoffload_vllm.layout import CacheLayout
@@ -109,8 +109,9 @@ def test_a_chunked_prompt_lands_block_for_block_and_ends_once(pair):
         assert not dc[name][[0, 1, 2, 3, 4]].any()  # nothing else written
     assert until(lambda: producer.finished({"vllm-p"})) == {"vllm-p"}
     assert consumer.finished() == (set(), set())  # reported once
-    counters = consumer.counters.take()
-    assert counters["requests_pulled"] == 1 and counters["reads_done"] == 4
+    counters = consumer.take_counters()
+    assert counters["requests_pulled"] == 1 and counters["read_done"] == 4 and counters["bytes_read"] > 0
+    assert set(counters) >= set(COUNTERS) and consumer.take_counters()["read_done"] == 0  # the sums since the last
 
 
 def test_a_prefill_that_goes_silent_fails_the_request_after_the_peer_timeout(pair):
@@ -135,9 +136,9 @@ def test_a_layout_of_another_model_is_refused_with_both_sides_named(pair):
     other = type(producer.metadata)()
     other.CopyFrom(producer.metadata)
     other.model_id = "model-b"
-    reason = consumer.exchange_layout(other)
+    reason = consumer.pull.exchange_layout(other)
     assert "model_id: prefill 'model-b', decode 'model-a'" in reason
-    assert consumer.exchange_layout(producer.metadata) == ""
+    assert consumer.pull.exchange_layout(producer.metadata) == ""
 
 
 def test_the_layer_source_serves_only_block_aligned_ranges_of_requests_it_sends(pair):

@@ -1,7 +1,7 @@
-"""The decode's pull path (``kvoffload_decode.pull``) without a gRPC server: ``LayerPuller`` over a
-real ``DecodeLoop`` and ``SparseDecoder`` with stand-in row sources or ``pdlink``'s ``RowSources``
-over a real shared-memory segment, and ``PullCounters`` under many threads. (``RowSources`` on its
-own: libs/pdlink/tests/test_sources.py.)
+"""The decode's pull path without a gRPC server: ``pdlink``'s ``PullConsumer`` over the decode's
+``DecodeRows`` (``kvoffload_decode.pull``), a real ``DecodeLoop`` and ``SparseDecoder``, with
+stand-in row sources or ``pdlink``'s ``RowSources`` over a real shared-memory segment. (``RowSources``
+and ``PullCounters`` on their own: libs/pdlink/tests.)
 
 What ``test_transfer_hostile`` covers through the real control port (layout reasons, malformed
 ReadReady, a source's refusals, duplicates, PrefillDone) is not repeated here; this file covers
@@ -23,15 +23,18 @@ from dsamodel.engine.layout import kv_layout
 from dsamodel.presets import tiny_model
 from dsamodel.sampling import SamplingParams
 from kvcore.layout import dtype_name
-from kvcore.segment import PoolGeometry, SharedSegment
+from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment
 from kvoffload_proto.v1 import transfer_pb2 as pb
 from pdlink.sources import PERMANENT, RowSources
 
-from kvoffload_decode import pull
+from pdlink.consumer import PullConsumer, ReadOutcome
+from pdlink.pullcounters import COUNTERS
+from pdlink.refusals import MalformedRead, NoAcceptedLayout, UnknownRequest
+
 from kvoffload_decode.loop import DecodeLoop
-from kvoffload_decode.pull import (COUNTERS, LayerPuller, MalformedRead, NoAcceptedLayout, PullCounters,
-                                   PullRefused, UnknownRequest)
-from kvoffload_decode.transfer import STATUS, TransferServicer
+from kvoffload_decode.pull import DecodeRows
+from kvoffload_decode.transfer import decode_transfer
 
 N = 20  # prompt tokens of each request
 VERSION = 3
@@ -40,99 +43,10 @@ STATS_KEYS = {"read_done", "read_failed", "read_retries", "bytes_read", "read_ms
               "reads_streamed", "heartbeats"}  # what Stats, /metrics and the kvoffload tools read
 
 
-# ---- PullCounters --------------------------------------------------------------------------------------
-
-
-def test_counters_have_the_names_stats_and_metrics_read():
+def test_the_servicer_exposes_a_snapshot_under_the_names_stats_and_metrics_read():
     assert set(COUNTERS) == STATS_KEYS
-    assert PullCounters().snapshot() == dict.fromkeys(STATS_KEYS, 0)
-
-
-def test_a_pull_counts_its_bytes_for_the_prefill_tp_rank_it_read_from():
-    c = PullCounters()
-    c.add_read(1, 300, 2.0)
-    c.add_read(0, 100, 1.0)
-    c.add_read(1, 5, 0.5)
-    assert c.snapshot() == {**dict.fromkeys(STATS_KEYS, 0), "read_done": 3, "bytes_read": 405, "read_ms_total": 3.5,
-                            "bytes_read_prefill_tp_rank_0": 100, "bytes_read_prefill_tp_rank_1": 305}
-
-
-def test_counters_are_exact_under_16_threads():
-    c = PullCounters()
-    threads, per_thread = 16, 10_000
-    start = threading.Barrier(threads)
-
-    def work(i: int) -> None:
-        start.wait()
-        for _ in range(per_thread):
-            c.increment("read_done")
-            c.add(bytes_read=3, read_ms_total=0.5)
-            if i % 2:
-                c.increment("heartbeats")
-
-    with ThreadPoolExecutor(threads) as ex:
-        list(ex.map(work, range(threads)))
-    snap = c.snapshot()
-    assert snap["read_done"] == threads * per_thread
-    assert snap["bytes_read"] == 3 * threads * per_thread
-    assert snap["read_ms_total"] == 0.5 * threads * per_thread
-    assert snap["heartbeats"] == threads // 2 * per_thread
-    assert snap["read_failed"] == snap["read_retries"] == 0
-
-
-def test_a_snapshot_never_shows_half_of_an_add():
-    """``add`` of several counters is one step: a reader sees bytes_read == 7 * read_done always
-    (the metrics' average read_ms_total / read_done relies on the same)."""
-    c = PullCounters()
-    stop = threading.Event()
-    torn: list[dict] = []
-
-    def writer() -> None:
-        while not stop.is_set():
-            c.add(read_done=1, bytes_read=7)
-
-    def reader() -> None:
-        for _ in range(20_000):
-            s = c.snapshot()
-            if s["bytes_read"] != 7 * s["read_done"]:
-                torn.append(s)
-
-    writers = [threading.Thread(target=writer) for _ in range(4)]
-    for t in writers:
-        t.start()
-    try:
-        reader()
-    finally:
-        stop.set()
-        for t in writers:
-            t.join()
-    assert not torn, torn[:3]
-    assert c.snapshot()["read_done"] > 0
-
-
-def test_a_snapshot_is_a_copy():
-    c = PullCounters()
-    c.add(read_done=2, bytes_read=10)
-    snap = c.snapshot()
-    snap["read_done"] = 99
-    snap["made_up"] = 1
-    assert c.snapshot() == {**dict.fromkeys(STATS_KEYS, 0), "read_done": 2, "bytes_read": 10}
-    c.increment("read_done")
-    assert snap["read_done"] == 99  # the earlier snapshot does not follow
-
-
-def test_an_unknown_counter_is_refused_and_nothing_is_added():
-    c = PullCounters()
-    with pytest.raises(KeyError, match="reads_done"):
-        c.add(read_done=1, reads_done=1)  # a typo anywhere adds nothing
-    with pytest.raises(KeyError):
-        c.increment("nope")
-    assert c.snapshot() == dict.fromkeys(STATS_KEYS, 0)
-
-
-def test_the_servicer_exposes_a_snapshot_under_the_same_names():
     model = tiny_model(dtype="float32")
-    transfer = TransferServicer(None, kv_layout(model.config, 16, model.dtype), "tiny", HOST, model.dtype)
+    transfer = decode_transfer(None, kv_layout(model.config, 16, model.dtype), "tiny", HOST)
     counters = transfer.counters
     assert set(counters) == STATS_KEYS
     counters["read_done"] = 5
@@ -140,13 +54,7 @@ def test_the_servicer_exposes_a_snapshot_under_the_same_names():
     transfer.close()
 
 
-def test_every_refusal_has_a_grpc_status():
-    assert STATUS == {NoAcceptedLayout: grpc.StatusCode.FAILED_PRECONDITION,
-                      MalformedRead: grpc.StatusCode.INVALID_ARGUMENT, UnknownRequest: grpc.StatusCode.NOT_FOUND}
-    assert set(PullRefused.__subclasses__()) == set(STATUS)
-
-
-# ---- LayerPuller over a real DecodeLoop, stand-in sources ----------------------------------------------
+# ---- the pulls into a real DecodeLoop, stand-in sources ----------------------------------------------
 
 
 class Rpc(grpc.RpcError):
@@ -201,7 +109,8 @@ class Rank:
         self.loop = DecodeLoop(SparseDecoder(self.model, self.pool, topk_buffer_size=64, max_num_seqs=max_num_seqs,
                                              max_model_len=256), c.eos_token_id)
         self.sources = sources if sources is not None else FakeSources()
-        self.puller = LayerPuller(self.loop, self.layout, "tiny", HOST, self.sources, read_retries=read_retries)
+        self.puller = PullConsumer(DecodeRows(self.loop, self.layout), self.sources, model_id="tiny", host_id=HOST,
+                                   read_retries=read_retries)
         self.meta = pb.LayoutMetadata(
             model_id="tiny", num_layers=self.layout.num_layers, block_size=16, prefill_tp_rank=0, prefill_tp_size=1,
             data_endpoint="prefill:1", host_id=host_id, layout_version=VERSION,
@@ -219,7 +128,7 @@ class Rank:
     def accept(self) -> None:
         assert self.puller.exchange_layout(self.meta) == ""
 
-    def read(self, **kw) -> pull.ReadOutcome:
+    def read(self, **kw) -> ReadOutcome:
         fields = dict(request_id="r0", layer=0, generation=1, src_start=0, src_end=N, dst_start=0,
                       layout_version=VERSION)
         return self.puller.read_ready(pb.ReadReadyRequest(**{**fields, **kw}))
@@ -303,7 +212,7 @@ def test_retries_run_out_into_a_failed_answer():
     try:
         r.sources.failures = [ValueError("short read")] * 5
         out = r.read(layer=1)
-        assert not out.done and "pull of layer 1 rows [0, 20) failed: ValueError('short read')" == out.reason
+        assert not out.done and "pull of layer 1 rows [0, 20) from prefill:1 failed: ValueError('short read')" == out.reason
         assert r.sources.calls == 2  # one try, one retry
         assert counts(r, "read_retries", "read_failed", "read_done") == {"read_retries": 1, "read_failed": 1,
                                                                         "read_done": 0}
@@ -359,7 +268,7 @@ def test_layouts_are_kept_by_version_and_handed_out_as_a_copy(rank):
     bad = pb.LayoutMetadata()
     bad.CopyFrom(rank.meta)
     bad.model_id = "other"
-    assert rank.puller.exchange_layout(bad) == "model_id: prefill serves 'other', this decode 'tiny'"
+    assert rank.puller.exchange_layout(bad) == "model_id: prefill 'other', decode 'tiny'"
     assert rank.puller.accepted_layout(VERSION) is rank.meta  # a refused layout replaces nothing
     with pytest.raises(NoAcceptedLayout, match="no accepted layout with layout_version 4"):
         rank.puller.accepted_layout(4)
@@ -416,7 +325,8 @@ def test_heartbeat_names_the_unknown_requests_and_is_counted(rank):
 
 def test_prefill_done_for_an_unknown_request_raises(rank):
     with pytest.raises(UnknownRequest, match="request 'nobody' is not waiting for KV here"):
-        rank.puller.prefill_done(VERSION, "nobody", N, 7)
+        rank.puller.prefill_done(pb.PrefillDoneRequest(layout_version=VERSION, request_id="nobody",
+                                                        num_prompt_tokens=N, first_token=7))
 
 
 # ---- the shared-memory path through RowSources ----------------------------------------------------------

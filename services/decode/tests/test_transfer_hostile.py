@@ -30,7 +30,7 @@ from kvoffload_proto.v1 import transfer_pb2 as pb
 from kvoffload_proto.v1 import transfer_pb2_grpc
 
 from kvoffload_decode.loop import DecodeLoop
-from kvoffload_decode.transfer import TransferServicer
+from kvoffload_decode.transfer import decode_transfer
 
 C = grpc.StatusCode
 N = 20  # prompt tokens of the request under attack
@@ -68,7 +68,7 @@ class Decode:
         self.pool = build.decode_pool(self.model, 16, 8 << 20)
         self.loop = DecodeLoop(SparseDecoder(self.model, self.pool, topk_buffer_size=64, max_num_seqs=2,
                                              max_model_len=256), c.eos_token_id)
-        self.transfer = TransferServicer(self.loop, self.layout, "tiny", "decode-host", self.model.dtype)
+        self.transfer = decode_transfer(self.loop, self.layout, "tiny", "decode-host")
         self.server = grpc.server(ThreadPoolExecutor(max_workers=4))
         transfer_pb2_grpc.add_TransferServicer_to_server(self.transfer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
@@ -113,7 +113,7 @@ class Decode:
                 "pool": (pool.used_blocks, pool.used_bytes, pool.live_leases), "loop": loop.stats(),
                 "counters": {k: v for k, v in self.transfer.counters.items() if k != "read_ms_total"},
                 "layouts": {v: m.SerializeToString(deterministic=True)
-                            for v, m in self.transfer.puller.layouts().items()},
+                            for v, m in self.transfer.consumer.layouts().items()},
                 "events": list(self.events)}
 
     def host_rows(self, layer: int) -> torch.Tensor:
@@ -167,10 +167,10 @@ def _layer(i: int, field: str, value):
 
 LAYOUTS = [
     ("version-zero", _set("layout_version", 0), "layout_version: must be > 0"),
-    ("other-model", _set("model_id", "other"), "model_id: prefill serves 'other', this decode 'tiny'"),
-    ("fewer-layers", _set("num_layers", 4), "num_layers: prefill has 4 (5 described), decode 5"),
-    ("layers-not-described", lambda m: m.layers.pop(), "num_layers: prefill has 5 (4 described), decode 5"),
-    ("huge-num-layers", _set("num_layers", U32_MAX), f"num_layers: prefill has {U32_MAX} (5 described), decode 5"),
+    ("other-model", _set("model_id", "other"), "model_id: prefill 'other', decode 'tiny'"),
+    ("fewer-layers", _set("num_layers", 4), "num_layers: prefill 4 (5 described), decode 5"),
+    ("layers-not-described", lambda m: m.layers.pop(), "num_layers: prefill 5 (4 described), decode 5"),
+    ("huge-num-layers", _set("num_layers", U32_MAX), f"num_layers: prefill {U32_MAX} (5 described), decode 5"),
     ("block-size", _set("block_size", 32), "block_size: prefill 32, decode 16"),
     ("block-size-zero", _set("block_size", 0), "block_size: prefill 0, decode 16"),
     ("tp-size-zero", _set("prefill_tp_size", 0), "tp: prefill tp 0, decode tp 1; prefill TP must be >= decode TP"),

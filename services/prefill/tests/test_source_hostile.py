@@ -19,7 +19,8 @@ from dsamodel.presets import tiny_model
 from kvoffload_proto.v1 import transfer_pb2 as pb
 from kvoffload_proto.v1 import transfer_pb2_grpc
 
-from kvoffload_prefill.source import LayerSourceServicer
+from kvoffload_prefill.source import LayerBufferRows
+from pdlink.layer_source import LayerSourceServicer
 
 C = grpc.StatusCode
 VERSION = 11
@@ -50,7 +51,7 @@ class Prefill:
         self.engine.announce = announce
         self.result = self.engine.run(PrefillRequest("r", torch.arange(P) % 200, readers=frozenset({READER})))
         self.server = grpc.server(ThreadPoolExecutor(max_workers=2))
-        transfer_pb2_grpc.add_LayerSourceServicer_to_server(LayerSourceServicer(self.engine, {VERSION: self.engine.buffers}), self.server)
+        transfer_pb2_grpc.add_LayerSourceServicer_to_server(LayerSourceServicer(LayerBufferRows(self.engine, {VERSION: self.engine.buffers})), self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -111,7 +112,7 @@ HOSTILE = [
     ("layout-version-zero", dict(layout_version=0), C.FAILED_PRECONDITION, "layout_version 0 is not one of this prefill's"),
     ("layer-past-the-end", dict(layer=5), C.INVALID_ARGUMENT, "layer 5"),
     ("layer-max", dict(layer=U32_MAX), C.INVALID_ARGUMENT, f"layer {U32_MAX}"),
-    ("reversed-range", dict(src_start=9, src_end=3), C.INVALID_ARGUMENT, "range is malformed"),
+    ("reversed-range", dict(src_start=9, src_end=3), C.INVALID_ARGUMENT, "range [9, 3) is reversed"),
     ("kind-unspecified", dict(kind=pb.PLANE_KIND_UNSPECIFIED), C.INVALID_ARGUMENT, "kind"),
     ("kind-unknown-value", dict(kind=7), C.INVALID_ARGUMENT, "kind"),
     ("slot-reused-by-another-layer", dict(layer=1), C.FAILED_PRECONDITION, "layer 1 is not the current occupant"),

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvoffload_proxy.app import create_app
+from kvoffload_proxy.app import FLOW, create_app
 from kvoffload_proxy.config import parse_args
 
 TEST_TIMEOUT_S = 30
@@ -262,6 +262,22 @@ class Stack:
             except ValueError:
                 data = text
             return r.status, data, r
+
+    @staticmethod
+    async def until(cond, timeout_s: float = 2.0) -> bool:
+        """Poll ``cond()`` until it holds or ``timeout_s`` passed; its last value."""
+        deadline = time.monotonic() + timeout_s
+        while not cond() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return cond()
+
+    async def assert_idle(self) -> None:
+        """Nothing leaked: no open rendezvous, no load left on any backend."""
+        flow = self.app[FLOW]
+        idle = lambda: (len(flow.registry) == 0 and flow.prefillers.is_idle  # noqa: E731
+                        and flow.decoders.is_idle and flow.in_flight == 0)
+        assert await self.until(idle), (len(flow.registry), flow.prefillers.loads, flow.decoders.loads,
+                                        flow.in_flight)
 
     async def stream(self, path: str, body: Any, **kw) -> tuple[int, list[Any]]:
         async with self.http.post(self.url + path, json=body, **kw) as r:

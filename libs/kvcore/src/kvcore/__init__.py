@@ -27,7 +27,7 @@ The model's caches and the prefill's buffers:
 Sparse decode:
 
 - ``hotcache``: decode hot top-k residency (native path); ``hotcache_reference``: its Python
-  reference path.
+  reference path; ``hotcache_resolution``: what a resolve returns (``Resolution``, ``MAX_TOKEN``).
 - ``gather``: native gather/scatter of token rows.
 - ``belady``: the offline optimum hit rate; ``hotsizing``: per-layer buffer sizes from hit-rate
   curves; ``prefetch``: miss prediction; ``traces/``: top-k traces.

@@ -69,25 +69,12 @@ from __future__ import annotations
 import operator
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from kvcore.confignames import HOT_CACHE_POLICIES as POLICIES  # index = the native policy code
-
-MAX_TOKEN = 2**31 - 2  # largest accepted token index (the native map is indexed by int32 tokens)
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """Result of one ``resolve`` call over a batch of rows (one request per row)."""
-
-    slots: torch.Tensor  # [rows, k] int32, -1 for padding
-    miss_rows: torch.Tensor  # [M] int32, batch row of each unique miss
-    miss_tokens: torch.Tensor  # [M] int64
-    miss_slots: torch.Tensor  # [M] int32
-    num_hits: int  # unique tokens already resident
-    num_misses: int  # unique tokens to load (== M)
+from kvcore.hotcache_reference import ReferencePath
+from kvcore.hotcache_resolution import Resolution
 
 
 class HotCache:
@@ -110,7 +97,6 @@ class HotCache:
         if native:
             self._impl = _Native(capacity, num_layers, self._lock, policy == "slru")
         else:
-            from kvcore.hotcache_reference import ReferencePath  # it imports Resolution from here
 
             self._impl = ReferencePath(capacity, num_layers, self._lock, policy == "slru")
         self._steps = self._hits = self._misses = self._entries = 0

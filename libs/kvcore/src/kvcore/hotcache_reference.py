@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import torch
 
-from kvcore.hotcache import MAX_TOKEN, Resolution
+from kvcore.hotcache_resolution import MAX_TOKEN, Resolution
 
 
 class _LayerState:

@@ -8,15 +8,22 @@ docstring maps who calls what) frees the slot once all have settled.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kvcore.gates import SlotGate
+from typing import Protocol
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
 _MAX_LISTED_READERS = 8
+
+
+class Settles(Protocol):
+    """What a ticket needs of its gate (``kvcore.gates.SlotGate``): the lock guarding the occupants,
+    and the one place an item settles."""
+
+    _cond: threading.Condition
+
+    def _settle(self, ticket: SlotTicket, item: str, outcome: str, **detail) -> None: ...
 
 
 class Occupancy:
@@ -71,7 +78,7 @@ class SlotTicket:
     layer: int
     generation: int
     readers: frozenset
-    _gate: SlotGate = field(repr=False)
+    _gate: Settles = field(repr=False)
     _occ: Occupancy = field(repr=False)
 
     def computed(self) -> None:

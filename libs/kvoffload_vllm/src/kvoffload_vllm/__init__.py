@@ -10,6 +10,18 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 ``kvoffload_vllm.plan`` and ``kvoffload_vllm.d2h_plan`` import without it). The P/D pair:
 ``SfaRemoteD2HConnector`` with ``kv_role`` ``kv_producer`` on the prefill (usually inside vLLM's
 ``MultiConnector`` next to the store) and ``kv_consumer`` on the decode; see ``kvoffload_vllm.d2h``.
+
+- ``store``: ``AscendStoreConnector``, the layerwise prefix store over a host pool.
+- ``plan``: which blocks each step of the store loads and saves.
+- ``d2h``: ``SfaRemoteD2HConnector``, the P/D pull; its worker sides:
+- ``producer``: the prefill's side (announces layers through ``pdlink``'s ``DecodeLink``, serves
+  vLLM's blocks as a ``RowBuffer``).
+- ``consumer``: the decode's side (registration at the proxy's metaserver, a ``RowSink`` of vLLM's
+  blocks under ``pdlink``'s ``PullConsumer``).
+- ``d2h_plan``: what each step sends, and which copy of a block a decode keeps.
+- ``layout``: vLLM's paged cache as pool geometry.
+- ``stats``: the connectors' counters as vLLM stats and Prometheus counters.
+- ``plugin``: registers the connector names with vLLM.
 """
 
 from __future__ import annotations

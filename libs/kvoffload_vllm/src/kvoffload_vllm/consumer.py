@@ -30,27 +30,26 @@ import structlog
 import torch
 from kvcore.layout import dtype_name
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
-from pdlink.sources import RowSources, read_with_retries
+from pdlink.consumer import Plane, PullConsumer, Read, ReadOutcome, RowSink
+from pdlink.pullcounters import COUNTERS as PULL_COUNTERS
+from pdlink.refusals import MalformedRead, UnknownRequest
+from pdlink.sources import RowSources
+from pdlink.transfer_service import TransferServicer
 from svcruntime.tls import PROCESS, add_port, secure_or_insecure_channel
 
 from kvoffload_vllm.d2h_plan import Coverage, blocks_of
 from kvoffload_vllm.layout import CacheLayout
-from kvoffload_vllm.refused import Refused
 from kvoffload_vllm.stats import Counters
 
 log = structlog.get_logger("vllm.kvoffload.consumer")
 
-COUNTERS = {
+SINK_COUNTERS = {
     "requests_pulled": "decode requests whose prompt KV landed completely",
     "requests_failed": "decode requests whose pull failed (vLLM recomputes or fails them)",
     "requests_cancelled": "decode requests vLLM finished while their KV was loading",
-    "reads_done": "ReadReady announcements answered READ_DONE",
-    "reads_failed": "ReadReady announcements answered READ_FAILED",
     "blocks_pulled": "blocks (of one layer) written into vLLM's cache",
-    "bytes_pulled": "bytes streamed from prefills",
-    "pull_ms": "milliseconds spent pulling and writing blocks",
-    "heartbeats": "prefill heartbeats taken",
 }
+COUNTERS = {**SINK_COUNTERS, **PULL_COUNTERS}  # the pulls' own counters: pdlink.pullcounters
 REGISTRATION_TIMEOUT_S = 1800.0  # a backstop: the proxy answers within its own request deadline
 REGISTRATION_RETRIES = 3
 READ_RETRIES = 2
@@ -72,7 +71,10 @@ class _Incoming:
     write_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class Consumer:
+class Consumer(RowSink):
+    """The requests this worker receives, the ``RowSink`` its pulls write into (vLLM's blocks), and
+    the control port (``pdlink``'s ``TransferServicer`` over a ``PullConsumer``)."""
+
     def __init__(self, settings, model_id: str, layout: CacheLayout, caches: dict[str, torch.Tensor]) -> None:
         self.settings, self.model_id, self.layout = settings, model_id, layout
         self._bytes = [caches[name].view(torch.uint8).view(layout.num_blocks, layout.block_bytes)
@@ -80,12 +82,13 @@ class Consumer:
         self._lock = threading.Lock()
         self._reqs: dict[str, _Incoming] = {}  # by transfer id
         self._by_req: dict[str, str] = {}  # vLLM request id -> transfer id
-        self._layouts: dict[int, transfer_pb2.LayoutMetadata] = {}
-        self.counters = Counters(COUNTERS)
-        self._sources = RowSources(lambda endpoint: secure_or_insecure_channel(endpoint, PROCESS))
+        self.num_layers, self.block_size = len(layout.layer_names), layout.block_size
+        self.counters = Counters(SINK_COUNTERS)
+        sources = RowSources(lambda endpoint: secure_or_insecure_channel(endpoint, PROCESS))
+        self.pull = PullConsumer(self, sources, model_id=model_id, read_retries=READ_RETRIES)
         self._stop = threading.Event()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvoffload-transfer"))
-        transfer_pb2_grpc.add_TransferServicer_to_server(_Transfer(self), self._server)
+        transfer_pb2_grpc.add_TransferServicer_to_server(TransferServicer(self.pull), self._server)
         self.endpoint = f"{settings.advertise_host}:{settings.control_port}"
         if not add_port(self._server, self.endpoint):
             raise RuntimeError(f"cannot bind the decode control port {self.endpoint} (kv_port)")
@@ -191,28 +194,11 @@ class Consumer:
                 log.info("kvoffload_d2h_cancelled", request_id=inc.recv.req_id, transfer_id=inc.recv.transfer_id)
         return done, failed
 
-    # ---- the prefill's calls -----------------------------------------------------------------
+    # ---- the RowSink hooks (pdlink.consumer): the prefill's calls --------------------------------
 
-    def exchange_layout(self, m: transfer_pb2.LayoutMetadata) -> str:
-        reason = self._check_layout(m)
-        if not reason:
-            with self._lock:
-                self._layouts[m.layout_version] = m
-        log.info("kvoffload_d2h_layout", accepted=not reason, reason=reason, data_endpoint=m.data_endpoint,
-                 layout_version=m.layout_version)
-        return reason
-
-    def _check_layout(self, m: transfer_pb2.LayoutMetadata) -> str:
+    def layout_problem(self, m: transfer_pb2.LayoutMetadata) -> str:
         lay = self.layout
         row_bytes, dtype = lay.block_bytes // lay.block_size, dtype_name(lay.dtype)
-        if m.layout_version == 0:
-            return "layout_version: must be > 0"
-        if m.model_id != self.model_id:
-            return f"model_id: prefill {m.model_id!r}, decode {self.model_id!r} (model, vLLM version and KV layout)"
-        if m.num_layers != len(lay.layer_names) or len(m.layers) != m.num_layers:
-            return f"num_layers: prefill {m.num_layers} ({len(m.layers)} described), decode {len(lay.layer_names)}"
-        if m.block_size != lay.block_size:
-            return f"block_size: prefill {m.block_size}, decode {lay.block_size}"
         if m.prefill_tp_size != 1:
             return f"prefill_tp_size: prefill {m.prefill_tp_size}, decode 1 (one rank only for now)"
         for i, got in enumerate(m.layers):
@@ -221,135 +207,92 @@ class Consumer:
                         f"(indexer {got.indexer_row_bytes}), decode layer {i} rows {row_bytes} bytes {dtype} (no indexer)")
         return ""
 
-    def heartbeat(self, layout_version: int, request_ids) -> list[str]:
-        if layout_version not in self._layouts:
-            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"no accepted layout {layout_version}")
-        unknown = []
-        now = time.monotonic()
-        with self._lock:
-            for rid in request_ids:
-                inc = self._reqs.get(rid)
-                if inc is None or inc.state != "loading":
-                    unknown.append(rid)
-                else:
-                    inc.last_news = now
-        self.counters.add(heartbeats=1)
-        return unknown
+    def planes(self, layer: int) -> list[Plane]:
+        return [Plane(transfer_pb2.PLANE_KIND_MAIN, self.layout.block_bytes // self.layout.block_size)]
 
-    def read_ready(self, r: transfer_pb2.ReadReadyRequest) -> tuple[bool, str, int, float]:
-        """Pull and write one announced range: (done, reason, bytes, ms); Refused when malformed."""
-        meta = self._layouts.get(r.layout_version)
-        if meta is None:
-            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"no accepted layout with layout_version "
-                          f"{r.layout_version}: call ExchangeLayout first")
-        if r.layer >= len(self.layout.layer_names) or r.src_end < r.src_start or r.dst_start != r.src_start:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"layer {r.layer} or range [{r.src_start}, {r.src_end}) "
-                          f"-> {r.dst_start} is malformed")
+    def begin(self, read: Read) -> range | ReadOutcome:
+        """Whole blocks: the announced rows widened to the blocks that hold them (vLLM's pages)."""
+        r = read.request
+        if r.dst_start != r.src_start:
+            raise MalformedRead(f"rows [{r.src_start}, {r.src_end}) -> {r.dst_start}: a vLLM decode takes each row "
+                                "at the prefill's position")
         with self._lock:
             inc = self._reqs.get(r.request_id)
             if inc is None:
-                raise Refused(grpc.StatusCode.NOT_FOUND, f"request {r.request_id!r} is not waiting for KV here")
+                raise UnknownRequest(f"request {r.request_id!r} is not waiting for KV here")
             if r.src_end > inc.recv.num_tokens:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"rows up to {r.src_end} go past the prompt's "
-                              f"{inc.recv.num_tokens} tokens")
+                raise MalformedRead(f"rows up to {r.src_end} go past the prompt's {inc.recv.num_tokens} tokens")
             if inc.state == "done":  # a late copy of tokens that all landed already
-                return True, "", 0, 0.0
+                return ReadOutcome(done=True)
             if inc.state != "loading":
-                return False, inc.reason or f"request {r.request_id!r} is {inc.state}", 0, 0.0
-            inc.last_news, inc.peer = time.monotonic(), meta.data_endpoint
+                return ReadOutcome(done=False, reason=inc.reason or f"request {r.request_id!r} is {inc.state}")
+            inc.last_news, inc.peer = time.monotonic(), read.endpoint
             inc.busy += 1
-        try:
-            with inc.write_lock:
-                if not len(inc.coverage.to_write(r.layer, r.src_start, r.src_end)):
-                    return True, "", 0, 0.0  # a retry or a duplicate: these tokens are here
-            t = time.perf_counter()
-            blocks = blocks_of(r.src_start, r.src_end, self.layout.block_size)
-            data = self._pull(meta, r, blocks)
-            # vLLM's caches, and what begin_step made under vLLM's inference mode, are inference tensors
-            with inc.write_lock, torch.inference_mode():
-                if inc.state != "loading":
-                    return False, inc.reason, 0, 0.0
-                idx = inc.coverage.to_write(r.layer, r.src_start, r.src_end)
-                self._bytes[r.layer].index_copy_(0, inc.block_ids[blocks.start + idx], data[idx])
-                inc.coverage.landed(r.layer, r.src_start, r.src_end, idx)
-                complete = inc.coverage.complete
-            ms = (time.perf_counter() - t) * 1000
-            nbytes = int(data.numel())
-            self.counters.add(reads_done=1, blocks_pulled=len(idx), bytes_pulled=nbytes, pull_ms=ms)
-            with self._lock:
-                inc.bytes += nbytes
-                if complete and inc.state == "loading":
-                    inc.state = "done"
-            return True, "", nbytes, ms
-        except Exception as exc:  # noqa: BLE001 - answered READ_FAILED and the request fails (I5)
-            reason = f"pull of layer {r.layer} tokens [{r.src_start}, {r.src_end}) from {meta.data_endpoint} failed: {exc!r}"
-            self.counters.add(reads_failed=1)
-            self._fail(r.request_id, reason)
-            return False, reason, 0, 0.0
-        finally:
-            with self._lock:
-                inc.busy -= 1
+        with inc.write_lock:
+            landed = not len(inc.coverage.to_write(r.layer, r.src_start, r.src_end))
+        if landed:  # a retry or a duplicate: these tokens are here
+            self.end(read)
+            return ReadOutcome(done=True)
+        blocks = blocks_of(r.src_start, r.src_end, self.layout.block_size)
+        return range(blocks.start * self.layout.block_size, blocks.stop * self.layout.block_size)
 
-    def _pull(self, meta, r, blocks: range) -> torch.Tensor:
-        """The blocks ``blocks`` of one layer from the prefill: uint8 ``[n, block_bytes]``."""
-        bs = self.layout.block_size
-        ask = transfer_pb2.ReadReadyRequest(request_id=r.request_id, layer=r.layer, generation=r.generation,
-                                            src_start=blocks.start * bs, src_end=blocks.stop * bs,
-                                            layout_version=r.layout_version)
-
-        def read() -> torch.Tensor:
-            rows = self._sources.streamed_rows(meta.data_endpoint, ask, transfer_pb2.PLANE_KIND_MAIN,
-                                               self.layout.block_bytes // bs)
-            return rows.view(len(blocks), self.layout.block_bytes)
-
-        def on_retry(attempt: int, exc: Exception) -> None:
-            log.warning("kvoffload_d2h_read_retry", transfer_id=r.request_id, layer=r.layer, attempt=attempt,
-                        error=repr(exc))
-
-        return read_with_retries(read, READ_RETRIES, lambda: self._loading(r.request_id), on_retry)
-
-    def _loading(self, transfer_id: str) -> bool:
+    def wanted(self, transfer_id: str) -> bool:
         with self._lock:
             inc = self._reqs.get(transfer_id)
             return inc is not None and inc.state == "loading"
 
+    def install(self, read: Read, rows: range, planes: list[torch.Tensor]) -> float:
+        """Write the blocks that improve on what landed into the request's vLLM blocks."""
+        r, bs = read.request, self.layout.block_size
+        with self._lock:
+            inc = self._reqs[r.request_id]
+        first = rows.start // bs
+        data = planes[0].view(-1, self.layout.block_bytes)
+        t = time.perf_counter()
+        # vLLM's caches, and what begin_step made under vLLM's inference mode, are inference tensors
+        with inc.write_lock, torch.inference_mode():
+            if inc.state != "loading":
+                raise RequestEnded(inc.reason or f"request {r.request_id!r} is {inc.state}")
+            idx = inc.coverage.to_write(r.layer, r.src_start, r.src_end)
+            self._bytes[r.layer].index_copy_(0, inc.block_ids[first + idx], data[idx])
+            inc.coverage.landed(r.layer, r.src_start, r.src_end, idx)
+            complete = inc.coverage.complete
+        self.counters.add(blocks_pulled=len(idx))
+        with self._lock:
+            inc.bytes += int(data.numel())
+            if complete and inc.state == "loading":
+                inc.state = "done"
+        return time.perf_counter() - t
+
+    def failed(self, read: Read, reason: str) -> None:
+        self._fail(read.request_id, reason)  # vLLM recomputes or fails the request (I5)
+
+    def end(self, read: Read) -> None:
+        with self._lock:
+            self._reqs[read.request_id].busy -= 1
+
+    def heard(self, transfer_id: str, endpoint: str) -> bool:
+        with self._lock:
+            inc = self._reqs.get(transfer_id)
+            if inc is None or inc.state != "loading":
+                return False
+            inc.last_news = time.monotonic()
+            return True
+
+    def prefill_done(self, request: transfer_pb2.PrefillDoneRequest, endpoint: str) -> str:
+        # vLLM decodes compute the last prompt token themselves: the prefill's first token is not needed
+        self.heard(request.request_id, endpoint)
+        return ""
+
+    def take_counters(self) -> dict[str, float]:
+        """The sums since the last report: this sink's counters and the pulls' (``COUNTERS``)."""
+        return {**self.counters.take(), **self.pull.counters.take()}
+
     def close(self) -> None:
         self._stop.set()
         self._server.stop(grace=1.0)
-        self._sources.close()
+        self.pull.close()
 
 
-class _Transfer(transfer_pb2_grpc.TransferServicer):
-    """``kvoffload.v1.Transfer`` over a ``Consumer``."""
-
-    def __init__(self, consumer: Consumer) -> None:
-        self.consumer = consumer
-
-    def ExchangeLayout(self, request, context):
-        reason = self.consumer.exchange_layout(request)
-        return transfer_pb2.LayoutAck(accepted=not reason, reason=reason, layout_version=request.layout_version,
-                                      decode_tp_rank=0, decode_tp_size=1, shared_memory=False)
-
-    def ReadReady(self, request, context):
-        try:
-            done, reason, nbytes, ms = self.consumer.read_ready(request)
-        except Refused as exc:
-            context.abort(exc.code, str(exc))
-        if not done:
-            return transfer_pb2.ReadResult(status=transfer_pb2.READ_FAILED, reason=reason)
-        return transfer_pb2.ReadResult(status=transfer_pb2.READ_DONE, bytes_read=nbytes, read_ms=int(ms))
-
-    def Heartbeat(self, request, context):
-        try:
-            unknown = self.consumer.heartbeat(request.layout_version, request.request_ids)
-        except Refused as exc:
-            context.abort(exc.code, str(exc))
-        return transfer_pb2.PrefillHeartbeatReply(unknown_request_ids=unknown)
-
-    def PrefillDone(self, request, context):
-        # vLLM decodes compute the last prompt token themselves: the prefill's first token is not needed
-        try:
-            self.consumer.heartbeat(request.layout_version, [request.request_id])
-        except Refused as exc:
-            context.abort(exc.code, str(exc))
-        return transfer_pb2.PrefillDoneReply(accepted=True)
+class RequestEnded(RuntimeError):
+    """The request stopped loading (failed or cancelled) while its rows were being pulled."""

@@ -45,7 +45,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
-from kvcore.config import D2H_CONNECTOR, ConfigError, D2HConnectorConfig, parse_kv_transfer_config
+from kvcore.config import parse_kv_transfer_config
+from kvcore.configerrors import ConfigError
+from kvcore.confignames import D2H_CONNECTOR
+from kvcore.connectorconfig import D2HConnectorConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -285,7 +288,7 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
 
     def take_counters(self) -> dict[str, float]:
         role = "producer" if self.producer_role else "consumer"
-        return {f"{role}_{k}": v for k, v in self._side.counters.take().items()} if self._side is not None else {}
+        return {f"{role}_{k}": v for k, v in self._side.take_counters().items()} if self._side is not None else {}
 
     def shutdown(self) -> None:
         if self._side is not None:

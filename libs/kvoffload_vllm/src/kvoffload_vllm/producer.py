@@ -27,13 +27,13 @@ import torch
 from kvcore.layout import dtype_name
 from kvcore.segment import host_id
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
-from pdlink.chunks import data_chunks
+from pdlink.layer_source import LayerSourceServicer, RowBuffer
 from pdlink.links import DecodeLink, LinkError
+from pdlink.refusals import MalformedRead, Refused, UnknownRequest
 from svcruntime.tls import add_port
 
 from kvoffload_vllm.d2h_plan import Send, blocks_of
 from kvoffload_vllm.layout import CacheLayout
-from kvoffload_vllm.refused import Refused
 from kvoffload_vllm.stats import Counters
 
 log = structlog.get_logger("vllm.kvoffload.producer")
@@ -87,7 +87,7 @@ class _Announce:
         self.producer._answered(self.out, reason or "READ_FAILED", self.clock)
 
 
-class Producer:
+class Producer(RowBuffer):
     def __init__(self, settings, model_id: str, layout: CacheLayout, caches: dict[str, torch.Tensor]) -> None:
         self.settings, self.layout, self.caches = settings, layout, caches
         self._bytes = {name: t.view(torch.uint8).view(layout.num_blocks, layout.block_bytes) for name, t in caches.items()}
@@ -101,7 +101,7 @@ class Producer:
         self._generation = 0
         self.counters = Counters(COUNTERS)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvoffload-source"))
-        transfer_pb2_grpc.add_LayerSourceServicer_to_server(_LayerSource(self), self._server)
+        transfer_pb2_grpc.add_LayerSourceServicer_to_server(LayerSourceServicer(self), self._server)
         port = add_port(self._server, f"{settings.advertise_host}:{settings.data_port}")
         if not port:
             raise RuntimeError(f"cannot bind the LayerSource at {settings.advertise_host}:{settings.data_port}")
@@ -214,51 +214,41 @@ class Producer:
 
     # ---- the data path -----------------------------------------------------------------------
 
-    def blocks(self, request) -> torch.Tensor:
-        """The bytes of the blocks rows ``[src_start, src_end)`` of one layer of a request cover;
-        LookupError / ValueError (with the gRPC status to answer) when they cannot be served."""
+    def rows(self, request) -> torch.Tensor:
+        """Its LayerSource's ``RowBuffer``: the bytes of the blocks that rows ``[src_start, src_end)`` of
+        one layer of a request cover; ``Refused`` (with the gRPC status) when they cannot be served."""
         if request.layout_version != self.metadata.layout_version:
-            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"layout_version {request.layout_version} is not "
-                          f"this prefill's ({self.metadata.layout_version})")
+            raise Refused(f"layout_version {request.layout_version} is not this prefill's "
+                          f"({self.metadata.layout_version})", grpc.StatusCode.FAILED_PRECONDITION)
         if request.kind != transfer_pb2.PLANE_KIND_MAIN:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "this prefill has no indexer plane (vLLM's KV only)")
+            raise MalformedRead("this prefill has no indexer plane (vLLM's KV only)")
         bs = self.layout.block_size
-        if request.layer >= len(self.layout.layer_names) or request.src_end < request.src_start \
-                or request.src_start % bs or request.src_end % bs:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"layer {request.layer} or range [{request.src_start}, "
-                          f"{request.src_end}) is malformed (vLLM blocks: block-aligned ranges of {bs} rows only)")
+        if request.layer >= len(self.layout.layer_names) or request.src_start % bs or request.src_end % bs:
+            raise MalformedRead(f"layer {request.layer} or range [{request.src_start}, {request.src_end}) is "
+                                f"malformed (vLLM blocks: block-aligned ranges of {bs} rows only)")
         with self._lock:
             out = self._reqs.get(request.request_id)
             if out is None:
-                raise Refused(grpc.StatusCode.NOT_FOUND, f"request {request.request_id!r} is not being sent here")
+                raise UnknownRequest(f"request {request.request_id!r} is not being sent here")
             if out.generation != request.generation:
-                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"request {request.request_id!r} is generation "
-                              f"{out.generation}, not {request.generation}")
+                raise Refused(f"request {request.request_id!r} is generation {out.generation}, not "
+                              f"{request.generation}", grpc.StatusCode.FAILED_PRECONDITION)
             blocks = blocks_of(request.src_start, request.src_end, bs)
             block_ids = out.send.block_ids
             if blocks.stop > len(block_ids):
-                raise Refused(grpc.StatusCode.OUT_OF_RANGE, f"rows up to {request.src_end}: the request holds "
-                              f"{len(block_ids)} blocks")
+                raise Refused(f"rows up to {request.src_end}: the request holds {len(block_ids)} blocks",
+                              grpc.StatusCode.OUT_OF_RANGE)
             ids = torch.tensor(block_ids[blocks.start:blocks.stop], dtype=torch.long)
         data = self._bytes[self.layout.layer_names[request.layer]].index_select(0, ids)
         self.counters.add(blocks_served=len(ids), bytes_served=data.numel())
         return data.view(-1)
+
+    def take_counters(self) -> dict[str, float]:
+        """The sums since the last report."""
+        return self.counters.take()
 
     def close(self) -> None:
         self._server.stop(grace=1.0)
         for link in self._links.values():
             link.close()
 
-
-class _LayerSource(transfer_pb2_grpc.LayerSourceServicer):
-    """``kvoffload.v1.LayerSource`` over a ``Producer``'s blocks."""
-
-    def __init__(self, producer: Producer) -> None:
-        self.producer = producer
-
-    def ReadLayer(self, request, context):
-        try:
-            data = self.producer.blocks(request)
-        except Refused as exc:
-            context.abort(exc.code, str(exc))
-        yield from data_chunks(data)

@@ -1,12 +1,27 @@
-"""pdlink: the two ends of the prefill -> decode transfer contract (``kvoffload.v1.Transfer`` and
-``LayerSource``, proto/kvoffload/v1/transfer.proto) that any producer or consumer can reuse, with
-nothing of the kvoffload services themselves.
+"""pdlink: the whole prefill -> decode transfer contract (``kvoffload.v1.Transfer`` and
+``LayerSource``, proto/kvoffload/v1/transfer.proto), both ends, for every producer and consumer
+(the reference services and the vLLM connectors), with nothing of any one of them.
 
-- ``links``: the producer's ``DecodeLink`` to one decode control endpoint (layout exchange,
-  ReadReady settling a ``ReadTicket``, heartbeats, PrefillDone).
+The consumer's side:
+
+- ``consumer``: ``PullConsumer``, the one pull state machine (layout checks, ReadReady -> pull ->
+  READ_DONE / READ_FAILED, retries, heartbeats, PrefillDone) over a ``RowSink``, where the rows go.
+- ``transfer_service``: ``TransferServicer``, ``kvoffload.v1.Transfer`` over a ``PullConsumer``.
+- ``sources``: ``RowSources``, the reads out of the producer's shared memory or its LayerSource stream.
+- ``pullcounters``: ``PullCounters``, the counters every consumer exposes (``COUNTERS``).
+
+The producer's side:
+
+- ``links``: ``DecodeLink`` to one decode control endpoint (layout exchange, ReadReady settling a
+  ``ReadTicket``, heartbeats, PrefillDone).
+- ``layer_source``: ``LayerSourceServicer``, ``kvoffload.v1.LayerSource`` over a ``RowBuffer``.
 - ``chunks``: a LayerSource's rows as ``DataChunk`` messages of at most ``MAX_CHUNK_BYTES``.
-- ``sources``: the consumer's ``RowSources``, announced rows out of the producer's shared memory
-  or streamed from its LayerSource.
+
+Both:
+
+- ``refusals``: the messages an end refuses outright, each with its gRPC status.
+- ``memfabric``: transfer_backend "memfabric": the producer's registered buffers, the consumer's
+  batched reads.
 """
 
 __version__ = "0.1.0"

@@ -31,20 +31,16 @@ version of ascend driver does not support mf!", "hybm core init failed: -1". A m
 
 from __future__ import annotations
 
-import ctypes
-import os
 import re
-import sys
-import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
 import torch
 from kvcore.backends import MEMFABRIC_INSTALL
 from kvcore.confignames import MEMFABRIC_DATA_OPS
+from svcruntime.native_output import native_output
 
 log = structlog.get_logger(__name__)
 
@@ -55,7 +51,6 @@ STORE_PROTOCOL = "tcp://"
 DRIVER_HINT = ("memfabric's data path needs an Ascend NPU driver (Ascend HDK) on this host; kvoffload does not fall "
                "back to its embedded P→D data path")
 
-_capture_lock = threading.Lock()
 _ERROR_LINE = re.compile(r"\bERROR\b.*?\[(\w+) ([\w.]+:\d+) \w+\] (.*)$")  # "... ERROR [pid-tid][TAG file:line fn] msg"
 
 
@@ -87,31 +82,6 @@ def import_memfabric() -> Any:
     except Exception as e:  # a broken install raises more than ImportError (missing shared libraries)
         raise MemfabricNotInstalled(f"cannot import {MODULE} ({type(e).__name__}: {e}); {MEMFABRIC_INSTALL}") from e
     return memfabric_hybrid
-
-
-@contextmanager
-def native_output() -> Iterator[list[str]]:
-    """Capture what native code writes to fds 1 and 2 in the block; the list gets the lines after the
-    block, and the bytes go back to the fd they were written to (delayed, never lost)."""
-    lines: list[str] = []
-    with _capture_lock, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        saved = {1: os.dup(1), 2: os.dup(2)}
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-        try:
-            yield lines
-        finally:
-            ctypes.CDLL(None).fflush(None)  # the library's C stdio buffers
-            for fd, tmp in ((1, out), (2, err)):
-                os.dup2(saved[fd], fd)
-                os.close(saved[fd])
-                tmp.seek(0)
-                data = tmp.read()
-                if data:
-                    os.write(fd, data)
-                lines.extend(data.decode(errors="replace").splitlines())
 
 
 def native_reason(lines: Sequence[str]) -> str:

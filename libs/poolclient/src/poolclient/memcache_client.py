@@ -10,7 +10,7 @@ contributes ``dram.size`` of host memory to the pool through MemFabric (``memfab
 "the current version of ascend driver does not support mf!" and ``init`` returns -1 after about
 2 s. ``init`` reports only a number; the reason is in the library's log lines, which it writes to
 the process's stdout. So ``connect`` captures file descriptors 1 and 2 during ``init``
-(``native_output``; the bytes are written back to stdout afterwards) and raises
+(``svcruntime.native_output``; the bytes are written back afterwards) and raises
 ``MemcacheUnavailable`` whose ``reason`` is the library's own error lines, and whose
 ``needs_ascend_driver`` says whether the driver is the cause. ``contribute_memory=False`` starts
 a metadata-only client (it runs here; puts then fail: no LocalService memory to place them in).
@@ -31,17 +31,15 @@ directions H2G / G2H), ``exists`` (1, 0, or < 0), ``remove``, ``add_lease`` / ``
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
-import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 from kvcore.hostpool import PoolError
+from svcruntime.native_output import native_output
 
 from poolclient.memcache_conf import LocalSettings, local_fields
 from poolclient.memcache_meta import INSTALL_HINT, MODULE, MemcacheNotInstalled
@@ -51,7 +49,6 @@ G2H = 2  # BmCopyType.G2H: global pool -> host memory
 DRIVER_HINT = ("The Memcache data path (MemFabric's hybm layer under every ock.mmc.local_service.protocol) needs "
                "an Ascend NPU driver (Ascend HDK) on this host; kvoffload does not fall back to its embedded pool")
 
-_capture_lock = threading.Lock()
 _setup_lock = threading.Lock()
 _process_setup: tuple[str, str] | None = None  # (meta_service_url, config_store_url) of this process's setup
 _open_clients = 0  # started clients not yet closed; at 0 the setup is released ...
@@ -85,32 +82,6 @@ def import_memcache() -> Any:
     except Exception as e:  # a broken install raises more than ImportError (missing shared libraries)
         raise MemcacheNotInstalled(f"cannot import {MODULE} ({type(e).__name__}: {e}); {INSTALL_HINT}") from e
     return memcache_hybrid
-
-
-@contextmanager
-def native_output() -> Iterator[list[str]]:
-    """Capture what native code writes to fds 1 and 2 in the block; the list gets its lines after the
-    block, and the bytes are written back to fd 1 (nothing is lost, only delayed)."""
-    lines: list[str] = []
-    with _capture_lock, tempfile.TemporaryFile() as tmp:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
-        os.dup2(tmp.fileno(), 1)
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield lines
-        finally:
-            ctypes.CDLL(None).fflush(None)  # C stdio buffers of the library
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-            tmp.seek(0)
-            data = tmp.read()
-            if data:
-                os.write(1, data)
-            lines.extend(data.decode(errors="replace").splitlines())
 
 
 def native_reason(lines: list[str]) -> str:

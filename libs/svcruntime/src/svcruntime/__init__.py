@@ -10,6 +10,7 @@
 - ``ranks``: a service's TP rank processes (``RankProcesses``), rank 0's side of the group
   (``LeadRanks``: readiness, orderly close) and a follower's join.
 - ``sse``: server-sent events in the OpenAI streaming format.
+- ``native_output``: what a native library prints during a call, captured to quote in an error.
 """
 
 __version__ = "0.1.0"

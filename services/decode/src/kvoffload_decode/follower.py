@@ -43,7 +43,7 @@ class PulledRequest:
 
 
 class FollowerPulls:
-    """The loop a follower's ``LayerPuller`` installs into (module doc)."""
+    """What a follower's pulls install into (its ``DecodeRows``; module doc)."""
 
     def __init__(self, decoder: SparseDecoder, tp_rank: int) -> None:
         self.decoder, self.tp_rank = decoder, tp_rank

@@ -190,6 +190,24 @@ class Flow:
         if len(st.children_with_output) == st.req.num_children and st.prefill_lease:
             st.prefill_lease.release()
 
+    async def _relay_children(self, st: RequestState, out: asyncio.Queue,
+                              relay: StreamRelay | JsonRelay) -> None:
+        """Relay the children's output as it arrives until every child finished; a child's error
+        (or the rendezvous's), or no event for `max_silence_s`, raises `ProxyError`."""
+        pending = set(range(st.req.num_children))
+        while pending:
+            try:
+                i, item = await asyncio.wait_for(out.get(), self.max_silence_s)
+            except asyncio.TimeoutError:
+                raise ProxyError(504, f"no output for {self.max_silence_s:g}s") from None
+            if isinstance(item, ProxyError):
+                raise item
+            if item is _CHILD_DONE:
+                pending.discard(i)
+                continue
+            self._note_output(st, i)
+            await relay.add(i, item)
+
     # -- the request ------------------------------------------------------------------------
     async def run(self, request: web.Request, st: RequestState) -> web.StreamResponse:
         if self.draining:
@@ -212,19 +230,7 @@ class Flow:
                     for i in range(req.num_children)]
         answered = False
         try:
-            pending = set(range(req.num_children))
-            while pending:
-                try:
-                    i, item = await asyncio.wait_for(out.get(), self.max_silence_s)
-                except asyncio.TimeoutError:
-                    raise ProxyError(504, f"no output for {self.max_silence_s:g}s") from None
-                if isinstance(item, ProxyError):
-                    raise item
-                if item is _CHILD_DONE:
-                    pending.discard(i)
-                    continue
-                self._note_output(st, i)
-                await relay.add(i, item)
+            await self._relay_children(st, out, relay)
             answered = True
             return await relay.finish()
         except ProxyError as e:

@@ -26,8 +26,13 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def build_openapi(api_key_required: bool) -> dict[str, Any]:
-    components: dict[str, Any] = {
+def _ref(model: str) -> dict[str, Any]:
+    return {"$ref": _REF.format(model=model)}
+
+
+def _base_components() -> dict[str, Any]:
+    """The hand-written schemas: the OpenAI error body, any JSON object, and the model list."""
+    return {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message"], "properties": {
                 "message": {"type": "string"}, "type": {"type": "string"},
@@ -38,45 +43,60 @@ def build_openapi(api_key_required: bool) -> dict[str, Any]:
             "created": {"type": "integer", "minimum": 0}, "owned_by": {"type": "string"}}},
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"const": "list"},
-            "data": {"type": "array", "items": {"$ref": _REF.format(model="Model")}}}},
+            "data": {"type": "array", "items": _ref("Model")}}},
     }
-    err = {"$ref": _REF.format(model="Error")}
-    obj = {"$ref": _REF.format(model="Object")}
-    rid = {"name": "X-Request-Id", "in": "header", "required": False,
-           "description": "Honoured and forwarded to decoder and prefiller; assigned if absent.",
-           "schema": {"type": "string", "pattern": REQUEST_ID_PATTERN}}
-    errors = {str(s): _json(err, d) for s, d in (
-        (400, "Malformed JSON or a field of the wrong type (the message names it)"),
-        (401, "Missing or wrong API key"), (413, "Request body larger than --max-request-bytes"),
-        (502, "A backend failed"), (503, "No backend reachable, or shutting down"),
-        (504, "A backend timed out"))}
 
-    def generate(model: type[BaseModel], summary: str) -> dict[str, Any]:
-        op = {"summary": summary, "parameters": [rid],
-              "requestBody": {"required": True,
-                              "content": {"application/json": {"schema": _schema(model, components)}}},
-              "responses": {"200": {"description": "OpenAI response (JSON, or SSE when stream)",
-                                    "content": {"application/json": {"schema": obj},
-                                                "text/event-stream": {"itemSchema": _SSE_EVENT}}},
-                            **errors}}
-        if api_key_required:
-            op["security"] = [{"bearer": []}]
-        return {"post": op}
 
-    meta_errors = {str(s): _json(err, d) for s, d in (
-        (400, "Malformed registration"), (404, "Unknown or finished request_id"),
-        (409, "request_id re-registered with other params"), (410, "Client request ended"),
-        (413, "Body too large"), (502, "The prefill dispatch failed (body names the prefiller)"),
-        (503, "No prefiller reachable"), (504, "Prefill or registration timed out"))}
-    paths = {
-        "/v1/completions": generate(CompletionRequest, "Text completion (prompt lists batched)"),
-        "/v1/chat/completions": generate(ChatCompletionRequest, "Chat completion"),
+def _request_id_param() -> dict[str, Any]:
+    return {"name": "X-Request-Id", "in": "header", "required": False,
+            "description": "Honoured and forwarded to decoder and prefiller; assigned if absent.",
+            "schema": {"type": "string", "pattern": REQUEST_ID_PATTERN}}
+
+
+def _error_responses(statuses: tuple[tuple[int, str], ...]) -> dict[str, Any]:
+    return {str(s): _json(_ref("Error"), d) for s, d in statuses}
+
+
+_GENERATE_ERRORS = (
+    (400, "Malformed JSON or a field of the wrong type (the message names it)"),
+    (401, "Missing or wrong API key"), (413, "Request body larger than --max-request-bytes"),
+    (502, "A backend failed"), (503, "No backend reachable, or shutting down"),
+    (504, "A backend timed out"))
+_METASERVER_ERRORS = (
+    (400, "Malformed registration"), (404, "Unknown or finished request_id"),
+    (409, "request_id re-registered with other params"), (410, "Client request ended"),
+    (413, "Body too large"), (502, "The prefill dispatch failed (body names the prefiller)"),
+    (503, "No prefiller reachable"), (504, "Prefill or registration timed out"))
+
+
+def _generate_path(model: type[BaseModel], summary: str, components: dict[str, Any],
+                   errors: dict[str, Any], api_key_required: bool) -> dict[str, Any]:
+    """A generation route: the request model's schema, a JSON or SSE answer, the errors."""
+    op = {"summary": summary, "parameters": [_request_id_param()],
+          "requestBody": {"required": True,
+                          "content": {"application/json": {"schema": _schema(model, components)}}},
+          "responses": {"200": {"description": "OpenAI response (JSON, or SSE when stream)",
+                                "content": {"application/json": {"schema": _ref("Object")},
+                                            "text/event-stream": {"itemSchema": _SSE_EVENT}}},
+                        **errors}}
+    if api_key_required:
+        op["security"] = [{"bearer": []}]
+    return {"post": op}
+
+
+def _paths(components: dict[str, Any], errors: dict[str, Any], api_key_required: bool) -> dict[str, Any]:
+    """Every route the proxy serves, before the API key's security requirements are added."""
+    err, obj = _ref("Error"), _ref("Object")
+    return {
+        "/v1/completions": _generate_path(CompletionRequest, "Text completion (prompt lists batched)",
+                                          components, errors, api_key_required),
+        "/v1/chat/completions": _generate_path(ChatCompletionRequest, "Chat completion",
+                                               components, errors, api_key_required),
         "/v1/models": {"get": {
             "summary": "The models the decoders serve (OpenAI list; each decoder's GET /v1/models, "
                        "merged, de-duplicated, cached a few seconds)",
-            "parameters": [rid],
-            "responses": {"200": _json({"$ref": _REF.format(model="ModelList")},
-                                       "The ids clients may name in `model`"),
+            "parameters": [_request_id_param()],
+            "responses": {"200": _json(_ref("ModelList"), "The ids clients may name in `model`"),
                           "400": _json(err, "Malformed X-Request-Id header"),
                           "503": _json(err, "No decoder answered its GET /v1/models")}}},
         "/v1/metaserver": {"post": {
@@ -85,7 +105,7 @@ def build_openapi(api_key_required: bool) -> dict[str, Any]:
                 "schema": _schema(MetaserverRegistration, components)}}},
             "responses": {"200": _json({"type": "object", "properties": {
                 "status": {"const": "ok"}}}, "Prefill dispatched and completed"),
-                **meta_errors}}},
+                **_error_responses(_METASERVER_ERRORS)}}},
         "/healthcheck": {"get": {"summary": "Probes every backend's /health", "responses": {
             "200": _json(obj, "All backends healthy"),
             "503": _json(obj, "A backend is down, or the proxy is shutting down")}}},
@@ -96,16 +116,36 @@ def build_openapi(api_key_required: bool) -> dict[str, Any]:
             "description": "Prometheus text format",
             "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
     }
+
+
+def _require_keys(paths: dict[str, Any], errors: dict[str, Any]) -> None:
+    """With --api-key: the bearer key on the admin routes, the per-request token on /v1/metaserver."""
+    for path in ("/v1/models", "/reset_prefix_cache", "/metrics"):
+        for op in paths[path].values():
+            op["security"] = [{"bearer": []}]
+            op["responses"]["401"] = errors["401"]
+    meta = paths["/v1/metaserver"]["post"]
+    meta["security"] = [{"metaserverToken": []}]
+    meta["responses"]["401"] = _json(_ref("Error"), "Missing token, or not the one issued for this request_id")
+    paths["/healthcheck"]["get"]["description"] = (
+        "Open (load balancers); without the API key the body has only `status`, not `backends`.")
+
+
+def _security_schemes() -> dict[str, Any]:
+    return {
+        "bearer": {"type": "http", "scheme": "bearer",
+                   "description": "The proxy's --api-key ($KVOFFLOAD_API_KEY)."},
+        "metaserverToken": {"type": "http", "scheme": "bearer",
+                            "description": "Decoders only: kv_transfer_params.metaserver_token of "
+                                           "the request being registered (issued per request)."}}
+
+
+def build_openapi(api_key_required: bool) -> dict[str, Any]:
+    components = _base_components()
+    errors = _error_responses(_GENERATE_ERRORS)
+    paths = _paths(components, errors, api_key_required)
     if api_key_required:
-        for path in ("/v1/models", "/reset_prefix_cache", "/metrics"):
-            for op in paths[path].values():
-                op["security"] = [{"bearer": []}]
-                op["responses"]["401"] = errors["401"]
-        meta = paths["/v1/metaserver"]["post"]
-        meta["security"] = [{"metaserverToken": []}]
-        meta["responses"]["401"] = _json(err, "Missing token, or not the one issued for this request_id")
-        paths["/healthcheck"]["get"]["description"] = (
-            "Open (load balancers); without the API key the body has only `status`, not `backends`.")
+        _require_keys(paths, errors)
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "kvoffload proxy", "version": __version__,
@@ -113,10 +153,5 @@ def build_openapi(api_key_required: bool) -> dict[str, Any]:
                                 "deployment (decode first)."},
         "paths": paths, "components": {"schemas": components}}
     if api_key_required:
-        doc["components"]["securitySchemes"] = {
-            "bearer": {"type": "http", "scheme": "bearer",
-                       "description": "The proxy's --api-key ($KVOFFLOAD_API_KEY)."},
-            "metaserverToken": {"type": "http", "scheme": "bearer",
-                                "description": "Decoders only: kv_transfer_params.metaserver_token of "
-                                               "the request being registered (issued per request)."}}
+        doc["components"]["securitySchemes"] = _security_schemes()
     return doc

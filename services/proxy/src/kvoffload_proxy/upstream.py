@@ -89,6 +89,38 @@ async def http_error(resp: aiohttp.ClientResponse, backend: Backend) -> ProxyErr
                            f"{excerpt(text)}", backend=backend.url, role=backend.role)
 
 
+async def refusal_text(resp: aiohttp.ClientResponse) -> tuple[float, str]:
+    """A 429 answer's ``Retry-After`` (seconds) and body text; the response is released."""
+    wait_s = retry_after_s(resp.headers.get("Retry-After"))
+    try:
+        text = await resp.text(errors="replace")
+    finally:
+        resp.release()
+    return wait_s, text
+
+
+def json_object(text: str) -> dict | None:
+    """``text`` parsed when it is a JSON object, else None."""
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict) else None
+
+
+def all_refused(refused: list[tuple[float, dict | None, Backend]], backends: int, role: str) -> ProxyError:
+    """The 429 for the caller once every backend refused: the smallest ``Retry-After`` they gave and
+    the last one's message."""
+    wait_s = max(1, math.ceil(min(w for w, _, _ in refused)))
+    said = refused[-1][1]
+    detail = said["error"].get("message") if said and isinstance(said.get("error"), dict) else None
+    message = (f"every {role} is at its queue limit ({len(refused)} of {backends} "
+               f"answered 429); retry after {wait_s} s" + (f" ({detail})" if detail else ""))
+    err_body = {"error": {"message": message, "type": "rate_limit_error", "param": None, "code": 429}}
+    return ProxyError(429, message, backend=refused[-1][2].url, role=role, relay_body=err_body,
+                      headers={"Retry-After": str(wait_s)})
+
+
 async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyConfig, path: str,
                body: dict[str, Any], *, headers: dict[str, str], num_tokens: int,
                num_kv_tokens: int = 0,
@@ -112,19 +144,11 @@ async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyCon
             balancer.report(lease.index, parse_load(resp.headers.get(LOAD_HEADER)))
             if resp.status != 429:
                 return lease, resp
-            wait_s = retry_after_s(resp.headers.get("Retry-After"))
-            try:
-                text = await resp.text(errors="replace")
-            finally:
-                resp.release()
+            wait_s, text = await refusal_text(resp)
             lease.release()
             balancer.mark_full(lease.index, wait_s)
             tried.add(lease.index)
-            try:
-                answer = json.loads(text)
-            except ValueError:
-                answer = None
-            refused.append((wait_s, answer if isinstance(answer, dict) else None, backend))
+            refused.append((wait_s, json_object(text), backend))
             log.info("backend_full", role=backend.role, backend=backend.url, retry_after_s=wait_s)
             if len(tried) >= len(balancer.loads):
                 break
@@ -148,14 +172,7 @@ async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyCon
             lease.release()
             raise
     if refused:
-        wait_s = max(1, math.ceil(min(w for w, _, _ in refused)))
-        said = refused[-1][1]
-        detail = said["error"].get("message") if said and isinstance(said.get("error"), dict) else None
-        message = (f"every {backend.role} is at its queue limit ({len(refused)} of {len(balancer.loads)} "
-                   f"answered 429); retry after {wait_s} s" + (f" ({detail})" if detail else ""))
-        err_body = {"error": {"message": message, "type": "rate_limit_error", "param": None, "code": 429}}
-        raise ProxyError(429, message, backend=refused[-1][2].url, role=backend.role, relay_body=err_body,
-                         headers={"Retry-After": str(wait_s)})
+        raise all_refused(refused, len(balancer.loads), backend.role)
     raise ProxyError(503, f"no {backend.role} reachable after {cfg.max_retries + 1} attempt(s); "
                           f"last: {backend.url}: {last}", backend=backend.url, role=backend.role)
 
