@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -95,29 +96,32 @@ class ReadOutcome:
     read_ms: float = 0.0
 
 
-class RowSink:
+class RowSink(ABC):
     """Where a consumer's pulled rows go (module doc, hook by hook). ``num_layers`` and
     ``block_size`` are what a prefill's layout must match."""
 
     num_layers: int
     block_size: int
 
+    @abstractmethod
     def layout_problem(self, meta: transfer_pb2.LayoutMetadata) -> str:
         """"" if this sink takes rows of layout ``meta`` (after the common checks), else the first mismatch."""
-        raise NotImplementedError
 
+    @abstractmethod
     def planes(self, layer: int) -> list[Plane]:
         """What to read of ``layer``, in the order ``install`` takes them."""
-        raise NotImplementedError
 
+    @abstractmethod
     def begin(self, read: Read) -> range | ReadOutcome:
-        raise NotImplementedError
+        """The rows to pull for ``read``, or the answer at once (module doc)."""
 
+    @abstractmethod
     def wanted(self, request_id: str) -> bool:
-        raise NotImplementedError
+        """Whether the request still waits (a failed read is retried only then)."""
 
+    @abstractmethod
     def install(self, read: Read, rows: range, planes: list[torch.Tensor]) -> float:
-        raise NotImplementedError
+        """Write the pulled rows (one uint8 ``[n, row_bytes]`` per plane); the seconds it took."""
 
     def failed(self, read: Read, reason: str) -> None:
         """Nothing by default: the prefill, told READ_FAILED, ends the request."""
@@ -125,13 +129,14 @@ class RowSink:
     def end(self, read: Read) -> None:
         """Nothing by default."""
 
+    @abstractmethod
     def heard(self, request_id: str, endpoint: str) -> bool:
-        raise NotImplementedError
+        """A heartbeat from the prefill at ``endpoint``: whether the request still waits here."""
 
+    @abstractmethod
     def prefill_done(self, request: transfer_pb2.PrefillDoneRequest, endpoint: str) -> str:
         """"" when the prefill's end of ``request`` is taken, else why not; ``UnknownRequest`` if it
         is not waiting here."""
-        raise NotImplementedError
 
 
 class PullConsumer:

@@ -6,6 +6,8 @@ is not reversed), asks the buffer for the rows, and streams them as ``DataChunk`
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
@@ -15,14 +17,14 @@ from pdlink.refusals import MalformedRead, Refused, abort
 __all__ = ["LayerSourceServicer", "RowBuffer"]
 
 
-class RowBuffer:
+class RowBuffer(ABC):
     """What a producer serves over its LayerSource."""
 
+    @abstractmethod
     def rows(self, request: transfer_pb2.ReadLayerRequest) -> torch.Tensor:
         """Rows [src_start, src_end) of plane ``kind`` of ``layer``, as the request's ``generation``
         holds them for ``request_id``: packed, contiguous 1-D uint8. ``Refused`` when they cannot be
         served (another layout or generation, a request not read from here, out of range)."""
-        raise NotImplementedError
 
 
 class LayerSourceServicer(transfer_pb2_grpc.LayerSourceServicer):

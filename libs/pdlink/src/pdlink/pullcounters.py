@@ -30,8 +30,7 @@ class PullCounters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values: dict[str, float] = dict.fromkeys(COUNTERS, 0)
-        self._values["read_ms_total"] = 0.0
+        self._values = _zeros()
         self._by_rank: dict[int, float] = {}
 
     def increment(self, name: str) -> None:
@@ -63,9 +62,13 @@ class PullCounters:
         """Every counter, then all back to 0 (the sums since the last ``take``), at one instant."""
         with self._lock:
             data = self._copy()
-            self._values = {name: 0.0 if name == "read_ms_total" else 0 for name in self._values}
-            self._by_rank = {}
+            self._values, self._by_rank = _zeros(), {}
         return data
 
     def _copy(self) -> dict[str, float]:
         return {**self._values, **{f"{BY_RANK}{r}": b for r, b in sorted(self._by_rank.items())}}
+
+
+def _zeros() -> dict[str, float]:
+    """Every counter at 0 (the milliseconds as a float)."""
+    return {name: 0.0 if name == "read_ms_total" else 0 for name in COUNTERS}
