@@ -18,15 +18,15 @@ from typing import Callable
 
 # bench name -> "module:function"; each function takes keyword parameters and returns a dict.
 BENCHES: dict[str, str] = {
-    "hotcache": "kvcore.bench.hotcache:run",
-    "gather": "kvcore.bench.gather:run",
+    "hotcache": "kvoffload_bench.hotcache:run",
+    "gather": "kvoffload_bench.gather:run",
     "prefill": "dsamodel.bench.prefill:run",
     "prefix": "dsamodel.bench.prefix:run",
     "decode": "dsamodel.bench.decode:run",
-    "pd": "kvoffload.bench_pd:run",
-    "load": "kvoffload.bench_load:run",
+    "pd": "kvoffload_bench.pd:run",
+    "load": "kvoffload_bench.load:run",
     "faults": "kvoffload.faults:bench",
-    "vllm": "kvoffload.bench_vllm:run",
+    "vllm": "kvoffload_bench.vllm_connectors:run",
     "pool": "kvoffload.bench_pool:run",
 }
 
@@ -35,7 +35,7 @@ BENCHES: dict[str, str] = {
 NO_GOALS: dict[str, str] = {"pool": "it reports each host-pool backend's put/get rates as ratios to memcpy "
                                     "(figures to compare backends), not a goal"}
 
-# bench name -> the recorded traces its default run reads (kvoffload.trace_record records them)
+# bench name -> the recorded traces its default run reads (kvoffload_bench.trace_record records them)
 RECORDED_TRACES: dict[str, tuple[str, ...]] = {"hotcache": ("smollm2",)}
 
 # ``kvoffload bench``'s exit statuses (its --help, docs/configuration.md §6.6 and the Makefile's bench
@@ -100,7 +100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace, run: Callable[..., dict], kwargs: dict) -> dict | None:
     """The bench's result; None when the recorded trace it was given is not there (said on stderr)."""
     # recorded traces the run needs are recorded first when missing (minutes, once per machine)
-    from kvoffload.trace_record import KNOWN, ensure
+    from kvoffload_bench.trace_record import KNOWN, ensure
 
     for name in [args.trace] if args.trace else RECORDED_TRACES.get(args.name, ()):
         if name in KNOWN:

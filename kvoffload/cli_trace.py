@@ -17,7 +17,7 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kvoffload.model_fetch import FetchError
-    from kvoffload.trace_record import ensure
+    from kvoffload_bench.trace_record import ensure
 
     params = {k: getattr(args, k) for k in ("context", "steps", "topk", "requests") if getattr(args, k) is not None}
     target = Path(args.out) if args.out else traces_dir() / f"{args.name}.pt"

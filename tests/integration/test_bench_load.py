@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvoffload.bench_load import run
+from kvoffload_bench.load import run
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvoffload.bench_pd import run
+from kvoffload_bench.pd import run
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 

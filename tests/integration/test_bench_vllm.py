@@ -11,7 +11,7 @@ import json
 
 from vllm_support import tiny_llama_dir
 
-from kvoffload.bench_vllm import run
+from kvoffload_bench.vllm_connectors import run
 from kvoffload.vllm_stack import split_cores
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -29,8 +29,8 @@ Sparse decode:
 - ``hotcache``: decode hot top-k residency (native path); ``hotcache_reference``: its Python
   reference path; ``hotcache_resolution``: what a resolve returns (``Resolution``, ``MAX_TOKEN``).
 - ``gather``: native gather/scatter of token rows.
-- ``belady``: the offline optimum hit rate; ``hotsizing``: per-layer buffer sizes from hit-rate
-  curves; ``prefetch``: miss prediction; ``traces/``: top-k traces.
+- ``belady``: the offline optimum hit rate; ``traces/``: top-k traces (synthetic, recorded) and
+  their locality.
 
 The host pool:
 
@@ -42,9 +42,10 @@ The host pool:
   ``poolerrors``: the pool's typed errors.
 - ``blockkeys``: stable chained block keys.
 
-And: ``device``: devices and the counting allocator; ``bench/``: side-by-side benchmarks.
+And: ``device``: devices and the counting allocator.
 
-No model code and no service code lives here.
+No model code and no service code lives here; the benchmarks and the research code they measure
+with (sizing curves, offline prefetch scoring) are ``kvoffload_bench``'s.
 """
 
 __version__ = "0.1.0"

@@ -59,8 +59,8 @@ def pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 25) -> tuple
     import uuid
 
     import structlog
-    from dsamodel.engine import build
-    from dsamodel.engine.decode import SparseDecoder
+    from kvoffload_engine import build
+    from kvoffload_engine.decode import SparseDecoder
     from dsamodel.presets import tiny_model
     from kvcore.poolgeometry import PoolGeometry
     from kvcore.segment import SharedSegment

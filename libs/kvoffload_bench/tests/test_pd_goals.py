@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload import bench_pd
+from kvoffload_bench import pd as bench_pd
 
 TOKENS = [11, 12, 13, 14, 15, 16]
 

@@ -36,7 +36,7 @@ import torch
 from kvcore.traces.trace import Trace, traces_dir
 
 KNOWN = ("smollm2",)  # trace name -> the model of the same name (kvoffload.model_fetch.SOURCES)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[4]  # the repository: SOURCES are its documents
 SOURCES = ("docs/design.md", "docs/configuration.md", "README.md", "docs/vllm.md", "docs/models.md")
 INSTRUCTION = "Summarize the following document in a few sentences.\n\n"
 SCORE = ("sum over the KV-head group's query heads of the softmax attention probability of the decode "

@@ -8,8 +8,8 @@ Two kinds of case, one of each per row size:
 - ``miss_cases`` (one real decode step's misses): the rows a decode step really gathers. The
   synthetic trace ``trace`` (``kvcore.traces.synthetic``, one layer, one stream per request, ``rows``
   requests, top-k ``topk`` over a context of ``context`` tokens growing by one per step) is resolved
-  step by step by ``kvcore.bench.hotcache.simulate`` (LRU, the default policy; ``stable_lens`` = the step's context, so every
-  miss stays resident, as in ``kvcore.bench.hotcache``). After ``warmup_steps`` steps (the first
+  step by step by ``kvoffload_bench.hotcache.simulate`` (LRU, the default policy; ``stable_lens`` = the step's context, so every
+  miss stays resident, as in ``kvoffload_bench.hotcache``). After ``warmup_steps`` steps (the first
   one misses the whole top-k) the ``miss_rows``/``miss_tokens``/``miss_slots`` of each of the next
   ``miss_steps`` steps are gathered unchanged: at the defaults (overlap90, k = 2048, capacity
   4096) about a hundred rows per request, some 800 per step, well under 1 MB, so these cases
@@ -40,10 +40,11 @@ import time
 
 import torch
 
-from kvcore.bench.load import OtherLoad
 from kvcore import gather
-from kvcore.bench.hotcache import simulate
 from kvcore.traces.synthetic import generate, preset
+
+from kvoffload_bench.hotcache import simulate
+from kvoffload_bench.otherload import OtherLoad
 
 GOAL_RATIO_TO_MEMCPY = 0.7
 GOAL_SPEEDUP_VS_TORCH = 1.0

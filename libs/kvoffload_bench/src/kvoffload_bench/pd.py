@@ -42,7 +42,7 @@ identical in every pair (I3, ``tokens_equal``).
   processes on the machine still count). A low in-stack ratio next to a high idle ratio points
   at the load (scheduling), not at the copy code.
 
-The memcpy references (the sampler, the idle diagnostic) are ``kvoffload.bench_pd_memcpy``'s.
+The memcpy references (the sampler, the idle diagnostic) are ``kvoffload_bench.pd_memcpy``'s.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvoffload.bench_pd_memcpy import MemcpySampler, pull_vs_memcpy
-from kvoffload.sse import sse_events
+from kvoffload_bench.pd_memcpy import MemcpySampler, pull_vs_memcpy
+from kvoffload.sse import sse_events, token_ids
 
 GOAL_TPOT_RATIO = 1.3
 GOAL_PULL_RATIO = 0.5
@@ -94,7 +94,7 @@ def _stream_timed(url: str, prompt: list[int], max_tokens: int, second: _Countdo
             for event in sse_events(resp):
                 if "error" in event:
                     raise RuntimeError(f"request failed: {event['error']}")
-                new = [t for c in event["choices"] for t in c.get("token_ids", [])]
+                new = token_ids(event)
                 had = len(ids)
                 ids += new
                 stamps += [time.perf_counter()] * len(new)

@@ -15,14 +15,14 @@ and, where recorded, ``smollm2`` (a real model's attention: ``kvoffload trace re
   of every trace (``policy_outputs_equal``).
 - ``layer_sizing``: the default policy's per-layer hit-rate curves (capacities k..4k) and the
   device budget of today's uniform buffers (``layers * 2k`` slots): sized per layer
-  (``kvcore.hotsizing``) at the same budget, the H2D rows per step against uniform
+  (``kvoffload_bench.hotsizing``) at the same budget, the H2D rows per step against uniform
   (``h2d_ratio_equal_device``), and the smallest budget (in steps of 5 %) whose per-layer sizing
   moves no more rows than uniform (``device_ratio_equal_h2d``).
 - ``prefetch``: per trace, at C = 2k with the default policy, how well each miss predictor of
-  ``kvcore.prefetch`` foresees a step's misses: ``recall`` (misses a prefetch would have loaded
+  ``kvoffload_bench.prefetch`` foresees a step's misses: ``recall`` (misses a prefetch would have loaded
   before they were needed: H2D moved off the critical path), ``precision``, ``loads_per_miss``.
 - ``timing``: per preset (``rows`` requests of one layer), native vs ``TorchHotCache``
-  (``kvcore.bench.hotcache_torch``: whole-tensor torch ops of the same semantics, proven equal by
+  (``kvoffload_bench.hotcache_torch``: whole-tensor torch ops of the same semantics, proven equal by
   a property test; timed at 1 intra-op thread and at the process's count, alternating, the faster
   counts) vs the Python reference (first ``reference_steps`` steps), back to back step by step;
   and the native cost per (request, layer, step) on one core (``cost_us``: one thread, median
@@ -40,13 +40,15 @@ import time
 
 import torch
 
-from kvcore import belady, hotsizing, prefetch
-from kvcore.bench.hotcache_torch import TorchHotCache
-from kvcore.bench.load import OtherLoad
+from kvcore import belady
 from kvcore.hotcache import POLICIES, HotCache, max_threads
 from kvcore.hotcache_resolution import Resolution
 from kvcore.traces import PRESETS, Trace, named
 from kvcore.traces.measure import locality
+
+from kvoffload_bench import hotsizing, prefetch
+from kvoffload_bench.hotcache_torch import TorchHotCache
+from kvoffload_bench.otherload import OtherLoad
 
 GOAL_POLICY_VS_BELADY = 0.95
 GOAL_COST_US = 10.0

@@ -1,11 +1,11 @@
-"""kvcore.prefetch: the miss predictors scored on hand-made traces."""
+"""kvoffload_bench.prefetch: the miss predictors scored on hand-made traces."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvcore.prefetch import evaluate
+from kvoffload_bench.prefetch import evaluate
 from kvcore.traces import Trace
 
 

@@ -1,10 +1,10 @@
-"""kvcore.hotsizing: greedy per-layer sizing on hand-made curves."""
+"""kvoffload_bench.hotsizing: greedy per-layer sizing on hand-made curves."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvcore.hotsizing import hits_at, size_layers
+from kvoffload_bench.hotsizing import hits_at, size_layers
 
 
 def test_slots_go_where_they_buy_the_most_hits():

@@ -1,4 +1,4 @@
-"""kvcore.bench.hotcache_torch: the vectorized torch HotCache has exactly the reference's semantics
+"""kvoffload_bench.hotcache_torch: the vectorized torch HotCache has exactly the reference's semantics
 (the hot-cache bench's torch baseline is only meaningful if it computes the same thing)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from kvcore.bench.hotcache_torch import TorchHotCache
+from kvoffload_bench.hotcache_torch import TorchHotCache
 from kvcore.hotcache import HotCache
 from kvcore.hotcache_resolution import MAX_TOKEN, Resolution
 import hotcache_support

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from kvoffload import bench_vllm
+from kvoffload_bench import vllm_connectors as bench_vllm
 
 HITS = "vllm:external_prefix_cache_hits_total"
 

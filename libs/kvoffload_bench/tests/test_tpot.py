@@ -2,7 +2,8 @@
 in one chunk (it fell behind) still count at the rate they were produced, never as 0."""
 import pytest
 
-from kvoffload import bench_pd, bench_vllm
+from kvoffload_bench import pd as bench_pd
+from kvoffload_bench import vllm_connectors as bench_vllm
 
 
 def test_tokens_that_arrive_in_one_chunk_do_not_make_tpot_zero():

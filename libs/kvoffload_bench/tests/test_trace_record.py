@@ -1,4 +1,4 @@
-"""Recording top-k traces (kvoffload.trace_record) on a tiny random Llama with a tiny BPE tokenizer:
+"""Recording top-k traces (kvoffload_bench.trace_record) on a tiny random Llama with a tiny BPE tokenizer:
 the prompts, the trace's layout and metadata, determinism, and the selections against an independent
 full-sequence forward pass."""
 import json
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvcore.traces.trace import Trace
-from kvoffload import trace_record as tr
+from kvoffload_bench import trace_record as tr
 
 CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

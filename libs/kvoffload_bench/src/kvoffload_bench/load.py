@@ -45,7 +45,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvoffload.sse import sse_events
+from kvoffload.sse import sse_events, token_ids
 
 GOAL_THROUGHPUT_RATIO = 0.9
 CHUNK_SIZE = 2048
@@ -74,7 +74,7 @@ def _client(url: str, prompt: list[int], max_tokens: int, start: threading.Event
                 for event in sse_events(resp):
                     if "error" in event:
                         raise RuntimeError(f"stream error: {event['error']}")
-                    new = [t for c in event["choices"] for t in c.get("token_ids", [])]
+                    new = token_ids(event)
                     ids += new
                     stamps += [time.perf_counter()] * len(new)
         except urllib.error.HTTPError as e:

@@ -1,0 +1,31 @@
+"""kvoffload_bench: the benchmarks ``kvoffload bench NAME --json`` runs, and the research code they
+measure with (offline scoring, sizing curves, recorded traces). Nothing here runs in a service.
+
+Each bench module exposes ``run(**params) -> dict``: keyword parameters with production-like
+defaults, the thing measured and its baseline side by side in the same run, medians reported, and
+the goals as booleans in ``goals_met``. Nothing is printed; absolute times on shared machines are
+noise, so every headline number is a ratio or a rate measured next to its baseline.
+
+kvcore's native paths (bench ``hotcache``, ``gather``):
+
+- ``hotcache``: native vs vectorized torch (``hotcache_torch``) vs Python-reference
+  ``HotCache.resolve`` on top-k traces; the policies against Belady's optimum; per-layer sizing.
+- ``hotcache_torch``: ``TorchHotCache``, the hot cache in whole-tensor torch ops (the torch baseline).
+- ``gather``: native ``gather_rows`` vs the torch reference vs a contiguous memcpy of the same bytes.
+- ``hotsizing``: per-layer hot-buffer sizes from measured hit-rate curves, under one budget.
+- ``prefetch``: offline scoring of miss predictors on a trace (the runtime prefetch is the engine's).
+- ``otherload``: ``OtherLoad``, how much of the machine other processes used while a bench ran.
+
+The P/D stack and vLLM (bench ``pd``, ``load``, ``vllm``):
+
+- ``pd``: the P/D stack through the proxy vs the single-process engine (TTFT, TPOT, pull rate);
+  ``pd_memcpy``: its memcpy references (the in-stack sampler, the idle diagnostic).
+- ``load``: the P/D stack under a burst of concurrent clients vs the single-process engine.
+- ``vllm_connectors``: the kvoffload connectors inside real vLLM servers (store hits, P/D).
+
+Traces:
+
+- ``trace_record``: real top-k traces recorded from a pretrained model (``kvoffload trace record``).
+"""
+
+__version__ = "0.1.0"
