@@ -24,6 +24,7 @@ import pytest
 from kvoffload.ports import free_stack_ports
 from kvoffload.prom import scrape
 from kvoffload.reference import greedy_reference
+from kvoffload.sse import sse_events, token_ids
 from kvoffload.stack import Stack, StackConfig
 from kvoffload.stack_client import stack_stats
 
@@ -59,13 +60,10 @@ def _request(url: str, prompt: list[int], max_tokens: int, stream: bool) -> tupl
             if not stream:
                 return resp.status, json.loads(resp.read())["choices"][0]["token_ids"], {}, time.monotonic() - t
             ids = []
-            for raw in resp:
-                line = raw.decode().strip()
-                if line.startswith("data: {"):
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        return 500, ids, event, time.monotonic() - t
-                    ids += [i for c in event["choices"] for i in c.get("token_ids", [])]
+            for event in sse_events(resp):
+                if "error" in event:
+                    return 500, ids, event, time.monotonic() - t
+                ids += token_ids(event)
             return resp.status, ids, {}, time.monotonic() - t
     except urllib.error.HTTPError as e:
         err = json.loads(e.read() or b"{}")

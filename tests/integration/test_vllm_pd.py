@@ -34,6 +34,7 @@ from vllm_support import chat, completion, failed_starts, post_json, refusals, s
 
 from kvoffload.ports import free_stack_ports
 from kvoffload.prom import scrape
+from kvoffload.sse import sse_events
 from kvoffload.vllm_server import Metastore, Proxy, VllmServer, free_port, running, signal_group
 from kvoffload.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
 
@@ -57,11 +58,8 @@ def stream_text(url: str, path: str, body: dict) -> str:
                                  headers={"Content-Type": "application/json"}, method="POST")
     text = []
     with urllib.request.urlopen(req, timeout=180) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[6:])["choices"][0]
+        for event in sse_events(resp):
+            choice = event["choices"][0]
             text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
     return "".join(text)
 

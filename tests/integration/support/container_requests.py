@@ -10,6 +10,8 @@ import time
 import urllib.error
 import urllib.request
 
+from kvoffload.sse import sse_events, token_ids
+
 ERROR_DEADLINE_S = 60.0  # a request hit by a stopped container must end with an error within this
 
 
@@ -24,17 +26,11 @@ def complete(url: str, prompt: list[int], max_tokens: int, stream: bool = False,
         if not stream:
             return json.loads(resp.read())["choices"][0]["token_ids"]
         ids: list[int] = []
-        for raw in resp:
-            line = raw.decode().strip()
-            if line == "data: [DONE]":
-                return ids
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(f"SSE error event: {event['error']}")
-                for choice in event["choices"]:
-                    ids.extend(choice.get("token_ids", []))
-        raise RuntimeError("the stream ended without data: [DONE]")
+        for event in sse_events(resp, require_done=True):  # StreamTruncated without data: [DONE]
+            if "error" in event:
+                raise RuntimeError(f"SSE error event: {event['error']}")
+            ids += token_ids(event)
+        return ids
 
 
 class Background:
