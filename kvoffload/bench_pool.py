@@ -135,7 +135,7 @@ def _reader(kind: str, name: str, repeats: int, **conn) -> Callable[[list[bytes]
 def _kvoffload(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
     from kvcore.eviction import LRUEviction
     from kvcore.localpool import LocalHostPool
-    from poolclient.remotepool import RemoteHostPool
+    from poolbackends.remotepool import RemoteHostPool
 
     target = _start_metastore(stack)
     out = {"available": True, "single_process_pool": "LocalHostPool", "cross_process_pool": "RemoteHostPool",
@@ -154,8 +154,8 @@ def _kvoffload(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
 
 def _mooncake(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
     try:
-        from poolclient.mooncake import MooncakeHostPool
-        from poolclient.mooncake_master import MasterConfig, MooncakeMaster
+        from poolbackends.mooncake import MooncakeHostPool
+        from poolbackends.mooncake_master import MasterConfig, MooncakeMaster
         master = MooncakeMaster.start(MasterConfig())
     except Exception as exc:  # not installed here (scripts/install-mooncake), or the master cannot start
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
@@ -179,7 +179,7 @@ def _memcache(stack: ExitStack, shapes) -> dict:
     problem = backend_problem("memcache")
     if problem is not None:
         return {"available": False, "reason": problem}
-    from poolclient.memcache_meta import MemcacheMetaService, MetaSettings
+    from poolbackends.memcache_meta import MemcacheMetaService, MetaSettings
 
     meta = MemcacheMetaService.start(MetaSettings())
     stack.callback(meta.stop)
@@ -194,9 +194,9 @@ def _memcache(stack: ExitStack, shapes) -> dict:
 
 def _memcache_main(args: dict) -> None:
     """The memcache probe process: builds the pool; prints its entry."""
-    from poolclient.memcache import MemcacheHostPool
-    from poolclient.memcache_client import MemcacheUnavailable
-    from poolclient.memcache_conf import LocalSettings
+    from poolbackends.memcache import MemcacheHostPool
+    from poolbackends.memcache_client import MemcacheUnavailable
+    from poolbackends.memcache_conf import LocalSettings
 
     settings = LocalSettings(args["meta_service_url"], args["config_store_url"], dram_bytes=1, protocol="host_shm")
     try:
@@ -234,13 +234,13 @@ def _read_main(args: dict) -> None:
     rows, row_bytes, _ = SHAPES[name]
     dst = torch.empty(len(keys), rows, row_bytes, dtype=torch.uint8)
     if args["kind"] == "kvoffload":
-        from poolclient.remotepool import RemoteHostPool
+        from poolbackends.remotepool import RemoteHostPool
 
         geometry = PoolGeometry(rows, (row_bytes,), 1)
         pool = RemoteHostPool.create(args["target"], f"bench-reader-{uuid.uuid4().hex[:6]}",
                                      f"kvoffload-bench-{uuid.uuid4().hex[:8]}", geometry)
     else:
-        from poolclient.mooncake import MooncakeHostPool
+        from poolbackends.mooncake import MooncakeHostPool
 
         pool = MooncakeHostPool.connect(args["master"], PoolGeometry(rows, (row_bytes,), 1),
                                         namespace=args["namespace"])

@@ -132,7 +132,7 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from poolclient.mooncake_master import MooncakeNotInstalled
+    from poolbackends.mooncake_master import MooncakeNotInstalled
     from svcruntime.tls import TLSConfigError
 
     args = build_parser().parse_args(argv)

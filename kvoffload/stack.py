@@ -143,9 +143,9 @@ def metastore_service(c: StackConfig) -> tuple[str, list[str], str]:
 
 def mooncake_master_service(c: StackConfig) -> tuple[str, list[str], str]:
     """(name, argv, health URL) of the stack's mooncake_master (pool "mooncake"): the wheel's binary
-    with RPC and metrics bound to the stack's host (poolclient.mooncake_master.master_argv), healthy
+    with RPC and metrics bound to the stack's host (poolbackends.mooncake_master.master_argv), healthy
     when its admin ``/health`` answers. ``MooncakeNotInstalled`` (what to install) without the wheel."""
-    from poolclient.mooncake_master import MasterConfig, find_master_binary, master_argv
+    from poolbackends.mooncake_master import MasterConfig, find_master_binary, master_argv
 
     config = MasterConfig(host=c.host, rpc_port=c.mooncake_port, metrics_port=c.mooncake_metrics_port)
     return (MOONCAKE_MASTER, master_argv(find_master_binary(), config, c.mooncake_port, c.mooncake_metrics_port),
@@ -275,7 +275,7 @@ class Stack:
         """Pool "mooncake": a mooncake_master keeps running when its RPC port is taken, and a health
         probe would then reach whatever listens on the metrics port: refuse ports something listens
         on up front (a connect, not a bind: the master binds over connections in TIME_WAIT)."""
-        from poolclient.mooncake_master import port_answers
+        from poolbackends.mooncake_master import port_answers
 
         c = self.cfg
         if c.pool != "mooncake":

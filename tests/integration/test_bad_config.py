@@ -191,7 +191,7 @@ def test_console_script_prefill_on_memcache_without_an_ascend_driver_names_the_c
     no Ascend driver the LocalService cannot start, so the prefill exits 2 with the library's reason and
     the driver named, never runs the embedded pool, and leaves no shared-memory segment behind."""
     from kvcore.segment import SharedSegment
-    from poolclient.memcache_meta import MemcacheMetaService, MetaSettings
+    from poolbackends.memcache_meta import MemcacheMetaService, MetaSettings
 
     present = [p for p in ASCEND_DRIVER_FILES if os.path.exists(p)]
     if present:

@@ -20,7 +20,7 @@ import yaml
 from kvcore.connectorconfig import StoreConnectorConfig
 from kvoffload.connector_configs import prefill_kv_transfer_config
 from kvoffload_proxy.config import API_KEY_ENV
-from poolclient.mooncake_master import MasterConfig, master_argv
+from poolbackends.mooncake_master import MasterConfig, master_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -199,15 +199,15 @@ def test_the_master_binds_what_the_prefill_reaches_and_runs_like_kvoffload_up():
     kv = services["prefill"]["command"][services["prefill"]["command"].index("--kv-transfer-config") + 1]
     store = json.loads(kv)["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]
     assert int(flag(command, "--default_kv_lease_ttl")) == StoreConnectorConfig.model_validate(store).mooncake_lease_ttl_ms
-    # the command kvoffload's launcher (poolclient.mooncake_master) builds for that host and those ports,
+    # the command kvoffload's launcher (poolbackends.mooncake_master) builds for that host and those ports,
     # and the image's default command
     config = MasterConfig(host="0.0.0.0", rpc_port=50051, metrics_port=9003)
     assert command == master_argv("mooncake_master", config, 50051, 9003)
     assert command == dockerfile_cmd("mooncake-master")
 
 
-def test_the_images_install_the_mooncake_wheel_poolclient_pins():
-    extra = tomllib.loads((ROOT / "libs/poolclient/pyproject.toml").read_text())["project"]["optional-dependencies"]
+def test_the_images_install_the_mooncake_wheel_poolbackends_pins():
+    extra = tomllib.loads((ROOT / "libs/poolbackends/pyproject.toml").read_text())["project"]["optional-dependencies"]
     [pin] = extra["mooncake"]
     assert re.search(rf"(?m)^ARG MOONCAKE_WHEEL={re.escape(pin)}$", DOCKERFILE.read_text())
 

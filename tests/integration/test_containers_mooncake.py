@@ -29,7 +29,7 @@ from container_stack import (BS, COMMANDS as REFERENCE_COMMANDS, PORTS, ROOT, Co
                              require_docker_engine, running, served_reference, stop_times, wait_idle)
 
 from kvoffload.connector_configs import prefill_kv_transfer_config
-from poolclient.mooncake_master import port_answers
+from poolbackends.mooncake_master import port_answers
 
 pytestmark = [pytest.mark.containers, pytest.mark.slow]
 

@@ -202,7 +202,7 @@ def test_master_killed_fails_requests_clearly_and_its_restart_recovers(stack, re
 def test_prefill_without_a_master_is_a_start_up_error(model_dir):
     """A prefill whose mooncake_master does not answer exits 2 at once, naming the address, without
     falling back to another pool."""
-    from poolclient.mooncake_master import free_port
+    from poolbackends.mooncake_master import free_port
 
     master = f"127.0.0.1:{free_port('127.0.0.1')}"
     kv = prefill_kv_transfer_config(20050, mooncake_master=master)

@@ -15,8 +15,8 @@ from engine_support import prefill_engine, saved_bytes, seeded_prompt, tiny
 from kvcore.hostpool import HostPoolBackend, IncompleteObject, ObjectLeased, ObjectNotFound, PlaneWritten, PoolError
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
-from poolclient.errors import MetaStoreUnavailable, PoolNotRegistered, WorldSizeExceeded
-from poolclient.remotepool import RemoteHostPool
+from poolbackends.errors import MetaStoreUnavailable, PoolNotRegistered, WorldSizeExceeded
+from poolbackends.remotepool import RemoteHostPool
 from kvoffload_metastore.config import MetaStoreConfig
 from kvoffload_metastore.server import start
 from structlog.testing import capture_logs

@@ -70,7 +70,7 @@ def test_module_missing(monkeypatch: pytest.MonkeyPatch, kw: dict[str, str], wor
 
 def test_module_present_means_available_for_every_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
     """No silent substitution either way: where memcache_hybrid and memfabric_hybrid import, both
-    backends pass this check and their adapters (poolclient.memcache, pdlink.memfabric) are what the
+    backends pass this check and their adapters (poolbackends.memcache, pdlink.memfabric) are what the
     services build; whether the data path runs is their construction's call, with the library's reason."""
     install(monkeypatch, ALL_PRESENT)
     require_available(backend="memcache", transfer_backend="memfabric")

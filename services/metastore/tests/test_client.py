@@ -9,8 +9,8 @@ from kvcore.hostpool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotF
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
 
-from poolclient.client import MetaStoreClient
-from poolclient.errors import MetaStoreUnavailable, NoPoolRegistered, PoolNotRegistered, WorldSizeExceeded
+from poolbackends.client import MetaStoreClient
+from poolbackends.errors import MetaStoreUnavailable, NoPoolRegistered, PoolNotRegistered, WorldSizeExceeded
 
 K = [bytes([i]) * 16 for i in range(1, 12)]
 GEOMETRY = PoolGeometry(block_size=4, plane_row_bytes=(8, 16), num_blocks=3)

@@ -11,7 +11,7 @@ from kvoffload_metastore import core as core_module
 from kvoffload_metastore.core import MetaStoreCore
 from kvoffload_metastore.errors import PoolFull
 from kvoffload_metastore.leasebook import MAX_LEASE_TTL_MS
-from poolclient.errors import NoPoolRegistered, PoolConflict, PoolNotRegistered, WorldSizeExceeded
+from poolbackends.errors import NoPoolRegistered, PoolConflict, PoolNotRegistered, WorldSizeExceeded
 
 K = [bytes([i]) * 16 for i in range(1, 20)]
 

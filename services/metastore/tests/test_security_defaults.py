@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-from poolclient.client import MetaStoreClient
-from poolclient.errors import MetaStoreUnavailable
+from poolbackends.client import MetaStoreClient
+from poolbackends.errors import MetaStoreUnavailable
 from sockets import listening_sockets
 from svcruntime.tls import TLSConfig
 from kvoffload_metastore.config import MetaStoreConfig

@@ -14,10 +14,10 @@ from kvcore.hostpool import HostPoolBackend
 from kvcore.localpool import LocalHostPool
 from kvoffload_metastore.config import MetaStoreConfig
 from kvoffload_metastore.server import start
-from poolclient.mooncake import MooncakeHostPool
-from poolclient.mooncake_master import MooncakeMaster
-from poolclient.mooncake_store import MooncakeStore
-from poolclient.remotepool import RemoteHostPool
+from poolbackends.mooncake import MooncakeHostPool
+from poolbackends.mooncake_master import MooncakeMaster
+from poolbackends.mooncake_store import MooncakeStore
+from poolbackends.remotepool import RemoteHostPool
 from pool_contract_data import geometry
 
 

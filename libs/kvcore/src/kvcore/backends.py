@@ -1,10 +1,10 @@
 """Availability checks of the host-pool and P→D transfer backends named in user configs.
 
 ``"kvoffload"`` (the embedded host pool / embedded P→D data path) runs everywhere.
-``"mooncake"`` (the host pool over Mooncake Store, ``poolclient.mooncake``) runs wherever its
+``"mooncake"`` (the host pool over Mooncake Store, ``poolbackends.mooncake``) runs wherever its
 Python module ``mooncake.store`` imports (wheel ``mooncake-transfer-engine-non-cuda`` plus
 Debian's ``libibverbs1``; no NPU needed); the mooncake_master it talks to is checked when the
-pool connects. ``"memcache"`` (the host pool over Memcache, ``poolclient.memcache``) and
+pool connects. ``"memcache"`` (the host pool over Memcache, ``poolbackends.memcache``) and
 ``"memfabric"`` (the P→D layer pull over memfabric_hybrid's TransferEngine, ``pdlink.memfabric``)
 are available wherever ``memcache_hybrid`` / ``memfabric_hybrid`` import: whether their data path
 runs here (it needs an Ascend NPU driver) is decided by the adapter's own construction, the single

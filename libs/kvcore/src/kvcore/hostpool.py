@@ -14,7 +14,7 @@ the eviction policies in ``kvcore.eviction``.
 Hook map of ``HostPoolBackend``, grouped by caller. All methods are thread-safe; lists are
 batches and every batch is all-or-nothing (on error nothing changed). "Blocks" means waits on
 other threads: ``LocalHostPool`` never waits on the network or on another process;
-``poolclient.remotepool.RemoteHostPool`` also makes bounded calls to the metastore (its timeout).
+``poolbackends.remotepool.RemoteHostPool`` also makes bounded calls to the metastore (its timeout).
 
 Engine thread (scheduler / step loop; the metastore servicer calls the same hooks for remote
 processes, one call per RPC)

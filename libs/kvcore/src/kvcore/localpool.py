@@ -40,7 +40,7 @@ class LocalHostPool(HostPoolBackend):
     (e.g. in the metastore); other processes ``SharedSegment.attach`` it and use the block ids it
     hands out under leases.
 
-    Subclass hooks (``poolclient.storepool.StoreHostPool``, the Mooncake and Memcache pools, uses
+    Subclass hooks (``poolbackends.storepool.StoreHostPool``, the Mooncake and Memcache pools, uses
     them; the defaults do nothing):
     ``_before_drop`` and ``_publish``, called with the lock held; ``_grant`` is the lease step of
     ``lease`` without its lookup.

@@ -54,8 +54,8 @@ from kvcore.configerrors import ConfigError
 from kvcore.confignames import STORE_CONNECTOR
 from kvcore.hostpool import ObjectExists, PoolError
 from kvcore.segment import sweep_stale_segments
-from poolclient.client import MetaStoreClient
-from poolclient.remotepool import RemoteHostPool
+from poolbackends.client import MetaStoreClient
+from poolbackends.remotepool import RemoteHostPool
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,

@@ -23,7 +23,7 @@ to stdout (the binding's own ADAPTER lines included). The start-up calls (``init
 written back afterwards) and raise ``MemfabricUnavailable`` naming the call, its return code and
 memfabric's own ERROR lines. (``set_extern_logger`` is not used: it misses the ADAPTER lines, and
 it is process-wide and cannot be undone, so it would also divert the lines memcache_hybrid, over
-the same native library, prints for ``poolclient.memcache_client`` to parse.) Without an Ascend
+the same native library, prints for ``poolbackends.memcache_client`` to parse.) Without an Ascend
 driver 1.3.0's ``initialize`` returns -1 saying "check driver version failed", "the current
 version of ascend driver does not support mf!", "hybm core init failed: -1". A missing module is
 ``MemfabricNotInstalled``, naming what to install.

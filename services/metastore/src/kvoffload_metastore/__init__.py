@@ -12,7 +12,7 @@ Modules:
 - ``config``: flags and the seed's mmc conf files
 - ``metrics``: Prometheus and Stats counters
 
-The client (``MetaStoreClient``) lives in ``poolclient.client``, logging in ``svcruntime.logs``.
+The client (``MetaStoreClient``) lives in ``poolbackends.client``, logging in ``svcruntime.logs``.
 """
 
 __version__ = "0.1.0"

@@ -8,7 +8,7 @@ injected monotonic ``clock`` at the start of every call, so there are no timer t
 
 Hook map, grouped by caller. Every hook is thread-safe (one lock, held for microseconds; nothing
 blocks on I/O), batches are all-or-nothing, and errors are kvcore's pool errors,
-``poolclient.errors``' registry errors and ``PoolFull``.
+``poolbackends.errors``' registry errors and ``PoolFull``.
 
 LocalService (via the servicer, one call per RPC)
 ------------------------------------------------
@@ -48,7 +48,7 @@ from kvcore.hostpool import ObjectExists, ObjectLeased, ObjectNotFound, check_ke
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
 
-from poolclient.errors import NoPoolRegistered, PoolConflict, PoolNotRegistered, WorldSizeExceeded
+from poolbackends.errors import NoPoolRegistered, PoolConflict, PoolNotRegistered, WorldSizeExceeded
 
 from kvoffload_metastore.errors import PoolFull
 from kvoffload_metastore.leasebook import LeaseBook, lease_ttl_ms

@@ -1,6 +1,6 @@
 """The metastore's own error: ``PoolFull``, a ``PoolFullError`` naming the pool. Every other
-error type, and how each travels as a gRPC status, is ``poolclient``'s (``poolclient.errors``,
-``poolclient.wire``), shared with the client so both sides speak one vocabulary."""
+error type, and how each travels as a gRPC status, is ``poolbackends``'s (``poolbackends.errors``,
+``poolbackends.wire``), shared with the client so both sides speak one vocabulary."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from poolclient.records import Allocation, Location, PoolRecord  # the same records on both sides of the wire
+from poolbackends.records import Allocation, Location, PoolRecord  # the same records on both sides of the wire
 
 __all__ = ["Allocation", "LeaseGrant", "Location", "PoolRecord"]
 

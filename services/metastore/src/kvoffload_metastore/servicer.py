@@ -1,4 +1,4 @@
-"""Thin servicers: proto <-> ``MetaStoreCore`` calls, errors -> gRPC status codes (``poolclient.wire``).
+"""Thin servicers: proto <-> ``MetaStoreCore`` calls, errors -> gRPC status codes (``poolbackends.wire``).
 
 ``MetaStoreServicer`` serves ``kvoffload.v1.MetaStore``; ``StatsServicer`` serves the generic
 ``kvoffload.v1.Stats``. Neither holds state of its own beyond the request counters.
@@ -16,8 +16,8 @@ import grpc
 import structlog
 from kvoffload_proto.v1 import metastore_pb2 as pb
 from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2, stats_pb2_grpc
-from poolclient import wire
-from poolclient.wire import geometry_from_pb, location_to_pb, pool_to_pb
+from poolbackends import wire
+from poolbackends.wire import geometry_from_pb, location_to_pb, pool_to_pb
 
 from kvoffload_metastore.core import MetaStoreCore
 from kvoffload_metastore.metrics import MetaMetrics, stats_counters

@@ -9,12 +9,12 @@ import structlog
 from kvcore.eviction import LRUEviction
 from kvcore.hostpool import PoolError
 from kvcore.localpool import LocalHostPool
-from poolclient.memcache import MemcacheHostPool
-from poolclient.memcache_client import MemcacheUnavailable
-from poolclient.memcache_meta import MemcacheNotInstalled
-from poolclient.mooncake import MooncakeHostPool
-from poolclient.mooncake_master import MooncakeNotInstalled, port_answers
-from poolclient.remotepool import RemoteHostPool
+from poolbackends.memcache import MemcacheHostPool
+from poolbackends.memcache_client import MemcacheUnavailable
+from poolbackends.memcache_meta import MemcacheNotInstalled
+from poolbackends.mooncake import MooncakeHostPool
+from poolbackends.mooncake_master import MooncakeNotInstalled, port_answers
+from poolbackends.remotepool import RemoteHostPool
 from svcruntime.serving import StartupError
 
 MOONCAKE_CONNECT_TIMEOUT_S = 5.0  # the mooncake_master must answer within this at start-up

@@ -1,10 +1,10 @@
 """``MooncakeHostPool``: the host KV pool over Mooncake Store (``backend: "mooncake"``).
 
-Where bytes live. A ``MooncakeHostPool`` is a ``poolclient.storepool.StoreHostPool`` (a
+Where bytes live. A ``MooncakeHostPool`` is a ``poolbackends.storepool.StoreHostPool`` (a
 ``kvcore.localpool.LocalHostPool``; the split between keys held here and in the store is its) over a
 ``SharedSegment`` of its own (``/dev/shm/kvoffload-mooncake-<pool id>``, created by the pool and
 closed and unlinked on ``close``) whose whole mapping is registered with the store client
-(``poolclient.mooncake_objects``). Everything local is ``LocalHostPool``'s own code: the index, free
+(``poolbackends.mooncake_objects``). Everything local is ``LocalHostPool``'s own code: the index, free
 list, written-plane bitmap, pins, ``LeaseTable``, eviction order, stats and the lock, and the hook
 map of ``kvcore.hostpool`` holds as for it ("blocks: lock only" reads "plus bounded store calls"
 where a hook below touches the store). Mooncake Store is the shared store: when ``put_from`` writes
@@ -62,9 +62,9 @@ from kvcore.leases import check_ttl_ms
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
 
-from poolclient.mooncake_objects import StoreObjects
-from poolclient.mooncake_store import MooncakeStore, MooncakeStoreError
-from poolclient.storepool import StoreHostPool, store_bytes_for
+from poolbackends.mooncake_objects import StoreObjects
+from poolbackends.mooncake_store import MooncakeStore, MooncakeStoreError
+from poolbackends.storepool import StoreHostPool, store_bytes_for
 
 log = structlog.get_logger(__name__)
 

@@ -33,7 +33,7 @@ Hook -> MetaStore calls (all from any thread; the gRPC client is thread-safe)
 
 Lifecycle (whoever built the pool)
 ----------------------------------
-``create``/``__init__`` register the segment and keep it registered (``poolclient.membership``:
+``create``/``__init__`` register the segment and keep it registered (``poolbackends.membership``:
 heartbeats; with ``rejoin=True`` a restarted MetaStore gets the pool registered again). Once the
 MetaStore no longer knows the pool, every hook raises ``PoolNotRegistered`` saying why, until a
 re-join. ``close()`` stops the heartbeats, deregisters, closes attached segments and closes and
@@ -67,9 +67,9 @@ from kvcore.leases import check_ttl_ms
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment, host_id as this_host_id
 
-from poolclient.client import MetaStoreClient, RemoteLease
-from poolclient.membership import PoolMembership
-from poolclient.records import PoolRecord
+from poolbackends.client import MetaStoreClient, RemoteLease
+from poolbackends.membership import PoolMembership
+from poolbackends.records import PoolRecord
 
 log = structlog.get_logger(__name__)
 

@@ -26,13 +26,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from poolclient.serverprocess import ServerProcess, free_port, port_answers
+from poolbackends.serverprocess import ServerProcess, free_port, port_answers
 
 __all__ = ["INSTALL_HINT", "MasterConfig", "MooncakeMaster", "MooncakeMasterError", "MooncakeNotInstalled",
            "find_master_binary", "free_port", "master_argv", "port_answers"]
 
 INSTALL_HINT = ("install Mooncake Store with `pip install mooncake-transfer-engine-non-cuda==0.3.13.post1` "
-                "(or `pip install kvoffload-poolclient[mooncake]`) and Debian's `apt-get install -y "
+                "(or `pip install kvoffload-poolbackends[mooncake]`) and Debian's `apt-get install -y "
                 "libibverbs1`; scripts/install-mooncake does both")
 
 

@@ -1,7 +1,7 @@
 """``MemcacheHostPool``: the host KV pool over Memcache (``memcache_hybrid``, ``backend: "memcache"``).
 
 Start-up. ``MemcacheHostPool.connect(geometry, local_config=...)`` first starts its Memcache
-LocalService (``poolclient.memcache_client.MemcacheClient``) from the ``mmc-local.conf`` given, or
+LocalService (``poolbackends.memcache_client.MemcacheClient``) from the ``mmc-local.conf`` given, or
 from one generated from ``LocalSettings`` (the MetaService's URLs from the caller, ``dram.size``
 sized for the geometry unless the settings say more). Only when that succeeds does it create any
 memory of its own. Where the data path cannot start (no Ascend driver: every protocol of
@@ -9,7 +9,7 @@ memcache_hybrid 1.3.0 needs one) construction raises ``MemcacheUnavailable`` nam
 the library's own words; there is no fall-back to the embedded pool. Not run here: everything
 below needs a started LocalService, i.e. an Ascend host; it follows memcache_hybrid 1.3.0's API.
 
-Where bytes live. A ``MemcacheHostPool`` is a ``poolclient.storepool.StoreHostPool`` (a
+Where bytes live. A ``MemcacheHostPool`` is a ``poolbackends.storepool.StoreHostPool`` (a
 ``kvcore.localpool.LocalHostPool``) over its own ``SharedSegment`` (``kvoffload-memcache-<pool
 id>``), registered with the client (``register_buffer``); the index, free list, written planes,
 pins, leases, eviction and stats are ``LocalHostPool``'s, and its hook map holds ("blocks: lock
@@ -38,9 +38,9 @@ from kvcore.hostpool import ObjectNotFound
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
 
-from poolclient.memcache_client import MemcacheClient, MemcacheStoreError, MemcacheUnavailable  # noqa: F401
-from poolclient.memcache_conf import LocalSettings
-from poolclient.storepool import StoreHostPool, store_bytes_for
+from poolbackends.memcache_client import MemcacheClient, MemcacheStoreError, MemcacheUnavailable  # noqa: F401
+from poolbackends.memcache_conf import LocalSettings
+from poolbackends.storepool import StoreHostPool, store_bytes_for
 
 log = structlog.get_logger(__name__)
 

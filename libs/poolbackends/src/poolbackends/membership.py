@@ -24,8 +24,8 @@ import structlog
 from kvcore.hostpool import PoolError
 from kvcore.poolgeometry import PoolGeometry
 
-from poolclient.client import MetaStoreClient
-from poolclient.errors import PoolNotRegistered, WorldSizeExceeded
+from poolbackends.client import MetaStoreClient
+from poolbackends.errors import PoolNotRegistered, WorldSizeExceeded
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

@@ -1,5 +1,6 @@
-"""poolclient: the host KV pool whose index lives in a kvoffload-metastore, or on an existing
-distributed store (Mooncake Store, Memcache).
+"""poolbackends: the host-pool backends beyond the embedded ``kvcore.localpool.LocalHostPool``: the pool
+whose index lives in a kvoffload-metastore, or on an existing distributed store (Mooncake Store,
+Memcache), and the launchers of their servers.
 
 - ``errors``: the registry errors (``PoolNotRegistered``, ``PoolConflict``, ``WorldSizeExceeded``,
   ``NoPoolRegistered``) and ``MetaStoreUnavailable``; object errors are kvcore's.

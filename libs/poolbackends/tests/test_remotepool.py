@@ -10,9 +10,9 @@ import pytest
 from kvcore.hostpool import HostPoolBackend
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
-from poolclient.client import MetaStoreClient
-from poolclient.errors import MetaStoreUnavailable
-from poolclient.remotepool import RemoteHostPool
+from poolbackends.client import MetaStoreClient
+from poolbackends.errors import MetaStoreUnavailable
+from poolbackends.remotepool import RemoteHostPool
 
 GEO = PoolGeometry(block_size=4, plane_row_bytes=(8,), num_blocks=2)
 

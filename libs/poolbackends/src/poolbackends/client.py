@@ -3,13 +3,13 @@ hooks of ``kvcore.hostpool.HostPoolBackend``, and ``RemoteLease``, the lease han
 
 Every call carries a deadline (``timeout_s``). Failures raise the same types as kvcore's pools
 (``ObjectNotFound``, ``ObjectExists``, ``ObjectLeased``, ``PoolFullError`` with its numbers,
-``LeaseExpired``, ``ValueError`` for bad input) or the registry errors of ``poolclient.errors``;
+``LeaseExpired``, ``ValueError`` for bad input) or the registry errors of ``poolbackends.errors``;
 a MetaStore that cannot be reached or does not answer in time is ``MetaStoreUnavailable``
-(``poolclient.wire`` maps statuses to types). Nothing is retried here: the caller owns retry
+(``poolbackends.wire`` maps statuses to types). Nothing is retried here: the caller owns retry
 policy.
 
 Constructed with ``pool_id`` (a LocalService's view of its own pool), ``alloc`` places objects in
-that pool only and ``stats`` reports it. The client moves no bytes: ``poolclient.remotepool.
+that pool only and ``stats`` reports it. The client moves no bytes: ``poolbackends.remotepool.
 RemoteHostPool`` is the full ``HostPoolBackend`` that copies in shared memory at the block ids
 handed out here and reports each written plane with ``mark_written``.
 """
@@ -28,9 +28,9 @@ from kvoffload_proto.v1 import metastore_pb2 as pb
 from kvoffload_proto.v1 import metastore_pb2_grpc as pb_grpc
 from svcruntime.tls import PROCESS, secure_or_insecure_channel
 
-from poolclient.errors import NoPoolRegistered, PoolNotRegistered
-from poolclient.records import Allocation, Location, PoolRecord
-from poolclient.wire import error_from_rpc, geometry_to_pb, location_from_pb, pool_from_pb
+from poolbackends.errors import NoPoolRegistered, PoolNotRegistered
+from poolbackends.records import Allocation, Location, PoolRecord
+from poolbackends.wire import error_from_rpc, geometry_to_pb, location_from_pb, pool_from_pb
 
 
 # --------------------------------------------------------------------------------------------

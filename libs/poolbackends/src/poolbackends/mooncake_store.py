@@ -2,7 +2,7 @@
 1024 keys, and Mooncake's integer error codes turned into ``MooncakeStoreError``s naming the cause.
 
 It wraps ``mooncake.store.MooncakeDistributedStore`` (wheel ``mooncake-transfer-engine-non-cuda``,
-imported only here and only when a store is connected, so ``import poolclient`` never needs it)
+imported only here and only when a store is connected, so ``import poolbackends`` never needs it)
 configured for TCP with the P2P handshake (no metadata server). ``connect`` first checks that the
 master's RPC port answers (``connect_timeout_s``): the client's own ``setup`` would retry for 90 s.
 The client contributes ``global_segment_bytes`` of its memory to the store (a "segment", named
@@ -25,7 +25,7 @@ from typing import Any
 
 from kvcore.hostpool import ObjectUnreachable, PoolError
 
-from poolclient.mooncake_master import INSTALL_HINT, MooncakeNotInstalled, port_answers
+from poolbackends.mooncake_master import INSTALL_HINT, MooncakeNotInstalled, port_answers
 
 MAX_BATCH_KEYS = 1024
 
@@ -110,7 +110,7 @@ class MooncakeStore:
         if not port_answers(host, int(port), connect_timeout_s):
             raise MooncakeStoreError(
                 f"no mooncake_master answers at {master} (within {connect_timeout_s} s): start one "
-                f"(`kvoffload up --pool mooncake`, or poolclient.mooncake_master.MooncakeMaster.start) or fix "
+                f"(`kvoffload up --pool mooncake`, or poolbackends.mooncake_master.MooncakeMaster.start) or fix "
                 f"the address", code=RPC_FAIL)
         store = store_cls()
         rc = store.setup({"local_hostname": local_hostname, "metadata_server": "P2PHANDSHAKE",

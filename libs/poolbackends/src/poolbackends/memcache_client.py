@@ -2,7 +2,7 @@
 with typed calls, and start-up failures turned into errors that name their cause.
 
 Start-up. ``MemcacheClient.connect(local_config)`` builds a ``LocalConfig`` from an
-``mmc-local.conf`` (``poolclient.memcache_conf.local_fields``), calls ``setup`` and then
+``mmc-local.conf`` (``poolbackends.memcache_conf.local_fields``), calls ``setup`` and then
 ``init(device_id, init_bm)``. With ``contribute_memory=True`` (``init_bm``) the LocalService
 contributes ``dram.size`` of host memory to the pool through MemFabric (``memfabric_hybrid``'s
 "hybm" layer): that is the data path, and it needs an Ascend NPU driver for every protocol,
@@ -41,8 +41,8 @@ from typing import Any
 from kvcore.hostpool import PoolError
 from svcruntime.native_output import native_output
 
-from poolclient.memcache_conf import LocalSettings, local_fields
-from poolclient.memcache_meta import INSTALL_HINT, MODULE, MemcacheNotInstalled
+from poolbackends.memcache_conf import LocalSettings, local_fields
+from poolbackends.memcache_meta import INSTALL_HINT, MODULE, MemcacheNotInstalled
 
 H2G = 3  # memfabric_hybrid.bm.BmCopyType.H2G: host memory -> global pool
 G2H = 2  # BmCopyType.G2H: global pool -> host memory

@@ -1,4 +1,4 @@
-"""poolclient.wire: every error type the MetaStore sends comes back as the same type, key and
+"""poolbackends.wire: every error type the MetaStore sends comes back as the same type, key and
 numbers through the status code and trailing metadata, and geometries and records survive the
 proto round trip."""
 
@@ -6,9 +6,9 @@ import grpc
 import pytest
 from kvcore.hostpool import ObjectNotFound, PoolError, PoolFullError
 from kvcore.poolgeometry import PoolGeometry
-from poolclient import wire
-from poolclient.errors import MetaStoreUnavailable, WorldSizeExceeded
-from poolclient.records import Location, PoolRecord
+from poolbackends import wire
+from poolbackends.errors import MetaStoreUnavailable, WorldSizeExceeded
+from poolbackends.records import Location, PoolRecord
 
 
 class _Failed(grpc.RpcError):

@@ -1,5 +1,5 @@
 """``ServerProcess``: one child server process on loopback (the base of
-``poolclient.mooncake_master.MooncakeMaster`` and ``poolclient.memcache_meta.MemcacheMetaService``).
+``poolbackends.mooncake_master.MooncakeMaster`` and ``poolbackends.memcache_meta.MemcacheMetaService``).
 
 ``launch`` refuses ports something already listens on (a binary may keep running when its port is
 taken), runs the child in a session of its own with stdout and stderr appended to ``log_path``

@@ -16,11 +16,11 @@ import torch
 from kvcore import backends
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
-from poolclient.memcache import MemcacheHostPool, dram_bytes_for
-from poolclient.memcache_client import MemcacheClient, MemcacheUnavailable, native_reason
-from poolclient.memcache_conf import LOCAL_KEYS, LocalSettings, local_fields, meta_urls
-from poolclient.memcache_meta import MemcacheMetaError, MemcacheMetaService, MetaSettings
-from poolclient.serverprocess import free_port, port_answers
+from poolbackends.memcache import MemcacheHostPool, dram_bytes_for
+from poolbackends.memcache_client import MemcacheClient, MemcacheUnavailable, native_reason
+from poolbackends.memcache_conf import LOCAL_KEYS, LocalSettings, local_fields, meta_urls
+from poolbackends.memcache_meta import MemcacheMetaError, MemcacheMetaService, MetaSettings
+from poolbackends.serverprocess import free_port, port_answers
 
 ROWS = (16, 8)
 DRIVER_FILES = ("/etc/ascend_install.info", "/usr/local/Ascend/driver/version.info")  # where hybm looks

@@ -17,9 +17,9 @@ import torch
 from kvcore.hostpool import (HostPoolBackend, IncompleteObject, ObjectLeased, ObjectNotFound, ObjectUnreachable,
                              PoolError)
 from kvcore.poolgeometry import PoolGeometry
-from poolclient.mooncake import MooncakeHostPool
-from poolclient.mooncake_master import MasterConfig, MooncakeMaster, MooncakeNotInstalled, free_port, port_answers
-from poolclient.mooncake_store import MAX_BATCH_KEYS, MooncakeStore, MooncakeStoreError
+from poolbackends.mooncake import MooncakeHostPool
+from poolbackends.mooncake_master import MasterConfig, MooncakeMaster, MooncakeNotInstalled, free_port, port_answers
+from poolbackends.mooncake_store import MAX_BATCH_KEYS, MooncakeStore, MooncakeStoreError
 
 ROWS = (16, 8)
 STORE_LEASE_TTL_MS = 1000
@@ -107,10 +107,10 @@ def test_no_master_is_a_clear_error_within_the_connect_timeout():
     assert time.monotonic() - t0 < 5
 
 
-def test_poolclient_imports_without_mooncake_and_construction_says_what_to_install():
+def test_poolbackends_imports_without_mooncake_and_construction_says_what_to_install():
     script = ("import sys; sys.modules['mooncake'] = None\n"  # as if the wheel were not installed
-              "import poolclient, poolclient.mooncake\n"
-              "from poolclient.mooncake import MooncakeHostPool\n"
+              "import poolbackends, poolbackends.mooncake\n"
+              "from poolbackends.mooncake import MooncakeHostPool\n"
               "from kvcore.poolgeometry import PoolGeometry\n"
               "try:\n"
               "    MooncakeHostPool.connect('127.0.0.1:1', PoolGeometry(4, (8,), 2))\n"
@@ -120,7 +120,7 @@ def test_poolclient_imports_without_mooncake_and_construction_says_what_to_insta
     assert out.startswith("MooncakeNotInstalled") and "mooncake-transfer-engine-non-cuda==0.3.13.post1" in out \
         and "libibverbs1" in out
     assert "mooncake.store" not in subprocess.run(
-        [sys.executable, "-c", "import sys, poolclient.mooncake; print(sorted(sys.modules))"],
+        [sys.executable, "-c", "import sys, poolbackends.mooncake; print(sorted(sys.modules))"],
         capture_output=True, text=True, timeout=120).stdout
 
 
@@ -179,7 +179,7 @@ CHILD = r"""
 import sys, torch
 from kvcore.hostpool import ObjectLeased
 from kvcore.poolgeometry import PoolGeometry
-from poolclient.mooncake import MooncakeHostPool
+from poolbackends.mooncake import MooncakeHostPool
 master, ns, n, ttl = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 def data(seed, plane, n):
     g = torch.Generator().manual_seed(seed * 10 + plane)

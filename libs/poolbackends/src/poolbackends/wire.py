@@ -14,14 +14,14 @@ from kvcore.hostpool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotF
 from kvcore.poolgeometry import PoolGeometry
 from kvoffload_proto.v1 import metastore_pb2 as pb
 
-from poolclient.errors import (
+from poolbackends.errors import (
     MetaStoreUnavailable,
     NoPoolRegistered,
     PoolConflict,
     PoolNotRegistered,
     WorldSizeExceeded,
 )
-from poolclient.records import Location, PoolRecord
+from poolbackends.records import Location, PoolRecord
 
 ERROR_MD = "kvoffload-error"          # exception class name
 KEY_MD = "kvoffload-key-bin"          # offending key, raw bytes

@@ -1,22 +1,22 @@
 """Start and stop a real Memcache MetaService (``memcache_hybrid.MetaService``) on loopback.
 
-``MemcacheMetaService.start(MetaSettings())`` runs ``python -m poolclient.memcache_meta CONF`` as a
+``MemcacheMetaService.start(MetaSettings())`` runs ``python -m poolbackends.memcache_meta CONF`` as a
 child process: it imports ``memcache_hybrid`` and calls ``MetaService.main()`` with
 ``MMC_META_CONFIG_PATH=CONF``, as the seed does (``python -c "from memcache_hybrid import
 MetaService; MetaService.main()"``). CONF is ``MetaSettings.meta_config`` when given, else an
-``mmc-meta.conf`` generated from the settings (``poolclient.memcache_conf.meta_conf_text``): the
+``mmc-meta.conf`` generated from the settings (``poolbackends.memcache_conf.meta_conf_text``): the
 RPC port, the config store port and the HTTP metrics port all bound to ``MetaSettings.host``
 (127.0.0.1 unless told), free ports unless given. ``start`` returns once the service answers: its
 HTTP ``/health`` says ``service_ready`` and its RPC and config store ports accept connections.
 ``stop()`` ends it (SIGTERM: it exits in about 3 s; SIGKILL after 10 s); the process handling is
-``poolclient.serverprocess.ServerProcess``'s. Its output and
+``poolbackends.serverprocess.ServerProcess``'s. Its output and
 the library's log files (``ock.mmc.log_path``) go to ``log_dir``.
 
 Errors: ``MemcacheNotInstalled`` when ``memcache_hybrid`` cannot be imported (naming the module
 and what to install); ``MemcacheMetaError`` when the child exits or does not answer in time (a
 port already taken makes it exit), with the tail of its output. The MetaService itself runs on any
 Linux x86_64 host: it needs no Ascend driver (the LocalService data path does, see
-``poolclient.memcache_client``).
+``poolbackends.memcache_client``).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from poolclient.memcache_conf import MetaUrls, meta_conf_text, meta_urls
-from poolclient.serverprocess import ServerProcess, free_port, port_answers
+from poolbackends.memcache_conf import MetaUrls, meta_conf_text, meta_urls
+from poolbackends.serverprocess import ServerProcess, free_port, port_answers
 
 MODULE = "memcache_hybrid"
 INSTALL_HINT = ("install Memcache with `pip install memcache_hybrid==1.3.0` (it pulls memfabric_hybrid==1.3.0; "
-                "or `pip install kvoffload-poolclient[memcache]`); scripts/install-memcache does it")
+                "or `pip install kvoffload-poolbackends[memcache]`); scripts/install-memcache does it")
 NOT_INSTALLED_EXIT = 3  # exit code of the child when memcache_hybrid cannot be imported
 
 
@@ -151,7 +151,7 @@ class MemcacheMetaService(ServerProcess):
         return f"{self.meta_service_url} / {self.health_url}"
 
     def argv(self) -> list[str]:
-        return [sys.executable, "-m", "poolclient.memcache_meta", self.conf_path]
+        return [sys.executable, "-m", "poolbackends.memcache_meta", self.conf_path]
 
     def env(self) -> dict[str, str]:
         return dict(os.environ, MMC_META_CONFIG_PATH=self.conf_path)
@@ -178,9 +178,9 @@ class MemcacheMetaService(ServerProcess):
 
 
 def main(argv: list[str]) -> int:
-    """``python -m poolclient.memcache_meta CONF``: run a MetaService on CONF until SIGTERM."""
+    """``python -m poolbackends.memcache_meta CONF``: run a MetaService on CONF until SIGTERM."""
     if len(argv) != 1:
-        print("usage: python -m poolclient.memcache_meta MMC_META_CONF", file=sys.stderr)
+        print("usage: python -m poolbackends.memcache_meta MMC_META_CONF", file=sys.stderr)
         return 2
     os.environ["MMC_META_CONFIG_PATH"] = argv[0]  # before the import: the library reads it when it loads
     try:

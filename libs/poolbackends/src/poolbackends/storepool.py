@@ -1,6 +1,6 @@
 """``StoreHostPool``: the base of host pools whose complete objects are shared through an existing
-distributed store (``poolclient.mooncake.MooncakeHostPool`` over Mooncake Store,
-``poolclient.memcache.MemcacheHostPool`` over Memcache).
+distributed store (``poolbackends.mooncake.MooncakeHostPool`` over Mooncake Store,
+``poolbackends.memcache.MemcacheHostPool`` over Memcache).
 
 Where bytes live. A ``StoreHostPool`` is a ``kvcore.localpool.LocalHostPool`` over a
 ``SharedSegment`` of its own (``/dev/shm/kvoffload-<prefix>-<pool id>``, created here, closed and

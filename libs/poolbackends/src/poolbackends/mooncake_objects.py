@@ -19,7 +19,7 @@ import torch
 from kvcore.hostpool import ObjectNotFound, PoolError
 from kvcore.segment import SharedSegment
 
-from poolclient.mooncake_store import (
+from poolbackends.mooncake_store import (
     OBJECT_HAS_LEASE,
     OBJECT_NOT_FOUND,
     TRANSFER_FAIL,
