@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dsamodel.reference import generate_dense
-from dsamodel.sampling import RequestSampler, SamplingParams, greedy, sample_top_p
+from dsamodel.sampling import RequestSampler, greedy, sample_top_p
+from openai_api.sampling_params import SamplingParams
 
 
 def logits_row(seed=0, vocab=264):

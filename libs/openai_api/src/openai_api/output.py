@@ -1,7 +1,7 @@
 """The output side of the OpenAI API: sampled tokens -> completion / chat answers (a JSON object, or
 the objects of an SSE stream), without any HTTP (the services write them; both use this module).
 
-Stop strings are cut here with ``dsamodel.sampling.StopText``, the same matcher the sampler ends
+Stop strings are cut here with ``openai_api.stop_text.StopText``, the same matcher the sampler ends
 the sequence with: the stop text and everything after it never reach the client, and in a stream
 text that could still become a stop string (or an unfinished UTF-8 character) is held back until
 decided. ``token_ids`` and ``logprobs`` cover the tokens whose text was returned; ``usage`` counts
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
-from dsamodel.openai import chat_logprobs, completion_logprobs, finish_reason
-from dsamodel.sampling import SamplingParams, StopText
-from dsamodel.tokenizer import ByteTokenizer
+from openai_api.logprobs import TokenLogprob, chat_logprobs, completion_logprobs, finish_reason
+from openai_api.sampling_params import SamplingParams
+from openai_api.stop_text import StopText
+from openai_api.tokenizer import Tokenizer
 
 Next = Callable[[], Awaitable[tuple[str, object]]]  # the next (kind, value) of the request's queue
 
@@ -25,7 +25,7 @@ Next = Callable[[], Awaitable[tuple[str, object]]]  # the next (kind, value) of 
 class Output:
     """One request's text, tokens and log-probabilities as they are released to the client."""
 
-    def __init__(self, tokenizer: ByteTokenizer, params: SamplingParams, logprobs: Callable[[int], Any] | None,
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, logprobs: Callable[[int], TokenLogprob] | None,
                  *, chat: bool, echo: str = "") -> None:
         self.tokenizer, self.params, self.chat, self.echo = tokenizer, params, chat, echo
         self.text = StopText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop,
@@ -57,7 +57,7 @@ class Output:
 class Responder:
     """Builds the JSON answer and the SSE stream's objects for one served model."""
 
-    def __init__(self, tokenizer: ByteTokenizer, model_name: str) -> None:
+    def __init__(self, tokenizer: Tokenizer, model_name: str) -> None:
         self.tokenizer, self.model_name = tokenizer, model_name
 
     def output(self, body: dict, params: SamplingParams, prompt_ids: list[int], logprobs, *, chat: bool) -> Output:

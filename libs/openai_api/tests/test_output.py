@@ -2,10 +2,10 @@
 
 import asyncio
 
-from dsamodel.sampling import SamplingParams, TokenLogprob
 from dsamodel.tokenizer import ByteTokenizer
-
-from dsamodel.openai_output import Responder
+from openai_api.logprobs import TokenLogprob
+from openai_api.output import Responder
+from openai_api.sampling_params import SamplingParams
 
 TOK = ByteTokenizer()
 

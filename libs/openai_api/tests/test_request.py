@@ -1,11 +1,12 @@
-"""dsamodel.openai: strict bodies (a 400 naming the field) and the parameters they map to."""
+"""openai_api.body and .request: strict bodies (a 400 naming the field) and the parameters they map to."""
 
 import pytest
 
-from dsamodel.openai import (RequestError, chat_logprobs, check_body, choice_seed, completion_logprobs,
-                             prompt_ids, sampling_params, token_text)
-from dsamodel.sampling import TokenLogprob
 from dsamodel.tokenizer import ByteTokenizer
+from openai_api.body import RequestError, check_body
+from openai_api.logprobs import TokenLogprob, chat_logprobs, completion_logprobs, token_text
+from openai_api.request import prompt_ids, sampling_params
+from openai_api.sampling_params import choice_seed
 
 TOK = ByteTokenizer()
 MSG = [{"role": "user", "content": "hi"}]
