@@ -71,3 +71,8 @@ async def test_metaserver_rejects_unknown_and_malformed(stack):
         assert status == 400 and "'request_id'" in data["error"]["message"]
         status, data, _ = await s.post("/v1/metaserver", {"request_id": 3})
         assert status == 400
+        status, data, _ = await s.post("/v1/metaserver", {"request_id": "cmpl-nope",
+                                                          "kv_transfer_params": {"remote_port": "80"}})
+        assert status == 400 and "'kv_transfer_params.remote_port'" in data["error"]["message"]
+        status, data, _ = await s.post("/v1/metaserver", {"request_id": "cmpl-nope", "queued": "yes"})
+        assert status == 400 and "'queued'" in data["error"]["message"]

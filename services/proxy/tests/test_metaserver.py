@@ -6,6 +6,9 @@ import pytest
 
 from kvoffload_proxy.errors import ProxyError
 from kvoffload_proxy.metaserver import Registry
+from openai_api.transfer_params import KVTransferParams
+
+P = KVTransferParams.model_validate  # a decoder's registered params
 
 
 class Dispatcher:
@@ -36,9 +39,9 @@ async def test_answers_only_after_dispatch_completed():
     d = Dispatcher()
     reg = _registry(d)
     rdv = reg.open("cmpl-1", ("cmpl-1",))
-    call = asyncio.create_task(reg.register("cmpl-1", {"host": "h", "port": 1}))
+    call = asyncio.create_task(reg.register("cmpl-1", P({"host": "h", "port": 1})))
     await asyncio.sleep(0.05)
-    assert d.calls == [[{"host": "h", "port": 1}]]
+    assert d.calls == [[P({"host": "h", "port": 1})]]
     assert not call.done(), "must wait for the prefill dispatch"
     d.release.set()
     await asyncio.wait_for(call, 1)
@@ -54,12 +57,12 @@ async def test_batch_dispatches_once_with_params_in_child_order():
     reg.open("p", ids)
     calls = []
     for cid in ("p-2", "p-0"):
-        calls.append(asyncio.create_task(reg.register(cid, {"id": cid})))
+        calls.append(asyncio.create_task(reg.register(cid, P({"id": cid}))))
     await asyncio.sleep(0.05)
     assert d.calls == [], "waits for every child"
-    calls.append(asyncio.create_task(reg.register("p-1", {"id": "p-1"})))
+    calls.append(asyncio.create_task(reg.register("p-1", P({"id": "p-1"}))))
     await asyncio.sleep(0.05)
-    assert d.calls == [[{"id": "p-0"}, {"id": "p-1"}, {"id": "p-2"}]]
+    assert d.calls == [[P({"id": "p-0"}), P({"id": "p-1"}), P({"id": "p-2"})]]
     d.release.set()
     await asyncio.wait_for(asyncio.gather(*calls), 1)
     assert len(d.calls) == 1
@@ -72,7 +75,7 @@ async def test_dispatch_failure_answers_every_registration_with_it():
     d.release.set()
     reg = _registry(d)
     rdv = reg.open("p", ("p-0", "p-1"))
-    results = await asyncio.gather(reg.register("p-0", {}), reg.register("p-1", {}),
+    results = await asyncio.gather(reg.register("p-0", P({})), reg.register("p-1", P({})),
                                    return_exceptions=True)
     assert results == [err, err]
     assert rdv.outcome.exception() is err
@@ -82,7 +85,7 @@ async def test_missing_registration_times_out_naming_the_child():
     reg = _registry(Dispatcher(), reg_s=0.2)
     rdv = reg.open("p", ("p-0", "p-1"))
     with pytest.raises(ProxyError) as e:
-        await asyncio.wait_for(reg.register("p-0", {}), 2)
+        await asyncio.wait_for(reg.register("p-0", P({})), 2)
     assert e.value.status == 504 and "p-1" in e.value.message and "p-0" not in e.value.message
     reg.close(rdv)
 
@@ -91,7 +94,7 @@ async def test_close_cancels_dispatch_and_answers_waiters():
     d = Dispatcher(hang=True)
     reg = _registry(d)
     rdv = reg.open("p", ("p",))
-    call = asyncio.create_task(reg.register("p", {}))
+    call = asyncio.create_task(reg.register("p", P({})))
     await asyncio.sleep(0.05)
     reg.close(rdv)
     with pytest.raises(ProxyError) as e:
@@ -101,7 +104,7 @@ async def test_close_cancels_dispatch_and_answers_waiters():
     assert d.cancelled
     reg.close(rdv)  # idempotent
     with pytest.raises(ProxyError) as e:
-        await reg.register("p", {})
+        await reg.register("p", P({}))
     assert e.value.status == 404
 
 
@@ -109,14 +112,14 @@ async def test_dispatch_timeout_is_504():
     reg = _registry(Dispatcher(hang=True), disp_s=0.1)
     reg.open("p", ("p",))
     with pytest.raises(ProxyError) as e:
-        await asyncio.wait_for(reg.register("p", {}), 2)
+        await asyncio.wait_for(reg.register("p", P({})), 2)
     assert e.value.status == 504 and "did not complete" in e.value.message
 
 
 async def test_unknown_id_is_404():
     reg = _registry(Dispatcher())
     with pytest.raises(ProxyError) as e:
-        await reg.register("nope", {})
+        await reg.register("nope", P({}))
     assert e.value.status == 404 and e.value.param == "request_id"
 
 
@@ -124,11 +127,11 @@ async def test_retry_with_same_params_joins_other_params_conflict():
     d = Dispatcher()
     reg = _registry(d)
     reg.open("p", ("p",))
-    first = asyncio.create_task(reg.register("p", {"a": 1}))
+    first = asyncio.create_task(reg.register("p", P({"a": 1})))
     await asyncio.sleep(0.02)
-    again = asyncio.create_task(reg.register("p", {"a": 1}))
+    again = asyncio.create_task(reg.register("p", P({"a": 1})))
     with pytest.raises(ProxyError) as e:
-        await reg.register("p", {"a": 2})
+        await reg.register("p", P({"a": 2}))
     assert e.value.status == 409
     d.release.set()
     await asyncio.wait_for(asyncio.gather(first, again), 1)
@@ -140,11 +143,11 @@ async def test_registration_survives_caller_cancellation():
     d.release.set()
     reg = _registry(d)
     reg.open("p", ("p-0", "p-1"))
-    first = asyncio.create_task(reg.register("p-0", {"x": 0}))
+    first = asyncio.create_task(reg.register("p-0", P({"x": 0})))
     await asyncio.sleep(0.02)
     first.cancel()  # the decoder dropped its call
-    await reg.register("p-1", {"x": 1})
-    assert d.calls == [[{"x": 0}, {"x": 1}]]
+    await reg.register("p-1", P({"x": 1}))
+    assert d.calls == [[P({"x": 0}), P({"x": 1})]]
 
 
 async def test_open_refuses_ids_in_use():

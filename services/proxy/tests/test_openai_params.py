@@ -6,7 +6,9 @@ import pytest
 from kvoffload_proxy.errors import ProxyError
 from kvoffload_proxy.flow import decoder_body, prefill_body
 from kvoffload_proxy.relay import StreamRelay
-from kvoffload_proxy.schemas import choice_seed, parse_inference
+from kvoffload_proxy.schemas import parse_inference
+from openai_api.sampling_params import choice_seed
+from openai_api.transfer_params import KVTransferParams
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -66,10 +68,10 @@ def test_n_makes_one_child_per_choice():
     assert all(b["n"] == 1 and "best_of" not in b for b in bodies)
     assert [b["seed"] for b in bodies] == [choice_seed(5, j) for j in range(3)] * 2
     assert bodies[0]["seed"] == 5
-    pre = prefill_body(req, [{"request_id": f"c-{i}"} for i in range(6)])
+    pre = prefill_body(req, [KVTransferParams(request_id=f"c-{i}") for i in range(6)])
     assert pre["n"] == 3 and pre["seed"] == 5 and pre["prompt"] == ["a", "bb"] and len(pre["kv_transfer_params_list"]) == 6
     chat = _parse("chat", {"messages": MSG, "n": 2, "min_tokens": 3})
-    pre = prefill_body(chat, [{"request_id": "a"}, {"request_id": "b"}])
+    pre = prefill_body(chat, [KVTransferParams(request_id="a"), KVTransferParams(request_id="b")])
     assert "kv_transfer_params_list" in pre and pre["min_tokens"] == 3 and pre["max_tokens"] == 1
 
 

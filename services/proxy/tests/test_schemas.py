@@ -4,7 +4,8 @@ import json
 import pytest
 
 from kvoffload_proxy.errors import ProxyError
-from kvoffload_proxy.schemas import estimate_tokens, parse_inference
+from kvoffload_proxy.schemas import ChatCompletionRequest, CompletionRequest, estimate_tokens, parse_inference
+from openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS
 
 
 def _parse(kind, body):
@@ -73,3 +74,11 @@ def test_invalid_json(raw):
 def test_token_estimates():
     assert estimate_tokens("") == 1 and estimate_tokens("x" * 41) == 11
     assert estimate_tokens([1, 2, 3]) == 3
+
+
+def test_the_schemas_accept_exactly_the_fields_the_engine_accepts():
+    """openai_api.fields is the list; the proxy's schemas type each field of it (the P/D wiring is
+    the proxy's own to set)."""
+    wiring = {"kv_transfer_params", "kv_transfer_params_list"}
+    assert set(CompletionRequest.model_fields) == COMPLETION_FIELDS - wiring
+    assert set(ChatCompletionRequest.model_fields) == CHAT_FIELDS - wiring

@@ -16,6 +16,7 @@ import uuid
 
 import structlog
 from aiohttp import web
+from openai_api.transfer_params import KVTransferParams
 
 from . import upstream
 from .auth import bearer, matches
@@ -142,7 +143,7 @@ async def metaserver(request: web.Request) -> web.Response:
     reg = validate(MetaserverRegistration, data)
     if not flow.tokens.check(bearer(request.headers), reg.request_id):  # before any lookup: no oracle
         raise unauthorized(f"invalid metaserver token for request_id {reg.request_id!r}")
-    params = reg.kv_transfer_params if reg.kv_transfer_params is not None else data
+    params = reg.kv_transfer_params if reg.kv_transfer_params is not None else validate(KVTransferParams, data)
     rdv = flow.registry.lookup(reg.request_id)
     parent_rid = rdv.context.request_id if rdv is not None else request[REQUEST_ID]
     outcome = "ok"

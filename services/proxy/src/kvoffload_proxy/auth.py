@@ -24,8 +24,6 @@ import hmac
 import secrets
 from collections.abc import Mapping
 
-TOKEN_PARAM = "metaserver_token"  # the key of the token in the decoder's kv_transfer_params
-
 
 def bearer(headers: Mapping[str, str]) -> str | None:
     """The token of an `Authorization: Bearer TOKEN` header, or None."""

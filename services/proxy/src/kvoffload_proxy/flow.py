@@ -20,16 +20,18 @@ from typing import Any
 import aiohttp
 import structlog
 from aiohttp import web
+from openai_api.sampling_params import choice_seed
+from openai_api.transfer_params import KVTransferParams
 
 from . import upstream
-from .auth import TOKEN_PARAM, MetaserverTokens
+from .auth import MetaserverTokens
 from .balancer import Balancer, Lease
 from .config import ProxyConfig
 from .errors import ProxyError
 from .metaserver import Registry, Rendezvous
 from .metrics import ProxyMetrics
 from .relay import JsonRelay, StreamRelay
-from .schemas import InferenceRequest, choice_seed
+from .schemas import InferenceRequest
 
 log = structlog.get_logger("kvoffload_proxy.flow")
 _CHILD_DONE = object()
@@ -45,14 +47,14 @@ def decoder_body(req: InferenceRequest, index: int, child_id: str, metaserver_ur
     if req.n > 1:
         body.pop("best_of", None)  # == n, checked at the edge
         body.update(n=1, seed=choice_seed(body.get("seed") or 0, index % req.n))
-    body["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True,
-                                  "metaserver": metaserver_url, "request_id": child_id}
-    if metaserver_token is not None:  # --api-key set: the decoder's bearer token for /v1/metaserver
-        body["kv_transfer_params"][TOKEN_PARAM] = metaserver_token
+    # with --api-key: metaserver_token is the decoder's bearer token for /v1/metaserver
+    token = {} if metaserver_token is None else {"metaserver_token": metaserver_token}
+    body["kv_transfer_params"] = KVTransferParams(do_remote_decode=False, do_remote_prefill=True,
+                                                  metaserver=metaserver_url, request_id=child_id, **token).wire()
     return body
 
 
-def prefill_body(req: InferenceRequest, params: list[dict[str, Any]]) -> dict:
+def prefill_body(req: InferenceRequest, params: list[KVTransferParams]) -> dict:
     """The client's original request, reduced to one prefill step, carrying the decoders' params
     (one per child, in child order, when there is more than one prompt or choice). The client's
     sampling parameters stay: the prefill samples the first token with them (min_tokens included)."""
@@ -61,9 +63,9 @@ def prefill_body(req: InferenceRequest, params: list[dict[str, Any]]) -> dict:
     body.pop("stream_options", None)
     body.pop("max_completion_tokens", None)
     if req.is_batch or req.n > 1:
-        body["kv_transfer_params_list"] = params
+        body["kv_transfer_params_list"] = [p.wire() for p in params]
     else:
-        body["kv_transfer_params"] = params[0]
+        body["kv_transfer_params"] = params[0].wire()
     return body
 
 

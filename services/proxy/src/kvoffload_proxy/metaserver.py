@@ -41,6 +41,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
+from openai_api.transfer_params import KVTransferParams
 
 from .errors import ProxyError
 
@@ -55,7 +56,7 @@ class Rendezvous:
         self.parent_id = parent_id
         self.child_ids = child_ids
         self.context = context
-        self.params: dict[str, dict[str, Any]] = {}
+        self.params: dict[str, KVTransferParams] = {}
         self.outcome: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.outcome.add_done_callback(_mark_retrieved)
         self._dispatch_task: asyncio.Task[None] | None = None
@@ -75,7 +76,7 @@ class Rendezvous:
     def dispatch_started(self) -> bool:
         return self._dispatch_task is not None
 
-    def ordered_params(self) -> list[dict[str, Any]]:
+    def ordered_params(self) -> list[KVTransferParams]:
         return [self.params[c] for c in self.child_ids]
 
 
@@ -111,13 +112,13 @@ class Registry:
             self.registration_timeout_s, self._expire, rdv)
         return rdv
 
-    async def register(self, child_id: str, params: dict[str, Any]) -> None:
+    async def register(self, child_id: str, params: KVTransferParams) -> None:
         rdv = self._by_child.get(child_id)
         if rdv is None:
             raise ProxyError(404, f"unknown request_id {child_id!r}: no client request is waiting "
                                   "for it (finished, cancelled, timed out or never sent)",
                              param="request_id")
-        if params.get("queued") is True:  # admitted, waiting for host blocks: answered at once
+        if params.queued:  # admitted, waiting for host blocks: answered at once
             if rdv.outcome.done():
                 await rdv.outcome  # raises the error that ended the request
             if child_id not in rdv.params:
@@ -132,8 +133,8 @@ class Registry:
         if not rdv.outcome.done():
             if known is None:
                 log.info("decoder_registered", parent_id=rdv.parent_id, child_id=child_id,
-                         remote=f"{params.get('remote_host')}:{params.get('remote_port')}",
-                         remote_dp_rank=params.get("remote_dp_rank"), remote_tp_size=params.get("remote_tp_size"))
+                         remote=f"{params.remote_host}:{params.remote_port}",
+                         remote_dp_rank=params.remote_dp_rank, remote_tp_size=params.remote_tp_size)
             rdv.params[child_id] = params
             if rdv.is_complete and not rdv.dispatch_started:
                 self._start_dispatch(rdv)

@@ -1,11 +1,12 @@
 """Request bodies the proxy accepts, validated once at the edge (also the OpenAPI schemas).
 
-The inference bodies list exactly the OpenAI parameters the engine honours (`extra="forbid"`):
-an unknown field, or a known one the engine cannot honour (`tools`, `response_format`,
-`logit_bias`, ...), is a 400 naming it, as are combinations it cannot serve (`best_of` != `n`,
-`echo` with `logprobs`, `top_logprobs` without `logprobs`, `stream_options` without `stream`,
-`min_tokens` > `max_tokens`). Types are strict: `"stream": "yes"` or `"max_tokens": 1.5` is a 400
-naming the field, not a silent coercion. A JSON `null` means "not given".
+The inference bodies list exactly the OpenAI parameters the engine honours (`extra="forbid"`;
+`openai_api.fields` is the list, and the limits): an unknown field, or a known one the engine
+cannot honour (`tools`, `response_format`, `logit_bias`, ...), is a 400 naming it, as are
+combinations it cannot serve (`best_of` != `n`, `echo` with `logprobs`, `top_logprobs` without
+`logprobs`, `stream_options` without `stream`, `min_tokens` > `max_tokens`: `openai_api`'s own
+checks, which the decode and prefill run too). Types are strict: `"stream": "yes"` or
+`"max_tokens": 1.5` is a 400 naming the field, not a silent coercion. A JSON `null` means "not given".
 """
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+from openai_api.body import RequestError, check_body
+from openai_api.fields import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP, UNSUPPORTED_MESSAGE_FIELDS, refused
+from openai_api.request import sampling_params
+from openai_api.transfer_params import KVTransferParams
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from .errors import ProxyError
-
-
 
 def _integral(v: Any) -> Any:
     """JSON Schema's "integer" includes 3.0; strings and booleans stay rejected."""
@@ -27,10 +30,6 @@ def _integral(v: Any) -> Any:
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31), BeforeValidator(_integral)]
 PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]  # Field first, or its bounds leave the JSON schema
-MAX_N = 64  # choices per prompt (dsamodel.openai.MAX_N)
-MAX_LOGPROBS = 20  # top alternatives per token (dsamodel.sampling.MAX_LOGPROBS)
-MAX_STOP = 16
-MAX_SEED = 2**63
 Prompt = (str | Annotated[list[str], Field(min_length=1)]
           | Annotated[list[TokenId], Field(min_length=1)]
           | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
@@ -42,15 +41,6 @@ _UNION_HELP = {
     "content": "must be a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
     "stop": f"must be a non-empty string or a list of 1 to {MAX_STOP} non-empty strings",
 }
-# Known OpenAI / vLLM parameters the engine cannot honour: the 400 says so rather than "unknown".
-UNSUPPORTED = frozenset({
-    "suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-    "response_format", "top_k", "min_p", "repetition_penalty", "prediction", "audio", "modalities",
-    "reasoning_effort", "service_tier", "store", "metadata", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "use_beam_search", "length_penalty", "include_stop_str_in_output",
-    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "echo",
-    "prompt_logprobs", "web_search_options", "logprobs", "top_logprobs", "best_of", "name",
-})
 CHARS_PER_TOKEN = 4  # the proxy does not tokenize; loads are estimates
 
 
@@ -112,14 +102,14 @@ class MetaserverRegistration(BaseModel):
     """POST /v1/metaserver, sent by a decoder once it holds host memory for `request_id`.
 
     `kv_transfer_params` are the decoder's endpoint parameters (host, control ports, dp/tp, ...),
-    handed verbatim to the prefiller. A body without that key is taken as the params themselves
-    (the form the reference decoders send).
+    checked (`openai_api.transfer_params`) and handed verbatim to the prefiller. A body without that
+    key is taken as the params themselves (the form the reference decoders send).
     """
 
     model_config = ConfigDict(strict=True, extra="allow")
 
     request_id: Annotated[str, Field(min_length=1, max_length=256)]
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 @dataclass(frozen=True)
@@ -143,12 +133,6 @@ class InferenceRequest:
     @property
     def num_children(self) -> int:
         return len(self.prompts)
-
-
-def choice_seed(seed: int, choice: int) -> int:
-    """The seed of choice `choice` of a request with n > 1; dsamodel.openai.choice_seed derives the
-    same in the prefill (choice 0 keeps the client's seed)."""
-    return (seed + choice * 0x9E3779B97F4A7C15) % MAX_SEED
 
 
 def _reject_constant(name: str) -> Any:
@@ -191,7 +175,8 @@ def validate(model: type[BaseModel], data: dict[str, Any]) -> BaseModel:
             msg = f"field '{path}' is required"
         elif err["type"] == "extra_forbidden":
             name = path.rsplit(".", 1)[-1]
-            msg = (f"field '{path}' is not supported by this server" if name in UNSUPPORTED
+            msg = (f"field '{path}' is not supported by this server"
+                   if refused(name) or name in UNSUPPORTED_MESSAGE_FIELDS
                    else f"field '{path}' is not a recognized parameter")
         elif union_field:
             msg = f"field '{path}' {_UNION_HELP[union_field]}"
@@ -230,27 +215,18 @@ def parse_inference(kind: Literal["completions", "chat"], raw: bytes) -> Inferen
         req = validate(ChatCompletionRequest, data)
         is_batch, prompts, tokens = False, (None,), (_chat_tokens(req.messages),)
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or 16
-    _check_combinations(req, max_tokens)
+    _check_combinations(data, chat=kind == "chat")
     n = req.n
     return InferenceRequest(kind=kind, body=data, prompts=tuple(p for p in prompts for _ in range(n)),
                             is_batch=is_batch, stream=req.stream, n=n,
                             num_prompt_tokens=tuple(t for t in tokens for _ in range(n)), max_tokens=max_tokens)
 
 
-def _refuse(param: str, message: str) -> ProxyError:
-    return ProxyError(400, f"field '{param}': {message}", param=param)
-
-
-def _check_combinations(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> None:
-    """What the field types cannot say: combinations the engine cannot serve."""
-    if req.stream_options is not None and not req.stream:
-        raise _refuse("stream_options", "only allowed with stream: true")
-    if req.min_tokens is not None and req.min_tokens > max_tokens:
-        raise _refuse("min_tokens", f"{req.min_tokens} exceeds max_tokens ({max_tokens})")
-    if isinstance(req, CompletionRequest):
-        if req.best_of is not None and req.best_of != req.n:
-            raise _refuse("best_of", f"only best_of == n is supported (best_of={req.best_of}, n={req.n})")
-        if req.echo and req.logprobs is not None:
-            raise _refuse("echo", "echo together with logprobs (prompt log-probabilities) is not supported")
-    elif req.top_logprobs is not None and not req.logprobs:
-        raise _refuse("top_logprobs", "needs logprobs: true")
+def _check_combinations(data: dict[str, Any], *, chat: bool) -> None:
+    """What the field types cannot say: combinations the engine cannot serve (openai_api's checks;
+    `n` is split into children here, so any `n` the schema allows)."""
+    try:
+        check_body(data, chat=chat, max_n=None)
+        sampling_params(data, chat=chat)
+    except RequestError as e:
+        raise ProxyError(400, f"field '{e.field}': {e.detail}", param=e.field) from None
