@@ -1,5 +1,5 @@
 # The two commands of the README. Each installs what it needs (idempotently) first.
-.PHONY: demo demo-vllm up bench test check test-deps install install-vllm
+.PHONY: demo demo-vllm up bench test check lint test-deps install install-vllm
 
 install:
 	@scripts/bootstrap
@@ -37,6 +37,16 @@ bench: install-vllm
 	  summary="$$summary  $$b: $$verdict\n"; \
 	done; \
 	printf "\nkvoffload bench summary:\n%b" "$$summary" >&2; exit $$status
+
+# the linters (ruff.toml, mypy.ini): ruff's rules, ruff's formatter (check only: `.venv/bin/ruff format`
+# rewrites), mypy's types; each runs even after one fails, and any finding fails the target. vLLM is
+# installed first: the vLLM connectors are type-checked against it
+lint: install-vllm
+	@status=0; \
+	.venv/bin/ruff check . || status=1; \
+	.venv/bin/ruff format --check . || status=1; \
+	.venv/bin/mypy || status=1; \
+	exit $$status
 
 # the tests' own servers and stores: Mooncake Store, Memcache's MetaService (each once per machine)
 test-deps: install-vllm

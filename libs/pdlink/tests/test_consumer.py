@@ -10,8 +10,8 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from kvoffload_proto.v1 import transfer_pb2 as pb
 
+from kvoffload_proto.v1 import transfer_pb2 as pb
 from pdlink.consumer import Plane, PullConsumer, Read, ReadOutcome, RowSink
 from pdlink.layer_source import LayerSourceServicer, RowBuffer
 from pdlink.refusals import MalformedRead, NoAcceptedLayout, Refused, UnknownRequest
@@ -123,7 +123,8 @@ def _read(c: PullConsumer, **kw) -> ReadOutcome:
     (dict(block_size=8), "block_size: prefill 8, decode 4"),
     (dict(memfabric_session="10.0.0.1:1"), "memfabric_session: the prefill's transfer_backend is 'memfabric'"),
     (dict(prefill_tp_rank=4), "prefill_tp_rank: 4 is outside 0..1"),
-    (dict(layers=[pb.LayerLayout(layer=i, main_row_bytes=ROW + 1) for i in range(LAYERS)]), "layers: rows of another size"),
+    (dict(layers=[pb.LayerLayout(layer=i, main_row_bytes=ROW + 1) for i in range(LAYERS)]),
+     "layers: rows of another size"),
 ], ids=["version-0", "model", "layers", "block-size", "transfer-backend", "tp", "sink"])
 def test_the_common_checks_come_first_then_the_sinks(change, reason):
     c = PullConsumer(BlockSink(), Sources(), model_id="m")
@@ -170,7 +171,8 @@ def test_retries_stop_once_the_request_no_longer_waits(consumer):
 
 
 @pytest.mark.parametrize("kw, error", [(dict(layout_version=VERSION + 1), NoAcceptedLayout),
-                                       (dict(layer=LAYERS), MalformedRead), (dict(src_start=7, src_end=5), MalformedRead),
+                                       (dict(layer=LAYERS), MalformedRead),
+                                       (dict(src_start=7, src_end=5), MalformedRead),
                                        (dict(request_id="nobody"), UnknownRequest), (dict(src_end=11), MalformedRead)],
                          ids=["layout", "layer", "reversed", "unknown", "past-the-prompt"])
 def test_a_refused_read_changes_nothing(consumer, kw, error):

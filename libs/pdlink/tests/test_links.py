@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+
 from kvcore.gates import OccupantFailed, SlotGate
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
-
 from pdlink.links import DecodeLink, LinkError
 
 

@@ -15,10 +15,15 @@ import textwrap
 
 import pytest
 import torch
-from kvoffload_proto.v1 import transfer_pb2
 
-from pdlink.memfabric import (MemfabricNotInstalled, MemfabricRows, MemfabricTransfer, MemfabricUnavailable,
-                              native_reason)
+from kvoffload_proto.v1 import transfer_pb2
+from pdlink.memfabric import (
+    MemfabricNotInstalled,
+    MemfabricRows,
+    MemfabricTransfer,
+    MemfabricUnavailable,
+    native_reason,
+)
 
 DRIVER_FILES = ("/etc/ascend_install.info", "/usr/local/Ascend/driver/version.info")  # where hybm looks
 DRIVER_REASON = [  # memfabric_hybrid 1.3.0's own ERROR lines on a host without an Ascend driver

@@ -8,6 +8,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from pdlink.pullcounters import COUNTERS, PullCounters
 
 STATS_KEYS = {"read_done", "read_failed", "read_retries", "bytes_read", "read_ms_total", "reads_shared_memory",

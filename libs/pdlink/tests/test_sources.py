@@ -10,10 +10,10 @@ import uuid
 
 import grpc
 import pytest
+
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
 from kvoffload_proto.v1 import transfer_pb2 as pb
-
 from pdlink.sources import RowSources
 
 VERSION = 3

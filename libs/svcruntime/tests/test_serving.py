@@ -9,6 +9,7 @@ import argparse
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from kvcore.configerrors import ConfigError
 from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
 from svcruntime import serving

@@ -15,7 +15,6 @@ from svcruntime import tls as kvtls
 from svcruntime.tls import TLSConfig, TLSConfigError
 
 
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     return tlscerts.make_pki(tmp_path_factory.mktemp("pki"))

@@ -1,6 +1,7 @@
 """Shared fixtures: an injectable clock and an in-process server on loopback (a free port)."""
 import pytest
 from fakeclock import clock  # noqa: F401 - the clock fixture
+
 from kvoffload_metastore.config import MetaStoreConfig
 from kvoffload_metastore.server import start
 

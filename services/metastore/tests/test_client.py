@@ -5,10 +5,10 @@ import os
 import grpc
 import pytest
 import torch
+
 from kvcore.hostpool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, PoolFullError, PoolStats
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
-
 from poolbackends.client import MetaStoreClient
 from poolbackends.errors import MetaStoreUnavailable, NoPoolRegistered, PoolNotRegistered, WorldSizeExceeded
 

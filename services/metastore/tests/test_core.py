@@ -3,10 +3,9 @@ import inspect
 import re
 
 import pytest
+
 from kvcore.hostpool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, PoolFullError
-
 from kvcore.poolgeometry import PoolGeometry
-
 from kvoffload_metastore import core as core_module
 from kvoffload_metastore.core import MetaStoreCore
 from kvoffload_metastore.errors import PoolFull

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from kvoffload_proto.v1 import metastore_pb2 as pb
-from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2, stats_pb2_grpc
 
 from kvoffload_metastore.config import MetaStoreConfig
 from kvoffload_metastore.server import start
+from kvoffload_proto.v1 import metastore_pb2 as pb
+from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2, stats_pb2_grpc
 
 K0, K1, K2 = b"k0" * 8, b"k1" * 8, b"k2" * 8  # K0 complete and leased, K1 allocated (incomplete), K2 absent
 GEOMETRY = pb.PoolGeometry(block_size=4, plane_row_bytes=[8, 8], num_blocks=4,
@@ -216,7 +216,8 @@ def test_register_beyond_world_size_is_refused_and_changes_nothing(stub, channel
             stub.RegisterPool(pb.RegisterPoolRequest(pool_id=pool_id, segment_name=f"seg-{pool_id}",
                                                      geometry=GEOMETRY), timeout=5)
         assert info.value.code() == C.FAILED_PRECONDITION
-        assert f"cannot register pool {pool_id!r}: world_size=3 pools are registered (p0, p1, p2)" in info.value.details()
+        assert (f"cannot register pool {pool_id!r}: world_size=3 pools are registered (p0, p1, p2)"
+                in info.value.details())
     assert snapshot(stub, channel) == before
     # replace=true of a live id is not a way around world_size either: it is refused for unknown ids
     with pytest.raises(grpc.RpcError) as info:

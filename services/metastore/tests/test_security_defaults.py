@@ -10,12 +10,13 @@ import sys
 import time
 
 import pytest
-from poolbackends.client import MetaStoreClient
-from poolbackends.errors import MetaStoreUnavailable
 from sockets import listening_sockets
-from svcruntime.tls import TLSConfig
+
 from kvoffload_metastore.config import MetaStoreConfig
 from kvoffload_metastore.server import config_from_args, main, start
+from poolbackends.client import MetaStoreClient
+from poolbackends.errors import MetaStoreUnavailable
+from svcruntime.tls import TLSConfig
 
 
 # tlscerts: a test-support module on the root pytest pythonpath

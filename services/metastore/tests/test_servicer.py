@@ -5,11 +5,11 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvoffload_proto.v1 import metastore_pb2 as pb
-from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2, stats_pb2_grpc
 
 from kvoffload_metastore.config import MetaStoreConfig
 from kvoffload_metastore.server import start
+from kvoffload_proto.v1 import metastore_pb2 as pb
+from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2, stats_pb2_grpc
 
 K = [bytes([i]) * 16 for i in range(1, 12)]
 GEOMETRY = pb.PoolGeometry(block_size=4, plane_row_bytes=[8, 8], num_blocks=2,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+
 from kvoffload_proto.v1 import MAX_CHUNK_BYTES, transfer_pb2
 
 __all__ = ["MAX_CHUNK_BYTES", "data_chunks"]

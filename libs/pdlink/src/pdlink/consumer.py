@@ -42,9 +42,9 @@ from dataclasses import dataclass
 
 import structlog
 import torch
+
 from kvcore.pdpair import tp_handshake_problem
 from kvoffload_proto.v1 import transfer_pb2
-
 from pdlink.memfabric import MemfabricRows
 from pdlink.pullcounters import PullCounters
 from pdlink.refusals import MalformedRead, NoAcceptedLayout
@@ -123,10 +123,10 @@ class RowSink(ABC):
     def install(self, read: Read, rows: range, planes: list[torch.Tensor]) -> float:
         """Write the pulled rows (one uint8 ``[n, row_bytes]`` per plane); the seconds it took."""
 
-    def failed(self, read: Read, reason: str) -> None:
+    def failed(self, read: Read, reason: str) -> None:  # noqa: B027 - an optional hook, doing nothing by default
         """Nothing by default: the prefill, told READ_FAILED, ends the request."""
 
-    def end(self, read: Read) -> None:
+    def end(self, read: Read) -> None:  # noqa: B027 - an optional hook, doing nothing by default
         """Nothing by default."""
 
     @abstractmethod
@@ -230,7 +230,7 @@ class PullConsumer:
             planes = self._read_with_retries(read, rows)
             copy_s = time.perf_counter() - t  # the pull's own data movement: read out of the source,
             copy_s += self.sink.install(read, rows, planes)  # then install
-        except Exception as exc:  # answered, never left hanging: the prefill fails the slot's read
+        except Exception as exc:  # noqa: BLE001 - answered, never left hanging: the prefill fails the slot's read
             self.counters.increment("read_failed")
             reason = (f"pull of layer {read.layer} rows [{read.request.src_start}, {read.request.src_end}) "
                       f"from {read.endpoint} failed: {exc!r}")

@@ -9,8 +9,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
+from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 from pdlink.chunks import data_chunks
 from pdlink.refusals import MalformedRead, Refused, abort
 

@@ -23,9 +23,10 @@ from typing import Protocol
 
 import grpc
 import structlog
+
 from kvcore.pdpair import tp_handshake_problem
-from svcruntime.tls import PROCESS, secure_or_insecure_channel
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+from svcruntime.tls import PROCESS, secure_or_insecure_channel
 
 log = structlog.get_logger(__name__)
 
@@ -188,7 +189,7 @@ class DecodeLink:
             log.warning("decode_unresponsive", decode=self.endpoint, reason=reason, pending_reads=len(pending))
         for future in pending:
             future.cancel()
-    def announce(self, ticket: ReadTicket, reader, request_id: str, start: int, end: int) -> "_Outcome":
+    def announce(self, ticket: ReadTicket, reader, request_id: str, start: int, end: int) -> _Outcome:
         """ReadReady for rows [start, end) of ``ticket.layer``; the answer settles ``reader``.
 
         Returns the call's future: its result is True for READ_DONE, False for a failure."""

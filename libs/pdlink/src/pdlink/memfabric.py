@@ -38,6 +38,7 @@ from typing import Any
 
 import structlog
 import torch
+
 from kvcore.backends import MEMFABRIC_INSTALL
 from kvcore.confignames import MEMFABRIC_DATA_OPS
 from svcruntime.native_output import native_output
@@ -134,7 +135,7 @@ class MemfabricTransfer:
         self._closed = False
 
     @classmethod
-    def start(cls, role: str, host: str, *, device_id: int = 0, data_op: str = "sdma") -> "MemfabricTransfer":
+    def start(cls, role: str, host: str, *, device_id: int = 0, data_op: str = "sdma") -> MemfabricTransfer:
         """Initialize an engine for ``role`` ("Prefill" or "Decode") at ``host``, on NPU ``device_id``,
         with ``data_op`` (one of ``MEMFABRIC_DATA_OPS``). ValueError for bad arguments,
         MemfabricNotInstalled, or MemfabricUnavailable with memfabric's own reason."""

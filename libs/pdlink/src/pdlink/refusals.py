@@ -3,6 +3,8 @@ status its servicer aborts the call with. A refusal changes nothing and pulls no
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import grpc
 
 __all__ = ["MalformedRead", "NoAcceptedLayout", "Refused", "UnknownRequest", "abort"]
@@ -37,6 +39,6 @@ class UnknownRequest(Refused):
     code = grpc.StatusCode.NOT_FOUND
 
 
-def abort(context, exc: Refused):
+def abort(context: grpc.ServicerContext, exc: Refused) -> NoReturn:
     """End the gRPC call with the refusal's status and message (raises, as ``context.abort`` does)."""
     context.abort(exc.code, str(exc))

@@ -15,6 +15,7 @@ from typing import TypeVar
 import grpc
 import structlog
 import torch
+
 from kvcore.segment import SharedSegment
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 

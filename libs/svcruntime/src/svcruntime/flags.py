@@ -16,7 +16,6 @@ import math
 from typing import Any
 
 from kvcore.configerrors import ConfigError
-
 from svcruntime import tls as kvtls
 
 MAX_PORT = 65535

@@ -128,14 +128,15 @@ class Ledger:
                 out.append((e, reason))
         return out
 
-    def start(self) -> "Ledger":
+    def start(self) -> Ledger:
         if self._on_timeout is None:
             raise ValueError("a watchdog needs on_timeout")
-        self._thread = threading.Thread(target=self._watch, name="ledger-watchdog", daemon=True)
+        self._thread = threading.Thread(target=self._watch, args=(self._on_timeout,), name="ledger-watchdog",
+                                        daemon=True)
         self._thread.start()
         return self
 
-    def _watch(self) -> None:
+    def _watch(self, on_timeout: Callable[[Entry, str], None]) -> None:
         last = time.monotonic()
         while not self._stop.wait(self._interval_s):
             now = time.monotonic()
@@ -144,8 +145,8 @@ class Ledger:
             last = now
             for entry, reason in self.overdue():
                 try:
-                    self._on_timeout(entry, reason)
-                except Exception:  # the watchdog outlives a failing callback
+                    on_timeout(entry, reason)
+                except Exception:  # noqa: BLE001 - the watchdog outlives a failing callback
                     import structlog
 
                     structlog.get_logger(__name__).exception("watchdog_callback_failed",

@@ -17,9 +17,10 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from typing import TextIO
+from typing import Any, TextIO, cast
 
 import structlog
+from structlog.typing import EventDict, Processor
 
 
 class RequestIds:
@@ -38,7 +39,7 @@ class RequestIds:
         with self._lock:
             self._trace.pop(wire_id, None)
 
-    def __call__(self, _logger, _name, event: dict) -> dict:
+    def __call__(self, _logger: Any, _name: str, event: EventDict) -> EventDict:
         rid = event.get("request_id")
         if isinstance(rid, str):
             with self._lock:
@@ -71,8 +72,8 @@ LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNI
           "critical": logging.CRITICAL}
 
 
-def _add_service(service: str):
-    def processor(_logger, _name, event: dict) -> dict:
+def _add_service(service: str) -> Processor:
+    def processor(_logger: Any, _name: str, event: EventDict) -> EventDict:
         return {"service": service, **event}
     return processor
 
@@ -84,11 +85,13 @@ def configure_logging(service: str, level: str = "info", stream: TextIO | None =
     if not isinstance(level, str) or level.lower() not in LEVELS:
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}; got {level!r}")
     numeric = LEVELS[level.lower()]
-    out = stream if stream is not None else _CurrentStderr()
-    shared = [structlog.contextvars.merge_contextvars, REQUEST_IDS, structlog.processors.add_log_level,
-              structlog.processors.TimeStamper(fmt="iso", utc=True)]
-    render = [structlog.processors.format_exc_info, _add_service(service),
-              structlog.processors.JSONRenderer(default=repr)]
+    # _CurrentStderr has the write/flush that WriteLogger and StreamHandler call, not all of TextIO
+    out = stream if stream is not None else cast(TextIO, _CurrentStderr())
+    shared: list[Processor] = [structlog.contextvars.merge_contextvars, REQUEST_IDS,
+                               structlog.processors.add_log_level,
+                               structlog.processors.TimeStamper(fmt="iso", utc=True)]
+    render: list[Processor] = [structlog.processors.format_exc_info, _add_service(service),
+                               structlog.processors.JSONRenderer(default=repr)]
     structlog.configure(
         processors=[*shared, *render],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),

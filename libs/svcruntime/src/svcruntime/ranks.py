@@ -144,10 +144,10 @@ class LeadRanks(ABC):
         """Tell the followers to return, wait for them (killing any that does not end in time)."""
         closer = self.followers_closer()
         whole = closer is not None
-        if whole:
+        if closer is not None:
             try:
                 closer()
-            except Exception as exc:  # a follower gone at the last moment: they are killed below
+            except Exception as exc:  # noqa: BLE001 - a follower gone at the last moment: they are killed below
                 log.warning("tp_close_failed", error=repr(exc))
                 whole = False
         codes = self.processes.stop(group_whole=whole, timeout_s=timeout_s)

@@ -105,18 +105,18 @@ class TLSConfig:
         """A server built from this config requires and verifies client certificates."""
         return self.ca is not None
 
-    def require_identity(self, service: str) -> TLSConfig:
-        """Self, for a process that serves gRPC; an error when it has only ``--tls-ca``."""
-        if not self.has_identity:
+    def require_identity(self, service: str) -> tuple[bytes, bytes]:
+        """The (key, certificate chain) pair, for a process that serves gRPC; an error when it has
+        only ``--tls-ca``."""
+        if self.key is None or self.cert is None:
             raise TLSConfigError(f"--tls-ca given without --tls-cert/--tls-key: {service} serves gRPC and needs a "
                                  "certificate and key of its own to serve it over TLS")
-        return self
+        return self.key, self.cert
 
     def server_credentials(self) -> grpc.ServerCredentials:
         import grpc
 
-        self.require_identity("this server")
-        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+        return grpc.ssl_server_credentials([self.require_identity("this server")], root_certificates=self.ca,
                                            require_client_auth=self.mutual)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:

@@ -25,9 +25,10 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from kvcore.mmcconf import DRAM_KEY, LOCAL_ENV, META_ENV, parse_size_bytes, read_conf  # noqa: F401 (re-exported)
-from svcruntime.tls import TLSConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvcore.mmcconf import DRAM_KEY, LOCAL_ENV, META_ENV, parse_size_bytes, read_conf
+from svcruntime.tls import TLSConfig
 
 URL_KEY = "ock.mmc.meta_service_url"
 TTL_KEY = "ock.mmc.meta.lease_ttl_ms"

@@ -3,8 +3,9 @@
 The core holds facts only: registered pools (segment, geometry, last heartbeat), key -> (pool,
 block, written planes) (both ``pool_state``), read leases (``leasebook.LeaseBook``, over kvcore's
 ``LeaseTable``) and one LRU policy per pool (kvcore ``LRUEviction``). It never touches pool bytes:
-writers and readers copy them in shared memory at the block ids it hands out. Expiry (leases, then pools without heartbeats) is evaluated on the
-injected monotonic ``clock`` at the start of every call, so there are no timer threads.
+writers and readers copy them in shared memory at the block ids it hands out. Expiry (leases, then
+pools without heartbeats) is evaluated on the injected monotonic ``clock`` at the start of every
+call, so there are no timer threads.
 
 Hook map, grouped by caller. Every hook is thread-safe (one lock, held for microseconds; nothing
 blocks on I/O), batches are all-or-nothing, and errors are kvcore's pool errors,
@@ -44,16 +45,15 @@ import time
 from collections.abc import Callable, Sequence
 
 import structlog
-from kvcore.hostpool import ObjectExists, ObjectLeased, ObjectNotFound, check_keys
+
+from kvcore.hostpool import ObjectExists, ObjectLeased, check_count, check_keys, objects_of
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
-
-from poolbackends.errors import NoPoolRegistered, PoolConflict, PoolNotRegistered, WorldSizeExceeded
-
 from kvoffload_metastore.errors import PoolFull
 from kvoffload_metastore.leasebook import LeaseBook, lease_ttl_ms
 from kvoffload_metastore.pool_state import PoolState, StoredObject
 from kvoffload_metastore.records import Allocation, LeaseGrant, Location, MetaStats, PoolOccupancy, PoolRecord
+from poolbackends.errors import NoPoolRegistered, PoolConflict, PoolNotRegistered, WorldSizeExceeded
 
 __all__ = ["MetaStoreCore", "check_keys", "Allocation", "LeaseGrant", "Location", "MetaStats", "PoolOccupancy",
            "PoolRecord"]
@@ -72,8 +72,7 @@ class MetaStoreCore:
                  dram_bytes_per_local_service: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         for name, value in (("world_size", world_size), ("lease_ttl_ms", lease_ttl_ms),
                             ("heartbeat_timeout_ms", heartbeat_timeout_ms)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_count(name, value)
         self.world_size = world_size
         self.lease_ttl_ms = lease_ttl_ms
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
@@ -121,13 +120,7 @@ class MetaStoreCore:
         return len(pool.keys), dropped
 
     def _resolve(self, keys: list[bytes]) -> list[StoredObject]:
-        objs = []
-        for k in keys:
-            obj = self._objects.get(k)
-            if obj is None:
-                raise ObjectNotFound(f"no object for key {k!r}", key=k)
-            objs.append(obj)
-        return objs
+        return objects_of(self._objects, keys)
 
     def _location(self, key: bytes, obj: StoredObject) -> Location:
         return Location(key, obj.pool.record.pool_id, obj.block_id, obj.pool.record.block_bytes,
@@ -148,7 +141,8 @@ class MetaStoreCore:
         hinted = self._pool(pool_hint)
         return [hinted] if require_hint else [hinted] + [p for p in by_room if p is not hinted]
 
-    def _plan_alloc(self, keys: list[bytes], pool_hint: str | None, require_hint: bool) -> tuple[PoolState, list[bytes]]:
+    def _plan_alloc(self, keys: list[bytes], pool_hint: str | None,
+                    require_hint: bool) -> tuple[PoolState, list[bytes]]:
         """(pool, victims) for ``keys``, or raise; no side effects."""
         for k in keys:
             obj = self._objects.get(k)

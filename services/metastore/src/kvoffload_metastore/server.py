@@ -18,15 +18,15 @@ from dataclasses import dataclass
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from svcruntime import tls as kvtls
-from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2_grpc
 
 from kvoffload_metastore import __version__
 from kvoffload_metastore.config import LOCAL_ENV, META_ENV, MetaStoreConfig, build_config, parse_size_bytes
 from kvoffload_metastore.core import MetaStoreCore
-from svcruntime.logs import configure_logging
 from kvoffload_metastore.metrics import MetaMetrics
 from kvoffload_metastore.servicer import MetaStoreServicer, StatsServicer
+from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2_grpc
+from svcruntime import tls as kvtls
+from svcruntime.logs import configure_logging
 
 SERVICE = "kvoffload-metastore"
 HEALTH_NAMES = ("", "kvoffload.v1.MetaStore", "kvoffload.v1.Stats")

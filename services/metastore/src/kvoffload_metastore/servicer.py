@@ -14,14 +14,14 @@ from typing import Any
 
 import grpc
 import structlog
-from kvoffload_proto.v1 import metastore_pb2 as pb
-from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2, stats_pb2_grpc
-from poolbackends import wire
-from poolbackends.wire import geometry_from_pb, location_to_pb, pool_to_pb
 
 from kvoffload_metastore.core import MetaStoreCore
 from kvoffload_metastore.metrics import MetaMetrics, stats_counters
 from kvoffload_metastore.records import PoolOccupancy
+from kvoffload_proto.v1 import metastore_pb2 as pb
+from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2, stats_pb2_grpc
+from poolbackends import wire
+from poolbackends.wire import geometry_from_pb, location_to_pb, pool_to_pb
 
 log = structlog.get_logger("kvoffload_metastore.servicer")
 
@@ -48,10 +48,10 @@ def _rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     method = fn.__name__
 
     @functools.wraps(fn)
-    def wrapper(self: "MetaStoreServicer", request: Any, context: grpc.ServicerContext) -> Any:
+    def wrapper(self: MetaStoreServicer, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             reply = fn(self, request, context)
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+        except Exception as exc:  # every error becomes a status
             code = wire.status_of(exc)
             if code is None:
                 log.exception("rpc failed", method=method)
