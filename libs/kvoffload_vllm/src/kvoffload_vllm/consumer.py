@@ -30,6 +30,7 @@ import structlog
 import torch
 from kvcore.layout import dtype_name
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+from openai_api.transfer_params import KVTransferParams
 from pdlink.consumer import Plane, PullConsumer, Read, ReadOutcome, RowSink
 from pdlink.pullcounters import COUNTERS as PULL_COUNTERS
 from pdlink.refusals import MalformedRead, UnknownRequest
@@ -118,10 +119,10 @@ class Consumer(RowSink):
     def _register(self, inc: _Incoming) -> None:
         """POST our endpoint to the proxy's metaserver; its answer comes once the prefill answered."""
         recv = inc.recv
-        params = {"request_id": recv.transfer_id, "remote_host": self.settings.advertise_host,
-                  "remote_port": self.settings.control_port, "remote_tp_size": 1,
-                  "remote_dp_rank": self.settings.dp_rank}
-        body = json.dumps({"request_id": recv.transfer_id, "kv_transfer_params": params}).encode()
+        params = KVTransferParams(request_id=recv.transfer_id, remote_host=self.settings.advertise_host,
+                                  remote_port=self.settings.control_port, remote_tp_size=1,
+                                  remote_dp_rank=self.settings.dp_rank)
+        body = json.dumps({"request_id": recv.transfer_id, "kv_transfer_params": params.wire()}).encode()
         headers = {"Content-Type": "application/json", "X-Request-Id": recv.transfer_id}
         if recv.token:
             headers["Authorization"] = f"Bearer {recv.token}"

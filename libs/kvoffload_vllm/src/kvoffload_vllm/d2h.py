@@ -49,6 +49,7 @@ from kvcore.config import parse_kv_transfer_config
 from kvcore.configerrors import ConfigError
 from kvcore.confignames import D2H_CONNECTOR
 from kvcore.connectorconfig import D2HConnectorConfig
+from openai_api.transfer_params import KVTransferParams, parse_transfer_params
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -169,10 +170,10 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
     # ---- scheduler side ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if self.producer_role or not params or not params.get("do_remote_prefill"):
+        params = transfer_params_of(request)
+        if self.producer_role or params is None or not params.do_remote_prefill:
             return 0, False
-        if not isinstance(params.get("metaserver"), str) or not isinstance(params.get("request_id"), str):
+        if params.metaserver is None or params.request_id is None:
             log.warning("kvoffload_d2h_no_metaserver", request_id=request.request_id,
                         reason="do_remote_prefill without metaserver and request_id: the prompt is computed here")
             return 0, False
@@ -183,7 +184,7 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
         return count, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        params = request.kv_transfer_params or {}
+        params = transfer_params_of(request)
         prompt_len = len(request.prompt_token_ids or ())
         if self.producer_role:
             try:
@@ -195,11 +196,12 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
                 self._planner.allocated(request.request_id, peer, prompt_len)
             return
         local = self._matched.pop(request.request_id, None)
-        if local is None or num_external_tokens == 0 or not params.get("do_remote_prefill"):
+        if local is None or num_external_tokens == 0 or params is None or not params.do_remote_prefill:
             return
-        params["do_remote_prefill"] = False  # once: a preempted request resumes from its own blocks
-        self._new_recvs.append(Recv(request.request_id, params["request_id"], params["metaserver"],
-                                    params.get("metaserver_token"), prompt_len, local // self._block_size,
+        # once: a preempted request resumes from its own blocks (vLLM keeps the dict, so it is set there)
+        request.kv_transfer_params["do_remote_prefill"] = False
+        self._new_recvs.append(Recv(request.request_id, str(params.request_id), str(params.metaserver),
+                                    params.registration_token, prompt_len, local // self._block_size,
                                     tuple(blocks.get_block_ids()[0])))
         self._loading.add(request.request_id)
 
@@ -294,3 +296,13 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
         if self._side is not None:
             self._side.close()
             self._side = None
+
+
+def transfer_params_of(request: "Request") -> KVTransferParams | None:
+    """The request's ``kv_transfer_params``, typed; None when it has none, or when they are malformed
+    (logged: the request then runs without a transfer)."""
+    try:
+        return parse_transfer_params(request.kv_transfer_params)
+    except ValueError as exc:
+        log.error("kvoffload_d2h_bad_params", request_id=request.request_id, error=str(exc))
+        return None

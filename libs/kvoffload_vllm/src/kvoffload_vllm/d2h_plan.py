@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from openai_api.transfer_params import KVTransferParams
 
 
 @dataclass(frozen=True)
@@ -45,17 +46,15 @@ class Send:
     block_ids: tuple[int, ...]
 
 
-def peer_of(params: dict | None) -> Peer | None:
-    """The decode a prefill request sends to, from its ``kv_transfer_params``; None when it has
+def peer_of(params: KVTransferParams | None) -> Peer | None:
+    """The decode a prefill request sends to, from its ``kv_transfer_params``; None when they name
     none. ValueError when the params name a decode incompletely."""
-    if not params or "remote_host" not in params and "remote_port" not in params:
+    if params is None or not params.names_decode:
         return None
-    host, port, rid = params.get("remote_host"), params.get("remote_port"), params.get("request_id")
-    if not isinstance(host, str) or not host or not isinstance(port, int) or isinstance(port, bool) \
-            or not 0 < port < 65536 or not isinstance(rid, str) or not rid:
+    if not params.remote_host or params.remote_port is None or not params.request_id:
         raise ValueError(f"kv_transfer_params must give remote_host (str), remote_port (1..65535) and request_id "
-                         f"(str) together; got {params!r}")
-    return Peer(rid, f"{host}:{port}")
+                         f"(str) together; got {params.wire()!r}")
+    return Peer(params.request_id, f"{params.remote_host}:{params.remote_port}")
 
 
 @dataclass
