@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from openai_api.logprobs import TokenLogprob, chat_logprobs, completion_logprobs, finish_reason
 from openai_api.sampling_params import SamplingParams
 from openai_api.stop_text import StopText
 from openai_api.tokenizer import Tokenizer
 
-Next = Callable[[], Awaitable[tuple[str, object]]]  # the next (kind, value) of the request's queue
+# the next (kind, value) of the request's queue: ("token", id), ("done", reason) or ("error", message)
+Next = Callable[[], Awaitable[tuple[str, Any]]]
 
 
 class Output:
@@ -116,9 +118,9 @@ class Responder:
             if kind == "error":
                 return None, str(value)
             if kind == "done":
-                finish = finish_reason(str(value))
                 break
             out.add(int(value))
+        finish = finish_reason(str(value))
         text, ids, lp = out.take(final=True)
         if out.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": ids,

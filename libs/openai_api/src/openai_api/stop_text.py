@@ -5,7 +5,8 @@ layer cuts its text with."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def find_stop(text: str, stop: tuple[str, ...], after: int = 0) -> int:
