@@ -5,6 +5,8 @@ One concept per module:
 - ``cli``                the parser and the dispatch of ``kvoffload COMMAND``; each group's code in
                          ``cli_bench`` (bench: run, JSON, verdict), ``cli_model`` (model init / fetch),
                          ``cli_trace`` (trace record / show), ``cli_plan`` (plan), ``cli_stack`` (up, demo).
+- ``plan_sizing``        ``kvoffload plan``'s report: a deployment sized from a config.json and each
+                         node's JSON (buffer plan, device and host bytes, config validation).
 - ``stack``              ``Stack`` / ``StackConfig``: the reference P/D stack on loopback, one process
                          per service; ``ports`` (free loopback ports), ``connector_configs`` (the
                          services' --kv-transfer-config / --additional-config JSON), ``stack_client``

@@ -9,7 +9,7 @@ import sys
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from dsamodel.config import ModelConfig
-    from dsamodel.sizing import Deployment, format_report, plan_report
+    from kvoffload.plan_sizing import Deployment, format_report, plan_report
 
     try:
         config = ModelConfig.from_json(args.model)

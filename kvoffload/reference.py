@@ -10,7 +10,7 @@ host pool, hot cache, native gather or sparse-offload decode (I2), no MTP drafts
 deterministic bug in any of those changes the stack's tokens, not these
 (``kvoffload/tests/test_reference.py``).
 
-``TimedEngine`` serves a benchmark's batch through ``dsamodel``'s ``Engine`` in this process and
+``TimedEngine`` serves a benchmark's batch through ``kvoffload_engine``'s ``Engine`` in this process and
 stamps every token (``kvoffload bench pd`` and ``load``).
 """
 
@@ -70,7 +70,7 @@ class TimedEngine:
 
     def __init__(self, model_dir: Path, *, block_size: int, max_model_len: int, max_num_seqs: int,
                  chunk_size: int) -> None:
-        from dsamodel.engine.engine import Engine, EngineConfig
+        from kvoffload_engine.engine import Engine, EngineConfig
         from dsamodel.weights import load_model
 
         self.eng = Engine(load_model(model_dir),

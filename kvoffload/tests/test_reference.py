@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from dsamodel import dense_decode
-from dsamodel.engine import decode as decode_module
-from dsamodel.engine import buffers, decode_requests, engine, prefill
-from dsamodel.engine.engine import Engine, EngineConfig
+from kvoffload_engine import decode as decode_module
+from kvoffload_engine import buffers, decode_requests, engine, prefill
+from kvoffload_engine.engine import Engine, EngineConfig
 from dsamodel.sampling import SamplingParams
 from dsamodel.weights import load_model
 from kvcore import gather, hotcache, localpool

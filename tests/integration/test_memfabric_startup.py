@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dsamodel.engine.layout import kv_layout
+from kvoffload_engine.layout import kv_layout
 from dsamodel.presets import tiny_model
 from kvcore.layout import dtype_name
 from kvoffload_proto.v1 import transfer_pb2 as pb

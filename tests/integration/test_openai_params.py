@@ -43,7 +43,7 @@ def client(stack):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     """run(prompt_ids, body, chat) -> (token ids, TokenLogprobs) of the single-process engine."""
-    from dsamodel.engine.engine import Engine, EngineConfig
+    from kvoffload_engine.engine import Engine, EngineConfig
     from dsamodel.weights import load_model
 
     model = load_model(model_dir)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsamodel.engine.layout import kv_layout
+from kvoffload_engine.layout import kv_layout
 from dsamodel.presets import write_tiny
 from dsamodel.tokenizer import ByteTokenizer
 from dsamodel.weights import load_model

@@ -21,8 +21,8 @@ from kvoffload_metastore.config import MetaStoreConfig
 from kvoffload_metastore.server import start
 from structlog.testing import capture_logs
 
-from dsamodel.engine import build
-from dsamodel.engine.prefill import PrefillRequest
+from kvoffload_engine import build
+from kvoffload_engine.prefill import PrefillRequest
 
 GEO = PoolGeometry(block_size=4, plane_row_bytes=(8, 16), num_blocks=4, plane_labels=((0, "main"), (0, "indexer")))
 K = [bytes([i]) * 16 for i in range(1, 12)]

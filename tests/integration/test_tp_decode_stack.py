@@ -47,7 +47,7 @@ def reference(model32):
 @pytest.fixture(scope="module")
 def one_row(model32):
     """Bytes of one token's row over every cache layer (main + indexer)."""
-    from dsamodel.engine.layout import kv_layout
+    from kvoffload_engine.layout import kv_layout
     from dsamodel.weights import load_model
 
     model = load_model(str(model32))

@@ -1,9 +1,14 @@
-"""The engine benchmarks run end to end with small parameters and report their fields."""
+"""The engine benchmarks run end to end with small parameters and report their fields; the decode
+bench reports its trace figures consistently."""
 
 import pytest
 import structlog
+from engine_support import hand_trace
 
 from dsamodel.bench import decode, prefill, prefix
+
+BS = 16
+K = 64  # the tiny preset's index_topk
 
 
 @pytest.fixture(autouse=True)
@@ -40,3 +45,52 @@ def test_decode_bench_fields():
     r = decode.run(batch=2, context=512, steps=4, topk_buffer_size=128, block_size=16, dtype="float32")
     assert r["logits_equal"]
     assert 0 < r["device_kv_ratio"] < 1 and 0 <= r["hit_rate"] <= 1 and r["h2d_bytes_per_step"] > 0
+
+
+def _check_floor(r, *, k, batch, layers, row_bytes):
+    assert (r["topk"], r["batch"], r["layers"], r["row_bytes"]) == (k, batch, layers, row_bytes)
+    floor = (1 - r["hit_rate"]) * k * row_bytes * layers * batch
+    assert r["h2d_floor_bytes_per_step"] == pytest.approx(floor, rel=1e-12)
+    assert r["h2d_floor_ratio"] == pytest.approx(r["h2d_bytes_per_step"] / r["h2d_floor_bytes_per_step"], rel=1e-12)
+    assert set(r["goals"]) == set(r["goals_met"]) == {"step_time_ratio", "device_kv_ratio", "h2d_floor_ratio"}
+    for name, goal in r["goals"].items():
+        assert r["goals_met"][name] == (r[name] <= goal)
+
+
+def test_decode_bench_on_a_synthetic_trace():
+    r = decode.run(trace="overlap90", trace_params={"k": K, "sinks": 4, "recent": 8, "heavy": 8}, batch=2,
+                   context=256, steps=3, block_size=BS, dtype="float32")
+    assert r["trace"] == "overlap90" and r["kv_source"] == "installed"
+    assert (r["context"], r["steps"], r["topk_buffer_size"]) == (256, 3, 2 * K)
+    assert r["logits_equal"] is True
+    assert 0 < r["hit_rate"] < 1 and r["h2d_bytes_per_step"] > 0
+    assert r["belady_hit_rate"] >= r["hit_rate"] - 1e-12  # the offline optimum is never beaten
+    assert r["goals"]["step_time_ratio"] == 1.10 and r["goals"]["h2d_floor_ratio"] == 1.02
+    _check_floor(r, k=K, batch=2, layers=4, row_bytes=208 * 4)
+    assert 0 < r["device_kv_ratio"] < 1 and r["sparse_step_s"] > 0 and r["keep_step_s"] > 0
+
+
+def test_decode_bench_on_a_recorded_style_trace():
+    """A trace with head groups: one engine request per (request, group), one layer per trace layer."""
+    tr = hand_trace(requests=1, groups=3, layers=2, context0=150, steps=3, k=32, new=4)
+    r = decode.run(trace=tr, steps=5, block_size=BS, dtype="float32")
+    assert r["trace"] == "hand" and r["steps"] == 2  # at most trace.steps - 1 timed steps
+    assert r["context"] == 150 and r["topk_buffer_size"] == 64 and r["logits_equal"] is True
+    _check_floor(r, k=32, batch=3, layers=2, row_bytes=208 * 4)
+    assert r["hit_rate"] == pytest.approx((32 - 4) / 32)  # 4 of 32 new per step, nothing evicted
+    assert r["h2d_bytes_per_step"] == 4 * 208 * 4 * 2 * 3
+    with pytest.raises(ValueError, match="not generated here"):
+        decode.run(trace=tr, context=100)
+
+
+def test_decode_bench_missing_recorded_trace(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVOFFLOAD_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="kvoffload trace record nosuch"):
+        decode.run(trace="nosuch", steps=2)
+
+
+def test_decode_bench_without_trace_reports_the_floor():
+    r = decode.run(batch=2, context=512, steps=3, topk_buffer_size=128, block_size=BS, dtype="float32")
+    assert r["trace"] is None and r["kv_source"] == "prefill" and r["logits_equal"] is True
+    assert r["goals"]["step_time_ratio"] == 1.25
+    _check_floor(r, k=K, batch=2, layers=4, row_bytes=208 * 4)

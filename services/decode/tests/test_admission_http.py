@@ -7,8 +7,8 @@ import asyncio
 
 import aiohttp
 from aiohttp import web
-from dsamodel.engine import build
-from dsamodel.engine.decode import SparseDecoder
+from kvoffload_engine import build
+from kvoffload_engine.decode import SparseDecoder
 from dsamodel.presets import tiny_model
 from dsamodel.tokenizer import ByteTokenizer
 

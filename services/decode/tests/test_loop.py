@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from dsamodel.engine import build
-from dsamodel.engine.decode import SparseDecoder
+from kvoffload_engine import build
+from kvoffload_engine.decode import SparseDecoder
 from dsamodel.presets import tiny_model
 from dsamodel.sampling import SamplingParams
 

@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from dsamodel.engine import build
-from dsamodel.engine.decode import SparseDecoder
-from dsamodel.engine.layout import kv_layout
+from kvoffload_engine import build
+from kvoffload_engine.decode import SparseDecoder
+from kvoffload_engine.layout import kv_layout
 from dsamodel.presets import tiny_model
 from dsamodel.sampling import SamplingParams
 from kvcore.layout import dtype_name

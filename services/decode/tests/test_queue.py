@@ -6,8 +6,8 @@ import threading
 
 import pytest
 import torch
-from dsamodel.engine import build
-from dsamodel.engine.decode import SparseDecoder
+from kvoffload_engine import build
+from kvoffload_engine.decode import SparseDecoder
 from dsamodel.presets import tiny_model
 from dsamodel.sampling import SamplingParams
 

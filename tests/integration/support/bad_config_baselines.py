@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from dsamodel.engine.layout import kv_layout
+from kvoffload_engine.layout import kv_layout
 from dsamodel.presets import tiny_config
 
 CONFIG = tiny_config(dtype="float32")  # 5 cache layers (4 + 1 MTP), index_topk 64, 4160 bytes/token

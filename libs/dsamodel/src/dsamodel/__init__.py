@@ -16,17 +16,17 @@ One concept per module:
                  per layer (no blocks, buffers, pools or hot cache): the stacks' test oracle.
 - ``weights``    HF-named safetensors load/save; ``tokenizer`` byte tokenizer; ``sampling``
                  greedy and seeded top-p; ``presets`` the tiny seeded test model.
-- ``indexcodec`` how indexer keys are stored in caches (``IndexCodec``: plain or fp8 + scales).
+- ``indexcodec`` how indexer keys are stored in caches (``indexer_cache_format``: the format a config's
+                 serving engine uses; ``IndexCodec``: plain or fp8 + scales).
 - ``tp``         tensor parallelism: one rank's shard of the weights and the reductions it needs.
 - ``openai``     OpenAI request bodies -> prompt token ids and sampling parameters;
                  ``openai_output`` sampled tokens -> completion / chat answers (JSON or SSE).
-- ``sizing``     ``kvoffload plan``: a deployment sized from a config.json and each node's JSON.
-- ``engine/``    the reference engine (layerwise prefill, sparse-offload decode) over kvcore.
 - ``bench/``     engine benchmarks of the tiny model (``kvoffload bench prefill|prefix|decode``).
 
 The model owns no cache: an engine keeps the latent KV rows (``Projection.kv``) and indexer rows
-(``Projection.index_k``) wherever it likes and hands them back in, gpt-fast style. The model's
-modules import no kvcore; ``engine/``, ``sizing`` and ``bench/`` do.
+(``Projection.index_k``) wherever it likes and hands them back in, gpt-fast style: the offload
+engine that does so over kvcore is ``kvoffload_engine``. The model's modules import neither;
+``bench/`` imports both.
 """
 
 from dsamodel.attention import gather_rows, indexer_topk, sparse_mla_attention

@@ -10,7 +10,7 @@ Unknown keys are ignored, so a real DeepSeek-V3.2 ``config.json`` loads as is. I
 - ``quantization_config`` (fp8 blocks) and the indexer's Hadamard rotation: weights stay in
   ``torch_dtype``, indexer scores are computed in float32. ``architectures`` is kept: a
   DeepseekV32ForCausalLM's indexer cache holds fp8 keys plus float32 scales, as the serving engines
-  store it (``dsamodel.sizing`` sizes it, ``dsamodel.indexcodec`` encodes it); otherwise indexer
+  store it (``dsamodel.indexcodec`` says how and encodes it); otherwise indexer
   keys are cached in ``torch_dtype``.
 
 Missing required keys and bad values raise ``ValueError`` naming the key.

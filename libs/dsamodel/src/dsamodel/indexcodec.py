@@ -1,7 +1,13 @@
-"""How indexer keys are stored in caches (``IndexCodec``).
+"""How indexer keys are stored in caches: the format (``indexer_cache_format``) and ``IndexCodec``.
+
+The format is the serving engine's, read from ``config.json`` alone: for ``DeepseekV32ForCausalLM``
+(``architectures``) the keys are float8_e4m3fn plus one float32 scale per 128-element block
+(DeepSeek-V3.2's indexer: 128 key bytes + 4 scale bytes per token at ``index_head_dim`` 128); for
+any other architecture, ``torch_dtype`` and no scale. ``kvoffload plan`` sizes the cache from it
+and reports it (``IndexerCacheFormat.describe``).
 
 Plain (most configs): rows of ``index_head_dim`` elements in the model dtype, stored as computed.
-fp8 (``sizing.indexer_cache_format`` says so: DeepSeek-V3.2's ``DeepseekV32ForCausalLM``, and the
+fp8 (``indexer_cache_format`` says so: DeepSeek-V3.2's ``DeepseekV32ForCausalLM``, and the
 tiny preset with ``fp8_indexer``): each key is scaled per 128-element block by ``amax / 448`` (the
 largest float8_e4m3fn value), cast to float8_e4m3fn, and stored as one uint8 row of
 ``index_head_dim`` key bytes followed by one float32 scale per block (132 bytes at
@@ -12,13 +18,52 @@ indexer scores ``decode(rows)`` (float32 for fp8), so all paths select from the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from dsamodel.config import ModelConfig
-from dsamodel.sizing import indexer_cache_format
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP8_INDEXER_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
+INDEX_SCALE_BLOCK = 128  # elements per float32 scale of an fp8 indexer key (DeepSeek-V3.2)
+
+
+@dataclass(frozen=True)
+class IndexerCacheFormat:
+    """How one token's indexer key is stored: ``dtype`` elements, plus ``scale_bytes`` of scales
+    (one float32 per ``scale_block`` elements; none when 0), and why (``source``)."""
+
+    dtype: torch.dtype
+    key_bytes: int
+    scale_bytes: int
+    scale_block: int | None
+    source: str
+
+    @property
+    def row_bytes(self) -> int:
+        return self.key_bytes + self.scale_bytes
+
+    def describe(self) -> dict[str, Any]:
+        return {"dtype": str(self.dtype).removeprefix("torch."), "key_bytes": self.key_bytes,
+                "scale_bytes": self.scale_bytes, "scale_dtype": "float32" if self.scale_bytes else None,
+                "scale_block": self.scale_block, "row_bytes": self.row_bytes, "source": self.source}
+
+
+def indexer_cache_format(config: ModelConfig) -> IndexerCacheFormat:
+    """The indexer cache format of ``config`` (module docstring)."""
+    fp8 = next((a for a in config.architectures if a in FP8_INDEXER_ARCHITECTURES), None)
+    if fp8 is not None:
+        blocks = -(-config.index_head_dim // INDEX_SCALE_BLOCK)
+        return IndexerCacheFormat(
+            torch.float8_e4m3fn, config.index_head_dim, 4 * blocks, INDEX_SCALE_BLOCK,
+            f"architectures {fp8}: the serving engines store its indexer keys as float8_e4m3fn with one "
+            f"float32 scale per {INDEX_SCALE_BLOCK}-element block")
+    return IndexerCacheFormat(
+        config.dtype, config.index_head_dim * config.dtype.itemsize, 0, None,
+        f"torch_dtype {config.torch_dtype} (architectures {list(config.architectures)}: no fp8 indexer cache)")
 
 
 class IndexCodec:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dsamodel.engine.decode import SparseDecoder
+from kvoffload_engine.decode import SparseDecoder
 from dsamodel.sampling import RequestSampler, SamplingParams
 
 from kvoffload_decode.request import DecodeRequest, Emit

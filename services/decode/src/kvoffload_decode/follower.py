@@ -20,9 +20,9 @@ import threading
 from dataclasses import dataclass
 
 import torch
-from dsamodel.engine.decode import SparseDecoder
 
 from kvoffload_decode.rows import RowInstaller
+from kvoffload_engine.decode import SparseDecoder
 
 
 @dataclass

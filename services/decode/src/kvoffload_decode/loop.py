@@ -27,7 +27,7 @@ single-process engine's). ``stats()`` counts the waits.
 
 Speculative decoding (``num_speculative_tokens`` 1, ``--speculative-config``): a greedy request
 whose PrefillDone carried the prefill's MTP draft starts with it, and every step verifies and
-redrafts (``dsamodel.engine.speculative``): one or two tokens per request and step, the same
+redrafts (``kvoffload_engine.speculative``): one or two tokens per request and step, the same
 greedy tokens as without it; ``stats()`` counts drafts and accepted drafts.
 """
 
@@ -37,9 +37,9 @@ import threading
 import time
 
 import structlog
-from dsamodel.engine.decode import SparseDecoder
-from dsamodel.engine.speculative import DraftStats, decode_step
-from dsamodel.engine.tp_decode import LeadDecoder
+from kvoffload_engine.decode import SparseDecoder
+from kvoffload_engine.speculative import DraftStats, decode_step
+from kvoffload_engine.tp_decode import LeadDecoder
 from svcruntime.ledger import Entry, Ledger
 
 from kvoffload_decode.admission import Admission, default_max_queued

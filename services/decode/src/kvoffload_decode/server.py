@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace, argv: list[str]) -> int:
-    from dsamodel.engine.layout import kv_layout
+    from kvoffload_engine.layout import kv_layout
     from dsamodel.tokenizer import ByteTokenizer
 
     tls = start_process(SERVICE, args, log_level=args.log_level, **FLAG_RULES)
@@ -86,7 +86,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
 def _load_model(args: argparse.Namespace):
     """The model, and the speculative tokens of ``--speculative-config`` (0: off); a config the model
     cannot run (no MTP layer) is a ConfigError."""
-    from dsamodel.engine.speculative import parse_speculative_config
+    from kvoffload_engine.speculative import parse_speculative_config
     from dsamodel.weights import load_model
 
     try:
@@ -103,8 +103,8 @@ def _load_model(args: argparse.Namespace):
 def _decoder(args: argparse.Namespace, model, settings, ranks, control_port: int):
     """This rank's host pool and the decoder over it: a ``SparseDecoder``, or with TP ranks, rank 0's
     ``LeadDecoder`` (the ranks are closed when the pool cannot be made)."""
-    from dsamodel.engine import build
-    from dsamodel.engine.decode import SparseDecoder
+    from kvoffload_engine import build
+    from kvoffload_engine.decode import SparseDecoder
 
     try:
         pool = build.decode_pool(model, args.block_size, settings.host_pool_bytes,

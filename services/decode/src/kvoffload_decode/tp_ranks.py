@@ -1,7 +1,7 @@
 """``--tensor-parallel-size N`` on the decode: its TP rank processes and their lifecycle.
 
 The service process is TP rank 0: it serves HTTP, the proxy registration and its own control port,
-runs the ``DecodeLoop`` over a ``LeadDecoder`` (``dsamodel.engine.tp_decode``: rank 0 decides every
+runs the ``DecodeLoop`` over a ``LeadDecoder`` (``kvoffload_engine.tp_decode``: rank 0 decides every
 admission, bind, step and free; the followers repeat them) and samples. ``TPRanks.start`` spawns
 ranks 1..N-1 (``python -m kvoffload_decode.tp_ranks --rank R --init I -- <rank 0's arguments>``,
 one process each; ``svcruntime.ranks``: a gloo group over a file rendezvous) and shards rank 0's
@@ -53,8 +53,8 @@ class TPRanks(LeadRanks):
 
     def lead(self, model, pool, **decoder_kw):
         """Rank 0's ``LeadDecoder``: every rank pulls its own rows (``send_rows`` off)."""
-        from dsamodel.engine.tp_channel import DistChannel
-        from dsamodel.engine.tp_decode import LeadDecoder
+        from kvoffload_engine.tp_channel import DistChannel
+        from kvoffload_engine.tp_decode import LeadDecoder
 
         self.decoder = LeadDecoder(model, pool, channel=DistChannel(), size=self.size, send_rows=False, **decoder_kw)
         self.watch()
@@ -73,9 +73,9 @@ class TPRanks(LeadRanks):
 def _follower_main(argv: list[str] | None = None) -> int:
     """One follower rank (module doc)."""
     import torch.distributed as dist
-    from dsamodel.engine import build
-    from dsamodel.engine.decode import SparseDecoder
-    from dsamodel.engine.layout import kv_layout
+    from kvoffload_engine import build
+    from kvoffload_engine.decode import SparseDecoder
+    from kvoffload_engine.layout import kv_layout
     from dsamodel.tp import DistGroup, shard_model
     from dsamodel.weights import load_model
     from svcruntime import tls as kvtls
@@ -121,8 +121,8 @@ def _parse_rank_args(argv: list[str] | None) -> tuple[argparse.Namespace, argpar
 def _follow(decoder, pool, layout, own: argparse.Namespace, args: argparse.Namespace, tls, control_port: int) -> int:
     """Serve this rank's control port (its pulls into ``decoder``) and follow rank 0 until it closes
     the group; returns the steps run."""
-    from dsamodel.engine.tp_channel import DistChannel
-    from dsamodel.engine.tp_decode import follow_decode
+    from kvoffload_engine.tp_channel import DistChannel
+    from kvoffload_engine.tp_decode import follow_decode
     from kvcore.segment import host_id
     from kvoffload_proto.v1 import transfer_pb2_grpc
     from svcruntime.serving import GrpcSide, StatsSnapshot

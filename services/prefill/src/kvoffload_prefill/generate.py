@@ -2,7 +2,7 @@
 alone" deployment: an ``AscendStoreConnector`` and no ``SfaRemoteD2HConnector``, so no decode node
 and no proxy).
 
-``GenerateLoop`` runs ``dsamodel``'s single-process ``Engine`` on one thread: layerwise prefill
+``GenerateLoop`` runs ``kvoffload_engine``'s single-process ``Engine`` on one thread: layerwise prefill
 over the shared layer buffers, saving to and loading the prefix cache from the node's host pool
 (any backend), then decode steps of up to ``max_num_seqs`` requests. HTTP handlers ``submit`` a
 request with an ``emit`` callback and get ``("token", id)`` as each is sampled, ``("done",
@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import structlog
-from dsamodel.engine.engine import Engine, Sequence
+from kvoffload_engine.engine import Engine, Sequence
 from dsamodel.sampling import RequestSampler, SamplingParams
 
 from kvoffload_prefill.prefix_cache import remove_unleased

@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from dsamodel.engine import build
-    from dsamodel.engine.layout import kv_layout
+    from kvoffload_engine import build
+    from kvoffload_engine.layout import kv_layout
     from dsamodel.tokenizer import ByteTokenizer
     from dsamodel.weights import load_model
 
@@ -76,7 +76,7 @@ def _serve_pd(args: argparse.Namespace, tls, model, tokenizer, settings: Prefill
               tag: str, memfabric: MemfabricTransfer | None) -> int:
     """A P/D prefill: layerwise prefill announcing every layer to the decodes a request names, which
     pull it through LayerSource (or memfabric); its TP ranks, when ``--tensor-parallel-size`` > 1."""
-    from dsamodel.engine import build
+    from kvoffload_engine import build
 
     ranks = _tp_ranks(args, model, pool)
     engine = build.prefill_engine(
@@ -121,8 +121,8 @@ def _serve_offload_only(args: argparse.Namespace, tls, model, tokenizer, setting
     """Offload-only mode: no decode pulls from this node; it serves complete requests itself
     (``generate.GenerateLoop``: layerwise prefill over the shared buffers and the host pool's
     prefix cache, then decode in this process), with gRPC Health + Stats and the same lifecycle."""
-    from dsamodel.engine import build
-    from dsamodel.engine.engine import Engine, EngineConfig
+    from kvoffload_engine import build
+    from kvoffload_engine.engine import Engine, EngineConfig
 
     blocks_per_seq = -(-args.max_model_len // args.block_size)
     block_bytes = build.decode_geometry(model, args.block_size, 1 << 30).block_bytes
@@ -214,10 +214,10 @@ def _tp_ranks(args: argparse.Namespace, model, pool):
 
 
 def _follower_buffers(ranks, engine, tag: str) -> list:
-    """Each follower creates its layer buffers (``dsamodel.engine.tp_prefill``: contributor
+    """Each follower creates its layer buffers (``kvoffload_engine.tp_prefill``: contributor
     buffers) and rank 0 attaches them, to name them in that rank's layout and serve them to
     decodes on other hosts. On failure everything started is stopped."""
-    from dsamodel.engine.buffers import LayerBuffers
+    from kvoffload_engine.buffers import LayerBuffers
     from kvcore.device import DeviceAllocator
 
     names = [f"kvoffload-prefill-buffers-{tag}-tp{r}" for r in range(1, ranks.size)]

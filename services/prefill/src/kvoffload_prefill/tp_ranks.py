@@ -1,7 +1,7 @@
 """``--tensor-parallel-size N``: the prefill's TP rank processes and their lifecycle.
 
 The service process is TP rank 0: it serves HTTP and gRPC, owns the pool and the layer buffers and
-runs the engine (``dsamodel.engine.tp_prefill``: rank 0 leads). ``TPRanks.start`` spawns ranks
+runs the engine (``kvoffload_engine.tp_prefill``: rank 0 leads). ``TPRanks.start`` spawns ranks
 1..N-1 (``python -m kvoffload_prefill.tp_ranks``, one process each, same model and dtype), joins
 them in a gloo group (``svcruntime.ranks``: a file rendezvous in a private directory; loopback TCP
 between them) and shards rank 0's model; each follower loads the model, keeps its shard and follows rank 0 until it
@@ -25,8 +25,8 @@ class TPRanks(LeadRanks):
     """Ranks 1..N-1 of one prefill (``svcruntime.ranks.RankProcesses``) and rank 0's ``Followers``."""
 
     def __init__(self, processes: RankProcesses) -> None:
-        from dsamodel.engine.tp_channel import DistChannel
-        from dsamodel.engine.tp_prefill import Followers
+        from kvoffload_engine.tp_channel import DistChannel
+        from kvoffload_engine.tp_prefill import Followers
 
         super().__init__(processes)
         self.followers = Followers(DistChannel(), processes.size)
@@ -62,8 +62,8 @@ def _follower_main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from svcruntime.logs import configure_logging
 
-    from dsamodel.engine.tp_channel import DistChannel
-    from dsamodel.engine.tp_prefill import follow
+    from kvoffload_engine.tp_channel import DistChannel
+    from kvoffload_engine.tp_prefill import follow
     from dsamodel.tp import DistGroup, shard_model
     from dsamodel.weights import load_model
 

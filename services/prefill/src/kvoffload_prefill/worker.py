@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import structlog
 import torch
-from dsamodel.engine.prefill import LayerwisePrefill, PrefillRequest
+from kvoffload_engine.prefill import LayerwisePrefill, PrefillRequest
 from dsamodel.sampling import RequestSampler, SamplingParams, TokenLogprob
 from kvcore.layout import dtype_name
 from kvcore.pdpair import contributor_share, tp_contributors

@@ -6,7 +6,7 @@ distinct suffixes, so the prefix cache keeps set-up short); their decode steps a
 
 **With a trace** (``trace=NAME``, ``kvoffload bench decode --trace NAME``): the same real
 ``SparseDecoder`` steps, but every layer's indexer top-k (the indexer still runs) is replaced by
-the trace's (``dsamodel.engine.trace_topk``), at the sizes the trace was made for:
+the trace's (``kvoffload_engine.trace_topk``), at the sizes the trace was made for:
 
 - a synthetic preset (``overlap80/90/95``) is generated for this run: ``requests`` = batch (8),
   ``layers`` = the model's cache layers (4), ``context0`` = context (32768), ``steps`` = steps + 1,
@@ -37,7 +37,7 @@ offline optimum for the same buffer and steps (``kvcore.belady``), the ceiling f
 ``logits_equal``: both engines' logits bit-identical at every step (I2).
 
 Miss prefetch (trace mode): a third decoder, the sparse one with ``miss_prefetch`` on
-(``dsamodel.engine.prefetch``), steps in the same rotation. ``prefetch`` reports the share of the
+(``kvoffload_engine.prefetch``), steps in the same rotation. ``prefetch`` reports the share of the
 misses that were already loaded when their layer needed them (``misses_loaded_early``), the rows
 it loaded per miss (``rows_loaded_per_miss``: the extra traffic of wrong predictions), the seconds
 per step spent loading misses on the critical path with and without it and the share of that time
@@ -54,12 +54,12 @@ import time
 import torch
 
 from dsamodel.bench import quiet_logs
-from dsamodel.engine import build
-from dsamodel.engine.decode import SparseDecoder, StepStats
-from dsamodel.engine.engine import Engine, EngineConfig
 from dsamodel.model import DSAModel
 from dsamodel.presets import init_weights, tiny_config, tiny_model
 from dsamodel.sampling import SamplingParams
+from kvoffload_engine import build
+from kvoffload_engine.decode import SparseDecoder, StepStats
+from kvoffload_engine.engine import Engine, EngineConfig
 
 GOAL_STEP_TIME_RATIO = 1.25
 GOAL_STEP_TIME_RATIO_TRACE = 1.10
@@ -134,7 +134,7 @@ def _run_prompts(*, batch, context, steps, topk_buffer_size, block_size, dtype, 
 
 def _run_trace(trace, *, batch, context, steps, topk_buffer_size, block_size, dtype, seed, trace_params) -> dict:
     """With a trace: two SparseDecoders with installed prompt KV replay the trace's top-k."""
-    from dsamodel.engine.trace_topk import TraceTopK
+    from kvoffload_engine.trace_topk import TraceTopK
 
     t0 = time.perf_counter()
     base = tiny_config(dtype="float32")

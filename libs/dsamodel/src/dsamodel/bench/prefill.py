@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 
 from dsamodel.bench import interleaved, quiet_logs
-from dsamodel.engine import build
-from dsamodel.engine.prefill import PrefillRequest
 from dsamodel.presets import tiny_model
+from kvoffload_engine import build
+from kvoffload_engine.prefill import PrefillRequest
 
 GOAL_TIME_RATIO = 1.10
 

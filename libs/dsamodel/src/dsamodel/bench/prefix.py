@@ -13,9 +13,9 @@ import time
 import torch
 
 from dsamodel.bench import quiet_logs
-from dsamodel.engine import build
-from dsamodel.engine.prefill import PrefillRequest
 from dsamodel.presets import tiny_model
+from kvoffload_engine import build
+from kvoffload_engine.prefill import PrefillRequest
 
 GOAL_TTFT_RATIO = 0.2
 

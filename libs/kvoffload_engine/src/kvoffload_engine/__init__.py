@@ -1,4 +1,5 @@
-"""The reference engine: layerwise prefill and sparse-offload decode of a DSA model through kvcore.
+"""kvoffload_engine: the offload engine: layerwise prefill and sparse-offload decode of a DSA model
+(``dsamodel``) through kvcore, what the prefill and decode services run.
 
 One concept per module:
 
@@ -19,8 +20,10 @@ One concept per module:
 - ``speculative``      MTP speculative decoding and ``--speculative-config``.
 - ``engine``           ``Engine``: single-process prefill -> decode, the reference for I3.
 - ``build``            host pools and the prefill engine from plain settings.
-- ``layout``           the kvcore ``KVLayout`` of a model config.
+- ``layout``           the kvcore ``KVLayout`` of a model config (``kvoffload plan`` sizes it too).
 - ``tp_channel``       the ordered broadcast channel of a tensor-parallel group.
 - ``tp_prefill``       tensor-parallel prefill: rank 0's ``Followers``, the others' ``follow``.
 - ``tp_decode``        tensor-parallel decode (``LeadDecoder``, ``follow_decode``).
 """
+
+__version__ = "0.1.0"

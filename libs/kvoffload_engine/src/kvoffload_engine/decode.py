@@ -16,14 +16,14 @@ request). The device keeps only the indexer cache and, per request and layer, a 
 
 **Miss prefetch** (``miss_prefetch=True``): while a layer runs, the rows the next layer is predicted
 to miss are gathered on a background thread; its misses found there skip the host-pool gather
-(``dsamodel.engine.prefetch``; results unchanged, I2). ``StepStats`` counts the rows loaded early,
+(``kvoffload_engine.prefetch``; results unchanged, I2). ``StepStats`` counts the rows loaded early,
 the misses they served, the loads dropped as late and the seconds the step spent loading misses on
 its critical path.
 
 **Top-k override** (benchmarks and tests): ``topk_override`` replaces the indexer's choice with a
-given one, e.g. a trace (``dsamodel.engine.topk_override`` says what it is given and must return).
+given one, e.g. a trace (``kvoffload_engine.topk_override`` says what it is given and must return).
 
-Admission, prompt install and the requests' bookkeeping are ``dsamodel.engine.decode_requests``'s
+Admission, prompt install and the requests' bookkeeping are ``kvoffload_engine.decode_requests``'s
 (``SparseDecoder`` is a ``DecodeRequests``); this module is the step.
 """
 
@@ -33,16 +33,16 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from dsamodel.attention import batched_indexer_topk, sparse_mla_attention
+from dsamodel.model import DSAModel
 from kvcore.device import DeviceAllocator
 from kvcore.gather import gather_rows, scatter_rows
 from kvcore.hostpool import HostPoolBackend
 from kvcore.hotcache import HotCache
-
-from dsamodel.attention import batched_indexer_topk, sparse_mla_attention
-from dsamodel.engine.decode_requests import DecodeRequests, DecodeSeq, as_row_bytes
-from dsamodel.engine.prefetch import MissPrefetcher
-from dsamodel.engine.topk_override import TopkOverride, overridden_topk
-from dsamodel.model import DSAModel
+from kvoffload_engine.decode_requests import DecodeRequests, DecodeSeq, as_row_bytes
+from kvoffload_engine.prefetch import MissPrefetcher
+from kvoffload_engine.topk_override import TopkOverride, overridden_topk
 
 
 @dataclass
@@ -124,7 +124,7 @@ class SparseDecoder(DecodeRequests):
         self.seqs: dict[str, DecodeSeq] = {}
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.last_step = StepStats()
-        self.topk_override = topk_override  # dsamodel.engine.topk_override: replaces the indexer's choice
+        self.topk_override = topk_override  # kvoffload_engine.topk_override: replaces the indexer's choice
 
     # ---- one step -----------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """Tensor-parallel sparse decode over gloo rank processes: rank 0 leads (``LeadDecoder``), the other
-ranks repeat every state change and step on their own pool and shard (``dsamodel.engine.tp_decode``).
+ranks repeat every state change and step on their own pool and shard (``kvoffload_engine.tp_decode``).
 
 Rank 0 runs the single-process engine with its decoder swapped for the leader over a sharded copy
 of the model; the prompt's rows it installs go to the followers along. Against the one-rank engine
@@ -19,12 +19,12 @@ import torch
 import torch.multiprocessing as mp
 from engine_support import decode_pool, seeded_prompt, tiny
 
-from dsamodel.engine.decode import SparseDecoder
-from dsamodel.engine.engine import Engine, EngineConfig
-from dsamodel.engine.tp_channel import DistChannel
-from dsamodel.engine.tp_decode import LeadDecoder, follow_decode
-from dsamodel.sampling import SamplingParams
 from dsamodel.tp import DistGroup, shard_model
+from kvoffload_engine.decode import SparseDecoder
+from kvoffload_engine.engine import Engine, EngineConfig
+from kvoffload_engine.tp_channel import DistChannel
+from kvoffload_engine.tp_decode import LeadDecoder, follow_decode
+from openai_api.sampling_params import SamplingParams
 
 BS = 16
 DECODER = dict(topk_buffer_size=64, max_num_seqs=3, max_model_len=1024)  # 64 == index_topk: it misses

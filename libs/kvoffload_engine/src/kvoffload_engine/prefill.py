@@ -9,9 +9,9 @@ For each chunk, every cache layer (base layers, then MTP layers) runs the design
     announce the layer to its readers    # remote decode endpoints (P/D); none in one process
 
 A loader thread acquires slots and loads prefixes up to ``prefetch_layers`` layers ahead of the
-compute (``dsamodel.engine.prefill_loader``), and a saver thread writes finished layers to the host
+compute (``kvoffload_engine.prefill_loader``), and a saver thread writes finished layers to the host
 pool, so transfers overlap compute (torch ops release the GIL). Which pool object holds each block
-(the prefix cache, request-scoped tails) is ``dsamodel.engine.prefill_blocks``'s. Every failure
+(the prefix cache, request-scoped tails) is ``kvoffload_engine.prefill_blocks``'s. Every failure
 settles the tickets it leaves behind, so no slot stays held (I4, I6).
 
 A cached prefix whose objects turn out unreachable (``ObjectUnreachable``: listed by a distributed
@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 import torch
+
+from dsamodel.model import DecoderLayer, DSAModel
 from kvcore.blockkeys import block_keys
 from kvcore.device import DeviceAllocator
 from kvcore.gates import GateSet
@@ -38,15 +40,13 @@ from kvcore.hostpool import HostPoolBackend, ObjectUnreachable
 from kvcore.leases import Lease
 from kvcore.plan import BufferPlan
 from kvcore.slottickets import SlotTicket
-
-from dsamodel.engine.buffers import LayerBuffers
-from dsamodel.engine.chunk_attention import attend
-from dsamodel.engine.prefill_blocks import Chunk, PromptBlocks
-from dsamodel.engine.prefill_loader import SlotLoader, fail_ticket
-from dsamodel.model import DSAModel, DecoderLayer
+from kvoffload_engine.buffers import LayerBuffers
+from kvoffload_engine.chunk_attention import attend
+from kvoffload_engine.prefill_blocks import Chunk, PromptBlocks
+from kvoffload_engine.prefill_loader import SlotLoader, fail_ticket
 
 if TYPE_CHECKING:
-    from dsamodel.engine.tp_prefill import Followers
+    from kvoffload_engine.tp_prefill import Followers
 
 log = structlog.get_logger(__name__)
 
@@ -134,7 +134,7 @@ class LayerwisePrefill:
                                     segment_name=buffer_segment)
         self.gates = GateSet(plan.layer_to_slot, default_timeout_s=gate_timeout_s)
         self.announce = announce
-        self.followers = followers  # TP ranks 1..N-1 (dsamodel.engine.tp_prefill); None: one rank
+        self.followers = followers  # TP ranks 1..N-1 (kvoffload_engine.tp_prefill); None: one rank
         self._planes = [(self._plane(i, "main"), self._plane(i, "indexer")) for i in range(layout.num_layers)]
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kv-save")
         self._lock = threading.Lock()  # one request at a time through the buffers
@@ -293,7 +293,7 @@ class LayerwisePrefill:
                 if idx_plane is not None:
                     srcs[idx_plane] = self.buffers.blocks(self.buffers.indexer(layer))[blocks].cpu()  # [n, bs, Di]
                 self.pool.put_planes_from(chunk.save_keys, srcs)  # one round trip for both (remote pools)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - the ticket carries it: the prefill raises it where it waits
             log.error("prefill_save_failed", layer=layer, error=str(exc))
             self._save_errors.append(exc)
             ticket.save_failed(exc)

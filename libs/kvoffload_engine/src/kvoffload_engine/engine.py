@@ -12,15 +12,16 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+
+from dsamodel.model import DSAModel
+from dsamodel.sampling import RequestSampler
 from kvcore.device import DeviceAllocator
 from kvcore.hostpool import HostPoolBackend
-
-from dsamodel.engine import build
-from dsamodel.engine.decode import SparseDecoder
-from dsamodel.engine.prefill import PrefillRequest, PrefillResult
-from dsamodel.engine.speculative import DraftStats, decode_step, greedy_draft
-from dsamodel.model import DSAModel
-from dsamodel.sampling import RequestSampler, SamplingParams
+from kvoffload_engine import build
+from kvoffload_engine.decode import SparseDecoder
+from kvoffload_engine.prefill import PrefillRequest, PrefillResult
+from kvoffload_engine.speculative import DraftStats, decode_step, greedy_draft
+from openai_api.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class EngineConfig:
     topk_buffer_size: int = 128
     keep_device_kv_cache: bool = False
     hot_cache_policy: str = "lru"  # kvcore.hotcache.POLICIES
-    miss_prefetch: bool = False  # dsamodel.engine.prefetch
+    miss_prefetch: bool = False  # kvoffload_engine.prefetch
     prefill_pool_bytes: int = 256 << 20
     decode_pool_bytes: int = 256 << 20
     model_id: str = "model"
@@ -161,7 +162,7 @@ class Engine:
         self._draft.pop(seq.request_id, None)
 
     def _decode_step(self) -> None:
-        """One decode step (``dsamodel.engine.speculative``): a request with a draft verifies it
+        """One decode step (``kvoffload_engine.speculative``): a request with a draft verifies it
         (greedy) and drafts the next one."""
         seqs = {s.request_id: s for s in self.running}
         decode_step(self.decoder, [(s.request_id, s.sampler) for s in self.running], self._next_input, self._draft,

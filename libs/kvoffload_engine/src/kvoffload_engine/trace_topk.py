@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+
 from kvcore.traces import Trace
 
 

@@ -14,8 +14,7 @@ from concurrent.futures import Future
 
 from kvcore.gates import GateSet
 from kvcore.slottickets import SlotTicket
-
-from dsamodel.engine.buffers import LayerBuffers
+from kvoffload_engine.buffers import LayerBuffers
 
 
 def fail_ticket(ticket: SlotTicket, exc: BaseException, *, compute: bool, save: bool, reads: bool) -> None:
@@ -51,12 +50,12 @@ class SlotLoader:
                 continue
             try:
                 ticket = self.gates.acquire(layer, self.readers, owner=self.owner)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - raised where the compute waits on this layer's future
                 fut.set_exception(exc)
                 continue
             try:
                 self.load(ticket)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - raised where the compute waits on this layer's future
                 self.buffers.forget(layer)
                 fail_ticket(ticket, exc, compute=True, save=True, reads=True)
                 fut.set_exception(exc)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from engine_support import prefill_engine, prefill_pool, saved_bytes, seeded_prompt, tiny
 
-from dsamodel.engine.prefill import PrefillRequest
 from dsamodel.reference import forward_dense
+from kvoffload_engine.prefill import PrefillRequest
 
 BS = 4
 LONG = 41 * BS + 3  # >= 40 blocks, with a partial tail
@@ -125,7 +125,7 @@ def test_a_cancelled_request_stops_between_layers_and_leaves_nothing_held():
     """``PrefillRequest.cancelled`` (its reader went away) ends the request before the next layer:
     PrefillError naming the layer and why; no slot, lease or request object stays behind, and the
     engine serves the next request exactly as before."""
-    from dsamodel.engine.prefill import PrefillError
+    from kvoffload_engine.prefill import PrefillError
 
     model = tiny(torch.float32, True)
     pool = prefill_pool(model, BS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kvcore.device import DeviceAllocator
 from kvcore.plan import BufferPlan
 from kvcore.poolgeometry import PoolGeometry

@@ -1,5 +1,5 @@
 """Tensor-parallel prefill over gloo rank processes: rank 0 runs the engine (pool, buffers, first
-token), the other ranks follow it layer by layer (``dsamodel.engine.tp_prefill``). Against the
+token), the other ranks follow it layer by layer (``kvoffload_engine.tp_prefill``). Against the
 one-rank engine in float32 (a TP size sums its partials in another order: equal to rounding, not
 bits): the same first tokens, MTP drafts, prefix-cache hits and logits to 1e-4, over chunked
 prompts, a prefix hit, a request its decode gave up in the middle (the followers drop that chunk
@@ -15,10 +15,10 @@ import torch
 import torch.multiprocessing as mp
 from engine_support import prefill_engine, prefill_pool, seeded_prompt, tiny
 
-from dsamodel.engine.prefill import PrefillError, PrefillRequest
-from dsamodel.engine.tp_channel import DistChannel
-from dsamodel.engine.tp_prefill import Followers, follow
 from dsamodel.tp import DistGroup, shard_model
+from kvoffload_engine.prefill import PrefillError, PrefillRequest
+from kvoffload_engine.tp_channel import DistChannel
+from kvoffload_engine.tp_prefill import Followers, follow
 
 BS = 4
 CHUNK = 3 * BS + 1
@@ -36,7 +36,7 @@ def _scenario(model, followers=None) -> list:
         for rid in ("a", "a2", "b", "c"):
             prompt = PROMPTS[rid[0]]
             calls = itertools.count()
-            gone = (lambda: "the decode went away" if next(calls) >= 6 else "") if rid == "b" else None
+            gone = (lambda c=calls: "the decode went away" if next(c) >= 6 else "") if rid == "b" else None
             try:
                 res = eng.run(PrefillRequest(rid, prompt, cancelled=gone))
             except PrefillError as exc:
@@ -169,6 +169,7 @@ def test_a_follower_that_dies_fails_the_request_and_leaves_nothing_held(tmp_path
 
 def _contributor_rank(rank: int, size: int, init: str, names: list[str], out: dict) -> None:
     import torch.distributed as dist
+
     from kvcore.segment import SharedSegment
 
     torch.set_num_threads(1)
@@ -188,7 +189,7 @@ def _contributor_rank(rank: int, size: int, init: str, names: list[str], out: di
 
         def announce(ticket, req, start, end):  # every follower's rows are in place when rank 0 announces
             nonlocal unequal
-            for (slot, kind), p in eng.buffers.plane_of.items():
+            for (slot, _kind), p in eng.buffers.plane_of.items():
                 if slot != eng.plan.slot_of(ticket.layer):
                     continue
                 row_bytes = eng.buffers.segment.plane(p).shape[-1]

@@ -1,43 +1,21 @@
 """Decode on a top-k trace: the override drives the hot cache, I2 still holds, mapping errors are
-clear, and the decode bench reports its trace figures consistently."""
+clear. (The decode bench on a trace: libs/dsamodel/tests/test_bench.py.)"""
 
 from __future__ import annotations
 
 import threading
 
 import pytest
-import structlog
 import torch
-from engine_support import decode_pool, tiny
-from kvcore.traces import SyntheticParams, Trace, generate
+from engine_support import decode_pool, hand_trace, tiny
 
-import dsamodel.engine.decode as decode_mod
-from dsamodel.bench import decode as decode_bench
-from dsamodel.engine.decode import SparseDecoder
-from dsamodel.engine.trace_topk import TraceTopK
+import kvoffload_engine.decode as decode_mod
+from kvcore.traces import SyntheticParams, Trace, generate
+from kvoffload_engine.decode import SparseDecoder
+from kvoffload_engine.trace_topk import TraceTopK
 
 BS = 16
 K = 64  # the tiny preset's index_topk
-
-
-def _hand_trace(*, requests=2, groups=1, layers=4, context0=201, steps=4, k=K, new=16, seed=0) -> Trace:
-    """Per stream: k random positions at step 0, then each step ``new`` of them swapped for positions
-    never selected before (so step t shares exactly k - new with step t - 1, and every new one misses)."""
-    gen = torch.Generator().manual_seed(seed)
-    keys = [(r, g, layer) for r in range(requests) for g in range(groups) for layer in range(layers)]
-    out = torch.empty(len(keys), steps, k, dtype=torch.int32)
-    for s in range(len(keys)):
-        cur = torch.randperm(context0, generator=gen)[:k]
-        fresh = torch.ones(context0 + steps, dtype=torch.bool)  # never selected yet
-        for t in range(steps):
-            if t:
-                keep = cur[torch.randperm(k, generator=gen)[: k - new]]
-                free = fresh[: context0 + t].nonzero().flatten()
-                cur = torch.cat((keep, free[torch.randperm(free.numel(), generator=gen)[:new]]))
-            fresh[cur] = False
-            out[s, t] = cur.sort().values.to(torch.int32)
-    col = lambda i: torch.tensor([key[i] for key in keys], dtype=torch.int32)  # noqa: E731
-    return Trace("hand", out, torch.full((len(keys),), context0, dtype=torch.int64), col(2), col(0), col(1))
 
 
 def _decoders(model, keeps, *, override=None, topk_buffer_size=K, max_num_seqs=2, max_model_len=512):
@@ -74,7 +52,7 @@ def _close(pools):
 def test_override_drives_the_hot_cache(monkeypatch):
     """The hot cache holds, misses and hits exactly what the trace selects; the indexer still runs."""
     model = tiny(torch.float32, False)
-    trace = _hand_trace()
+    trace = hand_trace()
     ids = ["a", "b"]
     override = TraceTopK(trace, ids, num_layers=4)
     calls, indexer_calls = [], []
@@ -128,7 +106,7 @@ def test_i2_holds_on_a_trace(dtype):
         _install([sparse, keep, keep_plain], model, ids, 255)
         tokens = torch.tensor([3, 7])
         differs = 0
-        for t in range(5):
+        for _ in range(5):
             ls, lk, lp = (d.step(ids, tokens) for d in (sparse, keep, keep_plain))
             assert torch.equal(ls, lk)
             differs += not torch.equal(lk, lp)
@@ -180,7 +158,7 @@ def test_miss_prefetch_changes_where_rows_come_from_never_results():
     a draft step (prefetch off inside it): logits bit-identical to the prefetch-off decoder and to
     keep_device_kv_cache throughout."""
     model = tiny(torch.float32, False)  # 4 cache layers
-    trace = _hand_trace(requests=2, layers=1, context0=301, steps=6, new=12, seed=1)
+    trace = hand_trace(requests=2, layers=1, context0=301, steps=6, new=12, seed=1)
     ids = ["a", "b"]
     override = TraceTopK(trace, ids, num_layers=4, layers=[0, 0, 0, 0])  # every layer: the same selection
     pools = [decode_pool(model, BS) for _ in range(3)]
@@ -227,7 +205,7 @@ def test_a_late_prefetch_is_dropped_never_waited_for():
     """The critical path does not wait (wait_s 0): a load still queued when its layer resolves is
     dropped and counted; the rows then come from the host pool and the logits are unchanged."""
     model = tiny(torch.float32, False)
-    trace = _hand_trace(requests=1, layers=1, context0=301, steps=4, new=12, seed=2)
+    trace = hand_trace(requests=1, layers=1, context0=301, steps=4, new=12, seed=2)
     override = TraceTopK(trace, ["a"], num_layers=4, layers=[0, 0, 0, 0])
     pools = [decode_pool(model, BS) for _ in range(2)]
     on, off = (SparseDecoder(model, p, topk_buffer_size=K, max_num_seqs=1, max_model_len=512, topk_override=override,
@@ -249,7 +227,7 @@ def test_a_late_prefetch_is_dropped_never_waited_for():
 
 
 def test_mapping_errors():
-    trace = _hand_trace(requests=2, groups=2, layers=3, context0=201, steps=2)
+    trace = hand_trace(requests=2, groups=2, layers=3, context0=201, steps=2)
     with pytest.raises(ValueError, match=r"4 \(request, group\) stream pairs; the engine needs one per request: 5"):
         TraceTopK(trace, ["a", "b", "c", "d", "e"], num_layers=3)
     with pytest.raises(ValueError, match=r"has 3 layers \(0\.\.2\); the model's 4 cache layers need "
@@ -297,68 +275,9 @@ def test_decoder_checks_what_the_override_returns():
             with pytest.raises(ValueError, match=msgs[name]):
                 dec.forward(ids, [[1], [2]])
         # the end of a trace is an error through the decoder too, not a silent fallback to the indexer
-        dec.topk_override = TraceTopK(_hand_trace(context0=101, steps=1), ids, num_layers=4)
+        dec.topk_override = TraceTopK(hand_trace(context0=101, steps=1), ids, num_layers=4)
         dec.step(ids, torch.tensor([1, 2]))
         with pytest.raises(ValueError, match="too few steps"):
             dec.step(ids, torch.tensor([1, 2]))
     finally:
         _close(pools)
-
-
-@pytest.fixture
-def _restore_logging():
-    yield
-    structlog.reset_defaults()  # the benches silence info logs process-wide
-
-
-def _check_floor(r, *, k, batch, layers, row_bytes):
-    assert (r["topk"], r["batch"], r["layers"], r["row_bytes"]) == (k, batch, layers, row_bytes)
-    floor = (1 - r["hit_rate"]) * k * row_bytes * layers * batch
-    assert r["h2d_floor_bytes_per_step"] == pytest.approx(floor, rel=1e-12)
-    assert r["h2d_floor_ratio"] == pytest.approx(r["h2d_bytes_per_step"] / r["h2d_floor_bytes_per_step"], rel=1e-12)
-    assert set(r["goals"]) == set(r["goals_met"]) == {"step_time_ratio", "device_kv_ratio", "h2d_floor_ratio"}
-    for name, goal in r["goals"].items():
-        assert r["goals_met"][name] == (r[name] <= goal)
-
-
-@pytest.mark.usefixtures("_restore_logging")
-def test_decode_bench_on_a_synthetic_trace():
-    r = decode_bench.run(trace="overlap90", trace_params={"k": K, "sinks": 4, "recent": 8, "heavy": 8}, batch=2,
-                         context=256, steps=3, block_size=BS, dtype="float32")
-    assert r["trace"] == "overlap90" and r["kv_source"] == "installed"
-    assert (r["context"], r["steps"], r["topk_buffer_size"]) == (256, 3, 2 * K)
-    assert r["logits_equal"] is True
-    assert 0 < r["hit_rate"] < 1 and r["h2d_bytes_per_step"] > 0
-    assert r["belady_hit_rate"] >= r["hit_rate"] - 1e-12  # the offline optimum is never beaten
-    assert r["goals"]["step_time_ratio"] == 1.10 and r["goals"]["h2d_floor_ratio"] == 1.02
-    _check_floor(r, k=K, batch=2, layers=4, row_bytes=208 * 4)
-    assert 0 < r["device_kv_ratio"] < 1 and r["sparse_step_s"] > 0 and r["keep_step_s"] > 0
-
-
-@pytest.mark.usefixtures("_restore_logging")
-def test_decode_bench_on_a_recorded_style_trace():
-    """A trace with head groups: one engine request per (request, group), one layer per trace layer."""
-    tr = _hand_trace(requests=1, groups=3, layers=2, context0=150, steps=3, k=32, new=4)
-    r = decode_bench.run(trace=tr, steps=5, block_size=BS, dtype="float32")
-    assert r["trace"] == "hand" and r["steps"] == 2  # at most trace.steps - 1 timed steps
-    assert r["context"] == 150 and r["topk_buffer_size"] == 64 and r["logits_equal"] is True
-    _check_floor(r, k=32, batch=3, layers=2, row_bytes=208 * 4)
-    assert r["hit_rate"] == pytest.approx((32 - 4) / 32)  # 4 of 32 new per step, nothing evicted
-    assert r["h2d_bytes_per_step"] == 4 * 208 * 4 * 2 * 3
-    with pytest.raises(ValueError, match="not generated here"):
-        decode_bench.run(trace=tr, context=100)
-
-
-@pytest.mark.usefixtures("_restore_logging")
-def test_decode_bench_missing_recorded_trace(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVOFFLOAD_HOME", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="kvoffload trace record nosuch"):
-        decode_bench.run(trace="nosuch", steps=2)
-
-
-@pytest.mark.usefixtures("_restore_logging")
-def test_decode_bench_without_trace_reports_the_floor():
-    r = decode_bench.run(batch=2, context=512, steps=3, topk_buffer_size=128, block_size=BS, dtype="float32")
-    assert r["trace"] is None and r["kv_source"] == "prefill" and r["logits_equal"] is True
-    assert r["goals"]["step_time_ratio"] == 1.25
-    _check_floor(r, k=K, batch=2, layers=4, row_bytes=208 * 4)

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from kvcore.blockkeys import request_block_key
 from kvcore.gather import scatter_rows
 from kvcore.hostpool import HostPoolBackend
 from kvcore.hotcache import HotCache
-
-from dsamodel.engine.prefetch import MissPrefetcher
+from kvoffload_engine.prefetch import MissPrefetcher
 
 
 @dataclass

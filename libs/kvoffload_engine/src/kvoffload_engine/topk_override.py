@@ -2,7 +2,7 @@
 
 ``SparseDecoder``'s ``topk_override`` (constructor keyword, or the attribute of the same name, set
 or cleared between steps; benchmarks and tests) replaces the indexer's choice with a given one,
-e.g. a recorded or synthetic trace (``dsamodel.engine.trace_topk``). In every layer the indexer
+e.g. a recorded or synthetic trace (``kvoffload_engine.trace_topk``). In every layer the indexer
 still runs (a step costs what a real decode step costs), then::
 
     topk = topk_override(layer, request_ids, positions)   # -> [N, k], k = index_topk

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from kvcore.layout import KVLayout
 
 from dsamodel.config import ModelConfig
-from dsamodel.sizing import indexer_cache_format
+from dsamodel.indexcodec import indexer_cache_format
+from kvcore.layout import KVLayout
 
 
 def kv_layout(config: ModelConfig, block_size: int, dtype: torch.dtype | None = None) -> KVLayout:

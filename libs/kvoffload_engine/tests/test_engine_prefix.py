@@ -6,9 +6,9 @@ import pytest
 import torch
 from engine_support import prefill_engine, prefill_pool, seeded_prompt, tiny
 
-from dsamodel.engine.build import prefill_geometry
-from dsamodel.engine.prefill import PrefillRequest
 from dsamodel.reference import forward_dense
+from kvoffload_engine.build import prefill_geometry
+from kvoffload_engine.prefill import PrefillRequest
 
 BS = 16
 CHUNK = 256
@@ -94,7 +94,8 @@ def test_a_hash_block_another_writer_is_filling_is_computed_into_a_copy_of_our_o
         res = eng.run(PrefillRequest("r1", prompt))
         copies = [b for b, k in enumerate(res.keys) if is_request_key(k)]
         assert copies == [2, 5, 12]  # 12: the partial tail block (200 = 12 * 16 + 8)
-        assert [k for b, k in enumerate(res.keys) if b not in copies] == [h for b, h in enumerate(hashes) if b not in copies]
+        assert [k for b, k in enumerate(res.keys) if b not in copies] == [
+            h for b, h in enumerate(hashes) if b not in copies]
         torch.testing.assert_close(res.logits, forward_dense(model, prompt)[-1], rtol=1e-4, atol=1e-4)
         eng.release(res)
         assert pool.exists(hashes) == [b not in (2, 5) for b in range(len(hashes))]
@@ -178,8 +179,9 @@ class _DeadOwnerPool:
 def test_an_unreachable_prefix_is_computed_again_in_the_same_request():
     """The cached prefix's owner is gone (its objects listed, their bytes not): the request does not
     fail, it runs again without that prefix, logs why, and its logits are the uncached ones."""
-    from kvcore.blockkeys import block_keys
     from structlog.testing import capture_logs
+
+    from kvcore.blockkeys import block_keys
 
     model = tiny(torch.float32, True)
     shared = seeded_prompt(300, 51)

@@ -46,9 +46,9 @@ from typing import Any
 import structlog
 import torch
 
-from dsamodel.engine.decode import SparseDecoder
-from dsamodel.engine.decode_requests import DecodeSeq
-from dsamodel.engine.tp_channel import Channel, TPGroupBroken, tensor_dtype, tensor_spec
+from kvoffload_engine.decode import SparseDecoder
+from kvoffload_engine.decode_requests import DecodeSeq
+from kvoffload_engine.tp_channel import Channel, TPGroupBroken, tensor_dtype, tensor_spec
 
 log = structlog.get_logger(__name__)
 
@@ -163,7 +163,7 @@ class LeadDecoder(SparseDecoder):
                     next_tokens: list[list[int]]) -> torch.Tensor:
         self.check()
         for r in request_ids:
-            self.seqs[r]  # noqa: B018 - an unknown request raises KeyError here, before anything is sent
+            self.seqs[r]  # an unknown request raises KeyError here, before anything is sent
         op = ("mtp", list(request_ids), [list(map(int, p)) for p in positions],
               [list(map(int, t)) for t in next_tokens], tensor_spec(h_prev))
         with self._computing(op, h_prev):

@@ -5,15 +5,14 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 
+from dsamodel.model import DSAModel
 from kvcore.eviction import LRUEviction, NoEviction
 from kvcore.hostpool import HostPoolBackend
 from kvcore.localpool import LocalHostPool
 from kvcore.plan import BufferPlan
 from kvcore.poolgeometry import PoolGeometry
-
-from dsamodel.engine.layout import kv_layout
-from dsamodel.engine.prefill import LayerwisePrefill
-from dsamodel.model import DSAModel
+from kvoffload_engine.layout import kv_layout
+from kvoffload_engine.prefill import LayerwisePrefill
 
 
 def _name(prefix: str, name: str | None) -> str:

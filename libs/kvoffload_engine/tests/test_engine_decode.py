@@ -6,9 +6,9 @@ import pytest
 import torch
 from engine_support import seeded_prompt, tiny
 
-from dsamodel.engine.engine import Engine, EngineConfig
 from dsamodel.reference import generate_dense
-from dsamodel.sampling import SamplingParams
+from kvoffload_engine.engine import Engine, EngineConfig
+from openai_api.sampling_params import SamplingParams
 
 BS = 16
 
@@ -191,7 +191,7 @@ def test_prompt_rows_land_where_the_block_table_says(start, n):
     """Whole blocks are copied in runs, ragged edges row by row: same bytes as row-by-row scatter."""
     from engine_support import decode_pool
 
-    from dsamodel.engine.decode import SparseDecoder
+    from kvoffload_engine.decode import SparseDecoder
 
     model = tiny(torch.float32, True)
     pool = decode_pool(model, BS)
@@ -216,7 +216,7 @@ def test_a_cancelled_request_frees_its_state_and_changes_no_other_result():
     """``Engine.cancel`` of a waiting and of a running request: the others' tokens equal a run
     without them, and nothing of the cancelled ones is left (decode state, decode pool blocks).
     The engine also runs over a prefill pool it was given, which it leaves open on close."""
-    from dsamodel.engine import build
+    from kvoffload_engine import build
 
     model = tiny(torch.float32, True)
     cfg = EngineConfig(block_size=BS, max_model_len=1024, max_num_seqs=2, chunk_size=128, buffers=2,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dsamodel.config import ModelConfig
-from dsamodel.sizing import Deployment, format_report, plan_report
+from kvoffload.plan_sizing import Deployment, format_report, plan_report
 
 DSV32 = {
     "architectures": ["DeepseekV32ForCausalLM"], "hidden_size": 7168, "num_hidden_layers": 61,
@@ -42,7 +42,8 @@ def test_guide_configs_on_deepseek_v32():
     assert r["valid"] and r["errors"] == []
     p, d = r["prefill"], r["decode"]
     assert p["num_logical_layers"] == 62 and p["num_buffers"] == 4
-    assert p["log_line"] == "Layerwise KV cache reuse merged 124 descriptors into 8 descriptors using 4 buffer assignments."
+    assert p["log_line"] == (
+        "Layerwise KV cache reuse merged 124 descriptors into 8 descriptors using 4 buffer assignments.")
     tokens = 8 * 131072
     index = 128 + 4  # DeepseekV32ForCausalLM: 128 fp8 key bytes + one float32 scale per 128 elements
     per_layer = tokens * (576 * 2 + index)
@@ -71,7 +72,8 @@ def test_the_indexer_is_sized_as_fp8_plus_scale_and_says_why():
 
 @pytest.mark.parametrize("kw, fragment", [
     (dict(prefill_additional_config=SPARSE), "never enable sparse_kv_offload_config on prefill"),
-    (dict(decode_additional_config=json.dumps({"sparse_kv_offload_config": {"enabled": True, "topk_buffer_size": 1024}})),
+    (dict(decode_additional_config=json.dumps(
+        {"sparse_kv_offload_config": {"enabled": True, "topk_buffer_size": 1024}})),
      "topk_buffer_size"),
     (dict(max_model_len=1 << 20), "dram_size_per_dp_GB"),
     (dict(prefill_tp=2, decode_tp=4), "prefill TP"),

@@ -5,11 +5,10 @@ decode configs are validated exactly as the services would (Ascend backend names
 here: sizing is not running), and the report gives, per side, the layer -> slot table, the plan's
 log line, device bytes with and without offload and host-pool bytes.
 
-The indexer cache is sized as the serving engine stores it (``indexer_cache_format``): for
-``DeepseekV32ForCausalLM`` (``architectures`` in config.json) the keys are float8_e4m3fn plus one
-float32 scale per 128-element block (DeepSeek-V3.2's indexer: 128 key bytes + 4 scale bytes per
-token at ``index_head_dim`` 128); for any other architecture, ``torch_dtype`` and no scale. The
-report's ``model.indexer`` names the dtype, the scale bytes and block, and that source.
+The indexer cache is sized as the serving engine stores it (``dsamodel.indexcodec.indexer_cache_format``:
+float8_e4m3fn keys plus float32 scales for ``DeepseekV32ForCausalLM``, ``torch_dtype`` otherwise),
+in the layout the engine keeps (``kvoffload_engine.layout.kv_layout``). The report's
+``model.indexer`` names the dtype, the scale bytes and block, and that source.
 """
 
 from __future__ import annotations
@@ -17,15 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from dsamodel.config import ModelConfig
+from dsamodel.indexcodec import indexer_cache_format
 from kvcore.configerrors import ConfigError
 from kvcore.decodesettings import decode_settings
 from kvcore.layout import KVLayout
 from kvcore.pdpair import check_pd_pair
 from kvcore.plan import BufferPlan
 from kvcore.prefillsettings import prefill_settings
-
-from dsamodel.config import ModelConfig
+from kvoffload_engine.layout import kv_layout
 
 
 @dataclass(frozen=True)
@@ -45,58 +44,9 @@ class Deployment:
     decode_additional_config: str | None = None
 
 
-FP8_INDEXER_ARCHITECTURES = ("DeepseekV32ForCausalLM",)
-INDEX_SCALE_BLOCK = 128  # elements per float32 scale of an fp8 indexer key (DeepSeek-V3.2)
-
-
-@dataclass(frozen=True)
-class IndexerCacheFormat:
-    """How one token's indexer key is stored: ``dtype`` elements, plus ``scale_bytes`` of scales
-    (one float32 per ``scale_block`` elements; none when 0), and why (``source``)."""
-
-    dtype: torch.dtype
-    key_bytes: int
-    scale_bytes: int
-    scale_block: int | None
-    source: str
-
-    @property
-    def row_bytes(self) -> int:
-        return self.key_bytes + self.scale_bytes
-
-    def describe(self) -> dict[str, Any]:
-        return {"dtype": str(self.dtype).removeprefix("torch."), "key_bytes": self.key_bytes,
-                "scale_bytes": self.scale_bytes, "scale_dtype": "float32" if self.scale_bytes else None,
-                "scale_block": self.scale_block, "row_bytes": self.row_bytes, "source": self.source}
-
-
-def indexer_cache_format(config: ModelConfig) -> IndexerCacheFormat:
-    """The indexer cache format of ``config`` (module docstring)."""
-    fp8 = next((a for a in config.architectures if a in FP8_INDEXER_ARCHITECTURES), None)
-    if fp8 is not None:
-        blocks = -(-config.index_head_dim // INDEX_SCALE_BLOCK)
-        return IndexerCacheFormat(
-            torch.float8_e4m3fn, config.index_head_dim, 4 * blocks, INDEX_SCALE_BLOCK,
-            f"architectures {fp8}: the serving engines store its indexer keys as float8_e4m3fn with one "
-            f"float32 scale per {INDEX_SCALE_BLOCK}-element block")
-    return IndexerCacheFormat(
-        config.dtype, config.index_head_dim * config.dtype.itemsize, 0, None,
-        f"torch_dtype {config.torch_dtype} (architectures {list(config.architectures)}: no fp8 indexer cache)")
-
-
-def layout_of(config: ModelConfig, block_size: int) -> KVLayout:
-    fmt = indexer_cache_format(config)
-    return KVLayout.for_mla(
-        num_hidden_layers=config.num_hidden_layers, kv_lora_rank=config.kv_lora_rank,
-        qk_rope_head_dim=config.qk_rope_head_dim, block_size=block_size, dtype=config.dtype,
-        num_mtp_layers=config.num_nextn_predict_layers, index_head_dim=config.index_head_dim,
-        index_dtype=fmt.dtype, index_scale_bytes=fmt.scale_bytes,
-    )
-
-
 def plan_report(d: Deployment) -> dict[str, Any]:
     """The sizing report (JSON-ready): ``prefill``/``decode`` sections, ``valid``, ``errors``, ``warnings``."""
-    layout = layout_of(d.config, d.block_size)
+    layout = kv_layout(d.config, d.block_size)
     tokens = d.max_num_seqs * -(-d.max_model_len // d.block_size) * d.block_size
     report: dict[str, Any] = {
         "model": {"num_hidden_layers": d.config.num_hidden_layers,
@@ -131,7 +81,8 @@ def plan_report(d: Deployment) -> dict[str, Any]:
         except ConfigError as exc:
             report["errors"] += exc.errors
     if d.prefill_kv_transfer_config is None and d.decode_kv_transfer_config is None:
-        report["errors"].append("give at least one side: --prefill-kv-transfer-config and/or --decode-kv-transfer-config")
+        report["errors"].append(
+            "give at least one side: --prefill-kv-transfer-config and/or --decode-kv-transfer-config")
     report["valid"] = not report["errors"]
     return report
 

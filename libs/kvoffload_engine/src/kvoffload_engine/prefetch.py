@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+
 from kvcore.gather import gather_rows, use_one_thread_here
 from kvcore.hotcache import HotCache
 

@@ -41,12 +41,12 @@ from __future__ import annotations
 
 import structlog
 import torch
-from kvcore.device import DeviceAllocator
 
-from dsamodel.engine.buffers import LayerBuffers
-from dsamodel.engine.chunk_attention import attend
-from dsamodel.engine.tp_channel import Channel, TPGroupBroken, tensor_dtype, tensor_spec
 from dsamodel.model import DSAModel
+from kvcore.device import DeviceAllocator
+from kvoffload_engine.buffers import LayerBuffers
+from kvoffload_engine.chunk_attention import attend
+from kvoffload_engine.tp_channel import Channel, TPGroupBroken, tensor_dtype, tensor_spec
 
 log = structlog.get_logger(__name__)
 
@@ -101,7 +101,7 @@ class Followers:
         if self.waiting:
             try:
                 self.channel.send(("stop", repr(exc)[:500]))
-            except Exception as send_exc:  # a follower is gone: never raise over the caller's cleanup
+            except Exception as send_exc:  # noqa: BLE001 - a follower is gone: never raise over the caller's cleanup
                 self.broken = f"telling the followers to stop failed: {send_exc!r}"[:500]
                 log.error("tp_group_out_of_step", size=self.size, error=repr(send_exc))
         else:

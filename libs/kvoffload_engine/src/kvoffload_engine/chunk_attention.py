@@ -2,7 +2,7 @@
 
 ``attend``: the chunk's queries select their top-k rows with the lightning indexer and attend over
 them (absorbed MLA). ``LayerwisePrefill`` calls it over its slot's rows; a TP follower
-(``dsamodel.engine.tp_prefill``) over the rows rank 0 sent it plus its own, so both run the same code.
+(``kvoffload_engine.tp_prefill``) over the rows rank 0 sent it plus its own, so both run the same code.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from dsamodel.attention import gather_rows, indexer_topk, sparse_mla_attention
-from dsamodel.model import DSAModel, DecoderLayer
+from dsamodel.model import DecoderLayer, DSAModel
 
 
 def attend(model: DSAModel, layer: DecoderLayer, proj, main: torch.Tensor, idx: torch.Tensor,
