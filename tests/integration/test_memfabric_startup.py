@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from kvoffload_engine.layout import kv_layout
 from dsamodel.presets import tiny_model
 from kvcore.layout import dtype_name
+from kvoffload_engine.layout import kv_layout
 from kvoffload_proto.v1 import transfer_pb2 as pb
 
 from kvoffload.connector_configs import decode_additional_config, decode_kv_transfer_config, prefill_kv_transfer_config

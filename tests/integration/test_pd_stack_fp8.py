@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvoffload_engine.layout import kv_layout
 from dsamodel.presets import write_tiny
 from dsamodel.tokenizer import ByteTokenizer
 from dsamodel.weights import load_model
+from kvoffload_engine.layout import kv_layout
 
 from kvoffload.ports import free_stack_ports
 from kvoffload.reference import greedy_reference

@@ -47,8 +47,8 @@ def reference(model32):
 @pytest.fixture(scope="module")
 def one_row(model32):
     """Bytes of one token's row over every cache layer (main + indexer)."""
-    from kvoffload_engine.layout import kv_layout
     from dsamodel.weights import load_model
+    from kvoffload_engine.layout import kv_layout
 
     model = load_model(str(model32))
     return sum(s.main.row_bytes + s.indexer.row_bytes for s in kv_layout(model.config, BS, model.dtype).layers)

@@ -73,8 +73,8 @@ def test_the_decode_accepted_a_prefill_tp2_layout(stack):
 def test_each_prefill_rank_sends_its_share_and_the_shares_make_one_copy(stack, model32, reference):
     """The decode pulled a request's KV from both prefill ranks (its contributor group), each rank's
     half out of that rank's own buffers, and the halves sum to one copy of the prompt's KV."""
-    from kvoffload_engine.layout import kv_layout
     from dsamodel.weights import load_model
+    from kvoffload_engine.layout import kv_layout
 
     model = load_model(str(model32))
     one_row = sum(s.main.row_bytes + s.indexer.row_bytes for s in kv_layout(model.config, BS, model.dtype).layers)

@@ -7,10 +7,10 @@ import asyncio
 
 import aiohttp
 from aiohttp import web
-from kvoffload_engine import build
-from kvoffload_engine.decode import SparseDecoder
 from dsamodel.presets import tiny_model
 from dsamodel.tokenizer import ByteTokenizer
+from kvoffload_engine import build
+from kvoffload_engine.decode import SparseDecoder
 
 from kvoffload_decode.app import AppSettings, build_app
 from kvoffload_decode.loop import DecodeLoop

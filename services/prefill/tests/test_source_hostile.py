@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
+from dsamodel.presets import tiny_model
 from kvoffload_engine import build
 from kvoffload_engine.prefill import PrefillRequest
-from dsamodel.presets import tiny_model
 from kvoffload_proto.v1 import transfer_pb2 as pb
 from kvoffload_proto.v1 import transfer_pb2_grpc
 

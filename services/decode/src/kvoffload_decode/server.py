@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace, argv: list[str]) -> int:
-    from kvoffload_engine.layout import kv_layout
     from dsamodel.tokenizer import ByteTokenizer
+    from kvoffload_engine.layout import kv_layout
 
     tls = start_process(SERVICE, args, log_level=args.log_level, **FLAG_RULES)
     model, speculative = _load_model(args)
@@ -86,8 +86,8 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
 def _load_model(args: argparse.Namespace):
     """The model, and the speculative tokens of ``--speculative-config`` (0: off); a config the model
     cannot run (no MTP layer) is a ConfigError."""
-    from kvoffload_engine.speculative import parse_speculative_config
     from dsamodel.weights import load_model
+    from kvoffload_engine.speculative import parse_speculative_config
 
     try:
         speculative = parse_speculative_config(args.speculative_config)

@@ -73,11 +73,11 @@ class TPRanks(LeadRanks):
 def _follower_main(argv: list[str] | None = None) -> int:
     """One follower rank (module doc)."""
     import torch.distributed as dist
+    from dsamodel.tp import DistGroup, shard_model
+    from dsamodel.weights import load_model
     from kvoffload_engine import build
     from kvoffload_engine.decode import SparseDecoder
     from kvoffload_engine.layout import kv_layout
-    from dsamodel.tp import DistGroup, shard_model
-    from dsamodel.weights import load_model
     from svcruntime import tls as kvtls
     from svcruntime.logs import configure_logging
 
@@ -121,9 +121,9 @@ def _parse_rank_args(argv: list[str] | None) -> tuple[argparse.Namespace, argpar
 def _follow(decoder, pool, layout, own: argparse.Namespace, args: argparse.Namespace, tls, control_port: int) -> int:
     """Serve this rank's control port (its pulls into ``decoder``) and follow rank 0 until it closes
     the group; returns the steps run."""
+    from kvcore.segment import host_id
     from kvoffload_engine.tp_channel import DistChannel
     from kvoffload_engine.tp_decode import follow_decode
-    from kvcore.segment import host_id
     from kvoffload_proto.v1 import transfer_pb2_grpc
     from svcruntime.serving import GrpcSide, StatsSnapshot
 

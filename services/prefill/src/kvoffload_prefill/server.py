@@ -42,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from kvoffload_engine import build
-    from kvoffload_engine.layout import kv_layout
     from dsamodel.tokenizer import ByteTokenizer
     from dsamodel.weights import load_model
+    from kvoffload_engine import build
+    from kvoffload_engine.layout import kv_layout
 
     tls = start_process(SERVICE, args, log_level=args.log_level, **FLAG_RULES)
     model = load_model(args.model, dtype=args.dtype)
@@ -217,8 +217,8 @@ def _follower_buffers(ranks, engine, tag: str) -> list:
     """Each follower creates its layer buffers (``kvoffload_engine.tp_prefill``: contributor
     buffers) and rank 0 attaches them, to name them in that rank's layout and serve them to
     decodes on other hosts. On failure everything started is stopped."""
-    from kvoffload_engine.buffers import LayerBuffers
     from kvcore.device import DeviceAllocator
+    from kvoffload_engine.buffers import LayerBuffers
 
     names = [f"kvoffload-prefill-buffers-{tag}-tp{r}" for r in range(1, ranks.size)]
     try:

@@ -62,10 +62,10 @@ def _follower_main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from svcruntime.logs import configure_logging
 
-    from kvoffload_engine.tp_channel import DistChannel
-    from kvoffload_engine.tp_prefill import follow
     from dsamodel.tp import DistGroup, shard_model
     from dsamodel.weights import load_model
+    from kvoffload_engine.tp_channel import DistChannel
+    from kvoffload_engine.tp_prefill import follow
 
     p = follower_parser("kvoffload-prefill tp rank")
     p.add_argument("--model", required=True)
