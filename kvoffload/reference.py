@@ -28,8 +28,8 @@ def greedy_reference(model_dir: Path, *, block_size: int = 16, max_model_len: in
     ``max_model_len`` as the stack refuses them. ``block_size`` is the stack's; a full KV has no
     blocks, so the tokens do not depend on it (I3: placement never changes results)."""
     from dsamodel.dense_decode import generate_full_kv
-    from dsamodel.sampling import SamplingParams
     from dsamodel.weights import load_model
+    from openai_api.sampling_params import SamplingParams
 
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -70,8 +70,8 @@ class TimedEngine:
 
     def __init__(self, model_dir: Path, *, block_size: int, max_model_len: int, max_num_seqs: int,
                  chunk_size: int) -> None:
-        from kvoffload_engine.engine import Engine, EngineConfig
         from dsamodel.weights import load_model
+        from kvoffload_engine.engine import Engine, EngineConfig
 
         self.eng = Engine(load_model(model_dir),
                           EngineConfig(block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -83,7 +83,7 @@ class TimedEngine:
             ) -> tuple[float, list[list[int]], list[list[float]]]:
         """(start time, token ids, perf_counter stamps of each token) per request of ``work``
         ((prompt, max_tokens) pairs); ``after_step(seqs, stamps)`` runs after every engine step."""
-        from dsamodel.sampling import SamplingParams
+        from openai_api.sampling_params import SamplingParams
 
         eng = self.eng
         t0 = time.perf_counter()

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dsamodel import dense_decode
-from kvoffload_engine import decode as decode_module
-from kvoffload_engine import buffers, decode_requests, engine, prefill
-from kvoffload_engine.engine import Engine, EngineConfig
-from dsamodel.sampling import SamplingParams
 from dsamodel.weights import load_model
 from kvcore import gather, hotcache, localpool
-
 from kvoffload.reference import greedy_reference
 from kvoffload.stack import ensure_tiny_model
+from kvoffload_engine import buffers, decode_requests, engine, prefill
+from kvoffload_engine import decode as decode_module
+from kvoffload_engine.engine import Engine, EngineConfig
+from openai_api.sampling_params import SamplingParams
 
 PROMPT = [1] + [7 + (i * 37) % 250 for i in range(299)]  # 300 tokens: sparse top-k, 19 blocks
 MAX_TOKENS = 12

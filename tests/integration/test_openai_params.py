@@ -12,12 +12,13 @@ import urllib.request
 
 import openai
 import pytest
-from dsamodel.openai import choice_seed, sampling_params
-from dsamodel.tokenizer import ByteTokenizer
 
+from dsamodel.tokenizer import ByteTokenizer
 from kvoffload.ports import free_stack_ports
 from kvoffload.stack import Stack, StackConfig
 from kvoffload.stack_client import post_json
+from openai_api.request import sampling_params
+from openai_api.sampling_params import choice_seed
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
@@ -43,8 +44,8 @@ def client(stack):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     """run(prompt_ids, body, chat) -> (token ids, TokenLogprobs) of the single-process engine."""
-    from kvoffload_engine.engine import Engine, EngineConfig
     from dsamodel.weights import load_model
+    from kvoffload_engine.engine import Engine, EngineConfig
 
     model = load_model(model_dir)
 
@@ -337,11 +338,18 @@ def test_the_decode_refuses_directly_too(stack, body, field):
 
 
 def test_the_proxy_and_the_prefill_derive_the_same_choice_seeds():
-    from kvoffload_proxy.schemas import choice_seed as proxy_choice_seed
+    """The seed the proxy gives each choice's decode is the one the prefill samples that choice's
+    first token with."""
+    from kvoffload_proxy.flow import decoder_body
+    from kvoffload_proxy.schemas import parse_inference
+    from openai_api.dispatch import parse_dispatch
 
     for seed in (0, 1, 2**63 - 1):
-        for j in range(4):
-            assert proxy_choice_seed(seed, j) == choice_seed(seed, j)
+        raw = json.dumps({"prompt": "x", "n": 4, "seed": seed, "max_tokens": 1}).encode()
+        req = parse_inference("completions", raw)
+        proxy = [decoder_body(req, j, f"c-{j}", "http://m")["seed"] for j in range(4)]
+        prefill = [child.params.seed for child in parse_dispatch(raw, TOK, chat=False, max_model_len=64)]
+        assert proxy == prefill == [choice_seed(seed, j) for j in range(4)]
     assert choice_seed(7, 0) == 7 and math.isfinite(choice_seed(7, 3))
 
 

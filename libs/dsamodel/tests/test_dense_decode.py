@@ -6,7 +6,7 @@ import torch
 from dsamodel.dense_decode import FullKV, generate_full_kv
 from dsamodel.presets import tiny_model
 from dsamodel.reference import forward_dense, forward_hidden, generate_dense
-from dsamodel.sampling import SamplingParams
+from openai_api.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

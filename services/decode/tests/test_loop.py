@@ -6,14 +6,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvoffload_engine import build
-from kvoffload_engine.decode import SparseDecoder
-from dsamodel.presets import tiny_model
-from dsamodel.sampling import SamplingParams
 
+from dsamodel.presets import tiny_model
 from kvoffload_decode.admission import DecodeFull
 from kvoffload_decode.loop import DecodeLoop
 from kvoffload_decode.rows import installed_prefix
+from kvoffload_engine import build
+from kvoffload_engine.decode import SparseDecoder
+from openai_api.sampling_params import SamplingParams
 
 
 @pytest.fixture()

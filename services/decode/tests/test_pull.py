@@ -17,24 +17,23 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from kvoffload_engine import build
-from kvoffload_engine.decode import SparseDecoder
-from kvoffload_engine.layout import kv_layout
+
 from dsamodel.presets import tiny_model
-from dsamodel.sampling import SamplingParams
 from kvcore.layout import dtype_name
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
-from kvoffload_proto.v1 import transfer_pb2 as pb
-from pdlink.sources import PERMANENT, RowSources
-
-from pdlink.consumer import PullConsumer, ReadOutcome
-from pdlink.pullcounters import COUNTERS
-from pdlink.refusals import MalformedRead, NoAcceptedLayout, UnknownRequest
-
 from kvoffload_decode.loop import DecodeLoop
 from kvoffload_decode.pull import DecodeRows
 from kvoffload_decode.transfer import decode_transfer
+from kvoffload_engine import build
+from kvoffload_engine.decode import SparseDecoder
+from kvoffload_engine.layout import kv_layout
+from kvoffload_proto.v1 import transfer_pb2 as pb
+from openai_api.sampling_params import SamplingParams
+from pdlink.consumer import PullConsumer, ReadOutcome
+from pdlink.pullcounters import COUNTERS
+from pdlink.refusals import MalformedRead, NoAcceptedLayout, UnknownRequest
+from pdlink.sources import PERMANENT, RowSources
 
 N = 20  # prompt tokens of each request
 VERSION = 3

@@ -6,13 +6,13 @@ import threading
 
 import pytest
 import torch
-from kvoffload_engine import build
-from kvoffload_engine.decode import SparseDecoder
-from dsamodel.presets import tiny_model
-from dsamodel.sampling import SamplingParams
 
+from dsamodel.presets import tiny_model
 from kvoffload_decode.admission import TooLarge, default_max_queued
 from kvoffload_decode.loop import DecodeLoop
+from kvoffload_engine import build
+from kvoffload_engine.decode import SparseDecoder
+from openai_api.sampling_params import SamplingParams
 
 N = 40
 

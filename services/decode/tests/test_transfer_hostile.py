@@ -20,17 +20,17 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
+
+from dsamodel.presets import tiny_model
+from kvcore.layout import dtype_name
+from kvoffload_decode.loop import DecodeLoop
+from kvoffload_decode.transfer import decode_transfer
 from kvoffload_engine import build
 from kvoffload_engine.decode import SparseDecoder
 from kvoffload_engine.layout import kv_layout
-from dsamodel.presets import tiny_model
-from dsamodel.sampling import SamplingParams
-from kvcore.layout import dtype_name
 from kvoffload_proto.v1 import transfer_pb2 as pb
 from kvoffload_proto.v1 import transfer_pb2_grpc
-
-from kvoffload_decode.loop import DecodeLoop
-from kvoffload_decode.transfer import decode_transfer
+from openai_api.sampling_params import SamplingParams
 
 C = grpc.StatusCode
 N = 20  # prompt tokens of the request under attack

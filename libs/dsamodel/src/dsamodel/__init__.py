@@ -15,12 +15,11 @@ One concept per module:
 - ``dense_decode`` ``generate_full_kv``: ``generate_dense``'s tokens incrementally, over a full KV
                  per layer (no blocks, buffers, pools or hot cache): the stacks' test oracle.
 - ``weights``    HF-named safetensors load/save; ``tokenizer`` byte tokenizer; ``sampling``
-                 greedy and seeded top-p; ``presets`` the tiny seeded test model.
+                 greedy and seeded top-p (``RequestSampler``, over ``openai_api``'s ``SamplingParams``);
+                 ``presets`` the tiny seeded test model.
 - ``indexcodec`` how indexer keys are stored in caches (``indexer_cache_format``: the format a config's
                  serving engine uses; ``IndexCodec``: plain or fp8 + scales).
 - ``tp``         tensor parallelism: one rank's shard of the weights and the reductions it needs.
-- ``openai``     OpenAI request bodies -> prompt token ids and sampling parameters;
-                 ``openai_output`` sampled tokens -> completion / chat answers (JSON or SSE).
 - ``bench/``     engine benchmarks of the tiny model (``kvoffload bench prefill|prefix|decode``).
 
 The model owns no cache: an engine keeps the latent KV rows (``Projection.kv``) and indexer rows
@@ -33,7 +32,7 @@ from dsamodel.attention import gather_rows, indexer_topk, sparse_mla_attention
 from dsamodel.config import ModelConfig
 from dsamodel.model import DecoderLayer, DSAModel, MTPLayer, Projection
 from dsamodel.reference import forward_dense, forward_dense_mtp, forward_naive, generate_dense
-from dsamodel.sampling import RequestSampler, SamplingParams, greedy
+from dsamodel.sampling import RequestSampler, greedy
 from dsamodel.tokenizer import ByteTokenizer
 from dsamodel.weights import load_model, load_weights, save_model, save_weights
 
@@ -47,7 +46,6 @@ __all__ = [
     "ModelConfig",
     "Projection",
     "RequestSampler",
-    "SamplingParams",
     "forward_dense",
     "forward_dense_mtp",
     "forward_naive",

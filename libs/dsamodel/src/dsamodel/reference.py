@@ -20,7 +20,8 @@ import torch
 
 from dsamodel.attention import gather_rows, indexer_topk, sparse_mla_attention
 from dsamodel.model import DecoderLayer, DSAModel, Projection
-from dsamodel.sampling import RequestSampler, SamplingParams
+from dsamodel.sampling import RequestSampler
+from openai_api.sampling_params import SamplingParams
 
 Selector = Callable[[int, Projection, torch.Tensor], torch.Tensor]
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvoffload_engine.decode import SparseDecoder
-from dsamodel.sampling import RequestSampler, SamplingParams
-
+from dsamodel.sampling import RequestSampler
 from kvoffload_decode.request import DecodeRequest, Emit
+from kvoffload_engine.decode import SparseDecoder
+from openai_api.sampling_params import SamplingParams
 
 
 class TooLarge(ValueError):

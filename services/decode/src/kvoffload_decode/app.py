@@ -10,7 +10,6 @@ streams what the loop samples. A client disconnect cancels the request and frees
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import Callable
@@ -19,18 +18,20 @@ from dataclasses import dataclass
 import aiohttp
 import structlog
 from aiohttp import web
-from dsamodel.openai import RequestError, check_body, prompt_ids, sampling_params
-from dsamodel.openai_output import Output, Responder
-from dsamodel.sampling import SamplingParams
-from dsamodel.tokenizer import ByteTokenizer
-from svcruntime.logs import REQUEST_IDS
-from svcruntime.serving import draining_app, error_response
-from svcruntime.sse import sse_response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvoffload_decode.admission import DecodeFull, TooLarge
 from kvoffload_decode.loop import DecodeLoop
 from kvoffload_decode.metrics import Metrics
+from openai_api.body import RequestError
+from openai_api.output import Output, Responder
+from openai_api.request import ParsedRequest, parse_request
+from openai_api.sampling_params import SamplingParams
+from openai_api.tokenizer import Tokenizer
+from openai_api.transfer_params import KVTransferParams
+from svcruntime.logs import REQUEST_IDS
+from svcruntime.serving import draining_app, error_response
+from svcruntime.sse import sse_response
 
 log = structlog.get_logger(__name__)
 
@@ -48,7 +49,7 @@ class AppSettings:
     metaserver_retries: int = 3
 
 
-def build_app(loop: DecodeLoop, transfer, tokenizer: ByteTokenizer, settings: AppSettings,
+def build_app(loop: DecodeLoop, transfer, tokenizer: Tokenizer, settings: AppSettings,
               not_ready: Callable[[], str] = lambda: "") -> web.Application:
     """The HTTP API; ``not_ready()`` says why the decode cannot serve now ("" when it can: a TP
     decode whose rank died cannot), which ``/health`` answers with 503."""
@@ -99,7 +100,7 @@ class _Events:
 
 
 class _Handler:
-    def __init__(self, loop: DecodeLoop, tokenizer: ByteTokenizer, settings: AppSettings, metrics: Metrics,
+    def __init__(self, loop: DecodeLoop, tokenizer: Tokenizer, settings: AppSettings, metrics: Metrics,
                  not_ready: Callable[[], str] = lambda: "") -> None:
         self.loop, self.tokenizer, self.settings, self.metrics = loop, tokenizer, settings, metrics
         self.not_ready = not_ready
@@ -123,8 +124,8 @@ class _Handler:
         parsed = await self._parse(request, chat)
         if isinstance(parsed, web.Response):
             return parsed
-        body, ids, params, ktp = parsed
-        rid = str(ktp.get("request_id") or request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}")
+        ids, params, ktp = parsed.prompt_ids, parsed.params, parsed.transfer
+        rid = ktp.request_id or request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
         bound = log.bind(request_id=rid)
         events = _Events(asyncio.get_running_loop())
         admitted = await self._admit(rid, ids, params, events)
@@ -138,10 +139,9 @@ class _Handler:
             problem = await self._await_prefill(rid, ktp, bound, events, admitted.reserved)
             if problem is not None:
                 return problem
-            out = self.responder.output(body, params, ids, admitted.sampler.logprobs.__getitem__, chat=chat)
-            if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                response = await self._stream(request, rid, events.queue, out, len(ids), include_usage)
+            out = self.responder.output(parsed.body, params, ids, admitted.sampler.logprobs.__getitem__, chat=chat)
+            if parsed.stream:
+                response = await self._stream(request, rid, events.queue, out, len(ids), parsed.include_usage)
             else:
                 response = await self._collect(rid, events.queue, out, len(ids))
             done = True
@@ -152,29 +152,19 @@ class _Handler:
                 self.metrics.requests.labels("cancelled").inc()
             REQUEST_IDS.unlink(rid)
 
-    async def _parse(self, request: web.Request, chat: bool) -> tuple[dict, list[int], SamplingParams, dict] | web.Response:
-        """The request's body, prompt, sampling parameters and ``kv_transfer_params``, or the 400 that
-        refuses it."""
+    async def _parse(self, request: web.Request, chat: bool) -> ParsedRequest | web.Response:
+        """The request (its ``transfer`` set: a remote prefill), or the 400 that refuses it."""
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise RequestError("body: must be a JSON object")
-            check_body(body, chat=chat)
-            ids = prompt_ids(body, self.tokenizer, chat=chat)
-            params = sampling_params(body, chat=chat)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(400, "body: malformed JSON", "invalid_request_error")
+            parsed = parse_request(await request.read(), self.tokenizer, chat=chat,
+                                   max_model_len=self.settings.max_model_len)
         except RequestError as exc:
             return error_response(400, str(exc), "invalid_request_error")
-        if len(ids) + params.max_tokens > self.settings.max_model_len:
-            return error_response(400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                       f"max_model_len={self.settings.max_model_len}", "invalid_request_error")
-        ktp = body.get("kv_transfer_params") or {}
-        if not isinstance(ktp, dict) or not ktp.get("do_remote_prefill") or not ktp.get("metaserver"):
+        ktp = parsed.transfer
+        if ktp is None or not ktp.do_remote_prefill or not ktp.metaserver:
             return error_response(400, "kv_transfer_params: this decode node serves requests with a remote prefill "
                                        "(do_remote_prefill and metaserver, as the proxy sends them)",
                                   "invalid_request_error")
-        return body, ids, params, ktp
+        return parsed
 
     async def _admit(self, rid: str, ids: list[int], params: SamplingParams, events: _Events):
         """The loop's ``DecodeRequest``, admitted at once (never a wait: queued, or 429 when the queue
@@ -192,16 +182,17 @@ class _Handler:
         except ValueError as exc:
             return error_response(409, str(exc), "invalid_request_error")
 
-    async def _await_prefill(self, rid: str, ktp: dict, bound, events: _Events, reserved: bool) -> web.Response | None:
+    async def _await_prefill(self, rid: str, ktp: KVTransferParams, bound, events: _Events,
+                             reserved: bool) -> web.Response | None:
         """Tell the proxy's metaserver where to push (once the request holds its host blocks) and wait
         for the prefill: None when the prompt's KV and first token are all here, else the error answer."""
-        token = _metaserver_token(ktp)
+        token, metaserver = ktp.registration_token, str(ktp.metaserver)
         if not reserved:  # host pool full: queued for blocks; lift the proxy's registration deadline
-            problem = await self._wait_for_blocks(rid, ktp["metaserver"], bound, events, token)
+            problem = await self._wait_for_blocks(rid, metaserver, bound, events, token)
             if problem:
                 return error_response(502, problem, "decode_error")
         self.loop.awaiting_prefill(rid)
-        problem = await self._register_unless_failed(rid, ktp["metaserver"], bound, events, token)
+        problem = await self._register_unless_failed(rid, metaserver, bound, events, token)
         if not problem:  # the prefill reported done before the metaserver answered: all KV must be here
             problem = self.loop.check_prompt_complete(rid)
         if problem:
@@ -253,12 +244,11 @@ class _Handler:
         ``queued``: instead, tell it the request is queued here (answered at once; the proxy's
         registration deadline no longer applies to it)."""
         headers = {"X-Request-Id": rid, **({"Authorization": f"Bearer {token}"} if token else {})}
-        params = {"request_id": rid, "remote_host": self.settings.advertise_host,
-                  "remote_port": self.settings.control_port, "remote_tp_size": self.settings.tp_size,
-                  "remote_dp_rank": self.settings.dp_rank}
-        if queued:
-            params = {"request_id": rid, "queued": True}
-        payload = {"request_id": rid, "kv_transfer_params": params}
+        params = (KVTransferParams(request_id=rid, queued=True) if queued else
+                  KVTransferParams(request_id=rid, remote_host=self.settings.advertise_host,
+                                   remote_port=self.settings.control_port, remote_tp_size=self.settings.tp_size,
+                                   remote_dp_rank=self.settings.dp_rank))
+        payload = {"request_id": rid, "kv_transfer_params": params.wire()}
         timeout = aiohttp.ClientTimeout(total=self.settings.metaserver_timeout_s)
         attempt = 0
         while True:
@@ -287,7 +277,7 @@ class _Handler:
 
     async def _stream(self, request: web.Request, rid: str, queue, out: Output, n_prompt: int,
                       include_usage: bool) -> web.StreamResponse:
-        """SSE chunks (dsamodel.openai_output); an error ends the stream with an error event."""
+        """SSE chunks (openai_api.output); an error ends the stream with an error event."""
         async def next_event() -> tuple[str, object]:
             kind, value = await self._next_or_timeout(queue)
             return ("error", value) if kind == "timeout" else (kind, value)
@@ -319,11 +309,3 @@ class _Handler:
         self.metrics.requests.labels("ok").inc()
         return web.json_response(obj, headers={"X-Request-Id": rid})
 
-
-def _metaserver_token(ktp: dict) -> str | None:
-    """The bearer token the proxy issued for this request's /v1/metaserver call (see the proxy's
-    auth.py), or None; anything but a short token of visible ASCII is ignored, never sent."""
-    token = ktp.get("metaserver_token")
-    if isinstance(token, str) and 0 < len(token) <= 256 and all("!" <= c <= "~" for c in token):
-        return token
-    return None

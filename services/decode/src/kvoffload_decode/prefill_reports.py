@@ -21,9 +21,9 @@ It works on the loop's state (``lock``, ``pending``, ``ledger``, ``decoder``, ``
 from __future__ import annotations
 
 import torch
-from dsamodel.sampling import TokenLogprob
 
 from kvoffload_decode.request import DecodeRequest
+from openai_api.logprobs import TokenLogprob
 
 
 class PrefillReports:

@@ -10,9 +10,10 @@ that keep a pending request's watchdog (see ``DecodeLoop``) quiet.
 from __future__ import annotations
 
 import torch
+
 from kvcore.layout import KVLayout, dtype_name
-from dsamodel.sampling import TokenLogprob
 from kvoffload_proto.v1 import transfer_pb2
+from openai_api.logprobs import TokenLogprob
 from pdlink.consumer import Plane, Read, ReadOutcome, RowSink
 from pdlink.refusals import MalformedRead, UnknownRequest
 

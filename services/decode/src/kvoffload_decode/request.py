@@ -7,7 +7,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dsamodel.sampling import RequestSampler, TokenLogprob
+from dsamodel.sampling import RequestSampler
+from openai_api.logprobs import TokenLogprob
 
 Emit = Callable[[str, object], None]  # ("token", id) | ("done", finish_reason) | ("error", message)
 

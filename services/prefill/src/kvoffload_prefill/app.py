@@ -5,22 +5,21 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import Callable
 
 import structlog
 from aiohttp import web
-from dsamodel.openai import (RequestError, chat_logprobs, check_body, completion_logprobs, prompt_ids,
-                             sampling_params)
-from dsamodel.sampling import SamplingParams
-from dsamodel.tokenizer import ByteTokenizer
-from svcruntime.logs import REQUEST_IDS
-from svcruntime.serving import draining_app, error_response
 
 from kvoffload_prefill.metrics import PrefillMetrics
 from kvoffload_prefill.worker import PrefillOutcome, PrefillWorker
+from openai_api.body import RequestError
+from openai_api.dispatch import Child, parse_dispatch
+from openai_api.logprobs import chat_logprobs, completion_logprobs
+from openai_api.tokenizer import Tokenizer
+from svcruntime.logs import REQUEST_IDS
+from svcruntime.serving import draining_app, error_response
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +40,7 @@ class Metrics(PrefillMetrics):
         self.read_ms.set(sum(lat) / len(lat) if lat else 0.0)
 
 
-def build_app(worker: PrefillWorker, tokenizer: ByteTokenizer, model_name: str, max_model_len: int,
+def build_app(worker: PrefillWorker, tokenizer: Tokenizer, model_name: str, max_model_len: int,
               not_ready: Callable[[], str] = lambda: "") -> web.Application:
     """The HTTP API; ``not_ready()`` says why the prefill cannot take requests now ("" when it can),
     e.g. its pool is not registered with the metastore: ``/health`` then answers 503 with the reason."""
@@ -71,26 +70,21 @@ class _Dispatch:
     """The proxy's dispatch: one prompt or a prompt list, ``n`` choices each; every (prompt, choice)
     is a child request, prefilled in turn, and answers with its first token."""
 
-    def __init__(self, worker: PrefillWorker, tokenizer: ByteTokenizer, model_name: str, max_model_len: int,
+    def __init__(self, worker: PrefillWorker, tokenizer: Tokenizer, model_name: str, max_model_len: int,
                  metrics: Metrics) -> None:
         self.worker, self.tokenizer, self.metrics = worker, tokenizer, metrics
         self.model_name, self.max_model_len = model_name, max_model_len
 
     async def complete(self, request: web.Request, chat: bool) -> web.Response:
         try:
-            ids_list, params_list, sampling = self._children(await request.json(), chat)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(400, "body: malformed JSON", "invalid_request_error")
+            children = parse_dispatch(await request.read(), self.tokenizer, chat=chat,
+                                      max_model_len=self.max_model_len)
         except RequestError as exc:
             return error_response(400, str(exc), "invalid_request_error")
-        for ids in ids_list:
-            if len(ids) > self.max_model_len:
-                return error_response(400, f"prompt of {len(ids)} tokens exceeds max_model_len={self.max_model_len}",
-                                      "invalid_request_error")
         rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
         choices, usage = [], 0
-        for i, (ids, ktp, params) in enumerate(zip(ids_list, params_list, sampling)):
-            out = await self._prefill(rid, f"{rid}-{i}" if len(ids_list) > 1 else rid, ids, ktp, params)
+        for i, child in enumerate(children):
+            out = await self._prefill(rid, f"{rid}-{i}" if len(children) > 1 else rid, child)
             if isinstance(out, web.Response):
                 return out
             choices.append(self._choice(i, out, chat))
@@ -102,38 +96,12 @@ class _Dispatch:
             "usage": {"prompt_tokens": usage, "completion_tokens": len(choices), "total_tokens": usage + len(choices)},
         }, headers={"X-Request-Id": rid})
 
-    def _children(self, body, chat: bool) -> tuple[list[list[int]], list, list[SamplingParams]]:
-        """Each child's prompt, ``kv_transfer_params`` and sampling parameters, in the proxy's order
-        (child = prompt * n + choice); RequestError when the body is not a dispatch."""
-        if not isinstance(body, dict):
-            raise RequestError("body: must be a JSON object")
-        check_body(body, chat=chat, max_n=None)
-        n = int(body.get("n") or 1)
-        # choice j of n samples its first token with the seed the proxy gives that choice's decode
-        choice_params = [sampling_params(body, chat=chat, choice=j, first_token_only=True) for j in range(n)]
-        prompts = body.get("prompt") if not chat else None
-        if isinstance(prompts, list) and prompts and all(isinstance(p, (str, list)) for p in prompts) \
-                and not all(isinstance(p, int) for p in prompts):
-            prompt_list = [prompt_ids({"prompt": p}, self.tokenizer, chat=False) for p in prompts]
-        else:
-            prompt_list = [prompt_ids(body, self.tokenizer, chat=chat)]
-        ids_list = [ids for ids in prompt_list for _ in range(n)]
-        sampling = [choice_params[j] for _ in prompt_list for j in range(n)]
-        if len(ids_list) > 1 or body.get("kv_transfer_params_list") is not None:
-            params_list = body.get("kv_transfer_params_list") or [None] * len(ids_list)
-            if not isinstance(params_list, list) or len(params_list) != len(ids_list):
-                raise RequestError("kv_transfer_params_list: must give one entry per prompt and choice "
-                                   f"({len(ids_list)})")
-        else:
-            params_list = [body.get("kv_transfer_params")]
-        return ids_list, params_list, sampling
-
-    async def _prefill(self, rid: str, child: str, ids: list[int], ktp, params: SamplingParams):
+    async def _prefill(self, rid: str, child_id: str, child: Child):
         """The child's ``PrefillOutcome``, or the error answer of the whole request."""
-        wire_id = str((ktp or {}).get("request_id") or "") if isinstance(ktp, dict) else ""
+        wire_id = (child.transfer.request_id or "") if child.transfer is not None else ""
         REQUEST_IDS.link(wire_id, rid)  # log lines about the wire id carry the proxy's id
         try:
-            return await asyncio.to_thread(self.worker.run, child, ids, ktp, params)
+            return await asyncio.to_thread(self.worker.run, child_id, child.prompt_ids, child.transfer, child.params)
         except ValueError as exc:
             self.metrics.requests.labels("bad_request").inc()
             return error_response(400, str(exc), "invalid_request_error")

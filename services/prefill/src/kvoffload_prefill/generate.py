@@ -18,10 +18,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import structlog
-from kvoffload_engine.engine import Engine, Sequence
-from dsamodel.sampling import RequestSampler, SamplingParams
 
+from dsamodel.sampling import RequestSampler
+from kvoffload_engine.engine import Engine, Sequence
 from kvoffload_prefill.prefix_cache import remove_unleased
+from openai_api.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
 

@@ -1,28 +1,27 @@
 """The prefill's HTTP API in offload-only mode (no ``SfaRemoteD2HConnector``: ``generate.GenerateLoop``
 serves complete requests): ``/v1/completions`` and ``/v1/chat/completions`` (JSON or SSE, the
-OpenAI parameters of ``dsamodel.openai``; one choice per request), ``/v1/models``, ``/health``,
+OpenAI parameters of ``openai_api``; one choice per request), ``/v1/models``, ``/health``,
 ``/metrics`` and ``/reset_prefix_cache``. A request with ``kv_transfer_params`` is refused: nothing
 pulls from this node. A client that goes away cancels its request."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import Callable
 
 import structlog
 from aiohttp import web
-from dsamodel.openai import RequestError, check_body, prompt_ids, sampling_params
-from dsamodel.openai_output import Output, Responder
-from dsamodel.sampling import SamplingParams
-from dsamodel.tokenizer import ByteTokenizer
-from svcruntime.serving import draining_app, error_response
-from svcruntime.sse import sse_response
 
 from kvoffload_prefill.generate import GenerateLoop
 from kvoffload_prefill.metrics import PrefillMetrics
+from openai_api.body import RequestError
+from openai_api.output import Output, Responder
+from openai_api.request import ParsedRequest, parse_request
+from openai_api.tokenizer import Tokenizer
+from svcruntime.serving import draining_app, error_response
+from svcruntime.sse import sse_response
 
 log = structlog.get_logger(__name__)
 MODE = "offload-only"
@@ -46,7 +45,7 @@ class Metrics(PrefillMetrics):
         self.cached.set(st["cached_tokens"])
 
 
-def build_offload_app(loop: GenerateLoop, tokenizer: ByteTokenizer, model_name: str, max_model_len: int,
+def build_offload_app(loop: GenerateLoop, tokenizer: Tokenizer, model_name: str, max_model_len: int,
                       not_ready: Callable[[], str] = lambda: "", token_timeout_s: float = 600.0) -> web.Application:
     """``not_ready()`` says why the node cannot serve now ("" when it can)."""
     metrics = Metrics(loop)
@@ -79,7 +78,7 @@ def build_offload_app(loop: GenerateLoop, tokenizer: ByteTokenizer, model_name: 
 class _Handler:
     """Complete requests, served by the ``GenerateLoop`` (module doc)."""
 
-    def __init__(self, loop: GenerateLoop, tokenizer: ByteTokenizer, responder: Responder, metrics: Metrics,
+    def __init__(self, loop: GenerateLoop, tokenizer: Tokenizer, responder: Responder, metrics: Metrics,
                  max_model_len: int, token_timeout_s: float) -> None:
         self.loop, self.tokenizer, self.responder, self.metrics = loop, tokenizer, responder, metrics
         self.max_model_len, self.token_timeout_s = max_model_len, token_timeout_s
@@ -88,7 +87,7 @@ class _Handler:
         parsed = await self._parse(request, chat)
         if isinstance(parsed, web.Response):
             return parsed
-        body, ids, params = parsed
+        ids, params = parsed.prompt_ids, parsed.params
         rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
         queue: asyncio.Queue = asyncio.Queue()
         aio = asyncio.get_running_loop()
@@ -103,13 +102,12 @@ class _Handler:
         except RuntimeError as exc:
             return error_response(503, str(exc), "unavailable")
         log.info("request_accepted", request_id=rid, mode=MODE, prompt_tokens=len(ids), max_tokens=params.max_tokens)
-        out = self.responder.output(body, params, ids, sampler.logprobs.__getitem__, chat=chat)
+        out = self.responder.output(parsed.body, params, ids, sampler.logprobs.__getitem__, chat=chat)
         done = False
         try:
-            if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            if parsed.stream:
                 response = await sse_response(request, rid, self.responder.events(
-                    rid, lambda: self._next(queue), out, len(ids), include_usage,
+                    rid, lambda: self._next(queue), out, len(ids), parsed.include_usage,
                     lambda message: self.metrics.requests.labels("error").inc(),
                     lambda: self.metrics.requests.labels("ok").inc()))
             else:
@@ -121,29 +119,13 @@ class _Handler:
                 self.loop.cancel(rid)
                 self.metrics.requests.labels("cancelled").inc()
 
-    async def _parse(self, request: web.Request, chat: bool) -> tuple[dict, list[int], SamplingParams] | web.Response:
-        """The request's body, prompt and sampling parameters, or the 400 that refuses it."""
+    async def _parse(self, request: web.Request, chat: bool) -> ParsedRequest | web.Response:
+        """The request, or the 400 that refuses it."""
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise RequestError("body: must be a JSON object")
-            if body.get("kv_transfer_params") is not None or body.get("kv_transfer_params_list") is not None:
-                raise RequestError("kv_transfer_params: this prefill runs offload-only (its kv-transfer-config has no "
-                                   "SfaRemoteD2HConnector): it serves complete requests and no decode pulls from it")
-            n = body.get("n")
-            if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-                raise RequestError(f"n: offload-only mode returns one choice per request (got n={n})")
-            check_body(body, chat=chat)
-            ids = prompt_ids(body, self.tokenizer, chat=chat)
-            params = sampling_params(body, chat=chat)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(400, "body: malformed JSON", "invalid_request_error")
+            return parse_request(await request.read(), self.tokenizer, chat=chat, max_model_len=self.max_model_len,
+                                 refuse=_offload_only_refusals)
         except RequestError as exc:
             return error_response(400, str(exc), "invalid_request_error")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            return error_response(400, f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                                       f"max_model_len={self.max_model_len}", "invalid_request_error")
-        return body, ids, params
 
     async def _next(self, queue: asyncio.Queue) -> tuple[str, object]:
         try:
@@ -158,3 +140,14 @@ class _Handler:
             return error_response(500, error, "generation_error")
         self.metrics.requests.labels("ok").inc()
         return web.json_response(obj, headers={"X-Request-Id": rid})
+
+
+def _offload_only_refusals(body: dict) -> None:
+    """What this mode refuses before the common checks: P/D wiring (nothing pulls from this node) and
+    more than one choice."""
+    if body.get("kv_transfer_params") is not None or body.get("kv_transfer_params_list") is not None:
+        raise RequestError("kv_transfer_params: this prefill runs offload-only (its kv-transfer-config has no "
+                           "SfaRemoteD2HConnector): it serves complete requests and no decode pulls from it")
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        raise RequestError(f"n: offload-only mode returns one choice per request (got n={n})")

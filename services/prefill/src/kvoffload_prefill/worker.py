@@ -25,15 +25,18 @@ from dataclasses import dataclass
 
 import structlog
 import torch
-from kvoffload_engine.prefill import LayerwisePrefill, PrefillRequest
-from dsamodel.sampling import RequestSampler, SamplingParams, TokenLogprob
+
+from dsamodel.sampling import RequestSampler
 from kvcore.layout import dtype_name
 from kvcore.pdpair import contributor_share, tp_contributors
-from svcruntime.ledger import Ledger
-from kvoffload_proto.v1 import transfer_pb2
-from pdlink.links import DecodeLink
-
+from kvoffload_engine.prefill import LayerwisePrefill, PrefillRequest
 from kvoffload_prefill.prefix_cache import remove_unleased
+from kvoffload_proto.v1 import transfer_pb2
+from openai_api.logprobs import TokenLogprob
+from openai_api.sampling_params import SamplingParams
+from openai_api.transfer_params import KVTransferParams
+from pdlink.links import DecodeLink
+from svcruntime.ledger import Ledger
 
 log = structlog.get_logger(__name__)
 
@@ -45,18 +48,6 @@ class PrefillOutcome:
     num_cached_tokens: int
     num_computed_tokens: int
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
-
-
-def decode_endpoints(params: dict) -> list[str]:
-    """The control endpoints ("host:port") of the decode TP ranks a request's kv_transfer_params
-    name: rank t of ``remote_tp_size`` listens on ``remote_port + t``."""
-    host, port = params.get("remote_host"), params.get("remote_port")
-    tp = params.get("remote_tp_size", 1)
-    if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
-            or isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or not 0 < port <= 65536 - tp:
-        raise ValueError("kv_transfer_params: remote_host (str), remote_port (1..65535) and remote_tp_size "
-                         f"(int >= 1, its ports at most 65535) are required, got {params!r}")
-    return [f"{host}:{port + t}" for t in range(tp)]
 
 
 def _first_logprob(sampler: RequestSampler) -> TokenLogprob | None:
@@ -156,15 +147,15 @@ class PrefillWorker:
             failed = [layer for layer, outcome in self._outcomes.get(rid, []) if outcome.failed()]
         return f"the decode did not read layer(s) {sorted(set(failed))}" if failed else ""
 
-    def run(self, request_id: str, prompt_ids: list[int], transfer_params: dict | None,
+    def run(self, request_id: str, prompt_ids: list[int], transfer_params: KVTransferParams | None,
             params: SamplingParams | None = None) -> PrefillOutcome:
         """Prefill one prompt; with decode params, every layer goes to that decode's TP ranks."""
         readers: frozenset = frozenset()
         links: list[DecodeLink] = []
         rid = request_id
-        if transfer_params:
-            rid = str(transfer_params.get("request_id") or request_id)
-            endpoints, found = decode_endpoints(transfer_params), []
+        if transfer_params is not None:
+            rid = transfer_params.request_id or request_id
+            endpoints, found = transfer_params.decode_endpoints(), []
             for t, endpoint in enumerate(endpoints):  # decode TP rank t and its contributor group
                 try:
                     group = tp_contributors(len(self.layouts), len(endpoints), t)

@@ -56,10 +56,10 @@ import torch
 from dsamodel.bench import quiet_logs
 from dsamodel.model import DSAModel
 from dsamodel.presets import init_weights, tiny_config, tiny_model
-from dsamodel.sampling import SamplingParams
 from kvoffload_engine import build
 from kvoffload_engine.decode import SparseDecoder, StepStats
 from kvoffload_engine.engine import Engine, EngineConfig
+from openai_api.sampling_params import SamplingParams
 
 GOAL_STEP_TIME_RATIO = 1.25
 GOAL_STEP_TIME_RATIO_TRACE = 1.10
