@@ -24,10 +24,19 @@ def test_bad_tls_flags_exit_2_before_the_model_loads(capsys, argv, message):
 
 def test_metaserver_token_is_echoed_only_when_it_is_a_plain_token():
     """The proxy's per-request /v1/metaserver token (proxy --api-key) goes back as a bearer header;
-    anything that could smuggle header text is dropped."""
-    from kvoffload_decode.app import _metaserver_token
+    anything that could smuggle header text is dropped, and a token that is not a string refuses
+    the request (a 400 naming the field)."""
+    from openai_api.body import RequestError
+    from openai_api.transfer_params import parse_transfer_params
 
-    assert _metaserver_token({"metaserver_token": "ab12" * 16}) == "ab12" * 16
-    for bad in (None, "", "a b", "a\r\nX-Evil: 1", 5, ["x"], "x" * 257, "é"):
-        assert _metaserver_token({"metaserver_token": bad}) is None
-    assert _metaserver_token({}) is None
+    def token(value):
+        params = parse_transfer_params({"request_id": "r", "metaserver_token": value})
+        return params.registration_token
+
+    assert token("ab12" * 16) == "ab12" * 16
+    for bad in (None, "", "a b", "a\r\nX-Evil: 1", "x" * 257, "é"):
+        assert token(bad) is None
+    for bad in (5, ["x"]):
+        with pytest.raises(RequestError, match="^kv_transfer_params.metaserver_token"):
+            token(bad)
+    assert parse_transfer_params({"request_id": "r"}).registration_token is None
