@@ -13,7 +13,9 @@ Each is the median of ``repeats`` timed runs, reported as GB/s and as ``*_ratio`
 the rate of a plain ``memcpy`` (``torch`` copy) of the same bytes measured in the same run (the
 machine is shared: absolute rates mean little, the ratios are the result).
 
-Backends (``backends`` in the JSON, one entry each):
+Backends (``backends`` in the JSON): one entry per ``kvcore.poolregistry`` backend, its pools opened
+by its factory and its server started by its launcher; one whose probe fails here
+(``kvcore.backends``) is ``{"available": false, "reason": ...}``:
 
 - ``kvoffload``: the embedded pool — ``LocalHostPool`` for the single-process figures, and a
   ``RemoteHostPool`` registered with a real ``kvoffload-metastore`` for the cross-process read
@@ -47,14 +49,17 @@ SHAPES = {"kv_block": (64, 576, 512), "1mib": (64, 16384, 32)}  # name -> (rows,
 def run(*, repeats: int = 5, shapes: tuple[str, ...] = tuple(SHAPES)) -> dict:
     """The bench (module docstring); ``shapes`` narrows the object shapes (tests use one)."""
     from dsamodel.bench import quiet_logs
+    from kvcore.backends import backend_problem
+    from kvcore.poolregistry import POOL_BACKENDS
 
     quiet_logs()  # the pools' info logs are dropped, their warnings go to stderr: stdout is the JSON's
     backends: dict[str, dict] = {}
     memcpy = {name: _memcpy_gbps(name, repeats) for name in shapes}
     with ExitStack() as stack:
-        backends["kvoffload"] = _kvoffload(stack, shapes, repeats, memcpy)
-        backends["mooncake"] = _mooncake(stack, shapes, repeats, memcpy)
-        backends["memcache"] = _memcache(stack, shapes)
+        for name in POOL_BACKENDS:  # each backend its entry: why it cannot run here, or its figures
+            problem = backend_problem(name)
+            backends[name] = {"available": False, "reason": problem} if problem else \
+                MEASURES[name](stack, shapes, repeats, memcpy)
     return {"bench": "pool", "repeats": repeats, "shapes": {n: _shape_info(n) for n in shapes},
             "memcpy_gbps": memcpy, "backends": backends}
 
@@ -124,64 +129,68 @@ def _child(mode: str, args: dict, what: str) -> str:
     return proc.stdout
 
 
-def _reader(kind: str, name: str, repeats: int, **conn) -> Callable[[list[bytes]], float]:
-    """A second process that reads ``keys`` ``repeats`` times and answers the median seconds."""
-    def read(keys: list[bytes]) -> float:
-        args = {"kind": kind, "shape": name, "repeats": repeats, "keys": [k.hex() for k in keys], **conn}
-        return float(json.loads(_child("read", args, f"{kind} reader").strip().splitlines()[-1])["seconds"])
+def _reader(backend: str, name: str, repeats: int, **keys) -> Callable[[list[bytes]], float]:
+    """A second process with a pool of its own (store keys ``keys``) that reads ``keys`` ``repeats``
+    times and answers the median seconds."""
+    def read(object_keys: list[bytes]) -> float:
+        args = {"backend": backend, "shape": name, "repeats": repeats, "keys": [k.hex() for k in object_keys],
+                "store_keys": keys}
+        return float(json.loads(_child("read", args, f"{backend} reader").strip().splitlines()[-1])["seconds"])
     return read
 
 
-def _kvoffload(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
-    from kvcore.eviction import LRUEviction
-    from kvcore.localpool import LocalHostPool
-    from poolbackends.remotepool import RemoteHostPool
+def _pool(backend: str, shape: str, geometry: PoolGeometry | None = None, **keys):
+    """A pool of ``backend`` (its ``kvcore.poolregistry`` factory) for ``shape``, its store keys ``keys``."""
+    from kvcore.connectorconfig import StoreConnectorConfig
+    from poolbackends.registry import PoolRequest, open_pool
 
-    target = _start_metastore(stack)
+    tag = uuid.uuid4().hex[:8]
+    store = StoreConnectorConfig(backend=backend, **keys)
+    return open_pool(PoolRequest(store, geometry or _geometry(shape), f"kvoffload-bench-{tag}", f"bench-{tag}"))
+
+
+def _kvoffload(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
+    """The embedded pool: kept in this process for the single-process figures, indexed by a real
+    metastore for the cross-process read."""
+    from poolbackends.registry import start_server
+
+    server = start_server("kvoffload")
+    stack.callback(server.stop)
+    target = server.address
     out = {"available": True, "single_process_pool": "LocalHostPool", "cross_process_pool": "RemoteHostPool",
            "metastore": target}
     for name in shapes:
-        local = LocalHostPool.create(f"kvoffload-bench-{uuid.uuid4().hex[:8]}", _geometry(name), eviction=LRUEviction())
-        with local:
+        with _pool("kvoffload", name) as local:
             single = _measure(local, name, repeats, memcpy, None)
-        remote = RemoteHostPool.create(target, f"bench-writer-{uuid.uuid4().hex[:6]}",
-                                       f"kvoffload-bench-{uuid.uuid4().hex[:8]}", _geometry(name))
-        with remote:
-            cross = _measure(remote, name, repeats, memcpy, _reader("kvoffload", name, repeats, target=target))
+        with _pool("kvoffload", name, metastore=target) as remote:
+            cross = _measure(remote, name, repeats, memcpy, _reader("kvoffload", name, repeats, metastore=target))
         out[name] = {**single, **{k: v for k, v in cross.items() if "cross_process" in k}}
     return out
 
 
 def _mooncake(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
+    from poolbackends.registry import start_server
+
     try:
-        from poolbackends.mooncake import MooncakeHostPool
-        from poolbackends.mooncake_master import MasterConfig, MooncakeMaster
-        master = MooncakeMaster.start(MasterConfig())
+        master = start_server("mooncake")
     except Exception as exc:  # not installed here (scripts/install-mooncake), or the master cannot start
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
     stack.callback(master.stop)
     out = {"available": True, "master": master.address, "transport": "tcp (loopback)"}
     for name in shapes:
-        namespace = f"bench-{uuid.uuid4().hex[:8]}"
-        pool = MooncakeHostPool.connect(master.address, _geometry(name), namespace=namespace)
-        with pool:
-            out[name] = _measure(pool, name, repeats, memcpy,
-                                 _reader("mooncake", name, repeats, master=master.address, namespace=namespace))
+        keys = {"mooncake_master": master.address, "mooncake_namespace": f"bench-{uuid.uuid4().hex[:8]}"}
+        with _pool("mooncake", name, **keys) as pool:
+            out[name] = _measure(pool, name, repeats, memcpy, _reader("mooncake", name, repeats, **keys))
     return out
 
 
-def _memcache(stack: ExitStack, shapes) -> dict:
+def _memcache(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
     """Memcache's entry: its pool is built for real, in a process of its own (memcache_hybrid keeps
     one LocalService per process), against a real MetaService; where memcache_hybrid refuses to
     start (no Ascend driver), the entry is the reason it gave."""
-    from kvcore.backends import backend_problem
+    from poolbackends.registry import start_server
 
-    problem = backend_problem("memcache")
-    if problem is not None:
-        return {"available": False, "reason": problem}
-    from poolbackends.memcache_meta import MemcacheMetaService, MetaSettings
-
-    meta = MemcacheMetaService.start(MetaSettings())
+    meta = start_server("memcache")
     stack.callback(meta.stop)
     args = {"shape": shapes[0], "meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url}
     out = _child("memcache", args, "memcache probe")
@@ -190,6 +199,9 @@ def _memcache(stack: ExitStack, shapes) -> dict:
     if len(entries) != 1:
         raise RuntimeError(f"the memcache probe printed {len(entries)} entries: {out.strip()[-2000:]}")
     return json.loads(entries[0])
+
+
+MEASURES = {"kvoffload": _kvoffload, "memcache": _memcache, "mooncake": _mooncake}  # one per registry backend
 
 
 def _memcache_main(args: dict) -> None:
@@ -210,41 +222,12 @@ def _memcache_main(args: dict) -> None:
     print(json.dumps(entry))
 
 
-def _start_metastore(stack: ExitStack) -> str:
-    from kvoffload.ports import free_port_base
-    from kvoffload.stack import _bin
-    from kvoffload.stack_client import healthy
-
-    port = free_port_base((0,))
-    proc = subprocess.Popen([_bin("kvoffload-metastore"), "--host", "127.0.0.1", "--port", str(port),
-                             "--world-size", "16", "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    stack.callback(lambda: (proc.terminate(), proc.wait(timeout=10)))
-    deadline = time.monotonic() + 30
-    while not healthy(f"grpc://127.0.0.1:{port}"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"kvoffload-metastore did not start on port {port}: {proc.stderr.read()[-2000:]}")
-        time.sleep(0.1)
-    return f"127.0.0.1:{port}"
-
-
 def _read_main(args: dict) -> None:
-    """The reader process: its own client, ``get_into`` of the keys; prints the median seconds."""
+    """The reader process: its own pool of the backend, ``get_into`` of the keys; prints the median seconds."""
     name, keys = args["shape"], [bytes.fromhex(k) for k in args["keys"]]
     rows, row_bytes, _ = SHAPES[name]
     dst = torch.empty(len(keys), rows, row_bytes, dtype=torch.uint8)
-    if args["kind"] == "kvoffload":
-        from poolbackends.remotepool import RemoteHostPool
-
-        geometry = PoolGeometry(rows, (row_bytes,), 1)
-        pool = RemoteHostPool.create(args["target"], f"bench-reader-{uuid.uuid4().hex[:6]}",
-                                     f"kvoffload-bench-{uuid.uuid4().hex[:8]}", geometry)
-    else:
-        from poolbackends.mooncake import MooncakeHostPool
-
-        pool = MooncakeHostPool.connect(args["master"], PoolGeometry(rows, (row_bytes,), 1),
-                                        namespace=args["namespace"])
-    with pool:
+    with _pool(args["backend"], name, PoolGeometry(rows, (row_bytes,), 1), **args["store_keys"]) as pool:
         times = []
         for _ in range(args["repeats"]):
             t0 = time.perf_counter()

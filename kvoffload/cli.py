@@ -12,12 +12,13 @@ import argparse
 import os
 import sys
 
+from kvcore.poolregistry import EMBEDDED, STACK_POOLS  # light: names only, no backend is imported
 from svcruntime.tls import add_tls_arguments  # light: grpc is imported only when a channel is opened
 
 from kvoffload.cli_bench import BENCH_EXIT_STATUS, BENCHES, cmd_bench
 from kvoffload.cli_model import cmd_model_fetch, cmd_model_init
 from kvoffload.cli_plan import cmd_plan
-from kvoffload.cli_stack import ENGINES, MODES, POOLS, REFERENCE_MAX_MODEL_LEN, VLLM_MAX_MODEL_LEN, cmd_demo, cmd_up
+from kvoffload.cli_stack import ENGINES, MODES, REFERENCE_MAX_MODEL_LEN, VLLM_MAX_MODEL_LEN, cmd_demo, cmd_up
 from kvoffload.cli_trace import cmd_trace_record, cmd_trace_show
 
 
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
     bench.add_argument("--trace", metavar="NAME", help="run on a top-k trace (a synthetic preset overlap80/90/95 or "
                                                        "a recorded one), for benches that take one (e.g. decode)")
-    bench.add_argument("--pool", choices=("kvoffload", "mooncake"),
+    bench.add_argument("--pool", choices=STACK_POOLS,
                        help="the prefill's host-pool backend of the stack, for benches that take one (faults; "
                             "default kvoffload)")
     bench.set_defaults(func=cmd_bench)
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--max-model-len", type=int,
                          help=f"default {REFERENCE_MAX_MODEL_LEN}; with --engine vllm {VLLM_MAX_MODEL_LEN}")
         cmd.add_argument("--log-dir", help="where each service logs (default ~/.cache/kvoffload/logs)")
-        cmd.add_argument("--pool", choices=POOLS, default="kvoffload",
+        cmd.add_argument("--pool", choices=STACK_POOLS, default=EMBEDDED,
                          help="the prefill's host-pool backend: kvoffload (default: the embedded pool, indexed by "
                               "kvoffload-metastore) or mooncake (Mooncake Store: the stack runs a mooncake_master "
                               "on 127.0.0.1 instead of the metastore; needs scripts/install-mooncake); reference "

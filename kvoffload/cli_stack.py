@@ -8,13 +8,14 @@ import argparse
 import json
 import sys
 
+from kvcore.poolregistry import EMBEDDED, VLLM_POOLS
+
 ENGINES = ("reference", "vllm")
 # `up` / `demo` flags only the reference engine takes (argparse dest -> flag), and why not vLLM's
 REFERENCE_ONLY = {"tls_cert": "--tls-cert", "tls_key": "--tls-key", "tls_ca": "--tls-ca"}
 REFERENCE_ONLY_WHY = ("the vLLM connectors do not speak TLS to the metastore yet, and their store runs on backend "
                       "'kvoffload' only (docs/vllm.md)")
 MODES = ("pd", "offload-only")  # `up --mode` (== kvoffload.stack.MODES; not imported: --help stays light)
-POOLS = ("kvoffload", "mooncake")  # `up` / `demo --pool` (== kvoffload.stack.POOLS; not imported: --help stays light)
 REFERENCE_MAX_MODEL_LEN = 16384
 VLLM_MAX_MODEL_LEN = 4096  # kvoffload.vllm_stack.DEFAULT_MAX_MODEL_LEN (not imported here: --help stays light)
 
@@ -24,7 +25,7 @@ def _check_engine(args: argparse.Namespace) -> None:
     if args.engine != "vllm":
         return
     given = [flag for dest, flag in REFERENCE_ONLY.items() if getattr(args, dest, None) is not None]
-    if getattr(args, "pool", "kvoffload") != "kvoffload":
+    if getattr(args, "pool", EMBEDDED) not in VLLM_POOLS:
         given.append(f"--pool {args.pool}")
     if getattr(args, "mode", "pd") != "pd":
         given.append(f"--mode {args.mode}")

@@ -1,7 +1,8 @@
 """The fault suite's catalogue: the faults it injects, and the error each may give a request.
 
 ``FAULTS`` (a stack whose prefill pool the metastore indexes) and ``MOONCAKE_FAULTS`` (a prefill pool
-on Mooncake Store) weigh each fault kind in a randomized run. ``EXPECTED_ERRORS`` says what a request
+on Mooncake Store) weigh each fault kind in a randomized run; ``SERVER_FAULTS`` are the kills of a
+pool's server (its ``kvcore.poolregistry`` entry's stack service). ``EXPECTED_ERRORS`` says what a request
 a fault failed must have been told: the fault's status, and a message naming the service it hit
 (``peer_names``: how the proxy and the services name each one); ``wrong_error`` judges an error
 against it (any 50x is not enough).
@@ -12,8 +13,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvcore.poolregistry import POOL_BACKENDS
+
 from kvoffload.ports import DATA_PORT_OFFSET
 from kvoffload.stack import StackConfig
+
+# the fault that kill -9s the server of a stack's pool -> that service ("kill_metastore": "metastore")
+SERVER_FAULTS: dict[str, str] = {f"kill_{b.stack.service.replace('-', '_')}": b.stack.service
+                                  for b in POOL_BACKENDS.values() if b.stack}
 
 # fault -> relative weight in a randomized run
 FAULTS: dict[str, int] = {
@@ -43,7 +50,7 @@ MOONCAKE_FAULTS: dict[str, int] = {
     "overfill_decode": 1,
     "fill_host_pool": 1,
 }
-FAULTS_BY_POOL = {"kvoffload": FAULTS, "mooncake": MOONCAKE_FAULTS}
+FAULTS_BY_POOL = {"kvoffload": FAULTS, "mooncake": MOONCAKE_FAULTS}  # one per kvcore.poolregistry.STACK_POOLS
 
 
 def error_status(error: str) -> int | None:
@@ -88,8 +95,7 @@ EXPECTED_ERRORS: dict[str, ExpectedError] = {
     "stall_decode_short": ExpectedError(),  # READ_DONE only delayed: nothing fails
     "kill_decode": ExpectedError(frozenset({502, 503}), "decode"),
     "kill_prefill": ExpectedError(frozenset({502, 503}), "prefill"),
-    "kill_metastore": ExpectedError(frozenset({502}), "metastore"),
-    "kill_mooncake_master": ExpectedError(frozenset({502}), "mooncake"),
+    **{fault: ExpectedError(frozenset({502}), service) for fault, service in SERVER_FAULTS.items()},
     "kill_proxy": ExpectedError(frozenset({None}), "proxy"),
     "stall_decode_long": ExpectedError(frozenset({502}), "decode"),
     "stall_prefill_long": ExpectedError(frozenset({502}), "prefill"),
@@ -103,15 +109,15 @@ def peer_names(cfg: StackConfig) -> dict[str, tuple[str, ...]]:
     """How errors name each service of a one-prefill, one-decode stack ``cfg``: the proxy names a
     backend by role and URL ("decoder http://host:port"; "every decoder" when all refused), the
     services their peers by role and gRPC address ("prefill host:data_port", "decode
-    host:control_port") or role ("the decode did not read ..."); the metastore and Mooncake are
-    named by name. A broken connection to the proxy is named by the exception that says so."""
+    host:control_port") or role ("the decode did not read ..."); a pool's server (the metastore,
+    Mooncake) by the words of its ``kvcore.poolregistry`` entry. A broken connection to the proxy is
+    named by the exception that says so."""
     h, prefill, decode = cfg.host, cfg.prefill_ports[0], cfg.decode_ports[0]
     return {
         "decode": (f"http://{h}:{decode}", f"decode {h}:{cfg.decode_control_port(0)}", "the decode ",
                    "every decoder "),
         "prefill": (f"http://{h}:{prefill}", f"prefill {h}:{prefill + DATA_PORT_OFFSET}", "the prefill "),
-        "metastore": ("MetaStore", "metastore"),
-        "mooncake": ("Mooncake", "mooncake"),
+        **{b.stack.service: b.stack.named for b in POOL_BACKENDS.values() if b.stack},
         "proxy": ("RemoteDisconnected", "ConnectionResetError", "ConnectionRefusedError", "Connection refused",
                   "IncompleteRead", "BrokenPipeError", "the stream ended without data: [DONE]"),
     }

@@ -42,10 +42,10 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from kvoffload.fault_catalog import FAULTS_BY_POOL, peer_names, wrong_error
+from kvoffload.fault_catalog import FAULTS_BY_POOL, SERVER_FAULTS, peer_names, wrong_error
 from kvoffload.fault_tally import MissingStatsKey, RequestRecord, RunRecord, goal_met, held, summarize
 from kvoffload.ports import free_stack_ports
-from kvoffload.stack import MOONCAKE_MASTER, Stack, StackConfig, ensure_tiny_model
+from kvoffload.stack import Stack, StackConfig, ensure_tiny_model
 from kvoffload.stack_client import healthy, stack_stats
 
 PEER_TIMEOUT_S = 2.0
@@ -217,8 +217,8 @@ class FaultRunner:
         if fault == "none":
             return
         if fault.startswith("kill_"):
-            name = {"kill_decode": "decode-0", "kill_prefill": "prefill-0", "kill_metastore": "metastore",
-                    "kill_mooncake_master": MOONCAKE_MASTER, "kill_proxy": "proxy"}[fault]
+            name = {"kill_decode": "decode-0", "kill_prefill": "prefill-0", "kill_proxy": "proxy",
+                    **SERVER_FAULTS}[fault]
             s.signal(name, signal.SIGKILL)
             s.process(name).wait(10)  # gone for good before anyone restarts it
             return

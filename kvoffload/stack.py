@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STACK_POOLS
 from svcruntime.tls import TLSConfig
 from tqdm import tqdm
 
@@ -32,8 +33,8 @@ from kvoffload.stack_client import healthy
 
 DEFAULT_HOME = Path(os.environ.get("KVOFFLOAD_HOME", Path.home() / ".cache" / "kvoffload"))
 API_KEY_ENV = "KVOFFLOAD_API_KEY"  # the proxy's --api-key, passed in its environment (never on a command line)
-POOLS = ("kvoffload", "mooncake")  # StackConfig.pool / `kvoffload up --pool`: the prefill's host-pool backend
-MOONCAKE_MASTER = "mooncake-master"  # the service name (and log file) of the stack's mooncake_master
+METASTORE = POOL_BACKENDS[EMBEDDED].stack.service  # the service name (and log file) of the stack's metastore
+MOONCAKE_MASTER = POOL_BACKENDS["mooncake"].stack.service  # ... and of its mooncake_master (pool "mooncake")
 # StackConfig.mode / `kvoffload up --mode`: "pd" (prefill, decode, proxy) or "offload-only" (the seed's
 # first deployment: prefills with an AscendStoreConnector alone serve complete requests; no decode, no proxy)
 MODES = ("pd", "offload-only")
@@ -57,7 +58,7 @@ class StackConfig:
     service_args: dict[str, list[str]] = field(default_factory=dict)  # extra flags per service name
     tls: TLSConfig | None = None  # --tls-cert/--tls-key/--tls-ca for every gRPC service, and for the probes
     api_key: str | None = None  # the proxy requires "Authorization: Bearer KEY" (see auth_headers)
-    pool: str = "kvoffload"  # the prefill's host-pool backend, one of POOLS
+    pool: str = EMBEDDED  # the prefill's host-pool backend, one of kvcore.poolregistry.STACK_POOLS
     mooncake_port: int = 50051  # pool "mooncake": the master's RPC port
     mooncake_metrics_port: int = 9003  # ... and its metrics / admin /health port
     # the decodes are the data-parallel ranks of ONE decode deployment: one --kv-transfer-config
@@ -68,8 +69,8 @@ class StackConfig:
     mode: str = "pd"  # one of MODES; "offload-only": no decodes and no proxy (decode_ports, proxy_port unused)
 
     def __post_init__(self) -> None:
-        if self.pool not in POOLS:
-            raise ValueError(f"pool: got {self.pool!r}; must be one of {', '.join(map(repr, POOLS))}")
+        if self.pool not in STACK_POOLS:
+            raise ValueError(f"pool: got {self.pool!r}; must be one of {', '.join(map(repr, STACK_POOLS))}")
         if self.mode not in MODES:
             raise ValueError(f"mode: got {self.mode!r}; must be one of {', '.join(map(repr, MODES))}")
 
@@ -136,7 +137,7 @@ def _bin(name: str) -> str:
 def metastore_service(c: StackConfig) -> tuple[str, list[str], str]:
     """(name, argv, health URL) of the stack's metastore."""
     tls = c.tls.flags() if c.tls else []
-    return ("metastore", [_bin("kvoffload-metastore"), "--host", c.host, "--port", str(c.metastore_port),
+    return (METASTORE, [_bin("kvoffload-metastore"), "--host", c.host, "--port", str(c.metastore_port),
                           "--dram-size", f"{int(c.prefill_pool_gb * 1024)}MB", *tls],
             f"grpc://{c.host}:{c.metastore_port}")
 
@@ -150,6 +151,10 @@ def mooncake_master_service(c: StackConfig) -> tuple[str, list[str], str]:
     config = MasterConfig(host=c.host, rpc_port=c.mooncake_port, metrics_port=c.mooncake_metrics_port)
     return (MOONCAKE_MASTER, master_argv(find_master_binary(), config, c.mooncake_port, c.mooncake_metrics_port),
             f"http://{c.host}:{c.mooncake_metrics_port}/health")
+
+
+# how the stack runs the server of each pool it takes (kvcore.poolregistry.STACK_POOLS) on its ports
+POOL_SERVERS = {EMBEDDED: metastore_service, "mooncake": mooncake_master_service}
 
 
 def proxy_service(c: StackConfig) -> tuple[str, list[str], str]:
@@ -197,7 +202,7 @@ class Stack:
         common = ["--model", str(c.model), "--host", c.host, "--max-model-len", str(c.max_model_len),
                   "--block-size", str(c.block_size), *tls]
         mooncake = c.pool == "mooncake"
-        out = [mooncake_master_service(c) if mooncake else metastore_service(c)]
+        out = [POOL_SERVERS[c.pool](c)]
         index = [] if mooncake else ["--metastore", f"{c.host}:{c.metastore_port}"]  # mooncake: the master indexes
         master = c.mooncake_master if mooncake else None
         offload_only = c.mode == "offload-only"

@@ -7,6 +7,7 @@ The JSON users write (``--kv-transfer-config``, ``--additional-config``) and the
 - ``config``: the parse entry points (``parse_kv_transfer_config``, ``parse_additional_config``).
 - ``transferconfig``: ``KVTransferConfig`` and ``MultiConnectorConfig`` (``--kv-transfer-config``).
 - ``connectorconfig``: each connector's extra config (``StoreConnectorConfig``, ``D2HConnectorConfig``).
+- ``poolkeys``: each host-pool backend's keys in the store connector's extra config (typed models).
 - ``additionalconfig``: ``AdditionalConfig`` and its ``SparseKVOffloadConfig``.
 - ``confignames``: the names the JSON accepts (connectors, roles, backends, policies, keys).
 - ``configerrors``: ``ConfigError`` and the friendly messages of config problems.
@@ -35,6 +36,8 @@ Sparse decode:
 The host pool:
 
 - ``hostpool``: the ``HostPoolBackend`` interface, its hook map and the checks every backend applies.
+- ``poolregistry``: one entry per host-pool backend (name, keys, probe, factory, readiness, launcher),
+  read by config validation, the services, the stack, the fault suite and ``bench pool``.
 - ``localpool``: ``LocalHostPool``, the embedded backend.
 - ``poolgeometry``: ``PoolGeometry``, the shape of a pool; ``segment``: ``SharedSegment``, the named
   shared memory that holds it.

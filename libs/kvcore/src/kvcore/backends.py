@@ -1,17 +1,17 @@
 """Availability checks of the host-pool and P→D transfer backends named in user configs.
 
-``"kvoffload"`` (the embedded host pool / embedded P→D data path) runs everywhere.
-``"mooncake"`` (the host pool over Mooncake Store, ``poolbackends.mooncake``) runs wherever its
-Python module ``mooncake.store`` imports (wheel ``mooncake-transfer-engine-non-cuda`` plus
-Debian's ``libibverbs1``; no NPU needed); the mooncake_master it talks to is checked when the
-pool connects. ``"memcache"`` (the host pool over Memcache, ``poolbackends.memcache``) and
+The embedded ``"kvoffload"`` backends (host pool, P→D data path) run everywhere. Every other
+backend runs wherever the module its probe names imports (``ImportProbe``): a host-pool backend's
+probe is its ``kvcore.poolregistry`` entry's (``"mooncake"``: ``mooncake.store``, the wheel
+``mooncake-transfer-engine-non-cuda`` plus Debian's ``libibverbs1``, no NPU needed; its master is
+checked when the pool connects; ``"memcache"``: ``memcache_hybrid``), the transfer backend
 ``"memfabric"`` (the P→D layer pull over memfabric_hybrid's TransferEngine, ``pdlink.memfabric``)
-are available wherever ``memcache_hybrid`` / ``memfabric_hybrid`` import: whether their data path
-runs here (it needs an Ascend NPU driver) is decided by the adapter's own construction, the single
-source of truth, which fails with the library's reason at start-up. Services call
-``require_available`` at start-up: a backend that cannot run here is an error that says exactly
-why (missing module and how to install it) and names the embedded alternative, never a silent
-substitution. The import probe (``import_module``) is module-level so tests can replace it.
+needs ``memfabric_hybrid``. Whether the Ascend backends' data path runs here (it needs an Ascend NPU
+driver) is decided by the adapter's own construction, the single source of truth, which fails with
+the library's reason at start-up. Services call ``require_available`` at start-up: a backend that
+cannot run here is an error that says exactly why (missing module and how to install it) and names
+the embedded alternative, never a silent substitution. The import probe (``import_module``) is
+module-level so tests can replace it.
 """
 
 from __future__ import annotations
@@ -20,19 +20,13 @@ import importlib
 from types import ModuleType
 
 from kvcore.configerrors import ConfigError, describe_value
-from kvcore.confignames import STORE_BACKENDS, TRANSFER_BACKENDS
+from kvcore.confignames import TRANSFER_BACKENDS
+from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STORE_BACKENDS, ImportProbe
 
-EMBEDDED = "kvoffload"
 AVAILABLE = "available"
 
-# backend name -> Python module it needs (the embedded backend needs none)
-ASCEND_MODULES = {"memcache": "memcache_hybrid", "memfabric": "memfabric_hybrid"}
-MEMCACHE_INSTALL = "install Memcache: scripts/install-memcache (it runs `pip install memcache_hybrid==1.3.0`)"
 MEMFABRIC_INSTALL = "install MemFabric: scripts/install-memcache (it runs `pip install memfabric_hybrid==1.3.0`)"
-_INSTALL = {"memcache": MEMCACHE_INSTALL, "memfabric": MEMFABRIC_INSTALL}
-MOONCAKE_MODULE = "mooncake.store"
-MOONCAKE_INSTALL = ("install Mooncake Store: scripts/install-mooncake (it runs `apt-get install -y libibverbs1` and "
-                    "`pip install mooncake-transfer-engine-non-cuda==0.3.13.post1`)")
+_TRANSFER_PROBES = {"memfabric": ImportProbe("memfabric_hybrid", MEMFABRIC_INSTALL)}
 
 _ALTERNATIVES = {
     "backend": "use backend 'kvoffload' (the embedded host pool managed by kvoffload-metastore)",
@@ -63,21 +57,20 @@ def _failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _probe(name: str) -> ImportProbe | None:
+    pool = POOL_BACKENDS.get(name)
+    return pool.probe if pool is not None else _TRANSFER_PROBES.get(name)
+
+
 def backend_problem(name: str) -> str | None:
     """None when the backend ``name`` can run here, else the exact reason it cannot."""
-    if name == "mooncake":
-        try:
-            import_module(MOONCAKE_MODULE)
-        except Exception as exc:  # a missing libibverbs.so.1 is an ImportError too
-            return f"{MOONCAKE_MODULE} cannot be imported ({_failure(exc)}); {MOONCAKE_INSTALL}"
-        return None
-    module = ASCEND_MODULES.get(name)
-    if module is None:
+    probe = _probe(name)
+    if probe is None:
         return None
     try:
-        import_module(module)
-    except Exception as exc:  # a broken install raises more than ImportError (missing shared libraries)
-        return f"{module} cannot be imported ({_failure(exc)}); {_INSTALL[name]}"
+        import_module(probe.module)
+    except Exception as exc:  # a broken install raises more than ImportError (a missing libibverbs.so.1, ...)
+        return f"{probe.module} cannot be imported ({_failure(exc)}); {probe.install}"
     return None  # the adapter's construction says whether its data path runs here
 
 

@@ -15,7 +15,8 @@ from typing import Any, Union
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
-from kvcore.confignames import CONNECTORS, ROLES, STORE_BACKENDS
+from kvcore.confignames import CONNECTORS, ROLES
+from kvcore.poolregistry import STORE_BACKENDS
 
 Loc = tuple[Union[str, int], ...]
 Problem = tuple[Loc, str]

@@ -1,7 +1,8 @@
 """The names the two JSON options accept: connectors, roles, backends, data operations, policies and keys.
 
 Plain constants, importable without pydantic: ``kvcore.backends`` (which backends can run here),
-``kvcore.hotcache`` (the policies) and the services read them as well as the config models.
+``kvcore.hotcache`` (the policies) and the services read them as well as the config models. The
+host-pool backends' names are their ``kvcore.poolregistry`` entries' (``STORE_BACKENDS``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ D2H_CONNECTOR = "SfaRemoteD2HConnector"
 MULTI_CONNECTOR = "MultiConnector"
 CONNECTORS = (STORE_CONNECTOR, D2H_CONNECTOR, MULTI_CONNECTOR)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-STORE_BACKENDS = ("kvoffload", "memcache", "mooncake")
 TRANSFER_BACKENDS = ("kvoffload", "memfabric")
 # memfabric_hybrid.TransDataOpType members, lower-case (its TransferEngine's data operation; the
 # library's default is SDMA)

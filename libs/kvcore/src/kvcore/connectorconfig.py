@@ -1,6 +1,7 @@
 """``kv_connector_extra_config`` of each single connector: ``StoreConnectorConfig`` (the
 AscendStoreConnector: host KV pool and layerwise offload) and ``D2HConnectorConfig`` (the
-SfaRemoteD2HConnector: remote P→D device-to-host pull), with the keys that belong to one backend.
+SfaRemoteD2HConnector: remote P→D device-to-host pull), with the keys that belong to one backend
+(a host-pool backend's keys are its ``kvcore.poolregistry`` entry's model, in ``kvcore.poolkeys``).
 """
 
 from __future__ import annotations
@@ -12,23 +13,22 @@ from pydantic import BeforeValidator
 from kvcore.configerrors import Problem
 from kvcore.configfields import (
     StrictBool,
-    address,
     choice,
     host,
     independent_layers,
     int_rule,
-    namespace,
     positive_gib,
     positive_seconds,
 )
 from kvcore.configmodel import ConfigModel
-from kvcore.confignames import LAYERWISE_KEYS, MEMFABRIC_DATA_OPS, STORE_BACKENDS, TRANSFER_BACKENDS
+from kvcore.confignames import LAYERWISE_KEYS, MEMFABRIC_DATA_OPS, TRANSFER_BACKENDS
+from kvcore.poolregistry import POOL_BACKENDS, STORE_BACKENDS, key_models
+
+POOL_KEY_MODELS = key_models()  # backend name -> the model of its keys
 
 
-class StoreConnectorConfig(ConfigModel):
-    """``kv_connector_extra_config`` of an AscendStoreConnector (host KV pool + layerwise offload)."""
-
-    _ROOT: ClassVar[str] = "kv_connector_extra_config"
+class StoreCommonKeys(ConfigModel):
+    """The AscendStoreConnector's keys every backend shares."""
 
     backend: Annotated[str, choice(STORE_BACKENDS)]
     use_layerwise: StrictBool = False
@@ -37,39 +37,33 @@ class StoreConnectorConfig(ConfigModel):
         Union[Literal["all"], tuple[int, ...]], BeforeValidator(independent_layers)
     ] = (0,)
     layerwise_prefetch_layers: Annotated[int | None, int_rule(1, optional=True)] = None
-    # backend "kvoffload": the metastore indexing the pool (the reference prefill also takes --metastore)
-    metastore: Annotated[str | None, address("the kvoffload-metastore's address")] = None
-    # every backend: the host memory this node contributes (the reference prefill also takes --host-pool-gb)
+    # the host memory this node contributes (the reference prefill also takes --host-pool-gb)
     host_pool_gb: Annotated[float | None, BeforeValidator(positive_gib)] = None
-    # backend "mooncake": the mooncake_master, the key namespace pools share, the master's lease TTL
-    mooncake_master: Annotated[str | None, address("the mooncake_master's RPC address")] = None
-    mooncake_namespace: Annotated[str, BeforeValidator(namespace)] = "kvoffload"
-    mooncake_lease_ttl_ms: Annotated[int, int_rule(1)] = 5_000  # the master's --default_kv_lease_ttl
 
-    # keys that belong to one backend: key -> (that backend, what it is for); with another backend,
-    # giving one is an error. (``metastore`` is refused by "mooncake" only: a memcache config may
-    # carry it, as before, and is refused at start-up anyway.)
-    BACKEND_KEYS: ClassVar[dict[str, tuple[str, str]]] = {
-        "mooncake_master": ("mooncake", "the mooncake backend's master"),
-        "mooncake_namespace": ("mooncake", "the mooncake backend's key namespace"),
-        "mooncake_lease_ttl_ms": ("mooncake", "the mooncake backend's lease TTL"),
-        "metastore": ("kvoffload", "the kvoffload-metastore that indexes the embedded pool; the mooncake backend "
-                                   "keeps its index in the mooncake_master"),
-    }
+
+# pydantic lists the fields of the last base first: the common keys, then each backend's in registry
+# order. The bases come from the registry, so a type checker cannot see them.
+class StoreConnectorConfig(*reversed(POOL_KEY_MODELS.values()), StoreCommonKeys):  # type: ignore[misc]
+    """``kv_connector_extra_config`` of an AscendStoreConnector (host KV pool + layerwise offload)."""
+
+    _ROOT: ClassVar[str] = "kv_connector_extra_config"
 
     @classmethod
     def _raw_problems(cls, data: dict[str, Any]) -> list[Problem]:
-        backend = data.get("backend")
-        if backend not in STORE_BACKENDS:
+        """A backend's required keys, and the keys of other backends it does not tolerate."""
+        name = data.get("backend")
+        backend = POOL_BACKENDS.get(name) if isinstance(name, str) else None
+        if backend is None:
             return []  # the backend itself is reported
-        problems: list[Problem] = []
-        if backend == "mooncake" and data.get("mooncake_master") is None:
-            problems.append((("mooncake_master",), "required with backend 'mooncake'; must be \"HOST:PORT\" (the "
-                                                   "mooncake_master's RPC address, e.g. \"127.0.0.1:50051\")"))
-        for key, (owner, what) in cls.BACKEND_KEYS.items():
-            refused = backend != owner and (owner == "mooncake" or backend == "mooncake")
-            if data.get(key) is not None and refused:
-                problems.append(((key,), f"applies to backend {owner!r} only ({what}), not {backend!r}; remove it"))
+        problems: list[Problem] = [((key,), f"required with backend {backend.name!r}; {rule}")
+                                   for key, rule in backend.required.items() if data.get(key) is None]
+        for owner, model in POOL_KEY_MODELS.items():
+            if owner == backend.name:
+                continue
+            problems += [((key,), f"applies to backend {owner!r} only ({spec.description}), not {backend.name!r}; "
+                                  "remove it")
+                         for key, spec in model.model_fields.items()
+                         if data.get(key) is not None and key not in backend.tolerates]
         return problems
 
     def _own_warnings(self) -> list[Problem]:

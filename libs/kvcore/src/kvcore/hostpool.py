@@ -4,7 +4,8 @@ An *object* is one block of ``block_size`` tokens over every *plane* (one plane 
 layer: layer i main KV, layer i indexer keys, ...), keyed by ``bytes`` (``kvcore.blockkeys``).
 ``HostPoolBackend`` is the narrow object-store interface (shaped like memcache_hybrid / Mooncake
 Store) that callers use, with the checks every backend applies to its arguments (``check_keys``,
-``_as_block_bytes``) and the write-once rule (``check_same_bytes``). ``LocalHostPool``
+``_as_block_bytes``, ``check_open_segment``, ``check_positive``, ``check_count``), the lookup of keys
+in an index (``objects_of``) and the write-once rule (``check_same_bytes``). ``LocalHostPool``
 (``kvcore.localpool``) is the embedded backend over a ``SharedSegment``. A distributed backend
 replaces it without touching callers. Eviction policy is a separate object. Elsewhere:
 ``PoolGeometry`` in ``kvcore.poolgeometry``, ``SharedSegment`` in ``kvcore.segment``, the
@@ -90,6 +91,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -107,8 +109,10 @@ from kvcore.poolerrors import (  # noqa: F401 - the pool's error vocabulary, imp
     PoolFullError,
 )
 from kvcore.poolgeometry import PoolGeometry
+from kvcore.segment import SharedSegment
 
 MAX_KEY_BYTES = 512
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,6 +202,35 @@ def check_keys(keys: Sequence[bytes], *, unique: bool) -> list[bytes]:
         dup = next(k for i, k in enumerate(keys) if k in keys[:i])
         raise ValueError(f"keys must be unique in one call; {dup!r} repeats")
     return keys
+
+
+def check_open_segment(segment: object) -> None:
+    """ValueError unless ``segment`` is an open ``SharedSegment`` (what a pool's memory must be)."""
+    if not isinstance(segment, SharedSegment) or segment.closed:
+        raise ValueError("segment must be an open SharedSegment")
+
+
+def check_positive(name: str, value: object) -> None:
+    """ValueError naming ``name`` unless ``value`` > 0 (a timeout, an interval)."""
+    if not value > 0:  # type: ignore[operator]
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def check_count(name: str, value: object) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int >= 1 (bool rejected): a size, a TTL."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def objects_of(index: Mapping[bytes, T], keys: Sequence[bytes]) -> list[T]:
+    """What ``index`` holds for each key, in order; ``ObjectNotFound`` naming the first key it lacks."""
+    out = []
+    for k in keys:
+        entry = index.get(k)
+        if entry is None:
+            raise ObjectNotFound(f"no object for key {k!r}", key=k)
+        out.append(entry)
+    return out
 
 
 def _as_block_bytes(t: torch.Tensor, name: str, n: int, geometry: PoolGeometry, plane: int) -> torch.Tensor:

@@ -15,14 +15,22 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from kvcore.eviction import EvictionPolicy, LRUEviction
-from kvcore.hostpool import HostPoolBackend, PoolStats, _as_block_bytes, check_keys, check_same_bytes
+from kvcore.hostpool import (
+    HostPoolBackend,
+    PoolStats,
+    _as_block_bytes,
+    check_keys,
+    check_open_segment,
+    check_positive,
+    check_same_bytes,
+    objects_of,
+)
 from kvcore.leases import Lease, LeaseTable, LocalLease, check_ttl_ms
 from kvcore.poolerrors import (
     IncompleteObject,
     ObjectBusy,
     ObjectExists,
     ObjectLeased,
-    ObjectNotFound,
     PoolError,
     PoolFullError,
 )
@@ -48,12 +56,10 @@ class LocalHostPool(HostPoolBackend):
 
     def __init__(self, segment: SharedSegment, *, eviction: EvictionPolicy | None = None,
                  io_wait_timeout_s: float = 30.0, owns_segment: bool = False) -> None:
-        if not isinstance(segment, SharedSegment) or segment.closed:
-            raise ValueError("segment must be an open SharedSegment")
+        check_open_segment(segment)
         if eviction is not None and not isinstance(eviction, EvictionPolicy):
             raise ValueError(f"eviction must be an EvictionPolicy, got {type(eviction).__name__}")
-        if not io_wait_timeout_s > 0:
-            raise ValueError(f"io_wait_timeout_s must be > 0, got {io_wait_timeout_s}")
+        check_positive("io_wait_timeout_s", io_wait_timeout_s)
         g = segment.geometry
         self._segment = segment
         self._owns_segment = owns_segment
@@ -97,12 +103,7 @@ class LocalHostPool(HostPoolBackend):
 
     def _resolve(self, keys: list[bytes], *, plane: int | None = None) -> list[int]:
         """Block ids of existing objects; with ``plane``, that plane must be written too."""
-        ids = []
-        for k in keys:
-            bid = self._index.get(k)
-            if bid is None:
-                raise ObjectNotFound(f"no object for key {k!r}", key=k)
-            ids.append(bid)
+        ids = objects_of(self._index, keys)
         if plane is not None and ids:
             written = self._written[torch.tensor(ids, dtype=torch.long), plane].tolist()
             for k, ok in zip(keys, written):

@@ -52,10 +52,11 @@ import torch
 from kvcore.config import parse_kv_transfer_config
 from kvcore.configerrors import ConfigError
 from kvcore.confignames import STORE_CONNECTOR
-from kvcore.hostpool import ObjectExists, PoolError
+from kvcore.hostpool import HostPoolBackend, ObjectExists, PoolError
+from kvcore.poolregistry import VLLM_POOLS
 from kvcore.segment import sweep_stale_segments
 from poolbackends.client import MetaStoreClient
-from poolbackends.remotepool import RemoteHostPool
+from poolbackends.registry import PoolRequest, open_pool
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -109,9 +110,9 @@ def store_config(vllm_config: "VllmConfig"):
     if parsed.kv_connector != STORE_CONNECTOR or store is None:
         raise ConfigError([f"kv_transfer_config.kv_connector: got {kv.kv_connector!r}; this class is "
                            f"{STORE_CONNECTOR}"])
-    if store.backend != "kvoffload":
+    if store.backend not in VLLM_POOLS:
         raise ConfigError([f"kv_connector_extra_config.backend: got {store.backend!r}; inside vLLM the store "
-                           "runs on 'kvoffload' (the memcache adapter does not exist yet)"])
+                           f"runs on {', '.join(map(repr, VLLM_POOLS))} (the memcache adapter does not exist yet)"])
     if not store.metastore:
         raise ConfigError(["kv_connector_extra_config.metastore: missing; the AscendStoreConnector needs the "
                            "kvoffload-metastore's HOST:PORT (start one with `kvoffload-metastore`)"])
@@ -153,7 +154,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             self._client = MetaStoreClient(self._store.metastore, timeout_s=METASTORE_TIMEOUT_S)
             self._planner = StorePlanner(self.model_id, self._block_size)
         else:
-            self._pool: RemoteHostPool | None = None
+            self._pool: HostPoolBackend | None = None
             self._layout: CacheLayout | None = None
             self._caches: dict[str, torch.Tensor] = {}
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-save")
@@ -214,10 +215,10 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
         geometry = self._layout.geometry(int(pool_gb * 2**30))
         sweep_stale_segments()
         tag = uuid.uuid4().hex[:8]
-        self._pool = RemoteHostPool.create(self._store.metastore, f"vllm-{os.getpid()}-{tag}",
-                                           f"kvoffload-vllm-pool-{tag}", geometry, replace=True, rejoin=True,
-                                           timeout_s=METASTORE_TIMEOUT_S)
-        log.info("kvoffload_pool_registered", pool_id=self._pool.pool_id, layers=len(self._layer_order),
+        pool_id = f"vllm-{os.getpid()}-{tag}"  # the store config's metastore indexes it (store_config)
+        self._pool = open_pool(PoolRequest(self._store, geometry, f"kvoffload-vllm-pool-{tag}", pool_id,
+                                           timeout_s=METASTORE_TIMEOUT_S))
+        log.info("kvoffload_pool_registered", pool_id=pool_id, layers=len(self._layer_order),
                  block_bytes=self._layout.block_bytes, objects=geometry.num_blocks, host_pool_gb=pool_gb)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:

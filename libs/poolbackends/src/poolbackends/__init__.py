@@ -1,7 +1,10 @@
 """poolbackends: the host-pool backends beyond the embedded ``kvcore.localpool.LocalHostPool``: the pool
 whose index lives in a kvoffload-metastore, or on an existing distributed store (Mooncake Store,
-Memcache), and the launchers of their servers.
+Memcache), and the launchers of their servers. Each backend is one ``kvcore.poolregistry`` entry whose
+hooks (``open_pool``, ``pool_not_ready``, the launcher) live in its module here.
 
+- ``registry``: runs an entry's hooks: ``open_pool`` (with a ``PoolRequest``; ``PoolOpenError``),
+  ``readiness``, ``start_server``.
 - ``errors``: the registry errors (``PoolNotRegistered``, ``PoolConflict``, ``WorldSizeExceeded``,
   ``NoPoolRegistered``) and ``MetaStoreUnavailable``; object errors are kvcore's.
 - ``records``: the immutable records the MetaStore hands out (``PoolRecord``, ``Location``,
@@ -11,15 +14,18 @@ Memcache), and the launchers of their servers.
 - ``client``: ``MetaStoreClient`` and its ``RemoteLease``.
 - ``membership``: a pool's registration, heartbeats and re-join after a MetaStore restart.
 - ``remotepool``: ``RemoteHostPool``, the ``kvcore.hostpool.HostPoolBackend`` over that index.
+- ``embedded``: backend ``"kvoffload"``: a ``RemoteHostPool`` with a metastore, else a ``LocalHostPool``;
+  ``metastore_server`` (starts a ``kvoffload-metastore``) serves it.
 - ``storepool``: ``StoreHostPool``, a ``kvcore.localpool.LocalHostPool`` whose complete objects are also
   kept in an existing distributed store (the base of the next two); ``serverprocess``: a child server
   process (start until healthy, stop, kill, restart; the base of the launchers below).
-- ``mooncake``: ``MooncakeHostPool``, a ``StoreHostPool`` whose objects are shared
-  through Mooncake Store instead; ``mooncake_objects`` (its objects in the store), ``mooncake_store``
-  (the store client) and ``mooncake_master`` (starts a ``mooncake_master``) serve it.
-- ``memcache``: ``MemcacheHostPool``, a ``StoreHostPool`` over Memcache (``memcache_hybrid``);
-  ``memcache_client`` (a LocalService, its start-up errors), ``memcache_conf`` (the seed's
-  ``mmc-meta.conf`` / ``mmc-local.conf`` keys) and ``memcache_meta`` (starts a MetaService) serve it.
+- ``mooncake``: backend ``"mooncake"``, ``MooncakeHostPool``, a ``StoreHostPool`` whose objects are
+  shared through Mooncake Store instead; ``mooncake_objects`` (its objects in the store),
+  ``mooncake_store`` (the store client) and ``mooncake_master`` (starts a ``mooncake_master``) serve it.
+- ``memcache``: backend ``"memcache"``, ``MemcacheHostPool``, a ``StoreHostPool`` over Memcache
+  (``memcache_hybrid``); ``memcache_client`` (a LocalService, its start-up errors), ``memcache_conf``
+  (the seed's ``mmc-meta.conf`` / ``mmc-local.conf`` keys) and ``memcache_meta`` (starts a
+  MetaService) serve it.
 """
 
 __version__ = "0.1.0"

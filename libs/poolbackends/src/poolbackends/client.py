@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-from kvcore.hostpool import ObjectExists, PoolFullError, PoolStats
+from kvcore.hostpool import ObjectExists, PoolFullError, PoolStats, check_positive
 from kvcore.leases import check_ttl_ms
 from kvcore.poolgeometry import PoolGeometry
 from kvoffload_proto.v1 import metastore_pb2 as pb
@@ -99,8 +99,7 @@ class MetaStoreClient:
                  channel: grpc.Channel | None = None, tls: Any = PROCESS) -> None:
         """``tls``: a ``svcruntime.tls.TLSConfig`` for the channel, None for plain gRPC; by default the
         process's (``svcruntime.tls.configure``). Ignored when ``channel`` is given."""
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        check_positive("timeout_s", timeout_s)
         self.target = target
         self.pool_id = pool_id
         self.timeout_s = timeout_s

@@ -25,6 +25,9 @@ Leases. Local leases are ``LocalHostPool``'s. A lease on keys held only in Memca
 Memcache's read lease for the same TTL (``batch_add_lease``), so their owner cannot remove them
 meanwhile; it is not released early (it ends with its TTL). A failed Memcache call raises
 ``MemcacheStoreError`` (a ``PoolError``) with the library's code and the key.
+
+As backend ``"memcache"`` of ``kvcore.poolregistry``: ``open_pool`` (the LocalService of the
+request's mmc-local.conf).
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ import dataclasses
 
 import structlog
 import torch
-from kvcore.eviction import EvictionPolicy
-from kvcore.hostpool import ObjectNotFound
+from kvcore.eviction import EvictionPolicy, LRUEviction
+from kvcore.hostpool import ObjectNotFound, PoolError
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
 
 from poolbackends.memcache_client import MemcacheClient, MemcacheStoreError, MemcacheUnavailable  # noqa: F401
 from poolbackends.memcache_conf import LocalSettings
+from poolbackends.memcache_meta import MemcacheNotInstalled
+from poolbackends.registry import PoolOpenError, PoolRequest
 from poolbackends.storepool import StoreHostPool, store_bytes_for
 
 log = structlog.get_logger(__name__)
@@ -186,3 +191,15 @@ class MemcacheHostPool(StoreHostPool):
     def __repr__(self) -> str:
         return (f"MemcacheHostPool({self.pool_id[:8]}, meta={self._client.meta_service_url!r}, "
                 f"namespace={self.namespace!r}, {'closed' if self._closed else 'open'})")
+
+
+def open_pool(request: PoolRequest) -> MemcacheHostPool:
+    """The pool of ``request`` on a LocalService started from ``request.local_config``;
+    ``PoolOpenError`` naming the cause where its data path cannot start (no Ascend driver), the
+    wheel is missing or the conf is bad (never the embedded pool instead)."""
+    try:
+        pool = MemcacheHostPool.connect(request.geometry, local_config=request.local_config, eviction=LRUEviction())
+    except (PoolError, MemcacheUnavailable, MemcacheNotInstalled, ValueError) as e:
+        raise PoolOpenError(str(e)) from None
+    log.info("memcache_pool_connected", meta=pool.client.meta_service_url, pool=repr(pool))
+    return pool

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvcore.hostpool import check_count
 from kvcore.mmcconf import DRAM_KEY, parse_size_bytes, read_conf
 
 META_URL_KEY = "ock.mmc.meta_service_url"
@@ -150,12 +151,8 @@ class LocalSettings:
         parse_url(self.config_store_url, "config_store_url")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
-        if not isinstance(self.dram_bytes, int) or self.dram_bytes < 1:
-            raise ValueError(f"dram_bytes must be an int >= 1, got {self.dram_bytes!r}")
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
-        if not isinstance(self.client_timeout_s, int) or self.client_timeout_s < 1:
-            raise ValueError(f"client_timeout_s must be an int >= 1, got {self.client_timeout_s!r}")
+        for name in ("dram_bytes", "world_size", "client_timeout_s"):
+            check_count(name, getattr(self, name))
         mmc_log_level(self.log_level)
 
     def conf_text(self) -> str:

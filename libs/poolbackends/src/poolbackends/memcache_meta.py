@@ -29,6 +29,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from kvcore.hostpool import check_count, check_positive
+
 from poolbackends.memcache_conf import MetaUrls, meta_conf_text, meta_urls
 from poolbackends.serverprocess import ServerProcess, free_port, port_answers
 
@@ -66,10 +68,8 @@ class MetaSettings:
             if not isinstance(v, int) or not (v == 0 or 1025 <= v <= 65535):
                 raise ValueError(f"{name} must be 0 (a free port) or a port in 1025..65535 (Memcache's range), "
                                  f"got {v!r}")
-        if not isinstance(self.lease_ttl_ms, int) or self.lease_ttl_ms < 1:
-            raise ValueError(f"lease_ttl_ms must be an int >= 1, got {self.lease_ttl_ms!r}")
-        if not self.start_timeout_s > 0:
-            raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s!r}")
+        check_count("lease_ttl_ms", self.lease_ttl_ms)
+        check_positive("start_timeout_s", self.start_timeout_s)
         if self.meta_config is not None and not os.path.isfile(self.meta_config):
             raise ValueError(f"meta_config {self.meta_config!r} is not a file")
 

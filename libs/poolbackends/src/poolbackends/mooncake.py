@@ -48,6 +48,10 @@ store (``mooncake_objects.StoreObjects.read_into``), so the next requests comput
 Construction without the wheel or ``libibverbs1``
 raises ``MooncakeNotInstalled`` saying what to install; without a master it raises within
 ``connect_timeout_s``.
+
+As backend ``"mooncake"`` of ``kvcore.poolregistry``: ``open_pool`` (a pool of its own client of the
+store config's ``mooncake_master``) and ``pool_not_ready`` (the master's port answers, and
+``not_ready``).
 """
 
 from __future__ import annotations
@@ -56,18 +60,21 @@ import threading
 
 import structlog
 import torch
-from kvcore.eviction import EvictionPolicy
-from kvcore.hostpool import PoolError
+from kvcore.eviction import EvictionPolicy, LRUEviction
+from kvcore.hostpool import PoolError, check_positive
 from kvcore.leases import check_ttl_ms
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
 
+from poolbackends.mooncake_master import MooncakeNotInstalled, port_answers
 from poolbackends.mooncake_objects import StoreObjects
 from poolbackends.mooncake_store import MooncakeStore, MooncakeStoreError
+from poolbackends.registry import PoolOpenError, PoolRequest
 from poolbackends.storepool import StoreHostPool, store_bytes_for
 
 log = structlog.get_logger(__name__)
 
+PROBE_TIMEOUT_S = 0.5  # readiness: the master's RPC port accepts a connection within this
 segment_bytes_for = store_bytes_for  # a store segment that holds every object of a geometry
 
 
@@ -88,8 +95,7 @@ class MooncakeHostPool(StoreHostPool):
         if not isinstance(store, MooncakeStore):
             raise ValueError(f"store must be a connected MooncakeStore, got {type(store).__name__}")
         check_ttl_ms(store_lease_ttl_ms)
-        if not keeper_interval_s > 0:
-            raise ValueError(f"keeper_interval_s must be > 0, got {keeper_interval_s}")
+        check_positive("keeper_interval_s", keeper_interval_s)
         self._store, self._owns_store = store, owns_store
         self._store_lease_ttl_ms = store_lease_ttl_ms
         super().__init__(geometry, prefix="mooncake", namespace=namespace, eviction=eviction,
@@ -235,3 +241,29 @@ class MooncakeHostPool(StoreHostPool):
     def __repr__(self) -> str:
         return (f"MooncakeHostPool({self.pool_id[:8]}, master={self._store.master!r}, namespace={self.namespace!r}, "
                 f"{'closed' if self._closed else 'open'})")
+
+
+def open_pool(request: PoolRequest) -> MooncakeHostPool:
+    """The pool of ``request`` on its own client of the store config's ``mooncake_master`` (namespace
+    and lease TTL from the config), reachable by peers at ``request.host``; ``PoolOpenError`` when the
+    wheel is missing or the master does not answer within ``request.timeout_s``."""
+    store = request.store
+    try:
+        pool = MooncakeHostPool.connect(store.mooncake_master, request.geometry, namespace=store.mooncake_namespace,
+                                        eviction=LRUEviction(), store_lease_ttl_ms=store.mooncake_lease_ttl_ms,
+                                        connect_timeout_s=request.timeout_s, local_hostname=request.host)
+    except (PoolError, MooncakeNotInstalled) as e:
+        raise PoolOpenError(str(e)) from None
+    log.info("mooncake_pool_connected", master=store.mooncake_master, namespace=store.mooncake_namespace,
+             pool=repr(pool))
+    return pool
+
+
+def pool_not_ready(pool: MooncakeHostPool) -> str:
+    """Why the pool cannot serve now ("" when it can): its mooncake_master does not answer, or the
+    pool's upkeep failed (``MooncakeHostPool.not_ready``)."""
+    host, _, port = pool.store.master.rpartition(":")
+    if not port_answers(host, int(port), PROBE_TIMEOUT_S):
+        return (f"the mooncake_master at {pool.store.master} does not answer (down or restarting): the host "
+                f"pool cannot reach Mooncake Store")
+    return pool.not_ready()  # e.g. re-putting its objects after a master restart

@@ -26,6 +26,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from kvcore.hostpool import check_count, check_positive
+
 from poolbackends.serverprocess import ServerProcess, free_port, port_answers
 
 __all__ = ["INSTALL_HINT", "MasterConfig", "MooncakeMaster", "MooncakeMasterError", "MooncakeNotInstalled",
@@ -62,12 +64,9 @@ class MasterConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or not 0 <= v < 65536:
                 raise ValueError(f"{name} must be a port number 0..65535 (0: a free one), got {v!r}")
-        if not isinstance(self.kv_lease_ttl_ms, int) or self.kv_lease_ttl_ms < 1:
-            raise ValueError(f"kv_lease_ttl_ms must be an int >= 1, got {self.kv_lease_ttl_ms!r}")
-        if not isinstance(self.client_ttl_s, int) or self.client_ttl_s < 1:
-            raise ValueError(f"client_ttl_s must be an int >= 1, got {self.client_ttl_s!r}")
-        if not self.start_timeout_s > 0:
-            raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s!r}")
+        check_count("kv_lease_ttl_ms", self.kv_lease_ttl_ms)
+        check_count("client_ttl_s", self.client_ttl_s)
+        check_positive("start_timeout_s", self.start_timeout_s)
 
 
 def find_master_binary(binary: str | None = None) -> str:

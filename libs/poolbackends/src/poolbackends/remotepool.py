@@ -61,6 +61,8 @@ from kvcore.hostpool import (
     PoolStats,
     _as_block_bytes,
     check_keys,
+    check_open_segment,
+    check_positive,
     check_same_bytes,
 )
 from kvcore.leases import check_ttl_ms
@@ -88,11 +90,9 @@ class RemoteHostPool(HostPoolBackend):
                  rejoin: bool = False) -> None:
         if not isinstance(client, MetaStoreClient) or not client.pool_id:
             raise ValueError("client must be a MetaStoreClient built with pool_id=<this pool's id>")
-        if not isinstance(segment, SharedSegment) or segment.closed:
-            raise ValueError("segment must be an open SharedSegment")
+        check_open_segment(segment)
         check_ttl_ms(copy_lease_ttl_ms)
-        if not io_wait_timeout_s > 0:
-            raise ValueError(f"io_wait_timeout_s must be > 0, got {io_wait_timeout_s}")
+        check_positive("io_wait_timeout_s", io_wait_timeout_s)
         self._client = client
         self._segment = segment
         self.pool_id: str = client.pool_id

@@ -12,6 +12,7 @@ import structlog
 from kvcore.backends import require_available
 from kvcore.configerrors import ConfigError
 from kvcore.mmcconf import LOCAL_ENV, local_dram_size
+from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS
 from kvcore.prefillsettings import PrefillSettings, prefill_settings
 from svcruntime.flags import add_model_service_flags, add_process_flags, add_shared_flag
 
@@ -78,7 +79,9 @@ def pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None = 
     different is an error naming both. The pool size (``args.host_pool_bytes``), by one rule:
     --host-pool-gb / host_pool_gb > ``ock.mmc.local_service.dram.size`` of the mmc-local.conf named
     by --local-config or $MMC_LOCAL_CONFIG_PATH > 1 GiB; ``args.host_pool_source`` names the winner
-    and ``args.host_pool_overrides`` the sources it overrode (for the start-up log line)."""
+    and ``args.host_pool_overrides`` the sources it overrode (for the start-up log line). A backend
+    that keeps its index elsewhere refuses --metastore, and one that needs an mmc-local.conf
+    (``kvcore.poolregistry``) gets it in ``args.pool_local_config``."""
     sources = []
     for flag, attr in (("--metastore", "metastore"), ("--host-pool-gb", "host_pool_gb")):
         given, configured = getattr(args, attr), getattr(store, attr)
@@ -89,20 +92,15 @@ def pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None = 
         if attr == "host_pool_gb" and args.host_pool_gb is not None:
             named = flag if given is not None else f"kv_connector_extra_config.{attr}"
             sources.append((int(args.host_pool_gb * 2**30), named))
-    if store.backend == "mooncake" and args.metastore is not None:
-        raise ConfigError([f"--metastore {args.metastore}: applies to backend 'kvoffload' only; backend 'mooncake' "
-                           "keeps its objects in the mooncake_master (kv_connector_extra_config.mooncake_master)"])
+    backend = POOL_BACKENDS[store.backend]
+    if backend.index and args.metastore is not None:
+        raise ConfigError([f"--metastore {args.metastore}: applies to backend {EMBEDDED!r} only; backend "
+                           f"{backend.name!r} {backend.index}"])
     env = os.environ if env is None else env
-    args.memcache_local_config = getattr(args, "local_config", None) or env.get(LOCAL_ENV)
-    if store.backend == "memcache":
-        if args.metastore is not None:
-            raise ConfigError([f"--metastore {args.metastore}: applies to backend 'kvoffload' only; backend "
-                               "'memcache' reads its MetaService from the mmc-local.conf (--local-config or "
-                               f"${LOCAL_ENV})"])
-        if not args.memcache_local_config:
-            raise ConfigError([f"backend 'memcache': needs the LocalService's mmc-local.conf (its "
-                               "ock.mmc.meta_service_url, ock.mmc.local_service.config_store_url, protocol and "
-                               f"dram.size): give --local-config or set ${LOCAL_ENV}"])
+    args.pool_local_config = getattr(args, "local_config", None) or env.get(LOCAL_ENV)
+    if backend.local_config and not args.pool_local_config:
+        raise ConfigError([f"backend {backend.name!r}: {backend.local_config}: give --local-config or set "
+                           f"${LOCAL_ENV}"])
     try:
         dram = local_dram_size(getattr(args, "local_config", None), env)
     except ValueError as e:

@@ -87,7 +87,8 @@ def _serve_pd(args: argparse.Namespace, tls, model, tokenizer, settings: Prefill
         followers=ranks.followers if ranks else None)
     follower_buffers = _follower_buffers(ranks, engine, tag) if ranks else []
     engine.plan.log()
-    not_ready = (lambda: ranks.not_ready() or pool_not_ready(pool)) if ranks else (lambda: pool_not_ready(pool))
+    not_ready = (lambda: ranks.not_ready() or pool_not_ready(settings.store, pool)) if ranks else \
+        (lambda: pool_not_ready(settings.store, pool))
     grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _stats(worker, ledger), workers=8,
                          not_ready=not_ready)
     data_port = grpc_side.add_port(f"{args.host}:{args.data_port}", tls)
@@ -134,9 +135,10 @@ def _serve_offload_only(args: argparse.Namespace, tls, model, tokenizer, setting
     engine.prefill.plan.log()
     loop = GenerateLoop(engine)
     grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _offload_stats(loop), workers=2,
-                         not_ready=lambda: pool_not_ready(pool))
+                         not_ready=lambda: pool_not_ready(settings.store, pool))
     data_port = grpc_side.add_port(f"{args.host}:{args.data_port}", tls)
-    app = build_offload_app(loop, tokenizer, model_id, args.max_model_len, not_ready=lambda: pool_not_ready(pool))
+    app = build_offload_app(loop, tokenizer, model_id, args.max_model_len,
+                            not_ready=lambda: pool_not_ready(settings.store, pool))
     grpc_side.start()
     log.info("serving", mode="offload-only", http=f"{args.host}:{args.port}", data_port=data_port, model=model_id,
              plan=engine.prefill.plan.log_line(), backend=settings.store.backend, max_num_seqs=args.max_num_seqs,

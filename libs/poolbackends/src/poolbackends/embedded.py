@@ -1,0 +1,29 @@
+"""Backend ``"kvoffload"`` (the embedded host pool), as its ``kvcore.poolregistry`` entry opens it:
+indexed by the kvoffload-metastore of the store config's ``metastore`` (a ``RemoteHostPool``), or
+without one in this process (a ``kvcore.localpool.LocalHostPool``)."""
+
+from __future__ import annotations
+
+from kvcore.eviction import LRUEviction
+from kvcore.hostpool import HostPoolBackend
+from kvcore.localpool import LocalHostPool
+
+from poolbackends.registry import PoolRequest
+from poolbackends.remotepool import RemoteHostPool
+
+
+def open_pool(request: PoolRequest) -> HostPoolBackend:
+    """The embedded pool of ``request``: registered with the metastore as ``request.pool_id`` (a stale
+    segment or registration of the same name is replaced, and a restarted metastore gets the pool
+    registered again rather than retiring it), or kept in this process without a metastore."""
+    metastore = request.store.metastore
+    if not metastore:
+        return LocalHostPool.create(request.name, request.geometry, eviction=LRUEviction())
+    return RemoteHostPool.create(metastore, request.pool_id, request.name, request.geometry, replace=True,
+                                 rejoin=True, timeout_s=request.timeout_s)
+
+
+def pool_not_ready(pool: HostPoolBackend) -> str:
+    """Why the pool cannot serve now ("" when it can): a ``RemoteHostPool`` not registered with the
+    metastore, or a metastore that does not answer; a ``LocalHostPool`` is always ready."""
+    return pool.not_ready() if isinstance(pool, RemoteHostPool) else ""
