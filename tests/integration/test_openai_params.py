@@ -15,6 +15,7 @@ import pytest
 
 from dsamodel.tokenizer import ByteTokenizer
 from kvoffload.ports import free_stack_ports
+from kvoffload.sse import sse_events
 from kvoffload.stack import Stack, StackConfig
 from kvoffload.stack_client import post_json
 from openai_api.request import sampling_params
@@ -85,14 +86,9 @@ def _post(stack, path: str, body: dict) -> tuple[int, dict]:
 def _stream(stack, path: str, body: dict) -> list[dict]:
     req = urllib.request.Request(f"{stack.url}{path}", data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"Content-Type": "application/json"})
-    events = []
     with urllib.request.urlopen(req, timeout=120) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                events.append(event)
+        events = list(sse_events(resp))
+    assert all("error" not in event for event in events), events
     return events
 
 
