@@ -41,6 +41,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 
 import torch
+
 from kvcore.poolgeometry import PoolGeometry
 
 SHAPES = {"kv_block": (64, 576, 512), "1mib": (64, 16384, 32)}  # name -> (rows, row bytes, objects per batch)
@@ -92,7 +93,8 @@ def _memcpy_gbps(name: str, repeats: int) -> float:
     return src.numel() / statistics.median(times) / 1e9
 
 
-def _measure(pool, name: str, repeats: int, memcpy: dict, read_elsewhere: Callable[[list[bytes]], float] | None) -> dict:
+def _measure(pool, name: str, repeats: int, memcpy: dict,
+             read_elsewhere: Callable[[list[bytes]], float] | None) -> dict:
     """put / get (and the cross-process get) of one shape on one pool."""
     src = _batch(name, 1)
     nbytes = src.numel()
@@ -173,7 +175,7 @@ def _mooncake(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
 
     try:
         master = start_server("mooncake")
-    except Exception as exc:  # not installed here (scripts/install-mooncake), or the master cannot start
+    except Exception as exc:  # noqa: BLE001 - not installed here (scripts/install-mooncake), or the master cannot start
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
     stack.callback(master.stop)
     out = {"available": True, "master": master.address, "transport": "tcp (loopback)"}

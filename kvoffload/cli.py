@@ -13,13 +13,12 @@ import os
 import sys
 
 from kvcore.poolregistry import EMBEDDED, STACK_POOLS  # light: names only, no backend is imported
-from svcruntime.tls import add_tls_arguments  # light: grpc is imported only when a channel is opened
-
 from kvoffload.cli_bench import BENCH_EXIT_STATUS, BENCHES, cmd_bench
 from kvoffload.cli_model import cmd_model_fetch, cmd_model_init
 from kvoffload.cli_plan import cmd_plan
 from kvoffload.cli_stack import ENGINES, MODES, REFERENCE_MAX_MODEL_LEN, VLLM_MAX_MODEL_LEN, cmd_demo, cmd_up
 from kvoffload.cli_trace import cmd_trace_record, cmd_trace_show
+from svcruntime.tls import add_tls_arguments  # light: grpc is imported only when a channel is opened
 
 
 def build_parser() -> argparse.ArgumentParser:

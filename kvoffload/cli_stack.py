@@ -43,7 +43,6 @@ def stack_config(args: argparse.Namespace):
     from pathlib import Path
 
     from kvoffload.stack import DEFAULT_HOME, StackConfig, ensure_tiny_model
-
     from svcruntime.tls import from_args
 
     _check_engine(args)

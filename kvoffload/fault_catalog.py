@@ -14,7 +14,6 @@ import re
 from dataclasses import dataclass
 
 from kvcore.poolregistry import POOL_BACKENDS
-
 from kvoffload.ports import DATA_PORT_OFFSET
 from kvoffload.stack import StackConfig
 

@@ -22,14 +22,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STACK_POOLS
-from svcruntime.tls import TLSConfig
 from tqdm import tqdm
 
-from kvoffload.connector_configs import (decode_additional_config, decode_kv_transfer_config,
-                                         offload_only_kv_transfer_config, prefill_kv_transfer_config)
+from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STACK_POOLS
+from kvoffload.connector_configs import (
+    decode_additional_config,
+    decode_kv_transfer_config,
+    offload_only_kv_transfer_config,
+    prefill_kv_transfer_config,
+)
 from kvoffload.ports import DATA_PORT_OFFSET
 from kvoffload.stack_client import healthy
+from svcruntime.tls import TLSConfig
 
 DEFAULT_HOME = Path(os.environ.get("KVOFFLOAD_HOME", Path.home() / ".cache" / "kvoffload"))
 API_KEY_ENV = "KVOFFLOAD_API_KEY"  # the proxy's --api-key, passed in its environment (never on a command line)

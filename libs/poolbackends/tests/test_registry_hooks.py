@@ -7,13 +7,13 @@ from __future__ import annotations
 import uuid
 
 import pytest
+
 from kvcore.connectorconfig import StoreConnectorConfig
 from kvcore.localpool import LocalHostPool
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.poolregistry import POOL_BACKENDS, load
-
-from poolbackends.metastore_server import MetastoreError, MetastoreServer, MetastoreSettings
 from poolbackends import registry
+from poolbackends.metastore_server import MetastoreError, MetastoreServer, MetastoreSettings
 from poolbackends.registry import PoolOpenError, PoolRequest, open_pool, readiness, start_server
 from poolbackends.remotepool import RemoteHostPool
 from poolbackends.serverprocess import ServerProcess

@@ -69,7 +69,7 @@ def backend_problem(name: str) -> str | None:
         return None
     try:
         import_module(probe.module)
-    except Exception as exc:  # a broken install raises more than ImportError (a missing libibverbs.so.1, ...)
+    except Exception as exc:  # noqa: BLE001 - a broken install raises more than ImportError (a missing .so)
         return f"{probe.module} cannot be imported ({_failure(exc)}); {probe.install}"
     return None  # the adapter's construction says whether its data path runs here
 

@@ -6,7 +6,7 @@ SfaRemoteD2HConnector: remote P→D device-to-host pull), with the keys that bel
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator
 
@@ -34,7 +34,7 @@ class StoreCommonKeys(ConfigModel):
     use_layerwise: StrictBool = False
     layerwise_num_shared_buffers: Annotated[int | None, int_rule(1, optional=True)] = None
     layerwise_independent_layers: Annotated[
-        Union[Literal["all"], tuple[int, ...]], BeforeValidator(independent_layers)
+        Literal["all"] | tuple[int, ...], BeforeValidator(independent_layers)
     ] = (0,)
     layerwise_prefetch_layers: Annotated[int | None, int_rule(1, optional=True)] = None
     # the host memory this node contributes (the reference prefill also takes --host-pool-gb)

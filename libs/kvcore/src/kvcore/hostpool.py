@@ -104,8 +104,8 @@ from kvcore.poolerrors import (  # noqa: F401 - the pool's error vocabulary, imp
     ObjectLeased,
     ObjectNotFound,
     ObjectUnreachable,
-    PoolError,
     PlaneWritten,
+    PoolError,
     PoolFullError,
 )
 from kvcore.poolgeometry import PoolGeometry
@@ -183,7 +183,7 @@ class HostPoolBackend(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def __enter__(self) -> "HostPoolBackend":
+    def __enter__(self) -> HostPoolBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:

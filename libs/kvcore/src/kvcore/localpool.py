@@ -77,7 +77,7 @@ class LocalHostPool(HostPoolBackend):
 
     @classmethod
     def create(cls, name: str, geometry: PoolGeometry, *, eviction: EvictionPolicy | None = None,
-               replace: bool = False, io_wait_timeout_s: float = 30.0) -> "LocalHostPool":
+               replace: bool = False, io_wait_timeout_s: float = 30.0) -> LocalHostPool:
         seg = SharedSegment.create(name, geometry, replace=replace)
         return cls(seg, eviction=eviction, io_wait_timeout_s=io_wait_timeout_s, owns_segment=True)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from kvcore.eviction import LRUEviction
 from kvcore.hostpool import HostPoolBackend
 from kvcore.localpool import LocalHostPool
-
 from poolbackends.registry import PoolRequest
 from poolbackends.remotepool import RemoteHostPool
 

@@ -36,12 +36,12 @@ import dataclasses
 
 import structlog
 import torch
+
 from kvcore.eviction import EvictionPolicy, LRUEviction
 from kvcore.hostpool import ObjectNotFound, PoolError
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
-
-from poolbackends.memcache_client import MemcacheClient, MemcacheStoreError, MemcacheUnavailable  # noqa: F401
+from poolbackends.memcache_client import MemcacheClient, MemcacheStoreError, MemcacheUnavailable
 from poolbackends.memcache_conf import LocalSettings
 from poolbackends.memcache_meta import MemcacheNotInstalled
 from poolbackends.registry import PoolOpenError, PoolRequest

@@ -15,7 +15,6 @@ import tempfile
 from dataclasses import dataclass
 
 from kvcore.hostpool import PoolError
-
 from poolbackends.client import MetaStoreClient
 from poolbackends.serverprocess import ServerProcess, free_port
 
@@ -49,7 +48,7 @@ class MetastoreServer(ServerProcess):
         self.binary = os.path.join(os.path.dirname(sys.executable), BINARY)
 
     @classmethod
-    def start(cls, settings: MetastoreSettings | None = None) -> "MetastoreServer":
+    def start(cls, settings: MetastoreSettings | None = None) -> MetastoreServer:
         """Start a metastore and wait until it answers (``MetastoreError`` past ``start_timeout_s``)."""
         s = settings or MetastoreSettings()
         return cls.start_retrying(lambda: cls(s, s.port or free_port(s.host)), 3 if s.port == 0 else 1)

@@ -60,12 +60,12 @@ import threading
 
 import structlog
 import torch
+
 from kvcore.eviction import EvictionPolicy, LRUEviction
 from kvcore.hostpool import PoolError, check_positive
 from kvcore.leases import check_ttl_ms
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
-
 from poolbackends.mooncake_master import MooncakeNotInstalled, port_answers
 from poolbackends.mooncake_objects import StoreObjects
 from poolbackends.mooncake_store import MooncakeStore, MooncakeStoreError

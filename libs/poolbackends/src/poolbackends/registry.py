@@ -14,7 +14,6 @@ from typing import Any
 from kvcore.hostpool import HostPoolBackend
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.poolregistry import POOL_BACKENDS, load
-
 from poolbackends.serverprocess import ServerProcess
 
 
