@@ -11,6 +11,7 @@ Modules:
   - ``admission``: admission at once, the queue limit (``DecodeFull``), the wait for host blocks
   - ``prefill_reports``: what the transfer path reports (news, pulled rows, the first token)
   - ``rank_poll``: TP, the polls of the follower ranks
+  - ``loop_state``: ``LoopState``, the loop's state as these parts use it (declared once, typed)
 - ``request``: ``DecodeRequest``, one request as the loop keeps it
 - ``rows``: ``RowInstaller``, the installation of pulled rows (rank 0 and TP followers alike)
 - ``transfer``: the ``Transfer`` control port (``pdlink``'s servicer over ``pull``)

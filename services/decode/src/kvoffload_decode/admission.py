@@ -15,7 +15,7 @@ client (or the proxy's ``--request-timeout-s``) gives up, which cancels it. A pr
 fit in the whole host pool is refused (``TooLarge``, HTTP 413).
 
 It works on the loop's state (``decoder``, ``engine_lock`` and ``lock``, ``pending``, ``waiting``,
-``running``, ``ledger``; see ``DecodeLoop``).
+``running``, ``ledger``; ``kvoffload_decode.loop_state``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dsamodel.sampling import RequestSampler
-from kvoffload_decode.request import DecodeRequest, Emit
 from kvoffload_engine.decode import SparseDecoder
 from openai_api.sampling_params import SamplingParams
+
+from kvoffload_decode.loop_state import LoopState
+from kvoffload_decode.request import DecodeRequest, Emit
 
 
 class TooLarge(ValueError):
@@ -50,7 +52,7 @@ def default_max_queued(decoder: SparseDecoder) -> int:
     return int(min(1024, max(4 * decoder.indexer.shape[1], by_pool)))
 
 
-class Admission:
+class Admission(LoopState):
     """``DecodeLoop``'s admission (module doc)."""
 
     def expect_remote(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit: Emit,

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import aiohttp
 import structlog
@@ -62,12 +63,19 @@ def build_app(loop: DecodeLoop, transfer, tokenizer: Tokenizer, settings: AppSet
 
     app.on_response_prepare.append(load_header)
     handler = _Handler(loop, tokenizer, settings, metrics, not_ready)
-    app.router.add_post("/v1/completions", lambda r: handler.complete(r, chat=False))
-    app.router.add_post("/v1/chat/completions", lambda r: handler.complete(r, chat=True))
+    app.router.add_post("/v1/completions", partial(handler.complete, chat=False))
+    app.router.add_post("/v1/chat/completions", partial(handler.complete, chat=True))
     app.router.add_get("/health", handler.health)
     app.router.add_get("/v1/models", handler.models)  # the proxy's GET /v1/models merges these
-    app.router.add_get("/metrics", lambda r: web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}))
-    app.router.add_post("/reset_prefix_cache", lambda r: web.json_response({"status": "ok", "note": "decode keeps no prefix cache"}))
+
+    async def render_metrics(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def reset_prefix_cache(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "note": "decode keeps no prefix cache"})
+
+    app.router.add_get("/metrics", render_metrics)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app
 
 
@@ -121,10 +129,11 @@ class _Handler:
         return web.json_response({"status": "ok", **self.loop.stats(), "load": self.loop.load()})
 
     async def complete(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        parsed = await self._parse(request, chat)
-        if isinstance(parsed, web.Response):
-            return parsed
-        ids, params, ktp = parsed.prompt_ids, parsed.params, parsed.transfer
+        got = await self._parse(request, chat)
+        if isinstance(got, web.Response):
+            return got
+        parsed, ktp = got
+        ids, params = parsed.prompt_ids, parsed.params
         rid = ktp.request_id or request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
         bound = log.bind(request_id=rid)
         events = _Events(asyncio.get_running_loop())
@@ -152,8 +161,8 @@ class _Handler:
                 self.metrics.requests.labels("cancelled").inc()
             REQUEST_IDS.unlink(rid)
 
-    async def _parse(self, request: web.Request, chat: bool) -> ParsedRequest | web.Response:
-        """The request (its ``transfer`` set: a remote prefill), or the 400 that refuses it."""
+    async def _parse(self, request: web.Request, chat: bool) -> tuple[ParsedRequest, KVTransferParams] | web.Response:
+        """The request and its ``transfer`` (a remote prefill), or the 400 that refuses it."""
         try:
             parsed = parse_request(await request.read(), self.tokenizer, chat=chat,
                                    max_model_len=self.settings.max_model_len)
@@ -164,7 +173,7 @@ class _Handler:
             return error_response(400, "kv_transfer_params: this decode node serves requests with a remote prefill "
                                        "(do_remote_prefill and metaserver, as the proxy sends them)",
                                   "invalid_request_error")
-        return parsed
+        return parsed, ktp
 
     async def _admit(self, rid: str, ids: list[int], params: SamplingParams, events: _Events):
         """The loop's ``DecodeRequest``, admitted at once (never a wait: queued, or 429 when the queue

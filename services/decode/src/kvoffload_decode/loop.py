@@ -192,19 +192,20 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
 
     def _admit_ready(self) -> None:
         for rid, req in list(self.pending.items()):  # arrival order
-            if not self._runnable(req):
+            first = req.first_token  # known once runnable (its prompt is complete)
+            if first is None or not self._runnable(req):
                 continue
             self.decoder.bind(rid)  # a staged request gets its device row now
             del self.pending[rid]
             self.ledger.advance(rid, "decoding")
             self.decoder.set_prompt_done(rid, req.num_prompt_tokens)
-            req.sampler.accept(req.first_token, req.first_logprob)  # penalties, stop, logprobs see it
-            req.emit("token", req.first_token)
+            req.sampler.accept(first, req.first_logprob)  # penalties, stop, logprobs see it
+            req.emit("token", first)
             if req.sampler.finished:
                 req.emit("done", req.sampler.finish_reason)
                 self._free(req, "ok")
             else:
-                self._next[rid] = req.first_token
+                self._next[rid] = first
                 if self.speculative and req.draft is not None and req.sampler.params.temperature == 0:
                     self._drafts[rid] = req.draft
                 self.running.append(req)

@@ -15,18 +15,20 @@ stage, and frees its host blocks (``DecodeLoop._timed_out``): a prefill that die
 strands a decode allocation.
 
 It works on the loop's state (``lock``, ``pending``, ``ledger``, ``decoder``, ``peer_timeout_s``,
-``installer``; see ``DecodeLoop``).
+``installer``; ``kvoffload_decode.loop_state``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvoffload_decode.request import DecodeRequest
 from openai_api.logprobs import TokenLogprob
 
+from kvoffload_decode.loop_state import LoopState
+from kvoffload_decode.request import DecodeRequest
 
-class PrefillReports:
+
+class PrefillReports(LoopState):
     """``DecodeLoop``'s side of the transfer path (module doc)."""
 
     def awaiting_prefill(self, request_id: str) -> None:

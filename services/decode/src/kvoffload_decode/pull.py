@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.layout import KVLayout, dtype_name
+from kvcore.layout import CacheSpec, KVLayout, LayerSpec, dtype_name
 from kvoffload_proto.v1 import transfer_pb2
 from openai_api.logprobs import TokenLogprob
 from pdlink.consumer import Plane, Read, ReadOutcome, RowSink
@@ -43,7 +43,7 @@ class DecodeRows(RowSink):
     def planes(self, layer: int) -> list[Plane]:
         spec = self.layout.layers[layer]
         return [Plane(transfer_pb2.PLANE_KIND_MAIN, spec.main.row_bytes),
-                Plane(transfer_pb2.PLANE_KIND_INDEXER, spec.indexer.row_bytes)]
+                Plane(transfer_pb2.PLANE_KIND_INDEXER, _indexer(spec).row_bytes)]
 
     def begin(self, read: Read) -> range | ReadOutcome:
         r = read.request
@@ -68,7 +68,7 @@ class DecodeRows(RowSink):
         """The rows as the caches store them (``CacheSpec.storage``: the model dtype; an fp8 indexer's
         rows as bytes, keys + scales), written at ``dst_start``."""
         spec = self.layout.layers[read.layer]
-        kv, idx = (_rows(raw, cache) for raw, cache in zip(planes, (spec.main, spec.indexer), strict=True))
+        kv, idx = (_rows(raw, cache) for raw, cache in zip(planes, (spec.main, _indexer(spec)), strict=True))
         return self.loop.write_rows(read.request_id, read.layer, read.request.dst_start, kv, idx)
 
     def heard(self, request_id: str, endpoint: str) -> bool:
@@ -115,7 +115,14 @@ def first_logprob_of(request) -> TokenLogprob | None:
     return TokenLogprob(m.token, m.logprob, tuple(zip(m.top_tokens, m.top_logprobs, strict=True)))
 
 
-def _rows(raw: torch.Tensor, cache) -> torch.Tensor:
+def _indexer(spec: LayerSpec) -> CacheSpec:
+    """A layer's indexer key cache: the sparse decode keeps one for every layer."""
+    if spec.indexer is None:
+        raise ValueError(f"layer {spec.index} has no indexer cache: the sparse decode needs one")
+    return spec.indexer
+
+
+def _rows(raw: torch.Tensor, cache: CacheSpec) -> torch.Tensor:
     """Raw bytes [n, row_bytes] of one cache -> its rows as stored ([n, W] of ``cache.storage``)."""
     dtype, width = cache.storage
     return raw.view(dtype).view(-1, width)

@@ -6,13 +6,14 @@ request rank 0 holds whole waits on them, the loop asks the followers (``LeadDec
 requests they hold whole (pausing ``RANK_POLL_S`` between polls while nothing runs) and marks
 those ``ranks_whole``. A poll that fails (a follower is gone) fails the requests that waited on it.
 
-It works on the loop's state (``lead``, ``engine_lock`` and ``lock``, ``pending``; see ``DecodeLoop``).
+It works on the loop's state (``lead``, ``engine_lock`` and ``lock``, ``pending``; ``kvoffload_decode.loop_state``).
 """
 
 from __future__ import annotations
 
 import structlog
 
+from kvoffload_decode.loop_state import LoopState
 from kvoffload_decode.request import DecodeRequest
 
 log = structlog.get_logger(__name__)
@@ -20,7 +21,7 @@ log = structlog.get_logger(__name__)
 RANK_POLL_S = 0.002  # TP: the pause between polls of the follower ranks while a request waits on them
 
 
-class RankPolling:
+class RankPolling(LoopState):
     """``DecodeLoop``'s polls of the follower ranks (module doc)."""
 
     def _awaiting_ranks(self) -> list[DecodeRequest]:
@@ -32,13 +33,16 @@ class RankPolling:
     def _poll_ranks(self) -> bool:
         """TP: ask the followers which requests they hold whole; True when one became runnable. A
         poll that fails (a follower is gone) fails the requests that waited on it."""
+        lead = self.lead
+        if lead is None:  # not TP
+            return False
         with self.lock:
             waiting = self._awaiting_ranks()
         if not waiting:
             return False
         try:
             with self.engine_lock:
-                answers = self.lead.poll()
+                answers = lead.poll()
         except Exception as exc:
             log.error("tp_poll_failed", error=repr(exc), request_ids=[r.request_id for r in waiting])
             for req in waiting:

@@ -21,8 +21,10 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Generic, Protocol, TypeVar
 
 import torch
+from kvoffload_engine.decode import SparseDecoder
 
 
 def installed_prefix(prefix: int, ahead: list[tuple[int, int]], start: int, end: int) -> int:
@@ -39,14 +41,31 @@ def installed_prefix(prefix: int, ahead: list[tuple[int, int]], start: int, end:
     return prefix
 
 
-class RowInstaller:
+class Installing(Protocol):
+    """What ``RowInstaller`` reads and counts of a request's record (``DecodeRequest`` on rank 0,
+    ``PulledRequest`` on a follower; module doc)."""
+
+    rows: list[int]
+    ahead: list[list[tuple[int, int]]]
+    copies: int
+    free_after_copies: str | None
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+R = TypeVar("R", bound=Installing)
+
+
+class RowInstaller(Generic[R]):
     """Installs the pulled rows of the requests in ``pending`` (guarded by ``lock``) into ``decoder``
     (module doc). ``copy_lock``: held around each copy (a follower's ``lock``; none on rank 0).
-    ``free(req, outcome)``: frees a request cancelled while its rows were copied."""
+    ``free(req, outcome)``: frees a request cancelled while its rows were copied (rank 0 only: a
+    follower's requests are never cancelled during a copy)."""
 
-    def __init__(self, decoder, lock: threading.Condition, pending: dict, *,
+    def __init__(self, decoder: SparseDecoder, lock: threading.Condition, pending: dict[str, R], *,
                  copy_lock: AbstractContextManager | None = None,
-                 free: Callable[[object, str], None] | None = None) -> None:
+                 free: Callable[[R, str], None] | None = None) -> None:
         self.decoder, self.lock, self.pending = decoder, lock, pending
         self.copy_lock = copy_lock if copy_lock is not None else nullcontext()
         self.free = free
@@ -73,12 +92,13 @@ class RowInstaller:
                 elapsed = time.perf_counter() - t
                 ok, free = self._copied(req, layer, start, end, ok)
                 if free is not None:
+                    assert self.free is not None, "only rank 0 cancels a request during a copy, and it passes free"
                     self.free(req, free)
         if not ok:
             raise KeyError(request_id)  # cancelled while its rows were copied
         return elapsed
 
-    def _copied(self, req, layer: int, start: int, end: int, ok: bool) -> tuple[bool, str | None]:
+    def _copied(self, req: R, layer: int, start: int, end: int, ok: bool) -> tuple[bool, str | None]:
         """One copy ended (``ok``: it succeeded): count its rows, unless the request was cancelled
         meanwhile; returns whether they count, and the outcome to free it with when this was its
         last copy of a cancelled request."""

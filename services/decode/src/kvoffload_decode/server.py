@@ -77,7 +77,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
              num_speculative_tokens=speculative, transfer_backend=settings.d2h.transfer_backend,
              **({"memfabric_session": memfabric.transfer.session} if memfabric else {}),
              **(tls.describe() if tls else {"tls": False}))
-    serve_http(app, args.host, args.port, busy=lambda: loop.stats()["pending"] + loop.stats()["running"],
+    serve_http(app, args.host, args.port, busy=lambda: int(loop.stats()["pending"] + loop.stats()["running"]),
                grace_s=args.shutdown_grace_s, grpc_side=grpc_side,
                closers=(loop.close, transfer.close, *((ranks.close,) if ranks else ()), pool.close))
     return 0

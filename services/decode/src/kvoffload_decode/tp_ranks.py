@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 import structlog
 from svcruntime.ranks import LeadRanks, RankProcesses, follower_parser, join_group, share_cores
+
+if TYPE_CHECKING:  # the engine is imported where it is used (``lead``)
+    from kvoffload_engine.tp_decode import LeadDecoder
 
 log = structlog.get_logger(__name__)
 
@@ -36,7 +40,7 @@ class TPRanks(LeadRanks):
 
     def __init__(self, processes: RankProcesses) -> None:
         super().__init__(processes)
-        self.decoder = None  # the LeadDecoder, once ``lead`` built it
+        self.decoder: LeadDecoder | None = None  # the LeadDecoder, once ``lead`` built it
 
     @classmethod
     def start(cls, model, *, size: int, argv: list[str]) -> TPRanks:
@@ -64,6 +68,7 @@ class TPRanks(LeadRanks):
         return self.decoder.broken if self.decoder is not None else ""
 
     def mark_broken(self, why: str) -> None:
+        assert self.decoder is not None, "watched only once ``lead`` built the decoder"
         self.decoder.mark_broken(why)
 
     def followers_closer(self):
@@ -149,7 +154,8 @@ def _follow(decoder, pool, layout, own: argparse.Namespace, args: argparse.Names
     grpc_side.start()
     log.info("tp_rank_following", rank=own.rank, size=own.size, control_port=control_port)
     try:
-        return follow_decode(decoder, DistChannel(), pulls.lock, on_op=pulls.on_op, status=pulls.status)
+        # follow_decode only holds ``lock`` (a with): a Condition is one; its annotation says Lock
+        return follow_decode(decoder, DistChannel(), pulls.lock, on_op=pulls.on_op, status=pulls.status)  # type: ignore[arg-type]
     finally:
         grpc_side.stop(1.0)
         transfer.close()
