@@ -21,8 +21,10 @@ def test_stages_outcomes_and_counters():
     assert c == {"ledger_open": 0, "ledger_finished_ok": 1, "ledger_finished_error": 1}
     snap = json.loads(led.snapshot())
     assert snap["open"] == []
-    assert [(e["request_id"], e["outcome"], e["error"]) for e in snap["finished"]] == [("a", "ok", ""),
-                                                                                      ("b", "error", "boom")]
+    assert [(e["request_id"], e["outcome"], e["error"]) for e in snap["finished"]] == [
+        ("a", "ok", ""),
+        ("b", "error", "boom"),
+    ]
     assert [s for s, _ in snap["finished"][0]["history"]] == ["admitted", "pulling", "ok"]
 
 

@@ -85,8 +85,12 @@ def test_stats_answers_from_the_snapshot(side):
     stub = stats_pb2_grpc.StatsStub(channel)
     plain = stub.GetStats(stats_pb2.StatsRequest(), timeout=5)
     full = stub.GetStats(stats_pb2.StatsRequest(include_ledger=True), timeout=5)
-    assert (plain.service, plain.version, dict(plain.counters), dict(plain.info)) == ("svc", "9.9", {"held": 2.0},
-                                                                                      {"plan": "p"})
+    assert (plain.service, plain.version, dict(plain.counters), dict(plain.info)) == (
+        "svc",
+        "9.9",
+        {"held": 2.0},
+        {"plan": "p"},
+    )
     assert plain.ledger_json == "" and full.ledger_json == '{"requests": []}' and calls == [False, True]
 
 
@@ -100,6 +104,13 @@ def test_serve_http_closes_in_order_even_when_serving_fails(side, monkeypatch):
 
     monkeypatch.setattr(serving, "serve_until_signal", broken)
     with pytest.raises(OSError, match="address in use"):
-        serving.serve_http(None, "127.0.0.1", 0, busy=lambda: 0, grace_s=0, grpc_side=g,
-                           closers=(lambda: order.append("worker"), lambda: order.append("pool")))
+        serving.serve_http(
+            None,
+            "127.0.0.1",
+            0,
+            busy=lambda: 0,
+            grace_s=0,
+            grpc_side=g,
+            closers=(lambda: order.append("worker"), lambda: order.append("pool")),
+        )
     assert order == ["worker", "pool"]

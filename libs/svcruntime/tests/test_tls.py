@@ -73,8 +73,11 @@ def test_host_name_is_verified(serve, pki):
     """The peer certificate names 127.0.0.1/::1/localhost; dialled by another name, it is refused."""
     target = serve(TLSConfig.load(pki.cert, pki.key))
     assert check(target.replace("127.0.0.1", "localhost"), TLSConfig.load(ca=pki.ca))
-    with grpc.secure_channel(target, TLSConfig.load(ca=pki.ca).channel_credentials(),
-                             options=[("grpc.ssl_target_name_override", "not-the-peer.example")]) as ch:
+    with grpc.secure_channel(
+        target,
+        TLSConfig.load(ca=pki.ca).channel_credentials(),
+        options=[("grpc.ssl_target_name_override", "not-the-peer.example")],
+    ) as ch:
         with pytest.raises(grpc.RpcError) as e:
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -103,11 +106,14 @@ def test_process_default(serve, pki):
     assert kvtls.current() is None
 
 
-@pytest.mark.parametrize("given, message", [
-    ({"key": "KEY"}, r"^--tls-key given without --tls-cert"),
-    ({"key": "KEY", "ca": "CA"}, r"^--tls-key given without --tls-cert"),
-    ({"cert": "CERT"}, r"^--tls-cert given without --tls-key"),
-])
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ({"key": "KEY"}, r"^--tls-key given without --tls-cert"),
+        ({"key": "KEY", "ca": "CA"}, r"^--tls-key given without --tls-cert"),
+        ({"cert": "CERT"}, r"^--tls-cert given without --tls-key"),
+    ],
+)
 def test_incomplete_identity_names_the_flags(given, message, pki):
     paths = {"cert": pki.cert, "key": pki.key, "ca": pki.ca}
     with pytest.raises(TLSConfigError, match=message):

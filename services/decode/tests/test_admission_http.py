@@ -7,13 +7,13 @@ import asyncio
 
 import aiohttp
 from aiohttp import web
+
 from dsamodel.presets import tiny_model
 from dsamodel.tokenizer import ByteTokenizer
-from kvoffload_engine import build
-from kvoffload_engine.decode import SparseDecoder
-
 from kvoffload_decode.app import AppSettings, build_app
 from kvoffload_decode.loop import DecodeLoop
+from kvoffload_engine import build
+from kvoffload_engine.decode import SparseDecoder
 
 N = 40
 
@@ -61,21 +61,34 @@ async def _scenario(loop: DecodeLoop) -> None:
     meta_app = web.Application()
     meta_app.router.add_post("/v1/metaserver", meta.handle)
     meta_runner, meta_url = await _serve(meta_app)
-    settings = AppSettings(model_name="tiny", max_model_len=256, advertise_host="127.0.0.1", control_port=1,
-                           dp_rank=1)
+    settings = AppSettings(model_name="tiny", max_model_len=256, advertise_host="127.0.0.1", control_port=1, dp_rank=1)
     dec_runner, dec_url = await _serve(build_app(loop, _Transfer(), ByteTokenizer(), settings))
 
     def body(rid: str) -> dict:
-        return {"prompt": list(range(1, N + 1)), "max_tokens": 2, "kv_transfer_params": {
-            "do_remote_prefill": True, "metaserver": f"{meta_url}/v1/metaserver", "request_id": rid}}
+        return {
+            "prompt": list(range(1, N + 1)),
+            "max_tokens": 2,
+            "kv_transfer_params": {
+                "do_remote_prefill": True,
+                "metaserver": f"{meta_url}/v1/metaserver",
+                "request_id": rid,
+            },
+        }
 
     try:
         async with aiohttp.ClientSession() as http:
             a = asyncio.ensure_future(http.post(f"{dec_url}/v1/completions", json=body("A")))
             await until(lambda: "A" in answers, "A's registration")
-            assert calls[0] == {"request_id": "A", "kv_transfer_params": {  # its true DP rank (--dp-rank 1)
-                "request_id": "A", "remote_host": "127.0.0.1", "remote_port": 1, "remote_tp_size": 1,
-                "remote_dp_rank": 1}}
+            assert calls[0] == {
+                "request_id": "A",
+                "kv_transfer_params": {  # its true DP rank (--dp-rank 1)
+                    "request_id": "A",
+                    "remote_host": "127.0.0.1",
+                    "remote_port": 1,
+                    "remote_tp_size": 1,
+                    "remote_dp_rank": 1,
+                },
+            }
             b = asyncio.ensure_future(http.post(f"{dec_url}/v1/completions", json=body("B")))
             await until(lambda: any(c["request_id"] == "B" for c in calls), "B's queued notice")
             assert calls[-1] == {"request_id": "B", "kv_transfer_params": {"request_id": "B", "queued": True}}
@@ -92,7 +105,10 @@ async def _scenario(loop: DecodeLoop) -> None:
             async with await a as r:
                 assert r.status == 502
             await until(lambda: "B" in answers, "B's registration once it got A's blocks")  # ... B gets them
-            assert [c["kv_transfer_params"].get("queued", False) for c in calls if c["request_id"] == "B"] == [True, False]
+            assert [c["kv_transfer_params"].get("queued", False) for c in calls if c["request_id"] == "B"] == [
+                True,
+                False,
+            ]
             answers["B"].set_result(502)
             async with await b as r:
                 assert r.status == 502
@@ -107,8 +123,9 @@ def test_a_queued_request_registers_once_it_has_blocks_and_the_queue_limit_is_42
     model = tiny_model(dtype="float32")
     block_bytes = build.decode_geometry(model, 16, 1 << 20).block_bytes
     pool = build.decode_pool(model, 16, block_bytes * 4)  # one request of N + 1 tokens (3 blocks)
-    loop = DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256),
-                      model.config.eos_token_id)
+    loop = DecodeLoop(
+        SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256), model.config.eos_token_id
+    )
     try:
         asyncio.run(asyncio.wait_for(_scenario(loop), 60))
     finally:

@@ -20,8 +20,9 @@ from openai_api.sampling_params import SamplingParams
 def loop():
     model = tiny_model(dtype="float32")
     pool = build.decode_pool(model, 16, 8 << 20)
-    lp = DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=1, max_model_len=256),
-                    model.config.eos_token_id)
+    lp = DecodeLoop(
+        SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=1, max_model_len=256), model.config.eos_token_id
+    )
     yield lp
     lp.close()
     pool.close()
@@ -103,13 +104,20 @@ def test_a_prefill_that_goes_quiet_fails_its_request_and_frees_it():
     freed; a request never heard from (still waiting for the proxy's dispatch) is left alone."""
     model = tiny_model(dtype="float32")
     pool = build.decode_pool(model, 16, 8 << 20)
-    lp = DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256),
-                    model.config.eos_token_id, peer_timeout_s=0.3)
+    lp = DecodeLoop(
+        SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256),
+        model.config.eos_token_id,
+        peer_timeout_s=0.3,
+    )
     try:
         errors = []
         got = threading.Event()
-        lp.expect_remote("quiet", list(range(20)), SamplingParams(max_tokens=2),
-                         lambda kind, value: (errors.append((kind, value)), got.set()) if kind == "error" else None)
+        lp.expect_remote(
+            "quiet",
+            list(range(20)),
+            SamplingParams(max_tokens=2),
+            lambda kind, value: (errors.append((kind, value)), got.set()) if kind == "error" else None,
+        )
         lp.expect_remote("waiting", list(range(20)), SamplingParams(max_tokens=2), lambda *e: None)
         lp.awaiting_prefill("quiet")
         lp.awaiting_prefill("waiting")
@@ -134,13 +142,18 @@ def test_other_threads_get_the_lock_while_a_batch_decodes():
 
     model = tiny_model(dtype="float32")
     pool = build.decode_pool(model, 16, 8 << 20)
-    lp = DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=4096),
-                    model.config.eos_token_id)
+    lp = DecodeLoop(
+        SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=4096), model.config.eos_token_id
+    )
     try:
         done = threading.Event()
         n, c = 20, model.config
-        lp.expect_remote("long", list(range(n)), SamplingParams(max_tokens=4000, ignore_eos=True),
-                         lambda kind, value: done.set() if kind in ("done", "error") else None)
+        lp.expect_remote(
+            "long",
+            list(range(n)),
+            SamplingParams(max_tokens=4000, ignore_eos=True),
+            lambda kind, value: done.set() if kind in ("done", "error") else None,
+        )
         for layer in range(len(model.cache_layers)):
             lp.write_rows("long", layer, 0, torch.randn(n, c.kv_row_width), torch.randn(n, c.index_head_dim))
         lp.prefill_done("long", n, 7)
@@ -178,8 +191,11 @@ def test_a_step_waits_at_saturation_only_and_a_request_that_can_join_joins_at_on
     gather = 1.0
     model = tiny_model(dtype="float32")
     pool = build.decode_pool(model, 16, 8 << 20)
-    lp = DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256),
-                    model.config.eos_token_id, step_gather_s=gather)
+    lp = DecodeLoop(
+        SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256),
+        model.config.eos_token_id,
+        step_gather_s=gather,
+    )
     stamps: dict[str, list[float]] = {k: [] for k in ("alone", "a", "b", "c")}
     done = {k: threading.Event() for k in stamps}
 
@@ -189,6 +205,7 @@ def test_a_step_waits_at_saturation_only_and_a_request_that_can_join_joins_at_on
                 stamps[rid].append(time.monotonic())
             elif kind in ("done", "error"):
                 done[rid].set()
+
         return on
 
     def tokens_of(rid, n):
@@ -234,8 +251,11 @@ def test_step_gather_must_not_be_negative():
     pool = build.decode_pool(model, 16, 8 << 20)
     try:
         with pytest.raises(ValueError, match="step_gather_s=-1"):
-            DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=1, max_model_len=256),
-                       model.config.eos_token_id, step_gather_s=-1)
+            DecodeLoop(
+                SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=1, max_model_len=256),
+                model.config.eos_token_id,
+                step_gather_s=-1,
+            )
     finally:
         pool.close()
 

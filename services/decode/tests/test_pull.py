@@ -38,8 +38,16 @@ from pdlink.sources import PERMANENT, RowSources
 N = 20  # prompt tokens of each request
 VERSION = 3
 HOST = "decode-host"
-STATS_KEYS = {"read_done", "read_failed", "read_retries", "bytes_read", "read_ms_total", "reads_shared_memory",
-              "reads_streamed", "heartbeats"}  # what Stats, /metrics and the kvoffload tools read
+STATS_KEYS = {
+    "read_done",
+    "read_failed",
+    "read_retries",
+    "bytes_read",
+    "read_ms_total",
+    "reads_shared_memory",
+    "reads_streamed",
+    "heartbeats",
+}  # what Stats, /metrics and the kvoffload tools read
 
 
 def test_the_servicer_exposes_a_snapshot_under_the_names_stats_and_metrics_read():
@@ -85,7 +93,7 @@ class FakeSources:
             raise failure
         kv, idx = self.rows[(request.request_id, request.layer)]
         plane = kv if kind == pb.PLANE_KIND_MAIN else idx
-        out = plane[request.src_start:request.src_end].contiguous().view(torch.uint8)
+        out = plane[request.src_start : request.src_end].contiguous().view(torch.uint8)
         assert out.shape[1] == row_bytes
         return out
 
@@ -99,37 +107,64 @@ class FakeSources:
 class Rank:
     """A decode rank's loop with ``requests`` pending requests (``r0``, ``r1``, ...) and a puller."""
 
-    def __init__(self, requests: int = 1, read_retries: int = 2, sources=None, host_id: str = "prefill-host",
-                 max_num_seqs: int = 2) -> None:
+    def __init__(
+        self,
+        requests: int = 1,
+        read_retries: int = 2,
+        sources=None,
+        host_id: str = "prefill-host",
+        max_num_seqs: int = 2,
+    ) -> None:
         self.model = tiny_model(dtype="float32")
         c = self.model.config
         self.layout = kv_layout(c, 16, self.model.dtype)
         self.pool = build.decode_pool(self.model, 16, 16 << 20)
-        self.loop = DecodeLoop(SparseDecoder(self.model, self.pool, topk_buffer_size=64, max_num_seqs=max_num_seqs,
-                                             max_model_len=256), c.eos_token_id)
+        self.loop = DecodeLoop(
+            SparseDecoder(self.model, self.pool, topk_buffer_size=64, max_num_seqs=max_num_seqs, max_model_len=256),
+            c.eos_token_id,
+        )
         self.sources = sources if sources is not None else FakeSources()
-        self.puller = PullConsumer(DecodeRows(self.loop, self.layout), self.sources, model_id="tiny", host_id=HOST,
-                                   read_retries=read_retries)
+        self.puller = PullConsumer(
+            DecodeRows(self.loop, self.layout), self.sources, model_id="tiny", host_id=HOST, read_retries=read_retries
+        )
         self.meta = pb.LayoutMetadata(
-            model_id="tiny", num_layers=self.layout.num_layers, block_size=16, prefill_tp_rank=0, prefill_tp_size=1,
-            data_endpoint="prefill:1", host_id=host_id, layout_version=VERSION,
-            layers=[pb.LayerLayout(layer=s.index, slot=s.index, main_row_bytes=s.main.row_bytes,
-                                   main_dtype=dtype_name(s.main.dtype), indexer_row_bytes=s.indexer.row_bytes,
-                                   indexer_dtype=dtype_name(s.indexer.dtype)) for s in self.layout.layers])
+            model_id="tiny",
+            num_layers=self.layout.num_layers,
+            block_size=16,
+            prefill_tp_rank=0,
+            prefill_tp_size=1,
+            data_endpoint="prefill:1",
+            host_id=host_id,
+            layout_version=VERSION,
+            layers=[
+                pb.LayerLayout(
+                    layer=s.index,
+                    slot=s.index,
+                    main_row_bytes=s.main.row_bytes,
+                    main_dtype=dtype_name(s.main.dtype),
+                    indexer_row_bytes=s.indexer.row_bytes,
+                    indexer_dtype=dtype_name(s.indexer.dtype),
+                )
+                for s in self.layout.layers
+            ],
+        )
         gen = torch.Generator().manual_seed(0)
         for i in range(requests):
             self.loop.expect_remote(f"r{i}", list(range(N)), SamplingParams(max_tokens=3), lambda *e: None)
             for layer in range(self.layout.num_layers):
                 if isinstance(self.sources, FakeSources):
-                    self.sources.rows[(f"r{i}", layer)] = (torch.randn(N, c.kv_row_width, generator=gen),
-                                                           torch.randn(N, c.index_head_dim, generator=gen))
+                    self.sources.rows[(f"r{i}", layer)] = (
+                        torch.randn(N, c.kv_row_width, generator=gen),
+                        torch.randn(N, c.index_head_dim, generator=gen),
+                    )
 
     def accept(self) -> None:
         assert self.puller.exchange_layout(self.meta) == ""
 
     def read(self, **kw) -> ReadOutcome:
-        fields = dict(request_id="r0", layer=0, generation=1, src_start=0, src_end=N, dst_start=0,
-                      layout_version=VERSION)
+        fields = dict(
+            request_id="r0", layer=0, generation=1, src_start=0, src_end=N, dst_start=0, layout_version=VERSION
+        )
         return self.puller.read_ready(pb.ReadReadyRequest(**{**fields, **kw}))
 
     def rows(self, request_id: str, layer: int) -> int:
@@ -141,7 +176,7 @@ class Rank:
         dec = self.loop.decoder
         seq = dec.seqs[request_id]
         plane = self.pool.plane(dec._planes[layer])  # [num_blocks, block_size, row_bytes]
-        ids = dec.block_table[seq.seq_slot, :seq.num_blocks].to(torch.long)
+        ids = dec.block_table[seq.seq_slot, : seq.num_blocks].to(torch.long)
         return plane[ids].reshape(-1, plane.shape[-1])[:N].clone().view(self.model.dtype)
 
     def close(self) -> None:
@@ -171,12 +206,20 @@ def test_a_pull_installs_the_rows_and_counts_them(rank):
     assert rank.rows("r0", 2) == N
     assert torch.equal(rank.host_rows("r0", 2), kv)
     assert counts(rank, "read_done", "bytes_read", "reads_streamed", "reads_shared_memory") == {
-        "read_done": 1, "bytes_read": out.bytes_read, "reads_streamed": 2, "reads_shared_memory": 0}
+        "read_done": 1,
+        "bytes_read": out.bytes_read,
+        "reads_streamed": 2,
+        "reads_shared_memory": 0,
+    }
 
 
 def test_a_refused_read_ready_raises_its_type_and_pulls_nothing(rank):
-    for fields, error in [(dict(layout_version=VERSION + 1), NoAcceptedLayout), (dict(layer=99), MalformedRead),
-                          (dict(request_id="nobody"), UnknownRequest), (dict(dst_start=1), MalformedRead)]:
+    for fields, error in [
+        (dict(layout_version=VERSION + 1), NoAcceptedLayout),
+        (dict(layer=99), MalformedRead),
+        (dict(request_id="nobody"), UnknownRequest),
+        (dict(dst_start=1), MalformedRead),
+    ]:
         with pytest.raises(error):
             rank.read(**fields)
     assert rank.sources.calls == 0 and rank.puller.counters.snapshot() == dict.fromkeys(STATS_KEYS, 0)
@@ -195,14 +238,18 @@ def test_a_duplicate_is_answered_from_the_installed_rows():
         r.close()
 
 
-@pytest.mark.parametrize("failure", [ValueError("short read"), Rpc(grpc.StatusCode.UNAVAILABLE)],
-                         ids=["short-read", "unavailable"])
+@pytest.mark.parametrize(
+    "failure", [ValueError("short read"), Rpc(grpc.StatusCode.UNAVAILABLE)], ids=["short-read", "unavailable"]
+)
 def test_a_transient_failure_is_retried_and_counted(rank, failure):
     rank.sources.failures = [failure, failure]  # the first two plane reads fail
     out = rank.read(layer=1)
     assert out.done and rank.rows("r0", 1) == N
-    assert counts(rank, "read_retries", "read_done", "read_failed") == {"read_retries": 2, "read_done": 1,
-                                                                       "read_failed": 0}
+    assert counts(rank, "read_retries", "read_done", "read_failed") == {
+        "read_retries": 2,
+        "read_done": 1,
+        "read_failed": 0,
+    }
 
 
 def test_retries_run_out_into_a_failed_answer():
@@ -211,10 +258,16 @@ def test_retries_run_out_into_a_failed_answer():
     try:
         r.sources.failures = [ValueError("short read")] * 5
         out = r.read(layer=1)
-        assert not out.done and "pull of layer 1 rows [0, 20) from prefill:1 failed: ValueError('short read')" == out.reason
+        assert (
+            not out.done
+            and "pull of layer 1 rows [0, 20) from prefill:1 failed: ValueError('short read')" == out.reason
+        )
         assert r.sources.calls == 2  # one try, one retry
-        assert counts(r, "read_retries", "read_failed", "read_done") == {"read_retries": 1, "read_failed": 1,
-                                                                        "read_done": 0}
+        assert counts(r, "read_retries", "read_failed", "read_done") == {
+            "read_retries": 1,
+            "read_failed": 1,
+            "read_done": 0,
+        }
         assert r.rows("r0", 1) == 0
     finally:
         r.close()
@@ -249,8 +302,11 @@ def test_concurrent_pulls_count_exactly():
         assert all(o.done for o in outs)
         per_pull = outs[0].bytes_read
         assert counts(r, "read_done", "bytes_read", "reads_streamed", "read_failed") == {
-            "read_done": len(work), "bytes_read": per_pull * len(work), "reads_streamed": 2 * len(work),
-            "read_failed": 0}
+            "read_done": len(work),
+            "bytes_read": per_pull * len(work),
+            "reads_streamed": 2 * len(work),
+            "read_failed": 0,
+        }
         assert all(r.rows(rid, layer) == N for rid, layer in work)
     finally:
         r.close()
@@ -280,10 +336,14 @@ def test_a_decode_tp_rank_accepts_only_the_layouts_of_its_contributors(rank):
     rank.puller.tp_rank, rank.puller.tp_size = 1, 2
     m = pb.LayoutMetadata()
     m.CopyFrom(rank.meta)
-    for p_tp, p_rank, want in [(4, 2, ""), (4, 3, ""), (2, 1, ""),
-                               (4, 1, "tp rank: prefill tp rank 1 of 4 feeds decode tp rank 0 of 2, not decode tp rank 1"),
-                               (1, 0, "tp: prefill tp 1, decode tp 2; prefill TP must be >= decode TP"),
-                               (3, 2, "tp: prefill tp 3, decode tp 2; prefill TP must be >= decode TP and divisible")]:
+    for p_tp, p_rank, want in [
+        (4, 2, ""),
+        (4, 3, ""),
+        (2, 1, ""),
+        (4, 1, "tp rank: prefill tp rank 1 of 4 feeds decode tp rank 0 of 2, not decode tp rank 1"),
+        (1, 0, "tp: prefill tp 1, decode tp 2; prefill TP must be >= decode TP"),
+        (3, 2, "tp: prefill tp 3, decode tp 2; prefill TP must be >= decode TP and divisible"),
+    ]:
         m.prefill_tp_size, m.prefill_tp_rank, m.layout_version = p_tp, p_rank, VERSION + 10 + p_tp * 4 + p_rank
         reason = rank.puller.exchange_layout(m)
         assert reason.startswith(want) if want else reason == "", (p_tp, p_rank, reason)
@@ -307,8 +367,10 @@ def test_two_contributors_shares_of_every_layer_complete_the_prompt_and_are_coun
         assert rank.rows("r0", layer) == N
         assert torch.equal(rank.host_rows("r0", layer), rank.sources.rows[("r0", layer)][0])
     snap = rank.puller.counters.snapshot()
-    one_copy = sum((kv.numel() + idx.numel()) * 4 for kv, idx in (rank.sources.rows[("r0", i)]
-                                                                  for i in range(rank.layout.num_layers)))
+    one_copy = sum(
+        (kv.numel() + idx.numel()) * 4
+        for kv, idx in (rank.sources.rows[("r0", i)] for i in range(rank.layout.num_layers))
+    )
     assert snap["bytes_read"] == one_copy
     assert snap["bytes_read_prefill_tp_rank_0"] == one_copy * cut // N
     assert snap["bytes_read_prefill_tp_rank_1"] == one_copy * (N - cut) // N
@@ -324,8 +386,9 @@ def test_heartbeat_names_the_unknown_requests_and_is_counted(rank):
 
 def test_prefill_done_for_an_unknown_request_raises(rank):
     with pytest.raises(UnknownRequest, match="request 'nobody' is not waiting for KV here"):
-        rank.puller.prefill_done(pb.PrefillDoneRequest(layout_version=VERSION, request_id="nobody",
-                                                        num_prompt_tokens=N, first_token=7))
+        rank.puller.prefill_done(
+            pb.PrefillDoneRequest(layout_version=VERSION, request_id="nobody", num_prompt_tokens=N, first_token=7)
+        )
 
 
 # ---- the shared-memory path through RowSources ----------------------------------------------------------
@@ -363,8 +426,9 @@ def test_same_host_rows_come_out_of_the_shared_segment_attached_once(rank, prefi
     seg, labels = prefill_segment
     attached = []
     real_attach = SharedSegment.attach
-    monkeypatch.setattr(SharedSegment, "attach",
-                        classmethod(lambda cls, name: attached.append(real_attach(name)) or attached[-1]))
+    monkeypatch.setattr(
+        SharedSegment, "attach", classmethod(lambda cls, name: attached.append(real_attach(name)) or attached[-1])
+    )
     shared = _same_host(rank, seg, labels)
     try:
         for layer in (0, 3):
@@ -373,7 +437,10 @@ def test_same_host_rows_come_out_of_the_shared_segment_attached_once(rank, prefi
             assert torch.equal(shared.host_rows("r0", layer), rank.sources.rows[("r0", layer)][0])
         assert len(attached) == 1  # one attach for every plane of the segment
         assert counts(shared, "reads_shared_memory", "reads_streamed", "read_done") == {
-            "reads_shared_memory": 4, "reads_streamed": 0, "read_done": 2}
+            "reads_shared_memory": 4,
+            "reads_streamed": 0,
+            "read_done": 2,
+        }
     finally:
         shared.close()
     assert attached[0].closed  # close() lets go of the attached segment
@@ -386,7 +453,10 @@ def test_a_region_too_small_for_the_rows_fails_the_read(rank, prefill_segment):
         out = shared.read(layer=1)
         assert not out.done and "cannot give rows [0, 20)" in out.reason
         assert counts(shared, "read_retries", "read_failed", "reads_shared_memory") == {
-            "read_retries": 2, "read_failed": 1, "reads_shared_memory": 0}
+            "read_retries": 2,
+            "read_failed": 1,
+            "reads_shared_memory": 0,
+        }
         assert shared.rows("r0", 1) == 0
     finally:
         shared.close()

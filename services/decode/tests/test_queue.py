@@ -20,8 +20,10 @@ N = 40
 def _loop(max_num_seqs: int, pool_bytes: int = 8 << 20) -> tuple[DecodeLoop, object]:
     model = tiny_model(dtype="float32")
     pool = build.decode_pool(model, 16, pool_bytes)
-    lp = DecodeLoop(SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=max_num_seqs, max_model_len=256),
-                    model.config.eos_token_id)
+    lp = DecodeLoop(
+        SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=max_num_seqs, max_model_len=256),
+        model.config.eos_token_id,
+    )
     return lp, pool
 
 
@@ -41,8 +43,9 @@ def _push(lp: DecodeLoop, rid: str, seed: int) -> None:
     c = lp.decoder.model.config
     g = torch.Generator().manual_seed(seed)
     for layer in range(len(lp.decoder.model.cache_layers)):
-        lp.write_rows(rid, layer, 0, torch.randn(N, c.kv_row_width, generator=g),
-                      torch.randn(N, c.index_head_dim, generator=g))
+        lp.write_rows(
+            rid, layer, 0, torch.randn(N, c.kv_row_width, generator=g), torch.randn(N, c.index_head_dim, generator=g)
+        )
     assert lp.prefill_done(rid, N, 7) == ""
 
 
@@ -89,8 +92,13 @@ def test_a_request_the_pool_cannot_hold_yet_waits_for_blocks_fifo():
         reserved = []
         a, b, c = Sink(), Sink(), Sink()
         lp.expect_remote("a", list(range(N)), SamplingParams(max_tokens=2, ignore_eos=True), a)
-        rb = lp.expect_remote("b", list(range(N)), SamplingParams(max_tokens=2, ignore_eos=True), b,
-                              on_reserved=lambda: reserved.append("b"))
+        rb = lp.expect_remote(
+            "b",
+            list(range(N)),
+            SamplingParams(max_tokens=2, ignore_eos=True),
+            b,
+            on_reserved=lambda: reserved.append("b"),
+        )
         rc = lp.expect_remote("c", [1], SamplingParams(max_tokens=2), c, on_reserved=lambda: reserved.append("c"))
         assert not rb.reserved and not rc.reserved  # c would fit, but it waits behind b (FIFO)
         st = lp.stats()

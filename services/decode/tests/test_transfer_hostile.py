@@ -49,12 +49,14 @@ class StandInSource(transfer_pb2_grpc.LayerSourceServicer):
         self.calls += 1
         held = self.rows.get((request.request_id, request.layer, request.generation))
         if held is None:
-            context.abort(C.FAILED_PRECONDITION, f"layer {request.layer} of {request.request_id!r} "
-                                                 f"is not at generation {request.generation}")
+            context.abort(
+                C.FAILED_PRECONDITION,
+                f"layer {request.layer} of {request.request_id!r} is not at generation {request.generation}",
+            )
         plane = held[0] if request.kind == pb.PLANE_KIND_MAIN else held[1]
         if request.src_end > plane.shape[0]:
             context.abort(C.OUT_OF_RANGE, f"rows up to {request.src_end} of {plane.shape[0]}")
-        data = plane[request.src_start:request.src_end].contiguous().view(torch.uint8).numpy().tobytes()
+        data = plane[request.src_start : request.src_end].contiguous().view(torch.uint8).numpy().tobytes()
         yield pb.DataChunk(offset_bytes=0, data=data, total_bytes=len(data))
 
 
@@ -66,8 +68,9 @@ class Decode:
         c = self.model.config
         self.layout = kv_layout(c, 16, self.model.dtype)
         self.pool = build.decode_pool(self.model, 16, 8 << 20)
-        self.loop = DecodeLoop(SparseDecoder(self.model, self.pool, topk_buffer_size=64, max_num_seqs=2,
-                                             max_model_len=256), c.eos_token_id)
+        self.loop = DecodeLoop(
+            SparseDecoder(self.model, self.pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256), c.eos_token_id
+        )
         self.transfer = decode_transfer(self.loop, self.layout, "tiny", "decode-host")
         self.server = grpc.server(ThreadPoolExecutor(max_workers=4))
         transfer_pb2_grpc.add_TransferServicer_to_server(self.transfer, self.server)
@@ -81,23 +84,41 @@ class Decode:
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         self.stub = transfer_pb2_grpc.TransferStub(self.channel)
         self.layout_pb = pb.LayoutMetadata(
-            model_id="tiny", num_layers=self.layout.num_layers, block_size=16, prefill_tp_rank=0, prefill_tp_size=1,
-            data_endpoint=f"127.0.0.1:{source_port}", host_id="prefill-host", layout_version=VERSION,
-            layers=[pb.LayerLayout(layer=s.index, slot=s.index, main_row_bytes=s.main.row_bytes,
-                                   main_dtype=dtype_name(s.main.dtype), indexer_row_bytes=s.indexer.row_bytes,
-                                   indexer_dtype=dtype_name(s.indexer.dtype)) for s in self.layout.layers])
+            model_id="tiny",
+            num_layers=self.layout.num_layers,
+            block_size=16,
+            prefill_tp_rank=0,
+            prefill_tp_size=1,
+            data_endpoint=f"127.0.0.1:{source_port}",
+            host_id="prefill-host",
+            layout_version=VERSION,
+            layers=[
+                pb.LayerLayout(
+                    layer=s.index,
+                    slot=s.index,
+                    main_row_bytes=s.main.row_bytes,
+                    main_dtype=dtype_name(s.main.dtype),
+                    indexer_row_bytes=s.indexer.row_bytes,
+                    indexer_dtype=dtype_name(s.indexer.dtype),
+                )
+                for s in self.layout.layers
+            ],
+        )
         assert self.stub.ExchangeLayout(self.layout_pb, timeout=10).accepted
         self.events: list = []
         self.loop.expect_remote("r", list(range(N)), SamplingParams(max_tokens=3), lambda *e: self.events.append(e))
         gen = torch.Generator().manual_seed(0)
         for layer in range(self.layout.num_layers):  # generation 1 of every layer holds the prompt's rows
-            self.source.rows[("r", layer, 1)] = (torch.randn(N, c.kv_row_width, generator=gen),
-                                                 torch.randn(N, c.index_head_dim, generator=gen))
+            self.source.rows[("r", layer, 1)] = (
+                torch.randn(N, c.kv_row_width, generator=gen),
+                torch.randn(N, c.index_head_dim, generator=gen),
+            )
         assert self.read(layer=0).status == pb.READ_DONE
 
     def read(self, **kw) -> pb.ReadResult:
-        fields = dict(request_id="r", layer=0, generation=1, src_start=0, src_end=N, dst_start=0,
-                      layout_version=VERSION)
+        fields = dict(
+            request_id="r", layer=0, generation=1, src_start=0, src_end=N, dst_start=0, layout_version=VERSION
+        )
         return self.stub.ReadReady(pb.ReadReadyRequest(**{**fields, **kw}), timeout=30)
 
     def snapshot(self) -> dict:
@@ -109,19 +130,26 @@ class Decode:
             seqs = {rid: (s.seq_slot, s.num_blocks) for rid, s in loop.decoder.seqs.items()}
             indexer = loop.decoder.indexer.clone()
         pool = self.pool.stats()
-        return {"pending": pending, "running": running, "seqs": seqs, "indexer": indexer,
-                "pool": (pool.used_blocks, pool.used_bytes, pool.live_leases), "loop": loop.stats(),
-                "counters": {k: v for k, v in self.transfer.counters.items() if k != "read_ms_total"},
-                "layouts": {v: m.SerializeToString(deterministic=True)
-                            for v, m in self.transfer.consumer.layouts().items()},
-                "events": list(self.events)}
+        return {
+            "pending": pending,
+            "running": running,
+            "seqs": seqs,
+            "indexer": indexer,
+            "pool": (pool.used_blocks, pool.used_bytes, pool.live_leases),
+            "loop": loop.stats(),
+            "counters": {k: v for k, v in self.transfer.counters.items() if k != "read_ms_total"},
+            "layouts": {
+                v: m.SerializeToString(deterministic=True) for v, m in self.transfer.consumer.layouts().items()
+            },
+            "events": list(self.events),
+        }
 
     def host_rows(self, layer: int) -> torch.Tensor:
         """The request's main-KV rows [0, N) of ``layer`` as the host pool holds them."""
         dec = self.loop.decoder
         seq = dec.seqs["r"]
         plane = self.pool.plane(dec._planes[layer])  # [num_blocks, block_size, row_bytes]
-        ids = dec.block_table[seq.seq_slot, :seq.num_blocks].to(torch.long)
+        ids = dec.block_table[seq.seq_slot, : seq.num_blocks].to(torch.long)
         return plane[ids].reshape(-1, plane.shape[-1])[:N].clone()
 
     def close(self) -> None:
@@ -199,17 +227,30 @@ def test_wrong_layout_metadata_is_refused_and_changes_nothing(decode, name, chan
 # ---- ReadReady: malformed or unknown reads are rejected with a status -----------------------------------
 
 READS = [
-    ("unknown-layout-version", dict(layout_version=8), C.FAILED_PRECONDITION, "no accepted layout with layout_version 8"),
+    (
+        "unknown-layout-version",
+        dict(layout_version=8),
+        C.FAILED_PRECONDITION,
+        "no accepted layout with layout_version 8",
+    ),
     ("layout-version-zero", dict(layout_version=0), C.FAILED_PRECONDITION, "no accepted layout with layout_version 0"),
     ("unknown-request", dict(request_id="nobody", layer=1), C.NOT_FOUND, "request 'nobody' is not waiting for KV here"),
     ("empty-request-id", dict(request_id="", layer=1), C.NOT_FOUND, "request '' is not waiting for KV here"),
     ("layer-past-the-end", dict(layer=5), C.INVALID_ARGUMENT, "layer 5 (0..4)"),
     ("layer-max", dict(layer=U32_MAX), C.INVALID_ARGUMENT, f"layer {U32_MAX} (0..4)"),
     ("reversed-range", dict(layer=1, src_start=10, src_end=4), C.INVALID_ARGUMENT, "range [10, 4) is malformed"),
-    ("rows-past-the-prompt", dict(layer=1, src_end=N + 1), C.INVALID_ARGUMENT,
-     f"rows [0, {N + 1}) go past the prompt's {N} tokens"),
-    ("dst-past-the-prompt", dict(layer=1, src_end=4, dst_start=N - 2), C.INVALID_ARGUMENT,
-     f"rows [{N - 2}, {N + 2}) go past the prompt's {N} tokens"),
+    (
+        "rows-past-the-prompt",
+        dict(layer=1, src_end=N + 1),
+        C.INVALID_ARGUMENT,
+        f"rows [0, {N + 1}) go past the prompt's {N} tokens",
+    ),
+    (
+        "dst-past-the-prompt",
+        dict(layer=1, src_end=4, dst_start=N - 2),
+        C.INVALID_ARGUMENT,
+        f"rows [{N - 2}, {N + 2}) go past the prompt's {N} tokens",
+    ),
     ("dst-overflowing", dict(layer=1, src_end=4, dst_start=U64_MAX), C.INVALID_ARGUMENT, "go past the prompt's"),
     ("huge-range", dict(layer=1, src_start=0, src_end=U64_MAX), C.INVALID_ARGUMENT, "go past the prompt's"),
 ]
@@ -231,8 +272,11 @@ def test_malformed_read_ready_is_rejected_and_changes_nothing(decode, name, fiel
 FAILED_READS = [
     ("generation-mismatch", dict(layer=1, generation=2), "FAILED_PRECONDITION"),
     ("generation-zero", dict(layer=1, generation=0), "FAILED_PRECONDITION"),
-    ("rows-the-source-does-not-hold", dict(layer=1, request_id="r", src_start=0, src_end=N, generation=1,
-                                           _shrink=4), "OUT_OF_RANGE"),
+    (
+        "rows-the-source-does-not-hold",
+        dict(layer=1, request_id="r", src_start=0, src_end=N, generation=1, _shrink=4),
+        "OUT_OF_RANGE",
+    ),
 ]
 
 
@@ -314,7 +358,8 @@ def test_prefill_done_before_every_layer_arrived_is_refused(decode):
     before = decode.snapshot()
     reply = _done(decode)
     assert not reply.accepted and reply.reason == (
-        f"layer 1 has 0 of {N} rows: PrefillDone must follow every layer's READ_DONE"), reply.reason
+        f"layer 1 has 0 of {N} rows: PrefillDone must follow every layer's READ_DONE"
+    ), reply.reason
     assert same(decode.snapshot(), before), diff(decode.snapshot(), before)
     for layer in range(1, decode.layout.num_layers):  # then the real transfer completes and decodes
         assert decode.read(layer=layer).status == pb.READ_DONE

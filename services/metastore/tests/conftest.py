@@ -1,4 +1,5 @@
 """Shared fixtures: an injectable clock and an in-process server on loopback (a free port)."""
+
 import pytest
 from fakeclock import clock  # noqa: F401 - the clock fixture
 
@@ -8,8 +9,9 @@ from kvoffload_metastore.server import start
 
 @pytest.fixture
 def running(clock):
-    config = MetaStoreConfig(port=0, world_size=2, lease_ttl_ms=1000, heartbeat_timeout_ms=5000,
-                             dram_bytes_per_local_service=10 * 2**30)
+    config = MetaStoreConfig(
+        port=0, world_size=2, lease_ttl_ms=1000, heartbeat_timeout_ms=5000, dram_bytes_per_local_service=10 * 2**30
+    )
     server = start(config, clock=clock)
     yield server
     server.shutdown(grace_s=0)

@@ -1,5 +1,6 @@
 """MetaStoreClient against a real in-process server: kvcore-shaped hooks and kvcore's exception types,
 plus the data path it leaves to shared memory (SharedSegment.attach)."""
+
 import os
 
 import grpc

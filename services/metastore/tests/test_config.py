@@ -1,4 +1,5 @@
 """Config from the seed's mmc conf files and flags: a table of valid and invalid files."""
+
 import pytest
 
 from kvoffload_metastore.config import MetaStoreConfig, build_config, parse_size_bytes, parse_url
@@ -26,11 +27,18 @@ def conf(tmp_path, text, name="mmc.conf"):
 
 
 def test_the_guides_files_through_the_environment(tmp_path):
-    env = {"MMC_META_CONFIG_PATH": conf(tmp_path, GUIDE_META, "meta.conf"),
-           "MMC_LOCAL_CONFIG_PATH": conf(tmp_path, GUIDE_LOCAL, "local.conf")}
+    env = {
+        "MMC_META_CONFIG_PATH": conf(tmp_path, GUIDE_META, "meta.conf"),
+        "MMC_LOCAL_CONFIG_PATH": conf(tmp_path, GUIDE_LOCAL, "local.conf"),
+    }
     config, notes = build_config(env=env)
     assert (config.host, config.port, config.lease_ttl_ms, config.world_size, config.log_level) == (
-        "127.0.0.2", 5000, 30000, 256, "error")
+        "127.0.0.2",
+        5000,
+        30000,
+        256,
+        "error",
+    )
     assert config.dram_bytes_per_local_service == 10 * 2**30
     assert config.bind_address == "127.0.0.2:5000" and len(config.sources) == 2
     levels = sorted(level for level, _ in notes)
@@ -47,8 +55,9 @@ def test_defaults_without_files():
 
 def test_flags_override_files(tmp_path):
     path = conf(tmp_path, GUIDE_META)
-    config, _ = config_from_args(["--meta-config", path, "--port", "0", "--lease-ttl-ms", "5",
-                                  "--dram-size", "512MB", "--log-level", "DEBUG"])
+    config, _ = config_from_args(
+        ["--meta-config", path, "--port", "0", "--lease-ttl-ms", "5", "--dram-size", "512MB", "--log-level", "DEBUG"]
+    )
     assert (config.host, config.port, config.lease_ttl_ms, config.log_level) == ("127.0.0.2", 0, 5, "debug")
     assert config.dram_bytes_per_local_service == 512 * 2**20
 
@@ -58,38 +67,44 @@ def test_unknown_keys_warn_by_name(tmp_path):
     assert notes == [("warning", f"ock.mmc.nope ({tmp_path}/mmc.conf:3) is an unknown key; ignored")]
 
 
-@pytest.mark.parametrize("text, field, value", [
-    ("ock.mmc.meta_service_url = tcp://[::1]:5001", "host", "::1"),
-    ("ock.mmc.meta_service_url=tcp://meta.local:65535", "port", 65535),
-    ("ock.mmc.meta.lease_ttl_ms = 1", "lease_ttl_ms", 1),
-    ("ock.mmc.local_service.world_size = 1", "world_size", 1),
-    ("ock.mmc.local_service.dram.size = 1GiB", "dram_bytes_per_local_service", 2**30),
-    ("ock.mmc.local_service.dram.size = 3 tb", "dram_bytes_per_local_service", 3 * 2**40),
-    ("ock.mmc.local_service.dram.size = 4096", "dram_bytes_per_local_service", 4096),
-    ("ock.mmc.log_level = WARN", "log_level", "warning"),
-])
+@pytest.mark.parametrize(
+    "text, field, value",
+    [
+        ("ock.mmc.meta_service_url = tcp://[::1]:5001", "host", "::1"),
+        ("ock.mmc.meta_service_url=tcp://meta.local:65535", "port", 65535),
+        ("ock.mmc.meta.lease_ttl_ms = 1", "lease_ttl_ms", 1),
+        ("ock.mmc.local_service.world_size = 1", "world_size", 1),
+        ("ock.mmc.local_service.dram.size = 1GiB", "dram_bytes_per_local_service", 2**30),
+        ("ock.mmc.local_service.dram.size = 3 tb", "dram_bytes_per_local_service", 3 * 2**40),
+        ("ock.mmc.local_service.dram.size = 4096", "dram_bytes_per_local_service", 4096),
+        ("ock.mmc.log_level = WARN", "log_level", "warning"),
+    ],
+)
 def test_valid_files(tmp_path, text, field, value):
     config, _ = build_config(meta_config=conf(tmp_path, text + "\n"), env={})
     assert getattr(config, field) == value
 
 
-@pytest.mark.parametrize("text, message", [
-    ("ock.mmc.meta_service_url = http://h:5000", "ock.mmc.meta_service_url (*:1): expected tcp://HOST:PORT"),
-    ("ock.mmc.meta_service_url = tcp://h:0", "ock.mmc.meta_service_url (*:1): expected tcp://HOST:PORT"),
-    ("ock.mmc.meta_service_url = tcp://h:70000", "port in 1..65535"),
-    ("ock.mmc.meta_service_url = tcp://h", "got 'tcp://h'"),
-    ("ock.mmc.meta.lease_ttl_ms = 0", "ock.mmc.meta.lease_ttl_ms (*:1): expected an integer >= 1, got '0'"),
-    ("ock.mmc.meta.lease_ttl_ms = 30s", "got '30s'"),
-    ("ock.mmc.meta.lease_ttl_ms = 86400001", "lease_ttl_ms: Input should be less than or equal to 86400000"),
-    ("ock.mmc.local_service.world_size = -3", "ock.mmc.local_service.world_size (*:1): expected an integer >= 1"),
-    ("ock.mmc.local_service.dram.size = ten", "ock.mmc.local_service.dram.size (*:1): expected a size like 10GB"),
-    ("ock.mmc.local_service.dram.size = 1.5GB", "got '1.5GB'"),
-    ("ock.mmc.local_service.dram.size = 0GB", "expected a size > 0"),
-    ("ock.mmc.log_level = loud", "ock.mmc.log_level (*:1): expected one of debug, info"),
-    ("just words", "*:1: expected 'key = value', got 'just words'"),
-    ("= 5", "expected 'key = value'"),
-    ("ock.mmc.log_level = info\nock.mmc.log_level = error", "*:2: ock.mmc.log_level is repeated (first at *:1)"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("ock.mmc.meta_service_url = http://h:5000", "ock.mmc.meta_service_url (*:1): expected tcp://HOST:PORT"),
+        ("ock.mmc.meta_service_url = tcp://h:0", "ock.mmc.meta_service_url (*:1): expected tcp://HOST:PORT"),
+        ("ock.mmc.meta_service_url = tcp://h:70000", "port in 1..65535"),
+        ("ock.mmc.meta_service_url = tcp://h", "got 'tcp://h'"),
+        ("ock.mmc.meta.lease_ttl_ms = 0", "ock.mmc.meta.lease_ttl_ms (*:1): expected an integer >= 1, got '0'"),
+        ("ock.mmc.meta.lease_ttl_ms = 30s", "got '30s'"),
+        ("ock.mmc.meta.lease_ttl_ms = 86400001", "lease_ttl_ms: Input should be less than or equal to 86400000"),
+        ("ock.mmc.local_service.world_size = -3", "ock.mmc.local_service.world_size (*:1): expected an integer >= 1"),
+        ("ock.mmc.local_service.dram.size = ten", "ock.mmc.local_service.dram.size (*:1): expected a size like 10GB"),
+        ("ock.mmc.local_service.dram.size = 1.5GB", "got '1.5GB'"),
+        ("ock.mmc.local_service.dram.size = 0GB", "expected a size > 0"),
+        ("ock.mmc.log_level = loud", "ock.mmc.log_level (*:1): expected one of debug, info"),
+        ("just words", "*:1: expected 'key = value', got 'just words'"),
+        ("= 5", "expected 'key = value'"),
+        ("ock.mmc.log_level = info\nock.mmc.log_level = error", "*:2: ock.mmc.log_level is repeated (first at *:1)"),
+    ],
+)
 def test_invalid_files_name_the_key(tmp_path, text, message):
     path = conf(tmp_path, text + "\n")
     with pytest.raises(ValueError) as info:
@@ -109,13 +124,16 @@ def test_missing_file_is_named(tmp_path):
         build_config(env={"MMC_META_CONFIG_PATH": str(tmp_path / "absent.conf")})
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--port", "70000"], "port: Input should be less than or equal to 65535"),
-    (["--world-size", "0"], "world_size: Input should be greater than or equal to 1"),
-    (["--dram-size", "lots"], "--dram-size: expected a size like 10GB"),
-    (["--log-level", "chatty"], "log_level: Input should be"),
-    (["--heartbeat-timeout-ms", "0"], "heartbeat_timeout_ms"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--port", "70000"], "port: Input should be less than or equal to 65535"),
+        (["--world-size", "0"], "world_size: Input should be greater than or equal to 1"),
+        (["--dram-size", "lots"], "--dram-size: expected a size like 10GB"),
+        (["--log-level", "chatty"], "log_level: Input should be"),
+        (["--heartbeat-timeout-ms", "0"], "heartbeat_timeout_ms"),
+    ],
+)
 def test_invalid_flags_name_the_flag(argv, message):
     with pytest.raises(ValueError, match=message):
         config_from_args(argv)

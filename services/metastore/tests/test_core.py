@@ -1,4 +1,5 @@
 """MetaStoreCore without gRPC: registry, index, allocation, leases, heartbeats, eviction, stats."""
+
 import inspect
 import re
 
@@ -55,11 +56,14 @@ def test_register_conflict_and_replace(clock):
     assert core.exists(K[:1]) == [False] and core.stats().pools[0].used_blocks == 0
 
 
-@pytest.mark.parametrize("args, match", [
-    (("", "seg", geometry()), "pool_id"),
-    (("a", "bad/name", geometry()), "segment name"),
-    (("a", "seg", "geometry"), "geometry must be a PoolGeometry"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("", "seg", geometry()), "pool_id"),
+        (("a", "bad/name", geometry()), "segment name"),
+        (("a", "seg", "geometry"), "geometry must be a PoolGeometry"),
+    ],
+)
 def test_register_rejects_bad_input(args, match, clock):
     with pytest.raises(ValueError, match=match):
         make(clock).register_pool(*args)

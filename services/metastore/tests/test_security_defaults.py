@@ -3,6 +3,7 @@ without TLS flags, TLS with --tls-cert/--tls-key and mTLS with --tls-ca (svcrunt
 
 The bind is checked on the running process: the listening TCP sockets it really holds, read from
 /proc (its fd inodes matched against /proc/<pid>/net/tcp{,6}), not the parser's default."""
+
 import os
 import socket
 import subprocess
@@ -45,9 +46,12 @@ def start_metastore(*args: str) -> tuple[subprocess.Popen, list[tuple[str, int]]
     its listening sockets once both ports are up, and the gRPC port."""
     metrics_port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("MMC_META_CONFIG_PATH", "MMC_LOCAL_CONFIG_PATH")}
-    proc = subprocess.Popen([sys.executable, "-m", "kvoffload_metastore", "--port", "0",
-                             "--metrics-port", str(metrics_port), *args],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvoffload_metastore", "--port", "0", "--metrics-port", str(metrics_port), *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 30
     try:
         while True:
@@ -103,12 +107,17 @@ def test_tls_flags_load(no_conf_env, tmp_path, tlscerts):
     assert config.tls.mutual and config.tls.cert_path == str(pki.cert)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--tls-key", "k.pem"], "--tls-key given without --tls-cert"),
-    (["--tls-ca", "CA"], "--tls-ca given without --tls-cert/--tls-key: kvoffload-metastore serves gRPC"),
-    (["--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"],
-     "--tls-cert /nonexistent/c.pem: cannot read"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tls-key", "k.pem"], "--tls-key given without --tls-cert"),
+        (["--tls-ca", "CA"], "--tls-ca given without --tls-cert/--tls-key: kvoffload-metastore serves gRPC"),
+        (
+            ["--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"],
+            "--tls-cert /nonexistent/c.pem: cannot read",
+        ),
+    ],
+)
 def test_bad_tls_flags_exit_2_naming_the_flag(no_conf_env, capsys, tmp_path, tlscerts, argv, message):
     if argv[-1] == "CA":
         argv = ["--tls-ca", str(tlscerts.make_pki(tmp_path).ca)]

@@ -1,4 +1,5 @@
 """The kvoffload-metastore process: JSON logs, health SERVING once ready, graceful SIGTERM; bad config exits 2."""
+
 import json
 import queue
 import signal
@@ -30,9 +31,13 @@ def _event(lines: queue.Queue, name: str, seen: list) -> dict:
 def test_process_serves_then_stops_gracefully(tmp_path, sig):
     conf = tmp_path / "mmc-meta.conf"
     conf.write_text("ock.mmc.meta.lease_ttl_ms = 1234\nock.mmc.meta_service.config_store_url = tcp://x:6000\n")
-    proc = subprocess.Popen([sys.executable, "-m", "kvoffload_metastore", "--port", "0", "--grace-s", "1"],
-                            env={"MMC_META_CONFIG_PATH": str(conf), "PATH": ""}, stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvoffload_metastore", "--port", "0", "--grace-s", "1"],
+        env={"MMC_META_CONFIG_PATH": str(conf), "PATH": ""},
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_lines, args=(proc.stderr, lines), daemon=True).start()
     seen: list = []

@@ -1,5 +1,6 @@
 """The servicers over a real gRPC server on 127.0.0.1 (a free port): status codes, metadata,
 health, Stats, /metrics."""
+
 import urllib.request
 
 import grpc
@@ -12,8 +13,12 @@ from kvoffload_proto.v1 import metastore_pb2 as pb
 from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2, stats_pb2_grpc
 
 K = [bytes([i]) * 16 for i in range(1, 12)]
-GEOMETRY = pb.PoolGeometry(block_size=4, plane_row_bytes=[8, 8], num_blocks=2,
-                           plane_labels=[pb.PlaneLabel(layer=0, kind="main"), pb.PlaneLabel(layer=0, kind="indexer")])
+GEOMETRY = pb.PoolGeometry(
+    block_size=4,
+    plane_row_bytes=[8, 8],
+    num_blocks=2,
+    plane_labels=[pb.PlaneLabel(layer=0, kind="main"), pb.PlaneLabel(layer=0, kind="indexer")],
+)
 
 
 @pytest.fixture
@@ -22,8 +27,10 @@ def stub(channel):
 
 
 def register(stub, pool_id="p0", **kw):
-    return stub.RegisterPool(pb.RegisterPoolRequest(pool_id=pool_id, segment_name=f"seg-{pool_id}",
-                                                    geometry=GEOMETRY, host="h", **kw), timeout=5)
+    return stub.RegisterPool(
+        pb.RegisterPoolRequest(pool_id=pool_id, segment_name=f"seg-{pool_id}", geometry=GEOMETRY, host="h", **kw),
+        timeout=5,
+    )
 
 
 def status(fn, request):
@@ -45,7 +52,9 @@ def test_register_alloc_write_lookup_lease_remove(stub):
     assert list(stub.Exists(pb.ExistsRequest(keys=K[:3]), timeout=5).exists) == [True, False, False]
     look = stub.Lookup(pb.LookupRequest(keys=[K[1], K[0]]), timeout=5)
     assert [(x.key, x.block_id, x.complete, list(x.written_planes)) for x in look.locations] == [
-        (K[1], 1, False, []), (K[0], 0, True, [0, 1])]
+        (K[1], 1, False, []),
+        (K[0], 0, True, [0, 1]),
+    ]
     assert [p.pool_id for p in look.pools] == ["p0"]
     lease = stub.Lease(pb.LeaseRequest(keys=K[:1], holder="t"), timeout=5)
     assert lease.lease_id > 0 and lease.ttl_ms == 1000 and lease.locations[0].block_id == 0
@@ -69,8 +78,12 @@ def test_status_codes_and_trailing_metadata(stub):
     assert e.code() == grpc.StatusCode.ALREADY_EXISTS
     e = status(stub.RegisterPool, pb.RegisterPoolRequest(pool_id="p3", segment_name="s3"))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "geometry is required" in e.details()
-    e = status(stub.RegisterPool, pb.RegisterPoolRequest(
-        pool_id="p0", segment_name="s", geometry=pb.PoolGeometry(block_size=0, plane_row_bytes=[8], num_blocks=1)))
+    e = status(
+        stub.RegisterPool,
+        pb.RegisterPoolRequest(
+            pool_id="p0", segment_name="s", geometry=pb.PoolGeometry(block_size=0, plane_row_bytes=[8], num_blocks=1)
+        ),
+    )
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "block_size" in e.details()
 
     stub.Alloc(pb.AllocRequest(keys=K[:2], pool_hint="p0"), timeout=5)
@@ -163,12 +176,15 @@ def test_metrics_endpoint(clock):
         text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
     finally:
         server.shutdown(grace_s=0)
-    for line in ('kvoffload_metastore_pool_used_blocks{pool="p0"} 1.0',
-                 'kvoffload_metastore_pool_occupancy_ratio{pool="p0"} 0.5',
-                 "kvoffload_metastore_live_leases 0.0", "kvoffload_metastore_lease_expiries_total 0.0",
-                 "kvoffload_metastore_evictions_total 0.0",
-                 'kvoffload_metastore_requests_total{code="OK",method="Alloc"} 1.0',
-                 'kvoffload_metastore_requests_total{code="NOT_FOUND",method="Heartbeat"} 1.0'):
+    for line in (
+        'kvoffload_metastore_pool_used_blocks{pool="p0"} 1.0',
+        'kvoffload_metastore_pool_occupancy_ratio{pool="p0"} 0.5',
+        "kvoffload_metastore_live_leases 0.0",
+        "kvoffload_metastore_lease_expiries_total 0.0",
+        "kvoffload_metastore_evictions_total 0.0",
+        'kvoffload_metastore_requests_total{code="OK",method="Alloc"} 1.0',
+        'kvoffload_metastore_requests_total{code="NOT_FOUND",method="Heartbeat"} 1.0',
+    ):
         assert line in text, line
 
 

@@ -47,8 +47,12 @@ def add_shared_flag(p: argparse.ArgumentParser, name: str, **overrides: Any) -> 
 
 def add_process_flags(p: argparse.ArgumentParser) -> None:
     """``--shutdown-grace-s``, ``--log-level`` and the TLS flags (``tls.add_tls_arguments``)."""
-    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
-                   help="on SIGTERM, how long in-flight requests get to finish before they are failed (default 30)")
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long in-flight requests get to finish before they are failed (default 30)",
+    )
     p.add_argument("--log-level", default="info")
     kvtls.add_tls_arguments(p)
 
@@ -61,20 +65,32 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_flags(args: Any, *, at_least_one: tuple[str, ...] = (), at_least_zero: tuple[str, ...] = (),
-                seconds: tuple[str, ...] = (), seconds_or_zero: tuple[str, ...] = (), ports: tuple[str, ...] = (),
-                any_ports: tuple[str, ...] = ()) -> None:
+def check_flags(
+    args: Any,
+    *,
+    at_least_one: tuple[str, ...] = (),
+    at_least_zero: tuple[str, ...] = (),
+    seconds: tuple[str, ...] = (),
+    seconds_or_zero: tuple[str, ...] = (),
+    ports: tuple[str, ...] = (),
+    any_ports: tuple[str, ...] = (),
+) -> None:
     """The numeric flags of ``args`` (attributes; absent or None ones skipped): ints ``>= 1`` /
     ``>= 0``, finite numbers ``> 0`` / ``>= 0``, TCP ports ``1..65535`` / ``0..65535`` (0: any free
     port). ``ConfigError`` lists every flag that breaks its rule, named as typed."""
-    rules = [(at_least_one, "an int >= 1", lambda v: _is_int(v) and v >= 1),
-             (at_least_zero, "an int >= 0", lambda v: _is_int(v) and v >= 0),
-             (seconds, "a finite number > 0", lambda v: _is_number(v) and v > 0),
-             (seconds_or_zero, "a finite number >= 0", lambda v: _is_number(v) and v >= 0),
-             (ports, "a TCP port in 1..65535", lambda v: _is_int(v) and 1 <= v <= MAX_PORT),
-             (any_ports, "a TCP port in 0..65535 (0: any free port)", lambda v: _is_int(v) and 0 <= v <= MAX_PORT)]
-    errors = [f"--{name.replace('_', '-')}: got {getattr(args, name)!r}; must be {rule}"
-              for names, rule, ok in rules for name in names
-              if getattr(args, name, None) is not None and not ok(getattr(args, name))]
+    rules = [
+        (at_least_one, "an int >= 1", lambda v: _is_int(v) and v >= 1),
+        (at_least_zero, "an int >= 0", lambda v: _is_int(v) and v >= 0),
+        (seconds, "a finite number > 0", lambda v: _is_number(v) and v > 0),
+        (seconds_or_zero, "a finite number >= 0", lambda v: _is_number(v) and v >= 0),
+        (ports, "a TCP port in 1..65535", lambda v: _is_int(v) and 1 <= v <= MAX_PORT),
+        (any_ports, "a TCP port in 0..65535 (0: any free port)", lambda v: _is_int(v) and 0 <= v <= MAX_PORT),
+    ]
+    errors = [
+        f"--{name.replace('_', '-')}: got {getattr(args, name)!r}; must be {rule}"
+        for names, rule, ok in rules
+        for name in names
+        if getattr(args, name, None) is not None and not ok(getattr(args, name))
+    ]
     if errors:
         raise ConfigError(errors)

@@ -32,17 +32,28 @@ class Entry:
     error: str = ""
 
     def to_dict(self, now: float) -> dict:
-        return {"request_id": self.request_id, "stage": self.stage, "peer": self.peer,
-                "age_s": round(now - self.opened_s, 3), "silent_s": round(now - self.heard_s, 3),
-                "history": [[s, round(t, 3)] for s, t in self.history],
-                "outcome": self.outcome, "error": self.error}
+        return {
+            "request_id": self.request_id,
+            "stage": self.stage,
+            "peer": self.peer,
+            "age_s": round(now - self.opened_s, 3),
+            "silent_s": round(now - self.heard_s, 3),
+            "history": [[s, round(t, 3)] for s, t in self.history],
+            "outcome": self.outcome,
+            "error": self.error,
+        }
 
 
 class Ledger:
     """Thread-safe; ``on_timeout(entry, reason)`` runs on the watchdog thread, outside the lock."""
 
-    def __init__(self, on_timeout: Callable[[Entry, str], None] | None = None, *, keep_finished: int = 256,
-                 interval_s: float = 0.25) -> None:
+    def __init__(
+        self,
+        on_timeout: Callable[[Entry, str], None] | None = None,
+        *,
+        keep_finished: int = 256,
+        interval_s: float = 0.25,
+    ) -> None:
         self._lock = threading.Lock()
         self._open: OrderedDict[str, Entry] = OrderedDict()
         self._finished: deque[Entry] = deque(maxlen=keep_finished)
@@ -62,8 +73,9 @@ class Ledger:
             e.history.append((stage, 0.0))
             self._open[request_id] = e
 
-    def advance(self, request_id: str, stage: str, *, peer: str | None = None,
-                silence_limit_s: float | None = None) -> None:
+    def advance(
+        self, request_id: str, stage: str, *, peer: str | None = None, silence_limit_s: float | None = None
+    ) -> None:
         """Move to ``stage`` (which counts as news from the peer); unknown ids are ignored."""
         with self._lock:
             e = self._open.get(request_id)
@@ -118,8 +130,10 @@ class Ledger:
                 if e.silence_limit_s is None or now - e.heard_s <= e.silence_limit_s:
                     continue
                 who = f"{e.peer} " if e.peer else "the peer "
-                reason = (f"{who}sent no news for request {rid} for {now - e.heard_s:.1f} s at stage "
-                          f"{e.stage!r} (limit {e.silence_limit_s:g} s)")
+                reason = (
+                    f"{who}sent no news for request {rid} for {now - e.heard_s:.1f} s at stage "
+                    f"{e.stage!r} (limit {e.silence_limit_s:g} s)"
+                )
                 del self._open[rid]
                 e.outcome, e.error = "timeout", reason
                 e.history.append(("timeout", now - e.opened_s))
@@ -131,8 +145,9 @@ class Ledger:
     def start(self) -> Ledger:
         if self._on_timeout is None:
             raise ValueError("a watchdog needs on_timeout")
-        self._thread = threading.Thread(target=self._watch, args=(self._on_timeout,), name="ledger-watchdog",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._watch, args=(self._on_timeout,), name="ledger-watchdog", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -149,8 +164,7 @@ class Ledger:
                 except Exception:  # noqa: BLE001 - the watchdog outlives a failing callback
                     import structlog
 
-                    structlog.get_logger(__name__).exception("watchdog_callback_failed",
-                                                             request_id=entry.request_id)
+                    structlog.get_logger(__name__).exception("watchdog_callback_failed", request_id=entry.request_id)
 
     def _forgive(self, gap_s: float) -> None:
         """After the watchdog itself missed ``gap_s`` seconds, silence is restarted for every open
@@ -181,5 +195,9 @@ class Ledger:
         """JSON: the open entries and the most recent finished ones."""
         now = time.monotonic()
         with self._lock:
-            return json.dumps({"open": [e.to_dict(now) for e in self._open.values()],
-                               "finished": [e.to_dict(now) for e in self._finished]})
+            return json.dumps(
+                {
+                    "open": [e.to_dict(now) for e in self._open.values()],
+                    "finished": [e.to_dict(now) for e in self._finished],
+                }
+            )

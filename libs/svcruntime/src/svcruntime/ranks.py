@@ -38,8 +38,15 @@ from svcruntime.serving import StartupError
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "JOIN_TIMEOUT_S", "LeadRanks", "RankProcesses", "follower_parser", "join_group",
-           "share_cores"]
+__all__ = [
+    "COLLECTIVE_TIMEOUT_S",
+    "JOIN_TIMEOUT_S",
+    "LeadRanks",
+    "RankProcesses",
+    "follower_parser",
+    "join_group",
+    "share_cores",
+]
 
 JOIN_TIMEOUT_S = 300.0  # every rank loaded its model and joined the group within this
 COLLECTIVE_TIMEOUT_S = 600.0  # a follower waits this long for rank 0's next message or reduction
@@ -58,8 +65,14 @@ class RankProcesses:
         return [p.pid for p in self.procs]
 
     @classmethod
-    def start(cls, size: int, argv: Callable[[int, str], list[str]], *, join_timeout_s: float = JOIN_TIMEOUT_S,
-              flag: str = "--tensor-parallel-size") -> RankProcesses:
+    def start(
+        cls,
+        size: int,
+        argv: Callable[[int, str], list[str]],
+        *,
+        join_timeout_s: float = JOIN_TIMEOUT_S,
+        flag: str = "--tensor-parallel-size",
+    ) -> RankProcesses:
         """Spawn ranks 1..size-1 (``argv(rank, init)``) and join their gloo group as rank 0; the
         group's collectives then time out after ``join_timeout_s`` too. StartupError (everything
         started is stopped) when a rank exits first or the join fails."""
@@ -79,6 +92,7 @@ class RankProcesses:
 
     def watch(self, on_exit: Callable[[int, int, int], None], every_s: float = 0.5) -> None:
         """From now on, the first rank to exit is reported once: ``on_exit(rank, pid, exit_code)``."""
+
         def run() -> None:
             while not self._closing.wait(every_s):
                 for rank, p in enumerate(self.procs, start=1):
@@ -132,8 +146,9 @@ class LeadRanks(ABC):
 
     def watch(self) -> None:
         """From now on, a rank that exits breaks the group, naming the rank and its exit code."""
-        self.processes.watch(lambda rank, pid, code: self.mark_broken(
-            f"TP rank {rank} (pid {pid}) exited with code {code}"))
+        self.processes.watch(
+            lambda rank, pid, code: self.mark_broken(f"TP rank {rank} (pid {pid}) exited with code {code}")
+        )
 
     def not_ready(self) -> str:
         """Why the group cannot serve ("" while every rank is in step)."""
@@ -175,8 +190,7 @@ def join_group(init: str, rank: int, size: int, timeout_s: float = COLLECTIVE_TI
     """A follower joins rank 0's gloo group at ``init``; its collectives time out after ``timeout_s``."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
 
 
 def _join(procs: list[subprocess.Popen], init: str, size: int, timeout_s: float, flag: str) -> None:
@@ -188,8 +202,9 @@ def _join(procs: list[subprocess.Popen], init: str, size: int, timeout_s: float,
 
     def init_group() -> None:
         try:
-            dist.init_process_group("gloo", init_method=init, rank=0, world_size=size,
-                                    timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group(
+                "gloo", init_method=init, rank=0, world_size=size, timeout=timedelta(seconds=timeout_s)
+            )
         except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
             failed.append(exc)
 
@@ -200,7 +215,9 @@ def _join(procs: list[subprocess.Popen], init: str, size: int, timeout_s: float,
         for rank, p in enumerate(procs, start=1):
             code = p.poll()
             if code is not None and joiner.is_alive():
-                raise StartupError(f"{flag} {size}: TP rank {rank} exited with code {code} "
-                                   "before it joined the group (its log lines above say why)")
+                raise StartupError(
+                    f"{flag} {size}: TP rank {rank} exited with code {code} "
+                    "before it joined the group (its log lines above say why)"
+                )
     if failed:
         raise StartupError(f"{flag} {size}: joining the TP group failed: {failed[0]!r}")

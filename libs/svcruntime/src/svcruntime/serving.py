@@ -103,10 +103,14 @@ class StatsServicer(stats_pb2_grpc.StatsServicer):
 
     def GetStats(self, request, context):
         s = self._snapshot(request.include_ledger)
-        return stats_pb2.StatsReply(service=self._service, version=self._version,
-                                    counters={k: float(v) for k, v in s.counters.items()}, info=s.info,
-                                    ledger_json=s.ledger_json if request.include_ledger else "",
-                                    uptime_ms=int((time.monotonic() - self._started) * 1000))
+        return stats_pb2.StatsReply(
+            service=self._service,
+            version=self._version,
+            counters={k: float(v) for k, v in s.counters.items()},
+            info=s.info,
+            ledger_json=s.ledger_json if request.include_ledger else "",
+            uptime_ms=int((time.monotonic() - self._started) * 1000),
+        )
 
 
 class ReadinessHealth(health.HealthServicer):
@@ -143,11 +147,21 @@ class ReadinessHealth(health.HealthServicer):
 class GrpcSide:
     """A service's gRPC server: its own servicers (``add``), ``grpc.health.v1`` and ``kvoffload.v1.Stats``."""
 
-    def __init__(self, service: str, version: str, stats: Callable[[bool], StatsSnapshot], *, workers: int,
-                 not_ready: Callable[[], str] = lambda: "", health_names: Sequence[str] = ("",),
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
-        self.server = grpc.server(ThreadPoolExecutor(max_workers=workers, thread_name_prefix=service),
-                                  options=[("grpc.so_reuseport", 0), *options])  # a second bind fails
+    def __init__(
+        self,
+        service: str,
+        version: str,
+        stats: Callable[[bool], StatsSnapshot],
+        *,
+        workers: int,
+        not_ready: Callable[[], str] = lambda: "",
+        health_names: Sequence[str] = ("",),
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.server = grpc.server(
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix=service),
+            options=[("grpc.so_reuseport", 0), *options],
+        )  # a second bind fails
         self.health = ReadinessHealth(not_ready, health_names)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         stats_pb2_grpc.add_StatsServicer_to_server(StatsServicer(service, version, stats), self.server)
@@ -199,8 +213,9 @@ def refuse_while_draining(service: str):
     return middleware
 
 
-async def serve_until_signal(app: web.Application, host: str, port: int, busy: Callable[[], int], grace_s: float,
-                             on_drain: Callable[[], None]) -> None:
+async def serve_until_signal(
+    app: web.Application, host: str, port: int, busy: Callable[[], int], grace_s: float, on_drain: Callable[[], None]
+) -> None:
     """Serve ``app`` until SIGTERM/SIGINT, then drain (see the module docstring) and close HTTP."""
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
@@ -220,8 +235,16 @@ async def serve_until_signal(app: web.Application, host: str, port: int, busy: C
     await runner.cleanup()
 
 
-def serve_http(app: web.Application, host: str, port: int, *, busy: Callable[[], int], grace_s: float,
-               grpc_side: GrpcSide, closers: Sequence[Callable[[], None]]) -> None:
+def serve_http(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    busy: Callable[[], int],
+    grace_s: float,
+    grpc_side: GrpcSide,
+    closers: Sequence[Callable[[], None]],
+) -> None:
     """Serve until a signal and drain (``serve_until_signal``), then stop gRPC and call ``closers`` in order."""
     try:
         asyncio.run(serve_until_signal(app, host, port, busy, grace_s, grpc_side.health.drain))

@@ -11,8 +11,9 @@ from aiohttp import web
 
 async def sse_response(request: web.Request, rid: str, events: AsyncIterator[dict]) -> web.StreamResponse:
     """Stream ``events`` to the client as SSE (headers ``X-Request-Id: rid``), then ``[DONE]``."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Request-Id": rid})
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid}
+    )
     await resp.prepare(request)
     async for obj in events:
         await resp.write(f"data: {json.dumps(obj)}\n\n".encode())

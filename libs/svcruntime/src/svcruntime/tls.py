@@ -35,8 +35,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import grpc
 
-__all__ = ["PROCESS", "TLSConfig", "TLSConfigError", "add_port", "add_tls_arguments", "configure", "current",
-           "from_args", "secure_or_insecure_channel"]
+__all__ = [
+    "PROCESS",
+    "TLSConfig",
+    "TLSConfigError",
+    "add_port",
+    "add_tls_arguments",
+    "configure",
+    "current",
+    "from_args",
+    "secure_or_insecure_channel",
+]
 
 FLAGS = {"cert": "--tls-cert", "key": "--tls-key", "ca": "--tls-ca"}
 
@@ -80,15 +89,17 @@ class TLSConfig:
         return f"TLSConfig(cert={self.cert_path!r}, key={self.key_path!r}, ca={self.ca_path!r})"
 
     @classmethod
-    def load(cls, cert: str | Path | None = None, key: str | Path | None = None,
-             ca: str | Path | None = None) -> TLSConfig | None:
+    def load(
+        cls, cert: str | Path | None = None, key: str | Path | None = None, ca: str | Path | None = None
+    ) -> TLSConfig | None:
         """The config of the three flags' paths; ``None`` when none is given (plain gRPC)."""
         cert, key, ca = (str(v) if v else None for v in (cert, key, ca))
         if not (cert or key or ca):
             return None
         if key and not cert:
-            raise TLSConfigError("--tls-key given without --tls-cert: the private key needs the certificate "
-                                 "(chain) it belongs to")
+            raise TLSConfigError(
+                "--tls-key given without --tls-cert: the private key needs the certificate (chain) it belongs to"
+            )
         if cert and not key:
             raise TLSConfigError("--tls-cert given without --tls-key: the certificate needs its private key")
         cert_pem = _read_pem(FLAGS["cert"], cert, ["-----BEGIN CERTIFICATE-----"], "certificate") if cert else None
@@ -109,22 +120,26 @@ class TLSConfig:
         """The (key, certificate chain) pair, for a process that serves gRPC; an error when it has
         only ``--tls-ca``."""
         if self.key is None or self.cert is None:
-            raise TLSConfigError(f"--tls-ca given without --tls-cert/--tls-key: {service} serves gRPC and needs a "
-                                 "certificate and key of its own to serve it over TLS")
+            raise TLSConfigError(
+                f"--tls-ca given without --tls-cert/--tls-key: {service} serves gRPC and needs a "
+                "certificate and key of its own to serve it over TLS"
+            )
         return self.key, self.cert
 
     def server_credentials(self) -> grpc.ServerCredentials:
         import grpc
 
-        return grpc.ssl_server_credentials([self.require_identity("this server")], root_certificates=self.ca,
-                                           require_client_auth=self.mutual)
+        return grpc.ssl_server_credentials(
+            [self.require_identity("this server")], root_certificates=self.ca, require_client_auth=self.mutual
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Verify servers against ``ca`` (system roots without it); present ``cert``/``key`` when given."""
         import grpc
 
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
-                                            certificate_chain=self.cert)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
 
     def flags(self) -> list[str]:
         """The command-line flags that give this config to a service."""
@@ -141,19 +156,24 @@ class TLSConfig:
 
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("TLS (gRPC)", "without these flags every gRPC port and call is plain")
-    g.add_argument("--tls-cert", metavar="PATH",
-                   help="certificate chain (PEM): server identity, and client certificate for outgoing calls")
+    g.add_argument(
+        "--tls-cert",
+        metavar="PATH",
+        help="certificate chain (PEM): server identity, and client certificate for outgoing calls",
+    )
     g.add_argument("--tls-key", metavar="PATH", help="private key of --tls-cert (PEM)")
-    g.add_argument("--tls-ca", metavar="PATH",
-                   help="CA bundle (PEM): servers require and verify client certificates against it (mTLS); "
-                        "clients verify servers against it (default: the system roots)")
+    g.add_argument(
+        "--tls-ca",
+        metavar="PATH",
+        help="CA bundle (PEM): servers require and verify client certificates against it (mTLS); "
+        "clients verify servers against it (default: the system roots)",
+    )
 
 
 def from_args(args: argparse.Namespace, serving: str | None = None) -> TLSConfig | None:
     """The config of the parsed flags; ``serving`` (who serves gRPC with it) also requires a
     certificate and key of its own whenever any flag is given."""
-    tls = TLSConfig.load(getattr(args, "tls_cert", None), getattr(args, "tls_key", None),
-                         getattr(args, "tls_ca", None))
+    tls = TLSConfig.load(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None))
     if tls is not None and serving is not None:
         tls.require_identity(serving)
     return tls
@@ -175,12 +195,16 @@ def _resolve(tls: TLSConfig | None) -> TLSConfig | None:
 
 # Peers of a serving stack restart (a crash, a deploy): reconnect within a second instead of after
 # gRPC's default exponential backoff (up to 120 s), during which every call fails at once.
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                     ("grpc.max_reconnect_backoff_ms", 1000)]
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
-def secure_or_insecure_channel(target: str, tls: TLSConfig | None = PROCESS,
-                               options: Sequence[tuple[str, Any]] | None = None) -> grpc.Channel:
+def secure_or_insecure_channel(
+    target: str, tls: TLSConfig | None = PROCESS, options: Sequence[tuple[str, Any]] | None = None
+) -> grpc.Channel:
     """A channel to ``host:port``: TLS (mTLS when ``tls`` has a certificate) or plain when ``tls`` is None."""
     import grpc
 

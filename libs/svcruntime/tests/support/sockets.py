@@ -13,7 +13,7 @@ def _proc_addr(hex_addr: str) -> str:
     raw = bytes.fromhex(hex_addr)
     if len(raw) == 4:
         return socket.inet_ntop(socket.AF_INET, raw[::-1])
-    addr = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+    addr = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
     return addr.removeprefix("::ffff:") if "." in addr else addr
 
 
@@ -47,7 +47,7 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
             except OSError:  # closed meanwhile
                 continue
             if target.startswith("socket:["):
-                inodes.add(target[len("socket:["):-1])
+                inodes.add(target[len("socket:[") : -1])
         for table in ("tcp", "tcp6"):
             with open(f"/proc/{p}/net/{table}") as f:
                 for line in f.readlines()[1:]:
@@ -57,4 +57,3 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
                         addr, port = local.rsplit(":", 1)
                         out.append((_proc_addr(addr), int(port, 16)))
     return sorted(set(out))
-

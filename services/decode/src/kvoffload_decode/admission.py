@@ -23,11 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dsamodel.sampling import RequestSampler
-from kvoffload_engine.decode import SparseDecoder
-from openai_api.sampling_params import SamplingParams
-
 from kvoffload_decode.loop_state import LoopState
 from kvoffload_decode.request import DecodeRequest, Emit
+from kvoffload_engine.decode import SparseDecoder
+from openai_api.sampling_params import SamplingParams
 
 
 class TooLarge(ValueError):
@@ -55,8 +54,14 @@ def default_max_queued(decoder: SparseDecoder) -> int:
 class Admission(LoopState):
     """``DecodeLoop``'s admission (module doc)."""
 
-    def expect_remote(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit: Emit,
-                      on_reserved: Callable[[], None] | None = None) -> DecodeRequest:
+    def expect_remote(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        emit: Emit,
+        on_reserved: Callable[[], None] | None = None,
+    ) -> DecodeRequest:
         """Admit a request whose KV a prefill will push, at once: its host blocks (and a sequence slot
         if one is free) are reserved now, or — host pool full — it waits for them (``req.reserved``
         False; ``on_reserved`` is called, under the loop's lock, when it got them). Raises DecodeFull
@@ -68,11 +73,19 @@ class Admission(LoopState):
                 raise DecodeFull("decode is shutting down")
             if len(self.pending) >= self.max_queued:
                 self.rejected += 1
-                raise DecodeFull(f"decode queue is full ({len(self.pending)} queued, {len(self.running)} "
-                                 f"running, limit --max-queued-requests={self.max_queued}); retry later",
-                                 retry_after_s=self.retry_after_s())
-            req = DecodeRequest(request_id, prompt_ids, RequestSampler(params, self.eos_token_id), emit,
-                                len(self.decoder.model.cache_layers), on_reserved=on_reserved)
+                raise DecodeFull(
+                    f"decode queue is full ({len(self.pending)} queued, {len(self.running)} "
+                    f"running, limit --max-queued-requests={self.max_queued}); retry later",
+                    retry_after_s=self.retry_after_s(),
+                )
+            req = DecodeRequest(
+                request_id,
+                prompt_ids,
+                RequestSampler(params, self.eos_token_id),
+                emit,
+                len(self.decoder.model.cache_layers),
+                on_reserved=on_reserved,
+            )
             req.rows = [0] * req.num_layers
             req.ahead = [[] for _ in range(req.num_layers)]
             reserved = not self.waiting and self._reserve(req)  # TooLarge: refused, nothing held
@@ -96,12 +109,15 @@ class Admission(LoopState):
         n = len(req.prompt_ids) + 1
         if not self.decoder.can_reserve(n):
             if not self.decoder.seqs:  # nothing holds blocks, so none will be freed: it can never fit
-                raise TooLarge(f"the prompt ({len(req.prompt_ids)} tokens) does not fit in this decode's "
-                               f"host pool ({self.decoder.pool.stats().capacity_bytes} bytes)")
+                raise TooLarge(
+                    f"the prompt ({len(req.prompt_ids)} tokens) does not fit in this decode's "
+                    f"host pool ({self.decoder.pool.stats().capacity_bytes} bytes)"
+                )
             return False
         self.decoder.reserve(req.request_id, n)
-        if self.decoder.free_slots and not any(self.decoder.seqs[r.request_id].seq_slot is None
-                                               for r in self.pending.values() if r.reserved):
+        if self.decoder.free_slots and not any(
+            self.decoder.seqs[r.request_id].seq_slot is None for r in self.pending.values() if r.reserved
+        ):
             self.decoder.bind(req.request_id)
         req.reserved = True
         return True

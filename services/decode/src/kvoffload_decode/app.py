@@ -50,8 +50,9 @@ class AppSettings:
     metaserver_retries: int = 3
 
 
-def build_app(loop: DecodeLoop, transfer, tokenizer: Tokenizer, settings: AppSettings,
-              not_ready: Callable[[], str] = lambda: "") -> web.Application:
+def build_app(
+    loop: DecodeLoop, transfer, tokenizer: Tokenizer, settings: AppSettings, not_ready: Callable[[], str] = lambda: ""
+) -> web.Application:
     """The HTTP API; ``not_ready()`` says why the decode cannot serve now ("" when it can: a TP
     decode whose rank died cannot), which ``/health`` answers with 503."""
     metrics = Metrics(loop, transfer)
@@ -108,8 +109,14 @@ class _Events:
 
 
 class _Handler:
-    def __init__(self, loop: DecodeLoop, tokenizer: Tokenizer, settings: AppSettings, metrics: Metrics,
-                 not_ready: Callable[[], str] = lambda: "") -> None:
+    def __init__(
+        self,
+        loop: DecodeLoop,
+        tokenizer: Tokenizer,
+        settings: AppSettings,
+        metrics: Metrics,
+        not_ready: Callable[[], str] = lambda: "",
+    ) -> None:
         self.loop, self.tokenizer, self.settings, self.metrics = loop, tokenizer, settings, metrics
         self.not_ready = not_ready
         self.created = int(time.time())
@@ -118,9 +125,20 @@ class _Handler:
     async def models(self, request: web.Request) -> web.Response:
         """OpenAI model list: the served model name (--served-model-name, default the model
         directory's name), the one id this decode answers to."""
-        return web.json_response({"object": "list", "data": [{
-            "id": self.settings.model_name, "object": "model", "created": self.created,
-            "owned_by": "kvoffload", "max_model_len": self.settings.max_model_len}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.settings.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "kvoffload",
+                        "max_model_len": self.settings.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         reason = self.not_ready()
@@ -141,8 +159,9 @@ class _Handler:
         if isinstance(admitted, web.Response):
             return admitted
         REQUEST_IDS.link(rid, request.headers.get("X-Request-Id"))  # log lines carry the proxy's id
-        bound.info("request_admitted", prompt_tokens=len(ids), max_tokens=params.max_tokens,
-                   holds_blocks=admitted.reserved)
+        bound.info(
+            "request_admitted", prompt_tokens=len(ids), max_tokens=params.max_tokens, holds_blocks=admitted.reserved
+        )
         done = False
         try:
             problem = await self._await_prefill(rid, ktp, bound, events, admitted.reserved)
@@ -164,23 +183,26 @@ class _Handler:
     async def _parse(self, request: web.Request, chat: bool) -> tuple[ParsedRequest, KVTransferParams] | web.Response:
         """The request and its ``transfer`` (a remote prefill), or the 400 that refuses it."""
         try:
-            parsed = parse_request(await request.read(), self.tokenizer, chat=chat,
-                                   max_model_len=self.settings.max_model_len)
+            parsed = parse_request(
+                await request.read(), self.tokenizer, chat=chat, max_model_len=self.settings.max_model_len
+            )
         except RequestError as exc:
             return error_response(400, str(exc), "invalid_request_error")
         ktp = parsed.transfer
         if ktp is None or not ktp.do_remote_prefill or not ktp.metaserver:
-            return error_response(400, "kv_transfer_params: this decode node serves requests with a remote prefill "
-                                       "(do_remote_prefill and metaserver, as the proxy sends them)",
-                                  "invalid_request_error")
+            return error_response(
+                400,
+                "kv_transfer_params: this decode node serves requests with a remote prefill "
+                "(do_remote_prefill and metaserver, as the proxy sends them)",
+                "invalid_request_error",
+            )
         return parsed, ktp
 
     async def _admit(self, rid: str, ids: list[int], params: SamplingParams, events: _Events):
         """The loop's ``DecodeRequest``, admitted at once (never a wait: queued, or 429 when the queue
         is full), or the error answer."""
         try:
-            return await asyncio.to_thread(self.loop.expect_remote, rid, ids, params, events.emit,
-                                           events.on_reserved)
+            return await asyncio.to_thread(self.loop.expect_remote, rid, ids, params, events.emit, events.on_reserved)
         except DecodeFull as exc:
             self.metrics.rejected.inc()
             resp = error_response(429, str(exc), "rate_limit_error")
@@ -191,8 +213,9 @@ class _Handler:
         except ValueError as exc:
             return error_response(409, str(exc), "invalid_request_error")
 
-    async def _await_prefill(self, rid: str, ktp: KVTransferParams, bound, events: _Events,
-                             reserved: bool) -> web.Response | None:
+    async def _await_prefill(
+        self, rid: str, ktp: KVTransferParams, bound, events: _Events, reserved: bool
+    ) -> web.Response | None:
         """Tell the proxy's metaserver where to push (once the request holds its host blocks) and wait
         for the prefill: None when the prompt's KV and first token are all here, else the error answer."""
         token, metaserver = ktp.registration_token, str(ktp.metaserver)
@@ -227,8 +250,9 @@ class _Handler:
         kind, value = events.queue.get_nowait()
         return str(value)
 
-    async def _register_unless_failed(self, rid: str, metaserver: str, bound, events: _Events,
-                                      token: str | None = None) -> str:
+    async def _register_unless_failed(
+        self, rid: str, metaserver: str, bound, events: _Events, token: str | None = None
+    ) -> str:
         """``_register``, cut short when the request fails meanwhile (its prefill went quiet):
         the metaserver's answer can take the whole prefill, a dead prefill must not."""
         register = asyncio.ensure_future(self._register(rid, metaserver, bound, token))
@@ -246,17 +270,23 @@ class _Handler:
                 bound.warning("request_failed_while_prefilling", reason=str(value))
                 return str(value)
 
-    async def _register(self, rid: str, metaserver: str, bound, token: str | None = None,
-                        queued: bool = False) -> str:
+    async def _register(self, rid: str, metaserver: str, bound, token: str | None = None, queued: bool = False) -> str:
         """POST our endpoint to the proxy's metaserver; "" when it answered ok, else what failed.
         ``token``: the proxy's per-request ``metaserver_token`` (set when the proxy has an API key).
         ``queued``: instead, tell it the request is queued here (answered at once; the proxy's
         registration deadline no longer applies to it)."""
         headers = {"X-Request-Id": rid, **({"Authorization": f"Bearer {token}"} if token else {})}
-        params = (KVTransferParams(request_id=rid, queued=True) if queued else
-                  KVTransferParams(request_id=rid, remote_host=self.settings.advertise_host,
-                                   remote_port=self.settings.control_port, remote_tp_size=self.settings.tp_size,
-                                   remote_dp_rank=self.settings.dp_rank))
+        params = (
+            KVTransferParams(request_id=rid, queued=True)
+            if queued
+            else KVTransferParams(
+                request_id=rid,
+                remote_host=self.settings.advertise_host,
+                remote_port=self.settings.control_port,
+                remote_tp_size=self.settings.tp_size,
+                remote_dp_rank=self.settings.dp_rank,
+            )
+        )
         payload = {"request_id": rid, "kv_transfer_params": params.wire()}
         timeout = aiohttp.ClientTimeout(total=self.settings.metaserver_timeout_s)
         attempt = 0
@@ -284,9 +314,11 @@ class _Handler:
         except asyncio.TimeoutError:
             return "timeout", f"no token for {self.settings.token_timeout_s} s"
 
-    async def _stream(self, request: web.Request, rid: str, queue, out: Output, n_prompt: int,
-                      include_usage: bool) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, rid: str, queue, out: Output, n_prompt: int, include_usage: bool
+    ) -> web.StreamResponse:
         """SSE chunks (openai_api.output); an error ends the stream with an error event."""
+
         async def next_event() -> tuple[str, object]:
             kind, value = await self._next_or_timeout(queue)
             return ("error", value) if kind == "timeout" else (kind, value)
@@ -295,8 +327,19 @@ class _Handler:
             self.metrics.requests.labels("error").inc()
             self.loop.cancel(rid, message)
 
-        return await sse_response(request, rid, self.responder.events(
-            rid, next_event, out, n_prompt, include_usage, on_error, lambda: self.metrics.requests.labels("ok").inc()))
+        return await sse_response(
+            request,
+            rid,
+            self.responder.events(
+                rid,
+                next_event,
+                out,
+                n_prompt,
+                include_usage,
+                on_error,
+                lambda: self.metrics.requests.labels("ok").inc(),
+            ),
+        )
 
     async def _collect(self, rid: str, queue, out: Output, n_prompt: int) -> web.Response:
         timed_out = []
@@ -317,4 +360,3 @@ class _Handler:
             return error_response(500, error, "decode_error")
         self.metrics.requests.labels("ok").inc()
         return web.json_response(obj, headers={"X-Request-Id": rid})
-

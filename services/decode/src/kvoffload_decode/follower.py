@@ -56,8 +56,9 @@ class FollowerPulls:
         """Called by ``follow_decode`` after each of rank 0's ops (under ``lock``)."""
         if op[0] == "reserve":  # rank 0 reserves the prompt and the first sampled token
             rid, num_tokens = op[1], op[2]
-            self.pending[rid] = PulledRequest(rid, num_tokens - 1, [0] * self.num_layers,
-                                              [[] for _ in range(self.num_layers)])
+            self.pending[rid] = PulledRequest(
+                rid, num_tokens - 1, [0] * self.num_layers, [[] for _ in range(self.num_layers)]
+            )
         elif op[0] in ("finish", "done"):  # freed, or running: nothing more to pull either way
             self.pending.pop(op[1], None)
 
@@ -80,9 +81,17 @@ class FollowerPulls:
         a step); returns the seconds the copy took."""
         return self.installer.write_rows(request_id, layer, start, kv, index_k)
 
-    def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int, first_logprob=None,
-                     draft_token: int | None = None) -> str:
+    def prefill_done(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        first_token: int,
+        first_logprob=None,
+        draft_token: int | None = None,
+    ) -> str:
         if request_id not in self.pending:
             raise KeyError(request_id)
-        return (f"PrefillDone goes to decode TP rank 0; this is rank {self.tp_rank}, which only pulls its "
-                "contributors' rows")
+        return (
+            f"PrefillDone goes to decode TP rank 0; this is rank {self.tp_rank}, which only pulls its "
+            "contributors' rows"
+        )

@@ -37,16 +37,16 @@ import threading
 import time
 
 import structlog
-from kvoffload_engine.decode import SparseDecoder
-from kvoffload_engine.speculative import DraftStats, decode_step
-from kvoffload_engine.tp_decode import LeadDecoder
-from svcruntime.ledger import Entry, Ledger
 
 from kvoffload_decode.admission import Admission, default_max_queued
 from kvoffload_decode.prefill_reports import PrefillReports
 from kvoffload_decode.rank_poll import RANK_POLL_S, RankPolling
 from kvoffload_decode.request import DecodeRequest
 from kvoffload_decode.rows import RowInstaller
+from kvoffload_engine.decode import SparseDecoder
+from kvoffload_engine.speculative import DraftStats, decode_step
+from kvoffload_engine.tp_decode import LeadDecoder
+from svcruntime.ledger import Entry, Ledger
 
 log = structlog.get_logger(__name__)
 
@@ -65,9 +65,15 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
     and a prefill's reuse gates never wait for the decode's batch. Pulled rows are copied outside
     both locks (a request's rows and blocks are its own)."""
 
-    def __init__(self, decoder: SparseDecoder, eos_token_id: int | None, peer_timeout_s: float = 10.0,
-                 max_queued: int | None = None, num_speculative_tokens: int = 0,
-                 step_gather_s: float = DEFAULT_STEP_GATHER_S) -> None:
+    def __init__(
+        self,
+        decoder: SparseDecoder,
+        eos_token_id: int | None,
+        peer_timeout_s: float = 10.0,
+        max_queued: int | None = None,
+        num_speculative_tokens: int = 0,
+        step_gather_s: float = DEFAULT_STEP_GATHER_S,
+    ) -> None:
         if num_speculative_tokens not in (0, 1):
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be 0 or 1")
         if num_speculative_tokens and not decoder.model.config.num_nextn_predict_layers:
@@ -124,7 +130,8 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
         """The watchdog: the request's prefill went quiet; fail it and free what it holds."""
         with self.engine_lock, self.lock:
             req = self.pending.get(entry.request_id) or next(
-                (r for r in self.running if r.request_id == entry.request_id), None)
+                (r for r in self.running if r.request_id == entry.request_id), None
+            )
             if req is None:
                 return
             req.emit("error", reason)
@@ -133,22 +140,34 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
 
     def stats(self) -> dict[str, float]:
         with self.lock:
-            return {"pending": len(self.pending), "running": len(self.running),
-                    "sequences": len(self.decoder.seqs), "queued": len(self.pending),
-                    "waiting_for_blocks": len(self.waiting), "max_queued": self.max_queued,
-                    "free_slots": self.decoder.free_slots, "rejected": self.rejected,
-                    "drafts": self.draft_stats.drafts, "drafts_accepted": self.draft_stats.accepted,
-                    "gather_waits": self.gather_waits, "gather_wait_s": self.gather_wait_s,
-                    **self.ledger.counters()}
+            return {
+                "pending": len(self.pending),
+                "running": len(self.running),
+                "sequences": len(self.decoder.seqs),
+                "queued": len(self.pending),
+                "waiting_for_blocks": len(self.waiting),
+                "max_queued": self.max_queued,
+                "free_slots": self.decoder.free_slots,
+                "rejected": self.rejected,
+                "drafts": self.draft_stats.drafts,
+                "drafts_accepted": self.draft_stats.accepted,
+                "gather_waits": self.gather_waits,
+                "gather_wait_s": self.gather_wait_s,
+                **self.ledger.counters(),
+            }
 
     def load(self) -> dict[str, float]:
         """What the proxy balances on (the ``X-Decode-Load`` header, ``/health``): queue depth,
         running requests, free sequence slots and free host-pool bytes."""
         pool = self.decoder.pool.stats()
         with self.lock:
-            return {"queued": len(self.pending), "running": len(self.running), "max_queued": self.max_queued,
-                    "free_slots": self.decoder.free_slots,
-                    "free_pool_bytes": max(0, pool.capacity_bytes - pool.used_bytes)}
+            return {
+                "queued": len(self.pending),
+                "running": len(self.running),
+                "max_queued": self.max_queued,
+                "free_slots": self.decoder.free_slots,
+                "free_pool_bytes": max(0, pool.capacity_bytes - pool.used_bytes),
+            }
 
     def close(self) -> None:
         with self.engine_lock, self.lock:
@@ -239,8 +258,9 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
                         self._hand_out(produced)
                 except Exception as exc:  # a failed step fails the batch, not the service
                     with self.lock:
-                        log.error("decode_step_failed", error=repr(exc),
-                                  request_ids=[r.request_id for r in self.running])
+                        log.error(
+                            "decode_step_failed", error=repr(exc), request_ids=[r.request_id for r in self.running]
+                        )
                         for req in self.running:
                             req.emit("error", f"decode step failed: {exc}")
                             self._free(req, "error", repr(exc))

@@ -11,12 +11,11 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
+from kvoffload_decode.request import DecodeRequest
+from kvoffload_decode.rows import RowInstaller
 from kvoffload_engine.decode import SparseDecoder
 from kvoffload_engine.tp_decode import LeadDecoder
 from svcruntime.ledger import Ledger
-
-from kvoffload_decode.request import DecodeRequest
-from kvoffload_decode.rows import RowInstaller
 
 
 class LoopState(Protocol):

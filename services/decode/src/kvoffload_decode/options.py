@@ -8,21 +8,23 @@ import argparse
 from pathlib import Path
 
 import structlog
+
 from kvcore.backends import require_available
 from kvcore.configerrors import ConfigError
 from kvcore.decodesettings import DecodeSettings, decode_settings
-from svcruntime.flags import add_model_service_flags, add_process_flags, add_shared_flag
-
 from kvoffload_decode import __version__
 from kvoffload_decode.loop import DEFAULT_STEP_GATHER_S
+from svcruntime.flags import add_model_service_flags, add_process_flags, add_shared_flag
 
 DESCRIPTION = "``kvoffload-decode``: the kv_consumer (sparse-offload decode of a P/D stack)."
 SERVICE = "kvoffload-decode"
-FLAG_RULES = dict(at_least_one=("max_model_len", "max_num_seqs", "block_size", "tensor_parallel_size"),
-                  at_least_zero=("dp_rank", "read_retries", "max_queued_requests"),
-                  seconds=("metaserver_timeout_s", "peer_timeout_s"),
-                  seconds_or_zero=("shutdown_grace_s", "step_gather_ms"),
-                  ports=("port",))
+FLAG_RULES = dict(
+    at_least_one=("max_model_len", "max_num_seqs", "block_size", "tensor_parallel_size"),
+    at_least_zero=("dp_rank", "read_retries", "max_queued_requests"),
+    seconds=("metaserver_timeout_s", "peer_timeout_s"),
+    seconds_or_zero=("shutdown_grace_s", "step_gather_ms"),
+    ports=("port",),
+)
 log = structlog.get_logger(__name__)
 
 
@@ -35,25 +37,40 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared_flag(p, "--max-num-seqs")
     add_shared_flag(p, "--block-size")
     p.add_argument("--dp-rank", type=int, default=0)
-    add_shared_flag(p, "--tensor-parallel-size",
-                    help="TP ranks: this process is rank 0 and starts ranks 1..N-1 on this host, each with its own "
-                         "control port (kv_port + dp_rank*N + rank), pool and shard of the model (default 1)")
+    add_shared_flag(
+        p,
+        "--tensor-parallel-size",
+        help="TP ranks: this process is rank 0 and starts ranks 1..N-1 on this host, each with its own "
+        "control port (kv_port + dp_rank*N + rank), pool and shard of the model (default 1)",
+    )
     add_shared_flag(p, "--dtype")
     p.add_argument("--metaserver-timeout-s", type=float, default=600.0)
-    add_shared_flag(p, "--peer-timeout-s",
-                    help="fail a request whose prefill sent no heartbeat or data for this long (default 10)")
+    add_shared_flag(
+        p, "--peer-timeout-s", help="fail a request whose prefill sent no heartbeat or data for this long (default 10)"
+    )
     p.add_argument("--read-retries", type=int, default=2, help="retries of a failed layer read (default 2)")
-    p.add_argument("--max-queued-requests", type=int, default=0,
-                   help="requests admitted but not yet in the running batch; one more gets 429 with Retry-After "
-                        "at once (default 0: as many as the host pool holds at max_model_len/4 tokens each, "
-                        "at least 4 x --max-num-seqs, at most 1024)")
-    p.add_argument("--step-gather-ms", type=float, default=DEFAULT_STEP_GATHER_S * 1000,
-                   help="at saturation (more admitted requests still being prefilled or pulled than the batch has "
-                        "room for), hold the next step up to this long after the previous one began, so they join "
-                        f"it (default {DEFAULT_STEP_GATHER_S * 1000:g}; 0: step at once; below saturation it never waits)")
-    p.add_argument("--speculative-config", metavar="JSON",
-                   help='MTP speculative decoding, vLLM\'s format: {"method": "deepseek_mtp", '
-                        '"num_speculative_tokens": 1} (greedy requests; the model needs an MTP layer)')
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=0,
+        help="requests admitted but not yet in the running batch; one more gets 429 with Retry-After "
+        "at once (default 0: as many as the host pool holds at max_model_len/4 tokens each, "
+        "at least 4 x --max-num-seqs, at most 1024)",
+    )
+    p.add_argument(
+        "--step-gather-ms",
+        type=float,
+        default=DEFAULT_STEP_GATHER_S * 1000,
+        help="at saturation (more admitted requests still being prefilled or pulled than the batch has "
+        "room for), hold the next step up to this long after the previous one began, so they join "
+        f"it (default {DEFAULT_STEP_GATHER_S * 1000:g}; 0: step at once; below saturation it never waits)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='MTP speculative decoding, vLLM\'s format: {"method": "deepseek_mtp", '
+        '"num_speculative_tokens": 1} (greedy requests; the model needs an MTP layer)',
+    )
     add_process_flags(p)
     return p
 
@@ -64,18 +81,30 @@ def model_id_of(args: argparse.Namespace) -> str:
 
 def decoder_options(args: argparse.Namespace, settings: DecodeSettings) -> dict:
     """The ``SparseDecoder`` keywords these flags and configs give (every TP rank builds the same)."""
-    return dict(topk_buffer_size=settings.sparse.topk_buffer_size, max_num_seqs=args.max_num_seqs,
-                max_model_len=args.max_model_len, keep_device_kv_cache=settings.sparse.keep_device_kv_cache,
-                hot_cache_policy=settings.sparse.hot_cache_policy, miss_prefetch=settings.sparse.miss_prefetch)
+    return dict(
+        topk_buffer_size=settings.sparse.topk_buffer_size,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        keep_device_kv_cache=settings.sparse.keep_device_kv_cache,
+        hot_cache_policy=settings.sparse.hot_cache_policy,
+        miss_prefetch=settings.sparse.miss_prefetch,
+    )
 
 
 def settings_of(args: argparse.Namespace, layout, index_topk: int | None) -> DecodeSettings:
     """The node's configs as users write them, for this decode; ConfigError names what is wrong."""
     if args.tensor_parallel_size < 1:
         raise ConfigError([f"--tensor-parallel-size: got {args.tensor_parallel_size}; must be an int >= 1"])
-    settings = decode_settings(args.kv_transfer_config, args.additional_config, layout, index_topk=index_topk,
-                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                               dp=args.dp_rank + 1, tp=args.tensor_parallel_size)
+    settings = decode_settings(
+        args.kv_transfer_config,
+        args.additional_config,
+        layout,
+        index_topk=index_topk,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        dp=args.dp_rank + 1,
+        tp=args.tensor_parallel_size,
+    )
     vllm_only = settings.d2h.vllm_only_problems()
     if vllm_only:
         raise ConfigError(vllm_only)
@@ -83,5 +112,3 @@ def settings_of(args: argparse.Namespace, layout, index_topk: int | None) -> Dec
     for w in settings.warnings:
         log.warning("config_warning", warning=w)
     return settings
-
-

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from openai_api.logprobs import TokenLogprob
-
 from kvoffload_decode.loop_state import LoopState
 from kvoffload_decode.request import DecodeRequest
+from openai_api.logprobs import TokenLogprob
 
 
 class PrefillReports(LoopState):
@@ -56,8 +55,14 @@ class PrefillReports(LoopState):
         is carried out by the last copy to finish."""
         return self.installer.write_rows(request_id, layer, start, kv, index_k)
 
-    def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int,
-                     first_logprob: TokenLogprob | None = None, draft_token: int | None = None) -> str:
+    def prefill_done(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        first_token: int,
+        first_logprob: TokenLogprob | None = None,
+        draft_token: int | None = None,
+    ) -> str:
         """The prefill's first token (and its log-probabilities when the request asked for them, and
         its MTP draft when it sent one); returns "" when accepted, else why not."""
         with self.lock:
@@ -65,13 +70,15 @@ class PrefillReports(LoopState):
             if req is None:
                 raise KeyError(request_id)
             if num_prompt_tokens != req.num_prompt_tokens:
-                return (f"prefill had {num_prompt_tokens} prompt tokens, the decode request "
-                        f"{req.num_prompt_tokens}")
+                return f"prefill had {num_prompt_tokens} prompt tokens, the decode request {req.num_prompt_tokens}"
             want = req.sampler.params.logprobs
-            if want is not None and (first_logprob is None or first_logprob.token != first_token
-                                     or len(first_logprob.top) < want):
-                return (f"the request asks for logprobs (top {want}); the prefill sent "
-                        f"{'none' if first_logprob is None else 'others'} for its first token")
+            if want is not None and (
+                first_logprob is None or first_logprob.token != first_token or len(first_logprob.top) < want
+            ):
+                return (
+                    f"the request asks for logprobs (top {want}); the prefill sent "
+                    f"{'none' if first_logprob is None else 'others'} for its first token"
+                )
             vocab = self.decoder.model.config.vocab_size
             if not 0 <= first_token < vocab:
                 return f"first token {first_token} is outside the vocabulary"
@@ -86,13 +93,16 @@ class PrefillReports(LoopState):
             return ""
 
     def check_prompt_complete(self, request_id: str) -> str:
-        """"" if the request's prompt KV and first token are all here (or it already runs), else what
+        """ "" if the request's prompt KV and first token are all here (or it already runs), else what
         is missing — a partial transfer is never decoded over (I5)."""
         with self.lock:
             req = self.pending.get(request_id)
             if req is None or req.prompt_complete:
                 return ""
             missing = [(i, r) for i, r in enumerate(req.rows) if r < req.num_prompt_tokens]
-            what = f"layer {missing[0][0]} has {missing[0][1]} of {req.num_prompt_tokens} rows" if missing \
+            what = (
+                f"layer {missing[0][0]} has {missing[0][1]} of {req.num_prompt_tokens} rows"
+                if missing
                 else "no first token"
+            )
             return f"the prefill finished but the prompt's KV is incomplete: {what}"

@@ -31,19 +31,27 @@ class DecodeRows(RowSink):
         for spec, got in zip(self.layout.layers, m.layers, strict=True):
             want_idx = spec.indexer.row_bytes if spec.indexer else 0
             want_idx_dtype = dtype_name(spec.indexer.dtype) if spec.indexer else ""
-            if got.layer != spec.index or got.main_row_bytes != spec.main.row_bytes \
-                    or got.indexer_row_bytes != want_idx or got.main_dtype != dtype_name(spec.main.dtype) \
-                    or got.indexer_dtype != want_idx_dtype:
-                return (f"layers[{spec.index}]: prefill layer {got.layer} rows {got.main_row_bytes}/"
-                        f"{got.indexer_row_bytes} bytes {got.main_dtype}/{got.indexer_dtype or '-'}, decode layer "
-                        f"{spec.index} rows {spec.main.row_bytes}/{want_idx} bytes "
-                        f"{dtype_name(spec.main.dtype)}/{want_idx_dtype or '-'}")
+            if (
+                got.layer != spec.index
+                or got.main_row_bytes != spec.main.row_bytes
+                or got.indexer_row_bytes != want_idx
+                or got.main_dtype != dtype_name(spec.main.dtype)
+                or got.indexer_dtype != want_idx_dtype
+            ):
+                return (
+                    f"layers[{spec.index}]: prefill layer {got.layer} rows {got.main_row_bytes}/"
+                    f"{got.indexer_row_bytes} bytes {got.main_dtype}/{got.indexer_dtype or '-'}, decode layer "
+                    f"{spec.index} rows {spec.main.row_bytes}/{want_idx} bytes "
+                    f"{dtype_name(spec.main.dtype)}/{want_idx_dtype or '-'}"
+                )
         return ""
 
     def planes(self, layer: int) -> list[Plane]:
         spec = self.layout.layers[layer]
-        return [Plane(transfer_pb2.PLANE_KIND_MAIN, spec.main.row_bytes),
-                Plane(transfer_pb2.PLANE_KIND_INDEXER, _indexer(spec).row_bytes)]
+        return [
+            Plane(transfer_pb2.PLANE_KIND_MAIN, spec.main.row_bytes),
+            Plane(transfer_pb2.PLANE_KIND_INDEXER, _indexer(spec).row_bytes),
+        ]
 
     def begin(self, read: Read) -> range | ReadOutcome:
         r = read.request
@@ -52,8 +60,9 @@ class DecodeRows(RowSink):
             raise UnknownRequest(f"request {r.request_id!r} is not waiting for KV here")
         n = r.src_end - r.src_start
         if r.dst_start + n > req.num_prompt_tokens:
-            raise MalformedRead(f"rows [{r.dst_start}, {r.dst_start + n}) go past the prompt's "
-                                f"{req.num_prompt_tokens} tokens")
+            raise MalformedRead(
+                f"rows [{r.dst_start}, {r.dst_start + n}) go past the prompt's {req.num_prompt_tokens} tokens"
+            )
         self.loop.heard_from_prefill(r.request_id, f"prefill {read.endpoint}")  # a well-formed report
         with self.loop.lock:
             installed = req.rows[r.layer]
@@ -75,16 +84,20 @@ class DecodeRows(RowSink):
         return self.loop.heard_from_prefill(request_id, f"prefill {endpoint}")
 
     def prefill_done(self, request: transfer_pb2.PrefillDoneRequest, endpoint: str) -> str:
-        """"" when the first token (and, when the request asked for them, its log-probabilities; and
+        """ "" when the first token (and, when the request asked for them, its log-probabilities; and
         its MTP draft when one came) is taken, else why not. UnknownRequest if not pending here."""
         rid = request.request_id
         reason = self.premature(rid, request.num_prompt_tokens, request.first_token)
         if not reason:
             self.loop.heard_from_prefill(rid, f"prefill {endpoint}")
         try:
-            return reason or self.loop.prefill_done(rid, request.num_prompt_tokens, request.first_token,
-                                                    first_logprob_of(request),
-                                                    request.draft_token if request.has_draft else None)
+            return reason or self.loop.prefill_done(
+                rid,
+                request.num_prompt_tokens,
+                request.first_token,
+                first_logprob_of(request),
+                request.draft_token if request.has_draft else None,
+            )
         except KeyError:
             raise UnknownRequest(f"request {rid!r} is not waiting for KV here") from None
 
@@ -97,8 +110,10 @@ class DecodeRows(RowSink):
                 return ""  # prefill_done names these
             missing = next(((i, r) for i, r in enumerate(req.rows) if r < req.num_prompt_tokens), None)
             if missing is not None:
-                return (f"layer {missing[0]} has {missing[1]} of {req.num_prompt_tokens} rows: PrefillDone must "
-                        "follow every layer's READ_DONE")
+                return (
+                    f"layer {missing[0]} has {missing[1]} of {req.num_prompt_tokens} rows: PrefillDone must "
+                    "follow every layer's READ_DONE"
+                )
             if req.first_token is not None and req.first_token != first_token:
                 return f"the first token is already {req.first_token} (this PrefillDone says {first_token})"
             return ""

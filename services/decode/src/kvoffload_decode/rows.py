@@ -24,6 +24,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Generic, Protocol, TypeVar
 
 import torch
+
 from kvoffload_engine.decode import SparseDecoder
 
 
@@ -63,9 +64,15 @@ class RowInstaller(Generic[R]):
     ``free(req, outcome)``: frees a request cancelled while its rows were copied (rank 0 only: a
     follower's requests are never cancelled during a copy)."""
 
-    def __init__(self, decoder: SparseDecoder, lock: threading.Condition, pending: dict[str, R], *,
-                 copy_lock: AbstractContextManager | None = None,
-                 free: Callable[[R, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        decoder: SparseDecoder,
+        lock: threading.Condition,
+        pending: dict[str, R],
+        *,
+        copy_lock: AbstractContextManager | None = None,
+        free: Callable[[R, str], None] | None = None,
+    ) -> None:
         self.decoder, self.lock, self.pending = decoder, lock, pending
         self.copy_lock = copy_lock if copy_lock is not None else nullcontext()
         self.free = free

@@ -13,19 +13,19 @@ import sys
 import uuid
 
 import structlog
+
 from kvcore.configerrors import ConfigError
 from kvcore.segment import host_id
-from kvoffload_proto.v1 import transfer_pb2_grpc
-from pdlink.transfer_service import TransferServicer
-from pdlink.memfabric import MemfabricNotInstalled, MemfabricRows, MemfabricTransfer, MemfabricUnavailable
-from svcruntime.ranks import share_cores
-from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, run, serve_http, start_process
-
 from kvoffload_decode import __version__
 from kvoffload_decode.app import AppSettings, build_app
 from kvoffload_decode.loop import DecodeLoop
 from kvoffload_decode.options import FLAG_RULES, SERVICE, build_parser, decoder_options, model_id_of, settings_of
 from kvoffload_decode.transfer import decode_transfer
+from kvoffload_proto.v1 import transfer_pb2_grpc
+from pdlink.memfabric import MemfabricNotInstalled, MemfabricRows, MemfabricTransfer, MemfabricUnavailable
+from pdlink.transfer_service import TransferServicer
+from svcruntime.ranks import share_cores
+from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, run, serve_http, start_process
 
 log = structlog.get_logger(__name__)
 
@@ -45,41 +45,90 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     layout = kv_layout(model.config, args.block_size, model.dtype)
     settings = settings_of(args, layout, model.config.index_topk)
     if settings.tp > 1 and settings.d2h.transfer_backend == "memfabric":
-        raise ConfigError([f"--tensor-parallel-size: got {settings.tp}; with transfer_backend 'memfabric' the decode "
-                           "runs one rank, use 1"])
+        raise ConfigError(
+            [
+                f"--tensor-parallel-size: got {settings.tp}; with transfer_backend 'memfabric' the decode "
+                "runs one rank, use 1"
+            ]
+        )
     memfabric = _memfabric_rows(args, settings.d2h, layout)
     tp_rank = 0  # this process; ranks 1..tp-1 are its TPRanks
     control_port = settings.control_port(args.dp_rank, tp_rank)
     ranks = _tp_ranks(args, model, settings.tp, argv)
     decoder, pool = _decoder(args, model, settings, ranks, control_port)
-    loop = DecodeLoop(decoder, model.config.eos_token_id, peer_timeout_s=args.peer_timeout_s,
-                      max_queued=args.max_queued_requests or None, num_speculative_tokens=speculative,
-                      step_gather_s=args.step_gather_ms / 1000)
+    loop = DecodeLoop(
+        decoder,
+        model.config.eos_token_id,
+        peer_timeout_s=args.peer_timeout_s,
+        max_queued=args.max_queued_requests or None,
+        num_speculative_tokens=speculative,
+        step_gather_s=args.step_gather_ms / 1000,
+    )
     model_id = model_id_of(args)
-    transfer = decode_transfer(loop, layout, model_id, host_id(), read_retries=args.read_retries, tls=tls,
-                               memfabric=memfabric, tp_rank=tp_rank, tp_size=settings.tp)
-    grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _stats(loop, transfer, ledger), workers=16,
-                         options=[("grpc.max_receive_message_length", 8 << 20)],
-                         not_ready=ranks.not_ready if ranks else (lambda: ""))
+    transfer = decode_transfer(
+        loop,
+        layout,
+        model_id,
+        host_id(),
+        read_retries=args.read_retries,
+        tls=tls,
+        memfabric=memfabric,
+        tp_rank=tp_rank,
+        tp_size=settings.tp,
+    )
+    grpc_side = GrpcSide(
+        SERVICE,
+        __version__,
+        lambda ledger: _stats(loop, transfer, ledger),
+        workers=16,
+        options=[("grpc.max_receive_message_length", 8 << 20)],
+        not_ready=ranks.not_ready if ranks else (lambda: ""),
+    )
     grpc_side.add(transfer_pb2_grpc.add_TransferServicer_to_server, transfer)
     grpc_side.add_port(f"{args.host}:{control_port}", tls)
-    app = build_app(loop, transfer, ByteTokenizer.from_dir(args.model),
-                    AppSettings(model_name=model_id, max_model_len=args.max_model_len, advertise_host=args.host,
-                                control_port=control_port, dp_rank=args.dp_rank, tp_size=settings.tp,
-                                metaserver_timeout_s=args.metaserver_timeout_s),
-                    not_ready=ranks.not_ready if ranks else (lambda: ""))
+    app = build_app(
+        loop,
+        transfer,
+        ByteTokenizer.from_dir(args.model),
+        AppSettings(
+            model_name=model_id,
+            max_model_len=args.max_model_len,
+            advertise_host=args.host,
+            control_port=control_port,
+            dp_rank=args.dp_rank,
+            tp_size=settings.tp,
+            metaserver_timeout_s=args.metaserver_timeout_s,
+        ),
+        not_ready=ranks.not_ready if ranks else (lambda: ""),
+    )
     grpc_side.start()
-    log.info("serving", http=f"{args.host}:{args.port}", control_port=control_port, model=model_id,
-             topk_buffer_size=settings.sparse.topk_buffer_size, hot_cache_policy=settings.sparse.hot_cache_policy,
-             miss_prefetch=settings.sparse.miss_prefetch, host_pool_bytes=settings.host_pool_bytes,
-             keep_device_kv_cache=settings.sparse.keep_device_kv_cache, max_queued_requests=loop.max_queued,
-             step_gather_ms=args.step_gather_ms, tensor_parallel_size=settings.tp,
-             num_speculative_tokens=speculative, transfer_backend=settings.d2h.transfer_backend,
-             **({"memfabric_session": memfabric.transfer.session} if memfabric else {}),
-             **(tls.describe() if tls else {"tls": False}))
-    serve_http(app, args.host, args.port, busy=lambda: int(loop.stats()["pending"] + loop.stats()["running"]),
-               grace_s=args.shutdown_grace_s, grpc_side=grpc_side,
-               closers=(loop.close, transfer.close, *((ranks.close,) if ranks else ()), pool.close))
+    log.info(
+        "serving",
+        http=f"{args.host}:{args.port}",
+        control_port=control_port,
+        model=model_id,
+        topk_buffer_size=settings.sparse.topk_buffer_size,
+        hot_cache_policy=settings.sparse.hot_cache_policy,
+        miss_prefetch=settings.sparse.miss_prefetch,
+        host_pool_bytes=settings.host_pool_bytes,
+        keep_device_kv_cache=settings.sparse.keep_device_kv_cache,
+        max_queued_requests=loop.max_queued,
+        step_gather_ms=args.step_gather_ms,
+        tensor_parallel_size=settings.tp,
+        num_speculative_tokens=speculative,
+        transfer_backend=settings.d2h.transfer_backend,
+        **({"memfabric_session": memfabric.transfer.session} if memfabric else {}),
+        **(tls.describe() if tls else {"tls": False}),
+    )
+    serve_http(
+        app,
+        args.host,
+        args.port,
+        busy=lambda: int(loop.stats()["pending"] + loop.stats()["running"]),
+        grace_s=args.shutdown_grace_s,
+        grpc_side=grpc_side,
+        closers=(loop.close, transfer.close, *((ranks.close,) if ranks else ()), pool.close),
+    )
     return 0
 
 
@@ -95,8 +144,9 @@ def _load_model(args: argparse.Namespace):
         raise ConfigError([str(exc)]) from None
     model = load_model(args.model, dtype=args.dtype)
     if speculative and not model.config.num_nextn_predict_layers:
-        raise ConfigError([f"--speculative-config: the model at {args.model} has no MTP layer "
-                           "(num_nextn_predict_layers is 0)"])
+        raise ConfigError(
+            [f"--speculative-config: the model at {args.model} has no MTP layer (num_nextn_predict_layers is 0)"]
+        )
     return model, speculative
 
 
@@ -107,8 +157,12 @@ def _decoder(args: argparse.Namespace, model, settings, ranks, control_port: int
     from kvoffload_engine.decode import SparseDecoder
 
     try:
-        pool = build.decode_pool(model, args.block_size, settings.host_pool_bytes,
-                                 name=f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}")
+        pool = build.decode_pool(
+            model,
+            args.block_size,
+            settings.host_pool_bytes,
+            name=f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}",
+        )
     except BaseException:
         if ranks is not None:
             ranks.close()
@@ -122,7 +176,6 @@ def _tp_ranks(args: argparse.Namespace, model, size: int, argv: list[str]):
     """Ranks 1..size-1 started and joined, ``model`` sharded (None with one rank); a size the model
     cannot be sharded over is a ConfigError naming both."""
     from dsamodel.tp import check_tp_size
-
     from kvoffload_decode.tp_ranks import TPRanks
 
     if size == 1:
@@ -144,8 +197,9 @@ def _memfabric_rows(args: argparse.Namespace, d2h, layout) -> MemfabricRows | No
         return None
     widest = max(s.main.row_bytes + (s.indexer.row_bytes if s.indexer else 0) for s in layout.layers)
     try:
-        transfer = MemfabricTransfer.start("Decode", args.host, device_id=d2h.memfabric_device_id,
-                                           data_op=d2h.memfabric_data_op)
+        transfer = MemfabricTransfer.start(
+            "Decode", args.host, device_id=d2h.memfabric_device_id, data_op=d2h.memfabric_data_op
+        )
         try:
             return MemfabricRows(transfer, args.max_model_len * widest)
         except BaseException:
@@ -157,8 +211,13 @@ def _memfabric_rows(args: argparse.Namespace, d2h, layout) -> MemfabricRows | No
 
 def _stats(loop: DecodeLoop, transfer: TransferServicer, include_ledger: bool) -> StatsSnapshot:
     pool = loop.decoder.pool.stats()
-    counters = {**loop.stats(), **transfer.counters, "pool_used_bytes": pool.used_bytes,
-                "pool_used_blocks": pool.used_blocks, "pool_live_leases": pool.live_leases}
+    counters = {
+        **loop.stats(),
+        **transfer.counters,
+        "pool_used_bytes": pool.used_bytes,
+        "pool_used_blocks": pool.used_blocks,
+        "pool_live_leases": pool.live_leases,
+    }
     return StatsSnapshot(counters, ledger_json=loop.ledger.snapshot() if include_ledger else "")
 
 

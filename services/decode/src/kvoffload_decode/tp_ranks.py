@@ -27,6 +27,7 @@ import sys
 from typing import TYPE_CHECKING
 
 import structlog
+
 from svcruntime.ranks import LeadRanks, RankProcesses, follower_parser, join_group, share_cores
 
 if TYPE_CHECKING:  # the engine is imported where it is used (``lead``)
@@ -49,8 +50,21 @@ class TPRanks(LeadRanks):
 
         check_tp_size(model.config, size)
         processes = RankProcesses.start(
-            size, lambda r, init: [sys.executable, "-m", "kvoffload_decode.tp_ranks", "--rank", str(r),
-                                   "--size", str(size), "--init", init, "--", *argv])
+            size,
+            lambda r, init: [
+                sys.executable,
+                "-m",
+                "kvoffload_decode.tp_ranks",
+                "--rank",
+                str(r),
+                "--size",
+                str(size),
+                "--init",
+                init,
+                "--",
+                *argv,
+            ],
+        )
         shard_model(model, DistGroup())
         log.info("tp_ranks_joined", size=size, pids=processes.pids)
         return cls(processes)
@@ -78,15 +92,15 @@ class TPRanks(LeadRanks):
 def _follower_main(argv: list[str] | None = None) -> int:
     """One follower rank (module doc)."""
     import torch.distributed as dist
+
     from dsamodel.tp import DistGroup, shard_model
     from dsamodel.weights import load_model
+    from kvoffload_decode.options import SERVICE, decoder_options, settings_of
     from kvoffload_engine import build
     from kvoffload_engine.decode import SparseDecoder
     from kvoffload_engine.layout import kv_layout
     from svcruntime import tls as kvtls
     from svcruntime.logs import configure_logging
-
-    from kvoffload_decode.options import SERVICE, decoder_options, settings_of
 
     own, args = _parse_rank_args(argv)
     configure_logging(f"{SERVICE}-tp{own.rank}", args.log_level)
@@ -99,8 +113,9 @@ def _follower_main(argv: list[str] | None = None) -> int:
     layout = kv_layout(model.config, args.block_size, model.dtype)
     settings = settings_of(args, layout, model.config.index_topk)
     control_port = settings.control_port(args.dp_rank, own.rank)
-    pool = build.decode_pool(model, args.block_size, settings.host_pool_bytes,
-                             name=f"kvoffload-decode-{control_port}-tp{own.rank}")
+    pool = build.decode_pool(
+        model, args.block_size, settings.host_pool_bytes, name=f"kvoffload-decode-{control_port}-tp{own.rank}"
+    )
     try:
         decoder = SparseDecoder(model, pool, **decoder_options(args, settings))
         steps = _follow(decoder, pool, layout, own, args, tls, control_port)
@@ -127,28 +142,46 @@ def _follow(decoder, pool, layout, own: argparse.Namespace, args: argparse.Names
     """Serve this rank's control port (its pulls into ``decoder``) and follow rank 0 until it closes
     the group; returns the steps run."""
     from kvcore.segment import host_id
+    from kvoffload_decode import __version__
+    from kvoffload_decode.follower import FollowerPulls
+    from kvoffload_decode.options import SERVICE, model_id_of
+    from kvoffload_decode.transfer import decode_transfer
     from kvoffload_engine.tp_channel import DistChannel
     from kvoffload_engine.tp_decode import follow_decode
     from kvoffload_proto.v1 import transfer_pb2_grpc
     from svcruntime.serving import GrpcSide, StatsSnapshot
 
-    from kvoffload_decode import __version__
-    from kvoffload_decode.follower import FollowerPulls
-    from kvoffload_decode.options import SERVICE, model_id_of
-    from kvoffload_decode.transfer import decode_transfer
-
     pulls = FollowerPulls(decoder, own.rank)
-    transfer = decode_transfer(pulls, layout, model_id_of(args), host_id(),
-                               read_retries=args.read_retries, tls=tls, tp_rank=own.rank, tp_size=own.size)
+    transfer = decode_transfer(
+        pulls,
+        layout,
+        model_id_of(args),
+        host_id(),
+        read_retries=args.read_retries,
+        tls=tls,
+        tp_rank=own.rank,
+        tp_size=own.size,
+    )
 
     def stats(include_ledger: bool) -> StatsSnapshot:
         used = pool.stats()
-        return StatsSnapshot({**transfer.counters, "pool_used_bytes": used.used_bytes,
-                              "pool_used_blocks": used.used_blocks, "pool_live_leases": used.live_leases,
-                              "sequences": len(decoder.seqs)})
+        return StatsSnapshot(
+            {
+                **transfer.counters,
+                "pool_used_bytes": used.used_bytes,
+                "pool_used_blocks": used.used_blocks,
+                "pool_live_leases": used.live_leases,
+                "sequences": len(decoder.seqs),
+            }
+        )
 
-    grpc_side = GrpcSide(f"{SERVICE}-tp{own.rank}", __version__, stats, workers=16,
-                         options=[("grpc.max_receive_message_length", 8 << 20)])
+    grpc_side = GrpcSide(
+        f"{SERVICE}-tp{own.rank}",
+        __version__,
+        stats,
+        workers=16,
+        options=[("grpc.max_receive_message_length", 8 << 20)],
+    )
     grpc_side.add(transfer_pb2_grpc.add_TransferServicer_to_server, transfer)
     grpc_side.add_port(f"{args.host}:{control_port}", tls)
     grpc_side.start()

@@ -6,22 +6,39 @@ every pull reads through it instead."""
 from __future__ import annotations
 
 from kvcore.layout import KVLayout
+from kvoffload_decode.pull import DecodeRows
 from pdlink.consumer import PullConsumer
 from pdlink.memfabric import MemfabricRows
 from pdlink.sources import RowSources
 from pdlink.transfer_service import TransferServicer
 from svcruntime.tls import PROCESS, secure_or_insecure_channel
 
-from kvoffload_decode.pull import DecodeRows
-
 __all__ = ["decode_transfer"]
 
 
-def decode_transfer(loop, layout: KVLayout, model_id: str, host_id: str, read_retries: int = 2, tls=PROCESS,
-                    memfabric: MemfabricRows | None = None, *, tp_rank: int = 0, tp_size: int = 1) -> TransferServicer:
+def decode_transfer(
+    loop,
+    layout: KVLayout,
+    model_id: str,
+    host_id: str,
+    read_retries: int = 2,
+    tls=PROCESS,
+    memfabric: MemfabricRows | None = None,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> TransferServicer:
     """The Transfer servicer of one decode rank pulling into ``loop`` (a ``DecodeLoop`` or, on a TP
     follower, ``FollowerPulls``)."""
     sources = RowSources(lambda endpoint: secure_or_insecure_channel(endpoint, tls))
-    consumer = PullConsumer(DecodeRows(loop, layout), sources, model_id=model_id, host_id=host_id,
-                            read_retries=read_retries, memfabric=memfabric, tp_rank=tp_rank, tp_size=tp_size)
+    consumer = PullConsumer(
+        DecodeRows(loop, layout),
+        sources,
+        model_id=model_id,
+        host_id=host_id,
+        read_retries=read_retries,
+        memfabric=memfabric,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
     return TransferServicer(consumer)

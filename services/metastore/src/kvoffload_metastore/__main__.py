@@ -1,4 +1,5 @@
 """``python -m kvoffload_metastore``: the same as the ``kvoffload-metastore`` command."""
+
 import sys
 
 from kvoffload_metastore.server import main

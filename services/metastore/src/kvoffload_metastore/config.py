@@ -36,12 +36,9 @@ WORLD_KEY = "ock.mmc.local_service.world_size"
 LOG_KEY = "ock.mmc.log_level"
 
 IGNORED = {
-    "ock.mmc.meta_service.config_store_url":
-        "the embedded MetaStore keeps pool registrations itself; there is no separate config store",
-    "ock.mmc.local_service.config_store_url":
-        "the embedded MetaStore keeps pool registrations itself; there is no separate config store",
-    "ock.mmc.local_service.protocol":
-        "embedded pools move bytes through host shared memory, not device SDMA/RDMA",
+    "ock.mmc.meta_service.config_store_url": "the embedded MetaStore keeps pool registrations itself; there is no separate config store",
+    "ock.mmc.local_service.config_store_url": "the embedded MetaStore keeps pool registrations itself; there is no separate config store",
+    "ock.mmc.local_service.protocol": "embedded pools move bytes through host shared memory, not device SDMA/RDMA",
 }
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -117,9 +114,13 @@ def conf_settings(entries: Mapping[str, tuple[str, str]]) -> tuple[dict[str, Any
     return fields, notes
 
 
-def build_config(*, meta_config: str | None = None, local_config: str | None = None,
-                 env: Mapping[str, str] | None = None,
-                 **flags: Any) -> tuple[MetaStoreConfig, list[tuple[str, str]]]:
+def build_config(
+    *,
+    meta_config: str | None = None,
+    local_config: str | None = None,
+    env: Mapping[str, str] | None = None,
+    **flags: Any,
+) -> tuple[MetaStoreConfig, list[tuple[str, str]]]:
     """The config from conf files (paths, else the MMC_* variables of ``env``) and flags (None = not given).
 
     Returns the config and ``(level, note)`` pairs to log (ignored / unknown keys). ValueError

@@ -55,8 +55,16 @@ from kvoffload_metastore.pool_state import PoolState, StoredObject
 from kvoffload_metastore.records import Allocation, LeaseGrant, Location, MetaStats, PoolOccupancy, PoolRecord
 from poolbackends.errors import NoPoolRegistered, PoolConflict, PoolNotRegistered, WorldSizeExceeded
 
-__all__ = ["MetaStoreCore", "check_keys", "Allocation", "LeaseGrant", "Location", "MetaStats", "PoolOccupancy",
-           "PoolRecord"]
+__all__ = [
+    "MetaStoreCore",
+    "check_keys",
+    "Allocation",
+    "LeaseGrant",
+    "Location",
+    "MetaStats",
+    "PoolOccupancy",
+    "PoolRecord",
+]
 
 log = structlog.get_logger("kvoffload_metastore.core")
 
@@ -68,10 +76,20 @@ MAX_REMEMBERED_EXPIRIES = 1024  # expired pool ids kept for error messages
 class MetaStoreCore:
     """The MetaService index (see the module docstring's hook map)."""
 
-    def __init__(self, *, world_size: int = 256, lease_ttl_ms: int = 30_000, heartbeat_timeout_ms: int = 10_000,
-                 dram_bytes_per_local_service: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
-        for name, value in (("world_size", world_size), ("lease_ttl_ms", lease_ttl_ms),
-                            ("heartbeat_timeout_ms", heartbeat_timeout_ms)):
+    def __init__(
+        self,
+        *,
+        world_size: int = 256,
+        lease_ttl_ms: int = 30_000,
+        heartbeat_timeout_ms: int = 10_000,
+        dram_bytes_per_local_service: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        for name, value in (
+            ("world_size", world_size),
+            ("lease_ttl_ms", lease_ttl_ms),
+            ("heartbeat_timeout_ms", heartbeat_timeout_ms),
+        ):
             check_count(name, value)
         self.world_size = world_size
         self.lease_ttl_ms = lease_ttl_ms
@@ -98,16 +116,25 @@ class MetaStoreCore:
             self._expired_at[pool.record.pool_id] = now
             if len(self._expired_at) > MAX_REMEMBERED_EXPIRIES:
                 del self._expired_at[next(iter(self._expired_at))]
-            log.warning("pool expired", pool_id=pool.record.pool_id, heartbeat_timeout_ms=self.heartbeat_timeout_ms,
-                        dropped_objects=objects, dropped_leases=leases)
+            log.warning(
+                "pool expired",
+                pool_id=pool.record.pool_id,
+                heartbeat_timeout_ms=self.heartbeat_timeout_ms,
+                dropped_objects=objects,
+                dropped_leases=leases,
+            )
         return now
 
     def _pool(self, pool_id: str) -> PoolState:
         pool = self._pools.get(pool_id)
         if pool is None:
             when = self._expired_at.get(pool_id)
-            why = (f"it expired {self._clock() - when:.1f} s ago after {self.heartbeat_timeout_ms} ms without a "
-                   f"heartbeat; register it again" if when is not None else "register it first")
+            why = (
+                f"it expired {self._clock() - when:.1f} s ago after {self.heartbeat_timeout_ms} ms without a "
+                f"heartbeat; register it again"
+                if when is not None
+                else "register it first"
+            )
             raise PoolNotRegistered(f"pool {pool_id!r} is not registered: {why}")
         return pool
 
@@ -123,8 +150,14 @@ class MetaStoreCore:
         return objects_of(self._objects, keys)
 
     def _location(self, key: bytes, obj: StoredObject) -> Location:
-        return Location(key, obj.pool.record.pool_id, obj.block_id, obj.pool.record.block_bytes,
-                        tuple(sorted(obj.written)), obj.complete)
+        return Location(
+            key,
+            obj.pool.record.pool_id,
+            obj.block_id,
+            obj.pool.record.block_bytes,
+            tuple(sorted(obj.written)),
+            obj.complete,
+        )
 
     def _can_evict(self, key: bytes) -> bool:
         obj = self._objects.get(key)
@@ -141,14 +174,16 @@ class MetaStoreCore:
         hinted = self._pool(pool_hint)
         return [hinted] if require_hint else [hinted] + [p for p in by_room if p is not hinted]
 
-    def _plan_alloc(self, keys: list[bytes], pool_hint: str | None,
-                    require_hint: bool) -> tuple[PoolState, list[bytes]]:
+    def _plan_alloc(
+        self, keys: list[bytes], pool_hint: str | None, require_hint: bool
+    ) -> tuple[PoolState, list[bytes]]:
         """(pool, victims) for ``keys``, or raise; no side effects."""
         for k in keys:
             obj = self._objects.get(k)
             if obj is not None:
-                raise ObjectExists(f"key {k!r} already has an object (pool {obj.pool.record.pool_id!r}, "
-                                   f"block {obj.block_id})", key=k)
+                raise ObjectExists(
+                    f"key {k!r} already has an object (pool {obj.pool.record.pool_id!r}, block {obj.block_id})", key=k
+                )
         candidates = self._candidates(pool_hint, require_hint)
         n = len(keys)
         shortfalls = []
@@ -159,29 +194,40 @@ class MetaStoreCore:
                 return pool, victims
             shortfalls.append((pool, free, len(victims)))
         pool, free, evictable = shortfalls[0]
-        raise PoolFull(pool_id=pool.record.pool_id, key=keys[free + evictable], needed=n, free=free,
-                       evictable=evictable, num_blocks=pool.record.geometry.num_blocks)
+        raise PoolFull(
+            pool_id=pool.record.pool_id,
+            key=keys[free + evictable],
+            needed=n,
+            free=free,
+            evictable=evictable,
+            num_blocks=pool.record.geometry.num_blocks,
+        )
 
     # ---- LocalService --------------------------------------------------------------------------
 
-    def register_pool(self, pool_id: str, segment_name: str, geometry: PoolGeometry, host: str = "",
-                      *, replace: bool = False) -> PoolRecord:
+    def register_pool(
+        self, pool_id: str, segment_name: str, geometry: PoolGeometry, host: str = "", *, replace: bool = False
+    ) -> PoolRecord:
         if not isinstance(pool_id, str) or not 0 < len(pool_id) <= MAX_POOL_ID_CHARS or not pool_id.isprintable():
             raise ValueError(f"pool_id must be 1..{MAX_POOL_ID_CHARS} printable characters, got {pool_id!r:.80}")
         SharedSegment.path_for(segment_name)  # ValueError naming the rule
         if not isinstance(geometry, PoolGeometry):
             raise ValueError(f"geometry must be a PoolGeometry, got {type(geometry).__name__}")
         if geometry.block_bytes * geometry.num_blocks > MAX_POOL_BYTES:  # else Stats' uint64 totals overflow
-            raise ValueError(f"geometry: {geometry.num_blocks} blocks x {geometry.block_bytes} bytes is more than "
-                             f"a pool may hold ({MAX_POOL_BYTES} bytes = 256 TiB)")
+            raise ValueError(
+                f"geometry: {geometry.num_blocks} blocks x {geometry.block_bytes} bytes is more than "
+                f"a pool may hold ({MAX_POOL_BYTES} bytes = 256 TiB)"
+            )
         record = PoolRecord(pool_id, segment_name, host, geometry)
         with self._lock:
             now = self._begin()
             old = self._pools.get(pool_id)
             if old is not None and not replace:
                 if (old.record.segment_name, old.record.geometry) != (segment_name, geometry):
-                    raise PoolConflict(f"pool {pool_id!r} is registered with segment {old.record.segment_name!r} "
-                                       f"and {old.record.geometry}; deregister it or register with replace=true")
+                    raise PoolConflict(
+                        f"pool {pool_id!r} is registered with segment {old.record.segment_name!r} "
+                        f"and {old.record.geometry}; deregister it or register with replace=true"
+                    )
                 old.last_beat = now
                 return old.record
             if old is not None:
@@ -191,11 +237,18 @@ class MetaStoreCore:
                 raise WorldSizeExceeded(
                     f"cannot register pool {pool_id!r}: world_size={self.world_size} pools are registered "
                     f"({', '.join(sorted(self._pools)[:8])}{', ...' if len(self._pools) > 8 else ''}); raise "
-                    f"ock.mmc.local_service.world_size or stop a LocalService")
+                    f"ock.mmc.local_service.world_size or stop a LocalService"
+                )
             self._pools[pool_id] = PoolState(record, last_beat=now)
             self._expired_at.pop(pool_id, None)
-            log.info("pool registered", pool_id=pool_id, segment=segment_name, host=host,
-                     num_blocks=geometry.num_blocks, block_bytes=geometry.block_bytes)
+            log.info(
+                "pool registered",
+                pool_id=pool_id,
+                segment=segment_name,
+                host=host,
+                num_blocks=geometry.num_blocks,
+                block_bytes=geometry.block_bytes,
+            )
             return record
 
     def heartbeat(self, pool_id: str) -> int:
@@ -222,8 +275,9 @@ class MetaStoreCore:
 
     # ---- objects -------------------------------------------------------------------------------
 
-    def check_alloc(self, keys: Sequence[bytes], pool_hint: str | None = None,
-                    require_hint: bool = False) -> tuple[PoolRecord, int]:
+    def check_alloc(
+        self, keys: Sequence[bytes], pool_hint: str | None = None, require_hint: bool = False
+    ) -> tuple[PoolRecord, int]:
         """(pool, evictions) ``alloc`` would use, or the error it would raise; changes nothing."""
         keys = check_keys(keys, unique=True)
         with self._lock:
@@ -341,15 +395,28 @@ class MetaStoreCore:
         with self._lock:
             now = self._begin()
             pools = [
-                PoolOccupancy(p.record, p.record.geometry.num_blocks - p.free_blocks, len(p.keys),
-                              sum(self._objects[k].complete for k in p.keys), p.evictions,
-                              int((now - p.last_beat) * 1000))
+                PoolOccupancy(
+                    p.record,
+                    p.record.geometry.num_blocks - p.free_blocks,
+                    len(p.keys),
+                    sum(self._objects[k].complete for k in p.keys),
+                    p.evictions,
+                    int((now - p.last_beat) * 1000),
+                )
                 for p in self._pools.values()
             ]
-            return MetaStats(pools, self.world_size, self.lease_ttl_ms, self.heartbeat_timeout_ms,
-                             self.dram_bytes_per_local_service, self._leases.table.num_live,
-                             self._leases.table.num_expired, self._leases.dropped, self._evictions,
-                             self._pools_expired)
+            return MetaStats(
+                pools,
+                self.world_size,
+                self.lease_ttl_ms,
+                self.heartbeat_timeout_ms,
+                self.dram_bytes_per_local_service,
+                self._leases.table.num_live,
+                self._leases.table.num_expired,
+                self._leases.dropped,
+                self._evictions,
+                self._pools_expired,
+            )
 
     def shutdown(self) -> tuple[int, int]:
         """Release every lease and drop every pool (after the server stopped); returns (pools, leases)."""

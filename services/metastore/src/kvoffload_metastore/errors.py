@@ -10,10 +10,10 @@ from kvcore.hostpool import PoolFullError
 class PoolFull(PoolFullError):
     """``PoolFullError`` naming the pool and the first key that does not fit."""
 
-    def __init__(self, *, pool_id: str, key: bytes | None, needed: int, free: int, evictable: int,
-                 num_blocks: int) -> None:
-        super().__init__(key=key, needed=needed, free=free, evictable=evictable, num_blocks=num_blocks,
-                         policy="LRU")
+    def __init__(
+        self, *, pool_id: str, key: bytes | None, needed: int, free: int, evictable: int, num_blocks: int
+    ) -> None:
+        super().__init__(key=key, needed=needed, free=free, evictable=evictable, num_blocks=num_blocks, policy="LRU")
         self.pool_id = pool_id
         self.num_blocks = num_blocks
         self.args = (f"pool {pool_id!r}: {self.args[0]} (first key that does not fit: {key!r})",)

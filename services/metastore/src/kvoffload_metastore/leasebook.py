@@ -54,8 +54,10 @@ class LeaseBook:
     def live_lease(self, lease_id: int) -> LeaseRecord:
         lease = self._by_id.get(lease_id)
         if lease is None or not lease.live:
-            raise LeaseExpired(f"lease {lease_id} is not live (expired, released, dropped with its pool, or "
-                               f"unknown); its objects may be gone: look them up again")
+            raise LeaseExpired(
+                f"lease {lease_id} is not live (expired, released, dropped with its pool, or "
+                f"unknown); its objects may be gone: look them up again"
+            )
         return lease
 
     def renew(self, lease_id: int, deadline: float) -> float:

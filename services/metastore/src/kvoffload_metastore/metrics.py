@@ -64,8 +64,9 @@ class MetaMetrics:
 
     def __init__(self, core: MetaStoreCore) -> None:
         self.registry = CollectorRegistry()
-        self._requests = Counter(f"{PREFIX}_requests", "RPCs handled, by method and status code",
-                                 ["method", "code"], registry=self.registry)
+        self._requests = Counter(
+            f"{PREFIX}_requests", "RPCs handled, by method and status code", ["method", "code"], registry=self.registry
+        )
         self.registry.register(_CoreCollector(core))
         self._http: tuple[WSGIServer, Thread] | None = None
 
@@ -73,8 +74,12 @@ class MetaMetrics:
         self._requests.labels(method, code).inc()
 
     def request_counts(self) -> dict[tuple[str, str], float]:
-        return {(s.labels["method"], s.labels["code"]): s.value
-                for m in self._requests.collect() for s in m.samples if s.name.endswith("_total")}
+        return {
+            (s.labels["method"], s.labels["code"]): s.value
+            for m in self._requests.collect()
+            for s in m.samples
+            if s.name.endswith("_total")
+        }
 
     def start_http(self, host: str, port: int) -> int:
         """Serve ``/metrics`` on ``host:port``; returns the bound port."""
@@ -93,19 +98,35 @@ class MetaMetrics:
 def stats_counters(s: MetaStats, requests: dict[tuple[str, str], float]) -> dict[str, float]:
     """Flat counters of the ``Stats`` RPC (names with units; per-pool as ``pool.<id>.<name>``)."""
     out: dict[str, float] = {
-        "pools": len(s.pools), "world_size": s.world_size, "objects": s.objects,
-        "complete_objects": s.complete_objects, "live_leases": s.live_leases, "lease_expiries_total": s.lease_expiries,
-        "leases_dropped_total": s.leases_dropped, "evictions_total": s.evictions,
-        "pools_expired_total": s.pools_expired, "used_bytes": s.used_bytes, "capacity_bytes": s.capacity_bytes,
-        "lease_ttl_ms": s.lease_ttl_ms, "heartbeat_timeout_ms": s.heartbeat_timeout_ms,
+        "pools": len(s.pools),
+        "world_size": s.world_size,
+        "objects": s.objects,
+        "complete_objects": s.complete_objects,
+        "live_leases": s.live_leases,
+        "lease_expiries_total": s.lease_expiries,
+        "leases_dropped_total": s.leases_dropped,
+        "evictions_total": s.evictions,
+        "pools_expired_total": s.pools_expired,
+        "used_bytes": s.used_bytes,
+        "capacity_bytes": s.capacity_bytes,
+        "lease_ttl_ms": s.lease_ttl_ms,
+        "heartbeat_timeout_ms": s.heartbeat_timeout_ms,
         "dram_bytes_per_local_service": s.dram_bytes_per_local_service,
     }
     for p in s.pools:
         base = f"pool.{p.pool.pool_id}."
-        out.update({base + "used_blocks": p.used_blocks, base + "free_blocks": p.free_blocks,
-                    base + "used_bytes": p.used_bytes, base + "capacity_bytes": p.capacity_bytes,
-                    base + "objects": p.objects, base + "complete_objects": p.complete_objects,
-                    base + "evictions_total": p.evictions, base + "heartbeat_age_ms": p.heartbeat_age_ms})
+        out.update(
+            {
+                base + "used_blocks": p.used_blocks,
+                base + "free_blocks": p.free_blocks,
+                base + "used_bytes": p.used_bytes,
+                base + "capacity_bytes": p.capacity_bytes,
+                base + "objects": p.objects,
+                base + "complete_objects": p.complete_objects,
+                base + "evictions_total": p.evictions,
+                base + "heartbeat_age_ms": p.heartbeat_age_ms,
+            }
+        )
     for (method, code), n in requests.items():
         out[f"requests_total.{method}.{code}"] = n
     return {k: float(v) for k, v in out.items()}

@@ -27,7 +27,7 @@ class PoolState:
     last_beat: float
     keys: set[bytes] = field(default_factory=set)
     recycled: list[int] = field(default_factory=list)  # freed block ids, reused first
-    next_unused: int = 0                               # blocks [next_unused, num_blocks) never used
+    next_unused: int = 0  # blocks [next_unused, num_blocks) never used
     policy: LRUEviction = field(default_factory=LRUEviction)
     evictions: int = 0
 

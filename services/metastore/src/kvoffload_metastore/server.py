@@ -59,18 +59,27 @@ class RunningMetaStore:
 
 
 def start(config: MetaStoreConfig, *, clock: Callable[[], float] = time.monotonic) -> RunningMetaStore:
-    core = MetaStoreCore(world_size=config.world_size, lease_ttl_ms=config.lease_ttl_ms,
-                         heartbeat_timeout_ms=config.heartbeat_timeout_ms,
-                         dram_bytes_per_local_service=config.dram_bytes_per_local_service, clock=clock)
+    core = MetaStoreCore(
+        world_size=config.world_size,
+        lease_ttl_ms=config.lease_ttl_ms,
+        heartbeat_timeout_ms=config.heartbeat_timeout_ms,
+        dram_bytes_per_local_service=config.dram_bytes_per_local_service,
+        clock=clock,
+    )
     metrics = MetaMetrics(core)
-    server = grpc.server(ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="metastore"),
-                         options=[("grpc.so_reuseport", 0)])  # a second metastore on the port fails to bind
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="metastore"),
+        options=[("grpc.so_reuseport", 0)],
+    )  # a second metastore on the port fails to bind
     health_servicer = health.HealthServicer()
     for name in HEALTH_NAMES:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    info = {"bind_address": config.bind_address, "conf_files": ",".join(config.sources),
-            "log_level": config.log_level,
-            "tls": "off" if config.tls is None else "mtls" if config.tls.mutual else "tls"}
+    info = {
+        "bind_address": config.bind_address,
+        "conf_files": ",".join(config.sources),
+        "log_level": config.log_level,
+        "tls": "off" if config.tls is None else "mtls" if config.tls.mutual else "tls",
+    }
     metastore_pb2_grpc.add_MetaStoreServicer_to_server(MetaStoreServicer(core, metrics), server)
     stats_pb2_grpc.add_StatsServicer_to_server(StatsServicer(SERVICE, __version__, core, metrics, info), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -82,9 +91,16 @@ def start(config: MetaStoreConfig, *, clock: Callable[[], float] = time.monotoni
     metrics_port = metrics.start_http(config.host, config.metrics_port) if config.metrics_port else 0
     for name in HEALTH_NAMES:  # ready: the core is built and the port is bound
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving", address=config.bind_address.rsplit(":", 1)[0] + f":{port}", port=port,
-             metrics_port=metrics_port, world_size=config.world_size, tls=info["tls"],
-             lease_ttl_ms=config.lease_ttl_ms, heartbeat_timeout_ms=config.heartbeat_timeout_ms)
+    log.info(
+        "serving",
+        address=config.bind_address.rsplit(":", 1)[0] + f":{port}",
+        port=port,
+        metrics_port=metrics_port,
+        world_size=config.world_size,
+        tls=info["tls"],
+        lease_ttl_ms=config.lease_ttl_ms,
+        heartbeat_timeout_ms=config.heartbeat_timeout_ms,
+    )
     return RunningMetaStore(config, core, metrics, server, health_servicer, port, metrics_port)
 
 
@@ -117,8 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl-ms", type=int, help="default read-lease TTL (default 30000)")
     p.add_argument("--world-size", type=int, help="most LocalService pools at once (default 256)")
     p.add_argument("--dram-size", help="host memory per LocalService, e.g. 10GB (reported in Stats)")
-    p.add_argument("--heartbeat-timeout-ms", type=int,
-                   help="a pool without heartbeats this long expires (default 10000)")
+    p.add_argument(
+        "--heartbeat-timeout-ms", type=int, help="a pool without heartbeats this long expires (default 10000)"
+    )
     p.add_argument("--log-level", help="debug|info|warning|error|critical (default info)")
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port on --host (default 0 = off)")
     p.add_argument("--grace-s", type=float, help="seconds in-flight RPCs get at shutdown (default 5)")
@@ -132,10 +149,20 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[MetaStoreConfig
     if a.log_level is not None:
         a.log_level = a.log_level.lower()
     tls = kvtls.from_args(a, serving=SERVICE)  # TLSConfigError (a ValueError) names the flag and the path
-    return build_config(meta_config=a.meta_config, local_config=a.local_config, host=a.host, port=a.port,
-                        lease_ttl_ms=a.lease_ttl_ms, world_size=a.world_size, dram_bytes_per_local_service=dram,
-                        heartbeat_timeout_ms=a.heartbeat_timeout_ms, log_level=a.log_level,
-                        metrics_port=a.metrics_port, grace_s=a.grace_s, tls=tls)
+    return build_config(
+        meta_config=a.meta_config,
+        local_config=a.local_config,
+        host=a.host,
+        port=a.port,
+        lease_ttl_ms=a.lease_ttl_ms,
+        world_size=a.world_size,
+        dram_bytes_per_local_service=dram,
+        heartbeat_timeout_ms=a.heartbeat_timeout_ms,
+        log_level=a.log_level,
+        metrics_port=a.metrics_port,
+        grace_s=a.grace_s,
+        tls=tls,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,10 +30,17 @@ log = structlog.get_logger("kvoffload_metastore.servicer")
 
 
 def occupancy_to_pb(p: PoolOccupancy) -> pb.PoolStats:
-    return pb.PoolStats(pool=pool_to_pb(p.pool), used_blocks=p.used_blocks, free_blocks=p.free_blocks,
-                        used_bytes=p.used_bytes, capacity_bytes=p.capacity_bytes, objects=p.objects,
-                        complete_objects=p.complete_objects, evictions=p.evictions,
-                        heartbeat_age_ms=p.heartbeat_age_ms)
+    return pb.PoolStats(
+        pool=pool_to_pb(p.pool),
+        used_blocks=p.used_blocks,
+        free_blocks=p.free_blocks,
+        used_bytes=p.used_bytes,
+        capacity_bytes=p.capacity_bytes,
+        objects=p.objects,
+        complete_objects=p.complete_objects,
+        evictions=p.evictions,
+        heartbeat_age_ms=p.heartbeat_age_ms,
+    )
 
 
 def _unix_ms_in(ttl_ms: int) -> int:
@@ -77,21 +84,31 @@ class MetaStoreServicer(metastore_pb2_grpc.MetaStoreServicer):
     def RegisterPool(self, request: pb.RegisterPoolRequest, context: grpc.ServicerContext) -> pb.RegisterPoolReply:
         if not request.HasField("geometry"):
             raise ValueError(f"RegisterPool of {request.pool_id!r}: geometry is required")
-        record = self.core.register_pool(request.pool_id, request.segment_name, geometry_from_pb(request.geometry),
-                                         request.host, replace=request.replace)
+        record = self.core.register_pool(
+            request.pool_id,
+            request.segment_name,
+            geometry_from_pb(request.geometry),
+            request.host,
+            replace=request.replace,
+        )
         c = self.core
-        return pb.RegisterPoolReply(pool=pool_to_pb(record), heartbeat_timeout_ms=c.heartbeat_timeout_ms,
-                                    heartbeat_interval_ms=max(1, c.heartbeat_timeout_ms // 3),
-                                    lease_ttl_ms=c.lease_ttl_ms, world_size=c.world_size,
-                                    num_pools=len(c.pools()))
+        return pb.RegisterPoolReply(
+            pool=pool_to_pb(record),
+            heartbeat_timeout_ms=c.heartbeat_timeout_ms,
+            heartbeat_interval_ms=max(1, c.heartbeat_timeout_ms // 3),
+            lease_ttl_ms=c.lease_ttl_ms,
+            world_size=c.world_size,
+            num_pools=len(c.pools()),
+        )
 
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         return pb.HeartbeatReply(expires_in_ms=self.core.heartbeat(request.pool_id))
 
     @_rpc
-    def DeregisterPool(self, request: pb.DeregisterPoolRequest,
-                       context: grpc.ServicerContext) -> pb.DeregisterPoolReply:
+    def DeregisterPool(
+        self, request: pb.DeregisterPoolRequest, context: grpc.ServicerContext
+    ) -> pb.DeregisterPoolReply:
         was, objects, leases = self.core.deregister_pool(request.pool_id)
         return pb.DeregisterPoolReply(deregistered=was, dropped_objects=objects, dropped_leases=leases)
 
@@ -126,8 +143,12 @@ class MetaStoreServicer(metastore_pb2_grpc.MetaStoreServicer):
     @_rpc
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:
         g = self.core.lease(list(request.keys), request.ttl_ms or None, request.holder)
-        return pb.LeaseReply(lease_id=g.lease_id, ttl_ms=g.ttl_ms, deadline_unix_ms=_unix_ms_in(g.ttl_ms),
-                             locations=[location_to_pb(loc) for loc in g.locations])
+        return pb.LeaseReply(
+            lease_id=g.lease_id,
+            ttl_ms=g.ttl_ms,
+            deadline_unix_ms=_unix_ms_in(g.ttl_ms),
+            locations=[location_to_pb(loc) for loc in g.locations],
+        )
 
     @_rpc
     def RenewLease(self, request: pb.RenewLeaseRequest, context: grpc.ServicerContext) -> pb.RenewLeaseReply:
@@ -142,11 +163,20 @@ class MetaStoreServicer(metastore_pb2_grpc.MetaStoreServicer):
     def Stats(self, request: pb.MetaStatsRequest, context: grpc.ServicerContext) -> pb.MetaStatsReply:
         s = self.core.stats()
         return pb.MetaStatsReply(
-            pools=[occupancy_to_pb(p) for p in s.pools], world_size=s.world_size, lease_ttl_ms=s.lease_ttl_ms,
-            heartbeat_timeout_ms=s.heartbeat_timeout_ms, dram_bytes_per_local_service=s.dram_bytes_per_local_service,
-            objects=s.objects, complete_objects=s.complete_objects, live_leases=s.live_leases,
-            lease_expiries=s.lease_expiries, leases_dropped=s.leases_dropped, evictions=s.evictions,
-            pools_expired=s.pools_expired, used_bytes=s.used_bytes, capacity_bytes=s.capacity_bytes,
+            pools=[occupancy_to_pb(p) for p in s.pools],
+            world_size=s.world_size,
+            lease_ttl_ms=s.lease_ttl_ms,
+            heartbeat_timeout_ms=s.heartbeat_timeout_ms,
+            dram_bytes_per_local_service=s.dram_bytes_per_local_service,
+            objects=s.objects,
+            complete_objects=s.complete_objects,
+            live_leases=s.live_leases,
+            lease_expiries=s.lease_expiries,
+            leases_dropped=s.leases_dropped,
+            evictions=s.evictions,
+            pools_expired=s.pools_expired,
+            used_bytes=s.used_bytes,
+            capacity_bytes=s.capacity_bytes,
         )
 
 
@@ -156,8 +186,9 @@ class MetaStoreServicer(metastore_pb2_grpc.MetaStoreServicer):
 class StatsServicer(stats_pb2_grpc.StatsServicer):
     """``kvoffload.v1.Stats`` for the metastore: core counters, request counts, static info."""
 
-    def __init__(self, service: str, version: str, core: MetaStoreCore, metrics: MetaMetrics,
-                 info: dict[str, str]) -> None:
+    def __init__(
+        self, service: str, version: str, core: MetaStoreCore, metrics: MetaMetrics, info: dict[str, str]
+    ) -> None:
         self._service, self._version, self._core, self._metrics = service, version, core, metrics
         self._info = dict(info)
         self._started = time.monotonic()
@@ -166,6 +197,11 @@ class StatsServicer(stats_pb2_grpc.StatsServicer):
         counters = stats_counters(self._core.stats(), self._metrics.request_counts())
         ledger = json.dumps({"requests": []}) if request.include_ledger else ""  # the metastore tracks no requests
         self._metrics.observe("GetStats", "OK")
-        return stats_pb2.StatsReply(service=self._service, version=self._version, counters=counters,
-                                    info=self._info, ledger_json=ledger,
-                                    uptime_ms=int((time.monotonic() - self._started) * 1000))
+        return stats_pb2.StatsReply(
+            service=self._service,
+            version=self._version,
+            counters=counters,
+            info=self._info,
+            ledger_json=ledger,
+            uptime_ms=int((time.monotonic() - self._started) * 1000),
+        )
