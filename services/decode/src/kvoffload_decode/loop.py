@@ -256,7 +256,7 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
                     produced = decode_step(self.decoder, batch, self._next, self._drafts, self.draft_stats)
                     with self.lock:
                         self._hand_out(produced)
-                except Exception as exc:  # a failed step fails the batch, not the service
+                except Exception as exc:  # noqa: BLE001 - a failed step fails the batch, not the service
                     with self.lock:
                         log.error(
                             "decode_step_failed", error=repr(exc), request_ids=[r.request_id for r in self.running]

@@ -43,7 +43,7 @@ class RankPolling(LoopState):
         try:
             with self.engine_lock:
                 answers = lead.poll()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a follower gone fails its requests, never the loop thread
             log.error("tp_poll_failed", error=repr(exc), request_ids=[r.request_id for r in waiting])
             for req in waiting:
                 req.emit("error", f"decode TP ranks: {exc}")

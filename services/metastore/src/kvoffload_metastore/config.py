@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -35,14 +35,15 @@ TTL_KEY = "ock.mmc.meta.lease_ttl_ms"
 WORLD_KEY = "ock.mmc.local_service.world_size"
 LOG_KEY = "ock.mmc.log_level"
 
+NO_CONFIG_STORE = "the embedded MetaStore keeps pool registrations itself; there is no separate config store"
 IGNORED = {
-    "ock.mmc.meta_service.config_store_url": "the embedded MetaStore keeps pool registrations itself; there is no separate config store",
-    "ock.mmc.local_service.config_store_url": "the embedded MetaStore keeps pool registrations itself; there is no separate config store",
+    "ock.mmc.meta_service.config_store_url": NO_CONFIG_STORE,
+    "ock.mmc.local_service.config_store_url": NO_CONFIG_STORE,
     "ock.mmc.local_service.protocol": "embedded pools move bytes through host shared memory, not device SDMA/RDMA",
 }
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
-LOG_LEVELS: tuple[str, ...] = LogLevel.__args__  # type: ignore[attr-defined]
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 
 
 class MetaStoreConfig(BaseModel):
