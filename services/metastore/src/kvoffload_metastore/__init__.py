@@ -3,6 +3,7 @@
 Modules:
 - ``core``: ``MetaStoreCore``, the index (pool registry, key -> location, allocation, read leases,
   heartbeats, LRU eviction); no gRPC
+- ``placement``: where an allocation goes (the pools to try, the LRU victims that make room)
 - ``pool_state``: ``PoolState`` and ``StoredObject``, the mutable per-pool and per-object state it keeps
 - ``leasebook``: ``LeaseBook``, its read leases by id, and the lease TTL rule
 - ``records``: the snapshots it hands out

@@ -51,6 +51,7 @@ from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
 from kvoffload_metastore.errors import PoolFull
 from kvoffload_metastore.leasebook import LeaseBook, lease_ttl_ms
+from kvoffload_metastore.placement import candidates, check_absent, choose_pool
 from kvoffload_metastore.pool_state import PoolState, StoredObject
 from kvoffload_metastore.records import Allocation, LeaseGrant, Location, MetaStats, PoolOccupancy, PoolRecord
 from poolbackends.errors import NoPoolRegistered, PoolConflict, PoolNotRegistered, WorldSizeExceeded
@@ -163,45 +164,12 @@ class MetaStoreCore:
         obj = self._objects.get(key)
         return obj is not None and obj.complete and key not in self._leases
 
-    def _candidates(self, pool_hint: str | None, require_hint: bool) -> list[PoolState]:
-        if not self._pools:
-            raise NoPoolRegistered("no pool is registered: start a LocalService (prefill or decode) first")
-        by_room = sorted(self._pools.values(), key=lambda p: (-p.free_blocks, p.record.pool_id))
-        if not pool_hint:
-            if require_hint:
-                raise ValueError("require_hint needs a pool_hint")
-            return by_room
-        hinted = self._pool(pool_hint)
-        return [hinted] if require_hint else [hinted] + [p for p in by_room if p is not hinted]
-
     def _plan_alloc(
         self, keys: list[bytes], pool_hint: str | None, require_hint: bool
     ) -> tuple[PoolState, list[bytes]]:
-        """(pool, victims) for ``keys``, or raise; no side effects."""
-        for k in keys:
-            obj = self._objects.get(k)
-            if obj is not None:
-                raise ObjectExists(
-                    f"key {k!r} already has an object (pool {obj.pool.record.pool_id!r}, block {obj.block_id})", key=k
-                )
-        candidates = self._candidates(pool_hint, require_hint)
-        n = len(keys)
-        shortfalls = []
-        for pool in candidates:
-            free = pool.free_blocks
-            victims = pool.policy.victims(n - free, self._can_evict) if n > free else []
-            if free + len(victims) >= n:
-                return pool, victims
-            shortfalls.append((pool, free, len(victims)))
-        pool, free, evictable = shortfalls[0]
-        raise PoolFull(
-            pool_id=pool.record.pool_id,
-            key=keys[free + evictable],
-            needed=n,
-            free=free,
-            evictable=evictable,
-            num_blocks=pool.record.geometry.num_blocks,
-        )
+        """(pool, victims) for ``keys``, or raise; no side effects (``placement``)."""
+        check_absent(self._objects, keys)
+        return choose_pool(candidates(self._pools, pool_hint, require_hint, self._pool), keys, self._can_evict)
 
     # ---- LocalService --------------------------------------------------------------------------
 
