@@ -4,6 +4,8 @@ rank) and requests by outcome (counted by the HTTP API, ``kvoffload_decode.app``
 
 from __future__ import annotations
 
+from functools import partial
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from kvoffload_decode.loop import DecodeLoop
@@ -11,67 +13,45 @@ from pdlink.pullcounters import BY_RANK
 
 
 class Metrics:
+    """The decode's Prometheus registry (module doc); ``render`` reads the loop and the transfer."""
+
     def __init__(self, loop: DecodeLoop, transfer) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("kvoffload_decode_requests", "Requests by outcome", ["outcome"], registry=self.registry)
-        self.hit_rate = Gauge(
-            "kvoffload_decode_hot_cache_hit_rate", "Hot-cache hit rate of the last step", registry=self.registry
-        )
-        self.layer_hit_rate = Gauge(
+        gauge, counter = partial(Gauge, registry=self.registry), partial(Counter, registry=self.registry)
+        self.requests = counter("kvoffload_decode_requests", "Requests by outcome", ["outcome"])
+        self.hit_rate = gauge("kvoffload_decode_hot_cache_hit_rate", "Hot-cache hit rate of the last step")
+        self.layer_hit_rate = gauge(
             "kvoffload_decode_hot_cache_hit_rate_by_layer",
             "Hot-cache hit rate of the last step, per cache layer",
             ["layer"],
-            registry=self.registry,
         )
-        self.h2d = Gauge(
-            "kvoffload_decode_h2d_bytes_per_step", "Host-to-device bytes of the last step", registry=self.registry
-        )
-        self.prefetched = Gauge(
+        self.h2d = gauge("kvoffload_decode_h2d_bytes_per_step", "Host-to-device bytes of the last step")
+        self.prefetched = gauge(
             "kvoffload_decode_prefetched_rows_per_step",
             "Rows the miss prefetch loaded early in the last step (0 with it off)",
-            registry=self.registry,
         )
-        self.prefetch_hits = Gauge(
+        self.prefetch_hits = gauge(
             "kvoffload_decode_prefetch_hits_per_step",
             "Misses of the last step served by rows the prefetch had loaded early",
-            registry=self.registry,
         )
-        self.pool_used = Gauge("kvoffload_decode_pool_used_bytes", "Host-pool bytes in use", registry=self.registry)
-        self.reads = Gauge("kvoffload_decode_read_done_total", "Layer pulls answered READ_DONE", registry=self.registry)
-        self.bytes_by_rank = Gauge(
+        self.pool_used = gauge("kvoffload_decode_pool_used_bytes", "Host-pool bytes in use")
+        self.reads = gauge("kvoffload_decode_read_done_total", "Layer pulls answered READ_DONE")
+        self.bytes_by_rank = gauge(
             "kvoffload_decode_bytes_read_by_prefill_tp_rank",
             "Bytes pulled out of each prefill TP rank's layer buffers (its share of every layer)",
             ["prefill_tp_rank"],
-            registry=self.registry,
         )
-        self.read_ms = Gauge(
-            "kvoffload_decode_read_done_ms_avg", "Average READ_DONE latency (ms)", registry=self.registry
-        )
-        self.queued = Gauge(
-            "kvoffload_decode_queued_requests",
-            "Requests admitted, not in the running batch yet",
-            registry=self.registry,
-        )
-        self.waiting = Gauge(
-            "kvoffload_decode_waiting_for_blocks",
-            "Queued requests still waiting for host blocks",
-            registry=self.registry,
-        )
-        self.running = Gauge(
-            "kvoffload_decode_running_requests", "Requests in the running batch", registry=self.registry
-        )
-        self.rejected = Counter(
-            "kvoffload_decode_rejected", "Requests refused with 429 (queue full)", registry=self.registry
-        )
-        self.gather_waits = Gauge(
+        self.read_ms = gauge("kvoffload_decode_read_done_ms_avg", "Average READ_DONE latency (ms)")
+        self.queued = gauge("kvoffload_decode_queued_requests", "Requests admitted, not in the running batch yet")
+        self.waiting = gauge("kvoffload_decode_waiting_for_blocks", "Queued requests still waiting for host blocks")
+        self.running = gauge("kvoffload_decode_running_requests", "Requests in the running batch")
+        self.rejected = counter("kvoffload_decode_rejected", "Requests refused with 429 (queue full)")
+        self.gather_waits = gauge(
             "kvoffload_decode_gather_waits_total",
             "Steps held at saturation for requests on their way (--step-gather-ms)",
-            registry=self.registry,
         )
-        self.gather_wait_s = Gauge(
-            "kvoffload_decode_gather_wait_seconds_total",
-            "Seconds steps were held at saturation",
-            registry=self.registry,
+        self.gather_wait_s = gauge(
+            "kvoffload_decode_gather_wait_seconds_total", "Seconds steps were held at saturation"
         )
         self.loop, self.transfer = loop, transfer
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 import uuid
+from collections.abc import Callable
 
 import structlog
+from aiohttp import web
 
 from kvcore.configerrors import ConfigError
+from kvcore.decodesettings import DecodeSettings
 from kvcore.segment import host_id
 from kvoffload_decode import __version__
 from kvoffload_decode.app import AppSettings, build_app
@@ -26,6 +29,7 @@ from pdlink.memfabric import MemfabricNotInstalled, MemfabricRows, MemfabricTran
 from pdlink.transfer_service import TransferServicer
 from svcruntime.ranks import share_cores
 from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, run, serve_http, start_process
+from svcruntime.tls import TLSConfig
 
 log = structlog.get_logger(__name__)
 
@@ -37,7 +41,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace, argv: list[str]) -> int:
-    from dsamodel.tokenizer import ByteTokenizer
     from kvoffload_engine.layout import kv_layout
 
     tls = start_process(SERVICE, args, log_level=args.log_level, **FLAG_RULES)
@@ -55,6 +58,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     tp_rank = 0  # this process; ranks 1..tp-1 are its TPRanks
     control_port = settings.control_port(args.dp_rank, tp_rank)
     ranks = _tp_ranks(args, model, settings.tp, argv)
+    not_ready = ranks.not_ready if ranks else (lambda: "")
     decoder, pool = _decoder(args, model, settings, ranks, control_port)
     loop = DecodeLoop(
         decoder,
@@ -76,17 +80,52 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         tp_rank=tp_rank,
         tp_size=settings.tp,
     )
+    grpc_side = _control_side(loop, transfer, f"{args.host}:{control_port}", tls, not_ready)
+    app = _http_app(args, loop, transfer, model_id, settings.tp, control_port, not_ready)
+    grpc_side.start()
+    _log_serving(args, settings, loop, model_id, control_port, speculative, memfabric, tls)
+    serve_http(
+        app,
+        args.host,
+        args.port,
+        busy=lambda: int(loop.stats()["pending"] + loop.stats()["running"]),
+        grace_s=args.shutdown_grace_s,
+        grpc_side=grpc_side,
+        closers=(loop.close, transfer.close, *((ranks.close,) if ranks else ()), pool.close),
+    )
+    return 0
+
+
+def _control_side(
+    loop: DecodeLoop, transfer: TransferServicer, address: str, tls: TLSConfig | None, not_ready: Callable[[], str]
+) -> GrpcSide:
+    """The gRPC side: the Transfer control port (at ``address``), Stats and health."""
     grpc_side = GrpcSide(
         SERVICE,
         __version__,
         lambda ledger: _stats(loop, transfer, ledger),
         workers=16,
         options=[("grpc.max_receive_message_length", 8 << 20)],
-        not_ready=ranks.not_ready if ranks else (lambda: ""),
+        not_ready=not_ready,
     )
     grpc_side.add(transfer_pb2_grpc.add_TransferServicer_to_server, transfer)
-    grpc_side.add_port(f"{args.host}:{control_port}", tls)
-    app = build_app(
+    grpc_side.add_port(address, tls)
+    return grpc_side
+
+
+def _http_app(
+    args: argparse.Namespace,
+    loop: DecodeLoop,
+    transfer: TransferServicer,
+    model_id: str,
+    tp_size: int,
+    control_port: int,
+    not_ready: Callable[[], str],
+) -> web.Application:
+    """The OpenAI HTTP API over ``loop`` (``kvoffload_decode.app``)."""
+    from dsamodel.tokenizer import ByteTokenizer
+
+    return build_app(
         loop,
         transfer,
         ByteTokenizer.from_dir(args.model),
@@ -96,12 +135,24 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
             advertise_host=args.host,
             control_port=control_port,
             dp_rank=args.dp_rank,
-            tp_size=settings.tp,
+            tp_size=tp_size,
             metaserver_timeout_s=args.metaserver_timeout_s,
         ),
-        not_ready=ranks.not_ready if ranks else (lambda: ""),
+        not_ready=not_ready,
     )
-    grpc_side.start()
+
+
+def _log_serving(
+    args: argparse.Namespace,
+    settings: DecodeSettings,
+    loop: DecodeLoop,
+    model_id: str,
+    control_port: int,
+    speculative: int,
+    memfabric: MemfabricRows | None,
+    tls: TLSConfig | None,
+) -> None:
+    """The ``serving`` line: where this decode listens and how it is set up."""
     log.info(
         "serving",
         http=f"{args.host}:{args.port}",
@@ -120,16 +171,6 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         **({"memfabric_session": memfabric.transfer.session} if memfabric else {}),
         **(tls.describe() if tls else {"tls": False}),
     )
-    serve_http(
-        app,
-        args.host,
-        args.port,
-        busy=lambda: int(loop.stats()["pending"] + loop.stats()["running"]),
-        grace_s=args.shutdown_grace_s,
-        grpc_side=grpc_side,
-        closers=(loop.close, transfer.close, *((ranks.close,) if ranks else ()), pool.close),
-    )
-    return 0
 
 
 def _load_model(args: argparse.Namespace):
