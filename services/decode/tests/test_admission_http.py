@@ -4,6 +4,7 @@ real once it got its blocks; past the queue limit a request gets 429 with Retry-
 every answer carries ``X-Decode-Load``."""
 
 import asyncio
+from functools import partial
 
 import aiohttp
 from aiohttp import web
@@ -55,6 +56,15 @@ class _Metaserver:
         raise AssertionError(f"timed out waiting for {what}: {self.calls}")
 
 
+def _body(rid: str, metaserver: str) -> dict:
+    """A completion of an N-token prompt whose KV a remote prefill pushes (its ``metaserver``)."""
+    return {
+        "prompt": list(range(1, N + 1)),
+        "max_tokens": 2,
+        "kv_transfer_params": {"do_remote_prefill": True, "metaserver": metaserver, "request_id": rid},
+    }
+
+
 async def _scenario(loop: DecodeLoop) -> None:
     meta = _Metaserver()
     calls, answers, until = meta.calls, meta.answers, meta.until
@@ -63,17 +73,7 @@ async def _scenario(loop: DecodeLoop) -> None:
     meta_runner, meta_url = await _serve(meta_app)
     settings = AppSettings(model_name="tiny", max_model_len=256, advertise_host="127.0.0.1", control_port=1, dp_rank=1)
     dec_runner, dec_url = await _serve(build_app(loop, _Transfer(), ByteTokenizer(), settings))
-
-    def body(rid: str) -> dict:
-        return {
-            "prompt": list(range(1, N + 1)),
-            "max_tokens": 2,
-            "kv_transfer_params": {
-                "do_remote_prefill": True,
-                "metaserver": f"{meta_url}/v1/metaserver",
-                "request_id": rid,
-            },
-        }
+    body = partial(_body, metaserver=f"{meta_url}/v1/metaserver")
 
     try:
         async with aiohttp.ClientSession() as http:

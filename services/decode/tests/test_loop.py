@@ -1,6 +1,7 @@
 """DecodeLoop: admission queues instead of failing, cancel frees, partial transfers are refused."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -138,7 +139,6 @@ def test_a_prefill_that_goes_quiet_fails_its_request_and_frees_it():
 def test_other_threads_get_the_lock_while_a_batch_decodes():
     """The loop thread gives the lock up between steps for real: Stats, admission, pulls and cancels
     from other threads are served while a long generation runs, not after it."""
-    import time
 
     model = tiny_model(dtype="float32")
     pool = build.decode_pool(model, 16, 8 << 20)
@@ -181,13 +181,40 @@ def _install_prompt(lp: DecodeLoop, request_id: str, n: int, first_token: int = 
     lp.prefill_done(request_id, n, first_token)
 
 
+class _TokenArrivals:
+    """When each request's tokens arrived (``stamps``) and whether it ended (``done``)."""
+
+    def __init__(self, *rids: str) -> None:
+        self.stamps: dict[str, list[float]] = {k: [] for k in rids}
+        self.done = {k: threading.Event() for k in rids}
+
+    def emit(self, rid: str):
+        def on(kind, value):
+            if kind == "token":
+                self.stamps[rid].append(time.monotonic())
+            elif kind in ("done", "error"):
+                self.done[rid].set()
+
+        return on
+
+    def tokens_of(self, rid: str, n: int) -> list[float]:
+        """The arrival times of the request's first ``n`` tokens (waiting up to 30 s for them)."""
+        deadline = time.monotonic() + 30
+        while len(self.stamps[rid]) < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(self.stamps[rid]) >= n, self.stamps[rid]
+        return self.stamps[rid][:n]
+
+
+def gaps(ts: list[float]) -> list[float]:
+    return [y - x for x, y in zip(ts, ts[1:])]
+
+
 def test_a_step_waits_at_saturation_only_and_a_request_that_can_join_joins_at_once():
     """Gathering a batch: a lone request decodes at once, step after step, and so does one whose
     batch has room for every request still being prefilled; with more of those than room (a
     backlog) each step is held up to step_gather_s, and the moment one's prompt is complete it
     joins without waiting out the rest."""
-    import time
-
     gather = 1.0
     model = tiny_model(dtype="float32")
     pool = build.decode_pool(model, 16, 8 << 20)
@@ -196,28 +223,8 @@ def test_a_step_waits_at_saturation_only_and_a_request_that_can_join_joins_at_on
         model.config.eos_token_id,
         step_gather_s=gather,
     )
-    stamps: dict[str, list[float]] = {k: [] for k in ("alone", "a", "b", "c")}
-    done = {k: threading.Event() for k in stamps}
-
-    def emit(rid):
-        def on(kind, value):
-            if kind == "token":
-                stamps[rid].append(time.monotonic())
-            elif kind in ("done", "error"):
-                done[rid].set()
-
-        return on
-
-    def tokens_of(rid, n):
-        deadline = time.monotonic() + 30
-        while len(stamps[rid]) < n and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert len(stamps[rid]) >= n, stamps[rid]
-        return stamps[rid][:n]
-
-    def gaps(ts):
-        return [y - x for x, y in zip(ts, ts[1:])]
-
+    arrivals = _TokenArrivals("alone", "a", "b", "c")
+    stamps, done, emit, tokens_of = arrivals.stamps, arrivals.done, arrivals.emit, arrivals.tokens_of
     try:
         lp.expect_remote("alone", list(range(20)), SamplingParams(max_tokens=6, ignore_eos=True), emit("alone"))
         _install_prompt(lp, "alone", 20)
