@@ -226,34 +226,25 @@ def test_wrong_layout_metadata_is_refused_and_changes_nothing(decode, name, chan
 
 # ---- ReadReady: malformed or unknown reads are rejected with a status -----------------------------------
 
+# a table laid out by hand (one case per row): not reformatted
+# fmt: off
 READS = [
-    (
-        "unknown-layout-version",
-        dict(layout_version=8),
-        C.FAILED_PRECONDITION,
-        "no accepted layout with layout_version 8",
-    ),
+    ("unknown-layout-version", dict(layout_version=8), C.FAILED_PRECONDITION,
+     "no accepted layout with layout_version 8"),
     ("layout-version-zero", dict(layout_version=0), C.FAILED_PRECONDITION, "no accepted layout with layout_version 0"),
     ("unknown-request", dict(request_id="nobody", layer=1), C.NOT_FOUND, "request 'nobody' is not waiting for KV here"),
     ("empty-request-id", dict(request_id="", layer=1), C.NOT_FOUND, "request '' is not waiting for KV here"),
     ("layer-past-the-end", dict(layer=5), C.INVALID_ARGUMENT, "layer 5 (0..4)"),
     ("layer-max", dict(layer=U32_MAX), C.INVALID_ARGUMENT, f"layer {U32_MAX} (0..4)"),
     ("reversed-range", dict(layer=1, src_start=10, src_end=4), C.INVALID_ARGUMENT, "range [10, 4) is malformed"),
-    (
-        "rows-past-the-prompt",
-        dict(layer=1, src_end=N + 1),
-        C.INVALID_ARGUMENT,
-        f"rows [0, {N + 1}) go past the prompt's {N} tokens",
-    ),
-    (
-        "dst-past-the-prompt",
-        dict(layer=1, src_end=4, dst_start=N - 2),
-        C.INVALID_ARGUMENT,
-        f"rows [{N - 2}, {N + 2}) go past the prompt's {N} tokens",
-    ),
+    ("rows-past-the-prompt", dict(layer=1, src_end=N + 1), C.INVALID_ARGUMENT,
+     f"rows [0, {N + 1}) go past the prompt's {N} tokens"),
+    ("dst-past-the-prompt", dict(layer=1, src_end=4, dst_start=N - 2), C.INVALID_ARGUMENT,
+     f"rows [{N - 2}, {N + 2}) go past the prompt's {N} tokens"),
     ("dst-overflowing", dict(layer=1, src_end=4, dst_start=U64_MAX), C.INVALID_ARGUMENT, "go past the prompt's"),
     ("huge-range", dict(layer=1, src_start=0, src_end=U64_MAX), C.INVALID_ARGUMENT, "go past the prompt's"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("name, fields, code, text", READS, ids=[x[0] for x in READS])
@@ -269,15 +260,15 @@ def test_malformed_read_ready_is_rejected_and_changes_nothing(decode, name, fiel
 
 # ---- ReadReady the source cannot serve: READ_FAILED, nothing installed ------------------------------------
 
+# a table laid out by hand (one case per row): not reformatted
+# fmt: off
 FAILED_READS = [
     ("generation-mismatch", dict(layer=1, generation=2), "FAILED_PRECONDITION"),
     ("generation-zero", dict(layer=1, generation=0), "FAILED_PRECONDITION"),
-    (
-        "rows-the-source-does-not-hold",
-        dict(layer=1, request_id="r", src_start=0, src_end=N, generation=1, _shrink=4),
-        "OUT_OF_RANGE",
-    ),
+    ("rows-the-source-does-not-hold", dict(layer=1, request_id="r", src_start=0, src_end=N, generation=1,
+                                           _shrink=4), "OUT_OF_RANGE"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("name, fields, status", FAILED_READS, ids=[x[0] for x in FAILED_READS])
