@@ -20,14 +20,14 @@ from typing import Callable
 BENCHES: dict[str, str] = {
     "hotcache": "kvoffload_bench.hotcache:run",
     "gather": "kvoffload_bench.gather:run",
-    "prefill": "dsamodel.bench.prefill:run",
-    "prefix": "dsamodel.bench.prefix:run",
-    "decode": "dsamodel.bench.decode:run",
+    "prefill": "kvoffload_bench.prefill:run",
+    "prefix": "kvoffload_bench.prefix:run",
+    "decode": "kvoffload_bench.decode:run",
     "pd": "kvoffload_bench.pd:run",
     "load": "kvoffload_bench.load:run",
-    "faults": "kvoffload.faults:bench",
+    "faults": "kvoffload_testing.faults:bench",
     "vllm": "kvoffload_bench.vllm_connectors:run",
-    "pool": "kvoffload.bench_pool:run",
+    "pool": "kvoffload_bench.pool:run",
 }
 
 

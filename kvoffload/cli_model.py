@@ -19,7 +19,7 @@ def cmd_model_init(args: argparse.Namespace) -> int:
 def cmd_model_fetch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvoffload.model_fetch import FetchError, fetch
+    from kvoffload_testing.model_fetch import FetchError, fetch
 
     try:
         fetch(args.name, Path(args.out), cache_dir=Path(args.cache_dir) if args.cache_dir else None,

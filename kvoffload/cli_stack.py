@@ -15,9 +15,9 @@ ENGINES = ("reference", "vllm")
 REFERENCE_ONLY = {"tls_cert": "--tls-cert", "tls_key": "--tls-key", "tls_ca": "--tls-ca"}
 REFERENCE_ONLY_WHY = ("the vLLM connectors do not speak TLS to the metastore yet, and their store runs on backend "
                       "'kvoffload' only (docs/vllm.md)")
-MODES = ("pd", "offload-only")  # `up --mode` (== kvoffload.stack.MODES; not imported: --help stays light)
+MODES = ("pd", "offload-only")  # `up --mode` (== kvoffload_testing.stack.MODES; not imported: --help stays light)
 REFERENCE_MAX_MODEL_LEN = 16384
-VLLM_MAX_MODEL_LEN = 4096  # kvoffload.vllm_stack.DEFAULT_MAX_MODEL_LEN (not imported here: --help stays light)
+VLLM_MAX_MODEL_LEN = 4096  # kvoffload_testing.vllm_stack.DEFAULT_MAX_MODEL_LEN (not imported here: --help stays light)
 
 
 def _check_engine(args: argparse.Namespace) -> None:
@@ -42,14 +42,14 @@ def _check_engine(args: argparse.Namespace) -> None:
 def stack_config(args: argparse.Namespace):
     from pathlib import Path
 
-    from kvoffload.stack import DEFAULT_HOME, StackConfig, ensure_tiny_model
+    from kvoffload_testing.stack import DEFAULT_HOME, StackConfig, ensure_tiny_model
     from svcruntime.tls import from_args
 
     _check_engine(args)
     tls = from_args(args, serving="every service of the stack")  # TLSConfigError names the flag and the path
     if args.engine == "vllm":
-        from kvoffload.model_fetch import FetchError
-        from kvoffload.vllm_stack import DEFAULT_MAX_MODEL_LEN, default_model
+        from kvoffload_testing.model_fetch import FetchError
+        from kvoffload_testing.vllm_stack import DEFAULT_MAX_MODEL_LEN, default_model
 
         try:
             model = Path(args.model) if args.model else default_model()
@@ -73,10 +73,10 @@ def stack_config(args: argparse.Namespace):
 
 def make_stack(args: argparse.Namespace, cfg):
     if args.engine == "vllm":
-        from kvoffload.vllm_stack import VllmStack
+        from kvoffload_testing.vllm_stack import VllmStack
 
         return VllmStack(cfg)
-    from kvoffload.stack import Stack
+    from kvoffload_testing.stack import Stack
 
     return Stack(cfg)
 
@@ -85,7 +85,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from kvoffload.stack import API_KEY_ENV
+    from kvoffload_testing.stack import API_KEY_ENV
 
     cfg = stack_config(args)
     stack = make_stack(args, cfg)
@@ -99,7 +99,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         while not stop.wait(1.0):
-            dead = [name for name, proc, _ in stack.procs if proc.poll() is not None]
+            dead = [s.name for s in stack.services if not s.running]
             if dead:
                 print(f"kvoffload: {', '.join(dead)} exited; stopping the stack (see {cfg.log_dir})", file=sys.stderr)
                 return 1
@@ -112,12 +112,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     import time
 
-    from kvoffload.stack import Stack
-    from kvoffload.stack_client import post_json, stack_stats
+    from kvoffload_testing.stack import Stack
+    from kvoffload_testing.stack_client import post_json, stack_stats
 
     cfg = stack_config(args)
     if args.engine == "vllm":
-        from kvoffload.vllm_stack import DEFAULT_MAX_TOKENS, DEMO_QUESTION, run_demo
+        from kvoffload_testing.vllm_stack import DEFAULT_MAX_TOKENS, DEMO_QUESTION, run_demo
 
         text, summary = run_demo(cfg, DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens)
         print(f"question (after a {summary['prompt_tokens']}-token prompt): {DEMO_QUESTION}")

@@ -16,7 +16,7 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     from kvcore.traces.trace import Trace, traces_dir
     from tqdm import tqdm
 
-    from kvoffload.model_fetch import FetchError
+    from kvoffload_testing.model_fetch import FetchError
     from kvoffload_bench.trace_record import ensure
 
     params = {k: getattr(args, k) for k in ("context", "steps", "topk", "requests") if getattr(args, k) is not None}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.bench_pool import SHAPES
+from kvoffload_bench.pool import SHAPES
 from kvoffload.cli import build_parser
 
 KVOFFLOAD = Path(sys.executable).with_name("kvoffload")
@@ -68,7 +68,7 @@ def test_bench_pool_json_prints_one_json_document_and_its_logs_on_stderr():
     ``test_bench_pool.py``, which ran this bench a second time to check them)."""
     proc = _driven("""
         import functools, sys
-        import kvoffload.bench_pool as bench
+        import kvoffload_bench.pool as bench
         bench.run = functools.partial(bench.run, repeats=2, shapes=("kv_block",))  # small sizes
         from kvoffload.cli import main
         sys.exit(main(["bench", "pool", "--json"]))

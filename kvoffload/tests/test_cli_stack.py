@@ -9,8 +9,8 @@ import json
 import pytest
 
 from kvoffload import cli, cli_stack
-from kvoffload.stack import Stack
-from kvoffload.vllm_stack import DEFAULT_MAX_MODEL_LEN, VllmStack
+from kvoffload_testing.stack import Stack
+from kvoffload_testing.vllm_stack import DEFAULT_MAX_MODEL_LEN, VllmStack
 
 
 @pytest.mark.parametrize("command", ["up", "demo"])
@@ -60,8 +60,8 @@ def test_the_reference_engine_is_the_default_and_builds_the_reference_stack(tmp_
 
 
 def test_the_reference_demo_says_its_text_is_meaningless_and_where_real_text_is(tmp_path, monkeypatch, capsys):
-    import kvoffload.stack as stack_mod
-    import kvoffload.stack_client as client_mod
+    import kvoffload_testing.stack as stack_mod
+    import kvoffload_testing.stack_client as client_mod
 
     class FakeStack:
         def __init__(self, cfg):
@@ -87,7 +87,7 @@ def test_the_reference_demo_says_its_text_is_meaningless_and_where_real_text_is(
 
 
 def test_the_vllm_demo_prints_the_question_the_answer_and_the_summary(tmp_path, monkeypatch, capsys):
-    import kvoffload.vllm_stack as vs
+    import kvoffload_testing.vllm_stack as vs
 
     seen = {}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload import model_fetch as mf
+from kvoffload_testing import model_fetch as mf
 from kvoffload.cli import main
 
 SMOL = mf.SOURCES["smollm2"]

@@ -5,7 +5,8 @@ its fault table and its server's kill; ``kvoffload bench pool`` measures every b
 from __future__ import annotations
 
 from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STACK_POOLS
-from kvoffload import bench_pool, fault_catalog, stack
+from kvoffload_bench import pool as bench_pool
+from kvoffload_testing import fault_catalog, stack
 from kvoffload.cli import build_parser
 
 

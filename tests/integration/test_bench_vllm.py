@@ -12,7 +12,7 @@ import json
 from vllm_support import tiny_llama_dir
 
 from kvoffload_bench.vllm_connectors import run
-from kvoffload.vllm_stack import split_cores
+from kvoffload_testing.vllm_stack import split_cores
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -1,5 +1,5 @@
 """Security defaults through real processes: a metastore, a prefill, a decode and a proxy started
-with no ``--host`` (``kvoffload.stack``'s command lines less that flag) and no TLS flags listen on
+with no ``--host`` (``kvoffload_testing.stack``'s command lines less that flag) and no TLS flags listen on
 127.0.0.1 only — every listening TCP socket each process holds, read from /proc (its socket fd
 inodes matched against /proc/<pid>/net/tcp{,6}) — and their gRPC ports answer plain gRPC.
 
@@ -13,9 +13,9 @@ import pytest
 
 from sockets import listening_sockets
 
-from kvoffload.ports import DATA_PORT_OFFSET, free_stack_ports
-from kvoffload.stack import Stack, StackConfig, ensure_tiny_model
-from kvoffload.stack_client import stack_stats
+from kvoffload_testing.ports import DATA_PORT_OFFSET, free_stack_ports
+from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
+from kvoffload_testing.stack_client import stack_stats
 
 pytestmark = [pytest.mark.stack, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads listening sockets from /proc"), pytest.mark.slow]
 

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from kvcore.connectorconfig import StoreConnectorConfig
-from kvoffload.connector_configs import prefill_kv_transfer_config
+from kvoffload_testing.connector_configs import prefill_kv_transfer_config
 from kvoffload_proxy.config import API_KEY_ENV
 from poolbackends.mooncake_master import MasterConfig, master_argv
 

@@ -28,7 +28,7 @@ from container_requests import LONG_TEXT, byte_tokenizer, complete
 from container_stack import (BS, COMMANDS as REFERENCE_COMMANDS, PORTS, ROOT, ContainerStack, ensure_images, held,
                              require_docker_engine, running, served_reference, stop_times, wait_idle)
 
-from kvoffload.connector_configs import prefill_kv_transfer_config
+from kvoffload_testing.connector_configs import prefill_kv_transfer_config
 from poolbackends.mooncake_master import port_answers
 
 pytestmark = [pytest.mark.containers, pytest.mark.slow]

@@ -5,7 +5,7 @@ prefill mid-layer, the metastore, the proxy; stop the decode briefly (delayed RE
 request must still succeed) or past the peer timeout (lost READ_DONE); stop the prefill past the
 peer timeout or past the metastore's heartbeat timeout (its pool and leases expire); overfill the
 decode's sequence slots; fill the prefill's host pool (a prompt larger than it, among others). After every run: each client request ended within its deadline, every success is
-bit-identical to the plain full-KV oracle (``kvoffload.reference``), the idle stack holds no slot, pool byte, lease or open
+bit-identical to the plain full-KV oracle (``kvoffload_testing.reference``), the idle stack holds no slot, pool byte, lease or open
 request, and a fresh request succeeds. ``KVOFFLOAD_FAULT_SEED`` replays another seed.
 
 The same checks on a stack whose prefill pool is on Mooncake Store (a real ``mooncake_master``):
@@ -19,10 +19,10 @@ import os
 
 import pytest
 
-from kvoffload.fault_catalog import FAULTS, MOONCAKE_FAULTS
-from kvoffload.fault_tally import records_json, summarize
-from kvoffload.faults import FILLER_TOKENS, REQUEST_DEADLINE_S, FaultRunner, fault_stack_config, reference_tokens
-from kvoffload.stack import Stack, ensure_tiny_model
+from kvoffload_testing.fault_catalog import FAULTS, MOONCAKE_FAULTS
+from kvoffload_testing.fault_tally import records_json, summarize
+from kvoffload_testing.faults import FILLER_TOKENS, REQUEST_DEADLINE_S, FaultRunner, fault_stack_config, reference_tokens
+from kvoffload_testing.stack import Stack, ensure_tiny_model
 
 pytestmark = pytest.mark.stack
 
@@ -101,8 +101,8 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(runner):
     import threading
     import time
 
-    from kvoffload.faults import _request
-    from kvoffload.stack_client import stack_stats
+    from kvoffload_testing.faults import _request
+    from kvoffload_testing.stack_client import stack_stats
 
     stack, prompt = runner.stack, runner.prompts[-1]
     got: dict = {}
@@ -129,7 +129,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(runner):
 def test_bench_faults_prints_the_issue_fields(runner):
     """``kvoffload bench faults``'s runs (``bench_runs``; the bench starts a fresh stack for them) on
     this module's stack: a few runs here, the bench's default is 20."""
-    from kvoffload.faults import bench_runs
+    from kvoffload_testing.faults import bench_runs
 
     out = bench_runs(runner, 3)
     for key in ("requests", "terminated", "leaked_slots", "leaked_pool_bytes", "leaked_leases", "max_termination_s",
@@ -145,9 +145,9 @@ def test_oversized_prompts_are_refused_before_any_kv_and_a_disconnect_frees_ever
     import json
     import time
 
-    from kvoffload.fault_tally import held
-    from kvoffload.faults import _request
-    from kvoffload.stack_client import stack_stats
+    from kvoffload_testing.fault_tally import held
+    from kvoffload_testing.faults import _request
+    from kvoffload_testing.stack_client import stack_stats
 
     stack = runner.stack
     before = stack_stats(stack.cfg)

@@ -21,12 +21,12 @@ import urllib.request
 
 import pytest
 
-from kvoffload.ports import free_stack_ports
-from kvoffload.prom import scrape
-from kvoffload.reference import greedy_reference
-from kvoffload.sse import sse_events, token_ids
-from kvoffload.stack import Stack, StackConfig
-from kvoffload.stack_client import stack_stats
+from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.prom import scrape
+from kvoffload_testing.reference import greedy_reference
+from kvoffload_testing.sse import sse_events, token_ids
+from kvoffload_testing.stack import Stack, StackConfig
+from kvoffload_testing.stack_client import stack_stats
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 

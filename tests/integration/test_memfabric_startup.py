@@ -19,7 +19,7 @@ from kvcore.layout import dtype_name
 from kvoffload_engine.layout import kv_layout
 from kvoffload_proto.v1 import transfer_pb2 as pb
 
-from kvoffload.connector_configs import decode_additional_config, decode_kv_transfer_config, prefill_kv_transfer_config
+from kvoffload_testing.connector_configs import decode_additional_config, decode_kv_transfer_config, prefill_kv_transfer_config
 from kvoffload_decode.transfer import decode_transfer
 
 DRIVER_FILES = ("/etc/ascend_install.info", "/usr/local/Ascend/driver/version.info")  # where memfabric looks

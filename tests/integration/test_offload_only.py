@@ -18,11 +18,11 @@ import uuid
 import pytest
 from dsamodel.tokenizer import ByteTokenizer
 
-from kvoffload.connector_configs import offload_only_kv_transfer_config
-from kvoffload.ports import free_stack_ports
-from kvoffload.reference import greedy_reference
-from kvoffload.stack import Stack, StackConfig
-from kvoffload.stack_client import post_json, stack_stats, stream_token_ids
+from kvoffload_testing.connector_configs import offload_only_kv_transfer_config
+from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.reference import greedy_reference
+from kvoffload_testing.stack import Stack, StackConfig
+from kvoffload_testing.stack_client import post_json, stack_stats, stream_token_ids
 
 pytestmark = pytest.mark.stack
 
@@ -71,7 +71,7 @@ def _status(url: str, body: dict) -> tuple[int, str]:
 
 
 def test_the_stack_is_a_metastore_and_one_prefill_with_the_store_connector_alone(stack):
-    assert [name for name, _, _ in stack.procs] == ["metastore", "prefill-0"]
+    assert [s.name for s in stack.services] == ["metastore", "prefill-0"]
     argv = dict((n, a) for n, a, _ in stack.commands())["prefill-0"]
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert kv["kv_connector"] == "AscendStoreConnector" and kv["kv_role"] == "kv_producer"

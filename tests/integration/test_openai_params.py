@@ -14,10 +14,10 @@ import openai
 import pytest
 
 from dsamodel.tokenizer import ByteTokenizer
-from kvoffload.ports import free_stack_ports
-from kvoffload.sse import sse_events
-from kvoffload.stack import Stack, StackConfig
-from kvoffload.stack_client import post_json
+from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.sse import sse_events
+from kvoffload_testing.stack import Stack, StackConfig
+from kvoffload_testing.stack_client import post_json
 from openai_api.request import sampling_params
 from openai_api.sampling_params import choice_seed
 

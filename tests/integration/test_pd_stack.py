@@ -1,5 +1,5 @@
 """I3 through real processes on loopback: greedy tokens through proxy -> prefill -> decode equal the
-plain full-KV oracle (``kvoffload.reference``: no shared buffers, host pool or hot cache), for short and long prompts, completions and chat, streaming and not; and
+plain full-KV oracle (``kvoffload_testing.reference``: no shared buffers, host pool or hot cache), for short and long prompts, completions and chat, streaming and not; and
 afterwards no slot, pool byte or lease is left held (Stats)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import urllib.request
 import pytest
 from dsamodel.tokenizer import ByteTokenizer
 
-from kvoffload.ports import free_stack_ports
-from kvoffload.reference import greedy_reference
-from kvoffload.stack import Stack, StackConfig
-from kvoffload.stack_client import post_json, stack_stats, stream_token_ids
+from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.reference import greedy_reference
+from kvoffload_testing.stack import Stack, StackConfig
+from kvoffload_testing.stack_client import post_json, stack_stats, stream_token_ids
 
 pytestmark = pytest.mark.stack
 
@@ -44,7 +44,7 @@ def stack(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """The oracle's greedy tokens (the model's plain full-KV path, kvoffload.reference)."""
+    """The oracle's greedy tokens (the model's plain full-KV path, kvoffload_testing.reference)."""
     return greedy_reference(model_dir, block_size=BS, max_model_len=8192)
 
 

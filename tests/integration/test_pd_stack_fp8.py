@@ -14,10 +14,10 @@ from dsamodel.tokenizer import ByteTokenizer
 from dsamodel.weights import load_model
 from kvoffload_engine.layout import kv_layout
 
-from kvoffload.ports import free_stack_ports
-from kvoffload.reference import greedy_reference
-from kvoffload.stack import Stack, StackConfig
-from kvoffload.stack_client import post_json, stack_stats, stream_token_ids
+from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.reference import greedy_reference
+from kvoffload_testing.stack import Stack, StackConfig
+from kvoffload_testing.stack_client import post_json, stack_stats, stream_token_ids
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 

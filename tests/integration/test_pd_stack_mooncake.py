@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 from dsamodel.tokenizer import ByteTokenizer
 
-from kvoffload.connector_configs import prefill_kv_transfer_config
-from kvoffload.ports import free_stack_ports
-from kvoffload.reference import greedy_reference
-from kvoffload.stack import MOONCAKE_MASTER, Stack, StackConfig
-from kvoffload.stack_client import post_json, stack_stats, stream_token_ids
+from kvoffload_testing.connector_configs import prefill_kv_transfer_config
+from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.reference import greedy_reference
+from kvoffload_testing.stack import MOONCAKE_MASTER, Stack, StackConfig
+from kvoffload_testing.stack_client import post_json, stack_stats, stream_token_ids
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
@@ -46,7 +46,7 @@ def stack(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """The oracle's greedy tokens (the model's plain full-KV path, kvoffload.reference)."""
+    """The oracle's greedy tokens (the model's plain full-KV path, kvoffload_testing.reference)."""
     return greedy_reference(model_dir, block_size=BS, max_model_len=8192)
 
 
@@ -77,7 +77,7 @@ def _finished(stack: Stack, request_id: str) -> list[tuple[str, dict]]:
 
 
 def test_the_stack_runs_a_real_master_in_place_of_the_metastore(stack):
-    names = [name for name, _, _ in stack.procs]
+    names = [s.name for s in stack.services]
     assert names == [MOONCAKE_MASTER, "decode-0", "prefill-0", "prefill-1", "proxy"]
     master = dict((n, argv) for n, argv, _ in stack.commands())[MOONCAKE_MASTER]
     assert Path(master[0]).name == "mooncake_master"
@@ -273,4 +273,4 @@ def test_a_taken_master_port_stops_the_stack_before_anything_starts(model_dir, t
         stack = Stack(StackConfig(model=model_dir, log_dir=tmp_path / "logs", pool="mooncake", **ports))
         with pytest.raises(RuntimeError, match=rf"something listens on port\(s\) \[{ports['mooncake_port']}\]"):
             stack.start(progress=False)
-    assert stack.procs == []
+    assert stack.services == []

@@ -12,9 +12,9 @@ import urllib.request
 
 import pytest
 
-from kvoffload.ports import DATA_PORT_OFFSET, free_stack_ports
-from kvoffload.stack import Stack, StackConfig, ensure_tiny_model
-from kvoffload.stack_client import healthy
+from kvoffload_testing.ports import DATA_PORT_OFFSET, free_stack_ports
+from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
+from kvoffload_testing.stack_client import healthy
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 

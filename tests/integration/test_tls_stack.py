@@ -13,9 +13,9 @@ import pytest
 import tlscerts  # test support on the root pytest pythonpath (needs cryptography, a test extra)
 from svcruntime.tls import TLSConfig
 
-from kvoffload.ports import DATA_PORT_OFFSET, free_stack_ports
-from kvoffload.stack import Stack, StackConfig, ensure_tiny_model
-from kvoffload.stack_client import healthy, grpc_stats, post_json
+from kvoffload_testing.ports import DATA_PORT_OFFSET, free_stack_ports
+from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
+from kvoffload_testing.stack_client import healthy, grpc_stats, post_json
 
 pytestmark = pytest.mark.stack
 

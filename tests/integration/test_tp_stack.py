@@ -19,10 +19,10 @@ import pytest
 from dsamodel.presets import write_tiny
 from dsamodel.tokenizer import ByteTokenizer
 
-from kvoffload.ports import free_stack_ports
-from kvoffload.reference import greedy_reference
-from kvoffload.stack import Stack, StackConfig
-from kvoffload.stack_client import post_json, stack_stats, stream_token_ids
+from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.reference import greedy_reference
+from kvoffload_testing.stack import Stack, StackConfig
+from kvoffload_testing.stack_client import post_json, stack_stats, stream_token_ids
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 

@@ -32,11 +32,12 @@ from pathlib import Path
 import pytest
 from vllm_support import chat, completion, failed_starts, post_json, refusals, smollm2_dir, tiny_llama_dir
 
-from kvoffload.ports import free_stack_ports
-from kvoffload.prom import scrape
-from kvoffload.sse import sse_events
-from kvoffload.vllm_server import Metastore, Proxy, VllmServer, free_port, running, signal_group
-from kvoffload.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
+from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.prom import scrape
+from kvoffload_testing.sse import sse_events
+from kvoffload_testing.vllm_server import Metastore, Proxy, VllmServer, free_port, running
+from svcruntime.processgroup import signal_group
+from kvoffload_testing.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
 
 pytestmark = pytest.mark.vllm
 

@@ -22,8 +22,8 @@ import re
 import pytest
 from vllm_support import completion, failed_starts, refusals, smollm2_dir, tiny_llama_dir
 
-from kvoffload.prom import metric
-from kvoffload.vllm_server import Metastore, VllmServer, free_port, running
+from kvoffload_testing.prom import metric
+from kvoffload_testing.vllm_server import Metastore, VllmServer, free_port, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

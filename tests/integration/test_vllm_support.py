@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from vllm_support import completion, tiny_llama_dir
 
-from kvoffload.vllm_server import VllmServer, free_port, group_members, running
+from kvoffload_testing.vllm_server import VllmServer, free_port, running
+from svcruntime.processgroup import group_members
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from vllm_support import tiny_llama_dir
 
-from kvoffload.ports import free_stack_ports
-from kvoffload.stack import StackConfig
-from kvoffload.vllm_server import tail
-from kvoffload.vllm_stack import VllmStack, demo
+from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.stack import StackConfig
+from kvoffload_testing.vllm_server import tail
+from kvoffload_testing.vllm_stack import VllmStack, demo
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

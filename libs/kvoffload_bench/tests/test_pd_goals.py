@@ -74,16 +74,16 @@ def _tiny_config(path: Path) -> Path:
 @pytest.fixture
 def stack(monkeypatch):
     """Replaces the stack's transport; returns a setter of the decode's pull time per round (ms)."""
-    import kvoffload.reference
-    import kvoffload.stack
-    import kvoffload.stack_client
+    import kvoffload_testing.reference
+    import kvoffload_testing.stack
+    import kvoffload_testing.stack_client
 
     pull = {"ms": 5.0}
     calls = itertools.count()
-    monkeypatch.setattr(kvoffload.stack, "Stack", _Stack)
-    monkeypatch.setattr(kvoffload.stack_client, "stack_stats", lambda cfg: _decode_stats(next(calls), pull["ms"]))
-    monkeypatch.setattr(kvoffload.stack, "ensure_tiny_model", _tiny_config)
-    monkeypatch.setattr(kvoffload.reference, "TimedEngine", _Engine)
+    monkeypatch.setattr(kvoffload_testing.stack, "Stack", _Stack)
+    monkeypatch.setattr(kvoffload_testing.stack_client, "stack_stats", lambda cfg: _decode_stats(next(calls), pull["ms"]))
+    monkeypatch.setattr(kvoffload_testing.stack, "ensure_tiny_model", _tiny_config)
+    monkeypatch.setattr(kvoffload_testing.reference, "TimedEngine", _Engine)
     monkeypatch.setattr(bench_pd.urllib.request, "urlopen", lambda req, timeout: _Response(TOKENS))
     return pull
 

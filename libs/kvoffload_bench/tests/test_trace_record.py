@@ -141,7 +141,7 @@ def test_ensure_refuses_unknown_names(tmp_path):
 
 
 def test_ensure_records_once(tiny_dir, tmp_path, monkeypatch):
-    import kvoffload.model_fetch as mf
+    import kvoffload_testing.model_fetch as mf
 
     monkeypatch.setattr(mf, "cached_model", lambda name, log=print: tiny_dir)
     path = tmp_path / "traces" / "smollm2.pt"

@@ -50,7 +50,7 @@ class _Proxy(_Service):
 def servers(tmp_path, monkeypatch):
     """Replaces the servers; returns the counter a P/D request moves on the decode ("requests_pulled"
     or "requests_failed") as a one-entry dict, and the model directory."""
-    import kvoffload.vllm_server
+    import kvoffload_testing.vllm_server
 
     metrics: collections.Counter = collections.Counter()
     seen: set[tuple[int, ...]] = set()
@@ -66,9 +66,9 @@ def servers(tmp_path, monkeypatch):
         ttft = 0.1 if hit else 1.0
         return ttft, ["a", "b", "c", "d"], [ttft + 0.01 * i for i in range(4)]
 
-    monkeypatch.setattr(kvoffload.vllm_server, "VllmServer", _Service)
-    monkeypatch.setattr(kvoffload.vllm_server, "Metastore", _Service)
-    monkeypatch.setattr(kvoffload.vllm_server, "Proxy", _Proxy)
+    monkeypatch.setattr(kvoffload_testing.vllm_server, "VllmServer", _Service)
+    monkeypatch.setattr(kvoffload_testing.vllm_server, "Metastore", _Service)
+    monkeypatch.setattr(kvoffload_testing.vllm_server, "Proxy", _Proxy)
     monkeypatch.setattr(bench_vllm, "_stream", stream)
     monkeypatch.setattr(bench_vllm, "metric", lambda url, name: metrics[name])
     monkeypatch.setattr(bench_vllm, "_settled", lambda url, names: {n: metrics[n] for n in names})

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvoffload.prom import Metrics
+from kvoffload_testing.prom import Metrics
 from kvoffload_vllm.stats import CounterPromMetrics
 
 

@@ -20,7 +20,7 @@ from poolbackends.memcache import MemcacheHostPool, dram_bytes_for
 from poolbackends.memcache_client import MemcacheClient, MemcacheUnavailable, native_reason
 from poolbackends.memcache_conf import LOCAL_KEYS, LocalSettings, local_fields, meta_urls
 from poolbackends.memcache_meta import MemcacheMetaError, MemcacheMetaService, MetaSettings
-from poolbackends.serverprocess import free_port, port_answers
+from svcruntime.serverprocess import free_port, port_answers
 
 ROWS = (16, 8)
 DRIVER_FILES = ("/etc/ascend_install.info", "/usr/local/Ascend/driver/version.info")  # where hybm looks

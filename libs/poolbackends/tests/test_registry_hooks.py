@@ -16,7 +16,7 @@ from poolbackends import registry
 from poolbackends.metastore_server import MetastoreError, MetastoreServer, MetastoreSettings
 from poolbackends.registry import PoolOpenError, PoolRequest, open_pool, readiness, start_server
 from poolbackends.remotepool import RemoteHostPool
-from poolbackends.serverprocess import ServerProcess
+from svcruntime.serverprocess import ServerProcess
 
 GEO = PoolGeometry(block_size=4, plane_row_bytes=(8,), num_blocks=4)
 

@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from kvoffload.sse import sse_events, token_ids
+from kvoffload_testing.sse import sse_events, token_ids
 
 ERROR_DEADLINE_S = 60.0  # a request hit by a stopped container must end with an error within this
 

@@ -1,4 +1,4 @@
-"""Support for integration tests that run real vLLM OpenAI servers (``kvoffload.vllm_server``): the
+"""Support for integration tests that run real vLLM OpenAI servers (``kvoffload_testing.vllm_server``): the
 real SmolLM2 model directory (built once per machine), small random-weight Llama directories with its
 tokenizer, and plain-urllib request helpers. Nothing here is mocked: every helper builds or talks to
 the real thing."""
@@ -38,9 +38,9 @@ def dir_lock(path: Path) -> Iterator[None]:
 
 
 def smollm2_dir() -> Path:
-    """The real SmolLM2-135M-Instruct directory (``kvoffload.model_fetch.cached_model``: built once per
+    """The real SmolLM2-135M-Instruct directory (``kvoffload_testing.model_fetch.cached_model``: built once per
     machine)."""
-    from kvoffload.model_fetch import cached_model
+    from kvoffload_testing.model_fetch import cached_model
 
     return cached_model("smollm2", log=lambda line: print(f"kvoffload model fetch: {line}", flush=True))
 
@@ -167,7 +167,7 @@ def refusals(model: Path, cases: dict[str, list[str]], log_dir: Path, max_model_
     import subprocess
     import sys
 
-    from kvoffload.vllm_server import api_server_command, api_server_env, free_port
+    from kvoffload_testing.vllm_server import api_server_command, api_server_env, free_port
 
     argv = {name: api_server_command(model, port=free_port(), max_model_len=max_model_len, extra_args=extra)
             for name, extra in cases.items()}

@@ -20,12 +20,11 @@ One concept per module:
 - ``indexcodec`` how indexer keys are stored in caches (``indexer_cache_format``: the format a config's
                  serving engine uses; ``IndexCodec``: plain or fp8 + scales).
 - ``tp``         tensor parallelism: one rank's shard of the weights and the reductions it needs.
-- ``bench/``     engine benchmarks of the tiny model (``kvoffload bench prefill|prefix|decode``).
 
 The model owns no cache: an engine keeps the latent KV rows (``Projection.kv``) and indexer rows
 (``Projection.index_k``) wherever it likes and hands them back in, gpt-fast style: the offload
-engine that does so over kvcore is ``kvoffload_engine``. The model's modules import neither;
-``bench/`` imports both.
+engine that does so over kvcore is ``kvoffload_engine``. The model's modules import neither (its
+engine benchmarks are ``kvoffload_bench``'s).
 """
 
 from dsamodel.attention import gather_rows, indexer_topk, sparse_mla_attention

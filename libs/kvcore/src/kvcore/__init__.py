@@ -30,8 +30,7 @@ Sparse decode:
 - ``hotcache``: decode hot top-k residency (native path); ``hotcache_reference``: its Python
   reference path; ``hotcache_resolution``: what a resolve returns (``Resolution``, ``MAX_TOKEN``).
 - ``gather``: native gather/scatter of token rows.
-- ``belady``: the offline optimum hit rate; ``traces/``: top-k traces (synthetic, recorded) and
-  their locality.
+- ``traces/``: top-k traces (synthetic, recorded) and their locality.
 
 The host pool:
 

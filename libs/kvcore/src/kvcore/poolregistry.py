@@ -16,7 +16,7 @@ hooks), and nothing imports an optional backend until it runs. This module itsel
 pydantic nor torch, so the command line reads the names without paying for either.
 
 Adding a backend: its module in ``libs/poolbackends`` (``open_pool(poolbackends.registry.PoolRequest)``, optionally
-``pool_not_ready(pool)`` and a ``poolbackends.serverprocess.ServerProcess`` launcher), its keys
+``pool_not_ready(pool)`` and a ``svcruntime.serverprocess.ServerProcess`` launcher), its keys
 model in ``kvcore.poolkeys`` when it has keys, its entry below, and its tests
 (``tests/integration/test_backend_contract.py``; ``kvoffload bench pool`` names what it measures).
 """

@@ -6,12 +6,21 @@ defaults, the thing measured and its baseline side by side in the same run, medi
 the goals as booleans in ``goals_met``. Nothing is printed; absolute times on shared machines are
 noise, so every headline number is a ratio or a rate measured next to its baseline.
 
-kvcore's native paths (bench ``hotcache``, ``gather``):
+The engine of the tiny model (bench ``prefill``, ``prefix``, ``decode``), both sides timed in one
+process (``timing``: ``interleaved`` medians):
+
+- ``prefill``: layerwise buffer reuse vs no reuse, on a deep tiny model.
+- ``prefix``: the prefix cache: a second request on a shared prefix vs the first.
+- ``decode``: sparse offload vs ``keep_device_kv_cache``, on prompts or on a top-k trace (I2).
+
+kvcore's native paths and the host pools (bench ``hotcache``, ``gather``, ``pool``):
 
 - ``hotcache``: native vs vectorized torch (``hotcache_torch``) vs Python-reference
-  ``HotCache.resolve`` on top-k traces; the policies against Belady's optimum; per-layer sizing.
+  ``HotCache.resolve`` on top-k traces; the policies against Belady's optimum (``belady``: the
+  offline optimum hit rate); per-layer sizing.
 - ``hotcache_torch``: ``TorchHotCache``, the hot cache in whole-tensor torch ops (the torch baseline).
 - ``gather``: native ``gather_rows`` vs the torch reference vs a contiguous memcpy of the same bytes.
+- ``pool``: each host-pool backend's put/get rates against memcpy (servers by the registry's launchers).
 - ``hotsizing``: per-layer hot-buffer sizes from measured hit-rate curves, under one budget.
 - ``prefetch``: offline scoring of miss predictors on a trace (the runtime prefetch is the engine's).
 - ``otherload``: ``OtherLoad``, how much of the machine other processes used while a bench ran.
@@ -22,6 +31,8 @@ The P/D stack and vLLM (bench ``pd``, ``load``, ``vllm``):
   ``pd_memcpy``: its memcpy references (the in-stack sampler, the idle diagnostic).
 - ``load``: the P/D stack under a burst of concurrent clients vs the single-process engine.
 - ``vllm_connectors``: the kvoffload connectors inside real vLLM servers (store hits, P/D).
+
+The stacks, servers, oracle and SSE reader these run on are ``kvoffload_testing``'s.
 
 Traces:
 

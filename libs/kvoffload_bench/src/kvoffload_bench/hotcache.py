@@ -10,7 +10,7 @@ and, where recorded, ``smollm2`` (a real model's attention: ``kvoffload trace re
   how far back the returning entries were) — the synthetic presets next to the real trace.
 - ``hit_rates``: per trace and capacity ``C = m * k`` for ``m`` in ``sizes``, the hit rate of each
   policy (``kvcore.hotcache.POLICIES``, native path, every stream of the trace one request) and
-  of Belady's optimum (``kvcore.belady``, offline), and each policy's ratio to it. Each policy's
+  of Belady's optimum (``kvoffload_bench.belady``, offline), and each policy's ratio to it. Each policy's
   native outputs are checked against its Python reference on the first ``reference_steps`` steps
   of every trace (``policy_outputs_equal``).
 - ``layer_sizing``: the default policy's per-layer hit-rate curves (capacities k..4k) and the
@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from kvcore import belady
+from kvoffload_bench import belady
 from kvcore.hotcache import POLICIES, HotCache, max_threads
 from kvcore.hotcache_resolution import Resolution
 from kvcore.traces import PRESETS, Trace, named

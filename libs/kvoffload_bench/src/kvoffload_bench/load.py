@@ -45,7 +45,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvoffload.sse import sse_events, token_ids
+from kvoffload_testing.sse import sse_events, token_ids
 
 GOAL_THROUGHPUT_RATIO = 0.9
 CHUNK_SIZE = 2048
@@ -125,7 +125,7 @@ class _Single:
     """The single-process engine with the stack's sizes (``max_num_seqs`` = the decode's)."""
 
     def __init__(self, model_dir: Path, block_size: int, max_model_len: int) -> None:
-        from kvoffload.reference import TimedEngine
+        from kvoffload_testing.reference import TimedEngine
 
         self.engine = TimedEngine(model_dir, block_size=block_size, max_model_len=max_model_len,
                                   max_num_seqs=MAX_NUM_SEQS, chunk_size=CHUNK_SIZE)
@@ -156,11 +156,11 @@ def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_promp
         max_tokens: int = 32, block_size: int = 16, max_retries: int = 20, seed: int = 0, rounds: int = 3,
         decode_args: tuple[str, ...] = (), service_env: dict[str, dict[str, str]] | None = None) -> dict:
     """One stack round and one single-process round per client count; returns the JSON-ready result."""
-    from dsamodel.bench import quiet_logs
+    from svcruntime.logs import quiet_logs
 
-    from kvoffload.ports import free_stack_ports
-    from kvoffload.stack import Stack, StackConfig, ensure_tiny_model
-    from kvoffload.stack_client import stack_stats
+    from kvoffload_testing.ports import free_stack_ports
+    from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
+    from kvoffload_testing.stack_client import stack_stats
 
     quiet_logs()
     work_dir = Path(tempfile.mkdtemp(prefix="kvoffload-bench-load-"))

@@ -58,7 +58,7 @@ import urllib.request
 from pathlib import Path
 
 from kvoffload_bench.pd_memcpy import MemcpySampler, pull_vs_memcpy
-from kvoffload.sse import sse_events, token_ids
+from kvoffload_testing.sse import sse_events, token_ids
 
 GOAL_TPOT_RATIO = 1.3
 GOAL_PULL_RATIO = 0.5
@@ -121,7 +121,7 @@ class _Single:
     """The single-process engine (same sizes as the stack's), loaded once, serving one round at a time."""
 
     def __init__(self, model_dir: Path, max_num_seqs: int, block_size: int) -> None:
-        from kvoffload.reference import TimedEngine
+        from kvoffload_testing.reference import TimedEngine
 
         self.engine = TimedEngine(model_dir, block_size=block_size, max_model_len=8192, max_num_seqs=max_num_seqs,
                                   chunk_size=CHUNK_SIZE)
@@ -145,9 +145,9 @@ def _rounds(model_dir: Path, log_dir: Path, prefill_args: list[str], *, requests
             ) -> tuple[list[dict], bool]:
     """``rounds`` interleaved P/D + single-process pairs on ``model_dir`` (the prefill started with
     ``prefill_args``): (per-round figures, whether greedy tokens were equal in every pair)."""
-    from kvoffload.ports import free_stack_ports
-    from kvoffload.stack import Stack, StackConfig
-    from kvoffload.stack_client import stack_stats
+    from kvoffload_testing.ports import free_stack_ports
+    from kvoffload_testing.stack import Stack, StackConfig
+    from kvoffload_testing.stack_client import stack_stats
 
     cfg = StackConfig(model=model_dir, log_dir=log_dir, **free_stack_ports(), max_model_len=8192,
                       block_size=block_size,
@@ -263,10 +263,10 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
         rounds: int = 3, idle_pull: bool = True, tp: bool = True) -> dict:
     """Runs ``rounds`` interleaved P/D + single-process pairs; returns the JSON-ready result
     (see module docstring). With ``tp``, the same again with a TP 2 prefill (``tp_2_1``)."""
-    from dsamodel.bench import quiet_logs
+    from svcruntime.logs import quiet_logs
     from dsamodel.presets import write_tiny
 
-    from kvoffload.stack import ensure_tiny_model
+    from kvoffload_testing.stack import ensure_tiny_model
 
     if rounds < 1:
         raise ValueError(f"rounds = {rounds} must be >= 1")

@@ -35,7 +35,7 @@ import torch
 
 from kvcore.traces.trace import Trace, traces_dir
 
-KNOWN = ("smollm2",)  # trace name -> the model of the same name (kvoffload.model_fetch.SOURCES)
+KNOWN = ("smollm2",)  # trace name -> the model of the same name (kvoffload_testing.model_fetch.SOURCES)
 ROOT = Path(__file__).resolve().parents[4]  # the repository: SOURCES are its documents
 SOURCES = ("docs/design.md", "docs/configuration.md", "README.md", "docs/vllm.md", "docs/models.md")
 INSTRUCTION = "Summarize the following document in a few sentences.\n\n"
@@ -188,7 +188,7 @@ def ensure(name: str = "smollm2", *, path: str | Path | None = None, force: bool
     path = Path(path) if path else traces_dir() / f"{name}.pt"
     if path.exists() and not force:
         return path
-    from kvoffload.model_fetch import cached_model
+    from kvoffload_testing.model_fetch import cached_model
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "a") as lock:

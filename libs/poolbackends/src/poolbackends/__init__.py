@@ -17,8 +17,8 @@ hooks (``open_pool``, ``pool_not_ready``, the launcher) live in its module here.
 - ``embedded``: backend ``"kvoffload"``: a ``RemoteHostPool`` with a metastore, else a ``LocalHostPool``;
   ``metastore_server`` (starts a ``kvoffload-metastore``) serves it.
 - ``storepool``: ``StoreHostPool``, a ``kvcore.localpool.LocalHostPool`` whose complete objects are also
-  kept in an existing distributed store (the base of the next two); ``serverprocess``: a child server
-  process (start until healthy, stop, kill, restart; the base of the launchers below).
+  kept in an existing distributed store (the base of the next two). The server launchers below are
+  ``svcruntime.serverprocess.ServerProcess``es.
 - ``mooncake``: backend ``"mooncake"``, ``MooncakeHostPool``, a ``StoreHostPool`` whose objects are
   shared through Mooncake Store instead; ``mooncake_objects`` (its objects in the store),
   ``mooncake_store`` (the store client) and ``mooncake_master`` (starts a ``mooncake_master``) serve it.

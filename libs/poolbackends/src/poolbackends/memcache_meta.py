@@ -9,7 +9,7 @@ RPC port, the config store port and the HTTP metrics port all bound to ``MetaSet
 (127.0.0.1 unless told), free ports unless given. ``start`` returns once the service answers: its
 HTTP ``/health`` says ``service_ready`` and its RPC and config store ports accept connections.
 ``stop()`` ends it (SIGTERM: it exits in about 3 s; SIGKILL after 10 s); the process handling is
-``poolbackends.serverprocess.ServerProcess``'s. Its output and
+``svcruntime.serverprocess.ServerProcess``'s. Its output and
 the library's log files (``ock.mmc.log_path``) go to ``log_dir``.
 
 Errors: ``MemcacheNotInstalled`` when ``memcache_hybrid`` cannot be imported (naming the module
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from kvcore.hostpool import check_count, check_positive
 
 from poolbackends.memcache_conf import MetaUrls, meta_conf_text, meta_urls
-from poolbackends.serverprocess import ServerProcess, free_port, port_answers
+from svcruntime.serverprocess import ServerProcess, free_port, port_answers
 
 MODULE = "memcache_hybrid"
 INSTALL_HINT = ("install Memcache with `pip install memcache_hybrid==1.3.0` (it pulls memfabric_hybrid==1.3.0; "

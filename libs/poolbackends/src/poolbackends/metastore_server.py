@@ -3,7 +3,7 @@
 ``MetastoreServer.start(MetastoreSettings())`` runs the ``kvoffload-metastore`` console script beside
 this Python as a child process bound to ``MetastoreSettings.host`` (127.0.0.1 unless told), on a free
 port unless given, and returns once a ``MetaStoreClient`` call answers. ``stop()``, ``kill()`` and
-``restart()`` are ``poolbackends.serverprocess.ServerProcess``'s; its output goes to ``log_dir``.
+``restart()`` are ``svcruntime.serverprocess.ServerProcess``'s; its output goes to ``log_dir``.
 ``MetastoreError`` when it exits or does not answer in time, with the tail of its output.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvcore.hostpool import PoolError
 from poolbackends.client import MetaStoreClient
-from poolbackends.serverprocess import ServerProcess, free_port
+from svcruntime.serverprocess import ServerProcess, free_port
 
 BINARY = "kvoffload-metastore"
 

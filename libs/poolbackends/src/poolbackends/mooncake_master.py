@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from kvcore.hostpool import check_count, check_positive
 
-from poolbackends.serverprocess import ServerProcess, free_port, port_answers
+from svcruntime.serverprocess import ServerProcess, free_port, port_answers
 
 __all__ = ["INSTALL_HINT", "MasterConfig", "MooncakeMaster", "MooncakeMasterError", "MooncakeNotInstalled",
            "find_master_binary", "free_port", "master_argv", "port_answers"]

@@ -14,7 +14,7 @@ from typing import Any
 from kvcore.hostpool import HostPoolBackend
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.poolregistry import POOL_BACKENDS, load
-from poolbackends.serverprocess import ServerProcess
+from svcruntime.serverprocess import ServerProcess
 
 
 class PoolOpenError(RuntimeError):

@@ -1,4 +1,5 @@
-"""svcruntime: what every kvoffload service process shares, and nothing of any one service.
+"""svcruntime: what every kvoffload service process shares, and nothing of any one service; and the
+one launcher of child server processes that the tools running services build on.
 
 - ``flags``: the flags the model services declare alike (``add_model_service_flags``,
   ``add_shared_flag``, ``add_process_flags``) and the numeric flag rules (``check_flags``).
@@ -11,6 +12,9 @@
   (``LeadRanks``: readiness, orderly close) and a follower's join.
 - ``sse``: server-sent events in the OpenAI streaming format.
 - ``native_output``: what a native library prints during a call, captured to quote in an error.
+- ``serverprocess``: ``ServerProcess``, one child server process (spawn, wait until it answers, stop,
+  kill, restart; the pool servers', the stacks' and the vLLM servers' launcher); ``processgroup``: a
+  child's whole process group (its members, a signal to all, a stop that waits for every one).
 """
 
 __version__ = "0.1.0"

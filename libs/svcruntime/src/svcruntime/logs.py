@@ -5,6 +5,8 @@ Request-scoped fields bound in ``structlog.contextvars`` (the proxy's HTTP middl
 ``request_id``) appear on every line logged while serving that request. Records of stdlib loggers
 (aiohttp's, grpc's) go through the same renderer, so a service's stderr is JSON lines only.
 
+``quiet_logs`` is the set-up of a tool whose stdout is one JSON document (the benches).
+
 One request id follows a request through proxy, decode and prefill: the proxy's ``X-Request-Id``.
 Between prefill and decode a request travels under its own wire id (one per prompt of a prompt
 list); a service that learns both links them in ``REQUEST_IDS`` for the request's lifetime, and
@@ -105,3 +107,10 @@ def configure_logging(service: str, level: str = "info", stream: TextIO | None =
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric)
+
+
+def quiet_logs() -> None:
+    """For a tool that prints one JSON document on stdout (the benches): info logs are dropped, and
+    warnings and errors go to stderr (the ``sys.stderr`` of the moment each is logged)."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+                        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))

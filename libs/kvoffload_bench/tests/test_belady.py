@@ -1,4 +1,4 @@
-"""kvcore.belady: the offline optimum on hand-checked traces, and never below any policy."""
+"""kvoffload_bench.belady: the offline optimum on hand-checked traces, and never below any policy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kvcore import belady
+from kvoffload_bench import belady
 from kvcore.hotcache import HotCache
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from kvoffload.fault_catalog import FAULTS
+from kvoffload_testing.fault_catalog import FAULTS
 
 
 @dataclass

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from dsamodel.bench import quiet_logs
+from svcruntime.logs import quiet_logs
 from dsamodel.presets import tiny_model
 from kvoffload_engine import build
 from kvoffload_engine.prefill import PrefillRequest

@@ -1,4 +1,4 @@
-"""The fault suite's leak tally (``kvoffload.fault_tally.held`` / ``summarize``) on hand-made Stats: no
+"""The fault suite's leak tally (``kvoffload_testing.fault_tally.held`` / ``summarize``) on hand-made Stats: no
 processes. A counter the tally needs that a service does not report (renamed, dropped) must be an
 error naming the service, the key and the keys present, never a silent 0 that makes every leak
 check pass.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.fault_tally import LEAK_KEYS, REQUIRED_STATS, MissingStatsKey, RunRecord, held, summarize
+from kvoffload_testing.fault_tally import LEAK_KEYS, REQUIRED_STATS, MissingStatsKey, RunRecord, held, summarize
 
 
 def _idle() -> dict[str, dict[str, float]]:
@@ -157,7 +157,7 @@ def test_a_stack_on_mooncake_store_has_no_metastore_but_needs_its_prefill_and_de
 
 
 def test_summarize_counts_the_runs_of_each_fault_of_the_stack():
-    from kvoffload.fault_catalog import MOONCAKE_FAULTS
+    from kvoffload_testing.fault_catalog import MOONCAKE_FAULTS
 
     runs = [RunRecord(0, "kill_mooncake_master", leaks=dict.fromkeys(LEAK_KEYS, 0.0), fresh_ok=True)]
     assert summarize(runs, MOONCAKE_FAULTS)["faults"] == {f: int(f == "kill_mooncake_master") for f in MOONCAKE_FAULTS}
@@ -168,8 +168,8 @@ def test_summarize_counts_the_runs_of_each_fault_of_the_stack():
 # ---- the error each fault gives -------------------------------------------------------------------
 
 def _names() -> dict[str, tuple[str, ...]]:
-    from kvoffload.fault_catalog import peer_names
-    from kvoffload.stack import StackConfig
+    from kvoffload_testing.fault_catalog import peer_names
+    from kvoffload_testing.stack import StackConfig
 
     return peer_names(StackConfig(model=Path("m"), log_dir=Path("l"), proxy_port=9000, prefill_ports=(8100,),
                                   decode_ports=(8200,), kv_port=20050))
@@ -200,7 +200,7 @@ POOL_FULL = ('HTTP 502: {"error": {"message": "prefiller http://127.0.0.1:8100 a
                        'prefill failed: MetaStore Exists: UNAVAILABLE: failed to connect to all addresses"}}'),
 ])
 def test_the_error_a_fault_gives_names_the_service_it_hit(fault, error):
-    from kvoffload.fault_catalog import wrong_error
+    from kvoffload_testing.fault_catalog import wrong_error
 
     assert wrong_error(fault, error, _names()) == ""
 
@@ -218,13 +218,13 @@ def test_the_error_a_fault_gives_names_the_service_it_hit(fault, error):
     ("kill_decode", "", "gives HTTP 502 or HTTP 503, not no HTTP answer"),  # a failure that says nothing
 ])
 def test_any_50x_is_not_the_named_error(fault, error, why):
-    from kvoffload.fault_catalog import wrong_error
+    from kvoffload_testing.fault_catalog import wrong_error
 
     assert why in wrong_error(fault, error, _names())
 
 
 def test_every_fault_kind_says_which_error_it_gives():
-    from kvoffload.fault_catalog import EXPECTED_ERRORS, FAULTS, MOONCAKE_FAULTS
+    from kvoffload_testing.fault_catalog import EXPECTED_ERRORS, FAULTS, MOONCAKE_FAULTS
 
     assert set(FAULTS) | set(MOONCAKE_FAULTS) == set(EXPECTED_ERRORS)
     for fault, want in EXPECTED_ERRORS.items():
@@ -236,7 +236,7 @@ class _FakeStack:
     cfg = None
 
     def __init__(self, pool: str = "kvoffload") -> None:
-        from kvoffload.stack import StackConfig
+        from kvoffload_testing.stack import StackConfig
 
         self.cfg = StackConfig(model=Path("m"), log_dir=Path("l"), prefill_ports=(8100,), decode_ports=(8200,),
                                kv_port=20050, pool=pool)
@@ -249,7 +249,7 @@ class _FakeStack:
 def test_the_runner_counts_a_wrong_50x_as_a_wrong_error(monkeypatch):
     """A 500 with an unrelated message where killing the prefill gives a 502 naming it: before,
     any failure with some error passed; now the run counts it in ``wrong_errors``."""
-    from kvoffload import fault_tally, faults
+    from kvoffload_testing import fault_tally, faults
 
     runner = faults.FaultRunner(_FakeStack(), reference=lambda prompt: [1, 2])
     records = []
@@ -264,7 +264,7 @@ def test_the_runner_counts_a_wrong_50x_as_a_wrong_error(monkeypatch):
 
 
 def test_a_failure_nobody_judged_counts_as_a_wrong_error():
-    from kvoffload.fault_tally import RequestRecord
+    from kvoffload_testing.fault_tally import RequestRecord
 
     failed = RequestRecord(24, False, ok=False, ended=True, error=PREFILL_DIED)  # wrong_error left None
     run = RunRecord(0, "kill_prefill", [failed], dict.fromkeys(LEAK_KEYS, 0.0), True)
@@ -277,8 +277,8 @@ def test_errors_carry_their_status_from_http_and_from_sse():
     import json
     import threading
 
-    from kvoffload.fault_catalog import error_status
-    from kvoffload.faults import _request
+    from kvoffload_testing.fault_catalog import error_status
+    from kvoffload_testing.faults import _request
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 - http.server's name
@@ -324,7 +324,7 @@ def _summary(**figures) -> dict:
 
 
 def test_the_goal_needs_every_figure_at_zero_open_requests_after_too():
-    from kvoffload.fault_tally import GOAL_ZERO, goal_met
+    from kvoffload_testing.fault_tally import GOAL_ZERO, goal_met
 
     assert goal_met(_summary())
     assert "open_requests_after" in GOAL_ZERO and "wrong_errors" in GOAL_ZERO
@@ -335,7 +335,7 @@ def test_the_goal_needs_every_figure_at_zero_open_requests_after_too():
 
 
 def test_a_figure_the_goal_reads_that_is_missing_is_an_error_not_a_pass():
-    from kvoffload.fault_tally import GOAL_ZERO, MissingFigure, goal_met
+    from kvoffload_testing.fault_tally import GOAL_ZERO, MissingFigure, goal_met
 
     for key in ("runs", "requests", "terminated", *GOAL_ZERO):
         summary = _summary()
@@ -349,7 +349,7 @@ def test_bench_faults_is_not_met_while_a_request_is_still_open(monkeypatch):
     once idle (``open_requests_after`` 1) — the goal is not met."""
     import contextlib
 
-    from kvoffload import fault_catalog, fault_tally, faults
+    from kvoffload_testing import fault_catalog, fault_tally, faults
 
     class Runner:
         def __init__(self, stack, ref, seed):
@@ -360,9 +360,9 @@ def test_bench_faults_is_not_met_while_a_request_is_still_open(monkeypatch):
             leaks = {**dict.fromkeys(LEAK_KEYS, 0.0), "open_requests": 1.0}
             return RunRecord(i, fault, [req], leaks, fresh_ok=True)
 
-    import dsamodel.bench
+    import svcruntime.logs
 
-    monkeypatch.setattr(dsamodel.bench, "quiet_logs", lambda: None)  # structlog's global configuration stays
+    monkeypatch.setattr(svcruntime.logs, "quiet_logs", lambda: None)  # structlog's global configuration stays
     monkeypatch.setattr(faults, "ensure_tiny_model", lambda path: path)
     monkeypatch.setattr(faults, "reference_tokens", lambda model: lambda prompt: [1])
     monkeypatch.setattr(faults, "Stack", lambda cfg: contextlib.nullcontext(_FakeStack()))

@@ -9,7 +9,7 @@ import urllib.request
 
 from svcruntime.tls import TLSConfig
 
-from kvoffload.ports import DATA_PORT_OFFSET
+from kvoffload_testing.ports import DATA_PORT_OFFSET
 
 
 def healthy(url: str, tls: TLSConfig | None = None) -> bool:
@@ -72,7 +72,7 @@ def grpc_stats(target: str, timeout_s: float = 15.0, tls: TLSConfig | None = Non
 
 def stack_stats(cfg) -> dict[str, dict[str, float]]:
     """Stats of the metastore (pool "kvoffload"), every prefill (data port) and decode (control port) of
-    the stack ``cfg`` (a ``kvoffload.stack.StackConfig``) describes."""
+    the stack ``cfg`` (a ``kvoffload_testing.stack.StackConfig``) describes."""
     out = {"metastore": grpc_stats(f"{cfg.host}:{cfg.metastore_port}", tls=cfg.tls)} if cfg.pool == "kvoffload" else {}
     for i, port in enumerate(cfg.prefill_ports):
         out[f"prefill-{i}"] = grpc_stats(f"{cfg.host}:{port + DATA_PORT_OFFSET}", tls=cfg.tls)

@@ -9,13 +9,13 @@ metastore's heartbeat timeout so its pool and leases expire; overfill the decode
 killed service is restarted, and the run records:
 
 - whether each request ended (success or error) within its deadline, and how long it took;
-- whether each success returned exactly the oracle's greedy tokens (``kvoffload.reference``: the
+- whether each success returned exactly the oracle's greedy tokens (``kvoffload_testing.reference``: the
   plain full-KV path, none of the stack's machinery), and whether
-  each failure got the error its fault gives (``kvoffload.fault_catalog``: the fault's status, and
+  each failure got the error its fault gives (``kvoffload_testing.fault_catalog``: the fault's status, and
   a message naming the service it hit; any 50x is not enough);
 - what is still held once the system is idle again: prefill slots, decode pool bytes and
   sequences, pool and metastore leases, open ledger entries (polled until zero or a timeout;
-  ``kvoffload.fault_tally`` counts them and sums the runs);
+  ``kvoffload_testing.fault_tally`` counts them and sums the runs);
 - whether a fresh request then succeeds with the right tokens.
 
 The stack runs with short bounds (peer timeout 2 s) so a run takes seconds, not minutes.
@@ -42,11 +42,11 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from kvoffload.fault_catalog import FAULTS_BY_POOL, SERVER_FAULTS, peer_names, wrong_error
-from kvoffload.fault_tally import MissingStatsKey, RequestRecord, RunRecord, goal_met, held, summarize
-from kvoffload.ports import free_stack_ports
-from kvoffload.stack import Stack, StackConfig, ensure_tiny_model
-from kvoffload.stack_client import healthy, stack_stats
+from kvoffload_testing.fault_catalog import FAULTS_BY_POOL, SERVER_FAULTS, peer_names, wrong_error
+from kvoffload_testing.fault_tally import MissingStatsKey, RequestRecord, RunRecord, goal_met, held, summarize
+from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
+from kvoffload_testing.stack_client import healthy, stack_stats
 
 PEER_TIMEOUT_S = 2.0
 POOL_TIMEOUT_MS = 3000  # the metastore's heartbeat timeout for pools
@@ -267,9 +267,9 @@ class FaultRunner:
 
 
 def reference_tokens(model_dir: Path) -> Callable[[list[int]], list[int]]:
-    """The oracle's greedy tokens (``kvoffload.reference``: the plain full-KV path, none of the
+    """The oracle's greedy tokens (``kvoffload_testing.reference``: the plain full-KV path, none of the
     stack's machinery) of ``MAX_TOKENS`` after a prompt, within the fault stack's max_model_len (cached)."""
-    from kvoffload.reference import greedy_reference
+    from kvoffload_testing.reference import greedy_reference
 
     run = greedy_reference(model_dir, block_size=BLOCK_SIZE, max_model_len=4096)
     return lambda prompt: run(prompt, MAX_TOKENS)
@@ -278,7 +278,7 @@ def reference_tokens(model_dir: Path) -> Callable[[list[int]], list[int]]:
 def bench(runs: int = 20, seed: int = 0, progress: bool = True, pool: str = "kvoffload") -> dict:
     """``kvoffload bench faults``: ``runs`` seeded fault runs on a fresh loopback stack whose
     prefill pool is ``pool`` ("kvoffload" or "mooncake")."""
-    from dsamodel.bench import quiet_logs
+    from svcruntime.logs import quiet_logs
 
     quiet_logs()  # stdout carries the JSON only
     with tempfile.TemporaryDirectory(prefix="kvoffload-faults-") as tmp:

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from dsamodel.bench import interleaved, quiet_logs
+from kvoffload_bench.timing import interleaved
+from svcruntime.logs import quiet_logs
 from dsamodel.presets import tiny_model
 from kvoffload_engine import build
 from kvoffload_engine.prefill import PrefillRequest

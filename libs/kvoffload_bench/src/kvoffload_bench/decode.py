@@ -33,7 +33,7 @@ trace, <= 1.10 with one, on CPU at batch 8); ``device_kv_ratio`` = device KV byt
 engine over the timed steps; ``h2d_floor_bytes_per_step`` = (1 - hit_rate) x k x row_bytes x
 layers x batch, the bytes a step must move at that hit rate, and ``h2d_floor_ratio`` = measured /
 floor (goal <= 1.02: nothing moved beyond the misses); ``belady_hit_rate`` (trace mode): the
-offline optimum for the same buffer and steps (``kvcore.belady``), the ceiling for any policy;
+offline optimum for the same buffer and steps (``kvoffload_bench.belady``), the ceiling for any policy;
 ``logits_equal``: both engines' logits bit-identical at every step (I2).
 
 Miss prefetch (trace mode): a third decoder, the sparse one with ``miss_prefetch`` on
@@ -53,7 +53,7 @@ import time
 
 import torch
 
-from dsamodel.bench import quiet_logs
+from svcruntime.logs import quiet_logs
 from dsamodel.model import DSAModel
 from dsamodel.presets import init_weights, tiny_config, tiny_model
 from kvoffload_engine import build
@@ -267,7 +267,7 @@ def _install(decoders, model: DSAModel, ids: list[str], prompt_lens: list[int], 
 
 def _belady_hit_rate(tr, streams: torch.Tensor, num_steps: int, capacity: int) -> float:
     """Belady's hit rate on ``streams`` over steps 1..num_steps-1 (step 0, the cold warm-up, left out)."""
-    from kvcore.belady import stream_hits
+    from kvoffload_bench.belady import stream_hits
 
     topk = tr.topk[streams, :num_steps].numpy()  # [S, T, k]
     hits = misses = 0

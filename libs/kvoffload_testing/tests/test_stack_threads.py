@@ -1,4 +1,4 @@
-"""The thread plan of reference services that share one host's cores (``kvoffload.stack``): idle
+"""The thread plan of reference services that share one host's cores (``kvoffload_testing.stack``): idle
 OpenMP threads sleep, a decode takes a quarter of the cores, the user's own settings win, and the
 spawned services really get it."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.stack import Stack, StackConfig, colocated_threads_env
+from kvoffload_testing.stack import Stack, StackConfig, colocated_threads_env
 
 
 @pytest.mark.parametrize(("cores", "decode_threads"), [(1, "1"), (2, "1"), (4, "1"), (8, "2"), (64, "16")])
@@ -33,7 +33,9 @@ def test_a_spawned_decode_runs_with_the_plan(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     stack = Stack(StackConfig(model=tmp_path, log_dir=tmp_path))
-    proc, _ = stack._spawn("decode-0", [sys.executable, "-c", "import time; time.sleep(30)"])
+    service = stack._service("decode-0", [sys.executable, "-c", "import time; time.sleep(30)"], "")
+    service.spawn()
+    proc = service.proc
     try:
         deadline = time.monotonic() + 10
         while b"time.sleep" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():  # the launcher execs it

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.ports import free_stack_ports
-from kvoffload.stack import Stack, StackConfig, colocated_threads_env
-from kvoffload.vllm_stack import VllmStack, split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
+from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.stack import Stack, StackConfig, colocated_threads_env
+from kvoffload_testing.vllm_stack import VllmStack, split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
 
 # ---- configs and command lines -----------------------------------------------------------------
 
@@ -198,7 +198,7 @@ def test_vllm_stack_starts_metastore_first_then_the_rest_and_stops_whole_groups_
         # ...the decode starts beside the prefill, not after it
         assert index(evs, "decode-0", "spawned") < index(evs, "prefill-0", "healthy")
         names = ["metastore", "prefill-0", "decode-0", "proxy"]
-        assert [n for n, _, _ in stack.procs] == names
+        assert [s.name for s in stack.services] == names
         assert all((cfg.log_dir / f"{n}.log").exists() for n in names)
         env = {e[0]: e[2] for e in evs if e[1] == "spawned"}
         assert env == {"metastore": "None", "prefill-0": "1", "decode-0": "1", "proxy": "None"}
@@ -208,7 +208,7 @@ def test_vllm_stack_starts_metastore_first_then_the_rest_and_stops_whole_groups_
     assert [e[0] for e in evs if e[1] == "sigterm"] == ["proxy", "decode-0", "prefill-0", "metastore"]
     grandchildren = [int(e[2]) for e in evs if e[1] == "grandchild"]
     assert len(grandchildren) == 4 and not any(pid_alive(p) for p in grandchildren)
-    assert stack.procs == []
+    assert stack.services == []
 
 
 def test_a_child_that_dies_while_starting_stops_the_others_and_names_itself(tmp_path):
@@ -219,7 +219,7 @@ def test_a_child_that_dies_while_starting_stops_the_others_and_names_itself(tmp_
     evs = read_events(events)
     assert [e[0] for e in evs if e[1] == "sigterm"] == ["proxy", "prefill-0", "metastore"]
     assert not any(pid_alive(int(e[2])) for e in evs if e[1] == "grandchild")
-    assert stack.procs == []
+    assert stack.services == []
 
 
 def test_the_reference_stack_still_spawns_every_service_at_once(tmp_path):

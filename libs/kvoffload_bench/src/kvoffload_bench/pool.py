@@ -49,7 +49,7 @@ SHAPES = {"kv_block": (64, 576, 512), "1mib": (64, 16384, 32)}  # name -> (rows,
 
 def run(*, repeats: int = 5, shapes: tuple[str, ...] = tuple(SHAPES)) -> dict:
     """The bench (module docstring); ``shapes`` narrows the object shapes (tests use one)."""
-    from dsamodel.bench import quiet_logs
+    from svcruntime.logs import quiet_logs
     from kvcore.backends import backend_problem
     from kvcore.poolregistry import POOL_BACKENDS
 
@@ -122,9 +122,9 @@ def _measure(pool, name: str, repeats: int, memcpy: dict,
 
 
 def _child(mode: str, args: dict, what: str) -> str:
-    """Runs ``python -m kvoffload.bench_pool MODE JSON`` (a reader or the memcache probe) and returns
+    """Runs ``python -m kvoffload_bench.pool MODE JSON`` (a reader or the memcache probe) and returns
     its stdout; a non-zero exit raises with the end of its stderr."""
-    proc = subprocess.run([sys.executable, "-m", "kvoffload.bench_pool", mode, json.dumps(args)],
+    proc = subprocess.run([sys.executable, "-m", "kvoffload_bench.pool", mode, json.dumps(args)],
                           capture_output=True, text=True, timeout=300, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"the {what} process failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -240,6 +240,6 @@ def _read_main(args: dict) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in ("read", "memcache"):
-        raise SystemExit("usage: python -m kvoffload.bench_pool read|memcache JSON (the bench's reader process, "
+        raise SystemExit("usage: python -m kvoffload_bench.pool read|memcache JSON (the bench's reader process, "
                          "its memcache probe)")
     (_read_main if sys.argv[1] == "read" else _memcache_main)(json.loads(sys.argv[2]))

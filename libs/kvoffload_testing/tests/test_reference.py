@@ -10,8 +10,8 @@ import torch
 from dsamodel import dense_decode
 from dsamodel.weights import load_model
 from kvcore import gather, hotcache, localpool
-from kvoffload.reference import greedy_reference
-from kvoffload.stack import ensure_tiny_model
+from kvoffload_testing.reference import greedy_reference
+from kvoffload_testing.stack import ensure_tiny_model
 from kvoffload_engine import buffers, decode_requests, engine, prefill
 from kvoffload_engine import decode as decode_module
 from kvoffload_engine.engine import Engine, EngineConfig

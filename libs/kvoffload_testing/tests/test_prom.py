@@ -1,4 +1,4 @@
-"""``kvoffload.prom``: the Prometheus reader of checks and benches. A metric missing from the text
+"""``kvoffload_testing.prom``: the Prometheus reader of checks and benches. A metric missing from the text
 raises naming it (a renamed or dropped metric must fail the check that reads it, not read 0), names
 match exactly and labels select; the texts are the proxy's and the decode's own exports."""
 
@@ -10,29 +10,18 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from kvoffload.prom import Metrics, MissingMetric, metric
+from kvoffload_testing.prom import Metrics, MissingMetric, metric
 
 
-def _proxy_text() -> str:
-    """A fresh proxy's /metrics (one decoder, one prefiller, nothing served yet)."""
-    from kvoffload_proxy.balancer import Balancer
-    from kvoffload_proxy.config import Backend
-    from kvoffload_proxy.metrics import ProxyMetrics
-
-    decoders = Balancer([Backend(role="decoder", index=0, host="127.0.0.1", port=8200)])
-    prefillers = Balancer([Backend(role="prefiller", index=0, host="127.0.0.1", port=8100)])
-    return ProxyMetrics([prefillers, decoders], lambda: 0).render().decode()
-
-
-def test_a_metric_missing_from_the_text_raises_naming_it():
-    m = Metrics.parse(_proxy_text(), source="proxy/metrics")
+def test_a_metric_missing_from_the_text_raises_naming_it(proxy_text):
+    m = Metrics.parse(proxy_text, source="proxy/metrics")
     assert m.total("kvoffload_proxy_rejected_requests_total") == 0  # there, and 0
     with pytest.raises(MissingMetric, match=r"proxy/metrics: no sample named 'kvoffload_proxy_rejected_total'"):
         m.total("kvoffload_proxy_rejected_total")  # renamed: an error, not a 0
 
 
-def test_a_labelled_counter_without_a_series_is_declared_but_has_no_value():
-    m = Metrics.parse(_proxy_text())
+def test_a_labelled_counter_without_a_series_is_declared_but_has_no_value(proxy_text):
+    m = Metrics.parse(proxy_text)
     assert m.declares("kvoffload_proxy_backend_retries_total") and m.declares("kvoffload_proxy_requests_total")
     assert m.declares("kvoffload_proxy_metaserver_latency_seconds_sum")
     assert not m.declares("kvoffload_proxy_retries_total")

@@ -7,15 +7,16 @@ Mooncake Store, served by a real ``mooncake_master`` the stack runs in place of 
 tiny model is created on first use. Every child logs JSON to its own file; Ctrl-C (or SIGTERM)
 stops them all.
 
-Its parts: the ports (``kvoffload.ports``), the services' connector configs
-(``kvoffload.connector_configs``) and the client side of a running stack (``kvoffload.stack_client``).
+Its parts: the ports (``kvoffload_testing.ports``), the services' connector configs
+(``kvoffload_testing.connector_configs``), each service as a child process
+(``kvoffload_testing.service``, on ``svcruntime.serverprocess``) and the client side of a running
+stack (``kvoffload_testing.stack_client``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,14 +26,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STACK_POOLS
-from kvoffload.connector_configs import (
+from kvoffload_testing.connector_configs import (
     decode_additional_config,
     decode_kv_transfer_config,
     offload_only_kv_transfer_config,
     prefill_kv_transfer_config,
 )
-from kvoffload.ports import DATA_PORT_OFFSET
-from kvoffload.stack_client import healthy
+from kvoffload_testing.ports import DATA_PORT_OFFSET
+from kvoffload_testing.service import Service, binary, metastore_command, proxy_command
+from svcruntime.serverprocess import port_answers
 from svcruntime.tls import TLSConfig
 
 DEFAULT_HOME = Path(os.environ.get("KVOFFLOAD_HOME", Path.home() / ".cache" / "kvoffload"))
@@ -116,33 +118,10 @@ def colocated_threads_env(name: str, cores: int, environ: dict[str, str]) -> dic
     return {k: v for k, v in env.items() if k not in environ}
 
 
-# Runs as ``python -c _DIE_WITH_PARENT PARENT_PID ARGV...``: asks the kernel for SIGTERM when the
-# launcher dies (PR_SET_PDEATHSIG), exits if it is already gone, then execs the service. A
-# ``preexec_fn`` would do the same in the forked child, but it forces a fork that runs gRPC's fork
-# handlers in a launcher with live gRPC channels, and those abort the child (grpc/grpc#43055);
-# without one, the child is spawned with vfork and no handler runs.
-_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; "
-                    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM); "
-                    "os.getppid() == int(sys.argv[1]) or sys.exit('kvoffload: the launcher is gone'); "
-                    "os.execv(sys.argv[2], sys.argv[2:])")
-
-
-def _dying_with_parent(argv: list[str]) -> list[str]:
-    """``argv`` wrapped so that the service gets SIGTERM when this process dies (Linux)."""
-    if sys.platform != "linux":
-        return argv
-    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
-
-
-def _bin(name: str) -> str:
-    return str(Path(sys.executable).with_name(name))
-
-
 def metastore_service(c: StackConfig) -> tuple[str, list[str], str]:
     """(name, argv, health URL) of the stack's metastore."""
-    tls = c.tls.flags() if c.tls else []
-    return (METASTORE, [_bin("kvoffload-metastore"), "--host", c.host, "--port", str(c.metastore_port),
-                          "--dram-size", f"{int(c.prefill_pool_gb * 1024)}MB", *tls],
+    return (METASTORE, metastore_command(c.host, c.metastore_port, dram_size=f"{int(c.prefill_pool_gb * 1024)}MB",
+                                         tls=c.tls),
             f"grpc://{c.host}:{c.metastore_port}")
 
 
@@ -163,27 +142,25 @@ POOL_SERVERS = {EMBEDDED: metastore_service, "mooncake": mooncake_master_service
 
 def proxy_service(c: StackConfig) -> tuple[str, list[str], str]:
     """(name, argv, health URL) of the stack's proxy, in front of every prefill and decode HTTP port."""
-    proxy = [_bin("kvoffload-proxy"), "--host", c.host, "--port", str(c.proxy_port),
-             "--prefiller-hosts", *[c.host] * len(c.prefill_ports),
-             "--prefiller-ports", *map(str, c.prefill_ports),
-             "--decoder-hosts", *[c.host] * len(c.decode_ports), "--decoder-ports", *map(str, c.decode_ports)]
-    return ("proxy", proxy, f"http://{c.host}:{c.proxy_port}/healthcheck")
+    return ("proxy", proxy_command(c.host, c.proxy_port, c.prefill_ports, c.decode_ports),
+            f"http://{c.host}:{c.proxy_port}/healthcheck")
 
 
 class Stack:
     """The running services; ``start`` waits until every one is healthy, ``stop`` ends them all.
 
     The engine lives in ``commands`` (this class: the reference services); the launching is the same
-    for every engine (``kvoffload.vllm_stack.VllmStack`` overrides ``commands`` and the hooks below)."""
+    for every engine (``kvoffload_testing.vllm_stack.VllmStack`` overrides ``commands`` and the hooks below)."""
 
     start_timeout_s = 180.0  # start()'s default: every service healthy within this
     stop_grace_s = 10.0  # stop()'s default: how long each service gets to exit after SIGTERM
     # services spawned only once every service before them is healthy; the others all start at once
     spawn_after_healthy: frozenset[str] = frozenset()
+    whole_groups = False  # stop ends each service's whole process group (servers with worker processes)
 
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
-        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+        self.services: list[Service] = []  # in start order, as they are spawned
         if cfg.pool == "mooncake":  # the prefills connect to the master at start-up: it must answer by then,
             # so the service after it (and with it every later one) is spawned once the master is healthy
             self.spawn_after_healthy = self.spawn_after_healthy | {self.commands()[1][0]}
@@ -216,12 +193,12 @@ class Stack:
             # a deployment reserves dp * tp consecutive control ports from its kv_port
             kv_port, dp = (c.kv_port, ["--dp-rank", str(i)]) if c.decode_dp else (c.decode_control_port(i), [])
             tp = ["--tensor-parallel-size", str(c.decode_tp)] if c.decode_tp > 1 else []
-            out.append((f"decode-{i}", [_bin("kvoffload-decode"), *common, "--port", str(port), *dp, *tp,
+            out.append((f"decode-{i}", [binary("kvoffload-decode"), *common, "--port", str(port), *dp, *tp,
                                         "--kv-transfer-config", decode_kv_transfer_config(kv_port),
                                         "--additional-config", decode_additional_config()],
                         f"http://{c.host}:{port}/health"))
         for i, port in enumerate(c.prefill_ports):
-            out.append((f"prefill-{i}", [_bin("kvoffload-prefill"), *common, "--port", str(port),
+            out.append((f"prefill-{i}", [binary("kvoffload-prefill"), *common, "--port", str(port),
                                          "--data-port", str(port + DATA_PORT_OFFSET),
                                          *index, "--host-pool-gb", str(c.prefill_pool_gb),
                                          "--kv-transfer-config", prefill_kv],
@@ -235,47 +212,44 @@ class Stack:
         reference engine, the thread plan of services sharing this host's cores."""
         return colocated_threads_env(name, len(os.sched_getaffinity(0)), os.environ)
 
-    def _spawn(self, name: str, argv: list[str]) -> tuple[subprocess.Popen, Path]:
-        """Start one service, its output appended to ``log_dir/NAME.log``."""
+    def _service(self, name: str, argv: list[str], health: str) -> Service:
+        """One service of the stack, its output appended to ``log_dir/NAME.log``."""
         env = {**os.environ, **self.engine_env(name), **self.cfg.extra_env}
         env.pop(API_KEY_ENV, None)
         if name == "proxy" and self.cfg.api_key:
             env[API_KEY_ENV] = self.cfg.api_key
-        log = self.cfg.log_dir / f"{name}.log"
-        with open(log, "ab") as f:
-            proc = subprocess.Popen(_dying_with_parent(argv), stdout=f, stderr=subprocess.STDOUT,
-                                    env={**env, **self.cfg.service_env.get(name, {})}, start_new_session=True)
-        return proc, log
+        return Service(name, argv, health, self.cfg.log_dir, env={**env, **self.cfg.service_env.get(name, {})},
+                       tls=self.cfg.tls, whole_group=self.whole_groups)
 
     def start(self, timeout_s: float | None = None, progress: bool = True) -> None:
         """Spawn every service in ``commands`` order (one waiting first for those before it when it is
         in ``spawn_after_healthy``) and wait, in the same order, until each is healthy; on a failure
         or a timeout stop what was started and raise."""
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
-        cmds = self.commands()
+        services = [self._service(*command) for command in self.commands()]
         self._check_master_ports()
-        for name, _, _ in cmds:
-            (self.cfg.log_dir / f"{name}.log").write_bytes(b"")
+        for service in services:
+            service.log_path.write_bytes(b"")
         deadline = time.monotonic() + (self.start_timeout_s if timeout_s is None else timeout_s)
         try:
-            with tqdm(total=len(cmds), desc="starting kvoffload", unit="service", disable=not progress,
+            with tqdm(total=len(services), desc="starting kvoffload", unit="service", disable=not progress,
                       file=sys.stderr) as bar:
                 ready = 0  # services [0, ready) answered their health check
 
                 def wait_healthy_until(end: int) -> None:
                     nonlocal ready
-                    for (name, _, health), (_, proc, log) in zip(cmds[ready:end], self.procs[ready:end]):
-                        bar.set_postfix_str(name)
-                        self._wait_healthy(name, proc, health, log, deadline, self.cfg.tls)
+                    for service in services[ready:end]:
+                        bar.set_postfix_str(service.name)
+                        service.wait_ready(deadline)
                         bar.update(1)
                         ready += 1
 
-                for i, (name, argv, _) in enumerate(cmds):
-                    if name in self.spawn_after_healthy:
+                for i, service in enumerate(services):
+                    if service.name in self.spawn_after_healthy:
                         wait_healthy_until(i)
-                    proc, log = self._spawn(name, argv)
-                    self.procs.append((name, proc, log))
-                wait_healthy_until(len(cmds))
+                    service.spawn()
+                    self.services.append(service)
+                wait_healthy_until(len(services))
         except BaseException:
             self.stop()
             raise
@@ -284,8 +258,6 @@ class Stack:
         """Pool "mooncake": a mooncake_master keeps running when its RPC port is taken, and a health
         probe would then reach whatever listens on the metrics port: refuse ports something listens
         on up front (a connect, not a bind: the master binds over connections in TIME_WAIT)."""
-        from poolbackends.mooncake_master import port_answers
-
         c = self.cfg
         if c.pool != "mooncake":
             return
@@ -295,22 +267,13 @@ class Stack:
                                f"(another mooncake_master?); pick others (StackConfig.mooncake_port / "
                                f"mooncake_metrics_port)")
 
-    @staticmethod
-    def _wait_healthy(name: str, proc: subprocess.Popen, url: str, log: Path, deadline: float,
-                      tls: TLSConfig | None = None) -> None:
-        while True:
-            if proc.poll() is not None:
-                tail = log.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{name} exited with status {proc.returncode} while starting; "
-                                   f"its log ({log}) ends with:\n{tail}")
-            if healthy(url, tls):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} not healthy at {url} in time; see {log}")
-            time.sleep(0.2)
+    def service(self, name: str) -> Service:
+        return next(s for s in self.services if s.name == name)
 
     def process(self, name: str) -> subprocess.Popen:
-        return next(proc for n, proc, _ in self.procs if n == name)
+        proc = self.service(name).proc
+        assert proc is not None  # a started stack's services are all spawned
+        return proc
 
     def events(self, name: str, event: str, **fields) -> list[dict]:
         """The JSON log lines of service ``name`` whose ``event`` is ``event`` and whose other fields
@@ -325,39 +288,27 @@ class Stack:
 
     def signal(self, name: str, sig: int) -> None:
         """Send ``sig`` to one service (fault injection: SIGKILL, SIGSTOP, SIGCONT)."""
-        proc = self.process(name)
-        if proc.poll() is None:
-            proc.send_signal(sig)
+        self.service(name).signal(sig)
 
     def restart(self, name: str, timeout_s: float = 120.0) -> None:
         """Start ``name`` again if it is not running (same command line) and wait until it is healthy."""
-        i = next(i for i, (n, _, _) in enumerate(self.procs) if n == name)
-        _, argv, health = next(c for c in self.commands() if c[0] == name)
-        proc = self.procs[i][1]
-        if proc.poll() is None:
+        service = self.service(name)
+        if service.running:
             return
-        proc, log = self._spawn(name, argv)
-        self.procs[i] = (name, proc, log)
-        self._wait_healthy(name, proc, health, log, time.monotonic() + timeout_s, self.cfg.tls)
+        service.spawn()
+        service.wait_ready(time.monotonic() + timeout_s)
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop in reverse start order (the reference engine's: proxy, prefills, decodes, then the
         metastore, or with pool "mooncake" the mooncake_master):
         SIGTERM, wait up to ``grace_s`` (default ``stop_grace_s``), then SIGKILL — each service
         drains before the ones it depends on go."""
-        for name, proc, _ in reversed(self.procs):
-            self._stop_one(name, proc, self.stop_grace_s if grace_s is None else grace_s)
-        self.procs.clear()
-
-    def _stop_one(self, name: str, proc: subprocess.Popen, grace_s: float) -> None:
-        """SIGTERM, wait up to ``grace_s``, then SIGKILL."""
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        for service in reversed(self.services):
+            try:
+                service.stop(grace_s=self.stop_grace_s if grace_s is None else grace_s)
+            except RuntimeError as exc:  # a member of its group survived SIGKILL: keep stopping the others
+                print(f"kvoffload: {exc}", file=sys.stderr)
+        self.services.clear()
 
     def __enter__(self) -> "Stack":
         self.start()

@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 
 from kvcore.poolregistry import POOL_BACKENDS
-from kvoffload.ports import DATA_PORT_OFFSET
-from kvoffload.stack import StackConfig
+from kvoffload_testing.ports import DATA_PORT_OFFSET
+from kvoffload_testing.stack import StackConfig
 
 # the fault that kill -9s the server of a stack's pool -> that service ("kill_metastore": "metastore")
 SERVER_FAULTS: dict[str, str] = {f"kill_{b.stack.service.replace('-', '_')}": b.stack.service

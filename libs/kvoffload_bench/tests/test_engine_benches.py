@@ -5,7 +5,7 @@ import pytest
 import structlog
 from engine_support import hand_trace
 
-from dsamodel.bench import decode, prefill, prefix
+from kvoffload_bench import decode, prefill, prefix
 
 BS = 16
 K = 64  # the tiny preset's index_topk

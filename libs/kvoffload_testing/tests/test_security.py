@@ -9,9 +9,9 @@ from pathlib import Path
 
 from svcruntime.tls import TLSConfig
 
-from kvoffload.stack import API_KEY_ENV, Stack, StackConfig
+from kvoffload_testing.stack import API_KEY_ENV, Stack, StackConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SOURCES = sorted(p for pattern in ("libs/*/src/**/*.py", "services/*/src/**/*.py", "kvoffload/*.py")
                  for p in ROOT.glob(pattern) if "_pb2" not in p.name)
 GRPC_RAW = {"insecure_channel", "secure_channel", "add_insecure_port", "add_secure_port"}
@@ -26,7 +26,7 @@ def _calls(tree: ast.AST):
 
 def test_sources_found():
     names = {p.relative_to(ROOT).as_posix() for p in SOURCES}
-    assert "libs/svcruntime/src/svcruntime/tls.py" in names and "kvoffload/stack.py" in names
+    assert "libs/svcruntime/src/svcruntime/tls.py" in names and "libs/kvoffload_testing/src/kvoffload_testing/stack.py" in names
     assert any(n.startswith("services/proxy/") for n in names)
 
 

@@ -1,10 +1,10 @@
-"""kvoffload.sse: the one reader of a streamed completion (events, [DONE], token ids)."""
+"""kvoffload_testing.sse: the one reader of a streamed completion (events, [DONE], token ids)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvoffload.sse import StreamTruncated, sse_events, token_ids
+from kvoffload_testing.sse import StreamTruncated, sse_events, token_ids
 
 STREAM = [b'data: {"choices": [{"token_ids": [1, 2]}]}\n', b"\n", b": keep-alive\n",
           b'data: {"choices": [{"token_ids": [3]}, {"text": "x"}]}\n', b"\n", b"data: [DONE]\n", b"\n"]

