@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -42,6 +43,9 @@ from kvoffload_vllm.d2h_plan import Coverage, blocks_of
 from kvoffload_vllm.layout import CacheLayout
 from kvoffload_vllm.stats import Counters
 
+if TYPE_CHECKING:
+    from kvoffload_vllm.d2h import D2HSettings, D2HStepMetadata, Recv
+
 log = structlog.get_logger("vllm.kvoffload.consumer")
 
 SINK_COUNTERS = {
@@ -59,7 +63,7 @@ WATCHDOG_S = 0.25
 
 @dataclass
 class _Incoming:
-    recv: object  # d2h.Recv
+    recv: Recv
     coverage: Coverage
     block_ids: torch.Tensor
     started: float = field(default_factory=time.monotonic)
@@ -76,7 +80,8 @@ class Consumer(RowSink):
     """The requests this worker receives, the ``RowSink`` its pulls write into (vLLM's blocks), and
     the control port (``pdlink``'s ``TransferServicer`` over a ``PullConsumer``)."""
 
-    def __init__(self, settings, model_id: str, layout: CacheLayout, caches: dict[str, torch.Tensor]) -> None:
+    def __init__(self, settings: D2HSettings, model_id: str, layout: CacheLayout,
+                 caches: dict[str, torch.Tensor]) -> None:
         self.settings, self.model_id, self.layout = settings, model_id, layout
         self._bytes = [caches[name].view(torch.uint8).view(layout.num_blocks, layout.block_bytes)
                        for name in layout.layer_names]
@@ -101,7 +106,7 @@ class Consumer(RowSink):
 
     # ---- the scheduler's news ----------------------------------------------------------------
 
-    def begin_step(self, meta) -> None:
+    def begin_step(self, meta: D2HStepMetadata) -> None:
         for recv in meta.recvs:
             inc = _Incoming(recv, Coverage(len(self.layout.layer_names), recv.num_tokens, self.layout.block_size,
                                            recv.first_block), torch.tensor(recv.block_ids, dtype=torch.long))
@@ -112,9 +117,9 @@ class Consumer(RowSink):
         for rid in meta.cancelled:
             with self._lock:
                 tid = self._by_req.get(rid)
-                inc = self._reqs.get(tid) if tid else None
-                if inc is not None and inc.state == "loading":
-                    inc.state, inc.reason = "cancelled", "vLLM finished the request while its KV was loading"
+                ended = self._reqs.get(tid) if tid else None
+                if ended is not None and ended.state == "loading":
+                    ended.state, ended.reason = "cancelled", "vLLM finished the request while its KV was loading"
 
     def _register(self, inc: _Incoming) -> None:
         """POST our endpoint to the proxy's metaserver; its answer comes once the prefill answered."""

@@ -71,6 +71,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from kvoffload_vllm.consumer import Consumer
+    from kvoffload_vllm.producer import Producer
+
 log = structlog.get_logger("vllm.kvoffload.d2h")
 
 DEFAULT_ADVERTISE_HOST = "127.0.0.1"
@@ -115,6 +118,8 @@ class D2HSettings:
 def d2h_settings(vllm_config: "VllmConfig") -> D2HSettings:
     """The typed SfaRemoteD2HConnector config (unknown keys are errors); ConfigError names the field."""
     kv = vllm_config.kv_transfer_config
+    if kv is None:
+        raise ConfigError([f"kv_transfer_config: missing; the {D2H_CONNECTOR} is configured there"])
     parsed = parse_kv_transfer_config({"kv_connector": kv.kv_connector, "kv_role": kv.kv_role,
                                        "kv_port": kv.kv_port,
                                        "kv_connector_extra_config": dict(kv.kv_connector_extra_config or {})},
@@ -157,7 +162,9 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._layer_order, self._spec = cache_spec(kv_cache_config)
         self.model_id = vllm_model_id(vllm_config, self._spec, self._layer_order)
-        self._side = None  # worker: a Producer or a Consumer, once the caches are registered
+        # worker: a prefill's Producer or a decode's Consumer, once the caches are registered
+        self._producer: Producer | None = None
+        self._consumer: Consumer | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._planner = SendPlanner()
             self._matched: dict[str, int] = {}  # consumer: local prefix tokens at the remote match
@@ -199,6 +206,7 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
         if local is None or num_external_tokens == 0 or params is None or not params.do_remote_prefill:
             return
         # once: a preempted request resumes from its own blocks (vLLM keeps the dict, so it is set there)
+        assert request.kv_transfer_params is not None  # params were parsed from it
         request.kv_transfer_params["do_remote_prefill"] = False
         self._new_recvs.append(Recv(request.request_id, str(params.request_id), str(params.metaserver),
                                     params.registration_token, prompt_len, local // self._block_size,
@@ -239,40 +247,40 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
         if self.producer_role:
             from kvoffload_vllm.producer import Producer
 
-            self._side = Producer(self.settings, self.model_id, layout, caches)
+            self._producer = Producer(self.settings, self.model_id, layout, caches)
         else:
             from kvoffload_vllm.consumer import Consumer
 
-            self._side = Consumer(self.settings, self.model_id, layout, caches)
+            self._consumer = Consumer(self.settings, self.model_id, layout, caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, D2HStepMetadata)
-        if not self.producer_role and self._side is not None:
-            self._side.begin_step(meta)
+        if self._consumer is not None:
+            self._consumer.begin_step(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # the consumer's loads are asynchronous: vLLM waits through get_finished
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        if self.producer_role and self._side is not None:
-            self._side.layer_saved(layer_name, self._get_connector_metadata())
+        if self._producer is not None:
+            self._producer.layer_saved(layer_name, self._get_connector_metadata())
 
     def wait_for_save(self) -> None:
-        if self.producer_role and self._side is not None:
-            self._side.end_step()
+        if self._producer is not None:
+            self._producer.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        if self._side is None:
-            return KVConnectorTransferResults()
-        if self.producer_role:
-            return KVConnectorTransferResults(finished_sending=self._side.finished(finished_req_ids))
-        done, failed = self._side.finished()
-        return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
+        if self._producer is not None:
+            return KVConnectorTransferResults(finished_sending=self._producer.finished(finished_req_ids))
+        if self._consumer is not None:
+            done, failed = self._consumer.finished()
+            return KVConnectorTransferResults(finished_recving=done | failed, failed_recving=failed)
+        return KVConnectorTransferResults()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()  # failed pulls are reported per request (failed_recving), see get_transfer_results
@@ -289,13 +297,14 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
         return {**{f"producer_{k}": v for k, v in PRODUCER.items()}, **{f"consumer_{k}": v for k, v in CONSUMER.items()}}
 
     def take_counters(self) -> dict[str, float]:
-        role = "producer" if self.producer_role else "consumer"
-        return {f"{role}_{k}": v for k, v in self._side.take_counters().items()} if self._side is not None else {}
+        side, role = (self._producer, "producer") if self.producer_role else (self._consumer, "consumer")
+        return {f"{role}_{k}": v for k, v in side.take_counters().items()} if side is not None else {}
 
     def shutdown(self) -> None:
-        if self._side is not None:
-            self._side.close()
-            self._side = None
+        for side in (self._producer, self._consumer):
+            if side is not None:
+                side.close()
+        self._producer = self._consumer = None
 
 
 def transfer_params_of(request: "Request") -> KVTransferParams | None:

@@ -94,7 +94,7 @@ class CacheLayout:
         missing = [n for n in order if n not in caches]
         if missing or len(order) != len(caches):
             raise LayoutMismatch(f"vLLM registered caches for {sorted(caches)}, the KV cache config names {list(order)}")
-        first = None
+        first: tuple[tuple[int, ...], torch.dtype] | None = None
         for name in order:
             t = caches[name]
             if not isinstance(t, torch.Tensor):
@@ -108,6 +108,8 @@ class CacheLayout:
             elif got != first:
                 raise LayoutMismatch(f"layer {name!r}: block {list(got[0])} {got[1]} differs from layer "
                                      f"{order[0]!r}'s {list(first[0])} {first[1]}")
+        if first is None:
+            raise LayoutMismatch("vLLM registered no KV cache layer")
         layout = cls(tuple(order), num_blocks, block_size, first[0], first[1])
         if layout.block_bytes != page_bytes:
             raise LayoutMismatch(f"a block of layer {order[0]!r} is {layout.block_bytes} bytes, the KV cache spec "

@@ -20,6 +20,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -35,6 +36,9 @@ from svcruntime.tls import add_port
 from kvoffload_vllm.d2h_plan import Send, blocks_of
 from kvoffload_vllm.layout import CacheLayout
 from kvoffload_vllm.stats import Counters
+
+if TYPE_CHECKING:
+    from kvoffload_vllm.d2h import D2HSettings
 
 log = structlog.get_logger("vllm.kvoffload.producer")
 
@@ -88,7 +92,8 @@ class _Announce:
 
 
 class Producer(RowBuffer):
-    def __init__(self, settings, model_id: str, layout: CacheLayout, caches: dict[str, torch.Tensor]) -> None:
+    def __init__(self, settings: D2HSettings, model_id: str, layout: CacheLayout,
+                 caches: dict[str, torch.Tensor]) -> None:
         self.settings, self.layout, self.caches = settings, layout, caches
         self._bytes = {name: t.view(torch.uint8).view(layout.num_blocks, layout.block_bytes) for name, t in caches.items()}
         self._lock = threading.Lock()
@@ -162,6 +167,7 @@ class Producer(RowBuffer):
         for out in self._step:
             with self._lock:
                 out.outstanding += 1
+            assert out.link is not None  # a step holds the sends with a link only (_begin_step)
             out.link.announce(_Announce(self, out, layer, self._clock), None, out.send.peer.transfer_id,
                               out.send.start, out.send.end)
         self._announced_at.append(time.perf_counter())
@@ -169,7 +175,7 @@ class Producer(RowBuffer):
         self.counters.add(layers_announced=1)
 
     def end_step(self) -> None:
-        if self._announced_at:
+        if self._announced_at and self._step:  # announced: the step has sends
             log.info("kvoffload_d2h_step_announced", layers=len(self._announced_at),
                      forward_s=round(self._announced_at[-1] - self._announced_at[0], 4),
                      request_ids=[o.req_id for o in self._step], transfer_ids=[o.send.peer.transfer_id for o in self._step],

@@ -24,7 +24,7 @@ class Counters:
     def __init__(self, names: Iterable[str]) -> None:
         self._names = tuple(names)
         self._lock = threading.Lock()
-        self._values = dict.fromkeys(self._names, 0)
+        self._values: dict[str, float] = dict.fromkeys(self._names, 0)
 
     def add(self, **deltas: float) -> None:
         with self._lock:
@@ -74,7 +74,8 @@ class CounterPromMetrics(KVConnectorPromMetrics):
         for name, value in (transfer_stats_data or {}).items():
             counter = self._counters.get(name)
             if counter is not None and value:
-                counter.labels(*labels).inc(value)
+                # vLLM types its counter class as any of its metric classes; it is the Counter one
+                counter.labels(*labels).inc(value)  # type: ignore[union-attr]
 
 
 class CountingConnector(ABC):

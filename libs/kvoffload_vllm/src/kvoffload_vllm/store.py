@@ -103,6 +103,8 @@ class StoreStepMetadata(KVConnectorMetadata):
 def store_config(vllm_config: "VllmConfig"):
     """The typed AscendStoreConnector config (unknown keys are errors); ConfigError names the field."""
     kv = vllm_config.kv_transfer_config
+    if kv is None:
+        raise ConfigError([f"kv_transfer_config: missing; the {STORE_CONNECTOR} is configured there"])
     parsed = parse_kv_transfer_config({"kv_connector": kv.kv_connector, "kv_role": kv.kv_role,
                                        "kv_connector_extra_config": dict(kv.kv_connector_extra_config or {})},
                                       strict=True)
@@ -155,7 +157,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             self._planner = StorePlanner(self.model_id, self._block_size)
         else:
             self._pool: HostPoolBackend | None = None
-            self._layout: CacheLayout | None = None
+            self._layout: CacheLayout  # set by register_kv_caches, before any load or save
             self._caches: dict[str, torch.Tensor] = {}
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-save")
             self._step_saves: list[Transfer] | None = None  # allocated at the step's first save_kv_layer
@@ -194,7 +196,9 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             if s.first:
                 if not s.prompt:
                     continue
-                load, save = self._planner.new_request(s.req_id, s.prompt, s.block_ids, s.computed, s.scheduled)
+                # a new request comes with all its blocks (None is a running request's "no new block")
+                load, save = self._planner.new_request(s.req_id, s.prompt, s.block_ids or [], s.computed,
+                                                       s.scheduled)
                 meta.loads += [load] if load else []
             else:
                 save = self._planner.running_request(s.req_id, s.block_ids, s.resumed, s.computed, s.scheduled)
@@ -227,11 +231,11 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
         if not meta.loads or self._pool is None:
             return
         self._layer_loaded = {name: threading.Event() for name in self._layer_order}
-        self._loader = threading.Thread(target=self._load, args=(list(meta.loads),), name="kvoffload-load",
-                                        daemon=True)
+        self._loader = threading.Thread(target=self._load, args=(self._pool, list(meta.loads)),
+                                        name="kvoffload-load", daemon=True)
         self._loader.start()
 
-    def _load(self, loads: list[Transfer]) -> None:
+    def _load(self, pool: HostPoolBackend, loads: list[Transfer]) -> None:
         """Layer by layer: every load's blocks from the pool into its vLLM blocks; on a failure the
         blocks of every load of the step become load errors and the remaining layers are released."""
         keys = [k for t in loads for k in t.keys]
@@ -241,7 +245,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
         try:
             staging = torch.empty((len(keys),) + layout.block_shape, dtype=layout.dtype)
             for name in self._layer_order:
-                self._pool.get_into(keys, layout.plane(name), layout.as_rows(staging))
+                pool.get_into(keys, layout.plane(name), layout.as_rows(staging))
                 cache = self._caches[name]
                 cache.index_copy_(0, ids.to(cache.device), staging.to(cache.device))
                 pending.remove(name)
@@ -268,26 +272,27 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, StoreStepMetadata)
-        if not meta.saves or self._pool is None:
+        pool = self._pool
+        if not meta.saves or pool is None:
             return
         if self._step_saves is None:
-            self._step_saves = self._allocate(meta.saves)
+            self._step_saves = self._allocate(pool, meta.saves)
         if self._step_saves:
             plane = self._layout.plane(layer_name)
             self._handoffs.append(time.perf_counter())
             for t in self._step_saves:
-                self._save_futures.append((t, self._saver.submit(self._save, t, plane, kv_layer)))
+                self._save_futures.append((t, self._saver.submit(self._save, pool, t, plane, kv_layer)))
 
-    def _allocate(self, saves: list[Transfer]) -> list[Transfer]:
+    def _allocate(self, pool: HostPoolBackend, saves: list[Transfer]) -> list[Transfer]:
         """Pool objects for the step's saves, minus blocks the pool has or another engine is writing."""
         out = []
         for t in saves:
             try:
-                present = self._pool.exists(list(t.keys))
+                present = pool.exists(list(t.keys))
                 keep = [(k, b) for k, b, p in zip(t.keys, t.block_ids, present, strict=True) if not p]
                 while keep:
                     try:
-                        self._pool.alloc([k for k, _ in keep])
+                        pool.alloc([k for k, _ in keep])
                         break
                     except ObjectExists as exc:  # being written by another engine: theirs will do
                         keep = [(k, b) for k, b in keep if k != exc.key]
@@ -300,10 +305,10 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
                 log.warning("kvoffload_save_skipped", request_id=t.request_id, blocks=len(t.keys), error=str(exc))
         return out
 
-    def _save(self, t: Transfer, plane: int, kv_layer: torch.Tensor) -> None:
+    def _save(self, pool: HostPoolBackend, t: Transfer, plane: int, kv_layer: torch.Tensor) -> None:
         ids = torch.tensor(t.block_ids, dtype=torch.long, device=kv_layer.device)
         blocks = kv_layer.index_select(0, ids).cpu()  # [n, *block_shape], contiguous
-        self._pool.put_from(list(t.keys), plane, self._layout.as_rows(blocks))
+        pool.put_from(list(t.keys), plane, self._layout.as_rows(blocks))
         self._saved_at[plane] = time.perf_counter()  # one saver thread: the layer's last save
 
     def wait_for_save(self) -> None:
@@ -320,6 +325,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
                 self._counters.add(save_errors=len(t.keys))
                 log.warning("kvoffload_save_failed", request_id=t.request_id, blocks=len(t.keys),
                             error=str(failed[t.request_id][1]))
+                assert self._pool is not None  # the step's saves were allocated in it (save_kv_layer)
                 try:
                     self._pool.remove(list(t.keys))
                 except PoolError as exc:

@@ -234,7 +234,7 @@ class MooncakeHostPool(StoreHostPool):
                 self._objects.put_sentinel()
             lost = (self._written.all(1) & ~self._published).nonzero().flatten().tolist()
             if lost:
-                self._objects.put([self._block_key[b] for b in lost], lost)  # type: ignore[misc]
+                self._objects.put([self._block_key[b] for b in lost], lost)
                 self._published[torch.tensor(lost, dtype=torch.long)] = True
                 log.info("mooncake_pool_republished", pool=self.pool_id[:8], objects=len(lost))
 

@@ -61,10 +61,13 @@ class StoreObjects:
     def key(self, key: bytes) -> str:
         return f"{self.namespace}/{key.hex()}"
 
-    def fail(self, op: str, code: int, key: bytes | None, what: str = "",
-             cls: type[MooncakeStoreError] = MooncakeStoreError) -> MooncakeStoreError:
-        return cls(f"Mooncake Store {op} {what}failed with {code_name(code)} (master {self.store.master}, pool "
-                   f"{self.pool_id[:8]}, namespace {self.namespace!r})", code=code, key=key)
+    def fail(self, op: str, code: int, key: bytes | None, what: str = "") -> MooncakeStoreError:
+        return MooncakeStoreError(self.failure(op, code, what), code=code, key=key)
+
+    def failure(self, op: str, code: int, what: str = "") -> str:
+        """What ``fail`` says: the operation, ``what`` it was about, the code, the master and the pool."""
+        return (f"Mooncake Store {op} {what}failed with {code_name(code)} (master {self.store.master}, pool "
+                f"{self.pool_id[:8]}, namespace {self.namespace!r})")
 
     # ---- the sentinel --------------------------------------------------------------------------
 
@@ -157,10 +160,9 @@ class StoreObjects:
         log.warning("mooncake_unreachable_objects_dropped", pool=self.pool_id[:8], namespace=self.namespace,
                     objects=len(keys), dropped=dropped,
                     remove_errors=sorted({code_name(c) for c in codes if c not in (0, OBJECT_NOT_FOUND)}))
-        return self.fail("get", TRANSFER_FAIL, keys[0],
-                         f"of {len(keys)} of {batch} object(s) (their owner's segment does not answer: its process "
-                         f"is gone or unreachable; {dropped} removed from the store, so whoever asks next computes "
-                         f"them again) ", MooncakeObjectsUnreachable)
+        what = (f"of {len(keys)} of {batch} object(s) (their owner's segment does not answer: its process is gone or "
+                f"unreachable; {dropped} removed from the store, so whoever asks next computes them again) ")
+        return MooncakeObjectsUnreachable(self.failure("get", TRANSFER_FAIL, what), code=TRANSFER_FAIL, key=keys[0])
 
     def drop_all(self, keys: list[bytes]) -> None:
         """Force-remove ``keys`` and the sentinel (the pool is closing); errors are the caller's to log."""

@@ -87,7 +87,8 @@ def message_of(exc: BaseException) -> str:
 def error_from_rpc(e: grpc.RpcError, method: str) -> Exception:
     """The typed exception of a failed call; never evaluates network data."""
     code, details = e.code(), e.details() or ""
-    md = dict(e.trailing_metadata() or ())
+    # grpc-stubs types a metadatum as an object with .key and .value; grpc hands (key, value) named tuples
+    md: dict[str, str | bytes] = dict(e.trailing_metadata() or ())  # type: ignore[arg-type]
     key = md.get(KEY_MD)
     key = key if isinstance(key, bytes) else None
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -61,7 +61,7 @@ def build_app(worker: PrefillWorker, tokenizer: Tokenizer, model_name: str, max_
     app.router.add_post("/v1/completions", lambda r: dispatch.complete(r, False))
     app.router.add_post("/v1/chat/completions", lambda r: dispatch.complete(r, True))
     app.router.add_get("/health", health)
-    app.router.add_get("/metrics", lambda r: metrics.response())
+    app.router.add_get("/metrics", metrics.handle)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app
 

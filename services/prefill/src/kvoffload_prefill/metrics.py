@@ -32,6 +32,6 @@ class PrefillMetrics(ABC):
         self.pool_used.set(self.pool.stats().used_bytes)
         return generate_latest(self.registry)
 
-    def response(self) -> web.Response:
-        """The ``/metrics`` answer."""
+    async def handle(self, request: web.Request) -> web.Response:
+        """The ``/metrics`` route."""
         return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

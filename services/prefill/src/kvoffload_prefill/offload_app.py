@@ -70,7 +70,7 @@ def build_offload_app(loop: GenerateLoop, tokenizer: Tokenizer, model_name: str,
     app.router.add_post("/v1/chat/completions", lambda r: handler.complete(r, True))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
-    app.router.add_get("/metrics", lambda r: metrics.response())
+    app.router.add_get("/metrics", metrics.handle)
     app.router.add_post("/reset_prefix_cache", reset)
     return app
 

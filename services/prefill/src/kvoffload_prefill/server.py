@@ -78,6 +78,7 @@ def _serve_pd(args: argparse.Namespace, tls, model, tokenizer, settings: Prefill
     pull it through LayerSource (or memfabric); its TP ranks, when ``--tensor-parallel-size`` > 1."""
     from kvoffload_engine import build
 
+    assert settings.d2h is not None  # without a D2H connector serve() runs offload-only
     ranks = _tp_ranks(args, model, pool)
     engine = build.prefill_engine(
         model, pool, buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
@@ -112,7 +113,7 @@ def _serve_pd(args: argparse.Namespace, tls, model, tokenizer, settings: Prefill
     closers = (worker.close, *((memfabric.close,) if memfabric else ()), engine.close,
                *(b.close for b in follower_buffers),
                *((ranks.close,) if ranks else ()), pool.close)
-    serve_http(app, args.host, args.port, busy=lambda: worker.ledger.counters()["ledger_open"],
+    serve_http(app, args.host, args.port, busy=lambda: len(worker.ledger.open_ids()),
                grace_s=args.shutdown_grace_s, grpc_side=grpc_side, closers=closers)
     return 0
 
@@ -151,7 +152,7 @@ def _serve_offload_only(args: argparse.Namespace, tls, model, tokenizer, setting
 def _offload_stats(loop: GenerateLoop) -> StatsSnapshot:
     eng = loop.engine
     pool, pool_error = pool_counters(eng.prefill_pool)
-    counters = {**loop.stats(), "device_kv_bytes": eng.allocator.stats().current_bytes, **pool}
+    counters: dict[str, float] = {**loop.stats(), "device_kv_bytes": eng.allocator.stats().current_bytes, **pool}
     return StatsSnapshot(counters, {"mode": "offload-only", "plan": eng.prefill.plan.log_line(),
                                     "pool_error": pool_error}, "")
 
