@@ -64,10 +64,10 @@ def pair():
     torch.manual_seed(0)
     prefill_caches = {name: torch.randn((8, 2, 8, 3)) for name in LAYERS}
     decode_caches = {name: torch.zeros((8, 2, 8, 3)) for name in LAYERS}
-    consumer = Consumer(D2HSettings("kv_consumer", free_port(), "127.0.0.1", 0, 1.0, 10.0, dp_rank=1), "model-a",
-                        LAYOUT, decode_caches)
-    producer = Producer(D2HSettings("kv_producer", None, "127.0.0.1", 0, 1.0, 10.0), "model-a", LAYOUT,
-                        prefill_caches)
+    consumer = Consumer(
+        D2HSettings("kv_consumer", free_port(), "127.0.0.1", 0, 1.0, 10.0, dp_rank=1), "model-a", LAYOUT, decode_caches
+    )
+    producer = Producer(D2HSettings("kv_producer", None, "127.0.0.1", 0, 1.0, 10.0), "model-a", LAYOUT, prefill_caches)
     meta = Metaserver()
     yield producer, consumer, meta, prefill_caches, decode_caches
     producer.close()
@@ -147,7 +147,9 @@ def test_the_layer_source_serves_only_block_aligned_ranges_of_requests_it_sends(
 
     producer, _, _, _, _ = pair
     stub = transfer_pb2_grpc.LayerSourceStub(grpc.insecure_channel(producer.data_endpoint))
-    ask = dict(layer=0, kind=transfer_pb2.PLANE_KIND_MAIN, generation=1, layout_version=producer.metadata.layout_version)
+    ask = dict(
+        layer=0, kind=transfer_pb2.PLANE_KIND_MAIN, generation=1, layout_version=producer.metadata.layout_version
+    )
     with pytest.raises(grpc.RpcError) as e:
         list(stub.ReadLayer(transfer_pb2.ReadLayerRequest(request_id="nobody", src_start=0, src_end=4, **ask)))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND

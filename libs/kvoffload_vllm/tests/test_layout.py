@@ -32,14 +32,17 @@ def test_a_good_layout_gives_one_plane_per_layer_in_layer_order():
     assert torch.equal(back, blocks)
 
 
-@pytest.mark.parametrize("caches,order,page,message", [
-    (_caches(), ["layers.0.attn", "layers.1.attn"], 512, "the KV cache config names"),
-    ({"a": (torch.zeros(SHAPE), torch.zeros(SHAPE))}, ["a"], 512, "one tensor per layer, got tuple"),
-    ({"a": torch.zeros((NB + 1,) + SHAPE[1:])}, ["a"], 512, "needs a contiguous [num_blocks=6, ...] tensor"),
-    ({"a": torch.zeros(SHAPE).transpose(1, 2)}, ["a"], 512, "contiguous: False"),
-    ({"a": torch.zeros(SHAPE), "b": torch.zeros(SHAPE, dtype=torch.bfloat16)}, ["a", "b"], 512, "layer 'b': block"),
-    ({"a": torch.zeros(SHAPE)}, ["a"], 1024, "is 512 bytes, the KV cache spec says 1024"),
-])
+@pytest.mark.parametrize(
+    "caches,order,page,message",
+    [
+        (_caches(), ["layers.0.attn", "layers.1.attn"], 512, "the KV cache config names"),
+        ({"a": (torch.zeros(SHAPE), torch.zeros(SHAPE))}, ["a"], 512, "one tensor per layer, got tuple"),
+        ({"a": torch.zeros((NB + 1,) + SHAPE[1:])}, ["a"], 512, "needs a contiguous [num_blocks=6, ...] tensor"),
+        ({"a": torch.zeros(SHAPE).transpose(1, 2)}, ["a"], 512, "contiguous: False"),
+        ({"a": torch.zeros(SHAPE), "b": torch.zeros(SHAPE, dtype=torch.bfloat16)}, ["a", "b"], 512, "layer 'b': block"),
+        ({"a": torch.zeros(SHAPE)}, ["a"], 1024, "is 512 bytes, the KV cache spec says 1024"),
+    ],
+)
 def test_a_layout_the_connector_cannot_copy_is_refused_with_the_layer(caches, order, page, message):
     with pytest.raises(LayoutMismatch) as e:
         CacheLayout.of(caches, order, NB, BS, page)

@@ -74,10 +74,15 @@ def test_scheduled_requests_reads_new_then_running_requests_of_a_scheduler_step(
 
     out = SimpleNamespace(
         num_scheduled_tokens={"a": 128, "b": 1, "c": 5},
-        scheduled_new_reqs=[SimpleNamespace(req_id="a", prompt_token_ids=[1, 2], block_ids=([3, 4],),
-                                            num_computed_tokens=0)],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=["b", "c"], new_block_ids=[None, ([9],)],
-                                              resumed_req_ids={"c"}, num_computed_tokens=[130, 7]))
-    assert list(scheduled_requests(out)) == [Scheduled("a", True, False, [1, 2], [3, 4], 0, 128),
-                                             Scheduled("b", False, False, None, None, 130, 1),
-                                             Scheduled("c", False, True, None, [9], 7, 5)]
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id="a", prompt_token_ids=[1, 2], block_ids=([3, 4],), num_computed_tokens=0)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["b", "c"], new_block_ids=[None, ([9],)], resumed_req_ids={"c"}, num_computed_tokens=[130, 7]
+        ),
+    )
+    assert list(scheduled_requests(out)) == [
+        Scheduled("a", True, False, [1, 2], [3, 4], 0, 128),
+        Scheduled("b", False, False, None, None, 130, 1),
+        Scheduled("c", False, True, None, [9], 7, 5),
+    ]

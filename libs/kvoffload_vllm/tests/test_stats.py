@@ -15,9 +15,14 @@ from kvoffload_vllm.stats import CounterPromMetrics
 def test_every_counter_is_exported_at_zero_before_its_first_increment_then_counts_per_engine():
     registry = CollectorRegistry()
     types = {cls: partial(cls, registry=registry) for cls in (Gauge, Counter, Histogram)}
-    prom = CounterPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"],
-                              {0: ["0"], 1: ["1"]}, connector="d2h_consumer",
-                              counters={"requests_pulled": "pulled", "bytes_pulled": "bytes"})
+    prom = CounterPromMetrics(
+        SimpleNamespace(kv_transfer_config=None),
+        types,
+        ["engine"],
+        {0: ["0"], 1: ["1"]},
+        connector="d2h_consumer",
+        counters={"requests_pulled": "pulled", "bytes_pulled": "bytes"},
+    )
     before = Metrics.parse(generate_latest(registry).decode())
     for name in ("vllm:kvoffload_d2h_consumer_requests_pulled_total", "vllm:kvoffload_d2h_consumer_bytes_pulled_total"):
         assert sorted(before.values(name)) == [0.0, 0.0]  # one series per engine

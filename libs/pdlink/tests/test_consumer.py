@@ -85,8 +85,11 @@ class Sources:
         self.asks.append((endpoint, request.layer, request.src_start, request.src_end, kind))
         if self.failures:
             raise self.failures.pop(0)
-        return torch.arange(request.src_start, request.src_end, dtype=torch.uint8).repeat_interleave(row_bytes) \
+        return (
+            torch.arange(request.src_start, request.src_end, dtype=torch.uint8)
+            .repeat_interleave(row_bytes)
             .view(-1, row_bytes)
+        )
 
     def shared_rows(self, region, start, end, row_bytes):
         raise AssertionError("not on the prefill's host")
@@ -96,9 +99,17 @@ class Sources:
 
 
 def _layout(**kw) -> pb.LayoutMetadata:
-    fields = dict(model_id="m", num_layers=LAYERS, block_size=BS, prefill_tp_rank=1, prefill_tp_size=2,
-                  data_endpoint="p:1", host_id="prefill-host", layout_version=VERSION,
-                  layers=[pb.LayerLayout(layer=i, main_row_bytes=ROW, main_dtype="uint8") for i in range(LAYERS)])
+    fields = dict(
+        model_id="m",
+        num_layers=LAYERS,
+        block_size=BS,
+        prefill_tp_rank=1,
+        prefill_tp_size=2,
+        data_endpoint="p:1",
+        host_id="prefill-host",
+        layout_version=VERSION,
+        layers=[pb.LayerLayout(layer=i, main_row_bytes=ROW, main_dtype="uint8") for i in range(LAYERS)],
+    )
     return pb.LayoutMetadata(**{**fields, **kw})
 
 
@@ -116,16 +127,22 @@ def _read(c: PullConsumer, **kw) -> ReadOutcome:
     return c.read_ready(pb.ReadReadyRequest(**{**fields, **kw}))
 
 
-@pytest.mark.parametrize("change, reason", [
-    (dict(layout_version=0), "layout_version: must be > 0"),
-    (dict(model_id="other"), "model_id: prefill 'other', decode 'm'"),
-    (dict(num_layers=3), "num_layers: prefill 3 (2 described), decode 2"),
-    (dict(block_size=8), "block_size: prefill 8, decode 4"),
-    (dict(memfabric_session="10.0.0.1:1"), "memfabric_session: the prefill's transfer_backend is 'memfabric'"),
-    (dict(prefill_tp_rank=4), "prefill_tp_rank: 4 is outside 0..1"),
-    (dict(layers=[pb.LayerLayout(layer=i, main_row_bytes=ROW + 1) for i in range(LAYERS)]),
-     "layers: rows of another size"),
-], ids=["version-0", "model", "layers", "block-size", "transfer-backend", "tp", "sink"])
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (dict(layout_version=0), "layout_version: must be > 0"),
+        (dict(model_id="other"), "model_id: prefill 'other', decode 'm'"),
+        (dict(num_layers=3), "num_layers: prefill 3 (2 described), decode 2"),
+        (dict(block_size=8), "block_size: prefill 8, decode 4"),
+        (dict(memfabric_session="10.0.0.1:1"), "memfabric_session: the prefill's transfer_backend is 'memfabric'"),
+        (dict(prefill_tp_rank=4), "prefill_tp_rank: 4 is outside 0..1"),
+        (
+            dict(layers=[pb.LayerLayout(layer=i, main_row_bytes=ROW + 1) for i in range(LAYERS)]),
+            "layers: rows of another size",
+        ),
+    ],
+    ids=["version-0", "model", "layers", "block-size", "transfer-backend", "tp", "sink"],
+)
 def test_the_common_checks_come_first_then_the_sinks(change, reason):
     c = PullConsumer(BlockSink(), Sources(), model_id="m")
     assert c.exchange_layout(_layout(**change)).startswith(reason)
@@ -154,8 +171,9 @@ def test_an_answer_from_begin_reads_nothing_and_ends_nothing(consumer):
 def test_a_failed_install_is_answered_failed_told_to_the_sink_and_ended(consumer):
     consumer.sink.fail_install = True
     out = _read(consumer, layer=0)
-    assert not out.done and out.reason == ("pull of layer 0 rows [5, 7) from p:1 failed: "
-                                           "RuntimeError('the request stopped loading')")
+    assert not out.done and out.reason == (
+        "pull of layer 0 rows [5, 7) from p:1 failed: RuntimeError('the request stopped loading')"
+    )
     assert consumer.sink.calls[-2:] == [("failed", 0, out.reason), ("end", 0)]
     assert consumer.counters.snapshot()["read_failed"] == 1
 
@@ -170,11 +188,17 @@ def test_retries_stop_once_the_request_no_longer_waits(consumer):
     assert consumer.counters.snapshot()["read_retries"] == 2  # no retry for the second
 
 
-@pytest.mark.parametrize("kw, error", [(dict(layout_version=VERSION + 1), NoAcceptedLayout),
-                                       (dict(layer=LAYERS), MalformedRead),
-                                       (dict(src_start=7, src_end=5), MalformedRead),
-                                       (dict(request_id="nobody"), UnknownRequest), (dict(src_end=11), MalformedRead)],
-                         ids=["layout", "layer", "reversed", "unknown", "past-the-prompt"])
+@pytest.mark.parametrize(
+    "kw, error",
+    [
+        (dict(layout_version=VERSION + 1), NoAcceptedLayout),
+        (dict(layer=LAYERS), MalformedRead),
+        (dict(src_start=7, src_end=5), MalformedRead),
+        (dict(request_id="nobody"), UnknownRequest),
+        (dict(src_end=11), MalformedRead),
+    ],
+    ids=["layout", "layer", "reversed", "unknown", "past-the-prompt"],
+)
 def test_a_refused_read_changes_nothing(consumer, kw, error):
     with pytest.raises(error):
         _read(consumer, **kw)
@@ -194,13 +218,16 @@ def test_the_transfer_servicer_answers_and_aborts_with_each_refusals_status(cons
     svc = TransferServicer(consumer)
     ack = svc.ExchangeLayout(_layout(layout_version=VERSION + 1), Context())
     assert ack.accepted and (ack.decode_tp_rank, ack.decode_tp_size, ack.shared_memory) == (0, 1, False)
-    done = svc.ReadReady(pb.ReadReadyRequest(request_id="r", layer=0, generation=7, src_start=0, src_end=3,
-                                             layout_version=VERSION), Context())
+    done = svc.ReadReady(
+        pb.ReadReadyRequest(request_id="r", layer=0, generation=7, src_start=0, src_end=3, layout_version=VERSION),
+        Context(),
+    )
     assert done.status == pb.READ_DONE and done.bytes_read == BS * ROW
-    for request, code in [(pb.ReadReadyRequest(request_id="r", layout_version=99), grpc.StatusCode.FAILED_PRECONDITION),
-                          (pb.ReadReadyRequest(request_id="x", layout_version=VERSION), grpc.StatusCode.NOT_FOUND),
-                          (pb.ReadReadyRequest(request_id="r", layer=9, layout_version=VERSION),
-                           grpc.StatusCode.INVALID_ARGUMENT)]:
+    for request, code in [
+        (pb.ReadReadyRequest(request_id="r", layout_version=99), grpc.StatusCode.FAILED_PRECONDITION),
+        (pb.ReadReadyRequest(request_id="x", layout_version=VERSION), grpc.StatusCode.NOT_FOUND),
+        (pb.ReadReadyRequest(request_id="r", layer=9, layout_version=VERSION), grpc.StatusCode.INVALID_ARGUMENT),
+    ]:
         with pytest.raises(Aborted) as e:
             svc.ReadReady(request, Context())
         assert e.value.args[0] == code
@@ -225,10 +252,12 @@ def test_the_layer_source_streams_the_buffers_rows_and_aborts_with_each_refusals
     ask = dict(request_id="r", layer=0, kind=pb.PLANE_KIND_MAIN, src_start=2, src_end=6, layout_version=VERSION)
     chunks = list(svc.ReadLayer(pb.ReadLayerRequest(**ask), Context()))
     assert b"".join(c.data for c in chunks) == bytes([2, 3, 4, 5]) and chunks[0].total_bytes == 4
-    for change, code, text in [(dict(kind=pb.PLANE_KIND_UNSPECIFIED), grpc.StatusCode.INVALID_ARGUMENT, "kind 0"),
-                               (dict(src_start=6, src_end=2), grpc.StatusCode.INVALID_ARGUMENT, "reversed"),
-                               (dict(request_id="x"), grpc.StatusCode.NOT_FOUND, "'x'"),
-                               (dict(layout_version=1), grpc.StatusCode.FAILED_PRECONDITION, "another layout")]:
+    for change, code, text in [
+        (dict(kind=pb.PLANE_KIND_UNSPECIFIED), grpc.StatusCode.INVALID_ARGUMENT, "kind 0"),
+        (dict(src_start=6, src_end=2), grpc.StatusCode.INVALID_ARGUMENT, "reversed"),
+        (dict(request_id="x"), grpc.StatusCode.NOT_FOUND, "'x'"),
+        (dict(layout_version=1), grpc.StatusCode.FAILED_PRECONDITION, "another layout"),
+    ]:
         with pytest.raises(Aborted) as e:
             list(svc.ReadLayer(pb.ReadLayerRequest(**{**ask, **change}), Context()))
         assert e.value.args[0] == code and text in e.value.args[1]

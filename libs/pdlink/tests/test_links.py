@@ -23,15 +23,17 @@ class FakeDecode(transfer_pb2_grpc.TransferServicer):
         self.tp = (0, 1)  # the decode TP rank and size its acks report
 
     def ExchangeLayout(self, request, context):
-        return transfer_pb2.LayoutAck(accepted=True, layout_version=request.layout_version,
-                                      decode_tp_rank=self.tp[0], decode_tp_size=self.tp[1])
+        return transfer_pb2.LayoutAck(
+            accepted=True, layout_version=request.layout_version, decode_tp_rank=self.tp[0], decode_tp_size=self.tp[1]
+        )
 
     def Heartbeat(self, request, context):
         if self.hang.is_set():
             self.release.wait(30)
         self.beats.append(list(request.request_ids))
         return transfer_pb2.PrefillHeartbeatReply(
-            unknown_request_ids=[r for r in request.request_ids if r in self.unknown])
+            unknown_request_ids=[r for r in request.request_ids if r in self.unknown]
+        )
 
     def ReadReady(self, request, context):
         self.release.wait(30)  # a decode that stopped in the middle of a pull
@@ -51,8 +53,9 @@ def decode():
 
 
 def _link(endpoint: str, prefill_tp: tuple[int, int] = (0, 1)) -> DecodeLink:
-    layout = transfer_pb2.LayoutMetadata(layout_version=7, model_id="m", prefill_tp_rank=prefill_tp[0],
-                                         prefill_tp_size=prefill_tp[1])
+    layout = transfer_pb2.LayoutMetadata(
+        layout_version=7, model_id="m", prefill_tp_rank=prefill_tp[0], prefill_tp_size=prefill_tp[1]
+    )
     link = DecodeLink(endpoint, layout, read_timeout_s=30, tls=None, peer_timeout_s=0.6, heartbeat_s=0.1)
     link.ensure_layout()
     return link

@@ -43,8 +43,9 @@ def without_ascend_driver() -> None:
 
 
 def run_python(code: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, **kw
+    )
 
 
 @pytest.mark.parametrize("role", ["Prefill", "Decode"])
@@ -57,7 +58,8 @@ def test_initialize_without_a_driver_raises_memfabrics_own_reason(role: str, cap
         "memfabric_hybrid cannot start here: TransferEngine.initialize(store_url='tcp://127.0.0.1', "
         f"session_id='127.0.0.1', role={role!r}, device_id=0, data_op_type=SDMA, store_server_role='Prefill') "
         f"returned -1; memfabric_hybrid says: {'; '.join(DRIVER_REASON)}; memfabric's data path needs an Ascend NPU "
-        "driver (Ascend HDK) on this host; kvoffload does not fall back to its embedded P→D data path")
+        "driver (Ascend HDK) on this host; kvoffload does not fall back to its embedded P→D data path"
+    )
     assert e.code == -1 and e.reason == "; ".join(DRIVER_REASON) and e.needs_ascend_driver
     out = capfd.readouterr().out  # captured for the reason, then written back: nothing is lost
     assert "[HYBM hybm_entry.cpp:97 hybm_init] the current version of ascend driver does not support mf!" in out
@@ -84,7 +86,7 @@ def test_the_config_store_runs_here_and_the_engine_still_says_why_it_cannot() ->
     """)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     # the store's own log line about our probe connection ("Failed to read header from the socket
     # connected from ...") may come first; the engine's driver lines end the reason, every one in order
     reason = result.pop("reason")
@@ -105,18 +107,24 @@ def test_a_missing_module_names_what_to_install() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == (
         "RESULT cannot import memfabric_hybrid (ModuleNotFoundError: import of memfabric_hybrid halted; None in "
-        "sys.modules); install MemFabric: scripts/install-memcache (it runs `pip install memfabric_hybrid==1.3.0`)")
+        "sys.modules); install MemFabric: scripts/install-memcache (it runs `pip install memfabric_hybrid==1.3.0`)"
+    )
     assert issubclass(MemfabricNotInstalled, ImportError)
 
 
-@pytest.mark.parametrize(("kw", "message"), [
-    ({"role": "Producer"}, "role must be one of ('Prefill', 'Decode'), got 'Producer'"),
-    ({"device_id": -1}, "device_id must be an int >= 0, got -1"),
-    ({"device_id": True}, "device_id must be an int >= 0, got True"),
-    ({"data_op": "rdma"}, "data_op must be one of ('sdma', 'host_rdma', 'device_rdma', 'device_urma', 'device_uboe'), "
-                          "got 'rdma'"),
-    ({"host": ""}, "host must be the address peers reach this process at, got ''"),
-])
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"role": "Producer"}, "role must be one of ('Prefill', 'Decode'), got 'Producer'"),
+        ({"device_id": -1}, "device_id must be an int >= 0, got -1"),
+        ({"device_id": True}, "device_id must be an int >= 0, got True"),
+        (
+            {"data_op": "rdma"},
+            "data_op must be one of ('sdma', 'host_rdma', 'device_rdma', 'device_urma', 'device_uboe'), got 'rdma'",
+        ),
+        ({"host": ""}, "host must be the address peers reach this process at, got ''"),
+    ],
+)
 def test_bad_arguments_are_refused_before_memfabric_is_called(kw: dict, message: str) -> None:
     args = {"role": "Prefill", "host": "127.0.0.1", **kw}
     with pytest.raises(ValueError) as info:
@@ -155,8 +163,9 @@ PREFILL = """
 
 
 def test_a_decode_reads_rows_a_prefill_registered() -> None:
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PREFILL)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(PREFILL)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         line = next((x for x in child.stdout if x.startswith(("READY ", "UNAVAILABLE "))), "")
         if line.startswith("UNAVAILABLE "):
@@ -168,9 +177,10 @@ def test_a_decode_reads_rows_a_prefill_registered() -> None:
         rows = MemfabricRows(MemfabricTransfer.start("Decode", "127.0.0.1"), 16 * 64)
         try:
             meta = transfer_pb2.LayoutMetadata(memfabric_session=session, memfabric_segment_address=int(address))
-            region = transfer_pb2.BufferRegion(segment_name="rows", offset_bytes=0, row_stride_bytes=64,
-                                               capacity_tokens=256)
-            got, = rows.layer_rows(meta, 3, 10, [(region, 64)])
+            region = transfer_pb2.BufferRegion(
+                segment_name="rows", offset_bytes=0, row_stride_bytes=64, capacity_tokens=256
+            )
+            (got,) = rows.layer_rows(meta, 3, 10, [(region, 64)])
             want = torch.arange(256 * 64, dtype=torch.int64).to(torch.uint8).view(256, 64)[3:10]
             assert torch.equal(got, want)
             with pytest.raises(ValueError, match="staging buffer holds 1024"):

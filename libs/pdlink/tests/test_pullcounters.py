@@ -11,9 +11,16 @@ import pytest
 
 from pdlink.pullcounters import COUNTERS, PullCounters
 
-STATS_KEYS = {"read_done", "read_failed", "read_retries", "bytes_read", "read_ms_total", "reads_shared_memory",
-              "reads_streamed", "heartbeats"}  # what Stats, /metrics and the kvoffload tools read
-
+STATS_KEYS = {
+    "read_done",
+    "read_failed",
+    "read_retries",
+    "bytes_read",
+    "read_ms_total",
+    "reads_shared_memory",
+    "reads_streamed",
+    "heartbeats",
+}  # what Stats, /metrics and the kvoffload tools read
 
 
 def test_counters_have_the_names_stats_and_metrics_read():
@@ -26,8 +33,14 @@ def test_a_pull_counts_its_bytes_for_the_prefill_tp_rank_it_read_from():
     c.add_read(1, 300, 2.0)
     c.add_read(0, 100, 1.0)
     c.add_read(1, 5, 0.5)
-    assert c.snapshot() == {**dict.fromkeys(STATS_KEYS, 0), "read_done": 3, "bytes_read": 405, "read_ms_total": 3.5,
-                            "bytes_read_prefill_tp_rank_0": 100, "bytes_read_prefill_tp_rank_1": 305}
+    assert c.snapshot() == {
+        **dict.fromkeys(STATS_KEYS, 0),
+        "read_done": 3,
+        "bytes_read": 405,
+        "read_ms_total": 3.5,
+        "bytes_read_prefill_tp_rank_0": 100,
+        "bytes_read_prefill_tp_rank_1": 305,
+    }
 
 
 def test_counters_are_exact_under_16_threads():
@@ -107,9 +120,20 @@ def test_take_returns_the_sums_since_the_last_take_and_starts_again_at_zero():
     c = PullCounters()
     c.add_read(0, 100, 1.5)
     c.increment("heartbeats")
-    assert c.take() == {**dict.fromkeys(STATS_KEYS, 0), "read_done": 1, "bytes_read": 100, "read_ms_total": 1.5,
-                        "heartbeats": 1, "bytes_read_prefill_tp_rank_0": 100}
+    assert c.take() == {
+        **dict.fromkeys(STATS_KEYS, 0),
+        "read_done": 1,
+        "bytes_read": 100,
+        "read_ms_total": 1.5,
+        "heartbeats": 1,
+        "bytes_read_prefill_tp_rank_0": 100,
+    }
     assert c.take() == dict.fromkeys(STATS_KEYS, 0)
     c.add_read(2, 7, 0.25)
-    assert c.take() == {**dict.fromkeys(STATS_KEYS, 0), "read_done": 1, "bytes_read": 7, "read_ms_total": 0.25,
-                        "bytes_read_prefill_tp_rank_2": 7}
+    assert c.take() == {
+        **dict.fromkeys(STATS_KEYS, 0),
+        "read_done": 1,
+        "bytes_read": 7,
+        "read_ms_total": 0.25,
+        "bytes_read_prefill_tp_rank_2": 7,
+    }

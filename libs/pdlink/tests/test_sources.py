@@ -31,6 +31,7 @@ class FakeChannel:
         def call(request, timeout=None):
             self.requests.append(request)
             return iter(self.chunks)
+
         return call
 
     def close(self) -> None:
@@ -40,30 +41,46 @@ class FakeChannel:
 def _stream(chunks, rows: int = 2, row_bytes: int = 4):
     channels = []
     sources = RowSources(lambda endpoint: channels.append(FakeChannel(chunks)) or channels[-1])
-    req = pb.ReadReadyRequest(request_id="r", layer=1, src_start=3, src_end=3 + rows, generation=2,
-                              layout_version=VERSION)
+    req = pb.ReadReadyRequest(
+        request_id="r", layer=1, src_start=3, src_end=3 + rows, generation=2, layout_version=VERSION
+    )
     return sources, channels, lambda: sources.streamed_rows("p:1", req, pb.PLANE_KIND_INDEXER, row_bytes)
 
 
 def test_streamed_rows_are_assembled_from_chunks_over_one_channel_per_endpoint():
     data = bytes(range(8))
-    sources, channels, read = _stream([pb.DataChunk(offset_bytes=4, data=data[4:], total_bytes=8),
-                                       pb.DataChunk(offset_bytes=0, data=data[:4], total_bytes=8)])
+    sources, channels, read = _stream(
+        [
+            pb.DataChunk(offset_bytes=4, data=data[4:], total_bytes=8),
+            pb.DataChunk(offset_bytes=0, data=data[:4], total_bytes=8),
+        ]
+    )
     assert read().tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     read()
     assert len(channels) == 1 and len(channels[0].requests) == 2
     sent = channels[0].requests[0]
-    assert (sent.request_id, sent.layer, sent.kind, sent.src_start, sent.src_end, sent.generation,
-            sent.layout_version) == ("r", 1, pb.PLANE_KIND_INDEXER, 3, 5, 2, VERSION)
+    assert (
+        sent.request_id,
+        sent.layer,
+        sent.kind,
+        sent.src_start,
+        sent.src_end,
+        sent.generation,
+        sent.layout_version,
+    ) == ("r", 1, pb.PLANE_KIND_INDEXER, 3, 5, 2, VERSION)
     sources.close()
     assert channels[0].closed
 
 
-@pytest.mark.parametrize("chunks, message", [
-    ([pb.DataChunk(offset_bytes=0, data=bytes(4), total_bytes=8)], "LayerSource sent 4 of 8 bytes"),
-    ([pb.DataChunk(offset_bytes=0, data=bytes(8), total_bytes=16)], "does not fit 8 bytes"),
-    ([pb.DataChunk(offset_bytes=6, data=bytes(4), total_bytes=8)], "chunk at 6 (+4) does not fit 8 bytes"),
-], ids=["short", "wrong-total", "past-the-end"])
+@pytest.mark.parametrize(
+    "chunks, message",
+    [
+        ([pb.DataChunk(offset_bytes=0, data=bytes(4), total_bytes=8)], "LayerSource sent 4 of 8 bytes"),
+        ([pb.DataChunk(offset_bytes=0, data=bytes(8), total_bytes=16)], "does not fit 8 bytes"),
+        ([pb.DataChunk(offset_bytes=6, data=bytes(4), total_bytes=8)], "chunk at 6 (+4) does not fit 8 bytes"),
+    ],
+    ids=["short", "wrong-total", "past-the-end"],
+)
 def test_chunks_that_do_not_add_up_are_a_value_error(chunks, message):
     sources, _, read = _stream(chunks)
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -78,8 +95,9 @@ def test_attaching_a_new_prefill_segment_lets_go_of_those_whose_prefill_is_gone(
     sources = RowSources(lambda endpoint: pytest.fail(f"streamed from {endpoint}"))
 
     def region(seg):
-        return pb.BufferRegion(segment_name=seg.name, offset_bytes=seg.plane_offsets[0], row_stride_bytes=8,
-                               capacity_tokens=8)
+        return pb.BufferRegion(
+            segment_name=seg.name, offset_bytes=seg.plane_offsets[0], row_stride_bytes=8, capacity_tokens=8
+        )
 
     old, live, new = (SharedSegment.create(f"test-rows-{uuid.uuid4().hex[:12]}", geometry) for _ in range(3))
     try:
@@ -117,11 +135,16 @@ def test_read_with_retries_retries_what_a_retry_can_change_and_nothing_else(monk
             if errors:
                 raise errors.pop(0)
             return "rows"
+
         return read
 
     on_retry = lambda attempt, exc: retried.append(attempt)  # noqa: E731
-    assert sources.read_with_retries(flaky([ValueError("short"), _Code(grpc.StatusCode.UNAVAILABLE)]), 2,
-                                     lambda: True, on_retry) == "rows"
+    assert (
+        sources.read_with_retries(
+            flaky([ValueError("short"), _Code(grpc.StatusCode.UNAVAILABLE)]), 2, lambda: True, on_retry
+        )
+        == "rows"
+    )
     assert retried == [1, 2]
     for code in sources.PERMANENT:  # a permanent refusal: no retry
         with pytest.raises(grpc.RpcError):

@@ -47,8 +47,14 @@ def listens_on_loopback_only(port: int) -> bool:
 
 
 def settings_for(meta: MemcacheMetaService, protocol: str = "host_shm") -> LocalSettings:
-    return LocalSettings(meta_service_url=meta.meta_service_url, config_store_url=meta.config_store_url,
-                         dram_bytes=dram_bytes_for(geo()), protocol=protocol, world_size=8, client_timeout_s=10)
+    return LocalSettings(
+        meta_service_url=meta.meta_service_url,
+        config_store_url=meta.config_store_url,
+        dram_bytes=dram_bytes_for(geo()),
+        protocol=protocol,
+        world_size=8,
+        client_timeout_s=10,
+    )
 
 
 def without_ascend_driver() -> None:
@@ -74,8 +80,12 @@ def test_meta_service_starts_on_loopback_answers_and_stops():
         for port in (m.urls.port, m.urls.config_store_port, m.urls.metrics_port):
             assert listens_on_loopback_only(port), port
         conf = open(m.conf_path).read()
-        for key in ("ock.mmc.meta_service_url", "ock.mmc.meta_service.config_store_url",
-                    "ock.mmc.meta_service.metrics_url", "ock.mmc.meta.lease_ttl_ms = 5000"):
+        for key in (
+            "ock.mmc.meta_service_url",
+            "ock.mmc.meta_service.config_store_url",
+            "ock.mmc.meta_service.metrics_url",
+            "ock.mmc.meta.lease_ttl_ms = 5000",
+        ):
             assert key in conf
         # a real RPC: a metadata-only client (no memory, so no Ascend driver needed) asks for keys
         with MemcacheClient.connect(settings_for(m), contribute_memory=False) as c:
@@ -92,11 +102,13 @@ def test_meta_service_starts_on_loopback_answers_and_stops():
 def test_meta_service_from_given_conf(tmp_path):
     ports = [free_port("127.0.0.1") for _ in range(3)]
     conf = tmp_path / "mmc-meta.conf"
-    conf.write_text(f"ock.mmc.meta_service_url = tcp://127.0.0.1:{ports[0]}\n"
-                    f"ock.mmc.meta_service.config_store_url = tcp://127.0.0.1:{ports[1]}\n"
-                    f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{ports[2]}\n"
-                    f"ock.mmc.meta.lease_ttl_ms = 30000\nock.mmc.log_level = error\n"
-                    f"ock.mmc.log_path = {tmp_path}\n")
+    conf.write_text(
+        f"ock.mmc.meta_service_url = tcp://127.0.0.1:{ports[0]}\n"
+        f"ock.mmc.meta_service.config_store_url = tcp://127.0.0.1:{ports[1]}\n"
+        f"ock.mmc.meta_service.metrics_url = http://127.0.0.1:{ports[2]}\n"
+        f"ock.mmc.meta.lease_ttl_ms = 30000\nock.mmc.log_level = error\n"
+        f"ock.mmc.log_path = {tmp_path}\n"
+    )
     with MemcacheMetaService.start(MetaSettings(meta_config=str(conf))) as m:
         assert m.meta_service_url == f"tcp://127.0.0.1:{ports[0]}" and m.answers()
         assert m.config_store_url == f"tcp://127.0.0.1:{ports[1]}"
@@ -115,8 +127,12 @@ def test_meta_service_port_taken_is_a_clear_error():
 
 
 def test_local_conf_keys_and_errors(tmp_path):
-    s = LocalSettings(meta_service_url="tcp://127.0.0.1:5000", config_store_url="tcp://127.0.0.1:6000",
-                      dram_bytes=(10 << 30) + 1, log_level="warning")
+    s = LocalSettings(
+        meta_service_url="tcp://127.0.0.1:5000",
+        config_store_url="tcp://127.0.0.1:6000",
+        dram_bytes=(10 << 30) + 1,
+        log_level="warning",
+    )
     path = tmp_path / "mmc-local.conf"
     path.write_text(s.conf_text())
     fields = local_fields(path)
@@ -136,12 +152,16 @@ def test_local_conf_keys_and_errors(tmp_path):
 
 
 def test_native_reason_keeps_errors_and_driver_warnings():
-    lines = ["2026 WARN [1-1][HYBM v.cpp:47 Load] driver version path is not a valid real path:/x",
-             "2026 WARN [1-1][SMEM a.cpp:1 F] something else",
-             "2026 ERROR [1-1][HYBM hybm_entry.cpp:97 hybm_init] the current version of ascend driver does not support mf!",
-             "2026 ERROR [1-1][HYBM hybm_entry.cpp:97 hybm_init] the current version of ascend driver does not support mf!"]
-    assert native_reason(lines) == ("driver version path is not a valid real path:/x (HYBM v.cpp:47); the current "
-                                    "version of ascend driver does not support mf! (HYBM hybm_entry.cpp:97)")
+    lines = [
+        "2026 WARN [1-1][HYBM v.cpp:47 Load] driver version path is not a valid real path:/x",
+        "2026 WARN [1-1][SMEM a.cpp:1 F] something else",
+        "2026 ERROR [1-1][HYBM hybm_entry.cpp:97 hybm_init] the current version of ascend driver does not support mf!",
+        "2026 ERROR [1-1][HYBM hybm_entry.cpp:97 hybm_init] the current version of ascend driver does not support mf!",
+    ]
+    assert native_reason(lines) == (
+        "driver version path is not a valid real path:/x (HYBM v.cpp:47); the current "
+        "version of ascend driver does not support mf! (HYBM hybm_entry.cpp:97)"
+    )
 
 
 # ---- the pool: a host with the module but no usable device ---------------------------------------
@@ -172,10 +192,12 @@ def test_module_without_device_gets_the_error_never_the_embedded_pool(meta, tmp_
 
     assert backends.backend_problem("memcache") is None  # the adapter's construction is the judge
     conf = tmp_path / "mmc-local.conf"
-    conf.write_text(f"ock.mmc.meta_service_url = {meta.meta_service_url}\n"
-                    f"ock.mmc.local_service.config_store_url = {meta.config_store_url}\n"
-                    f"ock.mmc.log_level = info\nock.mmc.local_service.world_size = 256\n"
-                    f"ock.mmc.local_service.protocol = device_sdma\nock.mmc.local_service.dram.size = 64MB\n")
+    conf.write_text(
+        f"ock.mmc.meta_service_url = {meta.meta_service_url}\n"
+        f"ock.mmc.local_service.config_store_url = {meta.config_store_url}\n"
+        f"ock.mmc.log_level = info\nock.mmc.local_service.world_size = 256\n"
+        f"ock.mmc.local_service.protocol = device_sdma\nock.mmc.local_service.dram.size = 64MB\n"
+    )
     before = memcache_segments()
     built = None
     with pytest.raises(MemcacheUnavailable, match="ascend driver does not support mf") as info:
@@ -192,8 +214,12 @@ def test_a_second_meta_service_in_one_process_is_refused_at_once(meta):
     without_ascend_driver()
     with pytest.raises(MemcacheUnavailable):  # this process's LocalService: set up for ``meta``
         MemcacheClient.connect(settings_for(meta))
-    other = LocalSettings(meta_service_url="tcp://127.0.0.1:1026", config_store_url="tcp://127.0.0.1:1027",
-                          dram_bytes=dram_bytes_for(geo()), protocol="host_shm")
+    other = LocalSettings(
+        meta_service_url="tcp://127.0.0.1:1026",
+        config_store_url="tcp://127.0.0.1:1027",
+        dram_bytes=dram_bytes_for(geo()),
+        protocol="host_shm",
+    )
     started = time.monotonic()
     with pytest.raises(MemcacheUnavailable, match="already set up its LocalService") as info:
         MemcacheClient.connect(other)

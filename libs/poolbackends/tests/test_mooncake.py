@@ -14,8 +14,14 @@ import uuid
 
 import pytest
 import torch
-from kvcore.hostpool import (HostPoolBackend, IncompleteObject, ObjectLeased, ObjectNotFound, ObjectUnreachable,
-                             PoolError)
+from kvcore.hostpool import (
+    HostPoolBackend,
+    IncompleteObject,
+    ObjectLeased,
+    ObjectNotFound,
+    ObjectUnreachable,
+    PoolError,
+)
 from kvcore.poolgeometry import PoolGeometry
 from poolbackends.mooncake import MooncakeHostPool
 from poolbackends.mooncake_master import MasterConfig, MooncakeMaster, MooncakeNotInstalled, free_port, port_answers
@@ -61,8 +67,9 @@ def store(master):
 
 @pytest.fixture
 def pool(store):
-    with MooncakeHostPool(store, geo(3000), namespace=f"t-{uuid.uuid4().hex[:8]}",
-                          store_lease_ttl_ms=STORE_LEASE_TTL_MS) as p:
+    with MooncakeHostPool(
+        store, geo(3000), namespace=f"t-{uuid.uuid4().hex[:8]}", store_lease_ttl_ms=STORE_LEASE_TTL_MS
+    ) as p:
         yield p
 
 
@@ -89,8 +96,11 @@ def test_master_starts_on_loopback_answers_and_stops():
 
 
 def test_a_missing_binary_names_it_and_what_to_install():
-    with pytest.raises(MooncakeNotInstalled, match=r"/nonexistent/mooncake_master.*pip install "
-                                                    r"mooncake-transfer-engine-non-cuda==0.3.13.post1.*libibverbs1"):
+    with pytest.raises(
+        MooncakeNotInstalled,
+        match=r"/nonexistent/mooncake_master.*pip install "
+        r"mooncake-transfer-engine-non-cuda==0.3.13.post1.*libibverbs1",
+    ):
         MooncakeMaster.start(MasterConfig(binary="/nonexistent/mooncake_master"))
 
 
@@ -108,20 +118,31 @@ def test_no_master_is_a_clear_error_within_the_connect_timeout():
 
 
 def test_poolbackends_imports_without_mooncake_and_construction_says_what_to_install():
-    script = ("import sys; sys.modules['mooncake'] = None\n"  # as if the wheel were not installed
-              "import poolbackends, poolbackends.mooncake\n"
-              "from poolbackends.mooncake import MooncakeHostPool\n"
-              "from kvcore.poolgeometry import PoolGeometry\n"
-              "try:\n"
-              "    MooncakeHostPool.connect('127.0.0.1:1', PoolGeometry(4, (8,), 2))\n"
-              "except ImportError as e:\n"
-              "    print(type(e).__name__, e)\n")
+    script = (
+        "import sys; sys.modules['mooncake'] = None\n"  # as if the wheel were not installed
+        "import poolbackends, poolbackends.mooncake\n"
+        "from poolbackends.mooncake import MooncakeHostPool\n"
+        "from kvcore.poolgeometry import PoolGeometry\n"
+        "try:\n"
+        "    MooncakeHostPool.connect('127.0.0.1:1', PoolGeometry(4, (8,), 2))\n"
+        "except ImportError as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120).stdout
-    assert out.startswith("MooncakeNotInstalled") and "mooncake-transfer-engine-non-cuda==0.3.13.post1" in out \
+    assert (
+        out.startswith("MooncakeNotInstalled")
+        and "mooncake-transfer-engine-non-cuda==0.3.13.post1" in out
         and "libibverbs1" in out
-    assert "mooncake.store" not in subprocess.run(
-        [sys.executable, "-c", "import sys, poolbackends.mooncake; print(sorted(sys.modules))"],
-        capture_output=True, text=True, timeout=120).stdout
+    )
+    assert (
+        "mooncake.store"
+        not in subprocess.run(
+            [sys.executable, "-c", "import sys, poolbackends.mooncake; print(sorted(sys.modules))"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    )
 
 
 # ---- the pool's memory and publishing ----------------------------------------------------------------
@@ -210,9 +231,13 @@ class Child:
 
     def __init__(self, master: MooncakeMaster, namespace: str, n: int) -> None:
         self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, master.address, namespace, str(n),
-                                      str(STORE_LEASE_TTL_MS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, master.address, namespace, str(n), str(STORE_LEASE_TTL_MS)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+        )
         assert self.line() == "ready"
 
     def line(self) -> str:
@@ -274,14 +299,19 @@ def test_objects_of_a_dead_owner_fail_one_read_clearly_and_are_then_computed_aga
         ns, n = f"d-{uuid.uuid4().hex[:8]}", 40
         keys = [f"k{i}".encode() for i in range(n)]
         child = Child(m, ns, n)
-        with MooncakeHostPool.connect(m.address, geo(64), namespace=ns, store_lease_ttl_ms=STORE_LEASE_TTL_MS) as reader:
+        with MooncakeHostPool.connect(
+            m.address, geo(64), namespace=ns, store_lease_ttl_ms=STORE_LEASE_TTL_MS
+        ) as reader:
             assert torch.equal(read(reader, keys[:3], 0), data(7, 0, 3))  # readable while the owner lives
             child.proc.kill()
             child.proc.wait(10)
             t = time.monotonic()
             assert reader.exists(keys) == [True] * n  # the master does not know yet
-            with pytest.raises(MooncakeStoreError, match=rf"of {n} of {n} object\(s\) \(their owner's segment does "
-                                                         rf"not answer.*{n} removed from the store") as e:
+            with pytest.raises(
+                MooncakeStoreError,
+                match=rf"of {n} of {n} object\(s\) \(their owner's segment does "
+                rf"not answer.*{n} removed from the store",
+            ) as e:
                 read(reader, keys, 1)
             assert e.value.code == -800
             assert isinstance(e.value, ObjectUnreachable)  # the one error a reader may answer with a recompute
@@ -315,9 +345,12 @@ def _put(pool: HostPoolBackend, keys: list[bytes], plane: int, src: torch.Tensor
 def test_a_master_restart_fails_requests_clearly_then_the_next_ones_succeed():
     with MooncakeMaster.start(MasterConfig(kv_lease_ttl_ms=STORE_LEASE_TTL_MS)) as m:
         ns = f"r-{uuid.uuid4().hex[:8]}"
-        with MooncakeHostPool.connect(m.address, geo(16), namespace=ns, store_lease_ttl_ms=STORE_LEASE_TTL_MS,
-                                      keeper_interval_s=0.2) as owner, \
-                MooncakeHostPool.connect(m.address, geo(16), namespace=ns, keeper_interval_s=0.2) as other:
+        with (
+            MooncakeHostPool.connect(
+                m.address, geo(16), namespace=ns, store_lease_ttl_ms=STORE_LEASE_TTL_MS, keeper_interval_s=0.2
+            ) as owner,
+            MooncakeHostPool.connect(m.address, geo(16), namespace=ns, keeper_interval_s=0.2) as other,
+        ):
             fill(owner, [b"a", b"b"], seed=1)
             assert other.exists([b"a", b"b"]) == [True, True]
             m.kill()

@@ -62,12 +62,17 @@ def test_a_metastore_on_a_taken_port_is_refused_up_front() -> None:
 
 
 def _named_request(backend: str, **keys: str) -> PoolRequest:
-    return PoolRequest(StoreConnectorConfig(backend=backend, **keys), geometry=None,  # type: ignore[arg-type]
-                       name="seg", pool_id="pool")
+    return PoolRequest(
+        StoreConnectorConfig(backend=backend, **keys),
+        geometry=None,  # type: ignore[arg-type]
+        name="seg",
+        pool_id="pool",
+    )
 
 
 def test_open_pool_calls_the_backends_factory_and_names_the_backend_when_it_cannot(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     called: list[tuple[str, PoolRequest]] = []
 
     def fake_load(ref: str):
@@ -76,6 +81,7 @@ def test_open_pool_calls_the_backends_factory_and_names_the_backend_when_it_cann
             if request.store.backend == "mooncake":
                 raise PoolOpenError("no mooncake_master answers at h:1")
             return "the pool"
+
         return factory
 
     monkeypatch.setattr(registry, "load", fake_load)

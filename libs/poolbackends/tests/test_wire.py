@@ -27,8 +27,11 @@ class _Failed(grpc.RpcError):
 
 @pytest.mark.parametrize("cls", [c for c in wire.STATUS if c is not ValueError], ids=lambda c: c.__name__)
 def test_every_error_survives_the_wire(cls):
-    exc = (PoolFullError(key=b"k", needed=3, free=1, evictable=1, num_blocks=4) if cls is PoolFullError
-           else cls("what went wrong", key=b"k"))
+    exc = (
+        PoolFullError(key=b"k", needed=3, free=1, evictable=1, num_blocks=4)
+        if cls is PoolFullError
+        else cls("what went wrong", key=b"k")
+    )
     back = wire.error_from_rpc(_Failed(wire.status_of(exc), wire.message_of(exc), wire.trailing_metadata(exc)), "X")
     assert type(back) is cls and back.key == b"k"
     if cls is PoolFullError:
@@ -53,17 +56,23 @@ def test_geometry_and_records_round_trip():
 
 
 def test_names_that_do_not_match_their_code_are_never_rebuilt():
-    e = wire.error_from_rpc(_Failed(grpc.StatusCode.NOT_FOUND, "no object", ((wire.ERROR_MD, "ObjectNotFound"),
-                                                                        (wire.KEY_MD, b"k1"))), "Lease")
+    e = wire.error_from_rpc(
+        _Failed(grpc.StatusCode.NOT_FOUND, "no object", ((wire.ERROR_MD, "ObjectNotFound"), (wire.KEY_MD, b"k1"))),
+        "Lease",
+    )
     assert type(e) is ObjectNotFound and e.key == b"k1" and str(e) == "no object"
-    e = wire.error_from_rpc(_Failed(grpc.StatusCode.FAILED_PRECONDITION, "full", ((wire.ERROR_MD, "WorldSizeExceeded"),)), "R")
+    e = wire.error_from_rpc(
+        _Failed(grpc.StatusCode.FAILED_PRECONDITION, "full", ((wire.ERROR_MD, "WorldSizeExceeded"),)), "R"
+    )
     assert type(e) is WorldSizeExceeded
     # a name that does not match its status code, or names no known type, is never rebuilt
     for name, code in (("WorldSizeExceeded", grpc.StatusCode.NOT_FOUND), ("os.system", grpc.StatusCode.INTERNAL)):
         e = wire.error_from_rpc(_Failed(code, "x", ((wire.ERROR_MD, name),)), "Exists")
         assert type(e) is PoolError and code.name in str(e)
     md = tuple((wire.FULL_MD[n], str(v)) for n, v in (("needed", 3), ("free", 1), ("evictable", 1), ("num_blocks", 4)))
-    e = wire.error_from_rpc(_Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "pool 'p0': full", md + ((wire.KEY_MD, b"k"),)), "A")
+    e = wire.error_from_rpc(
+        _Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "pool 'p0': full", md + ((wire.KEY_MD, b"k"),)), "A"
+    )
     assert isinstance(e, PoolFullError) and (e.needed, e.free, e.evictable, e.key) == (3, 1, 1, b"k")
     assert type(wire.error_from_rpc(_Failed(grpc.StatusCode.INVALID_ARGUMENT, "bad", ()), "A")) is ValueError
     e = wire.error_from_rpc(_Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "slow", ()), "Exists")

@@ -22,8 +22,9 @@ def _args(**kw) -> argparse.Namespace:
 
 def _conf(tmp_path, size: str = "3GB"):
     path = tmp_path / "mmc-local.conf"
-    path.write_text(f"# the seed's LocalService\nock.mmc.local_service.world_size = 4\n"
-                    f"ock.mmc.local_service.dram.size = {size}\n")
+    path.write_text(
+        f"# the seed's LocalService\nock.mmc.local_service.world_size = 4\nock.mmc.local_service.dram.size = {size}\n"
+    )
     return path
 
 
@@ -37,7 +38,11 @@ def test_neither_gives_no_metastore_and_one_gib():
 def test_the_config_fills_what_the_flags_leave_out():
     args = _args(host_pool_gb=0.5)
     pool_flags(args, StoreConnectorConfig(backend="kvoffload", metastore="10.0.0.1:5000", host_pool_gb=0.5), NO_ENV)
-    assert (args.metastore, args.host_pool_bytes, args.host_pool_source) == ("10.0.0.1:5000", GIB // 2, "--host-pool-gb")
+    assert (args.metastore, args.host_pool_bytes, args.host_pool_source) == (
+        "10.0.0.1:5000",
+        GIB // 2,
+        "--host-pool-gb",
+    )
     args = _args()
     pool_flags(args, StoreConnectorConfig(backend="kvoffload", host_pool_gb=2), NO_ENV)
     assert (args.host_pool_bytes, args.host_pool_source) == (2 * GIB, "kv_connector_extra_config.host_pool_gb")

@@ -36,10 +36,17 @@ class Prefill:
     def __init__(self) -> None:
         model = tiny_model(dtype="float32")
         self.pool = build.prefill_pool(model, 16, 8 << 20)
-        self.engine = build.prefill_engine(model, self.pool, buffers=3, independent=[0], chunk_size=64,
-                                           max_model_len=256, model_id="tiny",
-                                           buffer_segment=f"kvoffload-test-{uuid.uuid4().hex[:8]}",
-                                           gate_timeout_s=30)
+        self.engine = build.prefill_engine(
+            model,
+            self.pool,
+            buffers=3,
+            independent=[0],
+            chunk_size=64,
+            max_model_len=256,
+            model_id="tiny",
+            buffer_segment=f"kvoffload-test-{uuid.uuid4().hex[:8]}",
+            gate_timeout_s=30,
+        )
         self.held = {}
 
         def announce(ticket, req, start, end):
@@ -51,7 +58,9 @@ class Prefill:
         self.engine.announce = announce
         self.result = self.engine.run(PrefillRequest("r", torch.arange(P) % 200, readers=frozenset({READER})))
         self.server = grpc.server(ThreadPoolExecutor(max_workers=2))
-        transfer_pb2_grpc.add_LayerSourceServicer_to_server(LayerSourceServicer(LayerBufferRows(self.engine, {VERSION: self.engine.buffers})), self.server)
+        transfer_pb2_grpc.add_LayerSourceServicer_to_server(
+            LayerSourceServicer(LayerBufferRows(self.engine, {VERSION: self.engine.buffers})), self.server
+        )
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -59,8 +68,15 @@ class Prefill:
         self.generation = self.engine.gates.ticket(4).generation
 
     def read(self, **kw) -> bytes:
-        fields = dict(request_id="r", layer=4, kind=pb.PLANE_KIND_MAIN, src_start=0, src_end=P,
-                      generation=self.generation, layout_version=VERSION)
+        fields = dict(
+            request_id="r",
+            layer=4,
+            kind=pb.PLANE_KIND_MAIN,
+            src_start=0,
+            src_end=P,
+            generation=self.generation,
+            layout_version=VERSION,
+        )
         chunks = list(self.stub.ReadLayer(pb.ReadLayerRequest(**{**fields, **kw}), timeout=10))
         return b"".join(c.data for c in chunks)
 
@@ -73,9 +89,12 @@ class Prefill:
                 tickets[layer] = (t.generation, t.is_settled, t.pending())
             except ValueError as exc:
                 tickets[layer] = str(exc)
-        return {"gates": eng.gates.stats(), "tickets": tickets,
-                "main": {slot: eng.buffers.main(layer).clone() for slot, layer in ((0, 0), (1, 4), (2, 2), (3, 3))},
-                "pool": self.pool.stats()}
+        return {
+            "gates": eng.gates.stats(),
+            "tickets": tickets,
+            "main": {slot: eng.buffers.main(layer).clone() for slot, layer in ((0, 0), (1, 4), (2, 2), (3, 3))},
+            "pool": self.pool.stats(),
+        }
 
     def close(self) -> None:
         self.channel.close()
@@ -95,8 +114,12 @@ def prefill():
 
 
 def same(a: dict, b: dict) -> bool:
-    return a["gates"] == b["gates"] and a["tickets"] == b["tickets"] and a["pool"] == b["pool"] and all(
-        torch.equal(a["main"][k], b["main"][k]) for k in a["main"])
+    return (
+        a["gates"] == b["gates"]
+        and a["tickets"] == b["tickets"]
+        and a["pool"] == b["pool"]
+        and all(torch.equal(a["main"][k], b["main"][k]) for k in a["main"])
+    )
 
 
 def test_the_legitimate_read_streams_the_rows(prefill):
@@ -108,8 +131,18 @@ def test_the_legitimate_read_streams_the_rows(prefill):
 
 
 HOSTILE = [
-    ("other-layout-version", dict(layout_version=12), C.FAILED_PRECONDITION, "layout_version 12 is not one of this prefill's"),
-    ("layout-version-zero", dict(layout_version=0), C.FAILED_PRECONDITION, "layout_version 0 is not one of this prefill's"),
+    (
+        "other-layout-version",
+        dict(layout_version=12),
+        C.FAILED_PRECONDITION,
+        "layout_version 12 is not one of this prefill's",
+    ),
+    (
+        "layout-version-zero",
+        dict(layout_version=0),
+        C.FAILED_PRECONDITION,
+        "layout_version 0 is not one of this prefill's",
+    ),
     ("layer-past-the-end", dict(layer=5), C.INVALID_ARGUMENT, "layer 5"),
     ("layer-max", dict(layer=U32_MAX), C.INVALID_ARGUMENT, f"layer {U32_MAX}"),
     ("reversed-range", dict(src_start=9, src_end=3), C.INVALID_ARGUMENT, "range [9, 3) is reversed"),
@@ -131,12 +164,17 @@ def test_hostile_read_layer_is_refused_and_changes_nothing(prefill, name, fields
         prefill.read(**fields)
     assert info.value.code() == code and text in info.value.details(), (info.value.code(), info.value.details())
     assert same(prefill.snapshot(), before)
-    assert prefill.read(src_end=4) == prefill.engine.buffers.main(4)[:4].contiguous().view(torch.uint8).numpy().tobytes()
+    assert (
+        prefill.read(src_end=4) == prefill.engine.buffers.main(4)[:4].contiguous().view(torch.uint8).numpy().tobytes()
+    )
 
 
 def test_undecodable_bytes_are_refused(prefill):
-    call = prefill.channel.unary_stream("/kvoffload.v1.LayerSource/ReadLayer", request_serializer=lambda b: b,
-                                        response_deserializer=pb.DataChunk.FromString)
+    call = prefill.channel.unary_stream(
+        "/kvoffload.v1.LayerSource/ReadLayer",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.DataChunk.FromString,
+    )
     before = prefill.snapshot()
     with pytest.raises(grpc.RpcError) as info:
         list(call(b"\x0a\xff\xff\xff\xff\x0f", timeout=10))

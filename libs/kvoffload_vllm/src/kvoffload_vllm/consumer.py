@@ -80,11 +80,13 @@ class Consumer(RowSink):
     """The requests this worker receives, the ``RowSink`` its pulls write into (vLLM's blocks), and
     the control port (``pdlink``'s ``TransferServicer`` over a ``PullConsumer``)."""
 
-    def __init__(self, settings: D2HSettings, model_id: str, layout: CacheLayout,
-                 caches: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, settings: D2HSettings, model_id: str, layout: CacheLayout, caches: dict[str, torch.Tensor]
+    ) -> None:
         self.settings, self.model_id, self.layout = settings, model_id, layout
-        self._bytes = [caches[name].view(torch.uint8).view(layout.num_blocks, layout.block_bytes)
-                       for name in layout.layer_names]
+        self._bytes = [
+            caches[name].view(torch.uint8).view(layout.num_blocks, layout.block_bytes) for name in layout.layer_names
+        ]
         self._lock = threading.Lock()
         self._reqs: dict[str, _Incoming] = {}  # by transfer id
         self._by_req: dict[str, str] = {}  # vLLM request id -> transfer id
@@ -101,15 +103,23 @@ class Consumer(RowSink):
         self._server.start()
         self._watchdog = threading.Thread(target=self._watch, name="kvoffload-watchdog", daemon=True)
         self._watchdog.start()
-        log.info("kvoffload_d2h_consumer", control_endpoint=self.endpoint, layers=len(layout.layer_names),
-                 block_bytes=layout.block_bytes, peer_timeout_s=settings.peer_timeout_s)
+        log.info(
+            "kvoffload_d2h_consumer",
+            control_endpoint=self.endpoint,
+            layers=len(layout.layer_names),
+            block_bytes=layout.block_bytes,
+            peer_timeout_s=settings.peer_timeout_s,
+        )
 
     # ---- the scheduler's news ----------------------------------------------------------------
 
     def begin_step(self, meta: D2HStepMetadata) -> None:
         for recv in meta.recvs:
-            inc = _Incoming(recv, Coverage(len(self.layout.layer_names), recv.num_tokens, self.layout.block_size,
-                                           recv.first_block), torch.tensor(recv.block_ids, dtype=torch.long))
+            inc = _Incoming(
+                recv,
+                Coverage(len(self.layout.layer_names), recv.num_tokens, self.layout.block_size, recv.first_block),
+                torch.tensor(recv.block_ids, dtype=torch.long),
+            )
             with self._lock:
                 self._reqs[recv.transfer_id] = inc
                 self._by_req[recv.req_id] = recv.transfer_id
@@ -124,9 +134,13 @@ class Consumer(RowSink):
     def _register(self, inc: _Incoming) -> None:
         """POST our endpoint to the proxy's metaserver; its answer comes once the prefill answered."""
         recv = inc.recv
-        params = KVTransferParams(request_id=recv.transfer_id, remote_host=self.settings.advertise_host,
-                                  remote_port=self.settings.control_port, remote_tp_size=1,
-                                  remote_dp_rank=self.settings.dp_rank)
+        params = KVTransferParams(
+            request_id=recv.transfer_id,
+            remote_host=self.settings.advertise_host,
+            remote_port=self.settings.control_port,
+            remote_tp_size=1,
+            remote_dp_rank=self.settings.dp_rank,
+        )
         body = json.dumps({"request_id": recv.transfer_id, "kv_transfer_params": params.wire()}).encode()
         headers = {"Content-Type": "application/json", "X-Request-Id": recv.transfer_id}
         if recv.token:
@@ -152,8 +166,12 @@ class Consumer(RowSink):
         with self._lock:
             if inc.state == "loading" and not inc.last_news:
                 inc.last_news = time.monotonic()  # the prefill answered: its reads are due now
-        log.info("kvoffload_d2h_registered", request_id=recv.req_id, transfer_id=recv.transfer_id,
-                 seconds=round(time.monotonic() - inc.started, 3))
+        log.info(
+            "kvoffload_d2h_registered",
+            request_id=recv.req_id,
+            transfer_id=recv.transfer_id,
+            seconds=round(time.monotonic() - inc.started, 3),
+        )
 
     def _fail(self, transfer_id: str, reason: str) -> None:
         with self._lock:
@@ -161,18 +179,29 @@ class Consumer(RowSink):
             if inc is None or inc.state != "loading":
                 return
             inc.state, inc.reason = "failed", reason
-        log.warning("kvoffload_d2h_load_failed", request_id=inc.recv.req_id, transfer_id=transfer_id, reason=reason,
-                    layers_done=inc.coverage.layers_done())
+        log.warning(
+            "kvoffload_d2h_load_failed",
+            request_id=inc.recv.req_id,
+            transfer_id=transfer_id,
+            reason=reason,
+            layers_done=inc.coverage.layers_done(),
+        )
 
     def _watch(self) -> None:
         while not self._stop.wait(WATCHDOG_S):
             now = time.monotonic()
             with self._lock:
-                silent = [(tid, inc.peer, now - inc.last_news) for tid, inc in self._reqs.items()
-                          if inc.state == "loading" and inc.last_news and now - inc.last_news > self.settings.peer_timeout_s]
+                silent = [
+                    (tid, inc.peer, now - inc.last_news)
+                    for tid, inc in self._reqs.items()
+                    if inc.state == "loading" and inc.last_news and now - inc.last_news > self.settings.peer_timeout_s
+                ]
             for tid, peer, quiet in silent:
-                self._fail(tid, f"prefill {peer or '(none announced)'} silent for {quiet:.1f} s "
-                                f"(peer_timeout_s {self.settings.peer_timeout_s:g})")
+                self._fail(
+                    tid,
+                    f"prefill {peer or '(none announced)'} silent for {quiet:.1f} s "
+                    f"(peer_timeout_s {self.settings.peer_timeout_s:g})",
+                )
 
     def finished(self) -> tuple[set[str], set[str]]:
         """(vLLM ids whose KV landed or that were cancelled, ids whose load failed), each once."""
@@ -191,8 +220,15 @@ class Consumer(RowSink):
             seconds = round(time.monotonic() - inc.started, 3)
             if inc.state == "done":
                 self.counters.add(requests_pulled=1)
-                log.info("kvoffload_d2h_pulled", request_id=inc.recv.req_id, transfer_id=inc.recv.transfer_id,
-                         tokens=inc.recv.num_tokens, bytes=inc.bytes, seconds=seconds, prefill=inc.peer)
+                log.info(
+                    "kvoffload_d2h_pulled",
+                    request_id=inc.recv.req_id,
+                    transfer_id=inc.recv.transfer_id,
+                    tokens=inc.recv.num_tokens,
+                    bytes=inc.bytes,
+                    seconds=seconds,
+                    prefill=inc.peer,
+                )
             elif inc.state == "failed":
                 self.counters.add(requests_failed=1)
             else:
@@ -209,8 +245,10 @@ class Consumer(RowSink):
             return f"prefill_tp_size: prefill {m.prefill_tp_size}, decode 1 (one rank only for now)"
         for i, got in enumerate(m.layers):
             if got.layer != i or got.main_row_bytes != row_bytes or got.main_dtype != dtype or got.indexer_row_bytes:
-                return (f"layers[{i}]: prefill layer {got.layer} rows {got.main_row_bytes} bytes {got.main_dtype} "
-                        f"(indexer {got.indexer_row_bytes}), decode layer {i} rows {row_bytes} bytes {dtype} (no indexer)")
+                return (
+                    f"layers[{i}]: prefill layer {got.layer} rows {got.main_row_bytes} bytes {got.main_dtype} "
+                    f"(indexer {got.indexer_row_bytes}), decode layer {i} rows {row_bytes} bytes {dtype} (no indexer)"
+                )
         return ""
 
     def planes(self, layer: int) -> list[Plane]:
@@ -220,8 +258,10 @@ class Consumer(RowSink):
         """Whole blocks: the announced rows widened to the blocks that hold them (vLLM's pages)."""
         r = read.request
         if r.dst_start != r.src_start:
-            raise MalformedRead(f"rows [{r.src_start}, {r.src_end}) -> {r.dst_start}: a vLLM decode takes each row "
-                                "at the prefill's position")
+            raise MalformedRead(
+                f"rows [{r.src_start}, {r.src_end}) -> {r.dst_start}: a vLLM decode takes each row "
+                "at the prefill's position"
+            )
         with self._lock:
             inc = self._reqs.get(r.request_id)
             if inc is None:

@@ -120,36 +120,61 @@ def d2h_settings(vllm_config: "VllmConfig") -> D2HSettings:
     kv = vllm_config.kv_transfer_config
     if kv is None:
         raise ConfigError([f"kv_transfer_config: missing; the {D2H_CONNECTOR} is configured there"])
-    parsed = parse_kv_transfer_config({"kv_connector": kv.kv_connector, "kv_role": kv.kv_role,
-                                       "kv_port": kv.kv_port,
-                                       "kv_connector_extra_config": dict(kv.kv_connector_extra_config or {})},
-                                      strict=True)
+    parsed = parse_kv_transfer_config(
+        {
+            "kv_connector": kv.kv_connector,
+            "kv_role": kv.kv_role,
+            "kv_port": kv.kv_port,
+            "kv_connector_extra_config": dict(kv.kv_connector_extra_config or {}),
+        },
+        strict=True,
+    )
     extra = parsed.kv_connector_extra_config
     if parsed.kv_connector != D2H_CONNECTOR or not isinstance(extra, D2HConnectorConfig):
         raise ConfigError([f"kv_transfer_config.kv_connector: got {kv.kv_connector!r}; this class is {D2H_CONNECTOR}"])
     if parsed.kv_role not in ("kv_producer", "kv_consumer"):
-        raise ConfigError([f"kv_transfer_config.kv_role: got {parsed.kv_role!r}; the {D2H_CONNECTOR} is either "
-                           "the prefill ('kv_producer') or the decode ('kv_consumer')"])
+        raise ConfigError(
+            [
+                f"kv_transfer_config.kv_role: got {parsed.kv_role!r}; the {D2H_CONNECTOR} is either "
+                "the prefill ('kv_producer') or the decode ('kv_consumer')"
+            ]
+        )
     if extra.transfer_backend not in (None, "kvoffload"):
-        raise ConfigError([f"kv_connector_extra_config.transfer_backend: got {extra.transfer_backend!r}; inside "
-                           "vLLM the pull runs on 'kvoffload' (memfabric is a path of the kvoffload services only)"])
+        raise ConfigError(
+            [
+                f"kv_connector_extra_config.transfer_backend: got {extra.transfer_backend!r}; inside "
+                "vLLM the pull runs on 'kvoffload' (memfabric is a path of the kvoffload services only)"
+            ]
+        )
     par = vllm_config.parallel_config
     if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
-        raise ConfigError([f"{D2H_CONNECTOR}: runs with one rank only for now; got tensor_parallel_size "
-                           f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size}"])
+        raise ConfigError(
+            [
+                f"{D2H_CONNECTOR}: runs with one rank only for now; got tensor_parallel_size "
+                f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size}"
+            ]
+        )
     control_port = None
     if parsed.kv_role == "kv_consumer":
         if parsed.kv_port is None:
-            raise ConfigError(["kv_transfer_config.kv_port: missing; the decode's control port is kv_port + "
-                               "dp_rank * tp + tp_rank"])
+            raise ConfigError(
+                ["kv_transfer_config.kv_port: missing; the decode's control port is kv_port + dp_rank * tp + tp_rank"]
+            )
         control_port = parsed.kv_port + par.data_parallel_rank * par.tensor_parallel_size
         if control_port > 65535:
-            raise ConfigError([f"kv_transfer_config.kv_port: {parsed.kv_port} + dp_rank {par.data_parallel_rank} "
-                               "is beyond 65535"])
+            raise ConfigError(
+                [f"kv_transfer_config.kv_port: {parsed.kv_port} + dp_rank {par.data_parallel_rank} is beyond 65535"]
+            )
     peer_timeout = extra.peer_timeout_s or DEFAULT_PEER_TIMEOUT_S
-    return D2HSettings(parsed.kv_role, control_port, extra.advertise_host or DEFAULT_ADVERTISE_HOST,
-                       extra.data_port or 0, peer_timeout, read_timeout_s=max(30.0, 3 * peer_timeout),
-                       dp_rank=par.data_parallel_rank)
+    return D2HSettings(
+        parsed.kv_role,
+        control_port,
+        extra.advertise_host or DEFAULT_ADVERTISE_HOST,
+        extra.data_port or 0,
+        peer_timeout,
+        read_timeout_s=max(30.0, 3 * peer_timeout),
+        dp_rank=par.data_parallel_rank,
+    )
 
 
 class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
@@ -171,8 +196,14 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
             self._new_recvs: list[Recv] = []
             self._loading: set[str] = set()  # consumer: requests whose pull the worker has not reported
             self._cancelled: list[str] = []
-        log.info("kvoffload_d2h_connector", role=role.name, kv_role=self.settings.role, model_id=self.model_id,
-                 control_port=self.settings.control_port, advertise_host=self.settings.advertise_host)
+        log.info(
+            "kvoffload_d2h_connector",
+            role=role.name,
+            kv_role=self.settings.role,
+            model_id=self.model_id,
+            control_port=self.settings.control_port,
+            advertise_host=self.settings.advertise_host,
+        )
 
     # ---- scheduler side ----------------------------------------------------------------------
 
@@ -181,8 +212,11 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
         if self.producer_role or params is None or not params.do_remote_prefill:
             return 0, False
         if params.metaserver is None or params.request_id is None:
-            log.warning("kvoffload_d2h_no_metaserver", request_id=request.request_id,
-                        reason="do_remote_prefill without metaserver and request_id: the prompt is computed here")
+            log.warning(
+                "kvoffload_d2h_no_metaserver",
+                request_id=request.request_id,
+                reason="do_remote_prefill without metaserver and request_id: the prompt is computed here",
+            )
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         if count <= 0:
@@ -208,9 +242,17 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
         # once: a preempted request resumes from its own blocks (vLLM keeps the dict, so it is set there)
         assert request.kv_transfer_params is not None  # params were parsed from it
         request.kv_transfer_params["do_remote_prefill"] = False
-        self._new_recvs.append(Recv(request.request_id, str(params.request_id), str(params.metaserver),
-                                    params.registration_token, prompt_len, local // self._block_size,
-                                    tuple(blocks.get_block_ids()[0])))
+        self._new_recvs.append(
+            Recv(
+                request.request_id,
+                str(params.request_id),
+                str(params.metaserver),
+                params.registration_token,
+                prompt_len,
+                local // self._block_size,
+                tuple(blocks.get_block_ids()[0]),
+            )
+        )
         self._loading.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -241,8 +283,9 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
     # ---- worker side -------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = CacheLayout.of(kv_caches, self._layer_order, self._kv_cache_config.num_blocks,
-                                self._block_size, self._spec.page_size_bytes)
+        layout = CacheLayout.of(
+            kv_caches, self._layer_order, self._kv_cache_config.num_blocks, self._block_size, self._spec.page_size_bytes
+        )
         caches = {name: kv_caches[name] for name in self._layer_order}
         if self.producer_role:
             from kvoffload_vllm.producer import Producer
@@ -294,7 +337,10 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
         from kvoffload_vllm.consumer import COUNTERS as CONSUMER
         from kvoffload_vllm.producer import COUNTERS as PRODUCER
 
-        return {**{f"producer_{k}": v for k, v in PRODUCER.items()}, **{f"consumer_{k}": v for k, v in CONSUMER.items()}}
+        return {
+            **{f"producer_{k}": v for k, v in PRODUCER.items()},
+            **{f"consumer_{k}": v for k, v in CONSUMER.items()},
+        }
 
     def take_counters(self) -> dict[str, float]:
         side, role = (self._producer, "producer") if self.producer_role else (self._consumer, "consumer")

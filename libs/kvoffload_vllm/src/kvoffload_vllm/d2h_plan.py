@@ -52,8 +52,10 @@ def peer_of(params: KVTransferParams | None) -> Peer | None:
     if params is None or not params.names_decode:
         return None
     if not params.remote_host or params.remote_port is None or not params.request_id:
-        raise ValueError(f"kv_transfer_params must give remote_host (str), remote_port (1..65535) and request_id "
-                         f"(str) together; got {params.wire()!r}")
+        raise ValueError(
+            f"kv_transfer_params must give remote_host (str), remote_port (1..65535) and request_id "
+            f"(str) together; got {params.wire()!r}"
+        )
     return Peer(params.request_id, f"{params.remote_host}:{params.remote_port}")
 
 
@@ -75,8 +77,9 @@ class SendPlanner:
         if req_id not in self._reqs:
             self._reqs[req_id] = _Outgoing(peer, prompt_len, [])
 
-    def step(self, req_id: str, block_ids: list[int] | None, replace: bool, computed: int,
-             scheduled: int) -> Send | None:
+    def step(
+        self, req_id: str, block_ids: list[int] | None, replace: bool, computed: int, scheduled: int
+    ) -> Send | None:
         """One scheduled step of ``req_id``: ``block_ids`` new (or, with ``replace``, all) blocks;
         ``computed`` tokens before the step, ``scheduled`` in it. None when nothing is to send."""
         req = self._reqs.get(req_id)
@@ -107,8 +110,9 @@ class Coverage:
     def __init__(self, num_layers: int, num_tokens: int, block_size: int, first_block: int = 0) -> None:
         self.num_tokens, self.block_size, self.first_block = num_tokens, block_size, first_block
         nblocks = -(-num_tokens // block_size)
-        self.needed = torch.tensor([min(block_size, num_tokens - b * block_size) for b in range(nblocks)],
-                                   dtype=torch.int32)
+        self.needed = torch.tensor(
+            [min(block_size, num_tokens - b * block_size) for b in range(nblocks)], dtype=torch.int32
+        )
         self.valid = torch.zeros((num_layers, nblocks), dtype=torch.int32)
         self.valid[:, :first_block] = self.needed[:first_block]
 
@@ -119,7 +123,7 @@ class Coverage:
             return torch.empty(0, dtype=torch.long)
         b = torch.arange(blocks.start, blocks.stop)
         have = (torch.clamp(end - b * self.block_size, max=self.block_size)).to(torch.int32)
-        better = have > self.valid[layer, blocks.start:blocks.stop]
+        better = have > self.valid[layer, blocks.start : blocks.stop]
         return torch.nonzero(better).flatten()
 
     def landed(self, layer: int, start: int, end: int, written: torch.Tensor) -> None:

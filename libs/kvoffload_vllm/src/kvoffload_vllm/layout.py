@@ -39,9 +39,18 @@ def vllm_model_id(vllm_config, spec, layer_order: Sequence[str]) -> str:
     model = vllm_config.model_config
     return model_key_prefix(
         str(model.served_model_name or model.model),
-        {"spec": type(spec).__name__, "block_size": spec.block_size, "num_kv_heads": spec.num_kv_heads,
-         "head_size": spec.head_size, "dtype": str(spec.dtype), "page_bytes": spec.page_size_bytes,
-         "device": current_platform.device_type, "vllm": vllm.__version__, "layers": list(layer_order)})
+        {
+            "spec": type(spec).__name__,
+            "block_size": spec.block_size,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_size": spec.head_size,
+            "dtype": str(spec.dtype),
+            "page_bytes": spec.page_size_bytes,
+            "device": current_platform.device_type,
+            "vllm": vllm.__version__,
+            "layers": list(layer_order),
+        },
+    )
 
 
 @dataclass(frozen=True)
@@ -77,14 +86,21 @@ class CacheLayout:
         per_object = self.block_bytes * len(self.layer_names)
         num_objects = pool_bytes // per_object
         if num_objects < 1:
-            raise ValueError(f"host_pool_gb holds no block: one block of all {len(self.layer_names)} layers "
-                             f"is {per_object} bytes, the pool {pool_bytes}")
-        return PoolGeometry(self.block_size, (self.block_bytes // self.block_size,) * len(self.layer_names),
-                            num_objects, tuple((i, "main") for i in range(len(self.layer_names))))
+            raise ValueError(
+                f"host_pool_gb holds no block: one block of all {len(self.layer_names)} layers "
+                f"is {per_object} bytes, the pool {pool_bytes}"
+            )
+        return PoolGeometry(
+            self.block_size,
+            (self.block_bytes // self.block_size,) * len(self.layer_names),
+            num_objects,
+            tuple((i, "main") for i in range(len(self.layer_names))),
+        )
 
     @classmethod
-    def of(cls, caches: Mapping[str, object], order: Sequence[str], num_blocks: int, block_size: int,
-           page_bytes: int) -> "CacheLayout":
+    def of(
+        cls, caches: Mapping[str, object], order: Sequence[str], num_blocks: int, block_size: int, page_bytes: int
+    ) -> "CacheLayout":
         """Check vLLM's per-layer caches (``order``: layer order) and describe them.
 
         Every layer must be one contiguous tensor ``[num_blocks, ...]`` whose block is
@@ -93,25 +109,34 @@ class CacheLayout:
         """
         missing = [n for n in order if n not in caches]
         if missing or len(order) != len(caches):
-            raise LayoutMismatch(f"vLLM registered caches for {sorted(caches)}, the KV cache config names {list(order)}")
+            raise LayoutMismatch(
+                f"vLLM registered caches for {sorted(caches)}, the KV cache config names {list(order)}"
+            )
         first: tuple[tuple[int, ...], torch.dtype] | None = None
         for name in order:
             t = caches[name]
             if not isinstance(t, torch.Tensor):
-                raise LayoutMismatch(f"layer {name!r}: the connector needs one tensor per layer, got {type(t).__name__}")
+                raise LayoutMismatch(
+                    f"layer {name!r}: the connector needs one tensor per layer, got {type(t).__name__}"
+                )
             if t.dim() < 2 or t.shape[0] != num_blocks or not t.is_contiguous():
-                raise LayoutMismatch(f"layer {name!r}: needs a contiguous [num_blocks={num_blocks}, ...] tensor, got "
-                                     f"shape {list(t.shape)} (contiguous: {t.is_contiguous()})")
+                raise LayoutMismatch(
+                    f"layer {name!r}: needs a contiguous [num_blocks={num_blocks}, ...] tensor, got "
+                    f"shape {list(t.shape)} (contiguous: {t.is_contiguous()})"
+                )
             got = (tuple(t.shape[1:]), t.dtype)
             if first is None:
                 first = got
             elif got != first:
-                raise LayoutMismatch(f"layer {name!r}: block {list(got[0])} {got[1]} differs from layer "
-                                     f"{order[0]!r}'s {list(first[0])} {first[1]}")
+                raise LayoutMismatch(
+                    f"layer {name!r}: block {list(got[0])} {got[1]} differs from layer "
+                    f"{order[0]!r}'s {list(first[0])} {first[1]}"
+                )
         if first is None:
             raise LayoutMismatch("vLLM registered no KV cache layer")
         layout = cls(tuple(order), num_blocks, block_size, first[0], first[1])
         if layout.block_bytes != page_bytes:
-            raise LayoutMismatch(f"a block of layer {order[0]!r} is {layout.block_bytes} bytes, the KV cache spec "
-                                 f"says {page_bytes}")
+            raise LayoutMismatch(
+                f"a block of layer {order[0]!r} is {layout.block_bytes} bytes, the KV cache spec says {page_bytes}"
+            )
         return layout

@@ -40,13 +40,27 @@ def scheduled_requests(scheduler_output) -> Iterator[Scheduled]:
     group's block ids (the connectors support exactly one group)."""
     counts = scheduler_output.num_scheduled_tokens
     for new in scheduler_output.scheduled_new_reqs:
-        yield Scheduled(new.req_id, True, False, new.prompt_token_ids, new.block_ids[0], new.num_computed_tokens,
-                        counts.get(new.req_id, 0))
+        yield Scheduled(
+            new.req_id,
+            True,
+            False,
+            new.prompt_token_ids,
+            new.block_ids[0],
+            new.num_computed_tokens,
+            counts.get(new.req_id, 0),
+        )
     cached = scheduler_output.scheduled_cached_reqs
     for i, rid in enumerate(cached.req_ids):
         new_ids = cached.new_block_ids[i]
-        yield Scheduled(rid, False, rid in cached.resumed_req_ids, None, new_ids[0] if new_ids else None,
-                        cached.num_computed_tokens[i], counts.get(rid, 0))
+        yield Scheduled(
+            rid,
+            False,
+            rid in cached.resumed_req_ids,
+            None,
+            new_ids[0] if new_ids else None,
+            cached.num_computed_tokens[i],
+            counts.get(rid, 0),
+        )
 
 
 @dataclass(frozen=True)
@@ -75,11 +89,14 @@ class StorePlanner:
     def _request(self, request_id: str, prompt: Sequence[int]) -> _Request:
         req = self._reqs.get(request_id)
         if req is None:
-            req = self._reqs[request_id] = _Request(len(prompt), block_keys(self.model_id, list(prompt), self.block_size))
+            req = self._reqs[request_id] = _Request(
+                len(prompt), block_keys(self.model_id, list(prompt), self.block_size)
+            )
         return req
 
-    def lookup(self, request_id: str, prompt: Sequence[int], num_computed: int,
-               exists: Callable[[list[bytes]], list[bool]]) -> int:
+    def lookup(
+        self, request_id: str, prompt: Sequence[int], num_computed: int, exists: Callable[[list[bytes]], list[bool]]
+    ) -> int:
         """Tokens beyond ``num_computed`` (block-aligned) the pool holds: the leading run of complete
         blocks, leaving at least one prompt token to compute. Asks ``exists`` at most once."""
         req = self._request(request_id, prompt)
@@ -95,8 +112,9 @@ class StorePlanner:
         if request_id in self._reqs:
             self._reqs[request_id].external = num_external
 
-    def new_request(self, request_id: str, prompt: Sequence[int], block_ids: Sequence[int], num_computed: int,
-                    num_scheduled: int) -> tuple[Transfer | None, Transfer | None]:
+    def new_request(
+        self, request_id: str, prompt: Sequence[int], block_ids: Sequence[int], num_computed: int, num_scheduled: int
+    ) -> tuple[Transfer | None, Transfer | None]:
         """A request scheduled for the first time: (its load or None, its save or None)."""
         req = self._request(request_id, prompt)
         req.block_ids = list(block_ids)
@@ -104,13 +122,14 @@ class StorePlanner:
         if req.external:
             first = (num_computed - req.external) // self.block_size
             n = req.external // self.block_size
-            load = Transfer(request_id, tuple(req.keys[first:first + n]), tuple(req.block_ids[first:first + n]))
+            load = Transfer(request_id, tuple(req.keys[first : first + n]), tuple(req.block_ids[first : first + n]))
             req.external = 0
         req.saved = num_computed // self.block_size
         return load, self._save(request_id, req, num_computed + num_scheduled)
 
-    def running_request(self, request_id: str, new_block_ids: Sequence[int] | None, resumed: bool,
-                        num_computed: int, num_scheduled: int) -> Transfer | None:
+    def running_request(
+        self, request_id: str, new_block_ids: Sequence[int] | None, resumed: bool, num_computed: int, num_scheduled: int
+    ) -> Transfer | None:
         """A request scheduled again (``resumed``: after a preemption, ``new_block_ids`` is all of them)."""
         req = self._reqs.get(request_id)
         if req is None:
@@ -126,7 +145,7 @@ class StorePlanner:
         full = min(min(computed_after, req.prompt_len) // self.block_size, len(req.block_ids))
         if full <= req.saved:
             return None
-        out = Transfer(request_id, tuple(req.keys[req.saved:full]), tuple(req.block_ids[req.saved:full]))
+        out = Transfer(request_id, tuple(req.keys[req.saved : full]), tuple(req.block_ids[req.saved : full]))
         req.saved = full
         return out
 

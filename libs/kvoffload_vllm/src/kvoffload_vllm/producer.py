@@ -92,10 +92,13 @@ class _Announce:
 
 
 class Producer(RowBuffer):
-    def __init__(self, settings: D2HSettings, model_id: str, layout: CacheLayout,
-                 caches: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, settings: D2HSettings, model_id: str, layout: CacheLayout, caches: dict[str, torch.Tensor]
+    ) -> None:
         self.settings, self.layout, self.caches = settings, layout, caches
-        self._bytes = {name: t.view(torch.uint8).view(layout.num_blocks, layout.block_bytes) for name, t in caches.items()}
+        self._bytes = {
+            name: t.view(torch.uint8).view(layout.num_blocks, layout.block_bytes) for name, t in caches.items()
+        }
         self._lock = threading.Lock()
         self._reqs: dict[str, _Outgoing] = {}  # by transfer id (the decode's and the proxy's name)
         self._by_req: dict[str, str] = {}  # vLLM request id -> transfer id
@@ -114,22 +117,35 @@ class Producer(RowBuffer):
         self.data_endpoint = f"{settings.advertise_host}:{port}"
         row_bytes = layout.block_bytes // layout.block_size
         self.metadata = transfer_pb2.LayoutMetadata(
-            model_id=model_id, num_layers=len(layout.layer_names), block_size=layout.block_size,
-            layers=[transfer_pb2.LayerLayout(layer=i, slot=i, main_row_bytes=row_bytes,
-                                             main_dtype=dtype_name(layout.dtype))
-                    for i in range(len(layout.layer_names))],
-            prefill_tp_rank=0, prefill_tp_size=1, data_endpoint=self.data_endpoint, host_id=host_id(),
-            layout_version=secrets.randbits(62) + 1)  # vLLM seeds `random`
-        log.info("kvoffload_d2h_producer", data_endpoint=self.data_endpoint, layers=len(layout.layer_names),
-                 block_bytes=layout.block_bytes, layout_version=self.metadata.layout_version)
+            model_id=model_id,
+            num_layers=len(layout.layer_names),
+            block_size=layout.block_size,
+            layers=[
+                transfer_pb2.LayerLayout(layer=i, slot=i, main_row_bytes=row_bytes, main_dtype=dtype_name(layout.dtype))
+                for i in range(len(layout.layer_names))
+            ],
+            prefill_tp_rank=0,
+            prefill_tp_size=1,
+            data_endpoint=self.data_endpoint,
+            host_id=host_id(),
+            layout_version=secrets.randbits(62) + 1,
+        )  # vLLM seeds `random`
+        log.info(
+            "kvoffload_d2h_producer",
+            data_endpoint=self.data_endpoint,
+            layers=len(layout.layer_names),
+            block_bytes=layout.block_bytes,
+            layout_version=self.metadata.layout_version,
+        )
 
     # ---- a step ------------------------------------------------------------------------------
 
     def _link(self, endpoint: str) -> DecodeLink:
         link = self._links.get(endpoint)
         if link is None:
-            link = self._links[endpoint] = DecodeLink(endpoint, self.metadata, self.settings.read_timeout_s,
-                                                      peer_timeout_s=self.settings.peer_timeout_s)
+            link = self._links[endpoint] = DecodeLink(
+                endpoint, self.metadata, self.settings.read_timeout_s, peer_timeout_s=self.settings.peer_timeout_s
+            )
         link.ensure_layout()
         return link
 
@@ -168,18 +184,23 @@ class Producer(RowBuffer):
             with self._lock:
                 out.outstanding += 1
             assert out.link is not None  # a step holds the sends with a link only (_begin_step)
-            out.link.announce(_Announce(self, out, layer, self._clock), None, out.send.peer.transfer_id,
-                              out.send.start, out.send.end)
+            out.link.announce(
+                _Announce(self, out, layer, self._clock), None, out.send.peer.transfer_id, out.send.start, out.send.end
+            )
         self._announced_at.append(time.perf_counter())
         self._clock.last_layer_at = self._announced_at[-1]
         self.counters.add(layers_announced=1)
 
     def end_step(self) -> None:
         if self._announced_at and self._step:  # announced: the step has sends
-            log.info("kvoffload_d2h_step_announced", layers=len(self._announced_at),
-                     forward_s=round(self._announced_at[-1] - self._announced_at[0], 4),
-                     request_ids=[o.req_id for o in self._step], transfer_ids=[o.send.peer.transfer_id for o in self._step],
-                     tokens=[[o.send.start, o.send.end] for o in self._step])
+            log.info(
+                "kvoffload_d2h_step_announced",
+                layers=len(self._announced_at),
+                forward_s=round(self._announced_at[-1] - self._announced_at[0], 4),
+                request_ids=[o.req_id for o in self._step],
+                transfer_ids=[o.send.peer.transfer_id for o in self._step],
+                tokens=[[o.send.start, o.send.end] for o in self._step],
+            )
         self._step, self._announced_at = None, []
 
     def _answered(self, out: _Outgoing, failure: str, clock: _StepClock) -> None:
@@ -211,11 +232,22 @@ class Producer(RowBuffer):
             if out.link is not None:
                 out.link.release(tid)
             if out.failed:
-                log.warning("kvoffload_d2h_reads_failed", request_id=out.req_id, transfer_id=tid,
-                            failures=len(out.failed), first=out.failed[0])
+                log.warning(
+                    "kvoffload_d2h_reads_failed",
+                    request_id=out.req_id,
+                    transfer_id=tid,
+                    failures=len(out.failed),
+                    first=out.failed[0],
+                )
             else:
-                log.info("kvoffload_d2h_sent", request_id=out.req_id, transfer_id=tid, tokens=out.send.end,
-                         layers_read=len(out.answers), layers_read_during_forward=during)
+                log.info(
+                    "kvoffload_d2h_sent",
+                    request_id=out.req_id,
+                    transfer_id=tid,
+                    tokens=out.send.end,
+                    layers_read=len(out.answers),
+                    layers_read_during_forward=during,
+                )
         return {out.req_id for out in done}
 
     # ---- the data path -----------------------------------------------------------------------
@@ -224,27 +256,35 @@ class Producer(RowBuffer):
         """Its LayerSource's ``RowBuffer``: the bytes of the blocks that rows ``[src_start, src_end)`` of
         one layer of a request cover; ``Refused`` (with the gRPC status) when they cannot be served."""
         if request.layout_version != self.metadata.layout_version:
-            raise Refused(f"layout_version {request.layout_version} is not this prefill's "
-                          f"({self.metadata.layout_version})", grpc.StatusCode.FAILED_PRECONDITION)
+            raise Refused(
+                f"layout_version {request.layout_version} is not this prefill's ({self.metadata.layout_version})",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
         if request.kind != transfer_pb2.PLANE_KIND_MAIN:
             raise MalformedRead("this prefill has no indexer plane (vLLM's KV only)")
         bs = self.layout.block_size
         if request.layer >= len(self.layout.layer_names) or request.src_start % bs or request.src_end % bs:
-            raise MalformedRead(f"layer {request.layer} or range [{request.src_start}, {request.src_end}) is "
-                                f"malformed (vLLM blocks: block-aligned ranges of {bs} rows only)")
+            raise MalformedRead(
+                f"layer {request.layer} or range [{request.src_start}, {request.src_end}) is "
+                f"malformed (vLLM blocks: block-aligned ranges of {bs} rows only)"
+            )
         with self._lock:
             out = self._reqs.get(request.request_id)
             if out is None:
                 raise UnknownRequest(f"request {request.request_id!r} is not being sent here")
             if out.generation != request.generation:
-                raise Refused(f"request {request.request_id!r} is generation {out.generation}, not "
-                              f"{request.generation}", grpc.StatusCode.FAILED_PRECONDITION)
+                raise Refused(
+                    f"request {request.request_id!r} is generation {out.generation}, not {request.generation}",
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                )
             blocks = blocks_of(request.src_start, request.src_end, bs)
             block_ids = out.send.block_ids
             if blocks.stop > len(block_ids):
-                raise Refused(f"rows up to {request.src_end}: the request holds {len(block_ids)} blocks",
-                              grpc.StatusCode.OUT_OF_RANGE)
-            ids = torch.tensor(block_ids[blocks.start:blocks.stop], dtype=torch.long)
+                raise Refused(
+                    f"rows up to {request.src_end}: the request holds {len(block_ids)} blocks",
+                    grpc.StatusCode.OUT_OF_RANGE,
+                )
+            ids = torch.tensor(block_ids[blocks.start : blocks.stop], dtype=torch.long)
         data = self._bytes[self.layout.layer_names[request.layer]].index_select(0, ids)
         self.counters.add(blocks_served=len(ids), bytes_served=data.numel())
         return data.view(-1)
@@ -257,4 +297,3 @@ class Producer(RowBuffer):
         self._server.stop(grace=1.0)
         for link in self._links.values():
             link.close()
-

@@ -59,12 +59,22 @@ class CounterStats(KVConnectorStats):
 class CounterPromMetrics(KVConnectorPromMetrics):
     """One Prometheus counter per name: ``vllm:kvoffload_<connector>_<name>_total``."""
 
-    def __init__(self, vllm_config, metric_types, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
-                 connector: str, counters: dict[str, str]) -> None:
+    def __init__(
+        self,
+        vllm_config,
+        metric_types,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+        connector: str,
+        counters: dict[str, str],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {name: self._counter_cls(name=f"vllm:kvoffload_{connector}_{name}_total",
-                                                  documentation=doc, labelnames=labelnames)
-                          for name, doc in counters.items()}
+        self._counters = {
+            name: self._counter_cls(
+                name=f"vllm:kvoffload_{connector}_{name}_total", documentation=doc, labelnames=labelnames
+            )
+            for name, doc in counters.items()
+        }
         for counter in self._counters.values():  # every series exported from the start, at 0: a reader
             for labels in per_engine_labelvalues.values():  # tells "none yet" from "not exported"
                 counter.labels(*labels)
@@ -104,5 +114,6 @@ class CountingConnector(ABC):
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> CounterPromMetrics:
-        return CounterPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, cls.prom_name,
-                                  cls.prom_counters())
+        return CounterPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues, cls.prom_name, cls.prom_counters()
+        )

@@ -105,24 +105,41 @@ def store_config(vllm_config: "VllmConfig"):
     kv = vllm_config.kv_transfer_config
     if kv is None:
         raise ConfigError([f"kv_transfer_config: missing; the {STORE_CONNECTOR} is configured there"])
-    parsed = parse_kv_transfer_config({"kv_connector": kv.kv_connector, "kv_role": kv.kv_role,
-                                       "kv_connector_extra_config": dict(kv.kv_connector_extra_config or {})},
-                                      strict=True)
+    parsed = parse_kv_transfer_config(
+        {
+            "kv_connector": kv.kv_connector,
+            "kv_role": kv.kv_role,
+            "kv_connector_extra_config": dict(kv.kv_connector_extra_config or {}),
+        },
+        strict=True,
+    )
     store = parsed.store
     if parsed.kv_connector != STORE_CONNECTOR or store is None:
-        raise ConfigError([f"kv_transfer_config.kv_connector: got {kv.kv_connector!r}; this class is "
-                           f"{STORE_CONNECTOR}"])
+        raise ConfigError(
+            [f"kv_transfer_config.kv_connector: got {kv.kv_connector!r}; this class is {STORE_CONNECTOR}"]
+        )
     if store.backend not in VLLM_POOLS:
-        raise ConfigError([f"kv_connector_extra_config.backend: got {store.backend!r}; inside vLLM the store "
-                           f"runs on {', '.join(map(repr, VLLM_POOLS))} (the memcache adapter does not exist yet)"])
+        raise ConfigError(
+            [
+                f"kv_connector_extra_config.backend: got {store.backend!r}; inside vLLM the store "
+                f"runs on {', '.join(map(repr, VLLM_POOLS))} (the memcache adapter does not exist yet)"
+            ]
+        )
     if not store.metastore:
-        raise ConfigError(["kv_connector_extra_config.metastore: missing; the AscendStoreConnector needs the "
-                           "kvoffload-metastore's HOST:PORT (start one with `kvoffload-metastore`)"])
+        raise ConfigError(
+            [
+                "kv_connector_extra_config.metastore: missing; the AscendStoreConnector needs the "
+                "kvoffload-metastore's HOST:PORT (start one with `kvoffload-metastore`)"
+            ]
+        )
     unused = sorted(k for k in store.model_fields_set if k.startswith("layerwise_"))
     if unused:  # the reference engine's shared device buffers; vLLM keeps its own paged cache
-        log.warning("kvoffload_config_ignored", keys=unused,
-                    reason="under vLLM the connector saves and loads layer by layer through vLLM's paged cache; "
-                           "shared device buffers are the reference engine's")
+        log.warning(
+            "kvoffload_config_ignored",
+            keys=unused,
+            reason="under vLLM the connector saves and loads layer by layer through vLLM's paged cache; "
+            "shared device buffers are the reference engine's",
+        )
     return store
 
 
@@ -145,8 +162,12 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
         self._store = store_config(vllm_config)
         par = vllm_config.parallel_config
         if par.tensor_parallel_size * par.pipeline_parallel_size > 1:  # every rank would save its shard
-            raise ConfigError([f"AscendStoreConnector: runs with one rank only for now; got tensor_parallel_size "
-                               f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size}"])
+            raise ConfigError(
+                [
+                    f"AscendStoreConnector: runs with one rank only for now; got tensor_parallel_size "
+                    f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size}"
+                ]
+            )
         self._block_size = vllm_config.cache_config.block_size
         self._layer_order, self._spec = cache_spec(kv_cache_config)
         self.model_id = vllm_model_id(vllm_config, self._spec, self._layer_order)
@@ -167,8 +188,13 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             self._layer_loaded: dict[str, threading.Event] = {}
             self._loader: threading.Thread | None = None
             self._load_errors: set[int] = set()
-        log.info("kvoffload_store_connector", role=role.name, model_id=self.model_id,
-                 metastore=self._store.metastore, block_size=self._block_size)
+        log.info(
+            "kvoffload_store_connector",
+            role=role.name,
+            model_id=self.model_id,
+            metastore=self._store.metastore,
+            block_size=self._block_size,
+        )
 
     # ---- scheduler side ----------------------------------------------------------------------
 
@@ -183,8 +209,13 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             return 0, False
         self._counters.add(lookups=1, hit_tokens=hit)
         if hit:
-            log.info("kvoffload_prefix_hit", request_id=request.request_id, hit_tokens=hit,
-                     local_tokens=num_computed_tokens, prompt_tokens=len(prompt))
+            log.info(
+                "kvoffload_prefix_hit",
+                request_id=request.request_id,
+                hit_tokens=hit,
+                local_tokens=num_computed_tokens,
+                prompt_tokens=len(prompt),
+            )
         return hit, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -197,8 +228,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
                 if not s.prompt:
                     continue
                 # a new request comes with all its blocks (None is a running request's "no new block")
-                load, save = self._planner.new_request(s.req_id, s.prompt, s.block_ids or [], s.computed,
-                                                       s.scheduled)
+                load, save = self._planner.new_request(s.req_id, s.prompt, s.block_ids or [], s.computed, s.scheduled)
                 meta.loads += [load] if load else []
             else:
                 save = self._planner.running_request(s.req_id, s.block_ids, s.resumed, s.computed, s.scheduled)
@@ -212,18 +242,26 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
     # ---- worker side -------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._layout = CacheLayout.of(kv_caches, self._layer_order, self._kv_cache_config.num_blocks,
-                                      self._block_size, self._spec.page_size_bytes)
+        self._layout = CacheLayout.of(
+            kv_caches, self._layer_order, self._kv_cache_config.num_blocks, self._block_size, self._spec.page_size_bytes
+        )
         self._caches = {name: kv_caches[name] for name in self._layer_order}
         pool_gb = self._store.host_pool_gb or DEFAULT_HOST_POOL_GB
         geometry = self._layout.geometry(int(pool_gb * 2**30))
         sweep_stale_segments()
         tag = uuid.uuid4().hex[:8]
         pool_id = f"vllm-{os.getpid()}-{tag}"  # the store config's metastore indexes it (store_config)
-        self._pool = open_pool(PoolRequest(self._store, geometry, f"kvoffload-vllm-pool-{tag}", pool_id,
-                                           timeout_s=METASTORE_TIMEOUT_S))
-        log.info("kvoffload_pool_registered", pool_id=pool_id, layers=len(self._layer_order),
-                 block_bytes=self._layout.block_bytes, objects=geometry.num_blocks, host_pool_gb=pool_gb)
+        self._pool = open_pool(
+            PoolRequest(self._store, geometry, f"kvoffload-vllm-pool-{tag}", pool_id, timeout_s=METASTORE_TIMEOUT_S)
+        )
+        log.info(
+            "kvoffload_pool_registered",
+            pool_id=pool_id,
+            layers=len(self._layer_order),
+            block_bytes=self._layout.block_bytes,
+            objects=geometry.num_blocks,
+            host_pool_gb=pool_gb,
+        )
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -231,8 +269,9 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
         if not meta.loads or self._pool is None:
             return
         self._layer_loaded = {name: threading.Event() for name in self._layer_order}
-        self._loader = threading.Thread(target=self._load, args=(self._pool, list(meta.loads)),
-                                        name="kvoffload-load", daemon=True)
+        self._loader = threading.Thread(
+            target=self._load, args=(self._pool, list(meta.loads)), name="kvoffload-load", daemon=True
+        )
         self._loader.start()
 
     def _load(self, pool: HostPoolBackend, loads: list[Transfer]) -> None:
@@ -250,16 +289,26 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
                 cache.index_copy_(0, ids.to(cache.device), staging.to(cache.device))
                 pending.remove(name)
                 self._layer_loaded[name].set()
-            self._counters.add(blocks_loaded=len(keys), bytes_loaded=len(keys) * layout.block_bytes * len(self._layer_order))
+            self._counters.add(
+                blocks_loaded=len(keys), bytes_loaded=len(keys) * layout.block_bytes * len(self._layer_order)
+            )
             for t in loads:
-                log.info("kvoffload_loaded", request_id=t.request_id, blocks=len(t.keys),
-                         seconds=round(time.perf_counter() - t0, 4))
+                log.info(
+                    "kvoffload_loaded",
+                    request_id=t.request_id,
+                    blocks=len(t.keys),
+                    seconds=round(time.perf_counter() - t0, 4),
+                )
         except Exception as exc:  # noqa: BLE001 - reported to vLLM as load errors: it recomputes the blocks
             with self._lock:
                 self._load_errors.update(ids.tolist())
             self._counters.add(load_errors=len(keys))
-            log.error("kvoffload_load_failed", request_ids=[t.request_id for t in loads], error=str(exc),
-                      layers_left=len(pending))
+            log.error(
+                "kvoffload_load_failed",
+                request_ids=[t.request_id for t in loads],
+                error=str(exc),
+                layers_left=len(pending),
+            )
         finally:
             for name in pending:
                 self._layer_loaded[name].set()
@@ -323,25 +372,35 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
         for t in saves or []:
             if t.request_id in failed:
                 self._counters.add(save_errors=len(t.keys))
-                log.warning("kvoffload_save_failed", request_id=t.request_id, blocks=len(t.keys),
-                            error=str(failed[t.request_id][1]))
+                log.warning(
+                    "kvoffload_save_failed",
+                    request_id=t.request_id,
+                    blocks=len(t.keys),
+                    error=str(failed[t.request_id][1]),
+                )
                 assert self._pool is not None  # the step's saves were allocated in it (save_kv_layer)
                 try:
                     self._pool.remove(list(t.keys))
                 except PoolError as exc:
                     log.warning("kvoffload_remove_failed", request_id=t.request_id, error=str(exc))
             else:
-                self._counters.add(blocks_saved=len(t.keys), bytes_saved=len(t.keys) * self._layout.block_bytes
-                            * len(self._layer_order))
+                self._counters.add(
+                    blocks_saved=len(t.keys),
+                    bytes_saved=len(t.keys) * self._layout.block_bytes * len(self._layer_order),
+                )
                 log.info("kvoffload_saved", request_id=t.request_id, blocks=len(t.keys))
         if handoffs:
             # layerwise: how many layers were already in the pool when the last layer's attention ended
             during = sum(1 for at in saved_at.values() if at < handoffs[-1])
             self._counters.add(layers_saved_during_forward=during)
-            log.info("kvoffload_step_saved", layers=len(handoffs), layers_saved_during_forward=during,
-                     forward_s=round(handoffs[-1] - handoffs[0], 4),
-                     first_layer_saved_s=round(min(saved_at.values(), default=handoffs[0]) - handoffs[0], 4),
-                     request_ids=[t.request_id for t in saves or []])
+            log.info(
+                "kvoffload_step_saved",
+                layers=len(handoffs),
+                layers_saved_during_forward=during,
+                forward_s=round(handoffs[-1] - handoffs[0], 4),
+                first_layer_saved_s=round(min(saved_at.values(), default=handoffs[0]) - handoffs[0], 4),
+                request_ids=[t.request_id for t in saves or []],
+            )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._loader is not None:  # sync loads: reported in the pass that ran them

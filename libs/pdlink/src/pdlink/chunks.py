@@ -17,8 +17,9 @@ def data_chunks(data: torch.Tensor) -> Iterator[transfer_pb2.DataChunk]:
     """``data`` (contiguous uint8, 1-D) as DataChunks in order, each of at most ``MAX_CHUNK_BYTES`` and
     naming the ``total_bytes``; an empty ``data`` is one empty chunk (offset 0, total 0)."""
     if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
-        raise ValueError(f"data_chunks takes a contiguous 1-D uint8 tensor, not {data.dtype} of shape "
-                         f"{tuple(data.shape)}")
+        raise ValueError(
+            f"data_chunks takes a contiguous 1-D uint8 tensor, not {data.dtype} of shape {tuple(data.shape)}"
+        )
     total = data.numel()
     raw = data.numpy().tobytes()
     for off in range(0, total, MAX_CHUNK_BYTES):

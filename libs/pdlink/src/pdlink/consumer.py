@@ -105,7 +105,7 @@ class RowSink(ABC):
 
     @abstractmethod
     def layout_problem(self, meta: transfer_pb2.LayoutMetadata) -> str:
-        """"" if this sink takes rows of layout ``meta`` (after the common checks), else the first mismatch."""
+        """ "" if this sink takes rows of layout ``meta`` (after the common checks), else the first mismatch."""
 
     @abstractmethod
     def planes(self, layer: int) -> list[Plane]:
@@ -135,7 +135,7 @@ class RowSink(ABC):
 
     @abstractmethod
     def prefill_done(self, request: transfer_pb2.PrefillDoneRequest, endpoint: str) -> str:
-        """"" when the prefill's end of ``request`` is taken, else why not; ``UnknownRequest`` if it
+        """ "" when the prefill's end of ``request`` is taken, else why not; ``UnknownRequest`` if it
         is not waiting here."""
 
 
@@ -144,9 +144,18 @@ class PullConsumer:
     ``layout_version``), the pulls into ``sink`` (through ``sources``, or ``memfabric`` when given),
     heartbeats and PrefillDone, and the ``counters``. ``host_id`` None: never the prefill's host."""
 
-    def __init__(self, sink: RowSink, sources: RowSources, *, model_id: str, host_id: str | None = None,
-                 read_retries: int = 2, memfabric: MemfabricRows | None = None, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        sink: RowSink,
+        sources: RowSources,
+        *,
+        model_id: str,
+        host_id: str | None = None,
+        read_retries: int = 2,
+        memfabric: MemfabricRows | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
         self.sink, self.sources, self.memfabric = sink, sources, memfabric
         self.model_id, self.host_id, self.read_retries = model_id, host_id, read_retries
         self.tp_rank, self.tp_size = tp_rank, tp_size  # this consumer rank: only its contributors' layouts
@@ -163,13 +172,21 @@ class PullConsumer:
         if not reason:
             with self._lock:
                 self._layouts[m.layout_version] = m
-        log.info("layout_exchange", accepted=not reason, reason=reason, layout_version=m.layout_version,
-                 data_endpoint=m.data_endpoint, prefill_tp_rank=m.prefill_tp_rank, prefill_tp_size=m.prefill_tp_size,
-                 decode_tp_rank=self.tp_rank, decode_tp_size=self.tp_size)
+        log.info(
+            "layout_exchange",
+            accepted=not reason,
+            reason=reason,
+            layout_version=m.layout_version,
+            data_endpoint=m.data_endpoint,
+            prefill_tp_rank=m.prefill_tp_rank,
+            prefill_tp_size=m.prefill_tp_size,
+            decode_tp_rank=self.tp_rank,
+            decode_tp_size=self.tp_size,
+        )
         return reason
 
     def check_layout(self, m: transfer_pb2.LayoutMetadata) -> str:
-        """"" if this consumer can pull from a prefill with layout ``m``, else the first mismatch."""
+        """ "" if this consumer can pull from a prefill with layout ``m``, else the first mismatch."""
         sink = self.sink
         if m.layout_version == 0:
             return "layout_version: must be > 0"
@@ -182,10 +199,13 @@ class PullConsumer:
         mine = "memfabric" if self.memfabric is not None else "kvoffload"
         theirs = "memfabric" if m.memfabric_session else "kvoffload"
         if mine != theirs:
-            return (f"memfabric_session: the prefill's transfer_backend is {theirs!r} (session "
-                    f"{m.memfabric_session or 'none'}), this decode's {mine!r}; both sides must use the same one")
-        return tp_handshake_problem(m.prefill_tp_size, m.prefill_tp_rank, self.tp_size, self.tp_rank) \
-            or sink.layout_problem(m)
+            return (
+                f"memfabric_session: the prefill's transfer_backend is {theirs!r} (session "
+                f"{m.memfabric_session or 'none'}), this decode's {mine!r}; both sides must use the same one"
+            )
+        return tp_handshake_problem(
+            m.prefill_tp_size, m.prefill_tp_rank, self.tp_size, self.tp_rank
+        ) or sink.layout_problem(m)
 
     def same_host(self, host_id: str) -> bool:
         """Whether a prefill on ``host_id`` shares this consumer's shared memory."""
@@ -196,8 +216,9 @@ class PullConsumer:
         with self._lock:
             meta = self._layouts.get(layout_version)
         if meta is None:
-            raise NoAcceptedLayout(f"no accepted layout with layout_version {layout_version}: "
-                                   "call ExchangeLayout first")
+            raise NoAcceptedLayout(
+                f"no accepted layout with layout_version {layout_version}: call ExchangeLayout first"
+            )
         return meta
 
     def layouts(self) -> dict[int, transfer_pb2.LayoutMetadata]:
@@ -213,8 +234,10 @@ class PullConsumer:
         duplicate) are not pulled again: the first result stands, counted once."""
         meta = self.accepted_layout(request.layout_version)
         if request.layer >= self.sink.num_layers or request.src_end < request.src_start:
-            raise MalformedRead(f"layer {request.layer} (0..{self.sink.num_layers - 1}) or range "
-                                f"[{request.src_start}, {request.src_end}) is malformed")
+            raise MalformedRead(
+                f"layer {request.layer} (0..{self.sink.num_layers - 1}) or range "
+                f"[{request.src_start}, {request.src_end}) is malformed"
+            )
         read = Read(request, meta)
         rows = self.sink.begin(read)
         if isinstance(rows, ReadOutcome):
@@ -232,8 +255,10 @@ class PullConsumer:
             copy_s += self.sink.install(read, rows, planes)  # then install
         except Exception as exc:  # noqa: BLE001 - answered, never left hanging: the prefill fails the slot's read
             self.counters.increment("read_failed")
-            reason = (f"pull of layer {read.layer} rows [{read.request.src_start}, {read.request.src_end}) "
-                      f"from {read.endpoint} failed: {exc!r}")
+            reason = (
+                f"pull of layer {read.layer} rows [{read.request.src_start}, {read.request.src_end}) "
+                f"from {read.endpoint} failed: {exc!r}"
+            )
             log.warning("read_failed", request_id=read.request_id, layer=read.layer, reason=reason)
             self.sink.failed(read, reason)
             return ReadOutcome(done=False, reason=reason)
@@ -245,13 +270,14 @@ class PullConsumer:
     def _read_with_retries(self, read: Read, rows: range) -> list[torch.Tensor]:
         """``_read``, again after a failure (a dropped stream, a short read) up to ``read_retries``
         times while the request still waits (``pdlink.sources.read_with_retries``)."""
+
         def on_retry(attempt: int, exc: Exception) -> None:
             self.counters.increment("read_retries")
-            log.warning("read_retry", request_id=read.request_id, layer=read.layer, attempt=attempt,
-                        error=repr(exc))
+            log.warning("read_retry", request_id=read.request_id, layer=read.layer, attempt=attempt, error=repr(exc))
 
-        return read_with_retries(lambda: self._read(read, rows), self.read_retries,
-                                 lambda: self.sink.wanted(read.request_id), on_retry)
+        return read_with_retries(
+            lambda: self._read(read, rows), self.read_retries, lambda: self.sink.wanted(read.request_id), on_retry
+        )
 
     def _read(self, read: Read, rows: range) -> list[torch.Tensor]:
         """Source rows ``rows`` of each of the sink's planes of the layer: uint8 ``[n, row_bytes]``."""
@@ -259,11 +285,20 @@ class PullConsumer:
         planes = self.sink.planes(read.layer)
         regions = [lay.main_buffer if p.kind == transfer_pb2.PLANE_KIND_MAIN else lay.indexer_buffer for p in planes]
         if self.memfabric is not None:  # every plane in one batched memfabric read
-            return self.memfabric.layer_rows(read.meta, rows.start, rows.stop,
-                                             [(region, p.row_bytes) for region, p in zip(regions, planes, strict=True)])
-        ask = transfer_pb2.ReadReadyRequest(request_id=read.request_id, layer=read.layer,
-                                            generation=read.request.generation, src_start=rows.start,
-                                            src_end=rows.stop, layout_version=read.request.layout_version)
+            return self.memfabric.layer_rows(
+                read.meta,
+                rows.start,
+                rows.stop,
+                [(region, p.row_bytes) for region, p in zip(regions, planes, strict=True)],
+            )
+        ask = transfer_pb2.ReadReadyRequest(
+            request_id=read.request_id,
+            layer=read.layer,
+            generation=read.request.generation,
+            src_start=rows.start,
+            src_end=rows.stop,
+            layout_version=read.request.layout_version,
+        )
         out = []
         for plane, region in zip(planes, regions, strict=True):
             if self.same_host(read.meta.host_id) and region.segment_name:

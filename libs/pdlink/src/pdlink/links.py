@@ -77,8 +77,15 @@ class _Outcome:
 class DecodeLink:
     """gRPC client of one decode endpoint ``host:port``."""
 
-    def __init__(self, endpoint: str, layout: transfer_pb2.LayoutMetadata, read_timeout_s: float,
-                 tls=PROCESS, peer_timeout_s: float = 10.0, heartbeat_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        layout: transfer_pb2.LayoutMetadata,
+        read_timeout_s: float,
+        tls=PROCESS,
+        peer_timeout_s: float = 10.0,
+        heartbeat_s: float = 1.0,
+    ) -> None:
         self.endpoint = endpoint
         self._layout = layout
         self._read_timeout_s = read_timeout_s
@@ -104,28 +111,35 @@ class DecodeLink:
         with self._layout_lock:
             if self._accepted:
                 try:  # still known there? a restarted decode lost the layout and needs it again
-                    self._stub.Heartbeat(transfer_pb2.PrefillHeartbeat(layout_version=self._layout.layout_version),
-                                         timeout=RECONNECT_WAIT_S, wait_for_ready=True)
+                    self._stub.Heartbeat(
+                        transfer_pb2.PrefillHeartbeat(layout_version=self._layout.layout_version),
+                        timeout=RECONNECT_WAIT_S,
+                        wait_for_ready=True,
+                    )
                     with self._lock:
                         self._last_answer, self._dead = time.monotonic(), ""
                     return
                 except grpc.RpcError as exc:
                     if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                        raise LinkError(f"decode {self.endpoint} unreachable: {exc.code().name}: "
-                                        f"{exc.details()}") from None
+                        raise LinkError(
+                            f"decode {self.endpoint} unreachable: {exc.code().name}: {exc.details()}"
+                        ) from None
                     self._accepted = False
             try:
                 ack = self._stub.ExchangeLayout(self._layout, timeout=LAYOUT_ACK_TIMEOUT_S, wait_for_ready=True)
             except grpc.RpcError as exc:
-                raise LinkError(f"decode {self.endpoint}: layout exchange failed: {exc.code().name}: "
-                                f"{exc.details()}") from None
+                raise LinkError(
+                    f"decode {self.endpoint}: layout exchange failed: {exc.code().name}: {exc.details()}"
+                ) from None
             if not ack.accepted:
                 raise LinkError(f"decode {self.endpoint} refused the layout: {ack.reason}")
-            tp = tp_handshake_problem(self._layout.prefill_tp_size, self._layout.prefill_tp_rank,
-                                      ack.decode_tp_size, ack.decode_tp_rank)
+            tp = tp_handshake_problem(
+                self._layout.prefill_tp_size, self._layout.prefill_tp_rank, ack.decode_tp_size, ack.decode_tp_rank
+            )
             if tp:  # the decode accepted, but its rank is not one this prefill rank feeds
-                raise LinkError(f"decode {self.endpoint} accepted the layout but is not this prefill rank's "
-                                f"target: {tp}")
+                raise LinkError(
+                    f"decode {self.endpoint} accepted the layout but is not this prefill rank's target: {tp}"
+                )
             self._accepted = True
             self._last_answer, self._dead = time.monotonic(), ""
 
@@ -159,9 +173,10 @@ class DecodeLink:
                 if not ids and not self._inflight:
                     continue
             try:
-                reply = self._stub.Heartbeat(transfer_pb2.PrefillHeartbeat(
-                    layout_version=self._layout.layout_version, request_ids=ids),
-                    timeout=min(self._heartbeat_s * 2, self._peer_timeout_s))
+                reply = self._stub.Heartbeat(
+                    transfer_pb2.PrefillHeartbeat(layout_version=self._layout.layout_version, request_ids=ids),
+                    timeout=min(self._heartbeat_s * 2, self._peer_timeout_s),
+                )
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # a restarted decode forgot our layout
                     with self._lock:
@@ -170,8 +185,10 @@ class DecodeLink:
                     continue
                 silent = time.monotonic() - self._last_answer
                 if silent > self._peer_timeout_s:
-                    self._declare_dead(f"decode {self.endpoint} answered no heartbeat for {silent:.1f} s "
-                                       f"(last error {exc.code().name})")
+                    self._declare_dead(
+                        f"decode {self.endpoint} answered no heartbeat for {silent:.1f} s "
+                        f"(last error {exc.code().name})"
+                    )
                 continue
             with self._lock:
                 self._last_answer, self._dead = time.monotonic(), ""
@@ -189,6 +206,7 @@ class DecodeLink:
             log.warning("decode_unresponsive", decode=self.endpoint, reason=reason, pending_reads=len(pending))
         for future in pending:
             future.cancel()
+
     def announce(self, ticket: ReadTicket, reader, request_id: str, start: int, end: int) -> _Outcome:
         """ReadReady for rows [start, end) of ``ticket.layer``; the answer settles ``reader``.
 
@@ -200,9 +218,15 @@ class DecodeLink:
             ticket.read_failed(reader, gone)
             outcome.set(False)
             return outcome
-        req = transfer_pb2.ReadReadyRequest(request_id=request_id, layer=ticket.layer, generation=ticket.generation,
-                                            src_start=start, src_end=end, dst_start=start,
-                                            layout_version=self._layout.layout_version)
+        req = transfer_pb2.ReadReadyRequest(
+            request_id=request_id,
+            layer=ticket.layer,
+            generation=ticket.generation,
+            src_start=start,
+            src_end=end,
+            dst_start=start,
+            layout_version=self._layout.layout_version,
+        )
         sent = time.monotonic()
         future = self._stub.ReadReady.future(req, timeout=self._read_timeout_s)
         with self._lock:
@@ -240,19 +264,33 @@ class DecodeLink:
         future.add_done_callback(settle_and_report)
         return outcome
 
-    def prefill_done(self, request_id: str, num_prompt_tokens: int, first_token: int, first_logprob=None,
-                     draft_token: int | None = None) -> None:
+    def prefill_done(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        first_token: int,
+        first_logprob=None,
+        draft_token: int | None = None,
+    ) -> None:
         """``first_logprob``: the first token's ``TokenLogprob`` when the request asked for logprobs;
         ``draft_token``: the MTP layer's greedy guess for the token after ``first_token``, if any."""
         msg = transfer_pb2.PrefillDoneRequest(
-            request_id=request_id, num_prompt_tokens=num_prompt_tokens, first_token=first_token,
-            layout_version=self._layout.layout_version)
+            request_id=request_id,
+            num_prompt_tokens=num_prompt_tokens,
+            first_token=first_token,
+            layout_version=self._layout.layout_version,
+        )
         if draft_token is not None:
             msg.has_draft, msg.draft_token = True, draft_token
         if first_logprob is not None:
-            msg.first_token_logprobs.CopyFrom(transfer_pb2.TokenLogprobs(
-                token=first_logprob.token, logprob=first_logprob.logprob,
-                top_tokens=[t for t, _ in first_logprob.top], top_logprobs=[lp for _, lp in first_logprob.top]))
+            msg.first_token_logprobs.CopyFrom(
+                transfer_pb2.TokenLogprobs(
+                    token=first_logprob.token,
+                    logprob=first_logprob.logprob,
+                    top_tokens=[t for t, _ in first_logprob.top],
+                    top_logprobs=[lp for _, lp in first_logprob.top],
+                )
+            )
         try:
             reply = self._stub.PrefillDone(msg, timeout=self._read_timeout_s)
         except grpc.RpcError as exc:

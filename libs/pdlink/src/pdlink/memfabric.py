@@ -49,8 +49,10 @@ MODULE = "memfabric_hybrid"
 ROLES = ("Prefill", "Decode")
 STORE_SERVER_ROLE = "Prefill"  # the prefill's engine hosts the config store; the decode's joins it
 STORE_PROTOCOL = "tcp://"
-DRIVER_HINT = ("memfabric's data path needs an Ascend NPU driver (Ascend HDK) on this host; kvoffload does not fall "
-               "back to its embedded P→D data path")
+DRIVER_HINT = (
+    "memfabric's data path needs an Ascend NPU driver (Ascend HDK) on this host; kvoffload does not fall "
+    "back to its embedded P→D data path"
+)
 
 _ERROR_LINE = re.compile(r"\bERROR\b.*?\[(\w+) ([\w.]+:\d+) \w+\] (.*)$")  # "... ERROR [pid-tid][TAG file:line fn] msg"
 
@@ -108,11 +110,17 @@ def _checked(mf: Any, call: str, fn: Callable[[], int]) -> None:
         code = int(fn())
     if code == 0:
         return
-    reason = "; ".join(r for r in (native_reason(lines), _last_error(mf)) if r) \
+    reason = (
+        "; ".join(r for r in (native_reason(lines), _last_error(mf)) if r)
         or f"{MODULE} printed no reason (set ASCEND_MF_LOG_LEVEL=0 for its debug log)"
+    )
     driver = "driver" in reason.lower()
-    raise MemfabricUnavailable(f"{MODULE} cannot start here: {call} returned {code}; {MODULE} says: {reason}"
-                               + (f"; {DRIVER_HINT}" if driver else ""), code=code, reason=reason)
+    raise MemfabricUnavailable(
+        f"{MODULE} cannot start here: {call} returned {code}; {MODULE} says: {reason}"
+        + (f"; {DRIVER_HINT}" if driver else ""),
+        code=code,
+        reason=reason,
+    )
 
 
 def _session_host(host: str) -> str:
@@ -150,15 +158,20 @@ class MemfabricTransfer:
         op = getattr(mf.TransDataOpType, data_op.upper())
         store_url = STORE_PROTOCOL + session_host
         engine = mf.TransferEngine()
-        call = (f"TransferEngine.initialize(store_url={store_url!r}, session_id={session_host!r}, role={role!r}, "
-                f"device_id={device_id}, data_op_type={op.name}, store_server_role={STORE_SERVER_ROLE!r})")
+        call = (
+            f"TransferEngine.initialize(store_url={store_url!r}, session_id={session_host!r}, role={role!r}, "
+            f"device_id={device_id}, data_op_type={op.name}, store_server_role={STORE_SERVER_ROLE!r})"
+        )
         _checked(mf, call, lambda: engine.initialize(store_url, session_host, role, device_id, op, STORE_SERVER_ROLE))
         port = int(engine.get_rpc_port())
         transfer = cls(mf, engine, role, f"{session_host}:{port}")
         if port <= 0:
             transfer.close()
-            raise MemfabricUnavailable(f"{MODULE} cannot start here: TransferEngine.get_rpc_port() returned {port} "
-                                       f"after {call} succeeded", code=port, reason=_last_error(mf))
+            raise MemfabricUnavailable(
+                f"{MODULE} cannot start here: TransferEngine.get_rpc_port() returned {port} after {call} succeeded",
+                code=port,
+                reason=_last_error(mf),
+            )
         log.info("memfabric_started", role=role, session=transfer.session, device_id=device_id, data_op=data_op)
         return transfer
 
@@ -171,24 +184,32 @@ class MemfabricTransfer:
         if address <= 0 or nbytes <= 0:
             raise ValueError(f"register needs an address and a size > 0, got 0x{address:x} and {nbytes}")
         self._open()
-        _checked(self._mf, f"TransferEngine.register_memory(0x{address:x}, {nbytes}) of session {self.session}",
-                 lambda: self._engine.register_memory(address, nbytes))
+        _checked(
+            self._mf,
+            f"TransferEngine.register_memory(0x{address:x}, {nbytes}) of session {self.session}",
+            lambda: self._engine.register_memory(address, nbytes),
+        )
         self._registered.append(address)
 
     def read(self, peer_session: str, local: Sequence[int], peer: Sequence[int], lengths: Sequence[int]) -> None:
         """Copy ``lengths[i]`` bytes at ``peer[i]`` (registered by ``peer_session``) to ``local[i]``
         (registered here) with one batched sync read; MemfabricError if it fails."""
         if not len(local) == len(peer) == len(lengths):
-            raise ValueError(f"read needs as many local addresses ({len(local)}), peer addresses ({len(peer)}) "
-                             f"and lengths ({len(lengths)})")
+            raise ValueError(
+                f"read needs as many local addresses ({len(local)}), peer addresses ({len(peer)}) "
+                f"and lengths ({len(lengths)})"
+            )
         self._open()
         code = int(self._engine.batch_transfer_sync_read(peer_session, list(local), list(peer), list(lengths)))
         if code != 0:
             reason = _last_error(self._mf)
-            raise MemfabricError(f"{MODULE} TransferEngine.batch_transfer_sync_read from session {peer_session} "
-                                 f"({len(lengths)} ranges, {sum(lengths)} bytes) returned {code}"
-                                 + (f": {reason}" if reason else " (its log on stdout says why)"),
-                                 code=code, reason=reason)
+            raise MemfabricError(
+                f"{MODULE} TransferEngine.batch_transfer_sync_read from session {peer_session} "
+                f"({len(lengths)} ranges, {sum(lengths)} bytes) returned {code}"
+                + (f": {reason}" if reason else " (its log on stdout says why)"),
+                code=code,
+                reason=reason,
+            )
 
     def close(self) -> None:
         """Unregister the registered memory, destroy the engine, uninitialize memfabric. Idempotent."""
@@ -229,22 +250,31 @@ class MemfabricRows:
         n = end - start
         for region, row_bytes in planes:
             if end > region.capacity_tokens or region.row_stride_bytes != row_bytes:
-                raise ValueError(f"buffer region of {region.capacity_tokens} rows x {region.row_stride_bytes} bytes "
-                                 f"cannot give rows [{start}, {end}) of {row_bytes} bytes")
+                raise ValueError(
+                    f"buffer region of {region.capacity_tokens} rows x {region.row_stride_bytes} bytes "
+                    f"cannot give rows [{start}, {end}) of {row_bytes} bytes"
+                )
         sizes = [n * row_bytes for _, row_bytes in planes]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         if sum(sizes) > self._staging.numel():
-            raise ValueError(f"rows [{start}, {end}) need {sum(sizes)} bytes; the memfabric staging buffer holds "
-                             f"{self._staging.numel()}")
+            raise ValueError(
+                f"rows [{start}, {end}) need {sum(sizes)} bytes; the memfabric staging buffer holds "
+                f"{self._staging.numel()}"
+            )
         base = self._staging.data_ptr()
-        ranges = [(base + off, meta.memfabric_segment_address + region.offset_bytes + start * row_bytes, size)
-                  for off, size, (region, row_bytes) in zip(offsets, sizes, planes) if size]
+        ranges = [
+            (base + off, meta.memfabric_segment_address + region.offset_bytes + start * row_bytes, size)
+            for off, size, (region, row_bytes) in zip(offsets, sizes, planes)
+            if size
+        ]
         with self._lock:
             if ranges:
                 local, peer, lengths = (list(column) for column in zip(*ranges))
                 self.transfer.read(meta.memfabric_session, local, peer, lengths)
-            return [self._staging[off : off + size].clone().view(n, row_bytes)
-                    for off, size, (_, row_bytes) in zip(offsets, sizes, planes)]
+            return [
+                self._staging[off : off + size].clone().view(n, row_bytes)
+                for off, size, (_, row_bytes) in zip(offsets, sizes, planes)
+            ]
 
     def close(self) -> None:
         self.transfer.close()  # unregisters the staging buffer first

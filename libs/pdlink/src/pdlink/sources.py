@@ -22,12 +22,17 @@ from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
-PERMANENT = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
-             grpc.StatusCode.INVALID_ARGUMENT)  # a LayerSource answer that a retry cannot change
+PERMANENT = (
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.INVALID_ARGUMENT,
+)  # a LayerSource answer that a retry cannot change
 
 
-def read_with_retries(read: Callable[[], T], retries: int, still_wanted: Callable[[], bool],
-                      on_retry: Callable[[int, Exception], None]) -> T:
+def read_with_retries(
+    read: Callable[[], T], retries: int, still_wanted: Callable[[], bool], on_retry: Callable[[int, Exception], None]
+) -> T:
     """``read()``, again after a failure that a retry can change (a dropped stream: ``grpc.RpcError``
     other than ``PERMANENT``; a short read: ``ValueError``) up to ``retries`` times while
     ``still_wanted()``, after ``on_retry(attempt, error)`` and a backoff of 50 ms x 2^attempt; the
@@ -61,8 +66,10 @@ class RowSources:
         """Rows [start, end) of a ``BufferRegion``: a view of the prefill's memory (installing them
         is the one copy READ_DONE waits for). ValueError if the region cannot hold them."""
         if end > region.capacity_tokens or region.row_stride_bytes != row_bytes:
-            raise ValueError(f"buffer region of {region.capacity_tokens} rows x {region.row_stride_bytes} bytes "
-                             f"cannot give rows [{start}, {end}) of {row_bytes} bytes")
+            raise ValueError(
+                f"buffer region of {region.capacity_tokens} rows x {region.row_stride_bytes} bytes "
+                f"cannot give rows [{start}, {end}) of {row_bytes} bytes"
+            )
         with self._lock:
             seg = self._segments.get(region.segment_name)
             if seg is None:
@@ -85,15 +92,25 @@ class RowSources:
         n = request.src_end - request.src_start
         out = torch.empty(n * row_bytes, dtype=torch.uint8)
         seen = 0
-        for chunk in stub.ReadLayer(transfer_pb2.ReadLayerRequest(
-                request_id=request.request_id, layer=request.layer, kind=kind, src_start=request.src_start,
-                src_end=request.src_end, generation=request.generation, layout_version=request.layout_version),
-                timeout=60):
+        for chunk in stub.ReadLayer(
+            transfer_pb2.ReadLayerRequest(
+                request_id=request.request_id,
+                layer=request.layer,
+                kind=kind,
+                src_start=request.src_start,
+                src_end=request.src_end,
+                generation=request.generation,
+                layout_version=request.layout_version,
+            ),
+            timeout=60,
+        ):
             if chunk.total_bytes != out.numel() or chunk.offset_bytes + len(chunk.data) > out.numel():
-                raise ValueError(f"LayerSource chunk at {chunk.offset_bytes} (+{len(chunk.data)}) does not fit "
-                                 f"{out.numel()} bytes")
+                raise ValueError(
+                    f"LayerSource chunk at {chunk.offset_bytes} (+{len(chunk.data)}) does not fit {out.numel()} bytes"
+                )
             out[chunk.offset_bytes : chunk.offset_bytes + len(chunk.data)] = torch.frombuffer(
-                bytearray(chunk.data), dtype=torch.uint8)
+                bytearray(chunk.data), dtype=torch.uint8
+            )
             seen += len(chunk.data)
         if seen != out.numel():
             raise ValueError(f"LayerSource sent {seen} of {out.numel()} bytes")

@@ -24,9 +24,14 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
     def ExchangeLayout(self, request, context):
         c = self.consumer
         reason = c.exchange_layout(request)
-        return transfer_pb2.LayoutAck(accepted=not reason, reason=reason, layout_version=request.layout_version,
-                                      decode_tp_rank=c.tp_rank, decode_tp_size=c.tp_size,
-                                      shared_memory=c.memfabric is None and c.same_host(request.host_id))
+        return transfer_pb2.LayoutAck(
+            accepted=not reason,
+            reason=reason,
+            layout_version=request.layout_version,
+            decode_tp_rank=c.tp_rank,
+            decode_tp_size=c.tp_size,
+            shared_memory=c.memfabric is None and c.same_host(request.host_id),
+        )
 
     def ReadReady(self, request, context):
         try:
@@ -35,8 +40,9 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
             abort(context, exc)
         if not out.done:
             return transfer_pb2.ReadResult(status=transfer_pb2.READ_FAILED, reason=out.reason)
-        return transfer_pb2.ReadResult(status=transfer_pb2.READ_DONE, bytes_read=out.bytes_read,
-                                       read_ms=int(out.read_ms))
+        return transfer_pb2.ReadResult(
+            status=transfer_pb2.READ_DONE, bytes_read=out.bytes_read, read_ms=int(out.read_ms)
+        )
 
     def Heartbeat(self, request, context):
         try:

@@ -95,8 +95,15 @@ class RemoteLease:
 class MetaStoreClient:
     """Typed client of ``kvoffload.v1.MetaStore`` (see the module docstring). Thread-safe."""
 
-    def __init__(self, target: str, *, pool_id: str | None = None, timeout_s: float = 5.0,
-                 channel: grpc.Channel | None = None, tls: Any = PROCESS) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        pool_id: str | None = None,
+        timeout_s: float = 5.0,
+        channel: grpc.Channel | None = None,
+        tls: Any = PROCESS,
+    ) -> None:
         """``tls``: a ``svcruntime.tls.TLSConfig`` for the channel, None for plain gRPC; by default the
         process's (``svcruntime.tls.configure``). Ignored when ``channel`` is given."""
         check_positive("timeout_s", timeout_s)
@@ -121,27 +128,44 @@ class MetaStoreClient:
 
     # ---- LocalService ----------------------------------------------------------------------------
 
-    def register_pool(self, segment_name: str, geometry: PoolGeometry, *, pool_id: str | None = None,
-                      host: str = "", replace: bool = False) -> Any:
+    def register_pool(
+        self,
+        segment_name: str,
+        geometry: PoolGeometry,
+        *,
+        pool_id: str | None = None,
+        host: str = "",
+        replace: bool = False,
+    ) -> Any:
         """Register a segment this process created; the ``RegisterPoolReply`` says how often to ``heartbeat``."""
-        return self._call("RegisterPool", pb.RegisterPoolRequest(
-            pool_id=self._pool(pool_id), segment_name=segment_name, geometry=geometry_to_pb(geometry), host=host,
-            replace=replace))
+        return self._call(
+            "RegisterPool",
+            pb.RegisterPoolRequest(
+                pool_id=self._pool(pool_id),
+                segment_name=segment_name,
+                geometry=geometry_to_pb(geometry),
+                host=host,
+                replace=replace,
+            ),
+        )
 
     def heartbeat(self, pool_id: str | None = None) -> int:
         """ms until the pool expires without another beat; ``PoolNotRegistered`` if it is gone."""
         return self._call("Heartbeat", pb.HeartbeatRequest(pool_id=self._pool(pool_id))).expires_in_ms
 
     def deregister_pool(self, pool_id: str | None = None) -> bool:
-        return self._call("DeregisterPool",
-                          pb.DeregisterPoolRequest(pool_id=self._pool(pool_id))).deregistered
+        return self._call("DeregisterPool", pb.DeregisterPoolRequest(pool_id=self._pool(pool_id))).deregistered
 
     # ---- HostPoolBackend-shaped index hooks ------------------------------------------------------
 
     def check_alloc(self, keys: Sequence[bytes]) -> PoolRecord:
         """The pool ``alloc(keys)`` would use, or the error it would raise; changes nothing."""
-        reply = self._call("Alloc", pb.AllocRequest(keys=list(keys), pool_hint=self.pool_id or "",
-                                                          require_hint=self.pool_id is not None, dry_run=True))
+        reply = self._call(
+            "Alloc",
+            pb.AllocRequest(
+                keys=list(keys), pool_hint=self.pool_id or "", require_hint=self.pool_id is not None, dry_run=True
+            ),
+        )
         return pool_from_pb(reply.pool)
 
     def can_alloc(self, keys: Sequence[bytes]) -> bool:
@@ -155,10 +179,12 @@ class MetaStoreClient:
         """Block ids of new objects (in this client's pool when it has one), in key order."""
         return self.alloc_objects(keys, self.pool_id, require_hint=self.pool_id is not None).block_ids
 
-    def alloc_objects(self, keys: Sequence[bytes], pool_hint: str | None = None, *,
-                      require_hint: bool = False) -> Allocation:
-        reply = self._call("Alloc", pb.AllocRequest(keys=list(keys), pool_hint=pool_hint or "",
-                                                          require_hint=require_hint))
+    def alloc_objects(
+        self, keys: Sequence[bytes], pool_hint: str | None = None, *, require_hint: bool = False
+    ) -> Allocation:
+        reply = self._call(
+            "Alloc", pb.AllocRequest(keys=list(keys), pool_hint=pool_hint or "", require_hint=require_hint)
+        )
         return Allocation(pool_from_pb(reply.pool), list(reply.block_ids), reply.evicted_objects)
 
     def mark_written(self, keys: Sequence[bytes], plane: int | Sequence[int]) -> list[bool]:
@@ -202,10 +228,17 @@ class MetaStoreClient:
         if self.pool_id is not None and not pools:
             raise PoolNotRegistered(f"pool {self.pool_id!r} is not registered")
         total = lambda name: sum(getattr(p, name) for p in pools)  # noqa: E731
-        return PoolStats(num_blocks=sum(p.pool.geometry.num_blocks for p in pools), used_blocks=total("used_blocks"),
-                         free_blocks=total("free_blocks"), used_bytes=total("used_bytes"),
-                         capacity_bytes=total("capacity_bytes"), complete_objects=total("complete_objects"),
-                         live_leases=s.live_leases, lease_expiries=s.lease_expiries, evictions=total("evictions"))
+        return PoolStats(
+            num_blocks=sum(p.pool.geometry.num_blocks for p in pools),
+            used_blocks=total("used_blocks"),
+            free_blocks=total("free_blocks"),
+            used_bytes=total("used_bytes"),
+            capacity_bytes=total("capacity_bytes"),
+            complete_objects=total("complete_objects"),
+            live_leases=s.live_leases,
+            lease_expiries=s.lease_expiries,
+            evictions=total("evictions"),
+        )
 
     def close(self) -> None:
         if self._owns_channel:

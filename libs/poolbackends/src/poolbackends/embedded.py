@@ -18,8 +18,15 @@ def open_pool(request: PoolRequest) -> HostPoolBackend:
     metastore = request.store.metastore
     if not metastore:
         return LocalHostPool.create(request.name, request.geometry, eviction=LRUEviction())
-    return RemoteHostPool.create(metastore, request.pool_id, request.name, request.geometry, replace=True,
-                                 rejoin=True, timeout_s=request.timeout_s)
+    return RemoteHostPool.create(
+        metastore,
+        request.pool_id,
+        request.name,
+        request.geometry,
+        replace=True,
+        rejoin=True,
+        timeout_s=request.timeout_s,
+    )
 
 
 def pool_not_ready(pool: HostPoolBackend) -> str:

@@ -34,9 +34,18 @@ T = TypeVar("T")
 class PoolMembership:
     """One registered pool's standing with the MetaStore (see the module docstring)."""
 
-    def __init__(self, client: MetaStoreClient, segment_name: str, geometry: PoolGeometry, host_id: str, *,
-                 heartbeat_interval_ms: int | None = None, replace: bool = False, rejoin: bool = False,
-                 ready_to_rejoin: Callable[[], bool] = lambda: True) -> None:
+    def __init__(
+        self,
+        client: MetaStoreClient,
+        segment_name: str,
+        geometry: PoolGeometry,
+        host_id: str,
+        *,
+        heartbeat_interval_ms: int | None = None,
+        replace: bool = False,
+        rejoin: bool = False,
+        ready_to_rejoin: Callable[[], bool] = lambda: True,
+    ) -> None:
         if not client.pool_id:
             raise ValueError("client must be a MetaStoreClient built with pool_id=<this pool's id>")
         self._client = client
@@ -58,16 +67,25 @@ class PoolMembership:
         interval = int(reply.heartbeat_interval_ms) if heartbeat_interval_ms is None else heartbeat_interval_ms
         if isinstance(interval, bool) or not isinstance(interval, int) or not 0 < interval < self.heartbeat_timeout_ms:
             client.deregister_pool()
-            raise ValueError(f"heartbeat_interval_ms must be an int in [1, {self.heartbeat_timeout_ms}) (the "
-                             f"MetaStore's heartbeat timeout), got {heartbeat_interval_ms!r}")
+            raise ValueError(
+                f"heartbeat_interval_ms must be an int in [1, {self.heartbeat_timeout_ms}) (the "
+                f"MetaStore's heartbeat timeout), got {heartbeat_interval_ms!r}"
+            )
         self.heartbeat_interval_ms = interval
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._heartbeat_loop, name=f"kv-heartbeat-{self.pool_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._heartbeat_loop, name=f"kv-heartbeat-{self.pool_id}", daemon=True)
         self._thread.start()
-        log.info("remote_pool_registered", pool_id=self.pool_id, target=client.target, segment=segment_name,
-                 host=host_id, num_blocks=geometry.num_blocks, heartbeat_interval_ms=interval,
-                 num_pools=int(reply.num_pools), world_size=int(reply.world_size))
+        log.info(
+            "remote_pool_registered",
+            pool_id=self.pool_id,
+            target=client.target,
+            segment=segment_name,
+            host=host_id,
+            num_blocks=geometry.num_blocks,
+            heartbeat_interval_ms=interval,
+            num_pools=int(reply.num_pools),
+            world_size=int(reply.world_size),
+        )
 
     # ---- standing --------------------------------------------------------------------------------
 
@@ -89,8 +107,10 @@ class PoolMembership:
         if self._dead is not None:
             return f"pool {self.pool_id!r} is not registered with the MetaStore at {self._client.target}: {self._dead}"
         if self._unanswered is not None:
-            return f"the MetaStore at {self._client.target} does not answer pool {self.pool_id!r}'s heartbeats: " \
-                   f"{self._unanswered}"
+            return (
+                f"the MetaStore at {self._client.target} does not answer pool {self.pool_id!r}'s heartbeats: "
+                f"{self._unanswered}"
+            )
         return ""
 
     def check_usable(self) -> None:
@@ -101,7 +121,8 @@ class PoolMembership:
             raise PoolNotRegistered(
                 f"pool {self.pool_id!r} is no longer registered with the MetaStore at {self._client.target} "
                 f"({self._dead}); every object it held is gone: close it and create it again (replace=True "
-                f"reuses the name)")
+                f"reuses the name)"
+            )
 
     def mark_dead(self, why: str) -> None:
         with self._lock:
@@ -147,8 +168,14 @@ class PoolMembership:
                 if self._closed:
                     return
                 self.heartbeat_failures += 1
-                log.warning("remote_pool_heartbeat_failed", pool_id=self.pool_id, target=self._client.target,
-                            error=str(e), failures=self.heartbeat_failures, retry_in_ms=self.heartbeat_interval_ms)
+                log.warning(
+                    "remote_pool_heartbeat_failed",
+                    pool_id=self.pool_id,
+                    target=self._client.target,
+                    error=str(e),
+                    failures=self.heartbeat_failures,
+                    retry_in_ms=self.heartbeat_interval_ms,
+                )
             except Exception:  # noqa: BLE001 - keep beating whatever one call did
                 self.heartbeat_failures += 1
                 log.exception("remote_pool_heartbeat_error", pool_id=self.pool_id)

@@ -62,22 +62,40 @@ class MemcacheHostPool(StoreHostPool):
 
     STORE = "Memcache"
 
-    def __init__(self, client: MemcacheClient, geometry: PoolGeometry, *, namespace: str = "kvoffload",
-                 eviction: EvictionPolicy | None = None, io_wait_timeout_s: float = 30.0,
-                 owns_client: bool = False) -> None:
+    def __init__(
+        self,
+        client: MemcacheClient,
+        geometry: PoolGeometry,
+        *,
+        namespace: str = "kvoffload",
+        eviction: EvictionPolicy | None = None,
+        io_wait_timeout_s: float = 30.0,
+        owns_client: bool = False,
+    ) -> None:
         if not isinstance(client, MemcacheClient):
             raise ValueError(f"client must be a started MemcacheClient, got {type(client).__name__}")
         if not client.contributes_memory:
-            raise ValueError("client must contribute memory (MemcacheClient.connect(contribute_memory=True)): "
-                             "a metadata-only client cannot put objects")
+            raise ValueError(
+                "client must contribute memory (MemcacheClient.connect(contribute_memory=True)): "
+                "a metadata-only client cannot put objects"
+            )
         self._client, self._owns_client = client, owns_client
-        super().__init__(geometry, prefix="memcache", namespace=namespace, eviction=eviction,
-                         io_wait_timeout_s=io_wait_timeout_s)
+        super().__init__(
+            geometry, prefix="memcache", namespace=namespace, eviction=eviction, io_wait_timeout_s=io_wait_timeout_s
+        )
 
     @classmethod
-    def connect(cls, geometry: PoolGeometry, *, local_config: str | None = None,
-                settings: LocalSettings | None = None, device_id: int = 0, namespace: str = "kvoffload",
-                eviction: EvictionPolicy | None = None, io_wait_timeout_s: float = 30.0) -> "MemcacheHostPool":
+    def connect(
+        cls,
+        geometry: PoolGeometry,
+        *,
+        local_config: str | None = None,
+        settings: LocalSettings | None = None,
+        device_id: int = 0,
+        namespace: str = "kvoffload",
+        eviction: EvictionPolicy | None = None,
+        io_wait_timeout_s: float = 30.0,
+    ) -> "MemcacheHostPool":
         """Start a LocalService from ``local_config`` (an ``mmc-local.conf``) or ``settings`` (exactly
         one; a ``settings.dram_bytes`` below the geometry's need is raised to it), then the pool.
         ``MemcacheUnavailable`` when the library cannot start here: no pool is built."""
@@ -93,8 +111,14 @@ class MemcacheHostPool(StoreHostPool):
             conf = local_config  # type: ignore[assignment]
         client = MemcacheClient.connect(conf, device_id=device_id, contribute_memory=True)
         try:
-            return cls(client, geometry, namespace=namespace, eviction=eviction,
-                       io_wait_timeout_s=io_wait_timeout_s, owns_client=True)
+            return cls(
+                client,
+                geometry,
+                namespace=namespace,
+                eviction=eviction,
+                io_wait_timeout_s=io_wait_timeout_s,
+                owns_client=True,
+            )
         except BaseException:
             client.close()
             raise
@@ -107,9 +131,13 @@ class MemcacheHostPool(StoreHostPool):
         return f"{self.namespace}/{key.hex()}"
 
     def _fail(self, op: str, code: int, key: bytes | None, n: int) -> MemcacheStoreError:
-        return MemcacheStoreError(f"Memcache {op} of {n} object(s) failed with code {code} (MetaService "
-                                  f"{self._client.meta_service_url}, pool {self.pool_id[:8]}, namespace "
-                                  f"{self.namespace!r})", code=code, key=key)
+        return MemcacheStoreError(
+            f"Memcache {op} of {n} object(s) failed with code {code} (MetaService "
+            f"{self._client.meta_service_url}, pool {self.pool_id[:8]}, namespace "
+            f"{self.namespace!r})",
+            code=code,
+            key=key,
+        )
 
     # ---- the store primitives of StoreHostPool -------------------------------------------------
 
@@ -119,8 +147,11 @@ class MemcacheHostPool(StoreHostPool):
         self._part_base = [t.data_ptr() for t in planes]
         code = self._client.register(self._base, segment.size_bytes)
         if code != 0:
-            raise MemcacheStoreError(f"Memcache register_buffer of the pool's {segment.size_bytes} B segment "
-                                     f"failed with {code} ({self._client})", code=code)
+            raise MemcacheStoreError(
+                f"Memcache register_buffer of the pool's {segment.size_bytes} B segment "
+                f"failed with {code} ({self._client})",
+                code=code,
+            )
 
     def _store_put(self, keys: list[bytes], ids: list[int]) -> None:
         """Put objects ``keys`` from blocks ``ids``, one layer per plane, all or none."""
@@ -166,9 +197,11 @@ class MemcacheHostPool(StoreHostPool):
             raise self._fail("register_buffer (read staging)", code, None, len(keys))
         offs = [sum(self._part_bytes[:p]) for p in range(g.num_planes)]
         try:
-            codes = self._client.get_layers([self.key(k) for k in keys],
-                                            [[base + i * g.block_bytes + o for o in offs] for i in range(len(keys))],
-                                            [self._part_bytes] * len(keys))
+            codes = self._client.get_layers(
+                [self.key(k) for k in keys],
+                [[base + i * g.block_bytes + o for o in offs] for i in range(len(keys))],
+                [self._part_bytes] * len(keys),
+            )
         finally:
             self._client.unregister(base, staging.numel())
         for k, c in zip(keys, codes):
@@ -189,8 +222,10 @@ class MemcacheHostPool(StoreHostPool):
             self._client.close()
 
     def __repr__(self) -> str:
-        return (f"MemcacheHostPool({self.pool_id[:8]}, meta={self._client.meta_service_url!r}, "
-                f"namespace={self.namespace!r}, {'closed' if self._closed else 'open'})")
+        return (
+            f"MemcacheHostPool({self.pool_id[:8]}, meta={self._client.meta_service_url!r}, "
+            f"namespace={self.namespace!r}, {'closed' if self._closed else 'open'})"
+        )
 
 
 def open_pool(request: PoolRequest) -> MemcacheHostPool:

@@ -46,8 +46,10 @@ from poolbackends.memcache_meta import INSTALL_HINT, MODULE, MemcacheNotInstalle
 
 H2G = 3  # memfabric_hybrid.bm.BmCopyType.H2G: host memory -> global pool
 G2H = 2  # BmCopyType.G2H: global pool -> host memory
-DRIVER_HINT = ("The Memcache data path (MemFabric's hybm layer under every ock.mmc.local_service.protocol) needs "
-               "an Ascend NPU driver (Ascend HDK) on this host; kvoffload does not fall back to its embedded pool")
+DRIVER_HINT = (
+    "The Memcache data path (MemFabric's hybm layer under every ock.mmc.local_service.protocol) needs "
+    "an Ascend NPU driver (Ascend HDK) on this host; kvoffload does not fall back to its embedded pool"
+)
 
 _setup_lock = threading.Lock()
 _process_setup: tuple[str, str] | None = None  # (meta_service_url, config_store_url) of this process's setup
@@ -119,8 +121,9 @@ def _client_closed() -> None:
 class MemcacheClient:
     """One started LocalService client (see the module docstring). Thread-safe as the library is."""
 
-    def __init__(self, store: Any, local_config: str, fields: dict[str, Any], contributes_memory: bool,
-                 owns_conf: bool = False) -> None:
+    def __init__(
+        self, store: Any, local_config: str, fields: dict[str, Any], contributes_memory: bool, owns_conf: bool = False
+    ) -> None:
         self._store = store
         self.local_config = local_config
         self._owns_conf = owns_conf
@@ -130,8 +133,9 @@ class MemcacheClient:
         self._closed = False
 
     @classmethod
-    def connect(cls, local_config: str | os.PathLike[str] | LocalSettings, *, device_id: int = 0,
-                contribute_memory: bool = True) -> "MemcacheClient":
+    def connect(
+        cls, local_config: str | os.PathLike[str] | LocalSettings, *, device_id: int = 0, contribute_memory: bool = True
+    ) -> "MemcacheClient":
         """Start a LocalService from an ``mmc-local.conf`` path (or settings, written to a temporary
         file first). Raises ``MemcacheNotInstalled``, ``ValueError`` (a bad conf) or
         ``MemcacheUnavailable`` (the library refused to start: the reason is its own)."""
@@ -159,17 +163,26 @@ class MemcacheClient:
         wanted = (str(fields.get("meta_service_url", "tcp://127.0.0.1:5000")), str(fields.get("config_store_url", "")))
         with _setup_lock:
             if _process_setup is not None and _process_setup != wanted:
-                reason = (f"this process already set up its LocalService for MetaService {_process_setup[0]} "
-                          f"(config store {_process_setup[1]}); {MODULE} keeps one per process")
-                raise MemcacheUnavailable(f"{MODULE} cannot start a LocalService for MetaService {wanted[0]} (config "
-                                          f"store {wanted[1]}, conf {path}): {reason}. Connect from another process",
-                                          reason=reason, code=-1, needs_ascend_driver=False)
+                reason = (
+                    f"this process already set up its LocalService for MetaService {_process_setup[0]} "
+                    f"(config store {_process_setup[1]}); {MODULE} keeps one per process"
+                )
+                raise MemcacheUnavailable(
+                    f"{MODULE} cannot start a LocalService for MetaService {wanted[0]} (config "
+                    f"store {wanted[1]}, conf {path}): {reason}. Connect from another process",
+                    reason=reason,
+                    code=-1,
+                    needs_ascend_driver=False,
+                )
             store = mmc.DistributedObjectStore()
             code = store.setup(build_local_config(mmc, fields))
             if code != 0:
-                raise MemcacheUnavailable(f"{MODULE} DistributedObjectStore.setup(LocalConfig from {path}) returned "
-                                          f"{code}", reason=f"setup returned {code}", code=code,
-                                          needs_ascend_driver=False)
+                raise MemcacheUnavailable(
+                    f"{MODULE} DistributedObjectStore.setup(LocalConfig from {path}) returned {code}",
+                    reason=f"setup returned {code}",
+                    code=code,
+                    needs_ascend_driver=False,
+                )
             _process_setup = wanted  # kept after a failed init: the library keeps it too
         with native_output() as lines:
             code = store.init(device_id, contribute_memory)
@@ -183,7 +196,10 @@ class MemcacheClient:
                 f"init_bm={contribute_memory}) returned {code} (protocol {proto}, MetaService "
                 f"{fields.get('meta_service_url', 'tcp://127.0.0.1:5000')}, conf {path}). {MODULE} says: {reason}"
                 + (f". {DRIVER_HINT}" if driver else ""),
-                reason=reason, code=code, needs_ascend_driver=driver)
+                reason=reason,
+                code=code,
+                needs_ascend_driver=driver,
+            )
         with _setup_lock:
             _open_clients += 1
         return cls(store, path, fields, contribute_memory, owns_conf)
@@ -204,15 +220,21 @@ class MemcacheClient:
     def unregister(self, ptr: int, size: int) -> int:
         return int(self._check().unregister_buffer(ptr, size))
 
-    def put_layers(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
+    def put_layers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
         """Put each object ``keys[i]`` from the host ranges ``ptrs[i]`` / ``sizes[i]`` (in order)."""
-        return list(self._check().batch_put_from_layers(list(keys), [list(p) for p in ptrs],
-                                                        [list(s) for s in sizes], H2G))
+        return list(
+            self._check().batch_put_from_layers(list(keys), [list(p) for p in ptrs], [list(s) for s in sizes], H2G)
+        )
 
-    def get_layers(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
+    def get_layers(
+        self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[int]:
         """Read each object ``keys[i]`` into the host ranges ``ptrs[i]`` / ``sizes[i]`` (in order)."""
-        return list(self._check().batch_get_into_layers(list(keys), [list(p) for p in ptrs],
-                                                        [list(s) for s in sizes], G2H))
+        return list(
+            self._check().batch_get_into_layers(list(keys), [list(p) for p in ptrs], [list(s) for s in sizes], G2H)
+        )
 
     def exists(self, keys: Sequence[str]) -> list[int]:
         """Per key 1 (exists), 0 (not), or < 0 (error)."""
@@ -243,5 +265,6 @@ class MemcacheClient:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"MemcacheClient({self.meta_service_url}, protocol={self.protocol}, "
-                f"{'closed' if self._closed else 'open'})")
+        return (
+            f"MemcacheClient({self.meta_service_url}, protocol={self.protocol}, {'closed' if self._closed else 'open'})"
+        )

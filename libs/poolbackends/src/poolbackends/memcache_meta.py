@@ -35,8 +35,10 @@ from poolbackends.memcache_conf import MetaUrls, meta_conf_text, meta_urls
 from svcruntime.serverprocess import ServerProcess, free_port, port_answers
 
 MODULE = "memcache_hybrid"
-INSTALL_HINT = ("install Memcache with `pip install memcache_hybrid==1.3.0` (it pulls memfabric_hybrid==1.3.0; "
-                "or `pip install kvoffload-poolbackends[memcache]`); scripts/install-memcache does it")
+INSTALL_HINT = (
+    "install Memcache with `pip install memcache_hybrid==1.3.0` (it pulls memfabric_hybrid==1.3.0; "
+    "or `pip install kvoffload-poolbackends[memcache]`); scripts/install-memcache does it"
+)
 NOT_INSTALLED_EXIT = 3  # exit code of the child when memcache_hybrid cannot be imported
 
 
@@ -66,8 +68,9 @@ class MetaSettings:
         for name in ("port", "config_store_port", "metrics_port"):
             v = getattr(self, name)
             if not isinstance(v, int) or not (v == 0 or 1025 <= v <= 65535):
-                raise ValueError(f"{name} must be 0 (a free port) or a port in 1025..65535 (Memcache's range), "
-                                 f"got {v!r}")
+                raise ValueError(
+                    f"{name} must be 0 (a free port) or a port in 1025..65535 (Memcache's range), got {v!r}"
+                )
         check_count("lease_ttl_ms", self.lease_ttl_ms)
         check_positive("start_timeout_s", self.start_timeout_s)
         if self.meta_config is not None and not os.path.isfile(self.meta_config):
@@ -102,10 +105,17 @@ class MemcacheMetaService(ServerProcess):
         else:
             conf = os.path.join(log_dir, "mmc-meta.conf")
             with open(conf, "w") as f:
-                f.write(meta_conf_text(host=s.host, port=s.port or free_port(s.host),
-                                       config_store_port=s.config_store_port or free_port(s.host),
-                                       metrics_port=s.metrics_port or free_port(s.host),
-                                       lease_ttl_ms=s.lease_ttl_ms, log_level=s.log_level, log_dir=log_dir))
+                f.write(
+                    meta_conf_text(
+                        host=s.host,
+                        port=s.port or free_port(s.host),
+                        config_store_port=s.config_store_port or free_port(s.host),
+                        metrics_port=s.metrics_port or free_port(s.host),
+                        lease_ttl_ms=s.lease_ttl_ms,
+                        log_level=s.log_level,
+                        log_dir=log_dir,
+                    )
+                )
         try:
             return cls(s, conf, meta_urls(conf), log_dir)
         except ValueError:
@@ -158,12 +168,17 @@ class MemcacheMetaService(ServerProcess):
 
     def ports(self) -> list[tuple[str, str, int]]:
         u = self.urls
-        return [("RPC", u.host, u.port), ("config store", u.host, u.config_store_port),
-                ("metrics", u.metrics_host, u.metrics_port)]
+        return [
+            ("RPC", u.host, u.port),
+            ("config store", u.host, u.config_store_port),
+            ("metrics", u.metrics_host, u.metrics_port),
+        ]
 
     def port_taken(self, what: str, host: str, port: int) -> str:
-        return (f"cannot start the Memcache MetaService: its {what} port {host}:{port} is taken (another "
-                f"MetaService?); pick another port ({self.conf_path})")
+        return (
+            f"cannot start the Memcache MetaService: its {what} port {host}:{port} is taken (another "
+            f"MetaService?); pick another port ({self.conf_path})"
+        )
 
     def exited(self, code: int) -> Exception | None:
         if code == NOT_INSTALLED_EXIT:
@@ -173,8 +188,11 @@ class MemcacheMetaService(ServerProcess):
     def answers(self) -> bool:
         """``/health`` says ``service_ready`` and the RPC and config store ports accept connections."""
         h = self.health()
-        return bool(h and h.get("service_ready")) and port_answers(self.urls.host, self.urls.port, 0.5) \
+        return (
+            bool(h and h.get("service_ready"))
+            and port_answers(self.urls.host, self.urls.port, 0.5)
             and port_answers(self.urls.host, self.urls.config_store_port, 0.5)
+        )
 
 
 def main(argv: list[str]) -> int:

@@ -70,8 +70,17 @@ class MetastoreServer(ServerProcess):
 
     def argv(self) -> list[str]:
         s = self.settings
-        return [self.binary, "--host", s.host, "--port", str(self.port), "--world-size", str(s.world_size),
-                "--log-level", s.log_level]
+        return [
+            self.binary,
+            "--host",
+            s.host,
+            "--port",
+            str(self.port),
+            "--world-size",
+            str(s.world_size),
+            "--log-level",
+            s.log_level,
+        ]
 
     def ports(self) -> list[tuple[str, str, int]]:
         return [("gRPC", self.settings.host, self.port)]

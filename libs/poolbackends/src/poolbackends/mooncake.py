@@ -89,37 +89,73 @@ class MooncakeHostPool(StoreHostPool):
 
     STORE = "Mooncake Store"
 
-    def __init__(self, store: MooncakeStore, geometry: PoolGeometry, *, namespace: str = "kvoffload",
-                 eviction: EvictionPolicy | None = None, store_lease_ttl_ms: int = 5_000,
-                 io_wait_timeout_s: float = 30.0, keeper_interval_s: float = 1.0, owns_store: bool = False) -> None:
+    def __init__(
+        self,
+        store: MooncakeStore,
+        geometry: PoolGeometry,
+        *,
+        namespace: str = "kvoffload",
+        eviction: EvictionPolicy | None = None,
+        store_lease_ttl_ms: int = 5_000,
+        io_wait_timeout_s: float = 30.0,
+        keeper_interval_s: float = 1.0,
+        owns_store: bool = False,
+    ) -> None:
         if not isinstance(store, MooncakeStore):
             raise ValueError(f"store must be a connected MooncakeStore, got {type(store).__name__}")
         check_ttl_ms(store_lease_ttl_ms)
         check_positive("keeper_interval_s", keeper_interval_s)
         self._store, self._owns_store = store, owns_store
         self._store_lease_ttl_ms = store_lease_ttl_ms
-        super().__init__(geometry, prefix="mooncake", namespace=namespace, eviction=eviction,
-                         io_wait_timeout_s=io_wait_timeout_s)
+        super().__init__(
+            geometry, prefix="mooncake", namespace=namespace, eviction=eviction, io_wait_timeout_s=io_wait_timeout_s
+        )
         self._store_leased: set[bytes] = set()  # keys held in the store that a local lease covers (or did)
         self._keeper_problem = ""  # why the keeper's last tick failed ("": it succeeded), see not_ready
-        self._keeper = threading.Thread(target=self._keep, args=(min(keeper_interval_s, store_lease_ttl_ms / 3000),),
-                                        name=f"mooncake-pool-{self.pool_id[:8]}", daemon=True)
+        self._keeper = threading.Thread(
+            target=self._keep,
+            args=(min(keeper_interval_s, store_lease_ttl_ms / 3000),),
+            name=f"mooncake-pool-{self.pool_id[:8]}",
+            daemon=True,
+        )
         self._keeper.start()
 
     @classmethod
-    def connect(cls, master: str, geometry: PoolGeometry, *, namespace: str = "kvoffload",
-                eviction: EvictionPolicy | None = None, store_lease_ttl_ms: int = 5_000,
-                io_wait_timeout_s: float = 30.0, keeper_interval_s: float = 1.0, connect_timeout_s: float = 5.0,
-                local_hostname: str = "127.0.0.1", protocol: str = "tcp") -> "MooncakeHostPool":
+    def connect(
+        cls,
+        master: str,
+        geometry: PoolGeometry,
+        *,
+        namespace: str = "kvoffload",
+        eviction: EvictionPolicy | None = None,
+        store_lease_ttl_ms: int = 5_000,
+        io_wait_timeout_s: float = 30.0,
+        keeper_interval_s: float = 1.0,
+        connect_timeout_s: float = 5.0,
+        local_hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+    ) -> "MooncakeHostPool":
         """Connect a store client of its own to the master at ``master`` and build the pool on it."""
         if not isinstance(geometry, PoolGeometry):
             raise ValueError(f"geometry must be a PoolGeometry, got {type(geometry).__name__}")
-        store = MooncakeStore.connect(master, global_segment_bytes=segment_bytes_for(geometry),
-                                      local_hostname=local_hostname, protocol=protocol,
-                                      connect_timeout_s=connect_timeout_s)
+        store = MooncakeStore.connect(
+            master,
+            global_segment_bytes=segment_bytes_for(geometry),
+            local_hostname=local_hostname,
+            protocol=protocol,
+            connect_timeout_s=connect_timeout_s,
+        )
         try:
-            return cls(store, geometry, namespace=namespace, eviction=eviction, store_lease_ttl_ms=store_lease_ttl_ms,
-                       io_wait_timeout_s=io_wait_timeout_s, keeper_interval_s=keeper_interval_s, owns_store=True)
+            return cls(
+                store,
+                geometry,
+                namespace=namespace,
+                eviction=eviction,
+                store_lease_ttl_ms=store_lease_ttl_ms,
+                io_wait_timeout_s=io_wait_timeout_s,
+                keeper_interval_s=keeper_interval_s,
+                owns_store=True,
+            )
         except BaseException:
             store.close()
             raise
@@ -150,8 +186,11 @@ class MooncakeHostPool(StoreHostPool):
         self._restore(r.removed)
         if r.error is not None:
             raise r.error
-        return {k: f"a reader in another process holds Mooncake's lease on it (it lasts up to "
-                   f"{self._store_lease_ttl_ms} ms after that reader's last read or lease refresh)" for k in r.leased}
+        return {
+            k: f"a reader in another process holds Mooncake's lease on it (it lasts up to "
+            f"{self._store_lease_ttl_ms} ms after that reader's last read or lease refresh)"
+            for k in r.leased
+        }
 
     def _restore(self, keys: list[bytes]) -> None:
         """Put back store copies removed by a batch that then failed; the keeper retries what fails here."""
@@ -212,8 +251,10 @@ class MooncakeHostPool(StoreHostPool):
         except PoolError as e:
             return f"Mooncake Store at {self._store.master} does not answer: {e}"
         if not present:
-            return (f"Mooncake Store at {self._store.master} lost this pool's objects (a master restart?): "
-                    f"they are being put again")
+            return (
+                f"Mooncake Store at {self._store.master} lost this pool's objects (a master restart?): "
+                f"they are being put again"
+            )
         return ""
 
     def _refresh_store_leases(self) -> None:
@@ -239,8 +280,10 @@ class MooncakeHostPool(StoreHostPool):
                 log.info("mooncake_pool_republished", pool=self.pool_id[:8], objects=len(lost))
 
     def __repr__(self) -> str:
-        return (f"MooncakeHostPool({self.pool_id[:8]}, master={self._store.master!r}, namespace={self.namespace!r}, "
-                f"{'closed' if self._closed else 'open'})")
+        return (
+            f"MooncakeHostPool({self.pool_id[:8]}, master={self._store.master!r}, namespace={self.namespace!r}, "
+            f"{'closed' if self._closed else 'open'})"
+        )
 
 
 def open_pool(request: PoolRequest) -> MooncakeHostPool:
@@ -249,13 +292,20 @@ def open_pool(request: PoolRequest) -> MooncakeHostPool:
     wheel is missing or the master does not answer within ``request.timeout_s``."""
     store = request.store
     try:
-        pool = MooncakeHostPool.connect(store.mooncake_master, request.geometry, namespace=store.mooncake_namespace,
-                                        eviction=LRUEviction(), store_lease_ttl_ms=store.mooncake_lease_ttl_ms,
-                                        connect_timeout_s=request.timeout_s, local_hostname=request.host)
+        pool = MooncakeHostPool.connect(
+            store.mooncake_master,
+            request.geometry,
+            namespace=store.mooncake_namespace,
+            eviction=LRUEviction(),
+            store_lease_ttl_ms=store.mooncake_lease_ttl_ms,
+            connect_timeout_s=request.timeout_s,
+            local_hostname=request.host,
+        )
     except (PoolError, MooncakeNotInstalled) as e:
         raise PoolOpenError(str(e)) from None
-    log.info("mooncake_pool_connected", master=store.mooncake_master, namespace=store.mooncake_namespace,
-             pool=repr(pool))
+    log.info(
+        "mooncake_pool_connected", master=store.mooncake_master, namespace=store.mooncake_namespace, pool=repr(pool)
+    )
     return pool
 
 
@@ -264,6 +314,8 @@ def pool_not_ready(pool: MooncakeHostPool) -> str:
     pool's upkeep failed (``MooncakeHostPool.not_ready``)."""
     host, _, port = pool.store.master.rpartition(":")
     if not port_answers(host, int(port), PROBE_TIMEOUT_S):
-        return (f"the mooncake_master at {pool.store.master} does not answer (down or restarting): the host "
-                f"pool cannot reach Mooncake Store")
+        return (
+            f"the mooncake_master at {pool.store.master} does not answer (down or restarting): the host "
+            f"pool cannot reach Mooncake Store"
+        )
     return pool.not_ready()  # e.g. re-putting its objects after a master restart

@@ -30,12 +30,23 @@ from kvcore.hostpool import check_count, check_positive
 
 from svcruntime.serverprocess import ServerProcess, free_port, port_answers
 
-__all__ = ["INSTALL_HINT", "MasterConfig", "MooncakeMaster", "MooncakeMasterError", "MooncakeNotInstalled",
-           "find_master_binary", "free_port", "master_argv", "port_answers"]
+__all__ = [
+    "INSTALL_HINT",
+    "MasterConfig",
+    "MooncakeMaster",
+    "MooncakeMasterError",
+    "MooncakeNotInstalled",
+    "find_master_binary",
+    "free_port",
+    "master_argv",
+    "port_answers",
+]
 
-INSTALL_HINT = ("install Mooncake Store with `pip install mooncake-transfer-engine-non-cuda==0.3.13.post1` "
-                "(or `pip install kvoffload-poolbackends[mooncake]`) and Debian's `apt-get install -y "
-                "libibverbs1`; scripts/install-mooncake does both")
+INSTALL_HINT = (
+    "install Mooncake Store with `pip install mooncake-transfer-engine-non-cuda==0.3.13.post1` "
+    "(or `pip install kvoffload-poolbackends[mooncake]`) and Debian's `apt-get install -y "
+    "libibverbs1`; scripts/install-mooncake does both"
+)
 
 
 class MooncakeNotInstalled(ImportError):
@@ -89,9 +100,17 @@ def master_argv(binary: str, config: MasterConfig, rpc_port: int, metrics_port: 
     such as ``kvoffload up --pool mooncake``): RPC and metrics bound to ``config.host``, no HTTP
     metadata server (clients use the P2P handshake)."""
     c = config
-    return [binary, f"--rpc_address={c.host}", f"--rpc_port={rpc_port}", f"--metrics_host={c.host}",
-            f"--metrics_port={metrics_port}", f"--default_kv_lease_ttl={c.kv_lease_ttl_ms}",
-            f"--client_ttl={c.client_ttl_s}", "--enable_http_metadata_server=false", *c.extra_args]
+    return [
+        binary,
+        f"--rpc_address={c.host}",
+        f"--rpc_port={rpc_port}",
+        f"--metrics_host={c.host}",
+        f"--metrics_port={metrics_port}",
+        f"--default_kv_lease_ttl={c.kv_lease_ttl_ms}",
+        f"--client_ttl={c.client_ttl_s}",
+        "--enable_http_metadata_server=false",
+        *c.extra_args,
+    ]
 
 
 class MooncakeMaster(ServerProcess):
@@ -112,8 +131,9 @@ class MooncakeMaster(ServerProcess):
         c = config or MasterConfig()
         binary = find_master_binary(c.binary)
         tries = 3 if c.rpc_port == 0 or c.metrics_port == 0 else 1  # a picked port may be taken
-        return cls.start_retrying(lambda: cls(c, binary, c.rpc_port or free_port(c.host),
-                                              c.metrics_port or free_port(c.host)), tries)
+        return cls.start_retrying(
+            lambda: cls(c, binary, c.rpc_port or free_port(c.host), c.metrics_port or free_port(c.host)), tries
+        )
 
     @property
     def address(self) -> str:
@@ -141,14 +161,17 @@ class MooncakeMaster(ServerProcess):
         return [("RPC", self.config.host, self.rpc_port), ("metrics", self.config.host, self.metrics_port)]
 
     def port_taken(self, what: str, host: str, port: int) -> str:
-        return (f"cannot start {self.binary} on {host}:{port}: something listens there already (another "
-                f"mooncake_master?); pick another port")
+        return (
+            f"cannot start {self.binary} on {host}:{port}: something listens there already (another "
+            f"mooncake_master?); pick another port"
+        )
 
     def exited(self, code: int) -> Exception | None:
         tail = self.log_tail()
         if "libibverbs" in tail:
-            return MooncakeNotInstalled(f"{self.binary} cannot load libibverbs.so.1 (exit {code}); {INSTALL_HINT}. "
-                                        f"Its output: {tail}")
+            return MooncakeNotInstalled(
+                f"{self.binary} cannot load libibverbs.so.1 (exit {code}); {INSTALL_HINT}. Its output: {tail}"
+            )
         return None
 
     def spawn_failed(self, error: OSError) -> Exception:

@@ -66,8 +66,10 @@ class StoreObjects:
 
     def failure(self, op: str, code: int, what: str = "") -> str:
         """What ``fail`` says: the operation, ``what`` it was about, the code, the master and the pool."""
-        return (f"Mooncake Store {op} {what}failed with {code_name(code)} (master {self.store.master}, pool "
-                f"{self.pool_id[:8]}, namespace {self.namespace!r})")
+        return (
+            f"Mooncake Store {op} {what}failed with {code_name(code)} (master {self.store.master}, pool "
+            f"{self.pool_id[:8]}, namespace {self.namespace!r})"
+        )
 
     # ---- the sentinel --------------------------------------------------------------------------
 
@@ -104,9 +106,11 @@ class StoreObjects:
             return Removal([], [], None)
         codes = self.store.remove([self.key(k) for k in keys])
         bad = next((i for i, c in enumerate(codes) if c not in (0, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE)), None)
-        return Removal([k for k, c in zip(keys, codes) if c == 0],
-                       [k for k, c in zip(keys, codes) if c == OBJECT_HAS_LEASE],
-                       None if bad is None else self.fail("remove", codes[bad], keys[bad], f"of {len(keys)} object(s) "))
+        return Removal(
+            [k for k, c in zip(keys, codes) if c == 0],
+            [k for k, c in zip(keys, codes) if c == OBJECT_HAS_LEASE],
+            None if bad is None else self.fail("remove", codes[bad], keys[bad], f"of {len(keys)} object(s) "),
+        )
 
     def exists(self, keys: list[bytes], op: str) -> list[bool]:
         """Which keys are complete in the store; the master leases those that are (``op`` names the caller)."""
@@ -132,8 +136,11 @@ class StoreObjects:
         if registered:
             self.store.register(base, staging.numel())
         try:
-            codes = self.store.get_into([self.key(k) for k in keys],
-                                        [base + i * g.block_bytes for i in range(len(keys))], [g.block_bytes] * len(keys))
+            codes = self.store.get_into(
+                [self.key(k) for k in keys],
+                [base + i * g.block_bytes for i in range(len(keys))],
+                [g.block_bytes] * len(keys),
+            )
         finally:
             if registered:
                 self.store.unregister(base)
@@ -146,8 +153,11 @@ class StoreObjects:
             if c < 0:
                 raise self.fail("get", c, k, f"of {len(keys)} object(s) ")
             if c != g.block_bytes:
-                raise PoolError(f"object {k!r} in Mooncake Store has {c} B, but this pool's objects have "
-                                f"{g.block_bytes} B ({g}): it was written with another geometry", key=k)
+                raise PoolError(
+                    f"object {k!r} in Mooncake Store has {c} B, but this pool's objects have "
+                    f"{g.block_bytes} B ({g}): it was written with another geometry",
+                    key=k,
+                )
 
     def _drop_unreachable(self, keys: list[bytes], batch: int) -> MooncakeObjectsUnreachable:
         """Objects whose bytes could not be transferred: their owner's segment does not answer (its
@@ -157,11 +167,18 @@ class StoreObjects:
         that fails is logged, not raised. The error to raise for this read, naming it all."""
         codes = self.store.remove([self.key(k) for k in keys], force=True)
         dropped = sum(c in (0, OBJECT_NOT_FOUND) for c in codes)
-        log.warning("mooncake_unreachable_objects_dropped", pool=self.pool_id[:8], namespace=self.namespace,
-                    objects=len(keys), dropped=dropped,
-                    remove_errors=sorted({code_name(c) for c in codes if c not in (0, OBJECT_NOT_FOUND)}))
-        what = (f"of {len(keys)} of {batch} object(s) (their owner's segment does not answer: its process is gone or "
-                f"unreachable; {dropped} removed from the store, so whoever asks next computes them again) ")
+        log.warning(
+            "mooncake_unreachable_objects_dropped",
+            pool=self.pool_id[:8],
+            namespace=self.namespace,
+            objects=len(keys),
+            dropped=dropped,
+            remove_errors=sorted({code_name(c) for c in codes if c not in (0, OBJECT_NOT_FOUND)}),
+        )
+        what = (
+            f"of {len(keys)} of {batch} object(s) (their owner's segment does not answer: its process is gone or "
+            f"unreachable; {dropped} removed from the store, so whoever asks next computes them again) "
+        )
         return MooncakeObjectsUnreachable(self.failure("get", TRANSFER_FAIL, what), code=TRANSFER_FAIL, key=keys[0])
 
     def drop_all(self, keys: list[bytes]) -> None:

@@ -38,13 +38,26 @@ TRANSFER_FAIL = -800
 RPC_FAIL = -900
 
 CODES: dict[int, str] = {
-    -1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND", -103: "CLIENT_NOT_FOUND",
+    -1: "INTERNAL_ERROR",
+    -10: "BUFFER_OVERFLOW",
+    -101: "SEGMENT_NOT_FOUND",
+    -103: "CLIENT_NOT_FOUND",
     -200: "NO_AVAILABLE_HANDLE (no room in any mounted segment, or the segment is not mounted yet)",
-    -400: "INVALID_KEY", -600: "INVALID_PARAMS", -601: "ILLEGAL_CLIENT", -700: "INVALID_WRITE",
-    -701: "INVALID_READ", -703: "REPLICA_IS_NOT_READY", -704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS",
-    -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED", -708: "OBJECT_HAS_REPLICATION_TASK",
-    -800: "TRANSFER_FAIL", -900: "RPC_FAIL (the master does not answer: down or restarting)",
-    -901: "RPC_TIMEOUT", -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
+    -400: "INVALID_KEY",
+    -600: "INVALID_PARAMS",
+    -601: "ILLEGAL_CLIENT",
+    -700: "INVALID_WRITE",
+    -701: "INVALID_READ",
+    -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    -708: "OBJECT_HAS_REPLICATION_TASK",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL (the master does not answer: down or restarting)",
+    -901: "RPC_TIMEOUT",
+    -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
 }
 
 
@@ -79,7 +92,7 @@ def _chunked(call: Callable[..., list[int]], n: int, *lists: Sequence[Any], **kw
         return list(call(*(list(x) for x in lists), **kw))
     out: list[int] = []
     for i in range(0, n, MAX_BATCH_KEYS):
-        out += call(*(list(x[i:i + MAX_BATCH_KEYS]) for x in lists), **kw)
+        out += call(*(list(x[i : i + MAX_BATCH_KEYS]) for x in lists), **kw)
     return out
 
 
@@ -96,9 +109,17 @@ class MooncakeStore:
         self._closed = False
 
     @classmethod
-    def connect(cls, master: str, *, global_segment_bytes: int, local_buffer_bytes: int = 16 << 20,
-                local_hostname: str = "127.0.0.1", protocol: str = "tcp", rdma_devices: str = "",
-                connect_timeout_s: float = 5.0) -> "MooncakeStore":
+    def connect(
+        cls,
+        master: str,
+        *,
+        global_segment_bytes: int,
+        local_buffer_bytes: int = 16 << 20,
+        local_hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+        connect_timeout_s: float = 5.0,
+    ) -> "MooncakeStore":
         """Connect to the ``mooncake_master`` at ``master`` (``host:port``) and mount a segment of
         ``global_segment_bytes``. ``MooncakeStoreError`` if no master answers within ``connect_timeout_s``."""
         host, sep, port = master.rpartition(":")
@@ -111,14 +132,27 @@ class MooncakeStore:
             raise MooncakeStoreError(
                 f"no mooncake_master answers at {master} (within {connect_timeout_s} s): start one "
                 f"(`kvoffload up --pool mooncake`, or poolbackends.mooncake_master.MooncakeMaster.start) or fix "
-                f"the address", code=RPC_FAIL)
+                f"the address",
+                code=RPC_FAIL,
+            )
         store = store_cls()
-        rc = store.setup({"local_hostname": local_hostname, "metadata_server": "P2PHANDSHAKE",
-                          "global_segment_size": global_segment_bytes, "local_buffer_size": local_buffer_bytes,
-                          "protocol": protocol, "rdma_devices": rdma_devices, "master_server_addr": master})
+        rc = store.setup(
+            {
+                "local_hostname": local_hostname,
+                "metadata_server": "P2PHANDSHAKE",
+                "global_segment_size": global_segment_bytes,
+                "local_buffer_size": local_buffer_bytes,
+                "protocol": protocol,
+                "rdma_devices": rdma_devices,
+                "master_server_addr": master,
+            }
+        )
         if rc != 0:
-            raise MooncakeStoreError(f"Mooncake Store setup against master {master} failed with {code_name(rc)} "
-                                     f"(segment {global_segment_bytes} B, protocol {protocol!r})", code=rc)
+            raise MooncakeStoreError(
+                f"Mooncake Store setup against master {master} failed with {code_name(rc)} "
+                f"(segment {global_segment_bytes} B, protocol {protocol!r})",
+                code=rc,
+            )
         return cls(store, master, protocol)
 
     def _replicate_config(self) -> Any:
@@ -152,8 +186,7 @@ class MooncakeStore:
     def put_parts(self, keys: Sequence[str], ptrs: Sequence[list[int]], sizes: Sequence[list[int]]) -> list[int]:
         """Put each key as the concatenation of its parts (registered memory), hard-pinned in this segment."""
         self._check_open()
-        return _chunked(self._store.batch_put_from_multi_buffers, len(keys), keys, ptrs, sizes,
-                        config=self._put_config)
+        return _chunked(self._store.batch_put_from_multi_buffers, len(keys), keys, ptrs, sizes, config=self._put_config)
 
     def get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Read whole objects into ``ptrs`` (bytes read, or a negative code); grants the master's read lease."""

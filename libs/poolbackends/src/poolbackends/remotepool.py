@@ -84,10 +84,20 @@ class RemoteHostPool(HostPoolBackend):
     geometry)`` makes both and releases both on ``close``.
     """
 
-    def __init__(self, client: MetaStoreClient, segment: SharedSegment, *, host_id: str | None = None,
-                 heartbeat_interval_ms: int | None = None, replace: bool = False, copy_lease_ttl_ms: int = 30_000,
-                 io_wait_timeout_s: float = 30.0, owns_segment: bool = False, owns_client: bool = False,
-                 rejoin: bool = False) -> None:
+    def __init__(
+        self,
+        client: MetaStoreClient,
+        segment: SharedSegment,
+        *,
+        host_id: str | None = None,
+        heartbeat_interval_ms: int | None = None,
+        replace: bool = False,
+        copy_lease_ttl_ms: int = 30_000,
+        io_wait_timeout_s: float = 30.0,
+        owns_segment: bool = False,
+        owns_client: bool = False,
+        rejoin: bool = False,
+    ) -> None:
         if not isinstance(client, MetaStoreClient) or not client.pool_id:
             raise ValueError("client must be a MetaStoreClient built with pool_id=<this pool's id>")
         check_open_segment(segment)
@@ -104,24 +114,51 @@ class RemoteHostPool(HostPoolBackend):
         self._copies: dict[bytes, int] = {}  # key -> this process's in-flight copies
         self._attached: dict[str, tuple[str, tuple[int, int], SharedSegment]] = {}  # pool -> (name, inode, seg)
         self._closed = False
-        self.membership = PoolMembership(client, segment.name, segment.geometry, self.host_id,
-                                         heartbeat_interval_ms=heartbeat_interval_ms, replace=replace,
-                                         rejoin=rejoin, ready_to_rejoin=self._copies_over)
+        self.membership = PoolMembership(
+            client,
+            segment.name,
+            segment.geometry,
+            self.host_id,
+            heartbeat_interval_ms=heartbeat_interval_ms,
+            replace=replace,
+            rejoin=rejoin,
+            ready_to_rejoin=self._copies_over,
+        )
 
     @classmethod
-    def create(cls, target: str, pool_id: str, name: str, geometry: PoolGeometry, *, host_id: str | None = None,
-               heartbeat_interval_ms: int | None = None, replace: bool = False, timeout_s: float = 5.0,
-               copy_lease_ttl_ms: int = 30_000, io_wait_timeout_s: float = 30.0,
-               rejoin: bool = False) -> "RemoteHostPool":
+    def create(
+        cls,
+        target: str,
+        pool_id: str,
+        name: str,
+        geometry: PoolGeometry,
+        *,
+        host_id: str | None = None,
+        heartbeat_interval_ms: int | None = None,
+        replace: bool = False,
+        timeout_s: float = 5.0,
+        copy_lease_ttl_ms: int = 30_000,
+        io_wait_timeout_s: float = 30.0,
+        rejoin: bool = False,
+    ) -> "RemoteHostPool":
         """Create segment ``name`` (``replace``: a stale one is discarded) and register it as ``pool_id``
         with the MetaStore at ``target`` (``replace``: a live registration of ``pool_id`` is dropped)."""
         segment = SharedSegment.create(name, geometry, replace=replace)
         client = None
         try:
             client = MetaStoreClient(target, pool_id=pool_id, timeout_s=timeout_s)
-            return cls(client, segment, host_id=host_id, heartbeat_interval_ms=heartbeat_interval_ms,
-                       replace=replace, copy_lease_ttl_ms=copy_lease_ttl_ms, io_wait_timeout_s=io_wait_timeout_s,
-                       owns_segment=True, owns_client=True, rejoin=rejoin)
+            return cls(
+                client,
+                segment,
+                host_id=host_id,
+                heartbeat_interval_ms=heartbeat_interval_ms,
+                replace=replace,
+                copy_lease_ttl_ms=copy_lease_ttl_ms,
+                io_wait_timeout_s=io_wait_timeout_s,
+                owns_segment=True,
+                owns_client=True,
+                rejoin=rejoin,
+            )
         except BaseException:
             if client is not None:
                 client.close()
@@ -181,8 +218,9 @@ class RemoteHostPool(HostPoolBackend):
                 try:
                     lease.release()
                 except PoolError as e:  # it expires on its own after copy_lease_ttl_ms
-                    log.warning("copy_lease_release_failed", pool_id=self.pool_id, lease_id=lease.lease_id,
-                                error=str(e))
+                    log.warning(
+                        "copy_lease_release_failed", pool_id=self.pool_id, lease_id=lease.lease_id, error=str(e)
+                    )
         finally:
             with self._cond:
                 for k in keys:
@@ -201,19 +239,28 @@ class RemoteHostPool(HostPoolBackend):
             raise PoolError(
                 f"object {key!r} lives in pool {pool_id!r} on host {record.host!r}, and this process is on "
                 f"{self.host_id!r}: the cross-host data path is not available for the pool (RemoteHostPool "
-                f"reads other pools through same-host shared memory only)", key=key)
+                f"reads other pools through same-host shared memory only)",
+                key=key,
+            )
         g, mine = record.geometry, self.geometry
-        if (g.block_size, g.plane_row_bytes, g.plane_labels) != (mine.block_size, mine.plane_row_bytes,
-                                                                 mine.plane_labels):
-            raise PoolError(f"object {key!r} lives in pool {pool_id!r} whose planes ({g}) differ from pool "
-                            f"{self.pool_id!r}'s ({mine}): plane {plane} would mean another cache", key=key)
+        if (g.block_size, g.plane_row_bytes, g.plane_labels) != (
+            mine.block_size,
+            mine.plane_row_bytes,
+            mine.plane_labels,
+        ):
+            raise PoolError(
+                f"object {key!r} lives in pool {pool_id!r} whose planes ({g}) differ from pool "
+                f"{self.pool_id!r}'s ({mine}): plane {plane} would mean another cache",
+                key=key,
+            )
         path = SharedSegment.path_for(record.segment_name)
         with self._cond:
             try:
                 st = os.stat(path)
             except FileNotFoundError:
-                raise ObjectNotFound(f"object {key!r}: segment {path} of pool {pool_id!r} is gone (its LocalService "
-                                     f"exited)", key=key) from None
+                raise ObjectNotFound(
+                    f"object {key!r}: segment {path} of pool {pool_id!r} is gone (its LocalService exited)", key=key
+                ) from None
             inode = (st.st_dev, st.st_ino)
             entry = self._attached.get(pool_id)
             if entry is None or entry[:2] != (record.segment_name, inode):  # new, or recreated under the name
@@ -222,8 +269,9 @@ class RemoteHostPool(HostPoolBackend):
                 seg = SharedSegment.attach(record.segment_name)
                 if seg.geometry != g:
                     seg.close()
-                    raise PoolError(f"segment {path} has geometry {seg.geometry}, but pool {pool_id!r} registered "
-                                    f"{g}", key=key)
+                    raise PoolError(
+                        f"segment {path} has geometry {seg.geometry}, but pool {pool_id!r} registered {g}", key=key
+                    )
                 entry = self._attached[pool_id] = (record.segment_name, inode, seg)
             return entry[2].plane(plane)
 
@@ -268,8 +316,9 @@ class RemoteHostPool(HostPoolBackend):
             while (busy := next((k for k in keys if k in self._copies), None)) is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ObjectBusy(f"remove: a copy of {busy!r} is still in flight after "
-                                     f"{self._io_wait_timeout_s} s", key=busy)
+                    raise ObjectBusy(
+                        f"remove: a copy of {busy!r} is still in flight after {self._io_wait_timeout_s} s", key=busy
+                    )
                 self._cond.wait(left)
             self._client.remove(keys)
 
@@ -295,8 +344,11 @@ class RemoteHostPool(HostPoolBackend):
         with self._copying(keys, "put_from") as lease:
             for k, loc in zip(keys, lease.locations):
                 if loc.pool_id != self.pool_id:
-                    raise PoolError(f"put_from: object {k!r} lives in pool {loc.pool_id!r}; pool "
-                                    f"{self.pool_id!r} writes only objects it allocated", key=k)
+                    raise PoolError(
+                        f"put_from: object {k!r} lives in pool {loc.pool_id!r}; pool "
+                        f"{self.pool_id!r} writes only objects it allocated",
+                        key=k,
+                    )
             ids = torch.tensor([loc.block_id for loc in lease.locations], dtype=torch.long)  # [n]
             written = {p: torch.tensor([p in loc.written_planes for loc in lease.locations]) for p in planes}  # [n]
             for plane in planes:  # every plane checked before any is written
@@ -331,8 +383,11 @@ class RemoteHostPool(HostPoolBackend):
             others = [p for p in rows if p != self.pool_id]
             records = self._client.lookup([keys[rows[p][0]] for p in others])[1] if others else {}
             for pool_id, pos in rows.items():
-                src = self._segment.plane(plane) if pool_id == self.pool_id else \
-                    self._other_plane(records.get(pool_id), pool_id, plane, keys[pos[0]])
+                src = (
+                    self._segment.plane(plane)
+                    if pool_id == self.pool_id
+                    else self._other_plane(records.get(pool_id), pool_id, plane, keys[pos[0]])
+                )
                 ids = torch.tensor([locs[i].block_id for i in pos], dtype=torch.long)  # [m]
                 if len(pos) == len(keys):
                     torch.index_select(src, 0, ids, out=dst_u8)
@@ -347,8 +402,11 @@ class RemoteHostPool(HostPoolBackend):
         locs, _ = self._client.lookup(keys)
         for k, loc in zip(keys, locs):
             if loc.pool_id != self.pool_id:
-                raise PoolError(f"block_ids: object {k!r} lives in pool {loc.pool_id!r}, and plane(p) views only "
-                                f"pool {self.pool_id!r}: read it with get_into", key=k)
+                raise PoolError(
+                    f"block_ids: object {k!r} lives in pool {loc.pool_id!r}, and plane(p) views only "
+                    f"pool {self.pool_id!r}: read it with get_into",
+                    key=k,
+                )
         return [loc.block_id for loc in locs]
 
     def plane(self, p: int) -> torch.Tensor:

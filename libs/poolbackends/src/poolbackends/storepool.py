@@ -56,8 +56,15 @@ class StoreHostPool(LocalHostPool):
 
     STORE = "the store"  # the store's name in messages
 
-    def __init__(self, geometry: PoolGeometry, *, prefix: str, namespace: str,
-                 eviction: EvictionPolicy | None, io_wait_timeout_s: float) -> None:
+    def __init__(
+        self,
+        geometry: PoolGeometry,
+        *,
+        prefix: str,
+        namespace: str,
+        eviction: EvictionPolicy | None,
+        io_wait_timeout_s: float,
+    ) -> None:
         if not isinstance(namespace, str) or not namespace or "/" in namespace:
             raise ValueError(f"namespace must be a non-empty str without '/', got {namespace!r}")
         self.pool_id = uuid.uuid4().hex
@@ -159,8 +166,11 @@ class StoreHostPool(LocalHostPool):
         keys = check_keys(keys, unique=True)
         for k, there in zip(keys, self._in_store(keys, "alloc")):
             if there:
-                raise ObjectExists(f"key {k!r} already has an object in {self.STORE} (namespace "
-                                   f"{self.namespace!r}): another pool wrote it", key=k)
+                raise ObjectExists(
+                    f"key {k!r} already has an object in {self.STORE} (namespace "
+                    f"{self.namespace!r}): another pool wrote it",
+                    key=k,
+                )
         return super().alloc(keys)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -203,7 +213,9 @@ class StoreHostPool(LocalHostPool):
         staging = torch.empty(len(uniq), g.block_bytes, dtype=torch.uint8)  # [m, block_bytes]: whole objects
         self._store_read(uniq, staging)
         off = sum(self._part_bytes[:plane])
-        rows = staging[:, off:off + self._part_bytes[plane]].reshape(len(uniq), g.block_size, g.plane_row_bytes[plane])
+        rows = staging[:, off : off + self._part_bytes[plane]].reshape(
+            len(uniq), g.block_size, g.plane_row_bytes[plane]
+        )
         if len(uniq) == len(keys):
             return rows
         pos = {k: i for i, k in enumerate(uniq)}
@@ -214,8 +226,11 @@ class StoreHostPool(LocalHostPool):
             return super().block_ids(keys)
         except ObjectNotFound as e:
             if e.key is not None and self._store_exists([e.key], "block_ids")[0]:
-                raise PoolError(f"block_ids: object {e.key!r} is held in {self.STORE} by another pool, and "
-                                f"plane(p) views only this pool: read it with get_into", key=e.key) from None
+                raise PoolError(
+                    f"block_ids: object {e.key!r} is held in {self.STORE} by another pool, and "
+                    f"plane(p) views only this pool: read it with get_into",
+                    key=e.key,
+                ) from None
             raise
 
     # ---- lifecycle -------------------------------------------------------------------------------

@@ -23,11 +23,13 @@ from poolbackends.errors import (
 )
 from poolbackends.records import Location, PoolRecord
 
-ERROR_MD = "kvoffload-error"          # exception class name
-KEY_MD = "kvoffload-key-bin"          # offending key, raw bytes
+ERROR_MD = "kvoffload-error"  # exception class name
+KEY_MD = "kvoffload-key-bin"  # offending key, raw bytes
 FULL_MD = {  # PoolFullError attribute -> trailing metadata key on RESOURCE_EXHAUSTED
-    "needed": "kvoffload-needed-blocks", "free": "kvoffload-free-blocks",
-    "evictable": "kvoffload-evictable-blocks", "num_blocks": "kvoffload-num-blocks",
+    "needed": "kvoffload-needed-blocks",
+    "free": "kvoffload-free-blocks",
+    "evictable": "kvoffload-evictable-blocks",
+    "num_blocks": "kvoffload-num-blocks",
 }
 
 STATUS: dict[type[BaseException], grpc.StatusCode] = {
@@ -44,7 +46,8 @@ STATUS: dict[type[BaseException], grpc.StatusCode] = {
 }
 # The types a client rebuilds by the ERROR_MD name (PoolFullError and ValueError come from the code alone).
 BY_NAME: dict[str, type[PoolError]] = {
-    t.__name__: t for t in STATUS if issubclass(t, PoolError) and t is not PoolFullError}
+    t.__name__: t for t in STATUS if issubclass(t, PoolError) and t is not PoolFullError
+}
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
@@ -66,8 +69,12 @@ def trailing_metadata(exc: BaseException) -> tuple[tuple[str, str | bytes], ...]
     if isinstance(key, bytes):
         md.append((KEY_MD, key))
     if isinstance(exc, PoolFullError):
-        numbers = {"needed": exc.needed, "free": exc.free, "evictable": exc.evictable,
-                   "num_blocks": getattr(exc, "num_blocks", 0)}
+        numbers = {
+            "needed": exc.needed,
+            "free": exc.free,
+            "evictable": exc.evictable,
+            "num_blocks": getattr(exc, "num_blocks", 0),
+        }
         md.extend((mdkey, str(numbers[name])) for name, mdkey in FULL_MD.items())
     return tuple(md)
 
@@ -93,8 +100,9 @@ def error_from_rpc(e: grpc.RpcError, method: str) -> Exception:
     key = key if isinstance(key, bytes) else None
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         n = {name: int(md.get(mdkey, 0)) for name, mdkey in FULL_MD.items()}
-        exc = PoolFullError(key=key, needed=n["needed"], free=n["free"], evictable=n["evictable"],
-                            num_blocks=n["num_blocks"])
+        exc = PoolFullError(
+            key=key, needed=n["needed"], free=n["free"], evictable=n["evictable"], num_blocks=n["num_blocks"]
+        )
         exc.args = (details,)
         return exc
     cls = BY_NAME.get(str(md.get(ERROR_MD, "")))
@@ -111,13 +119,21 @@ def error_from_rpc(e: grpc.RpcError, method: str) -> Exception:
 
 
 def geometry_from_pb(g: pb.PoolGeometry) -> PoolGeometry:
-    return PoolGeometry(g.block_size, tuple(g.plane_row_bytes), g.num_blocks,
-                        tuple((label.layer, label.kind) for label in g.plane_labels))
+    return PoolGeometry(
+        g.block_size,
+        tuple(g.plane_row_bytes),
+        g.num_blocks,
+        tuple((label.layer, label.kind) for label in g.plane_labels),
+    )
 
 
 def geometry_to_pb(g: PoolGeometry) -> pb.PoolGeometry:
-    return pb.PoolGeometry(block_size=g.block_size, plane_row_bytes=g.plane_row_bytes, num_blocks=g.num_blocks,
-                           plane_labels=[pb.PlaneLabel(layer=layer, kind=kind) for layer, kind in g.plane_labels])
+    return pb.PoolGeometry(
+        block_size=g.block_size,
+        plane_row_bytes=g.plane_row_bytes,
+        num_blocks=g.num_blocks,
+        plane_labels=[pb.PlaneLabel(layer=layer, kind=kind) for layer, kind in g.plane_labels],
+    )
 
 
 def pool_from_pb(p: pb.PoolInfo) -> PoolRecord:
@@ -125,8 +141,13 @@ def pool_from_pb(p: pb.PoolInfo) -> PoolRecord:
 
 
 def pool_to_pb(r: PoolRecord) -> pb.PoolInfo:
-    return pb.PoolInfo(pool_id=r.pool_id, segment_name=r.segment_name, host=r.host,
-                       geometry=geometry_to_pb(r.geometry), block_bytes=r.block_bytes)
+    return pb.PoolInfo(
+        pool_id=r.pool_id,
+        segment_name=r.segment_name,
+        host=r.host,
+        geometry=geometry_to_pb(r.geometry),
+        block_bytes=r.block_bytes,
+    )
 
 
 def location_from_pb(loc: pb.ObjectLocation) -> Location:
@@ -134,5 +155,11 @@ def location_from_pb(loc: pb.ObjectLocation) -> Location:
 
 
 def location_to_pb(loc: Location) -> pb.ObjectLocation:
-    return pb.ObjectLocation(key=loc.key, pool_id=loc.pool_id, block_id=loc.block_id, size_bytes=loc.size_bytes,
-                             complete=loc.complete, written_planes=loc.written_planes)
+    return pb.ObjectLocation(
+        key=loc.key,
+        pool_id=loc.pool_id,
+        block_id=loc.block_id,
+        size_bytes=loc.size_bytes,
+        complete=loc.complete,
+        written_planes=loc.written_planes,
+    )

@@ -40,8 +40,13 @@ class Metrics(PrefillMetrics):
         self.read_ms.set(sum(lat) / len(lat) if lat else 0.0)
 
 
-def build_app(worker: PrefillWorker, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-              not_ready: Callable[[], str] = lambda: "") -> web.Application:
+def build_app(
+    worker: PrefillWorker,
+    tokenizer: Tokenizer,
+    model_name: str,
+    max_model_len: int,
+    not_ready: Callable[[], str] = lambda: "",
+) -> web.Application:
     """The HTTP API; ``not_ready()`` says why the prefill cannot take requests now ("" when it can),
     e.g. its pool is not registered with the metastore: ``/health`` then answers 503 with the reason."""
     metrics = Metrics(worker)
@@ -54,8 +59,9 @@ def build_app(worker: PrefillWorker, tokenizer: Tokenizer, model_name: str, max_
     async def health(request: web.Request) -> web.Response:
         reason = not_ready()
         if reason:
-            return web.json_response({"status": "not_ready", "reason": reason, **worker.engine.gates.stats()},
-                                     status=503)
+            return web.json_response(
+                {"status": "not_ready", "reason": reason, **worker.engine.gates.stats()}, status=503
+            )
         return web.json_response({"status": "ok", **worker.engine.gates.stats()})
 
     app.router.add_post("/v1/completions", lambda r: dispatch.complete(r, False))
@@ -70,15 +76,15 @@ class _Dispatch:
     """The proxy's dispatch: one prompt or a prompt list, ``n`` choices each; every (prompt, choice)
     is a child request, prefilled in turn, and answers with its first token."""
 
-    def __init__(self, worker: PrefillWorker, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 metrics: Metrics) -> None:
+    def __init__(
+        self, worker: PrefillWorker, tokenizer: Tokenizer, model_name: str, max_model_len: int, metrics: Metrics
+    ) -> None:
         self.worker, self.tokenizer, self.metrics = worker, tokenizer, metrics
         self.model_name, self.max_model_len = model_name, max_model_len
 
     async def complete(self, request: web.Request, chat: bool) -> web.Response:
         try:
-            children = parse_dispatch(await request.read(), self.tokenizer, chat=chat,
-                                      max_model_len=self.max_model_len)
+            children = parse_dispatch(await request.read(), self.tokenizer, chat=chat, max_model_len=self.max_model_len)
         except RequestError as exc:
             return error_response(400, str(exc), "invalid_request_error")
         rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
@@ -90,11 +96,21 @@ class _Dispatch:
             choices.append(self._choice(i, out, chat))
             usage += out.num_prompt_tokens
         self.metrics.requests.labels("ok").inc()
-        return web.json_response({
-            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices,
-            "usage": {"prompt_tokens": usage, "completion_tokens": len(choices), "total_tokens": usage + len(choices)},
-        }, headers={"X-Request-Id": rid})
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": usage,
+                    "completion_tokens": len(choices),
+                    "total_tokens": usage + len(choices),
+                },
+            },
+            headers={"X-Request-Id": rid},
+        )
 
     async def _prefill(self, rid: str, child_id: str, child: Child):
         """The child's ``PrefillOutcome``, or the error answer of the whole request."""
@@ -116,8 +132,13 @@ class _Dispatch:
         """The child's choice: its first token (and its log-probabilities when asked for)."""
         text = self.tokenizer.decode([out.first_token], skip_special_tokens=True)
         lps = [out.first_logprob] if out.first_logprob is not None else None
-        logprobs = None if lps is None else chat_logprobs(self.tokenizer, lps) if chat \
+        logprobs = (
+            None
+            if lps is None
+            else chat_logprobs(self.tokenizer, lps)
+            if chat
             else completion_logprobs(self.tokenizer, lps, [0])
+        )
         choice = {"index": index, "token_ids": [out.first_token], "finish_reason": "length", "logprobs": logprobs}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         return choice

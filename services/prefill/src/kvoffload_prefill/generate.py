@@ -71,8 +71,12 @@ class GenerateLoop:
 
     def stats(self) -> dict[str, int]:
         with self._cond:
-            return {"waiting": len(self.engine.waiting), "running": len(self.engine.running),
-                    "requests": len(self._live), **self.totals}
+            return {
+                "waiting": len(self.engine.waiting),
+                "running": len(self.engine.running),
+                "requests": len(self._live),
+                **self.totals,
+            }
 
     def reset_prefix_cache(self) -> dict[str, int]:
         """Remove the prefix-cache objects the prompts wrote or reused, except those being read now
@@ -139,7 +143,7 @@ class GenerateLoop:
         with self._cond:
             for rid, live in list(self._live.items()):
                 out = live.seq.output_ids
-                for token in out[live.sent:]:
+                for token in out[live.sent :]:
                     live.emit("token", token)
                 live.sent = len(out)
                 if live.seq.finished:
@@ -147,9 +151,14 @@ class GenerateLoop:
                     del self._live[rid]
                     self.totals["prompt_tokens"] += int(live.seq.prompt.numel())
                     self.totals["cached_tokens"] += live.seq.num_cached_tokens
-                    log.info("request_finished", request_id=rid, prompt_tokens=int(live.seq.prompt.numel()),
-                             cached_tokens=live.seq.num_cached_tokens, output_tokens=len(out),
-                             finish_reason=live.seq.sampler.finish_reason)
+                    log.info(
+                        "request_finished",
+                        request_id=rid,
+                        prompt_tokens=int(live.seq.prompt.numel()),
+                        cached_tokens=live.seq.num_cached_tokens,
+                        output_tokens=len(out),
+                        finish_reason=live.seq.sampler.finish_reason,
+                    )
 
     def _step_failed(self, waiting_before: set[str], exc: Exception) -> None:
         """The request being prefilled (left the queue, not running) failed; if none did, the
@@ -157,8 +166,11 @@ class GenerateLoop:
         with self._cond:
             queued = {s.request_id for s in self.engine.waiting}
             running = {s.request_id for s in self.engine.running}
-            prefilled = [rid for rid in waiting_before - queued - running
-                         if rid in self._live and not self._live[rid].seq.finished]
+            prefilled = [
+                rid
+                for rid in waiting_before - queued - running
+                if rid in self._live and not self._live[rid].seq.finished
+            ]
             victims = prefilled or sorted(running)
             for rid in victims:
                 self.engine.cancel(rid)

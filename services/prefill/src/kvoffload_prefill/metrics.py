@@ -17,7 +17,9 @@ class PrefillMetrics(ABC):
     def __init__(self, pool) -> None:
         self.pool = pool
         self.registry = CollectorRegistry()
-        self.requests = Counter("kvoffload_prefill_requests", "Requests by outcome", ["outcome"], registry=self.registry)
+        self.requests = Counter(
+            "kvoffload_prefill_requests", "Requests by outcome", ["outcome"], registry=self.registry
+        )
         self.pool_used = Gauge("kvoffload_prefill_pool_used_bytes", "Host-pool bytes in use", registry=self.registry)
 
     def gauge(self, name: str, documentation: str) -> Gauge:

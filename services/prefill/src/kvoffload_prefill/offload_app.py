@@ -34,8 +34,10 @@ class Metrics(PrefillMetrics):
         self.running = self.gauge("kvoffload_prefill_running_requests", "Requests in the decode batch")
         self.waiting = self.gauge("kvoffload_prefill_waiting_requests", "Requests waiting for their prefill")
         self.prompt = self.gauge("kvoffload_prefill_prompt_tokens_total", "Prompt tokens of finished requests")
-        self.cached = self.gauge("kvoffload_prefill_cached_tokens_total",
-                                 "Prompt tokens of finished requests loaded from the host pool (prefix cache)")
+        self.cached = self.gauge(
+            "kvoffload_prefill_cached_tokens_total",
+            "Prompt tokens of finished requests loaded from the host pool (prefix cache)",
+        )
 
     def update(self) -> None:
         st = self.loop.stats()
@@ -45,8 +47,14 @@ class Metrics(PrefillMetrics):
         self.cached.set(st["cached_tokens"])
 
 
-def build_offload_app(loop: GenerateLoop, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                      not_ready: Callable[[], str] = lambda: "", token_timeout_s: float = 600.0) -> web.Application:
+def build_offload_app(
+    loop: GenerateLoop,
+    tokenizer: Tokenizer,
+    model_name: str,
+    max_model_len: int,
+    not_ready: Callable[[], str] = lambda: "",
+    token_timeout_s: float = 600.0,
+) -> web.Application:
     """``not_ready()`` says why the node cannot serve now ("" when it can)."""
     metrics = Metrics(loop)
     handler = _Handler(loop, tokenizer, Responder(tokenizer, model_name), metrics, max_model_len, token_timeout_s)
@@ -54,9 +62,20 @@ def build_offload_app(loop: GenerateLoop, tokenizer: Tokenizer, model_name: str,
     app = draining_app("prefill")
 
     async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "kvoffload",
-            "max_model_len": max_model_len}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_name,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "kvoffload",
+                        "max_model_len": max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def health(request: web.Request) -> web.Response:
         reason = not_ready()
@@ -78,8 +97,15 @@ def build_offload_app(loop: GenerateLoop, tokenizer: Tokenizer, model_name: str,
 class _Handler:
     """Complete requests, served by the ``GenerateLoop`` (module doc)."""
 
-    def __init__(self, loop: GenerateLoop, tokenizer: Tokenizer, responder: Responder, metrics: Metrics,
-                 max_model_len: int, token_timeout_s: float) -> None:
+    def __init__(
+        self,
+        loop: GenerateLoop,
+        tokenizer: Tokenizer,
+        responder: Responder,
+        metrics: Metrics,
+        max_model_len: int,
+        token_timeout_s: float,
+    ) -> None:
         self.loop, self.tokenizer, self.responder, self.metrics = loop, tokenizer, responder, metrics
         self.max_model_len, self.token_timeout_s = max_model_len, token_timeout_s
 
@@ -106,10 +132,19 @@ class _Handler:
         done = False
         try:
             if parsed.stream:
-                response = await sse_response(request, rid, self.responder.events(
-                    rid, lambda: self._next(queue), out, len(ids), parsed.include_usage,
-                    lambda message: self.metrics.requests.labels("error").inc(),
-                    lambda: self.metrics.requests.labels("ok").inc()))
+                response = await sse_response(
+                    request,
+                    rid,
+                    self.responder.events(
+                        rid,
+                        lambda: self._next(queue),
+                        out,
+                        len(ids),
+                        parsed.include_usage,
+                        lambda message: self.metrics.requests.labels("error").inc(),
+                        lambda: self.metrics.requests.labels("ok").inc(),
+                    ),
+                )
             else:
                 response = await self._collect(rid, queue, out, len(ids))
             done = True
@@ -122,8 +157,13 @@ class _Handler:
     async def _parse(self, request: web.Request, chat: bool) -> ParsedRequest | web.Response:
         """The request, or the 400 that refuses it."""
         try:
-            return parse_request(await request.read(), self.tokenizer, chat=chat, max_model_len=self.max_model_len,
-                                 refuse=_offload_only_refusals)
+            return parse_request(
+                await request.read(),
+                self.tokenizer,
+                chat=chat,
+                max_model_len=self.max_model_len,
+                refuse=_offload_only_refusals,
+            )
         except RequestError as exc:
             return error_response(400, str(exc), "invalid_request_error")
 
@@ -146,8 +186,10 @@ def _offload_only_refusals(body: dict) -> None:
     """What this mode refuses before the common checks: P/D wiring (nothing pulls from this node) and
     more than one choice."""
     if body.get("kv_transfer_params") is not None or body.get("kv_transfer_params_list") is not None:
-        raise RequestError("kv_transfer_params: this prefill runs offload-only (its kv-transfer-config has no "
-                           "SfaRemoteD2HConnector): it serves complete requests and no decode pulls from it")
+        raise RequestError(
+            "kv_transfer_params: this prefill runs offload-only (its kv-transfer-config has no "
+            "SfaRemoteD2HConnector): it serves complete requests and no decode pulls from it"
+        )
     n = body.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and n > 1:
         raise RequestError(f"n: offload-only mode returns one choice per request (got n={n})")

@@ -20,9 +20,13 @@ from kvoffload_prefill import __version__
 
 DESCRIPTION = "``kvoffload-prefill``: the kv_producer. Takes ``--kv-transfer-config`` as users write it:"
 SERVICE = "kvoffload-prefill"
-FLAG_RULES = dict(at_least_one=("max_model_len", "block_size", "chunk_size", "max_num_seqs", "tensor_parallel_size"),
-                  seconds=("host_pool_gb", "read_timeout_s", "peer_timeout_s"),
-                  seconds_or_zero=("shutdown_grace_s",), ports=("port",), any_ports=("data_port",))
+FLAG_RULES = dict(
+    at_least_one=("max_model_len", "block_size", "chunk_size", "max_num_seqs", "tensor_parallel_size"),
+    seconds=("host_pool_gb", "read_timeout_s", "peer_timeout_s"),
+    seconds_or_zero=("shutdown_grace_s",),
+    ports=("port",),
+    any_ports=("data_port",),
+)
 log = structlog.get_logger(__name__)
 
 
@@ -35,25 +39,41 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared_flag(p, "--max-model-len")
     add_shared_flag(p, "--block-size")
     p.add_argument("--chunk-size", type=int, default=2048)
-    p.add_argument("--host-pool-gb", type=float,
-                   help="host KV pool (prefix cache) this node contributes, GiB (default: the store config's "
-                        "host_pool_gb, else ock.mmc.local_service.dram.size of --local-config, else 1)")
-    p.add_argument("--local-config", help="mmc-local.conf whose ock.mmc.local_service.dram.size sizes the host "
-                                          "pool when neither --host-pool-gb nor host_pool_gb is given; with backend "
-                                          "memcache also the LocalService's conf, required "
-                                          "(default: $MMC_LOCAL_CONFIG_PATH)")
-    p.add_argument("--metastore", metavar="HOST:PORT",
-                   help="kvoffload-metastore that indexes the pool (default: the store config's metastore); "
-                        "without either the index is kept in this process")
+    p.add_argument(
+        "--host-pool-gb",
+        type=float,
+        help="host KV pool (prefix cache) this node contributes, GiB (default: the store config's "
+        "host_pool_gb, else ock.mmc.local_service.dram.size of --local-config, else 1)",
+    )
+    p.add_argument(
+        "--local-config",
+        help="mmc-local.conf whose ock.mmc.local_service.dram.size sizes the host "
+        "pool when neither --host-pool-gb nor host_pool_gb is given; with backend "
+        "memcache also the LocalService's conf, required "
+        "(default: $MMC_LOCAL_CONFIG_PATH)",
+    )
+    p.add_argument(
+        "--metastore",
+        metavar="HOST:PORT",
+        help="kvoffload-metastore that indexes the pool (default: the store config's metastore); "
+        "without either the index is kept in this process",
+    )
     p.add_argument("--read-timeout-s", type=float, default=60.0, help="longest wait for a decode's READ_DONE")
-    add_shared_flag(p, "--peer-timeout-s",
-                    help="a decode that answers no heartbeat for this long is gone: its reads fail (default 10)")
-    add_shared_flag(p, "--max-num-seqs",
-                    help="offload-only mode (no SfaRemoteD2HConnector): requests decoded together (default 8)")
+    add_shared_flag(
+        p,
+        "--peer-timeout-s",
+        help="a decode that answers no heartbeat for this long is gone: its reads fail (default 10)",
+    )
+    add_shared_flag(
+        p, "--max-num-seqs", help="offload-only mode (no SfaRemoteD2HConnector): requests decoded together (default 8)"
+    )
     add_shared_flag(p, "--dtype")
-    add_shared_flag(p, "--tensor-parallel-size",
-                    help="TP ranks (default 1): this process is rank 0 and starts ranks 1..N-1 (gloo); attention "
-                         "heads and the MLP are sharded over them; N must divide the model's heads and intermediate")
+    add_shared_flag(
+        p,
+        "--tensor-parallel-size",
+        help="TP ranks (default 1): this process is rank 0 and starts ranks 1..N-1 (gloo); attention "
+        "heads and the MLP are sharded over them; N must divide the model's heads and intermediate",
+    )
     add_process_flags(p)
     return p
 
@@ -67,8 +87,9 @@ def settings_of(args: argparse.Namespace, layout) -> PrefillSettings:
         vllm_only = settings.d2h.vllm_only_problems()
         if vllm_only:
             raise ConfigError(vllm_only)
-    require_available(backend=settings.store.backend,
-                      transfer_backend=settings.d2h.transfer_backend if settings.d2h else None)
+    require_available(
+        backend=settings.store.backend, transfer_backend=settings.d2h.transfer_backend if settings.d2h else None
+    )
     for w in settings.warnings:
         log.warning("config_warning", warning=w)
     return settings
@@ -86,21 +107,27 @@ def pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None = 
     for flag, attr in (("--metastore", "metastore"), ("--host-pool-gb", "host_pool_gb")):
         given, configured = getattr(args, attr), getattr(store, attr)
         if given is not None and configured is not None and given != configured:
-            raise ConfigError([f"{flag} {given} and kv_connector_extra_config.{attr} {configured!r} disagree; "
-                               "give one of them"])
+            raise ConfigError(
+                [f"{flag} {given} and kv_connector_extra_config.{attr} {configured!r} disagree; give one of them"]
+            )
         setattr(args, attr, given if given is not None else configured)
         if attr == "host_pool_gb" and args.host_pool_gb is not None:
             named = flag if given is not None else f"kv_connector_extra_config.{attr}"
             sources.append((int(args.host_pool_gb * 2**30), named))
     backend = POOL_BACKENDS[store.backend]
     if backend.index and args.metastore is not None:
-        raise ConfigError([f"--metastore {args.metastore}: applies to backend {EMBEDDED!r} only; backend "
-                           f"{backend.name!r} {backend.index}"])
+        raise ConfigError(
+            [
+                f"--metastore {args.metastore}: applies to backend {EMBEDDED!r} only; backend "
+                f"{backend.name!r} {backend.index}"
+            ]
+        )
     env = os.environ if env is None else env
     args.pool_local_config = getattr(args, "local_config", None) or env.get(LOCAL_ENV)
     if backend.local_config and not args.pool_local_config:
-        raise ConfigError([f"backend {backend.name!r}: {backend.local_config}: give --local-config or set "
-                           f"${LOCAL_ENV}"])
+        raise ConfigError(
+            [f"backend {backend.name!r}: {backend.local_config}: give --local-config or set ${LOCAL_ENV}"]
+        )
     try:
         dram = local_dram_size(getattr(args, "local_config", None), env)
     except ValueError as e:

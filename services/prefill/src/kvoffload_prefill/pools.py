@@ -18,9 +18,14 @@ def host_pool(args: argparse.Namespace, store, geometry, name: str):
     mmc-local.conf (``--local-config`` / ``$MMC_LOCAL_CONFIG_PATH``). A pool its backend cannot open
     here (a missing wheel, a master that does not answer in time, no Ascend driver, a bad conf) is a
     start-up error naming the backend and the cause (never the embedded pool instead)."""
-    request = PoolRequest(store.model_copy(update={"metastore": args.metastore}), geometry, name,
-                          pool_id=f"prefill-{args.host}:{args.port}", host=args.host,
-                          local_config=args.pool_local_config)
+    request = PoolRequest(
+        store.model_copy(update={"metastore": args.metastore}),
+        geometry,
+        name,
+        pool_id=f"prefill-{args.host}:{args.port}",
+        host=args.host,
+        local_config=args.pool_local_config,
+    )
     try:
         return open_pool(request)
     except PoolOpenError as e:
@@ -42,5 +47,10 @@ def pool_counters(pool) -> tuple[dict[str, int], str]:
         stats = pool.stats()
     except Exception as exc:  # noqa: BLE001 - whatever the pool's Stats fails with is why it cannot say
         return {"pool_available": 0}, repr(exc)
-    return {"pool_available": 1, "pool_used_bytes": stats.used_bytes, "pool_used_blocks": stats.used_blocks,
-            "pool_live_leases": stats.live_leases, "pool_complete_objects": stats.complete_objects}, ""
+    return {
+        "pool_available": 1,
+        "pool_used_bytes": stats.used_bytes,
+        "pool_used_blocks": stats.used_blocks,
+        "pool_live_leases": stats.live_leases,
+        "pool_complete_objects": stats.complete_objects,
+    }, ""

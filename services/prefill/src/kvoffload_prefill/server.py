@@ -52,28 +52,53 @@ def serve(args: argparse.Namespace) -> int:
     settings = settings_of(args, kv_layout(model.config, args.block_size, model.dtype))
     pool_flags(args, settings.store)
     if settings.d2h is not None and settings.d2h.transfer_backend == "memfabric" and args.tensor_parallel_size > 1:
-        raise ConfigError([f"--tensor-parallel-size: got {args.tensor_parallel_size}; with transfer_backend "
-                           "'memfabric' the prefill runs one rank (its followers' layer buffers are not registered "
-                           "with memfabric), use 1"])
+        raise ConfigError(
+            [
+                f"--tensor-parallel-size: got {args.tensor_parallel_size}; with transfer_backend "
+                "'memfabric' the prefill runs one rank (its followers' layer buffers are not registered "
+                "with memfabric), use 1"
+            ]
+        )
     memfabric = _memfabric(args, settings.d2h)  # before the pool: fail fast, holding nothing
-    log.info("host pool size", bytes=args.host_pool_bytes, source=args.host_pool_source,
-             **({"overrides": args.host_pool_overrides} if args.host_pool_overrides else {}))
+    log.info(
+        "host pool size",
+        bytes=args.host_pool_bytes,
+        source=args.host_pool_source,
+        **({"overrides": args.host_pool_overrides} if args.host_pool_overrides else {}),
+    )
     model_id = args.served_model_name or Path(args.model).resolve().name
     tag = uuid.uuid4().hex[:8]
-    pool = host_pool(args, settings.store, build.prefill_geometry(model, args.block_size, args.host_pool_bytes),
-                     f"kvoffload-prefill-pool-{tag}")
+    pool = host_pool(
+        args,
+        settings.store,
+        build.prefill_geometry(model, args.block_size, args.host_pool_bytes),
+        f"kvoffload-prefill-pool-{tag}",
+    )
     tokenizer = ByteTokenizer.from_dir(args.model)
     if settings.d2h is None:
         if args.tensor_parallel_size > 1:
             pool.close()
-            raise ConfigError([f"--tensor-parallel-size: got {args.tensor_parallel_size}; offload-only mode "
-                               "(no SfaRemoteD2HConnector) runs one rank, use 1"])
+            raise ConfigError(
+                [
+                    f"--tensor-parallel-size: got {args.tensor_parallel_size}; offload-only mode "
+                    "(no SfaRemoteD2HConnector) runs one rank, use 1"
+                ]
+            )
         return _serve_offload_only(args, tls, model, tokenizer, settings, pool, model_id)
     return _serve_pd(args, tls, model, tokenizer, settings, pool, model_id, tag, memfabric)
 
 
-def _serve_pd(args: argparse.Namespace, tls, model, tokenizer, settings: PrefillSettings, pool, model_id: str,
-              tag: str, memfabric: MemfabricTransfer | None) -> int:
+def _serve_pd(
+    args: argparse.Namespace,
+    tls,
+    model,
+    tokenizer,
+    settings: PrefillSettings,
+    pool,
+    model_id: str,
+    tag: str,
+    memfabric: MemfabricTransfer | None,
+) -> int:
     """A P/D prefill: layerwise prefill announcing every layer to the decodes a request names, which
     pull it through LayerSource (or memfabric); its TP ranks, when ``--tensor-parallel-size`` > 1."""
     from kvoffload_engine import build
@@ -81,45 +106,85 @@ def _serve_pd(args: argparse.Namespace, tls, model, tokenizer, settings: Prefill
     assert settings.d2h is not None  # without a D2H connector serve() runs offload-only
     ranks = _tp_ranks(args, model, pool)
     engine = build.prefill_engine(
-        model, pool, buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
-        independent=sorted(settings.independent_layers), chunk_size=args.chunk_size,
-        max_model_len=args.max_model_len, prefetch=settings.prefetch_layers, model_id=model_id,
-        buffer_segment=f"kvoffload-prefill-buffers-{tag}", gate_timeout_s=args.read_timeout_s + 30,
-        followers=ranks.followers if ranks else None)
+        model,
+        pool,
+        buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
+        independent=sorted(settings.independent_layers),
+        chunk_size=args.chunk_size,
+        max_model_len=args.max_model_len,
+        prefetch=settings.prefetch_layers,
+        model_id=model_id,
+        buffer_segment=f"kvoffload-prefill-buffers-{tag}",
+        gate_timeout_s=args.read_timeout_s + 30,
+        followers=ranks.followers if ranks else None,
+    )
     follower_buffers = _follower_buffers(ranks, engine, tag) if ranks else []
     engine.plan.log()
-    not_ready = (lambda: ranks.not_ready() or pool_not_ready(settings.store, pool)) if ranks else \
-        (lambda: pool_not_ready(settings.store, pool))
-    grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _stats(worker, ledger), workers=8,
-                         not_ready=not_ready)
+    not_ready = (
+        (lambda: ranks.not_ready() or pool_not_ready(settings.store, pool))
+        if ranks
+        else (lambda: pool_not_ready(settings.store, pool))
+    )
+    grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _stats(worker, ledger), workers=8, not_ready=not_ready)
     data_port = grpc_side.add_port(f"{args.host}:{args.data_port}", tls)
-    worker = PrefillWorker(engine, model_id=model_id, host_id=host_id(), data_endpoint=f"{args.host}:{data_port}",
-                           read_timeout_s=args.read_timeout_s, peer_timeout_s=args.peer_timeout_s,
-                           follower_segments=tuple(b.segment.name for b in follower_buffers))
+    worker = PrefillWorker(
+        engine,
+        model_id=model_id,
+        host_id=host_id(),
+        data_endpoint=f"{args.host}:{data_port}",
+        read_timeout_s=args.read_timeout_s,
+        peer_timeout_s=args.peer_timeout_s,
+        follower_segments=tuple(b.segment.name for b in follower_buffers),
+    )
     if memfabric is not None:
         _share_layer_buffers(memfabric, engine, worker)
-    grpc_side.add(transfer_pb2_grpc.add_LayerSourceServicer_to_server,
-                  LayerSourceServicer(LayerBufferRows(engine, {lay.layout_version: bufs for lay, bufs
-                                                               in zip(worker.layouts, (engine.buffers, *follower_buffers))})))
+    grpc_side.add(
+        transfer_pb2_grpc.add_LayerSourceServicer_to_server,
+        LayerSourceServicer(
+            LayerBufferRows(
+                engine,
+                {lay.layout_version: bufs for lay, bufs in zip(worker.layouts, (engine.buffers, *follower_buffers))},
+            )
+        ),
+    )
     app = build_app(worker, tokenizer, model_id, args.max_model_len, not_ready=not_ready)
     grpc_side.start()
-    log.info("serving", http=f"{args.host}:{args.port}", data_port=data_port, model=model_id,
-             tensor_parallel_size=args.tensor_parallel_size,
-             plan=engine.plan.log_line(), backend=settings.store.backend,
-             transfer_backend=settings.d2h.transfer_backend,
-             **({"memfabric_session": memfabric.session} if memfabric else {}),
-             **(tls.describe() if tls else {"tls": False}))
+    log.info(
+        "serving",
+        http=f"{args.host}:{args.port}",
+        data_port=data_port,
+        model=model_id,
+        tensor_parallel_size=args.tensor_parallel_size,
+        plan=engine.plan.log_line(),
+        backend=settings.store.backend,
+        transfer_backend=settings.d2h.transfer_backend,
+        **({"memfabric_session": memfabric.session} if memfabric else {}),
+        **(tls.describe() if tls else {"tls": False}),
+    )
     # memfabric lets go of the layer buffers before the engine unmaps them
-    closers = (worker.close, *((memfabric.close,) if memfabric else ()), engine.close,
-               *(b.close for b in follower_buffers),
-               *((ranks.close,) if ranks else ()), pool.close)
-    serve_http(app, args.host, args.port, busy=lambda: len(worker.ledger.open_ids()),
-               grace_s=args.shutdown_grace_s, grpc_side=grpc_side, closers=closers)
+    closers = (
+        worker.close,
+        *((memfabric.close,) if memfabric else ()),
+        engine.close,
+        *(b.close for b in follower_buffers),
+        *((ranks.close,) if ranks else ()),
+        pool.close,
+    )
+    serve_http(
+        app,
+        args.host,
+        args.port,
+        busy=lambda: len(worker.ledger.open_ids()),
+        grace_s=args.shutdown_grace_s,
+        grpc_side=grpc_side,
+        closers=closers,
+    )
     return 0
 
 
-def _serve_offload_only(args: argparse.Namespace, tls, model, tokenizer, settings: PrefillSettings, pool,
-                        model_id: str) -> int:
+def _serve_offload_only(
+    args: argparse.Namespace, tls, model, tokenizer, settings: PrefillSettings, pool, model_id: str
+) -> int:
     """Offload-only mode: no decode pulls from this node; it serves complete requests itself
     (``generate.GenerateLoop``: layerwise prefill over the shared buffers and the host pool's
     prefix cache, then decode in this process), with gRPC Health + Stats and the same lifecycle."""
@@ -128,24 +193,55 @@ def _serve_offload_only(args: argparse.Namespace, tls, model, tokenizer, setting
 
     blocks_per_seq = -(-args.max_model_len // args.block_size)
     block_bytes = build.decode_geometry(model, args.block_size, 1 << 30).block_bytes
-    engine = Engine(model, EngineConfig(
-        block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        chunk_size=args.chunk_size, buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
-        independent=tuple(sorted(settings.independent_layers)), prefetch_layers=settings.prefetch_layers,
-        decode_pool_bytes=block_bytes * blocks_per_seq * args.max_num_seqs, model_id=model_id), prefill_pool=pool)
+    engine = Engine(
+        model,
+        EngineConfig(
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            chunk_size=args.chunk_size,
+            buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
+            independent=tuple(sorted(settings.independent_layers)),
+            prefetch_layers=settings.prefetch_layers,
+            decode_pool_bytes=block_bytes * blocks_per_seq * args.max_num_seqs,
+            model_id=model_id,
+        ),
+        prefill_pool=pool,
+    )
     engine.prefill.plan.log()
     loop = GenerateLoop(engine)
-    grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _offload_stats(loop), workers=2,
-                         not_ready=lambda: pool_not_ready(settings.store, pool))
+    grpc_side = GrpcSide(
+        SERVICE,
+        __version__,
+        lambda ledger: _offload_stats(loop),
+        workers=2,
+        not_ready=lambda: pool_not_ready(settings.store, pool),
+    )
     data_port = grpc_side.add_port(f"{args.host}:{args.data_port}", tls)
-    app = build_offload_app(loop, tokenizer, model_id, args.max_model_len,
-                            not_ready=lambda: pool_not_ready(settings.store, pool))
+    app = build_offload_app(
+        loop, tokenizer, model_id, args.max_model_len, not_ready=lambda: pool_not_ready(settings.store, pool)
+    )
     grpc_side.start()
-    log.info("serving", mode="offload-only", http=f"{args.host}:{args.port}", data_port=data_port, model=model_id,
-             plan=engine.prefill.plan.log_line(), backend=settings.store.backend, max_num_seqs=args.max_num_seqs,
-             **(tls.describe() if tls else {"tls": False}))
-    serve_http(app, args.host, args.port, busy=loop.busy, grace_s=args.shutdown_grace_s, grpc_side=grpc_side,
-               closers=(loop.close, engine.close, pool.close))
+    log.info(
+        "serving",
+        mode="offload-only",
+        http=f"{args.host}:{args.port}",
+        data_port=data_port,
+        model=model_id,
+        plan=engine.prefill.plan.log_line(),
+        backend=settings.store.backend,
+        max_num_seqs=args.max_num_seqs,
+        **(tls.describe() if tls else {"tls": False}),
+    )
+    serve_http(
+        app,
+        args.host,
+        args.port,
+        busy=loop.busy,
+        grace_s=args.shutdown_grace_s,
+        grpc_side=grpc_side,
+        closers=(loop.close, engine.close, pool.close),
+    )
     return 0
 
 
@@ -153,17 +249,25 @@ def _offload_stats(loop: GenerateLoop) -> StatsSnapshot:
     eng = loop.engine
     pool, pool_error = pool_counters(eng.prefill_pool)
     counters: dict[str, float] = {**loop.stats(), "device_kv_bytes": eng.allocator.stats().current_bytes, **pool}
-    return StatsSnapshot(counters, {"mode": "offload-only", "plan": eng.prefill.plan.log_line(),
-                                    "pool_error": pool_error}, "")
+    return StatsSnapshot(
+        counters, {"mode": "offload-only", "plan": eng.prefill.plan.log_line(), "pool_error": pool_error}, ""
+    )
 
 
 def _stats(worker: PrefillWorker, include_ledger: bool) -> StatsSnapshot:
     eng = worker.engine
     pool, pool_error = pool_counters(eng.pool)
-    counters = {**eng.gates.stats(), **worker.ledger.counters(), "device_kv_bytes": eng.allocator.stats().current_bytes,
-                **pool}
-    return StatsSnapshot(counters, {"plan": eng.plan.log_line(), "pool_error": pool_error},
-                         worker.ledger.snapshot() if include_ledger else "")
+    counters = {
+        **eng.gates.stats(),
+        **worker.ledger.counters(),
+        "device_kv_bytes": eng.allocator.stats().current_bytes,
+        **pool,
+    }
+    return StatsSnapshot(
+        counters,
+        {"plan": eng.plan.log_line(), "pool_error": pool_error},
+        worker.ledger.snapshot() if include_ledger else "",
+    )
 
 
 def _memfabric(args: argparse.Namespace, d2h) -> MemfabricTransfer | None:
@@ -174,8 +278,9 @@ def _memfabric(args: argparse.Namespace, d2h) -> MemfabricTransfer | None:
     if d2h is None or d2h.transfer_backend != "memfabric":
         return None
     try:
-        return MemfabricTransfer.start("Prefill", args.host, device_id=d2h.memfabric_device_id,
-                                       data_op=d2h.memfabric_data_op)
+        return MemfabricTransfer.start(
+            "Prefill", args.host, device_id=d2h.memfabric_device_id, data_op=d2h.memfabric_data_op
+        )
     except (MemfabricUnavailable, MemfabricNotInstalled, ValueError) as e:
         raise StartupError(f"transfer_backend 'memfabric': {e}") from None
 
@@ -226,8 +331,17 @@ def _follower_buffers(ranks, engine, tag: str) -> list:
     names = [f"kvoffload-prefill-buffers-{tag}-tp{r}" for r in range(1, ranks.size)]
     try:
         ranks.followers.buffers(engine.plan, engine.buffers.num_blocks, names)
-        return [LayerBuffers(engine.plan, engine.buffers.num_blocks, DeviceAllocator(engine.model.device),
-                             engine.model.dtype, segment_name=n, attach=True) for n in names]
+        return [
+            LayerBuffers(
+                engine.plan,
+                engine.buffers.num_blocks,
+                DeviceAllocator(engine.model.device),
+                engine.model.dtype,
+                segment_name=n,
+                attach=True,
+            )
+            for n in names
+        ]
     except BaseException:
         engine.close()
         ranks.close()

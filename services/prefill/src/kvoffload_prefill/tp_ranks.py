@@ -39,9 +39,24 @@ class TPRanks(LeadRanks):
 
         check_tp_size(model.config, size)
         processes = RankProcesses.start(
-            size, lambda r, init: [sys.executable, "-m", "kvoffload_prefill.tp_ranks", "--model", model_dir,
-                                   "--rank", str(r), "--size", str(size), "--init", init, "--log-level", log_level,
-                                   *(["--dtype", dtype] if dtype else [])])
+            size,
+            lambda r, init: [
+                sys.executable,
+                "-m",
+                "kvoffload_prefill.tp_ranks",
+                "--model",
+                model_dir,
+                "--rank",
+                str(r),
+                "--size",
+                str(size),
+                "--init",
+                init,
+                "--log-level",
+                log_level,
+                *(["--dtype", dtype] if dtype else []),
+            ],
+        )
         shard_model(model, DistGroup())
         log.info("tp_ranks_joined", size=size, pids=processes.pids)
         return cls(processes)

@@ -40,6 +40,7 @@ from svcruntime.ledger import Ledger
 
 log = structlog.get_logger(__name__)
 
+
 @dataclass(frozen=True)
 class PrefillOutcome:
     request_id: str
@@ -55,18 +56,30 @@ def _first_logprob(sampler: RequestSampler) -> TokenLogprob | None:
 
 
 class PrefillWorker:
-    def __init__(self, engine: LayerwisePrefill, *, model_id: str, host_id: str, data_endpoint: str,
-                 read_timeout_s: float = 60.0, peer_timeout_s: float = 10.0,
-                 follower_segments: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        engine: LayerwisePrefill,
+        *,
+        model_id: str,
+        host_id: str,
+        data_endpoint: str,
+        read_timeout_s: float = 60.0,
+        peer_timeout_s: float = 10.0,
+        follower_segments: tuple[str, ...] = (),
+    ) -> None:
         self.engine = engine
         size = engine.followers.size if engine.followers else 1
         if len(follower_segments) != size - 1:
-            raise ValueError(f"a TP {size} prefill needs the layer buffers of its {size - 1} follower(s), "
-                             f"got {len(follower_segments)}")
+            raise ValueError(
+                f"a TP {size} prefill needs the layer buffers of its {size - 1} follower(s), "
+                f"got {len(follower_segments)}"
+            )
         versions = random.sample(range(1, 2**62), size)  # distinct
         # rank 0's layout, then each follower's: its own buffers, the same slots, rows and offsets
-        self.layouts = [self._layout_metadata(model_id, host_id, data_endpoint, rank, version, segment)
-                        for rank, (version, segment) in enumerate(zip(versions, (None, *follower_segments)))]
+        self.layouts = [
+            self._layout_metadata(model_id, host_id, data_endpoint, rank, version, segment)
+            for rank, (version, segment) in enumerate(zip(versions, (None, *follower_segments)))
+        ]
         self.layout, self.layout_version = self.layouts[0], versions[0]
         self._links: dict[tuple[str, int], DecodeLink] = {}  # (decode endpoint, prefill TP rank) -> link
         self._lock = threading.Lock()
@@ -79,20 +92,26 @@ class PrefillWorker:
         self.ledger = Ledger()
         engine.announce = self._announce
 
-    def _layout_metadata(self, model_id: str, host_id: str, data_endpoint: str, rank: int, version: int,
-                         segment_name: str | None) -> transfer_pb2.LayoutMetadata:
+    def _layout_metadata(
+        self, model_id: str, host_id: str, data_endpoint: str, rank: int, version: int, segment_name: str | None
+    ) -> transfer_pb2.LayoutMetadata:
         eng, bufs = self.engine, self.engine.buffers
         layers = []
         for spec in eng.plan.layout.layers:
             slot = eng.plan.slot_of(spec.index)
             lay = transfer_pb2.LayerLayout(
-                layer=spec.index, slot=slot, main_row_bytes=spec.main.row_bytes,
+                layer=spec.index,
+                slot=slot,
+                main_row_bytes=spec.main.row_bytes,
                 main_dtype=dtype_name(spec.main.dtype),
                 indexer_row_bytes=spec.indexer.row_bytes if spec.indexer else 0,
-                indexer_dtype=dtype_name(spec.indexer.dtype) if spec.indexer else "")
+                indexer_dtype=dtype_name(spec.indexer.dtype) if spec.indexer else "",
+            )
             if bufs.segment is not None:
-                for kind, region, cache in (("main", lay.main_buffer, spec.main),
-                                            ("indexer", lay.indexer_buffer, spec.indexer)):
+                for kind, region, cache in (
+                    ("main", lay.main_buffer, spec.main),
+                    ("indexer", lay.indexer_buffer, spec.indexer),
+                ):
                     if cache is None:
                         continue
                     plane = bufs.plane_of[(slot, kind)]
@@ -102,10 +121,16 @@ class PrefillWorker:
                     region.capacity_tokens = bufs.capacity_tokens
             layers.append(lay)
         return transfer_pb2.LayoutMetadata(
-            model_id=model_id, num_layers=len(layers), block_size=eng.block_size, layers=layers,
-            prefill_tp_rank=rank, prefill_tp_size=eng.followers.size if eng.followers else 1,
-            data_endpoint=data_endpoint, host_id=host_id,
-            layout_version=version)
+            model_id=model_id,
+            num_layers=len(layers),
+            block_size=eng.block_size,
+            layers=layers,
+            prefill_tp_rank=rank,
+            prefill_tp_size=eng.followers.size if eng.followers else 1,
+            data_endpoint=data_endpoint,
+            host_id=host_id,
+            layout_version=version,
+        )
 
     def links(self, endpoint: str, ranks: list[int]) -> list[DecodeLink]:
         """The links of prefill TP ``ranks`` (the contributor group of the decode rank at ``endpoint``)
@@ -116,8 +141,9 @@ class PrefillWorker:
             with self._lock:
                 link = self._links.get(key)
                 if link is None:
-                    link = self._links[key] = DecodeLink(endpoint, layout, self._read_timeout_s,
-                                                         peer_timeout_s=self._peer_timeout_s)
+                    link = self._links[key] = DecodeLink(
+                        endpoint, layout, self._read_timeout_s, peer_timeout_s=self._peer_timeout_s
+                    )
             link.ensure_layout()
             out.append(link)
         return out
@@ -147,8 +173,13 @@ class PrefillWorker:
             failed = [layer for layer, outcome in self._outcomes.get(rid, []) if outcome.failed()]
         return f"the decode did not read layer(s) {sorted(set(failed))}" if failed else ""
 
-    def run(self, request_id: str, prompt_ids: list[int], transfer_params: KVTransferParams | None,
-            params: SamplingParams | None = None) -> PrefillOutcome:
+    def run(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        transfer_params: KVTransferParams | None,
+        params: SamplingParams | None = None,
+    ) -> PrefillOutcome:
         """Prefill one prompt; with decode params, every layer goes to that decode's TP ranks."""
         readers: frozenset = frozenset()
         links: list[DecodeLink] = []
@@ -173,8 +204,14 @@ class PrefillWorker:
         self.ledger.finish(rid, "ok")
         return out
 
-    def _run(self, rid: str, prompt_ids: list[int], links: list[DecodeLink], readers: frozenset,
-             params: SamplingParams | None) -> PrefillOutcome:
+    def _run(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        links: list[DecodeLink],
+        readers: frozenset,
+        params: SamplingParams | None,
+    ) -> PrefillOutcome:
         # the client's parameters hold for the first token too: penalties (none yet), min_tokens
         # (no EOS or stop token id while min_tokens >= 1), logprobs
         sampler = RequestSampler(params or SamplingParams(max_tokens=1), self.engine.model.config.eos_token_id)
@@ -185,8 +222,15 @@ class PrefillWorker:
         for link in links:
             link.hold(rid)  # heartbeats name the request from now on, queued or computing
         try:
-            res = self.engine.run(PrefillRequest(rid, torch.tensor(prompt_ids, dtype=torch.long), readers=readers,
-                                                 sample=sampler.step, cancelled=lambda: self._stop_reason(rid, links)))
+            res = self.engine.run(
+                PrefillRequest(
+                    rid,
+                    torch.tensor(prompt_ids, dtype=torch.long),
+                    readers=readers,
+                    sample=sampler.step,
+                    cancelled=lambda: self._stop_reason(rid, links),
+                )
+            )
         except BaseException:
             for link in links:
                 link.release(rid)
@@ -215,10 +259,21 @@ class PrefillWorker:
 
     @staticmethod
     def _finished(rid: str, prompt_ids: list[int], res, sampler: RequestSampler) -> PrefillOutcome:
-        log.info("prefill_finished", request_id=rid, prompt_tokens=len(prompt_ids),
-                 cached_tokens=res.num_cached_tokens, first_token=res.first_token)
-        return PrefillOutcome(rid, res.first_token, len(prompt_ids), res.num_cached_tokens, res.num_computed_tokens,
-                              _first_logprob(sampler))
+        log.info(
+            "prefill_finished",
+            request_id=rid,
+            prompt_tokens=len(prompt_ids),
+            cached_tokens=res.num_cached_tokens,
+            first_token=res.first_token,
+        )
+        return PrefillOutcome(
+            rid,
+            res.first_token,
+            len(prompt_ids),
+            res.num_cached_tokens,
+            res.num_computed_tokens,
+            _first_logprob(sampler),
+        )
 
     def _await_reads(self, rid: str) -> None:
         """Every announce of the request answered READ_DONE (each has its own deadline)."""
