@@ -34,7 +34,7 @@ class Metaserver:
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's name
+            def do_POST(self):
                 outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 self.send_response(200)
                 self.end_headers()
@@ -143,6 +143,7 @@ def test_a_layout_of_another_model_is_refused_with_both_sides_named(pair):
 
 def test_the_layer_source_serves_only_block_aligned_ranges_of_requests_it_sends(pair):
     import grpc
+
     from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
     producer, _, _, _, _ = pair

@@ -5,7 +5,6 @@ block is saved exactly once, in the step that completes it, never a hit block.""
 from __future__ import annotations
 
 from kvcore.blockkeys import block_keys
-
 from kvoffload_vllm.plan import StorePlanner
 
 BS = 4

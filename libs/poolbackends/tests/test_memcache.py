@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+
 from kvcore import backends
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment

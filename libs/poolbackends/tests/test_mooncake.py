@@ -1,7 +1,8 @@
 """MooncakeHostPool's own behaviour against a real ``mooncake_master`` (the shared contract is in
 tests/integration/test_backend_contract.py): the master launcher, a missing master or wheel,
 batches over Mooncake's 1024-key limit, objects read and leased across processes, and a master
-restart, the pool's shared memory, and a failed store put. Needs the ``mooncake`` extra and ``libibverbs1`` (scripts/install-mooncake)."""
+restart, the pool's shared memory, and a failed store put. Needs the ``mooncake`` extra and
+``libibverbs1`` (scripts/install-mooncake)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import uuid
 
 import pytest
 import torch
+
 from kvcore.hostpool import (
     HostPoolBackend,
     IncompleteObject,
@@ -293,8 +295,9 @@ def test_objects_put_by_another_process_are_read_and_leased_here(master, store):
 def test_objects_of_a_dead_owner_fail_one_read_clearly_and_are_then_computed_again():
     """The process that wrote objects dies (SIGKILL): the master lists its objects until its
     --client_ttl (60 s here), but their bytes cannot be read. The first read fails at once with
-    TRANSFER_FAIL (an ``ObjectUnreachable``), naming the dead owner, and removes them from the store, so the next ``exists``
-    misses them and the reader writes them itself, well before the master would have noticed."""
+    TRANSFER_FAIL (an ``ObjectUnreachable``), naming the dead owner, and removes them from the store, so
+    the next ``exists`` misses them and the reader writes them itself, well before the master would have
+    noticed."""
     with MooncakeMaster.start(MasterConfig(kv_lease_ttl_ms=STORE_LEASE_TTL_MS, client_ttl_s=60)) as m:
         ns, n = f"d-{uuid.uuid4().hex[:8]}", 40
         keys = [f"k{i}".encode() for i in range(n)]

@@ -4,6 +4,7 @@ proto round trip."""
 
 import grpc
 import pytest
+
 from kvcore.hostpool import ObjectNotFound, PoolError, PoolFullError
 from kvcore.poolgeometry import PoolGeometry
 from poolbackends import wire

@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
 from kvcore.configerrors import ConfigError
 from kvcore.connectorconfig import StoreConnectorConfig
-
 from kvoffload_prefill.options import pool_flags
 
 GIB = 2**30

@@ -13,13 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
+
 from dsamodel.presets import tiny_model
 from kvoffload_engine import build
 from kvoffload_engine.prefill import PrefillRequest
+from kvoffload_prefill.source import LayerBufferRows
 from kvoffload_proto.v1 import transfer_pb2 as pb
 from kvoffload_proto.v1 import transfer_pb2_grpc
-
-from kvoffload_prefill.source import LayerBufferRows
 from pdlink.layer_source import LayerSourceServicer
 
 C = grpc.StatusCode

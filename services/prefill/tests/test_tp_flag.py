@@ -5,8 +5,8 @@ process starts. (The running TP prefill: tests/integration/test_tp_stack.py.)"""
 import json
 
 import pytest
-from dsamodel.presets import write_tiny
 
+from dsamodel.presets import write_tiny
 from kvoffload_prefill.server import main
 
 STORE = {
@@ -84,7 +84,8 @@ def test_a_rank_that_cannot_start_ends_the_wait_at_once_naming_it(tmp_path):
         "from svcruntime.serving import StartupError\n"
         "from kvoffload_prefill.tp_ranks import TPRanks\n"
         "try:\n"
-        f"    TPRanks.start(tiny_model(), model_dir={str(tmp_path / 'missing')!r}, dtype=None, size=2, log_level='error')\n"
+        f"    TPRanks.start(tiny_model(), model_dir={str(tmp_path / 'missing')!r}, dtype=None, size=2, "
+        "log_level='error')\n"
         "except StartupError as exc:\n"
         "    print('STARTUP', exc)\n"
         "    sys.exit(0)\n"

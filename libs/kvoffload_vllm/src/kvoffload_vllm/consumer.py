@@ -29,8 +29,12 @@ from typing import TYPE_CHECKING
 import grpc
 import structlog
 import torch
+
 from kvcore.layout import dtype_name
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+from kvoffload_vllm.d2h_plan import Coverage, blocks_of
+from kvoffload_vllm.layout import CacheLayout
+from kvoffload_vllm.stats import Counters
 from openai_api.transfer_params import KVTransferParams
 from pdlink.consumer import Plane, PullConsumer, Read, ReadOutcome, RowSink
 from pdlink.pullcounters import COUNTERS as PULL_COUNTERS
@@ -38,10 +42,6 @@ from pdlink.refusals import MalformedRead, UnknownRequest
 from pdlink.sources import RowSources
 from pdlink.transfer_service import TransferServicer
 from svcruntime.tls import PROCESS, add_port, secure_or_insecure_channel
-
-from kvoffload_vllm.d2h_plan import Coverage, blocks_of
-from kvoffload_vllm.layout import CacheLayout
-from kvoffload_vllm.stats import Counters
 
 if TYPE_CHECKING:
     from kvoffload_vllm.d2h import D2HSettings, D2HStepMetadata, Recv

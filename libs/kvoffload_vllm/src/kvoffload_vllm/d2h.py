@@ -45,11 +45,6 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
-from kvcore.config import parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
-from kvcore.confignames import D2H_CONNECTOR
-from kvcore.connectorconfig import D2HConnectorConfig
-from openai_api.transfer_params import KVTransferParams, parse_transfer_params
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -57,11 +52,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kvcore.config import parse_kv_transfer_config
+from kvcore.configerrors import ConfigError
+from kvcore.confignames import D2H_CONNECTOR
+from kvcore.connectorconfig import D2HConnectorConfig
 from kvoffload_vllm.d2h_plan import Send, SendPlanner, peer_of
 from kvoffload_vllm.layout import CacheLayout, vllm_model_id
 from kvoffload_vllm.plan import scheduled_requests
 from kvoffload_vllm.stats import CountingConnector
 from kvoffload_vllm.store import cache_spec
+from openai_api.transfer_params import KVTransferParams, parse_transfer_params
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -115,7 +115,7 @@ class D2HSettings:
     dp_rank: int = 0  # consumer: registered with the proxy as remote_dp_rank
 
 
-def d2h_settings(vllm_config: "VllmConfig") -> D2HSettings:
+def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
     """The typed SfaRemoteD2HConnector config (unknown keys are errors); ConfigError names the field."""
     kv = vllm_config.kv_transfer_config
     if kv is None:
@@ -180,7 +180,7 @@ def d2h_settings(vllm_config: "VllmConfig") -> D2HSettings:
 class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
     """See the module docstring; one instance per role (scheduler / worker)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = d2h_settings(vllm_config)
         self.producer_role = self.settings.role == "kv_producer"
@@ -207,7 +207,7 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
 
     # ---- scheduler side ----------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = transfer_params_of(request)
         if self.producer_role or params is None or not params.do_remote_prefill:
             return 0, False
@@ -224,7 +224,7 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
         self._matched[request.request_id] = num_computed_tokens
         return count, True
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = transfer_params_of(request)
         prompt_len = len(request.prompt_token_ids or ())
         if self.producer_role:
@@ -255,7 +255,7 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
         )
         self._loading.add(request.request_id)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = D2HStepMetadata()
         if not self.producer_role:
             meta.recvs, self._new_recvs = self._new_recvs, []
@@ -270,7 +270,7 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
         for rid in connector_output.finished_recving or ():
             self._loading.discard(rid)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.producer_role:
             return self._planner.finished(request.request_id), None
         self._matched.pop(request.request_id, None)
@@ -296,7 +296,7 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
 
             self._consumer = Consumer(self.settings, self.model_id, layout, caches)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, D2HStepMetadata)
         if self._consumer is not None:
@@ -353,7 +353,7 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
         self._producer = self._consumer = None
 
 
-def transfer_params_of(request: "Request") -> KVTransferParams | None:
+def transfer_params_of(request: Request) -> KVTransferParams | None:
     """The request's ``kv_transfer_params``, typed; None when it has none, or when they are malformed
     (logged: the request then runs without a transfer)."""
     try:

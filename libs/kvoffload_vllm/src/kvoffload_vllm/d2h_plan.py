@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from openai_api.transfer_params import KVTransferParams
 
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from kvcore.poolgeometry import PoolGeometry
 
 
@@ -100,7 +101,7 @@ class CacheLayout:
     @classmethod
     def of(
         cls, caches: Mapping[str, object], order: Sequence[str], num_blocks: int, block_size: int, page_bytes: int
-    ) -> "CacheLayout":
+    ) -> CacheLayout:
         """Check vLLM's per-layer caches (``order``: layer order) and describe them.
 
         Every layer must be one contiguous tensor ``[num_blocks, ...]`` whose block is

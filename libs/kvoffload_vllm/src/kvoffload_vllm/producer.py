@@ -25,17 +25,17 @@ from typing import TYPE_CHECKING
 import grpc
 import structlog
 import torch
+
 from kvcore.layout import dtype_name
 from kvcore.segment import host_id
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+from kvoffload_vllm.d2h_plan import Send, blocks_of
+from kvoffload_vllm.layout import CacheLayout
+from kvoffload_vllm.stats import Counters
 from pdlink.layer_source import LayerSourceServicer, RowBuffer
 from pdlink.links import DecodeLink, LinkError
 from pdlink.refusals import MalformedRead, Refused, UnknownRequest
 from svcruntime.tls import add_port
-
-from kvoffload_vllm.d2h_plan import Send, blocks_of
-from kvoffload_vllm.layout import CacheLayout
-from kvoffload_vllm.stats import Counters
 
 if TYPE_CHECKING:
     from kvoffload_vllm.d2h import D2HSettings
@@ -80,7 +80,7 @@ class _Outgoing:
 class _Announce:
     """The ``pdlink.links.ReadTicket`` of one announce: its answer settles the request's count."""
 
-    def __init__(self, producer: "Producer", out: _Outgoing, layer: int, clock: _StepClock) -> None:
+    def __init__(self, producer: Producer, out: _Outgoing, layer: int, clock: _StepClock) -> None:
         self.producer, self.out, self.layer, self.generation = producer, out, layer, out.generation
         self.clock = clock
 

@@ -44,7 +44,7 @@ class CounterStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {}
 
-    def aggregate(self, other: KVConnectorStats) -> "CounterStats":
+    def aggregate(self, other: KVConnectorStats) -> CounterStats:
         for k, v in other.data.items():
             self.data[k] = self.data.get(k, 0) + v
         return self

@@ -49,23 +49,23 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
-from kvcore.config import parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
-from kvcore.confignames import STORE_CONNECTOR
-from kvcore.hostpool import HostPoolBackend, ObjectExists, PoolError
-from kvcore.poolregistry import VLLM_POOLS
-from kvcore.segment import sweep_stale_segments
-from poolbackends.client import MetaStoreClient
-from poolbackends.registry import PoolRequest, open_pool
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 
+from kvcore.config import parse_kv_transfer_config
+from kvcore.configerrors import ConfigError
+from kvcore.confignames import STORE_CONNECTOR
+from kvcore.hostpool import HostPoolBackend, ObjectExists, PoolError
+from kvcore.poolregistry import VLLM_POOLS
+from kvcore.segment import sweep_stale_segments
 from kvoffload_vllm.layout import CacheLayout, vllm_model_id
 from kvoffload_vllm.plan import StorePlanner, Transfer, scheduled_requests
-from kvoffload_vllm.stats import CountingConnector, Counters
+from kvoffload_vllm.stats import Counters, CountingConnector
+from poolbackends.client import MetaStoreClient
+from poolbackends.registry import PoolRequest, open_pool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -100,7 +100,7 @@ class StoreStepMetadata(KVConnectorMetadata):
     saves: list[Transfer] = field(default_factory=list)
 
 
-def store_config(vllm_config: "VllmConfig"):
+def store_config(vllm_config: VllmConfig):
     """The typed AscendStoreConnector config (unknown keys are errors); ConfigError names the field."""
     kv = vllm_config.kv_transfer_config
     if kv is None:
@@ -143,7 +143,7 @@ def store_config(vllm_config: "VllmConfig"):
     return store
 
 
-def cache_spec(kv_cache_config: "KVCacheConfig"):
+def cache_spec(kv_cache_config: KVCacheConfig):
     """(layer names, spec) of the one attention group the connector supports; ConfigError otherwise."""
     from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -157,7 +157,7 @@ def cache_spec(kv_cache_config: "KVCacheConfig"):
 class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
     """See the module docstring; one instance per role (scheduler / worker)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._store = store_config(vllm_config)
         par = vllm_config.parallel_config
@@ -198,7 +198,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
 
     # ---- scheduler side ----------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = request.prompt_token_ids
         if not prompt:
             return 0, False
@@ -218,10 +218,10 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             )
         return hit, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._planner.allocated(request.request_id, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = StoreStepMetadata()
         for s in scheduled_requests(scheduler_output):
             if s.first:
@@ -235,7 +235,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             meta.saves += [save] if save else []
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._planner.finished(request.request_id)
         return False, None
 
@@ -263,7 +263,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             host_pool_gb=pool_gb,
         )
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, StoreStepMetadata)
         if not meta.loads or self._pool is None:

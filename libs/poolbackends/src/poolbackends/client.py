@@ -21,17 +21,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+
 from kvcore.hostpool import ObjectExists, PoolFullError, PoolStats, check_positive
 from kvcore.leases import check_ttl_ms
 from kvcore.poolgeometry import PoolGeometry
 from kvoffload_proto.v1 import metastore_pb2 as pb
 from kvoffload_proto.v1 import metastore_pb2_grpc as pb_grpc
-from svcruntime.tls import PROCESS, secure_or_insecure_channel
-
 from poolbackends.errors import NoPoolRegistered, PoolNotRegistered
 from poolbackends.records import Allocation, Location, PoolRecord
 from poolbackends.wire import error_from_rpc, geometry_to_pb, location_from_pb, pool_from_pb
-
+from svcruntime.tls import PROCESS, secure_or_insecure_channel
 
 # --------------------------------------------------------------------------------------------
 # Leases
@@ -46,7 +45,7 @@ class RemoteLease:
     lets it expire; after that the block ids in ``locations`` may name other objects.
     """
 
-    def __init__(self, client: "MetaStoreClient", reply: Any, keys: tuple[bytes, ...], sent: float) -> None:
+    def __init__(self, client: MetaStoreClient, reply: Any, keys: tuple[bytes, ...], sent: float) -> None:
         self._client = client
         self.keys = keys
         self.lease_id = reply.lease_id
@@ -77,7 +76,7 @@ class RemoteLease:
             self._client._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=self.lease_id))
             self._released = True
 
-    def __enter__(self) -> "RemoteLease":
+    def __enter__(self) -> RemoteLease:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -244,7 +243,7 @@ class MetaStoreClient:
         if self._owns_channel:
             self._channel.close()
 
-    def __enter__(self) -> "MetaStoreClient":
+    def __enter__(self) -> MetaStoreClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import structlog
+
 from kvcore.hostpool import PoolError
 from kvcore.poolgeometry import PoolGeometry
-
 from poolbackends.client import MetaStoreClient
 from poolbackends.errors import PoolNotRegistered, WorldSizeExceeded
 
@@ -176,7 +176,7 @@ class PoolMembership:
                     failures=self.heartbeat_failures,
                     retry_in_ms=self.heartbeat_interval_ms,
                 )
-            except Exception:  # noqa: BLE001 - keep beating whatever one call did
+            except Exception:
                 self.heartbeat_failures += 1
                 log.exception("remote_pool_heartbeat_error", pool_id=self.pool_id)
 

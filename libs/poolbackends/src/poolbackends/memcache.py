@@ -95,7 +95,7 @@ class MemcacheHostPool(StoreHostPool):
         namespace: str = "kvoffload",
         eviction: EvictionPolicy | None = None,
         io_wait_timeout_s: float = 30.0,
-    ) -> "MemcacheHostPool":
+    ) -> MemcacheHostPool:
         """Start a LocalService from ``local_config`` (an ``mmc-local.conf``) or ``settings`` (exactly
         one; a ``settings.dram_bytes`` below the geometry's need is raised to it), then the pool.
         ``MemcacheUnavailable`` when the library cannot start here: no pool is built."""

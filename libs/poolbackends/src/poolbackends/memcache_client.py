@@ -39,10 +39,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcore.hostpool import PoolError
-from svcruntime.native_output import native_output
-
 from poolbackends.memcache_conf import LocalSettings, local_fields
 from poolbackends.memcache_meta import INSTALL_HINT, MODULE, MemcacheNotInstalled
+from svcruntime.native_output import native_output
 
 H2G = 3  # memfabric_hybrid.bm.BmCopyType.H2G: host memory -> global pool
 G2H = 2  # BmCopyType.G2H: global pool -> host memory
@@ -135,7 +134,7 @@ class MemcacheClient:
     @classmethod
     def connect(
         cls, local_config: str | os.PathLike[str] | LocalSettings, *, device_id: int = 0, contribute_memory: bool = True
-    ) -> "MemcacheClient":
+    ) -> MemcacheClient:
         """Start a LocalService from an ``mmc-local.conf`` path (or settings, written to a temporary
         file first). Raises ``MemcacheNotInstalled``, ``ValueError`` (a bad conf) or
         ``MemcacheUnavailable`` (the library refused to start: the reason is its own)."""
@@ -157,7 +156,7 @@ class MemcacheClient:
             raise
 
     @classmethod
-    def _start(cls, mmc: Any, path: str, device_id: int, contribute_memory: bool, owns_conf: bool) -> "MemcacheClient":
+    def _start(cls, mmc: Any, path: str, device_id: int, contribute_memory: bool, owns_conf: bool) -> MemcacheClient:
         global _process_setup, _open_clients, _init_failed
         fields = local_fields(path)
         wanted = (str(fields.get("meta_service_url", "tcp://127.0.0.1:5000")), str(fields.get("config_store_url", "")))
@@ -258,7 +257,7 @@ class MemcacheClient:
             if self._owns_conf:
                 os.unlink(self.local_config)
 
-    def __enter__(self) -> "MemcacheClient":
+    def __enter__(self) -> MemcacheClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

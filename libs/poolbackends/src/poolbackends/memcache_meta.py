@@ -30,7 +30,6 @@ import tempfile
 from dataclasses import dataclass
 
 from kvcore.hostpool import check_count, check_positive
-
 from poolbackends.memcache_conf import MetaUrls, meta_conf_text, meta_urls
 from svcruntime.serverprocess import ServerProcess, free_port, port_answers
 
@@ -90,14 +89,14 @@ class MemcacheMetaService(ServerProcess):
         self.urls = urls
 
     @classmethod
-    def start(cls, settings: MetaSettings | None = None) -> "MemcacheMetaService":
+    def start(cls, settings: MetaSettings | None = None) -> MemcacheMetaService:
         """Start a MetaService and wait until it answers (``MemcacheMetaError`` past ``start_timeout_s``)."""
         s = settings or MetaSettings()
         picked = s.meta_config is None and 0 in (s.port, s.config_store_port, s.metrics_port)
         return cls.start_retrying(lambda: cls._prepare(s), 3 if picked else 1)  # a picked port may be taken
 
     @classmethod
-    def _prepare(cls, s: MetaSettings) -> "MemcacheMetaService":
+    def _prepare(cls, s: MetaSettings) -> MemcacheMetaService:
         """A service of ``s`` not started yet: its log folder and (unless given) its generated conf."""
         log_dir = tempfile.mkdtemp(prefix="memcache-meta-")
         if s.meta_config is not None:
@@ -203,7 +202,7 @@ def main(argv: list[str]) -> int:
     os.environ["MMC_META_CONFIG_PATH"] = argv[0]  # before the import: the library reads it when it loads
     try:
         from memcache_hybrid import MetaService
-    except Exception as e:  # a broken install raises more than ImportError (missing shared libraries)
+    except Exception as e:  # noqa: BLE001 - a broken install raises more than ImportError (missing shared libraries)
         print(f"cannot import {MODULE}.MetaService ({type(e).__name__}: {e}); {INSTALL_HINT}", flush=True)
         return NOT_INSTALLED_EXIT
     return int(MetaService.main())

@@ -134,7 +134,7 @@ class MooncakeHostPool(StoreHostPool):
         connect_timeout_s: float = 5.0,
         local_hostname: str = "127.0.0.1",
         protocol: str = "tcp",
-    ) -> "MooncakeHostPool":
+    ) -> MooncakeHostPool:
         """Connect a store client of its own to the master at ``master`` and build the pool on it."""
         if not isinstance(geometry, PoolGeometry):
             raise ValueError(f"geometry must be a PoolGeometry, got {type(geometry).__name__}")

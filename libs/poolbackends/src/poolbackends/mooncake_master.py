@@ -27,7 +27,6 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from kvcore.hostpool import check_count, check_positive
-
 from svcruntime.serverprocess import ServerProcess, free_port, port_answers
 
 __all__ = [
@@ -126,7 +125,7 @@ class MooncakeMaster(ServerProcess):
         self.metrics_port = metrics_port
 
     @classmethod
-    def start(cls, config: MasterConfig | None = None) -> "MooncakeMaster":
+    def start(cls, config: MasterConfig | None = None) -> MooncakeMaster:
         """Start a master and wait until it answers (``MooncakeMasterError`` past ``start_timeout_s``)."""
         c = config or MasterConfig()
         binary = find_master_binary(c.binary)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import structlog
 import torch
+
 from kvcore.hostpool import ObjectNotFound, PoolError
 from kvcore.segment import SharedSegment
-
 from poolbackends.mooncake_store import (
     OBJECT_HAS_LEASE,
     OBJECT_NOT_FOUND,

@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcore.hostpool import ObjectUnreachable, PoolError
-
 from poolbackends.mooncake_master import INSTALL_HINT, MooncakeNotInstalled, port_answers
 
 MAX_BATCH_KEYS = 1024
@@ -119,7 +118,7 @@ class MooncakeStore:
         protocol: str = "tcp",
         rdma_devices: str = "",
         connect_timeout_s: float = 5.0,
-    ) -> "MooncakeStore":
+    ) -> MooncakeStore:
         """Connect to the ``mooncake_master`` at ``master`` (``host:port``) and mount a segment of
         ``global_segment_bytes``. ``MooncakeStoreError`` if no master answers within ``connect_timeout_s``."""
         host, sep, port = master.rpartition(":")
@@ -213,11 +212,12 @@ class MooncakeStore:
             self._closed = True
         self._store.close()
 
-    def __enter__(self) -> "MooncakeStore":
+    def __enter__(self) -> MooncakeStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return f"MooncakeStore(master={self.master!r}, segment={self.segment_name!r}, {'closed' if self._closed else 'open'})"
+        state = "closed" if self._closed else "open"
+        return f"MooncakeStore(master={self.master!r}, segment={self.segment_name!r}, {state})"

@@ -50,6 +50,7 @@ from contextlib import contextmanager
 
 import structlog
 import torch
+
 from kvcore.hostpool import (
     HostPoolBackend,
     IncompleteObject,
@@ -67,8 +68,8 @@ from kvcore.hostpool import (
 )
 from kvcore.leases import check_ttl_ms
 from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment, host_id as this_host_id
-
+from kvcore.segment import SharedSegment
+from kvcore.segment import host_id as this_host_id
 from poolbackends.client import MetaStoreClient, RemoteLease
 from poolbackends.membership import PoolMembership
 from poolbackends.records import PoolRecord
@@ -140,7 +141,7 @@ class RemoteHostPool(HostPoolBackend):
         copy_lease_ttl_ms: int = 30_000,
         io_wait_timeout_s: float = 30.0,
         rejoin: bool = False,
-    ) -> "RemoteHostPool":
+    ) -> RemoteHostPool:
         """Create segment ``name`` (``replace``: a stale one is discarded) and register it as ``pool_id``
         with the MetaStore at ``target`` (``replace``: a live registration of ``pool_id`` is dropped)."""
         segment = SharedSegment.create(name, geometry, replace=replace)

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 import structlog
 import torch
+
 from kvcore.eviction import EvictionPolicy
 from kvcore.hostpool import ObjectExists, ObjectNotFound, PoolError, _as_block_bytes, check_keys
 from kvcore.leases import Lease, check_ttl_ms

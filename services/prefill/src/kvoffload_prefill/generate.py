@@ -117,7 +117,7 @@ class GenerateLoop:
                 for fn, done in calls:
                     try:
                         done.set_result(fn())
-                    except Exception as exc:
+                    except Exception as exc:  # noqa: BLE001 - the caller's: raised where it awaits its future
                         done.set_exception(exc)
                 if self._closed:
                     for rid in list(self._live):
@@ -134,7 +134,7 @@ class GenerateLoop:
                 before = {s.request_id for s in self.engine.waiting}
             try:
                 self.engine.step()  # prefill what fits, then one decode step
-            except Exception as exc:  # a pool or step failure: fail the requests it hit, keep serving
+            except Exception as exc:  # noqa: BLE001 - a pool or step failure: fail the requests it hit, keep serving
                 self._step_failed(before, exc)
             self._publish()
 

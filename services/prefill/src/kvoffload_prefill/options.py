@@ -9,14 +9,14 @@ import os
 from collections.abc import Mapping
 
 import structlog
+
 from kvcore.backends import require_available
 from kvcore.configerrors import ConfigError
 from kvcore.mmcconf import LOCAL_ENV, local_dram_size
 from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS
 from kvcore.prefillsettings import PrefillSettings, prefill_settings
-from svcruntime.flags import add_model_service_flags, add_process_flags, add_shared_flag
-
 from kvoffload_prefill import __version__
+from svcruntime.flags import add_model_service_flags, add_process_flags, add_shared_flag
 
 DESCRIPTION = "``kvoffload-prefill``: the kv_producer. Takes ``--kv-transfer-config`` as users write it:"
 SERVICE = "kvoffload-prefill"

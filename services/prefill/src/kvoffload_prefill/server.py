@@ -3,10 +3,11 @@ MultiConnector with SfaRemoteD2HConnector + AscendStoreConnector (a P/D prefill)
 AscendStoreConnector alone (offload-only: it serves complete requests itself, no decode or proxy);
 refuses sparse offload, runs layerwise prefill over shared-memory layer buffers and the host pool
 (backend ``kvoffload``: in this process or indexed by the metastore; ``mooncake``: shared through a
-mooncake_master; ``memcache``: shared through a Memcache MetaService), serves LayerSource + Health + Stats over gRPC and the OpenAI HTTP dispatch, and
-shuts down in order on SIGTERM/SIGINT. With transfer_backend "memfabric" it registers its layer
-buffers with memfabric_hybrid (``pdlink.memfabric``) and advertises its session in the layout the
-decodes get; where that cannot start, it stops with memfabric's reason (exit 2)."""
+mooncake_master; ``memcache``: shared through a Memcache MetaService), serves LayerSource + Health
++ Stats over gRPC and the OpenAI HTTP dispatch, and shuts down in order on SIGTERM/SIGINT. With
+transfer_backend "memfabric" it registers its layer buffers with memfabric_hybrid (``pdlink.memfabric``)
+and advertises its session in the layout the decodes get; where that cannot start, it stops with
+memfabric's reason (exit 2)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,10 @@ import uuid
 from pathlib import Path
 
 import structlog
+
 from kvcore.configerrors import ConfigError
 from kvcore.prefillsettings import PrefillSettings
 from kvcore.segment import host_id
-from kvoffload_proto.v1 import transfer_pb2_grpc
-from pdlink.layer_source import LayerSourceServicer
-from pdlink.memfabric import MemfabricNotInstalled, MemfabricTransfer, MemfabricUnavailable
-from svcruntime.ranks import share_cores
-from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, run, serve_http, start_process
-
 from kvoffload_prefill import __version__
 from kvoffload_prefill.app import build_app
 from kvoffload_prefill.generate import GenerateLoop
@@ -32,6 +28,11 @@ from kvoffload_prefill.options import FLAG_RULES, SERVICE, build_parser, pool_fl
 from kvoffload_prefill.pools import host_pool, pool_counters, pool_not_ready
 from kvoffload_prefill.source import LayerBufferRows
 from kvoffload_prefill.worker import PrefillWorker
+from kvoffload_proto.v1 import transfer_pb2_grpc
+from pdlink.layer_source import LayerSourceServicer
+from pdlink.memfabric import MemfabricNotInstalled, MemfabricTransfer, MemfabricUnavailable
+from svcruntime.ranks import share_cores
+from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, run, serve_http, start_process
 
 log = structlog.get_logger(__name__)
 
@@ -302,7 +303,6 @@ def _tp_ranks(args: argparse.Namespace, model, pool):
     """Ranks 1..N-1 started and joined, ``model`` sharded (None with one rank); a size the model
     cannot be sharded over is a ConfigError naming both."""
     from dsamodel.tp import check_tp_size
-
     from kvoffload_prefill.tp_ranks import TPRanks
 
     size = args.tensor_parallel_size

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import grpc
 import torch
+
 from kvoffload_proto.v1 import transfer_pb2
 from pdlink.layer_source import RowBuffer
 from pdlink.refusals import MalformedRead, Refused, UnknownRequest

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 
 import structlog
+
 from svcruntime.ranks import LeadRanks, RankProcesses, follower_parser, join_group, share_cores
 
 log = structlog.get_logger(__name__)
@@ -75,12 +76,12 @@ class TPRanks(LeadRanks):
 def _follower_main(argv: list[str] | None = None) -> int:
     """One follower rank: load the model, join the group, keep the shard, follow rank 0."""
     import torch.distributed as dist
-    from svcruntime.logs import configure_logging
 
     from dsamodel.tp import DistGroup, shard_model
     from dsamodel.weights import load_model
     from kvoffload_engine.tp_channel import DistChannel
     from kvoffload_engine.tp_prefill import follow
+    from svcruntime.logs import configure_logging
 
     p = follower_parser("kvoffload-prefill tp rank")
     p.add_argument("--model", required=True)
