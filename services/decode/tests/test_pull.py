@@ -1,43 +1,33 @@
 """The decode's pull path without a gRPC server: ``pdlink``'s ``PullConsumer`` over the decode's
 ``DecodeRows`` (``kvoffload_decode.pull``), a real ``DecodeLoop`` and ``SparseDecoder``, with
 stand-in row sources or ``pdlink``'s ``RowSources`` over a real shared-memory segment. (``RowSources``
-and ``PullCounters`` on their own: libs/pdlink/tests.)
+and ``PullCounters`` on their own: libs/pdlink/tests; the harness: support/pull_support.py.)
 
 What ``test_transfer_hostile`` covers through the real control port (layout reasons, malformed
 ReadReady, a source's refusals, duplicates, PrefillDone) is not repeated here; this file covers
-retries, the shared-memory path, heartbeats, concurrent pulls and the counters themselves.
+retries, the shared-memory path, concurrent pulls and the counters themselves (layouts, heartbeats
+and PrefillDone: test_pull_layouts).
 """
 
 from __future__ import annotations
 
-import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
+from pull_support import HOST, VERSION, N, Rank, counts, rank  # noqa: F401  (rank: fixture)
 
 from dsamodel.presets import tiny_model
-from kvcore.layout import dtype_name
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
-from kvoffload_decode.loop import DecodeLoop
-from kvoffload_decode.pull import DecodeRows
 from kvoffload_decode.transfer import decode_transfer
-from kvoffload_engine import build
-from kvoffload_engine.decode import SparseDecoder
 from kvoffload_engine.layout import kv_layout
-from kvoffload_proto.v1 import transfer_pb2 as pb
-from openai_api.sampling_params import SamplingParams
-from pdlink.consumer import PullConsumer, ReadOutcome
 from pdlink.pullcounters import COUNTERS
 from pdlink.refusals import MalformedRead, NoAcceptedLayout, UnknownRequest
 from pdlink.sources import PERMANENT, RowSources
 
-N = 20  # prompt tokens of each request
-VERSION = 3
-HOST = "decode-host"
 STATS_KEYS = {
     "read_done",
     "read_failed",
@@ -71,131 +61,6 @@ class Rpc(grpc.RpcError):
 
     def code(self) -> grpc.StatusCode:
         return self._code
-
-
-class FakeSources:
-    """``RowSources``' contract over rows in memory; raises the queued ``failures`` first (one per plane read)."""
-
-    def __init__(self) -> None:
-        self.rows: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.failures: list[Exception] = []
-        self.calls = 0
-        self.closed = False
-        self.on_read = lambda: None
-        self._lock = threading.Lock()
-
-    def streamed_rows(self, endpoint, request, kind, row_bytes):
-        with self._lock:
-            self.calls += 1
-            failure = self.failures.pop(0) if self.failures else None
-        self.on_read()
-        if failure is not None:
-            raise failure
-        kv, idx = self.rows[(request.request_id, request.layer)]
-        plane = kv if kind == pb.PLANE_KIND_MAIN else idx
-        out = plane[request.src_start : request.src_end].contiguous().view(torch.uint8)
-        assert out.shape[1] == row_bytes
-        return out
-
-    def shared_rows(self, region, start, end, row_bytes):
-        raise AssertionError("the stand-in prefill is on another host")
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class Rank:
-    """A decode rank's loop with ``requests`` pending requests (``r0``, ``r1``, ...) and a puller."""
-
-    def __init__(
-        self,
-        requests: int = 1,
-        read_retries: int = 2,
-        sources=None,
-        host_id: str = "prefill-host",
-        max_num_seqs: int = 2,
-    ) -> None:
-        self.model = tiny_model(dtype="float32")
-        c = self.model.config
-        self.layout = kv_layout(c, 16, self.model.dtype)
-        self.pool = build.decode_pool(self.model, 16, 16 << 20)
-        self.loop = DecodeLoop(
-            SparseDecoder(self.model, self.pool, topk_buffer_size=64, max_num_seqs=max_num_seqs, max_model_len=256),
-            c.eos_token_id,
-        )
-        self.sources = sources if sources is not None else FakeSources()
-        self.puller = PullConsumer(
-            DecodeRows(self.loop, self.layout), self.sources, model_id="tiny", host_id=HOST, read_retries=read_retries
-        )
-        self.meta = pb.LayoutMetadata(
-            model_id="tiny",
-            num_layers=self.layout.num_layers,
-            block_size=16,
-            prefill_tp_rank=0,
-            prefill_tp_size=1,
-            data_endpoint="prefill:1",
-            host_id=host_id,
-            layout_version=VERSION,
-            layers=[
-                pb.LayerLayout(
-                    layer=s.index,
-                    slot=s.index,
-                    main_row_bytes=s.main.row_bytes,
-                    main_dtype=dtype_name(s.main.dtype),
-                    indexer_row_bytes=s.indexer.row_bytes,
-                    indexer_dtype=dtype_name(s.indexer.dtype),
-                )
-                for s in self.layout.layers
-            ],
-        )
-        gen = torch.Generator().manual_seed(0)
-        for i in range(requests):
-            self.loop.expect_remote(f"r{i}", list(range(N)), SamplingParams(max_tokens=3), lambda *e: None)
-            for layer in range(self.layout.num_layers):
-                if isinstance(self.sources, FakeSources):
-                    self.sources.rows[(f"r{i}", layer)] = (
-                        torch.randn(N, c.kv_row_width, generator=gen),
-                        torch.randn(N, c.index_head_dim, generator=gen),
-                    )
-
-    def accept(self) -> None:
-        assert self.puller.exchange_layout(self.meta) == ""
-
-    def read(self, **kw) -> ReadOutcome:
-        fields = dict(
-            request_id="r0", layer=0, generation=1, src_start=0, src_end=N, dst_start=0, layout_version=VERSION
-        )
-        return self.puller.read_ready(pb.ReadReadyRequest(**{**fields, **kw}))
-
-    def rows(self, request_id: str, layer: int) -> int:
-        with self.loop.lock:
-            return self.loop.pending[request_id].rows[layer]
-
-    def host_rows(self, request_id: str, layer: int) -> torch.Tensor:
-        """The request's main-KV rows [0, N) of ``layer`` as the host pool holds them (as the model dtype)."""
-        dec = self.loop.decoder
-        seq = dec.seqs[request_id]
-        plane = self.pool.plane(dec._planes[layer])  # [num_blocks, block_size, row_bytes]
-        ids = dec.block_table[seq.seq_slot, : seq.num_blocks].to(torch.long)
-        return plane[ids].reshape(-1, plane.shape[-1])[:N].clone().view(self.model.dtype)
-
-    def close(self) -> None:
-        self.loop.close()
-        self.puller.close()
-        self.pool.close()
-
-
-@pytest.fixture
-def rank():
-    r = Rank()
-    r.accept()
-    yield r
-    r.close()
-
-
-def counts(rank: Rank, *names: str) -> dict:
-    snap = rank.puller.counters.snapshot()
-    return {k: snap[k] for k in names}
 
 
 def test_a_pull_installs_the_rows_and_counts_them(rank):
@@ -310,85 +175,6 @@ def test_concurrent_pulls_count_exactly():
         assert all(r.rows(rid, layer) == N for rid, layer in work)
     finally:
         r.close()
-
-
-# ---- layouts, heartbeats, PrefillDone -------------------------------------------------------------------
-
-
-def test_layouts_are_kept_by_version_and_handed_out_as_a_copy(rank):
-    assert rank.puller.accepted_layout(VERSION) is rank.meta
-    copy = rank.puller.layouts()
-    copy.clear()
-    assert set(rank.puller.layouts()) == {VERSION}
-    bad = pb.LayoutMetadata()
-    bad.CopyFrom(rank.meta)
-    bad.model_id = "other"
-    assert rank.puller.exchange_layout(bad) == "model_id: prefill 'other', decode 'tiny'"
-    assert rank.puller.accepted_layout(VERSION) is rank.meta  # a refused layout replaces nothing
-    with pytest.raises(NoAcceptedLayout, match="no accepted layout with layout_version 4"):
-        rank.puller.accepted_layout(4)
-    assert not rank.puller.same_host(rank.meta.host_id) and rank.puller.same_host(HOST)
-
-
-def test_a_decode_tp_rank_accepts_only_the_layouts_of_its_contributors(rank):
-    """Decode TP rank 1 of 2 takes layouts from prefill TP ranks 2 and 3 of 4 (its contributor group)
-    and refuses every other rank and any prefill TP that cannot feed decode TP 2, naming both sides."""
-    rank.puller.tp_rank, rank.puller.tp_size = 1, 2
-    m = pb.LayoutMetadata()
-    m.CopyFrom(rank.meta)
-    for p_tp, p_rank, want in [
-        (4, 2, ""),
-        (4, 3, ""),
-        (2, 1, ""),
-        (4, 1, "tp rank: prefill tp rank 1 of 4 feeds decode tp rank 0 of 2, not decode tp rank 1"),
-        (1, 0, "tp: prefill tp 1, decode tp 2; prefill TP must be >= decode TP"),
-        (3, 2, "tp: prefill tp 3, decode tp 2; prefill TP must be >= decode TP and divisible"),
-    ]:
-        m.prefill_tp_size, m.prefill_tp_rank, m.layout_version = p_tp, p_rank, VERSION + 10 + p_tp * 4 + p_rank
-        reason = rank.puller.exchange_layout(m)
-        assert reason.startswith(want) if want else reason == "", (p_tp, p_rank, reason)
-
-
-def test_two_contributors_shares_of_every_layer_complete_the_prompt_and_are_counted_by_rank(rank):
-    """Prefill TP ranks 0 and 1 of 2 feed this decode rank (TP 1): each sends its share of every layer,
-    rank 1's first. The prompt is whole, the host pool holds the prefill's rows, and the bytes each
-    rank's share carried sum to one copy of the prompt's KV."""
-    m = pb.LayoutMetadata()
-    m.CopyFrom(rank.meta)
-    rank.meta.prefill_tp_size = 2
-    assert rank.puller.exchange_layout(rank.meta) == ""
-    m.prefill_tp_size, m.prefill_tp_rank, m.layout_version = 2, 1, VERSION + 1
-    assert rank.puller.exchange_layout(m) == ""
-    cut = 13
-    for layer in range(rank.layout.num_layers):
-        assert rank.read(layer=layer, src_start=cut, dst_start=cut, layout_version=VERSION + 1).done
-        assert rank.rows("r0", layer) == 0
-        assert rank.read(layer=layer, src_end=cut).done
-        assert rank.rows("r0", layer) == N
-        assert torch.equal(rank.host_rows("r0", layer), rank.sources.rows[("r0", layer)][0])
-    snap = rank.puller.counters.snapshot()
-    one_copy = sum(
-        (kv.numel() + idx.numel()) * 4
-        for kv, idx in (rank.sources.rows[("r0", i)] for i in range(rank.layout.num_layers))
-    )
-    assert snap["bytes_read"] == one_copy
-    assert snap["bytes_read_prefill_tp_rank_0"] == one_copy * cut // N
-    assert snap["bytes_read_prefill_tp_rank_1"] == one_copy * (N - cut) // N
-
-
-def test_heartbeat_names_the_unknown_requests_and_is_counted(rank):
-    assert rank.puller.heartbeat(VERSION, ["r0", "gone", "r0"]) == ["gone"]
-    assert rank.loop.ledger.stage_of("r0") == "pulling"  # the prefill has been heard from
-    with pytest.raises(NoAcceptedLayout):
-        rank.puller.heartbeat(VERSION + 1, ["r0"])
-    assert counts(rank, "heartbeats") == {"heartbeats": 1}
-
-
-def test_prefill_done_for_an_unknown_request_raises(rank):
-    with pytest.raises(UnknownRequest, match="request 'nobody' is not waiting for KV here"):
-        rank.puller.prefill_done(
-            pb.PrefillDoneRequest(layout_version=VERSION, request_id="nobody", num_prompt_tokens=N, first_token=7)
-        )
 
 
 # ---- the shared-memory path through RowSources ----------------------------------------------------------
