@@ -12,12 +12,12 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from kvcore.traces.measure import locality
-    from kvcore.traces.trace import Trace, traces_dir
     from tqdm import tqdm
 
-    from kvoffload_testing.model_fetch import FetchError
+    from kvcore.traces.measure import locality
+    from kvcore.traces.trace import Trace, traces_dir
     from kvoffload_bench.trace_record import ensure
+    from kvoffload_testing.model_fetch import FetchError
 
     params = {k: getattr(args, k) for k in ("context", "steps", "topk", "requests") if getattr(args, k) is not None}
     target = Path(args.out) if args.out else traces_dir() / f"{args.name}.pt"

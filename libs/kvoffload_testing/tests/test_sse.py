@@ -28,3 +28,14 @@ def test_a_stream_without_done_is_truncated_only_when_done_is_required():
         for event in sse_events(cut, require_done=True):
             got.append(event)
     assert len(got) == 2  # every event before the cut was given first
+
+
+def test_until_done_stops_reading_at_the_first_done():
+    """A fault run returns at [DONE]: nothing after it is read (a stopped server may keep the connection open)."""
+
+    def lines():
+        yield b'data: {"choices": [{"token_ids": [1]}]}\n'
+        yield b"data: [DONE]\n"
+        raise AssertionError("read past [DONE]")
+
+    assert [token_ids(e) for e in sse_events(lines(), require_done=True, until_done=True)] == [[1]]

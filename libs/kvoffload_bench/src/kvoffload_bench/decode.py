@@ -53,13 +53,13 @@ import time
 
 import torch
 
-from svcruntime.logs import quiet_logs
 from dsamodel.model import DSAModel
 from dsamodel.presets import init_weights, tiny_config, tiny_model
 from kvoffload_engine import build
 from kvoffload_engine.decode import SparseDecoder, StepStats
 from kvoffload_engine.engine import Engine, EngineConfig
 from openai_api.sampling_params import SamplingParams
+from svcruntime.logs import quiet_logs
 
 GOAL_STEP_TIME_RATIO = 1.25
 GOAL_STEP_TIME_RATIO_TRACE = 1.10

@@ -42,7 +42,6 @@ import torch
 
 from kvcore import gather
 from kvcore.traces.synthetic import generate, preset
-
 from kvoffload_bench.hotcache import simulate
 from kvoffload_bench.otherload import OtherLoad
 

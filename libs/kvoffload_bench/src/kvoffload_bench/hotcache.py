@@ -40,13 +40,11 @@ import time
 
 import torch
 
-from kvoffload_bench import belady
 from kvcore.hotcache import POLICIES, HotCache, max_threads
 from kvcore.hotcache_resolution import Resolution
 from kvcore.traces import PRESETS, Trace, named
 from kvcore.traces.measure import locality
-
-from kvoffload_bench import hotsizing, prefetch
+from kvoffload_bench import belady, hotsizing, prefetch
 from kvoffload_bench.hotcache_torch import TorchHotCache
 from kvoffload_bench.otherload import OtherLoad
 

@@ -156,11 +156,10 @@ def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_promp
         max_tokens: int = 32, block_size: int = 16, max_retries: int = 20, seed: int = 0, rounds: int = 3,
         decode_args: tuple[str, ...] = (), service_env: dict[str, dict[str, str]] | None = None) -> dict:
     """One stack round and one single-process round per client count; returns the JSON-ready result."""
-    from svcruntime.logs import quiet_logs
-
     from kvoffload_testing.ports import free_stack_ports
     from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
     from kvoffload_testing.stack_client import stack_stats
+    from svcruntime.logs import quiet_logs
 
     quiet_logs()
     work_dir = Path(tempfile.mkdtemp(prefix="kvoffload-bench-load-"))

@@ -263,10 +263,9 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
         rounds: int = 3, idle_pull: bool = True, tp: bool = True) -> dict:
     """Runs ``rounds`` interleaved P/D + single-process pairs; returns the JSON-ready result
     (see module docstring). With ``tp``, the same again with a TP 2 prefill (``tp_2_1``)."""
-    from svcruntime.logs import quiet_logs
     from dsamodel.presets import write_tiny
-
     from kvoffload_testing.stack import ensure_tiny_model
+    from svcruntime.logs import quiet_logs
 
     if rounds < 1:
         raise ValueError(f"rounds = {rounds} must be >= 1")

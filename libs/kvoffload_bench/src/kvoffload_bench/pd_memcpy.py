@@ -59,11 +59,12 @@ def pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 25) -> tuple
     import uuid
 
     import structlog
-    from kvoffload_engine import build
-    from kvoffload_engine.decode import SparseDecoder
+
     from dsamodel.presets import tiny_model
     from kvcore.poolgeometry import PoolGeometry
     from kvcore.segment import SharedSegment
+    from kvoffload_engine import build
+    from kvoffload_engine.decode import SparseDecoder
 
     model = tiny_model(dtype="float32").to(torch.bfloat16)
     c = model.config

@@ -49,9 +49,9 @@ SHAPES = {"kv_block": (64, 576, 512), "1mib": (64, 16384, 32)}  # name -> (rows,
 
 def run(*, repeats: int = 5, shapes: tuple[str, ...] = tuple(SHAPES)) -> dict:
     """The bench (module docstring); ``shapes`` narrows the object shapes (tests use one)."""
-    from svcruntime.logs import quiet_logs
     from kvcore.backends import backend_problem
     from kvcore.poolregistry import POOL_BACKENDS
+    from svcruntime.logs import quiet_logs
 
     quiet_logs()  # the pools' info logs are dropped, their warnings go to stderr: stdout is the JSON's
     backends: dict[str, dict] = {}

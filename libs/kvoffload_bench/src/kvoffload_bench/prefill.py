@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from kvoffload_bench.timing import interleaved
-from svcruntime.logs import quiet_logs
 from dsamodel.presets import tiny_model
+from kvoffload_bench.timing import interleaved
 from kvoffload_engine import build
 from kvoffload_engine.prefill import PrefillRequest
+from svcruntime.logs import quiet_logs
 
 GOAL_TIME_RATIO = 1.10
 

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from svcruntime.logs import quiet_logs
 from dsamodel.presets import tiny_model
 from kvoffload_engine import build
 from kvoffload_engine.prefill import PrefillRequest
+from svcruntime.logs import quiet_logs
 
 GOAL_TTFT_RATIO = 0.2
 

@@ -63,7 +63,6 @@ from pathlib import Path
 from kvoffload_testing.prom import metric
 from kvoffload_testing.sse import sse_events
 
-
 GOAL_TTFT_RATIO = 0.3
 GOAL_PD_TPOT_RATIO = 1.3
 BLOCK_SIZE = 128  # vLLM's CPU default block size: P/D moves whole blocks

@@ -45,6 +45,7 @@ from pathlib import Path
 from kvoffload_testing.fault_catalog import FAULTS_BY_POOL, SERVER_FAULTS, peer_names, wrong_error
 from kvoffload_testing.fault_tally import MissingStatsKey, RequestRecord, RunRecord, goal_met, held, summarize
 from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.sse import StreamTruncated, sse_events, token_ids
 from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
 from kvoffload_testing.stack_client import healthy, stack_stats
 
@@ -103,18 +104,14 @@ def _request(url: str, prompt: list[int], stream: bool, deadline_s: float) -> tu
                 out = json.loads(resp.read())
                 return True, out["choices"][0]["token_ids"], ""
             ids: list[int] = []
-            for raw in resp:
-                line = raw.decode().strip()
-                if line == "data: [DONE]":
-                    return True, ids, ""
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return False, ids, _sse_error(event["error"])
-                for choice in event["choices"]:
-                    ids.extend(choice.get("token_ids", []))
-            return False, ids, "the stream ended without data: [DONE] (truncated)"
+            try:
+                for event in sse_events(resp, require_done=True, until_done=True):
+                    if "error" in event:
+                        return False, ids, _sse_error(event["error"])
+                    ids.extend(token_ids(event))
+            except StreamTruncated:
+                return False, ids, "the stream ended without data: [DONE] (truncated)"
+            return True, ids, ""
     except urllib.error.HTTPError as exc:
         return False, [], f"HTTP {exc.code}: {exc.read()[:ERROR_CHARS].decode(errors='replace')}"
     except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:

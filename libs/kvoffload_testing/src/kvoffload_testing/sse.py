@@ -17,15 +17,19 @@ class StreamTruncated(RuntimeError):
     """The stream ended without ``data: [DONE]`` (the server or the connection cut it short)."""
 
 
-def sse_events(lines: Iterable[bytes], *, require_done: bool = False) -> Iterator[dict]:
+def sse_events(lines: Iterable[bytes], *, require_done: bool = False, until_done: bool = False) -> Iterator[dict]:
     """The JSON events of a streamed response's lines, in order, read to the end of the stream
-    (other lines, ``data: [DONE]`` among them, skipped). With ``require_done``, a stream that ends
-    without ``data: [DONE]`` raises StreamTruncated after its last event."""
+    (other lines, ``data: [DONE]`` among them, skipped), or with ``until_done`` up to the first
+    ``data: [DONE]`` (a fault run must not wait on a connection a stopped server keeps open). With
+    ``require_done``, a stream that ends without ``data: [DONE]`` raises StreamTruncated after its
+    last event."""
     done = False
     for raw in lines:
         line = raw.decode().strip()
         if line == DONE:
             done = True
+            if until_done:
+                break
         elif line.startswith("data: {"):
             yield json.loads(line[6:])
     if require_done and not done:

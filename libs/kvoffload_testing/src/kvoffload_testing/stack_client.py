@@ -7,9 +7,9 @@ import json
 import urllib.error
 import urllib.request
 
-from svcruntime.tls import TLSConfig
-
 from kvoffload_testing.ports import DATA_PORT_OFFSET
+from kvoffload_testing.sse import sse_events, token_ids
+from svcruntime.tls import TLSConfig
 
 
 def healthy(url: str, tls: TLSConfig | None = None) -> bool:
@@ -18,6 +18,7 @@ def healthy(url: str, tls: TLSConfig | None = None) -> bool:
     if url.startswith("grpc://"):
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
+
         from svcruntime.tls import secure_or_insecure_channel
 
         try:
@@ -47,14 +48,9 @@ def stream_token_ids(url: str, body: dict, timeout_s: float = 300.0) -> list[int
                                  headers={"Content-Type": "application/json"})
     ids: list[int] = []
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        for event in sse_events(resp):
             assert "error" not in event, event
-            for choice in event["choices"]:
-                ids.extend(choice.get("token_ids", []))
+            ids.extend(token_ids(event))
     return ids
 
 
@@ -62,8 +58,8 @@ def grpc_stats(target: str, timeout_s: float = 15.0, tls: TLSConfig | None = Non
     """A service's ``kvoffload.v1.Stats`` counters (over TLS with ``tls``). The timeout allows for a
     loaded machine: with the tests on two workers a prefill just started once took over 5 s to accept
     the connection (its HTTP/2 SETTINGS frame)."""
-    from svcruntime.tls import secure_or_insecure_channel
     from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
+    from svcruntime.tls import secure_or_insecure_channel
 
     with secure_or_insecure_channel(target, tls) as ch:
         reply = stats_pb2_grpc.StatsStub(ch).GetStats(stats_pb2.StatsRequest(), timeout=timeout_s)
