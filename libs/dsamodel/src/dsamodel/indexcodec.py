@@ -79,7 +79,9 @@ class IndexCodec:
 
     def storage(self, dtype: torch.dtype) -> tuple[torch.dtype, int]:
         """(dtype, width) of a tensor of indexer rows, for a model computing in ``dtype``."""
-        return (torch.uint8, self.row_bytes) if self.fp8 else (dtype, self.width)
+        if self.row_bytes is not None:  # set exactly when the keys are stored as fp8 rows
+            return torch.uint8, self.row_bytes
+        return dtype, self.width
 
     def encode(self, keys: torch.Tensor) -> torch.Tensor:
         """[T, Di] keys -> [T, storage width] rows to store (plain: the keys themselves)."""

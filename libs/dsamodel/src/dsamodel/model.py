@@ -21,6 +21,9 @@ Parameters never require grad: this is an inference model.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -130,25 +133,28 @@ class DSAModel(nn.Module):
         self.tp: TPGroup = SOLO  # dsamodel.tp.shard_model sets the group of a sharded model
         self.requires_grad_(False)
 
+    # nn.ModuleList is not generic (its items are typed Module): Backbone fills it with the base
+    # DecoderLayers, then the MTPLayers, which the casts below name.
+
     @property
     def index_codec(self) -> IndexCodec:
         """How the indexer keys are stored in caches (every layer's indexer has the same)."""
-        return self.model.layers[0].self_attn.indexer.codec
+        return self.cache_layers[0].self_attn.indexer.codec
 
     @property
     def layers(self) -> tuple[DecoderLayer, ...]:
         """Base decoder layers, cache indices 0..num_hidden_layers-1."""
-        return tuple(self.model.layers[: self.config.num_hidden_layers])
+        return tuple(cast("Iterable[DecoderLayer]", self.model.layers[: self.config.num_hidden_layers]))
 
     @property
     def mtp(self) -> tuple[MTPLayer, ...]:
         """MTP layers, cache indices num_hidden_layers.. (one per prediction depth)."""
-        return tuple(self.model.layers[self.config.num_hidden_layers :])
+        return tuple(cast("Iterable[MTPLayer]", self.model.layers[self.config.num_hidden_layers :]))
 
     @property
     def cache_layers(self) -> tuple[DecoderLayer, ...]:
         """All layers owning a KV cache, in physical order (``cache_layers[i].cache_index == i``)."""
-        return tuple(self.model.layers)
+        return tuple(cast("Iterable[DecoderLayer]", self.model.layers))
 
     @property
     def dtype(self) -> torch.dtype:

@@ -79,13 +79,14 @@ class RequestSampler:
         self.logprobs: list[TokenLogprob] = []  # one per output token when params.logprobs is not None
         self._counts: Counter[int] = Counter(self.output_ids)
         self._stopped = False  # a stop string or stop token id ended the sequence
-        if self.params.stop and self.detokenize is None:
-            from dsamodel.tokenizer import ByteTokenizer  # the engine's tokenizer
+        self._text: StopText | None = None
+        if self.params.stop:
+            if self.detokenize is None:
+                from dsamodel.tokenizer import ByteTokenizer  # the engine's tokenizer
 
-            tok = ByteTokenizer()
-            self.detokenize = lambda ids: tok.decode(ids, skip_special_tokens=True)
-        self._text = (StopText(self.detokenize, self.params.stop, min_tokens=self.params.min_tokens)
-                      if self.params.stop else None)
+                tok = ByteTokenizer()
+                self.detokenize = lambda ids: tok.decode(ids, skip_special_tokens=True)
+            self._text = StopText(self.detokenize, self.params.stop, min_tokens=self.params.min_tokens)
 
     @property
     def finish_reason(self) -> str | None:

@@ -30,6 +30,8 @@ Sparse decode:
 - ``hotcache``: decode hot top-k residency (native path); ``hotcache_reference``: its Python
   reference path; ``hotcache_resolution``: what a resolve returns (``Resolution``, ``MAX_TOKEN``).
 - ``gather``: native gather/scatter of token rows.
+- ``_native_hotcache`` / ``_native_gather``: the C++ extensions (``native/``, built by setup.py) behind
+  those two; their ``.pyi`` files give the checker their types.
 - ``traces/``: top-k traces (synthetic, recorded) and their locality.
 
 The host pool:

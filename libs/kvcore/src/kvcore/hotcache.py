@@ -94,6 +94,7 @@ class HotCache:
         self.native = native
         self.policy = policy
         self._lock = threading.Lock()  # guards the request-id map and the counters, not the work
+        self._impl: _Native | ReferencePath
         if native:
             self._impl = _Native(capacity, num_layers, self._lock, policy == "slru")
         else:
@@ -172,7 +173,7 @@ class HotCache:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._impl.requests
 
-    def stats(self) -> dict[str, float | int | bool]:
+    def stats(self) -> dict[str, float | int | bool | str]:
         """Cumulative counters since construction (identical on both paths for the same calls)."""
         total = self._hits + self._misses
         return {

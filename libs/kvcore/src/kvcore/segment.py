@@ -79,7 +79,7 @@ def sweep_stale_segments() -> list[str]:
     its exit hook): its memory (reserved in full at create) would otherwise stay taken until reboot.
     Segments of live processes, and files without a readable header, are left alone. Returns the
     removed paths. Services call this at start, before creating their own segments."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:

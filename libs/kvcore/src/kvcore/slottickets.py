@@ -23,7 +23,16 @@ class Settles(Protocol):
 
     _cond: threading.Condition
 
-    def _settle(self, ticket: SlotTicket, item: str, outcome: str, **detail) -> None: ...
+    def _settle(
+        self,
+        ticket: SlotTicket,
+        item: str,
+        state: str,
+        *,
+        cause: BaseException | None = ...,
+        reader: Hashable = ...,
+        reason: str = ...,
+    ) -> None: ...
 
 
 class Occupancy:

@@ -58,7 +58,13 @@ def prefill_engine(
     """A prefill engine over ``buffers`` shared slots (None: no reuse); negative layers count from the end."""
     layout = kv_layout(model.config, pool.geometry.block_size, model.dtype)
     n = layout.num_layers
-    indep = range(n) if independent == "all" else sorted({i % n for i in independent})
+    indep: Iterable[int]
+    if independent == "all":
+        indep = range(n)
+    elif isinstance(independent, str):
+        raise TypeError(f"independent: got {independent!r}; must be 'all' or layer indices")
+    else:
+        indep = sorted({i % n for i in independent})
     plan = BufferPlan.build(layout, buffers, indep)
     prefetch = prefetch or min(plan.num_shared_buffers, 8)
     return LayerwisePrefill(model, plan, pool, max_model_len=max_model_len, chunk_size=chunk_size,

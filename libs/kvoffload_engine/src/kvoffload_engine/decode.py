@@ -212,7 +212,7 @@ class SparseDecoder(DecodeRequests):
             if self.prefetcher is not None and prefetch_for is not None:
                 stats.prefetched += self.prefetcher.start(
                     prefetch_for, request_ids, self.pool.plane(self._planes[prefetch_for]), self.block_table[slots],
-                    topk, positions, self.hot[prefetch_for])
+                    topk, positions, self._hot_buffer(prefetch_for))
             kv_rows = self._hot_rows(i, request_ids, slots, topk, stable, stats)
         else:
             kv_rows = torch.empty(topk.shape + (proj.kv.shape[-1],), dtype=proj.kv.dtype, device=dev)
@@ -226,8 +226,9 @@ class SparseDecoder(DecodeRequests):
 
     def _hot_rows(self, layer, request_ids, seq_slots, topk, stable, stats: StepStats) -> torch.Tensor:
         """Resolve the top-k against the hot cache, gather misses, return rows [R, k, W] in top-k order."""
+        assert self.hotcache is not None  # built with the hot buffers (no keep_device_kv_cache)
         res = self.hotcache.resolve(layer, request_ids, topk.cpu().contiguous(), stable)
-        hot = self.hot[layer]  # [S, capacity, W]
+        hot = self._hot_buffer(layer)  # [S, capacity, W]
         t0 = time.perf_counter()
         miss_rows, miss_tokens, miss_slots = res.miss_rows, res.miss_tokens, res.miss_slots
         staged = None
@@ -254,10 +255,15 @@ class SparseDecoder(DecodeRequests):
         slots = res.slots.to(torch.long).clamp(min=0).to(hot.device)  # [R, k]
         return hot[seq_slots.to(hot.device)[:, None], slots]  # [R, k, W]
 
+    def _hot_buffer(self, layer: int) -> torch.Tensor:
+        """The hot rows [S, capacity, W] of ``layer``; they exist unless keep_device_kv_cache."""
+        assert self.hot is not None, "no hot buffers: this decoder keeps the whole KV cache on the device"
+        return self.hot[layer]
+
     def _load(self, layer: int, seq_slots: torch.Tensor, miss_rows: torch.Tensor, miss_tokens: torch.Tensor,
               miss_slots: torch.Tensor) -> None:
         """Gather misses (batch row, token, hot slot; [M] each) from the host pool into their slots."""
-        hot, m = self.hot[layer], miss_rows.numel()  # hot: [S, capacity, W]
+        hot, m = self._hot_buffer(layer), miss_rows.numel()  # hot: [S, capacity, W]
         if m and self._gather_in_place:  # host memory: gather straight into the hot buffer
             gather_rows(self.pool.plane(self._planes[layer]), self.block_table[seq_slots], miss_rows,
                         miss_tokens, hot.view(torch.uint8), seq_slots.to(torch.int32), miss_slots,

@@ -112,9 +112,12 @@ class DecodeRequests:
         slot = self._free_slots.pop()
         seq.seq_slot = slot
         self.block_table[slot, : seq.num_blocks] = torch.tensor(seq.block_ids, dtype=torch.int32)
+        # an unbound request holds its prompt rows on the host (``reserve``; full rows with a full cache)
+        assert seq.staged_index is not None
         n = seq.staged_index.shape[1]
         self.indexer[:, slot, :n] = seq.staged_index.to(self.indexer.device)
         if self.full is not None:
+            assert seq.staged_full is not None
             self.full[:, slot, :n] = seq.staged_full.to(self.full.device)
         seq.staged_index = seq.staged_full = None
 
@@ -131,6 +134,7 @@ class DecodeRequests:
             raise ValueError(f"layer {layer} outside 0..{self.indexer.shape[0] - 1}")
         self._install_rows(seq, layer, start, as_row_bytes(kv))
         if seq.seq_slot is None:  # waiting for a device row: stage on the host
+            assert seq.staged_index is not None  # set by ``reserve`` until ``bind``
             seq.staged_index[layer, start : start + n] = index_k.to(seq.staged_index.device)
             if seq.staged_full is not None:
                 seq.staged_full[layer, start : start + n] = kv.to(seq.staged_full.device)

@@ -186,6 +186,8 @@ class Engine:
                 self._hand_over(res, seq.prompt.numel())
                 self._next_input[seq.request_id] = res.first_token
                 if self.config.num_speculative_tokens and seq.sampler.params.temperature == 0:
+                    # speculation needs an MTP layer (checked in __init__), whose logits the prefill returns
+                    assert res.draft_logits is not None
                     self._draft[seq.request_id] = self._propose(seq, res.draft_logits)
         finally:
             self.prefill.release(res)

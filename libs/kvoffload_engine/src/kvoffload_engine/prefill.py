@@ -135,13 +135,14 @@ class LayerwisePrefill:
         self.gates = GateSet(plan.layer_to_slot, default_timeout_s=gate_timeout_s)
         self.announce = announce
         self.followers = followers  # TP ranks 1..N-1 (kvoffload_engine.tp_prefill); None: one rank
-        self._planes = [(self._plane(i, "main"), self._plane(i, "indexer")) for i in range(layout.num_layers)]
+        # (main plane, indexer plane or None) per layer; like decode, a pool without a layer's main plane is refused
+        self._planes = [(pool.geometry.plane_index(i, "main"), self._plane(i, "indexer")) for i in range(layout.num_layers)]
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kv-save")
         self._lock = threading.Lock()  # one request at a time through the buffers
         self._announced = False  # this try of the running request told a reader of a layer
         self._try = 0  # which try of the running request: the slot gates' owner is (request id, try)
 
-    def _plane(self, layer: int, kind: str) -> int | None:
+    def _plane(self, layer: int, kind: str) -> int | None:  # None: the pool has no such plane
         try:
             return self.pool.geometry.plane_index(layer, kind)
         except ValueError:
@@ -185,6 +186,8 @@ class LayerwisePrefill:
                 chunk = blocks.plan_chunk(s, e)
                 chunk.first = s == start
                 logits, first, draft = self._run_chunk(req, chunk, final=e == n)
+            # the prefix match leaves at least one token to compute, so a last (final) chunk ran
+            assert logits is not None and first is not None
             self._saver.submit(lambda: None).result()  # this request's saves are written
             if self._save_errors:
                 raise PrefillError(f"saving request {req.request_id} to the host pool failed: "
@@ -208,7 +211,10 @@ class LayerwisePrefill:
 
     # ---- one chunk --------------------------------------------------------------------------
 
-    def _run_chunk(self, req: PrefillRequest, chunk: Chunk, *, final: bool):
+    def _run_chunk(
+        self, req: PrefillRequest, chunk: Chunk, *, final: bool
+    ) -> tuple[torch.Tensor | None, int | None, torch.Tensor | None]:
+        """Run the chunk through every layer; the final chunk also returns (logits, first token, draft logits)."""
         model = self.model
         s, e = chunk.start, chunk.end
         tokens = req.prompt[s:e].to(model.device)

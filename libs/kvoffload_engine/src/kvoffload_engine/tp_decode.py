@@ -184,10 +184,12 @@ class LeadDecoder(SparseDecoder):
         self._ops.append(("poll",))
         self._flush()
         try:
-            return self.channel.gather(None)
+            statuses = self.channel.gather(None)
         except Exception as exc:
             self.mark_broken(f"a follower did not answer a poll: {exc!r}")
             raise TPGroupBroken(f"the {self.size} TP decode ranks are out of step ({self.broken})") from exc
+        assert statuses is not None  # this is rank 0: it gets the followers' answers
+        return statuses
 
     def close_followers(self) -> None:
         """The followers return from ``follow_decode``; returns once they all have the message (so

@@ -133,14 +133,13 @@ def _layer(model: DSAModel, channel: Channel, layer, h: torch.Tensor, positions:
            buffers: LayerBuffers | None):
     _, (main_shape, main_dtype), (idx_shape, idx_dtype) = _expect(channel, "layer")
     main_dtype, idx_dtype = tensor_dtype(main_dtype), tensor_dtype(idx_dtype)
-    if start:
-        main_prefix = channel.recv_tensor(main_shape, main_dtype)
-        idx_prefix = channel.recv_tensor(idx_shape, idx_dtype)
+    # rows [0, start) of the layer, sent before the chunk's own: received in that order
+    prefix = (channel.recv_tensor(main_shape, main_dtype), channel.recv_tensor(idx_shape, idx_dtype)) if start else None
     proj = layer.project(h, positions)
     main = proj.kv.to(main_dtype)
     idx = model.index_codec.encode(proj.index_k).to(idx_dtype)
-    if start:
-        main, idx = torch.cat((main_prefix, main)), torch.cat((idx_prefix, idx))
+    if prefix is not None:
+        main, idx = torch.cat((prefix[0], main)), torch.cat((prefix[1], idx))
     if buffers is not None:  # this rank's copy, for the decode ranks it contributes to
         i, end = layer.cache_index, main.shape[0]
         buffers.main(i)[:end] = main

@@ -75,10 +75,10 @@ class TraceTopK:
         table = torch.empty(len(self.request_ids), num_layers, dtype=torch.long)  # [R, L] stream of each
         for n, (req, grp) in enumerate(self.pairs):
             for i, tl in enumerate(layer_map):
-                s = stream_of.get((req, grp, tl))
-                if s is None:
+                stream = stream_of.get((req, grp, tl))
+                if stream is None:
                     raise ValueError(f"trace {trace.name!r} has no stream for request {req}, group {grp}, layer {tl}")
-                table[n, i] = s
+                table[n, i] = stream
         self._stream = table
         self.num_layers = num_layers
 

@@ -28,7 +28,7 @@ from .metrics import CONTENT_TYPE, ProxyMetrics
 from .models import ModelCatalog
 from .openapi import REQUEST_ID_PATTERN, build_openapi
 from .relay import error_response
-from .schemas import MetaserverRegistration, load_json_object, parse_inference, validate
+from .schemas import InferenceKind, MetaserverRegistration, load_json_object, parse_inference, validate
 
 log = structlog.get_logger("kvoffload_proxy.app")
 CONFIG = web.AppKey("config", ProxyConfig)
@@ -39,7 +39,7 @@ OPENAPI = web.AppKey("openapi", dict)
 _request_key = getattr(web, "RequestKey", lambda name, t: name)  # typed keys since aiohttp 3.13
 REQUEST_ID = _request_key("request_id", str)
 STATE = _request_key("state", RequestState)
-INFERENCE_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+INFERENCE_PATHS: dict[str, InferenceKind] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 AUTH_EXEMPT = {"/healthcheck", "/openapi.json"}  # open to load balancers and API tooling
 METASERVER = "/v1/metaserver"  # decoders authenticate with their request's token, checked in `metaserver`
 _UNAUTHORIZED = "missing or invalid API key (send 'Authorization: Bearer KEY')"
@@ -173,7 +173,7 @@ async def healthcheck(request: web.Request) -> web.Response:
     results = await asyncio.gather(*(upstream.probe(flow.session, b, "GET", "/health",
                                                     cfg.health_timeout_s) for b in cfg.backends))
     ok = all(r["ok"] for r in results)
-    body = {"status": "ok" if ok else "unhealthy"}
+    body: dict[str, object] = {"status": "ok" if ok else "unhealthy"}
     if authenticated(request):  # with --api-key, anonymous probes get the status, not the topology
         body["backends"] = results
     return web.json_response(body, status=200 if ok else 503)
@@ -200,10 +200,13 @@ async def openapi(request: web.Request) -> web.Response:
 def create_app(cfg: ProxyConfig) -> web.Application:
     prefillers = Balancer(cfg.prefillers, kv_weight=cfg.prefill_kv_weight)
     decoders = Balancer(cfg.decoders)
-    registry_size = lambda: len(app[FLOW].registry)  # noqa: E731
-    app_metrics = ProxyMetrics([prefillers, decoders], registry_size)
     app = web.Application(client_max_size=cfg.max_request_bytes,
                           middlewares=[request_context, errors_as_json, api_key])
+
+    def registry_size() -> int:
+        return len(app[FLOW].registry)
+
+    app_metrics = ProxyMetrics([prefillers, decoders], registry_size)
     app[CONFIG] = cfg
     app[METRICS] = app_metrics
     app[FLOW] = Flow(cfg, prefillers, decoders, app_metrics)

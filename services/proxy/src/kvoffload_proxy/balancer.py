@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 from .config import Backend
 
+_HeapEntry = tuple[tuple[float, ...], int, int, int]  # (key, last pick, backend index, version)
+
 
 @dataclass
 class BackendLoad:
@@ -62,7 +64,7 @@ class Balancer:
         self.by_queue = backends[0].role == "decoder" if by_queue is None else by_queue
         self.loads = [BackendLoad(b) for b in backends]
         self._version = [0] * len(backends)
-        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._heap: list[_HeapEntry] = []
         self._picks = 0
         for i in range(len(backends)):
             self._push(i)
@@ -71,7 +73,7 @@ class Balancer:
         load = self.loads[index]
         return load.num_active_tokens + self.kv_weight * load.num_active_kv_tokens
 
-    def key(self, index: int) -> tuple:
+    def key(self, index: int) -> tuple[float, ...]:
         """The heap order (least first), without the round-robin tie-break."""
         load = self.loads[index]
         if self.by_queue:
@@ -96,7 +98,7 @@ class Balancer:
 
     def peek(self, exclude: Collection[int] = ()) -> int:
         """Least-loaded backend not in `exclude`; if all are excluded, the least-loaded one."""
-        skipped = []
+        skipped: list[_HeapEntry] = []
         try:
             while self._heap:
                 *_, index, version = self._heap[0]

@@ -50,11 +50,14 @@ def check_host(host: str, flag: str) -> str:
         return host
 
 
+Role = Literal["prefiller", "decoder"]
+
+
 class Backend(BaseModel):
     """One prefiller or decoder, addressed as http://host:port."""
 
     model_config = ConfigDict(frozen=True)
-    role: Literal["prefiller", "decoder"]
+    role: Role
     index: int
     host: str
     port: int
@@ -119,7 +122,7 @@ class ProxyConfig(BaseModel):
         return self.prefillers + self.decoders
 
 
-def _backends(role: str, hosts: list[str], ports: list[int]) -> tuple[Backend, ...]:
+def _backends(role: Role, hosts: list[str], ports: list[int]) -> tuple[Backend, ...]:
     if len(hosts) != len(ports):
         raise ValueError(
             f"--{role}-ports: {len(ports)} port(s) for {len(hosts)} --{role}-hosts; give one port "
@@ -191,7 +194,7 @@ def config_from_namespace(ns: argparse.Namespace) -> ProxyConfig:
             raise ValueError(msg) from None
         if err["loc"] and err["loc"][0] == "api_key":  # never echo a secret
             raise ValueError(f"{flag}: {msg}") from None
-        raise ValueError(f"{flag} {fields.get(err['loc'][0])!r}: {msg}") from None
+        raise ValueError(f"{flag} {fields.get(str(err['loc'][0]))!r}: {msg}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> ProxyConfig:

@@ -48,9 +48,11 @@ def decoder_body(req: InferenceRequest, index: int, child_id: str, metaserver_ur
         body.pop("best_of", None)  # == n, checked at the edge
         body.update(n=1, seed=choice_seed(body.get("seed") or 0, index % req.n))
     # with --api-key: metaserver_token is the decoder's bearer token for /v1/metaserver
-    token = {} if metaserver_token is None else {"metaserver_token": metaserver_token}
-    body["kv_transfer_params"] = KVTransferParams(do_remote_decode=False, do_remote_prefill=True,
-                                                  metaserver=metaserver_url, request_id=child_id, **token).wire()
+    params: dict[str, object] = {"do_remote_decode": False, "do_remote_prefill": True,
+                                 "metaserver": metaserver_url, "request_id": child_id}
+    if metaserver_token is not None:  # only the fields set go on the wire
+        params["metaserver_token"] = metaserver_token
+    body["kv_transfer_params"] = KVTransferParams.model_validate(params).wire()
     return body
 
 
@@ -109,20 +111,27 @@ class Flow:
         self.registry = Registry(self.dispatch_prefill,
                                  registration_timeout_s=cfg.metaserver_timeout_s,
                                  dispatch_timeout_s=self.max_silence_s)
-        self.session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None
         self.draining = False
         self._inflight: set[asyncio.Task] = set()
         self._idle = asyncio.Event()
         self._idle.set()
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                             auto_decompress=True)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                              auto_decompress=True)
 
     async def close(self) -> None:
         await self.registry.aclose()
-        if self.session is not None:
-            await self.session.close()
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The backends' HTTP session: it exists from `start` on (the app's startup)."""
+        if self._session is None:
+            raise RuntimeError("the proxy's client session is not open: Flow.start() has not run")
+        return self._session
 
     def _retried(self, backend) -> None:
         self.metrics.retries.labels(backend.role, backend.url).inc()
@@ -153,14 +162,18 @@ class Flow:
 
     # -- decoders --------------------------------------------------------------------------
     async def _run_child(self, st: RequestState, i: int, out: asyncio.Queue) -> None:
-        req, lease, backend = st.req, None, None
+        req = st.req
         body = decoder_body(req, i, st.child_ids[i], self.cfg.advertised_metaserver_url,
                             self.tokens.issue(st.child_ids[i]))
         try:
             lease, resp = await upstream.post(
                 self.session, self.decoders, self.cfg, req.path, body, headers=st.headers,
                 num_tokens=req.num_prompt_tokens[i] + req.max_tokens, on_retry=self._retried)
-            backend = lease.backend
+        except ProxyError as e:  # no decoder took it (nothing is held)
+            out.put_nowait((i, e))
+            return
+        backend = lease.backend
+        try:
             log.info("decoder_dispatched", decoder=backend.url, child_id=st.child_ids[i])
             async with upstream.owned(resp):
                 if resp.status >= 300:
@@ -179,11 +192,9 @@ class Flow:
         except ProxyError as e:
             out.put_nowait((i, e))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            out.put_nowait((i, upstream.transport_error(e, backend or lease.backend,
-                                                        "relaying the response")))
+            out.put_nowait((i, upstream.transport_error(e, backend, "relaying the response")))
         finally:
-            if lease is not None:
-                lease.release()
+            lease.release()
 
     def _note_output(self, st: RequestState, i: int) -> None:
         """Once every child produced output its decoder pulled all layers: the prefiller's KV
@@ -215,6 +226,7 @@ class Flow:
         if self.draining:
             raise ProxyError(503, "the proxy is shutting down; retry on another instance")
         task = asyncio.current_task()
+        assert task is not None  # awaited by the client's handler task
         self._inflight.add(task)
         self._idle.clear()
         req = st.req
@@ -224,8 +236,12 @@ class Flow:
         except BaseException:
             self._finished(task)  # never left counted as in flight: a drain would wait for it
             raise
-        rdv.outcome.add_done_callback(
-            lambda f: f.exception() is not None and out.put_nowait((None, f.exception())))
+
+        def fail_children(outcome: asyncio.Future) -> None:  # the rendezvous failed: so does every child
+            if outcome.exception() is not None:
+                out.put_nowait((None, outcome.exception()))
+
+        rdv.outcome.add_done_callback(fail_children)
         relay = (StreamRelay(request, st.response_id, st.headers, req.n, self.max_silence_s)
                  if req.stream else JsonRelay(st.response_id, st.headers, req.n))
         children = [asyncio.create_task(self._run_child(st, i, out))

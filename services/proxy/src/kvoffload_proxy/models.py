@@ -81,8 +81,9 @@ class ModelCatalog:
     async def _fetch_all(self, session: aiohttp.ClientSession, headers: dict[str, str],
                          ) -> list[dict[str, Any]]:
         answers = await asyncio.gather(*(self._fetch(session, d, headers) for d in self.decoders))
-        if all(isinstance(a, str) for a in answers):
-            raise ProxyError(503, "no decoder answered GET /v1/models: " + "; ".join(answers),
+        failures = [a for a in answers if isinstance(a, str)]
+        if len(failures) == len(answers):
+            raise ProxyError(503, "no decoder answered GET /v1/models: " + "; ".join(failures),
                              role="decoder", headers={"Retry-After": "1"})
         merged: dict[str, dict[str, Any]] = {}
         for entries in answers:

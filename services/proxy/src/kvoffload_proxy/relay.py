@@ -107,12 +107,14 @@ class StreamRelay:
         self.usage: dict[str, Any] | None = None
         self.last: dict[str, Any] = {}
 
-    async def _send(self, payload: str, timeout_s: float | None = None) -> None:
+    async def _send(self, payload: str, timeout_s: float | None = None) -> web.StreamResponse:
+        """Send one event (the first one opens the stream); returns the stream."""
         if self.response is None:
             self.response = web.StreamResponse(headers={**SSE_HEADERS, **self.headers})
             await self.response.prepare(self.request)
         await asyncio.wait_for(self.response.write(f"data: {payload}\n\n".encode()),
                                timeout_s or self.write_timeout_s)
+        return self.response
 
     async def add(self, child: int, obj: dict[str, Any]) -> None:
         obj = remap(obj, child, 1, self.response_id)
@@ -127,9 +129,9 @@ class StreamRelay:
             chunk = {k: self.last[k] for k in ("object", "created", "model") if k in self.last}
             await self._send(json.dumps({"id": self.response_id, **chunk, "choices": [],
                                          "usage": self.usage}, separators=(",", ":")))
-        await self._send("[DONE]")
-        await self.response.write_eof()
-        return self.response
+        response = await self._send("[DONE]")
+        await response.write_eof()
+        return response
 
     async def fail(self, err: ProxyError) -> web.StreamResponse:
         if self.response is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from openai_api.body import RequestError, check_body
 from openai_api.fields import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP, UNSUPPORTED_MESSAGE_FIELDS, refused
@@ -42,6 +42,8 @@ _UNION_HELP = {
     "stop": f"must be a non-empty string or a list of 1 to {MAX_STOP} non-empty strings",
 }
 CHARS_PER_TOKEN = 4  # the proxy does not tokenize; loads are estimates
+InferenceKind = Literal["completions", "chat"]
+_Model = TypeVar("_Model", bound=BaseModel)
 
 
 class _Strict(BaseModel):
@@ -117,7 +119,7 @@ class InferenceRequest:
     """A validated client request. `prompts` and `num_prompt_tokens` have one entry per child:
     child `i * n + j` is choice j of prompt i (prompt None for chat)."""
 
-    kind: Literal["completions", "chat"]
+    kind: InferenceKind
     body: dict[str, Any]
     prompts: tuple[Any, ...]
     is_batch: bool
@@ -165,7 +167,7 @@ def _field_path(loc: tuple[Any, ...]) -> tuple[str, str | None]:
     return path, union_field
 
 
-def validate(model: type[BaseModel], data: dict[str, Any]) -> BaseModel:
+def validate(model: type[_Model], data: dict[str, Any]) -> _Model:
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -201,8 +203,9 @@ def _chat_tokens(messages: list[ChatMessage]) -> int:
     return max(1, math.ceil(chars / CHARS_PER_TOKEN) + 4 * len(messages))
 
 
-def parse_inference(kind: Literal["completions", "chat"], raw: bytes) -> InferenceRequest:
+def parse_inference(kind: InferenceKind, raw: bytes) -> InferenceRequest:
     data = load_json_object(raw)
+    req: CompletionRequest | ChatCompletionRequest
     data.pop("kv_transfer_params", None)  # set by the proxy, never by clients
     data.pop("kv_transfer_params_list", None)
     if kind == "completions":

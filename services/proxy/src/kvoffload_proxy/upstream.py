@@ -133,7 +133,7 @@ async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyCon
     tried: set[int] = set()
     refused: list[tuple[float, dict | None, Backend]] = []  # (Retry-After, body, backend) of 429 answers
     attempt = 0
-    while attempt <= cfg.max_retries:
+    while True:  # max_retries >= 0: at least one attempt; it ends in a return, a raise or a break
         full = balancer.full() - tried  # tried last
         lease = balancer.acquire(num_tokens, num_kv_tokens,
                                  exclude=tried | full if len(tried | full) < len(balancer.loads) else tried)
@@ -158,7 +158,10 @@ async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyCon
             tried.add(lease.index)
             last = f"{type(e).__name__}: {e}"
             if attempt == cfg.max_retries:
-                break
+                if refused:
+                    break
+                raise ProxyError(503, f"no {backend.role} reachable after {cfg.max_retries + 1} attempt(s); "
+                                      f"last: {backend.url}: {last}", backend=backend.url, role=backend.role) from None
             delay = cfg.retry_backoff_s * 2 ** attempt
             log.warning("backend_connect_retry", role=backend.role, backend=backend.url,
                         attempt=attempt + 1, delay_s=delay, error=last)
@@ -171,16 +174,14 @@ async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyCon
         except BaseException:
             lease.release()
             raise
-    if refused:
-        raise all_refused(refused, len(balancer.loads), backend.role)
-    raise ProxyError(503, f"no {backend.role} reachable after {cfg.max_retries + 1} attempt(s); "
-                          f"last: {backend.url}: {last}", backend=backend.url, role=backend.role)
+    raise all_refused(refused, len(balancer.loads), backend.role)  # every backend tried answered 429
 
 
 async def sse_data(resp: aiohttp.ClientResponse, max_event_bytes: int = 16 * 2**20,
                    ) -> AsyncIterator[str]:
     """The `data:` payloads of a server-sent-event stream, one per event."""
-    buf, parts = b"", []
+    buf = b""
+    parts: list[str] = []
     async for chunk in resp.content.iter_any():
         buf += chunk
         while (cut := buf.find(b"\n")) >= 0:

@@ -1,0 +1,31 @@
+"""Types of the native hot top-k cache extension (built from native/hotcache.cpp by setup.py).
+
+Pointers are ``data_ptr()`` integers of CPU tensors that ``kvcore.hotcache`` has validated; a
+request is an integer handle from ``Cache.alloc``.
+"""
+
+from collections.abc import Sequence
+
+MAX_TOKEN: int
+
+def max_threads() -> int: ...
+
+class Cache:
+    def __init__(self, capacity: int, num_layers: int, policy: int) -> None: ...
+    def alloc(self) -> int: ...
+    def free(self, handle: int) -> None: ...
+    def residency(self, handle: int, layer: int) -> list[tuple[int, int]]: ...
+    def resident(self, layer: int, handles: Sequence[int], tokens_ptr: int, n: int, out_ptr: int) -> None: ...
+    def resolve(
+        self,
+        layer: int,
+        handles: Sequence[int],
+        topk_ptr: int,
+        k: int,
+        topk_is_int64: bool,
+        stable_lens: Sequence[int],
+        slots_ptr: int,
+        miss_rows_ptr: int,
+        miss_tokens_ptr: int,
+        miss_slots_ptr: int,
+    ) -> tuple[int, int]: ...
