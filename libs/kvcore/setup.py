@@ -1,4 +1,5 @@
 """Builds kvcore's native extensions (C++/OpenMP) once, at install time."""
+
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 

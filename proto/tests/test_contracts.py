@@ -1,4 +1,5 @@
 """The contracts' shape: package, one service per concern, units in names, streaming data path."""
+
 from google.protobuf.descriptor import FieldDescriptor
 
 from kvoffload_proto.v1 import MAX_CHUNK_BYTES, metastore_pb2, stats_pb2, transfer_pb2
@@ -13,8 +14,19 @@ def _methods(module, service):
 def test_package_and_services():
     assert {m.DESCRIPTOR.package for m in MODULES} == {"kvoffload.v1"}
     assert _methods(metastore_pb2, "MetaStore") == {
-        "RegisterPool", "Heartbeat", "DeregisterPool", "Alloc", "Lookup", "Exists", "MarkWritten", "Remove",
-        "Lease", "RenewLease", "ReleaseLease", "Stats"}
+        "RegisterPool",
+        "Heartbeat",
+        "DeregisterPool",
+        "Alloc",
+        "Lookup",
+        "Exists",
+        "MarkWritten",
+        "Remove",
+        "Lease",
+        "RenewLease",
+        "ReleaseLease",
+        "Stats",
+    }
     assert _methods(transfer_pb2, "Transfer") == {"ExchangeLayout", "ReadReady", "PrefillDone", "Heartbeat"}
     assert _methods(transfer_pb2, "LayerSource") == {"ReadLayer"}
     assert _methods(stats_pb2, "Stats") == {"GetStats"}

@@ -3,6 +3,7 @@
 Fails when a .proto changed (or was added/removed) without regenerating: reinstall with
 ``pip install --no-build-isolation -e proto``.
 """
+
 import filecmp
 from pathlib import Path
 

@@ -70,8 +70,12 @@ def test_indexer_topk_errors():
 
 def attention_inputs(t=5, heads=3, r_lat=8, r=4, k=6, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(t, heads, r_lat, generator=g), torch.randn(t, heads, r, generator=g),
-            torch.randn(t, k, r_lat + r, generator=g), torch.rand(t, k, generator=g) > 0.3)
+    return (
+        torch.randn(t, heads, r_lat, generator=g),
+        torch.randn(t, heads, r, generator=g),
+        torch.randn(t, k, r_lat + r, generator=g),
+        torch.rand(t, k, generator=g) > 0.3,
+    )
 
 
 def test_sparse_attention_matches_explicit_math():

@@ -42,11 +42,23 @@ DSV32_CONFIG = {
     "q_lora_rank": 1536,
     "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
     "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
     "rope_theta": 10000,
     "routed_scaling_factor": 2.5,
     "scoring_func": "sigmoid",
@@ -72,16 +84,29 @@ def test_real_deepseek_v32_config_loads(tmp_path):
     assert cfg.dtype == torch.bfloat16
     assert cfg.rope_theta == 10000 and cfg.bos_token_id == 0 and cfg.eos_token_id == 1
     assert cfg.softmax_scale == pytest.approx(192**-0.5)
-    assert ModelConfig.from_dict({**DSV32_CONFIG, "architectures": ["DeepseekV32ForCausalLM"]}).architectures == \
-        ("DeepseekV32ForCausalLM",)
+    assert ModelConfig.from_dict({**DSV32_CONFIG, "architectures": ["DeepseekV32ForCausalLM"]}).architectures == (
+        "DeepseekV32ForCausalLM",
+    )
 
 
 def test_round_trip_and_defaults(tmp_path):
     cfg = tiny_config()
     assert ModelConfig.from_json(cfg.to_json(tmp_path / "config.json")) == cfg
-    minimal = {k: v for k, v in DSV32_CONFIG.items() if k not in
-               ("q_lora_rank", "num_nextn_predict_layers", "rms_norm_eps", "rope_theta", "torch_dtype",
-                "bos_token_id", "eos_token_id", "tie_word_embeddings")}
+    minimal = {
+        k: v
+        for k, v in DSV32_CONFIG.items()
+        if k
+        not in (
+            "q_lora_rank",
+            "num_nextn_predict_layers",
+            "rms_norm_eps",
+            "rope_theta",
+            "torch_dtype",
+            "bos_token_id",
+            "eos_token_id",
+            "tie_word_embeddings",
+        )
+    }
     cfg = ModelConfig.from_dict(minimal)
     assert cfg.q_lora_rank is None and cfg.num_nextn_predict_layers == 0 and cfg.num_cache_layers == 61
     assert ModelConfig.from_dict({**DSV32_CONFIG, "q_lora_rank": None}).q_lora_rank is None

@@ -29,8 +29,11 @@ def test_each_new_token_matches_forward_dense_over_the_whole_sequence(model_fp32
     torch.testing.assert_close(steps, whole, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=6),
-                                    SamplingParams(max_tokens=4, temperature=0.8, seed=3)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(max_tokens=6), SamplingParams(max_tokens=4, temperature=0.8, seed=3)],
+    ids=["greedy", "seeded"],
+)
 def test_tokens_equal_generate_dense(model_fp32, prompt, params):
     ids = prompt(80, seed=4).tolist()
     assert generate_full_kv(model_fp32, ids, params) == generate_dense(model_fp32, ids, params)

@@ -31,12 +31,12 @@ def test_an_fp8_row_is_the_key_bytes_then_one_float32_scale_per_128_elements(di,
     blocks = -(-di // 128)
     scales = rows[:, di:].contiguous().view(torch.float32)  # [7, blocks]
     for b in range(blocks):
-        part = keys[:, b * 128:(b + 1) * 128]
+        part = keys[:, b * 128 : (b + 1) * 128]
         assert torch.equal(scales[:, b], part.abs().amax(1) / FP8_MAX)
-        q = rows[:, b * 128:min((b + 1) * 128, di)].contiguous().view(torch.float8_e4m3fn).float()
-        assert torch.equal(q, (part / scales[:, b:b + 1]).to(torch.float8_e4m3fn).float())
+        q = rows[:, b * 128 : min((b + 1) * 128, di)].contiguous().view(torch.float8_e4m3fn).float()
+        assert torch.equal(q, (part / scales[:, b : b + 1]).to(torch.float8_e4m3fn).float())
     back = codec.decode(rows)
-    amax = torch.stack([keys[:, b * 128:(b + 1) * 128].abs().amax(1) for b in range(blocks)], 1)  # [7, blocks]
+    amax = torch.stack([keys[:, b * 128 : (b + 1) * 128].abs().amax(1) for b in range(blocks)], 1)  # [7, blocks]
     bound = amax.repeat_interleave(128, 1)[:, :di] / 16  # e4m3: 3 mantissa bits
     assert back.dtype == torch.float32 and bool(((back - keys).abs() <= bound).all())
     assert torch.equal(codec.decode(codec.encode(torch.zeros(2, di))), torch.zeros(2, di))  # no 0/0

@@ -60,8 +60,14 @@ def test_stop_conditions():
 
 @pytest.mark.parametrize(
     "kwargs, key",
-    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
-     ({"top_p": 1.5}, "top_p"), ({"seed": -3}, "seed"), ({"temperature": float("nan")}, "temperature")],
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": -3}, "seed"),
+        ({"temperature": float("nan")}, "temperature"),
+    ],
 )
 def test_bad_params(kwargs, key):
     with pytest.raises(ValueError, match=key):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dsamodel.sampling import RequestSampler, token_logprob
-from openai_api.sampling_params import SamplingParams
 from dsamodel.tokenizer import ByteTokenizer
+from openai_api.sampling_params import SamplingParams
 
 TOK = ByteTokenizer()
 

@@ -37,7 +37,8 @@ def test_chat_template():
     ids = TOK.encode(text)
     assert ids[0] == TOK.bos_token_id and ids[-1] == 261
     assert not TOK.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False).endswith(
-        "<|assistant|>")
+        "<|assistant|>"
+    )
     with pytest.raises(ValueError, match="message 0"):
         TOK.apply_chat_template([{"role": "robot", "content": "x"}])
 

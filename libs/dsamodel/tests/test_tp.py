@@ -54,7 +54,9 @@ def test_shards_partition_the_weights():
     # the cache rows' projections are whole on every rank: the P->D plan may read any rank's rows
     for name in ("kv_a_proj_with_mqa", "indexer.wk", "indexer.wq_b", "indexer.weights_proj"):
         key = f"model.layers.0.self_attn.{name}.weight"
-        assert torch.equal(shards[0].state_dict()[key], full[key]) and torch.equal(shards[1].state_dict()[key], full[key])
+        assert torch.equal(shards[0].state_dict()[key], full[key]) and torch.equal(
+            shards[1].state_dict()[key], full[key]
+        )
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -85,8 +87,10 @@ def test_the_mtp_layer_is_sharded_too():
 def test_a_size_that_does_not_divide_the_model_is_refused_naming_both():
     cfg = tiny_config()
     check_tp_size(cfg, 4)
-    with pytest.raises(ValueError, match="tensor parallel size 3 does not divide the model's num_attention_heads=4 "
-                                         "and intermediate_size=256"):
+    with pytest.raises(
+        ValueError,
+        match="tensor parallel size 3 does not divide the model's num_attention_heads=4 and intermediate_size=256",
+    ):
         check_tp_size(cfg, 3)
     with pytest.raises(ValueError, match="must be an int >= 1"):
         check_tp_size(cfg, 0)

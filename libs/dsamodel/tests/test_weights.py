@@ -16,17 +16,35 @@ def test_checkpoint_names_follow_hf_deepseek(model_fp32):
     names = set(checkpoint_shapes(model_fp32))
     layer = "model.layers.0."
     for suffix in (
-        "input_layernorm.weight", "self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight",
-        "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
-        "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "self_attn.indexer.wq_b.weight",
-        "self_attn.indexer.wk.weight", "self_attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.bias",
-        "self_attn.indexer.weights_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-        "mlp.up_proj.weight", "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "self_attn.q_a_proj.weight",
+        "self_attn.q_a_layernorm.weight",
+        "self_attn.q_b_proj.weight",
+        "self_attn.kv_a_proj_with_mqa.weight",
+        "self_attn.kv_a_layernorm.weight",
+        "self_attn.kv_b_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.indexer.wq_b.weight",
+        "self_attn.indexer.wk.weight",
+        "self_attn.indexer.k_norm.weight",
+        "self_attn.indexer.k_norm.bias",
+        "self_attn.indexer.weights_proj.weight",
+        "post_attention_layernorm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
     ):
         assert layer + suffix in names
-    for name in ("model.layers.4.enorm.weight", "model.layers.4.hnorm.weight", "model.layers.4.eh_proj.weight",
-                 "model.layers.4.shared_head.norm.weight", "model.layers.4.self_attn.indexer.wk.weight",
-                 "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+    for name in (
+        "model.layers.4.enorm.weight",
+        "model.layers.4.hnorm.weight",
+        "model.layers.4.eh_proj.weight",
+        "model.layers.4.shared_head.norm.weight",
+        "model.layers.4.self_attn.indexer.wk.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ):
         assert name in names
     assert not any(".enorm." in n for n in names if n.startswith("model.layers.3."))
     shapes = checkpoint_shapes(model_fp32)
@@ -68,9 +86,17 @@ def test_bad_checkpoint_lists_every_problem(tmp_path, model_fp32):
     with pytest.raises(ValueError) as err:
         load_weights(DSAModel(model_fp32.config), tmp_path / "bad.safetensors")
     msg = str(err.value)
-    for fragment in ("missing (2)", "model.layers.1.mlp.up_proj.weight", "model.norm.weight",
-                     "unexpected (1)", "experts.0", "mis-shaped (1)", "kv_b_proj.weight: [3, 64] (expected [256, 192])",
-                     "non-floating (1)", "indexer.wk.weight: torch.int32"):
+    for fragment in (
+        "missing (2)",
+        "model.layers.1.mlp.up_proj.weight",
+        "model.norm.weight",
+        "unexpected (1)",
+        "experts.0",
+        "mis-shaped (1)",
+        "kv_b_proj.weight: [3, 64] (expected [256, 192])",
+        "non-floating (1)",
+        "indexer.wk.weight: torch.int32",
+    ):
         assert fragment in msg
     with pytest.raises(ValueError, match="no weights file"):
         load_weights(DSAModel(model_fp32.config), tmp_path / "absent.safetensors")

@@ -19,7 +19,9 @@ STORE_ALTERNATIVE = "use backend 'kvoffload' (the embedded host pool managed by 
 TRANSFER_ALTERNATIVE = "use transfer_backend 'kvoffload' (the embedded P→D data path"
 
 
-def install(monkeypatch: pytest.MonkeyPatch, present: dict[str, Any], failing: dict[str, BaseException] | None = None) -> None:
+def install(
+    monkeypatch: pytest.MonkeyPatch, present: dict[str, Any], failing: dict[str, BaseException] | None = None
+) -> None:
     """Imports succeed for ``present`` (name -> module), raise for ``failing``, are missing otherwise."""
     failing = failing or {}
 
@@ -53,12 +55,24 @@ def test_embedded_backends_always_pass(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("kw", "words"),
     [
-        ({"backend": "memcache"}, ["backend 'memcache' cannot run here: memcache_hybrid cannot be imported",
-                                   "ModuleNotFoundError: No module named 'memcache_hybrid'",
-                                   "scripts/install-memcache", STORE_ALTERNATIVE]),
-        ({"transfer_backend": "memfabric"}, ["transfer_backend 'memfabric' cannot run here: memfabric_hybrid cannot be "
-                                             "imported", "No module named 'memfabric_hybrid'", MEMFABRIC_INSTALL,
-                                             TRANSFER_ALTERNATIVE]),
+        (
+            {"backend": "memcache"},
+            [
+                "backend 'memcache' cannot run here: memcache_hybrid cannot be imported",
+                "ModuleNotFoundError: No module named 'memcache_hybrid'",
+                "scripts/install-memcache",
+                STORE_ALTERNATIVE,
+            ],
+        ),
+        (
+            {"transfer_backend": "memfabric"},
+            [
+                "transfer_backend 'memfabric' cannot run here: memfabric_hybrid cannot be imported",
+                "No module named 'memfabric_hybrid'",
+                MEMFABRIC_INSTALL,
+                TRANSFER_ALTERNATIVE,
+            ],
+        ),
     ],
 )
 def test_module_missing(monkeypatch: pytest.MonkeyPatch, kw: dict[str, str], words: list[str]) -> None:
@@ -78,10 +92,13 @@ def test_module_present_means_available_for_every_adapter(monkeypatch: pytest.Mo
     assert described["kvoffload"] == described["memcache"] == described["memfabric"] == "available"
 
 
-@pytest.mark.parametrize(("kw", "module"), [({"backend": "memcache"}, "memcache_hybrid"),
-                                            ({"transfer_backend": "memfabric"}, "memfabric_hybrid")])
+@pytest.mark.parametrize(
+    ("kw", "module"),
+    [({"backend": "memcache"}, "memcache_hybrid"), ({"transfer_backend": "memfabric"}, "memfabric_hybrid")],
+)
 def test_an_ascend_backend_is_available_where_its_module_imports_without_an_npu(
-        monkeypatch: pytest.MonkeyPatch, kw: dict[str, str], module: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, kw: dict[str, str], module: str
+) -> None:
     """The adapter's construction decides about the data path (MemcacheUnavailable /
     MemfabricUnavailable at start-up), not this check: nothing but its own module is imported."""
     imported: list[str] = []
@@ -112,10 +129,12 @@ def test_each_backend_gets_its_own_reason(monkeypatch: pytest.MonkeyPatch) -> No
     memcache, memfabric = info.value.reasons
     assert "memcache_hybrid cannot be imported (ModuleNotFoundError" in memcache
     assert "scripts/install-memcache" in memcache
-    assert memfabric == ("transfer_backend 'memfabric' cannot run here: memfabric_hybrid cannot be imported (OSError: "
-                         f"libmf_smem.so: cannot open shared object file); {MEMFABRIC_INSTALL}; use transfer_backend "
-                         "'kvoffload' (the embedded P→D data path: shared memory on one host, gRPC streaming across "
-                         "hosts)")
+    assert memfabric == (
+        "transfer_backend 'memfabric' cannot run here: memfabric_hybrid cannot be imported (OSError: "
+        f"libmf_smem.so: cannot open shared object file); {MEMFABRIC_INSTALL}; use transfer_backend "
+        "'kvoffload' (the embedded P→D data path: shared memory on one host, gRPC streaming across "
+        "hosts)"
+    )
 
 
 def test_describe_availability_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -125,8 +144,14 @@ def test_describe_availability_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     assert described["memcache"].startswith("memcache_hybrid cannot be imported (ModuleNotFoundError")
 
 
-@pytest.mark.parametrize(("kw", "path"), [({"backend": "memfabric"}, "backend"), ({"backend": "redis"}, "backend"),
-                                          ({"transfer_backend": "memcache"}, "transfer_backend")])
+@pytest.mark.parametrize(
+    ("kw", "path"),
+    [
+        ({"backend": "memfabric"}, "backend"),
+        ({"backend": "redis"}, "backend"),
+        ({"transfer_backend": "memcache"}, "transfer_backend"),
+    ],
+)
 def test_unknown_backend_name_is_a_config_error(kw: dict[str, str], path: str) -> None:
     with pytest.raises(ConfigError) as info:
         require_available(**kw)
@@ -149,18 +174,24 @@ def test_mooncake_runs_where_its_module_imports_without_an_npu(monkeypatch: pyte
     assert describe_availability()["mooncake"] == "available"
 
 
-@pytest.mark.parametrize("failure", [
-    ModuleNotFoundError("No module named 'mooncake'", name="mooncake"),
-    ImportError("libibverbs.so.1: cannot open shared object file: No such file or directory"),
-])
-def test_mooncake_without_its_module_names_the_cause_and_the_install(monkeypatch: pytest.MonkeyPatch,
-                                                                      failure: BaseException) -> None:
+@pytest.mark.parametrize(
+    "failure",
+    [
+        ModuleNotFoundError("No module named 'mooncake'", name="mooncake"),
+        ImportError("libibverbs.so.1: cannot open shared object file: No such file or directory"),
+    ],
+)
+def test_mooncake_without_its_module_names_the_cause_and_the_install(
+    monkeypatch: pytest.MonkeyPatch, failure: BaseException
+) -> None:
     install(monkeypatch, {}, {"mooncake.store": failure})
     message = unavailable(backend="mooncake")
-    assert message == (f"backend 'mooncake' cannot run here: mooncake.store cannot be imported "
-                       f"({type(failure).__name__}: {failure}); install Mooncake Store: scripts/install-mooncake (it "
-                       f"runs `apt-get install -y libibverbs1` and `pip install "
-                       f"mooncake-transfer-engine-non-cuda==0.3.13.post1`); {STORE_ALTERNATIVE}")
+    assert message == (
+        f"backend 'mooncake' cannot run here: mooncake.store cannot be imported "
+        f"({type(failure).__name__}: {failure}); install Mooncake Store: scripts/install-mooncake (it "
+        f"runs `apt-get install -y libibverbs1` and `pip install "
+        f"mooncake-transfer-engine-non-cuda==0.3.13.post1`); {STORE_ALTERNATIVE}"
+    )
 
 
 def test_mooncake_on_this_machine_is_what_importing_it_says() -> None:
@@ -176,8 +207,10 @@ def test_mooncake_on_this_machine_is_what_importing_it_says() -> None:
         assert describe_availability()["mooncake"] == "available"
 
 
-@pytest.mark.parametrize(("kw", "module"), [({"backend": "memcache"}, "memcache_hybrid"),
-                                            ({"transfer_backend": "memfabric"}, "memfabric_hybrid")])
+@pytest.mark.parametrize(
+    ("kw", "module"),
+    [({"backend": "memcache"}, "memcache_hybrid"), ({"transfer_backend": "memfabric"}, "memfabric_hybrid")],
+)
 def test_ascend_backends_on_this_machine_are_what_importing_them_says(kw: dict[str, str], module: str) -> None:
     """The real probe: available exactly when the module imports here (make test installs both wheels)."""
     name = next(iter(kw.values()))

@@ -79,8 +79,9 @@ def test_independent_of_pythonhashseed():
     outs = set()
     for seed in ("0", "4242"):
         env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=SRC)
-        outs.add(subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
-                                text=True).stdout)
+        outs.add(
+            subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
+        )
     here = b"".join(block_keys("deepseek", list(range(100)), 16)).hex() + " " + request_block_key("r", 3).hex()
     assert outs == {here + "\n"}
 

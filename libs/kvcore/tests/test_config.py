@@ -7,9 +7,6 @@ import json
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
-from structlog.testing import capture_logs
-
 from config_support import (
     D2H,
     GUIDE_ADDITIONAL,
@@ -24,12 +21,14 @@ from config_support import (
     with_extra,
     with_top,
 )
+from pydantic import ValidationError
+from structlog.testing import capture_logs
+
 from kvcore.additionalconfig import SparseKVOffloadConfig
 from kvcore.config import parse_additional_config, parse_kv_transfer_config
 from kvcore.configerrors import ConfigError
 from kvcore.connectorconfig import D2HConnectorConfig, StoreConnectorConfig
 from kvcore.transferconfig import MultiConnectorConfig
-
 
 # ------------------------------------------------------------------------------------------------
 # valid configurations
@@ -74,7 +73,11 @@ def test_guide_multi_connector(backend: str, transfer_backend: str) -> None:
 
 def test_store_defaults_and_all() -> None:
     config = parse_kv_transfer_config(
-        {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"backend": "kvoffload"}}
+        {
+            "kv_connector": "AscendStoreConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"backend": "kvoffload"},
+        }
     )
     assert config.is_producer and config.is_consumer
     assert config.store is not None and config.store.model_dump() == {
@@ -239,8 +242,11 @@ def test_unknown_key_inside_sparse_config_warns() -> None:
 
 
 def test_strict_parsing_makes_an_unknown_key_an_error_with_a_suggestion():
-    body = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"backend": "kvoffload", "metastor": "a:1"}}
+    body = {
+        "kv_connector": "AscendStoreConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"backend": "kvoffload", "metastor": "a:1"},
+    }
     assert parse_kv_transfer_config(body).store.metastore is None  # not strict: a warning only
     with pytest.raises(ConfigError) as e:
         parse_kv_transfer_config(body, strict=True)

@@ -7,8 +7,6 @@ import pickle
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
-
 from config_support import (
     D2H,
     EXTRA,
@@ -24,20 +22,24 @@ from config_support import (
     with_top,
     without,
 )
+from pydantic import ValidationError
+
 from kvcore.additionalconfig import AdditionalConfig, SparseKVOffloadConfig
 from kvcore.config import parse_additional_config, parse_kv_transfer_config
 from kvcore.configerrors import ConfigError
 from kvcore.connectorconfig import StoreConnectorConfig
 from kvcore.transferconfig import KVTransferConfig
 
-
 # ------------------------------------------------------------------------------------------------
 # invalid --kv-transfer-config: (config, field path, words the message must contain)
 
 
 INVALID_KV = [
-    (with_top(STORE, kv_connector="MooncakeConnector"), "kv_connector",
-     ["'MooncakeConnector' (str)", "AscendStoreConnector", "SfaRemoteD2HConnector", "MultiConnector"]),
+    (
+        with_top(STORE, kv_connector="MooncakeConnector"),
+        "kv_connector",
+        ["'MooncakeConnector' (str)", "AscendStoreConnector", "SfaRemoteD2HConnector", "MultiConnector"],
+    ),
     (with_top(STORE, kv_connector="AscendStoreConector"), "kv_connector", ["did you mean 'AscendStoreConnector'?"]),
     (without(STORE, "kv_connector"), "kv_connector", ["required key is missing", "AscendStoreConnector"]),
     (with_top(STORE, kv_role="producer"), "kv_role", ["'producer' (str)", "kv_producer", "kv_consumer", "kv_both"]),
@@ -48,52 +50,111 @@ INVALID_KV = [
     (with_top(D2H, kv_port=65536), "kv_port", ["got 65536 (int)", "1..65535"]),
     (with_top(D2H, kv_port=20050.0), "kv_port", ["20050.0 (float)", "int"]),
     (with_top(STORE, kv_connector_extra_config=[]), EXTRA, ["[] (list)", "JSON object"]),
-    (with_extra(STORE, backend="redis"), f"{EXTRA}.backend",
-     ["'redis' (str)", "'kvoffload'", "'memcache'", "'mooncake'"]),
+    (
+        with_extra(STORE, backend="redis"),
+        f"{EXTRA}.backend",
+        ["'redis' (str)", "'kvoffload'", "'memcache'", "'mooncake'"],
+    ),
     (with_extra(STORE, backend="memcahce"), f"{EXTRA}.backend", ["did you mean 'memcache'?"]),
     (without(STORE, "backend", extra=True), f"{EXTRA}.backend", ["required key is missing", "'kvoffload'"]),
     (with_top(STORE, kv_connector_extra_config=None), f"{EXTRA}.backend", ["required key is missing"]),
     (with_extra(STORE, use_layerwise="true"), f"{EXTRA}.use_layerwise", ["'true' (str)", "must be true or false"]),
     (with_extra(STORE, use_layerwise=1), f"{EXTRA}.use_layerwise", ["1 (int)", "must be true or false"]),
-    (with_extra(STORE, layerwise_num_shared_buffers=True), f"{EXTRA}.layerwise_num_shared_buffers",
-     ["got True (bool); must be an int >= 1"]),
-    (with_extra(STORE, layerwise_num_shared_buffers=0), f"{EXTRA}.layerwise_num_shared_buffers",
-     ["got 0 (int); must be an int >= 1"]),
-    (with_extra(STORE, layerwise_num_shared_buffers="3"), f"{EXTRA}.layerwise_num_shared_buffers",
-     ["'3' (str)", "must be an int >= 1"]),
-    (with_extra(STORE, layerwise_num_shared_buffers=2.0), f"{EXTRA}.layerwise_num_shared_buffers",
-     ["2.0 (float)", "must be an int >= 1"]),
-    (with_extra(STORE, layerwise_independent_layers="0"), f"{EXTRA}.layerwise_independent_layers",
-     ["'0' (str)", 'must be "all" or a list of ints']),
-    (with_extra(STORE, layerwise_independent_layers=0), f"{EXTRA}.layerwise_independent_layers",
-     ["0 (int)", 'must be "all" or a list of ints']),
-    (with_extra(STORE, layerwise_independent_layers=[0, "1"]), f"{EXTRA}.layerwise_independent_layers",
-     ['must be "all" or a list of ints']),
-    (with_extra(STORE, layerwise_independent_layers=[True]), f"{EXTRA}.layerwise_independent_layers",
-     ['must be "all" or a list of ints']),
-    (with_extra(STORE, layerwise_independent_layers="ALL"), f"{EXTRA}.layerwise_independent_layers",
-     ['must be "all" or a list of ints']),
-    (with_extra(STORE, layerwise_prefetch_layers=0), f"{EXTRA}.layerwise_prefetch_layers",
-     ["got 0 (int); must be an int >= 1"]),
+    (
+        with_extra(STORE, layerwise_num_shared_buffers=True),
+        f"{EXTRA}.layerwise_num_shared_buffers",
+        ["got True (bool); must be an int >= 1"],
+    ),
+    (
+        with_extra(STORE, layerwise_num_shared_buffers=0),
+        f"{EXTRA}.layerwise_num_shared_buffers",
+        ["got 0 (int); must be an int >= 1"],
+    ),
+    (
+        with_extra(STORE, layerwise_num_shared_buffers="3"),
+        f"{EXTRA}.layerwise_num_shared_buffers",
+        ["'3' (str)", "must be an int >= 1"],
+    ),
+    (
+        with_extra(STORE, layerwise_num_shared_buffers=2.0),
+        f"{EXTRA}.layerwise_num_shared_buffers",
+        ["2.0 (float)", "must be an int >= 1"],
+    ),
+    (
+        with_extra(STORE, layerwise_independent_layers="0"),
+        f"{EXTRA}.layerwise_independent_layers",
+        ["'0' (str)", 'must be "all" or a list of ints'],
+    ),
+    (
+        with_extra(STORE, layerwise_independent_layers=0),
+        f"{EXTRA}.layerwise_independent_layers",
+        ["0 (int)", 'must be "all" or a list of ints'],
+    ),
+    (
+        with_extra(STORE, layerwise_independent_layers=[0, "1"]),
+        f"{EXTRA}.layerwise_independent_layers",
+        ['must be "all" or a list of ints'],
+    ),
+    (
+        with_extra(STORE, layerwise_independent_layers=[True]),
+        f"{EXTRA}.layerwise_independent_layers",
+        ['must be "all" or a list of ints'],
+    ),
+    (
+        with_extra(STORE, layerwise_independent_layers="ALL"),
+        f"{EXTRA}.layerwise_independent_layers",
+        ['must be "all" or a list of ints'],
+    ),
+    (
+        with_extra(STORE, layerwise_prefetch_layers=0),
+        f"{EXTRA}.layerwise_prefetch_layers",
+        ["got 0 (int); must be an int >= 1"],
+    ),
     (with_extra(STORE, layerwise_prefetch_layers=False), f"{EXTRA}.layerwise_prefetch_layers", ["False (bool)"]),
-    (with_extra(D2H, transfer_backend="rdma"), f"{EXTRA}.transfer_backend", ["'rdma' (str)", "'kvoffload'", "'memfabric'"]),
+    (
+        with_extra(D2H, transfer_backend="rdma"),
+        f"{EXTRA}.transfer_backend",
+        ["'rdma' (str)", "'kvoffload'", "'memfabric'"],
+    ),
     (with_extra(D2H, transfer_backend=1), f"{EXTRA}.transfer_backend", ["1 (int)", "'memfabric'"]),
     (with_extra(D2H, use_layerwise="no"), f"{EXTRA}.use_layerwise", ["must be true or false"]),
     (with_extra(MULTI, connectors=[]), f"{EXTRA}.connectors", ["[] (list)", "non-empty list"]),
     (with_extra(MULTI, connectors="x"), f"{EXTRA}.connectors", ["'x' (str)", "non-empty list"]),
-    ({"kv_connector": "MultiConnector", "kv_role": "kv_producer"}, f"{EXTRA}.connectors",
-     ["required key is missing", "non-empty list"]),
-    (with_extra(MULTI, connectors=[prefill_only(), prefill_multi()]), f"{EXTRA}.connectors[1].kv_connector",
-     ["'MultiConnector'", "cannot contain another MultiConnector"]),
-    (with_extra(MULTI, connectors=[prefill_only(), prefill_only("kvoffload")]), f"{EXTRA}.connectors[1].kv_connector",
-     ["'AscendStoreConnector' again", "connectors[0]", "at most one connector of each type"]),
-    (with_extra(MULTI, connectors=[decode_d2h(), prefill_only()]), f"{EXTRA}.connectors[0].kv_role",
-     ["'kv_consumer'", "must equal the MultiConnector's kv_role 'kv_producer'"]),
-    (with_extra(MULTI, connectors=[prefill_only("redis")]), f"{EXTRA}.connectors[0].{EXTRA}.backend", ["'redis' (str)"]),
-    (with_extra(MULTI, connectors=[with_top(D2H, kv_role="kv_producer"), with_extra(STORE, use_layerwise="y")]),
-     f"{EXTRA}.connectors[1].{EXTRA}.use_layerwise", ["'y' (str)", "must be true or false"]),
-    (with_extra(MULTI, connectors=[with_top(D2H, kv_role="kv_producer", kv_port=-1)]), f"{EXTRA}.connectors[0].kv_port",
-     ["got -1 (int)"]),
+    (
+        {"kv_connector": "MultiConnector", "kv_role": "kv_producer"},
+        f"{EXTRA}.connectors",
+        ["required key is missing", "non-empty list"],
+    ),
+    (
+        with_extra(MULTI, connectors=[prefill_only(), prefill_multi()]),
+        f"{EXTRA}.connectors[1].kv_connector",
+        ["'MultiConnector'", "cannot contain another MultiConnector"],
+    ),
+    (
+        with_extra(MULTI, connectors=[prefill_only(), prefill_only("kvoffload")]),
+        f"{EXTRA}.connectors[1].kv_connector",
+        ["'AscendStoreConnector' again", "connectors[0]", "at most one connector of each type"],
+    ),
+    (
+        with_extra(MULTI, connectors=[decode_d2h(), prefill_only()]),
+        f"{EXTRA}.connectors[0].kv_role",
+        ["'kv_consumer'", "must equal the MultiConnector's kv_role 'kv_producer'"],
+    ),
+    (
+        with_extra(MULTI, connectors=[prefill_only("redis")]),
+        f"{EXTRA}.connectors[0].{EXTRA}.backend",
+        ["'redis' (str)"],
+    ),
+    (
+        with_extra(MULTI, connectors=[with_top(D2H, kv_role="kv_producer"), with_extra(STORE, use_layerwise="y")]),
+        f"{EXTRA}.connectors[1].{EXTRA}.use_layerwise",
+        ["'y' (str)", "must be true or false"],
+    ),
+    (
+        with_extra(MULTI, connectors=[with_top(D2H, kv_role="kv_producer", kv_port=-1)]),
+        f"{EXTRA}.connectors[0].kv_port",
+        ["got -1 (int)"],
+    ),
     ([1, 2], "kv_transfer_config", ["[1, 2] (list)", "JSON object"]),
 ]
 
@@ -112,8 +173,12 @@ def test_all_problems_in_one_pass() -> None:
     raw = with_extra(
         prefill_multi(),
         connectors=[
-            {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 70000,
-             "kv_connector_extra_config": {"transfer_backend": "rdma"}},
+            {
+                "kv_connector": "SfaRemoteD2HConnector",
+                "kv_role": "kv_consumer",
+                "kv_port": 70000,
+                "kv_connector_extra_config": {"transfer_backend": "rdma"},
+            },
             with_extra(STORE, layerwise_num_shared_buffers=True, backend="x"),
             prefill_multi(),
         ],

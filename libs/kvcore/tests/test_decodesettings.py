@@ -5,10 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from kvcore.connectorconfig import D2HConnectorConfig
-from kvcore.decodesettings import DecodeSettings, decode_settings
-from kvcore.layout import KVLayout
 from settings_support import (
     BLOCK,
     DECODE_KW,
@@ -28,6 +24,9 @@ from settings_support import (
     store,
 )
 
+from kvcore.connectorconfig import D2HConnectorConfig
+from kvcore.decodesettings import DecodeSettings, decode_settings
+from kvcore.layout import KVLayout
 
 # ------------------------------------------------------------------------------------------------
 # decode
@@ -65,10 +64,20 @@ def test_host_pool_too_small_gives_numbers() -> None:
     needed = seqs * tokens * MAIN_BYTES_PER_TOKEN  # 4609474560 bytes, a bit over 4 GiB
     gib = -(-needed // 2**30)
     assert (tokens, needed, gib) == (100032, 4609474560, 5)
-    errors = decode_errors(d2h(), additional(enabled=True, dram_size_per_dp_GB=4), max_num_seqs=seqs, max_model_len=length)
-    assert_error(errors, f"{SPARSE}.dram_size_per_dp_GB", [f"got 4 ({4 * 2**30} bytes)", f"{needed} bytes", f">= {gib}"])
-    exact = decode_settings(d2h(), additional(enabled=True, dram_size_per_dp_GB=gib), LAYOUT,
-                            index_topk=2048, max_num_seqs=seqs, max_model_len=length)
+    errors = decode_errors(
+        d2h(), additional(enabled=True, dram_size_per_dp_GB=4), max_num_seqs=seqs, max_model_len=length
+    )
+    assert_error(
+        errors, f"{SPARSE}.dram_size_per_dp_GB", [f"got 4 ({4 * 2**30} bytes)", f"{needed} bytes", f">= {gib}"]
+    )
+    exact = decode_settings(
+        d2h(),
+        additional(enabled=True, dram_size_per_dp_GB=gib),
+        LAYOUT,
+        index_topk=2048,
+        max_num_seqs=seqs,
+        max_model_len=length,
+    )
     assert exact.host_bytes_needed == needed and exact.host_pool_bytes == gib * 2**30
 
 
@@ -79,8 +88,17 @@ def test_control_ports() -> None:
     assert settings.control_ports() == list(range(20050, 20058))
 
 
-@pytest.mark.parametrize(("dp_rank", "tp_rank", "word"), [(2, 0, "dp_rank"), (-1, 0, "dp_rank"), (0, 4, "tp_rank"),
-                                                          (0, -1, "tp_rank"), (True, 0, "dp_rank"), (0, 1.0, "tp_rank")])
+@pytest.mark.parametrize(
+    ("dp_rank", "tp_rank", "word"),
+    [
+        (2, 0, "dp_rank"),
+        (-1, 0, "dp_rank"),
+        (0, 4, "tp_rank"),
+        (0, -1, "tp_rank"),
+        (True, 0, "dp_rank"),
+        (0, 1.0, "tp_rank"),
+    ],
+)
 def test_control_port_rejects_bad_ranks(dp_rank: Any, tp_rank: Any, word: str) -> None:
     settings = decode_settings(d2h(), DECODE_SPARSE, LAYOUT, **DECODE_KW, dp=2, tp=4)
     with pytest.raises(ValueError, match=word):
@@ -106,10 +124,20 @@ INVALID_DECODE = [
     (d2h(), None, {}, f"{SPARSE}.enabled", ["got False", "kv_consumer", "must be true"]),
     (d2h(), additional(enabled=True), {"index_topk": None}, f"{SPARSE}.enabled", ["no indexer", "index_topk is None"]),
     (d2h(), additional(enabled=True), {"index_topk": 0}, "index_topk", ["got 0 (int)"]),
-    (d2h(), additional(enabled=True, topk_buffer_size=1024), {"index_topk": 2048}, f"{SPARSE}.topk_buffer_size",
-     ["got 1024", ">= index_topk 2048"]),
-    (d2h(), additional(enabled=True, topk_buffer_size=4000), {"index_topk": 2048}, f"{SPARSE}.topk_buffer_size",
-     ["got 4000", "divisible by block_size 64", "4000 % 64 = 32"]),
+    (
+        d2h(),
+        additional(enabled=True, topk_buffer_size=1024),
+        {"index_topk": 2048},
+        f"{SPARSE}.topk_buffer_size",
+        ["got 1024", ">= index_topk 2048"],
+    ),
+    (
+        d2h(),
+        additional(enabled=True, topk_buffer_size=4000),
+        {"index_topk": 2048},
+        f"{SPARSE}.topk_buffer_size",
+        ["got 4000", "divisible by block_size 64", "4000 % 64 = 32"],
+    ),
     (d2h(), DECODE_SPARSE, {"max_num_seqs": 0}, "max_num_seqs", ["got 0 (int)", ">= 1"]),
     (d2h(), DECODE_SPARSE, {"max_model_len": -1}, "max_model_len", ["got -1 (int)"]),
     (d2h(), DECODE_SPARSE, {"dp": 0}, "dp", ["got 0 (int)"]),
@@ -129,7 +157,9 @@ def test_decode_both_topk_errors_at_once() -> None:
 
 
 def test_decode_keep_device_kv_cache_without_sparse() -> None:
-    settings = decode_settings(d2h(), additional(keep_device_kv_cache=True), LAYOUT, **{**DECODE_KW, "index_topk": None})
+    settings = decode_settings(
+        d2h(), additional(keep_device_kv_cache=True), LAYOUT, **{**DECODE_KW, "index_topk": None}
+    )
     assert not settings.sparse.enabled
     assert any("keep_device_kv_cache" in w for w in settings.warnings)
 
@@ -139,11 +169,21 @@ def test_decode_kv_both_is_a_consumer() -> None:
 
 
 def test_decode_ranks_bind_consecutive_ports():
-    layout = KVLayout.for_mla(num_hidden_layers=2, kv_lora_rank=8, qk_rope_head_dim=4, block_size=16,
-                              index_head_dim=8)
-    s = decode_settings({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 30000,
-                         "kv_connector_extra_config": {"transfer_backend": "kvoffload"}},
-                        {"sparse_kv_offload_config": {"enabled": True, "topk_buffer_size": 64, "dram_size_per_dp_GB": 1}},
-                        layout, index_topk=32, max_num_seqs=1, max_model_len=64, dp=2, tp=4)
+    layout = KVLayout.for_mla(num_hidden_layers=2, kv_lora_rank=8, qk_rope_head_dim=4, block_size=16, index_head_dim=8)
+    s = decode_settings(
+        {
+            "kv_connector": "SfaRemoteD2HConnector",
+            "kv_role": "kv_consumer",
+            "kv_port": 30000,
+            "kv_connector_extra_config": {"transfer_backend": "kvoffload"},
+        },
+        {"sparse_kv_offload_config": {"enabled": True, "topk_buffer_size": 64, "dram_size_per_dp_GB": 1}},
+        layout,
+        index_topk=32,
+        max_num_seqs=1,
+        max_model_len=64,
+        dp=2,
+        tp=4,
+    )
     assert s.control_ports() == list(range(30000, 30008))
     assert [s.control_port(d, t) for d in range(2) for t in range(4)] == list(range(30000, 30008))

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"

@@ -1,4 +1,5 @@
 """Device resolution and the counting allocator."""
+
 import gc
 
 import pytest

@@ -21,9 +21,13 @@ def test_hook_map_mentions_every_public_method():
     doc = gates.__doc__
     for cls in (SlotGate, SlotTicket, GateSet):
         fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-        public = [n for n, v in vars(cls).items()
-                  if not n.startswith("_") and n not in fields
-                  and (inspect.isfunction(v) or isinstance(v, (property, classmethod, staticmethod)))]
+        public = [
+            n
+            for n, v in vars(cls).items()
+            if not n.startswith("_")
+            and n not in fields
+            and (inspect.isfunction(v) or isinstance(v, (property, classmethod, staticmethod)))
+        ]
         assert public, cls
         for name in public:
             assert re.search(rf"\b{cls.__name__}\.{name}\b", doc), f"hook map misses {cls.__name__}.{name}"
@@ -142,7 +146,8 @@ def test_timeout_message_names_what_is_missing_and_frees_nothing():
     assert re.fullmatch(
         r"layer 7 waited \d+\.\d\d s for slot 1 \(previous occupant layer 4\): save pending; "
         r"READ_DONE pending from 1 of 2 readers: \('req-9', 'decode-0:20050'\); compute pending",
-        str(ei.value)), str(ei.value)
+        str(ei.value),
+    ), str(ei.value)
     assert (ei.value.slot, ei.value.layer, ei.value.previous_layer) == (1, 7, 4)
     assert gs.gate(1).snapshot() == before and not gs.gate(1).is_free()
     assert gs.ticket(4) is t
@@ -161,9 +166,14 @@ def test_duplicate_unknown_and_stale_acks_change_nothing():
     t.saved()
     t.read_done(R1)
     bad_calls = [
-        (t.computed, ()), (t.compute_failed, (RuntimeError("x"),)), (t.saved, ()),
-        (t.save_failed, (RuntimeError("x"),)), (t.read_done, (R1,)), (t.read_failed, (R1, "late")),
-        (t.read_done, (("req-9", "evil:1"),)), (t.read_failed, (("req-8", "decode-0:20050"), "x")),
+        (t.computed, ()),
+        (t.compute_failed, (RuntimeError("x"),)),
+        (t.saved, ()),
+        (t.save_failed, (RuntimeError("x"),)),
+        (t.read_done, (R1,)),
+        (t.read_failed, (R1, "late")),
+        (t.read_done, (("req-9", "evil:1"),)),
+        (t.read_failed, (("req-8", "decode-0:20050"), "x")),
     ]
     for fn, args in bad_calls:
         before = g.snapshot()

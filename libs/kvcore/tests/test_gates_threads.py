@@ -143,8 +143,10 @@ def _run_randomized(seed: int, num_slots: int, num_layers: int = 24, fail_p: flo
         time.sleep(delay_s)
         with lock:  # log and settle atomically, so "settled" is logged before any acquire can follow it
             if owner.get(t.slot) != t.layer:
-                violations.append(f"slot {t.slot} overwritten by layer {owner.get(t.slot)} while {item} "
-                                  f"of layer {t.layer} was in flight")
+                violations.append(
+                    f"slot {t.slot} overwritten by layer {owner.get(t.slot)} while {item} "
+                    f"of layer {t.layer} was in flight"
+                )
             log.append(("settled", t.slot, t.generation, item))
             call()
 
@@ -168,8 +170,11 @@ def _run_randomized(seed: int, num_slots: int, num_layers: int = 24, fail_p: flo
                 if item == "save":
                     call = (lambda t=t: t.save_failed(OSError("injected"))) if fail else t.saved
                 else:
-                    call = (lambda t=t, r=item: t.read_failed(r, "injected")) if fail else \
-                        (lambda t=t, r=item: t.read_done(r))
+                    call = (
+                        (lambda t=t, r=item: t.read_failed(r, "injected"))
+                        if fail
+                        else (lambda t=t, r=item: t.read_done(r))
+                    )
                 pool.submit(settle, t, repr(item), call, delay_s)
             pool.submit(settle, t, "compute", t.computed, compute_s)  # completion callback of the device stream
     return log, violations, gs.stats()
@@ -190,7 +195,9 @@ def test_i4_no_slot_reused_before_previous_occupant_settled(seed, num_slots):
             _, slot, gen, items = entry
             prev = (slot, gen - 1)
             if gen > 1:
-                assert settled_count.get(prev, 0) == num_items[prev], f"slot {slot} handed over before gen {gen - 1} settled"
+                assert settled_count.get(prev, 0) == num_items[prev], (
+                    f"slot {slot} handed over before gen {gen - 1} settled"
+                )
             num_items[(slot, gen)] = items
     assert all(settled_count.get(k, 0) == n for k, n in num_items.items())  # everything settled in the end
     assert stats["acquires"] == 24 and stats["held_slots"] == 0 and stats["timeouts"] == 0

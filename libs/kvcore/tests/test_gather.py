@@ -33,11 +33,18 @@ def gather_cases(draw):
     num_blocks, block_size = draw(st.integers(1, 8)), draw(st.integers(1, 8))
     R, max_blocks = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     D, capacity = draw(st.integers(1, 4)), draw(st.integers(1, 8))
-    table = [[draw(st.one_of(st.just(-1), st.integers(0, num_blocks - 1))) for _ in range(max_blocks)] for _ in range(R)]
+    table = [
+        [draw(st.one_of(st.just(-1), st.integers(0, num_blocks - 1))) for _ in range(max_blocks)] for _ in range(R)
+    ]
     dst_index = draw(st.lists(st.integers(0, D - 1), min_size=R, max_size=R))
     # candidate misses: allocated tokens; destinations (buffer, slot) unique
-    cands = [(r, lb * block_size + off) for r in range(R) for lb in range(max_blocks) if table[r][lb] >= 0
-             for off in range(block_size)]
+    cands = [
+        (r, lb * block_size + off)
+        for r in range(R)
+        for lb in range(max_blocks)
+        if table[r][lb] >= 0
+        for off in range(block_size)
+    ]
     picked = draw(st.lists(st.sampled_from(cands), max_size=24)) if cands else []
     misses, used = [], set()
     for r, t in picked:
@@ -49,9 +56,15 @@ def gather_cases(draw):
     seed = draw(st.integers(0, 2**16))
     pool = _bytes(num_blocks, block_size, row_bytes, seed=seed)  # [num_blocks, block_size, row_bytes]
     dst = _bytes(D, capacity, row_bytes, seed=seed + 1)  # [D, capacity, row_bytes]
-    return (pool, torch.tensor(table, dtype=I32),
-            torch.tensor([m[0] for m in misses], dtype=I32), torch.tensor([m[1] for m in misses], dtype=I64),
-            dst, torch.tensor(dst_index, dtype=I32), torch.tensor([m[2] for m in misses], dtype=I32))
+    return (
+        pool,
+        torch.tensor(table, dtype=I32),
+        torch.tensor([m[0] for m in misses], dtype=I32),
+        torch.tensor([m[1] for m in misses], dtype=I64),
+        dst,
+        torch.tensor(dst_index, dtype=I32),
+        torch.tensor([m[2] for m in misses], dtype=I32),
+    )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -136,9 +149,15 @@ def test_concurrent_calls_release_the_gil_and_stay_exact():
 def _gather_args():
     pool = _bytes(4, 4, 3, seed=5)  # [num_blocks=4, block_size=4, row_bytes=3]
     table = torch.tensor([[0, 1, -1], [2, 3, 1]], dtype=I32)  # [R=2, max_blocks=3]
-    return dict(pool=pool, block_table=table, miss_rows=torch.tensor([0, 1, 1], dtype=I32),
-                miss_tokens=torch.tensor([1, 5, 9], dtype=I64), dst=torch.zeros(2, 4, 3, dtype=U8),
-                dst_index=torch.tensor([1, 0], dtype=I32), miss_slots=torch.tensor([0, 1, 2], dtype=I32))
+    return dict(
+        pool=pool,
+        block_table=table,
+        miss_rows=torch.tensor([0, 1, 1], dtype=I32),
+        miss_tokens=torch.tensor([1, 5, 9], dtype=I64),
+        dst=torch.zeros(2, 4, 3, dtype=U8),
+        dst_index=torch.tensor([1, 0], dtype=I32),
+        miss_slots=torch.tensor([0, 1, 2], dtype=I32),
+    )
 
 
 GATHER_ERRORS = [
@@ -253,9 +272,15 @@ def test_repeats_found_in_large_index_spaces(native):
     scatter_rows(pool, torch.tensor([127999, 0], dtype=I64), torch.tensor([[5], [6]], dtype=U8), native=native)
     assert pool[1999, 63, 0] == 5 and pool[0, 0, 0] == 6
     dst = torch.zeros(1, 100000, 1, dtype=U8)
-    args = dict(pool=pool, block_table=torch.tensor([[0, 1]], dtype=I32), miss_rows=torch.zeros(3, dtype=I32),
-                miss_tokens=torch.tensor([0, 1, 2], dtype=I64), dst=dst, dst_index=torch.zeros(1, dtype=I32),
-                miss_slots=torch.tensor([99999, 5, 5], dtype=I32))
+    args = dict(
+        pool=pool,
+        block_table=torch.tensor([[0, 1]], dtype=I32),
+        miss_rows=torch.zeros(3, dtype=I32),
+        miss_tokens=torch.tensor([0, 1, 2], dtype=I64),
+        dst=dst,
+        dst_index=torch.zeros(1, dtype=I32),
+        miss_slots=torch.tensor([99999, 5, 5], dtype=I32),
+    )
     with pytest.raises(ValueError, match=r"miss_slots\[2\] = 5 writes dst\[0, 5\] a second time"):
         gather_rows(**args, native=native)
     assert not dst.any()

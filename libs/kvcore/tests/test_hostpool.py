@@ -8,14 +8,12 @@ import time
 
 import pytest
 import torch
+from pool_support import _block, _fill, _keys, make_pool  # noqa: F401  (make_pool: fixture)
 
 import kvcore.hostpool as hp
 from kvcore.hostpool import HostPoolBackend
 from kvcore.localpool import LocalHostPool
 from kvcore.segment import SharedSegment
-
-from pool_support import _block, _fill, _keys, make_pool  # noqa: F401  (make_pool: fixture)
-
 
 # ---- hook map --------------------------------------------------------------------------------
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import threading
 
+import hotcache_support
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
 from kvcore.hotcache import HotCache
 from kvcore.hotcache_resolution import MAX_TOKEN, Resolution
-import hotcache_support
 
 BOTH = pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
 POLICIES = pytest.mark.parametrize("policy", ["lru", "slru"])
@@ -103,8 +103,10 @@ def test_resident_reads_without_changing_state(native):
 def test_int32_topk_and_tensor_stable_lens(native):
     a, b = HotCache(6, 1, native=native), HotCache(6, 1, native=native)
     rows = [[4, -1, 4, 0], [2, 5, 1, 3]]
-    _same(a.resolve(0, ["x", "y"], _t(rows, torch.int32), torch.tensor([5, 3])),
-          b.resolve(0, ["x", "y"], _t(rows), [5, 3]))
+    _same(
+        a.resolve(0, ["x", "y"], _t(rows, torch.int32), torch.tensor([5, 3])),
+        b.resolve(0, ["x", "y"], _t(rows), [5, 3]),
+    )
 
 
 @BOTH
@@ -154,7 +156,9 @@ def test_invalid_calls_raise_the_same_valueerror_and_change_nothing(call, messag
         c.resolve(0, ["a"], _t([[7, 8]]), [10])
         before = c.residency("a", 0)
         with pytest.raises(ValueError) as e:
-            c.resolve(call.get("layer", 0), call.get("ids", ["a"]), call.get("topk", _t([[1, 2]])), call.get("stable", [4]))
+            c.resolve(
+                call.get("layer", 0), call.get("ids", ["a"]), call.get("topk", _t([[1, 2]])), call.get("stable", [4])
+            )
         errors.append(str(e.value))
         assert message in str(e.value)
         assert c.residency("a", 0) == before and "new" not in c and c.stats()["steps"] == 1
@@ -342,7 +346,10 @@ def test_both_token_map_widths_match_reference(capacity):
     native, ref = HotCache(capacity, 1), HotCache(capacity, 1, native=False)
     context = 3 * capacity
     first = torch.randperm(context, generator=g)[:capacity]
-    rows = [first, torch.cat((first[: capacity // 2], torch.randperm(context, generator=g)[: capacity - capacity // 2]))]
+    rows = [
+        first,
+        torch.cat((first[: capacity // 2], torch.randperm(context, generator=g)[: capacity - capacity // 2])),
+    ]
     for step, row in enumerate(rows + [torch.where(torch.rand(capacity, generator=g) < 0.1, -1, rows[1])]):
         stable = [context if step < 2 else context // 2]
         topk = row[None].contiguous()

@@ -1,4 +1,5 @@
 """Layout: cache specs, byte sizes and physical indices of cache names."""
+
 import pytest
 import torch
 
@@ -27,8 +28,15 @@ def test_physical_index_without_integer_is_an_error():
 
 def test_mla_layout_sizes_dsv32_like():
     layout = KVLayout.for_mla(
-        num_hidden_layers=61, kv_lora_rank=512, qk_rope_head_dim=64, block_size=64,
-        dtype="bfloat16", num_mtp_layers=1, index_head_dim=128, index_dtype="fp8", index_scale_bytes=4,
+        num_hidden_layers=61,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        block_size=64,
+        dtype="bfloat16",
+        num_mtp_layers=1,
+        index_head_dim=128,
+        index_dtype="fp8",
+        index_scale_bytes=4,
     )
     assert layout.num_layers == 62 and layout.num_mtp_layers == 1
     assert layout.layers[0].main.row_bytes == 576 * 2

@@ -9,14 +9,13 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from settings_support import DECODE_KW, DECODE_SPARSE, LAYOUT, d2h, prefill_multi, store
 
 from kvcore.configerrors import ConfigError
 from kvcore.connectorconfig import D2HConnectorConfig
 from kvcore.decodesettings import DecodeSettings, decode_settings
 from kvcore.pdpair import check_pd_pair, contributor_share, tp_contributors, tp_handshake_problem, tp_target
 from kvcore.prefillsettings import PrefillSettings, prefill_settings
-from settings_support import DECODE_KW, DECODE_SPARSE, LAYOUT, d2h, prefill_multi, store
-
 
 # ------------------------------------------------------------------------------------------------
 # P/D pairs
@@ -41,8 +40,13 @@ def test_pd_pair_ok(p_tp: int, d_tp: int) -> None:
         (prefill_multi(), d2h(), 2, 4, ["tp", "prefill tp 2", "decode tp 4", ">= decode TP and divisible"]),
         (prefill_multi(), d2h(), 6, 4, ["prefill tp 6", "decode tp 4"]),
         (store(), d2h(), 1, 1, ["prefill kv_connector", "SfaRemoteD2HConnector", "both sides"]),
-        (prefill_multi(transfer_backend="kvoffload"), d2h("memfabric"), 1, 1,
-         ["transfer_backend", "prefill 'kvoffload' != decode 'memfabric'", "same transfer_backend"]),
+        (
+            prefill_multi(transfer_backend="kvoffload"),
+            d2h("memfabric"),
+            1,
+            1,
+            ["transfer_backend", "prefill 'kvoffload' != decode 'memfabric'", "same transfer_backend"],
+        ),
     ],
 )
 def test_pd_pair_errors(p_kv: Any, d_kv: Any, p_tp: int, d_tp: int, words: list[str]) -> None:
@@ -92,14 +96,17 @@ def test_the_handshake_accepts_exactly_the_contributors_of_a_decode_rank(p_tp, d
                 assert f"prefill tp rank {p} of {p_tp}" in problem and f"decode tp rank {d}" in problem
 
 
-@pytest.mark.parametrize("p_tp, p_rank, d_tp, d_rank, words", [
-    (1, 0, 2, 0, ["prefill tp 1", "decode tp 2", ">= decode TP"]),
-    (6, 0, 4, 0, ["prefill tp 6", "decode tp 4", "divisible"]),
-    (0, 0, 1, 0, ["prefill tp 0", "decode tp 1"]),
-    (2, 2, 1, 0, ["prefill_tp_rank: 2", "0..1", "prefill tp 2"]),
-    (2, 0, 1, 1, ["decode_tp_rank: 1", "0..0", "decode tp 1"]),
-    (2, 0, 1, True, ["decode_tp_rank: True (bool)"]),
-])
+@pytest.mark.parametrize(
+    "p_tp, p_rank, d_tp, d_rank, words",
+    [
+        (1, 0, 2, 0, ["prefill tp 1", "decode tp 2", ">= decode TP"]),
+        (6, 0, 4, 0, ["prefill tp 6", "decode tp 4", "divisible"]),
+        (0, 0, 1, 0, ["prefill tp 0", "decode tp 1"]),
+        (2, 2, 1, 0, ["prefill_tp_rank: 2", "0..1", "prefill tp 2"]),
+        (2, 0, 1, 1, ["decode_tp_rank: 1", "0..0", "decode tp 1"]),
+        (2, 0, 1, True, ["decode_tp_rank: True (bool)"]),
+    ],
+)
 def test_the_handshake_names_both_values_of_a_mismatch(p_tp, p_rank, d_tp, d_rank, words):
     problem = tp_handshake_problem(p_tp, p_rank, d_tp, d_rank)
     for word in words:

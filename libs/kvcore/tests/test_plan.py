@@ -1,4 +1,5 @@
 """Buffer plan: the reference examples, descriptor merge, log line and accounting."""
+
 import pytest
 import torch
 
@@ -8,8 +9,13 @@ from kvcore.plan import BufferPlan
 
 def mla(n, mtp=0, indexer=True, bs=16):
     return KVLayout.for_mla(
-        num_hidden_layers=n, kv_lora_rank=32, qk_rope_head_dim=8, block_size=bs, dtype="bfloat16",
-        num_mtp_layers=mtp, index_head_dim=16 if indexer else None,
+        num_hidden_layers=n,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        block_size=bs,
+        dtype="bfloat16",
+        num_mtp_layers=mtp,
+        index_head_dim=16 if indexer else None,
     )
 
 
@@ -60,8 +66,12 @@ def test_descriptor_merge_and_log_line():
 def test_indexer_descriptor_only_where_a_layer_has_one():
     main = CacheSpec(40, torch.bfloat16)
     idx = CacheSpec(16, torch.bfloat16)
-    layers = (LayerSpec(0, "layers.0", main, idx), LayerSpec(1, "layers.1", main, None),
-              LayerSpec(2, "layers.2", main, None), LayerSpec(3, "layers.3", main, idx))
+    layers = (
+        LayerSpec(0, "layers.0", main, idx),
+        LayerSpec(1, "layers.1", main, None),
+        LayerSpec(2, "layers.2", main, None),
+        LayerSpec(3, "layers.3", main, idx),
+    )
     plan = BufferPlan.build(KVLayout(layers, 4, 16), 2, [0])
     assert plan.slots == ((0,), (1, 3), (2,))
     kinds = [(d.slot, d.kind) for d in plan.descriptors]

@@ -58,8 +58,16 @@ def test_load_resolves_module_and_attribute_paths() -> None:
 
 def test_reading_the_registry_imports_no_backend_and_no_pydantic() -> None:
     """The command line reads the names (``--pool`` choices) without paying for a backend or the config models."""
-    out = subprocess.run([sys.executable, "-c", "import sys, kvcore.poolregistry as r; r.STACK_POOLS; "
-                          "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-                          "('pydantic', 'torch', 'poolbackends', 'mooncake', 'memcache_hybrid')))"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, kvcore.poolregistry as r; r.STACK_POOLS; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('pydantic', 'torch', 'poolbackends', 'mooncake', 'memcache_hybrid')))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "[]"

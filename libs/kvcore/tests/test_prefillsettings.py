@@ -6,12 +6,6 @@ import json
 from typing import Any
 
 import pytest
-
-from kvcore.config import parse_additional_config, parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
-from kvcore.connectorconfig import D2HConnectorConfig
-from kvcore.layout import KVLayout
-from kvcore.prefillsettings import PrefillSettings, prefill_settings, resolve_independent_layers
 from settings_support import (
     EXTRA,
     LAYOUT,
@@ -25,6 +19,11 @@ from settings_support import (
     store,
 )
 
+from kvcore.config import parse_additional_config, parse_kv_transfer_config
+from kvcore.configerrors import ConfigError
+from kvcore.connectorconfig import D2HConnectorConfig
+from kvcore.layout import KVLayout
+from kvcore.prefillsettings import PrefillSettings, prefill_settings, resolve_independent_layers
 
 # ------------------------------------------------------------------------------------------------
 # independent layers
@@ -105,9 +104,13 @@ def test_prefill_accepts_parsed_configs_and_json() -> None:
     [
         # defaults: B = number of layers (MTP included), prefetch = min(B, 8)
         ({"layerwise_num_shared_buffers": None}, LAYOUT, 5, {0}, 5),
-        ({"layerwise_num_shared_buffers": None},
-         KVLayout.for_mla(num_hidden_layers=11, kv_lora_rank=8, qk_rope_head_dim=8, block_size=16, num_mtp_layers=1),
-         12, {0}, 8),
+        (
+            {"layerwise_num_shared_buffers": None},
+            KVLayout.for_mla(num_hidden_layers=11, kv_lora_rank=8, qk_rope_head_dim=8, block_size=16, num_mtp_layers=1),
+            12,
+            {0},
+            8,
+        ),
         ({"layerwise_num_shared_buffers": 10}, LAYOUT, 10, {0}, 8),
         ({"layerwise_prefetch_layers": 2}, LAYOUT, 3, {0}, 2),
         ({"layerwise_independent_layers": "all"}, LAYOUT, 3, {0, 1, 2, 3, 4}, 3),
@@ -129,18 +132,38 @@ STORE_IN_MULTI = f"{EXTRA}.connectors[1].{EXTRA}"
 INVALID_PREFILL = [
     (store(role="kv_consumer"), None, {}, "kv_role", ["'kv_consumer'", "'kv_producer'"]),
     (d2h(role="kv_producer"), None, {}, "kv_connector", ["'SfaRemoteD2HConnector'", "AscendStoreConnector"]),
-    (store(use_layerwise=False), None, {}, f"{EXTRA}.layerwise_num_shared_buffers",
-     ["got 3 while use_layerwise is false", "use_layerwise: true"]),
-    (prefill_multi(use_layerwise=False), None, {}, f"{STORE_IN_MULTI}.layerwise_num_shared_buffers",
-     ["use_layerwise is false"]),
+    (
+        store(use_layerwise=False),
+        None,
+        {},
+        f"{EXTRA}.layerwise_num_shared_buffers",
+        ["got 3 while use_layerwise is false", "use_layerwise: true"],
+    ),
+    (
+        prefill_multi(use_layerwise=False),
+        None,
+        {},
+        f"{STORE_IN_MULTI}.layerwise_num_shared_buffers",
+        ["use_layerwise is false"],
+    ),
     (store(), additional(enabled=True), {}, f"{SPARSE}.enabled", ["never enable sparse_kv_offload_config on prefill"]),
-    (prefill_multi(transfer_backend=None), None, {}, f"{EXTRA}.connectors[0].{EXTRA}.transfer_backend",
-     ["required", "'kvoffload'", "'memfabric'"]),
+    (
+        prefill_multi(transfer_backend=None),
+        None,
+        {},
+        f"{EXTRA}.connectors[0].{EXTRA}.transfer_backend",
+        ["required", "'kvoffload'", "'memfabric'"],
+    ),
     (store(), None, {"tp": 0}, "tp", ["got 0 (int)", "must be an int >= 1"]),
     (store(), None, {"tp": True}, "tp", ["True (bool)"]),
     (store(layerwise_independent_layers=[5]), None, {}, f"{EXTRA}.layerwise_independent_layers", ["got 5", "[-5, 4]"]),
-    (prefill_multi(layerwise_independent_layers=[-6]), None, {}, f"{STORE_IN_MULTI}.layerwise_independent_layers",
-     ["got -6", "[-5, 4]"]),
+    (
+        prefill_multi(layerwise_independent_layers=[-6]),
+        None,
+        {},
+        f"{STORE_IN_MULTI}.layerwise_independent_layers",
+        ["got -6", "[-5, 4]"],
+    ),
 ]
 
 
@@ -153,7 +176,13 @@ def test_prefill_lists_every_problem() -> None:
     kv = store(role="kv_consumer", use_layerwise=False, layerwise_independent_layers=[9])
     errors = prefill_errors(kv, additional(enabled=True), tp=0)
     assert sorted(e.split(": ")[0] for e in errors) == sorted(
-        ["kv_role", f"{SPARSE}.enabled", "tp", f"{EXTRA}.layerwise_num_shared_buffers", f"{EXTRA}.layerwise_independent_layers"]
+        [
+            "kv_role",
+            f"{SPARSE}.enabled",
+            "tp",
+            f"{EXTRA}.layerwise_num_shared_buffers",
+            f"{EXTRA}.layerwise_independent_layers",
+        ]
     )
 
 

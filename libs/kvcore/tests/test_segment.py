@@ -38,8 +38,15 @@ def test_geometry_derived_sizes():
 
 
 def test_geometry_from_layout():
-    layout = KVLayout.for_mla(num_hidden_layers=2, kv_lora_rank=8, qk_rope_head_dim=4, block_size=4,
-                              num_mtp_layers=1, index_head_dim=4, index_dtype="float32")
+    layout = KVLayout.for_mla(
+        num_hidden_layers=2,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        block_size=4,
+        num_mtp_layers=1,
+        index_head_dim=4,
+        index_dtype="float32",
+    )
     g = PoolGeometry.from_layout(layout, 1 << 20, include_indexer=True)
     assert g.plane_row_bytes == (24, 16, 24, 16, 24, 16)
     assert g.plane_index(2, "main") == 4 and g.plane_index(2, "indexer") == 5
@@ -53,9 +60,15 @@ def test_geometry_from_layout():
 
 @pytest.mark.parametrize(
     "args, match",
-    [((0, (8,), 1), "block_size"), ((4, (), 1), "at least one plane"), ((4, (8, 0), 1), r"plane_row_bytes\[1\]"),
-     ((4, (8,), 0), "num_blocks"), ((4, (8,), 1, ((0, "main"), (1, "main"))), "2 entries for 1 planes"),
-     ((4, (8, 8), 1, ((0, "main"), (0, "main"))), "unique"), ((4, (8,), 1, ((0, "kv"),)), "label")],
+    [
+        ((0, (8,), 1), "block_size"),
+        ((4, (), 1), "at least one plane"),
+        ((4, (8, 0), 1), r"plane_row_bytes\[1\]"),
+        ((4, (8,), 0), "num_blocks"),
+        ((4, (8,), 1, ((0, "main"), (1, "main"))), "2 entries for 1 planes"),
+        ((4, (8, 8), 1, ((0, "main"), (0, "main"))), "unique"),
+        ((4, (8,), 1, ((0, "kv"),)), "label"),
+    ],
 )
 def test_geometry_bad_inputs(args, match):
     with pytest.raises(ValueError, match=match):
@@ -137,8 +150,7 @@ def test_cross_process_attach():
     )
     with SharedSegment.create(name, _geometry(5)) as seg:
         seg.plane(0)[2] = 7
-        subprocess.run([sys.executable, "-c", code, name], check=True, env=dict(os.environ, PYTHONPATH=SRC),
-                       timeout=60)
+        subprocess.run([sys.executable, "-c", code, name], check=True, env=dict(os.environ, PYTHONPATH=SRC), timeout=60)
         assert torch.equal(seg.plane(1)[3], torch.arange(32, dtype=torch.uint8).view(4, 8))
         assert seg.plane(1)[[0, 1, 2, 4]].sum() == 0
 
@@ -150,8 +162,10 @@ def test_owner_process_exit_removes_its_segments(tmp_path):
     import uuid
 
     name = f"exit-{uuid.uuid4().hex[:8]}"
-    code = ("from kvcore.segment import SharedSegment\nfrom kvcore.poolgeometry import PoolGeometry\n"
-            f"SharedSegment.create({name!r}, PoolGeometry(4, (8,), 4))\n")  # never closed
+    code = (
+        "from kvcore.segment import SharedSegment\nfrom kvcore.poolgeometry import PoolGeometry\n"
+        f"SharedSegment.create({name!r}, PoolGeometry(4, (8,), 4))\n"
+    )  # never closed
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert not os.path.exists(SharedSegment.path_for(name))
@@ -163,11 +177,14 @@ def test_sweep_removes_the_segments_of_killed_processes_only():
     from kvcore.segment import sweep_stale_segments
 
     dead, live = _name(), _name()
-    code = ("import os, signal\nfrom kvcore.segment import SharedSegment\n"
-            "from kvcore.poolgeometry import PoolGeometry\n"
-            f"SharedSegment.create({dead!r}, PoolGeometry(4, (8,), 4))\nos.kill(os.getpid(), signal.SIGKILL)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": SRC})
+    code = (
+        "import os, signal\nfrom kvcore.segment import SharedSegment\n"
+        "from kvcore.poolgeometry import PoolGeometry\n"
+        f"SharedSegment.create({dead!r}, PoolGeometry(4, (8,), 4))\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": SRC}
+    )
     assert proc.returncode == -9, proc.stderr
     assert os.path.exists(SharedSegment.path_for(dead))
     with SharedSegment.create(live, _geometry()) as seg:
@@ -190,11 +207,14 @@ def test_an_attached_segment_is_gone_once_unlinked_replaced_or_its_owner_killed(
             assert seg.gone()
         seg.close()
     dead = _name()
-    code = ("import os, signal, sys\nfrom kvcore.segment import SharedSegment\n"
-            "from kvcore.poolgeometry import PoolGeometry\n"
-            f"SharedSegment.create({dead!r}, PoolGeometry(4, (8,), 4))\nos.kill(os.getpid(), signal.SIGKILL)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": SRC})
+    code = (
+        "import os, signal, sys\nfrom kvcore.segment import SharedSegment\n"
+        "from kvcore.poolgeometry import PoolGeometry\n"
+        f"SharedSegment.create({dead!r}, PoolGeometry(4, (8,), 4))\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": SRC}
+    )
     assert proc.returncode == -9, proc.stderr
     seg = SharedSegment.attach(dead)  # the file is still there: only the owner is gone
     try:

@@ -15,9 +15,21 @@ BS = 16
 
 def _schedule(model, *, keep: bool, topk_buffer_size: int, native: bool = True):
     """4 requests of different lengths; one joins at step 10, one leaves at step 20. Logits per step."""
-    eng = Engine(model, EngineConfig(block_size=BS, max_model_len=1024, max_num_seqs=4, chunk_size=128,
-                                     buffers=2, topk_buffer_size=topk_buffer_size, keep_device_kv_cache=keep,
-                                     prefill_pool_bytes=16 << 20, decode_pool_bytes=16 << 20, native=native))
+    eng = Engine(
+        model,
+        EngineConfig(
+            block_size=BS,
+            max_model_len=1024,
+            max_num_seqs=4,
+            chunk_size=128,
+            buffers=2,
+            topk_buffer_size=topk_buffer_size,
+            keep_device_kv_cache=keep,
+            prefill_pool_bytes=16 << 20,
+            decode_pool_bytes=16 << 20,
+            native=native,
+        ),
+    )
     steps: list[tuple[list[str], torch.Tensor]] = []
     real_forward = eng.decoder.forward
 
@@ -44,8 +56,11 @@ def _schedule(model, *, keep: bool, topk_buffer_size: int, native: bool = True):
         eng.close()
 
 
-@pytest.mark.parametrize(("dtype", "fp8_indexer"), [(torch.float32, False), (torch.bfloat16, False),
-                                                    (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16-fp8-indexer"])
+@pytest.mark.parametrize(
+    ("dtype", "fp8_indexer"),
+    [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+    ids=["fp32", "bf16", "bf16-fp8-indexer"],
+)
 @pytest.mark.parametrize("topk_buffer_size", [128, 64])  # 64 == index_topk: no spare slots
 def test_i2_sparse_offload_equals_keep_device(dtype, fp8_indexer, topk_buffer_size):
     model = tiny(dtype, True, fp8_indexer)
@@ -74,8 +89,17 @@ def test_engine_greedy_tokens_match_the_dense_model(fp8_indexer):
     model = tiny(torch.float32, True, fp8_indexer)
     prompts = [seeded_prompt(n, n).tolist() for n in (1, BS - 1, 333)]
     params = SamplingParams(max_tokens=10)
-    eng = Engine(model, EngineConfig(block_size=BS, max_model_len=1024, max_num_seqs=4, chunk_size=100,
-                                     prefill_pool_bytes=16 << 20, decode_pool_bytes=16 << 20))
+    eng = Engine(
+        model,
+        EngineConfig(
+            block_size=BS,
+            max_model_len=1024,
+            max_num_seqs=4,
+            chunk_size=100,
+            prefill_pool_bytes=16 << 20,
+            decode_pool_bytes=16 << 20,
+        ),
+    )
     try:
         got = eng.generate(prompts, params)
     finally:
@@ -127,16 +151,30 @@ class _OracleDrafts(Engine):
 
 
 SPEC_PROMPTS = (150, 77, 200)
-SPEC_PARAMS = [SamplingParams(max_tokens=64), SamplingParams(max_tokens=40),
-               SamplingParams(max_tokens=30, temperature=0.7, seed=3)]  # the sampled one never drafts
+SPEC_PARAMS = [
+    SamplingParams(max_tokens=64),
+    SamplingParams(max_tokens=40),
+    SamplingParams(max_tokens=30, temperature=0.7, seed=3),
+]  # the sampled one never drafts
 
 
 def _spec_run(model, *, keep: bool, oracle: dict | None = None, topk_buffer_size: int = 64):
     cls = _OracleDrafts if oracle is not None else Engine
-    eng = cls(model, EngineConfig(block_size=BS, max_model_len=1024, max_num_seqs=4, chunk_size=128, buffers=2,
-                                  topk_buffer_size=topk_buffer_size, keep_device_kv_cache=keep,
-                                  prefill_pool_bytes=16 << 20, decode_pool_bytes=16 << 20,
-                                  num_speculative_tokens=1))
+    eng = cls(
+        model,
+        EngineConfig(
+            block_size=BS,
+            max_model_len=1024,
+            max_num_seqs=4,
+            chunk_size=128,
+            buffers=2,
+            topk_buffer_size=topk_buffer_size,
+            keep_device_kv_cache=keep,
+            prefill_pool_bytes=16 << 20,
+            decode_pool_bytes=16 << 20,
+            num_speculative_tokens=1,
+        ),
+    )
     eng.oracle = oracle or {}
     steps = []
     real = eng.decoder.forward
@@ -156,8 +194,10 @@ def _spec_run(model, *, keep: bool, oracle: dict | None = None, topk_buffer_size
 
 
 def _greedy_truth(model):
-    return {f"gen-{i}": generate_dense(model, seeded_prompt(n, n).tolist(), SPEC_PARAMS[i])
-            for i, n in enumerate(SPEC_PROMPTS[:2])}
+    return {
+        f"gen-{i}": generate_dense(model, seeded_prompt(n, n).tolist(), SPEC_PARAMS[i])
+        for i, n in enumerate(SPEC_PROMPTS[:2])
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -219,8 +259,15 @@ def test_a_cancelled_request_frees_its_state_and_changes_no_other_result():
     from kvoffload_engine import build
 
     model = tiny(torch.float32, True)
-    cfg = EngineConfig(block_size=BS, max_model_len=1024, max_num_seqs=2, chunk_size=128, buffers=2,
-                       prefill_pool_bytes=16 << 20, decode_pool_bytes=16 << 20)
+    cfg = EngineConfig(
+        block_size=BS,
+        max_model_len=1024,
+        max_num_seqs=2,
+        chunk_size=128,
+        buffers=2,
+        prefill_pool_bytes=16 << 20,
+        decode_pool_bytes=16 << 20,
+    )
     alone = Engine(model, cfg)
     try:
         want = alone.generate([seeded_prompt(120, 1)], SamplingParams(max_tokens=24))[0]

@@ -18,8 +18,9 @@ _REFERENCE: dict = {}
 
 def _run(model, prompt, *, buffers, independent, chunk_size, prefetch=2):
     pool = prefill_pool(model, BS)
-    eng = prefill_engine(model, pool, buffers=buffers, independent=independent, chunk_size=chunk_size,
-                         prefetch=prefetch)
+    eng = prefill_engine(
+        model, pool, buffers=buffers, independent=independent, chunk_size=chunk_size, prefetch=prefetch
+    )
     try:
         res = eng.run(PrefillRequest("req", prompt))
         out = (res.logits.clone(), res.first_token, saved_bytes(pool, res.keys), eng.allocator.stats().peak_bytes)
@@ -59,8 +60,9 @@ def test_i1_reuse_is_bit_identical_fp32(buffers, independent, mtp):
     b = n - 1 if buffers == "N-1" else buffers
     for chunk, length in GRID:
         prompt = seeded_prompt(length, seed=length)
-        _assert_same(_run(model, prompt, buffers=b, independent=independent, chunk_size=chunk),
-                     _reference(model, prompt, chunk))
+        _assert_same(
+            _run(model, prompt, buffers=b, independent=independent, chunk_size=chunk), _reference(model, prompt, chunk)
+        )
 
 
 @pytest.mark.parametrize("buffers, independent", [(1, [0]), (2, [0, -1]), (3, "all")])
@@ -68,15 +70,16 @@ def test_i1_reuse_is_bit_identical_bf16(buffers, independent):
     model = tiny(torch.bfloat16, True)
     for chunk, length in [(BS - 1, LONG), (3 * BS + 5, LONG), (BS, BS), (1, 1)]:
         prompt = seeded_prompt(length, seed=length)
-        _assert_same(_run(model, prompt, buffers=buffers, independent=independent, chunk_size=chunk),
-                     _reference(model, prompt, chunk))
+        _assert_same(
+            _run(model, prompt, buffers=buffers, independent=independent, chunk_size=chunk),
+            _reference(model, prompt, chunk),
+        )
 
 
 def test_long_prompt_with_chunk_size_one():
     model = tiny(torch.float32, True)
     prompt = seeded_prompt(LONG, seed=7)
-    _assert_same(_run(model, prompt, buffers=1, independent=[0], chunk_size=1),
-                 _reference(model, prompt, 1))
+    _assert_same(_run(model, prompt, buffers=1, independent=[0], chunk_size=1), _reference(model, prompt, 1))
 
 
 def test_prefill_agrees_with_the_dense_model():

@@ -95,7 +95,8 @@ def test_a_hash_block_another_writer_is_filling_is_computed_into_a_copy_of_our_o
         copies = [b for b, k in enumerate(res.keys) if is_request_key(k)]
         assert copies == [2, 5, 12]  # 12: the partial tail block (200 = 12 * 16 + 8)
         assert [k for b, k in enumerate(res.keys) if b not in copies] == [
-            h for b, h in enumerate(hashes) if b not in copies]
+            h for b, h in enumerate(hashes) if b not in copies
+        ]
         torch.testing.assert_close(res.logits, forward_dense(model, prompt)[-1], rtol=1e-4, atol=1e-4)
         eng.release(res)
         assert pool.exists(hashes) == [b not in (2, 5) for b in range(len(hashes))]
@@ -115,9 +116,11 @@ class _CountingPool:
     def __getattr__(self, name):
         attr = getattr(self._pool, name)
         if name in ("exists", "alloc", "lease"):
+
             def counted(*args, **kwargs):
                 self.calls.append(name)
                 return attr(*args, **kwargs)
+
             return counted
         return attr
 

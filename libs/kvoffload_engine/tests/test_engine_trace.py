@@ -20,9 +20,18 @@ K = 64  # the tiny preset's index_topk
 
 def _decoders(model, keeps, *, override=None, topk_buffer_size=K, max_num_seqs=2, max_model_len=512):
     pools = [decode_pool(model, BS) for _ in keeps]
-    decs = [SparseDecoder(model, p, topk_buffer_size=topk_buffer_size, max_num_seqs=max_num_seqs,
-                          max_model_len=max_model_len, keep_device_kv_cache=keep, topk_override=override)
-            for p, keep in zip(pools, keeps)]
+    decs = [
+        SparseDecoder(
+            model,
+            p,
+            topk_buffer_size=topk_buffer_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            keep_device_kv_cache=keep,
+            topk_override=override,
+        )
+        for p, keep in zip(pools, keeps)
+    ]
     return decs, pools
 
 
@@ -96,8 +105,12 @@ def test_i2_holds_on_a_trace(dtype):
     """Sparse offload and keep_device_kv_cache replay the same trace bit for bit, drafts included; the
     keep path really uses the override (its logits differ without it)."""
     model = tiny(dtype, True)  # MTP: 5 cache layers
-    trace = generate(SyntheticParams(overlap=0.8, k=K, context0=256, steps=8, layers=5, requests=2, sinks=4,
-                                     recent=8, heavy=8, seed=3), "syn")
+    trace = generate(
+        SyntheticParams(
+            overlap=0.8, k=K, context0=256, steps=8, layers=5, requests=2, sinks=4, recent=8, heavy=8, seed=3
+        ),
+        "syn",
+    )
     ids = ["a", "b"]
     override = TraceTopK(trace, ids, num_layers=5)
     (sparse, keep, keep_plain), pools = _decoders(model, [False, True, True], override=override)
@@ -129,13 +142,27 @@ def test_policies_change_traffic_never_results():
     """I2 across hot-cache policies: LRU and SLRU decoders give bit-identical logits on a trace with
     returning entries and a buffer larger than k, while their misses differ (the choice is real)."""
     model = tiny(torch.float32, False)
-    trace = generate(SyntheticParams(overlap=0.8, k=K, context0=512, steps=12, layers=4, requests=2, sinks=4,
-                                     recent=8, heavy=8, span=4, seed=5), "syn")
+    trace = generate(
+        SyntheticParams(
+            overlap=0.8, k=K, context0=512, steps=12, layers=4, requests=2, sinks=4, recent=8, heavy=8, span=4, seed=5
+        ),
+        "syn",
+    )
     ids = ["a", "b"]
     override = TraceTopK(trace, ids, num_layers=4)
     pools = [decode_pool(model, BS) for _ in range(2)]
-    decs = [SparseDecoder(model, p, topk_buffer_size=80, max_num_seqs=2, max_model_len=640, topk_override=override,
-                          hot_cache_policy=policy) for p, policy in zip(pools, ("lru", "slru"))]
+    decs = [
+        SparseDecoder(
+            model,
+            p,
+            topk_buffer_size=80,
+            max_num_seqs=2,
+            max_model_len=640,
+            topk_override=override,
+            hot_cache_policy=policy,
+        )
+        for p, policy in zip(pools, ("lru", "slru"))
+    ]
     try:
         _install(decs, model, ids, 511)
         tokens = torch.tensor([3, 7])
@@ -162,9 +189,19 @@ def test_miss_prefetch_changes_where_rows_come_from_never_results():
     ids = ["a", "b"]
     override = TraceTopK(trace, ids, num_layers=4, layers=[0, 0, 0, 0])  # every layer: the same selection
     pools = [decode_pool(model, BS) for _ in range(3)]
-    decs = [SparseDecoder(model, p, topk_buffer_size=K, max_num_seqs=2, max_model_len=512, topk_override=override,
-                          keep_device_kv_cache=keep, miss_prefetch=pf)
-            for p, (keep, pf) in zip(pools, ((False, True), (False, False), (True, False)))]
+    decs = [
+        SparseDecoder(
+            model,
+            p,
+            topk_buffer_size=K,
+            max_num_seqs=2,
+            max_model_len=512,
+            topk_override=override,
+            keep_device_kv_cache=keep,
+            miss_prefetch=pf,
+        )
+        for p, (keep, pf) in zip(pools, ((False, True), (False, False), (True, False)))
+    ]
     on, off, keep = decs
     assert on.prefetcher is not None and off.prefetcher is None
     on.prefetcher.wait_s = 60.0  # loads are never late here: the counts below are exact
@@ -208,8 +245,12 @@ def test_a_late_prefetch_is_dropped_never_waited_for():
     trace = hand_trace(requests=1, layers=1, context0=301, steps=4, new=12, seed=2)
     override = TraceTopK(trace, ["a"], num_layers=4, layers=[0, 0, 0, 0])
     pools = [decode_pool(model, BS) for _ in range(2)]
-    on, off = (SparseDecoder(model, p, topk_buffer_size=K, max_num_seqs=1, max_model_len=512, topk_override=override,
-                             miss_prefetch=pf) for p, pf in zip(pools, (True, False)))
+    on, off = (
+        SparseDecoder(
+            model, p, topk_buffer_size=K, max_num_seqs=1, max_model_len=512, topk_override=override, miss_prefetch=pf
+        )
+        for p, pf in zip(pools, (True, False))
+    )
     gate = threading.Event()
     try:
         _install([on, off], model, ["a"], 300)
@@ -230,8 +271,11 @@ def test_mapping_errors():
     trace = hand_trace(requests=2, groups=2, layers=3, context0=201, steps=2)
     with pytest.raises(ValueError, match=r"4 \(request, group\) stream pairs; the engine needs one per request: 5"):
         TraceTopK(trace, ["a", "b", "c", "d", "e"], num_layers=3)
-    with pytest.raises(ValueError, match=r"has 3 layers \(0\.\.2\); the model's 4 cache layers need "
-                                         r"trace layer\(s\) 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"has 3 layers \(0\.\.2\); the model's 4 cache layers need "
+        r"trace layer\(s\) 3",
+    ):
         TraceTopK(trace, ["a"], num_layers=4)
     with pytest.raises(ValueError, match=r"no \(request, group\) pair \(5, 0\)"):
         TraceTopK(trace, {"a": (5, 0)}, num_layers=3)
@@ -249,8 +293,9 @@ def test_mapping_errors():
         ov(0, ["zz"], torch.tensor([200]))
     with pytest.raises(ValueError, match="cache layer 3 is outside the 3 layers"):
         ov(3, ["a"], torch.tensor([200]))
-    ragged = Trace("ragged", trace.topk, trace.context0 + (trace.layers == 1).long(), trace.layers, trace.requests,
-                   trace.groups)
+    ragged = Trace(
+        "ragged", trace.topk, trace.context0 + (trace.layers == 1).long(), trace.layers, trace.requests, trace.groups
+    )
     with pytest.raises(ValueError, match="start at different contexts"):
         TraceTopK(ragged, ["a"], num_layers=3).prompt_len("a")
 
@@ -267,9 +312,12 @@ def test_decoder_checks_what_the_override_returns():
             "future": lambda layer, r, p: p[:, None].expand(-1, K) + 1,
             "negative": lambda layer, r, p: torch.full((len(r), K), -2),
         }
-        msgs = {"shape": r"integer \[N, k\] = \[2, 64\] tensor, got torch.int64 \[2, 63\]",
-                "float": "got torch.float32", "future": r"selects 101, outside \[0, 100\]",
-                "negative": r"selects -2, outside \[0, 100\]"}
+        msgs = {
+            "shape": r"integer \[N, k\] = \[2, 64\] tensor, got torch.int64 \[2, 63\]",
+            "float": "got torch.float32",
+            "future": r"selects 101, outside \[0, 100\]",
+            "negative": r"selects -2, outside \[0, 100\]",
+        }
         for name, fn in bad.items():
             dec.topk_override = fn
             with pytest.raises(ValueError, match=msgs[name]):

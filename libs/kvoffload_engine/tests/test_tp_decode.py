@@ -28,8 +28,11 @@ from openai_api.sampling_params import SamplingParams
 
 BS = 16
 DECODER = dict(topk_buffer_size=64, max_num_seqs=3, max_model_len=1024)  # 64 == index_topk: it misses
-REQUESTS = [("a", 300, SamplingParams(max_tokens=24)), ("b", 45, SamplingParams(max_tokens=8)),
-            ("c", 130, SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=5))]
+REQUESTS = [
+    ("a", 300, SamplingParams(max_tokens=24)),
+    ("b", 45, SamplingParams(max_tokens=8)),
+    ("c", 130, SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=5)),
+]
 LATE = ("d", 200, SamplingParams(max_tokens=12))  # joins at step 5; a, b, c hold all 3 slots, so it waits
 
 
@@ -56,9 +59,17 @@ def _run(eng: Engine) -> tuple[dict, list]:
 
 
 def _config(mtp: bool) -> EngineConfig:
-    return EngineConfig(block_size=BS, max_model_len=DECODER["max_model_len"], max_num_seqs=DECODER["max_num_seqs"],
-                        chunk_size=128, buffers=2, topk_buffer_size=DECODER["topk_buffer_size"],
-                        prefill_pool_bytes=16 << 20, decode_pool_bytes=16 << 20, num_speculative_tokens=int(mtp))
+    return EngineConfig(
+        block_size=BS,
+        max_model_len=DECODER["max_model_len"],
+        max_num_seqs=DECODER["max_num_seqs"],
+        chunk_size=128,
+        buffers=2,
+        topk_buffer_size=DECODER["topk_buffer_size"],
+        prefill_pool_bytes=16 << 20,
+        decode_pool_bytes=16 << 20,
+        num_speculative_tokens=int(mtp),
+    )
 
 
 def _lead_engine(model, sharded, channel, size: int, mtp: bool) -> Engine:

@@ -42,8 +42,9 @@ def _scenario(model, followers=None) -> list:
             except PrefillError as exc:
                 out.append((rid, "stopped", "the decode went away" in str(exc)))
                 continue
-            out.append((rid, res.first_token, int(torch.argmax(res.draft_logits)), res.num_cached_tokens,
-                        res.logits.clone()))
+            out.append(
+                (rid, res.first_token, int(torch.argmax(res.draft_logits)), res.num_cached_tokens, res.logits.clone())
+            )
             eng.release(res)
         assert pool.stats().live_leases == 0 and eng.gates.stats()["held_slots"] == 0
         return out
@@ -181,8 +182,9 @@ def _contributor_rank(rank: int, size: int, init: str, names: list[str], out: di
             return
         followers = Followers(DistChannel(), size)
         pool = prefill_pool(model, BS)
-        eng = prefill_engine(model, pool, buffers=2, independent=[0], chunk_size=CHUNK, followers=followers,
-                             buffer_segment=names[0])
+        eng = prefill_engine(
+            model, pool, buffers=2, independent=[0], chunk_size=CHUNK, followers=followers, buffer_segment=names[0]
+        )
         followers.buffers(eng.plan, eng.buffers.num_blocks, names[1:])
         theirs = [SharedSegment.attach(n) for n in names[1:]]
         compared, unequal = [], 0

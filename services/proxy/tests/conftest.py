@@ -9,6 +9,7 @@ The fakes implement the contract the proxy relies on:
 - prefiller: records every request it received and answers JSON (after `delay_s`).
 Both serve GET /health and POST /reset_prefix_cache; decoders also GET /v1/models (their `model`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -114,8 +115,13 @@ class FakePrefiller(FakeBackend):
         if self.mode == "hang":
             await asyncio.sleep(3600)
         self.done_at.append(time.monotonic())
-        return web.json_response({"id": "cmpl-prefill", "object": "text_completion",
-                                  "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
+        return web.json_response(
+            {
+                "id": "cmpl-prefill",
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            }
+        )
 
 
 class FakeDecoder(FakeBackend):
@@ -147,18 +153,30 @@ class FakeDecoder(FakeBackend):
             await asyncio.sleep(3600)
         if self.mode == "no_models":
             raise web.HTTPNotFound()
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": 1700000000, "owned_by": "fake"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.model, "object": "model", "created": 1700000000, "owned_by": "fake"}],
+            }
+        )
 
     def endpoint_params(self, request_id: str) -> dict[str, Any]:
-        return {"remote_host": "127.0.0.1", "remote_port": 30000 + 10 * self.index,
-                "remote_dp_size": 1, "remote_tp_size": 1, "engine_id": self.name,
-                "request_id": request_id}
+        return {
+            "remote_host": "127.0.0.1",
+            "remote_port": 30000 + 10 * self.index,
+            "remote_dp_size": 1,
+            "remote_tp_size": 1,
+            "engine_id": self.name,
+            "request_id": request_id,
+        }
 
     async def register(self, ktp: dict[str, Any]) -> tuple[int, dict, float]:
         params = self.endpoint_params(ktp["request_id"])
-        body = (params if self.mode == "flat_registration"  # the reference decoders' form
-                else {"request_id": ktp["request_id"], "kv_transfer_params": params})
+        body = (
+            params
+            if self.mode == "flat_registration"  # the reference decoders' form
+            else {"request_id": ktp["request_id"], "kv_transfer_params": params}
+        )
         token = ktp.get("metaserver_token")  # issued by a proxy with --api-key, echoed as real decoders do
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         async with aiohttp.ClientSession() as s:
@@ -171,9 +189,10 @@ class FakeDecoder(FakeBackend):
         if self.mode == "http500":
             return web.json_response({"error": {"message": "decoder exploded"}}, status=500)
         if self.mode == "reject400":
-            return web.json_response({"error": {"message": "prompt is longer than max_model_len",
-                                                 "type": "BadRequestError", "code": 400}},
-                                     status=400)
+            return web.json_response(
+                {"error": {"message": "prompt is longer than max_model_len", "type": "BadRequestError", "code": 400}},
+                status=400,
+            )
         if self.mode in ("hang", "no_register"):
             await asyncio.sleep(3600)
         # shielded: the answer is recorded even when the proxy drops this request meanwhile
@@ -185,19 +204,29 @@ class FakeDecoder(FakeBackend):
         else:
             answer = await asyncio.shield(registration)
         if answer[0] != 200:
-            return web.json_response({"error": {"message": f"metaserver refused: {answer[1]}"}},
-                                     status=502)
+            return web.json_response({"error": {"message": f"metaserver refused: {answer[1]}"}}, status=502)
         prompt = body.get("prompt", "chat")
         tokens = [f"<{prompt}>", " a", " b"]
         chat = request.path.endswith("chat/completions")
         obj = "chat.completion" if chat else "text_completion"
         usage = {"prompt_tokens": 5, "completion_tokens": len(tokens), "total_tokens": 8}
         if not body.get("stream"):
-            choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(tokens)}}
-                      if chat else {"index": 0, "text": "".join(tokens)})
-            return web.json_response({"id": "cmpl-decoder", "object": obj, "created": 1,
-                                      "model": self.model, "choices": [{**choice, "finish_reason": "length"}],
-                                      "usage": usage, "kv_transfer_params": {"x": 1}})
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": "".join(tokens)}}
+                if chat
+                else {"index": 0, "text": "".join(tokens)}
+            )
+            return web.json_response(
+                {
+                    "id": "cmpl-decoder",
+                    "object": obj,
+                    "created": 1,
+                    "model": self.model,
+                    "choices": [{**choice, "finish_reason": "length"}],
+                    "usage": usage,
+                    "kv_transfer_params": {"x": 1},
+                }
+            )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for k, tok in enumerate(tokens):
@@ -207,11 +236,18 @@ class FakeDecoder(FakeBackend):
             if self.mode == "slow":
                 await asyncio.sleep(0.3)
             choice = {"index": 0, "delta": {"content": tok}} if chat else {"index": 0, "text": tok}
-            event = {"id": "cmpl-decoder", "object": obj + ".chunk" if chat else obj,
-                     "created": 1, "model": self.model, "choices": [{**choice, "finish_reason": None}]}
+            event = {
+                "id": "cmpl-decoder",
+                "object": obj + ".chunk" if chat else obj,
+                "created": 1,
+                "model": self.model,
+                "choices": [{**choice, "finish_reason": None}],
+            }
             await resp.write(f"data: {json.dumps(event)}\n\n".encode())
         if (body.get("stream_options") or {}).get("include_usage"):
-            await resp.write(f"data: {json.dumps({'id': 'x', 'object': obj, 'choices': [], 'usage': usage})}\n\n".encode())
+            await resp.write(
+                f"data: {json.dumps({'id': 'x', 'object': obj, 'choices': [], 'usage': usage})}\n\n".encode()
+            )
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -220,10 +256,10 @@ class FakeDecoder(FakeBackend):
 class Stack:
     """The real proxy app in front of fake backends; `args` are extra CLI flags."""
 
-    def __init__(self, prefillers=("ok",), decoders=("ok",), args=(), prefill_delay_s=0.0,
-                 down_decoders=0, down_prefillers=0):
-        self.prefillers = [FakePrefiller(f"p{i}", m, prefill_delay_s)
-                           for i, m in enumerate(prefillers)]
+    def __init__(
+        self, prefillers=("ok",), decoders=("ok",), args=(), prefill_delay_s=0.0, down_decoders=0, down_prefillers=0
+    ):
+        self.prefillers = [FakePrefiller(f"p{i}", m, prefill_delay_s) for i, m in enumerate(prefillers)]
         self.decoders = [FakeDecoder(f"d{i}", m, index=i) for i, m in enumerate(decoders)]
         self.args = list(args)
         self.down = (down_prefillers, down_decoders)
@@ -235,13 +271,28 @@ class Stack:
         d_ports = [b.port for b in self.decoders] + [free_port() for _ in range(self.down[1])]
         self.port = free_port()
         self.config = parse_args(
-            ["--port", str(self.port),
-             "--prefiller-hosts", *["127.0.0.1"] * len(p_ports),
-             "--prefiller-ports", *map(str, p_ports),
-             "--decoder-hosts", *["127.0.0.1"] * len(d_ports),
-             "--decoder-ports", *map(str, d_ports),
-             "--retry-backoff-s", "0.01", "--connect-timeout-s", "1",
-             "--request-timeout-s", "5", "--metaserver-timeout-s", "3", *self.args])
+            [
+                "--port",
+                str(self.port),
+                "--prefiller-hosts",
+                *["127.0.0.1"] * len(p_ports),
+                "--prefiller-ports",
+                *map(str, p_ports),
+                "--decoder-hosts",
+                *["127.0.0.1"] * len(d_ports),
+                "--decoder-ports",
+                *map(str, d_ports),
+                "--retry-backoff-s",
+                "0.01",
+                "--connect-timeout-s",
+                "1",
+                "--request-timeout-s",
+                "5",
+                "--metaserver-timeout-s",
+                "3",
+                *self.args,
+            ]
+        )
         self.app = create_app(self.config)
         self.runner, _ = await start_app(self.app, self.port)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -274,10 +325,10 @@ class Stack:
     async def assert_idle(self) -> None:
         """Nothing leaked: no open rendezvous, no load left on any backend."""
         flow = self.app[FLOW]
-        idle = lambda: (len(flow.registry) == 0 and flow.prefillers.is_idle  # noqa: E731
-                        and flow.decoders.is_idle and flow.in_flight == 0)
-        assert await self.until(idle), (len(flow.registry), flow.prefillers.loads, flow.decoders.loads,
-                                        flow.in_flight)
+        idle = lambda: (
+            len(flow.registry) == 0 and flow.prefillers.is_idle and flow.decoders.is_idle and flow.in_flight == 0
+        )
+        assert await self.until(idle), (len(flow.registry), flow.prefillers.loads, flow.decoders.loads, flow.in_flight)
 
     async def stream(self, path: str, body: Any, **kw) -> tuple[int, list[Any]]:
         async with self.http.post(self.url + path, json=body, **kw) as r:

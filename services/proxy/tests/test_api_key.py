@@ -1,6 +1,7 @@
 """The proxy's API key (--api-key / $KVOFFLOAD_API_KEY): clients need `Authorization: Bearer KEY`
 everywhere but /healthcheck and /openapi.json; decoders authenticate /v1/metaserver with the
 per-request token the proxy handed them, never with the key."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,16 @@ from kvoffload_proxy.config import API_KEY_ENV, parse_args
 
 KEY = "sekret-key"
 GOOD = {"Authorization": f"Bearer {KEY}"}
-BASE = ["--prefiller-hosts", "127.0.0.1", "--prefiller-ports", "8100",
-        "--decoder-hosts", "127.0.0.1", "--decoder-ports", "8200"]
+BASE = [
+    "--prefiller-hosts",
+    "127.0.0.1",
+    "--prefiller-ports",
+    "8100",
+    "--decoder-hosts",
+    "127.0.0.1",
+    "--decoder-ports",
+    "8200",
+]
 
 
 async def _until(cond, timeout_s=3.0):
@@ -37,8 +46,13 @@ def test_key_from_flag_or_environment(monkeypatch):
 async def test_clients_need_the_key(stack):
     async with stack(args=["--api-key", KEY]) as s:
         body = {"prompt": "hi"}
-        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {KEY}"},
-                        {"Authorization": KEY}, {"Authorization": f"Bearer {KEY}x"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer nope"},
+            {"Authorization": f"Basic {KEY}"},
+            {"Authorization": KEY},
+            {"Authorization": f"Bearer {KEY}x"},
+        ):
             for path in ("/v1/completions", "/v1/chat/completions"):
                 status, data, r = await s.post(path, body, headers=headers)
                 assert status == 401, (path, headers)
@@ -118,8 +132,12 @@ async def test_decoders_register_with_their_request_token_only(stack):
             registration = {"request_id": rid, "kv_transfer_params": s.decoders[0].endpoint_params(rid)}
             url = s.url + "/v1/metaserver"
             altered = token[:-1] + ("1" if token[-1] == "0" else "0")
-            forged = [{}, GOOD, {"Authorization": f"Bearer {s.app[FLOW].tokens.issue(rid + '-0')}"},
-                      {"Authorization": f"Bearer {altered}"}]
+            forged = [
+                {},
+                GOOD,
+                {"Authorization": f"Bearer {s.app[FLOW].tokens.issue(rid + '-0')}"},
+                {"Authorization": f"Bearer {altered}"},
+            ]
             for headers in forged:
                 async with s.http.post(url, json=registration, headers=headers) as r:
                     data = await r.json()
@@ -142,8 +160,9 @@ async def test_fake_decoder_round_trip_with_key(stack):
             assert status == 200
         answers = [a for d in s.decoders for a in d.metaserver_answers]
         assert [a[0] for a in answers] == [200, 200]
-        tokens = {d.received[j]["kv_transfer_params"]["metaserver_token"]
-                  for d in s.decoders for j in range(len(d.received))}
+        tokens = {
+            d.received[j]["kv_transfer_params"]["metaserver_token"] for d in s.decoders for j in range(len(d.received))
+        }
         assert len(tokens) == 2  # one per request
 
 
@@ -156,8 +175,16 @@ def test_tokens_are_per_request_and_per_proxy():
     assert off.issue("cmpl-1") is None and off.check(None, "cmpl-1")
 
 
-@pytest.mark.parametrize("header, token", [
-    ("Bearer abc", "abc"), ("bearer   abc ", "abc"), ("Basic abc", None), ("Bearer", None), ("", None),
-    ("Bearer ", None)])
+@pytest.mark.parametrize(
+    "header, token",
+    [
+        ("Bearer abc", "abc"),
+        ("bearer   abc ", "abc"),
+        ("Basic abc", None),
+        ("Bearer", None),
+        ("", None),
+        ("Bearer ", None),
+    ],
+)
 def test_bearer_parsing(header, token):
     assert auth.bearer({"Authorization": header} if header else {}) == token

@@ -1,8 +1,7 @@
 """The real proxy app's other routes: /healthcheck, /reset_prefix_cache, /metrics and /openapi.json,
 and the API key in front of them."""
+
 from __future__ import annotations
-
-
 
 
 async def test_healthcheck_probes_every_backend(stack):

@@ -1,5 +1,6 @@
 """The real proxy app given bad input: malformed or oversized bodies, wrong field types, a bad
 X-Request-Id, unknown routes and registrations; always a 4xx naming what is wrong, never a 5xx."""
+
 from __future__ import annotations
 
 import time
@@ -8,10 +9,23 @@ import time
 async def test_random_bodies_never_5xx(stack):
     """A seeded mini-fuzz: whatever JSON arrives, the answer is 2xx or 4xx, quickly."""
     import random
+
     rng = random.Random(1234)
     atoms = [None, True, 0, -1, 1.5, 2**40, "", "x", [], {}, [1, "a"], [[1], []], {"a": 1}]
-    keys = ["prompt", "messages", "stream", "max_tokens", "n", "stream_options", "model",
-            "request_id", "kv_transfer_params", "role", "content", "max_completion_tokens"]
+    keys = [
+        "prompt",
+        "messages",
+        "stream",
+        "max_tokens",
+        "n",
+        "stream_options",
+        "model",
+        "request_id",
+        "kv_transfer_params",
+        "role",
+        "content",
+        "max_completion_tokens",
+    ]
 
     def value(depth=0):
         r = rng.random()
@@ -45,15 +59,15 @@ async def test_bad_input_is_4xx_naming_the_field(stack):
             (b'{"prompt": "' + b"x" * 4096 + b'"}', 413, "--max-request-bytes"),
         ]
         for raw, want, fragment in cases:
-            async with s.http.post(s.url + "/v1/completions", data=raw,
-                                   headers={"Content-Type": "application/json"}) as r:
+            async with s.http.post(
+                s.url + "/v1/completions", data=raw, headers={"Content-Type": "application/json"}
+            ) as r:
                 data = await r.json()
                 assert r.status == want, (raw[:40], data)
                 assert fragment in data["error"]["message"], data
         status, data, _ = await s.post("/v1/chat/completions", {"messages": [{"content": "x"}]})
         assert status == 400 and "'messages[0].role'" in data["error"]["message"]
-        status, data, _ = await s.post("/v1/completions", {"prompt": "x"},
-                                       headers={"X-Request-Id": "has space"})
+        status, data, _ = await s.post("/v1/completions", {"prompt": "x"}, headers={"X-Request-Id": "has space"})
         assert status == 400 and "X-Request-Id" in data["error"]["message"]
         async with s.http.get(s.url + "/v1/completions") as r:
             assert r.status == 405 and "error" in await r.json()
@@ -64,15 +78,15 @@ async def test_bad_input_is_4xx_naming_the_field(stack):
 
 async def test_metaserver_rejects_unknown_and_malformed(stack):
     async with stack() as s:
-        status, data, _ = await s.post("/v1/metaserver", {"request_id": "cmpl-nope",
-                                                          "kv_transfer_params": {}})
+        status, data, _ = await s.post("/v1/metaserver", {"request_id": "cmpl-nope", "kv_transfer_params": {}})
         assert status == 404 and "cmpl-nope" in data["error"]["message"]
         status, data, _ = await s.post("/v1/metaserver", {"kv_transfer_params": {}})
         assert status == 400 and "'request_id'" in data["error"]["message"]
         status, data, _ = await s.post("/v1/metaserver", {"request_id": 3})
         assert status == 400
-        status, data, _ = await s.post("/v1/metaserver", {"request_id": "cmpl-nope",
-                                                          "kv_transfer_params": {"remote_port": "80"}})
+        status, data, _ = await s.post(
+            "/v1/metaserver", {"request_id": "cmpl-nope", "kv_transfer_params": {"remote_port": "80"}}
+        )
         assert status == 400 and "'kv_transfer_params.remote_port'" in data["error"]["message"]
         status, data, _ = await s.post("/v1/metaserver", {"request_id": "cmpl-nope", "queued": "yes"})
         assert status == 400 and "'queued'" in data["error"]["message"]

@@ -1,5 +1,6 @@
 """End to end through the real proxy app: a backend that fails, is unreachable or never registers,
 and a client that leaves; each becomes the right status (or SSE error) and nothing stays held."""
+
 from __future__ import annotations
 
 import asyncio
@@ -90,8 +91,7 @@ async def test_midstream_decoder_failure_becomes_sse_error_then_done(stack):
 
 async def test_client_disconnect_cancels_decoder_request(stack):
     async with stack(decoders=("slow",)) as s:
-        async with s.http.post(s.url + "/v1/completions",
-                               json={"prompt": "hi", "stream": True}) as r:
+        async with s.http.post(s.url + "/v1/completions", json={"prompt": "hi", "stream": True}) as r:
             assert r.status == 200
             await r.content.readline()  # first event arrived: the decoder is mid-stream
             r.close()  # the client goes away
@@ -100,8 +100,9 @@ async def test_client_disconnect_cancels_decoder_request(stack):
 
     async with stack(decoders=("hang",)) as s:  # gone while waiting, before any output
         try:
-            await s.http.post(s.url + "/v1/completions", json={"prompt": "hi"},
-                              timeout=aiohttp.ClientTimeout(total=0.3))
+            await s.http.post(
+                s.url + "/v1/completions", json={"prompt": "hi"}, timeout=aiohttp.ClientTimeout(total=0.3)
+            )
         except asyncio.TimeoutError:
             pass
         assert await s.until(lambda: s.decoders[0].cancelled == 1)
@@ -157,8 +158,9 @@ async def test_a_request_answered_before_its_prefill_lets_the_prefill_finish(sta
 async def test_client_disconnect_cancels_pending_prefill(stack):
     async with stack(prefillers=("hang",)) as s:
         try:
-            await s.http.post(s.url + "/v1/completions", json={"prompt": "hi"},
-                              timeout=aiohttp.ClientTimeout(total=0.5))
+            await s.http.post(
+                s.url + "/v1/completions", json={"prompt": "hi"}, timeout=aiohttp.ClientTimeout(total=0.5)
+            )
         except asyncio.TimeoutError:
             pass
         await s.until(lambda: s.prefillers[0].cancelled and s.decoders[0].metaserver_answers)

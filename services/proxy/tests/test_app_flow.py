@@ -1,6 +1,7 @@
 """End to end through the real proxy app between an HTTP client and fake prefiller/decoder servers:
 what each backend receives (the prefill's shape, the decoders' children), streaming, chat, prompt lists,
 and requests spread over the decoders."""
+
 from __future__ import annotations
 
 import asyncio
@@ -70,8 +71,9 @@ async def test_completion_stream_relays_sse_and_drops_stream_options_for_prefill
 async def test_chat_stream_and_json(stack):
     async with stack() as s:
         msgs = [{"role": "user", "content": "hello"}]
-        status, events = await s.stream("/v1/chat/completions", {"messages": msgs, "stream": True,
-                                                                 "max_completion_tokens": 7})
+        status, events = await s.stream(
+            "/v1/chat/completions", {"messages": msgs, "stream": True, "max_completion_tokens": 7}
+        )
         assert status == 200
         assert [e["choices"][0]["delta"]["content"] for e in events[:-1]] == ["<chat>", " a", " b"]
         assert events[0]["object"] == "chat.completion.chunk"
@@ -108,15 +110,15 @@ async def test_prompt_list_children_and_one_batched_prefill(stack):
         assert p[0]["prompt"] == prompts and "kv_transfer_params" not in p[0]
         by_child = {b["kv_transfer_params"]["request_id"]: d for d, b in sent}
         assert p[0]["kv_transfer_params_list"] == [
-            by_child[c].endpoint_params(c) for c in (f"{data['id']}-{i}" for i in range(3))]
+            by_child[c].endpoint_params(c) for c in (f"{data['id']}-{i}" for i in range(3))
+        ]
         assert p[0]["max_tokens"] == 1 and p[0]["stream"] is False
         await s.assert_idle()
 
 
 async def test_prompt_list_streaming_merges_indices(stack):
     async with stack(decoders=("ok", "ok")) as s:
-        status, events = await s.stream("/v1/completions", {"prompt": ["a", "b"], "stream": True,
-                                                            "n": 1})
+        status, events = await s.stream("/v1/completions", {"prompt": ["a", "b"], "stream": True, "n": 1})
         assert status == 200 and events[-1] == "[DONE]"
         by_index: dict[int, str] = {}
         for e in events[:-1]:
@@ -128,8 +130,7 @@ async def test_prompt_list_streaming_merges_indices(stack):
 
 async def test_concurrent_requests_spread_over_decoders(stack):
     async with stack(prefillers=("ok", "ok"), decoders=("slow", "slow")) as s:
-        reqs = [s.stream("/v1/completions", {"prompt": "x" * 40, "stream": True})
-                for _ in range(4)]
+        reqs = [s.stream("/v1/completions", {"prompt": "x" * 40, "stream": True}) for _ in range(4)]
         results = await asyncio.gather(*reqs)
         assert all(st == 200 and ev[-1] == "[DONE]" for st, ev in results)
         assert [len(d.received) for d in s.decoders] == [2, 2]

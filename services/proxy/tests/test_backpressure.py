@@ -2,6 +2,7 @@
 one at once; when every decoder refused, the client gets 429 with Retry-After and an OpenAI-style
 body, never a 504 later. A decoder that reports a child queued lifts the registration deadline for
 it. Decoder load headers feed the balancer and /metrics."""
+
 import asyncio
 
 import aiohttp
@@ -10,9 +11,12 @@ from aiohttp import web
 
 def _full(decoder, retry_after="2"):
     async def generate(request, body):
-        return web.json_response({"error": {"message": "decode queue is full (3 queued)", "type": "rate_limit_error",
-                                            "code": 429}}, status=429,
-                                 headers={"Retry-After": retry_after, "X-Decode-Load": "queued=3;free_pool_bytes=5"})
+        return web.json_response(
+            {"error": {"message": "decode queue is full (3 queued)", "type": "rate_limit_error", "code": 429}},
+            status=429,
+            headers={"Retry-After": retry_after, "X-Decode-Load": "queued=3;free_pool_bytes=5"},
+        )
+
     decoder.generate = generate
 
 
@@ -38,7 +42,9 @@ async def test_every_decoder_full_is_429_with_retry_after_at_once(stack):
     async with st as s:
         loop = asyncio.get_running_loop()
         t = loop.time()
-        status, data, r = await s.post("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True})
+        status, data, r = await s.post(
+            "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True}
+        )
         assert loop.time() - t < 2
         assert status == 429 and r.headers["Retry-After"] == "2", data
         err = data["error"]
@@ -56,8 +62,13 @@ async def test_a_child_reported_queued_is_not_failed_by_the_registration_deadlin
 
     async def queued_then_register(ktp):
         async with aiohttp.ClientSession() as session:
-            async with session.post(ktp["metaserver"], json={"request_id": ktp["request_id"], "kv_transfer_params": {
-                    "request_id": ktp["request_id"], "queued": True}}) as r:
+            async with session.post(
+                ktp["metaserver"],
+                json={
+                    "request_id": ktp["request_id"],
+                    "kv_transfer_params": {"request_id": ktp["request_id"], "queued": True},
+                },
+            ) as r:
                 assert r.status == 200 and (await r.json()) == {"status": "ok"}
         await asyncio.sleep(1.5)  # waits for host blocks: three registration deadlines
         return await plain(ktp)

@@ -1,4 +1,5 @@
 """Least-loaded choice and load accounting."""
+
 import pytest
 
 from kvoffload_proxy.balancer import Balancer
@@ -83,6 +84,7 @@ def test_heap_stays_bounded_under_churn():
 
 def test_matches_linear_scan_model():
     import random
+
     rng = random.Random(0)
     bal = Balancer(_backends(5, "prefiller"), kv_weight=0.3)  # the token score
     live = []
@@ -96,8 +98,7 @@ def test_matches_linear_scan_model():
             best = min(bal.score(i) for i in range(5))
             lease = bal.acquire(rng.randrange(1, 500), rng.randrange(0, 500))
             live.append(lease)
-            assert bal.score(lease.index) - lease._tokens - 0.3 * lease._kv_tokens == \
-                pytest.approx(best)
+            assert bal.score(lease.index) - lease._tokens - 0.3 * lease._kv_tokens == pytest.approx(best)
     for lease in live:
         lease.release()
     assert bal.is_idle

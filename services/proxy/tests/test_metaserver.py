@@ -1,5 +1,6 @@
 """The registration rendezvous: one dispatch per request, after every child registered; every
 registration answered with that outcome; every wait bounded."""
+
 import asyncio
 
 import pytest
@@ -69,14 +70,12 @@ async def test_batch_dispatches_once_with_params_in_child_order():
 
 
 async def test_dispatch_failure_answers_every_registration_with_it():
-    err = ProxyError(502, "prefiller http://p answered HTTP 500", backend="http://p",
-                     role="prefiller")
+    err = ProxyError(502, "prefiller http://p answered HTTP 500", backend="http://p", role="prefiller")
     d = Dispatcher(fail=err)
     d.release.set()
     reg = _registry(d)
     rdv = reg.open("p", ("p-0", "p-1"))
-    results = await asyncio.gather(reg.register("p-0", P({})), reg.register("p-1", P({})),
-                                   return_exceptions=True)
+    results = await asyncio.gather(reg.register("p-0", P({})), reg.register("p-1", P({})), return_exceptions=True)
     assert results == [err, err]
     assert rdv.outcome.exception() is err
 

@@ -1,6 +1,7 @@
 """GET /v1/models through the official OpenAI Python client: the decoders' served model names,
 merged and de-duplicated, behind the API key when one is set; a decoder that does not answer is
 left out, none answering is a 503; the list is cached briefly, one refresh at a time."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,7 @@ async def test_openai_client_lists_the_decoders_models(stack):
         async with client(s) as c:
             page = await c.models.list()
             assert [m.id for m in page.data] == ["m", "other-model"]
-            assert all(m.object == "model" and m.owned_by == "fake" and m.created == 1700000000
-                       for m in page.data)
+            assert all(m.object == "model" and m.owned_by == "fake" and m.created == 1700000000 for m in page.data)
             assert [m.id async for m in c.models.list()] == ["m", "other-model"]  # the paginator too
             done = await c.completions.create(model=page.data[0].id, prompt="hi", max_tokens=3)
             assert done.model == "m" and done.choices[0].text == "<hi> a b"  # an id it listed works
@@ -50,8 +50,7 @@ async def test_openai_client_with_the_api_key(stack):
 
 
 async def test_a_decoder_that_does_not_answer_is_left_out(stack):
-    async with stack(decoders=("no_models", "hang", "ok"), down_decoders=1,
-                     args=["--health-timeout-s", "0.5"]) as s:
+    async with stack(decoders=("no_models", "hang", "ok"), down_decoders=1, args=["--health-timeout-s", "0.5"]) as s:
         s.decoders[2].model = "only-this-one"
         async with client(s) as c:
             assert [m.id for m in (await c.models.list()).data] == ["only-this-one"]
@@ -90,17 +89,30 @@ async def test_cached_briefly_and_refreshed_once_for_concurrent_callers(stack):
 
 
 def test_parse_model_list_normalizes_entries():
-    text = ('{"object": "list", "data": [{"id": "a", "object": "model", "created": 5, "owned_by": "vllm",'
-            ' "max_model_len": 8192}, {"id": "b"}, {"id": "c", "created": -1, "owned_by": ""}]}')
+    text = (
+        '{"object": "list", "data": [{"id": "a", "object": "model", "created": 5, "owned_by": "vllm",'
+        ' "max_model_len": 8192}, {"id": "b"}, {"id": "c", "created": -1, "owned_by": ""}]}'
+    )
     assert parse_model_list(text, 42) == [
         {"id": "a", "object": "model", "created": 5, "owned_by": "vllm", "max_model_len": 8192},
         {"id": "b", "object": "model", "created": 42, "owned_by": "kvoffload"},
-        {"id": "c", "object": "model", "created": 42, "owned_by": "kvoffload"}]
+        {"id": "c", "object": "model", "created": 42, "owned_by": "kvoffload"},
+    ]
     assert parse_model_list('{"data": []}', 42) == []
 
 
-@pytest.mark.parametrize("text", ['[]', '{"object": "list"}', '{"data": {}}', '{"data": [{"id": 3}]}',
-                                  '{"data": [{"id": ""}]}', '{"data": ["m"]}', "not json"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[]",
+        '{"object": "list"}',
+        '{"data": {}}',
+        '{"data": [{"id": 3}]}',
+        '{"data": [{"id": ""}]}',
+        '{"data": ["m"]}',
+        "not json",
+    ],
+)
 def test_parse_model_list_rejects_what_is_not_a_model_list(text):
     with pytest.raises(ValueError):
         parse_model_list(text, 0)

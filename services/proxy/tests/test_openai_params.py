@@ -1,4 +1,5 @@
 """The proxy's half of issue 11: the exact accepted set (400 naming the field), n as child requests."""
+
 import json
 
 import pytest
@@ -17,32 +18,42 @@ def _parse(kind, body):
     return parse_inference(kind, json.dumps(body).encode())
 
 
-@pytest.mark.parametrize("kind, body, fragment", [
-    ("completions", {"prompt": "x", "frobnicate": 1}, "field 'frobnicate' is not a recognized parameter"),
-    ("completions", {"prompt": "x", "suffix": "y"}, "field 'suffix' is not supported"),
-    ("completions", {"prompt": "x", "logit_bias": {}}, "field 'logit_bias' is not supported"),
-    ("completions", {"prompt": "x", "top_logprobs": 2}, "field 'top_logprobs' is not supported"),
-    ("completions", {"prompt": "x", "best_of": 3, "n": 2}, "field 'best_of'"),
-    ("completions", {"prompt": "x", "echo": True, "logprobs": 0}, "field 'echo'"),
-    ("completions", {"prompt": "x", "logprobs": 21}, "field 'logprobs'"),
-    ("completions", {"prompt": "x", "stop": ""}, "field 'stop' must be"),
-    ("completions", {"prompt": "x", "stop": ["a"] * 17}, "field 'stop' must be"),
-    ("completions", {"prompt": "x", "min_tokens": 20}, "field 'min_tokens'"),
-    ("completions", {"prompt": "x", "seed": -1}, "field 'seed'"),
-    ("completions", {"prompt": "x", "temperature": 3}, "field 'temperature'"),
-    ("completions", {"prompt": "x", "presence_penalty": -2.5}, "field 'presence_penalty'"),
-    ("completions", {"prompt": "x", "n": 65}, "field 'n'"),
-    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "field 'stream_options'"),
-    ("completions", {"prompt": "x", "stream": True, "stream_options": {"x": 1}},
-     "field 'stream_options.x' is not a recognized"),
-    ("chat", {"messages": MSG, "tools": []}, "field 'tools' is not supported"),
-    ("chat", {"messages": MSG, "response_format": {"type": "json_object"}}, "field 'response_format' is not supported"),
-    ("chat", {"messages": MSG, "echo": True}, "field 'echo' is not supported"),
-    ("chat", {"messages": MSG, "top_logprobs": 1}, "field 'top_logprobs': needs logprobs"),
-    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "field 'messages[0].role'"),
-    ("chat", {"messages": [{"role": "user", "content": "x", "name": "n"}]}, "field 'messages[0].name'"),
-    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "field 'messages[0].content'"),
-])
+@pytest.mark.parametrize(
+    "kind, body, fragment",
+    [
+        ("completions", {"prompt": "x", "frobnicate": 1}, "field 'frobnicate' is not a recognized parameter"),
+        ("completions", {"prompt": "x", "suffix": "y"}, "field 'suffix' is not supported"),
+        ("completions", {"prompt": "x", "logit_bias": {}}, "field 'logit_bias' is not supported"),
+        ("completions", {"prompt": "x", "top_logprobs": 2}, "field 'top_logprobs' is not supported"),
+        ("completions", {"prompt": "x", "best_of": 3, "n": 2}, "field 'best_of'"),
+        ("completions", {"prompt": "x", "echo": True, "logprobs": 0}, "field 'echo'"),
+        ("completions", {"prompt": "x", "logprobs": 21}, "field 'logprobs'"),
+        ("completions", {"prompt": "x", "stop": ""}, "field 'stop' must be"),
+        ("completions", {"prompt": "x", "stop": ["a"] * 17}, "field 'stop' must be"),
+        ("completions", {"prompt": "x", "min_tokens": 20}, "field 'min_tokens'"),
+        ("completions", {"prompt": "x", "seed": -1}, "field 'seed'"),
+        ("completions", {"prompt": "x", "temperature": 3}, "field 'temperature'"),
+        ("completions", {"prompt": "x", "presence_penalty": -2.5}, "field 'presence_penalty'"),
+        ("completions", {"prompt": "x", "n": 65}, "field 'n'"),
+        ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "field 'stream_options'"),
+        (
+            "completions",
+            {"prompt": "x", "stream": True, "stream_options": {"x": 1}},
+            "field 'stream_options.x' is not a recognized",
+        ),
+        ("chat", {"messages": MSG, "tools": []}, "field 'tools' is not supported"),
+        (
+            "chat",
+            {"messages": MSG, "response_format": {"type": "json_object"}},
+            "field 'response_format' is not supported",
+        ),
+        ("chat", {"messages": MSG, "echo": True}, "field 'echo' is not supported"),
+        ("chat", {"messages": MSG, "top_logprobs": 1}, "field 'top_logprobs': needs logprobs"),
+        ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "field 'messages[0].role'"),
+        ("chat", {"messages": [{"role": "user", "content": "x", "name": "n"}]}, "field 'messages[0].name'"),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "field 'messages[0].content'"),
+    ],
+)
 def test_refused_by_name(kind, body, fragment):
     with pytest.raises(ProxyError) as e:
         _parse(kind, body)
@@ -50,13 +61,38 @@ def test_refused_by_name(kind, body, fragment):
 
 
 def test_accepted_set_and_nulls():
-    _parse("completions", {"prompt": "x", "stop": ["a", "b"], "stop_token_ids": [1], "seed": 3, "n": 2,
-                           "best_of": 2, "logprobs": 5, "presence_penalty": 1, "frequency_penalty": -1.5,
-                           "min_tokens": 2, "ignore_eos": True, "user": "u", "temperature": 1, "top_p": 0.5,
-                           "stream": True, "stream_options": {"include_usage": True}})
+    _parse(
+        "completions",
+        {
+            "prompt": "x",
+            "stop": ["a", "b"],
+            "stop_token_ids": [1],
+            "seed": 3,
+            "n": 2,
+            "best_of": 2,
+            "logprobs": 5,
+            "presence_penalty": 1,
+            "frequency_penalty": -1.5,
+            "min_tokens": 2,
+            "ignore_eos": True,
+            "user": "u",
+            "temperature": 1,
+            "top_p": 0.5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     _parse("completions", {"prompt": [1, 2], "echo": True})
-    _parse("chat", {"messages": [{"role": "system", "content": [{"type": "text", "text": "s"}]}] + MSG,
-                    "logprobs": True, "top_logprobs": 3, "max_completion_tokens": 4, "stop": "x"})
+    _parse(
+        "chat",
+        {
+            "messages": [{"role": "system", "content": [{"type": "text", "text": "s"}]}] + MSG,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "max_completion_tokens": 4,
+            "stop": "x",
+        },
+    )
     _parse("completions", {"prompt": "x", "stop": None, "logprobs": None, "seed": None, "user": None})
 
 
@@ -69,7 +105,9 @@ def test_n_makes_one_child_per_choice():
     assert [b["seed"] for b in bodies] == [choice_seed(5, j) for j in range(3)] * 2
     assert bodies[0]["seed"] == 5
     pre = prefill_body(req, [KVTransferParams(request_id=f"c-{i}") for i in range(6)])
-    assert pre["n"] == 3 and pre["seed"] == 5 and pre["prompt"] == ["a", "bb"] and len(pre["kv_transfer_params_list"]) == 6
+    assert (
+        pre["n"] == 3 and pre["seed"] == 5 and pre["prompt"] == ["a", "bb"] and len(pre["kv_transfer_params_list"]) == 6
+    )
     chat = _parse("chat", {"messages": MSG, "n": 2, "min_tokens": 3})
     pre = prefill_body(chat, [KVTransferParams(request_id="a"), KVTransferParams(request_id="b")])
     assert "kv_transfer_params_list" in pre and pre["min_tokens"] == 3 and pre["max_tokens"] == 1
@@ -78,6 +116,12 @@ def test_n_makes_one_child_per_choice():
 async def test_streamed_usage_counts_each_prompt_once():
     relay = StreamRelay(None, "r", {}, n=2, write_timeout_s=1)
     for child in range(4):
-        await relay.add(child, {"object": "text_completion", "choices": [],
-                                "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}})
+        await relay.add(
+            child,
+            {
+                "object": "text_completion",
+                "choices": [],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13},
+            },
+        )
     assert relay.usage == {"prompt_tokens": 20, "completion_tokens": 12, "total_tokens": 32}

@@ -1,4 +1,5 @@
 """Validation at the edge: strict types, messages naming the field."""
+
 import json
 
 import pytest
@@ -26,45 +27,47 @@ def test_prompt_lists_are_batches():
 
 
 def test_client_kv_transfer_params_are_dropped_extras_kept():
-    req = _parse("completions", {"prompt": "x", "kv_transfer_params": {"evil": 1},
-                                 "temperature": 0.5, "seed": 3})
+    req = _parse("completions", {"prompt": "x", "kv_transfer_params": {"evil": 1}, "temperature": 0.5, "seed": 3})
     assert "kv_transfer_params" not in req.body
     assert req.body["temperature"] == 0.5 and req.body["seed"] == 3
 
 
 def test_chat():
-    req = _parse("chat", {"messages": [{"role": "user", "content": "x" * 40}],
-                          "max_completion_tokens": 9, "stream": True})
+    req = _parse(
+        "chat", {"messages": [{"role": "user", "content": "x" * 40}], "max_completion_tokens": 9, "stream": True}
+    )
     assert req.stream and req.max_tokens == 9 and req.path == "/v1/chat/completions"
     assert req.num_prompt_tokens == (14,)
 
 
-@pytest.mark.parametrize("kind, body, fragment", [
-    ("completions", {}, "field 'prompt' is required"),
-    ("completions", {"prompt": None}, "field 'prompt' must be"),
-    ("completions", {"prompt": [1, "a"]}, "field 'prompt' must be"),
-    ("completions", {"prompt": [[]]}, "field 'prompt' must be"),
-    ("completions", {"prompt": [-1]}, "field 'prompt' must be"),
-    ("completions", {"prompt": [True]}, "field 'prompt' must be"),
-    ("completions", {"prompt": "x", "n": 0}, "field 'n'"),
-    ("completions", {"prompt": "x", "max_tokens": "5"}, "field 'max_tokens'"),
-    ("completions", {"prompt": "x", "max_tokens": 1.5}, "field 'max_tokens'"),
-    ("completions", {"prompt": "x", "stream": 1}, "field 'stream'"),
-    ("completions", {"prompt": "x", "stream_options": []}, "field 'stream_options'"),
-    ("completions", {"prompt": "x", "model": 3}, "field 'model'"),
-    ("chat", {"messages": []}, "field 'messages'"),
-    ("chat", {"messages": "hi"}, "field 'messages'"),
-    ("chat", {"messages": [{"role": "user", "content": 5}]}, "field 'messages[0].content' must"),
-    ("chat", {"messages": [{"role": "", "content": "x"}]}, "field 'messages[0].role'"),
-])
+@pytest.mark.parametrize(
+    "kind, body, fragment",
+    [
+        ("completions", {}, "field 'prompt' is required"),
+        ("completions", {"prompt": None}, "field 'prompt' must be"),
+        ("completions", {"prompt": [1, "a"]}, "field 'prompt' must be"),
+        ("completions", {"prompt": [[]]}, "field 'prompt' must be"),
+        ("completions", {"prompt": [-1]}, "field 'prompt' must be"),
+        ("completions", {"prompt": [True]}, "field 'prompt' must be"),
+        ("completions", {"prompt": "x", "n": 0}, "field 'n'"),
+        ("completions", {"prompt": "x", "max_tokens": "5"}, "field 'max_tokens'"),
+        ("completions", {"prompt": "x", "max_tokens": 1.5}, "field 'max_tokens'"),
+        ("completions", {"prompt": "x", "stream": 1}, "field 'stream'"),
+        ("completions", {"prompt": "x", "stream_options": []}, "field 'stream_options'"),
+        ("completions", {"prompt": "x", "model": 3}, "field 'model'"),
+        ("chat", {"messages": []}, "field 'messages'"),
+        ("chat", {"messages": "hi"}, "field 'messages'"),
+        ("chat", {"messages": [{"role": "user", "content": 5}]}, "field 'messages[0].content' must"),
+        ("chat", {"messages": [{"role": "", "content": "x"}]}, "field 'messages[0].role'"),
+    ],
+)
 def test_invalid_bodies(kind, body, fragment):
     with pytest.raises(ProxyError) as e:
         _parse(kind, body)
     assert e.value.status == 400 and fragment in e.value.message, e.value.message
 
 
-@pytest.mark.parametrize("raw", [b"", b"{", b"null", b'"x"', b"[]", b'{"prompt": Infinity}',
-                                 b"[" * 100000])
+@pytest.mark.parametrize("raw", [b"", b"{", b"null", b'"x"', b"[]", b'{"prompt": Infinity}', b"[" * 100000])
 def test_invalid_json(raw):
     with pytest.raises(ProxyError) as e:
         parse_inference("completions", raw)

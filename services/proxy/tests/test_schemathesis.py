@@ -63,18 +63,25 @@ schema = schemathesis.openapi.from_dict(DOCUMENT)
 schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 SEEN: dict[str, list[tuple[str, int]]] = {}  # operation -> (generation mode, status) of every call
 
-CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
-          checks.response_schema_conformance, checks.negative_data_rejection]
+CHECKS = [
+    checks.not_a_server_error,
+    checks.status_code_conformance,
+    checks.content_type_conformance,
+    checks.response_schema_conformance,
+    checks.negative_data_rejection,
+]
 
 
 @schema.parametrize()
-@settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 def test_proxy_conforms_to_its_openapi_document(case, proxy):
     with requests.Session() as session:
         response = case.call(base_url=proxy.url, session=session, timeout=CALL_TIMEOUT_S)
-    SEEN.setdefault(case.operation.label, []).append((case.meta.generation.mode.value if case.meta else "?",
-                                                      response.status_code))
+    SEEN.setdefault(case.operation.label, []).append(
+        (case.meta.generation.mode.value if case.meta else "?", response.status_code)
+    )
     assert response.status_code < 500, (response.status_code, response.text[:500])
     case.validate_response(response, checks=CHECKS)
 
@@ -94,7 +101,8 @@ def test_every_operation_was_exercised_with_valid_and_invalid_input():
         f"never exercised: {', '.join(missing)}. This check reads what "
         "test_proxy_conforms_to_its_openapi_document recorded in this session: run it together with "
         "those generated tests, in the same process and after them, e.g. `pytest "
-        "services/proxy/tests/test_schemathesis.py` (no -k that deselects any of them, no xdist)")
+        "services/proxy/tests/test_schemathesis.py` (no -k that deselects any of them, no xdist)"
+    )
     for label, calls in SEEN.items():
         assert len(calls) >= 5, (label, calls)
     inference = SEEN["POST /v1/completions"] + SEEN["POST /v1/chat/completions"]
@@ -107,7 +115,13 @@ def test_every_operation_was_exercised_with_valid_and_invalid_input():
 def test_the_served_document_is_the_one_tested(proxy):
     doc = requests.get(f"{proxy.url}/openapi.json", timeout=CALL_TIMEOUT_S).json()
     assert doc == DOCUMENT
-    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/metaserver",
-                                 "/healthcheck", "/reset_prefix_cache", "/metrics"}
+    assert set(doc["paths"]) == {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/metaserver",
+        "/healthcheck",
+        "/reset_prefix_cache",
+        "/metrics",
+    }
     assert doc["openapi"].startswith("3.")
-

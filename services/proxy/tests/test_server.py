@@ -1,4 +1,5 @@
 """serve(): graceful shutdown, and the real console process (SIGTERM, JSON logs)."""
+
 import asyncio
 import json
 import signal
@@ -20,9 +21,21 @@ def _free_port():
 
 
 def _cfg(port, prefiller, decoder, *extra):
-    return parse_args(["--port", str(port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
-                       str(prefiller.port), "--decoder-hosts", "127.0.0.1", "--decoder-ports",
-                       str(decoder.port), *extra])
+    return parse_args(
+        [
+            "--port",
+            str(port),
+            "--prefiller-hosts",
+            "127.0.0.1",
+            "--prefiller-ports",
+            str(prefiller.port),
+            "--decoder-hosts",
+            "127.0.0.1",
+            "--decoder-ports",
+            str(decoder.port),
+            *extra,
+        ]
+    )
 
 
 async def _events(resp):
@@ -53,8 +66,7 @@ async def _run_shutdown(stack, grace_s, expect_complete):
                             break
                 except aiohttp.ClientError:
                     await asyncio.sleep(0.02)
-            async with http.post(url + "/v1/completions",
-                                 json={"prompt": "hi", "stream": True}) as r:
+            async with http.post(url + "/v1/completions", json={"prompt": "hi", "stream": True}) as r:
                 assert r.status == 200
                 assert (await r.content.readline()).startswith(b"data: ")
                 stop.set()  # what SIGTERM does
@@ -83,13 +95,31 @@ def test_console_process_sigterm_and_json_logs():
     port = _free_port()
     dead = str(_free_port())
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvoffload_proxy", "--port", str(port),
-         "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", dead,
-         "--decoder-hosts", "127.0.0.1", "--decoder-ports", dead, "--max-retries", "0"],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        [
+            sys.executable,
+            "-m",
+            "kvoffload_proxy",
+            "--port",
+            str(port),
+            "--prefiller-hosts",
+            "127.0.0.1",
+            "--prefiller-ports",
+            dead,
+            "--decoder-hosts",
+            "127.0.0.1",
+            "--decoder-ports",
+            dead,
+            "--max-retries",
+            "0",
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         import urllib.error
         import urllib.request
+
         deadline = time.monotonic() + 15
         while True:
             try:
@@ -98,9 +128,12 @@ def test_console_process_sigterm_and_json_logs():
             except (urllib.error.URLError, ConnectionError):
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.05)
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                     data=b'{"prompt": "hi"}', method="POST",
-                                     headers={"X-Request-Id": "trace-me"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=b'{"prompt": "hi"}',
+            method="POST",
+            headers={"X-Request-Id": "trace-me"},
+        )
         try:
             urllib.request.urlopen(req, timeout=5)
         except urllib.error.HTTPError as e:

@@ -70,8 +70,13 @@ def batched_indexer_topk(
     """
     if index_keys.dim() != 3 or index_keys.shape[0] != index_q.shape[0]:
         raise ValueError(f"index_keys must be [T, C, Di] with T = {index_q.shape[0]}, got {tuple(index_keys.shape)}")
-    _check_indexer_inputs(index_q, index_w, index_keys[0] if index_keys.shape[0] else index_keys.new_empty(
-        (0, index_q.shape[-1])), positions, topk)
+    _check_indexer_inputs(
+        index_q,
+        index_w,
+        index_keys[0] if index_keys.shape[0] else index_keys.new_empty((0, index_q.shape[-1])),
+        positions,
+        topk,
+    )
     t, heads, _ = index_q.shape
     c = index_keys.shape[1]
     logits = torch.bmm(index_q.to(torch.float32), index_keys.to(torch.float32).transpose(1, 2))  # [T, Hi, C]

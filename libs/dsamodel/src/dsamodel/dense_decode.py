@@ -33,11 +33,13 @@ class FullKV:
         self.model = model
         self.capacity = capacity
         self.num_tokens = 0
-        self.kv = [torch.full((capacity, cfg.kv_row_width), float("nan"), dtype=model.dtype, device=dev)
-                   for _ in model.layers]
+        self.kv = [
+            torch.full((capacity, cfg.kv_row_width), float("nan"), dtype=model.dtype, device=dev) for _ in model.layers
+        ]
         key_dtype = torch.float32 if model.index_codec.fp8 else model.dtype  # what the codec decodes to
-        self.keys = [torch.full((capacity, cfg.index_head_dim), float("nan"), dtype=key_dtype, device=dev)
-                     for _ in model.layers]
+        self.keys = [
+            torch.full((capacity, cfg.index_head_dim), float("nan"), dtype=key_dtype, device=dev) for _ in model.layers
+        ]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [T] at positions num_tokens.. -> float32 logits [V] after the last one (what a
@@ -52,8 +54,9 @@ class FullKV:
         self.num_tokens = end
         return self.model.logits(h[-1:])[0]
 
-    def _layer(self, layer, kv: torch.Tensor, keys: torch.Tensor, h: torch.Tensor, positions: torch.Tensor
-               ) -> torch.Tensor:
+    def _layer(
+        self, layer, kv: torch.Tensor, keys: torch.Tensor, h: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         """One layer over h [T, D] at ``positions`` (num_tokens..): keep the rows, select over every
         row so far, attend -> h [T, D]."""
         codec, topk = self.model.index_codec, self.model.config.index_topk

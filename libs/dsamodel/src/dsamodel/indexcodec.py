@@ -47,9 +47,15 @@ class IndexerCacheFormat:
         return self.key_bytes + self.scale_bytes
 
     def describe(self) -> dict[str, Any]:
-        return {"dtype": str(self.dtype).removeprefix("torch."), "key_bytes": self.key_bytes,
-                "scale_bytes": self.scale_bytes, "scale_dtype": "float32" if self.scale_bytes else None,
-                "scale_block": self.scale_block, "row_bytes": self.row_bytes, "source": self.source}
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "key_bytes": self.key_bytes,
+            "scale_bytes": self.scale_bytes,
+            "scale_dtype": "float32" if self.scale_bytes else None,
+            "scale_block": self.scale_block,
+            "row_bytes": self.row_bytes,
+            "source": self.source,
+        }
 
 
 def indexer_cache_format(config: ModelConfig) -> IndexerCacheFormat:
@@ -58,12 +64,20 @@ def indexer_cache_format(config: ModelConfig) -> IndexerCacheFormat:
     if fp8 is not None:
         blocks = -(-config.index_head_dim // INDEX_SCALE_BLOCK)
         return IndexerCacheFormat(
-            torch.float8_e4m3fn, config.index_head_dim, 4 * blocks, INDEX_SCALE_BLOCK,
+            torch.float8_e4m3fn,
+            config.index_head_dim,
+            4 * blocks,
+            INDEX_SCALE_BLOCK,
             f"architectures {fp8}: the serving engines store its indexer keys as float8_e4m3fn with one "
-            f"float32 scale per {INDEX_SCALE_BLOCK}-element block")
+            f"float32 scale per {INDEX_SCALE_BLOCK}-element block",
+        )
     return IndexerCacheFormat(
-        config.dtype, config.index_head_dim * config.dtype.itemsize, 0, None,
-        f"torch_dtype {config.torch_dtype} (architectures {list(config.architectures)}: no fp8 indexer cache)")
+        config.dtype,
+        config.index_head_dim * config.dtype.itemsize,
+        0,
+        None,
+        f"torch_dtype {config.torch_dtype} (architectures {list(config.architectures)}: no fp8 indexer cache)",
+    )
 
 
 class IndexCodec:

@@ -134,8 +134,12 @@ class MLAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()  # [T, H, R]
         index_q, index_w, index_k = self.indexer.project(x, qr, positions)
         return Projection(
-            q_latent=q_latent, q_rope=q_rope.contiguous(), kv=self.latent_kv(x, positions),
-            index_q=index_q, index_w=index_w, index_k=index_k,
+            q_latent=q_latent,
+            q_rope=q_rope.contiguous(),
+            kv=self.latent_kv(x, positions),
+            index_q=index_q,
+            index_w=index_w,
+            index_k=index_k,
         )
 
     def output(self, attn_latent: torch.Tensor, *, partial: bool = False) -> torch.Tensor:

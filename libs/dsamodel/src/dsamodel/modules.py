@@ -43,7 +43,10 @@ class IndexerLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.layer_norm(
-            x.to(torch.float32), (x.shape[-1],), self.weight.to(torch.float32), self.bias.to(torch.float32),
+            x.to(torch.float32),
+            (x.shape[-1],),
+            self.weight.to(torch.float32),
+            self.bias.to(torch.float32),
             INDEXER_LAYERNORM_EPS,
         )
         return out.to(x.dtype)

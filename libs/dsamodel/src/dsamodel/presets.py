@@ -80,8 +80,9 @@ def init_weights(model: DSAModel, *, seed: int) -> DSAModel:
     return model
 
 
-def tiny_model(*, seed: int = 0, dtype: str = "float32", device=None, num_hidden_layers: int = 4,
-               fp8_indexer: bool = False) -> DSAModel:
+def tiny_model(
+    *, seed: int = 0, dtype: str = "float32", device=None, num_hidden_layers: int = 4, fp8_indexer: bool = False
+) -> DSAModel:
     """The tiny preset built in memory (what ``write_tiny`` saves, before the dtype cast); see
     ``tiny_config`` for ``num_hidden_layers`` and ``fp8_indexer``."""
     config = tiny_config(dtype=dtype, num_hidden_layers=num_hidden_layers, fp8_indexer=fp8_indexer)

@@ -14,7 +14,7 @@ A ``selector(cache_index, projection, positions) -> [T, k]`` may replace the ind
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -24,10 +24,11 @@ sampler ends a sequence with, as the output layer cuts the client's text with it
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
+
 from openai_api.logprobs import TokenLogprob
 from openai_api.sampling_params import SamplingParams
 from openai_api.stop_text import StopText

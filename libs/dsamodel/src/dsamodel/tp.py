@@ -120,9 +120,14 @@ def check_tp_size(config, size: int) -> None:
     """``size`` ranks can shard this model: heads and the MLP intermediate divide evenly."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor parallel size {size!r}: must be an int >= 1")
-    bad = [f"{name}={value}" for name, value in (("num_attention_heads", config.num_attention_heads),
-                                                 ("intermediate_size", config.intermediate_size))
-           if value % size]
+    bad = [
+        f"{name}={value}"
+        for name, value in (
+            ("num_attention_heads", config.num_attention_heads),
+            ("intermediate_size", config.intermediate_size),
+        )
+        if value % size
+    ]
     if bad:
         raise ValueError(f"tensor parallel size {size} does not divide the model's {' and '.join(bad)}")
 

@@ -110,7 +110,10 @@ def _check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[i
     problems = [
         f"{label} ({len(items)}): {', '.join(items[:_LISTED])}{' ...' if len(items) > _LISTED else ''}"
         for label, items in (
-            ("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped), ("non-floating", non_float)
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("mis-shaped", misshaped),
+            ("non-floating", non_float),
         )
         if items
     ]

@@ -83,8 +83,12 @@ def parse_kv_transfer_config(value: str | dict[str, Any], *, strict: bool = Fals
     their extra config) problems of the ConfigError."""
     data = _load_json(value, "--kv-transfer-config")
     model = _validate(KVTransferConfig, data, "--kv-transfer-config")
-    unknown = [w for loc, text in model.warning_items() if text.startswith("unknown key ")
-               for w in [f"{format_path(loc, model._ROOT)}: {text.replace(' (ignored)', '')}"]]
+    unknown = [
+        w
+        for loc, text in model.warning_items()
+        if text.startswith("unknown key ")
+        for w in [f"{format_path(loc, model._ROOT)}: {text.replace(' (ignored)', '')}"]
+    ]
     if strict and unknown:
         raise ConfigError(unknown)
     return model

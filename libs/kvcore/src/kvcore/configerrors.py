@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError
 from kvcore.confignames import CONNECTORS, ROLES
 from kvcore.poolregistry import STORE_BACKENDS
 
-Loc = tuple[Union[str, int], ...]
+Loc = tuple[str | int, ...]
 Problem = tuple[Loc, str]
 
 _RULE = "kvoffload_rule"
@@ -41,7 +41,7 @@ class ConfigError(ValueError):
         return (type(self), (self.errors,))
 
     @classmethod
-    def from_validation_error(cls, exc: ValidationError, root: str) -> "ConfigError":
+    def from_validation_error(cls, exc: ValidationError, root: str) -> ConfigError:
         """Friendly messages (``path: got ...; rule``) of a pydantic ValidationError."""
         return cls([f"{format_path(loc, root)}: {message}" for loc, message in problems_of(exc)])
 

@@ -63,7 +63,7 @@ def dram_gib(value: Any) -> Any:
     """Whole GiB, an int > 0."""
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
-    raise rule_error(f"got {describe_value(value)}; must be whole GiB as an integer > 0 (e.g. 128, not 1.5 or \"10GB\")")
+    raise rule_error(f'got {describe_value(value)}; must be whole GiB as an integer > 0 (e.g. 128, not 1.5 or "10GB")')
 
 
 def address(what: str) -> BeforeValidator:
@@ -75,7 +75,7 @@ def address(what: str) -> BeforeValidator:
         host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
         if sep and host and port.isdigit() and 1 <= int(port) <= 65535:
             return value
-        raise rule_error(f"got {describe_value(value)}; must be \"HOST:PORT\" ({what})")
+        raise rule_error(f'got {describe_value(value)}; must be "HOST:PORT" ({what})')
 
     return BeforeValidator(check)
 
@@ -97,8 +97,10 @@ def host(value: Any) -> Any:
     with_port = isinstance(value, str) and value.count(":") == 1  # "host:port" (IPv6 has more colons)
     if isinstance(value, str) and value.strip() == value and value and not wildcard and not with_port:
         return value
-    raise rule_error(f"got {describe_value(value)}; must be a host name or address the peers can reach, without a "
-                     "port (not a wildcard such as 0.0.0.0)")
+    raise rule_error(
+        f"got {describe_value(value)}; must be a host name or address the peers can reach, without a "
+        "port (not a wildcard such as 0.0.0.0)"
+    )
 
 
 def positive_seconds(value: Any) -> Any:

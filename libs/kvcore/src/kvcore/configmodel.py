@@ -8,8 +8,8 @@ models (``_children``); ``warnings`` lists them all with their dotted paths.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, model_validator
 
@@ -58,7 +58,7 @@ class ConfigModel(BaseModel):
     def _own_warnings(self) -> list[Problem]:
         return []
 
-    def _children(self) -> Iterable[tuple[Loc, "ConfigModel"]]:
+    def _children(self) -> Iterable[tuple[Loc, ConfigModel]]:
         return ()
 
     def warning_items(self) -> list[Problem]:

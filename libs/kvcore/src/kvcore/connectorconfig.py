@@ -33,9 +33,9 @@ class StoreCommonKeys(ConfigModel):
     backend: Annotated[str, choice(STORE_BACKENDS)]
     use_layerwise: StrictBool = False
     layerwise_num_shared_buffers: Annotated[int | None, int_rule(1, optional=True)] = None
-    layerwise_independent_layers: Annotated[
-        Literal["all"] | tuple[int, ...], BeforeValidator(independent_layers)
-    ] = (0,)
+    layerwise_independent_layers: Annotated[Literal["all"] | tuple[int, ...], BeforeValidator(independent_layers)] = (
+        0,
+    )
     layerwise_prefetch_layers: Annotated[int | None, int_rule(1, optional=True)] = None
     # the host memory this node contributes (the reference prefill also takes --host-pool-gb)
     host_pool_gb: Annotated[float | None, BeforeValidator(positive_gib)] = None
@@ -55,15 +55,19 @@ class StoreConnectorConfig(*reversed(POOL_KEY_MODELS.values()), StoreCommonKeys)
         backend = POOL_BACKENDS.get(name) if isinstance(name, str) else None
         if backend is None:
             return []  # the backend itself is reported
-        problems: list[Problem] = [((key,), f"required with backend {backend.name!r}; {rule}")
-                                   for key, rule in backend.required.items() if data.get(key) is None]
+        problems: list[Problem] = [
+            ((key,), f"required with backend {backend.name!r}; {rule}")
+            for key, rule in backend.required.items()
+            if data.get(key) is None
+        ]
         for owner, model in POOL_KEY_MODELS.items():
             if owner == backend.name:
                 continue
-            problems += [((key,), f"applies to backend {owner!r} only ({spec.description}), not {backend.name!r}; "
-                                  "remove it")
-                         for key, spec in model.model_fields.items()
-                         if data.get(key) is not None and key not in backend.tolerates]
+            problems += [
+                ((key,), f"applies to backend {owner!r} only ({spec.description}), not {backend.name!r}; remove it")
+                for key, spec in model.model_fields.items()
+                if data.get(key) is not None and key not in backend.tolerates
+            ]
         return problems
 
     def _own_warnings(self) -> list[Problem]:
@@ -91,8 +95,11 @@ class D2HConnectorConfig(ConfigModel):
     memfabric_device_id: Annotated[int, int_rule(0)] = 0
     memfabric_data_op: Annotated[str, choice(MEMFABRIC_DATA_OPS)] = "sdma"
 
-    VLLM_ONLY: ClassVar[dict[str, str]] = {"advertise_host": "--advertise-host", "data_port": "--data-port",
-                                           "peer_timeout_s": "--peer-timeout-s"}
+    VLLM_ONLY: ClassVar[dict[str, str]] = {
+        "advertise_host": "--advertise-host",
+        "data_port": "--data-port",
+        "peer_timeout_s": "--peer-timeout-s",
+    }
     # keys of transfer_backend "memfabric": key -> what it is (with its default); refused with "kvoffload"
     MEMFABRIC_KEYS: ClassVar[dict[str, str]] = {
         "memfabric_device_id": "the Ascend NPU memfabric's TransferEngine binds; default 0",
@@ -104,10 +111,17 @@ class D2HConnectorConfig(ConfigModel):
         backend = data.get("transfer_backend")
         if backend == "memfabric" or backend not in TRANSFER_BACKENDS:
             return []  # a missing or unknown transfer_backend is reported on its own
-        return [((key,), f"applies to transfer_backend 'memfabric' only ({what}), not {backend!r}; remove it")
-                for key, what in cls.MEMFABRIC_KEYS.items() if key in data]
+        return [
+            ((key,), f"applies to transfer_backend 'memfabric' only ({what}), not {backend!r}; remove it")
+            for key, what in cls.MEMFABRIC_KEYS.items()
+            if key in data
+        ]
 
     def vllm_only_problems(self, prefix: str = "") -> list[str]:
         """The vLLM-connector keys this config sets, as errors naming the reference service's flag."""
-        return [f"{prefix}kv_connector_extra_config.{key}: read by the vLLM connector only; the kvoffload "
-                f"services take {flag} instead" for key, flag in self.VLLM_ONLY.items() if key in self.model_fields_set]
+        return [
+            f"{prefix}kv_connector_extra_config.{key}: read by the vLLM connector only; the kvoffload "
+            f"services take {flag} instead"
+            for key, flag in self.VLLM_ONLY.items()
+            if key in self.model_fields_set
+        ]

@@ -125,8 +125,9 @@ class SlotGate:
         with self._cond:
             return self._free_locked()
 
-    def acquire(self, layer: int, readers: Iterable[Hashable] = (), timeout_s: float | None = None,
-                owner: Hashable = None) -> SlotTicket:
+    def acquire(
+        self, layer: int, readers: Iterable[Hashable] = (), timeout_s: float | None = None, owner: Hashable = None
+    ) -> SlotTicket:
         timeout = self.default_timeout_s if timeout_s is None else _check_timeout(timeout_s)
         if isinstance(readers, (str, bytes)):
             raise ValueError(f"readers must be a collection of reader ids, got the single string {readers!r}")
@@ -141,8 +142,12 @@ class SlotGate:
                     prev = None if occ is None else occ.layer
                     if self._aborted is not None:
                         self._counts["aborts"] += 1
-                        raise GateAborted(f"layer {layer} waiting for slot {self.slot} aborted: {self._aborted}",
-                                          slot=self.slot, layer=layer, previous_layer=prev)
+                        raise GateAborted(
+                            f"layer {layer} waiting for slot {self.slot} aborted: {self._aborted}",
+                            slot=self.slot,
+                            layer=layer,
+                            previous_layer=prev,
+                        )
                     first = self._queue[0] is me
                     if first and occ is not None and occ.failures and not occ.failure_reported:
                         if occ.owner == owner:
@@ -154,8 +159,12 @@ class SlotGate:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         self._counts["timeouts"] += 1
-                        raise GateTimeout(self._timeout_message(layer, me, time.monotonic() - start),
-                                          slot=self.slot, layer=layer, previous_layer=prev)
+                        raise GateTimeout(
+                            self._timeout_message(layer, me, time.monotonic() - start),
+                            slot=self.slot,
+                            layer=layer,
+                            previous_layer=prev,
+                        )
                     blocked = True
                     self._cond.wait(remaining)
             finally:
@@ -180,13 +189,38 @@ class SlotGate:
         with self._cond:
             occ = self._occ
             if occ is None:
-                return GateSnapshot(self.slot, self._generation, None, frozenset(), None, None, frozenset(),
-                                    frozenset(), (), True, self._free_locked(), "", len(self._queue), self._aborted)
+                return GateSnapshot(
+                    self.slot,
+                    self._generation,
+                    None,
+                    frozenset(),
+                    None,
+                    None,
+                    frozenset(),
+                    frozenset(),
+                    (),
+                    True,
+                    self._free_locked(),
+                    "",
+                    len(self._queue),
+                    self._aborted,
+                )
             return GateSnapshot(
-                self.slot, occ.generation, occ.layer, occ.readers, occ.compute, occ.save,
-                frozenset(occ.reads_done), frozenset(occ.reads_failed.items()),
-                tuple(desc for _, desc, _ in occ.failures), occ.settled, self._free_locked(), occ.pending(),
-                len(self._queue), self._aborted)
+                self.slot,
+                occ.generation,
+                occ.layer,
+                occ.readers,
+                occ.compute,
+                occ.save,
+                frozenset(occ.reads_done),
+                frozenset(occ.reads_failed.items()),
+                tuple(desc for _, desc, _ in occ.failures),
+                occ.settled,
+                self._free_locked(),
+                occ.pending(),
+                len(self._queue),
+                self._aborted,
+            )
 
     def stats(self) -> dict[str, float]:
         with self._cond:
@@ -209,9 +243,12 @@ class SlotGate:
         occ.failure_reported = True
         self._counts["failures"] += 1
         still = occ.pending()
-        msg = (f"layer {layer} cannot use slot {self.slot}: previous occupant layer {occ.layer} "
-               f"(generation {occ.generation}) failed: " + "; ".join(d for _, d, _ in occ.failures)
-               + (f" (slot stays held until settled: {still})" if still else ""))
+        msg = (
+            f"layer {layer} cannot use slot {self.slot}: previous occupant layer {occ.layer} "
+            f"(generation {occ.generation}) failed: "
+            + "; ".join(d for _, d, _ in occ.failures)
+            + (f" (slot stays held until settled: {still})" if still else "")
+        )
         err = OccupantFailed(msg, slot=self.slot, layer=layer, previous_layer=occ.layer)
         causes = {item: exc for item, _, exc in occ.failures if exc is not None}
         err.__cause__ = causes.get("save") or causes.get("compute")
@@ -232,8 +269,16 @@ class SlotGate:
             parts.append(f"{ahead} earlier waiter(s) queued for this slot")
         return head + ": " + ("; ".join(parts) or "nothing pending")
 
-    def _settle(self, ticket: SlotTicket, item: str, state: str, *, cause: BaseException | None = None,
-                reader: Hashable = None, reason: str = "") -> None:
+    def _settle(
+        self,
+        ticket: SlotTicket,
+        item: str,
+        state: str,
+        *,
+        cause: BaseException | None = None,
+        reader: Hashable = None,
+        reason: str = "",
+    ) -> None:
         if state == FAILED and item != "read" and not isinstance(cause, BaseException):
             raise ValueError(f"{item}_failed needs an exception as cause, got {cause!r}")
         if state == FAILED and item == "read" and not isinstance(reason, str):
@@ -272,8 +317,9 @@ class GateSet:
         self._layer_to_slot = dict(layer_to_slot)
         self._gates = {s: SlotGate(s, default_timeout_s) for s in sorted(set(self._layer_to_slot.values()))}
 
-    def acquire(self, layer: int, readers: Iterable[Hashable] = (), timeout_s: float | None = None,
-                owner: Hashable = None) -> SlotTicket:
+    def acquire(
+        self, layer: int, readers: Iterable[Hashable] = (), timeout_s: float | None = None, owner: Hashable = None
+    ) -> SlotTicket:
         return self._gates[self._slot_of(layer)].acquire(layer, readers, timeout_s, owner)
 
     def gate(self, slot: int) -> SlotGate:
@@ -307,7 +353,11 @@ class GateSet:
 
 
 def _check_timeout(timeout_s: float) -> float:
-    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not math.isfinite(timeout_s) \
-            or timeout_s < 0:
+    if (
+        not isinstance(timeout_s, (int, float))
+        or isinstance(timeout_s, bool)
+        or not math.isfinite(timeout_s)
+        or timeout_s < 0
+    ):
         raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}")
     return float(timeout_s)

@@ -84,9 +84,21 @@ def gather_rows(
         from kvcore import _native_gather
 
         _native_gather.gather_rows(
-            pool.data_ptr(), num_blocks, block_size, row_bytes, block_table.data_ptr(), R, max_blocks,
-            miss_rows.data_ptr(), miss_tokens.data_ptr(), M, dst.data_ptr(), D, capacity,
-            dst_index.data_ptr(), miss_slots.data_ptr(),
+            pool.data_ptr(),
+            num_blocks,
+            block_size,
+            row_bytes,
+            block_table.data_ptr(),
+            R,
+            max_blocks,
+            miss_rows.data_ptr(),
+            miss_tokens.data_ptr(),
+            M,
+            dst.data_ptr(),
+            D,
+            capacity,
+            dst_index.data_ptr(),
+            miss_slots.data_ptr(),
         )
         return
     _gather_reference(pool, block_table, miss_rows, miss_tokens, dst, dst_index, miss_slots)
@@ -100,7 +112,9 @@ def scatter_rows(pool: torch.Tensor, slot_mapping: torch.Tensor, src: torch.Tens
     num_blocks, block_size, row_bytes = pool.shape  # pool: [num_blocks, block_size, row_bytes] uint8
     M = slot_mapping.shape[0]
     if tuple(src.shape) != (M, row_bytes):
-        raise ValueError(f"scatter_rows: src has shape {tuple(src.shape)}, expected [M, row_bytes] = ({M}, {row_bytes})")
+        raise ValueError(
+            f"scatter_rows: src has shape {tuple(src.shape)}, expected [M, row_bytes] = ({M}, {row_bytes})"
+        )
     if M == 0 or row_bytes == 0:
         return
     if native:
@@ -154,7 +168,11 @@ def _gather_reference(pool, block_table, miss_rows, miss_tokens, dst, dst_index,
     lb = torch.div(toks.clamp(min=0), block_size, rounding_mode="floor")  # [M] logical block
     bad_lb = ~bad_row & ~bad_tok & (lb >= max_blocks)
     ok = ~(bad_row | bad_tok | bad_lb)
-    blk = torch.where(ok, block_table[r_safe, torch.where(ok, lb, 0)].long(), 0) if R and max_blocks else torch.zeros_like(toks)
+    blk = (
+        torch.where(ok, block_table[r_safe, torch.where(ok, lb, 0)].long(), 0)
+        if R and max_blocks
+        else torch.zeros_like(toks)
+    )
     bad_blk = ok & ((blk < 0) | (blk >= num_blocks))
     slots = miss_slots.long()
     bad_slot = ok & ~bad_blk & ((slots < 0) | (slots >= capacity))

@@ -241,16 +241,20 @@ def _as_block_bytes(t: torch.Tensor, name: str, n: int, geometry: PoolGeometry, 
         raise ValueError(f"{name} must be a torch.Tensor {want}, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be on CPU, got {t.device}; stage device data through a host buffer")
-    if t.dim() < 2 or tuple(t.shape[:2]) != (n, geometry.block_size) or \
-            math.prod(t.shape[2:]) * t.element_size() != row_bytes:
+    if (
+        t.dim() < 2
+        or tuple(t.shape[:2]) != (n, geometry.block_size)
+        or math.prod(t.shape[2:]) * t.element_size() != row_bytes
+    ):
         raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)} of {t.dtype}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous; call .contiguous() first")
     return t.view(torch.uint8).view(n, geometry.block_size, row_bytes)
 
 
-def check_same_bytes(keys: Sequence[bytes], plane: int, dst: torch.Tensor, ids: torch.Tensor,
-                     written: torch.Tensor, src: torch.Tensor) -> None:
+def check_same_bytes(
+    keys: Sequence[bytes], plane: int, dst: torch.Tensor, ids: torch.Tensor, written: torch.Tensor, src: torch.Tensor
+) -> None:
     """The write-once rule of ``put_from``: each already ``written`` object (``ids [n]`` into
     ``dst [num_blocks, block_size, row_bytes]``) must hold ``src [n, block_size, row_bytes]``
     already, else ``PlaneWritten`` naming the first key that differs."""
@@ -259,5 +263,8 @@ def check_same_bytes(keys: Sequence[bytes], plane: int, dst: torch.Tensor, ids: 
     same = (dst[ids[written]] == src[written]).flatten(1).all(1)  # [n_written]
     if not bool(same.all()):
         k = [k for k, w in zip(keys, written.tolist()) if w][int((~same).nonzero()[0])]
-        raise PlaneWritten(f"cannot write plane {plane} of {k!r} with other bytes: a written plane is write-once "
-                           f"(readers may hold its block id); remove the object and alloc it again", key=k)
+        raise PlaneWritten(
+            f"cannot write plane {plane} of {k!r} with other bytes: a written plane is write-once "
+            f"(readers may hold its block id); remove the object and alloc it again",
+            key=k,
+        )

@@ -98,7 +98,6 @@ class HotCache:
         if native:
             self._impl = _Native(capacity, num_layers, self._lock, policy == "slru")
         else:
-
             self._impl = ReferencePath(capacity, num_layers, self._lock, policy == "slru")
         self._steps = self._hits = self._misses = self._entries = 0
 
@@ -130,8 +129,7 @@ class HotCache:
             raise ValueError(f"request_ids[{dup}] = {ids[dup]!r} appears twice in one call")
         if k > self.capacity:
             raise ValueError(
-                f"topk has {k} columns but capacity is {self.capacity} "
-                "(capacity >= topk guarantees enough slots)"
+                f"topk has {k} columns but capacity is {self.capacity} (capacity >= topk guarantees enough slots)"
             )
         stable = _stable_list(stable_lens, rows)
         res = self._impl.resolve(layer, ids, topk, stable)
@@ -150,10 +148,17 @@ class HotCache:
         layer = operator.index(layer)
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer = {layer} is out of range [0, {self.num_layers})")
-        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.int64 or tokens.device.type != "cpu" \
-                or tokens.dim() != 2 or not tokens.is_contiguous():
-            raise ValueError(f"tokens must be a contiguous CPU int64 [rows, n] tensor, got {_describe(tokens)}"
-                             + (f" of shape {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else ""))
+        if (
+            not isinstance(tokens, torch.Tensor)
+            or tokens.dtype != torch.int64
+            or tokens.device.type != "cpu"
+            or tokens.dim() != 2
+            or not tokens.is_contiguous()
+        ):
+            raise ValueError(
+                f"tokens must be a contiguous CPU int64 [rows, n] tensor, got {_describe(tokens)}"
+                + (f" of shape {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else "")
+            )
         ids = list(request_ids)
         if len(ids) != tokens.shape[0]:
             raise ValueError(f"request_ids has {len(ids)} entries but tokens has {tokens.shape[0]} rows")
@@ -243,8 +248,16 @@ class _Native:
         miss_slots = empty(rows * k, dtype=i32)
         try:
             hits, misses = self._cache.resolve(
-                layer, handles, topk.data_ptr(), k, topk.dtype == torch.int64, stable,
-                slots.data_ptr(), miss_rows.data_ptr(), miss_tokens.data_ptr(), miss_slots.data_ptr(),
+                layer,
+                handles,
+                topk.data_ptr(),
+                k,
+                topk.dtype == torch.int64,
+                stable,
+                slots.data_ptr(),
+                miss_rows.data_ptr(),
+                miss_tokens.data_ptr(),
+                miss_slots.data_ptr(),
             )
         except (ValueError, IndexError) as e:
             with self._lock:
@@ -252,8 +265,9 @@ class _Native:
                     self._cache.free(requests.pop(rid))
             raise ValueError(str(e)) from None
         # resize_ shrinks in place (same storage, contiguous from 0): what [:misses] gives, cheaper
-        return Resolution(slots, miss_rows.resize_(misses), miss_tokens.resize_(misses), miss_slots.resize_(misses),
-                          hits, misses)
+        return Resolution(
+            slots, miss_rows.resize_(misses), miss_tokens.resize_(misses), miss_slots.resize_(misses), hits, misses
+        )
 
     def resident(self, layer: int, ids: list[str], tokens: torch.Tensor) -> torch.Tensor:
         with self._lock:

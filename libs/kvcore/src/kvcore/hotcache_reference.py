@@ -81,8 +81,15 @@ class ReferencePath:
         )
 
     @staticmethod
-    def _step(st: _LayerState, toks: list[int], stable: int, row: int, out: list[int],
-              misses: list[tuple[int, int, int]], slru: bool) -> int:
+    def _step(
+        st: _LayerState,
+        toks: list[int],
+        stable: int,
+        row: int,
+        out: list[int],
+        misses: list[tuple[int, int, int]],
+        slru: bool,
+    ) -> int:
         if stable < st.resident_bound:  # (1) drop tokens >= stable
             for s, t in enumerate(st.slot_token):
                 if t >= stable:
@@ -124,8 +131,10 @@ class ReferencePath:
         with self._lock:
             maps = [(self.requests.get(rid) or [None] * self.num_layers)[layer] for rid in ids]
             table = tokens.tolist()
-            return torch.tensor([[st is not None and t in st.token_slot for t in row]
-                                 for st, row in zip(maps, table, strict=True)], dtype=torch.bool).reshape(tokens.shape)
+            return torch.tensor(
+                [[st is not None and t in st.token_slot for t in row] for st, row in zip(maps, table, strict=True)],
+                dtype=torch.bool,
+            ).reshape(tokens.shape)
 
     def finish(self, request_id: str) -> bool:
         with self._lock:

@@ -144,7 +144,7 @@ class KVLayout:
         index_head_dim: int | None = None,
         index_dtype: str | torch.dtype | None = None,
         index_scale_bytes: int = 0,
-    ) -> "KVLayout":
+    ) -> KVLayout:
         """The layout of an MLA model (DeepSeek-V3.2 / GLM-5 style), MTP layers after base layers."""
         if num_hidden_layers <= 0:
             raise ValueError(f"num_hidden_layers must be > 0, got {num_hidden_layers}")

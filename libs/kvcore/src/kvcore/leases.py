@@ -54,7 +54,7 @@ class Lease(Protocol):
 
     def renew(self, ttl_ms: int) -> float: ...
 
-    def __enter__(self) -> "Lease": ...
+    def __enter__(self) -> Lease: ...
 
     def __exit__(self, *exc: object) -> None: ...
 
@@ -125,8 +125,10 @@ class LeaseTable:
     def renew(self, record: LeaseRecord, deadline: float) -> float:
         """Move a live record's deadline to ``deadline`` and return it; ``LeaseExpired`` if not live."""
         if not record.live:
-            raise LeaseExpired(f"lease on {len(record.keys)} key(s) is {record.state}; its objects may be gone",
-                               key=record.keys[0] if record.keys else None)
+            raise LeaseExpired(
+                f"lease on {len(record.keys)} key(s) is {record.state}; its objects may be gone",
+                key=record.keys[0] if record.keys else None,
+            )
         record.deadline = deadline
         heapq.heappush(self._heap, (deadline, next(self._seq), record))
         return deadline
@@ -145,8 +147,13 @@ class LocalLease:
     """The ``Lease`` handle of an in-process pool: a record in that pool's ``LeaseTable``, reached
     under the pool's lock. ``clock`` is the table's clock (``time.monotonic`` by default)."""
 
-    def __init__(self, record: LeaseRecord, table: LeaseTable, lock: threading.Lock | threading.Condition,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        record: LeaseRecord,
+        table: LeaseTable,
+        lock: threading.Lock | threading.Condition,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.keys = record.keys
         self._record, self._table, self._lock, self._clock = record, table, lock, clock
 
@@ -172,7 +179,7 @@ class LocalLease:
             self._table.expire(now)
             return self._table.renew(self._record, now + ttl_ms / 1000)
 
-    def __enter__(self) -> "LocalLease":
+    def __enter__(self) -> LocalLease:
         return self
 
     def __exit__(self, *exc: object) -> None:

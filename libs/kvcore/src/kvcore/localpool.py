@@ -54,8 +54,14 @@ class LocalHostPool(HostPoolBackend):
     ``lease`` without its lookup.
     """
 
-    def __init__(self, segment: SharedSegment, *, eviction: EvictionPolicy | None = None,
-                 io_wait_timeout_s: float = 30.0, owns_segment: bool = False) -> None:
+    def __init__(
+        self,
+        segment: SharedSegment,
+        *,
+        eviction: EvictionPolicy | None = None,
+        io_wait_timeout_s: float = 30.0,
+        owns_segment: bool = False,
+    ) -> None:
         check_open_segment(segment)
         if eviction is not None and not isinstance(eviction, EvictionPolicy):
             raise ValueError(f"eviction must be an EvictionPolicy, got {type(eviction).__name__}")
@@ -76,8 +82,15 @@ class LocalHostPool(HostPoolBackend):
         self._closed = False
 
     @classmethod
-    def create(cls, name: str, geometry: PoolGeometry, *, eviction: EvictionPolicy | None = None,
-               replace: bool = False, io_wait_timeout_s: float = 30.0) -> LocalHostPool:
+    def create(
+        cls,
+        name: str,
+        geometry: PoolGeometry,
+        *,
+        eviction: EvictionPolicy | None = None,
+        replace: bool = False,
+        io_wait_timeout_s: float = 30.0,
+    ) -> LocalHostPool:
         seg = SharedSegment.create(name, geometry, replace=replace)
         return cls(seg, eviction=eviction, io_wait_timeout_s=io_wait_timeout_s, owns_segment=True)
 
@@ -113,8 +126,7 @@ class LocalHostPool(HostPoolBackend):
 
     def _can_evict(self, key: bytes) -> bool:
         bid = self._index.get(key)
-        return bid is not None and key not in self._leases and bid not in self._pins \
-            and bool(self._written[bid].all())
+        return bid is not None and key not in self._leases and bid not in self._pins and bool(self._written[bid].all())
 
     def _pin(self, ids: list[int], delta: int) -> None:
         for b in ids:
@@ -142,8 +154,9 @@ class LocalHostPool(HostPoolBackend):
             return True
         left = deadline - time.monotonic()
         if left <= 0:
-            raise ObjectBusy(f"{what}: a copy of {busy!r} is still in flight after {self._io_wait_timeout_s} s",
-                             key=busy)
+            raise ObjectBusy(
+                f"{what}: a copy of {busy!r} is still in flight after {self._io_wait_timeout_s} s", key=busy
+            )
         self._cond.wait(left)
         return False
 
@@ -159,9 +172,14 @@ class LocalHostPool(HostPoolBackend):
         while True:
             free, victims = self._shortfall_victims(len(keys), kept)
             if free + len(victims) < len(keys):
-                raise PoolFullError(key=keys[free + len(victims)], needed=len(keys), free=free,
-                                    evictable=len(victims), num_blocks=self.geometry.num_blocks,
-                                    policy=type(self._policy).__name__)
+                raise PoolFullError(
+                    key=keys[free + len(victims)],
+                    needed=len(keys),
+                    free=free,
+                    evictable=len(victims),
+                    num_blocks=self.geometry.num_blocks,
+                    policy=type(self._policy).__name__,
+                )
             refused = self._before_drop(victims)
             if not refused:
                 return victims
@@ -261,9 +279,14 @@ class LocalHostPool(HostPoolBackend):
             ids = list(self._index.values())
             complete = sum(self._complete_mask(ids))
             return PoolStats(
-                num_blocks=g.num_blocks, used_blocks=used, free_blocks=len(self._free),
-                used_bytes=used * g.block_bytes, capacity_bytes=g.total_bytes, complete_objects=complete,
-                live_leases=self._leases.num_live, lease_expiries=self._leases.num_expired,
+                num_blocks=g.num_blocks,
+                used_blocks=used,
+                free_blocks=len(self._free),
+                used_bytes=used * g.block_bytes,
+                capacity_bytes=g.total_bytes,
+                complete_objects=complete,
+                live_leases=self._leases.num_live,
+                lease_expiries=self._leases.num_expired,
                 evictions=self._evictions,
             )
 

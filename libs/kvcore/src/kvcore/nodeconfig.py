@@ -69,8 +69,10 @@ def d2h_of(kv: KVTransferConfig) -> tuple[str, KVTransferConfig, D2HConnectorCon
 
 def missing_transfer_backend(prefix: str) -> str:
     """The error of an SfaRemoteD2HConnector without ``transfer_backend`` (``prefix``: its path)."""
-    return (f"{prefix}kv_connector_extra_config.transfer_backend: required for {D2H_CONNECTOR}; "
-            "must be 'kvoffload' or 'memfabric'")
+    return (
+        f"{prefix}kv_connector_extra_config.transfer_backend: required for {D2H_CONNECTOR}; "
+        "must be 'kvoffload' or 'memfabric'"
+    )
 
 
 def debug_warnings(sparse: SparseKVOffloadConfig) -> list[str]:

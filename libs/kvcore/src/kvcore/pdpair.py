@@ -46,17 +46,24 @@ def _shown(value: Any) -> str:
 
 
 def tp_pair_problem(prefill_tp: int, decode_tp: int) -> str:
-    """"" when ``prefill_tp`` prefill ranks can feed ``decode_tp`` decode ranks (prefill TP >= decode
+    """ "" when ``prefill_tp`` prefill ranks can feed ``decode_tp`` decode ranks (prefill TP >= decode
     TP and divisible by it), else why, naming both values."""
-    if not (is_int(prefill_tp) and is_int(decode_tp)) or prefill_tp < 1 or decode_tp < 1 \
-            or prefill_tp < decode_tp or prefill_tp % decode_tp:
-        return (f"tp: prefill tp {_shown(prefill_tp)}, decode tp {_shown(decode_tp)}; "
-                "prefill TP must be >= decode TP and divisible by it")
+    if (
+        not (is_int(prefill_tp) and is_int(decode_tp))
+        or prefill_tp < 1
+        or decode_tp < 1
+        or prefill_tp < decode_tp
+        or prefill_tp % decode_tp
+    ):
+        return (
+            f"tp: prefill tp {_shown(prefill_tp)}, decode tp {_shown(decode_tp)}; "
+            "prefill TP must be >= decode TP and divisible by it"
+        )
     return ""
 
 
 def tp_handshake_problem(prefill_tp_size: int, prefill_tp_rank: int, decode_tp_size: int, decode_tp_rank: int) -> str:
-    """"" when prefill TP rank ``prefill_tp_rank`` (of ``prefill_tp_size``) is a contributor of decode TP
+    """ "" when prefill TP rank ``prefill_tp_rank`` (of ``prefill_tp_size``) is a contributor of decode TP
     rank ``decode_tp_rank`` (of ``decode_tp_size``), else why, naming the values of both sides: the
     check both ends of a layout exchange make."""
     problem = tp_pair_problem(prefill_tp_size, decode_tp_size)
@@ -65,11 +72,15 @@ def tp_handshake_problem(prefill_tp_size: int, prefill_tp_rank: int, decode_tp_s
     if not is_int(prefill_tp_rank) or not 0 <= prefill_tp_rank < prefill_tp_size:
         return f"prefill_tp_rank: {_shown(prefill_tp_rank)} is outside 0..{prefill_tp_size - 1} (prefill tp {prefill_tp_size})"
     if not is_int(decode_tp_rank) or not 0 <= decode_tp_rank < decode_tp_size:
-        return f"decode_tp_rank: {_shown(decode_tp_rank)} is outside 0..{decode_tp_size - 1} (decode tp {decode_tp_size})"
+        return (
+            f"decode_tp_rank: {_shown(decode_tp_rank)} is outside 0..{decode_tp_size - 1} (decode tp {decode_tp_size})"
+        )
     target = prefill_tp_rank // (prefill_tp_size // decode_tp_size)
     if target != decode_tp_rank:
-        return (f"tp rank: prefill tp rank {prefill_tp_rank} of {prefill_tp_size} feeds decode tp rank {target} "
-                f"of {decode_tp_size}, not decode tp rank {decode_tp_rank}")
+        return (
+            f"tp rank: prefill tp rank {prefill_tp_rank} of {prefill_tp_size} feeds decode tp rank {target} "
+            f"of {decode_tp_size}, not decode tp rank {decode_tp_rank}"
+        )
     return ""
 
 

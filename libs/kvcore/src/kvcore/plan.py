@@ -10,9 +10,10 @@ without reuse and gives the logical/physical scale factor the scheduler's KV bud
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Literal
+from typing import Literal
 
 import structlog
 
@@ -63,9 +64,7 @@ class BufferPlan:
     num_shared_buffers: int
 
     @classmethod
-    def build(
-        cls, layout: KVLayout, num_shared_buffers: int | None, independent_layers: Iterable[int]
-    ) -> "BufferPlan":
+    def build(cls, layout: KVLayout, num_shared_buffers: int | None, independent_layers: Iterable[int]) -> BufferPlan:
         """Plan for ``B = num_shared_buffers`` (None = one buffer per layer: no reuse).
 
         ``independent_layers`` are resolved physical indices (see

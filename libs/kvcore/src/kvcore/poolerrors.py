@@ -49,8 +49,9 @@ class LeaseExpired(PoolError):
 class PoolFullError(PoolError):
     """No room for ``needed`` blocks: ``free`` free blocks plus ``evictable`` evictable ones."""
 
-    def __init__(self, *, key: bytes | None, needed: int, free: int, evictable: int = 0, num_blocks: int = 0,
-                 policy: str = "") -> None:
+    def __init__(
+        self, *, key: bytes | None, needed: int, free: int, evictable: int = 0, num_blocks: int = 0, policy: str = ""
+    ) -> None:
         super().__init__(
             f"host pool full: {needed} block(s) needed, {free} free + {evictable} evictable of {num_blocks} "
             f"(eviction policy {policy or '?'}); release leases, remove finished requests, or enlarge the pool",

@@ -93,7 +93,7 @@ class PoolGeometry:
         plane_row_bytes: Sequence[int],
         capacity_bytes: int,
         plane_labels: Sequence[tuple[int, str]] = (),
-    ) -> "PoolGeometry":
+    ) -> PoolGeometry:
         """As many blocks as fit in ``capacity_bytes`` (``capacity_bytes // block_bytes``)."""
         probe = cls(block_size, tuple(plane_row_bytes), 1, tuple(plane_labels))
         if not _is_int(capacity_bytes) or capacity_bytes < 0:
@@ -108,7 +108,7 @@ class PoolGeometry:
         return cls(block_size, probe.plane_row_bytes, num_blocks, probe.plane_labels)
 
     @classmethod
-    def from_layout(cls, layout: KVLayout, capacity_bytes: int, *, include_indexer: bool) -> "PoolGeometry":
+    def from_layout(cls, layout: KVLayout, capacity_bytes: int, *, include_indexer: bool) -> PoolGeometry:
         """Planes per layer in physical order: its main cache, then its indexer cache (if asked and present)."""
         if not isinstance(layout, KVLayout):
             raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -131,9 +131,13 @@ class PoolGeometry:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PoolGeometry":
+    def from_dict(cls, d: dict) -> PoolGeometry:
         try:
-            return cls(d["block_size"], tuple(d["plane_row_bytes"]), d["num_blocks"],
-                       tuple(tuple(x) for x in d.get("plane_labels", ())))
+            return cls(
+                d["block_size"],
+                tuple(d["plane_row_bytes"]),
+                d["num_blocks"],
+                tuple(tuple(x) for x in d.get("plane_labels", ())),
+            )
         except (KeyError, TypeError) as e:
             raise ValueError(f"bad pool geometry {d!r}: {e}") from None

@@ -67,33 +67,54 @@ class PoolBackend:
     vllm: bool = False  # the vLLM store connector runs on it
 
 
-MOONCAKE_INSTALL = ("install Mooncake Store: scripts/install-mooncake (it runs `apt-get install -y libibverbs1` and "
-                    "`pip install mooncake-transfer-engine-non-cuda==0.3.13.post1`)")
+MOONCAKE_INSTALL = (
+    "install Mooncake Store: scripts/install-mooncake (it runs `apt-get install -y libibverbs1` and "
+    "`pip install mooncake-transfer-engine-non-cuda==0.3.13.post1`)"
+)
 MEMCACHE_INSTALL = "install Memcache: scripts/install-memcache (it runs `pip install memcache_hybrid==1.3.0`)"
 
-POOL_BACKENDS: Mapping[str, PoolBackend] = MappingProxyType({b.name: b for b in (
-    PoolBackend(
-        EMBEDDED, factory="poolbackends.embedded:open_pool", keys="kvcore.poolkeys:EmbeddedPoolKeys",
-        readiness="poolbackends.embedded:pool_not_ready", launcher="poolbackends.metastore_server:MetastoreServer",
-        stack=StackServer("metastore", ("MetaStore", "metastore")), vllm=True),
-    # memcache: whether its data path runs here (an Ascend NPU driver) is its construction's call
-    PoolBackend(
-        "memcache", factory="poolbackends.memcache:open_pool", tolerates=frozenset({"metastore"}),
-        probe=ImportProbe("memcache_hybrid", MEMCACHE_INSTALL),
-        launcher="poolbackends.memcache_meta:MemcacheMetaService",
-        index="reads its MetaService from the mmc-local.conf (--local-config or $MMC_LOCAL_CONFIG_PATH)",
-        local_config="needs the LocalService's mmc-local.conf (its ock.mmc.meta_service_url, "
-                     "ock.mmc.local_service.config_store_url, protocol and dram.size)"),
-    # mooncake: runs wherever mooncake.store imports (no NPU); its master is checked when the pool connects
-    PoolBackend(
-        "mooncake", factory="poolbackends.mooncake:open_pool", keys="kvcore.poolkeys:MooncakePoolKeys",
-        required={"mooncake_master": "must be \"HOST:PORT\" (the mooncake_master's RPC address, e.g. "
-                                     "\"127.0.0.1:50051\")"},
-        probe=ImportProbe("mooncake.store", MOONCAKE_INSTALL), readiness="poolbackends.mooncake:pool_not_ready",
-        launcher="poolbackends.mooncake_master:MooncakeMaster",
-        index="keeps its objects in the mooncake_master (kv_connector_extra_config.mooncake_master)",
-        stack=StackServer("mooncake-master", ("Mooncake", "mooncake"))),
-)})
+POOL_BACKENDS: Mapping[str, PoolBackend] = MappingProxyType(
+    {
+        b.name: b
+        for b in (
+            PoolBackend(
+                EMBEDDED,
+                factory="poolbackends.embedded:open_pool",
+                keys="kvcore.poolkeys:EmbeddedPoolKeys",
+                readiness="poolbackends.embedded:pool_not_ready",
+                launcher="poolbackends.metastore_server:MetastoreServer",
+                stack=StackServer("metastore", ("MetaStore", "metastore")),
+                vllm=True,
+            ),
+            # memcache: whether its data path runs here (an Ascend NPU driver) is its construction's call
+            PoolBackend(
+                "memcache",
+                factory="poolbackends.memcache:open_pool",
+                tolerates=frozenset({"metastore"}),
+                probe=ImportProbe("memcache_hybrid", MEMCACHE_INSTALL),
+                launcher="poolbackends.memcache_meta:MemcacheMetaService",
+                index="reads its MetaService from the mmc-local.conf (--local-config or $MMC_LOCAL_CONFIG_PATH)",
+                local_config="needs the LocalService's mmc-local.conf (its ock.mmc.meta_service_url, "
+                "ock.mmc.local_service.config_store_url, protocol and dram.size)",
+            ),
+            # mooncake: runs wherever mooncake.store imports (no NPU); its master is checked when the pool connects
+            PoolBackend(
+                "mooncake",
+                factory="poolbackends.mooncake:open_pool",
+                keys="kvcore.poolkeys:MooncakePoolKeys",
+                required={
+                    "mooncake_master": 'must be "HOST:PORT" (the mooncake_master\'s RPC address, e.g. '
+                    '"127.0.0.1:50051")'
+                },
+                probe=ImportProbe("mooncake.store", MOONCAKE_INSTALL),
+                readiness="poolbackends.mooncake:pool_not_ready",
+                launcher="poolbackends.mooncake_master:MooncakeMaster",
+                index="keeps its objects in the mooncake_master (kv_connector_extra_config.mooncake_master)",
+                stack=StackServer("mooncake-master", ("Mooncake", "mooncake")),
+            ),
+        )
+    }
+)
 STORE_BACKENDS: tuple[str, ...] = tuple(POOL_BACKENDS)  # the store config's "backend" choices
 STACK_POOLS: tuple[str, ...] = tuple(b.name for b in POOL_BACKENDS.values() if b.stack)  # `kvoffload up --pool`
 VLLM_POOLS: tuple[str, ...] = tuple(b.name for b in POOL_BACKENDS.values() if b.vllm)

@@ -118,8 +118,9 @@ class SharedSegment:
     is safe while plane views are alive: the mapping then lives until the last view is freed.
     """
 
-    def __init__(self, name: str, path: str, mm: mmap.mmap, geometry: PoolGeometry,
-                 plane_offsets: list[int], owner: bool) -> None:
+    def __init__(
+        self, name: str, path: str, mm: mmap.mmap, geometry: PoolGeometry, plane_offsets: list[int], owner: bool
+    ) -> None:
         self.name = name
         self.path = path
         self.geometry = geometry
@@ -146,7 +147,7 @@ class SharedSegment:
         return os.path.join(SHM_DIR, SEGMENT_PREFIX + name)
 
     @classmethod
-    def create(cls, name: str, geometry: PoolGeometry, *, replace: bool = False) -> "SharedSegment":
+    def create(cls, name: str, geometry: PoolGeometry, *, replace: bool = False) -> SharedSegment:
         if not isinstance(geometry, PoolGeometry):
             raise ValueError(f"geometry must be a PoolGeometry, got {type(geometry).__name__}")
         path = cls.path_for(name)
@@ -193,7 +194,7 @@ class SharedSegment:
         return cls(name, path, mm, geometry, [data_offset + o for o in rel], owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> "SharedSegment":
+    def attach(cls, name: str) -> SharedSegment:
         path = cls.path_for(name)
         try:
             fd = os.open(path, os.O_RDWR)
@@ -271,7 +272,7 @@ class SharedSegment:
         except FileNotFoundError:
             pass
 
-    def __enter__(self) -> "SharedSegment":
+    def __enter__(self) -> SharedSegment:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -38,8 +38,18 @@ class Settles(Protocol):
 class Occupancy:
     """Mutable state of one occupant; guarded by its gate's lock."""
 
-    __slots__ = ("layer", "generation", "readers", "owner", "compute", "save", "reads_done", "reads_failed",
-                 "failures", "failure_reported")
+    __slots__ = (
+        "layer",
+        "generation",
+        "readers",
+        "owner",
+        "compute",
+        "save",
+        "reads_done",
+        "reads_failed",
+        "failures",
+        "failure_reported",
+    )
 
     def __init__(self, layer: int, generation: int, readers: frozenset, owner: Hashable):
         self.layer, self.generation, self.readers, self.owner = layer, generation, readers, owner
@@ -54,7 +64,11 @@ class Occupancy:
 
     @property
     def settled(self) -> bool:
-        return self.compute != PENDING and self.save != PENDING and len(self.reads_done) + len(self.reads_failed) == len(self.readers)
+        return (
+            self.compute != PENDING
+            and self.save != PENDING
+            and len(self.reads_done) + len(self.reads_failed) == len(self.readers)
+        )
 
     @property
     def free(self) -> bool:

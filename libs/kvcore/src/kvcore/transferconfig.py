@@ -29,7 +29,7 @@ class MultiConnectorConfig(ConfigModel):
 
     _ROOT: ClassVar[str] = "kv_connector_extra_config"
 
-    connectors: tuple["KVTransferConfig", ...]
+    connectors: tuple[KVTransferConfig, ...]
 
     @field_validator("connectors", mode="before")
     @classmethod
@@ -116,12 +116,12 @@ class KVTransferConfig(ConfigModel):
         return ((("kv_connector_extra_config",), self.kv_connector_extra_config),)
 
     @property
-    def leaves(self) -> tuple["KVTransferConfig", ...]:
+    def leaves(self) -> tuple[KVTransferConfig, ...]:
         """The non-Multi connector configs: the children of a MultiConnector, else ``(self,)``."""
         extra = self.kv_connector_extra_config
         return extra.connectors if isinstance(extra, MultiConnectorConfig) else (self,)
 
-    def locate(self, kv_connector: str) -> tuple[str, "KVTransferConfig"] | None:
+    def locate(self, kv_connector: str) -> tuple[str, KVTransferConfig] | None:
         """(dotted path prefix, config) of the connector of that type (self or a child), else None.
 
         The prefix is ``""`` for self and ``kv_connector_extra_config.connectors[i].`` for a child.
@@ -143,7 +143,7 @@ class KVTransferConfig(ConfigModel):
         return extra if isinstance(extra, StoreConnectorConfig) else None
 
     @property
-    def d2h(self) -> "KVTransferConfig | None":
+    def d2h(self) -> KVTransferConfig | None:
         """The SfaRemoteD2HConnector config (self or child, with its kv_port), or None."""
         found = self.locate(D2H_CONNECTOR)
         return found[1] if found else None

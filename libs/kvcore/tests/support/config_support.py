@@ -51,7 +51,9 @@ def prefill_multi(backend: str = "memcache", transfer_backend: str = "memfabric"
     }
 
 
-GUIDE_ADDITIONAL = '{"sparse_kv_offload_config": {"enabled": true, "topk_buffer_size": 4096, "dram_size_per_dp_GB": 128}}'
+GUIDE_ADDITIONAL = (
+    '{"sparse_kv_offload_config": {"enabled": true, "topk_buffer_size": 4096, "dram_size_per_dp_GB": 128}}'
+)
 
 
 def errors_of(fn: Any, value: Any) -> list[str]:

@@ -16,8 +16,12 @@ from kvcore.prefillsettings import prefill_settings
 # and token; indexer keys are not part of the host pool.
 KV_LORA_RANK, ROPE_DIM, BLOCK = 512, 64, 64
 LAYOUT = KVLayout.for_mla(
-    num_hidden_layers=4, kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM, block_size=BLOCK,
-    num_mtp_layers=1, index_head_dim=128,
+    num_hidden_layers=4,
+    kv_lora_rank=KV_LORA_RANK,
+    qk_rope_head_dim=ROPE_DIM,
+    block_size=BLOCK,
+    num_mtp_layers=1,
+    index_head_dim=128,
 )
 NUM_LAYERS = 5
 MAIN_BYTES_PER_TOKEN = NUM_LAYERS * (KV_LORA_RANK + ROPE_DIM) * 2
@@ -26,13 +30,23 @@ SPARSE = "sparse_kv_offload_config"
 
 
 def store(backend: str = "memcache", role: str = "kv_producer", **extra: Any) -> dict[str, Any]:
-    config = {"backend": backend, "use_layerwise": True, "layerwise_num_shared_buffers": 3,
-              "layerwise_independent_layers": [0]}
+    config = {
+        "backend": backend,
+        "use_layerwise": True,
+        "layerwise_num_shared_buffers": 3,
+        "layerwise_independent_layers": [0],
+    }
     config.update(extra)
-    return {"kv_connector": "AscendStoreConnector", "kv_role": role, EXTRA: {k: v for k, v in config.items() if v is not None}}
+    return {
+        "kv_connector": "AscendStoreConnector",
+        "kv_role": role,
+        EXTRA: {k: v for k, v in config.items() if v is not None},
+    }
 
 
-def d2h(transfer_backend: str | None = "memfabric", role: str = "kv_consumer", kv_port: int | None = 20050) -> dict[str, Any]:
+def d2h(
+    transfer_backend: str | None = "memfabric", role: str = "kv_consumer", kv_port: int | None = 20050
+) -> dict[str, Any]:
     out: dict[str, Any] = {"kv_connector": "SfaRemoteD2HConnector", "kv_role": role, EXTRA: {"use_layerwise": True}}
     if transfer_backend is not None:
         out[EXTRA]["transfer_backend"] = transfer_backend
@@ -45,7 +59,9 @@ def multi(*children: dict[str, Any], role: str = "kv_producer") -> dict[str, Any
     return {"kv_connector": "MultiConnector", "kv_role": role, EXTRA: {"connectors": list(children)}}
 
 
-def prefill_multi(backend: str = "memcache", transfer_backend: str | None = "memfabric", **extra: Any) -> dict[str, Any]:
+def prefill_multi(
+    backend: str = "memcache", transfer_backend: str | None = "memfabric", **extra: Any
+) -> dict[str, Any]:
     return multi(d2h(transfer_backend, role="kv_producer"), store(backend, **extra))
 
 

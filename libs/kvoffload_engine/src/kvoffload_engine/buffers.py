@@ -33,8 +33,16 @@ class LayerBuffers:
     """Per-slot device tensors of ``num_blocks * block_size`` token rows in the model dtype (an fp8
     indexer cache: uint8 rows of keys + scales, ``CacheSpec.storage``)."""
 
-    def __init__(self, plan: BufferPlan, num_blocks: int, allocator: DeviceAllocator, dtype: torch.dtype,
-                 *, segment_name: str | None = None, attach: bool = False) -> None:
+    def __init__(
+        self,
+        plan: BufferPlan,
+        num_blocks: int,
+        allocator: DeviceAllocator,
+        dtype: torch.dtype,
+        *,
+        segment_name: str | None = None,
+        attach: bool = False,
+    ) -> None:
         """``segment_name``: the buffers live in that shared-memory segment, created here (and
         removed by ``close``), or with ``attach`` the one another process created for the same plan
         and ``num_blocks`` (a TP follower's, which rank 0 serves to the decodes it feeds)."""
@@ -53,12 +61,14 @@ class LayerBuffers:
                 raise ValueError(f"shared-memory layer buffers need the cpu device, not {allocator.device}")
             labels = tuple((d.slot, d.kind) for d in plan.descriptors)
             geo = PoolGeometry(self.block_size, tuple(d.spec.row_bytes for d in plan.descriptors), num_blocks, labels)
-            self.segment = SharedSegment.attach(segment_name) if attach \
-                else SharedSegment.create(segment_name, geo, replace=True)
+            self.segment = (
+                SharedSegment.attach(segment_name) if attach else SharedSegment.create(segment_name, geo, replace=True)
+            )
             if attach and self.segment.geometry != geo:
                 self.segment.close()
-                raise ValueError(f"segment {segment_name!r} is not laid out for this plan "
-                                 f"({self.segment.geometry} != {geo})")
+                raise ValueError(
+                    f"segment {segment_name!r} is not laid out for this plan ({self.segment.geometry} != {geo})"
+                )
             self.plane_of = {label: p for p, label in enumerate(labels)}
         for p, d in enumerate(plan.descriptors):
             target = self._main if d.kind == "main" else self._indexer

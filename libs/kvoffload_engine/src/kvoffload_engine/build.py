@@ -21,26 +21,30 @@ def _name(prefix: str, name: str | None) -> str:
 
 def prefill_geometry(model: DSAModel, block_size: int, capacity_bytes: int) -> PoolGeometry:
     """The prefill side's pool geometry: main + indexer planes of every layer."""
-    return PoolGeometry.from_layout(kv_layout(model.config, block_size, model.dtype), capacity_bytes,
-                                    include_indexer=True)
+    return PoolGeometry.from_layout(
+        kv_layout(model.config, block_size, model.dtype), capacity_bytes, include_indexer=True
+    )
 
 
 def prefill_pool(model: DSAModel, block_size: int, capacity_bytes: int, name: str | None = None) -> LocalHostPool:
     """The prefill side's host pool, indexed in this process, with an LRU prefix cache."""
-    return LocalHostPool.create(_name("kvoffload-prefill", name), prefill_geometry(model, block_size, capacity_bytes),
-                                eviction=LRUEviction())
+    return LocalHostPool.create(
+        _name("kvoffload-prefill", name), prefill_geometry(model, block_size, capacity_bytes), eviction=LRUEviction()
+    )
 
 
 def decode_geometry(model: DSAModel, block_size: int, capacity_bytes: int) -> PoolGeometry:
     """The decode side's pool geometry: main planes only (the indexer stays on device)."""
-    return PoolGeometry.from_layout(kv_layout(model.config, block_size, model.dtype), capacity_bytes,
-                                    include_indexer=False)
+    return PoolGeometry.from_layout(
+        kv_layout(model.config, block_size, model.dtype), capacity_bytes, include_indexer=False
+    )
 
 
 def decode_pool(model: DSAModel, block_size: int, capacity_bytes: int, name: str | None = None) -> LocalHostPool:
     """The decode side's host pool (``decode_geometry``); never evicts."""
-    return LocalHostPool.create(_name("kvoffload-decode", name), decode_geometry(model, block_size, capacity_bytes),
-                                eviction=NoEviction())
+    return LocalHostPool.create(
+        _name("kvoffload-decode", name), decode_geometry(model, block_size, capacity_bytes), eviction=NoEviction()
+    )
 
 
 def prefill_engine(
@@ -67,5 +71,13 @@ def prefill_engine(
         indep = sorted({i % n for i in independent})
     plan = BufferPlan.build(layout, buffers, indep)
     prefetch = prefetch or min(plan.num_shared_buffers, 8)
-    return LayerwisePrefill(model, plan, pool, max_model_len=max_model_len, chunk_size=chunk_size,
-                            prefetch_layers=prefetch, model_id=model_id, **kw)
+    return LayerwisePrefill(
+        model,
+        plan,
+        pool,
+        max_model_len=max_model_len,
+        chunk_size=chunk_size,
+        prefetch_layers=prefetch,
+        model_id=model_id,
+        **kw,
+    )

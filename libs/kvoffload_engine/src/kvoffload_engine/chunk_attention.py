@@ -13,8 +13,9 @@ from dsamodel.attention import gather_rows, indexer_topk, sparse_mla_attention
 from dsamodel.model import DecoderLayer, DSAModel
 
 
-def attend(model: DSAModel, layer: DecoderLayer, proj, main: torch.Tensor, idx: torch.Tensor,
-           positions: torch.Tensor) -> torch.Tensor:
+def attend(
+    model: DSAModel, layer: DecoderLayer, proj, main: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """``proj`` (the layer's projections of the chunk) selects top-k of the rows ``main`` / ``idx``
     (every row up to the chunk's end) and attends over them -> latent [T, H, R] for ``layer.finish``."""
     topk = indexer_topk(proj.index_q, proj.index_w, model.index_codec.decode(idx), positions, model.config.index_topk)

@@ -111,14 +111,24 @@ class SparseDecoder(DecodeRequests):
         # indexer: [L, S, rows, Di]; hot: [L, S, capacity, W]; full (debug only): [L, S, rows, W]
         idx_dtype, idx_width = model.index_codec.storage(dtype)  # fp8 indexer: uint8 rows of keys + scales
         self.indexer = self.allocator.zeros((n_layers, max_num_seqs, rows, idx_width), idx_dtype, "decode.indexer")
-        self.hot = None if keep_device_kv_cache else self.allocator.zeros(
-            (n_layers, max_num_seqs, topk_buffer_size, width), dtype, "decode.hot")
-        self.full = self.allocator.zeros((n_layers, max_num_seqs, rows, width), dtype, "decode.full_kv") \
-            if keep_device_kv_cache else None
-        self.hotcache = None if keep_device_kv_cache else HotCache(
-            topk_buffer_size, n_layers, native=native, policy=hot_cache_policy)
-        self.prefetcher = MissPrefetcher(self.hotcache, native=native) \
-            if miss_prefetch and self.hotcache is not None else None
+        self.hot = (
+            None
+            if keep_device_kv_cache
+            else self.allocator.zeros((n_layers, max_num_seqs, topk_buffer_size, width), dtype, "decode.hot")
+        )
+        self.full = (
+            self.allocator.zeros((n_layers, max_num_seqs, rows, width), dtype, "decode.full_kv")
+            if keep_device_kv_cache
+            else None
+        )
+        self.hotcache = (
+            None
+            if keep_device_kv_cache
+            else HotCache(topk_buffer_size, n_layers, native=native, policy=hot_cache_policy)
+        )
+        self.prefetcher = (
+            MissPrefetcher(self.hotcache, native=native) if miss_prefetch and self.hotcache is not None else None
+        )
         self._gather_in_place = self.indexer.device.type == "cpu"  # else: staging + one copy per layer
         self.block_table = torch.full((max_num_seqs, self.max_blocks), -1, dtype=torch.int32)  # host
         self.seqs: dict[str, DecodeSeq] = {}
@@ -171,8 +181,9 @@ class SparseDecoder(DecodeRequests):
             raise ValueError(f"commit of {num_tokens} tokens: only {seq.num_blocks} blocks are allocated")
         seq.num_tokens = num_tokens
 
-    def mtp_forward(self, request_ids: list[str], positions: list[list[int]], h_prev: torch.Tensor,
-                    next_tokens: list[list[int]]) -> torch.Tensor:
+    def mtp_forward(
+        self, request_ids: list[str], positions: list[list[int]], h_prev: torch.Tensor, next_tokens: list[list[int]]
+    ) -> torch.Tensor:
         """The MTP layer at final ``positions`` (its cache grows there): draft logits [M, V].
 
         ``h_prev`` [M, D] is the base model's final-normed hidden state at those positions and
@@ -188,14 +199,17 @@ class SparseDecoder(DecodeRequests):
         h = self._layer(layer, h, request_ids, rows, pos, offsets, stable, StepStats())
         return self.model.mtp_logits(h, depth=0)
 
-    def _layer(self, layer, h, request_ids, rows, positions, offsets, stable, stats: StepStats,
-               prefetch_for: int | None = None) -> torch.Tensor:
+    def _layer(
+        self, layer, h, request_ids, rows, positions, offsets, stable, stats: StepStats, prefetch_for: int | None = None
+    ) -> torch.Tensor:
         """One cache layer for N tokens (request ``rows[n]`` at ``positions[n]``) -> h [N, D];
         with miss prefetch on, starts loading the predicted misses of cache layer ``prefetch_for``."""
         i, dev = layer.cache_index, self.model.device
         slots = torch.tensor([self.seqs[r].seq_slot for r in request_ids], dtype=torch.long)[rows]  # [N]
-        mapping = self.block_table[slots, positions // self.block_size].to(torch.int64) \
-            * self.block_size + positions % self.block_size  # [N]
+        mapping = (
+            self.block_table[slots, positions // self.block_size].to(torch.int64) * self.block_size
+            + positions % self.block_size
+        )  # [N]
         slots_dev, pos_dev = slots.to(dev), positions.to(dev)
         proj = layer.project(h, pos_dev)
         scatter_rows(self.pool.plane(self._planes[i]), mapping, as_row_bytes(proj.kv), native=self.native)
@@ -211,16 +225,23 @@ class SparseDecoder(DecodeRequests):
         elif int(offsets.max()) == 0:  # one token per request (no drafts): one hot-cache step, no reordering
             if self.prefetcher is not None and prefetch_for is not None:
                 stats.prefetched += self.prefetcher.start(
-                    prefetch_for, request_ids, self.pool.plane(self._planes[prefetch_for]), self.block_table[slots],
-                    topk, positions, self._hot_buffer(prefetch_for))
+                    prefetch_for,
+                    request_ids,
+                    self.pool.plane(self._planes[prefetch_for]),
+                    self.block_table[slots],
+                    topk,
+                    positions,
+                    self._hot_buffer(prefetch_for),
+                )
             kv_rows = self._hot_rows(i, request_ids, slots, topk, stable, stats)
         else:
             kv_rows = torch.empty(topk.shape + (proj.kv.shape[-1],), dtype=proj.kv.dtype, device=dev)
             for j in range(int(offsets.max()) + 1):  # the j-th token of every request: one hot-cache step
                 sel = (offsets == j).nonzero().flatten()  # [R_j]
                 ids = [request_ids[r] for r in rows[sel].tolist()]
-                kv_rows[sel.to(dev)] = self._hot_rows(i, ids, slots[sel], topk[sel.to(dev)],
-                                                      [stable[r] for r in rows[sel].tolist()], stats)
+                kv_rows[sel.to(dev)] = self._hot_rows(
+                    i, ids, slots[sel], topk[sel.to(dev)], [stable[r] for r in rows[sel].tolist()], stats
+                )
         lat = sparse_mla_attention(proj.q_latent, proj.q_rope, kv_rows, topk >= 0, layer.softmax_scale)
         return layer.finish(h, lat)
 
@@ -240,8 +261,9 @@ class SparseDecoder(DecodeRequests):
         if staged is not None and miss_rows.numel():  # misses loaded early: copy them from staging
             found, at = staged.find(miss_rows, miss_tokens)  # [M], [F]
             if bool(found.any()):
-                hot[seq_slots[miss_rows[found].long()].to(hot.device), miss_slots[found].long().to(hot.device)] = \
+                hot[seq_slots[miss_rows[found].long()].to(hot.device), miss_slots[found].long().to(hot.device)] = (
                     staged.rows[at.to(staged.rows.device)]
+                )
                 stats.prefetch_hits += int(at.numel())
                 rest = ~found
                 miss_rows, miss_tokens, miss_slots = miss_rows[rest], miss_tokens[rest], miss_slots[rest]
@@ -260,19 +282,40 @@ class SparseDecoder(DecodeRequests):
         assert self.hot is not None, "no hot buffers: this decoder keeps the whole KV cache on the device"
         return self.hot[layer]
 
-    def _load(self, layer: int, seq_slots: torch.Tensor, miss_rows: torch.Tensor, miss_tokens: torch.Tensor,
-              miss_slots: torch.Tensor) -> None:
+    def _load(
+        self,
+        layer: int,
+        seq_slots: torch.Tensor,
+        miss_rows: torch.Tensor,
+        miss_tokens: torch.Tensor,
+        miss_slots: torch.Tensor,
+    ) -> None:
         """Gather misses (batch row, token, hot slot; [M] each) from the host pool into their slots."""
         hot, m = self._hot_buffer(layer), miss_rows.numel()  # hot: [S, capacity, W]
         if m and self._gather_in_place:  # host memory: gather straight into the hot buffer
-            gather_rows(self.pool.plane(self._planes[layer]), self.block_table[seq_slots], miss_rows,
-                        miss_tokens, hot.view(torch.uint8), seq_slots.to(torch.int32), miss_slots,
-                        native=self.native)
+            gather_rows(
+                self.pool.plane(self._planes[layer]),
+                self.block_table[seq_slots],
+                miss_rows,
+                miss_tokens,
+                hot.view(torch.uint8),
+                seq_slots.to(torch.int32),
+                miss_slots,
+                native=self.native,
+            )
         elif m:  # accelerator: gather into host staging rows, then one copy into the slots
-            staging = torch.empty((1, m, hot.shape[-1] * hot.element_size()), dtype=torch.uint8,
-                                  pin_memory=torch.cuda.is_available())  # [1, M, row_bytes]
-            gather_rows(self.pool.plane(self._planes[layer]), self.block_table[seq_slots], miss_rows,
-                        miss_tokens, staging, torch.zeros(seq_slots.numel(), dtype=torch.int32),
-                        torch.arange(m, dtype=torch.int32), native=self.native)
+            staging = torch.empty(
+                (1, m, hot.shape[-1] * hot.element_size()), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+            )  # [1, M, row_bytes]
+            gather_rows(
+                self.pool.plane(self._planes[layer]),
+                self.block_table[seq_slots],
+                miss_rows,
+                miss_tokens,
+                staging,
+                torch.zeros(seq_slots.numel(), dtype=torch.int32),
+                torch.arange(m, dtype=torch.int32),
+                native=self.native,
+            )
             rows = staging[0].to(hot.device, non_blocking=True).view(hot.dtype).view(m, -1)  # [M, W]
             hot[seq_slots[miss_rows.long()].to(hot.device), miss_slots.long().to(hot.device)] = rows

@@ -121,15 +121,18 @@ class DecodeRequests:
             self.full[:, slot, :n] = seq.staged_full.to(self.full.device)
         seq.staged_index = seq.staged_full = None
 
-    def write_prompt_layer(self, request_id: str, layer: int, kv: torch.Tensor, index_k: torch.Tensor,
-                           start: int = 0) -> None:
+    def write_prompt_layer(
+        self, request_id: str, layer: int, kv: torch.Tensor, index_k: torch.Tensor, start: int = 0
+    ) -> None:
         """Install rows [start, start + n) of ``layer`` (any cache layer, MTP included): kv [n, W] into
         the host pool, index_k [n, Di] into the device indexer cache."""
         seq = self.seqs[request_id]
         n = kv.shape[0]
         if start < 0 or start + n > seq.num_blocks * self.block_size or index_k.shape[0] != n:
-            raise ValueError(f"rows [{start}, {start + n}) ({n} kv, {index_k.shape[0]} index) exceed the "
-                             f"{seq.num_blocks} admitted blocks of request {request_id!r}")
+            raise ValueError(
+                f"rows [{start}, {start + n}) ({n} kv, {index_k.shape[0]} index) exceed the "
+                f"{seq.num_blocks} admitted blocks of request {request_id!r}"
+            )
         if not 0 <= layer < self.indexer.shape[0]:
             raise ValueError(f"layer {layer} outside 0..{self.indexer.shape[0] - 1}")
         self._install_rows(seq, layer, start, as_row_bytes(kv))
@@ -156,7 +159,8 @@ class DecodeRequests:
                 a, b = max(first, first_full), min(first + length, end_full)
                 if a < b:
                     plane[pool_block + a - first : pool_block + b - first].copy_(
-                        rows[a * bs - start : b * bs - start].view(b - a, bs, -1))
+                        rows[a * bs - start : b * bs - start].view(b - a, bs, -1)
+                    )
             edges = torch.cat((torch.arange(0, lo), torch.arange(hi, n))) if lo or hi < n else None
         else:
             edges = torch.arange(n)
@@ -189,7 +193,7 @@ class DecodeRequests:
         if keys:
             ids = self.pool.alloc(keys)
             if seq.seq_slot is not None:
-                self.block_table[seq.seq_slot, seq.num_blocks:need] = torch.tensor(ids, dtype=torch.int32)
+                self.block_table[seq.seq_slot, seq.num_blocks : need] = torch.tensor(ids, dtype=torch.int32)
             t = torch.tensor(ids)
             cuts = [0, *((t[1:] != t[:-1] + 1).nonzero().flatten() + 1).tolist(), len(ids)]
             for a, b in zip(cuts, cuts[1:]):

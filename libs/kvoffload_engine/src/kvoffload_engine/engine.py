@@ -72,26 +72,42 @@ class Sequence:
 class Engine:
     """Prefill + sparse decode of one model in one process (the reference for I3)."""
 
-    def __init__(self, model: DSAModel, config: EngineConfig = EngineConfig(),
-                 prefill_pool: HostPoolBackend | None = None) -> None:
+    def __init__(
+        self, model: DSAModel, config: EngineConfig = EngineConfig(), prefill_pool: HostPoolBackend | None = None
+    ) -> None:
         """``prefill_pool``: the host pool (prefix cache) the prefill saves to and loads from, e.g.
         a shared one of another backend; the caller keeps it and closes it. Default: one of
         ``config.prefill_pool_bytes`` in this process, closed by ``close``."""
         self.model, self.config = model, config
         self.allocator = DeviceAllocator(model.device)
         self._owns_prefill_pool = prefill_pool is None
-        self.prefill_pool = prefill_pool if prefill_pool is not None else \
-            build.prefill_pool(model, config.block_size, config.prefill_pool_bytes)
+        self.prefill_pool = (
+            prefill_pool
+            if prefill_pool is not None
+            else build.prefill_pool(model, config.block_size, config.prefill_pool_bytes)
+        )
         self.decode_pool = build.decode_pool(model, config.block_size, config.decode_pool_bytes)
         self.prefill = build.prefill_engine(
-            model, self.prefill_pool, buffers=config.buffers, independent=config.independent,
-            chunk_size=config.chunk_size, max_model_len=config.max_model_len, prefetch=config.prefetch_layers,
-            model_id=config.model_id, allocator=self.allocator,
+            model,
+            self.prefill_pool,
+            buffers=config.buffers,
+            independent=config.independent,
+            chunk_size=config.chunk_size,
+            max_model_len=config.max_model_len,
+            prefetch=config.prefetch_layers,
+            model_id=config.model_id,
+            allocator=self.allocator,
         )
         self.decoder = SparseDecoder(
-            model, self.decode_pool, topk_buffer_size=config.topk_buffer_size, max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len, keep_device_kv_cache=config.keep_device_kv_cache,
-            allocator=self.allocator, native=config.native, hot_cache_policy=config.hot_cache_policy,
+            model,
+            self.decode_pool,
+            topk_buffer_size=config.topk_buffer_size,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            keep_device_kv_cache=config.keep_device_kv_cache,
+            allocator=self.allocator,
+            native=config.native,
+            hot_cache_policy=config.hot_cache_policy,
             miss_prefetch=config.miss_prefetch,
         )
         if config.num_speculative_tokens and not model.config.num_nextn_predict_layers:
@@ -116,8 +132,10 @@ class Engine:
         if prompt.dim() != 1 or prompt.numel() == 0:
             raise ValueError("prompt must be a non-empty list of token ids")
         if prompt.numel() + params.max_tokens > self.config.max_model_len:
-            raise ValueError(f"prompt ({prompt.numel()}) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len={self.config.max_model_len}")
+            raise ValueError(
+                f"prompt ({prompt.numel()}) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len={self.config.max_model_len}"
+            )
         seq = Sequence(request_id, prompt, RequestSampler(params, self.model.config.eos_token_id))
         self.waiting.append(seq)
         return seq
@@ -165,8 +183,14 @@ class Engine:
         """One decode step (``kvoffload_engine.speculative``): a request with a draft verifies it
         (greedy) and drafts the next one."""
         seqs = {s.request_id: s for s in self.running}
-        decode_step(self.decoder, [(s.request_id, s.sampler) for s in self.running], self._next_input, self._draft,
-                    self.draft_stats, lambda rid, logits: self._propose(seqs[rid], logits))
+        decode_step(
+            self.decoder,
+            [(s.request_id, s.sampler) for s in self.running],
+            self._next_input,
+            self._draft,
+            self.draft_stats,
+            lambda rid, logits: self._propose(seqs[rid], logits),
+        )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion; output token ids per prompt, in order."""
@@ -203,8 +227,11 @@ class Engine:
                 rows = []
                 for kind in ("main", "indexer"):
                     plane = geo.plane_index(i, kind)
-                    dtype, width = (self.model.dtype, self.model.config.kv_row_width) if kind == "main" \
+                    dtype, width = (
+                        (self.model.dtype, self.model.config.kv_row_width)
+                        if kind == "main"
                         else self.model.index_codec.storage(self.model.dtype)
+                    )
                     buf = torch.empty((len(res.keys), geo.block_size, width), dtype=dtype)
                     pool.get_into(res.keys, plane, buf)
                     rows.append(buf.view(-1, width)[:num_tokens])  # [P, W]

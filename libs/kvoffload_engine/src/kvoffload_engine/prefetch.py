@@ -62,8 +62,9 @@ class MissPrefetcher:
         self.hotcache = hotcache
         self.native = native
         self.budget = budget
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch",
-                                        initializer=use_one_thread_here if native else None)
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="kv-prefetch", initializer=use_one_thread_here if native else None
+        )
         self._pending: dict[int, tuple[Future, torch.Tensor, int]] = {}  # layer -> (rows future, keys, stride)
         self._misses: dict[int, dict[str, int]] = {}  # layer -> request -> misses at its last step
         self.wait_s = 0.0  # the longest a layer waits for its load before gathering without it
@@ -79,8 +80,16 @@ class MissPrefetcher:
         for per in self._misses.values():
             per.pop(request_id, None)
 
-    def start(self, layer: int, request_ids: list[str], plane: torch.Tensor, block_table: torch.Tensor,
-              topk: torch.Tensor, positions: torch.Tensor, hot: torch.Tensor) -> int:
+    def start(
+        self,
+        layer: int,
+        request_ids: list[str],
+        plane: torch.Tensor,
+        block_table: torch.Tensor,
+        topk: torch.Tensor,
+        positions: torch.Tensor,
+        hot: torch.Tensor,
+    ) -> int:
         """Begin loading ``layer``'s predicted misses: ``topk`` [R, k] of the layer below at this
         step, ``positions`` [R] each row's position, ``block_table`` [R, blocks] each row's pool
         blocks, ``plane`` the host-pool plane of ``layer``, ``hot`` [S, capacity, W] its hot
@@ -100,8 +109,9 @@ class MissPrefetcher:
         keys = rows * stride + toks  # [P], ascending (distinct tokens per row, rows ascending)
         keys, order = keys.sort()
         rows, toks = rows[order], toks[order]
-        future = self._pool.submit(_load, plane, block_table, rows.to(torch.int32), toks, hot.dtype, hot.device,
-                                   hot.shape[-1], self.native)
+        future = self._pool.submit(
+            _load, plane, block_table, rows.to(torch.int32), toks, hot.dtype, hot.device, hot.shape[-1], self.native
+        )
         self._pending[layer] = (future, keys, stride)
         return int(rows.numel())
 
@@ -131,13 +141,30 @@ class MissPrefetcher:
         self._pool.shutdown(wait=True)
 
 
-def _load(plane: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
-          dtype: torch.dtype, device: torch.device, width: int, native: bool) -> torch.Tensor:
+def _load(
+    plane: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    width: int,
+    native: bool,
+) -> torch.Tensor:
     """Gathers pool rows (batch ``rows`` [P] int32, ``tokens`` [P]) -> [P, width] of ``dtype`` on
     ``device`` (background thread)."""
     n = rows.numel()
-    staging = torch.empty((1, n, plane.shape[-1]), dtype=torch.uint8,
-                          pin_memory=device.type == "cuda")  # [1, P, row_bytes]
-    gather_rows(plane, block_table, rows, tokens, staging, torch.zeros(block_table.shape[0], dtype=torch.int32),
-                torch.arange(n, dtype=torch.int32), native=native)
+    staging = torch.empty(
+        (1, n, plane.shape[-1]), dtype=torch.uint8, pin_memory=device.type == "cuda"
+    )  # [1, P, row_bytes]
+    gather_rows(
+        plane,
+        block_table,
+        rows,
+        tokens,
+        staging,
+        torch.zeros(block_table.shape[0], dtype=torch.int32),
+        torch.arange(n, dtype=torch.int32),
+        native=native,
+    )
     return staging[0].view(dtype).view(n, width).to(device)

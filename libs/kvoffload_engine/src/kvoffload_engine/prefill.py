@@ -130,13 +130,16 @@ class LayerwisePrefill:
         self.max_model_len = max_model_len
         self.lease_ttl_ms = lease_ttl_ms
         self.allocator = allocator or DeviceAllocator(model.device)
-        self.buffers = LayerBuffers(plan, -(-max_model_len // self.block_size), self.allocator, model.dtype,
-                                    segment_name=buffer_segment)
+        self.buffers = LayerBuffers(
+            plan, -(-max_model_len // self.block_size), self.allocator, model.dtype, segment_name=buffer_segment
+        )
         self.gates = GateSet(plan.layer_to_slot, default_timeout_s=gate_timeout_s)
         self.announce = announce
         self.followers = followers  # TP ranks 1..N-1 (kvoffload_engine.tp_prefill); None: one rank
         # (main plane, indexer plane or None) per layer; like decode, a pool without a layer's main plane is refused
-        self._planes = [(pool.geometry.plane_index(i, "main"), self._plane(i, "indexer")) for i in range(layout.num_layers)]
+        self._planes = [
+            (pool.geometry.plane_index(i, "main"), self._plane(i, "indexer")) for i in range(layout.num_layers)
+        ]
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kv-save")
         self._lock = threading.Lock()  # one request at a time through the buffers
         self._announced = False  # this try of the running request told a reader of a layer
@@ -166,8 +169,12 @@ class LayerwisePrefill:
             except ObjectUnreachable as exc:
                 if self._announced:
                     raise
-                log.warning("prefill_prefix_unreachable", request_id=req.request_id, error=str(exc),
-                            action="computing the prefix again")
+                log.warning(
+                    "prefill_prefix_unreachable",
+                    request_id=req.request_id,
+                    error=str(exc),
+                    action="computing the prefix again",
+                )
             # the backend removed them: the prefix match now stops before them. Another owner for the
             # gates, so the first try's failed slots are not reported to this one
             self._try = 1
@@ -176,8 +183,9 @@ class LayerwisePrefill:
     def _run(self, req: PrefillRequest) -> PrefillResult:
         bs, n = self.block_size, req.prompt.numel()
         self._save_errors: list[BaseException] = []
-        blocks = PromptBlocks(self.pool, req.request_id, block_keys(self.model_id, req.prompt, bs), n, bs,
-                              self.lease_ttl_ms)
+        blocks = PromptBlocks(
+            self.pool, req.request_id, block_keys(self.model_id, req.prompt, bs), n, bs, self.lease_ttl_ms
+        )
         logits = first = draft = None
         try:
             start = blocks.cached_blocks * bs
@@ -190,8 +198,9 @@ class LayerwisePrefill:
             assert logits is not None and first is not None
             self._saver.submit(lambda: None).result()  # this request's saves are written
             if self._save_errors:
-                raise PrefillError(f"saving request {req.request_id} to the host pool failed: "
-                                   f"{self._save_errors[0]!r}") from self._save_errors[0]
+                raise PrefillError(
+                    f"saving request {req.request_id} to the host pool failed: {self._save_errors[0]!r}"
+                ) from self._save_errors[0]
             blocks.release_leases()
             full_lease = self.pool.lease(blocks.keys, self.lease_ttl_ms)
         except BaseException:
@@ -199,10 +208,12 @@ class LayerwisePrefill:
             self._saver.submit(lambda: None).result()
             blocks.remove_unwritten()  # complete hash blocks stay cached
             raise
-        log.info("prefill_done", request_id=req.request_id, prompt_tokens=n,
-                 cached_tokens=start, computed_tokens=n - start)
-        return PrefillResult(req.request_id, logits, first, draft, start, n - start, blocks.keys, full_lease,
-                             blocks.owned)
+        log.info(
+            "prefill_done", request_id=req.request_id, prompt_tokens=n, cached_tokens=start, computed_tokens=n - start
+        )
+        return PrefillResult(
+            req.request_id, logits, first, draft, start, n - start, blocks.keys, full_lease, blocks.owned
+        )
 
     def release(self, result: PrefillResult) -> None:
         """End the hand-off: release the lease and drop the request-scoped objects."""
@@ -220,8 +231,15 @@ class LayerwisePrefill:
         tokens = req.prompt[s:e].to(model.device)
         positions = torch.arange(s, e, device=model.device)
         layers = model.cache_layers
-        pipeline = SlotLoader(self.gates, self.buffers, self.plan.num_logical_layers, self.prefetch_layers, req.readers,
-                              (req.request_id, self._try), lambda ticket: self._load(ticket, req, chunk))
+        pipeline = SlotLoader(
+            self.gates,
+            self.buffers,
+            self.plan.num_logical_layers,
+            self.prefetch_layers,
+            req.readers,
+            (req.request_id, self._try),
+            lambda ticket: self._load(ticket, req, chunk),
+        )
         logits = first = draft = None
         followers = self.followers
         try:

@@ -33,8 +33,15 @@ class PromptBlocks:
     release), ``allocated`` every object this request allocated, ``leases`` what keeps them readable
     while it runs. The prefix hit is leased at once: ``cached_blocks`` full blocks."""
 
-    def __init__(self, pool: HostPoolBackend, request_id: str, hash_keys: list[bytes], num_tokens: int,
-                 block_size: int, lease_ttl_ms: int) -> None:
+    def __init__(
+        self,
+        pool: HostPoolBackend,
+        request_id: str,
+        hash_keys: list[bytes],
+        num_tokens: int,
+        block_size: int,
+        lease_ttl_ms: int,
+    ) -> None:
         self.pool, self.request_id, self.hash_keys = pool, request_id, hash_keys
         self.block_size, self.lease_ttl_ms = block_size, lease_ttl_ms
         self.cached_blocks = self._match_prefix(num_tokens)
@@ -67,9 +74,14 @@ class PromptBlocks:
         if written:
             self.leases.append(self.pool.lease([hash_keys[b] for b in sorted(written)], self.lease_ttl_ms))
         chunk.save_blocks = [b for b in blocks if b not in written]
-        chunk.save_keys = self._alloc(e, [hash_keys[b] if b in full else
-                                          request_block_key(self.request_id, b, version=e)
-                                          for b in chunk.save_blocks], chunk.save_blocks)
+        chunk.save_keys = self._alloc(
+            e,
+            [
+                hash_keys[b] if b in full else request_block_key(self.request_id, b, version=e)
+                for b in chunk.save_blocks
+            ],
+            chunk.save_blocks,
+        )
         self.allocated += chunk.save_keys
         self.owned += [k for k in chunk.save_keys if is_request_key(k)]
         saved = dict(zip(chunk.save_blocks, chunk.save_keys))

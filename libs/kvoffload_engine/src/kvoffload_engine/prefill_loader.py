@@ -32,8 +32,16 @@ class SlotLoader:
     """Acquires slots (for ``readers``, as ``owner``) and loads prefixes (``load(ticket)``) of the
     ``num_layers`` layers in order, at most ``ahead`` layers ahead of ``take``."""
 
-    def __init__(self, gates: GateSet, buffers: LayerBuffers, num_layers: int, ahead: int,
-                 readers: frozenset[Hashable], owner: Hashable, load: Callable[[SlotTicket], None]) -> None:
+    def __init__(
+        self,
+        gates: GateSet,
+        buffers: LayerBuffers,
+        num_layers: int,
+        ahead: int,
+        readers: frozenset[Hashable],
+        owner: Hashable,
+        load: Callable[[SlotTicket], None],
+    ) -> None:
         self.gates, self.buffers, self.readers, self.owner, self.load = gates, buffers, readers, owner, load
         self._futures: list[Future] = [Future() for _ in range(num_layers)]
         self._permits = threading.Semaphore(ahead)

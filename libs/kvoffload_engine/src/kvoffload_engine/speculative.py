@@ -49,8 +49,14 @@ def greedy_draft(request_id: str, draft_logits: torch.Tensor) -> int:
     return int(torch.argmax(draft_logits))
 
 
-def decode_step(decoder, batch: list[tuple[str, RequestSampler]], next_input: dict[str, int],
-                drafts: dict[str, int], stats: DraftStats, propose: Propose = greedy_draft) -> dict[str, list[int]]:
+def decode_step(
+    decoder,
+    batch: list[tuple[str, RequestSampler]],
+    next_input: dict[str, int],
+    drafts: dict[str, int],
+    stats: DraftStats,
+    propose: Propose = greedy_draft,
+) -> dict[str, list[int]]:
     """One step of ``batch`` (request id, its sampler) on ``decoder`` (a ``SparseDecoder``): returns
     the tokens each request produced (one, or two with an accepted draft), in order; updates
     ``next_input`` and ``drafts`` (module docstring). A request whose sampler finished gets no new
@@ -103,14 +109,20 @@ def parse_speculative_config(text: str | None) -> int:
         raise ValueError(f"--speculative-config: must be a JSON object, got {type(cfg).__name__}")
     unknown = sorted(set(cfg) - {"method", "num_speculative_tokens"})
     if unknown:
-        raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; this decode takes method and "
-                         "num_speculative_tokens")
+        raise ValueError(
+            f"--speculative-config: unknown key(s) {', '.join(unknown)}; this decode takes method and "
+            "num_speculative_tokens"
+        )
     method = cfg.get("method")
     if method not in METHODS:
-        raise ValueError(f"--speculative-config.method: got {method!r}; must be one of {', '.join(METHODS)} "
-                         "(drafts come from the model's MTP layer)")
+        raise ValueError(
+            f"--speculative-config.method: got {method!r}; must be one of {', '.join(METHODS)} "
+            "(drafts come from the model's MTP layer)"
+        )
     n = cfg.get("num_speculative_tokens")
     if isinstance(n, bool) or n != 1:
-        raise ValueError(f"--speculative-config.num_speculative_tokens: got {n!r}; must be 1 (one MTP draft token "
-                         "per step is what this engine runs)")
+        raise ValueError(
+            f"--speculative-config.num_speculative_tokens: got {n!r}; must be 1 (one MTP draft token "
+            "per step is what this engine runs)"
+        )
     return 1

@@ -25,21 +25,30 @@ import torch
 TopkOverride = Callable[[int, list[str], torch.Tensor], torch.Tensor]
 
 
-def overridden_topk(override: TopkOverride, layer: int, row_ids: list[str], positions: torch.Tensor,
-                    topk: torch.Tensor) -> torch.Tensor:
+def overridden_topk(
+    override: TopkOverride, layer: int, row_ids: list[str], positions: torch.Tensor, topk: torch.Tensor
+) -> torch.Tensor:
     """``override``'s choice for this layer's rows in place of the indexer's ``topk`` [N, k], checked,
     as the indexer's dtype and device."""
     out = override(layer, row_ids, positions)
-    if not isinstance(out, torch.Tensor) or out.shape != topk.shape or out.dtype.is_floating_point \
-            or out.dtype.is_complex or out.dtype == torch.bool:
+    if (
+        not isinstance(out, torch.Tensor)
+        or out.shape != topk.shape
+        or out.dtype.is_floating_point
+        or out.dtype.is_complex
+        or out.dtype == torch.bool
+    ):
         got = f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"topk_override of layer {layer} must return an integer [N, k] = {list(topk.shape)} "
-                         f"tensor, got {got}")
+        raise ValueError(
+            f"topk_override of layer {layer} must return an integer [N, k] = {list(topk.shape)} tensor, got {got}"
+        )
     pos = positions.to(out.device)[:, None]  # [N, 1]
     bad = (out < -1) | (out > pos)  # [N, k] outside [0, position] and not padding
     if bool(bad.any()):
         n, j = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"topk_override of layer {layer}: row {n} (request {row_ids[n]!r}, position "
-                         f"{int(positions[n])}) selects {int(out[n, j])}, outside [0, {int(positions[n])}] "
-                         f"and not -1")
+        raise ValueError(
+            f"topk_override of layer {layer}: row {n} (request {row_ids[n]!r}, position "
+            f"{int(positions[n])}) selects {int(out[n, j])}, outside [0, {int(positions[n])}] "
+            f"and not -1"
+        )
     return out.to(device=topk.device, dtype=topk.dtype)

@@ -30,6 +30,7 @@ class Channel(Protocol):
     def sync(self) -> None:
         """Every rank has got here (a broadcast may return on rank 0 before the others received it)."""
         ...
+
     def gather(self, obj: Any) -> list | None:
         """Every rank sends ``obj``; rank 0 gets the followers' ones, in rank order (others: None)."""
         ...

@@ -68,8 +68,7 @@ class LeadDecoder(SparseDecoder):
 
     def check(self) -> None:
         if self.broken:
-            raise TPGroupBroken(f"the {self.size} TP decode ranks are out of step ({self.broken}); "
-                                "restart the decode")
+            raise TPGroupBroken(f"the {self.size} TP decode ranks are out of step ({self.broken}); restart the decode")
 
     def _flush(self, *tensors: torch.Tensor) -> None:
         """Send the queued ops (the last may be followed by ``tensors``)."""
@@ -115,8 +114,9 @@ class LeadDecoder(SparseDecoder):
         super().bind(request_id)
         self._ops.append(("bind", request_id))
 
-    def write_prompt_layer(self, request_id: str, layer: int, kv: torch.Tensor, index_k: torch.Tensor,
-                           start: int = 0) -> None:
+    def write_prompt_layer(
+        self, request_id: str, layer: int, kv: torch.Tensor, index_k: torch.Tensor, start: int = 0
+    ) -> None:
         self.check()
         super().write_prompt_layer(request_id, layer, kv, index_k, start=start)
         if self.send_rows:
@@ -159,13 +159,19 @@ class LeadDecoder(SparseDecoder):
         self.steps_sent += 1
         return out
 
-    def mtp_forward(self, request_ids: list[str], positions: list[list[int]], h_prev: torch.Tensor,
-                    next_tokens: list[list[int]]) -> torch.Tensor:
+    def mtp_forward(
+        self, request_ids: list[str], positions: list[list[int]], h_prev: torch.Tensor, next_tokens: list[list[int]]
+    ) -> torch.Tensor:
         self.check()
         for r in request_ids:
             self.seqs[r]  # an unknown request raises KeyError here, before anything is sent
-        op = ("mtp", list(request_ids), [list(map(int, p)) for p in positions],
-              [list(map(int, t)) for t in next_tokens], tensor_spec(h_prev))
+        op = (
+            "mtp",
+            list(request_ids),
+            [list(map(int, p)) for p in positions],
+            [list(map(int, t)) for t in next_tokens],
+            tensor_spec(h_prev),
+        )
         with self._computing(op, h_prev):
             return super().mtp_forward(request_ids, positions, h_prev, next_tokens)
 
@@ -201,8 +207,14 @@ class LeadDecoder(SparseDecoder):
         self.channel.sync()
 
 
-def follow_decode(decoder: SparseDecoder, channel: Channel, lock: threading.Lock | None = None, *,
-                  on_op: Callable[[tuple], None] | None = None, status: Callable[[], Any] | None = None) -> int:
+def follow_decode(
+    decoder: SparseDecoder,
+    channel: Channel,
+    lock: threading.Lock | None = None,
+    *,
+    on_op: Callable[[tuple], None] | None = None,
+    status: Callable[[], Any] | None = None,
+) -> int:
     """A follower rank's loop over its own ``decoder`` (its shard of the model, its own pool): apply
     rank 0's ops in order until it closes; returns the number of steps run. ``lock`` is held while
     an op is applied, and ``on_op(op)`` is called after it (a service's own pull threads install

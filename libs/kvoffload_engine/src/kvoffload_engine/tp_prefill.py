@@ -129,8 +129,15 @@ def _expect(channel: Channel, *kinds: str) -> tuple:
     return msg
 
 
-def _layer(model: DSAModel, channel: Channel, layer, h: torch.Tensor, positions: torch.Tensor, start: int,
-           buffers: LayerBuffers | None):
+def _layer(
+    model: DSAModel,
+    channel: Channel,
+    layer,
+    h: torch.Tensor,
+    positions: torch.Tensor,
+    start: int,
+    buffers: LayerBuffers | None,
+):
     _, (main_shape, main_dtype), (idx_shape, idx_dtype) = _expect(channel, "layer")
     main_dtype, idx_dtype = tensor_dtype(main_dtype), tensor_dtype(idx_dtype)
     # rows [0, start) of the layer, sent before the chunk's own: received in that order
@@ -162,8 +169,9 @@ def follow(model: DSAModel, channel: Channel) -> int:
                 _, plan, num_blocks, names = msg
                 if buffers is not None:
                     raise RuntimeError("TP follower: rank 0 sent its buffers twice")
-                buffers = LayerBuffers(plan, num_blocks, DeviceAllocator(model.device), model.dtype,
-                                       segment_name=names[model.tp.rank - 1])
+                buffers = LayerBuffers(
+                    plan, num_blocks, DeviceAllocator(model.device), model.dtype, segment_name=names[model.tp.rank - 1]
+                )
                 channel.sync()
                 continue
             done += _chunk(model, channel, msg, buffers)

@@ -35,15 +35,23 @@ class TraceTopK:
     ``layers``: the trace layer of each cache layer (default ``range(num_layers)``).
     """
 
-    def __init__(self, trace: Trace, requests: Sequence[str] | Mapping[str, tuple[int, int]], *,
-                 num_layers: int, layers: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        requests: Sequence[str] | Mapping[str, tuple[int, int]],
+        *,
+        num_layers: int,
+        layers: Sequence[int] | None = None,
+    ) -> None:
         self.trace = trace
         keys = list(zip(trace.requests.tolist(), trace.groups.tolist(), trace.layers.tolist()))
         stream_of: dict[tuple[int, int, int], int] = {}
         for s, key in enumerate(keys):
             if key in stream_of:
-                raise ValueError(f"trace {trace.name!r}: streams {stream_of[key]} and {s} are both request "
-                                 f"{key[0]}, group {key[1]}, layer {key[2]}")
+                raise ValueError(
+                    f"trace {trace.name!r}: streams {stream_of[key]} and {s} are both request "
+                    f"{key[0]}, group {key[1]}, layer {key[2]}"
+                )
             stream_of[key] = s
         pairs = sorted({(r, g) for r, g, _ in keys})
         if isinstance(requests, Mapping):
@@ -56,8 +64,10 @@ class TraceTopK:
             if len(set(ids)) != len(ids):
                 raise ValueError("request ids must be distinct")
             if len(ids) > len(pairs):
-                raise ValueError(f"trace {trace.name!r} has {len(pairs)} (request, group) stream pairs; the engine "
-                                 f"needs one per request: {len(ids)}")
+                raise ValueError(
+                    f"trace {trace.name!r} has {len(pairs)} (request, group) stream pairs; the engine "
+                    f"needs one per request: {len(ids)}"
+                )
             pair_of = dict(zip(ids, pairs))
         if num_layers < 1:
             raise ValueError(f"num_layers = {num_layers} must be >= 1")
@@ -67,8 +77,10 @@ class TraceTopK:
             raise ValueError(f"layers gives {len(layer_map)} trace layers for {num_layers} cache layers")
         missing = [x for x in layer_map if x not in trace_layers]
         if missing:
-            raise ValueError(f"trace {trace.name!r} has {len(trace_layers)} layers ({_span(trace_layers)}); the "
-                             f"model's {num_layers} cache layers need trace layer(s) {_span(sorted(set(missing)))}")
+            raise ValueError(
+                f"trace {trace.name!r} has {len(trace_layers)} layers ({_span(trace_layers)}); the "
+                f"model's {num_layers} cache layers need trace layer(s) {_span(sorted(set(missing)))}"
+            )
         self.request_ids = list(pair_of)
         self.pairs = [pair_of[r] for r in self.request_ids]
         self._row = {rid: n for n, rid in enumerate(self.request_ids)}
@@ -86,8 +98,10 @@ class TraceTopK:
         """The prompt length that lines ``request_id`` up with step 0: ``context0 - 1`` of its streams."""
         c0 = self.trace.context0[self._stream[self._row[request_id]]]  # [L]
         if bool((c0 != c0[0]).any()):
-            raise ValueError(f"request {request_id!r}: its trace streams start at different contexts "
-                             f"{sorted(set(c0.tolist()))}; one prompt cannot line up with all of them")
+            raise ValueError(
+                f"request {request_id!r}: its trace streams start at different contexts "
+                f"{sorted(set(c0.tolist()))}; one prompt cannot line up with all of them"
+            )
         return int(c0[0]) - 1
 
     def streams(self) -> torch.Tensor:
@@ -97,13 +111,15 @@ class TraceTopK:
     def __call__(self, layer: int, request_ids: list[str], positions: torch.Tensor) -> torch.Tensor:
         """[N] request ids and positions -> the trace's top-k [N, k] int64 for cache layer ``layer``."""
         if not 0 <= layer < self.num_layers:
-            raise ValueError(f"cache layer {layer} is outside the {self.num_layers} layers mapped to trace "
-                             f"{self.trace.name!r}")
+            raise ValueError(
+                f"cache layer {layer} is outside the {self.num_layers} layers mapped to trace {self.trace.name!r}"
+            )
         try:
             rows = torch.tensor([self._row[r] for r in request_ids], dtype=torch.long)  # [N]
         except KeyError as e:
-            raise ValueError(f"request {e.args[0]!r} has no stream pair of trace {self.trace.name!r} "
-                             f"(mapped: {self.request_ids})") from None
+            raise ValueError(
+                f"request {e.args[0]!r} has no stream pair of trace {self.trace.name!r} (mapped: {self.request_ids})"
+            ) from None
         streams = self._stream[rows, layer]  # [N]
         steps = positions.to(torch.long) + 1 - self.trace.context0[streams]  # [N]
         bad = (steps < 0) | (steps >= self.trace.steps)
@@ -114,7 +130,8 @@ class TraceTopK:
                 f"request {request_ids[n]!r} at position {int(positions[n])} (context {int(positions[n]) + 1}) needs "
                 f"step {int(steps[n])} of trace {self.trace.name!r}, which has steps 0..{self.trace.steps - 1} "
                 f"(contexts {c0}..{c0 + self.trace.steps - 1}): "
-                + ("the prompt is shorter than context0 - 1" if int(steps[n]) < 0 else "the trace has too few steps"))
+                + ("the prompt is shorter than context0 - 1" if int(steps[n]) < 0 else "the trace has too few steps")
+            )
         return self.trace.topk[streams, steps].to(torch.long)  # [N, k]
 
 

@@ -18,8 +18,9 @@ _MODELS: dict = {}
 def tiny(dtype: torch.dtype = torch.float32, mtp: bool = True, fp8_indexer: bool = False) -> DSAModel:
     key = (dtype, mtp, fp8_indexer)
     if key not in _MODELS:
-        cfg = dataclasses.replace(tiny_config(dtype="float32", fp8_indexer=fp8_indexer),
-                                  num_nextn_predict_layers=1 if mtp else 0)
+        cfg = dataclasses.replace(
+            tiny_config(dtype="float32", fp8_indexer=fp8_indexer), num_nextn_predict_layers=1 if mtp else 0
+        )
         _MODELS[key] = init_weights(DSAModel(cfg, dtype=torch.float32), seed=0).to(dtype)
     return _MODELS[key]
 

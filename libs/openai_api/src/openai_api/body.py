@@ -78,16 +78,18 @@ def check_body(body: dict[str, Any], *, chat: bool, max_n: int | None = 1) -> No
         if key in allowed:
             continue
         if refused(key):
-            raise RequestError(f"{key}: not supported by this server"
-                               f"{' on /v1/chat/completions' if chat else ' on /v1/completions'}")
+            raise RequestError(
+                f"{key}: not supported by this server{' on /v1/chat/completions' if chat else ' on /v1/completions'}"
+            )
         raise RequestError(f"{key}: unknown parameter")
     for key in ("stream", "ignore_eos") + (() if chat else ("echo",)):
         bool_field(body, key)
     _check_stream_options(body)
     n = int_field(body, "n", 1, MAX_N) or 1
     if max_n is not None and n > max_n:
-        raise RequestError(f"n: this service returns at most {max_n} choice(s) per request; send n > 1 "
-                           "through the proxy")
+        raise RequestError(
+            f"n: this service returns at most {max_n} choice(s) per request; send n > 1 through the proxy"
+        )
     if not chat:
         best_of = int_field(body, "best_of", 1)
         if best_of is not None and best_of != n:

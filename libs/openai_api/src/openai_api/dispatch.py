@@ -31,15 +31,20 @@ def parse_dispatch(raw: bytes, tokenizer: Tokenizer, *, chat: bool, max_model_le
     # choice j of n samples its first token with the seed the proxy gives that choice's decode
     choice_params = [sampling_params(body, chat=chat, choice=j, first_token_only=True) for j in range(n)]
     prompts = body.get("prompt") if not chat else None
-    if isinstance(prompts, list) and prompts and all(isinstance(p, (str, list)) for p in prompts) \
-            and not all(isinstance(p, int) for p in prompts):
+    if (
+        isinstance(prompts, list)
+        and prompts
+        and all(isinstance(p, (str, list)) for p in prompts)
+        and not all(isinstance(p, int) for p in prompts)
+    ):
         prompt_list = [prompt_ids({"prompt": p}, tokenizer, chat=False) for p in prompts]
     else:
         prompt_list = [prompt_ids(body, tokenizer, chat=chat)]
     ids_list = [ids for ids in prompt_list for _ in range(n)]
     if len(ids_list) > 1 or body.get("kv_transfer_params_list") is not None:
-        transfers = parse_transfer_params_list(body.get("kv_transfer_params_list") or [None] * len(ids_list),
-                                               len(ids_list))
+        transfers = parse_transfer_params_list(
+            body.get("kv_transfer_params_list") or [None] * len(ids_list), len(ids_list)
+        )
     else:
         transfers = [parse_transfer_params(body.get("kv_transfer_params"))]
     for ids in ids_list:

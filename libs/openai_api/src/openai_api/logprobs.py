@@ -48,14 +48,19 @@ def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob], offse
         alts = {token_text(tokenizer, t): lp for t, lp in e.top}
         alts.setdefault(token_text(tokenizer, e.token), e.logprob)
         top.append(alts)
-    return {"tokens": [token_text(tokenizer, e.token) for e in entries],
-            "token_logprobs": [e.logprob for e in entries], "top_logprobs": top, "text_offset": list(offsets)}
+    return {
+        "tokens": [token_text(tokenizer, e.token) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": top,
+        "text_offset": list(offsets),
+    }
 
 
 def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict[str, Any]:
     """``/v1/chat/completions`` ``choices[].logprobs``: ``{"content": [{token, logprob, bytes,
     top_logprobs: [{token, logprob, bytes}]}]}``."""
+
     def one(t: int, lp: float) -> dict[str, Any]:
         return {"token": token_text(tokenizer, t), "logprob": lp, "bytes": _token_bytes(tokenizer, t)}
-    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
-                        for e in entries]}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}

@@ -27,11 +27,19 @@ Next = Callable[[], Awaitable[tuple[str, Any]]]
 class Output:
     """One request's text, tokens and log-probabilities as they are released to the client."""
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, logprobs: Callable[[int], TokenLogprob] | None,
-                 *, chat: bool, echo: str = "") -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        params: SamplingParams,
+        logprobs: Callable[[int], TokenLogprob] | None,
+        *,
+        chat: bool,
+        echo: str = "",
+    ) -> None:
         self.tokenizer, self.params, self.chat, self.echo = tokenizer, params, chat, echo
-        self.text = StopText(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop,
-                             min_tokens=params.min_tokens)
+        self.text = StopText(
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop, min_tokens=params.min_tokens
+        )
         self._logprob = logprobs if params.logprobs is not None else None
         self.num_tokens = 0
 
@@ -66,24 +74,49 @@ class Responder:
         echo = self.tokenizer.decode(prompt_ids, skip_special_tokens=True) if body.get("echo") and not chat else ""
         return Output(self.tokenizer, params, logprobs, chat=chat, echo=echo)
 
-    def chunk(self, rid: str, chat: bool, text: str, token_ids: list[int], finish: str | None, first: bool,
-              logprobs: dict | None = None) -> dict:
+    def chunk(
+        self,
+        rid: str,
+        chat: bool,
+        text: str,
+        token_ids: list[int],
+        finish: str | None,
+        first: bool,
+        logprobs: dict | None = None,
+    ) -> dict:
         created = int(time.time())
         if chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "token_ids": token_ids, "logprobs": logprobs,
-                      "finish_reason": finish}
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                    "choices": [choice]}
+            choice = {"index": 0, "delta": delta, "token_ids": token_ids, "logprobs": logprobs, "finish_reason": finish}
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": [choice],
+            }
         choice = {"index": 0, "text": text, "token_ids": token_ids, "logprobs": logprobs, "finish_reason": finish}
-        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": [choice]}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": [choice],
+        }
 
     def usage(self, n_prompt: int, n_completion: int) -> dict:
         return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
 
-    async def events(self, rid: str, next_event: Next, out: Output, n_prompt: int, include_usage: bool,
-                     on_error: Callable[[str], None], on_ok: Callable[[], None]) -> AsyncIterator[dict]:
+    async def events(
+        self,
+        rid: str,
+        next_event: Next,
+        out: Output,
+        n_prompt: int,
+        include_usage: bool,
+        on_error: Callable[[str], None],
+        on_ok: Callable[[], None],
+    ) -> AsyncIterator[dict]:
         """The objects of the SSE stream, in order (each goes out as ``data: <json>``; the writer
         ends with ``data: [DONE]``); an error ends it with an error object after ``on_error``."""
         first = True
@@ -100,9 +133,14 @@ class Responder:
                 piece, ids, lp = out.take(final=True)
                 yield self.chunk(rid, out.chat, piece, ids, finish_reason(str(value)), first, lp)
                 if include_usage:
-                    yield {"id": rid, "object": "chat.completion.chunk" if out.chat else "text_completion",
-                           "created": int(time.time()), "model": self.model_name, "choices": [],
-                           "usage": self.usage(n_prompt, out.num_tokens)}
+                    yield {
+                        "id": rid,
+                        "object": "chat.completion.chunk" if out.chat else "text_completion",
+                        "created": int(time.time()),
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": self.usage(n_prompt, out.num_tokens),
+                    }
                 on_ok()
                 return
             out.add(int(value))
@@ -123,14 +161,25 @@ class Responder:
         finish = finish_reason(str(value))
         text, ids, lp = out.take(final=True)
         if out.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": ids,
-                      "logprobs": lp, "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "token_ids": ids,
+                "logprobs": lp,
+                "finish_reason": finish,
+            }
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": out.echo + text, "token_ids": ids, "logprobs": lp, "finish_reason": finish}
             obj = "text_completion"
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
-                "choices": [choice], "usage": self.usage(n_prompt, out.num_tokens)}, ""
+        return {
+            "id": rid,
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": self.usage(n_prompt, out.num_tokens),
+        }, ""
 
 
 __all__ = ["Output", "Responder"]

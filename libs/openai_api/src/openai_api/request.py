@@ -40,8 +40,14 @@ class ParsedRequest:
         return bool((self.body.get("stream_options") or {}).get("include_usage"))
 
 
-def parse_request(raw: bytes, tokenizer: Tokenizer, *, chat: bool, max_model_len: int,
-                  refuse: Callable[[dict[str, Any]], None] | None = None) -> ParsedRequest:
+def parse_request(
+    raw: bytes,
+    tokenizer: Tokenizer,
+    *,
+    chat: bool,
+    max_model_len: int,
+    refuse: Callable[[dict[str, Any]], None] | None = None,
+) -> ParsedRequest:
     """The request in ``raw`` (one prompt, one choice), or a RequestError naming the field.
     ``refuse(body)``: the serving mode's own refusals, checked before the common ones."""
     body = read_body(raw)
@@ -51,8 +57,9 @@ def parse_request(raw: bytes, tokenizer: Tokenizer, *, chat: bool, max_model_len
     ids = prompt_ids(body, tokenizer, chat=chat)
     params = sampling_params(body, chat=chat)
     if len(ids) + params.max_tokens > max_model_len:
-        raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                           f"max_model_len={max_model_len}")
+        raise RequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len={max_model_len}"
+        )
     return ParsedRequest(body, ids, params, parse_transfer_params(body.get("kv_transfer_params")))
 
 
@@ -109,15 +116,22 @@ def _content(content: Any, k: int) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            and set(p) <= {"type", "text"} for p in content):
+        isinstance(p, dict)
+        and p.get("type") == "text"
+        and isinstance(p.get("text"), str)
+        and set(p) <= {"type", "text"}
+        for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise RequestError(f"messages[{k}].content: must be a string or a list of text parts "
-                       "({type: text, text: str}); other content is not supported")
+    raise RequestError(
+        f"messages[{k}].content: must be a string or a list of text parts "
+        "({type: text, text: str}); other content is not supported"
+    )
 
 
-def sampling_params(body: dict[str, Any], *, chat: bool = False, choice: int = 0,
-                    first_token_only: bool = False) -> SamplingParams:
+def sampling_params(
+    body: dict[str, Any], *, chat: bool = False, choice: int = 0, first_token_only: bool = False
+) -> SamplingParams:
     """``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed`` (derived
     per ``choice``), ``ignore_eos``, ``stop``, ``stop_token_ids``, the penalties, ``min_tokens``,
     ``logprobs``. ``first_token_only``: the prefill, which samples one token with the client's
@@ -131,13 +145,16 @@ def sampling_params(body: dict[str, Any], *, chat: bool = False, choice: int = 0
         raise RequestError(f"min_tokens: {min_tokens} exceeds max_tokens ({max_tokens})")
     seed = int_field(body, "seed", 0, MAX_SEED - 1) or 0
     stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and (not isinstance(stop_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids)):
+    if stop_ids is not None and (
+        not isinstance(stop_ids, list)
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids)
+    ):
         raise RequestError("stop_token_ids: must be a list of token ids (integers >= 0)")
     temperature = number_field(body, "temperature", 0.0, 2.0)
     top_p = body.get("top_p")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
-                              or not math.isfinite(top_p) or not 0 < top_p <= 1):
+    if top_p is not None and (
+        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0 < top_p <= 1
+    ):
         raise RequestError(f"top_p: must be a number in (0, 1], got {top_p!r}")
     try:
         return SamplingParams(

@@ -34,8 +34,11 @@ class SamplingParams:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         temperature = self.temperature
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-                or not (math.isfinite(temperature) and temperature >= 0):
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not (math.isfinite(temperature) and temperature >= 0)
+        ):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -46,7 +49,8 @@ class SamplingParams:
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, tuple) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)

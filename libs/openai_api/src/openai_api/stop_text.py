@@ -31,8 +31,7 @@ class StopText:
     only when it ends in the text of token ``min_tokens`` or later.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = (), *,
-                 min_tokens: int = 0) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = (), *, min_tokens: int = 0) -> None:
         self._decode, self.stop, self.min_tokens = decode, tuple(stop), min_tokens
         self.ids: list[int] = []
         self._extra: list[Any] = []
@@ -97,7 +96,8 @@ class StopText:
         self._sent_chars = limit
         tokens = []
         while self._sent_tokens < len(self.ids) and (
-                self._ends[self._sent_tokens] <= limit or (final and self.stop_at < 0)):
+            self._ends[self._sent_tokens] <= limit or (final and self.stop_at < 0)
+        ):
             k = self._sent_tokens
             tokens.append((self.ids[k], self._extra[k]))
             self._sent_tokens += 1

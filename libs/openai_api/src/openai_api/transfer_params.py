@@ -56,8 +56,10 @@ class KVTransferParams(BaseModel):
         ``remote_tp_size`` listens on ``remote_port + t``."""
         host, port, tp = self.remote_host, self.remote_port, self.remote_tp_size
         if not host or port is None or port + tp - 1 > MAX_PORT:
-            raise RequestError("kv_transfer_params: remote_host (str), remote_port (1..65535) and remote_tp_size "
-                               f"(int >= 1, its ports at most 65535) are required, got {self.wire()!r}")
+            raise RequestError(
+                "kv_transfer_params: remote_host (str), remote_port (1..65535) and remote_tp_size "
+                f"(int >= 1, its ports at most 65535) are required, got {self.wire()!r}"
+            )
         return [f"{host}:{port + t}" for t in range(tp)]
 
     @property

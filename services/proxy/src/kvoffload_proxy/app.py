@@ -7,6 +7,7 @@ request id (honour or assign X-Request-Id, bind it to every log line, count outc
 (every non-2xx is an OpenAI-style JSON error), API key (Bearer; see auth.py: /healthcheck and
 /openapi.json are open, /v1/metaserver takes the per-request token the proxy gave the decoder).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ import uuid
 
 import structlog
 from aiohttp import web
+
 from openai_api.transfer_params import KVTransferParams
 
 from . import upstream
@@ -65,8 +67,9 @@ async def request_context(request: web.Request, handler):
     with structlog.contextvars.bound_contextvars(request_id=rid):
         try:
             if bad_rid:
-                raise ProxyError(400, "header X-Request-Id must be 1-128 visible ASCII characters",
-                                 param="X-Request-Id")
+                raise ProxyError(
+                    400, "header X-Request-Id must be 1-128 visible ASCII characters", param="X-Request-Id"
+                )
             resp = await handler(request)
         except ProxyError as e:
             resp = error_response(e)
@@ -87,9 +90,11 @@ async def errors_as_json(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        message = e.reason if e.status != 413 else (
-            f"request body larger than --max-request-bytes "
-            f"({request.app[CONFIG].max_request_bytes} bytes)")
+        message = (
+            e.reason
+            if e.status != 413
+            else (f"request body larger than --max-request-bytes ({request.app[CONFIG].max_request_bytes} bytes)")
+        )
         kept = {k: v for k, v in e.headers.items() if k in ("Allow",)}
         raise ProxyError(e.status, message, headers=kept) from None
     except (asyncio.CancelledError, ConnectionResetError):
@@ -115,8 +120,10 @@ async def api_key(request: web.Request, handler):
     if cfg.api_key is not None and request.path not in AUTH_EXEMPT:
         if request.path == METASERVER:  # the token is bound to the body's request_id: `metaserver` checks it
             if bearer(request.headers) is None:
-                raise unauthorized("missing metaserver token (send 'Authorization: Bearer TOKEN' with the "
-                                   "kv_transfer_params.metaserver_token the proxy gave this request)")
+                raise unauthorized(
+                    "missing metaserver token (send 'Authorization: Bearer TOKEN' with the "
+                    "kv_transfer_params.metaserver_token the proxy gave this request)"
+                )
         elif not authenticated(request):
             raise unauthorized()
     return await handler(request)
@@ -132,8 +139,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    data = await request.app[MODELS].models(request.app[FLOW].session,
-                                             {"X-Request-Id": request[REQUEST_ID]})
+    data = await request.app[MODELS].models(request.app[FLOW].session, {"X-Request-Id": request[REQUEST_ID]})
     return web.json_response({"object": "list", "data": data})
 
 
@@ -170,8 +176,9 @@ async def healthcheck(request: web.Request) -> web.Response:
     cfg, flow = request.app[CONFIG], request.app[FLOW]
     if flow.draining:
         return web.json_response({"status": "shutting_down", "backends": []}, status=503)
-    results = await asyncio.gather(*(upstream.probe(flow.session, b, "GET", "/health",
-                                                    cfg.health_timeout_s) for b in cfg.backends))
+    results = await asyncio.gather(
+        *(upstream.probe(flow.session, b, "GET", "/health", cfg.health_timeout_s) for b in cfg.backends)
+    )
     ok = all(r["ok"] for r in results)
     body: dict[str, object] = {"status": "ok" if ok else "unhealthy"}
     if authenticated(request):  # with --api-key, anonymous probes get the status, not the topology
@@ -182,11 +189,13 @@ async def healthcheck(request: web.Request) -> web.Response:
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     cfg, flow = request.app[CONFIG], request.app[FLOW]
     timeout_s = min(cfg.request_timeout_s, 60.0)
-    results = await asyncio.gather(*(upstream.probe(flow.session, b, "POST", "/reset_prefix_cache",
-                                                    timeout_s) for b in cfg.backends))
+    results = await asyncio.gather(
+        *(upstream.probe(flow.session, b, "POST", "/reset_prefix_cache", timeout_s) for b in cfg.backends)
+    )
     ok = all(r["ok"] for r in results)
-    return web.json_response({"status": "ok" if ok else "partial_failure", "backends": results},
-                             status=200 if ok else 502)
+    return web.json_response(
+        {"status": "ok" if ok else "partial_failure", "backends": results}, status=200 if ok else 502
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -200,8 +209,7 @@ async def openapi(request: web.Request) -> web.Response:
 def create_app(cfg: ProxyConfig) -> web.Application:
     prefillers = Balancer(cfg.prefillers, kv_weight=cfg.prefill_kv_weight)
     decoders = Balancer(cfg.decoders)
-    app = web.Application(client_max_size=cfg.max_request_bytes,
-                          middlewares=[request_context, errors_as_json, api_key])
+    app = web.Application(client_max_size=cfg.max_request_bytes, middlewares=[request_context, errors_as_json, api_key])
 
     def registry_size() -> int:
         return len(app[FLOW].registry)

@@ -17,6 +17,7 @@ With a key set:
 
 Every comparison is constant-time (`hmac.compare_digest`).
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -20,6 +20,7 @@ passed; `full()` lists those, which `upstream.post` tries last. A min-heap keyed
 one live entry per backend; a load change pushes a fresh entry; stale ones are dropped when they
 surface or the heap outgrows 4x.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -113,8 +114,7 @@ class Balancer:
             for entry in skipped:
                 heapq.heappush(self._heap, entry)
 
-    def acquire(self, num_tokens: int, num_kv_tokens: int = 0,
-                exclude: Collection[int] = ()) -> Lease:
+    def acquire(self, num_tokens: int, num_kv_tokens: int = 0, exclude: Collection[int] = ()) -> Lease:
         if num_tokens < 0 or num_kv_tokens < 0:
             raise ValueError("token counts must be >= 0")
         index = self.peek(exclude)
@@ -128,8 +128,9 @@ class Balancer:
         load.num_active_requests += requests
         load.num_active_tokens += tokens
         load.num_active_kv_tokens += kv_tokens
-        assert min(load.num_active_requests, load.num_active_tokens,
-                   load.num_active_kv_tokens) >= 0, f"load accounting went negative: {load}"
+        assert min(load.num_active_requests, load.num_active_tokens, load.num_active_kv_tokens) >= 0, (
+            f"load accounting went negative: {load}"
+        )
         self._push(index)
 
     def _push(self, index: int) -> None:
@@ -142,8 +143,9 @@ class Balancer:
 
     @property
     def is_idle(self) -> bool:
-        return all(l.num_active_requests == 0 and l.num_active_tokens == 0
-                   and l.num_active_kv_tokens == 0 for l in self.loads)
+        return all(
+            l.num_active_requests == 0 and l.num_active_tokens == 0 and l.num_active_kv_tokens == 0 for l in self.loads
+        )
 
 
 class Lease:

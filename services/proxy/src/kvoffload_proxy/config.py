@@ -5,6 +5,7 @@
 as space-separated values) into a frozen `ProxyConfig`, or raises `ValueError` whose message starts
 with the offending flag. Everything else receives the config object, never raw flags.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,8 @@ def check_host(host: str, flag: str) -> str:
         raise ValueError(
             f"{flag} {host!r} is a wildcard address: decoders call the proxy's /v1/metaserver at "
             "the address it advertises, and a wildcard one is not reachable; give the reachable "
-            "address of this host (127.0.0.1 on one machine, the node's IP across machines)")
+            "address of this host (127.0.0.1 on one machine, the node's IP across machines)"
+        )
     try:
         ipaddress.ip_address(host.strip("[]"))
         return host.strip("[]")
@@ -127,7 +129,8 @@ def _backends(role: Role, hosts: list[str], ports: list[int]) -> tuple[Backend, 
         raise ValueError(
             f"--{role}-ports: {len(ports)} port(s) for {len(hosts)} --{role}-hosts; give one port "
             f"per host, in the same order (e.g. --{role}-hosts 10.0.0.1 10.0.0.2 "
-            f"--{role}-ports 8100 8100)")
+            f"--{role}-ports 8100 8100)"
+        )
     out = []
     for i, (host, port) in enumerate(zip(hosts, ports)):
         host = check_host(host, f"--{role}-hosts")
@@ -145,28 +148,38 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvoffload-proxy",
         description="OpenAI-compatible proxy for layerwise P/D serving (decode first: decoders "
-                    "register at /v1/metaserver, then the proxy dispatches the prefill).")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind and advertise to decoders; never a wildcard")
+        "register at /v1/metaserver, then the proxy dispatches the prefill).",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise to decoders; never a wildcard")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prefiller-hosts", nargs="+", required=True, metavar="HOST")
     p.add_argument("--prefiller-ports", nargs="+", type=int, required=True, metavar="PORT")
     p.add_argument("--decoder-hosts", nargs="+", required=True, metavar="HOST")
     p.add_argument("--decoder-ports", nargs="+", type=int, required=True, metavar="PORT")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer KEY' on every route but /healthcheck and "
-                        f"/openapi.json (default ${API_KEY_ENV}; decoders get per-request tokens)")
-    p.add_argument("--metaserver-url", default="",
-                   help="URL decoders are told to call (default http://HOST:PORT/v1/metaserver)")
-    p.add_argument("--request-timeout-s", type=float, default=600.0,
-                   help="longest a backend may stay silent during a request")
-    p.add_argument("--metaserver-timeout-s", type=float, default=60.0,
-                   help="longest wait for every decoder of a request to admit and register it (a child "
-                        "a decoder reported queued is exempt)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on every route but /healthcheck and "
+        f"/openapi.json (default ${API_KEY_ENV}; decoders get per-request tokens)",
+    )
+    p.add_argument(
+        "--metaserver-url", default="", help="URL decoders are told to call (default http://HOST:PORT/v1/metaserver)"
+    )
+    p.add_argument(
+        "--request-timeout-s", type=float, default=600.0, help="longest a backend may stay silent during a request"
+    )
+    p.add_argument(
+        "--metaserver-timeout-s",
+        type=float,
+        default=60.0,
+        help="longest wait for every decoder of a request to admit and register it (a child "
+        "a decoder reported queued is exempt)",
+    )
     p.add_argument("--connect-timeout-s", type=float, default=5.0)
     p.add_argument("--health-timeout-s", type=float, default=2.0)
-    p.add_argument("--max-retries", type=int, default=3,
-                   help="retries of a backend connection that failed (exponential backoff)")
+    p.add_argument(
+        "--max-retries", type=int, default=3, help="retries of a backend connection that failed (exponential backoff)"
+    )
     p.add_argument("--retry-backoff-s", type=float, default=0.2)
     p.add_argument("--max-request-bytes", type=int, default=32 * 2**20)
     p.add_argument("--shutdown-grace-s", type=float, default=30.0)
@@ -182,8 +195,10 @@ def config_from_namespace(ns: argparse.Namespace) -> ProxyConfig:
     own = f"http://{url_host(ns.host.strip('[]'))}:{ns.port}"
     for b in fields["prefillers"] + fields["decoders"]:
         if b.url == own:  # the proxy would forward requests to itself
-            raise ValueError(f"--{b.role}-hosts/--{b.role}-ports: {own} is this proxy's own --host/--port; "
-                             f"give the {b.role}'s address")
+            raise ValueError(
+                f"--{b.role}-hosts/--{b.role}-ports: {own} is this proxy's own --host/--port; "
+                f"give the {b.role}'s address"
+            )
     try:
         return ProxyConfig(**fields)
     except ValidationError as e:

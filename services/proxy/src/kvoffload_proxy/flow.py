@@ -8,6 +8,7 @@ connections, the prefiller lease) and releases it in one `finally:`; a client di
 that task, so it also cancels the decoder requests and a pending prefill. Every wait is bounded
 (see `upstream` and `metaserver`), and `Flow.run` adds a backstop on the gap between events.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +21,7 @@ from typing import Any
 import aiohttp
 import structlog
 from aiohttp import web
+
 from openai_api.sampling_params import choice_seed
 from openai_api.transfer_params import KVTransferParams
 
@@ -37,8 +39,9 @@ log = structlog.get_logger("kvoffload_proxy.flow")
 _CHILD_DONE = object()
 
 
-def decoder_body(req: InferenceRequest, index: int, child_id: str, metaserver_url: str,
-                 metaserver_token: str | None = None) -> dict:
+def decoder_body(
+    req: InferenceRequest, index: int, child_id: str, metaserver_url: str, metaserver_token: str | None = None
+) -> dict:
     """Child `index` = choice `index % n` of prompt `index // n`: one choice per decoder request,
     with the choice's derived seed (the prefill derives the same for the first token)."""
     body = dict(req.body)
@@ -48,8 +51,12 @@ def decoder_body(req: InferenceRequest, index: int, child_id: str, metaserver_ur
         body.pop("best_of", None)  # == n, checked at the edge
         body.update(n=1, seed=choice_seed(body.get("seed") or 0, index % req.n))
     # with --api-key: metaserver_token is the decoder's bearer token for /v1/metaserver
-    params: dict[str, object] = {"do_remote_decode": False, "do_remote_prefill": True,
-                                 "metaserver": metaserver_url, "request_id": child_id}
+    params: dict[str, object] = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "metaserver": metaserver_url,
+        "request_id": child_id,
+    }
     if metaserver_token is not None:  # only the fields set go on the wire
         params["metaserver_token"] = metaserver_token
     body["kv_transfer_params"] = KVTransferParams.model_validate(params).wire()
@@ -98,19 +105,19 @@ def new_state(req: InferenceRequest, client_request_id: str | None) -> RequestSt
 
 
 class Flow:
-    def __init__(self, cfg: ProxyConfig, prefillers: Balancer, decoders: Balancer,
-                 metrics: ProxyMetrics):
+    def __init__(self, cfg: ProxyConfig, prefillers: Balancer, decoders: Balancer, metrics: ProxyMetrics):
         self.cfg = cfg
         self.prefillers = prefillers
         self.decoders = decoders
         self.metrics = metrics
         self.tokens = MetaserverTokens(enabled=cfg.api_key is not None)
-        connect_budget = sum(cfg.connect_timeout_s + cfg.retry_backoff_s * 2 ** a
-                             for a in range(cfg.max_retries + 1))
+        connect_budget = sum(cfg.connect_timeout_s + cfg.retry_backoff_s * 2**a for a in range(cfg.max_retries + 1))
         self.max_silence_s = cfg.request_timeout_s + connect_budget + 1.0
-        self.registry = Registry(self.dispatch_prefill,
-                                 registration_timeout_s=cfg.metaserver_timeout_s,
-                                 dispatch_timeout_s=self.max_silence_s)
+        self.registry = Registry(
+            self.dispatch_prefill,
+            registration_timeout_s=cfg.metaserver_timeout_s,
+            dispatch_timeout_s=self.max_silence_s,
+        )
         self._session: aiohttp.ClientSession | None = None
         self.draining = False
         self._inflight: set[asyncio.Task] = set()
@@ -118,8 +125,7 @@ class Flow:
         self._idle.set()
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                              auto_decompress=True)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
 
     async def close(self) -> None:
         await self.registry.aclose()
@@ -142,9 +148,16 @@ class Flow:
         num_tokens = sum(st.req.num_prompt_tokens)
         start = time.monotonic()
         lease, resp = await upstream.post(
-            self.session, self.prefillers, self.cfg, st.req.path,
-            prefill_body(st.req, rdv.ordered_params()), headers=st.headers,
-            num_tokens=num_tokens, num_kv_tokens=num_tokens, on_retry=self._retried)
+            self.session,
+            self.prefillers,
+            self.cfg,
+            st.req.path,
+            prefill_body(st.req, rdv.ordered_params()),
+            headers=st.headers,
+            num_tokens=num_tokens,
+            num_kv_tokens=num_tokens,
+            on_retry=self._retried,
+        )
         st.prefill_lease = lease
         try:
             async with upstream.owned(resp):
@@ -157,18 +170,31 @@ class Flow:
             lease.release_tokens()
             if rdv.closed:  # the request was answered before its prefill: nobody else releases it
                 lease.release()
-        log.info("prefill_done", prefiller=lease.backend.url, parent_id=rdv.parent_id,
-                 children=len(rdv.child_ids), ms=round((time.monotonic() - start) * 1000, 1))
+        log.info(
+            "prefill_done",
+            prefiller=lease.backend.url,
+            parent_id=rdv.parent_id,
+            children=len(rdv.child_ids),
+            ms=round((time.monotonic() - start) * 1000, 1),
+        )
 
     # -- decoders --------------------------------------------------------------------------
     async def _run_child(self, st: RequestState, i: int, out: asyncio.Queue) -> None:
         req = st.req
-        body = decoder_body(req, i, st.child_ids[i], self.cfg.advertised_metaserver_url,
-                            self.tokens.issue(st.child_ids[i]))
+        body = decoder_body(
+            req, i, st.child_ids[i], self.cfg.advertised_metaserver_url, self.tokens.issue(st.child_ids[i])
+        )
         try:
             lease, resp = await upstream.post(
-                self.session, self.decoders, self.cfg, req.path, body, headers=st.headers,
-                num_tokens=req.num_prompt_tokens[i] + req.max_tokens, on_retry=self._retried)
+                self.session,
+                self.decoders,
+                self.cfg,
+                req.path,
+                body,
+                headers=st.headers,
+                num_tokens=req.num_prompt_tokens[i] + req.max_tokens,
+                on_retry=self._retried,
+            )
         except ProxyError as e:  # no decoder took it (nothing is held)
             out.put_nowait((i, e))
             return
@@ -184,8 +210,12 @@ class Flow:
                             break
                         out.put_nowait((i, _parse_output(data, backend)))
                     else:
-                        raise ProxyError(502, f"decoder {backend.url} closed the stream before "
-                                              "[DONE]", backend=backend.url, role="decoder")
+                        raise ProxyError(
+                            502,
+                            f"decoder {backend.url} closed the stream before [DONE]",
+                            backend=backend.url,
+                            role="decoder",
+                        )
                 else:
                     out.put_nowait((i, _parse_output(await resp.text(), backend)))
             out.put_nowait((i, _CHILD_DONE))
@@ -203,8 +233,7 @@ class Flow:
         if len(st.children_with_output) == st.req.num_children and st.prefill_lease:
             st.prefill_lease.release()
 
-    async def _relay_children(self, st: RequestState, out: asyncio.Queue,
-                              relay: StreamRelay | JsonRelay) -> None:
+    async def _relay_children(self, st: RequestState, out: asyncio.Queue, relay: StreamRelay | JsonRelay) -> None:
         """Relay the children's output as it arrives until every child finished; a child's error
         (or the rendezvous's), or no event for `max_silence_s`, raises `ProxyError`."""
         pending = set(range(st.req.num_children))
@@ -242,10 +271,12 @@ class Flow:
                 out.put_nowait((None, outcome.exception()))
 
         rdv.outcome.add_done_callback(fail_children)
-        relay = (StreamRelay(request, st.response_id, st.headers, req.n, self.max_silence_s)
-                 if req.stream else JsonRelay(st.response_id, st.headers, req.n))
-        children = [asyncio.create_task(self._run_child(st, i, out))
-                    for i in range(req.num_children)]
+        relay = (
+            StreamRelay(request, st.response_id, st.headers, req.n, self.max_silence_s)
+            if req.stream
+            else JsonRelay(st.response_id, st.headers, req.n)
+        )
+        children = [asyncio.create_task(self._run_child(st, i, out)) for i in range(req.num_children)]
         answered = False
         try:
             await self._relay_children(st, out, relay)
@@ -311,14 +342,22 @@ def _parse_output(data: str, backend) -> dict[str, Any]:
     except ValueError:
         obj = None
     if not isinstance(obj, dict):
-        raise ProxyError(502, f"decoder {backend.url} sent output that is not a JSON object: "
-                              f"{data[:200]!r}", backend=backend.url, role="decoder")
+        raise ProxyError(
+            502,
+            f"decoder {backend.url} sent output that is not a JSON object: {data[:200]!r}",
+            backend=backend.url,
+            role="decoder",
+        )
     if "error" in obj or obj.get("object") == "error":
         err = obj.get("error", obj)
         code = err.get("code") if isinstance(err, dict) else None
         status = code if isinstance(code, int) and 400 <= code < 500 else 502
         msg = err.get("message") if isinstance(err, dict) else str(err)
-        raise ProxyError(status, f"decoder {backend.url} reported an error: {msg}",
-                         backend=backend.url, role="decoder",
-                         relay_body=obj if status < 500 else None)
+        raise ProxyError(
+            status,
+            f"decoder {backend.url} reported an error: {msg}",
+            backend=backend.url,
+            role="decoder",
+            relay_body=obj if status < 500 else None,
+        )
     return obj

@@ -34,6 +34,7 @@ child then registers for real when it got its blocks. Such a child waits as long
 request lives — bounded by the client, the flow's silence backstop (`--request-timeout-s`) and the
 decoder's own connection (a decoder that dies fails the flow's request to it).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,6 +42,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
+
 from openai_api.transfer_params import KVTransferParams
 
 from .errors import ProxyError
@@ -86,8 +88,7 @@ def _mark_retrieved(fut: asyncio.Future[None]) -> None:
 
 
 class Registry:
-    def __init__(self, dispatch: Dispatch, *, registration_timeout_s: float,
-                 dispatch_timeout_s: float):
+    def __init__(self, dispatch: Dispatch, *, registration_timeout_s: float, dispatch_timeout_s: float):
         self._dispatch = dispatch
         self.registration_timeout_s = registration_timeout_s
         self.dispatch_timeout_s = dispatch_timeout_s
@@ -108,16 +109,18 @@ class Registry:
         rdv = Rendezvous(parent_id, child_ids, context)
         for c in child_ids:
             self._by_child[c] = rdv
-        rdv._deadline = asyncio.get_running_loop().call_later(
-            self.registration_timeout_s, self._expire, rdv)
+        rdv._deadline = asyncio.get_running_loop().call_later(self.registration_timeout_s, self._expire, rdv)
         return rdv
 
     async def register(self, child_id: str, params: KVTransferParams) -> None:
         rdv = self._by_child.get(child_id)
         if rdv is None:
-            raise ProxyError(404, f"unknown request_id {child_id!r}: no client request is waiting "
-                                  "for it (finished, cancelled, timed out or never sent)",
-                             param="request_id")
+            raise ProxyError(
+                404,
+                f"unknown request_id {child_id!r}: no client request is waiting "
+                "for it (finished, cancelled, timed out or never sent)",
+                param="request_id",
+            )
         if params.queued:  # admitted, waiting for host blocks: answered at once
             if rdv.outcome.done():
                 await rdv.outcome  # raises the error that ended the request
@@ -127,20 +130,27 @@ class Registry:
             return
         known = rdv.params.get(child_id)
         if known is not None and known != params and rdv.dispatch_started:
-            raise ProxyError(409, f"request_id {child_id!r} already registered with other "
-                                  "kv_transfer_params and its prefill was dispatched",
-                             param="kv_transfer_params")
+            raise ProxyError(
+                409,
+                f"request_id {child_id!r} already registered with other "
+                "kv_transfer_params and its prefill was dispatched",
+                param="kv_transfer_params",
+            )
         if not rdv.outcome.done():
             if known is None:
-                log.info("decoder_registered", parent_id=rdv.parent_id, child_id=child_id,
-                         remote=f"{params.remote_host}:{params.remote_port}",
-                         remote_dp_rank=params.remote_dp_rank, remote_tp_size=params.remote_tp_size)
+                log.info(
+                    "decoder_registered",
+                    parent_id=rdv.parent_id,
+                    child_id=child_id,
+                    remote=f"{params.remote_host}:{params.remote_port}",
+                    remote_dp_rank=params.remote_dp_rank,
+                    remote_tp_size=params.remote_tp_size,
+                )
             rdv.params[child_id] = params
             if rdv.is_complete and not rdv.dispatch_started:
                 self._start_dispatch(rdv)
         # shield: the decoder dropping this call must not cancel the shared outcome
-        await asyncio.wait_for(asyncio.shield(rdv.outcome),
-                               self.registration_timeout_s + self.dispatch_timeout_s + 1.0)
+        await asyncio.wait_for(asyncio.shield(rdv.outcome), self.registration_timeout_s + self.dispatch_timeout_s + 1.0)
 
     def close(self, rdv: Rendezvous, error: ProxyError | None = None, *, answered: bool = False) -> None:
         rdv.closed = True
@@ -154,9 +164,15 @@ class Registry:
         else:
             if task is not None and not task.done():
                 task.cancel()
-            self._resolve(rdv, error or ProxyError(
-                410, f"request {rdv.parent_id} ended before its prefill completed (client "
-                     "disconnected or the request failed)"))
+            self._resolve(
+                rdv,
+                error
+                or ProxyError(
+                    410,
+                    f"request {rdv.parent_id} ended before its prefill completed (client "
+                    "disconnected or the request failed)",
+                ),
+            )
         for c in rdv.child_ids:
             if self._by_child.get(c) is rdv:
                 del self._by_child[c]
@@ -181,9 +197,14 @@ class Registry:
         except ProxyError as e:
             self._resolve(rdv, e)
         except asyncio.TimeoutError:
-            self._resolve(rdv, ProxyError(504, f"prefill dispatch for {rdv.parent_id} did not "
-                                               f"complete within {self.dispatch_timeout_s:g}s",
-                                          role="prefiller"))
+            self._resolve(
+                rdv,
+                ProxyError(
+                    504,
+                    f"prefill dispatch for {rdv.parent_id} did not complete within {self.dispatch_timeout_s:g}s",
+                    role="prefiller",
+                ),
+            )
         except asyncio.CancelledError:
             self._resolve(rdv, ProxyError(410, f"prefill dispatch for {rdv.parent_id} cancelled"))
             raise
@@ -199,10 +220,16 @@ class Registry:
         missing = [c for c in rdv.missing_ids if c not in rdv.queued]
         if not missing:  # every missing child is queued at its decoder: it registers when admitted
             return
-        self._resolve(rdv, ProxyError(
-            504, f"{len(missing)} of {len(rdv.child_ids)} decoder(s) did not register at "
-                 f"/v1/metaserver within {self.registration_timeout_s:g}s "
-                 f"(request ids: {', '.join(missing)})", role="decoder"))
+        self._resolve(
+            rdv,
+            ProxyError(
+                504,
+                f"{len(missing)} of {len(rdv.child_ids)} decoder(s) did not register at "
+                f"/v1/metaserver within {self.registration_timeout_s:g}s "
+                f"(request ids: {', '.join(missing)})",
+                role="decoder",
+            ),
+        )
 
     @staticmethod
     def _resolve(rdv: Rendezvous, error: ProxyError | None) -> None:

@@ -13,6 +13,7 @@ decoder each time, and a decoder that came back or changed its model shows withi
 refresh runs at a time; concurrent callers share it (a caller that disconnects does not cancel
 it). Failures are not cached.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,9 +47,15 @@ def parse_model_list(text: str, default_created: int) -> list[dict[str, Any]]:
             raise ValueError(f"model entry without a string `id`: {excerpt(json.dumps(entry), 100)}")
         created = entry.get("created")
         owned_by = entry.get("owned_by")
-        out.append({**entry, "id": entry["id"], "object": "model",
-                    "created": created if type(created) is int and created >= 0 else default_created,
-                    "owned_by": owned_by if isinstance(owned_by, str) and owned_by else OWNED_BY})
+        out.append(
+            {
+                **entry,
+                "id": entry["id"],
+                "object": "model",
+                "created": created if type(created) is int and created >= 0 else default_created,
+                "owned_by": owned_by if isinstance(owned_by, str) and owned_by else OWNED_BY,
+            }
+        )
     return out
 
 
@@ -62,8 +69,9 @@ class ModelCatalog:
         self._fetched_at = 0.0
         self._refresh: asyncio.Future | None = None
 
-    async def models(self, session: aiohttp.ClientSession,
-                     headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    async def models(
+        self, session: aiohttp.ClientSession, headers: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
         """The merged model entries; raises ProxyError(503) when no decoder answered."""
         if self._cached is not None and time.monotonic() - self._fetched_at < self.ttl_s:
             return self._cached
@@ -78,13 +86,20 @@ class ModelCatalog:
             return
         self._cached, self._fetched_at = fut.result(), time.monotonic()
 
-    async def _fetch_all(self, session: aiohttp.ClientSession, headers: dict[str, str],
-                         ) -> list[dict[str, Any]]:
+    async def _fetch_all(
+        self,
+        session: aiohttp.ClientSession,
+        headers: dict[str, str],
+    ) -> list[dict[str, Any]]:
         answers = await asyncio.gather(*(self._fetch(session, d, headers) for d in self.decoders))
         failures = [a for a in answers if isinstance(a, str)]
         if len(failures) == len(answers):
-            raise ProxyError(503, "no decoder answered GET /v1/models: " + "; ".join(failures),
-                             role="decoder", headers={"Retry-After": "1"})
+            raise ProxyError(
+                503,
+                "no decoder answered GET /v1/models: " + "; ".join(failures),
+                role="decoder",
+                headers={"Retry-After": "1"},
+            )
         merged: dict[str, dict[str, Any]] = {}
         for entries in answers:
             if not isinstance(entries, str):
@@ -92,12 +107,14 @@ class ModelCatalog:
                     merged.setdefault(entry["id"], entry)
         return list(merged.values())
 
-    async def _fetch(self, session: aiohttp.ClientSession, decoder: Backend,
-                     headers: dict[str, str]) -> list[dict[str, Any]] | str:
+    async def _fetch(
+        self, session: aiohttp.ClientSession, decoder: Backend, headers: dict[str, str]
+    ) -> list[dict[str, Any]] | str:
         """That decoder's entries, or why it has none (a string naming it)."""
         try:
-            async with session.get(decoder.url + "/v1/models", headers=headers,
-                                   timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+            async with session.get(
+                decoder.url + "/v1/models", headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            ) as resp:
                 raw = bytearray()
                 async for chunk in resp.content.iter_any():
                     raw += chunk

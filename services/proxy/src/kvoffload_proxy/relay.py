@@ -7,6 +7,7 @@ prompt lists and `n`), usage is summed with each prompt's tokens counted once, n
 dropped. A failure before the first byte is a plain HTTP error; after it, an SSE
 `data: {"error": ...}` event followed by `data: [DONE]`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,7 @@ from aiohttp import web
 
 from .errors import ProxyError
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-               "X-Accel-Buffering": "no"}
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def error_response(err: ProxyError, headers: dict[str, str] | None = None) -> web.Response:
@@ -99,8 +99,7 @@ class JsonRelay:
 
 
 class StreamRelay:
-    def __init__(self, request: web.Request, response_id: str, headers: dict[str, str], n: int,
-                 write_timeout_s: float):
+    def __init__(self, request: web.Request, response_id: str, headers: dict[str, str], n: int, write_timeout_s: float):
         self.request, self.response_id, self.headers, self.n = request, response_id, headers, n
         self.write_timeout_s = write_timeout_s
         self.response: web.StreamResponse | None = None
@@ -112,8 +111,7 @@ class StreamRelay:
         if self.response is None:
             self.response = web.StreamResponse(headers={**SSE_HEADERS, **self.headers})
             await self.response.prepare(self.request)
-        await asyncio.wait_for(self.response.write(f"data: {payload}\n\n".encode()),
-                               timeout_s or self.write_timeout_s)
+        await asyncio.wait_for(self.response.write(f"data: {payload}\n\n".encode()), timeout_s or self.write_timeout_s)
         return self.response
 
     async def add(self, child: int, obj: dict[str, Any]) -> None:
@@ -127,8 +125,9 @@ class StreamRelay:
     async def finish(self) -> web.StreamResponse:
         if self.usage is not None:
             chunk = {k: self.last[k] for k in ("object", "created", "model") if k in self.last}
-            await self._send(json.dumps({"id": self.response_id, **chunk, "choices": [],
-                                         "usage": self.usage}, separators=(",", ":")))
+            await self._send(
+                json.dumps({"id": self.response_id, **chunk, "choices": [], "usage": self.usage}, separators=(",", ":"))
+            )
         response = await self._send("[DONE]")
         await response.write_eof()
         return response

@@ -8,6 +8,7 @@ combinations it cannot serve (`best_of` != `n`, `echo` with `logprobs`, `top_log
 checks, which the decode and prefill run too). Types are strict: `"stream": "yes"` or
 `"max_tokens": 1.5` is a 400 naming the field, not a silent coercion. A JSON `null` means "not given".
 """
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,15 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
 from openai_api.body import RequestError, check_body
 from openai_api.fields import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_STOP, UNSUPPORTED_MESSAGE_FIELDS, refused
 from openai_api.request import sampling_params
 from openai_api.transfer_params import KVTransferParams
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from .errors import ProxyError
+
 
 def _integral(v: Any) -> Any:
     """JSON Schema's "integer" includes 3.0; strings and booleans stay rejected."""
@@ -29,16 +32,23 @@ def _integral(v: Any) -> Any:
 
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31), BeforeValidator(_integral)]
-PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]  # Field first, or its bounds leave the JSON schema
-Prompt = (str | Annotated[list[str], Field(min_length=1)]
-          | Annotated[list[TokenId], Field(min_length=1)]
-          | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
-Stop = (Annotated[str, Field(min_length=1)]
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_STOP)])
+PositiveInt = Annotated[
+    int, Field(ge=1), BeforeValidator(_integral)
+]  # Field first, or its bounds leave the JSON schema
+Prompt = (
+    str
+    | Annotated[list[str], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
+Stop = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_STOP)]
+)
 _UNION_HELP = {
     "prompt": "must be a string, a non-empty list of strings, a non-empty list of token ids "
-              "(integers >= 0) or a non-empty list of such token-id lists",
-    "content": "must be a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+    "(integers >= 0) or a non-empty list of such token-id lists",
+    "content": 'must be a string or a list of text parts ({"type": "text", "text": ...})',
     "stop": f"must be a non-empty string or a list of 1 to {MAX_STOP} non-empty strings",
 }
 CHARS_PER_TOKEN = 4  # the proxy does not tokenize; loads are estimates
@@ -177,9 +187,11 @@ def validate(model: type[_Model], data: dict[str, Any]) -> _Model:
             msg = f"field '{path}' is required"
         elif err["type"] == "extra_forbidden":
             name = path.rsplit(".", 1)[-1]
-            msg = (f"field '{path}' is not supported by this server"
-                   if refused(name) or name in UNSUPPORTED_MESSAGE_FIELDS
-                   else f"field '{path}' is not a recognized parameter")
+            msg = (
+                f"field '{path}' is not supported by this server"
+                if refused(name) or name in UNSUPPORTED_MESSAGE_FIELDS
+                else f"field '{path}' is not a recognized parameter"
+            )
         elif union_field:
             msg = f"field '{path}' {_UNION_HELP[union_field]}"
         else:
@@ -220,9 +232,16 @@ def parse_inference(kind: InferenceKind, raw: bytes) -> InferenceRequest:
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or 16
     _check_combinations(data, chat=kind == "chat")
     n = req.n
-    return InferenceRequest(kind=kind, body=data, prompts=tuple(p for p in prompts for _ in range(n)),
-                            is_batch=is_batch, stream=req.stream, n=n,
-                            num_prompt_tokens=tuple(t for t in tokens for _ in range(n)), max_tokens=max_tokens)
+    return InferenceRequest(
+        kind=kind,
+        body=data,
+        prompts=tuple(p for p in prompts for _ in range(n)),
+        is_batch=is_batch,
+        stream=req.stream,
+        n=n,
+        num_prompt_tokens=tuple(t for t in tokens for _ in range(n)),
+        max_tokens=max_tokens,
+    )
 
 
 def _check_combinations(data: dict[str, Any], *, chat: bool) -> None:

@@ -4,6 +4,7 @@ SIGTERM/SIGINT: stop admitting inference requests (503; /healthcheck turns 503),
 ones finish for --shutdown-grace-s (the listener stays open meanwhile: their decoders still call
 /v1/metaserver), fail the rest (an SSE error event where a stream had started), then close.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ import sys
 
 import structlog
 from aiohttp import web
+
 from svcruntime.logs import configure_logging
 
 from .app import FLOW, create_app
@@ -31,9 +33,13 @@ async def serve(cfg: ProxyConfig, stop: asyncio.Event | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        log.info("proxy_started", url=f"http://{cfg.host}:{cfg.port}",
-                 metaserver=cfg.advertised_metaserver_url,
-                 prefillers=[b.url for b in cfg.prefillers], decoders=[b.url for b in cfg.decoders])
+        log.info(
+            "proxy_started",
+            url=f"http://{cfg.host}:{cfg.port}",
+            metaserver=cfg.advertised_metaserver_url,
+            prefillers=[b.url for b in cfg.prefillers],
+            decoders=[b.url for b in cfg.decoders],
+        )
         await stop.wait()
         log.info("proxy_draining", grace_s=cfg.shutdown_grace_s)
         await app[FLOW].drain(cfg.shutdown_grace_s)

@@ -15,6 +15,7 @@ balancer (queue depth, free pool bytes).
 Status given to the caller: unreachable after retries 503, timed out 504, any other transport
 failure or a backend 5xx 502; a backend 4xx is relayed as it was (status and JSON body).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,17 +45,21 @@ def retry_after_s(value: str | None, default: float = 1.0) -> float:
 
 
 def backend_timeout(cfg: ProxyConfig) -> aiohttp.ClientTimeout:
-    return aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
-                                 sock_read=cfg.request_timeout_s)
+    return aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s)
 
 
 def transport_error(exc: BaseException, backend: Backend, stage: str) -> ProxyError:
     """A failure after the connection was made (or a read timeout) while `stage`."""
     if isinstance(exc, asyncio.TimeoutError):
-        return ProxyError(504, f"{backend.role} {backend.url} timed out while {stage}",
-                          backend=backend.url, role=backend.role)
-    return ProxyError(502, f"{backend.role} {backend.url} failed while {stage}: "
-                           f"{type(exc).__name__}: {exc}", backend=backend.url, role=backend.role)
+        return ProxyError(
+            504, f"{backend.role} {backend.url} timed out while {stage}", backend=backend.url, role=backend.role
+        )
+    return ProxyError(
+        502,
+        f"{backend.role} {backend.url} failed while {stage}: {type(exc).__name__}: {exc}",
+        backend=backend.url,
+        role=backend.role,
+    )
 
 
 @contextlib.asynccontextmanager
@@ -79,14 +84,28 @@ async def http_error(resp: aiohttp.ClientResponse, backend: Backend) -> ProxyErr
         except ValueError:
             body = None
         if not isinstance(body, dict):
-            body = {"error": {"message": excerpt(text) or resp.reason, "type": "invalid_request_error",
-                              "param": None, "code": resp.status}}
-        return ProxyError(resp.status, f"{backend.role} {backend.url} rejected the request "
-                                       f"(HTTP {resp.status})", backend=backend.url,
-                          role=backend.role, relay_body=body,
-                          headers={"Retry-After": resp.headers.get("Retry-After", "1")} if resp.status == 503 else None)
-    return ProxyError(502, f"{backend.role} {backend.url} answered HTTP {resp.status}: "
-                           f"{excerpt(text)}", backend=backend.url, role=backend.role)
+            body = {
+                "error": {
+                    "message": excerpt(text) or resp.reason,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": resp.status,
+                }
+            }
+        return ProxyError(
+            resp.status,
+            f"{backend.role} {backend.url} rejected the request (HTTP {resp.status})",
+            backend=backend.url,
+            role=backend.role,
+            relay_body=body,
+            headers={"Retry-After": resp.headers.get("Retry-After", "1")} if resp.status == 503 else None,
+        )
+    return ProxyError(
+        502,
+        f"{backend.role} {backend.url} answered HTTP {resp.status}: {excerpt(text)}",
+        backend=backend.url,
+        role=backend.role,
+    )
 
 
 async def refusal_text(resp: aiohttp.ClientResponse) -> tuple[float, str]:
@@ -114,18 +133,28 @@ def all_refused(refused: list[tuple[float, dict | None, Backend]], backends: int
     wait_s = max(1, math.ceil(min(w for w, _, _ in refused)))
     said = refused[-1][1]
     detail = said["error"].get("message") if said and isinstance(said.get("error"), dict) else None
-    message = (f"every {role} is at its queue limit ({len(refused)} of {backends} "
-               f"answered 429); retry after {wait_s} s" + (f" ({detail})" if detail else ""))
+    message = (
+        f"every {role} is at its queue limit ({len(refused)} of {backends} "
+        f"answered 429); retry after {wait_s} s" + (f" ({detail})" if detail else "")
+    )
     err_body = {"error": {"message": message, "type": "rate_limit_error", "param": None, "code": 429}}
-    return ProxyError(429, message, backend=refused[-1][2].url, role=role, relay_body=err_body,
-                      headers={"Retry-After": str(wait_s)})
+    return ProxyError(
+        429, message, backend=refused[-1][2].url, role=role, relay_body=err_body, headers={"Retry-After": str(wait_s)}
+    )
 
 
-async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyConfig, path: str,
-               body: dict[str, Any], *, headers: dict[str, str], num_tokens: int,
-               num_kv_tokens: int = 0,
-               on_retry: Callable[[Backend], None] = lambda b: None,
-               ) -> tuple[Lease, aiohttp.ClientResponse]:
+async def post(
+    session: aiohttp.ClientSession,
+    balancer: Balancer,
+    cfg: ProxyConfig,
+    path: str,
+    body: dict[str, Any],
+    *,
+    headers: dict[str, str],
+    num_tokens: int,
+    num_kv_tokens: int = 0,
+    on_retry: Callable[[Backend], None] = lambda b: None,
+) -> tuple[Lease, aiohttp.ClientResponse]:
     """POST to the least-loaded backend; returns its lease and the (unread) response.
 
     The caller owns both: it must `lease.release()` and close the response. Raises `ProxyError`
@@ -135,12 +164,12 @@ async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyCon
     attempt = 0
     while True:  # max_retries >= 0: at least one attempt; it ends in a return, a raise or a break
         full = balancer.full() - tried  # tried last
-        lease = balancer.acquire(num_tokens, num_kv_tokens,
-                                 exclude=tried | full if len(tried | full) < len(balancer.loads) else tried)
+        lease = balancer.acquire(
+            num_tokens, num_kv_tokens, exclude=tried | full if len(tried | full) < len(balancer.loads) else tried
+        )
         backend = lease.backend
         try:
-            resp = await session.post(backend.url + path, json=body, headers=headers,
-                                      timeout=backend_timeout(cfg))
+            resp = await session.post(backend.url + path, json=body, headers=headers, timeout=backend_timeout(cfg))
             balancer.report(lease.index, parse_load(resp.headers.get(LOAD_HEADER)))
             if resp.status != 429:
                 return lease, resp
@@ -160,11 +189,21 @@ async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyCon
             if attempt == cfg.max_retries:
                 if refused:
                     break
-                raise ProxyError(503, f"no {backend.role} reachable after {cfg.max_retries + 1} attempt(s); "
-                                      f"last: {backend.url}: {last}", backend=backend.url, role=backend.role) from None
-            delay = cfg.retry_backoff_s * 2 ** attempt
-            log.warning("backend_connect_retry", role=backend.role, backend=backend.url,
-                        attempt=attempt + 1, delay_s=delay, error=last)
+                raise ProxyError(
+                    503,
+                    f"no {backend.role} reachable after {cfg.max_retries + 1} attempt(s); last: {backend.url}: {last}",
+                    backend=backend.url,
+                    role=backend.role,
+                ) from None
+            delay = cfg.retry_backoff_s * 2**attempt
+            log.warning(
+                "backend_connect_retry",
+                role=backend.role,
+                backend=backend.url,
+                attempt=attempt + 1,
+                delay_s=delay,
+                error=last,
+            )
             on_retry(backend)
             attempt += 1
             await asyncio.sleep(delay)
@@ -177,15 +216,17 @@ async def post(session: aiohttp.ClientSession, balancer: Balancer, cfg: ProxyCon
     raise all_refused(refused, len(balancer.loads), backend.role)  # every backend tried answered 429
 
 
-async def sse_data(resp: aiohttp.ClientResponse, max_event_bytes: int = 16 * 2**20,
-                   ) -> AsyncIterator[str]:
+async def sse_data(
+    resp: aiohttp.ClientResponse,
+    max_event_bytes: int = 16 * 2**20,
+) -> AsyncIterator[str]:
     """The `data:` payloads of a server-sent-event stream, one per event."""
     buf = b""
     parts: list[str] = []
     async for chunk in resp.content.iter_any():
         buf += chunk
         while (cut := buf.find(b"\n")) >= 0:
-            line, buf = buf[:cut].decode("utf-8", errors="replace").rstrip("\r"), buf[cut + 1:]
+            line, buf = buf[:cut].decode("utf-8", errors="replace").rstrip("\r"), buf[cut + 1 :]
             if not line:
                 if parts:
                     yield "\n".join(parts)
@@ -200,15 +241,15 @@ async def sse_data(resp: aiohttp.ClientResponse, max_event_bytes: int = 16 * 2**
         yield "\n".join(parts)
 
 
-async def probe(session: aiohttp.ClientSession, backend: Backend, method: str, path: str,
-                timeout_s: float) -> dict[str, Any]:
+async def probe(
+    session: aiohttp.ClientSession, backend: Backend, method: str, path: str, timeout_s: float
+) -> dict[str, Any]:
     """One call whose result is reported, not raised: health probes and fan-out admin calls."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     result: dict[str, Any] = {"role": backend.role, "url": backend.url}
     try:
-        async with session.request(method, backend.url + path,
-                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.request(method, backend.url + path, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             text = await resp.text(errors="replace")
             result.update(http_status=resp.status, ok=200 <= resp.status < 300)
             if not result["ok"]:

@@ -25,7 +25,8 @@ def named(name: str, **overrides) -> Trace:
     if not path.exists():
         raise FileNotFoundError(
             f"trace {name!r} is not a synthetic preset ({', '.join(PRESETS)}) and {path} does not exist; "
-            f"record it with `kvoffload trace record {name}`")
+            f"record it with `kvoffload trace record {name}`"
+        )
     return Trace.load(path)
 
 

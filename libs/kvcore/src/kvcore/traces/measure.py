@@ -54,7 +54,9 @@ def locality(trace: Trace) -> dict:
     fresh_total = max(sum(back.values()), 1)
     cov = {str(n): float(cover[n].sum() / sizes.sum()) for n in COVERAGE_STEPS}
     return {
-        "streams": S, "steps": T, "k": k,
+        "streams": S,
+        "steps": T,
+        "k": k,
         "overlap": float(inter.sum() / sizes.sum()),
         "overlap_by_layer": [round(float(per_stream[trace.layers == layer].mean()), 4) for layer in layers],
         "coverage": cov,

@@ -81,8 +81,15 @@ def preset(name: str, **overrides) -> SyntheticParams:
 
 def _check(p: SyntheticParams) -> int:
     """Validates ``p``; returns the dynamic part's size."""
-    ints = {"k": p.k, "context0": p.context0, "steps": p.steps, "layers": p.layers, "requests": p.requests,
-            "span": p.span, "return_window": p.return_window}
+    ints = {
+        "k": p.k,
+        "context0": p.context0,
+        "steps": p.steps,
+        "layers": p.layers,
+        "requests": p.requests,
+        "span": p.span,
+        "return_window": p.return_window,
+    }
     for name, v in ints.items():
         if v < 1:
             raise ValueError(f"SyntheticParams.{name} = {v} must be >= 1")
@@ -98,8 +105,10 @@ def _check(p: SyntheticParams) -> int:
         raise ValueError(f"SyntheticParams.layer_spread = {p.layer_spread} must be in [0, 0.5)")
     dynamic = p.k - p.sinks - p.recent - p.heavy
     if dynamic < 1:
-        raise ValueError(f"SyntheticParams: k = {p.k} leaves no dynamic entries after sinks + recent + heavy "
-                         f"= {p.sinks + p.recent + p.heavy}")
+        raise ValueError(
+            f"SyntheticParams: k = {p.k} leaves no dynamic entries after sinks + recent + heavy "
+            f"= {p.sinks + p.recent + p.heavy}"
+        )
     if p.context0 < 4 * p.k:
         raise ValueError(f"SyntheticParams.context0 = {p.context0} must be >= 4 * k = {4 * p.k} (room for new spans)")
     return dynamic
@@ -118,8 +127,14 @@ def generate(p: SyntheticParams, name: str = "synthetic") -> Trace:
     gen = torch.Generator().manual_seed(p.seed)
     S, P, k = p.requests * p.layers, p.context0 + p.steps, p.k
     layer_of = torch.arange(S) % p.layers  # [S]
-    spread = torch.linspace(-1.0, 1.0, p.layers, dtype=torch.float64) if p.layers > 1 else torch.zeros(1, dtype=torch.float64)
-    targets = (p.overlap + p.layer_spread * spread[torch.randperm(p.layers, generator=gen)]).clamp(0.0, 0.995)  # [layers]
+    spread = (
+        torch.linspace(-1.0, 1.0, p.layers, dtype=torch.float64)
+        if p.layers > 1
+        else torch.zeros(1, dtype=torch.float64)
+    )
+    targets = (p.overlap + p.layer_spread * spread[torch.randperm(p.layers, generator=gen)]).clamp(
+        0.0, 0.995
+    )  # [layers]
     q = torch.tensor([survival(p, float(t)) for t in targets], dtype=torch.float64)[layer_of]  # [S]
     pos = torch.arange(P)  # [P]
     rank = torch.rand(S, P, generator=gen).argsort(dim=1).argsort(dim=1)  # [S, P] Zipf rank of each position
@@ -143,7 +158,14 @@ def generate(p: SyntheticParams, name: str = "synthetic") -> Trace:
         heavy |= _draw(log_w, free, need_heavy, gen)
         # dynamic: survivors of the last step, then returns, then new spans
         # (the entry leaving the recent window is dropped: it may come back as a return)
-        keep = sel & ~fixed & ~was_heavy & ~heavy & (pos < ctx - p.recent - 1) & (torch.rand(S, P, generator=gen, dtype=torch.float64) < q[:, None])
+        keep = (
+            sel
+            & ~fixed
+            & ~was_heavy
+            & ~heavy
+            & (pos < ctx - p.recent - 1)
+            & (torch.rand(S, P, generator=gen, dtype=torch.float64) < q[:, None])
+        )
         new = fixed | heavy | keep
         need = k - new.sum(1)  # [S]
         age = t - dropped_at  # [S, P] steps since the drop
@@ -166,10 +188,22 @@ def generate(p: SyntheticParams, name: str = "synthetic") -> Trace:
         dropped_at[sel & ~new] = t
         sel = new
         out[:, t] = sel.nonzero()[:, 1].view(S, k).to(torch.int32)  # ascending positions, exactly k per stream
-    meta = {"kind": "synthetic", **asdict(p), "layer_overlap_targets": [round(float(x), 6) for x in targets],
-            "layer_survival": [round(survival(p, float(x)), 6) for x in targets], "dynamic": dynamic}
-    return Trace(name, out, torch.full((S,), p.context0, dtype=torch.int64), layer_of.to(torch.int32),
-                 (torch.arange(S) // p.layers).to(torch.int32), torch.zeros(S, dtype=torch.int32), meta)
+    meta = {
+        "kind": "synthetic",
+        **asdict(p),
+        "layer_overlap_targets": [round(float(x), 6) for x in targets],
+        "layer_survival": [round(survival(p, float(x)), 6) for x in targets],
+        "dynamic": dynamic,
+    }
+    return Trace(
+        name,
+        out,
+        torch.full((S,), p.context0, dtype=torch.int64),
+        layer_of.to(torch.int32),
+        (torch.arange(S) // p.layers).to(torch.int32),
+        torch.zeros(S, dtype=torch.int32),
+        meta,
+    )
 
 
 def _draw(log_w: torch.Tensor, allowed: torch.Tensor, n: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -71,17 +71,34 @@ class Trace:
 
     def select(self, mask: torch.Tensor, name: str | None = None) -> Trace:
         """The streams where ``mask`` [streams] is true."""
-        return Trace(name or self.name, self.topk[mask].contiguous(), self.context0[mask], self.layers[mask],
-                     self.requests[mask], self.groups[mask], dict(self.meta))
+        return Trace(
+            name or self.name,
+            self.topk[mask].contiguous(),
+            self.context0[mask],
+            self.layers[mask],
+            self.requests[mask],
+            self.groups[mask],
+            dict(self.meta),
+        )
 
     def save(self, path: str | os.PathLike) -> Path:
         """Writes the trace atomically (a temporary file renamed into place)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        torch.save({"format": FORMAT, "name": self.name, "topk": self.topk, "context0": self.context0,
-                    "layers": self.layers, "requests": self.requests, "groups": self.groups,
-                    "meta": json.dumps(self.meta)}, tmp)
+        torch.save(
+            {
+                "format": FORMAT,
+                "name": self.name,
+                "topk": self.topk,
+                "context0": self.context0,
+                "layers": self.layers,
+                "requests": self.requests,
+                "groups": self.groups,
+                "meta": json.dumps(self.meta),
+            },
+            tmp,
+        )
         os.replace(tmp, path)
         return path
 
@@ -90,8 +107,7 @@ class Trace:
         d = torch.load(Path(path), weights_only=True)
         if d.get("format") != FORMAT:
             raise ValueError(f"{path}: trace format {d.get('format')!r}, this version reads {FORMAT}")
-        return cls(d["name"], d["topk"], d["context0"], d["layers"], d["requests"], d["groups"],
-                   json.loads(d["meta"]))
+        return cls(d["name"], d["topk"], d["context0"], d["layers"], d["requests"], d["groups"], json.loads(d["meta"]))
 
 
 def traces_dir() -> Path:
