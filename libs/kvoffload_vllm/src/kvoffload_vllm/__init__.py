@@ -12,6 +12,7 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 ``MultiConnector`` next to the store) and ``kv_consumer`` on the decode; see ``kvoffload_vllm.d2h``.
 
 - ``store``: ``AscendStoreConnector``, the layerwise prefix store over a host pool.
+- ``store_config``: its ``kv_transfer_config``, checked and typed.
 - ``plan``: which blocks each step of the store loads and saves.
 - ``d2h``: ``SfaRemoteD2HConnector``, the P/D pull; its worker sides:
 - ``producer``: the prefill's side (announces layers through ``pdlink``'s ``DecodeLink``, serves
@@ -19,7 +20,7 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``consumer``: the decode's side (registration at the proxy's metaserver, a ``RowSink`` of vLLM's
   blocks under ``pdlink``'s ``PullConsumer``).
 - ``d2h_plan``: what each step sends, and which copy of a block a decode keeps.
-- ``layout``: vLLM's paged cache as pool geometry.
+- ``layout``: vLLM's paged cache as pool geometry; the one KV cache group the connectors support.
 - ``stats``: the connectors' counters as vLLM stats and Prometheus counters.
 - ``plugin``: registers the connector names with vLLM.
 """

@@ -57,10 +57,9 @@ from kvcore.configerrors import ConfigError
 from kvcore.confignames import D2H_CONNECTOR
 from kvcore.connectorconfig import D2HConnectorConfig
 from kvoffload_vllm.d2h_plan import Send, SendPlanner, peer_of
-from kvoffload_vllm.layout import CacheLayout, vllm_model_id
+from kvoffload_vllm.layout import CacheLayout, cache_spec, vllm_model_id
 from kvoffload_vllm.plan import scheduled_requests
 from kvoffload_vllm.stats import CountingConnector
-from kvoffload_vllm.store import cache_spec
 from openai_api.transfer_params import KVTransferParams, parse_transfer_params
 
 if TYPE_CHECKING:

@@ -14,10 +14,15 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvcore.configerrors import ConfigError
 from kvcore.poolgeometry import PoolGeometry
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 
 
 class LayoutMismatch(ValueError):
@@ -141,3 +146,14 @@ class CacheLayout:
                 f"a block of layer {order[0]!r} is {layout.block_bytes} bytes, the KV cache spec says {page_bytes}"
             )
         return layout
+
+
+def cache_spec(kv_cache_config: KVCacheConfig) -> tuple[list[str], AttentionSpec]:
+    """(layer names, spec) of the one attention group the connector supports; ConfigError otherwise."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise ConfigError([f"AscendStoreConnector: supports one full-attention KV cache group; the model has {kinds}"])
+    return list(groups[0].layer_names), groups[0].kv_cache_spec

@@ -55,15 +55,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvcore.config import parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
-from kvcore.confignames import STORE_CONNECTOR
 from kvcore.hostpool import HostPoolBackend, ObjectExists, PoolError
-from kvcore.poolregistry import VLLM_POOLS
 from kvcore.segment import sweep_stale_segments
-from kvoffload_vllm.layout import CacheLayout, vllm_model_id
+from kvoffload_vllm.layout import CacheLayout, cache_spec, vllm_model_id
 from kvoffload_vllm.plan import StorePlanner, Transfer, scheduled_requests
 from kvoffload_vllm.stats import Counters, CountingConnector
+from kvoffload_vllm.store_config import store_config
 from poolbackends.client import MetaStoreClient
 from poolbackends.registry import PoolRequest, open_pool
 
@@ -100,74 +97,12 @@ class StoreStepMetadata(KVConnectorMetadata):
     saves: list[Transfer] = field(default_factory=list)
 
 
-def store_config(vllm_config: VllmConfig):
-    """The typed AscendStoreConnector config (unknown keys are errors); ConfigError names the field."""
-    kv = vllm_config.kv_transfer_config
-    if kv is None:
-        raise ConfigError([f"kv_transfer_config: missing; the {STORE_CONNECTOR} is configured there"])
-    parsed = parse_kv_transfer_config(
-        {
-            "kv_connector": kv.kv_connector,
-            "kv_role": kv.kv_role,
-            "kv_connector_extra_config": dict(kv.kv_connector_extra_config or {}),
-        },
-        strict=True,
-    )
-    store = parsed.store
-    if parsed.kv_connector != STORE_CONNECTOR or store is None:
-        raise ConfigError(
-            [f"kv_transfer_config.kv_connector: got {kv.kv_connector!r}; this class is {STORE_CONNECTOR}"]
-        )
-    if store.backend not in VLLM_POOLS:
-        raise ConfigError(
-            [
-                f"kv_connector_extra_config.backend: got {store.backend!r}; inside vLLM the store "
-                f"runs on {', '.join(map(repr, VLLM_POOLS))} (the memcache adapter does not exist yet)"
-            ]
-        )
-    if not store.metastore:
-        raise ConfigError(
-            [
-                "kv_connector_extra_config.metastore: missing; the AscendStoreConnector needs the "
-                "kvoffload-metastore's HOST:PORT (start one with `kvoffload-metastore`)"
-            ]
-        )
-    unused = sorted(k for k in store.model_fields_set if k.startswith("layerwise_"))
-    if unused:  # the reference engine's shared device buffers; vLLM keeps its own paged cache
-        log.warning(
-            "kvoffload_config_ignored",
-            keys=unused,
-            reason="under vLLM the connector saves and loads layer by layer through vLLM's paged cache; "
-            "shared device buffers are the reference engine's",
-        )
-    return store
-
-
-def cache_spec(kv_cache_config: KVCacheConfig):
-    """(layer names, spec) of the one attention group the connector supports; ConfigError otherwise."""
-    from vllm.v1.kv_cache_interface import AttentionSpec
-
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
-        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-        raise ConfigError([f"AscendStoreConnector: supports one full-attention KV cache group; the model has {kinds}"])
-    return list(groups[0].layer_names), groups[0].kv_cache_spec
-
-
 class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
     """See the module docstring; one instance per role (scheduler / worker)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._store = store_config(vllm_config)
-        par = vllm_config.parallel_config
-        if par.tensor_parallel_size * par.pipeline_parallel_size > 1:  # every rank would save its shard
-            raise ConfigError(
-                [
-                    f"AscendStoreConnector: runs with one rank only for now; got tensor_parallel_size "
-                    f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size}"
-                ]
-            )
         self._block_size = vllm_config.cache_config.block_size
         self._layer_order, self._spec = cache_spec(kv_cache_config)
         self.model_id = vllm_model_id(vllm_config, self._spec, self._layer_order)

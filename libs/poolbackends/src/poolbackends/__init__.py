@@ -14,6 +14,8 @@ hooks (``open_pool``, ``pool_not_ready``, the launcher) live in its module here.
 - ``client``: ``MetaStoreClient`` and its ``RemoteLease``.
 - ``membership``: a pool's registration, heartbeats and re-join after a MetaStore restart.
 - ``remotepool``: ``RemoteHostPool``, the ``kvcore.hostpool.HostPoolBackend`` over that index.
+- ``peersegments``: ``PeerSegments``, the same-host segments of other pools a ``RemoteHostPool`` reads
+  (attached once, re-attached when recreated).
 - ``embedded``: backend ``"kvoffload"``: a ``RemoteHostPool`` with a metastore, else a ``LocalHostPool``;
   ``metastore_server`` (starts a ``kvoffload-metastore``) serves it.
 - ``storepool``: ``StoreHostPool``, a ``kvcore.localpool.LocalHostPool`` whose complete objects are also

@@ -42,7 +42,6 @@ unlinks the segment it owns. Idempotent.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -56,7 +55,6 @@ from kvcore.hostpool import (
     IncompleteObject,
     ObjectBusy,
     ObjectExists,
-    ObjectNotFound,
     PoolError,
     PoolFullError,
     PoolStats,
@@ -72,7 +70,7 @@ from kvcore.segment import SharedSegment
 from kvcore.segment import host_id as this_host_id
 from poolbackends.client import MetaStoreClient, RemoteLease
 from poolbackends.membership import PoolMembership
-from poolbackends.records import PoolRecord
+from poolbackends.peersegments import PeerSegments
 
 log = structlog.get_logger(__name__)
 
@@ -113,7 +111,7 @@ class RemoteHostPool(HostPoolBackend):
         self._owns_segment, self._owns_client = owns_segment, owns_client
         self._cond = threading.Condition(threading.Lock())
         self._copies: dict[bytes, int] = {}  # key -> this process's in-flight copies
-        self._attached: dict[str, tuple[str, tuple[int, int], SharedSegment]] = {}  # pool -> (name, inode, seg)
+        self._peers = PeerSegments(self.pool_id, self.host_id, segment.geometry)
         self._closed = False
         self.membership = PoolMembership(
             client,
@@ -232,50 +230,6 @@ class RemoteHostPool(HostPoolBackend):
                         del self._copies[k]
                 self._cond.notify_all()
 
-    def _other_plane(self, record: PoolRecord | None, pool_id: str, plane: int, key: bytes) -> torch.Tensor:
-        """Plane ``plane`` of another pool's segment on this host (attached once, re-attached if replaced)."""
-        if record is None:
-            raise ObjectNotFound(f"object {key!r}: its pool {pool_id!r} is no longer registered", key=key)
-        if record.host != self.host_id:
-            raise PoolError(
-                f"object {key!r} lives in pool {pool_id!r} on host {record.host!r}, and this process is on "
-                f"{self.host_id!r}: the cross-host data path is not available for the pool (RemoteHostPool "
-                f"reads other pools through same-host shared memory only)",
-                key=key,
-            )
-        g, mine = record.geometry, self.geometry
-        if (g.block_size, g.plane_row_bytes, g.plane_labels) != (
-            mine.block_size,
-            mine.plane_row_bytes,
-            mine.plane_labels,
-        ):
-            raise PoolError(
-                f"object {key!r} lives in pool {pool_id!r} whose planes ({g}) differ from pool "
-                f"{self.pool_id!r}'s ({mine}): plane {plane} would mean another cache",
-                key=key,
-            )
-        path = SharedSegment.path_for(record.segment_name)
-        with self._cond:
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                raise ObjectNotFound(
-                    f"object {key!r}: segment {path} of pool {pool_id!r} is gone (its LocalService exited)", key=key
-                ) from None
-            inode = (st.st_dev, st.st_ino)
-            entry = self._attached.get(pool_id)
-            if entry is None or entry[:2] != (record.segment_name, inode):  # new, or recreated under the name
-                if entry is not None:
-                    entry[2].close()
-                seg = SharedSegment.attach(record.segment_name)
-                if seg.geometry != g:
-                    seg.close()
-                    raise PoolError(
-                        f"segment {path} has geometry {seg.geometry}, but pool {pool_id!r} registered {g}", key=key
-                    )
-                entry = self._attached[pool_id] = (record.segment_name, inode, seg)
-            return entry[2].plane(plane)
-
     # ---- engine thread ---------------------------------------------------------------------------
 
     def can_alloc(self, keys: Sequence[bytes]) -> bool:
@@ -387,7 +341,7 @@ class RemoteHostPool(HostPoolBackend):
                 src = (
                     self._segment.plane(plane)
                     if pool_id == self.pool_id
-                    else self._other_plane(records.get(pool_id), pool_id, plane, keys[pos[0]])
+                    else self._peers.plane(records.get(pool_id), pool_id, plane, keys[pos[0]])
                 )
                 ids = torch.tensor([locs[i].block_id for i in pos], dtype=torch.long)  # [m]
                 if len(pos) == len(keys):
@@ -424,10 +378,7 @@ class RemoteHostPool(HostPoolBackend):
         self.membership.close()
         if self._owns_client:
             self._client.close()
-        with self._cond:
-            attached, self._attached = list(self._attached.values()), {}
-        for _, _, seg in attached:
-            seg.close()
+        self._peers.close()
         if self._owns_segment:
             self._segment.close()
             self._segment.unlink()

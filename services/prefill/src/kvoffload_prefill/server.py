@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -102,30 +103,11 @@ def _serve_pd(
 ) -> int:
     """A P/D prefill: layerwise prefill announcing every layer to the decodes a request names, which
     pull it through LayerSource (or memfabric); its TP ranks, when ``--tensor-parallel-size`` > 1."""
-    from kvoffload_engine import build
-
-    assert settings.d2h is not None  # without a D2H connector serve() runs offload-only
     ranks = _tp_ranks(args, model, pool)
-    engine = build.prefill_engine(
-        model,
-        pool,
-        buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
-        independent=sorted(settings.independent_layers),
-        chunk_size=args.chunk_size,
-        max_model_len=args.max_model_len,
-        prefetch=settings.prefetch_layers,
-        model_id=model_id,
-        buffer_segment=f"kvoffload-prefill-buffers-{tag}",
-        gate_timeout_s=args.read_timeout_s + 30,
-        followers=ranks.followers if ranks else None,
-    )
+    engine = _pd_engine(args, model, settings, pool, model_id, tag, ranks)
     follower_buffers = _follower_buffers(ranks, engine, tag) if ranks else []
     engine.plan.log()
-    not_ready = (
-        (lambda: ranks.not_ready() or pool_not_ready(settings.store, pool))
-        if ranks
-        else (lambda: pool_not_ready(settings.store, pool))
-    )
+    not_ready = _readiness(ranks, settings, pool)
     grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _stats(worker, ledger), workers=8, not_ready=not_ready)
     data_port = grpc_side.add_port(f"{args.host}:{args.data_port}", tls)
     worker = PrefillWorker(
@@ -139,29 +121,13 @@ def _serve_pd(
     )
     if memfabric is not None:
         _share_layer_buffers(memfabric, engine, worker)
+    buffers = {lay.layout_version: bufs for lay, bufs in zip(worker.layouts, (engine.buffers, *follower_buffers))}
     grpc_side.add(
-        transfer_pb2_grpc.add_LayerSourceServicer_to_server,
-        LayerSourceServicer(
-            LayerBufferRows(
-                engine,
-                {lay.layout_version: bufs for lay, bufs in zip(worker.layouts, (engine.buffers, *follower_buffers))},
-            )
-        ),
+        transfer_pb2_grpc.add_LayerSourceServicer_to_server, LayerSourceServicer(LayerBufferRows(engine, buffers))
     )
     app = build_app(worker, tokenizer, model_id, args.max_model_len, not_ready=not_ready)
     grpc_side.start()
-    log.info(
-        "serving",
-        http=f"{args.host}:{args.port}",
-        data_port=data_port,
-        model=model_id,
-        tensor_parallel_size=args.tensor_parallel_size,
-        plan=engine.plan.log_line(),
-        backend=settings.store.backend,
-        transfer_backend=settings.d2h.transfer_backend,
-        **({"memfabric_session": memfabric.session} if memfabric else {}),
-        **(tls.describe() if tls else {"tls": False}),
-    )
+    _log_serving(args, tls, data_port, model_id, engine.plan.log_line(), settings, memfabric)
     # memfabric lets go of the layer buffers before the engine unmaps them
     closers = (
         worker.close,
@@ -183,32 +149,65 @@ def _serve_pd(
     return 0
 
 
+def _readiness(ranks, settings: PrefillSettings, pool) -> Callable[[], str]:
+    """Why a P/D prefill cannot serve now ("" when it can): a TP rank's reason first, then the pool's."""
+    if ranks:
+        return lambda: ranks.not_ready() or pool_not_ready(settings.store, pool)
+    return lambda: pool_not_ready(settings.store, pool)
+
+
+def _pd_engine(args: argparse.Namespace, model, settings: PrefillSettings, pool, model_id: str, tag: str, ranks):
+    """A P/D prefill's engine: layerwise prefill into layer buffer segment
+    ``kvoffload-prefill-buffers-<tag>``, its TP followers (``ranks``) computing their shards."""
+    from kvoffload_engine import build
+
+    return build.prefill_engine(
+        model,
+        pool,
+        buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
+        independent=sorted(settings.independent_layers),
+        chunk_size=args.chunk_size,
+        max_model_len=args.max_model_len,
+        prefetch=settings.prefetch_layers,
+        model_id=model_id,
+        buffer_segment=f"kvoffload-prefill-buffers-{tag}",
+        gate_timeout_s=args.read_timeout_s + 30,
+        followers=ranks.followers if ranks else None,
+    )
+
+
+def _log_serving(
+    args: argparse.Namespace,
+    tls,
+    data_port: int,
+    model_id: str,
+    plan: str,
+    settings: PrefillSettings,
+    memfabric: MemfabricTransfer | None,
+) -> None:
+    """The P/D prefill's ``serving`` line: where it listens, what it runs, how the decodes pull."""
+    assert settings.d2h is not None  # without a D2H connector serve() runs offload-only
+    log.info(
+        "serving",
+        http=f"{args.host}:{args.port}",
+        data_port=data_port,
+        model=model_id,
+        tensor_parallel_size=args.tensor_parallel_size,
+        plan=plan,
+        backend=settings.store.backend,
+        transfer_backend=settings.d2h.transfer_backend,
+        **({"memfabric_session": memfabric.session} if memfabric else {}),
+        **(tls.describe() if tls else {"tls": False}),
+    )
+
+
 def _serve_offload_only(
     args: argparse.Namespace, tls, model, tokenizer, settings: PrefillSettings, pool, model_id: str
 ) -> int:
     """Offload-only mode: no decode pulls from this node; it serves complete requests itself
     (``generate.GenerateLoop``: layerwise prefill over the shared buffers and the host pool's
     prefix cache, then decode in this process), with gRPC Health + Stats and the same lifecycle."""
-    from kvoffload_engine import build
-    from kvoffload_engine.engine import Engine, EngineConfig
-
-    blocks_per_seq = -(-args.max_model_len // args.block_size)
-    block_bytes = build.decode_geometry(model, args.block_size, 1 << 30).block_bytes
-    engine = Engine(
-        model,
-        EngineConfig(
-            block_size=args.block_size,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            chunk_size=args.chunk_size,
-            buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
-            independent=tuple(sorted(settings.independent_layers)),
-            prefetch_layers=settings.prefetch_layers,
-            decode_pool_bytes=block_bytes * blocks_per_seq * args.max_num_seqs,
-            model_id=model_id,
-        ),
-        prefill_pool=pool,
-    )
+    engine = _offload_engine(args, model, settings, pool, model_id)
     engine.prefill.plan.log()
     loop = GenerateLoop(engine)
     grpc_side = GrpcSide(
@@ -244,6 +243,31 @@ def _serve_offload_only(
         closers=(loop.close, engine.close, pool.close),
     )
     return 0
+
+
+def _offload_engine(args: argparse.Namespace, model, settings: PrefillSettings, pool, model_id: str):
+    """Offload-only mode's engine: layerwise prefill over ``pool``, and a device KV pool for
+    ``--max-num-seqs`` sequences of ``--max-model-len`` tokens to decode them in this process."""
+    from kvoffload_engine import build
+    from kvoffload_engine.engine import Engine, EngineConfig
+
+    blocks_per_seq = -(-args.max_model_len // args.block_size)
+    block_bytes = build.decode_geometry(model, args.block_size, 1 << 30).block_bytes
+    return Engine(
+        model,
+        EngineConfig(
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            chunk_size=args.chunk_size,
+            buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
+            independent=tuple(sorted(settings.independent_layers)),
+            prefetch_layers=settings.prefetch_layers,
+            decode_pool_bytes=block_bytes * blocks_per_seq * args.max_num_seqs,
+            model_id=model_id,
+        ),
+        prefill_pool=pool,
+    )
 
 
 def _offload_stats(loop: GenerateLoop) -> StatsSnapshot:

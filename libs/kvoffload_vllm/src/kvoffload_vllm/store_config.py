@@ -1,0 +1,72 @@
+"""The ``AscendStoreConnector``'s configuration: vLLM's ``kv_transfer_config`` checked and typed
+(``kvcore.connectorconfig.StoreConnectorConfig``: unknown keys, a backend vLLM does not run, a
+missing metastore and more than one rank are ``ConfigError``s naming the field)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import structlog
+
+from kvcore.config import parse_kv_transfer_config
+from kvcore.configerrors import ConfigError
+from kvcore.confignames import STORE_CONNECTOR
+from kvcore.connectorconfig import StoreConnectorConfig
+from kvcore.poolregistry import VLLM_POOLS
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = structlog.get_logger("vllm.kvoffload.store")
+
+
+def store_config(vllm_config: VllmConfig) -> StoreConnectorConfig:
+    """The typed AscendStoreConnector config (unknown keys are errors) of a one-rank vLLM; ConfigError
+    names the field."""
+    kv = vllm_config.kv_transfer_config
+    if kv is None:
+        raise ConfigError([f"kv_transfer_config: missing; the {STORE_CONNECTOR} is configured there"])
+    parsed = parse_kv_transfer_config(
+        {
+            "kv_connector": kv.kv_connector,
+            "kv_role": kv.kv_role,
+            "kv_connector_extra_config": dict(kv.kv_connector_extra_config or {}),
+        },
+        strict=True,
+    )
+    store = parsed.store
+    if parsed.kv_connector != STORE_CONNECTOR or store is None:
+        raise ConfigError(
+            [f"kv_transfer_config.kv_connector: got {kv.kv_connector!r}; this class is {STORE_CONNECTOR}"]
+        )
+    if store.backend not in VLLM_POOLS:
+        raise ConfigError(
+            [
+                f"kv_connector_extra_config.backend: got {store.backend!r}; inside vLLM the store "
+                f"runs on {', '.join(map(repr, VLLM_POOLS))} (the memcache adapter does not exist yet)"
+            ]
+        )
+    if not store.metastore:
+        raise ConfigError(
+            [
+                "kv_connector_extra_config.metastore: missing; the AscendStoreConnector needs the "
+                "kvoffload-metastore's HOST:PORT (start one with `kvoffload-metastore`)"
+            ]
+        )
+    unused = sorted(k for k in store.model_fields_set if k.startswith("layerwise_"))
+    if unused:  # the reference engine's shared device buffers; vLLM keeps its own paged cache
+        log.warning(
+            "kvoffload_config_ignored",
+            keys=unused,
+            reason="under vLLM the connector saves and loads layer by layer through vLLM's paged cache; "
+            "shared device buffers are the reference engine's",
+        )
+    par = vllm_config.parallel_config
+    if par.tensor_parallel_size * par.pipeline_parallel_size > 1:  # every rank would save its shard
+        raise ConfigError(
+            [
+                f"AscendStoreConnector: runs with one rank only for now; got tensor_parallel_size "
+                f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size}"
+            ]
+        )
+    return store
