@@ -25,7 +25,9 @@ import structlog
 
 # A skip reason must match one of these to stay a skip; each names hardware or a platform.
 HARDWARE_SKIPS = (
-    re.compile(r"Ascend driver", re.IGNORECASE),  # memcache / memfabric data paths, and tests that need a host without one
+    re.compile(
+        r"Ascend driver", re.IGNORECASE
+    ),  # memcache / memfabric data paths, and tests that need a host without one
     re.compile(r"\bCUDA\b"),  # tests of the CPU-only refusals on a machine that has CUDA
     re.compile(r"reads listening sockets from /proc"),  # Linux only
 )
@@ -112,5 +114,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if allowed_skip(reason):
         return
     report.outcome = "failed"
-    report.longrepr = (f"{item.nodeid}: skipped for a reason that is not missing hardware, so it fails: {reason}\n"
-                       "(a missing dependency fails the run; see HARDWARE_SKIPS in the root conftest.py)")
+    report.longrepr = (
+        f"{item.nodeid}: skipped for a reason that is not missing hardware, so it fails: {reason}\n"
+        "(a missing dependency fails the run; see HARDWARE_SKIPS in the root conftest.py)"
+    )

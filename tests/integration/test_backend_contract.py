@@ -21,6 +21,9 @@ import time
 
 import pytest
 import torch
+from pool_contract_backends import BACKENDS, stop_mooncake
+from pool_contract_data import BS, ROWS, block, fill, geometry, keys, read
+
 from kvcore.hostpool import (
     HostPoolBackend,
     IncompleteObject,
@@ -33,8 +36,6 @@ from kvcore.hostpool import (
     PoolFullError,
 )
 from kvcore.leases import Lease
-from pool_contract_backends import BACKENDS, stop_mooncake
-from pool_contract_data import BS, ROWS, block, fill, geometry, keys, read
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -139,10 +140,12 @@ def test_several_planes_at_once_are_put_from_per_plane(make_pool):
 def test_missing_keys_raise_not_found_with_the_key(make_pool):
     pool = make_pool()
     pool.alloc(keys("a"))
-    for call in (lambda: pool.block_ids(keys("a", "q")),
-                 lambda: pool.put_from(keys("q"), 0, block(0, 0)),
-                 lambda: pool.get_into(keys("q"), 0, torch.empty(1, BS, 16, dtype=torch.uint8)),
-                 lambda: pool.lease(keys("q"), 100)):
+    for call in (
+        lambda: pool.block_ids(keys("a", "q")),
+        lambda: pool.put_from(keys("q"), 0, block(0, 0)),
+        lambda: pool.get_into(keys("q"), 0, torch.empty(1, BS, 16, dtype=torch.uint8)),
+        lambda: pool.lease(keys("q"), 100),
+    ):
         with pytest.raises(ObjectNotFound) as e:
             call()
         assert e.value.key == b"q" and isinstance(e.value, PoolError)
@@ -190,13 +193,16 @@ def test_stats_account_bytes(make_pool):
     assert (s.used_blocks, s.free_blocks, s.used_bytes, s.complete_objects) == (3, 3, 3 * g.block_bytes, 2)
 
 
-@pytest.mark.parametrize("src, match", [
-    (torch.zeros(2, BS, 16, dtype=torch.uint8), r"\[1, 4, 16 bytes per row\]"),
-    (torch.zeros(1, BS, 8, dtype=torch.uint8), "got shape"),
-    (torch.zeros(1, BS, 32, dtype=torch.uint8)[:, :, ::2], "contiguous"),
-    ("not a tensor", "torch.Tensor"),
-    (torch.zeros(1, BS, 16, dtype=torch.uint8, device="meta"), "CPU"),
-])
+@pytest.mark.parametrize(
+    "src, match",
+    [
+        (torch.zeros(2, BS, 16, dtype=torch.uint8), r"\[1, 4, 16 bytes per row\]"),
+        (torch.zeros(1, BS, 8, dtype=torch.uint8), "got shape"),
+        (torch.zeros(1, BS, 32, dtype=torch.uint8)[:, :, ::2], "contiguous"),
+        ("not a tensor", "torch.Tensor"),
+        (torch.zeros(1, BS, 16, dtype=torch.uint8, device="meta"), "CPU"),
+    ],
+)
 def test_bad_tensors_are_value_errors(make_pool, src, match):
     pool = make_pool()
     pool.alloc(keys("a"))
@@ -208,8 +214,13 @@ def test_bad_tensors_are_value_errors(make_pool, src, match):
 
 def test_bad_keys_and_arguments_are_value_errors(make_pool):
     pool = make_pool()
-    for bad, match in ((b"abc", "list of bytes"), (["a"], r"keys\[0\]"), ([b""], r"keys\[0\]"),
-                       ([b"x" * 600], r"keys\[0\]"), ([b"a", b"a"], "unique")):
+    for bad, match in (
+        (b"abc", "list of bytes"),
+        (["a"], r"keys\[0\]"),
+        ([b""], r"keys\[0\]"),
+        ([b"x" * 600], r"keys\[0\]"),
+        ([b"a", b"a"], "unique"),
+    ):
         with pytest.raises(ValueError, match=match):
             pool.alloc(bad)
     fill(pool, keys("a"))

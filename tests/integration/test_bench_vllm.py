@@ -5,10 +5,9 @@ every field, the P/D ratios and the goal's verdict included."""
 
 from __future__ import annotations
 
-import pytest
-
 import json
 
+import pytest
 from vllm_support import tiny_llama_dir
 
 from kvoffload_bench.vllm_connectors import run
@@ -18,14 +17,23 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_bench_vllm_small(tmp_path):
-    r = run(model=str(tiny_llama_dir(tmp_path / "tiny")), prefix_tokens=1024, rounds=1, max_tokens=4,
-            pd_prompt_tokens=300, pd_max_tokens=8, progress=False)
+    r = run(
+        model=str(tiny_llama_dir(tmp_path / "tiny")),
+        prefix_tokens=1024,
+        rounds=1,
+        max_tokens=4,
+        pd_prompt_tokens=300,
+        pd_max_tokens=8,
+        progress=False,
+    )
     json.dumps(r)
     assert r["tokens_equal"] is True and r["goals_met"]["tokens_equal"] is True
     assert r["hit_tokens_per_request"] == 1024  # 1064 prompt tokens: 8 full blocks of 128
     assert r["per_round"][0]["miss_hit_tokens"] == 0  # the first send found nothing in the pool
     assert 0 < r["bytes_loaded_per_request"] < r["prompt_kv_bytes"]
-    assert 0 < r["ttft_ratio_prefix_hit"] and r["goals_met"]["ttft_ratio_prefix_hit"] == (r["ttft_ratio_prefix_hit"] <= 0.3)
+    assert 0 < r["ttft_ratio_prefix_hit"] and r["goals_met"]["ttft_ratio_prefix_hit"] == (
+        r["ttft_ratio_prefix_hit"] <= 0.3
+    )
     # P/D against the plain server
     for key in ("pd_ttft_ratio", "pd_tpot_ratio"):
         assert isinstance(r[key], float) and r[key] > 0, (key, r)

@@ -10,14 +10,17 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from sockets import listening_sockets
 
 from kvoffload_testing.ports import DATA_PORT_OFFSET, free_stack_ports
 from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
 from kvoffload_testing.stack_client import stack_stats
 
-pytestmark = [pytest.mark.stack, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads listening sockets from /proc"), pytest.mark.slow]
+pytestmark = [
+    pytest.mark.stack,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads listening sockets from /proc"),
+    pytest.mark.slow,
+]
 
 
 class DefaultHostStack(Stack):
@@ -27,7 +30,7 @@ class DefaultHostStack(Stack):
         out = []
         for name, argv, health in super().commands():
             i = argv.index("--host")  # the stack's one; a ValueError here means it no longer passes one
-            out.append((name, argv[:i] + argv[i + 2:], health))
+            out.append((name, argv[:i] + argv[i + 2 :], health))
         return out
 
 
@@ -42,8 +45,14 @@ def expected_ports(cfg: StackConfig) -> dict[str, set[int]]:
 
 
 def default_host_config(model, log_dir, service_args: dict[str, list[str]] | None = None) -> StackConfig:
-    return StackConfig(model=model, log_dir=log_dir, **free_stack_ports(), max_model_len=1024,
-                       prefill_pool_gb=0.01, service_args=service_args or {})
+    return StackConfig(
+        model=model,
+        log_dir=log_dir,
+        **free_stack_ports(),
+        max_model_len=1024,
+        prefill_pool_gb=0.01,
+        service_args=service_args or {},
+    )
 
 
 def non_loopback_binds(stack: Stack) -> list[str]:

@@ -7,19 +7,20 @@ compose.mooncake.yaml (the prefill's host pool on Mooncake Store) likewise, and:
 in place of the metastore, bound as the prefill's config needs it (the command kvoffload's own
 launcher would run), the prefill's command the image's default but for the pool, the other
 services compose.yaml's, and the images' pins and commands matching (docker/Dockerfile)."""
+
 from __future__ import annotations
 
 import json
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from kvcore.connectorconfig import StoreConnectorConfig
-from kvoffload_testing.connector_configs import prefill_kv_transfer_config
 from kvoffload_proxy.config import API_KEY_ENV
+from kvoffload_testing.connector_configs import prefill_kv_transfer_config
 from poolbackends.mooncake_master import MasterConfig, master_argv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,8 +68,11 @@ def published(port) -> tuple[str, str, str]:
 
 
 def publications(config: dict) -> dict[str, list[tuple[str, str, str]]]:
-    return {name: [published(p) for p in svc.get("ports", [])]
-            for name, svc in config["services"].items() if svc.get("ports")}
+    return {
+        name: [published(p) for p in svc.get("ports", [])]
+        for name, svc in config["services"].items()
+        if svc.get("ports")
+    }
 
 
 def test_only_the_proxy_is_published_and_on_loopback_by_default():
@@ -103,11 +107,17 @@ def test_the_opt_in_is_documented_in_the_file():
     assert "KVOFFLOAD_PUBLISH_HOST" in header and API_KEY_ENV in header
 
 
-@pytest.mark.parametrize("port, expected", [
-    ("9000:9000", ("", "9000", "9000")), ("9000", ("", "", "9000")),
-    ("127.0.0.1:9000:9000/tcp", ("127.0.0.1", "9000", "9000")), ("[::1]:9000:9000", ("::1", "9000", "9000")),
-    ({"target": 9000, "published": 9000, "host_ip": "127.0.0.1"}, ("127.0.0.1", "9000", "9000")),
-    ({"target": 9000, "published": 9000}, ("", "9000", "9000"))])
+@pytest.mark.parametrize(
+    "port, expected",
+    [
+        ("9000:9000", ("", "9000", "9000")),
+        ("9000", ("", "", "9000")),
+        ("127.0.0.1:9000:9000/tcp", ("127.0.0.1", "9000", "9000")),
+        ("[::1]:9000:9000", ("::1", "9000", "9000")),
+        ({"target": 9000, "published": 9000, "host_ip": "127.0.0.1"}, ("127.0.0.1", "9000", "9000")),
+        ({"target": 9000, "published": 9000}, ("", "9000", "9000")),
+    ],
+)
 def test_port_syntax(port, expected):
     assert published(port) == expected
 
@@ -121,6 +131,7 @@ def test_interpolation():
 
 # -- compose.mooncake.yaml ---------------------------------------------------------------------------
 
+
 def dockerfile_cmd(target: str) -> list[str]:
     """The default command (exec form) of one docker/Dockerfile target."""
     stage = re.split(r"(?m)^FROM ", DOCKERFILE.read_text())
@@ -131,8 +142,9 @@ def dockerfile_cmd(target: str) -> list[str]:
 
 
 def flag(argv: list[str], name: str) -> str:
-    [value] = [a.split("=", 1)[1] for a in argv if a.startswith(name + "=")] or \
-              [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == name]
+    [value] = [a.split("=", 1)[1] for a in argv if a.startswith(name + "=")] or [
+        argv[i + 1] for i, a in enumerate(argv[:-1]) if a == name
+    ]
     return value
 
 
@@ -140,7 +152,9 @@ def test_the_mooncake_variant_publishes_only_the_proxy_on_loopback_by_default():
     pubs = publications(load({}, MOONCAKE))
     assert pubs == {"proxy": [("127.0.0.1", "9000", "9000")]}, pubs
     assert publications(load({"KVOFFLOAD_PUBLISH_HOST": ""}, MOONCAKE)) == pubs
-    assert publications(load({"KVOFFLOAD_PUBLISH_HOST": "0.0.0.0"}, MOONCAKE)) == {"proxy": [("0.0.0.0", "9000", "9000")]}
+    assert publications(load({"KVOFFLOAD_PUBLISH_HOST": "0.0.0.0"}, MOONCAKE)) == {
+        "proxy": [("0.0.0.0", "9000", "9000")]
+    }
     services = load({}, MOONCAKE)["services"]
     assert not any("expose" in svc for svc in services.values())
     assert services["proxy"]["environment"] == [API_KEY_ENV]
@@ -160,9 +174,13 @@ def test_the_mooncake_variant_is_compose_yaml_with_a_master_in_place_of_the_meta
     master = variant["services"]["mooncake-master"]
     assert master["image"] == "kvoffload/mooncake-master:0.1.0" and master["hostname"] == "mooncake-master"
     assert master["build"]["target"] == "mooncake-master"
-    assert {k: master[k] for k in ("init", "stop_grace_period", "restart", "networks")} == \
-           {k: base["services"]["metastore"][k] for k in ("init", "stop_grace_period", "restart", "networks")}
-    assert load({"KVOFFLOAD_IMAGE_TAG": "t"}, MOONCAKE)["services"]["mooncake-master"]["image"] == "kvoffload/mooncake-master:t"
+    assert {k: master[k] for k in ("init", "stop_grace_period", "restart", "networks")} == {
+        k: base["services"]["metastore"][k] for k in ("init", "stop_grace_period", "restart", "networks")
+    }
+    assert (
+        load({"KVOFFLOAD_IMAGE_TAG": "t"}, MOONCAKE)["services"]["mooncake-master"]["image"]
+        == "kvoffload/mooncake-master:t"
+    )
 
 
 def test_the_mooncake_prefill_names_the_master_and_is_the_image_default_but_for_the_pool():
@@ -178,7 +196,7 @@ def test_the_mooncake_prefill_names_the_master_and_is_the_image_default_but_for_
     default = dockerfile_cmd("prefill")
     i = default.index("--metastore")
     assert default[i + 1] == "metastore:5000"
-    expected = default[:i] + default[i + 2:]
+    expected = default[:i] + default[i + 2 :]
     expected[expected.index("--kv-transfer-config") + 1] = kv
     assert command == expected
     # the master it names: that service, on the port its master listens on, reachable by name
@@ -198,7 +216,9 @@ def test_the_master_binds_what_the_prefill_reaches_and_runs_like_kvoffload_up():
     # the prefill's lease refresh assumes the master's lease TTL
     kv = services["prefill"]["command"][services["prefill"]["command"].index("--kv-transfer-config") + 1]
     store = json.loads(kv)["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]
-    assert int(flag(command, "--default_kv_lease_ttl")) == StoreConnectorConfig.model_validate(store).mooncake_lease_ttl_ms
+    assert (
+        int(flag(command, "--default_kv_lease_ttl")) == StoreConnectorConfig.model_validate(store).mooncake_lease_ttl_ms
+    )
     # the command kvoffload's launcher (poolbackends.mooncake_master) builds for that host and those ports,
     # and the image's default command
     config = MasterConfig(host="0.0.0.0", rpc_port=50051, metrics_port=9003)

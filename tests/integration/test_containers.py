@@ -24,8 +24,22 @@ import urllib.error
 
 import pytest
 from container_requests import ERROR_DEADLINE_S, LONG_TEXT, Background, byte_tokenizer, complete
-from container_stack import (BS, IDLE_DEADLINE_S, SERVICES, ContainerStack, ensure_images, grpc_health, grpc_stats,
-                             healthy, held, require_docker_engine, running, served_reference, stop_times, wait_idle)
+from container_stack import (
+    BS,
+    IDLE_DEADLINE_S,
+    SERVICES,
+    ContainerStack,
+    ensure_images,
+    grpc_health,
+    grpc_stats,
+    healthy,
+    held,
+    require_docker_engine,
+    running,
+    served_reference,
+    stop_times,
+    wait_idle,
+)
 
 pytestmark = [pytest.mark.containers, pytest.mark.slow]
 
@@ -54,6 +68,7 @@ def reference(stack, tmp_path_factory):
 
 
 # -- tests -------------------------------------------------------------------------------------------
+
 
 def test_every_service_answers_health_and_stats(stack):
     for name, where in (("metastore", "metastore"), ("prefill", "prefill-data"), ("decode", "decode-control")):

@@ -25,8 +25,22 @@ import uuid
 import pytest
 import yaml
 from container_requests import LONG_TEXT, byte_tokenizer, complete
-from container_stack import (BS, COMMANDS as REFERENCE_COMMANDS, PORTS, ROOT, ContainerStack, ensure_images, held,
-                             require_docker_engine, running, served_reference, stop_times, wait_idle)
+from container_stack import (
+    BS,
+    PORTS,
+    ROOT,
+    ContainerStack,
+    ensure_images,
+    held,
+    require_docker_engine,
+    running,
+    served_reference,
+    stop_times,
+    wait_idle,
+)
+from container_stack import (
+    COMMANDS as REFERENCE_COMMANDS,
+)
 
 from kvoffload_testing.connector_configs import prefill_kv_transfer_config
 from poolbackends.mooncake_master import port_answers
@@ -52,9 +66,10 @@ def _commands() -> dict[str, list[str]]:
     compose = yaml.safe_load((ROOT / "compose.mooncake.yaml").read_text())
     prefill = list(REFERENCE_COMMANDS["prefill"])
     i = prefill.index("--metastore")
-    del prefill[i:i + 2]
+    del prefill[i : i + 2]
     prefill[prefill.index("--kv-transfer-config") + 1] = prefill_kv_transfer_config(
-        PORTS["decode-control"], mooncake_master=MASTER_ADDRESS)
+        PORTS["decode-control"], mooncake_master=MASTER_ADDRESS
+    )
     return {**REFERENCE_COMMANDS, "prefill": prefill, MASTER: compose["services"][MASTER]["command"]}
 
 
@@ -125,6 +140,7 @@ def _finished(stack: MooncakeStack, request_id: str) -> dict:
 
 # -- tests -------------------------------------------------------------------------------------------
 
+
 def test_the_prefill_pool_is_on_the_master_container(stack):
     [connected] = stack.events("prefill", "mooncake_pool_connected")
     assert connected["master"] == MASTER_ADDRESS, connected
@@ -142,7 +158,9 @@ def test_i3_through_the_proxy(stack, reference):
     tok = byte_tokenizer()
     prompts = [[65], list(range(66, 66 + BS - 1)), tok.encode(LONG_TEXT[:4200], add_bos=True)]
     for prompt in prompts:
-        assert complete(stack.url, prompt, 12, request_id=f"mooncake-i3-{uuid.uuid4().hex}") == reference(prompt, 12), len(prompt)
+        assert complete(stack.url, prompt, 12, request_id=f"mooncake-i3-{uuid.uuid4().hex}") == reference(prompt, 12), (
+            len(prompt)
+        )
     assert complete(stack.url, prompts[2], 12, stream=True) == reference(prompts[2], 12)
     decode = dict(stack.stats("decode")["decode"].counters)
     assert decode["reads_streamed"] > 0 and decode["reads_shared_memory"] == 0  # separate hosts

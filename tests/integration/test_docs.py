@@ -9,8 +9,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("*/README.md"), *ROOT.glob("*/*/README.md"),
-               *ROOT.glob("tests/integration/README.md")])
+DOCS = sorted(
+    [
+        ROOT / "README.md",
+        *ROOT.glob("docs/*.md"),
+        *ROOT.glob("*/README.md"),
+        *ROOT.glob("*/*/README.md"),
+        *ROOT.glob("tests/integration/README.md"),
+    ]
+)
 DOCS = [p for p in dict.fromkeys(DOCS) if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 

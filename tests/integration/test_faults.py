@@ -21,7 +21,13 @@ import pytest
 
 from kvoffload_testing.fault_catalog import FAULTS, MOONCAKE_FAULTS
 from kvoffload_testing.fault_tally import records_json, summarize
-from kvoffload_testing.faults import FILLER_TOKENS, REQUEST_DEADLINE_S, FaultRunner, fault_stack_config, reference_tokens
+from kvoffload_testing.faults import (
+    FILLER_TOKENS,
+    REQUEST_DEADLINE_S,
+    FaultRunner,
+    fault_stack_config,
+    reference_tokens,
+)
 from kvoffload_testing.stack import Stack, ensure_tiny_model
 
 pytestmark = pytest.mark.stack
@@ -51,9 +57,13 @@ def mooncake_runner(tmp_path_factory):
 
 def _check(records, faults=FAULTS) -> None:
     summary = summarize(records, faults)
-    bad = [r for r in records if not r.fresh_ok or any(v for v in r.leaks.values())
-           or any(not q.ended or q.tokens_equal is False or (not q.ok and q.wrong_error != "")
-                  for q in r.requests)]
+    bad = [
+        r
+        for r in records
+        if not r.fresh_ok
+        or any(v for v in r.leaks.values())
+        or any(not q.ended or q.tokens_equal is False or (not q.ok and q.wrong_error != "") for q in r.requests)
+    ]
     detail = f"seed {SEED}: {summary}\nruns with a problem: {records_json(bad)[:20000]}"
     assert summary["terminated"] == summary["requests"], detail
     assert summary["max_termination_s"] <= REQUEST_DEADLINE_S, detail
@@ -106,8 +116,9 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(runner):
 
     stack, prompt = runner.stack, runner.prompts[-1]
     got: dict = {}
-    th = threading.Thread(target=lambda: got.update(zip(("ok", "tokens", "error"),
-                                                        _request(stack.url, prompt, True, REQUEST_DEADLINE_S))))
+    th = threading.Thread(
+        target=lambda: got.update(zip(("ok", "tokens", "error"), _request(stack.url, prompt, True, REQUEST_DEADLINE_S)))
+    )
     th.start()
     deadline = time.monotonic() + 30
     while not stack_stats(stack.cfg)["decode-0"]["pending"] + stack_stats(stack.cfg)["decode-0"]["running"]:
@@ -132,8 +143,16 @@ def test_bench_faults_prints_the_issue_fields(runner):
     from kvoffload_testing.faults import bench_runs
 
     out = bench_runs(runner, 3)
-    for key in ("requests", "terminated", "leaked_slots", "leaked_pool_bytes", "leaked_leases", "max_termination_s",
-                "open_requests_after", "wrong_errors"):
+    for key in (
+        "requests",
+        "terminated",
+        "leaked_slots",
+        "leaked_pool_bytes",
+        "leaked_leases",
+        "max_termination_s",
+        "open_requests_after",
+        "wrong_errors",
+    ):
         assert key in out, out
     assert out["runs"] == 3 and out["seed"] == SEED and out["goal_met"], out
 
@@ -156,15 +175,19 @@ def test_oversized_prompts_are_refused_before_any_kv_and_a_disconnect_frees_ever
     after = stack_stats(stack.cfg)
     for svc in ("decode-0", "prefill-0"):
         assert after[svc]["ledger_open"] == 0
-        assert sum(v for k, v in after[svc].items() if k.startswith("ledger_finished")) == \
-            sum(v for k, v in before[svc].items() if k.startswith("ledger_finished")), svc
+        assert sum(v for k, v in after[svc].items() if k.startswith("ledger_finished")) == sum(
+            v for k, v in before[svc].items() if k.startswith("ledger_finished")
+        ), svc
     assert not any(held(after).values())
 
     cancelled = before["decode-0"].get("ledger_finished_cancelled", 0)  # a ledger outcome is counted from its first
     conn = http.client.HTTPConnection(stack.cfg.host, stack.cfg.proxy_port, timeout=REQUEST_DEADLINE_S)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": runner.prompts[-1], "max_tokens": 1500,
-                                                        "temperature": 0, "stream": True}),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": runner.prompts[-1], "max_tokens": 1500, "temperature": 0, "stream": True}),
+        {"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     while not (line := resp.readline()).startswith(b"data: {"):  # the first event: it is decoding
@@ -176,6 +199,13 @@ def test_oversized_prompts_are_refused_before_any_kv_and_a_disconnect_frees_ever
         stats = stack_stats(stack.cfg)
         if not any(held(stats).values()) and stats["decode-0"].get("ledger_finished_cancelled", 0) > cancelled:
             break
-        assert time.monotonic() < deadline, (held(stats), {k: v for s in stats.values() for k, v in s.items()
-                                                          if k.startswith("ledger") or k in ("pending", "running")})
+        assert time.monotonic() < deadline, (
+            held(stats),
+            {
+                k: v
+                for s in stats.values()
+                for k, v in s.items()
+                if k.startswith("ledger") or k in ("pending", "running")
+            },
+        )
         time.sleep(0.1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from package_tree import imports_of, modules, packages
 
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan), each sorted."""
     index: dict[str, int] = {}

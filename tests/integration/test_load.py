@@ -36,11 +36,18 @@ QUEUE_LIMIT = 64
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    cfg = StackConfig(model=model_dir, log_dir=tmp_path_factory.mktemp("load") / "logs", **free_stack_ports(),
-                      max_model_len=8192, block_size=BS,
-                      service_args={"decode-0": ["--max-num-seqs", "2", "--max-queued-requests", str(QUEUE_LIMIT)],
-                                    # a short registration deadline: a queued request must not meet it
-                                    "proxy": ["--metaserver-timeout-s", "5"]})
+    cfg = StackConfig(
+        model=model_dir,
+        log_dir=tmp_path_factory.mktemp("load") / "logs",
+        **free_stack_ports(),
+        max_model_len=8192,
+        block_size=BS,
+        service_args={
+            "decode-0": ["--max-num-seqs", "2", "--max-queued-requests", str(QUEUE_LIMIT)],
+            # a short registration deadline: a queued request must not meet it
+            "proxy": ["--metaserver-timeout-s", "5"],
+        },
+    )
     with Stack(cfg) as s:
         yield s
 
@@ -81,8 +88,15 @@ def _idle(cfg: StackConfig, timeout_s: float = 20.0) -> dict:
     while True:
         stats = stack_stats(cfg)
         d, p = stats["decode-0"], stats["prefill-0"]
-        held = (d["pool_used_bytes"], d["sequences"], d["pool_live_leases"], d["queued"], d["ledger_open"],
-                p["held_slots"], p["pool_live_leases"])
+        held = (
+            d["pool_used_bytes"],
+            d["sequences"],
+            d["pool_live_leases"],
+            d["queued"],
+            d["ledger_open"],
+            p["held_slots"],
+            p["pool_live_leases"],
+        )
         if not any(held) or time.monotonic() > deadline:
             return stats
 
@@ -90,8 +104,10 @@ def _idle(cfg: StackConfig, timeout_s: float = 20.0) -> dict:
 def test_64_concurrent_requests_queue_and_all_succeed_then_the_excess_of_a_burst_gets_429(stack, reference):
     url = f"{stack.url}/v1/completions"
     rng = random.Random(11)
-    work = [([rng.randrange(256) for _ in range(rng.choice([10, 40, 200, 600, 1200]))], rng.randint(1, 16), i % 2 == 0)
-            for i in range(64)]
+    work = [
+        ([rng.randrange(256) for _ in range(rng.choice([10, 40, 200, 600, 1200]))], rng.randint(1, 16), i % 2 == 0)
+        for i in range(64)
+    ]
     t0 = time.monotonic()
     results = _burst(url, work)
     wall = time.monotonic() - t0

@@ -14,13 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+
 from dsamodel.presets import tiny_model
 from kvcore.layout import dtype_name
+from kvoffload_decode.transfer import decode_transfer
 from kvoffload_engine.layout import kv_layout
 from kvoffload_proto.v1 import transfer_pb2 as pb
-
-from kvoffload_testing.connector_configs import decode_additional_config, decode_kv_transfer_config, prefill_kv_transfer_config
-from kvoffload_decode.transfer import decode_transfer
+from kvoffload_testing.connector_configs import (
+    decode_additional_config,
+    decode_kv_transfer_config,
+    prefill_kv_transfer_config,
+)
 
 DRIVER_FILES = ("/etc/ascend_install.info", "/usr/local/Ascend/driver/version.info")  # where memfabric looks
 START_TIMEOUT_S = 120  # the service must have exited by then (model load included)
@@ -38,8 +42,13 @@ def memfabric(kv_json: str) -> str:
 
 def start(service: str, args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
     t = time.monotonic()
-    proc = subprocess.run([str(Path(sys.executable).with_name(service)), *args], capture_output=True, text=True,
-                          timeout=START_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name(service)), *args],
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+    )
     return proc, time.monotonic() - t
 
 
@@ -52,8 +61,13 @@ def test_a_service_with_transfer_backend_memfabric_exits_2_with_memfabrics_reaso
     if service == "kvoffload-prefill":
         args = [*common, "--kv-transfer-config", memfabric(prefill_kv_transfer_config(20050))]
     else:
-        args = [*common, "--kv-transfer-config", memfabric(decode_kv_transfer_config(20050)),
-                "--additional-config", decode_additional_config()]
+        args = [
+            *common,
+            "--kv-transfer-config",
+            memfabric(decode_kv_transfer_config(20050)),
+            "--additional-config",
+            decode_additional_config(),
+        ]
     proc, took = start(service, args)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [x for x in proc.stderr.splitlines() if x.startswith(f"{service}: ")]
@@ -62,7 +76,8 @@ def test_a_service_with_transfer_backend_memfabric_exits_2_with_memfabrics_reaso
     assert lines[0].startswith(
         f"{service}: transfer_backend 'memfabric': memfabric_hybrid cannot start here: TransferEngine.initialize("
         f"store_url='tcp://127.0.0.1', session_id='127.0.0.1', role={role!r}, device_id=0, data_op_type=SDMA, "
-        "store_server_role='Prefill') returned -1; memfabric_hybrid says: check driver version failed"), lines[0]
+        "store_server_role='Prefill') returned -1; memfabric_hybrid says: check driver version failed"
+    ), lines[0]
     assert DRIVER_REASON in lines[0] and "hybm core init failed: -1" in lines[0]
     assert lines[0].endswith("kvoffload does not fall back to its embedded P→D data path")
     assert "serving" not in proc.stderr + proc.stdout  # no "serving" log line: nothing started instead
@@ -70,13 +85,28 @@ def test_a_service_with_transfer_backend_memfabric_exits_2_with_memfabrics_reaso
 
 
 def _layout_of_a_prefill(layout, memfabric_session: str) -> pb.LayoutMetadata:
-    layers = [pb.LayerLayout(layer=s.index, main_row_bytes=s.main.row_bytes, main_dtype=dtype_name(s.main.dtype),
-                             indexer_row_bytes=s.indexer.row_bytes, indexer_dtype=dtype_name(s.indexer.dtype))
-              for s in layout.layers]
-    return pb.LayoutMetadata(model_id="tiny", num_layers=len(layers), block_size=layout.block_size, layers=layers,
-                             prefill_tp_size=1, data_endpoint="10.0.0.1:7000", host_id="decode-host",
-                             layout_version=5, memfabric_session=memfabric_session,
-                             memfabric_segment_address=4096 if memfabric_session else 0)
+    layers = [
+        pb.LayerLayout(
+            layer=s.index,
+            main_row_bytes=s.main.row_bytes,
+            main_dtype=dtype_name(s.main.dtype),
+            indexer_row_bytes=s.indexer.row_bytes,
+            indexer_dtype=dtype_name(s.indexer.dtype),
+        )
+        for s in layout.layers
+    ]
+    return pb.LayoutMetadata(
+        model_id="tiny",
+        num_layers=len(layers),
+        block_size=layout.block_size,
+        layers=layers,
+        prefill_tp_size=1,
+        data_endpoint="10.0.0.1:7000",
+        host_id="decode-host",
+        layout_version=5,
+        memfabric_session=memfabric_session,
+        memfabric_segment_address=4096 if memfabric_session else 0,
+    )
 
 
 def test_an_embedded_decode_refuses_a_memfabric_prefills_layout():
@@ -87,7 +117,8 @@ def test_an_embedded_decode_refuses_a_memfabric_prefills_layout():
         ack = transfer.ExchangeLayout(_layout_of_a_prefill(layout, "10.0.0.1:9000"), None)
         assert not ack.accepted and ack.reason == (
             "memfabric_session: the prefill's transfer_backend is 'memfabric' (session 10.0.0.1:9000), this "
-            "decode's 'kvoffload'; both sides must use the same one")
+            "decode's 'kvoffload'; both sides must use the same one"
+        )
         assert transfer.consumer.layouts() == {}
         ack = transfer.ExchangeLayout(_layout_of_a_prefill(layout, ""), None)
         assert ack.accepted and ack.shared_memory  # the same prefill on the embedded path: shared memory

@@ -16,8 +16,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE_DIRS = [*sorted(ROOT.glob("libs/*/src")), *sorted(ROOT.glob("services/*/src")), ROOT / "kvoffload",
-               ROOT / "proto"]
+SOURCE_DIRS = [
+    *sorted(ROOT.glob("libs/*/src")),
+    *sorted(ROOT.glob("services/*/src")),
+    ROOT / "kvoffload",
+    ROOT / "proto",
+]
 PICKLERS = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "jsonpickle", "shelve", "marshal"}
 SAFE_YAML_LOADERS = {"SafeLoader", "CSafeLoader", "BaseLoader", "CBaseLoader"}
 
@@ -74,8 +78,12 @@ def findings(source: str, filename: str) -> list[str]:
                 out.append(f"{where}: {name}(allow_pickle=True)")
             elif name.startswith("multiprocessing.connection.") and last in ("Listener", "Client"):
                 out.append(f"{where}: {name}() (pickles over sockets)")
-        elif isinstance(node, ast.Attribute) and _dotted(node).split(".")[0] in PICKLERS \
-                and isinstance(node.ctx, ast.Load) and _dotted(node).count(".") == 1:
+        elif (
+            isinstance(node, ast.Attribute)
+            and _dotted(node).split(".")[0] in PICKLERS
+            and isinstance(node.ctx, ast.Load)
+            and _dotted(node).count(".") == 1
+        ):
             out.append(f"{where}: {_dotted(node)}")
     return sorted(set(out))
 
@@ -90,8 +98,16 @@ def _sources() -> list[Path]:
 def test_the_scan_covers_every_package():
     files = _sources()
     rel = {str(p.relative_to(ROOT)) for p in files}
-    for prefix in ("libs/kvcore/src/", "libs/dsamodel/src/", "services/metastore/src/", "services/prefill/src/",
-                   "services/decode/src/", "services/proxy/src/", "kvoffload/", "proto/"):
+    for prefix in (
+        "libs/kvcore/src/",
+        "libs/dsamodel/src/",
+        "services/metastore/src/",
+        "services/prefill/src/",
+        "services/decode/src/",
+        "services/proxy/src/",
+        "kvoffload/",
+        "proto/",
+    ):
         assert any(r.startswith(prefix) for r in rel), f"no Python source scanned under {prefix}"
     assert len(files) > 50
 
@@ -103,34 +119,42 @@ def test_no_pickle_eval_or_unsafe_loader_in_any_package():
     assert not found, "unsafe deserialization or code evaluation:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("snippet, expected", [
-    ("import pickle\n", "x.py:1: import pickle"),
-    ("import os\nfrom pickle import loads\n", "x.py:2: from pickle import ..."),
-    ("import marshal as m\n", "x.py:1: import marshal"),
-    ("import dill\n", "x.py:1: import dill"),
-    ("eval(data)\n", "x.py:1: eval()"),
-    ("exec(code, {})\n", "x.py:1: exec()"),
-    ("import torch\nt = torch.load(f)\n", "x.py:2: torch.load() without weights_only=True"),
-    ("import torch\nt = torch.load(f, weights_only=False)\n", "x.py:2: torch.load() without weights_only=True"),
-    ("import yaml\nyaml.load(s)\n", "x.py:2: yaml.load() without Loader=yaml.SafeLoader"),
-    ("import yaml\nyaml.load(s, Loader=yaml.Loader)\n", "x.py:2: yaml.load() without Loader=yaml.SafeLoader"),
-    ("import yaml\nyaml.unsafe_load(s)\n", "x.py:2: yaml.unsafe_load()"),
-    ("import numpy as np\nnp.load(f, allow_pickle=True)\n", "x.py:2: np.load(allow_pickle=True)"),
-    ("from multiprocessing.connection import Listener\n",
-     "x.py:1: multiprocessing.connection Listener/Client (pickles over sockets)"),
-])
+@pytest.mark.parametrize(
+    "snippet, expected",
+    [
+        ("import pickle\n", "x.py:1: import pickle"),
+        ("import os\nfrom pickle import loads\n", "x.py:2: from pickle import ..."),
+        ("import marshal as m\n", "x.py:1: import marshal"),
+        ("import dill\n", "x.py:1: import dill"),
+        ("eval(data)\n", "x.py:1: eval()"),
+        ("exec(code, {})\n", "x.py:1: exec()"),
+        ("import torch\nt = torch.load(f)\n", "x.py:2: torch.load() without weights_only=True"),
+        ("import torch\nt = torch.load(f, weights_only=False)\n", "x.py:2: torch.load() without weights_only=True"),
+        ("import yaml\nyaml.load(s)\n", "x.py:2: yaml.load() without Loader=yaml.SafeLoader"),
+        ("import yaml\nyaml.load(s, Loader=yaml.Loader)\n", "x.py:2: yaml.load() without Loader=yaml.SafeLoader"),
+        ("import yaml\nyaml.unsafe_load(s)\n", "x.py:2: yaml.unsafe_load()"),
+        ("import numpy as np\nnp.load(f, allow_pickle=True)\n", "x.py:2: np.load(allow_pickle=True)"),
+        (
+            "from multiprocessing.connection import Listener\n",
+            "x.py:1: multiprocessing.connection Listener/Client (pickles over sockets)",
+        ),
+    ],
+)
 def test_the_scanner_finds_each_forbidden_use(snippet, expected):
     assert expected in findings(snippet, "x.py")
 
 
-@pytest.mark.parametrize("snippet", [
-    '"""we never pickle: eval( and exec( in a docstring are fine"""\n',
-    "# import pickle\n",
-    "import torch\nt = torch.load(f, weights_only=True)\n",
-    "import yaml\nyaml.load(s, Loader=yaml.SafeLoader)\nyaml.safe_load(s)\n",
-    "import numpy as np\nnp.load(f)\n",
-    "import json\njson.loads(s)\n",
-    "x.evaluate()\nmodel.eval()\n",
-])
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        '"""we never pickle: eval( and exec( in a docstring are fine"""\n',
+        "# import pickle\n",
+        "import torch\nt = torch.load(f, weights_only=True)\n",
+        "import yaml\nyaml.load(s, Loader=yaml.SafeLoader)\nyaml.safe_load(s)\n",
+        "import numpy as np\nnp.load(f)\n",
+        "import json\njson.loads(s)\n",
+        "x.evaluate()\nmodel.eval()\n",
+    ],
+)
 def test_the_scanner_accepts_safe_code(snippet):
     assert findings(snippet, "x.py") == []

@@ -16,8 +16,8 @@ import urllib.request
 import uuid
 
 import pytest
-from dsamodel.tokenizer import ByteTokenizer
 
+from dsamodel.tokenizer import ByteTokenizer
 from kvoffload_testing.connector_configs import offload_only_kv_transfer_config
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.reference import greedy_reference
@@ -32,8 +32,17 @@ LONG_TEXT = "".join(chr(32 + (i * 7919) % 90) for i in range(2600))
 
 
 def _stack(model_dir, log_dir, **kw) -> Stack:
-    return Stack(StackConfig(model=model_dir, log_dir=log_dir, **free_stack_ports(1, 0), max_model_len=8192,
-                             block_size=BS, mode="offload-only", **kw))
+    return Stack(
+        StackConfig(
+            model=model_dir,
+            log_dir=log_dir,
+            **free_stack_ports(1, 0),
+            max_model_len=8192,
+            block_size=BS,
+            mode="offload-only",
+            **kw,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +85,11 @@ def test_the_stack_is_a_metastore_and_one_prefill_with_the_store_connector_alone
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert kv["kv_connector"] == "AscendStoreConnector" and kv["kv_role"] == "kv_producer"
     assert stack.url == f"http://{stack.cfg.host}:{stack.cfg.prefill_ports[0]}"
-    serving = [json.loads(x) for x in (stack.cfg.log_dir / "prefill-0.log").read_text().splitlines()
-               if x.startswith("{") and '"event": "serving"' in x]
+    serving = [
+        json.loads(x)
+        for x in (stack.cfg.log_dir / "prefill-0.log").read_text().splitlines()
+        if x.startswith("{") and '"event": "serving"' in x
+    ]
     assert serving and serving[0]["mode"] == "offload-only" and serving[0]["backend"] == "kvoffload"
     health = _get_json(f"{stack.url}/health")
     assert health["status"] == "ok" and health["mode"] == "offload-only"
@@ -96,8 +108,10 @@ def test_greedy_tokens_equal_the_single_process_engine(stack, reference, prompt,
 
 
 def test_chat_and_usage(stack):
-    out = post_json(f"{stack.url}/v1/chat/completions",
-                    {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0})
+    out = post_json(
+        f"{stack.url}/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0},
+    )
     assert out["object"] == "chat.completion" and out["choices"][0]["message"]["role"] == "assistant"
     assert out["usage"]["completion_tokens"] == len(out["choices"][0]["token_ids"]) == 4
 
@@ -127,8 +141,10 @@ def test_a_shared_prefix_is_loaded_from_the_pool_and_reset_drops_it(stack, refer
 def test_what_it_cannot_honour_is_a_400_naming_it(stack):
     url = f"{stack.url}/v1/completions"
     for body, words in [
-        ({"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params: this prefill runs "
-                                                                             "offload-only"),
+        (
+            {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}},
+            "kv_transfer_params: this prefill runs offload-only",
+        ),
         ({"prompt": "x", "n": 2}, "n: offload-only mode returns one choice per request"),
         ({"prompt": "x", "tools": []}, "tools: not supported"),
         ({"prompt": "x", "frobnicate": 1}, "frobnicate: unknown parameter"),
@@ -142,19 +158,22 @@ def test_stop_strings_are_honoured(stack):
     url = f"{stack.url}/v1/completions"
     full = post_json(url, {"prompt": "abc", "max_tokens": 12, "temperature": 0})["choices"][0]
     text = full["text"]
-    stop = next((text[i:i + 1] for i in range(2, len(text)) if text[i:i + 1].strip()), None)
+    stop = next((text[i : i + 1] for i in range(2, len(text)) if text[i : i + 1].strip()), None)
     assert stop is not None, text
     cut = post_json(url, {"prompt": "abc", "max_tokens": 12, "temperature": 0, "stop": [stop]})["choices"][0]
-    assert cut["finish_reason"] == "stop" and cut["text"] == text[:text.index(stop)]
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)]
 
 
 def test_a_client_that_goes_away_cancels_its_request(stack):
     host, port = stack.cfg.host, stack.cfg.prefill_ports[0]
     conn = http.client.HTTPConnection(host, port, timeout=30)
     rid = f"offload-gone-{uuid.uuid4().hex}"
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "y" * 100, "max_tokens": 4000, "temperature": 0,
-                                                        "stream": True, "ignore_eos": True}),
-                 {"Content-Type": "application/json", "X-Request-Id": rid})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "y" * 100, "max_tokens": 4000, "temperature": 0, "stream": True, "ignore_eos": True}),
+        {"Content-Type": "application/json", "X-Request-Id": rid},
+    )
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
     conn.close()
@@ -171,13 +190,23 @@ def test_i1_buffer_reuse_changes_nothing_the_client_sees(stack, model_dir, tmp_p
     body = {"prompt": TOK.encode(LONG_TEXT[:1800], add_bos=True), "max_tokens": 6, "temperature": 0, "logprobs": 2}
     shared = post_json(f"{stack.url}/v1/completions", body)["choices"][0]
     all_independent = offload_only_kv_transfer_config(independent="all")
-    with _stack(model_dir, tmp_path / "logs", service_args={"prefill-0": ["--kv-transfer-config",
-                                                                          all_independent]}) as other:
+    with _stack(
+        model_dir, tmp_path / "logs", service_args={"prefill-0": ["--kv-transfer-config", all_independent]}
+    ) as other:
         plain = post_json(f"{other.url}/v1/completions", body)["choices"][0]
-        plan = [json.loads(x) for x in (other.cfg.log_dir / "prefill-0.log").read_text().splitlines()
-                if x.startswith("{") and '"event": "serving"' in x][0]["plan"]
-    assert plan != [json.loads(x) for x in (stack.cfg.log_dir / "prefill-0.log").read_text().splitlines()
-                    if x.startswith("{") and '"event": "serving"' in x][0]["plan"]
+        plan = [
+            json.loads(x)
+            for x in (other.cfg.log_dir / "prefill-0.log").read_text().splitlines()
+            if x.startswith("{") and '"event": "serving"' in x
+        ][0]["plan"]
+    assert (
+        plan
+        != [
+            json.loads(x)
+            for x in (stack.cfg.log_dir / "prefill-0.log").read_text().splitlines()
+            if x.startswith("{") and '"event": "serving"' in x
+        ][0]["plan"]
+    )
     assert shared["token_ids"] == plain["token_ids"] and shared["logprobs"] == plain["logprobs"]
 
 
@@ -186,16 +215,20 @@ def test_up_takes_mode_offload_only_for_the_reference_engine_only(tmp_path, caps
     from kvoffload.cli_stack import stack_config
 
     monkeypatch.delenv("KVOFFLOAD_API_KEY", raising=False)
-    args = build_parser().parse_args(["up", "--mode", "offload-only", "--port", "9100", "--model", str(tmp_path),
-                                      "--log-dir", str(tmp_path)])
+    args = build_parser().parse_args(
+        ["up", "--mode", "offload-only", "--port", "9100", "--model", str(tmp_path), "--log-dir", str(tmp_path)]
+    )
     cfg = stack_config(args)
     assert (cfg.mode, cfg.prefill_ports) == ("offload-only", (9100,))
     assert [n for n, _, _ in Stack(cfg).commands()] == ["metastore", "prefill-0"]
     assert build_parser().parse_args(["up"]).mode == "pd"
-    for argv, words in [(["up", "--engine", "vllm", "--mode", "offload-only"], "--mode offload-only: only with "
-                                                                                "--engine reference"),
-                        (["up", "--mode", "offload-only", "--api-key", "k", "--model", str(tmp_path)],
-                         "--mode offload-only runs no proxy")]:
+    for argv, words in [
+        (["up", "--engine", "vllm", "--mode", "offload-only"], "--mode offload-only: only with --engine reference"),
+        (
+            ["up", "--mode", "offload-only", "--api-key", "k", "--model", str(tmp_path)],
+            "--mode offload-only runs no proxy",
+        ),
+    ]:
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert info.value.code == 2

@@ -31,8 +31,13 @@ MESSAGES = [{"role": "user", "content": "Count: 1 2 3 4 5 6 7 8 9"}]
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    cfg = StackConfig(model=model_dir, log_dir=tmp_path_factory.mktemp("stack") / "logs", **free_stack_ports(),
-                      max_model_len=2048, block_size=BS)
+    cfg = StackConfig(
+        model=model_dir,
+        log_dir=tmp_path_factory.mktemp("stack") / "logs",
+        **free_stack_ports(),
+        max_model_len=2048,
+        block_size=BS,
+    )
     with Stack(cfg) as s:
         yield s
 
@@ -51,9 +56,18 @@ def engine(model_dir):
     model = load_model(model_dir)
 
     def run(ids: list[int], body: dict, *, chat: bool = False, choice: int = 0):
-        eng = Engine(model, EngineConfig(block_size=BS, max_model_len=2048, chunk_size=2048, buffers=3,
-                                         topk_buffer_size=128, prefill_pool_bytes=64 << 20,
-                                         decode_pool_bytes=64 << 20))
+        eng = Engine(
+            model,
+            EngineConfig(
+                block_size=BS,
+                max_model_len=2048,
+                chunk_size=2048,
+                buffers=3,
+                topk_buffer_size=128,
+                prefill_pool_bytes=64 << 20,
+                decode_pool_bytes=64 << 20,
+            ),
+        )
         try:
             seq = eng.add_request("ref", ids, sampling_params(body, chat=chat, choice=choice))
             while eng.waiting or eng.running:
@@ -74,8 +88,9 @@ def _chat_ids(messages=MESSAGES):
 
 
 def _post(stack, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{stack.url}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{stack.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             return resp.status, json.loads(resp.read())
@@ -84,8 +99,11 @@ def _post(stack, path: str, body: dict) -> tuple[int, dict]:
 
 
 def _stream(stack, path: str, body: dict) -> list[dict]:
-    req = urllib.request.Request(f"{stack.url}{path}", data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{stack.url}{path}",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=120) as resp:
         events = list(sse_events(resp))
     assert all("error" not in event for event in events), events
@@ -135,8 +153,12 @@ def test_stop_string_ends_the_text_before_it(stack, greedy, chat, stream):
     stop = _stop_for(full)
     expected = full[: full.index(stop)]
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    body = {"max_tokens": 40, "temperature": 0, "stop": [stop, "never-generated"],
-            **({"messages": MESSAGES} if chat else {"prompt": PROMPT})}
+    body = {
+        "max_tokens": 40,
+        "temperature": 0,
+        "stop": [stop, "never-generated"],
+        **({"messages": MESSAGES} if chat else {"prompt": PROMPT}),
+    }
     if stream:
         got = _streamed(_stream(stack, path, body), chat)[0]
         assert all(stop not in piece for piece in got["pieces"]), got["pieces"]
@@ -166,8 +188,7 @@ def test_stop_token_id_and_the_openai_client(client, greedy, stream):
 
 def test_min_tokens_bans_stop_ids_in_the_prefill_and_the_decode(stack, greedy, engine):
     ids = greedy[False]["token_ids"]
-    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "min_tokens": 6,
-            "stop_token_ids": [ids[0], ids[2]]}
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "min_tokens": 6, "stop_token_ids": [ids[0], ids[2]]}
     data = post_json(f"{stack.url}/v1/completions", body)
     got = data["choices"][0]["token_ids"]
     assert data["usage"]["completion_tokens"] >= 6
@@ -182,8 +203,10 @@ def test_penalties_and_seeded_sampling_equal_the_engine(stack, engine, chat):
     path = "/v1/chat/completions" if chat else "/v1/completions"
     prompt = {"messages": MESSAGES} if chat else {"prompt": PROMPT}
     ids = _chat_ids() if chat else _prompt_ids()
-    for params in ({"temperature": 0, "frequency_penalty": 1.5, "presence_penalty": 0.5},
-                   {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "presence_penalty": -0.5}):
+    for params in (
+        {"temperature": 0, "frequency_penalty": 1.5, "presence_penalty": 0.5},
+        {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "presence_penalty": -0.5},
+    ):
         body = {**prompt, "max_tokens": 16, **params}
         data = post_json(f"{stack.url}{path}", body)
         ref, _ = engine(ids, body, chat=chat)
@@ -287,8 +310,13 @@ def test_echo_prepends_the_prompt(stack, greedy, stream):
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_stream_include_usage_and_max_tokens(stack, chat):
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True},
-            **({"messages": MESSAGES} if chat else {"prompt": PROMPT})}
+    body = {
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        **({"messages": MESSAGES} if chat else {"prompt": PROMPT}),
+    }
     events = _stream(stack, path, body)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
     assert all(e["choices"] for e in events[:-1]) and "usage" not in events[0]
@@ -296,37 +324,47 @@ def test_stream_include_usage_and_max_tokens(stack, chat):
     assert all(e["choices"] for e in without)
 
 
-@pytest.mark.parametrize("path, body, field", [
-    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
-    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
-    ("/v1/completions", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
-    ("/v1/completions", {"prompt": "x", "stop": ""}, "stop"),
-    ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 3}, "min_tokens"),
-    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "echo": True}, "echo"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "a"}]}, "messages[0].name"),
-])
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
+        ("/v1/completions", {"prompt": "x", "stop": ""}, "stop"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "echo": True}, "echo"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "a"}]}, "messages[0].name"),
+    ],
+)
 def test_what_cannot_be_honoured_is_a_400_naming_it(stack, path, body, field):
     status, data = _post(stack, path, body)
     assert status == 400, data
     assert f"'{field}'" in data["error"]["message"], data
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"prompt": "x", "tools": []}, "tools"), ({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "wat": 1}, "wat"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"prompt": "x", "tools": []}, "tools"),
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "wat": 1}, "wat"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+    ],
+)
 def test_the_decode_refuses_directly_too(stack, body, field):
     c = stack.cfg
     ktp = {"do_remote_prefill": True, "metaserver": f"{stack.url}/v1/metaserver", "request_id": "direct"}
-    req = urllib.request.Request(f"http://{c.host}:{c.decode_ports[0]}/v1/completions",
-                                 data=json.dumps({**body, "kv_transfer_params": ktp}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{c.host}:{c.decode_ports[0]}/v1/completions",
+        data=json.dumps({**body, "kv_transfer_params": ktp}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as exc:
         urllib.request.urlopen(req, timeout=30)
     assert exc.value.code == 400
@@ -354,7 +392,22 @@ def test_the_openapi_document_lists_exactly_the_accepted_fields(stack):
         schemas = json.loads(r.read())["components"]["schemas"]
     comp, chat = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
     assert comp["additionalProperties"] is False and chat["additionalProperties"] is False
-    common = {"model", "stream", "stream_options", "max_tokens", "n", "temperature", "top_p", "seed", "stop",
-              "stop_token_ids", "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos", "user"}
+    common = {
+        "model",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "n",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "user",
+    }
     assert set(comp["properties"]) == common | {"prompt", "logprobs", "echo", "best_of"}
     assert set(chat["properties"]) == common | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}

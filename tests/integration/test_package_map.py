@@ -23,8 +23,11 @@ def module_map_gaps(directory) -> list[str]:
         if "tests" in folder.relative_to(directory).parts:
             continue
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        names = [p.stem for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")
-                 and not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))]
+        names = [
+            p.stem
+            for p in folder.glob("*.py")
+            if p.name not in ("__init__.py", "__main__.py") and not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+        ]
         names += [p.parent.name for p in folder.glob("*/__init__.py") if p.parent.name != "tests"]
         for name in sorted(names):
             if not re.search(rf"`{re.escape(name)}(\.py|/)?`", doc):
@@ -51,12 +54,13 @@ def test_the_module_map_check_sees_a_module_left_out(tmp_path):
 def test_the_pyproject_declares_exactly_the_first_party_packages_imported(package):
     assert imported(package) == declared(package), (
         f"imported, not declared: {sorted(imported(package) - declared(package))}; "
-        f"declared, not imported: {sorted(declared(package) - imported(package))}")
+        f"declared, not imported: {sorted(declared(package) - imported(package))}"
+    )
 
 
 def test_the_design_dependency_table_is_the_real_graph():
     text = DESIGN.read_text()
-    table = text[text.index("<!-- dependency-table -->"):text.index("<!-- /dependency-table -->")]
+    table = text[text.index("<!-- dependency-table -->") : text.index("<!-- /dependency-table -->")]
     rows = {}
     for line in table.splitlines()[3:]:
         cells = [c.strip() for c in line.strip("|").split("|")]

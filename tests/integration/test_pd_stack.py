@@ -9,8 +9,8 @@ import json
 import urllib.request
 
 import pytest
-from dsamodel.tokenizer import ByteTokenizer
 
+from dsamodel.tokenizer import ByteTokenizer
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.stack import Stack, StackConfig
@@ -22,17 +22,36 @@ BS = 16
 
 
 def _config(model_dir, tmp, prefills: int, decodes: int, **kw) -> StackConfig:
-    return StackConfig(model=model_dir, log_dir=tmp / "logs", **free_stack_ports(prefills, decodes),
-                       max_model_len=8192, block_size=BS, **kw)
+    return StackConfig(
+        model=model_dir,
+        log_dir=tmp / "logs",
+        **free_stack_ports(prefills, decodes),
+        max_model_len=8192,
+        block_size=BS,
+        **kw,
+    )
 
 
 # this module's stack decodes with miss prefetch and MTP speculative decoding on (I3 below holds
 # with them: greedy tokens equal the plain full-KV oracle's; off is the default, which every
 # other stack test runs)
-DECODE_ARGS = {"decode-0": [
-    "--additional-config", json.dumps({"sparse_kv_offload_config": {
-        "enabled": True, "topk_buffer_size": 128, "dram_size_per_dp_GB": 1, "miss_prefetch": True}}),
-    "--speculative-config", json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 1})]}
+DECODE_ARGS = {
+    "decode-0": [
+        "--additional-config",
+        json.dumps(
+            {
+                "sparse_kv_offload_config": {
+                    "enabled": True,
+                    "topk_buffer_size": 128,
+                    "dram_size_per_dp_GB": 1,
+                    "miss_prefetch": True,
+                }
+            }
+        ),
+        "--speculative-config",
+        json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 1}),
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -100,14 +119,23 @@ def test_every_http_service_exports_its_metrics(stack):
             return r.read().decode()
 
     decode, prefill = metrics(c.decode_ports[0]), metrics(c.prefill_ports[0])
-    for name in ("kvoffload_decode_hot_cache_hit_rate_by_layer{layer=\"0\"}", "kvoffload_decode_h2d_bytes_per_step",
-                 "kvoffload_decode_read_done_ms_avg", "kvoffload_decode_pool_used_bytes",
-                 "kvoffload_decode_requests_total{outcome=\"ok\"}", "kvoffload_decode_prefetch_hits_per_step"):
+    for name in (
+        'kvoffload_decode_hot_cache_hit_rate_by_layer{layer="0"}',
+        "kvoffload_decode_h2d_bytes_per_step",
+        "kvoffload_decode_read_done_ms_avg",
+        "kvoffload_decode_pool_used_bytes",
+        'kvoffload_decode_requests_total{outcome="ok"}',
+        "kvoffload_decode_prefetch_hits_per_step",
+    ):
         assert name in decode, name
     prefetched = [line for line in decode.splitlines() if line.startswith("kvoffload_decode_prefetched_rows_per_step ")]
     assert len(prefetched) == 1 and float(prefetched[0].split()[1]) > 0, prefetched  # the prefetch really ran
-    for name in ("kvoffload_prefill_gate_wait_seconds_total", "kvoffload_prefill_read_done_ms_avg",
-                 "kvoffload_prefill_pool_used_bytes", "kvoffload_prefill_requests_total{outcome=\"ok\"}"):
+    for name in (
+        "kvoffload_prefill_gate_wait_seconds_total",
+        "kvoffload_prefill_read_done_ms_avg",
+        "kvoffload_prefill_pool_used_bytes",
+        'kvoffload_prefill_requests_total{outcome="ok"}',
+    ):
         assert name in prefill, name
     assert "kvoffload_proxy" in metrics(c.proxy_port)
 
@@ -120,13 +148,17 @@ def test_one_request_id_follows_a_request_through_every_service(stack):
     import uuid
 
     trace = f"trace-{uuid.uuid4().hex}"
-    out = post_json(f"{stack.url}/v1/completions", {"prompt": "follow me " * 30, "max_tokens": 3, "temperature": 0},
-                    headers={"X-Request-Id": trace})
+    out = post_json(
+        f"{stack.url}/v1/completions",
+        {"prompt": "follow me " * 30, "max_tokens": 3, "temperature": 0},
+        headers={"X-Request-Id": trace},
+    )
     time.sleep(0.5)  # the last lines reach the log files
     by_service = {}
     for name in ("proxy", "decode-0", "prefill-0"):
-        lines = [json.loads(x) for x in (stack.cfg.log_dir / f"{name}.log").read_text().splitlines()
-                 if x.startswith("{")]
+        lines = [
+            json.loads(x) for x in (stack.cfg.log_dir / f"{name}.log").read_text().splitlines() if x.startswith("{")
+        ]
         by_service[name] = [e for e in lines if e.get("request_id") == trace]
         wire = {e.get("child_id") for e in by_service[name]} - {None}
         stray = [e for e in lines if e.get("request_id") in wire]  # a line under the wire id alone
@@ -134,8 +166,8 @@ def test_one_request_id_follows_a_request_through_every_service(stack):
     assert all(by_service.values()), {k: len(v) for k, v in by_service.items()}
     assert {e["event"] for e in by_service["decode-0"]} >= {"request_admitted"}
     assert {e["event"] for e in by_service["prefill-0"]} >= {"prefill_finished"}
-    from svcruntime.tls import secure_or_insecure_channel
     from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
+    from svcruntime.tls import secure_or_insecure_channel
 
     with secure_or_insecure_channel(f"{stack.cfg.host}:{stack.cfg.kv_port}", None) as ch:
         reply = stats_pb2_grpc.StatsStub(ch).GetStats(stats_pb2.StatsRequest(include_ledger=True), timeout=5)
@@ -151,8 +183,14 @@ def test_two_prefills_two_decodes_sixteen_concurrent_streams(model_dir, tmp_path
     prompts = [TOK.encode(f"request {i}: " + "kv offload " * (5 + 7 * i), add_bos=True) for i in range(16)]
     with Stack(cfg) as s:
         with cf.ThreadPoolExecutor(16) as pool:
-            outs = list(pool.map(lambda p: stream_token_ids(f"{s.url}/v1/completions",
-                                                   {"prompt": p, "max_tokens": 8, "temperature": 0}), prompts))
+            outs = list(
+                pool.map(
+                    lambda p: stream_token_ids(
+                        f"{s.url}/v1/completions", {"prompt": p, "max_tokens": 8, "temperature": 0}
+                    ),
+                    prompts,
+                )
+            )
         stats = stack_stats(cfg)
     for p, out in zip(prompts, outs):
         assert out == reference(p, 8)
@@ -175,14 +213,21 @@ def test_i3_on_two_decode_dp_ranks(model_dir, tmp_path, reference):
     cfg = _config(model_dir, tmp_path, 1, 2, decode_dp=True)
     prompts = [TOK.encode(LONG_TEXT[: 300 + 40 * i], add_bos=True) for i in range(8)]
     with Stack(cfg) as s, cf.ThreadPoolExecutor(8) as pool:
-        outs = list(pool.map(lambda p: post_json(f"{s.url}/v1/completions",
-                                                 {"prompt": p, "max_tokens": 6, "temperature": 0}), prompts))
+        outs = list(
+            pool.map(
+                lambda p: post_json(f"{s.url}/v1/completions", {"prompt": p, "max_tokens": 6, "temperature": 0}),
+                prompts,
+            )
+        )
         stats = stack_stats(cfg)
     for p, out in zip(prompts, outs):
         assert out["choices"][0]["token_ids"] == reference(p, 6)
     assert all(stats[f"decode-{i}"]["read_done"] > 0 for i in range(2)), stats  # both ranks served
-    registered = [json.loads(line) for line in (cfg.log_dir / "proxy.log").read_text().splitlines()
-                  if '"decoder_registered"' in line]
+    registered = [
+        json.loads(line)
+        for line in (cfg.log_dir / "proxy.log").read_text().splitlines()
+        if '"decoder_registered"' in line
+    ]
     by_port = {r["remote"]: r["remote_dp_rank"] for r in registered}
     assert by_port == {f"{cfg.host}:{cfg.kv_port}": 0, f"{cfg.host}:{cfg.kv_port + 1}": 1}, by_port
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dsamodel.presets import write_tiny
 from dsamodel.tokenizer import ByteTokenizer
 from dsamodel.weights import load_model
 from kvoffload_engine.layout import kv_layout
-
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.stack import Stack, StackConfig
@@ -32,8 +32,13 @@ def fp8_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(fp8_model_dir, tmp_path_factory):
-    cfg = StackConfig(model=fp8_model_dir, log_dir=tmp_path_factory.mktemp("fp8-stack") / "logs",
-                      **free_stack_ports(), max_model_len=4096, block_size=BS)
+    cfg = StackConfig(
+        model=fp8_model_dir,
+        log_dir=tmp_path_factory.mktemp("fp8-stack") / "logs",
+        **free_stack_ports(),
+        max_model_len=4096,
+        block_size=BS,
+    )
     with Stack(cfg) as s:
         yield s
 

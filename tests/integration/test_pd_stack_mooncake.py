@@ -19,8 +19,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from dsamodel.tokenizer import ByteTokenizer
 
+from dsamodel.tokenizer import ByteTokenizer
 from kvoffload_testing.connector_configs import prefill_kv_transfer_config
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.reference import greedy_reference
@@ -38,8 +38,14 @@ RECOVERY_S = 30.0  # the prefills are ready again this soon after the master res
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    cfg = StackConfig(model=model_dir, log_dir=tmp_path_factory.mktemp("mooncake-stack") / "logs",
-                      **free_stack_ports(2, 1, mooncake=True), max_model_len=8192, block_size=BS, pool="mooncake")
+    cfg = StackConfig(
+        model=model_dir,
+        log_dir=tmp_path_factory.mktemp("mooncake-stack") / "logs",
+        **free_stack_ports(2, 1, mooncake=True),
+        max_model_len=8192,
+        block_size=BS,
+        pool="mooncake",
+    )
     with Stack(cfg) as s:
         yield s
 
@@ -72,8 +78,11 @@ def _wait_health(stack: Stack, status: int, timeout_s: float) -> list[dict]:
 def _finished(stack: Stack, request_id: str) -> list[tuple[str, dict]]:
     """(prefill name, its ``prefill_finished`` log line) for the request with that X-Request-Id."""
     time.sleep(0.3)  # the line reaches the log file
-    return [(f"prefill-{i}", e) for i in range(len(stack.cfg.prefill_ports))
-            for e in stack.events(f"prefill-{i}", "prefill_finished", request_id=request_id)]
+    return [
+        (f"prefill-{i}", e)
+        for i in range(len(stack.cfg.prefill_ports))
+        for e in stack.events(f"prefill-{i}", "prefill_finished", request_id=request_id)
+    ]
 
 
 def test_the_stack_runs_a_real_master_in_place_of_the_metastore(stack):
@@ -115,8 +124,11 @@ def test_a_shared_long_prefix_hits_the_prefix_cache_on_both_prefills(stack, refe
     for n in range(3):
         ids = TOK.encode(prefix + f" question {n}: why?", add_bos=True)
         rid = f"mooncake-prefix-{uuid.uuid4().hex}"
-        out = post_json(f"{stack.url}/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0},
-                        headers={"X-Request-Id": rid})
+        out = post_json(
+            f"{stack.url}/v1/completions",
+            {"prompt": ids, "max_tokens": 6, "temperature": 0},
+            headers={"X-Request-Id": rid},
+        )
         assert out["choices"][0]["token_ids"] == reference(ids, 6)
         [(name, event)] = _finished(stack, rid)
         served.append((name, event["cached_tokens"]))
@@ -148,8 +160,12 @@ def test_a_dead_prefix_owner_costs_a_recompute_not_a_request(stack, reference):
     def ask(n: int) -> tuple[str, dict, str]:
         ids = TOK.encode(prefix + f" ask {n}", add_bos=True)
         rid = f"mooncake-dead-owner-{uuid.uuid4().hex}"
-        out = post_json(url, {"prompt": ids, "max_tokens": 5, "temperature": 0}, headers={"X-Request-Id": rid},
-                        timeout_s=OUTAGE_S + 5)
+        out = post_json(
+            url,
+            {"prompt": ids, "max_tokens": 5, "temperature": 0},
+            headers={"X-Request-Id": rid},
+            timeout_s=OUTAGE_S + 5,
+        )
         assert out["choices"][0]["token_ids"] == reference(ids, 5)
         [(name, event)] = _finished(stack, rid)
         return name, event, rid
@@ -185,8 +201,11 @@ def test_master_killed_fails_requests_clearly_and_its_restart_recovers(stack, re
     for n in range(2):
         t = time.monotonic()
         with pytest.raises(urllib.error.HTTPError) as info:
-            post_json(url, {"prompt": f"during the outage {n} " * 20, "max_tokens": 4, "temperature": 0},
-                      timeout_s=OUTAGE_S + 5)
+            post_json(
+                url,
+                {"prompt": f"during the outage {n} " * 20, "max_tokens": 4, "temperature": 0},
+                timeout_s=OUTAGE_S + 5,
+            )
         assert time.monotonic() - t < OUTAGE_S
         assert info.value.code >= 500
         message = info.value.read().decode()
@@ -195,8 +214,9 @@ def test_master_killed_fails_requests_clearly_and_its_restart_recovers(stack, re
     _wait_health(stack, 200, RECOVERY_S)
     for n in range(3):
         ids = TOK.encode(f"after the restart {n} " + LONG_TEXT[:400], add_bos=True)
-        assert post_json(url, {"prompt": ids, "max_tokens": 6, "temperature": 0})["choices"][0]["token_ids"] == \
-            reference(ids, 6)
+        assert post_json(url, {"prompt": ids, "max_tokens": 6, "temperature": 0})["choices"][0][
+            "token_ids"
+        ] == reference(ids, 6)
 
 
 def test_prefill_without_a_master_is_a_start_up_error(model_dir):
@@ -206,9 +226,21 @@ def test_prefill_without_a_master_is_a_start_up_error(model_dir):
 
     master = f"127.0.0.1:{free_port('127.0.0.1')}"
     kv = prefill_kv_transfer_config(20050, mooncake_master=master)
-    proc = subprocess.run([str(Path(sys.executable).with_name("kvoffload-prefill")), "--model", str(model_dir),
-                           "--port", "1", "--kv-transfer-config", kv],
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("kvoffload-prefill")),
+            "--model",
+            str(model_dir),
+            "--port",
+            "1",
+            "--kv-transfer-config",
+            kv,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = next(x for x in proc.stderr.splitlines() if x.startswith("kvoffload-prefill: "))
     assert line.startswith(f"kvoffload-prefill: backend 'mooncake': no mooncake_master answers at {master}"), line
@@ -218,8 +250,7 @@ def test_up_takes_pool_mooncake_for_the_reference_engine_only(tmp_path, capsys):
     from kvoffload.cli import build_parser, main
     from kvoffload.cli_stack import stack_config
 
-    args = build_parser().parse_args(["up", "--pool", "mooncake", "--model", str(tmp_path), "--log-dir",
-                                      str(tmp_path)])
+    args = build_parser().parse_args(["up", "--pool", "mooncake", "--model", str(tmp_path), "--log-dir", str(tmp_path)])
     cfg = stack_config(args)
     assert cfg.pool == "mooncake"
     assert [n for n, _, _ in Stack(cfg).commands()][0] == MOONCAKE_MASTER
@@ -245,16 +276,22 @@ def test_prefill_pool_flags_with_the_mooncake_backend(tmp_path):
     store = StoreConnectorConfig(backend="mooncake", mooncake_master="127.0.0.1:50051")
     with pytest.raises(ConfigError) as info:
         pool_flags(args(metastore="127.0.0.1:5000"), store, {})
-    assert str(info.value) == ("--metastore 127.0.0.1:5000: applies to backend 'kvoffload' only; backend 'mooncake' "
-                               "keeps its objects in the mooncake_master (kv_connector_extra_config.mooncake_master)")
+    assert str(info.value) == (
+        "--metastore 127.0.0.1:5000: applies to backend 'kvoffload' only; backend 'mooncake' "
+        "keeps its objects in the mooncake_master (kv_connector_extra_config.mooncake_master)"
+    )
     conf = tmp_path / "mmc-local.conf"
     conf.write_text("ock.mmc.local_service.dram.size = 3GB\n")
     for a, cfg, size, source in [
         (args(), store, 2**30, "default (1 GiB)"),
         (args(local_config=str(conf)), store, 3 * 2**30, f"ock.mmc.local_service.dram.size ({conf}:1)"),
         (args(host_pool_gb=0.5, local_config=str(conf)), store, 2**29, "--host-pool-gb"),
-        (args(), StoreConnectorConfig(backend="mooncake", mooncake_master="h:1", host_pool_gb=2), 2 * 2**30,
-         "kv_connector_extra_config.host_pool_gb"),
+        (
+            args(),
+            StoreConnectorConfig(backend="mooncake", mooncake_master="h:1", host_pool_gb=2),
+            2 * 2**30,
+            "kv_connector_extra_config.host_pool_gb",
+        ),
     ]:
         pool_flags(a, cfg, {})
         assert (a.host_pool_bytes, a.metastore) == (size, None)

@@ -40,8 +40,9 @@ def _wait(pred, what: str, timeout_s: float):
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("health")
-    cfg = StackConfig(model=ensure_tiny_model(tmp / "tiny"), log_dir=tmp / "logs", **free_stack_ports(),
-                      max_model_len=2048)
+    cfg = StackConfig(
+        model=ensure_tiny_model(tmp / "tiny"), log_dir=tmp / "logs", **free_stack_ports(), max_model_len=2048
+    )
     with Stack(cfg) as s:
         yield s
 

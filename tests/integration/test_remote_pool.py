@@ -9,20 +9,20 @@ import time
 import uuid
 
 import pytest
-from fakeclock import clock  # noqa: F401 - the clock fixture
 import torch
 from engine_support import prefill_engine, saved_bytes, seeded_prompt, tiny
+from fakeclock import clock  # noqa: F401 - the clock fixture
+from structlog.testing import capture_logs
+
 from kvcore.hostpool import HostPoolBackend, IncompleteObject, ObjectLeased, ObjectNotFound, PlaneWritten, PoolError
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
-from poolbackends.errors import MetaStoreUnavailable, PoolNotRegistered, WorldSizeExceeded
-from poolbackends.remotepool import RemoteHostPool
-from kvoffload_metastore.config import MetaStoreConfig
-from kvoffload_metastore.server import start
-from structlog.testing import capture_logs
-
 from kvoffload_engine import build
 from kvoffload_engine.prefill import PrefillRequest
+from kvoffload_metastore.config import MetaStoreConfig
+from kvoffload_metastore.server import start
+from poolbackends.errors import MetaStoreUnavailable, PoolNotRegistered, WorldSizeExceeded
+from poolbackends.remotepool import RemoteHostPool
 
 GEO = PoolGeometry(block_size=4, plane_row_bytes=(8, 16), num_blocks=4, plane_labels=((0, "main"), (0, "indexer")))
 K = [bytes([i]) * 16 for i in range(1, 12)]
@@ -31,8 +31,7 @@ TIMEOUT_MS = 3000
 
 @pytest.fixture
 def metastore(clock):
-    ms = start(MetaStoreConfig(port=0, world_size=2, lease_ttl_ms=30_000, heartbeat_timeout_ms=TIMEOUT_MS),
-               clock=clock)
+    ms = start(MetaStoreConfig(port=0, world_size=2, lease_ttl_ms=30_000, heartbeat_timeout_ms=TIMEOUT_MS), clock=clock)
     yield ms
     ms.shutdown(grace_s=0)
 
@@ -232,8 +231,15 @@ def _prefill_twice(pool: HostPoolBackend, prompts: list[torch.Tensor]) -> list[t
     try:
         for i, prompt in enumerate(prompts):
             res = eng.run(PrefillRequest(f"r{i}", prompt))
-            out.append((res.logits.clone(), res.first_token, res.draft_logits.clone(), res.num_cached_tokens,
-                        saved_bytes(pool, res.keys)))
+            out.append(
+                (
+                    res.logits.clone(),
+                    res.first_token,
+                    res.draft_logits.clone(),
+                    res.num_cached_tokens,
+                    saved_bytes(pool, res.keys),
+                )
+            )
             eng.release(res)
         assert pool.stats().live_leases == 0
     finally:
@@ -282,7 +288,9 @@ def test_several_planes_cost_the_round_trips_of_one(pools, metastore):
     pool.alloc(K[2:3])
     pool.put_from(K[:1], 0, data[0][:1])
     with pytest.raises(PlaneWritten):  # plane 1 of K[0] differs: plane 0 of K[2] is not written either
-        pool.put_planes_from([K[2], K[0]], {0: torch.cat((_rows(1, 0, 50), data[0][:1])),
-                                           1: torch.cat((_rows(1, 1, 51), _rows(1, 1, 52)))})
+        pool.put_planes_from(
+            [K[2], K[0]],
+            {0: torch.cat((_rows(1, 0, 50), data[0][:1])), 1: torch.cat((_rows(1, 1, 51), _rows(1, 1, 52)))},
+        )
     with pytest.raises(IncompleteObject, match="no written plane 0"):
         _read(pool, K[2:3], 0)

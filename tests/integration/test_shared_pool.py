@@ -10,6 +10,7 @@ import textwrap
 import uuid
 
 import torch
+
 from kvcore.blockkeys import request_block_key
 from kvcore.eviction import NoEviction
 from kvcore.gather import gather_rows, scatter_rows
@@ -52,15 +53,28 @@ def test_rows_written_here_are_gathered_in_another_process(tmp_path):
         scatter_rows(pool.plane(0), slots, rows)
         tokens = [0, 5, 17, 40, 42, n - 1]
         append = n  # the next token's row, inside the last block
-        args = {"name": pool.segment.name, "blocks": blocks, "tokens": tokens, "out": str(tmp_path / "hot.pt"),
-                "append_slot": int(table[append // BS] * BS + append % BS)}
-        proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True,
-                              timeout=120)
+        args = {
+            "name": pool.segment.name,
+            "blocks": blocks,
+            "tokens": tokens,
+            "out": str(tmp_path / "hot.pt"),
+            "append_slot": int(table[append // BS] * BS + append % BS),
+        }
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == 0, proc.stderr
         assert torch.equal(torch.load(tmp_path / "hot.pt"), rows[tokens])
         back = torch.empty((1, 1, ROW), dtype=torch.uint8)
-        gather_rows(pool.plane(0), torch.tensor([blocks], dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                    torch.tensor([append]), back, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+        gather_rows(
+            pool.plane(0),
+            torch.tensor([blocks], dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32),
+            torch.tensor([append]),
+            back,
+            torch.zeros(1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32),
+        )
         assert bool((back == 7).all())
     finally:
         pool.close()

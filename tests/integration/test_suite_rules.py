@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def suite(pytester: pytest.Pytester) -> pytest.Pytester:
     """An inner suite that runs under the repository's conftest.py and pytest options."""
     pytester.makeconftest((ROOT / "conftest.py").read_text())
-    pytester.makeini("[pytest]\naddopts = --strict-markers -rs\ntimeout = 300\nmarkers =\n    slow: slow\n    stack: stack\n    vllm: vllm\n")
+    pytester.makeini(
+        "[pytest]\naddopts = --strict-markers -rs\ntimeout = 300\nmarkers =\n    slow: slow\n    stack: stack\n    vllm: vllm\n"
+    )
     return pytester
 
 
@@ -109,14 +111,18 @@ def test_server_tests_get_the_longer_timeout_of_their_marker_unless_they_name_on
 
 def test_under_xdist_a_module_runs_on_one_worker_and_the_vllm_modules_share_one(suite):
     for name in ("a", "b", "c"):
-        suite.makepyfile(**{f"test_{name}": f"""
+        suite.makepyfile(
+            **{
+                f"test_{name}": f"""
             import pytest
             {"pytestmark = pytest.mark.vllm" if name != "c" else ""}
             @pytest.mark.parametrize("i", range(4))
             def test_worker(worker_id, i):
                 with open("workers.txt", "a") as f:
                     f.write("{name} " + worker_id + "\\n")
-        """})
+        """
+            }
+        )
     suite.runpytest("-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder").assert_outcomes(passed=12)
     seen: dict[str, set[str]] = {}
     for module, worker in (line.split() for line in (suite.path / "workers.txt").read_text().splitlines()):

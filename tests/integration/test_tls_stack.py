@@ -11,11 +11,11 @@ import urllib.error
 import grpc
 import pytest
 import tlscerts  # test support on the root pytest pythonpath (needs cryptography, a test extra)
-from svcruntime.tls import TLSConfig
 
 from kvoffload_testing.ports import DATA_PORT_OFFSET, free_stack_ports
 from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
-from kvoffload_testing.stack_client import healthy, grpc_stats, post_json
+from kvoffload_testing.stack_client import grpc_stats, healthy, post_json
+from svcruntime.tls import TLSConfig
 
 pytestmark = pytest.mark.stack
 
@@ -25,10 +25,17 @@ KEY = "integration-key"
 def test_mtls_on_every_grpc_port_and_api_key_on_the_proxy(tmp_path):
     pki = tlscerts.make_pki(tmp_path / "pki")
     tls = TLSConfig.load(pki.cert, pki.key, pki.ca)
-    cfg = StackConfig(model=ensure_tiny_model(tmp_path / "tiny"), log_dir=tmp_path / "logs", **free_stack_ports(),
-                      max_model_len=4096, block_size=16, tls=tls, api_key=KEY,
-                      # another "host": the decode streams every layer from the prefill's LayerSource (gRPC)
-                      service_env={"prefill-0": {"KVOFFLOAD_HOST_ID": "prefill-host"}})
+    cfg = StackConfig(
+        model=ensure_tiny_model(tmp_path / "tiny"),
+        log_dir=tmp_path / "logs",
+        **free_stack_ports(),
+        max_model_len=4096,
+        block_size=16,
+        tls=tls,
+        api_key=KEY,
+        # another "host": the decode streams every layer from the prefill's LayerSource (gRPC)
+        service_env={"prefill-0": {"KVOFFLOAD_HOST_ID": "prefill-host"}},
+    )
     assert "--api-key" not in str(Stack(cfg).commands())  # the key travels in the environment, not argv
     body = {"prompt": "secure " * 40, "max_tokens": 4, "temperature": 0}
     with Stack(cfg) as s:
@@ -39,8 +46,11 @@ def test_mtls_on_every_grpc_port_and_api_key_on_the_proxy(tmp_path):
         assert len(got["choices"][0]["token_ids"]) == 4
 
         metastore = f"{cfg.host}:{cfg.metastore_port}"
-        grpc_ports = {"metastore": metastore, "prefill-0": f"{cfg.host}:{cfg.prefill_ports[0] + DATA_PORT_OFFSET}",
-                      "decode-0": f"{cfg.host}:{cfg.kv_port}"}
+        grpc_ports = {
+            "metastore": metastore,
+            "prefill-0": f"{cfg.host}:{cfg.prefill_ports[0] + DATA_PORT_OFFSET}",
+            "decode-0": f"{cfg.host}:{cfg.kv_port}",
+        }
         assert healthy(f"grpc://{metastore}", tls)
         assert not healthy(f"grpc://{metastore}")  # a plain gRPC health probe is refused
         assert not healthy(f"grpc://{metastore}", TLSConfig.load(ca=pki.ca))  # TLS without a client certificate

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import json
 import re
-from concurrent.futures import ThreadPoolExecutor
 import signal
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from dsamodel.presets import write_tiny
 from dsamodel.tokenizer import ByteTokenizer
-
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.stack import Stack, StackConfig
@@ -57,10 +57,19 @@ def one_row(model32):
 @pytest.fixture(scope="module", params=[(2, True), (4, True), (2, False)], ids=["tp2-2-mtp", "tp4-2-mtp", "tp2-2"])
 def stack(request, model32, tmp_path_factory):
     prefill_tp, mtp = request.param
-    args = {"prefill-0": ["--tensor-parallel-size", str(prefill_tp)],
-            "decode-0": ["--speculative-config", MTP] if mtp else []}
-    cfg = StackConfig(model=model32, log_dir=tmp_path_factory.mktemp(f"tp{prefill_tp}") / "logs",
-                      **free_stack_ports(1, 1), max_model_len=4096, block_size=BS, service_args=args, decode_tp=2)
+    args = {
+        "prefill-0": ["--tensor-parallel-size", str(prefill_tp)],
+        "decode-0": ["--speculative-config", MTP] if mtp else [],
+    }
+    cfg = StackConfig(
+        model=model32,
+        log_dir=tmp_path_factory.mktemp(f"tp{prefill_tp}") / "logs",
+        **free_stack_ports(1, 1),
+        max_model_len=4096,
+        block_size=BS,
+        service_args=args,
+        decode_tp=2,
+    )
     with Stack(cfg) as s:
         s.prefill_tp, s.mtp = prefill_tp, mtp
         yield s
@@ -89,8 +98,11 @@ def test_each_decode_rank_pulls_one_copy_from_its_contributors_only(stack, refer
     ratio = stack.prefill_tp // 2
     for rank in (0, 1):
         contributors = range(rank * ratio, (rank + 1) * ratio)
-        by = {int(k.rsplit("_", 1)[1]): after[rank][k] - before[rank].get(k, 0)
-              for k in after[rank] if k.startswith("bytes_read_prefill_tp_rank_")}
+        by = {
+            int(k.rsplit("_", 1)[1]): after[rank][k] - before[rank].get(k, 0)
+            for k in after[rank]
+            if k.startswith("bytes_read_prefill_tp_rank_")
+        }
         assert set(by) == set(contributors), (rank, by)  # never a row from another group's rank
         assert after[rank]["bytes_read"] - before[rank]["bytes_read"] == len(ids) * one_row == sum(by.values())
         assert all(b > 0 for b in by.values()), by
@@ -108,19 +120,35 @@ def test_each_decode_rank_pulls_one_copy_from_its_contributors_only(stack, refer
 def test_two_decode_dp_ranks_each_of_tp2(model32, reference, tmp_path):
     """Two DP ranks of one decode deployment, each TP 2 (control ports kv_port + 2 d + t), behind one
     TP 2 prefill: I3 for requests spread over both, each registered as its own DP rank."""
-    cfg = StackConfig(model=model32, log_dir=tmp_path / "logs", **free_stack_ports(1, 2), max_model_len=4096,
-                      block_size=BS, service_args={"prefill-0": ["--tensor-parallel-size", "2"]},
-                      decode_dp=True, decode_tp=2)
-    prompts = [TOK.encode(LONG_TEXT[i * 300:(i + 1) * 300], add_bos=True) for i in range(4)]
+    cfg = StackConfig(
+        model=model32,
+        log_dir=tmp_path / "logs",
+        **free_stack_ports(1, 2),
+        max_model_len=4096,
+        block_size=BS,
+        service_args={"prefill-0": ["--tensor-parallel-size", "2"]},
+        decode_dp=True,
+        decode_tp=2,
+    )
+    prompts = [TOK.encode(LONG_TEXT[i * 300 : (i + 1) * 300], add_bos=True) for i in range(4)]
     with Stack(cfg) as stack, ThreadPoolExecutor(len(prompts)) as pool:  # at once: the proxy spreads them
-        answers = list(pool.map(lambda ids: post_json(f"{stack.url}/v1/completions",
-                                                      {"prompt": ids, "max_tokens": 5, "temperature": 0}), prompts))
+        answers = list(
+            pool.map(
+                lambda ids: post_json(
+                    f"{stack.url}/v1/completions", {"prompt": ids, "max_tokens": 5, "temperature": 0}
+                ),
+                prompts,
+            )
+        )
         for ids, got in zip(prompts, answers, strict=True):
             assert got["choices"][0]["token_ids"] == reference(ids, 5)
         served = [sum(1 for e in stack.events(f"decode-{d}", "layout_exchange") if e["accepted"]) for d in (0, 1)]
         ports = [stack.events(f"decode-{d}", "serving")[0]["control_port"] for d in (0, 1)]
-        pulled = [grpc_stats(f"{cfg.host}:{cfg.kv_port + 2 * d + t}", tls=cfg.tls)["bytes_read"]
-                  for d in (0, 1) for t in (0, 1)]
+        pulled = [
+            grpc_stats(f"{cfg.host}:{cfg.kv_port + 2 * d + t}", tls=cfg.tls)["bytes_read"]
+            for d in (0, 1)
+            for t in (0, 1)
+        ]
     assert ports == [cfg.kv_port, cfg.kv_port + 2]
     assert all(served) and all(pulled), (served, pulled)  # both DP ranks, and all four TP ranks, got work
 
@@ -132,8 +160,10 @@ def test_the_decode_ranks_accepted_their_contributors_layouts(stack):
     ratio = stack.prefill_tp // 2
     for rank, service in enumerate(("kvoffload-decode", "kvoffload-decode-tp1")):
         mine = [e for e in accepted if e["service"] == service]
-        assert mine and all((e["prefill_tp_size"], e["decode_tp_rank"], e["decode_tp_size"])
-                            == (stack.prefill_tp, rank, 2) for e in mine), mine
+        assert mine and all(
+            (e["prefill_tp_size"], e["decode_tp_rank"], e["decode_tp_size"]) == (stack.prefill_tp, rank, 2)
+            for e in mine
+        ), mine
         assert sorted(e["prefill_tp_rank"] for e in mine) == list(range(rank * ratio, (rank + 1) * ratio))
 
 

@@ -16,9 +16,9 @@ import urllib.error
 import urllib.request
 
 import pytest
+
 from dsamodel.presets import write_tiny
 from dsamodel.tokenizer import ByteTokenizer
-
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.stack import Stack, StackConfig
@@ -29,8 +29,10 @@ pytestmark = [pytest.mark.stack, pytest.mark.slow]
 BS = 16
 TOK = ByteTokenizer()
 LONG_TEXT = "".join(chr(32 + (i * 7919) % 90) for i in range(3000))
-ARGS = {"prefill-0": ["--tensor-parallel-size", "2"],
-        "decode-0": ["--speculative-config", json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 1})]}
+ARGS = {
+    "prefill-0": ["--tensor-parallel-size", "2"],
+    "decode-0": ["--speculative-config", json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 1})],
+}
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +42,14 @@ def model32(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(model32, tmp_path_factory):
-    cfg = StackConfig(model=model32, log_dir=tmp_path_factory.mktemp("tp") / "logs", **free_stack_ports(1, 1),
-                      max_model_len=4096, block_size=BS, service_args=ARGS)
+    cfg = StackConfig(
+        model=model32,
+        log_dir=tmp_path_factory.mktemp("tp") / "logs",
+        **free_stack_ports(1, 1),
+        max_model_len=4096,
+        block_size=BS,
+        service_args=ARGS,
+    )
     with Stack(cfg) as s:
         yield s
 
@@ -65,8 +73,9 @@ def test_the_decode_accepted_a_prefill_tp2_layout(stack):
     [joined] = stack.events("prefill-0", "tp_ranks_joined")
     assert joined["size"] == 2 and len(joined["pids"]) == 1
     accepted = [e for e in stack.events("decode-0", "layout_exchange") if e["accepted"]]
-    assert accepted and all((e["prefill_tp_size"], e["decode_tp_rank"], e["decode_tp_size"]) == (2, 0, 1)
-                            for e in accepted), accepted
+    assert accepted and all(
+        (e["prefill_tp_size"], e["decode_tp_rank"], e["decode_tp_size"]) == (2, 0, 1) for e in accepted
+    ), accepted
     assert sorted(e["prefill_tp_rank"] for e in accepted) == [0, 1]  # one layout per prefill rank
 
 
@@ -83,8 +92,10 @@ def test_each_prefill_rank_sends_its_share_and_the_shares_make_one_copy(stack, m
     got = post_json(f"{stack.url}/v1/completions", {"prompt": ids, "max_tokens": 4, "temperature": 0})
     after = stack_stats(stack.cfg)["decode-0"]
     assert got["choices"][0]["token_ids"] == reference(ids, 4)
-    delta = {k: after[k] - before.get(k, 0) for k in ("bytes_read", "bytes_read_prefill_tp_rank_0",
-                                                      "bytes_read_prefill_tp_rank_1")}
+    delta = {
+        k: after[k] - before.get(k, 0)
+        for k in ("bytes_read", "bytes_read_prefill_tp_rank_0", "bytes_read_prefill_tp_rank_1")
+    }
     assert delta["bytes_read"] == len(ids) * one_row
     assert delta["bytes_read_prefill_tp_rank_0"] + delta["bytes_read_prefill_tp_rank_1"] == delta["bytes_read"]
     for rank in (0, 1):

@@ -36,16 +36,19 @@ from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.prom import scrape
 from kvoffload_testing.sse import sse_events
 from kvoffload_testing.vllm_server import Metastore, Proxy, VllmServer, free_port, running
-from svcruntime.processgroup import signal_group
 from kvoffload_testing.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
+from svcruntime.processgroup import signal_group
 
 pytestmark = pytest.mark.vllm
 
 BLOCK = 128  # vLLM's CPU default block size
 LAYERS = 6
 TOLERANCE = 1e-3
-PROMPTS = {"one": [1000], "block-1": list(range(2000, 2000 + BLOCK - 1)),
-           "long": [(i * 7919) % 40000 + 1000 for i in range(2100)]}
+PROMPTS = {
+    "one": [1000],
+    "block-1": list(range(2000, 2000 + BLOCK - 1)),
+    "long": [(i * 7919) % 40000 + 1000 for i in range(2100)],
+}
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow, one per line."}]
 # the prefill on one half of the cores, the decode (and the plain server it is compared with) on the other
 HALVES = split_cores() or ("", "")
@@ -55,8 +58,12 @@ DECODE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": HALVES[1]} if HALVES[1] else {}
 
 def stream_text(url: str, path: str, body: dict) -> str:
     """The text of a streamed answer (SSE), pieced together from its deltas."""
-    req = urllib.request.Request(f"{url}{path}", data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        f"{url}{path}",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     text = []
     with urllib.request.urlopen(req, timeout=180) as resp:
         for event in sse_events(resp):
@@ -71,12 +78,14 @@ def answers(url: str) -> dict[str, object]:
     for name, prompt in PROMPTS.items():
         lp = completion(url, prompt, 12, logprobs=1, timeout_s=180)["choices"][0]["logprobs"]
         out[f"completion-{name}"] = (lp["tokens"], lp["token_logprobs"])
-        out[f"stream-{name}"] = stream_text(url, "/v1/completions", {"prompt": prompt, "max_tokens": 12,
-                                                                    "temperature": 0})
+        out[f"stream-{name}"] = stream_text(
+            url, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        )
     content = chat(url, CHAT, 16, logprobs=True, timeout_s=180)["choices"][0]["logprobs"]["content"]
     out["chat"] = ([c["token"] for c in content], [c["logprob"] for c in content])
-    out["chat-stream"] = stream_text(url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 16,
-                                                                   "temperature": 0})
+    out["chat-stream"] = stream_text(
+        url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 16, "temperature": 0}
+    )
     burst = [[3000 + 17 * i + j for j in range(150 + 100 * i)] for i in range(8)]
     with ThreadPoolExecutor(8) as pool:
         texts = pool.map(lambda p: completion(url, p, 8, timeout_s=300)["choices"][0]["text"], burst)
@@ -104,8 +113,9 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def plain(model, tmp_path_factory):
     """What one vLLM server without any connector answers (then it stops, to leave the cores free)."""
-    with VllmServer(model, max_model_len=4096, log_path=tmp_path_factory.mktemp("plain") / "v.log",
-                    env=DECODE_ENV) as v:
+    with VllmServer(
+        model, max_model_len=4096, log_path=tmp_path_factory.mktemp("plain") / "v.log", env=DECODE_ENV
+    ) as v:
         return answers(v.url)
 
 
@@ -114,10 +124,22 @@ def pd(model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd")
     ports = free_stack_ports(1, 1)
     with Metastore(logs / "metastore.log") as ms:
-        prefill = VllmServer(model, port=ports["prefill_ports"][0], max_model_len=4096, log_path=logs / "prefill.log",
-                             env=PREFILL_ENV, extra_args=["--kv-transfer-config", vllm_prefill_transfer_config(ms.address)])
-        decode = VllmServer(model, port=ports["decode_ports"][0], max_model_len=4096, log_path=logs / "decode.log",
-                            env=DECODE_ENV, extra_args=["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"])])
+        prefill = VllmServer(
+            model,
+            port=ports["prefill_ports"][0],
+            max_model_len=4096,
+            log_path=logs / "prefill.log",
+            env=PREFILL_ENV,
+            extra_args=["--kv-transfer-config", vllm_prefill_transfer_config(ms.address)],
+        )
+        decode = VllmServer(
+            model,
+            port=ports["decode_ports"][0],
+            max_model_len=4096,
+            log_path=logs / "decode.log",
+            env=DECODE_ENV,
+            extra_args=["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"])],
+        )
         with running(prefill, decode):
             proxy = Proxy(ports["proxy_port"], prefill.port, decode.port, logs / "proxy.log")
             try:
@@ -138,8 +160,9 @@ def test_the_pull_is_layerwise_and_moves_the_prompts_blocks(pd):
     prompt = [(i * 104729) % 40000 + 1000 for i in range(3000)]  # not seen before: no prefix-cache hit
     completion(pd["proxy"].url, prompt, 2, timeout_s=180)
     decode_log, prefill_log = pd["decode"].log_text(), pd["prefill"].log_text()
-    pulled = [(int(t), int(b)) for t, b in re.findall(r"kvoffload_d2h_pulled\s.*?bytes=(\d+).*?tokens=(\d+)",
-                                                          decode_log)]
+    pulled = [
+        (int(t), int(b)) for t, b in re.findall(r"kvoffload_d2h_pulled\s.*?bytes=(\d+).*?tokens=(\d+)", decode_log)
+    ]
     block_bytes = 2 * 2 * 32 * BLOCK * 4  # K and V, 2 KV heads of 32, fp32, per layer
     assert (math.ceil(3000 / BLOCK) * block_bytes * LAYERS, 3000) in [(b, t) for b, t in pulled], pulled
     during = [int(n) for n in re.findall(r"kvoffload_d2h_sent\s.*?layers_read_during_forward=(\d+)", prefill_log)]
@@ -156,16 +179,35 @@ def test_with_the_metastore_gone_requests_are_still_served(pd):
 
 
 BAD_D2H_CONFIGS = {  # id: (kv-transfer-config, the message that names the field)
-    "both-role": ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_both"},
-                  "kv_transfer_config.kv_role: got 'kv_both'"),
-    "memfabric": ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer",  # (vLLM itself defaults kv_port)
-                   "kv_connector_extra_config": {"transfer_backend": "memfabric"}}, "transfer_backend: got 'memfabric'"),
-    "unknown-key": ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 20050,
-                     "kv_connector_extra_config": {"peer_timeout": 3}},
-                    "unknown key 'peer_timeout'; did you mean 'peer_timeout_s'?"),
-    "wildcard-host": ({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer",
-                       "kv_connector_extra_config": {"advertise_host": "0.0.0.0"}},
-                      "kv_connector_extra_config.advertise_host: got"),
+    "both-role": (
+        {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_both"},
+        "kv_transfer_config.kv_role: got 'kv_both'",
+    ),
+    "memfabric": (
+        {
+            "kv_connector": "SfaRemoteD2HConnector",
+            "kv_role": "kv_consumer",  # (vLLM itself defaults kv_port)
+            "kv_connector_extra_config": {"transfer_backend": "memfabric"},
+        },
+        "transfer_backend: got 'memfabric'",
+    ),
+    "unknown-key": (
+        {
+            "kv_connector": "SfaRemoteD2HConnector",
+            "kv_role": "kv_consumer",
+            "kv_port": 20050,
+            "kv_connector_extra_config": {"peer_timeout": 3},
+        },
+        "unknown key 'peer_timeout'; did you mean 'peer_timeout_s'?",
+    ),
+    "wildcard-host": (
+        {
+            "kv_connector": "SfaRemoteD2HConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"advertise_host": "0.0.0.0"},
+        },
+        "kv_connector_extra_config.advertise_host: got",
+    ),
 }
 
 
@@ -178,13 +220,20 @@ def refused(tmp_path_factory) -> dict[str, tuple[str, str]]:
     far as vLLM's engine in one process that imports vLLM once (``refusals``)."""
     tmp = tmp_path_factory.mktemp("refused")
     model = tiny_llama_dir(tmp / "tiny")
-    args = {name: ["--kv-transfer-config", json.dumps({**config, "kv_connector_module_path": "kvoffload_vllm"})]
-            for name, (config, _) in BAD_D2H_CONFIGS.items()}
+    args = {
+        name: ["--kv-transfer-config", json.dumps({**config, "kv_connector_module_path": "kvoffload_vllm"})]
+        for name, (config, _) in BAD_D2H_CONFIGS.items()
+    }
     # the control: a good decode config, which must build its engine the same way (the way is not vacuous)
     args["good"] = ["--kv-transfer-config", vllm_decode_transfer_config(free_port())]
     out = refusals(model, {name: a for name, a in args.items() if name != REAL_LAUNCH}, tmp / "in-process")
-    server = VllmServer(model, max_model_len=1024, log_path=tmp / f"{REAL_LAUNCH}.log", start_timeout_s=300,
-                        extra_args=args[REAL_LAUNCH])
+    server = VllmServer(
+        model,
+        max_model_len=1024,
+        log_path=tmp / f"{REAL_LAUNCH}.log",
+        start_timeout_s=300,
+        extra_args=args[REAL_LAUNCH],
+    )
     error = failed_starts({REAL_LAUNCH: server})[REAL_LAUNCH]
     return out | {REAL_LAUNCH: (error, server.log_text())}
 
@@ -218,10 +267,22 @@ def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decod
     prompt = [(i * 7919) % 40000 + 1000 for i in range(3000)]
     with Metastore(tmp_path / "metastore.log") as ms:
         prefill_args = ["--kv-transfer-config", vllm_prefill_transfer_config(ms.address)]
-        prefill = VllmServer(model, port=ports["prefill_ports"][0], max_model_len=4096, log_path=tmp_path / "p1.log",
-                             env=PREFILL_ENV, extra_args=prefill_args)
-        decode = VllmServer(model, port=ports["decode_ports"][0], max_model_len=4096, log_path=tmp_path / "d.log",
-                            env=DECODE_ENV, extra_args=["--kv-transfer-config", json.dumps(decode_kv)])
+        prefill = VllmServer(
+            model,
+            port=ports["prefill_ports"][0],
+            max_model_len=4096,
+            log_path=tmp_path / "p1.log",
+            env=PREFILL_ENV,
+            extra_args=prefill_args,
+        )
+        decode = VllmServer(
+            model,
+            port=ports["decode_ports"][0],
+            max_model_len=4096,
+            log_path=tmp_path / "d.log",
+            env=DECODE_ENV,
+            extra_args=["--kv-transfer-config", json.dumps(decode_kv)],
+        )
         with running(decode, prefill):
             proxy = Proxy(ports["proxy_port"], prefill.port, decode.port, tmp_path / "proxy.log")
             try:
@@ -256,11 +317,20 @@ def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decod
                     assert time.monotonic() < idle_deadline, "the decode still holds KV blocks"
                     time.sleep(0.5)
                 prefill.stop()
-                again = VllmServer(model, port=ports["prefill_ports"][0], max_model_len=4096,
-                                   log_path=tmp_path / "p2.log", env=PREFILL_ENV, extra_args=prefill_args)
+                again = VllmServer(
+                    model,
+                    port=ports["prefill_ports"][0],
+                    max_model_len=4096,
+                    log_path=tmp_path / "p2.log",
+                    env=PREFILL_ENV,
+                    extra_args=prefill_args,
+                )
                 with again:
-                    answer = post_json(f"{proxy.url}/v1/completions", {"prompt": prompt[:500], "max_tokens": 4,
-                                                                       "temperature": 0}, timeout_s=180)
+                    answer = post_json(
+                        f"{proxy.url}/v1/completions",
+                        {"prompt": prompt[:500], "max_tokens": 4, "temperature": 0},
+                        timeout_s=180,
+                    )
                     assert answer["choices"][0]["finish_reason"] in ("length", "stop")
             finally:
                 proxy.close()

@@ -34,8 +34,14 @@ def store_config(metastore: str | None, role: str = "kv_both", **extra) -> str:
     body = {"backend": "kvoffload", "use_layerwise": True, "host_pool_gb": 0.25, **extra}
     if metastore:
         body["metastore"] = metastore
-    return json.dumps({"kv_connector": "AscendStoreConnector", "kv_role": role,
-                       "kv_connector_module_path": "kvoffload_vllm", "kv_connector_extra_config": body})
+    return json.dumps(
+        {
+            "kv_connector": "AscendStoreConnector",
+            "kv_role": role,
+            "kv_connector_module_path": "kvoffload_vllm",
+            "kv_connector_extra_config": body,
+        }
+    )
 
 
 def greedy(url: str, prompt: list[int], n: int = 12) -> tuple[list[str], list[float]]:
@@ -52,9 +58,11 @@ def servers(tmp_path_factory):
     model = smollm2_dir()
     with Metastore(logs / "metastore.log") as ms:
         kv = ["--kv-transfer-config", store_config(ms.address)]
-        with running(VllmServer(model, max_model_len=4096, extra_args=kv, log_path=logs / "a.log"),
-                     VllmServer(model, max_model_len=4096, extra_args=kv, log_path=logs / "b.log"),
-                     VllmServer(model, max_model_len=4096, log_path=logs / "plain.log")) as (a, b, plain):
+        with running(
+            VllmServer(model, max_model_len=4096, extra_args=kv, log_path=logs / "a.log"),
+            VllmServer(model, max_model_len=4096, extra_args=kv, log_path=logs / "b.log"),
+            VllmServer(model, max_model_len=4096, log_path=logs / "plain.log"),
+        ) as (a, b, plain):
             yield {"metastore": ms, "a": a, "b": b, "plain": plain}
 
 
@@ -93,14 +101,19 @@ def test_with_the_metastore_gone_requests_are_served_without_the_prefix_cache(se
 
 
 BAD_CONFIGS = {  # id: (extra config, metastore, the message that names the field)
-    "unknown-key": ({"metastor": "127.0.0.1:1"}, "127.0.0.1:5000",
-                    "unknown key 'metastor'; did you mean 'metastore'?"),
+    "unknown-key": ({"metastor": "127.0.0.1:1"}, "127.0.0.1:5000", "unknown key 'metastor'; did you mean 'metastore'?"),
     "no-metastore": ({}, None, "kv_connector_extra_config.metastore: missing"),
     "other-backend": ({"backend": "memcache"}, "127.0.0.1:5000", "kv_connector_extra_config.backend: got 'memcache'"),
-    "unknown-role": ({"role": "kv_sender"}, "127.0.0.1:5000", "kv_role\n  Input should be 'kv_producer', 'kv_both' or "
-                     "'kv_consumer'"),  # vLLM's own check comes first
-    "zero-buffers": ({"layerwise_num_shared_buffers": 0}, "127.0.0.1:5000",
-                     "kv_connector_extra_config.layerwise_num_shared_buffers: got 0 (int); must be an int >= 1"),
+    "unknown-role": (
+        {"role": "kv_sender"},
+        "127.0.0.1:5000",
+        "kv_role\n  Input should be 'kv_producer', 'kv_both' or 'kv_consumer'",
+    ),  # vLLM's own check comes first
+    "zero-buffers": (
+        {"layerwise_num_shared_buffers": 0},
+        "127.0.0.1:5000",
+        "kv_connector_extra_config.layerwise_num_shared_buffers: got 0 (int); must be an int >= 1",
+    ),
 }
 
 
@@ -122,14 +135,30 @@ def refused(tmp_path_factory, nobody) -> dict[str, tuple[str, str]]:
         return ["--kv-transfer-config", kv_config, *extra]
 
     def server(name: str, kv_config: str, *extra: str, env: dict | None = None) -> VllmServer:
-        return VllmServer(model, max_model_len=1024, log_path=tmp / f"{name}.log", start_timeout_s=300, env=env,
-                          extra_args=args(kv_config, *extra))
+        return VllmServer(
+            model,
+            max_model_len=1024,
+            log_path=tmp / f"{name}.log",
+            start_timeout_s=300,
+            env=env,
+            extra_args=args(kv_config, *extra),
+        )
 
-    out = refusals(model, {name: args(store_config(metastore, **extra))
-                           for name, (extra, metastore, _) in BAD_CONFIGS.items()}, tmp / "in-process")
-    servers = {"tp2": server("tp2", store_config("127.0.0.1:5000"), "--tensor-parallel-size", "2",
-                             env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),  # one core per rank (else vLLM refuses first)
-               "nobody": server("nobody", store_config(nobody))}
+    out = refusals(
+        model,
+        {name: args(store_config(metastore, **extra)) for name, (extra, metastore, _) in BAD_CONFIGS.items()},
+        tmp / "in-process",
+    )
+    servers = {
+        "tp2": server(
+            "tp2",
+            store_config("127.0.0.1:5000"),
+            "--tensor-parallel-size",
+            "2",
+            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        ),  # one core per rank (else vLLM refuses first)
+        "nobody": server("nobody", store_config(nobody)),
+    }
     errors = failed_starts(servers)
     return out | {name: (errors[name], servers[name].log_text()) for name in servers}
 

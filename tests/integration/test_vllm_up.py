@@ -11,10 +11,9 @@ the demo prints.
 
 from __future__ import annotations
 
-import pytest
-
 from pathlib import Path
 
+import pytest
 from vllm_support import tiny_llama_dir
 
 from kvoffload_testing.ports import free_stack_ports

@@ -15,8 +15,14 @@ from kvoffload_testing.sse import sse_events, token_ids
 ERROR_DEADLINE_S = 60.0  # a request hit by a stopped container must end with an error within this
 
 
-def complete(url: str, prompt: list[int], max_tokens: int, stream: bool = False,
-             timeout_s: float = 300.0, request_id: str | None = None) -> list[int]:
+def complete(
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    stream: bool = False,
+    timeout_s: float = 300.0,
+    request_id: str | None = None,
+) -> list[int]:
     """Greedy token ids of one completion through the proxy (sent with ``X-Request-Id`` when
     ``request_id`` is given); raises on any error (SSE error events too)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}

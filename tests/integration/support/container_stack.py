@@ -40,8 +40,10 @@ def engine_problem() -> str | None:
         client.ping()
         client.close()
     except Exception as exc:  # noqa: BLE001 - any failure to reach the engine is the reason the tests fail
-        return (f"no Docker engine answers at {os.environ.get('DOCKER_HOST', 'unix:///var/run/docker.sock')} "
-                f"({type(exc).__name__}: {exc}); start one with scripts/dockerd start (.ci/run does)")
+        return (
+            f"no Docker engine answers at {os.environ.get('DOCKER_HOST', 'unix:///var/run/docker.sock')} "
+            f"({type(exc).__name__}: {exc}); start one with scripts/dockerd start (.ci/run does)"
+        )
     return None
 
 
@@ -56,10 +58,11 @@ def require_docker_engine() -> None:
 
 
 if ENGINE_PROBLEM is None:
-    import docker
     from testcontainers.core.config import testcontainers_config
     from testcontainers.core.container import DockerContainer
     from testcontainers.core.network import Network
+
+    import docker
 
     testcontainers_config.ryuk_disabled = True
 
@@ -67,39 +70,106 @@ if ENGINE_PROBLEM is None:
 # -- the stack ---------------------------------------------------------------------------------------
 
 SERVICES = ("metastore", "prefill", "decode", "proxy")
-PORTS = {"metastore": 5000, "prefill": 8100, "prefill-data": 18100, "decode": 8200, "decode-control": 20050,
-         "proxy": 9000}
-PREFILL_KV = json.dumps({
-    "kv_connector": "MultiConnector", "kv_role": "kv_producer",
-    "kv_connector_extra_config": {"connectors": [
-        {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer", "kv_port": PORTS["decode-control"],
-         "kv_connector_extra_config": {"transfer_backend": "kvoffload"}},
-        {"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer",
-         "kv_connector_extra_config": {"backend": "kvoffload", "use_layerwise": True,
-                                       "layerwise_num_shared_buffers": 3, "layerwise_independent_layers": [0]}}]}})
-DECODE_KV = json.dumps({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer",
-                        "kv_port": PORTS["decode-control"],
-                        "kv_connector_extra_config": {"transfer_backend": "kvoffload", "use_layerwise": True}})
-DECODE_EXTRA = json.dumps({"sparse_kv_offload_config": {"enabled": True, "topk_buffer_size": 128,
-                                                        "dram_size_per_dp_GB": 1}})
+PORTS = {
+    "metastore": 5000,
+    "prefill": 8100,
+    "prefill-data": 18100,
+    "decode": 8200,
+    "decode-control": 20050,
+    "proxy": 9000,
+}
+PREFILL_KV = json.dumps(
+    {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {
+                    "kv_connector": "SfaRemoteD2HConnector",
+                    "kv_role": "kv_producer",
+                    "kv_port": PORTS["decode-control"],
+                    "kv_connector_extra_config": {"transfer_backend": "kvoffload"},
+                },
+                {
+                    "kv_connector": "AscendStoreConnector",
+                    "kv_role": "kv_producer",
+                    "kv_connector_extra_config": {
+                        "backend": "kvoffload",
+                        "use_layerwise": True,
+                        "layerwise_num_shared_buffers": 3,
+                        "layerwise_independent_layers": [0],
+                    },
+                },
+            ]
+        },
+    }
+)
+DECODE_KV = json.dumps(
+    {
+        "kv_connector": "SfaRemoteD2HConnector",
+        "kv_role": "kv_consumer",
+        "kv_port": PORTS["decode-control"],
+        "kv_connector_extra_config": {"transfer_backend": "kvoffload", "use_layerwise": True},
+    }
+)
+DECODE_EXTRA = json.dumps(
+    {"sparse_kv_offload_config": {"enabled": True, "topk_buffer_size": 128, "dram_size_per_dp_GB": 1}}
+)
 COMMON = ["--model", "/models/tiny", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BS)]
 COMMANDS = {  # the images' default commands (docker/Dockerfile), with the test's sizes spelled out
     "metastore": ["kvoffload-metastore", "--port", "5000", "--dram-size", "256MB"],
-    "decode": ["kvoffload-decode", *COMMON, "--port", "8200", "--shutdown-grace-s", "5", "--kv-transfer-config", DECODE_KV,
-               "--additional-config", DECODE_EXTRA],
-    "prefill": ["kvoffload-prefill", *COMMON, "--port", "8100", "--data-port", "18100",
-                "--metastore", "metastore:5000", "--host-pool-gb", "0.25", "--shutdown-grace-s", "5",
-                "--kv-transfer-config", PREFILL_KV],
-    "proxy": ["kvoffload-proxy", "--port", "9000", "--prefiller-hosts", "prefill", "--prefiller-ports", "8100",
-              "--decoder-hosts", "decode", "--decoder-ports", "8200", "--shutdown-grace-s", "5"],
+    "decode": [
+        "kvoffload-decode",
+        *COMMON,
+        "--port",
+        "8200",
+        "--shutdown-grace-s",
+        "5",
+        "--kv-transfer-config",
+        DECODE_KV,
+        "--additional-config",
+        DECODE_EXTRA,
+    ],
+    "prefill": [
+        "kvoffload-prefill",
+        *COMMON,
+        "--port",
+        "8100",
+        "--data-port",
+        "18100",
+        "--metastore",
+        "metastore:5000",
+        "--host-pool-gb",
+        "0.25",
+        "--shutdown-grace-s",
+        "5",
+        "--kv-transfer-config",
+        PREFILL_KV,
+    ],
+    "proxy": [
+        "kvoffload-proxy",
+        "--port",
+        "9000",
+        "--prefiller-hosts",
+        "prefill",
+        "--prefiller-ports",
+        "8100",
+        "--decoder-hosts",
+        "decode",
+        "--decoder-ports",
+        "8200",
+        "--shutdown-grace-s",
+        "5",
+    ],
 }
 SHM = {"decode": "1536m", "prefill": "1g"}
 
 
 def image_tag() -> str:
     """The tag scripts/images gives the images (KVOFFLOAD_IMAGE_TAG, default the project's version)."""
-    names = subprocess.run([str(ROOT / "scripts/images"), "--print"], capture_output=True, text=True,
-                           check=True).stdout.split()
+    names = subprocess.run(
+        [str(ROOT / "scripts/images"), "--print"], capture_output=True, text=True, check=True
+    ).stdout.split()
     return names[0].split(":", 1)[1]
 
 
@@ -130,10 +200,13 @@ class ContainerStack:
         self.wait_ready("proxy")
 
     def _run(self, name: str) -> None:
-        c = (DockerContainer(f"kvoffload/{name}:{self.tag}")
-             .with_command(self.commands[name])
-             .with_network(self.network).with_network_aliases(name)
-             .with_kwargs(init=True, hostname=name, shm_size=SHM.get(name), labels={"kvoffload-test": "1"}))
+        c = (
+            DockerContainer(f"kvoffload/{name}:{self.tag}")
+            .with_command(self.commands[name])
+            .with_network(self.network)
+            .with_network_aliases(name)
+            .with_kwargs(init=True, hostname=name, shm_size=SHM.get(name), labels={"kvoffload-test": "1"})
+        )
         if name in ("prefill", "decode"):  # the tiny model, written once into a shared volume
             c.with_volume_mapping(self.volume, "/models", "rw")
         self.containers[name] = c.start()
@@ -214,6 +287,7 @@ def grpc_health(target: str) -> str:
 
 def grpc_stats(target: str):
     import grpc
+
     from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
 
     with grpc.insecure_channel(target) as ch:
@@ -236,9 +310,11 @@ def held(stats: dict) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, reply in stats.items():
         c = dict(reply.counters)
-        keys = {"prefill": ("held_slots", "pool_live_leases", "ledger_open"),
-                "decode": ("pool_used_bytes", "pool_live_leases", "sequences", "ledger_open"),
-                "metastore": ("live_leases",)}[name]
+        keys = {
+            "prefill": ("held_slots", "pool_live_leases", "ledger_open"),
+            "decode": ("pool_used_bytes", "pool_live_leases", "sequences", "ledger_open"),
+            "metastore": ("live_leases",),
+        }[name]
         missing = [k for k in keys if k not in c]
         assert not missing, f"{name}: Stats lack {missing} (a renamed counter must not read as 0); it has {sorted(c)}"
         out.update({f"{name}.{k}": c[k] for k in keys})
@@ -255,6 +331,7 @@ def wait_idle(stack: ContainerStack, *names: str) -> dict[str, float]:
 
 
 # -- fixtures and their factories ---------------------------------------------------------------------
+
 
 def ensure_images(services) -> str:
     """The images' tag, once ``kvoffload/SERVICE:TAG`` exists for each of ``services``: built with

@@ -5,9 +5,9 @@ distribution with the first-party distributions its ``pyproject.toml`` declares.
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -57,8 +57,6 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
             if target and target != name:
                 found.add(target)
     return found
-
-
 
 
 def pyproject_of(directory: Path) -> Path:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
+from pool_contract_data import geometry
+
 from kvcore.eviction import LRUEviction
 from kvcore.hostpool import HostPoolBackend
 from kvcore.localpool import LocalHostPool
@@ -18,7 +20,6 @@ from poolbackends.mooncake import MooncakeHostPool
 from poolbackends.mooncake_master import MooncakeMaster
 from poolbackends.mooncake_store import MooncakeStore
 from poolbackends.remotepool import RemoteHostPool
-from pool_contract_data import geometry
 
 
 def _name() -> str:
@@ -31,8 +32,9 @@ def _local(num_blocks: int, _ctx: dict) -> HostPoolBackend:
 
 def _remote(num_blocks: int, ctx: dict) -> HostPoolBackend:
     if "metastore" not in ctx:
-        ctx["metastore"] = start(MetaStoreConfig(port=0, world_size=64, lease_ttl_ms=30_000,
-                                                 heartbeat_timeout_ms=10_000))
+        ctx["metastore"] = start(
+            MetaStoreConfig(port=0, world_size=64, lease_ttl_ms=30_000, heartbeat_timeout_ms=10_000)
+        )
     ctx["n"] = ctx.get("n", 0) + 1
     return RemoteHostPool.create(ctx["metastore"].target, f"pool-{ctx['n']}", _name(), geometry(num_blocks))
 
@@ -47,8 +49,11 @@ def _mooncake(num_blocks: int, _ctx: dict) -> HostPoolBackend:
     return MooncakeHostPool(_MOONCAKE["store"], geometry(num_blocks), namespace=_name(), eviction=LRUEviction())
 
 
-BACKENDS: dict[str, Callable[[int, dict], HostPoolBackend]] = {"local": _local, "remote": _remote,
-                                                                "mooncake": _mooncake}
+BACKENDS: dict[str, Callable[[int, dict], HostPoolBackend]] = {
+    "local": _local,
+    "remote": _remote,
+    "mooncake": _mooncake,
+}
 
 
 def stop_mooncake() -> None:

@@ -5,6 +5,7 @@ and ``keys``."""
 from __future__ import annotations
 
 import torch
+
 from kvcore.hostpool import HostPoolBackend
 from kvcore.poolgeometry import PoolGeometry
 

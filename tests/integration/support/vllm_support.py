@@ -13,17 +13,23 @@ import shutil
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
-
+from typing import Any
 
 TINY_MARKER = "kvoffload-tiny-llama.json"
 # The tokenizer and chat-template files a model directory may carry; those present are copied.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 # ---- model directories ------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def dir_lock(path: Path) -> Iterator[None]:
@@ -58,10 +64,10 @@ def _tiny_is_complete(path: Path, record: dict) -> bool:
     except (OSError, ValueError, KeyError, TypeError):
         return False
     if found.get("params") != record:
-        raise ValueError(f"{path} already holds a tiny Llama built with {found.get('params')}, not {record}; "
-                         f"use another directory")
-    return all((path / name).is_file() and (path / name).stat().st_size == size
-               for name, size in files.items())
+        raise ValueError(
+            f"{path} already holds a tiny Llama built with {found.get('params')}, not {record}; use another directory"
+        )
+    return all((path / name).is_file() and (path / name).stat().st_size == size for name, size in files.items())
 
 
 def tiny_llama_dir(path: Path, *, seed: int = 0, num_layers: int = 2) -> Path:
@@ -77,8 +83,7 @@ def tiny_llama_dir(path: Path, *, seed: int = 0, num_layers: int = 2) -> Path:
         if _tiny_is_complete(path, record):  # another process built it while we waited
             return path
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise FileExistsError(f"{path} exists and is not a complete tiny model; choose an empty or new "
-                                  f"directory")
+            raise FileExistsError(f"{path} exists and is not a complete tiny model; choose an empty or new directory")
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.partial-") as tmp:
             build = Path(tmp) / "model"
             _write_tiny_llama(build, source, seed=seed, num_layers=num_layers)
@@ -94,10 +99,19 @@ def _write_tiny_llama(out: Path, tokenizer_dir: Path, *, seed: int, num_layers: 
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(
-        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # vLLM CPU: head_dim >= 32
-        intermediate_size=256, num_hidden_layers=num_layers, max_position_embeddings=4096,
-        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        dtype=torch.float32, tie_word_embeddings=False)
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # vLLM CPU: head_dim >= 32
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        max_position_embeddings=4096,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        dtype=torch.float32,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     out.mkdir(parents=True)
@@ -109,11 +123,13 @@ def _write_tiny_llama(out: Path, tokenizer_dir: Path, *, seed: int, num_layers: 
 
 # ---- requests ---------------------------------------------------------------------------------
 
+
 def post_json(url: str, body: dict, timeout_s: float = 120.0) -> dict:
     """POST ``body`` as JSON and return the parsed answer; a non-2xx status raises :class:`RuntimeError`
     with the status and the body's text."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             return json.loads(resp.read())
@@ -122,21 +138,25 @@ def post_json(url: str, body: dict, timeout_s: float = 120.0) -> dict:
         raise RuntimeError(f"POST {url} answered {exc.code}: {text}") from None
 
 
-def completion(url: str, prompt: str | list[int], max_tokens: int, *, timeout_s: float = 120.0,
-               **kw: Any) -> dict:
+def completion(url: str, prompt: str | list[int], max_tokens: int, *, timeout_s: float = 120.0, **kw: Any) -> dict:
     """``POST {url}/v1/completions`` (greedy unless ``temperature`` is given); other keywords go into the body."""
-    return post_json(f"{url}/v1/completions",
-                     {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}, timeout_s)
+    return post_json(
+        f"{url}/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}, timeout_s
+    )
 
 
 def chat(url: str, messages: list[dict], max_tokens: int, *, timeout_s: float = 120.0, **kw: Any) -> dict:
     """``POST {url}/v1/chat/completions`` (greedy unless ``temperature`` is given); other keywords go into
     the body."""
-    return post_json(f"{url}/v1/chat/completions",
-                     {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw}, timeout_s)
+    return post_json(
+        f"{url}/v1/chat/completions",
+        {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw},
+        timeout_s,
+    )
 
 
 # ---- launches that must fail --------------------------------------------------------------------
+
 
 def failed_starts(servers: dict[str, Any], at_once: int = 2) -> dict[str, str]:
     """Start every ``VllmServer`` of ``servers`` (each expected to refuse its config) side by side, at
@@ -158,8 +178,9 @@ def failed_starts(servers: dict[str, Any], at_once: int = 2) -> dict[str, str]:
         return dict(zip(servers, pool.map(outcome, servers.values()), strict=True))
 
 
-def refusals(model: Path, cases: dict[str, list[str]], log_dir: Path, max_model_len: int = 1024,
-             timeout_s: float = 600.0) -> dict[str, tuple[str, str]]:
+def refusals(
+    model: Path, cases: dict[str, list[str]], log_dir: Path, max_model_len: int = 1024, timeout_s: float = 600.0
+) -> dict[str, tuple[str, str]]:
     """Each case's extra server arguments (``VllmServer``'s ``extra_args``), on ``model``, taken as far
     as vLLM's engine in one process that imports vLLM once (``vllm_refusals.py``): ``(error, log)`` by
     case, where ``error`` is the exception that stopped it with its causes, or ``STARTED: ...`` when its
@@ -169,17 +190,33 @@ def refusals(model: Path, cases: dict[str, list[str]], log_dir: Path, max_model_
 
     from kvoffload_testing.vllm_server import api_server_command, api_server_env, free_port
 
-    argv = {name: api_server_command(model, port=free_port(), max_model_len=max_model_len, extra_args=extra)
-            for name, extra in cases.items()}
-    argv = {name: a[a.index("--model"):] for name, a in argv.items()}  # the server's own arguments
+    argv = {
+        name: api_server_command(model, port=free_port(), max_model_len=max_model_len, extra_args=extra)
+        for name, extra in cases.items()
+    }
+    argv = {name: a[a.index("--model") :] for name, a in argv.items()}  # the server's own arguments
     log_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_refusals.py"))],
-                          input=json.dumps(argv), capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, **api_server_env(), "VLLM_REFUSALS_LOG_DIR": str(log_dir)})
-    found = {r["case"]: r for r in (json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
-                                    if line.startswith("RESULT "))}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("vllm_refusals.py"))],
+        input=json.dumps(argv),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **api_server_env(), "VLLM_REFUSALS_LOG_DIR": str(log_dir)},
+    )
+    found = {
+        r["case"]: r
+        for r in (json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    }
     if proc.returncode != 0 or found.keys() != cases.keys():
-        raise RuntimeError(f"vllm_refusals.py exited with {proc.returncode} and answered {sorted(found)} of "
-                           f"{sorted(cases)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return {name: (f"STARTED: {name} built its engine" if r["started"] else r["error"],
-                   Path(r["log"]).read_text(errors="replace")) for name, r in found.items()}
+        raise RuntimeError(
+            f"vllm_refusals.py exited with {proc.returncode} and answered {sorted(found)} of "
+            f"{sorted(cases)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return {
+        name: (
+            f"STARTED: {name} built its engine" if r["started"] else r["error"],
+            Path(r["log"]).read_text(errors="replace"),
+        )
+        for name, r in found.items()
+    }
