@@ -220,7 +220,8 @@ def test_layerwise_keys_without_use_layerwise_warn() -> None:
     with capture_logs() as logs:
         config = parse_kv_transfer_config(raw)
     assert sorted(config.warnings) == sorted(
-        f"kv_connector_extra_config.{key}: has no effect while use_layerwise is false (set use_layerwise: true to use it)"
+        f"kv_connector_extra_config.{key}: has no effect while use_layerwise is false "
+        "(set use_layerwise: true to use it)"
         for key in ("layerwise_num_shared_buffers", "layerwise_independent_layers", "layerwise_prefetch_layers")
     )
     assert [e["event"] for e in logs] == ["ineffective_config_keys"]

@@ -108,8 +108,8 @@ def test_mooncake_backend_with_its_master(inside_multi: bool) -> None:
         (
             {"backend": "mooncake"},
             [
-                "kv_connector_extra_config.mooncake_master: required with backend 'mooncake'; must be \"HOST:PORT\" (the "
-                'mooncake_master\'s RPC address, e.g. "127.0.0.1:50051")'
+                "kv_connector_extra_config.mooncake_master: required with backend 'mooncake'; "
+                'must be "HOST:PORT" (the mooncake_master\'s RPC address, e.g. "127.0.0.1:50051")'
             ],
         ),
         (
@@ -119,9 +119,9 @@ def test_mooncake_backend_with_its_master(inside_multi: bool) -> None:
         (
             {"backend": "mooncake", "mooncake_master": MOONCAKE, "metastore": "127.0.0.1:5000"},
             [
-                "kv_connector_extra_config.metastore: applies to backend 'kvoffload' only (the kvoffload-metastore that "
-                "indexes the embedded pool; the mooncake backend keeps its index in the mooncake_master), not 'mooncake'; "
-                "remove it"
+                "kv_connector_extra_config.metastore: applies to backend 'kvoffload' only (the kvoffload-metastore "
+                "that indexes the embedded pool; the mooncake backend keeps its index in the mooncake_master), "
+                "not 'mooncake'; remove it"
             ],
         ),
         (
@@ -134,8 +134,8 @@ def test_mooncake_backend_with_its_master(inside_multi: bool) -> None:
         (
             {"backend": "memcache", "mooncake_namespace": "a"},
             [
-                "kv_connector_extra_config.mooncake_namespace: applies to backend 'mooncake' only (the mooncake backend's key "
-                "namespace), not 'memcache'; remove it"
+                "kv_connector_extra_config.mooncake_namespace: applies to backend 'mooncake' only "
+                "(the mooncake backend's key namespace), not 'memcache'; remove it"
             ],
         ),
         (
@@ -145,8 +145,8 @@ def test_mooncake_backend_with_its_master(inside_multi: bool) -> None:
         (
             {"backend": "mooncake", "mooncake_master": "50051"},
             [
-                "kv_connector_extra_config.mooncake_master: got '50051' (str); must be \"HOST:PORT\" (the mooncake_master's "
-                "RPC address)"
+                "kv_connector_extra_config.mooncake_master: got '50051' (str); "
+                'must be "HOST:PORT" (the mooncake_master\'s RPC address)'
             ],
         ),
         (
@@ -156,8 +156,8 @@ def test_mooncake_backend_with_its_master(inside_multi: bool) -> None:
         (
             {"backend": "mooncake", "mooncake_master": MOONCAKE, "mooncake_namespace": "a/b"},
             [
-                "kv_connector_extra_config.mooncake_namespace: got 'a/b' (str); must be a non-empty string without '/' or "
-                "surrounding spaces"
+                "kv_connector_extra_config.mooncake_namespace: got 'a/b' (str); "
+                "must be a non-empty string without '/' or surrounding spaces"
             ],
         ),
         (
@@ -228,8 +228,8 @@ def test_memfabric_keys_default_and_set() -> None:
         ),
         (
             {"memfabric_data_op": "sdma"},
-            f"{EXTRA}.memfabric_data_op: applies to transfer_backend 'memfabric' only (memfabric's data operation; default "
-            "'sdma'), not 'kvoffload'; remove it",
+            f"{EXTRA}.memfabric_data_op: applies to transfer_backend 'memfabric' only "
+            "(memfabric's data operation; default 'sdma'), not 'kvoffload'; remove it",
         ),
     ],
 )

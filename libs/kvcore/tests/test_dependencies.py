@@ -63,7 +63,8 @@ def test_kvcore_imports_and_runs_without_grpc_proto_or_aiohttp(tmp_path):
     python = _venv_with_only("kvoffload-kvcore", tmp_path / "venv")
     code = """
 import importlib, importlib.util, pkgutil, torch
-missing = [m for m in ("grpc", "kvoffload_proto", "aiohttp", "google.protobuf") if importlib.util.find_spec(m.split(".")[0])]
+missing = [m for m in ("grpc", "kvoffload_proto", "aiohttp", "google.protobuf")
+           if importlib.util.find_spec(m.split(".")[0])]
 assert not missing, f"the venv has {missing}: the test proves nothing"
 import kvcore
 mods = [m.name for m in pkgutil.walk_packages(kvcore.__path__, "kvcore.")]

@@ -227,6 +227,11 @@ class FakeDecoder(FakeBackend):
                     "kv_transfer_params": {"x": 1},
                 }
             )
+        return await self._stream(request, body, tokens, chat, usage)
+
+    async def _stream(self, request, body, tokens: list[str], chat: bool, usage: dict) -> web.StreamResponse:
+        """The SSE answer: one event per token, the usage chunk when asked for, then [DONE]."""
+        obj = "chat.completion" if chat else "text_completion"
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for k, tok in enumerate(tokens):
@@ -325,9 +330,10 @@ class Stack:
     async def assert_idle(self) -> None:
         """Nothing leaked: no open rendezvous, no load left on any backend."""
         flow = self.app[FLOW]
-        idle = lambda: (
-            len(flow.registry) == 0 and flow.prefillers.is_idle and flow.decoders.is_idle and flow.in_flight == 0
-        )
+
+        def idle() -> bool:
+            return len(flow.registry) == 0 and flow.prefillers.is_idle and flow.decoders.is_idle and flow.in_flight == 0
+
         assert await self.until(idle), (len(flow.registry), flow.prefillers.loads, flow.decoders.loads, flow.in_flight)
 
     async def stream(self, path: str, body: Any, **kw) -> tuple[int, list[Any]]:

@@ -36,7 +36,7 @@ async def test_random_bodies_never_5xx(stack):
         return rng.choice(atoms)
 
     async with stack(args=["--metaserver-timeout-s", "1"]) as s:
-        for k in range(150):
+        for _ in range(150):
             path = rng.choice(["/v1/completions", "/v1/chat/completions", "/v1/metaserver"])
             body = {rng.choice(keys): value() for _ in range(rng.randrange(4))}
             t0 = time.monotonic()

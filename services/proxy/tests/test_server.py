@@ -144,7 +144,7 @@ def test_console_process_sigterm_and_json_logs():
         if proc.poll() is None:
             proc.kill()
     lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.strip()]
-    events = [l["event"] for l in lines]
+    events = [line["event"] for line in lines]
     assert events[0] == "proxy_started" and events[-1] == "proxy_stopped"
-    traced = [l for l in lines if l["event"] in ("request_start", "request_failed")]
-    assert len(traced) == 2 and all(l["request_id"] == "trace-me" for l in traced)
+    traced = [line for line in lines if line["event"] in ("request_start", "request_failed")]
+    assert len(traced) == 2 and all(line["request_id"] == "trace-me" for line in traced)

@@ -21,7 +21,7 @@ _KINDS = ("auto", "cpu", "cuda", "npu")
 def _npu_available() -> bool:
     try:
         import torch_npu  # noqa: F401
-    except Exception:
+    except Exception:  # noqa: BLE001 - torch_npu failing to load, however it fails, means no NPU
         return False
     npu = getattr(torch, "npu", None)
     return bool(npu is not None and npu.is_available() and npu.device_count() > 0)

@@ -14,10 +14,11 @@ Failures. ``save_failed``/``compute_failed``/``read_failed`` settle an item as f
 waiter of the same ``owner`` (e.g. the same request; ``None`` by default) that reaches the slot
 afterwards raises ``OccupantFailed`` at once (it need not wait for the remaining items); that
 report consumes the failures. A waiter of another owner is not failed by them: it waits until
-every item is settled and then acquires (one request's failure never fails the next request). The slot itself becomes free only when all
-items are settled, so nothing is overwritten while in flight, and a retry or the next request then
-acquires it normally. A timed-out wait raises ``GateTimeout`` and frees nothing (something may still
-be in flight). Waiters on one slot are served first come, first served.
+every item is settled and then acquires (one request's failure never fails the next request). The
+slot itself becomes free only when all items are settled, so nothing is overwritten while in
+flight, and a retry or the next request then acquires it normally. A timed-out wait raises
+``GateTimeout`` and frees nothing (something may still be in flight). Waiters on one slot are served
+first come, first served.
 
 Hooks by caller
 ---------------

@@ -10,7 +10,8 @@ A token row is ``row_bytes`` bytes (callers pass ``uint8`` views of any KV dtype
   ``s = slot_mapping[i] = block_id * block_size + offset``.
 
 ``native=True`` runs the C++/OpenMP path (one memcpy per row, rows spread over ``max_threads()``
-threads with software prefetch, GIL released); ``native=False`` the torch reference (index_select/index_copy_). Results are identical.
+threads with software prefetch, GIL released); ``native=False`` the torch reference
+(index_select/index_copy_). Results are identical.
 
 Validation, in this order (ValueError naming the argument, the position and the value; nothing is
 copied on error): tensor dtypes, device (CPU), contiguity and shapes (a pool whose blocks are
@@ -186,11 +187,17 @@ def _gather_reference(pool, block_table, miss_rows, miss_tokens, dst, dst_index,
         elif bad_tok[i]:
             msg = f"miss_tokens[{i}] = {t} is negative"
         elif bad_lb[i]:
-            msg = f"miss_tokens[{i}] = {t} lies in logical block {t // block_size}, beyond block_table's max_blocks = {max_blocks}"
+            msg = (
+                f"miss_tokens[{i}] = {t} lies in logical block {t // block_size}, "
+                f"beyond block_table's max_blocks = {max_blocks}"
+            )
         elif bad_blk[i] and int(blk[i]) == -1:
             msg = f"block_table[{r}, {t // block_size}] = -1 (unallocated) for miss_tokens[{i}] = {t}"
         elif bad_blk[i]:
-            msg = f"block_table[{r}, {t // block_size}] = {int(blk[i])} is out of range [0, {num_blocks}) for miss_tokens[{i}]"
+            msg = (
+                f"block_table[{r}, {t // block_size}] = {int(blk[i])} is out of range [0, {num_blocks}) "
+                f"for miss_tokens[{i}]"
+            )
         elif bad_slot[i]:
             msg = f"miss_slots[{i}] = {int(slots[i])} is out of range [0, {capacity})"
         else:
@@ -223,7 +230,8 @@ def _scatter_reference(pool, slot_mapping, src) -> None:
     i = _first((slot_mapping < 0) | (slot_mapping >= total))
     if i is not None:
         raise ValueError(
-            f"scatter_rows: slot_mapping[{i}] = {int(slot_mapping[i])} is out of range [0, {total}) (num_blocks * block_size)"
+            f"scatter_rows: slot_mapping[{i}] = {int(slot_mapping[i])} is out of range [0, {total}) "
+            "(num_blocks * block_size)"
         )
     i = _first_repeat(slot_mapping)
     if i is not None:

@@ -7,7 +7,7 @@ alone or inside a MultiConnector, with the dotted path prefix its errors must ca
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 from kvcore.additionalconfig import AdditionalConfig, SparseKVOffloadConfig
 from kvcore.config import parse_additional_config, parse_kv_transfer_config
@@ -16,8 +16,8 @@ from kvcore.confignames import D2H_CONNECTOR, SPARSE_KEY, STORE_CONNECTOR
 from kvcore.connectorconfig import D2HConnectorConfig, StoreConnectorConfig
 from kvcore.transferconfig import KVTransferConfig
 
-KVConfigInput = Union[str, dict[str, Any], KVTransferConfig]
-AdditionalInput = Union[str, dict[str, Any], AdditionalConfig, None]
+KVConfigInput = str | dict[str, Any] | KVTransferConfig
+AdditionalInput = str | dict[str, Any] | AdditionalConfig | None
 
 
 def is_int(value: Any) -> bool:

@@ -70,7 +70,10 @@ def tp_handshake_problem(prefill_tp_size: int, prefill_tp_rank: int, decode_tp_s
     if problem:
         return problem
     if not is_int(prefill_tp_rank) or not 0 <= prefill_tp_rank < prefill_tp_size:
-        return f"prefill_tp_rank: {_shown(prefill_tp_rank)} is outside 0..{prefill_tp_size - 1} (prefill tp {prefill_tp_size})"
+        return (
+            f"prefill_tp_rank: {_shown(prefill_tp_rank)} is outside 0..{prefill_tp_size - 1} "
+            f"(prefill tp {prefill_tp_size})"
+        )
     if not is_int(decode_tp_rank) or not 0 <= decode_tp_rank < decode_tp_size:
         return (
             f"decode_tp_rank: {_shown(decode_tp_rank)} is outside 0..{decode_tp_size - 1} (decode tp {decode_tp_size})"

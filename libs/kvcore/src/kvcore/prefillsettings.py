@@ -9,7 +9,7 @@ model's physical layers. Every problem found is raised together in one ``ConfigE
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
 
 from kvcore.additionalconfig import SparseKVOffloadConfig
 from kvcore.configerrors import ConfigError, describe_value
@@ -31,7 +31,7 @@ from kvcore.transferconfig import KVTransferConfig
 
 DEFAULT_MAX_PREFETCH = 8
 
-IndependentSpec = Union[Literal["all"], list[int], tuple[int, ...]]
+IndependentSpec = Literal["all"] | list[int] | tuple[int, ...]
 
 
 def resolve_independent_layers(

@@ -6,7 +6,7 @@ lookups of a connector inside a MultiConnector.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Annotated, Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
@@ -66,7 +66,7 @@ _EXTRA_MODELS: dict[str, type[ConfigModel]] = {
     D2H_CONNECTOR: D2HConnectorConfig,
     MULTI_CONNECTOR: MultiConnectorConfig,
 }
-ExtraConfig = Union[StoreConnectorConfig, D2HConnectorConfig, MultiConnectorConfig]
+ExtraConfig = StoreConnectorConfig | D2HConnectorConfig | MultiConnectorConfig
 
 
 class KVTransferConfig(ConfigModel):

@@ -95,7 +95,7 @@ class Balancer:
 
     def full(self) -> set[int]:
         now = time.monotonic()
-        return {i for i, l in enumerate(self.loads) if l.full_until > now}
+        return {i for i, load in enumerate(self.loads) if load.full_until > now}
 
     def peek(self, exclude: Collection[int] = ()) -> int:
         """Least-loaded backend not in `exclude`; if all are excluded, the least-loaded one."""
@@ -144,7 +144,8 @@ class Balancer:
     @property
     def is_idle(self) -> bool:
         return all(
-            l.num_active_requests == 0 and l.num_active_tokens == 0 and l.num_active_kv_tokens == 0 for l in self.loads
+            load.num_active_requests == 0 and load.num_active_tokens == 0 and load.num_active_kv_tokens == 0
+            for load in self.loads
         )
 
 

@@ -129,7 +129,6 @@ def _generate_path(
 
 def _paths(components: dict[str, Any], errors: dict[str, Any], api_key_required: bool) -> dict[str, Any]:
     """Every route the proxy serves, before the API key's security requirements are added."""
-    err, obj = _ref("Error"), _ref("Object")
     return {
         "/v1/completions": _generate_path(
             CompletionRequest, "Text completion (prompt lists batched)", components, errors, api_key_required
@@ -137,34 +136,51 @@ def _paths(components: dict[str, Any], errors: dict[str, Any], api_key_required:
         "/v1/chat/completions": _generate_path(
             ChatCompletionRequest, "Chat completion", components, errors, api_key_required
         ),
-        "/v1/models": {
-            "get": {
-                "summary": "The models the decoders serve (OpenAI list; each decoder's GET /v1/models, "
-                "merged, de-duplicated, cached a few seconds)",
-                "parameters": [_request_id_param()],
-                "responses": {
-                    "200": _json(_ref("ModelList"), "The ids clients may name in `model`"),
-                    "400": _json(err, "Malformed X-Request-Id header"),
-                    "503": _json(err, "No decoder answered its GET /v1/models"),
-                },
-            }
-        },
-        "/v1/metaserver": {
-            "post": {
-                "summary": "Decoder registration; answered once the prefill dispatch completed",
-                "requestBody": {
-                    "required": True,
-                    "content": {"application/json": {"schema": _schema(MetaserverRegistration, components)}},
-                },
-                "responses": {
-                    "200": _json(
-                        {"type": "object", "properties": {"status": {"const": "ok"}}},
-                        "Prefill dispatched and completed",
-                    ),
-                    **_error_responses(_METASERVER_ERRORS),
-                },
-            }
-        },
+        "/v1/models": _models_path(),
+        "/v1/metaserver": _metaserver_path(components),
+        **_admin_paths(),
+    }
+
+
+def _models_path() -> dict[str, Any]:
+    err = _ref("Error")
+    return {
+        "get": {
+            "summary": "The models the decoders serve (OpenAI list; each decoder's GET /v1/models, "
+            "merged, de-duplicated, cached a few seconds)",
+            "parameters": [_request_id_param()],
+            "responses": {
+                "200": _json(_ref("ModelList"), "The ids clients may name in `model`"),
+                "400": _json(err, "Malformed X-Request-Id header"),
+                "503": _json(err, "No decoder answered its GET /v1/models"),
+            },
+        }
+    }
+
+
+def _metaserver_path(components: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": "Decoder registration; answered once the prefill dispatch completed",
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _schema(MetaserverRegistration, components)}},
+            },
+            "responses": {
+                "200": _json(
+                    {"type": "object", "properties": {"status": {"const": "ok"}}},
+                    "Prefill dispatched and completed",
+                ),
+                **_error_responses(_METASERVER_ERRORS),
+            },
+        }
+    }
+
+
+def _admin_paths() -> dict[str, Any]:
+    """/healthcheck, /reset_prefix_cache and /metrics."""
+    obj = _ref("Object")
+    return {
         "/healthcheck": {
             "get": {
                 "summary": "Probes every backend's /health",

@@ -3,9 +3,9 @@
 Children are merged: child `i * n + j` is choice j of prompt i (one choice per decoder request),
 every object gets the parent's id, choice `index` becomes the child's number (OpenAI's order for
 prompt lists and `n`), usage is summed with each prompt's tokens counted once, not once per choice
-(streamed usage-only chunks are held back and sent once, summed, before `[DONE]`). Decoder-internal `kv_transfer_params` are
-dropped. A failure before the first byte is a plain HTTP error; after it, an SSE
-`data: {"error": ...}` event followed by `data: [DONE]`.
+(streamed usage-only chunks are held back and sent once, summed, before `[DONE]`).
+Decoder-internal `kv_transfer_params` are dropped. A failure before the first byte is a plain HTTP
+error; after it, an SSE `data: {"error": ...}` event followed by `data: [DONE]`.
 """
 
 from __future__ import annotations

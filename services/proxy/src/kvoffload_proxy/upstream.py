@@ -143,6 +143,33 @@ def all_refused(refused: list[tuple[float, dict | None, Backend]], backends: int
     )
 
 
+def _unreachable(backend: Backend, cfg: ProxyConfig, last: str) -> ProxyError:
+    """The 503 once every connection attempt failed; ``backend`` is the last one tried."""
+    return ProxyError(
+        503,
+        f"no {backend.role} reachable after {cfg.max_retries + 1} attempt(s); last: {backend.url}: {last}",
+        backend=backend.url,
+        role=backend.role,
+    )
+
+
+async def _refused(
+    resp: aiohttp.ClientResponse,
+    lease: Lease,
+    balancer: Balancer,
+    tried: set[int],
+    refused: list[tuple[float, dict | None, Backend]],
+) -> None:
+    """A 429 answer: the lease is released, the backend counts as full for its Retry-After and is
+    not tried again, and its answer is kept for the caller's 429."""
+    wait_s, text = await refusal_text(resp)
+    lease.release()
+    balancer.mark_full(lease.index, wait_s)
+    tried.add(lease.index)
+    refused.append((wait_s, json_object(text), lease.backend))
+    log.info("backend_full", role=lease.backend.role, backend=lease.backend.url, retry_after_s=wait_s)
+
+
 async def post(
     session: aiohttp.ClientSession,
     balancer: Balancer,
@@ -173,15 +200,9 @@ async def post(
             balancer.report(lease.index, parse_load(resp.headers.get(LOAD_HEADER)))
             if resp.status != 429:
                 return lease, resp
-            wait_s, text = await refusal_text(resp)
-            lease.release()
-            balancer.mark_full(lease.index, wait_s)
-            tried.add(lease.index)
-            refused.append((wait_s, json_object(text), backend))
-            log.info("backend_full", role=backend.role, backend=backend.url, retry_after_s=wait_s)
+            await _refused(resp, lease, balancer, tried, refused)
             if len(tried) >= len(balancer.loads):
                 break
-            continue
         except CONNECT_ERRORS as e:
             lease.release()
             tried.add(lease.index)
@@ -189,12 +210,7 @@ async def post(
             if attempt == cfg.max_retries:
                 if refused:
                     break
-                raise ProxyError(
-                    503,
-                    f"no {backend.role} reachable after {cfg.max_retries + 1} attempt(s); last: {backend.url}: {last}",
-                    backend=backend.url,
-                    role=backend.role,
-                ) from None
+                raise _unreachable(backend, cfg, last) from None
             delay = cfg.retry_backoff_s * 2**attempt
             log.warning(
                 "backend_connect_retry",

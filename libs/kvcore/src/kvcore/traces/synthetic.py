@@ -127,14 +127,7 @@ def generate(p: SyntheticParams, name: str = "synthetic") -> Trace:
     gen = torch.Generator().manual_seed(p.seed)
     S, P, k = p.requests * p.layers, p.context0 + p.steps, p.k
     layer_of = torch.arange(S) % p.layers  # [S]
-    spread = (
-        torch.linspace(-1.0, 1.0, p.layers, dtype=torch.float64)
-        if p.layers > 1
-        else torch.zeros(1, dtype=torch.float64)
-    )
-    targets = (p.overlap + p.layer_spread * spread[torch.randperm(p.layers, generator=gen)]).clamp(
-        0.0, 0.995
-    )  # [layers]
+    targets = _layer_targets(p, gen)  # [layers]
     q = torch.tensor([survival(p, float(t)) for t in targets], dtype=torch.float64)[layer_of]  # [S]
     pos = torch.arange(P)  # [P]
     rank = torch.rand(S, P, generator=gen).argsort(dim=1).argsort(dim=1)  # [S, P] Zipf rank of each position
@@ -176,9 +169,7 @@ def generate(p: SyntheticParams, name: str = "synthetic") -> Trace:
             back = _draw(age_w, recent_drop, n_ret, gen)
             new |= back
             need = need - n_ret
-        span_score = torch.rand(S, P // p.span + 2, generator=gen, dtype=torch.float64)  # [S, spans]
-        span_id = (pos[None, :] + phase) // p.span  # [S, P]
-        score = span_score.gather(1, span_id) - pos[None, :].to(torch.float64) * 1e-12  # contiguous within a span
+        score = _span_scores(p, pos, phase, gen)  # [S, P]
         # new spans: never an entry dropped now or within the return window (those are returns)
         # (in a context too small for that, recently dropped entries fill the rest)
         for allowed in (valid & ~sel & ~recent_drop, valid & ~sel):
@@ -188,6 +179,34 @@ def generate(p: SyntheticParams, name: str = "synthetic") -> Trace:
         dropped_at[sel & ~new] = t
         sel = new
         out[:, t] = sel.nonzero()[:, 1].view(S, k).to(torch.int32)  # ascending positions, exactly k per stream
+    return _trace(p, name, out, layer_of, targets, dynamic)
+
+
+def _span_scores(p: SyntheticParams, pos: torch.Tensor, phase: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One random score per span of ``p.span`` positions (the grid shifted by each stream's ``phase``
+    [S, 1]), decreasing slightly along a span so a span is taken contiguously -> [S, P] float64."""
+    S, P = phase.shape[0], pos.shape[0]
+    span_score = torch.rand(S, P // p.span + 2, generator=gen, dtype=torch.float64)  # [S, spans]
+    span_id = (pos[None, :] + phase) // p.span  # [S, P]
+    return span_score.gather(1, span_id) - pos[None, :].to(torch.float64) * 1e-12
+
+
+def _layer_targets(p: SyntheticParams, gen: torch.Generator) -> torch.Tensor:
+    """Each layer's target adjacent overlap: ``overlap`` spread by ``layer_spread`` over the layers, in
+    a random order -> [layers] float64."""
+    spread = (
+        torch.linspace(-1.0, 1.0, p.layers, dtype=torch.float64)
+        if p.layers > 1
+        else torch.zeros(1, dtype=torch.float64)
+    )
+    return (p.overlap + p.layer_spread * spread[torch.randperm(p.layers, generator=gen)]).clamp(0.0, 0.995)
+
+
+def _trace(
+    p: SyntheticParams, name: str, out: torch.Tensor, layer_of: torch.Tensor, targets: torch.Tensor, dynamic: int
+) -> Trace:
+    """The ``Trace`` of the drawn selections ``out`` [S, steps, k]; its meta holds ``p`` and what it implied."""
+    S = out.shape[0]
     meta = {
         "kind": "synthetic",
         **asdict(p),
