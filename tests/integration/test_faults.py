@@ -4,9 +4,10 @@ Every fault kind once, then randomized runs (50 runs in all): kill -9 the decode
 prefill mid-layer, the metastore, the proxy; stop the decode briefly (delayed READ_DONE: the
 request must still succeed) or past the peer timeout (lost READ_DONE); stop the prefill past the
 peer timeout or past the metastore's heartbeat timeout (its pool and leases expire); overfill the
-decode's sequence slots; fill the prefill's host pool (a prompt larger than it, among others). After every run: each client request ended within its deadline, every success is
-bit-identical to the plain full-KV oracle (``kvoffload_testing.reference``), the idle stack holds no slot, pool byte, lease or open
-request, and a fresh request succeeds. ``KVOFFLOAD_FAULT_SEED`` replays another seed.
+decode's sequence slots; fill the prefill's host pool (a prompt larger than it, among others). After
+every run: each client request ended within its deadline, every success is bit-identical to the plain
+full-KV oracle (``kvoffload_testing.reference``), the idle stack holds no slot, pool byte, lease or
+open request, and a fresh request succeeds. ``KVOFFLOAD_FAULT_SEED`` replays another seed.
 
 The same checks on a stack whose prefill pool is on Mooncake Store (a real ``mooncake_master``):
 every one of its fault kinds once, then a few random ones — kill -9 of the master (every key lost),

@@ -12,13 +12,12 @@ import urllib.request
 
 import openai
 import pytest
+from openai_params_client import choice_text, engine_runner, post_status, sse_stream, streamed_choices
 
 from dsamodel.tokenizer import ByteTokenizer
 from kvoffload_testing.ports import free_stack_ports
-from kvoffload_testing.sse import sse_events
 from kvoffload_testing.stack import Stack, StackConfig
 from kvoffload_testing.stack_client import post_json
-from openai_api.request import sampling_params
 from openai_api.sampling_params import choice_seed
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
@@ -49,34 +48,7 @@ def client(stack):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    """run(prompt_ids, body, chat) -> (token ids, TokenLogprobs) of the single-process engine."""
-    from dsamodel.weights import load_model
-    from kvoffload_engine.engine import Engine, EngineConfig
-
-    model = load_model(model_dir)
-
-    def run(ids: list[int], body: dict, *, chat: bool = False, choice: int = 0):
-        eng = Engine(
-            model,
-            EngineConfig(
-                block_size=BS,
-                max_model_len=2048,
-                chunk_size=2048,
-                buffers=3,
-                topk_buffer_size=128,
-                prefill_pool_bytes=64 << 20,
-                decode_pool_bytes=64 << 20,
-            ),
-        )
-        try:
-            seq = eng.add_request("ref", ids, sampling_params(body, chat=chat, choice=choice))
-            while eng.waiting or eng.running:
-                eng.step()
-            return list(seq.output_ids), list(seq.sampler.logprobs)
-        finally:
-            eng.close()
-
-    return run
+    return engine_runner(model_dir, BS)
 
 
 def _prompt_ids(prompt=PROMPT):
@@ -85,49 +57,6 @@ def _prompt_ids(prompt=PROMPT):
 
 def _chat_ids(messages=MESSAGES):
     return TOK.encode(TOK.apply_chat_template(messages), add_bos=False)
-
-
-def _post(stack, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        f"{stack.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def _stream(stack, path: str, body: dict) -> list[dict]:
-    req = urllib.request.Request(
-        f"{stack.url}{path}",
-        data=json.dumps({**body, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        events = list(sse_events(resp))
-    assert all("error" not in event for event in events), events
-    return events
-
-
-def _text(choice: dict, chat: bool) -> str:
-    return choice["message"]["content"] if chat else choice["text"]
-
-
-def _streamed(events: list[dict], chat: bool) -> dict[int, dict]:
-    """index -> {text, pieces, token_ids, finish_reason, logprobs entries} from SSE chunks."""
-    out: dict[int, dict] = {}
-    for e in events:
-        for c in e["choices"]:
-            o = out.setdefault(c["index"], {"pieces": [], "token_ids": [], "finish_reason": None, "lp": []})
-            o["pieces"].append(c["delta"].get("content", "") if chat else c["text"])
-            o["token_ids"] += c.get("token_ids", [])
-            o["finish_reason"] = c["finish_reason"] or o["finish_reason"]
-            if c.get("logprobs"):
-                o["lp"] += c["logprobs"]["content"] if chat else c["logprobs"]["token_logprobs"]
-    for o in out.values():
-        o["text"] = "".join(o["pieces"])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +78,7 @@ def _stop_for(text: str) -> str:
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_stop_string_ends_the_text_before_it(stack, greedy, chat, stream):
-    full = _text(greedy[chat], chat)
+    full = choice_text(greedy[chat], chat)
     stop = _stop_for(full)
     expected = full[: full.index(stop)]
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -160,13 +89,13 @@ def test_stop_string_ends_the_text_before_it(stack, greedy, chat, stream):
         **({"messages": MESSAGES} if chat else {"prompt": PROMPT}),
     }
     if stream:
-        got = _streamed(_stream(stack, path, body), chat)[0]
+        got = streamed_choices(sse_stream(stack, path, body), chat)[0]
         assert all(stop not in piece for piece in got["pieces"]), got["pieces"]
     else:
-        status, data = _post(stack, path, body)
+        status, data = post_status(stack, path, body)
         assert status == 200, data
         got = data["choices"][0]
-        got["text"] = _text(got, chat)
+        got["text"] = choice_text(got, chat)
     assert got["text"] == expected and got["finish_reason"] == "stop"
     assert stop not in got["text"]
 
@@ -222,7 +151,7 @@ def test_seed_reproduces_the_sample(stack, stream):
 
     def ids(b):
         if stream:
-            return _streamed(_stream(stack, "/v1/completions", b), False)[0]["token_ids"]
+            return streamed_choices(sse_stream(stack, "/v1/completions", b), False)[0]["token_ids"]
         return post_json(f"{stack.url}/v1/completions", b)["choices"][0]["token_ids"]
 
     first = ids(body)
@@ -234,8 +163,8 @@ def test_seed_reproduces_the_sample(stack, stream):
 def test_n_choices(stack, engine, stream):
     body = {"prompt": [PROMPT, "Hello"], "max_tokens": 8, "temperature": 1.0, "seed": 5, "n": 3}
     if stream:
-        events = _stream(stack, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
-        choices = {i: c["token_ids"] for i, c in _streamed(events, False).items()}
+        events = sse_stream(stack, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+        choices = {i: c["token_ids"] for i, c in streamed_choices(events, False).items()}
         usage = events[-1]["usage"]
     else:
         data = post_json(f"{stack.url}/v1/completions", body)
@@ -264,7 +193,7 @@ def test_completion_logprobs_are_the_engines_log_softmax(stack, engine, stream):
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 3}
     ref_ids, ref_lp = engine(_prompt_ids(), body)
     if stream:
-        got = _streamed(_stream(stack, "/v1/completions", body), False)[0]
+        got = streamed_choices(sse_stream(stack, "/v1/completions", body), False)[0]
         ids, token_lps = got["token_ids"], got["lp"]
     else:
         choice = post_json(f"{stack.url}/v1/completions", body)["choices"][0]
@@ -287,7 +216,7 @@ def test_chat_logprobs(stack, engine, stream):
     body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2}
     _, ref_lp = engine(_chat_ids(), body, chat=True)
     if stream:
-        content = _streamed(_stream(stack, "/v1/chat/completions", body), True)[0]["lp"]
+        content = streamed_choices(sse_stream(stack, "/v1/chat/completions", body), True)[0]["lp"]
     else:
         content = post_json(f"{stack.url}/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
     assert len(content) == len(ref_lp)
@@ -301,7 +230,7 @@ def test_chat_logprobs(stack, engine, stream):
 def test_echo_prepends_the_prompt(stack, greedy, stream):
     body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "echo": True}
     if stream:
-        text = _streamed(_stream(stack, "/v1/completions", body), False)[0]["text"]
+        text = streamed_choices(sse_stream(stack, "/v1/completions", body), False)[0]["text"]
     else:
         text = post_json(f"{stack.url}/v1/completions", body)["choices"][0]["text"]
     assert text == PROMPT + greedy[False]["text"]
@@ -317,10 +246,10 @@ def test_stream_include_usage_and_max_tokens(stack, chat):
         "stream_options": {"include_usage": True},
         **({"messages": MESSAGES} if chat else {"prompt": PROMPT}),
     }
-    events = _stream(stack, path, body)
+    events = sse_stream(stack, path, body)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
     assert all(e["choices"] for e in events[:-1]) and "usage" not in events[0]
-    without = _stream(stack, path, {k: v for k, v in body.items() if k != "stream_options"})
+    without = sse_stream(stack, path, {k: v for k, v in body.items() if k != "stream_options"})
     assert all(e["choices"] for e in without)
 
 
@@ -343,7 +272,7 @@ def test_stream_include_usage_and_max_tokens(stack, chat):
     ],
 )
 def test_what_cannot_be_honoured_is_a_400_naming_it(stack, path, body, field):
-    status, data = _post(stack, path, body)
+    status, data = post_status(stack, path, body)
     assert status == 400, data
     assert f"'{field}'" in data["error"]["message"], data
 

@@ -1,6 +1,7 @@
 """I3 through real processes on loopback: greedy tokens through proxy -> prefill -> decode equal the
-plain full-KV oracle (``kvoffload_testing.reference``: no shared buffers, host pool or hot cache), for short and long prompts, completions and chat, streaming and not; and
-afterwards no slot, pool byte or lease is left held (Stats)."""
+plain full-KV oracle (``kvoffload_testing.reference``: no shared buffers, host pool or hot cache),
+for short and long prompts, completions and chat, streaming and not; and afterwards no slot, pool
+byte or lease is left held (Stats)."""
 
 from __future__ import annotations
 

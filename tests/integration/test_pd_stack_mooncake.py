@@ -2,9 +2,10 @@
 a real ``mooncake_master`` started by the stack in place of the metastore, two prefills with
 ``backend: "mooncake"``, one decode, the proxy. I3 through it; a long shared prefix hits the prefix
 cache, also on the other prefill (read from Mooncake Store); a killed prefill that wrote a prefix
-costs the request that meets its objects next a recompute of that prefix, not a failure; a killed master fails requests at once
-with a clear error and the prefills report not ready, and after its restart the next requests
-succeed. Plus the start-up error of a prefill whose master does not answer, and ``up``'s flag."""
+costs the request that meets its objects next a recompute of that prefix, not a failure; a killed
+master fails requests at once with a clear error and the prefills report not ready, and after its
+restart the next requests succeed. Plus the start-up error of a prefill whose master does not answer,
+and ``up``'s flag."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ def suite(pytester: pytest.Pytester) -> pytest.Pytester:
     """An inner suite that runs under the repository's conftest.py and pytest options."""
     pytester.makeconftest((ROOT / "conftest.py").read_text())
     pytester.makeini(
-        "[pytest]\naddopts = --strict-markers -rs\ntimeout = 300\nmarkers =\n    slow: slow\n    stack: stack\n    vllm: vllm\n"
+        "[pytest]\naddopts = --strict-markers -rs\ntimeout = 300\n"
+        "markers =\n    slow: slow\n    stack: stack\n    vllm: vllm\n"
     )
     return pytester
 

