@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from kvoffload_vllm.consumer import COUNTERS, Consumer
-from kvoffload_vllm.d2h import D2HSettings, D2HStepMetadata, Recv
 from kvoffload_vllm.d2h_plan import Peer, Send
+from kvoffload_vllm.d2h_settings import D2HSettings
+from kvoffload_vllm.d2h_step import D2HStepMetadata, Recv
 from kvoffload_vllm.layout import CacheLayout
 from kvoffload_vllm.producer import Producer
 

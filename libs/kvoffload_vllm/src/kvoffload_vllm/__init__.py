@@ -20,6 +20,8 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``consumer``: the decode's side (registration at the proxy's metaserver, a ``RowSink`` of vLLM's
   blocks under ``pdlink``'s ``PullConsumer``).
 - ``d2h_plan``: what each step sends, and which copy of a block a decode keeps.
+- ``d2h_settings``: ``D2HSettings``, the connector's typed config.
+- ``d2h_step``: ``D2HStepMetadata``, one step's work for the workers (sends, ``Recv``, cancellations).
 - ``layout``: vLLM's paged cache as pool geometry; the one KV cache group the connectors support.
 - ``stats``: the connectors' counters as vLLM stats and Prometheus counters.
 - ``plugin``: registers the connector names with vLLM.

@@ -24,7 +24,6 @@ import urllib.error
 import urllib.request
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -33,6 +32,8 @@ import torch
 from kvcore.layout import dtype_name
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 from kvoffload_vllm.d2h_plan import Coverage, blocks_of
+from kvoffload_vllm.d2h_settings import D2HSettings
+from kvoffload_vllm.d2h_step import D2HStepMetadata, Recv
 from kvoffload_vllm.layout import CacheLayout
 from kvoffload_vllm.stats import Counters
 from openai_api.transfer_params import KVTransferParams
@@ -42,9 +43,6 @@ from pdlink.refusals import MalformedRead, UnknownRequest
 from pdlink.sources import RowSources
 from pdlink.transfer_service import TransferServicer
 from svcruntime.tls import PROCESS, add_port, secure_or_insecure_channel
-
-if TYPE_CHECKING:
-    from kvoffload_vllm.d2h import D2HSettings, D2HStepMetadata, Recv
 
 log = structlog.get_logger("vllm.kvoffload.consumer")
 

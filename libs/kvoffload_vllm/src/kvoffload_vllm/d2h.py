@@ -40,7 +40,6 @@ Consumer (decode)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -52,11 +51,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from kvcore.config import parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
-from kvcore.confignames import D2H_CONNECTOR
-from kvcore.connectorconfig import D2HConnectorConfig
-from kvoffload_vllm.d2h_plan import Send, SendPlanner, peer_of
+from kvoffload_vllm.d2h_plan import SendPlanner, peer_of
+from kvoffload_vllm.d2h_settings import d2h_settings
+from kvoffload_vllm.d2h_step import D2HStepMetadata, Recv
 from kvoffload_vllm.layout import CacheLayout, cache_spec, vllm_model_id
 from kvoffload_vllm.plan import scheduled_requests
 from kvoffload_vllm.stats import CountingConnector
@@ -74,106 +71,6 @@ if TYPE_CHECKING:
     from kvoffload_vllm.producer import Producer
 
 log = structlog.get_logger("vllm.kvoffload.d2h")
-
-DEFAULT_ADVERTISE_HOST = "127.0.0.1"
-DEFAULT_PEER_TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True)
-class Recv:
-    """A decode request whose prompt KV comes from a prefill: vLLM request ``req_id``, known to the
-    proxy and the prefill as ``transfer_id``; ``block_ids`` for the prompt's ``num_tokens`` tokens,
-    of which blocks before ``first_block`` are this decode's own prefix-cache hit."""
-
-    req_id: str
-    transfer_id: str
-    metaserver: str
-    token: str | None
-    num_tokens: int
-    first_block: int
-    block_ids: tuple[int, ...]
-
-
-@dataclass
-class D2HStepMetadata(KVConnectorMetadata):
-    """One scheduler step's work for the workers."""
-
-    sends: list[Send] = field(default_factory=list)  # producer
-    recvs: list[Recv] = field(default_factory=list)  # consumer: new requests to pull
-    cancelled: list[str] = field(default_factory=list)  # consumer: requests finished while still loading
-
-
-@dataclass(frozen=True)
-class D2HSettings:
-    role: str  # "kv_producer" | "kv_consumer"
-    control_port: int | None  # consumer: kv_port + dp_rank * tp + tp_rank
-    advertise_host: str
-    data_port: int
-    peer_timeout_s: float
-    read_timeout_s: float
-    dp_rank: int = 0  # consumer: registered with the proxy as remote_dp_rank
-
-
-def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
-    """The typed SfaRemoteD2HConnector config (unknown keys are errors); ConfigError names the field."""
-    kv = vllm_config.kv_transfer_config
-    if kv is None:
-        raise ConfigError([f"kv_transfer_config: missing; the {D2H_CONNECTOR} is configured there"])
-    parsed = parse_kv_transfer_config(
-        {
-            "kv_connector": kv.kv_connector,
-            "kv_role": kv.kv_role,
-            "kv_port": kv.kv_port,
-            "kv_connector_extra_config": dict(kv.kv_connector_extra_config or {}),
-        },
-        strict=True,
-    )
-    extra = parsed.kv_connector_extra_config
-    if parsed.kv_connector != D2H_CONNECTOR or not isinstance(extra, D2HConnectorConfig):
-        raise ConfigError([f"kv_transfer_config.kv_connector: got {kv.kv_connector!r}; this class is {D2H_CONNECTOR}"])
-    if parsed.kv_role not in ("kv_producer", "kv_consumer"):
-        raise ConfigError(
-            [
-                f"kv_transfer_config.kv_role: got {parsed.kv_role!r}; the {D2H_CONNECTOR} is either "
-                "the prefill ('kv_producer') or the decode ('kv_consumer')"
-            ]
-        )
-    if extra.transfer_backend not in (None, "kvoffload"):
-        raise ConfigError(
-            [
-                f"kv_connector_extra_config.transfer_backend: got {extra.transfer_backend!r}; inside "
-                "vLLM the pull runs on 'kvoffload' (memfabric is a path of the kvoffload services only)"
-            ]
-        )
-    par = vllm_config.parallel_config
-    if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
-        raise ConfigError(
-            [
-                f"{D2H_CONNECTOR}: runs with one rank only for now; got tensor_parallel_size "
-                f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size}"
-            ]
-        )
-    control_port = None
-    if parsed.kv_role == "kv_consumer":
-        if parsed.kv_port is None:
-            raise ConfigError(
-                ["kv_transfer_config.kv_port: missing; the decode's control port is kv_port + dp_rank * tp + tp_rank"]
-            )
-        control_port = parsed.kv_port + par.data_parallel_rank * par.tensor_parallel_size
-        if control_port > 65535:
-            raise ConfigError(
-                [f"kv_transfer_config.kv_port: {parsed.kv_port} + dp_rank {par.data_parallel_rank} is beyond 65535"]
-            )
-    peer_timeout = extra.peer_timeout_s or DEFAULT_PEER_TIMEOUT_S
-    return D2HSettings(
-        parsed.kv_role,
-        control_port,
-        extra.advertise_host or DEFAULT_ADVERTISE_HOST,
-        extra.data_port or 0,
-        peer_timeout,
-        read_timeout_s=max(30.0, 3 * peer_timeout),
-        dp_rank=par.data_parallel_rank,
-    )
 
 
 class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):

@@ -20,7 +20,6 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -30,15 +29,13 @@ from kvcore.layout import dtype_name
 from kvcore.segment import host_id
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 from kvoffload_vllm.d2h_plan import Send, blocks_of
+from kvoffload_vllm.d2h_settings import D2HSettings
 from kvoffload_vllm.layout import CacheLayout
 from kvoffload_vllm.stats import Counters
 from pdlink.layer_source import LayerSourceServicer, RowBuffer
 from pdlink.links import DecodeLink, LinkError
 from pdlink.refusals import MalformedRead, Refused, UnknownRequest
 from svcruntime.tls import add_port
-
-if TYPE_CHECKING:
-    from kvoffload_vllm.d2h import D2HSettings
 
 log = structlog.get_logger("vllm.kvoffload.producer")
 
