@@ -45,7 +45,7 @@ from poolbackends.memcache_client import MemcacheClient, MemcacheStoreError, Mem
 from poolbackends.memcache_conf import LocalSettings
 from poolbackends.memcache_meta import MemcacheNotInstalled
 from poolbackends.registry import PoolOpenError, PoolRequest
-from poolbackends.storepool import StoreHostPool, store_bytes_for
+from poolbackends.storepool import StoreHostPool, owning, store_bytes_for
 
 log = structlog.get_logger(__name__)
 
@@ -110,18 +110,17 @@ class MemcacheHostPool(StoreHostPool):
         else:
             conf = local_config  # type: ignore[assignment]
         client = MemcacheClient.connect(conf, device_id=device_id, contribute_memory=True)
-        try:
-            return cls(
+        return owning(
+            client,
+            lambda: cls(
                 client,
                 geometry,
                 namespace=namespace,
                 eviction=eviction,
                 io_wait_timeout_s=io_wait_timeout_s,
                 owns_client=True,
-            )
-        except BaseException:
-            client.close()
-            raise
+            ),
+        )
 
     @property
     def client(self) -> MemcacheClient:

@@ -70,7 +70,7 @@ from poolbackends.mooncake_master import MooncakeNotInstalled, port_answers
 from poolbackends.mooncake_objects import StoreObjects
 from poolbackends.mooncake_store import MooncakeStore, MooncakeStoreError
 from poolbackends.registry import PoolOpenError, PoolRequest
-from poolbackends.storepool import StoreHostPool, store_bytes_for
+from poolbackends.storepool import StoreHostPool, owning, store_bytes_for
 
 log = structlog.get_logger(__name__)
 
@@ -145,7 +145,8 @@ class MooncakeHostPool(StoreHostPool):
             protocol=protocol,
             connect_timeout_s=connect_timeout_s,
         )
-        try:
+
+        def build() -> MooncakeHostPool:
             return cls(
                 store,
                 geometry,
@@ -156,9 +157,8 @@ class MooncakeHostPool(StoreHostPool):
                 keeper_interval_s=keeper_interval_s,
                 owns_store=True,
             )
-        except BaseException:
-            store.close()
-            raise
+
+        return owning(store, build)
 
     @property
     def store(self) -> MooncakeStore:

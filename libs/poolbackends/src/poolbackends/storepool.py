@@ -32,7 +32,8 @@ from __future__ import annotations
 import threading
 import uuid
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 import structlog
 import torch
@@ -45,6 +46,23 @@ from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
 
 log = structlog.get_logger(__name__)
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_Pool = TypeVar("_Pool")
+
+
+def owning(resource: _Closable, build: Callable[[], _Pool]) -> _Pool:
+    """``build()``: a pool that owns ``resource`` (its store client); if building fails, the resource
+    is closed before the error propagates (nothing else would close it)."""
+    try:
+        return build()
+    except BaseException:
+        resource.close()
+        raise
 
 
 def store_bytes_for(geometry: PoolGeometry) -> int:
