@@ -56,6 +56,16 @@ def test_speculative_and_shrinking_stable_length():
     assert r.num_hits == 1 and r.miss_tokens.tolist() == [2] and c.residency("a", 0) == {0: 0, 1: 1}
 
 
+def test_resident_reads_without_changing_state():
+    c = TorchHotCache(3, 2)
+    c.resolve(0, ["a"], _t([[5, 3]]), [10])
+    got = c.resident(0, ["a", "zz"], _t([[5, 4, -1, 3], [5, 4, -1, 3]]))
+    assert got.dtype == torch.bool and got.tolist() == [[True, False, False, True], [False] * 4]
+    assert c.resident(1, ["a"], _t([[5, 3]])).tolist() == [[False, False]]  # layers are independent
+    assert c.resident(0, ["a"], _t([[-2, 100, MAX_TOKEN]])).tolist() == [[False] * 3]
+    assert "zz" not in c and c.residency("a", 0) == {5: 0, 3: 1} and c.stats()["steps"] == 1
+
+
 def test_requests_join_leave_reorder_and_handles_are_reused():
     c, ref = TorchHotCache(8, 2), HotCache(8, 2, native=False)
     calls = [
@@ -114,6 +124,7 @@ def test_invalid_calls_raise_the_references_valueerror_and_change_nothing(call, 
 # --- property test: random step sequences, torch == reference ------------------------------------
 
 REQUESTS = ("r0", "r1", "r2", "r3", "r4", "r5")
+PROBE = torch.tensor([[*range(-2, 64), MAX_TOKEN]] * len(REQUESTS))  # [requests, n]: padding, tokens, past all
 
 
 def scenarios():
@@ -132,6 +143,8 @@ def test_torch_equals_reference(scenario):
             assert (rid in vec) == (rid in ref)
             for L in range(num_layers):
                 assert vec.residency(rid, L) == ref.residency(rid, L)
+        for L in range(num_layers):
+            assert torch.equal(vec.resident(L, list(REQUESTS), PROBE), ref.resident(L, list(REQUESTS), PROBE))
         for rid in finish:
             assert vec.finish(rid) == ref.finish(rid)
         assert _stats(vec) == _stats(ref)

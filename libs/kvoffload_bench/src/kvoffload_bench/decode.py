@@ -115,7 +115,7 @@ def _run_prompts(*, batch, context, steps, topk_buffer_size, block_size, dtype, 
                 logits[_name] = out[0]
                 return out
 
-            eng.decoder.forward = recorded
+            eng.decoder.forward = recorded  # type: ignore[method-assign]  # this instance's forward, wrapped to record
         for _ in range(steps):
             for name, eng in engines.items():
                 t = time.perf_counter()
@@ -172,8 +172,9 @@ def _run_trace(trace, *, batch, context, steps, topk_buffer_size, block_size, dt
         times, total, pf_total, equal, pf_equal = _replay(decoders, ids, steps, seed)
         dev = {name: _device_kv(dec.allocator) for name, dec in decoders.items()}
     finally:
-        if "prefetch" in decoders:
-            decoders["prefetch"].prefetcher.close()
+        # the "prefetch" decoder was built with miss_prefetch=True: it has a prefetcher
+        if "prefetch" in decoders and (prefetcher := decoders["prefetch"].prefetcher) is not None:
+            prefetcher.close()
         for p in pools:
             p.close()
     belady = _belady_hit_rate(tr, override.streams().flatten(), steps + 1, topk_buffer_size)

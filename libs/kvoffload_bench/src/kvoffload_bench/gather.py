@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 
 import torch
 
@@ -185,12 +186,12 @@ def _miss_case(pool_flat, rows, steps, row_bytes, block_size, tokens, capacity, 
         src_c = torch.randint(0, 256, (miss_rows.numel(), row_bytes), dtype=torch.uint8, generator=gen)  # [M, row_bytes]
         dst_c = torch.zeros_like(src_c)
         paths.append({
-            "native": lambda args=args: gather.gather_rows(*args, native=True),
-            "torch": lambda a=(pool, block_table, miss_rows, miss_tokens, ref, dst_index, miss_slots): gather.torch_gather(*a),
-            "memcpy": lambda s=src_c, d=dst_c: d.copy_(s),
+            "native": partial(gather.gather_rows, *args, native=True),
+            "torch": partial(gather.torch_gather, pool, block_table, miss_rows, miss_tokens, ref, dst_index, miss_slots),
+            "memcpy": partial(dst_c.copy_, src_c),
         })
     names = ("native", "torch", "memcpy")
-    times = [{name: [] for name in names} for _ in paths]  # per step, per path: seconds
+    times: list[dict[str, list[float]]] = [{name: [] for name in names} for _ in paths]  # per step, per path: seconds
     for rep in range(reps):
         order = names[rep % 3:] + names[: rep % 3]  # the path that goes first rotates
         for fns, ts in zip(paths, times):

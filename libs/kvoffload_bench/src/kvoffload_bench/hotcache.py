@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from operator import itemgetter
 
 import torch
 
@@ -82,7 +83,7 @@ def run(
         prefetched[n] = prefetch.evaluate(tr, 2 * tr.k, policy=DEFAULT_POLICY)
     timing = [_timing(p, rows, steps, reference_steps, warmup, synthetic) for p in names if p in PRESETS]
     at_2k = {n: hr[_key(2.0)][f"{DEFAULT_POLICY}_vs_belady"] for n, hr in hit_rates.items() if _key(2.0) in hr}
-    worst_preset = min((n for n in at_2k if n in PRESETS), key=at_2k.get, default=None)  # its 2k ratio judges
+    worst_preset = min((n for n in at_2k if n in PRESETS), key=at_2k.__getitem__, default=None)  # its 2k ratio judges
     policy_ok = worst_preset is not None and at_2k[worst_preset] >= GOAL_POLICY_VS_BELADY
     result = {
         "bench": "hotcache",
@@ -121,7 +122,7 @@ def run(
 def _worst_timing(timing: list[dict]) -> tuple[dict, dict]:
     """The timing figures the goals judge, each the worst preset's (the highest cost, the lowest of
     the others), and for each (the figure, the preset it was measured on)."""
-    worst = {g: pick(timing, key=lambda c, g=g: c[g]) for g, pick in
+    worst = {g: pick(timing, key=itemgetter(g)) for g, pick in
              {"cost_us": max, "speedup": min, "speedup_vs_torch": min, "entries_per_s": min}.items()}
     return {g: c[g] for g, c in worst.items()}, {g: (c[g], c["trace"]) for g, c in worst.items()}
 
@@ -153,12 +154,13 @@ def simulate(tr: Trace, capacity: int, policy: str = DEFAULT_POLICY, *, native: 
 def _stream_misses(tr: Trace, capacity: int) -> torch.Tensor:
     """[streams] misses of the default policy per stream over the whole trace."""
     _, steps = simulate(tr, capacity)
-    return sum(torch.bincount(res.miss_rows.long(), minlength=tr.streams) for res in steps)
+    return sum((torch.bincount(res.miss_rows.long(), minlength=tr.streams) for res in steps),
+               torch.zeros(tr.streams, dtype=torch.int64))
 
 
 def _selections(tr: Trace) -> torch.Tensor:
     """[streams] unique tokens selected per stream, summed over the steps (hits + misses)."""
-    return sum(_unique_per_row(tr.topk[:, t]) for t in range(tr.steps))
+    return sum((_unique_per_row(tr.topk[:, t]) for t in range(tr.steps)), torch.zeros(tr.streams, dtype=torch.int64))
 
 
 def _unique_per_row(topk: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,9 @@ class TorchHotCache(HotCache):
 
     def __init__(self, capacity: int, num_layers: int, *, threads: int | None = None) -> None:
         super().__init__(capacity, num_layers, native=False)
-        self._impl = _TorchImpl(self.capacity, self.num_layers, self._lock)
+        # kvcore.hotcache types _impl as its own two paths; this one has their interface (resolve, resident,
+        # finish, residency, requests)
+        self._impl = _TorchImpl(self.capacity, self.num_layers, self._lock)  # type: ignore[assignment]
         self.threads = threads
 
     def resolve(self, layer, request_ids, topk, stable_lens) -> Resolution:
@@ -151,6 +153,23 @@ class _TorchImpl:
         C = self.capacity
         row = self._tok[layer, 1 + h * C : 1 + (h + 1) * C].tolist()
         return {t: s for s, t in enumerate(row) if t >= 0}
+
+    def resident(self, layer: int, ids: list[str], tokens: torch.Tensor) -> torch.Tensor:
+        """bool ``[rows, n]``: True where ``tokens[r, j]`` sits in a slot of (request r, ``layer``) now; one
+        map lookup and one compare, as a step's hit test (changes nothing)."""
+        with self._lock:
+            out = torch.zeros(tokens.shape, dtype=torch.bool)
+            rows = [r for r, rid in enumerate(ids) if rid in self.requests]  # a request with no state: none
+            if not rows:
+                return out
+            h = torch.tensor([self.requests[ids[r]] for r in rows])  # [R']
+            t = tokens[rows]  # [R', n]
+            T = self._width
+            valid = (t >= 0) & (t < T)  # a token past the map's width was never placed
+            key = torch.where(valid, h[:, None] * T + t, self._handles * T).view(-1)  # invalid: the padding entry
+            held = self._tok[layer].index_select(0, self._map[layer].index_select(0, key)).view_as(t)
+            out[rows] = valid & (held == t)
+            return out
 
     # ---- one step --------------------------------------------------------------------------------
 
@@ -307,7 +326,7 @@ def _validate(t: torch.Tensor, S: torch.Tensor) -> int:
     bad_t = (t < -1) | (t > MAX_TOKEN)  # [R, k]
     bad_row = bad_s | bad_t.any(1)
     if not bool(bad_row.any()):
-        return
+        return int(hi)
     r = int(bad_row.nonzero()[0, 0])
     if bool(bad_s[r]):
         raise ValueError(f"stable_lens[{r}] = {int(S[r])} must be >= 0")

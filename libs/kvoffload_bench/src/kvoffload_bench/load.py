@@ -44,6 +44,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TypedDict
 
 from kvoffload_testing.sse import sse_events, token_ids
 
@@ -59,11 +60,24 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
-def _client(url: str, prompt: list[int], max_tokens: int, start: threading.Event, max_retries: int) -> dict:
+class _ClientRecord(TypedDict):
+    """One client's request: served or not, its 429s, its error, its tokens and their timing."""
+
+    ok: bool
+    rejected: int
+    error: str
+    ids: list[int]
+    ttft: float | None
+    tpot: float | None
+    end: float | None
+
+
+def _client(url: str, prompt: list[int], max_tokens: int, start: threading.Event, max_retries: int
+            ) -> _ClientRecord:
     """One client: waits for ``start``, sends, retries after 429 per Retry-After."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
     start.wait()
-    rec = {"ok": False, "rejected": 0, "error": "", "ids": [], "ttft": None, "tpot": None, "end": None}
+    rec: _ClientRecord = {"ok": False, "rejected": 0, "error": "", "ids": [], "ttft": None, "tpot": None, "end": None}
     for attempt in range(max_retries + 1):
         req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
         t0 = time.perf_counter()
@@ -92,8 +106,8 @@ def _client(url: str, prompt: list[int], max_tokens: int, start: threading.Event
         if not stamps:
             rec["error"] = "no tokens"
             return rec
-        rec.update(ok=True, ids=ids, ttft=stamps[0] - t0, end=stamps[-1],
-                   tpot=(stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None)
+        rec.update({"ok": True, "ids": ids, "ttft": stamps[0] - t0, "end": stamps[-1],
+                    "tpot": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None})
         return rec
     return rec
 
@@ -108,8 +122,9 @@ def _stack_round(url: str, work: list[tuple[list[int], int]], max_retries: int) 
         recs = [f.result() for f in futures]
     ok = [r for r in recs if r["ok"]]
     out_tokens = sum(len(r["ids"]) for r in ok)
-    wall = (max(r["end"] for r in ok) - t0) if ok else 0.0
-    ttft = [r["ttft"] for r in ok]
+    # a served record has its times (ok, ttft and end are set together)
+    wall = (max(r["end"] for r in ok if r["end"] is not None) - t0) if ok else 0.0
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     return {"ok": len(ok), "failed": len(recs) - len(ok), "rejected_429": sum(r["rejected"] for r in recs),
             "retries": sum(r["rejected"] for r in ok),
@@ -218,7 +233,7 @@ def _pair(url: str, single: _Single, work: list[tuple[list[int], int]], n: int, 
 def _level(n: int, rounds: int, per_round: list[dict], decode_stats: dict[str, float]) -> dict:
     """One client count's figures over its rounds: counts summed, errors merged, tokens equal in all,
     every other figure the median; and the decode's queue counters."""
-    level = {"clients": n, "rounds": rounds}
+    level: dict[str, object] = {"clients": n, "rounds": rounds}
     for key, value in per_round[0].items():
         values = [r[key] for r in per_round]
         if key in ("ok", "failed", "rejected_429", "retries", "prompt_tokens", "output_tokens",

@@ -55,6 +55,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 from kvoffload_bench.pd_memcpy import MemcpySampler, pull_vs_memcpy
@@ -88,7 +89,8 @@ def _stream_timed(url: str, prompt: list[int], max_tokens: int, second: _Countdo
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    ids, stamps = [], []
+    ids: list[int] = []
+    stamps: list[float] = []
     try:
         with urllib.request.urlopen(req, timeout=1800) as resp:
             for event in sse_events(resp):
@@ -188,7 +190,8 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 def _measured_median(values: list[float | None]) -> float | None:
     """The median of ``values``; None (not measured) when any of them is."""
-    return None if any(v is None for v in values) else statistics.median(values)
+    measured = [v for v in values if v is not None]
+    return statistics.median(measured) if len(measured) == len(values) else None
 
 
 def _round_figures(pd: list[tuple[list[int], float, float | None]], single_ttft: list[float],
@@ -275,10 +278,10 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
     model_dir = ensure_tiny_model(work / "tiny")
     memcpy_bytes = min(prompt_tokens, CHUNK_SIZE) * _row_bytes(model_dir)  # one pull: a layer's rows of one chunk
     gen = random.Random(0)
-    sizes = dict(requests=requests, prompt_tokens=prompt_tokens, max_tokens=max_tokens, block_size=block_size,
-                 rounds=rounds, gen=gen)
+    sized_rounds = partial(_rounds, requests=requests, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                           block_size=block_size, rounds=rounds, gen=gen)
     sampler = MemcpySampler(memcpy_bytes)
-    per_round, tokens_equal = _rounds(model_dir, work / "logs", [], sampler=sampler, **sizes)
+    per_round, tokens_equal = sized_rounds(model_dir, work / "logs", [], sampler=sampler)
     del sampler
 
     pulls = sum(r["pulls"] for r in per_round)
@@ -297,8 +300,8 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
     if tp:  # (prefill TP, decode TP) = (2, 1); float32: a TP size's partial sums round differently
         model32 = write_tiny(work / "tiny-float32", dtype="float32")
         sampler = MemcpySampler(min(prompt_tokens, CHUNK_SIZE) * _row_bytes(model32))
-        tp_rounds, tp_equal = _rounds(model32, work / "logs-tp2", ["--tensor-parallel-size", "2"],
-                                      sampler=sampler, **sizes)
+        tp_rounds, tp_equal = sized_rounds(model32, work / "logs-tp2", ["--tensor-parallel-size", "2"],
+                                           sampler=sampler)
         del sampler
         out["tp_2_1"] = {
             "prefill_tp": 2, "decode_tp": 1, "dtype": "float32",

@@ -37,12 +37,18 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from kvcore.poolgeometry import PoolGeometry
+
+if TYPE_CHECKING:
+    from poolbackends.memcache_meta import MemcacheMetaService
+    from poolbackends.metastore_server import MetastoreServer
+    from poolbackends.mooncake_master import MooncakeMaster
 
 SHAPES = {"kv_block": (64, 576, 512), "1mib": (64, 16384, 32)}  # name -> (rows, row bytes, objects per batch)
 
@@ -141,13 +147,14 @@ def _reader(backend: str, name: str, repeats: int, **keys) -> Callable[[list[byt
     return read
 
 
-def _pool(backend: str, shape: str, geometry: PoolGeometry | None = None, **keys):
-    """A pool of ``backend`` (its ``kvcore.poolregistry`` factory) for ``shape``, its store keys ``keys``."""
+def _pool(backend: str, shape: str, keys: Mapping[str, Any] | None = None, geometry: PoolGeometry | None = None):
+    """A pool of ``backend`` (its ``kvcore.poolregistry`` factory) for ``shape``, its store keys ``keys``
+    (raw ``kv_connector_extra_config`` keys, as a connector config's JSON holds them)."""
     from kvcore.connectorconfig import StoreConnectorConfig
     from poolbackends.registry import PoolRequest, open_pool
 
     tag = uuid.uuid4().hex[:8]
-    store = StoreConnectorConfig(backend=backend, **keys)
+    store = StoreConnectorConfig(backend=backend, **(keys or {}))
     return open_pool(PoolRequest(store, geometry or _geometry(shape), f"kvoffload-bench-{tag}", f"bench-{tag}"))
 
 
@@ -156,7 +163,7 @@ def _kvoffload(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
     metastore for the cross-process read."""
     from poolbackends.registry import start_server
 
-    server = start_server("kvoffload")
+    server = cast("MetastoreServer", start_server("kvoffload"))  # the launcher kvcore.poolregistry names
     stack.callback(server.stop)
     target = server.address
     out = {"available": True, "single_process_pool": "LocalHostPool", "cross_process_pool": "RemoteHostPool",
@@ -164,7 +171,7 @@ def _kvoffload(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
     for name in shapes:
         with _pool("kvoffload", name) as local:
             single = _measure(local, name, repeats, memcpy, None)
-        with _pool("kvoffload", name, metastore=target) as remote:
+        with _pool("kvoffload", name, {"metastore": target}) as remote:
             cross = _measure(remote, name, repeats, memcpy, _reader("kvoffload", name, repeats, metastore=target))
         out[name] = {**single, **{k: v for k, v in cross.items() if "cross_process" in k}}
     return out
@@ -174,14 +181,14 @@ def _mooncake(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
     from poolbackends.registry import start_server
 
     try:
-        master = start_server("mooncake")
+        master = cast("MooncakeMaster", start_server("mooncake"))  # the launcher kvcore.poolregistry names
     except Exception as exc:  # noqa: BLE001 - not installed here (scripts/install-mooncake), or the master cannot start
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
     stack.callback(master.stop)
     out = {"available": True, "master": master.address, "transport": "tcp (loopback)"}
     for name in shapes:
         keys = {"mooncake_master": master.address, "mooncake_namespace": f"bench-{uuid.uuid4().hex[:8]}"}
-        with _pool("mooncake", name, **keys) as pool:
+        with _pool("mooncake", name, keys) as pool:
             out[name] = _measure(pool, name, repeats, memcpy, _reader("mooncake", name, repeats, **keys))
     return out
 
@@ -192,7 +199,7 @@ def _memcache(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
     start (no Ascend driver), the entry is the reason it gave."""
     from poolbackends.registry import start_server
 
-    meta = start_server("memcache")
+    meta = cast("MemcacheMetaService", start_server("memcache"))  # the launcher kvcore.poolregistry names
     stack.callback(meta.stop)
     args = {"shape": shapes[0], "meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url}
     out = _child("memcache", args, "memcache probe")
@@ -229,7 +236,7 @@ def _read_main(args: dict) -> None:
     name, keys = args["shape"], [bytes.fromhex(k) for k in args["keys"]]
     rows, row_bytes, _ = SHAPES[name]
     dst = torch.empty(len(keys), rows, row_bytes, dtype=torch.uint8)
-    with _pool(args["backend"], name, PoolGeometry(rows, (row_bytes,), 1), **args["store_keys"]) as pool:
+    with _pool(args["backend"], name, args["store_keys"], PoolGeometry(rows, (row_bytes,), 1)) as pool:
         times = []
         for _ in range(args["repeats"]):
             t0 = time.perf_counter()

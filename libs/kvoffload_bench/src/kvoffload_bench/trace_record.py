@@ -58,7 +58,9 @@ def prompt_ids(tokenizer, *, context: int, requests: int) -> tuple[torch.Tensor,
     docs = [tokenizer((ROOT / src).read_text(), add_special_tokens=False)["input_ids"] for src in SOURCES]
     rows, used = [], []
     for r in range(requests):
-        doc, names, i = [], [], r
+        doc: list[int] = []
+        names: list[str] = []
+        i = r
         while len(doc) < room:
             doc += docs[i % len(docs)] + tokenizer("\n\n", add_special_tokens=False)["input_ids"]
             names.append(SOURCES[i % len(docs)])

@@ -75,7 +75,9 @@ def _stream(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[f
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "logprobs": 0}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-    t0, tokens, stamps = time.perf_counter(), [], []
+    t0 = time.perf_counter()
+    tokens: list[str] = []
+    stamps: list[float] = []
     with urllib.request.urlopen(req, timeout=600) as resp:
         for event in sse_events(resp):
             if "error" in event:
@@ -265,7 +267,7 @@ def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3,
     pd = _pd(model_dir, work, rounds, pd_prompt_tokens, pd_max_tokens, say, plain_rounds)
     per_token = _kv_bytes_per_token(model_dir)
     prompt_len = prefix_tokens + 40
-    hit_tokens = statistics.median(p["hit_tokens"] for p in per_round)
+    hit_token_count = statistics.median(p["hit_tokens"] for p in per_round)
     ratio = statistics.median(p["ttft_ratio"] for p in per_round)
     tokens_equal = all(p["tokens_equal"] for p in per_round) and pd["pd_tokens_equal"]
     out = {
@@ -275,8 +277,8 @@ def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3,
         "miss_ttft_s": statistics.median(p["miss_ttft_s"] for p in per_round),
         "hit_ttft_s": statistics.median(p["hit_ttft_s"] for p in per_round),
         "tokens_equal": tokens_equal,
-        "hit_tokens_per_request": hit_tokens,
-        "bytes_loaded_per_request": int(hit_tokens * per_token),
+        "hit_tokens_per_request": hit_token_count,
+        "bytes_loaded_per_request": int(hit_token_count * per_token),
         "prompt_kv_bytes": prompt_len * per_token,
         **pd,
     }
