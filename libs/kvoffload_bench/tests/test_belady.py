@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvoffload_bench import belady
 from kvcore.hotcache import HotCache
+from kvoffload_bench import belady
 
 
 def test_next_use():
@@ -39,8 +40,11 @@ def test_capacity_below_k_is_refused():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(2, 6), st.integers(0, 4), st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=6),
-                                                     min_size=1, max_size=12))
+@given(
+    st.integers(2, 6),
+    st.integers(0, 4),
+    st.lists(st.lists(st.integers(0, 12), min_size=1, max_size=6), min_size=1, max_size=12),
+)
 def test_belady_is_never_beaten_and_equals_the_policies_without_a_choice(k, spare, rows):
     steps = np.full((len(rows), k), -1, dtype=np.int64)
     for t, row in enumerate(rows):

@@ -58,8 +58,15 @@ def _check_floor(r, *, k, batch, layers, row_bytes):
 
 
 def test_decode_bench_on_a_synthetic_trace():
-    r = decode.run(trace="overlap90", trace_params={"k": K, "sinks": 4, "recent": 8, "heavy": 8}, batch=2,
-                   context=256, steps=3, block_size=BS, dtype="float32")
+    r = decode.run(
+        trace="overlap90",
+        trace_params={"k": K, "sinks": 4, "recent": 8, "heavy": 8},
+        batch=2,
+        context=256,
+        steps=3,
+        block_size=BS,
+        dtype="float32",
+    )
     assert r["trace"] == "overlap90" and r["kv_source"] == "installed"
     assert (r["context"], r["steps"], r["topk_buffer_size"]) == (256, 3, 2 * K)
     assert r["logits_equal"] is True

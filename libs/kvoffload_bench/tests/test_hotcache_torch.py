@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
+import hotcache_support
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from kvoffload_bench.hotcache_torch import TorchHotCache
 from kvcore.hotcache import HotCache
 from kvcore.hotcache_resolution import MAX_TOKEN, Resolution
-import hotcache_support
+from kvoffload_bench.hotcache_torch import TorchHotCache
 
 
 def _t(rows: list[list[int]], dtype=torch.int64) -> torch.Tensor:
@@ -90,8 +90,10 @@ def test_large_tokens_grow_the_map_and_empty_batches():
         _same(c.resolve(0, ["a"], _t(rows), [10**7]), ref.resolve(0, ["a"], _t(rows), [10**7]))
     r = c.resolve(0, [], torch.empty(0, 3, dtype=torch.int64), [])
     assert r.slots.shape == (0, 3) and r.num_misses == 0
-    _same(c.resolve(0, ["x"], torch.empty(1, 0, dtype=torch.int64), [5]),
-          ref.resolve(0, ["x"], torch.empty(1, 0, dtype=torch.int64), [5]))
+    _same(
+        c.resolve(0, ["x"], torch.empty(1, 0, dtype=torch.int64), [5]),
+        ref.resolve(0, ["x"], torch.empty(1, 0, dtype=torch.int64), [5]),
+    )
     _same(c.resolve(0, ["x"], _t([[-1, -1]]), [5]), ref.resolve(0, ["x"], _t([[-1, -1]]), [5]))
 
 
@@ -113,8 +115,9 @@ def test_invalid_calls_raise_the_references_valueerror_and_change_nothing(call, 
     for c in (TorchHotCache(4, 2), HotCache(4, 2, native=False)):
         c.resolve(0, ["a"], _t([[7, 8]]), [10])
         with pytest.raises(ValueError) as e:
-            c.resolve(call.get("layer", 0), call.get("ids", ["a"]), call.get("topk", _t([[1, 2]])),
-                      call.get("stable", [4]))
+            c.resolve(
+                call.get("layer", 0), call.get("ids", ["a"]), call.get("topk", _t([[1, 2]])), call.get("stable", [4])
+            )
         errors.append(str(e.value))
         assert message in str(e.value)
         assert c.residency("a", 0) == {7: 0, 8: 1} and "new" not in c and c.stats()["steps"] == 1
@@ -163,8 +166,21 @@ def test_threads_apply_during_a_call_only():
 def test_torch_equals_native_on_a_bench_like_trace():
     from kvcore.traces import generate, preset
 
-    tr = generate(preset("overlap80", k=128, context0=2000, steps=12, layers=1, requests=4, sinks=4, recent=16,
-                         heavy=16, span=8, seed=3))
+    tr = generate(
+        preset(
+            "overlap80",
+            k=128,
+            context0=2000,
+            steps=12,
+            layers=1,
+            requests=4,
+            sinks=4,
+            recent=16,
+            heavy=16,
+            span=8,
+            seed=3,
+        )
+    )
     ids = [f"q{i}" for i in range(4)]
     vec, native = TorchHotCache(256, 1), HotCache(256, 1)
     for i in range(tr.steps):

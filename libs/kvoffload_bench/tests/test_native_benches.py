@@ -7,8 +7,17 @@ import json
 
 from kvoffload_bench import gather, hotcache
 
-
-SMALL = {"k": 64, "context0": 512, "steps": 12, "layers": 3, "requests": 2, "sinks": 2, "recent": 8, "heavy": 8, "span": 4}
+SMALL = {
+    "k": 64,
+    "context0": 512,
+    "steps": 12,
+    "layers": 3,
+    "requests": 2,
+    "sinks": 2,
+    "recent": 8,
+    "heavy": 8,
+    "span": 4,
+}
 
 
 def test_hotcache_bench_fields():
@@ -44,7 +53,9 @@ def test_hotcache_bench_fields():
             p = out["prefetch"][name][pred]
             assert 0 <= p["recall"] <= 1 and 0 <= p["precision"] <= 1 and p["loads_per_miss"] >= 0
     assert out["traces"]["overlap95"]["overlap"] > out["traces"]["overlap80"]["overlap"]
-    assert out["policy_vs_belady_at_2k"] == {n: out["hit_rates"][n]["2k"]["lru_vs_belady"] for n in ("overlap80", "overlap95")}
+    assert out["policy_vs_belady_at_2k"] == {
+        n: out["hit_rates"][n]["2k"]["lru_vs_belady"] for n in ("overlap80", "overlap95")
+    }
     assert out["goals_met"]["policy_vs_belady"] == (min(out["policy_vs_belady_at_2k"].values()) >= 0.95)
     assert out["policy_outputs_equal"] is True and out["outputs_equal"] is True
     assert len(out["timing"]) == 2
@@ -80,8 +91,20 @@ def test_gather_bench_fields():
     from kvcore.hotcache import HotCache
     from kvcore.traces.synthetic import generate, preset
 
-    out = gather.run(rows=2, misses_per_row=64, row_bytes=(3, 576), block_size=16, pool_gib=0.01, context=4096,
-                     capacity=2048, reps=2, topk=1024, warmup_steps=3, miss_steps=3, miss_reps=3)
+    out = gather.run(
+        rows=2,
+        misses_per_row=64,
+        row_bytes=(3, 576),
+        block_size=16,
+        pool_gib=0.01,
+        context=4096,
+        capacity=2048,
+        reps=2,
+        topk=1024,
+        warmup_steps=3,
+        miss_steps=3,
+        miss_reps=3,
+    )
     json.dumps(out)
     assert out["bench"] == "gather" and out["threads"] >= 1 and out["pool_bytes"] == int(0.01 * 2**30)
     assert [c["row_bytes"] for c in out["cases"]] == [3, 576]

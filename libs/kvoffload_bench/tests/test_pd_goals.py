@@ -26,7 +26,7 @@ class _Stack:
     def __init__(self, cfg) -> None:
         self.url = "http://proxy.invalid"
 
-    def __enter__(self) -> "_Stack":
+    def __enter__(self) -> _Stack:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -56,8 +56,11 @@ class _Engine:
 
     def run(self, tag, work, after_step=None):
         t0 = time.perf_counter()
-        return t0, [list(self.single_tokens) for _ in work], [[t0 + 0.01 * (i + 1) for i in range(len(TOKENS))]
-                                                               for _ in work]
+        return (
+            t0,
+            [list(self.single_tokens) for _ in work],
+            [[t0 + 0.01 * (i + 1) for i in range(len(TOKENS))] for _ in work],
+        )
 
     def close(self) -> None:
         pass
@@ -81,7 +84,9 @@ def stack(monkeypatch):
     pull = {"ms": 5.0}
     calls = itertools.count()
     monkeypatch.setattr(kvoffload_testing.stack, "Stack", _Stack)
-    monkeypatch.setattr(kvoffload_testing.stack_client, "stack_stats", lambda cfg: _decode_stats(next(calls), pull["ms"]))
+    monkeypatch.setattr(
+        kvoffload_testing.stack_client, "stack_stats", lambda cfg: _decode_stats(next(calls), pull["ms"])
+    )
     monkeypatch.setattr(kvoffload_testing.stack, "ensure_tiny_model", _tiny_config)
     monkeypatch.setattr(kvoffload_testing.reference, "TimedEngine", _Engine)
     monkeypatch.setattr(bench_pd.urllib.request, "urlopen", lambda req, timeout: _Response(TOKENS))
@@ -107,8 +112,9 @@ def test_a_stream_in_one_chunk_measures_no_tpot_and_meets_no_tpot_goal(stack):
     assert "one chunk" in r["not_measured"]["tpot_ratio"] and "round(s) [0]" in r["not_measured"]["tpot_ratio"]
     # the pull was measured (1000 bytes in 5 ms), and the goals cover the tokens too
     assert r["pull_gbps_in_stack"] == pytest.approx(1000 / 0.005 / 1e9)
-    assert set(r["goals"]) == set(r["goals_met"]) == {"tpot_ratio", "pull_gbps_in_stack_ratio_to_memcpy",
-                                                      "tokens_equal"}
+    assert (
+        set(r["goals"]) == set(r["goals_met"]) == {"tpot_ratio", "pull_gbps_in_stack_ratio_to_memcpy", "tokens_equal"}
+    )
     assert r["goals_met"]["tokens_equal"] is True and "pull_gbps_in_stack_ratio_to_memcpy" not in r["not_measured"]
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvoffload_bench.prefetch import evaluate
 from kvcore.traces import Trace
+from kvoffload_bench.prefetch import evaluate
 
 
 def _trace(rows, layers=None, context0=10):

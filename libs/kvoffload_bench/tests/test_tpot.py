@@ -1,5 +1,6 @@
 """TPOT as the P/D benchmarks compute it from a stream's token arrival times: tokens a server sends
 in one chunk (it fell behind) still count at the rate they were produced, never as 0."""
+
 import pytest
 
 from kvoffload_bench import pd as bench_pd
@@ -20,8 +21,13 @@ def test_a_stream_with_every_token_in_one_event_takes_the_servers_inter_token_la
     """A server whose API process fell behind merges all outputs into one event: the stream has no
     timing, so the round's TPOT is the server's own (Δ sum / Δ count of its ITL histogram)."""
     streams = iter([(0.5, ["a", "b", "c"], [0.5, 0.5, 0.5]), (0.4, ["a", "b", "c"], [0.4, 0.6, 0.8])])
-    reads = iter([{bench_vllm.ITL[0]: 1.0, bench_vllm.ITL[1]: 10}, {bench_vllm.ITL[0]: 1.3, bench_vllm.ITL[1]: 13},
-                  {bench_vllm.ITL[0]: 1.3, bench_vllm.ITL[1]: 13}])
+    reads = iter(
+        [
+            {bench_vllm.ITL[0]: 1.0, bench_vllm.ITL[1]: 10},
+            {bench_vllm.ITL[0]: 1.3, bench_vllm.ITL[1]: 13},
+            {bench_vllm.ITL[0]: 1.3, bench_vllm.ITL[1]: 13},
+        ]
+    )
     monkeypatch.setattr(bench_vllm, "_stream", lambda *a: next(streams))
     monkeypatch.setattr(bench_vllm, "_settled", lambda url, names: next(reads))
     merged, streamed = bench_vllm._timed_rounds("proxy", "m", 2, 10, 3, "decode")

@@ -1,6 +1,7 @@
 """Recording top-k traces (kvoffload_bench.trace_record) on a tiny random Llama with a tiny BPE tokenizer:
 the prompts, the trace's layout and metadata, determinism, and the selections against an independent
 full-sequence forward pass."""
+
 import json
 
 import pytest
@@ -9,8 +10,10 @@ import torch
 from kvcore.traces.trace import Trace
 from kvoffload_bench import trace_record as tr
 
-CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CONTEXT, STEPS, TOPK, REQUESTS = 64, 6, 8, 2
 VOCAB = 400
 
@@ -22,9 +25,15 @@ def tiny_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([tr.INSTRUCTION, "the cache keeps the attention of the model"], trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<|im_start|>", "<|im_end|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        [tr.INSTRUCTION, "the cache keeps the attention of the model"],
+        trainers.BpeTrainer(
+            vocab_size=VOCAB,
+            special_tokens=["<|im_start|>", "<|im_end|>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
     out.chat_template = CHAT
     return out
@@ -34,9 +43,17 @@ def tiny_llama(dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         initializer_range=0.2)  # large enough that attention is far from uniform
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )  # large enough that attention is far from uniform
     model = LlamaForCausalLM(config).to(dtype).eval()
     model.set_attn_implementation("eager")
     return model
@@ -72,7 +89,7 @@ def test_prompts_are_exact_chat_prompts_on_different_documents():
     suffix = tok("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     prefix = tok("<|im_start|>user\n" + tr.INSTRUCTION, add_special_tokens=False)["input_ids"]
     for row in ids.tolist():
-        assert row[:len(prefix)] == prefix and row[-len(suffix):] == suffix
+        assert row[: len(prefix)] == prefix and row[-len(suffix) :] == suffix
     assert [s[0] for s in sources] == list(tr.SOURCES[:3])
     assert len({tuple(row) for row in ids.tolist()}) == 3  # different text per request
     with pytest.raises(ValueError, match="too short"):
@@ -125,12 +142,12 @@ def test_selections_match_a_full_forward_pass():
     seq = torch.cat([prompts, generated[:, :-1]], 1)  # [1, C + steps - 1]
     with torch.inference_mode():
         out = model(seq, output_attentions=True)
-    assert generated[0].tolist() == out.logits[0, C - 1:].argmax(-1).tolist()
+    assert generated[0].tolist() == out.logits[0, C - 1 :].argmax(-1).tolist()
     for layer, probs in enumerate(out.attentions):  # [1, H, N, N]
         for g in range(G):
-            scores = probs[0, g * H // G:(g + 1) * H // G].sum(0)  # [N, N]: the group's heads
+            scores = probs[0, g * H // G : (g + 1) * H // G].sum(0)  # [N, N]: the group's heads
             for t in range(steps):
-                row = scores[C - 1 + t, :C + t].tolist()
+                row = scores[C - 1 + t, : C + t].tolist()
                 expect = sorted(range(C + t), key=lambda p: (-row[p], p))[:k]
                 assert topk[layer * G + g, t].tolist() == expect, (layer, g, t)
 
@@ -146,8 +163,19 @@ def test_ensure_records_once(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(mf, "cached_model", lambda name, log=print: tiny_dir)
     path = tmp_path / "traces" / "smollm2.pt"
     seen = []
-    assert tr.ensure("smollm2", path=path, log=seen.append, progress=lambda d, n: seen.append((d, n)),
-                     context=CONTEXT, steps=2, topk=4, requests=1) == path
+    assert (
+        tr.ensure(
+            "smollm2",
+            path=path,
+            log=seen.append,
+            progress=lambda d, n: seen.append((d, n)),
+            context=CONTEXT,
+            steps=2,
+            topk=4,
+            requests=1,
+        )
+        == path
+    )
     assert Trace.load(path).topk.shape == (4, 2, 4) and seen[-1] == (2, 2)
 
     def fail(*args, **kwargs):

@@ -25,13 +25,13 @@ class _Service:
         self.port = port or (args[0] if args and isinstance(args[0], int) else 1)
         self.url, self.address = f"http://127.0.0.1:{self.port}", f"127.0.0.1:{self.port}"
 
-    def start(self) -> "_Service":
+    def start(self) -> _Service:
         return self
 
     def stop(self) -> None:
         return None
 
-    def __enter__(self) -> "_Service":
+    def __enter__(self) -> _Service:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -74,14 +74,22 @@ def servers(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_vllm, "_settled", lambda url, names: {n: metrics[n] for n in names})
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 2,
-                                                   "num_hidden_layers": 2, "num_key_value_heads": 2}))
+    (model / "config.json").write_text(
+        json.dumps({"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2, "num_key_value_heads": 2})
+    )
     return pd_outcome, model
 
 
 def _run(model) -> dict:
-    return bench_vllm.run(model=str(model), prefix_tokens=256, rounds=2, max_tokens=4, pd_prompt_tokens=200,
-                          pd_max_tokens=4, progress=False)
+    return bench_vllm.run(
+        model=str(model),
+        prefix_tokens=256,
+        rounds=2,
+        max_tokens=4,
+        pd_prompt_tokens=200,
+        pd_max_tokens=4,
+        progress=False,
+    )
 
 
 def test_goals_are_not_met_when_every_pull_failed_and_the_decode_recomputed(servers):

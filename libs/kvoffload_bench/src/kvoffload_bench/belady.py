@@ -73,5 +73,9 @@ def hit_rate(trace: Trace, capacity: int) -> dict:
     for layer in sorted(set(layers.tolist())):
         h, m = hits[layers == layer].sum(), misses[layers == layer].sum()
         by_layer[layer] = float(h / max(h + m, 1))
-    return {"hits": int(hits.sum()), "misses": int(misses.sum()),
-            "hit_rate": float(hits.sum() / max(hits.sum() + misses.sum(), 1)), "by_layer": by_layer}
+    return {
+        "hits": int(hits.sum()),
+        "misses": int(misses.sum()),
+        "hit_rate": float(hits.sum() / max(hits.sum() + misses.sum(), 1)),
+        "by_layer": by_layer,
+    }

@@ -69,19 +69,43 @@ TRACE_CONTEXT = 32768
 TAIL = 191  # distinct rows per request after the shared prefix
 
 
-def run(*, batch: int | None = None, context: int | None = None, steps: int = 32,
-        topk_buffer_size: int | None = None, block_size: int = 64, dtype: str = "bfloat16", seed: int = 0,
-        trace=None, trace_params: dict | None = None) -> dict:
+def run(
+    *,
+    batch: int | None = None,
+    context: int | None = None,
+    steps: int = 32,
+    topk_buffer_size: int | None = None,
+    block_size: int = 64,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    trace=None,
+    trace_params: dict | None = None,
+) -> dict:
     """The decode bench (module docstring). ``trace``: None, a trace name or a ``Trace``."""
     quiet_logs()
     if trace is None:
         if trace_params:
             raise ValueError("trace_params needs a synthetic trace (trace='overlap90', ...)")
-        return _run_prompts(batch=8 if batch is None else batch, context=8192 if context is None else context,
-                            steps=steps, topk_buffer_size=128 if topk_buffer_size is None else topk_buffer_size,
-                            block_size=block_size, dtype=dtype, seed=seed)
-    return _run_trace(trace, batch=batch, context=context, steps=steps, topk_buffer_size=topk_buffer_size,
-                      block_size=block_size, dtype=dtype, seed=seed, trace_params=trace_params or {})
+        return _run_prompts(
+            batch=8 if batch is None else batch,
+            context=8192 if context is None else context,
+            steps=steps,
+            topk_buffer_size=128 if topk_buffer_size is None else topk_buffer_size,
+            block_size=block_size,
+            dtype=dtype,
+            seed=seed,
+        )
+    return _run_trace(
+        trace,
+        batch=batch,
+        context=context,
+        steps=steps,
+        topk_buffer_size=topk_buffer_size,
+        block_size=block_size,
+        dtype=dtype,
+        seed=seed,
+        trace_params=trace_params or {},
+    )
 
 
 def _run_prompts(*, batch, context, steps, topk_buffer_size, block_size, dtype, seed) -> dict:
@@ -93,9 +117,17 @@ def _run_prompts(*, batch, context, steps, topk_buffer_size, block_size, dtype, 
     prompts = [torch.cat((shared, torch.randint(0, 256, (191,), generator=gen))) for _ in range(batch)]
     engines = {}
     for name, keep in (("sparse", False), ("keep", True)):
-        cfg = EngineConfig(block_size=block_size, max_model_len=context + steps + 8, max_num_seqs=batch,
-                           chunk_size=2048, buffers=3, topk_buffer_size=topk_buffer_size,
-                           keep_device_kv_cache=keep, prefill_pool_bytes=1 << 30, decode_pool_bytes=1 << 30)
+        cfg = EngineConfig(
+            block_size=block_size,
+            max_model_len=context + steps + 8,
+            max_num_seqs=batch,
+            chunk_size=2048,
+            buffers=3,
+            topk_buffer_size=topk_buffer_size,
+            keep_device_kv_cache=keep,
+            prefill_pool_bytes=1 << 30,
+            decode_pool_bytes=1 << 30,
+        )
         eng = Engine(model, cfg)
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", p, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
@@ -127,9 +159,20 @@ def _run_prompts(*, batch, context, steps, topk_buffer_size, block_size, dtype, 
     finally:
         for e in engines.values():
             e.close()
-    return _report(trace=None, model=model, batch=batch, context=context, steps=steps, dtype=dtype,
-                   topk_buffer_size=topk_buffer_size, times=times, dev=dev, total=total, equal=equal,
-                   extra={"kv_source": "prefill", "setup_s": setup_s})
+    return _report(
+        trace=None,
+        model=model,
+        batch=batch,
+        context=context,
+        steps=steps,
+        dtype=dtype,
+        topk_buffer_size=topk_buffer_size,
+        times=times,
+        dev=dev,
+        total=total,
+        equal=equal,
+        extra={"kv_source": "prefill", "setup_s": setup_s},
+    )
 
 
 def _run_trace(trace, *, batch, context, steps, topk_buffer_size, block_size, dtype, seed, trace_params) -> dict:
@@ -143,8 +186,9 @@ def _run_trace(trace, *, batch, context, steps, topk_buffer_size, block_size, dt
     batch = len(pairs) if batch is None else batch
     steps = min(steps, tr.steps - 1)
     if steps < 1:
-        raise ValueError(f"trace {tr.name!r} has {tr.steps} step(s); the bench needs 2 or more (a warm-up step, then "
-                         f"timed steps)")
+        raise ValueError(
+            f"trace {tr.name!r} has {tr.steps} step(s); the bench needs 2 or more (a warm-up step, then timed steps)"
+        )
     ids = [f"r{i}" for i in range(batch)]
     override = TraceTopK(tr, ids, num_layers=tr.num_layers)
     prompt_lens = [override.prompt_len(r) for r in ids]
@@ -152,8 +196,13 @@ def _run_trace(trace, *, batch, context, steps, topk_buffer_size, block_size, dt
         raise ValueError(f"trace {tr.name!r} starts at context {min(prompt_lens) + 1}: a prompt needs >= 1 token")
     k = tr.k
     max_len = max(prompt_lens) + 1 + steps + 1  # tokens after the warm-up and the timed steps
-    cfg = dataclasses.replace(base, index_topk=k, num_hidden_layers=tr.num_layers, num_nextn_predict_layers=0,
-                              max_position_embeddings=max(base.max_position_embeddings, max_len))
+    cfg = dataclasses.replace(
+        base,
+        index_topk=k,
+        num_hidden_layers=tr.num_layers,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=max(base.max_position_embeddings, max_len),
+    )
     model = init_weights(DSAModel(cfg, dtype=torch.float32), seed=seed).to(getattr(torch, dtype))
     if topk_buffer_size is None:
         topk_buffer_size = -(-2 * k // block_size) * block_size  # 2k, whole blocks
@@ -164,9 +213,16 @@ def _run_trace(trace, *, batch, context, steps, topk_buffer_size, block_size, dt
     try:
         for name, keep, pf in (("sparse", False, False), ("keep", True, False), ("prefetch", False, True)):
             pools.append(build.decode_pool(model, block_size, pool_bytes))
-            decoders[name] = SparseDecoder(model, pools[-1], topk_buffer_size=topk_buffer_size, max_num_seqs=batch,
-                                           max_model_len=max_len, keep_device_kv_cache=keep, topk_override=override,
-                                           miss_prefetch=pf)
+            decoders[name] = SparseDecoder(
+                model,
+                pools[-1],
+                topk_buffer_size=topk_buffer_size,
+                max_num_seqs=batch,
+                max_model_len=max_len,
+                keep_device_kv_cache=keep,
+                topk_override=override,
+                miss_prefetch=pf,
+            )
         _install(decoders.values(), model, ids, prompt_lens, seed)
         setup_s = time.perf_counter() - t0
         times, total, pf_total, equal, pf_equal = _replay(decoders, ids, steps, seed)
@@ -178,10 +234,25 @@ def _run_trace(trace, *, batch, context, steps, topk_buffer_size, block_size, dt
         for p in pools:
             p.close()
     belady = _belady_hit_rate(tr, override.streams().flatten(), steps + 1, topk_buffer_size)
-    return _report(trace=tr.name, model=model, batch=batch, context=max(prompt_lens) + 1, steps=steps, dtype=dtype,
-                   topk_buffer_size=topk_buffer_size, times=times, dev=dev, total=total, equal=bool(equal),
-                   extra={"kv_source": "installed", "setup_s": setup_s, "belady_hit_rate": belady,
-                          "prefetch": _prefetch_report(times, total, pf_total, steps, pf_equal)})
+    return _report(
+        trace=tr.name,
+        model=model,
+        batch=batch,
+        context=max(prompt_lens) + 1,
+        steps=steps,
+        dtype=dtype,
+        topk_buffer_size=topk_buffer_size,
+        times=times,
+        dev=dev,
+        total=total,
+        equal=bool(equal),
+        extra={
+            "kv_source": "installed",
+            "setup_s": setup_s,
+            "belady_hit_rate": belady,
+            "prefetch": _prefetch_report(times, total, pf_total, steps, pf_equal),
+        },
+    )
 
 
 def _trace(trace, base, *, batch, context, steps, seed, trace_params):
@@ -191,14 +262,21 @@ def _trace(trace, base, *, batch, context, steps, seed, trace_params):
 
     synthetic = not isinstance(trace, Trace) and trace in PRESETS
     if not synthetic and (context is not None or trace_params):
-        raise ValueError(f"trace {getattr(trace, 'name', trace)!r} is not generated here: it has its own contexts "
-                         f"and parameters (no context= or trace_params=)")
+        raise ValueError(
+            f"trace {getattr(trace, 'name', trace)!r} is not generated here: it has its own contexts "
+            f"and parameters (no context= or trace_params=)"
+        )
     if isinstance(trace, Trace):
         return trace
     if synthetic:
-        params = {"requests": 8 if batch is None else batch, "layers": base.num_hidden_layers,
-                  "context0": TRACE_CONTEXT if context is None else context, "steps": steps + 1, "seed": seed,
-                  **trace_params}
+        params = {
+            "requests": 8 if batch is None else batch,
+            "layers": base.num_hidden_layers,
+            "context0": TRACE_CONTEXT if context is None else context,
+            "steps": steps + 1,
+            "seed": seed,
+            **trace_params,
+        }
         return named(trace, **params)
     return named(trace)  # FileNotFoundError: not recorded yet (its message says how to record it)
 
@@ -229,13 +307,15 @@ def _replay(decoders: dict[str, SparseDecoder], ids: list[str], steps: int, seed
     return times, total, pf_total, equal, pf_equal
 
 
-def _prefetch_report(times: dict[str, list[float]], total: StepStats, pf_total: StepStats, steps: int,
-                     pf_equal: bool) -> dict:
+def _prefetch_report(
+    times: dict[str, list[float]], total: StepStats, pf_total: StepStats, steps: int, pf_equal: bool
+) -> dict:
     """Miss prefetch on (the prefetch decoder) against off (the sparse one): the report's ``prefetch``."""
     return {
         "misses_loaded_early": pf_total.prefetch_hits / max(pf_total.misses, 1),
         "rows_loaded_per_miss": pf_total.prefetched / max(pf_total.misses, 1),
-        "load_s_per_step_off": total.load_s / steps, "load_s_per_step_on": pf_total.load_s / steps,
+        "load_s_per_step_off": total.load_s / steps,
+        "load_s_per_step_on": pf_total.load_s / steps,
         "load_time_moved_off": 1.0 - pf_total.load_s / total.load_s if total.load_s else 0.0,
         "step_time_ratio_vs_off": statistics.median(times["prefetch"]) / statistics.median(times["sparse"]),
         "same_misses": (pf_total.hits, pf_total.misses) == (total.hits, total.misses),
@@ -257,8 +337,8 @@ def _install(decoders, model: DSAModel, ids: list[str], prompt_lens: list[int], 
         for rid, n in zip(ids, prompt_lens):
             tail = min(TAIL, n)
             kv_r, idx_r = kv[:n].clone(), index_k[:n].clone()
-            kv_r[n - tail:] = torch.randn(tail, cfg.kv_row_width, generator=gen).to(model.dtype)
-            idx_r[n - tail:] = torch.randn(tail, cfg.index_head_dim, generator=gen).to(model.dtype)
+            kv_r[n - tail :] = torch.randn(tail, cfg.kv_row_width, generator=gen).to(model.dtype)
+            idx_r[n - tail :] = torch.randn(tail, cfg.index_head_dim, generator=gen).to(model.dtype)
             for dec in decoders:
                 dec.write_prompt_layer(rid, layer, kv_r, idx_r)
     for dec in decoders:
@@ -292,8 +372,9 @@ def _device_kv(allocator) -> int:
     return sum(v for k, v in allocator.stats().current_by_tag.items() if k.startswith("decode."))
 
 
-def _report(*, trace, model, batch, context, steps, dtype, topk_buffer_size, times, dev, total: StepStats, equal,
-            extra) -> dict:
+def _report(
+    *, trace, model, batch, context, steps, dtype, topk_buffer_size, times, dev, total: StepStats, equal, extra
+) -> dict:
     cfg = model.config
     sparse_s, keep_s = statistics.median(times["sparse"]), statistics.median(times["keep"])
     ratio = sparse_s / keep_s
@@ -304,20 +385,35 @@ def _report(*, trace, model, batch, context, steps, dtype, topk_buffer_size, tim
     h2d = total.h2d_bytes / steps
     floor = (1.0 - hit_rate) * cfg.index_topk * row_bytes * layers * batch
     floor_ratio = h2d / floor if floor else (1.0 if h2d == 0 else None)
-    goals = {"step_time_ratio": GOAL_STEP_TIME_RATIO_TRACE if trace is not None else GOAL_STEP_TIME_RATIO,
-             "device_kv_ratio": GOAL_DEVICE_KV_RATIO, "h2d_floor_ratio": GOAL_H2D_FLOOR_RATIO}
+    goals = {
+        "step_time_ratio": GOAL_STEP_TIME_RATIO_TRACE if trace is not None else GOAL_STEP_TIME_RATIO,
+        "device_kv_ratio": GOAL_DEVICE_KV_RATIO,
+        "h2d_floor_ratio": GOAL_H2D_FLOOR_RATIO,
+    }
     values = {"step_time_ratio": ratio, "device_kv_ratio": device_ratio, "h2d_floor_ratio": floor_ratio}
     return {
-        "bench": "decode", "batch": batch, "context": context, "steps": steps, "dtype": dtype,
-        "topk": cfg.index_topk, "topk_buffer_size": topk_buffer_size,
-        "sparse_step_s": sparse_s, "keep_step_s": keep_s, "step_time_ratio": ratio,
-        "device_kv_bytes": dev["sparse"], "device_kv_bytes_keep": dev["keep"], "device_kv_ratio": device_ratio,
+        "bench": "decode",
+        "batch": batch,
+        "context": context,
+        "steps": steps,
+        "dtype": dtype,
+        "topk": cfg.index_topk,
+        "topk_buffer_size": topk_buffer_size,
+        "sparse_step_s": sparse_s,
+        "keep_step_s": keep_s,
+        "step_time_ratio": ratio,
+        "device_kv_bytes": dev["sparse"],
+        "device_kv_bytes_keep": dev["keep"],
+        "device_kv_ratio": device_ratio,
         "hit_rate": hit_rate,
         "h2d_bytes_per_step": h2d,
         "logits_equal": equal,
         "goals_met": {name: v is not None and v <= goals[name] for name, v in values.items()},
-        "trace": trace, "layers": layers, "row_bytes": row_bytes,
-        "h2d_floor_bytes_per_step": floor, "h2d_floor_ratio": floor_ratio,
+        "trace": trace,
+        "layers": layers,
+        "row_bytes": row_bytes,
+        "h2d_floor_bytes_per_step": floor,
+        "h2d_floor_ratio": floor_ratio,
         "goals": goals,
         **extra,
     }

@@ -73,8 +73,9 @@ def run(
     if topk > capacity:
         raise ValueError(f"topk = {topk} exceeds capacity = {capacity}")
     if warmup_steps < 0 or miss_steps < 1 or miss_reps < 1:
-        raise ValueError(f"warmup_steps = {warmup_steps} must be >= 0, miss_steps = {miss_steps} and "
-                         f"miss_reps = {miss_reps} >= 1")
+        raise ValueError(
+            f"warmup_steps = {warmup_steps} must be >= 0, miss_steps = {miss_steps} and miss_reps = {miss_reps} >= 1"
+        )
     others = OtherLoad()
     gen = torch.Generator().manual_seed(seed)
     pool_bytes = int(pool_gib * 2**30)
@@ -85,8 +86,12 @@ def run(
         chunk.copy_(pattern[: chunk.numel()])
     cases = [_case(pool_flat, rows, misses_per_row, rb, block_size, context, capacity, reps, gen) for rb in row_bytes]
     steps = _miss_steps(trace, rows, topk, context, capacity, warmup_steps, miss_steps, seed)
-    miss_cases = [_miss_case(pool_flat, rows, steps, rb, block_size, context + warmup_steps + miss_steps, capacity,
-                             miss_reps, gen) for rb in row_bytes]
+    miss_cases = [
+        _miss_case(
+            pool_flat, rows, steps, rb, block_size, context + warmup_steps + miss_steps, capacity, miss_reps, gen
+        )
+        for rb in row_bytes
+    ]
     every = cases + miss_cases
     ratio = min(c["ratio_to_memcpy"] for c in every)
     speedup = min(c["speedup_vs_torch"] for c in every)
@@ -101,7 +106,10 @@ def run(
         "miss_speedup_vs_torch": min(c["speedup_vs_torch"] for c in miss_cases),
         "goals": {"ratio_to_memcpy": GOAL_RATIO_TO_MEMCPY, "speedup_vs_torch": GOAL_SPEEDUP_VS_TORCH},
         "cpu_used_by_others": others.fraction(),
-        "goals_met": {"ratio_to_memcpy": ratio >= GOAL_RATIO_TO_MEMCPY, "speedup_vs_torch": speedup >= GOAL_SPEEDUP_VS_TORCH},
+        "goals_met": {
+            "ratio_to_memcpy": ratio >= GOAL_RATIO_TO_MEMCPY,
+            "speedup_vs_torch": speedup >= GOAL_SPEEDUP_VS_TORCH,
+        },
         "cases": cases,
         "miss_cases": miss_cases,
     }
@@ -113,7 +121,9 @@ def _pool_view(pool_flat, rows, row_bytes, block_size, tokens, gen):
     num_blocks = pool_flat.numel() // (block_size * row_bytes)
     max_blocks = -(-tokens // block_size)
     if rows * max_blocks > num_blocks:
-        raise ValueError(f"pool of {pool_flat.numel()} bytes holds {num_blocks} blocks; {rows} rows of {tokens} tokens need {rows * max_blocks}")
+        raise ValueError(
+            f"pool of {pool_flat.numel()} bytes holds {num_blocks} blocks; {rows} rows of {tokens} tokens need {rows * max_blocks}"
+        )
     pool = pool_flat[: num_blocks * block_size * row_bytes].view(num_blocks, block_size, row_bytes)
     # block_table: [rows, max_blocks] int32, distinct blocks spread over the whole pool
     block_table = torch.randperm(num_blocks, generator=gen)[: rows * max_blocks].to(torch.int32).view(rows, max_blocks)
@@ -125,7 +135,9 @@ def _case(pool_flat, rows, misses_per_row, row_bytes, block_size, context, capac
     M = rows * misses_per_row
     miss_rows = torch.arange(rows, dtype=torch.int32).repeat_interleave(misses_per_row)  # [M]
     miss_tokens = torch.cat([torch.randperm(context, generator=gen)[:misses_per_row] for _ in range(rows)])  # [M] int64
-    miss_slots = torch.cat([torch.randperm(capacity, generator=gen)[:misses_per_row] for _ in range(rows)]).to(torch.int32)  # [M]
+    miss_slots = torch.cat([torch.randperm(capacity, generator=gen)[:misses_per_row] for _ in range(rows)]).to(
+        torch.int32
+    )  # [M]
     dst_index = torch.randperm(rows, generator=gen).to(torch.int32)  # [rows]
     dst = torch.zeros(rows, capacity, row_bytes, dtype=torch.uint8)  # [rows, capacity, row_bytes]
     ref = torch.zeros_like(dst)
@@ -141,8 +153,10 @@ def _case(pool_flat, rows, misses_per_row, row_bytes, block_size, context, capac
         t_torch.append(_time(lambda: gather.torch_gather(*args, ref, dst_index, miss_slots)))
         t_memcpy.append(_time(lambda: dst_c.copy_(src_c)))
     nbytes = M * row_bytes
-    gbs = {name: nbytes / statistics.median(ts) / 1e9 for name, ts in
-           (("native", t_native), ("torch", t_torch), ("memcpy", t_memcpy))}
+    gbs = {
+        name: nbytes / statistics.median(ts) / 1e9
+        for name, ts in (("native", t_native), ("torch", t_torch), ("memcpy", t_memcpy))
+    }
     return {
         "row_bytes": row_bytes,
         "block_size": block_size,
@@ -167,8 +181,12 @@ def _miss_steps(trace, rows, topk, context, capacity, warmup_steps, miss_steps, 
     misses = [(res.miss_rows, res.miss_tokens, res.miss_slots) for res in measured]
     hits = sum(res.num_hits for res in measured)
     missed = sum(m[0].numel() for m in misses)
-    return {"trace": trace, "steps": list(range(warmup_steps, total)), "misses": misses,
-            "hit_rate": hits / max(hits + missed, 1)}
+    return {
+        "trace": trace,
+        "steps": list(range(warmup_steps, total)),
+        "misses": misses,
+        "hit_rate": hits / max(hits + missed, 1),
+    }
 
 
 def _miss_case(pool_flat, rows, steps, row_bytes, block_size, tokens, capacity, reps, gen) -> dict:
@@ -183,22 +201,30 @@ def _miss_case(pool_flat, rows, steps, row_bytes, block_size, tokens, capacity, 
         gather.gather_rows(*args, native=True)
         gather.gather_rows(pool, block_table, miss_rows, miss_tokens, ref, dst_index, miss_slots, native=False)
         equal &= torch.equal(dst, ref)
-        src_c = torch.randint(0, 256, (miss_rows.numel(), row_bytes), dtype=torch.uint8, generator=gen)  # [M, row_bytes]
+        src_c = torch.randint(
+            0, 256, (miss_rows.numel(), row_bytes), dtype=torch.uint8, generator=gen
+        )  # [M, row_bytes]
         dst_c = torch.zeros_like(src_c)
-        paths.append({
-            "native": partial(gather.gather_rows, *args, native=True),
-            "torch": partial(gather.torch_gather, pool, block_table, miss_rows, miss_tokens, ref, dst_index, miss_slots),
-            "memcpy": partial(dst_c.copy_, src_c),
-        })
+        paths.append(
+            {
+                "native": partial(gather.gather_rows, *args, native=True),
+                "torch": partial(
+                    gather.torch_gather, pool, block_table, miss_rows, miss_tokens, ref, dst_index, miss_slots
+                ),
+                "memcpy": partial(dst_c.copy_, src_c),
+            }
+        )
     names = ("native", "torch", "memcpy")
     times: list[dict[str, list[float]]] = [{name: [] for name in names} for _ in paths]  # per step, per path: seconds
     for rep in range(reps):
-        order = names[rep % 3:] + names[: rep % 3]  # the path that goes first rotates
+        order = names[rep % 3 :] + names[: rep % 3]  # the path that goes first rotates
         for fns, ts in zip(paths, times):
             for name in order:
                 ts[name].append(_time(fns[name]))
     counts = [m[0].numel() for m in steps["misses"]]
-    per_step = {name: [n * row_bytes / statistics.median(ts[name]) / 1e9 for n, ts in zip(counts, times)] for name in names}
+    per_step = {
+        name: [n * row_bytes / statistics.median(ts[name]) / 1e9 for n, ts in zip(counts, times)] for name in names
+    }
     gbs = {name: statistics.median(v) for name, v in per_step.items()}
     return {
         "row_bytes": row_bytes,

@@ -100,21 +100,31 @@ def run(
     goals = {"policy_vs_belady": GOAL_POLICY_VS_BELADY}
     met = {"policy_vs_belady": policy_ok}
     # the figure each goal is judged on, and the trace where it was measured (for ``gaps``)
-    judged = {"policy_vs_belady": (at_2k[worst_preset], worst_preset) if worst_preset else
-              (None, "no synthetic preset ran")}
+    judged = {
+        "policy_vs_belady": (at_2k[worst_preset], worst_preset) if worst_preset else (None, "no synthetic preset ran")
+    }
     if timing:
         figures, timing_judged = _worst_timing(timing)
         judged |= timing_judged
         result |= {**figures, "torch_threads_tried": sorted({1, torch.get_num_threads()}), "timing": timing}
-        goals |= {"cost_us": GOAL_COST_US, "speedup": GOAL_SPEEDUP, "speedup_vs_torch": GOAL_SPEEDUP_VS_TORCH,
-                  "entries_per_s": GOAL_ENTRIES_PER_S}
-        met |= {"cost_us": figures["cost_us"] <= GOAL_COST_US, "speedup": figures["speedup"] >= GOAL_SPEEDUP,
-                "speedup_vs_torch": figures["speedup_vs_torch"] >= GOAL_SPEEDUP_VS_TORCH,
-                "entries_per_s": figures["entries_per_s"] >= GOAL_ENTRIES_PER_S}
+        goals |= {
+            "cost_us": GOAL_COST_US,
+            "speedup": GOAL_SPEEDUP,
+            "speedup_vs_torch": GOAL_SPEEDUP_VS_TORCH,
+            "entries_per_s": GOAL_ENTRIES_PER_S,
+        }
+        met |= {
+            "cost_us": figures["cost_us"] <= GOAL_COST_US,
+            "speedup": figures["speedup"] >= GOAL_SPEEDUP,
+            "speedup_vs_torch": figures["speedup_vs_torch"] >= GOAL_SPEEDUP_VS_TORCH,
+            "entries_per_s": figures["entries_per_s"] >= GOAL_ENTRIES_PER_S,
+        }
     result["outputs_equal"] = equal_policies and all(c["outputs_equal"] and c["torch_outputs_equal"] for c in timing)
     # each goal not met: the figure against the goal and the trace where it was worst (docs/design.md
     # 2.3.1 says why the ones not met today are not)
-    gaps = {g: {"measured": judged[g][0], "goal": goals[g], "worst_on": judged[g][1]} for g, ok in met.items() if not ok}
+    gaps = {
+        g: {"measured": judged[g][0], "goal": goals[g], "worst_on": judged[g][1]} for g, ok in met.items() if not ok
+    }
     result |= {"goals": goals, "goals_met": met, "gaps": gaps, "cpu_used_by_others": others.fraction()}
     return result
 
@@ -122,8 +132,10 @@ def run(
 def _worst_timing(timing: list[dict]) -> tuple[dict, dict]:
     """The timing figures the goals judge, each the worst preset's (the highest cost, the lowest of
     the others), and for each (the figure, the preset it was measured on)."""
-    worst = {g: pick(timing, key=itemgetter(g)) for g, pick in
-             {"cost_us": max, "speedup": min, "speedup_vs_torch": min, "entries_per_s": min}.items()}
+    worst = {
+        g: pick(timing, key=itemgetter(g))
+        for g, pick in {"cost_us": max, "speedup": min, "speedup_vs_torch": min, "entries_per_s": min}.items()
+    }
     return {g: c[g] for g, c in worst.items()}, {g: (c[g], c["trace"]) for g, c in worst.items()}
 
 
@@ -134,13 +146,21 @@ def _key(m: float) -> str:
 def _locality(tr: Trace) -> dict:
     loc = locality(tr)
     by_layer = loc.pop("overlap_by_layer")
-    return {"kind": tr.meta.get("kind", "unknown"), "streams": tr.streams, "steps": tr.steps, "k": tr.k,
-            "context0": int(tr.context0.min()), **loc,
-            "overlap_by_layer_min": min(by_layer), "overlap_by_layer_max": max(by_layer)}
+    return {
+        "kind": tr.meta.get("kind", "unknown"),
+        "streams": tr.streams,
+        "steps": tr.steps,
+        "k": tr.k,
+        "context0": int(tr.context0.min()),
+        **loc,
+        "overlap_by_layer_min": min(by_layer),
+        "overlap_by_layer_max": max(by_layer),
+    }
 
 
-def simulate(tr: Trace, capacity: int, policy: str = DEFAULT_POLICY, *, native: bool = True,
-             steps: int | None = None) -> tuple[HotCache, list[Resolution]]:
+def simulate(
+    tr: Trace, capacity: int, policy: str = DEFAULT_POLICY, *, native: bool = True, steps: int | None = None
+) -> tuple[HotCache, list[Resolution]]:
     """Every stream of ``tr`` one request of one layer, resolved step by step (stable length =
     the step's context): the cache (its stats) and the per-step resolutions."""
     cache = HotCache(capacity, 1, native=native, policy=policy)
@@ -154,8 +174,10 @@ def simulate(tr: Trace, capacity: int, policy: str = DEFAULT_POLICY, *, native: 
 def _stream_misses(tr: Trace, capacity: int) -> torch.Tensor:
     """[streams] misses of the default policy per stream over the whole trace."""
     _, steps = simulate(tr, capacity)
-    return sum((torch.bincount(res.miss_rows.long(), minlength=tr.streams) for res in steps),
-               torch.zeros(tr.streams, dtype=torch.int64))
+    return sum(
+        (torch.bincount(res.miss_rows.long(), minlength=tr.streams) for res in steps),
+        torch.zeros(tr.streams, dtype=torch.int64),
+    )
 
 
 def _selections(tr: Trace) -> torch.Tensor:
@@ -225,8 +247,10 @@ def _layer_sizing(tr: Trace) -> dict:
         "h2d_rows_per_step_sized": sized_miss / tr.steps,
         "h2d_ratio_equal_device": sized_miss / uniform_miss if uniform_miss else 1.0,
         "device_ratio_equal_h2d": smallest,
-        "hit_rate_curves": {str(layer): [round(h / max(selected_by_layer[layer], 1), 5) for _, h in pts]
-                            for layer, pts in curves.items()},
+        "hit_rate_curves": {
+            str(layer): [round(h / max(selected_by_layer[layer], 1), 5) for _, h in pts]
+            for layer, pts in curves.items()
+        },
     }
 
 
@@ -235,8 +259,7 @@ def _timing(preset_name: str, rows: int, steps: int, reference_steps: int, warmu
     tr = named(preset_name, **params)
     topk, capacity = tr.k, 2 * tr.k
     threads = sorted({1, torch.get_num_threads()})  # torch's intra-op threads, alternating by step
-    times, hits, misses, equal, torch_equal = _timed_steps(tr, rows, capacity, threads, steps, reference_steps,
-                                                           warmup)
+    times, hits, misses, equal, torch_equal = _timed_steps(tr, rows, capacity, threads, steps, reference_steps, warmup)
     med = {name: statistics.median(ts) for name, ts in times.items() if ts}
     threads = [n for n in threads if f"torch{n}" in med]  # (a single step times one count only)
     best = min(threads, key=lambda n: med[f"torch{n}"])
@@ -263,8 +286,9 @@ def _timing(preset_name: str, rows: int, steps: int, reference_steps: int, warmu
     }
 
 
-def _timed_steps(tr: Trace, rows: int, capacity: int, threads: list[int], steps: int, reference_steps: int,
-                 warmup: int) -> tuple[dict[str, list[float]], int, int, bool, bool]:
+def _timed_steps(
+    tr: Trace, rows: int, capacity: int, threads: list[int], steps: int, reference_steps: int, warmup: int
+) -> tuple[dict[str, list[float]], int, int, bool, bool]:
     """``rows`` requests of one layer through every path, ``warmup`` untimed steps then ``steps`` timed
     ones, back to back step by step: (seconds of each call by path, the native path's hits and misses,
     native == one core == reference, torch == native == reference)."""
@@ -280,7 +304,9 @@ def _timed_steps(tr: Trace, rows: int, capacity: int, threads: list[int], steps:
         equal &= _same(native.resolve(0, ids, step[t], stable), rres)
         torch_equal &= _same(vec.resolve(0, ids, step[t], stable), rres)
         one_core.resolve(0, ids, step[t], stable)
-    times: dict[str, list[float]] = {name: [] for name in ["native", "one_core", *(f"torch{n}" for n in threads), "reference"]}
+    times: dict[str, list[float]] = {
+        name: [] for name in ["native", "one_core", *(f"torch{n}" for n in threads), "reference"]
+    }
     hits = misses = 0
     before = torch.get_num_threads()
     for t in range(warmup, warmup + steps):

@@ -217,8 +217,7 @@ class _TorchImpl:
         n_miss = miss_first.sum(1, keepdim=True)
 
         order = _reorder(order, hit_first, at.view(R, k) - base, n_hits, n_miss)  # (2)+(3)
-        miss_rows, miss_tokens, miss_slots, cell = _place_misses(tok, map_l, t, h, T, order, base, miss_first,
-                                                                 n_miss)
+        miss_rows, miss_tokens, miss_slots, cell = _place_misses(tok, map_l, t, h, T, order, base, miss_first, n_miss)
         slots = map_l.index_select(0, key).view(R, k) - base  # every token is placed now (duplicates too)
         slots.masked_fill_(~valid, -1)
 
@@ -268,8 +267,9 @@ class _TorchImpl:
         bound_l.index_copy_(0, h, S)
 
 
-def _reorder(order: torch.Tensor, hit_first: torch.Tensor, slot: torch.Tensor, n_hits: torch.Tensor,
-             n_miss: torch.Tensor) -> torch.Tensor:
+def _reorder(
+    order: torch.Tensor, hit_first: torch.Tensor, slot: torch.Tensor, n_hits: torch.Tensor, n_miss: torch.Tensor
+) -> torch.Tensor:
     """(2)+(3) as one permutation of ``order`` [R, C]: after (2) the order is [non-hits, in order][hits
     by first occurrence]; (3) gives the M front slots to the misses in order and moves them to the
     back, i.e. rotates left by M. New position of each slot, then one scatter. ``hit_first`` [R, k]
@@ -286,9 +286,17 @@ def _reorder(order: torch.Tensor, hit_first: torch.Tensor, slot: torch.Tensor, n
     return torch.empty_like(order).scatter_(1, pos, order)
 
 
-def _place_misses(tok: torch.Tensor, map_l: torch.Tensor, t: torch.Tensor, h: torch.Tensor, T: int,
-                  order: torch.Tensor, base: torch.Tensor, miss_first: torch.Tensor, n_miss: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _place_misses(
+    tok: torch.Tensor,
+    map_l: torch.Tensor,
+    t: torch.Tensor,
+    h: torch.Tensor,
+    T: int,
+    order: torch.Tensor,
+    base: torch.Tensor,
+    miss_first: torch.Tensor,
+    n_miss: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(3) The misses (``miss_first`` [R, k]) into the slots ``order`` (after the permutation) gave
     them, written to ``tok`` and the map: (rows, tokens, slots, tok indices) [M] each, row-major (by
     row, then first occurrence)."""
@@ -305,8 +313,14 @@ def _place_misses(tok: torch.Tensor, map_l: torch.Tensor, t: torch.Tensor, h: to
     return miss_rows, miss_tokens, miss_slots, cell
 
 
-def _drop_speculative(tok: torch.Tensor, order: torch.Tensor, cell: torch.Tensor, miss_rows: torch.Tensor,
-                      miss_slots: torch.Tensor, spec: torch.Tensor) -> torch.Tensor:
+def _drop_speculative(
+    tok: torch.Tensor,
+    order: torch.Tensor,
+    cell: torch.Tensor,
+    miss_rows: torch.Tensor,
+    miss_slots: torch.Tensor,
+    spec: torch.Tensor,
+) -> torch.Tensor:
     """(4) Empty the slots of the speculative misses (``spec`` [M]) and move them to the front of
     ``order`` [R, C]; the new order."""
     R, C = order.shape

@@ -72,8 +72,7 @@ class _ClientRecord(TypedDict):
     end: float | None
 
 
-def _client(url: str, prompt: list[int], max_tokens: int, start: threading.Event, max_retries: int
-            ) -> _ClientRecord:
+def _client(url: str, prompt: list[int], max_tokens: int, start: threading.Event, max_retries: int) -> _ClientRecord:
     """One client: waits for ``start``, sends, retries after 429 per Retry-After."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
     start.wait()
@@ -106,8 +105,15 @@ def _client(url: str, prompt: list[int], max_tokens: int, start: threading.Event
         if not stamps:
             rec["error"] = "no tokens"
             return rec
-        rec.update({"ok": True, "ids": ids, "ttft": stamps[0] - t0, "end": stamps[-1],
-                    "tpot": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None})
+        rec.update(
+            {
+                "ok": True,
+                "ids": ids,
+                "ttft": stamps[0] - t0,
+                "end": stamps[-1],
+                "tpot": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None,
+            }
+        )
         return rec
     return rec
 
@@ -126,14 +132,21 @@ def _stack_round(url: str, work: list[tuple[list[int], int]], max_retries: int) 
     wall = (max(r["end"] for r in ok if r["end"] is not None) - t0) if ok else 0.0
     ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
-    return {"ok": len(ok), "failed": len(recs) - len(ok), "rejected_429": sum(r["rejected"] for r in recs),
-            "retries": sum(r["rejected"] for r in ok),
-            "errors": sorted({r["error"][:200] for r in recs if not r["ok"]})[:5],
-            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-            "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99),
-            "output_tokens": out_tokens, "wall_s": wall,
-            "output_tokens_per_s": out_tokens / wall if wall else 0.0,
-            "_ids": [r["ids"] if r["ok"] else None for r in recs]}
+    return {
+        "ok": len(ok),
+        "failed": len(recs) - len(ok),
+        "rejected_429": sum(r["rejected"] for r in recs),
+        "retries": sum(r["rejected"] for r in ok),
+        "errors": sorted({r["error"][:200] for r in recs if not r["ok"]})[:5],
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p99_s": _pct(ttft, 0.99),
+        "tpot_p50_s": _pct(tpot, 0.5),
+        "tpot_p99_s": _pct(tpot, 0.99),
+        "output_tokens": out_tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": out_tokens / wall if wall else 0.0,
+        "_ids": [r["ids"] if r["ok"] else None for r in recs],
+    }
 
 
 class _Single:
@@ -142,8 +155,13 @@ class _Single:
     def __init__(self, model_dir: Path, block_size: int, max_model_len: int) -> None:
         from kvoffload_testing.reference import TimedEngine
 
-        self.engine = TimedEngine(model_dir, block_size=block_size, max_model_len=max_model_len,
-                                  max_num_seqs=MAX_NUM_SEQS, chunk_size=CHUNK_SIZE)
+        self.engine = TimedEngine(
+            model_dir,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=MAX_NUM_SEQS,
+            chunk_size=CHUNK_SIZE,
+        )
 
     def round(self, tag: str, work: list[tuple[list[int], int]]) -> dict:
         t0, ids, stamps = self.engine.run(tag, work)
@@ -151,25 +169,44 @@ class _Single:
         ttft = [st[0] - t0 for st in stamps]
         tpot = [(st[-1] - st[0]) / (len(st) - 1) for st in stamps if len(st) > 1]
         out_tokens = sum(len(i) for i in ids)
-        return {"ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-                "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99),
-                "output_tokens": out_tokens, "wall_s": wall, "output_tokens_per_s": out_tokens / wall,
-                "_ids": ids}
+        return {
+            "ttft_p50_s": _pct(ttft, 0.5),
+            "ttft_p99_s": _pct(ttft, 0.99),
+            "tpot_p50_s": _pct(tpot, 0.5),
+            "tpot_p99_s": _pct(tpot, 0.99),
+            "output_tokens": out_tokens,
+            "wall_s": wall,
+            "output_tokens_per_s": out_tokens / wall,
+            "_ids": ids,
+        }
 
     def close(self) -> None:
         self.engine.close()
 
 
-def _workload(gen: random.Random, n: int, min_prompt: int, max_prompt: int, max_tokens: int
-              ) -> list[tuple[list[int], int]]:
+def _workload(
+    gen: random.Random, n: int, min_prompt: int, max_prompt: int, max_tokens: int
+) -> list[tuple[list[int], int]]:
     lo, hi = math.log(min_prompt), math.log(max_prompt)
-    return [([gen.randrange(256) for _ in range(int(math.exp(gen.uniform(lo, hi))))], gen.randint(1, max_tokens))
-            for _ in range(n)]
+    return [
+        ([gen.randrange(256) for _ in range(int(math.exp(gen.uniform(lo, hi))))], gen.randint(1, max_tokens))
+        for _ in range(n)
+    ]
 
 
-def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_prompt: int = 1500,
-        max_tokens: int = 32, block_size: int = 16, max_retries: int = 20, seed: int = 0, rounds: int = 3,
-        decode_args: tuple[str, ...] = (), service_env: dict[str, dict[str, str]] | None = None) -> dict:
+def run(
+    *,
+    clients: tuple[int, ...] = (64, 256),
+    min_prompt: int = 10,
+    max_prompt: int = 1500,
+    max_tokens: int = 32,
+    block_size: int = 16,
+    max_retries: int = 20,
+    seed: int = 0,
+    rounds: int = 3,
+    decode_args: tuple[str, ...] = (),
+    service_env: dict[str, dict[str, str]] | None = None,
+) -> dict:
     """One stack round and one single-process round per client count; returns the JSON-ready result."""
     from kvoffload_testing.ports import free_stack_ports
     from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
@@ -181,10 +218,15 @@ def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_promp
     model_dir = ensure_tiny_model(work_dir / "tiny")
     gen = random.Random(seed)
     max_model_len = 8192
-    cfg = StackConfig(model=model_dir, log_dir=work_dir / "logs", **free_stack_ports(),
-                      max_model_len=max_model_len, block_size=block_size,
-                      service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE)], "decode-0": list(decode_args)},
-                      service_env=service_env or {})
+    cfg = StackConfig(
+        model=model_dir,
+        log_dir=work_dir / "logs",
+        **free_stack_ports(),
+        max_model_len=max_model_len,
+        block_size=block_size,
+        service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE)], "decode-0": list(decode_args)},
+        service_env=service_env or {},
+    )
     levels = []
     single = _Single(model_dir, block_size, max_model_len)
     try:
@@ -201,16 +243,26 @@ def run(*, clients: tuple[int, ...] = (64, 256), min_prompt: int = 10, max_promp
     worst = min(lv["throughput_ratio"] for lv in levels)
     tokens_equal = all(lv["tokens_equal"] for lv in levels)
     return {
-        "bench": "load", "clients": list(clients), "rounds": rounds, "min_prompt": min_prompt, "max_prompt": max_prompt,
-        "max_tokens": max_tokens, "decode_max_num_seqs": MAX_NUM_SEQS, "chunk_size": CHUNK_SIZE,
+        "bench": "load",
+        "clients": list(clients),
+        "rounds": rounds,
+        "min_prompt": min_prompt,
+        "max_prompt": max_prompt,
+        "max_tokens": max_tokens,
+        "decode_max_num_seqs": MAX_NUM_SEQS,
+        "chunk_size": CHUNK_SIZE,
         "levels": levels,
-        "ok": sum(lv["ok"] for lv in levels), "failed": failures,
+        "ok": sum(lv["ok"] for lv in levels),
+        "failed": failures,
         "rejected_429": sum(lv["rejected_429"] for lv in levels),
         "throughput_ratio_min": worst,
         "tokens_equal": tokens_equal,
         "goals": {"failed": 0, "throughput_ratio": GOAL_THROUGHPUT_RATIO, "tokens_equal": True},
-        "goals_met": {"failed": failures == 0, "throughput_ratio": worst >= GOAL_THROUGHPUT_RATIO,
-                      "tokens_equal": tokens_equal},
+        "goals_met": {
+            "failed": failures == 0,
+            "throughput_ratio": worst >= GOAL_THROUGHPUT_RATIO,
+            "tokens_equal": tokens_equal,
+        },
     }
 
 
@@ -222,12 +274,19 @@ def _pair(url: str, single: _Single, work: list[tuple[list[int], int]], n: int, 
     one = single.round(f"c{n}r{rnd}", work)
     pd_ids, one_ids = pd.pop("_ids"), one.pop("_ids")
     if len(pd_ids) != len(one_ids):
-        raise RuntimeError(f"round {rnd}: {len(pd_ids)} stack answers for {len(one_ids)} engine "
-                           f"answers of the same {len(work)} requests")
+        raise RuntimeError(
+            f"round {rnd}: {len(pd_ids)} stack answers for {len(one_ids)} engine "
+            f"answers of the same {len(work)} requests"
+        )
     equal = all(a == b for a, b in zip(pd_ids, one_ids, strict=True))  # a failed request (None) is not equal
     ratio = pd["output_tokens_per_s"] / one["output_tokens_per_s"] if one["output_tokens_per_s"] else 0.0
-    return {"prompt_tokens": sum(len(p) for p, _ in work), **pd, **{f"single_{k}": v for k, v in one.items()},
-            "throughput_ratio": ratio, "tokens_equal": equal}
+    return {
+        "prompt_tokens": sum(len(p) for p, _ in work),
+        **pd,
+        **{f"single_{k}": v for k, v in one.items()},
+        "throughput_ratio": ratio,
+        "tokens_equal": equal,
+    }
 
 
 def _level(n: int, rounds: int, per_round: list[dict], decode_stats: dict[str, float]) -> dict:
@@ -236,8 +295,7 @@ def _level(n: int, rounds: int, per_round: list[dict], decode_stats: dict[str, f
     level: dict[str, object] = {"clients": n, "rounds": rounds}
     for key, value in per_round[0].items():
         values = [r[key] for r in per_round]
-        if key in ("ok", "failed", "rejected_429", "retries", "prompt_tokens", "output_tokens",
-                   "single_output_tokens"):
+        if key in ("ok", "failed", "rejected_429", "retries", "prompt_tokens", "output_tokens", "single_output_tokens"):
             level[key] = sum(values)
         elif key == "errors":
             level[key] = sorted({e for v in values for e in v})[:5]
@@ -245,8 +303,10 @@ def _level(n: int, rounds: int, per_round: list[dict], decode_stats: dict[str, f
             level[key] = all(values)
         else:
             level[key] = statistics.median(values)
-    level |= {"decode_max_queued": int(decode_stats["max_queued"]),
-              "decode_rejected_total": int(decode_stats["rejected"])}
+    level |= {
+        "decode_max_queued": int(decode_stats["max_queued"]),
+        "decode_rejected_total": int(decode_stats["rejected"]),
+    }
     if rounds > 1:
         level["per_round_throughput_ratio"] = [r["throughput_ratio"] for r in per_round]
     return level

@@ -82,8 +82,9 @@ class _Countdown:
                 self._event.set()
 
 
-def _stream_timed(url: str, prompt: list[int], max_tokens: int, second: _Countdown
-                  ) -> tuple[list[int], float, float | None]:
+def _stream_timed(
+    url: str, prompt: list[int], max_tokens: int, second: _Countdown
+) -> tuple[list[int], float, float | None]:
     """(tokens, time to first token, time per output token after the first: ``_tpot``) of one
     streaming request; ``second.done()`` once it has two tokens (or ended)."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
@@ -125,11 +126,13 @@ class _Single:
     def __init__(self, model_dir: Path, max_num_seqs: int, block_size: int) -> None:
         from kvoffload_testing.reference import TimedEngine
 
-        self.engine = TimedEngine(model_dir, block_size=block_size, max_model_len=8192, max_num_seqs=max_num_seqs,
-                                  chunk_size=CHUNK_SIZE)
+        self.engine = TimedEngine(
+            model_dir, block_size=block_size, max_model_len=8192, max_num_seqs=max_num_seqs, chunk_size=CHUNK_SIZE
+        )
 
     def round(self, tag: str, prompts: list[list[int]], max_tokens: int, second: threading.Event):
         """(tokens, TTFTs, TPOTs (``_tpot``)) per request; sets ``second`` once every request has two tokens."""
+
         def check(seqs, stamps) -> None:
             if not second.is_set() and all(len(st) >= 2 or s.finished for s, st in zip(seqs, stamps)):
                 second.set()
@@ -142,18 +145,33 @@ class _Single:
         self.engine.close()
 
 
-def _rounds(model_dir: Path, log_dir: Path, prefill_args: list[str], *, requests: int, prompt_tokens: int,
-            max_tokens: int, block_size: int, rounds: int, gen: random.Random, sampler: MemcpySampler
-            ) -> tuple[list[dict], bool]:
+def _rounds(
+    model_dir: Path,
+    log_dir: Path,
+    prefill_args: list[str],
+    *,
+    requests: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    rounds: int,
+    gen: random.Random,
+    sampler: MemcpySampler,
+) -> tuple[list[dict], bool]:
     """``rounds`` interleaved P/D + single-process pairs on ``model_dir`` (the prefill started with
     ``prefill_args``): (per-round figures, whether greedy tokens were equal in every pair)."""
     from kvoffload_testing.ports import free_stack_ports
     from kvoffload_testing.stack import Stack, StackConfig
     from kvoffload_testing.stack_client import stack_stats
 
-    cfg = StackConfig(model=model_dir, log_dir=log_dir, **free_stack_ports(), max_model_len=8192,
-                      block_size=block_size,
-                      service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE), *prefill_args]})
+    cfg = StackConfig(
+        model=model_dir,
+        log_dir=log_dir,
+        **free_stack_ports(),
+        max_model_len=8192,
+        block_size=block_size,
+        service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE), *prefill_args]},
+    )
     per_round: list[dict] = []
     tokens_equal = True
     single = _Single(model_dir, requests, block_size)
@@ -166,8 +184,9 @@ def _rounds(model_dir: Path, log_dir: Path, prefill_args: list[str], *, requests
                 second = threading.Event()
                 countdown = _Countdown(requests, second)
                 memcpy = sampler.start(second)
-                pd = list(pool.map(lambda p: _stream_timed(f"{stack.url}/v1/completions", p, max_tokens, countdown),
-                                   prompts))
+                pd = list(
+                    pool.map(lambda p: _stream_timed(f"{stack.url}/v1/completions", p, max_tokens, countdown), prompts)
+                )
                 memcpy_gbps, copies = memcpy()
                 after = stack_stats(cfg)["decode-0"]
                 # single-process half: same prompts, same extra load (the sampler) while it prefills
@@ -176,8 +195,10 @@ def _rounds(model_dir: Path, log_dir: Path, prefill_args: list[str], *, requests
                 single_ids, single_ttft, single_tpot = single.round(f"r{rnd}", prompts, max_tokens, second)
                 memcpy()
                 tokens_equal &= [r[0] for r in pd] == single_ids
-                per_round.append(_round_figures(pd, single_ttft, single_tpot, before, after) |
-                                 _pull_figures(before, after, memcpy_gbps, copies))
+                per_round.append(
+                    _round_figures(pd, single_ttft, single_tpot, before, after)
+                    | _pull_figures(before, after, memcpy_gbps, copies)
+                )
     finally:
         single.close()
     return per_round, tokens_equal
@@ -194,20 +215,32 @@ def _measured_median(values: list[float | None]) -> float | None:
     return statistics.median(measured) if len(measured) == len(values) else None
 
 
-def _round_figures(pd: list[tuple[list[int], float, float | None]], single_ttft: list[float],
-                   single_tpot: list[float | None], before: dict, after: dict) -> dict:
+def _round_figures(
+    pd: list[tuple[list[int], float, float | None]],
+    single_ttft: list[float],
+    single_tpot: list[float | None],
+    before: dict,
+    after: dict,
+) -> dict:
     """One pair's TTFT / TPOT figures (``pd``: ``_stream_timed`` per request) and the decode's pulls
     (its stats ``before`` and ``after`` the P/D round)."""
     pd_ttft, s_ttft = statistics.median(r[1] for r in pd), statistics.median(single_ttft)
     pd_tpot, s_tpot = _measured_median([r[2] for r in pd]), _measured_median(single_tpot)
     return {
-        "pd_ttft_s": pd_ttft, "single_ttft_s": s_ttft, "ttft_ratio": pd_ttft / s_ttft,
-        "pd_tpot_s": pd_tpot, "single_tpot_s": s_tpot, "tpot_ratio": _ratio(pd_tpot, s_tpot),
+        "pd_ttft_s": pd_ttft,
+        "single_ttft_s": s_ttft,
+        "ttft_ratio": pd_ttft / s_ttft,
+        "pd_tpot_s": pd_tpot,
+        "single_tpot_s": s_tpot,
+        "tpot_ratio": _ratio(pd_tpot, s_tpot),
         "pulls": int(after["read_done"] - before["read_done"]),
         "pull_bytes": int(after["bytes_read"] - before["bytes_read"]),
         # per prefill TP rank: its shares (a rank that had pulled nothing before had no counter)
-        "pull_bytes_by_prefill_tp_rank": {k.removeprefix(BY_RANK): int(v - before.get(k, 0))
-                                          for k, v in sorted(after.items()) if k.startswith(BY_RANK)},
+        "pull_bytes_by_prefill_tp_rank": {
+            k.removeprefix(BY_RANK): int(v - before.get(k, 0))
+            for k, v in sorted(after.items())
+            if k.startswith(BY_RANK)
+        },
     }
 
 
@@ -217,8 +250,12 @@ def _pull_figures(before: dict, after: dict, memcpy_gbps: float, copies: int) ->
     nbytes = after["bytes_read"] - before["bytes_read"]
     seconds = (after["read_ms_total"] - before["read_ms_total"]) / 1000
     pull_gbps = nbytes / seconds / 1e9 if nbytes > 0 and seconds > 0 else None
-    return {"pull_gbps_in_stack": pull_gbps, "memcpy_gbps_in_stack": memcpy_gbps, "memcpy_copies": copies,
-            "pull_gbps_in_stack_ratio_to_memcpy": _ratio(pull_gbps, memcpy_gbps)}
+    return {
+        "pull_gbps_in_stack": pull_gbps,
+        "memcpy_gbps_in_stack": memcpy_gbps,
+        "memcpy_copies": copies,
+        "pull_gbps_in_stack_ratio_to_memcpy": _ratio(pull_gbps, memcpy_gbps),
+    }
 
 
 def _median(per_round: list[dict], key: str) -> float | None:
@@ -229,9 +266,9 @@ def _median(per_round: list[dict], key: str) -> float | None:
 # goal -> why its figure can be None (not measured)
 NOT_MEASURED = {
     "tpot_ratio": "a request's tokens after the first half of its stream arrived at once (one chunk, or "
-                  "fewer than two tokens), so no gap between tokens was timed",
+    "fewer than two tokens), so no gap between tokens was timed",
     "pull_gbps_in_stack_ratio_to_memcpy": "the decode timed no pull of any byte (its bytes_read / read_ms_total "
-                                          "did not grow), or the memcpy sampler timed no copy",
+    "did not grow), or the memcpy sampler timed no copy",
 }
 
 
@@ -244,15 +281,19 @@ def _goals(out: dict, per_round: list[dict]) -> dict:
     """``goals``, ``goals_met`` and ``not_measured`` of the result ``out`` so far (a goal whose figure
     is None was not measured: not met, and ``not_measured`` says why)."""
     tpot, pull = out["tpot_ratio"], out["pull_gbps_in_stack_ratio_to_memcpy"]
-    goals = {"tpot_ratio": GOAL_TPOT_RATIO, "pull_gbps_in_stack_ratio_to_memcpy": GOAL_PULL_RATIO,
-             "tokens_equal": True}
-    met = {"tpot_ratio": tpot is not None and tpot <= GOAL_TPOT_RATIO,
-           "pull_gbps_in_stack_ratio_to_memcpy": pull is not None and pull >= GOAL_PULL_RATIO,
-           "tokens_equal": out["tokens_equal"]}
+    goals = {"tpot_ratio": GOAL_TPOT_RATIO, "pull_gbps_in_stack_ratio_to_memcpy": GOAL_PULL_RATIO, "tokens_equal": True}
+    met = {
+        "tpot_ratio": tpot is not None and tpot <= GOAL_TPOT_RATIO,
+        "pull_gbps_in_stack_ratio_to_memcpy": pull is not None and pull >= GOAL_PULL_RATIO,
+        "tokens_equal": out["tokens_equal"],
+    }
     if "tp_2_1" in out:
         goals["tp_2_1_tokens_equal"], met["tp_2_1_tokens_equal"] = True, out["tp_2_1"]["tokens_equal"]
-    return {"goals": goals, "goals_met": met,
-            "not_measured": {k: _not_measured(per_round, k) for k in NOT_MEASURED if out[k] is None}}
+    return {
+        "goals": goals,
+        "goals_met": met,
+        "not_measured": {k: _not_measured(per_round, k) for k in NOT_MEASURED if out[k] is None},
+    }
 
 
 def _row_bytes(model_dir: Path) -> int:
@@ -262,8 +303,16 @@ def _row_bytes(model_dir: Path) -> int:
     return (mc.kv_row_width + mc.index_head_dim) * mc.dtype.itemsize  # main + indexer row of one token
 
 
-def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, block_size: int = 16,
-        rounds: int = 3, idle_pull: bool = True, tp: bool = True) -> dict:
+def run(
+    *,
+    requests: int = 8,
+    prompt_tokens: int = 4096,
+    max_tokens: int = 64,
+    block_size: int = 16,
+    rounds: int = 3,
+    idle_pull: bool = True,
+    tp: bool = True,
+) -> dict:
     """Runs ``rounds`` interleaved P/D + single-process pairs; returns the JSON-ready result
     (see module docstring). With ``tp``, the same again with a TP 2 prefill (``tp_2_1``)."""
     from dsamodel.presets import write_tiny
@@ -278,8 +327,15 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
     model_dir = ensure_tiny_model(work / "tiny")
     memcpy_bytes = min(prompt_tokens, CHUNK_SIZE) * _row_bytes(model_dir)  # one pull: a layer's rows of one chunk
     gen = random.Random(0)
-    sized_rounds = partial(_rounds, requests=requests, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                           block_size=block_size, rounds=rounds, gen=gen)
+    sized_rounds = partial(
+        _rounds,
+        requests=requests,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        block_size=block_size,
+        rounds=rounds,
+        gen=gen,
+    )
     sampler = MemcpySampler(memcpy_bytes)
     per_round, tokens_equal = sized_rounds(model_dir, work / "logs", [], sampler=sampler)
     del sampler
@@ -287,33 +343,54 @@ def run(*, requests: int = 8, prompt_tokens: int = 4096, max_tokens: int = 64, b
     pulls = sum(r["pulls"] for r in per_round)
     pull_bytes = sum(r["pull_bytes"] for r in per_round)
     out = {
-        "bench": "pd", "requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-        "rounds": rounds, **{k: _median(per_round, k) for k in ("pd_ttft_s", "single_ttft_s", "ttft_ratio",
-                                                                 "pd_tpot_s", "single_tpot_s", "tpot_ratio")},
-        "pulls": pulls, "pull_bytes": pull_bytes, "pull_bytes_per_pull": pull_bytes // pulls if pulls else None,
+        "bench": "pd",
+        "requests": requests,
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        **{
+            k: _median(per_round, k)
+            for k in ("pd_ttft_s", "single_ttft_s", "ttft_ratio", "pd_tpot_s", "single_tpot_s", "tpot_ratio")
+        },
+        "pulls": pulls,
+        "pull_bytes": pull_bytes,
+        "pull_bytes_per_pull": pull_bytes // pulls if pulls else None,
         "memcpy_bytes": memcpy_bytes,
-        **{k: _median(per_round, k) for k in ("pull_gbps_in_stack", "memcpy_gbps_in_stack",
-                                               "pull_gbps_in_stack_ratio_to_memcpy")},
+        **{
+            k: _median(per_round, k)
+            for k in ("pull_gbps_in_stack", "memcpy_gbps_in_stack", "pull_gbps_in_stack_ratio_to_memcpy")
+        },
         "tokens_equal": tokens_equal,
         "per_round": per_round,
     }
     if tp:  # (prefill TP, decode TP) = (2, 1); float32: a TP size's partial sums round differently
         model32 = write_tiny(work / "tiny-float32", dtype="float32")
         sampler = MemcpySampler(min(prompt_tokens, CHUNK_SIZE) * _row_bytes(model32))
-        tp_rounds, tp_equal = sized_rounds(model32, work / "logs-tp2", ["--tensor-parallel-size", "2"],
-                                           sampler=sampler)
+        tp_rounds, tp_equal = sized_rounds(model32, work / "logs-tp2", ["--tensor-parallel-size", "2"], sampler=sampler)
         del sampler
         out["tp_2_1"] = {
-            "prefill_tp": 2, "decode_tp": 1, "dtype": "float32",
-            **{k: _median(tp_rounds, k) for k in ("pd_ttft_s", "single_ttft_s", "ttft_ratio", "pd_tpot_s",
-                                                   "single_tpot_s", "tpot_ratio")},
-            "pulls": sum(r["pulls"] for r in tp_rounds), "pull_bytes": sum(r["pull_bytes"] for r in tp_rounds),
-            "pull_bytes_by_prefill_tp_rank": {rank: sum(r["pull_bytes_by_prefill_tp_rank"][rank] for r in tp_rounds)
-                                              for rank in tp_rounds[0]["pull_bytes_by_prefill_tp_rank"]},
-            "tokens_equal": tp_equal, "per_round": tp_rounds}
+            "prefill_tp": 2,
+            "decode_tp": 1,
+            "dtype": "float32",
+            **{
+                k: _median(tp_rounds, k)
+                for k in ("pd_ttft_s", "single_ttft_s", "ttft_ratio", "pd_tpot_s", "single_tpot_s", "tpot_ratio")
+            },
+            "pulls": sum(r["pulls"] for r in tp_rounds),
+            "pull_bytes": sum(r["pull_bytes"] for r in tp_rounds),
+            "pull_bytes_by_prefill_tp_rank": {
+                rank: sum(r["pull_bytes_by_prefill_tp_rank"][rank] for r in tp_rounds)
+                for rank in tp_rounds[0]["pull_bytes_by_prefill_tp_rank"]
+            },
+            "tokens_equal": tp_equal,
+            "per_round": tp_rounds,
+        }
     out |= _goals(out, per_round)
     if idle_pull:
         idle_pull_gbps, idle_memcpy = pull_vs_memcpy(prompt_tokens, block_size)
-        out |= {"idle_pull_gbps": idle_pull_gbps, "idle_memcpy_gbps": idle_memcpy,
-                "idle_pull_ratio_to_memcpy": idle_pull_gbps / idle_memcpy}
+        out |= {
+            "idle_pull_gbps": idle_pull_gbps,
+            "idle_memcpy_gbps": idle_memcpy,
+            "idle_pull_ratio_to_memcpy": idle_pull_gbps / idle_memcpy,
+        }
     return out

@@ -70,8 +70,9 @@ def pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 25) -> tuple
     c = model.config
     main_bytes, idx_bytes = c.kv_row_width * 2, c.index_head_dim * 2
     blocks = -(-prompt_tokens // block_size)
-    seg = SharedSegment.create(f"kvoffload-bench-pull-{uuid.uuid4().hex[:8]}",
-                               PoolGeometry(block_size, (main_bytes, idx_bytes), blocks))
+    seg = SharedSegment.create(
+        f"kvoffload-bench-pull-{uuid.uuid4().hex[:8]}", PoolGeometry(block_size, (main_bytes, idx_bytes), blocks)
+    )
     pool = build.decode_pool(model, block_size, 1 << 30)
     dec = SparseDecoder(model, pool, topk_buffer_size=128, max_num_seqs=1, max_model_len=prompt_tokens + 16)
     try:
@@ -87,8 +88,12 @@ def pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 25) -> tuple
         pulls, copies = [], []
         for r in range(reps + layers):  # the first round over the layers touches every page once
             t = time.perf_counter()
-            dec.write_prompt_layer("bench", r % layers, main.view(torch.bfloat16).view(prompt_tokens, -1),
-                                   idx.view(torch.bfloat16).view(prompt_tokens, -1))
+            dec.write_prompt_layer(
+                "bench",
+                r % layers,
+                main.view(torch.bfloat16).view(prompt_tokens, -1),
+                idx.view(torch.bfloat16).view(prompt_tokens, -1),
+            )
             t1 = time.perf_counter()
             dst[r % layers].copy_(src)
             t2 = time.perf_counter()

@@ -65,10 +65,16 @@ def run(*, repeats: int = 5, shapes: tuple[str, ...] = tuple(SHAPES)) -> dict:
     with ExitStack() as stack:
         for name in POOL_BACKENDS:  # each backend its entry: why it cannot run here, or its figures
             problem = backend_problem(name)
-            backends[name] = {"available": False, "reason": problem} if problem else \
-                MEASURES[name](stack, shapes, repeats, memcpy)
-    return {"bench": "pool", "repeats": repeats, "shapes": {n: _shape_info(n) for n in shapes},
-            "memcpy_gbps": memcpy, "backends": backends}
+            backends[name] = (
+                {"available": False, "reason": problem} if problem else MEASURES[name](stack, shapes, repeats, memcpy)
+            )
+    return {
+        "bench": "pool",
+        "repeats": repeats,
+        "shapes": {n: _shape_info(n) for n in shapes},
+        "memcpy_gbps": memcpy,
+        "backends": backends,
+    }
 
 
 def _shape_info(name: str) -> dict:
@@ -99,8 +105,9 @@ def _memcpy_gbps(name: str, repeats: int) -> float:
     return src.numel() / statistics.median(times) / 1e9
 
 
-def _measure(pool, name: str, repeats: int, memcpy: dict,
-             read_elsewhere: Callable[[list[bytes]], float] | None) -> dict:
+def _measure(
+    pool, name: str, repeats: int, memcpy: dict, read_elsewhere: Callable[[list[bytes]], float] | None
+) -> dict:
     """put / get (and the cross-process get) of one shape on one pool."""
     src = _batch(name, 1)
     nbytes = src.numel()
@@ -130,8 +137,13 @@ def _measure(pool, name: str, repeats: int, memcpy: dict,
 def _child(mode: str, args: dict, what: str) -> str:
     """Runs ``python -m kvoffload_bench.pool MODE JSON`` (a reader or the memcache probe) and returns
     its stdout; a non-zero exit raises with the end of its stderr."""
-    proc = subprocess.run([sys.executable, "-m", "kvoffload_bench.pool", mode, json.dumps(args)],
-                          capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload_bench.pool", mode, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ.copy(),
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"the {what} process failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
     return proc.stdout
@@ -140,10 +152,17 @@ def _child(mode: str, args: dict, what: str) -> str:
 def _reader(backend: str, name: str, repeats: int, **keys) -> Callable[[list[bytes]], float]:
     """A second process with a pool of its own (store keys ``keys``) that reads ``keys`` ``repeats``
     times and answers the median seconds."""
+
     def read(object_keys: list[bytes]) -> float:
-        args = {"backend": backend, "shape": name, "repeats": repeats, "keys": [k.hex() for k in object_keys],
-                "store_keys": keys}
+        args = {
+            "backend": backend,
+            "shape": name,
+            "repeats": repeats,
+            "keys": [k.hex() for k in object_keys],
+            "store_keys": keys,
+        }
         return float(json.loads(_child("read", args, f"{backend} reader").strip().splitlines()[-1])["seconds"])
+
     return read
 
 
@@ -166,8 +185,12 @@ def _kvoffload(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
     server = cast("MetastoreServer", start_server("kvoffload"))  # the launcher kvcore.poolregistry names
     stack.callback(server.stop)
     target = server.address
-    out = {"available": True, "single_process_pool": "LocalHostPool", "cross_process_pool": "RemoteHostPool",
-           "metastore": target}
+    out = {
+        "available": True,
+        "single_process_pool": "LocalHostPool",
+        "cross_process_pool": "RemoteHostPool",
+        "metastore": target,
+    }
     for name in shapes:
         with _pool("kvoffload", name) as local:
             single = _measure(local, name, repeats, memcpy, None)
@@ -226,8 +249,11 @@ def _memcache_main(args: dict) -> None:
         entry = {"available": False, "reason": f"memcache_hybrid cannot start a LocalService here: {exc.reason}"}
     else:
         pool.close()  # it started: an Ascend host; its figures are not measured by this bench yet
-        entry = {"available": False, "reason": "memcache_hybrid started a LocalService here, but this bench does "
-                                               "not measure the memcache pool yet"}
+        entry = {
+            "available": False,
+            "reason": "memcache_hybrid started a LocalService here, but this bench does "
+            "not measure the memcache pool yet",
+        }
     print(json.dumps(entry))
 
 
@@ -247,6 +273,7 @@ def _read_main(args: dict) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in ("read", "memcache"):
-        raise SystemExit("usage: python -m kvoffload_bench.pool read|memcache JSON (the bench's reader process, "
-                         "its memcache probe)")
+        raise SystemExit(
+            "usage: python -m kvoffload_bench.pool read|memcache JSON (the bench's reader process, its memcache probe)"
+        )
     (_read_main if sys.argv[1] == "read" else _memcache_main)(json.loads(sys.argv[2]))

@@ -31,8 +31,9 @@ from kvcore.traces.trace import Trace
 PREDICTORS = ("returning", "neighbours", "previous_layer")
 
 
-def evaluate(trace: Trace, capacity: int, *, policy: str = "lru", window: int = 12, budget: float = 2.0,
-             warmup: int = 2) -> dict:
+def evaluate(
+    trace: Trace, capacity: int, *, policy: str = "lru", window: int = 12, budget: float = 2.0, warmup: int = 2
+) -> dict:
     """Each predictor's recall, precision and loads per miss on ``trace`` (module docstring), with
     the default hot cache of ``capacity`` slots; steps before ``warmup`` are not scored."""
     S, T, k = trace.topk.shape
@@ -75,14 +76,18 @@ def evaluate(trace: Trace, capacity: int, *, policy: str = "lru", window: int = 
         new_prev = selected & (last != t - 1)
         last[selected] = t
         prev_misses = torch.bincount(res.miss_rows.long(), minlength=S)
-    return {name: {"recall": h / max(m, 1), "precision": h / max(n, 1), "loads_per_miss": n / max(m, 1)}
-            for name, (h, n, m) in score.items()}
+    return {
+        name: {"recall": h / max(m, 1), "precision": h / max(n, 1), "loads_per_miss": n / max(m, 1)}
+        for name, (h, n, m) in score.items()
+    }
 
 
 def _stream_below(trace: Trace) -> torch.Tensor:
     of = {(int(r), int(g), int(l)): s for s, (r, g, l) in enumerate(zip(trace.requests, trace.groups, trace.layers))}
-    return torch.tensor([of.get((int(r), int(g), int(l) - 1), -1)
-                         for r, g, l in zip(trace.requests, trace.groups, trace.layers)], dtype=torch.int64)
+    return torch.tensor(
+        [of.get((int(r), int(g), int(l) - 1), -1) for r, g, l in zip(trace.requests, trace.groups, trace.layers)],
+        dtype=torch.int64,
+    )
 
 
 def _resident_mask(cache: HotCache, ids: list[str], S: int, P: int) -> torch.Tensor:
@@ -92,4 +97,3 @@ def _resident_mask(cache: HotCache, ids: list[str], S: int, P: int) -> torch.Ten
         if toks:
             out[s, torch.tensor(toks)] = True
     return out
-

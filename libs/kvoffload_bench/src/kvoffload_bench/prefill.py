@@ -37,9 +37,18 @@ from svcruntime.logs import quiet_logs
 GOAL_TIME_RATIO = 1.10
 
 
-def run(*, prompt_tokens: int = 4096, chunk_size: int = 1024, block_size: int = 64, num_hidden_layers: int = 27,
-        buffers: int = 3, independent: tuple[int, ...] = (0,), reps: int = 3, dtype: str = "bfloat16",
-        seed: int = 0) -> dict:
+def run(
+    *,
+    prompt_tokens: int = 4096,
+    chunk_size: int = 1024,
+    block_size: int = 64,
+    num_hidden_layers: int = 27,
+    buffers: int = 3,
+    independent: tuple[int, ...] = (0,),
+    reps: int = 3,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+) -> dict:
     quiet_logs()
     model = tiny_model(seed=seed, dtype="float32", num_hidden_layers=num_hidden_layers).to(getattr(torch, dtype))
     prompt = torch.randint(0, 256, (prompt_tokens,), generator=torch.Generator().manual_seed(seed))
@@ -48,8 +57,15 @@ def run(*, prompt_tokens: int = 4096, chunk_size: int = 1024, block_size: int = 
     for name, b, indep in (("reuse", buffers, list(independent)), ("no_reuse", None, "all")):
         pool = build.prefill_pool(model, block_size, 4 * prompt_tokens * _token_bytes(model) + (64 << 20))
         pools.append(pool)
-        engines[name] = build.prefill_engine(model, pool, buffers=b, independent=indep, chunk_size=chunk_size,
-                                             max_model_len=prompt_tokens, model_id=f"bench-{name}")
+        engines[name] = build.prefill_engine(
+            model,
+            pool,
+            buffers=b,
+            independent=indep,
+            chunk_size=chunk_size,
+            max_model_len=prompt_tokens,
+            model_id=f"bench-{name}",
+        )
     counter = iter(range(1 << 30))
     logits = {}
 
@@ -60,6 +76,7 @@ def run(*, prompt_tokens: int = 4096, chunk_size: int = 1024, block_size: int = 
             logits[name] = res.logits
             eng.release(res)
             eng.pool.remove(res.keys)  # the next repetition recomputes instead of hitting the prefix cache
+
         return go
 
     try:
@@ -74,20 +91,31 @@ def run(*, prompt_tokens: int = 4096, chunk_size: int = 1024, block_size: int = 
         expected = plan.num_buffers / n
         device_kv_ratio = bytes_of["reuse"] / bytes_of["no_reuse"]
         return {
-            "bench": "prefill", "prompt_tokens": prompt_tokens, "chunk_size": chunk_size, "block_size": block_size,
+            "bench": "prefill",
+            "prompt_tokens": prompt_tokens,
+            "chunk_size": chunk_size,
+            "block_size": block_size,
             "num_hidden_layers": model.config.num_hidden_layers,
             "num_mtp_layers": model.config.num_nextn_predict_layers,
-            "num_logical_layers": n, "num_independent": num_independent,
+            "num_logical_layers": n,
+            "num_independent": num_independent,
             "independent_layers": sorted(plan.independent_layers),
-            "num_shared_buffers": len(shared_slots), "num_buffers": plan.num_buffers,
-            "layers_per_shared_buffer": [len(s) for s in shared_slots], "dtype": dtype,
-            "reuse_s": t["reuse"], "no_reuse_s": t["no_reuse"],
+            "num_shared_buffers": len(shared_slots),
+            "num_buffers": plan.num_buffers,
+            "layers_per_shared_buffer": [len(s) for s in shared_slots],
+            "dtype": dtype,
+            "reuse_s": t["reuse"],
+            "no_reuse_s": t["no_reuse"],
             "time_ratio": t["reuse"] / t["no_reuse"],
-            "device_kv_bytes": bytes_of["reuse"], "device_kv_bytes_no_reuse": bytes_of["no_reuse"],
-            "device_kv_ratio": device_kv_ratio, "expected_device_kv_ratio": expected,
+            "device_kv_bytes": bytes_of["reuse"],
+            "device_kv_bytes_no_reuse": bytes_of["no_reuse"],
+            "device_kv_ratio": device_kv_ratio,
+            "expected_device_kv_ratio": expected,
             "logits_equal": bool(torch.equal(logits["reuse"], logits["no_reuse"])),
-            "goals_met": {"time_ratio": t["reuse"] / t["no_reuse"] <= GOAL_TIME_RATIO,
-                          "device_kv_ratio": abs(device_kv_ratio - expected) <= 0.01 * expected},
+            "goals_met": {
+                "time_ratio": t["reuse"] / t["no_reuse"] <= GOAL_TIME_RATIO,
+                "device_kv_ratio": abs(device_kv_ratio - expected) <= 0.01 * expected,
+            },
         }
     finally:
         for e in engines.values():

@@ -20,8 +20,16 @@ from svcruntime.logs import quiet_logs
 GOAL_TTFT_RATIO = 0.2
 
 
-def run(*, prefix_tokens: int = 4096, suffix_tokens: int = 256, chunk_size: int = 2048, block_size: int = 64,
-        reps: int = 3, dtype: str = "bfloat16", seed: int = 0) -> dict:
+def run(
+    *,
+    prefix_tokens: int = 4096,
+    suffix_tokens: int = 256,
+    chunk_size: int = 2048,
+    block_size: int = 64,
+    reps: int = 3,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+) -> dict:
     quiet_logs()
     model = tiny_model(seed=seed, dtype="float32").to(getattr(torch, dtype))
     gen = torch.Generator().manual_seed(seed)
@@ -33,8 +41,9 @@ def run(*, prefix_tokens: int = 4096, suffix_tokens: int = 256, chunk_size: int 
     computed = {}
     for rep in range(reps + 1):  # the first round warms up
         pool = build.prefill_pool(model, block_size, 64 << 20)
-        eng = build.prefill_engine(model, pool, buffers=3, independent=[0], chunk_size=chunk_size,
-                                   max_model_len=total, model_id="bench-prefix")
+        eng = build.prefill_engine(
+            model, pool, buffers=3, independent=[0], chunk_size=chunk_size, max_model_len=total, model_id="bench-prefix"
+        )
         try:
             for name, prompt in (("first", first), ("second", second)):
                 t = time.perf_counter()
@@ -49,8 +58,14 @@ def run(*, prefix_tokens: int = 4096, suffix_tokens: int = 256, chunk_size: int 
             pool.close()
     first_s, second_s = statistics.median(times["first"]), statistics.median(times["second"])
     return {
-        "bench": "prefix", "prefix_tokens": prefix_tokens, "suffix_tokens": suffix_tokens, "dtype": dtype,
-        "first_s": first_s, "second_s": second_s, "ttft_ratio": second_s / first_s,
-        "first_computed_tokens": computed["first"], "second_computed_tokens": computed["second"],
+        "bench": "prefix",
+        "prefix_tokens": prefix_tokens,
+        "suffix_tokens": suffix_tokens,
+        "dtype": dtype,
+        "first_s": first_s,
+        "second_s": second_s,
+        "ttft_ratio": second_s / first_s,
+        "first_computed_tokens": computed["first"],
+        "second_computed_tokens": computed["second"],
         "goals_met": {"ttft_ratio": second_s / first_s <= GOAL_TTFT_RATIO},
     }

@@ -28,8 +28,8 @@ import fcntl
 import hashlib
 import importlib.metadata
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
@@ -39,8 +39,10 @@ KNOWN = ("smollm2",)  # trace name -> the model of the same name (kvoffload_test
 ROOT = Path(__file__).resolve().parents[4]  # the repository: SOURCES are its documents
 SOURCES = ("docs/design.md", "docs/configuration.md", "README.md", "docs/vllm.md", "docs/models.md")
 INSTRUCTION = "Summarize the following document in a few sentences.\n\n"
-SCORE = ("sum over the KV-head group's query heads of the softmax attention probability of the decode "
-         "query at each context position; top-k by descending score, ties to the lower position")
+SCORE = (
+    "sum over the KV-head group's query heads of the softmax attention probability of the decode "
+    "query at each context position; top-k by descending score, ties to the lower position"
+)
 _DOC = "\x00DOCUMENT\x00"  # placeholder splitting the rendered chat template
 
 
@@ -48,13 +50,15 @@ def prompt_ids(tokenizer, *, context: int, requests: int) -> tuple[torch.Tensor,
     """``[requests, context]`` token ids of chat prompts asking to summarize a document, and the
     sources each one read. Request ``i`` starts with ``SOURCES[i % n]`` and continues through the
     next sources (cyclically) until the document part fills exactly its share of ``context``."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": INSTRUCTION + _DOC}],
-                                             tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": INSTRUCTION + _DOC}], tokenize=False, add_generation_prompt=True
+    )
     prefix, suffix = (tokenizer(part, add_special_tokens=False)["input_ids"] for part in rendered.split(_DOC))
     room = context - len(prefix) - len(suffix)
     if room < 1:
-        raise ValueError(f"context {context} is too short: the chat template alone takes "
-                         f"{len(prefix) + len(suffix)} tokens")
+        raise ValueError(
+            f"context {context} is too short: the chat template alone takes {len(prefix) + len(suffix)} tokens"
+        )
     docs = [tokenizer((ROOT / src).read_text(), add_special_tokens=False)["input_ids"] for src in SOURCES]
     rows, used = [], []
     for r in range(requests):
@@ -97,8 +101,9 @@ def _threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def record_ids(model, prompts: torch.Tensor, *, steps: int, topk: int,
-               progress: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def record_ids(
+    model, prompts: torch.Tensor, *, steps: int, topk: int, progress: Callable[[int, int], None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``steps`` greedy tokens after each prompt of ``prompts`` [R, C] (one request at a time).
 
     Returns ``topk`` [R * L * G, steps, k] int32 (streams request-major, then layer, then KV group)
@@ -114,8 +119,8 @@ def record_ids(model, prompts: torch.Tensor, *, steps: int, topk: int,
     with torch.inference_mode():
         for r in range(R):
             with _attention(model, "sdpa"):  # same math, no [H, C, C] weights: ~3x faster here
-                past = model(prompts[r:r + 1, :-1], use_cache=True).past_key_values
-            token = prompts[r:r + 1, -1:]  # [1, 1]
+                past = model(prompts[r : r + 1, :-1], use_cache=True).past_key_values
+            token = prompts[r : r + 1, -1:]  # [1, 1]
             with _threads(1):  # one token a step: one thread is as fast, and does not stall on shared cores
                 for t in range(steps):
                     o = model(token, past_key_values=past, use_cache=True, output_attentions=True)
@@ -145,16 +150,23 @@ def _quiet() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
-def record(model_dir: str | Path, *, name: str = "smollm2", context: int = 4096, steps: int = 128,
-           topk: int = 128, requests: int = 2, progress: Callable[[int, int], None] | None = None) -> Trace:
+def record(
+    model_dir: str | Path,
+    *,
+    name: str = "smollm2",
+    context: int = 4096,
+    steps: int = 128,
+    topk: int = 128,
+    requests: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+) -> Trace:
     """The trace of ``requests`` summaries decoded by the model in ``model_dir`` (module docstring)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = Path(model_dir)
     with _quiet():
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                     attn_implementation="eager").eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     prompts, sources = prompt_ids(tokenizer, context=context, requests=requests)
     topk_ids, generated = record_ids(model, prompts, steps=steps, topk=topk, progress=progress)
     L, G = model.config.num_hidden_layers, model.config.num_key_value_heads
@@ -164,25 +176,46 @@ def record(model_dir: str | Path, *, name: str = "smollm2", context: int = 4096,
         "kind": "recorded",
         "model": name,
         "model_provenance": json.loads(provenance.read_text()) if provenance.exists() else None,
-        "context": context, "steps": steps, "topk": topk, "topk_fraction": topk / context,
-        "requests": requests, "layers": L, "groups": G, "heads_per_group": model.config.num_attention_heads // G,
+        "context": context,
+        "steps": steps,
+        "topk": topk,
+        "topk_fraction": topk / context,
+        "requests": requests,
+        "layers": L,
+        "groups": G,
+        "heads_per_group": model.config.num_attention_heads // G,
         "score": SCORE,
         "decode": "greedy; float32 on CPU; prefill of the prompt minus its last token with SDPA attention, "
-                  "decode steps with eager attention (attention weights); the last prompt token is step 0's query",
+        "decode steps with eager attention (attention weights); the last prompt token is step 0's query",
         "prompt": "chat template, user message: " + json.dumps(INSTRUCTION) + " + document, truncated so the "
-                  "prompt is exactly `context` tokens",
-        "sources": [{"paths": paths, "sha256": [hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in paths]}
-                    for paths in sources],
+        "prompt is exactly `context` tokens",
+        "sources": [
+            {"paths": paths, "sha256": [hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in paths]}
+            for paths in sources
+        ],
         "versions": {d: importlib.metadata.version(d) for d in ("transformers", "torch")},
         "generated": [tokenizer.decode(row) for row in generated.tolist()],
     }
-    return Trace(name, topk_ids, torch.full((grid.numel(),), context, dtype=torch.int64),
-                 grid // G % L, grid // (L * G), grid % G, meta)
+    return Trace(
+        name,
+        topk_ids,
+        torch.full((grid.numel(),), context, dtype=torch.int64),
+        grid // G % L,
+        grid // (L * G),
+        grid % G,
+        meta,
+    )
 
 
-def ensure(name: str = "smollm2", *, path: str | Path | None = None, force: bool = False,
-           log: Callable[[str], None] = print, progress: Callable[[int, int], None] | None = None,
-           **params) -> Path:
+def ensure(
+    name: str = "smollm2",
+    *,
+    path: str | Path | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+    progress: Callable[[int, int], None] | None = None,
+    **params,
+) -> Path:
     """The trace file of model ``name`` (default ``traces_dir()/NAME.pt``), recorded first when it is
     missing (or ``force``); processes asking at once wait for the first one's recording (a file lock)."""
     if name not in KNOWN:

@@ -72,8 +72,9 @@ CONSUMER = "vllm:kvoffload_d2h_consumer_{}_total"
 def _stream(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, list[str], list[float]]:
     """(seconds to the first token, the tokens' texts, each token's arrival in seconds after the send)
     of a streaming greedy completion."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "logprobs": 0}).encode()
+    body = json.dumps(
+        {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "logprobs": 0}
+    ).encode()
     req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     tokens: list[str] = []
@@ -127,8 +128,7 @@ def _pd_prompt(r: int, tokens: int) -> list[int]:
 ITL = ("vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count")
 
 
-def _timed_rounds(url: str, name: str, rounds: int, prompt_tokens: int, max_tokens: int,
-                  server_url: str) -> list[dict]:
+def _timed_rounds(url: str, name: str, rounds: int, prompt_tokens: int, max_tokens: int, server_url: str) -> list[dict]:
     """Per round r, the TTFT, TPOT and tokens of round r's prompt on ``url``. TPOT is what the client
     saw (``_tpot``) unless every token reached it in one event: a server whose API process falls
     behind its engine merges the outputs it has not sent yet, and then the stream holds no timing at
@@ -140,14 +140,18 @@ def _timed_rounds(url: str, name: str, rounds: int, prompt_tokens: int, max_toke
         before = _settled(server_url, list(ITL))
         ttft, tokens, stamps = _stream(url, name, _pd_prompt(r, prompt_tokens), max_tokens)
         if len(stamps) < 2:
-            raise RuntimeError(f"{url} streamed {len(stamps)} token for round {r}: a TPOT needs two or more "
-                               "(the model stopped early; this round's TPOT cannot be measured)")
+            raise RuntimeError(
+                f"{url} streamed {len(stamps)} token for round {r}: a TPOT needs two or more "
+                "(the model stopped early; this round's TPOT cannot be measured)"
+            )
         if stamps[-1] == stamps[0]:
             after = _settled(server_url, list(ITL))
             total, steps = (after[k] - before[k] for k in ITL)
             if steps <= 0:
-                raise RuntimeError(f"{server_url} streamed {len(stamps)} tokens in one event and counted no "
-                                   "inter-token latency: this round's TPOT cannot be measured")
+                raise RuntimeError(
+                    f"{server_url} streamed {len(stamps)} tokens in one event and counted no "
+                    "inter-token latency: this round's TPOT cannot be measured"
+                )
             out.append({"ttft_s": ttft, "tpot_s": total / steps, "tpot_source": "server", "tokens": tokens})
         else:
             out.append({"ttft_s": ttft, "tpot_s": _tpot(stamps), "tpot_source": "stream", "tokens": tokens})
@@ -160,15 +164,22 @@ def _cores() -> tuple[dict[str, str], dict[str, str]]:
     from kvoffload_testing.vllm_stack import split_cores
 
     halves = split_cores()
-    return ({"VLLM_CPU_OMP_THREADS_BIND": halves[0]} if halves else {},
-            {"VLLM_CPU_OMP_THREADS_BIND": halves[1]} if halves else {})
+    return (
+        {"VLLM_CPU_OMP_THREADS_BIND": halves[0]} if halves else {},
+        {"VLLM_CPU_OMP_THREADS_BIND": halves[1]} if halves else {},
+    )
 
 
 def _plain_server(model_dir: Path, work: Path, prompt_tokens: int, max_tokens: int):
     from kvoffload_testing.vllm_server import VllmServer
 
-    return VllmServer(model_dir, max_model_len=prompt_tokens + max_tokens + 512, env=_cores()[1],
-                      log_path=work / "plain.log", start_timeout_s=300)
+    return VllmServer(
+        model_dir,
+        max_model_len=prompt_tokens + max_tokens + 512,
+        env=_cores()[1],
+        log_path=work / "plain.log",
+        start_timeout_s=300,
+    )
 
 
 def _plain(plain, name: str, rounds: int, prompt_tokens: int, max_tokens: int, say) -> list[dict]:
@@ -180,8 +191,9 @@ def _plain(plain, name: str, rounds: int, prompt_tokens: int, max_tokens: int, s
     return plain_rounds
 
 
-def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens: int, say,
-        plain_rounds: list[dict]) -> dict:
+def _pd(
+    model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens: int, say, plain_rounds: list[dict]
+) -> dict:
     """The P/D stack on the prompts the plain server answered (``plain_rounds``): the ``pd_*`` fields."""
     from kvoffload_testing.ports import free_stack_ports
     from kvoffload_testing.vllm_server import Metastore, Proxy, VllmServer, running
@@ -193,42 +205,81 @@ def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens
     ports = free_stack_ports(1, 1)
     counters = [CONSUMER.format(c) for c in ("bytes_read", "requests_pulled", "requests_failed")]
     with Metastore(work / "pd-metastore.log") as ms:
-        prefill = VllmServer(model_dir, port=ports["prefill_ports"][0], max_model_len=max_len, env=prefill_env,
-                             log_path=work / "prefill.log", start_timeout_s=300,
-                             extra_args=["--kv-transfer-config", vllm_prefill_transfer_config(ms.address)])
-        decode = VllmServer(model_dir, port=ports["decode_ports"][0], max_model_len=max_len, env=decode_env,
-                            log_path=work / "decode.log", start_timeout_s=300,
-                            extra_args=["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"])])
-        with running(prefill, decode), Proxy(ports["proxy_port"], prefill.port, decode.port, work / "proxy.log") as proxy:
+        prefill = VllmServer(
+            model_dir,
+            port=ports["prefill_ports"][0],
+            max_model_len=max_len,
+            env=prefill_env,
+            log_path=work / "prefill.log",
+            start_timeout_s=300,
+            extra_args=["--kv-transfer-config", vllm_prefill_transfer_config(ms.address)],
+        )
+        decode = VllmServer(
+            model_dir,
+            port=ports["decode_ports"][0],
+            max_model_len=max_len,
+            env=decode_env,
+            log_path=work / "decode.log",
+            start_timeout_s=300,
+            extra_args=["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"])],
+        )
+        with (
+            running(prefill, decode),
+            Proxy(ports["proxy_port"], prefill.port, decode.port, work / "proxy.log") as proxy,
+        ):
             say("P/D stack up (metastore, prefill, decode, proxy)")
             _stream(proxy.url, name, _pd_prompt(-1, prompt_tokens), max_tokens)  # warm-up
             before = _settled(decode.url, counters)
             pd_rounds = _timed_rounds(proxy.url, name, rounds, prompt_tokens, max_tokens, decode.url)
             after = _settled(decode.url, counters)
     pulled, requests, failed = (after[c] - before[c] for c in counters)
-    per_round = [{"plain_ttft_s": p["ttft_s"], "pd_ttft_s": d["ttft_s"], "plain_tpot_s": p["tpot_s"],
-                  "pd_tpot_s": d["tpot_s"], "plain_tpot_source": p["tpot_source"], "pd_tpot_source": d["tpot_source"],
-                  "tokens_equal": p["tokens"] == d["tokens"]}
-                 for p, d in zip(plain_rounds, pd_rounds)]
+    per_round = [
+        {
+            "plain_ttft_s": p["ttft_s"],
+            "pd_ttft_s": d["ttft_s"],
+            "plain_tpot_s": p["tpot_s"],
+            "pd_tpot_s": d["tpot_s"],
+            "plain_tpot_source": p["tpot_source"],
+            "pd_tpot_source": d["tpot_source"],
+            "tokens_equal": p["tokens"] == d["tokens"],
+        }
+        for p, d in zip(plain_rounds, pd_rounds)
+    ]
     say(f"P/D: {per_round}")
-    med = {k: statistics.median(p[k] for p in per_round) for k in ("plain_ttft_s", "pd_ttft_s", "plain_tpot_s",
-                                                                      "pd_tpot_s")}
+    med = {
+        k: statistics.median(p[k] for p in per_round)
+        for k in ("plain_ttft_s", "pd_ttft_s", "plain_tpot_s", "pd_tpot_s")
+    }
     return {
-        "pd_prompt_tokens": prompt_tokens, "pd_max_tokens": max_tokens, "pd_per_round": per_round, **med,
+        "pd_prompt_tokens": prompt_tokens,
+        "pd_max_tokens": max_tokens,
+        "pd_per_round": per_round,
+        **med,
         "pd_ttft_ratio": med["pd_ttft_s"] / med["plain_ttft_s"],
         "pd_tpot_ratio": med["pd_tpot_s"] / med["plain_tpot_s"] if med["plain_tpot_s"] else None,
         "pd_tokens_equal": all(p["tokens_equal"] for p in per_round),
-        "pd_requests_pulled": int(requests), "pd_requests_failed": int(failed),
+        "pd_requests_pulled": int(requests),
+        "pd_requests_failed": int(failed),
         "pd_bytes_pulled_per_request": int(pulled / requests) if requests else None,
         "pd_prompt_kv_bytes": math.ceil(prompt_tokens / BLOCK_SIZE) * BLOCK_SIZE * _kv_bytes_per_token(model_dir),
-        "pd_cores": {"plain": decode_env.get("VLLM_CPU_OMP_THREADS_BIND"),
-                     "prefill": prefill_env.get("VLLM_CPU_OMP_THREADS_BIND"),
-                     "decode": decode_env.get("VLLM_CPU_OMP_THREADS_BIND")},
+        "pd_cores": {
+            "plain": decode_env.get("VLLM_CPU_OMP_THREADS_BIND"),
+            "prefill": prefill_env.get("VLLM_CPU_OMP_THREADS_BIND"),
+            "decode": decode_env.get("VLLM_CPU_OMP_THREADS_BIND"),
+        },
     }
 
 
-def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3, max_tokens: int = 8,
-        pd_prompt_tokens: int = 2000, pd_max_tokens: int = 32, progress: bool = True) -> dict:
+def run(
+    *,
+    model: str | None = None,
+    prefix_tokens: int = 4096,
+    rounds: int = 3,
+    max_tokens: int = 8,
+    pd_prompt_tokens: int = 2000,
+    pd_max_tokens: int = 32,
+    progress: bool = True,
+) -> dict:
     from kvoffload_testing.model_fetch import cached_model
     from kvoffload_testing.vllm_server import Metastore, VllmServer, running
 
@@ -241,26 +292,44 @@ def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3,
 
     per_round = []
     with Metastore(work / "metastore.log") as ms:
-        kv = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_both", "kv_connector_module_path": "kvoffload_vllm",
-              "kv_connector_extra_config": {"backend": "kvoffload", "metastore": ms.address, "host_pool_gb": 1}}
+        kv = {
+            "kv_connector": "AscendStoreConnector",
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "kvoffload_vllm",
+            "kv_connector_extra_config": {"backend": "kvoffload", "metastore": ms.address, "host_pool_gb": 1},
+        }
         args = ["--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
-        server = VllmServer(model_dir, max_model_len=prefix_tokens + 512, extra_args=args, kv_cache_space_gib=2,
-                            log_path=work / "vllm.log", start_timeout_s=300)
+        server = VllmServer(
+            model_dir,
+            max_model_len=prefix_tokens + 512,
+            extra_args=args,
+            kv_cache_space_gib=2,
+            log_path=work / "vllm.log",
+            start_timeout_s=300,
+        )
         # the P/D part's plain server starts beside it (a start-up is mostly one core's work) and waits
         with running(server, _plain_server(model_dir, work, pd_prompt_tokens, pd_max_tokens)) as (server, plain):
             name = str(model_dir)
             _stream(server.url, name, [100 + i for i in range(64)], 2)  # warm-up
             for r in range(rounds):
-                prompt = [(i * 7919 + r * 104729) % 40000 + 1000 for i in range(prefix_tokens)] + \
-                         [(i * 31 + r) % 5000 + 200 for i in range(40)]
+                prompt = [(i * 7919 + r * 104729) % 40000 + 1000 for i in range(prefix_tokens)] + [
+                    (i * 31 + r) % 5000 + 200 for i in range(40)
+                ]
                 hits_before = metric(server.url, "vllm:external_prefix_cache_hits_total")
                 miss_ttft, miss_tokens, _ = _stream(server.url, name, prompt, max_tokens)
                 hits_mid = metric(server.url, "vllm:external_prefix_cache_hits_total")
                 hit_ttft, hit_tokens, _ = _stream(server.url, name, prompt, max_tokens)
                 hits_after = metric(server.url, "vllm:external_prefix_cache_hits_total")
-                per_round.append({"miss_ttft_s": miss_ttft, "hit_ttft_s": hit_ttft,
-                                  "ttft_ratio": hit_ttft / miss_ttft, "tokens_equal": hit_tokens == miss_tokens,
-                                  "miss_hit_tokens": hits_mid - hits_before, "hit_tokens": hits_after - hits_mid})
+                per_round.append(
+                    {
+                        "miss_ttft_s": miss_ttft,
+                        "hit_ttft_s": hit_ttft,
+                        "ttft_ratio": hit_ttft / miss_ttft,
+                        "tokens_equal": hit_tokens == miss_tokens,
+                        "miss_hit_tokens": hits_mid - hits_before,
+                        "hit_tokens": hits_after - hits_mid,
+                    }
+                )
                 say(f"round {r + 1}/{rounds}: {per_round[-1]}")
             server.stop()  # the plain server is measured alone
             plain_rounds = _plain(plain, name, rounds, pd_prompt_tokens, pd_max_tokens, say)
@@ -271,7 +340,10 @@ def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3,
     ratio = statistics.median(p["ttft_ratio"] for p in per_round)
     tokens_equal = all(p["tokens_equal"] for p in per_round) and pd["pd_tokens_equal"]
     out = {
-        "bench": "vllm", "model": str(model_dir), "prefix_tokens": prefix_tokens, "rounds": rounds,
+        "bench": "vllm",
+        "model": str(model_dir),
+        "prefix_tokens": prefix_tokens,
+        "rounds": rounds,
         "per_round": per_round,
         "ttft_ratio_prefix_hit": ratio,
         "miss_ttft_s": statistics.median(p["miss_ttft_s"] for p in per_round),
@@ -288,13 +360,23 @@ def run(*, model: str | None = None, prefix_tokens: int = 4096, rounds: int = 3,
 def _goals(out: dict) -> dict:
     """``goals``, ``goals_met`` and ``not_measured`` of the result ``out`` so far."""
     tpot = out["pd_tpot_ratio"]
-    goals = {"ttft_ratio_prefix_hit": GOAL_TTFT_RATIO, "pd_tpot_ratio": GOAL_PD_TPOT_RATIO, "tokens_equal": True,
-             "pd_requests_pulled": out["rounds"], "pd_requests_failed": 0}
-    met = {"ttft_ratio_prefix_hit": out["ttft_ratio_prefix_hit"] <= GOAL_TTFT_RATIO,
-           "pd_tpot_ratio": tpot is not None and tpot <= GOAL_PD_TPOT_RATIO,
-           "tokens_equal": out["tokens_equal"],
-           "pd_requests_pulled": out["pd_requests_pulled"] >= out["rounds"],
-           "pd_requests_failed": out["pd_requests_failed"] == 0}
-    not_measured = {} if tpot is not None else {
-        "pd_tpot_ratio": "the plain server's median TPOT is 0: its requests had a single output token"}
+    goals = {
+        "ttft_ratio_prefix_hit": GOAL_TTFT_RATIO,
+        "pd_tpot_ratio": GOAL_PD_TPOT_RATIO,
+        "tokens_equal": True,
+        "pd_requests_pulled": out["rounds"],
+        "pd_requests_failed": 0,
+    }
+    met = {
+        "ttft_ratio_prefix_hit": out["ttft_ratio_prefix_hit"] <= GOAL_TTFT_RATIO,
+        "pd_tpot_ratio": tpot is not None and tpot <= GOAL_PD_TPOT_RATIO,
+        "tokens_equal": out["tokens_equal"],
+        "pd_requests_pulled": out["pd_requests_pulled"] >= out["rounds"],
+        "pd_requests_failed": out["pd_requests_failed"] == 0,
+    }
+    not_measured = (
+        {}
+        if tpot is not None
+        else {"pd_tpot_ratio": "the plain server's median TPOT is 0: its requests had a single output token"}
+    )
     return {"goals": goals, "goals_met": met, "not_measured": not_measured}
