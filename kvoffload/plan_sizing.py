@@ -47,12 +47,13 @@ class Deployment:
 def plan_report(d: Deployment) -> dict[str, Any]:
     """The sizing report (JSON-ready): ``prefill``/``decode`` sections, ``valid``, ``errors``, ``warnings``."""
     layout = kv_layout(d.config, d.block_size)
+    first = layout.layers[0]  # the report shows layer 0's row sizes
     tokens = d.max_num_seqs * -(-d.max_model_len // d.block_size) * d.block_size
     report: dict[str, Any] = {
         "model": {"num_hidden_layers": d.config.num_hidden_layers,
                   "num_mtp_layers": d.config.num_nextn_predict_layers, "index_topk": d.config.index_topk,
-                  "main_row_bytes": layout.layers[0].main.row_bytes,
-                  "indexer_row_bytes": layout.layers[0].indexer.row_bytes if layout.has_indexer else 0,
+                  "main_row_bytes": first.main.row_bytes,
+                  "indexer_row_bytes": first.indexer.row_bytes if first.indexer is not None else 0,
                   "indexer": indexer_cache_format(d.config).describe()},
         "sizes": {"block_size": d.block_size, "max_model_len": d.max_model_len, "max_num_seqs": d.max_num_seqs},
         "errors": [], "warnings": [],

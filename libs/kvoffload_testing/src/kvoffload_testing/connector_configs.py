@@ -9,6 +9,7 @@ with a ``mooncake_master`` (``HOST:PORT``) the prefill's host pool on Mooncake S
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 
 def prefill_store_config(buffers: int = 3, mooncake_master: str | None = None) -> dict:
@@ -21,7 +22,7 @@ def prefill_store_config(buffers: int = 3, mooncake_master: str | None = None) -
 
 
 def offload_only_kv_transfer_config(buffers: int = 3, mooncake_master: str | None = None,
-                                    independent: list[int] | str = (0,)) -> str:
+                                    independent: Sequence[int] | str = (0,)) -> str:
     """A prefill with an AscendStoreConnector alone (offload-only: it serves complete requests)."""
     extra = {**prefill_store_config(buffers, mooncake_master), "layerwise_independent_layers":
              independent if isinstance(independent, str) else list(independent)}

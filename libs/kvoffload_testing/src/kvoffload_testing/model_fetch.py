@@ -29,7 +29,7 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypedDict
 
 # The versions verified to convert and generate correctly here (also the root `models` extra).
 REQUIREMENTS = ("transformers==5.19.0", "gguf==0.19.0", "accelerate==1.15.0")
@@ -129,6 +129,13 @@ def check_dependencies() -> None:
 
 
 # ---- step 1: download, verify, extract --------------------------------------------------------
+
+class FileRecord(TypedDict):
+    """One written file in the provenance record: its size and digest."""
+
+    bytes: int
+    sha256: str
+
 
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
@@ -304,7 +311,7 @@ def fetch(name: str, out: Path, *, cache_dir: Path | None = None, force: bool = 
         shutil.copyfile(license_file, build / "LICENSE")
         for p in build.iterdir():  # some writers use mkstemp (0600); the directory is meant to be shared
             p.chmod(0o644)
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in sorted(build.iterdir())}
+        files: dict[str, FileRecord] = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in sorted(build.iterdir())}
         record = {  # no timestamps: a rerun writes the same bytes
             "model": source.title,
             "source": {"requirement": source.requirement, "wheel": source.wheel, "sha256": source.sha256,

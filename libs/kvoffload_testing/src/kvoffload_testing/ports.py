@@ -41,7 +41,7 @@ def free_stack_ports(prefills: int = 1, decodes: int = 1, mooncake: bool = False
     mooncake_master's RPC and metrics ports) is free now and below the ephemeral range:
     ``StackConfig(model=..., log_dir=..., **free_stack_ports())``."""
     kv = 2 + prefills + decodes
-    master = (kv + 16 * decodes, kv + 16 * decodes + 1) if mooncake else ()
+    master: tuple[int, ...] = (kv + 16 * decodes, kv + 16 * decodes + 1) if mooncake else ()
     offsets = (*range(kv), *(1 + i + DATA_PORT_OFFSET for i in range(prefills)), *(kv + 16 * i for i in range(decodes)),
                *(kv + i for i in range(decodes)), *master)  # control ports of separate decodes, and of DP ranks
     base = free_port_base(offsets)

@@ -20,12 +20,13 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STACK_POOLS
+from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STACK_POOLS, StackServer
 from kvoffload_testing.connector_configs import (
     decode_additional_config,
     decode_kv_transfer_config,
@@ -39,8 +40,17 @@ from svcruntime.tls import TLSConfig
 
 DEFAULT_HOME = Path(os.environ.get("KVOFFLOAD_HOME", Path.home() / ".cache" / "kvoffload"))
 API_KEY_ENV = "KVOFFLOAD_API_KEY"  # the proxy's --api-key, passed in its environment (never on a command line)
-METASTORE = POOL_BACKENDS[EMBEDDED].stack.service  # the service name (and log file) of the stack's metastore
-MOONCAKE_MASTER = POOL_BACKENDS["mooncake"].stack.service  # ... and of its mooncake_master (pool "mooncake")
+
+
+def _stack_server(pool: str) -> StackServer:
+    """Pool backend ``pool``'s server in a stack (the embedded pool and mooncake each declare one)."""
+    server = POOL_BACKENDS[pool].stack
+    assert server is not None, f"pool backend {pool} declares no stack server"
+    return server
+
+
+METASTORE = _stack_server(EMBEDDED).service  # the service name (and log file) of the stack's metastore
+MOONCAKE_MASTER = _stack_server("mooncake").service  # ... and of its mooncake_master (pool "mooncake")
 # StackConfig.mode / `kvoffload up --mode`: "pd" (prefill, decode, proxy) or "offload-only" (the seed's
 # first deployment: prefills with an AscendStoreConnector alone serve complete requests; no decode, no proxy)
 MODES = ("pd", "offload-only")
@@ -99,7 +109,7 @@ def ensure_tiny_model(path: Path) -> Path:
     return path
 
 
-def colocated_threads_env(name: str, cores: int, environ: dict[str, str]) -> dict[str, str]:
+def colocated_threads_env(name: str, cores: int, environ: Mapping[str, str]) -> dict[str, str]:
     """OpenMP settings for reference service ``name`` when the prefills and decodes share one host's
     ``cores`` (what every stack of this module is): each would otherwise run torch with a thread per
     core and keep idle OpenMP threads spinning after every parallel region, so the decode's small,

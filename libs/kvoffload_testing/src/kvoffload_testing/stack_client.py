@@ -23,7 +23,9 @@ def healthy(url: str, tls: TLSConfig | None = None) -> bool:
 
         try:
             with secure_or_insecure_channel(url[len("grpc://"):], tls) as ch:
-                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                stub = health_pb2_grpc.HealthStub(ch)
+                reply = stub.Check(  # type: ignore[attr-defined]  # types-grpcio-health-checking omits Check
+                    health_pb2.HealthCheckRequest(), timeout=2)  # (the generated class binds it in __init__)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
             return False

@@ -62,8 +62,7 @@ def split_cores(cores: list[int] | None = None) -> tuple[str, str] | None:
     if len(cores) < 2:
         return None
     half = len(cores) // 2
-    spans = [cores[:half], cores[half:]]
-    return tuple(",".join(map(str, span)) for span in spans)
+    return ",".join(map(str, cores[:half])), ",".join(map(str, cores[half:]))
 
 
 class VllmStack(Stack):
@@ -257,7 +256,7 @@ def _scrape_all(stack: VllmStack) -> dict[str, dict | str]:
     return out
 
 
-def _settled(stack: VllmStack, timeout_s: float = 5.0, since: dict | None = None) -> dict[str, dict]:
+def _settled(stack: VllmStack, timeout_s: float = 5.0, since: dict | None = None) -> dict[str, dict | str]:
     """The metrics once two scrapes 0.5 s apart agree (a server may record a step's counters just
     after it answered), or the last scrape after ``timeout_s``. With ``since`` (an earlier scrape),
     also not before a prefill and a decode server each counted one more finished request than
