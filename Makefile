@@ -58,14 +58,14 @@ test-deps: install-vllm
 # keeps that order); each worker's torch runs one thread. The slowest 40 tests and the total are printed at the end
 PYTEST = .venv/bin/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=40
 
-# every test: unit, property, cross-process, P/D stacks, vLLM, containers
+# the linters first (make lint), then every test: unit, property, cross-process, P/D stacks, vLLM, containers
 # (a Docker engine and the images are started/built first: scripts/dockerd, scripts/images)
-test: test-deps
+test: lint test-deps
 	@scripts/dockerd start
 	@scripts/images
 	$(PYTEST)
 
-# the inner loop: every unit and property test, and for each invariant I1-I6 and for
+# the inner loop: the linters (make lint), every unit and property test, and for each invariant I1-I6 and for
 # security at least one real cross-process test (a reference stack, one vLLM P/D round trip)
-check: test-deps
+check: lint test-deps
 	$(PYTEST) -m "not slow"
