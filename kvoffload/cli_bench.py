@@ -13,8 +13,7 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Iterator
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 # bench name -> "module:function"; each function takes keyword parameters and returns a dict.
 BENCHES: dict[str, str] = {
@@ -32,8 +31,10 @@ BENCHES: dict[str, str] = {
 
 
 # bench name -> why it sets no goal (its result has no goals_met; ``kvoffload bench`` says so and exits 0)
-NO_GOALS: dict[str, str] = {"pool": "it reports each host-pool backend's put/get rates as ratios to memcpy "
-                                    "(figures to compare backends), not a goal"}
+NO_GOALS: dict[str, str] = {
+    "pool": "it reports each host-pool backend's put/get rates as ratios to memcpy "
+    "(figures to compare backends), not a goal"
+}
 
 # bench name -> the recorded traces its default run reads (kvoffload_bench.trace_record records them)
 RECORDED_TRACES: dict[str, tuple[str, ...]] = {"hotcache": ("smollm2",)}
@@ -106,7 +107,9 @@ def _run_bench(args: argparse.Namespace, run: Callable[..., dict], kwargs: dict)
         if name in KNOWN:
             ensure(name, log=lambda line: print(f"kvoffload bench {args.name}: {line}", file=sys.stderr))
     if not args.json:
-        print(f"kvoffload bench {args.name}: running (ratios are measured side by side in this run)...", file=sys.stderr)
+        print(
+            f"kvoffload bench {args.name}: running (ratios are measured side by side in this run)...", file=sys.stderr
+        )
     try:
         return run(**kwargs)
     except FileNotFoundError as exc:  # a recorded trace that is not there: its message says how to record it
@@ -137,6 +140,7 @@ def _unmet_goals(result: dict) -> list[str]:
 
 def _bench_verdict(name: str, result: dict) -> int:
     """The exit status of ``kvoffload bench NAME`` for its result (BENCH_EXIT_STATUS), said on stderr."""
+
     def say(line: str) -> None:
         print(f"kvoffload bench {name}: {line}", file=sys.stderr)
 
@@ -154,4 +158,3 @@ def _bench_verdict(name: str, result: dict) -> int:
     why = result.get("not_measured") or {}
     say("goals not met: " + ", ".join(f"{g} (not measured: {why[g]})" if g in why else g for g in unmet))
     return EXIT_GOALS_NOT_MET
-

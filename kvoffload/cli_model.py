@@ -22,8 +22,13 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
     from kvoffload_testing.model_fetch import FetchError, fetch
 
     try:
-        fetch(args.name, Path(args.out), cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-              force=args.force, log=lambda line: print(f"kvoffload model fetch: {line}", flush=True))
+        fetch(
+            args.name,
+            Path(args.out),
+            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+            force=args.force,
+            log=lambda line: print(f"kvoffload model fetch: {line}", flush=True),
+        )
     except FetchError as exc:
         print(f"kvoffload model fetch: {exc}", file=sys.stderr)
         return 1

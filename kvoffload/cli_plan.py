@@ -16,13 +16,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"kvoffload plan: cannot read the model config: {exc}", file=sys.stderr)
         return 1
-    report = plan_report(Deployment(
-        config=config, block_size=args.block_size, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-        decode_dp=args.decode_dp, prefill_kv_transfer_config=args.prefill_kv_transfer_config,
-        prefill_additional_config=args.prefill_additional_config,
-        decode_kv_transfer_config=args.decode_kv_transfer_config,
-        decode_additional_config=args.decode_additional_config,
-    ))
+    report = plan_report(
+        Deployment(
+            config=config,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            prefill_tp=args.prefill_tp,
+            decode_tp=args.decode_tp,
+            decode_dp=args.decode_dp,
+            prefill_kv_transfer_config=args.prefill_kv_transfer_config,
+            prefill_additional_config=args.prefill_additional_config,
+            decode_kv_transfer_config=args.decode_kv_transfer_config,
+            decode_additional_config=args.decode_additional_config,
+        )
+    )
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report["valid"] else 1

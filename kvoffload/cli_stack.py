@@ -13,8 +13,10 @@ from kvcore.poolregistry import EMBEDDED, VLLM_POOLS
 ENGINES = ("reference", "vllm")
 # `up` / `demo` flags only the reference engine takes (argparse dest -> flag), and why not vLLM's
 REFERENCE_ONLY = {"tls_cert": "--tls-cert", "tls_key": "--tls-key", "tls_ca": "--tls-ca"}
-REFERENCE_ONLY_WHY = ("the vLLM connectors do not speak TLS to the metastore yet, and their store runs on backend "
-                      "'kvoffload' only (docs/vllm.md)")
+REFERENCE_ONLY_WHY = (
+    "the vLLM connectors do not speak TLS to the metastore yet, and their store runs on backend "
+    "'kvoffload' only (docs/vllm.md)"
+)
 MODES = ("pd", "offload-only")  # `up --mode` (== kvoffload_testing.stack.MODES; not imported: --help stays light)
 REFERENCE_MAX_MODEL_LEN = 16384
 VLLM_MAX_MODEL_LEN = 4096  # kvoffload_testing.vllm_stack.DEFAULT_MAX_MODEL_LEN (not imported here: --help stays light)
@@ -35,8 +37,10 @@ def _check_engine(args: argparse.Namespace) -> None:
 
     missing = [m for m in ("vllm", "kvoffload_vllm") if importlib.util.find_spec(m) is None]
     if missing:
-        args.parser.error(f"--engine vllm needs {' and '.join(missing)}, not installed here: run `make install-vllm` "
-                          f"(scripts/bootstrap --with-vllm)")
+        args.parser.error(
+            f"--engine vllm needs {' and '.join(missing)}, not installed here: run `make install-vllm` "
+            f"(scripts/bootstrap --with-vllm)"
+        )
 
 
 def stack_config(args: argparse.Namespace):
@@ -63,12 +67,21 @@ def stack_config(args: argparse.Namespace):
     max_model_len = default_len if args.max_model_len is None else args.max_model_len
     mode = getattr(args, "mode", "pd")
     if mode == "offload-only" and args.api_key:
-        args.parser.error("--api-key (or $KVOFFLOAD_API_KEY): --mode offload-only runs no proxy, and the proxy is "
-                          "what checks the key; unset it or use --mode pd")
+        args.parser.error(
+            "--api-key (or $KVOFFLOAD_API_KEY): --mode offload-only runs no proxy, and the proxy is "
+            "what checks the key; unset it or use --mode pd"
+        )
     ports = {"prefill_ports": (args.port,)} if mode == "offload-only" else {"proxy_port": args.port}
-    return StackConfig(model=model, log_dir=Path(args.log_dir) if args.log_dir else DEFAULT_HOME / "logs",
-                       max_model_len=max_model_len, tls=tls, api_key=args.api_key or None, pool=args.pool,
-                       mode=mode, **ports)
+    return StackConfig(
+        model=model,
+        log_dir=Path(args.log_dir) if args.log_dir else DEFAULT_HOME / "logs",
+        max_model_len=max_model_len,
+        tls=tls,
+        api_key=args.api_key or None,
+        pool=args.pool,
+        mode=mode,
+        **ports,
+    )
 
 
 def make_stack(args: argparse.Namespace, cfg):
@@ -91,9 +104,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     stack = make_stack(args, cfg)
     stack.start()
     print(f"kvoffload is up: {stack.url}  (logs in {cfg.log_dir}; Ctrl-C stops everything)")
-    auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if cfg.api_key else ""
-    print(f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json'{auth} "
-          """-d '{"prompt": "Hello", "max_tokens": 16, "temperature": 0}'""")
+    auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if cfg.api_key else ""
+    print(
+        f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json'{auth} "
+        """-d '{"prompt": "Hello", "max_tokens": 16, "temperature": 0}'"""
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -124,32 +139,45 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"answer ({summary['completion_tokens']} tokens): {text!r}")
         print(json.dumps(summary))
         return 0
-    prompt = ("kvoffload keeps almost no KV cache in accelerator memory: layerwise offload on prefill, "
-              "sparse offload on decode, a remote pull in between. ") * 40
+    prompt = (
+        "kvoffload keeps almost no KV cache in accelerator memory: layerwise offload on prefill, "
+        "sparse offload on decode, a remote pull in between. "
+    ) * 40
     with Stack(cfg) as stack:
         t = time.monotonic()
-        answer = post_json(f"{stack.url}/v1/completions",
-                           {"prompt": prompt, "max_tokens": 32 if args.max_tokens is None else args.max_tokens,
-                            "temperature": 0},
-                           headers=stack.auth_headers)
+        answer = post_json(
+            f"{stack.url}/v1/completions",
+            {"prompt": prompt, "max_tokens": 32 if args.max_tokens is None else args.max_tokens, "temperature": 0},
+            headers=stack.auth_headers,
+        )
         elapsed = time.monotonic() - t
         stats = stack_stats(cfg)
     choice = answer["choices"][0]
     p, d = stats["prefill-0"], stats["decode-0"]
     summary = {
-        "prompt_tokens": answer["usage"]["prompt_tokens"], "completion_tokens": answer["usage"]["completion_tokens"],
-        "token_ids": choice["token_ids"], "seconds": round(elapsed, 3),
-        "prefill_device_kv_bytes": int(p["device_kv_bytes"]), "prefill_pool_used_bytes": int(p["pool_used_bytes"]),
-        "decode_bytes_pulled": int(d["bytes_read"]), "decode_layer_pulls": int(d["read_done"]),
-        "decode_pool_used_bytes_after": int(d["pool_used_bytes"]), "prefill_held_slots_after": int(p["held_slots"]),
+        "prompt_tokens": answer["usage"]["prompt_tokens"],
+        "completion_tokens": answer["usage"]["completion_tokens"],
+        "token_ids": choice["token_ids"],
+        "seconds": round(elapsed, 3),
+        "prefill_device_kv_bytes": int(p["device_kv_bytes"]),
+        "prefill_pool_used_bytes": int(p["pool_used_bytes"]),
+        "decode_bytes_pulled": int(d["bytes_read"]),
+        "decode_layer_pulls": int(d["read_done"]),
+        "decode_pool_used_bytes_after": int(d["pool_used_bytes"]),
+        "prefill_held_slots_after": int(p["held_slots"]),
     }
     if "metastore" in stats:  # pool "kvoffload" (with --pool mooncake the stack runs no metastore)
-        summary["metastore"] = {k: stats["metastore"][k] for k in sorted(stats["metastore"])
-                                if k.startswith(("objects", "pools", "live"))}
+        summary["metastore"] = {
+            k: stats["metastore"][k] for k in sorted(stats["metastore"]) if k.startswith(("objects", "pools", "live"))
+        }
     if not args.model:
-        print("note: the tiny model's weights are random, so its text is meaningless; "
-              "`make demo-vllm` shows real text (SmolLM2 under vLLM)")
-    print(f"answer ({summary['completion_tokens']} tokens after a {summary['prompt_tokens']}-token prompt): "
-          f"{choice['text']!r}")
+        print(
+            "note: the tiny model's weights are random, so its text is meaningless; "
+            "`make demo-vllm` shows real text (SmolLM2 under vLLM)"
+        )
+    print(
+        f"answer ({summary['completion_tokens']} tokens after a {summary['prompt_tokens']}-token prompt): "
+        f"{choice['text']!r}"
+    )
     print(json.dumps(summary))
     return 0

@@ -24,23 +24,34 @@ def cmd_trace_record(args: argparse.Namespace) -> int:
     fresh = args.force or not target.exists()
     start = time.monotonic()
     with tqdm(desc=f"recording {args.name}", unit="step", file=sys.stderr, disable=not fresh) as bar:
+
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
+
         try:
-            path = ensure(args.name, path=target, force=args.force, progress=progress,
-                          log=lambda line: tqdm.write(f"kvoffload trace record: {line}", file=sys.stderr),
-                          **params)
+            path = ensure(
+                args.name,
+                path=target,
+                force=args.force,
+                progress=progress,
+                log=lambda line: tqdm.write(f"kvoffload trace record: {line}", file=sys.stderr),
+                **params,
+            )
         except (ValueError, FetchError) as exc:
             print(f"kvoffload trace record: {exc}", file=sys.stderr)
             return 2 if isinstance(exc, ValueError) else 1
     trace = Trace.load(path)
     if fresh:
-        print(f"wrote {path} ({trace.streams} streams x {trace.steps} steps x top-{trace.k}) "
-              f"in {time.monotonic() - start:.0f} s")
+        print(
+            f"wrote {path} ({trace.streams} streams x {trace.steps} steps x top-{trace.k}) "
+            f"in {time.monotonic() - start:.0f} s"
+        )
     else:
-        print(f"{path} already holds trace {args.name} (context {trace.meta.get('context')}, "
-              f"steps {trace.steps}, top-{trace.k}); --force records it again")
+        print(
+            f"{path} already holds trace {args.name} (context {trace.meta.get('context')}, "
+            f"steps {trace.steps}, top-{trace.k}); --force records it again"
+        )
     print(json.dumps(locality(trace), indent=2))
     return 0
 

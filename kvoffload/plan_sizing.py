@@ -50,28 +50,40 @@ def plan_report(d: Deployment) -> dict[str, Any]:
     first = layout.layers[0]  # the report shows layer 0's row sizes
     tokens = d.max_num_seqs * -(-d.max_model_len // d.block_size) * d.block_size
     report: dict[str, Any] = {
-        "model": {"num_hidden_layers": d.config.num_hidden_layers,
-                  "num_mtp_layers": d.config.num_nextn_predict_layers, "index_topk": d.config.index_topk,
-                  "main_row_bytes": first.main.row_bytes,
-                  "indexer_row_bytes": first.indexer.row_bytes if first.indexer is not None else 0,
-                  "indexer": indexer_cache_format(d.config).describe()},
+        "model": {
+            "num_hidden_layers": d.config.num_hidden_layers,
+            "num_mtp_layers": d.config.num_nextn_predict_layers,
+            "index_topk": d.config.index_topk,
+            "main_row_bytes": first.main.row_bytes,
+            "indexer_row_bytes": first.indexer.row_bytes if first.indexer is not None else 0,
+            "indexer": indexer_cache_format(d.config).describe(),
+        },
         "sizes": {"block_size": d.block_size, "max_model_len": d.max_model_len, "max_num_seqs": d.max_num_seqs},
-        "errors": [], "warnings": [],
+        "errors": [],
+        "warnings": [],
     }
     prefill = decode = None
     if d.prefill_kv_transfer_config is not None:
         try:
-            prefill = prefill_settings(d.prefill_kv_transfer_config, d.prefill_additional_config, layout,
-                                       tp=d.prefill_tp)
+            prefill = prefill_settings(
+                d.prefill_kv_transfer_config, d.prefill_additional_config, layout, tp=d.prefill_tp
+            )
             report["warnings"] += [f"prefill: {w}" for w in prefill.warnings]
             report["prefill"] = _prefill_section(layout, prefill, tokens)
         except ConfigError as exc:
             report["errors"] += [f"prefill: {e}" for e in exc.errors]
     if d.decode_kv_transfer_config is not None:
         try:
-            decode = decode_settings(d.decode_kv_transfer_config, d.decode_additional_config, layout,
-                                     index_topk=d.config.index_topk, max_num_seqs=d.max_num_seqs,
-                                     max_model_len=d.max_model_len, dp=d.decode_dp, tp=d.decode_tp)
+            decode = decode_settings(
+                d.decode_kv_transfer_config,
+                d.decode_additional_config,
+                layout,
+                index_topk=d.config.index_topk,
+                max_num_seqs=d.max_num_seqs,
+                max_model_len=d.max_model_len,
+                dp=d.decode_dp,
+                tp=d.decode_tp,
+            )
             report["warnings"] += [f"decode: {w}" for w in decode.warnings]
             report["decode"] = _decode_section(layout, decode, d)
         except ConfigError as exc:
@@ -83,7 +95,8 @@ def plan_report(d: Deployment) -> dict[str, Any]:
             report["errors"] += exc.errors
     if d.prefill_kv_transfer_config is None and d.decode_kv_transfer_config is None:
         report["errors"].append(
-            "give at least one side: --prefill-kv-transfer-config and/or --decode-kv-transfer-config")
+            "give at least one side: --prefill-kv-transfer-config and/or --decode-kv-transfer-config"
+        )
     report["valid"] = not report["errors"]
     return report
 
@@ -134,8 +147,11 @@ def format_report(report: dict[str, Any]) -> str:
     """Human-readable form of ``plan_report``."""
     lines = []
     ix = report["model"]["indexer"]
-    scale = (f" + {ix['scale_bytes']} B {ix['scale_dtype']} scale (one per {ix['scale_block']} elements)"
-             if ix["scale_bytes"] else "")
+    scale = (
+        f" + {ix['scale_bytes']} B {ix['scale_dtype']} scale (one per {ix['scale_block']} elements)"
+        if ix["scale_bytes"]
+        else ""
+    )
     lines.append(f"indexer cache: {ix['row_bytes']} B/token = {ix['key_bytes']} B {ix['dtype']}{scale}; {ix['source']}")
     for side in ("prefill", "decode"):
         sec = report.get(side)

@@ -1,4 +1,5 @@
 """The CLI parses its subcommands and refuses unknown benchmarks."""
+
 import pytest
 
 from kvoffload.cli import build_parser
@@ -55,19 +56,25 @@ def test_trace_show_prints_the_locality_of_a_preset(capsys):
     assert abs(loc["overlap"] - 0.95) < 0.02 and loc["k"] == 2048
 
 
-@pytest.mark.parametrize(("result", "status", "says"), [
-    ({"goals_met": {"speed": True, "tokens_equal": True}}, 0, "every goal met"),
-    ({"goals_met": {"speed": True, "tokens_equal": False}}, 3, "goals not met: tokens_equal"),
-    ({"goals_met": {"speed": False}, "not_measured": {"speed": "one chunk"}}, 3,
-     "goals not met: speed (not measured: one chunk)"),
-    ({"goal_met": True}, 0, "every goal met"),  # kvoffload bench faults' single verdict
-    ({"goal_met": False}, 3, "goals not met: goal_met"),
-    ({"goals_met": {"speed": True}, "goal_met": False}, 3, "goals not met: goal_met"),
-    ({"figure": 1.0}, 1, "neither goals_met nor goal_met"),
-    ({"goals_met": {}}, 1, "not a non-empty dict"),
-    ({"goals_met": {"speed": None}}, 1, "not a non-empty dict"),
-    ({"goal_met": 1}, 1, "not true/false"),
-])
+@pytest.mark.parametrize(
+    ("result", "status", "says"),
+    [
+        ({"goals_met": {"speed": True, "tokens_equal": True}}, 0, "every goal met"),
+        ({"goals_met": {"speed": True, "tokens_equal": False}}, 3, "goals not met: tokens_equal"),
+        (
+            {"goals_met": {"speed": False}, "not_measured": {"speed": "one chunk"}},
+            3,
+            "goals not met: speed (not measured: one chunk)",
+        ),
+        ({"goal_met": True}, 0, "every goal met"),  # kvoffload bench faults' single verdict
+        ({"goal_met": False}, 3, "goals not met: goal_met"),
+        ({"goals_met": {"speed": True}, "goal_met": False}, 3, "goals not met: goal_met"),
+        ({"figure": 1.0}, 1, "neither goals_met nor goal_met"),
+        ({"goals_met": {}}, 1, "not a non-empty dict"),
+        ({"goals_met": {"speed": None}}, 1, "not a non-empty dict"),
+        ({"goal_met": 1}, 1, "not true/false"),
+    ],
+)
 def test_bench_exit_status_says_whether_the_goals_were_met(monkeypatch, capsys, result, status, says):
     import json
 
@@ -105,7 +112,7 @@ def _make_bench_recipe() -> str:
     from pathlib import Path
 
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
-    return makefile[makefile.index("\nbench:"):].split("\n\n")[0].split("\n", 2)[2]
+    return makefile[makefile.index("\nbench:") :].split("\n\n")[0].split("\n", 2)[2]
 
 
 def test_make_bench_names_every_bench_and_the_goal_less_ones_as_the_cli_does():
@@ -126,8 +133,10 @@ def test_make_bench_runs_every_bench_after_a_failure_and_prints_a_summary(tmp_pa
     import subprocess
 
     fake = tmp_path / "kvoffload"
-    fake.write_text('#!/bin/sh\necho "ran $2" >> "$(dirname "$0")/ran"\necho \'{"bench": "\'"$2"\'"}\'\n'
-                    'case "$2" in prefill) exit 3;; load) exit 1;; esac\n')
+    fake.write_text(
+        '#!/bin/sh\necho "ran $2" >> "$(dirname "$0")/ran"\necho \'{"bench": "\'"$2"\'"}\'\n'
+        'case "$2" in prefill) exit 3;; load) exit 1;; esac\n'
+    )
     fake.chmod(0o755)
     recipe = _make_bench_recipe().replace(".venv/bin/kvoffload", str(fake))
     (tmp_path / "Makefile").write_text(f"bench:\n{recipe}\n")
@@ -135,8 +144,11 @@ def test_make_bench_runs_every_bench_after_a_failure_and_prints_a_summary(tmp_pa
     assert proc.returncode != 0
     assert (tmp_path / "ran").read_text().split("\n")[:-1] == [f"ran {b}" for b in _make_bench_order(recipe)]
     assert len(proc.stdout.splitlines()) == len(BENCHES)  # each bench's JSON
-    summary = [line for line in proc.stderr[proc.stderr.index("kvoffload bench summary:"):].splitlines()
-               if line.startswith("  ")]  # make adds its own error line after it
+    summary = [
+        line
+        for line in proc.stderr[proc.stderr.index("kvoffload bench summary:") :].splitlines()
+        if line.startswith("  ")
+    ]  # make adds its own error line after it
     assert len(summary) == len(BENCHES)
     assert "  prefill: goals not met" in summary and "  load: error (exit 1)" in summary
     assert "  pool: no goal (it reports figures only)" in summary and "  decode: goals met" in summary

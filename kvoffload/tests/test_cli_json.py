@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload_bench.pool import SHAPES
 from kvoffload.cli import build_parser
+from kvoffload_bench.pool import SHAPES
 
 KVOFFLOAD = Path(sys.executable).with_name("kvoffload")
 
@@ -37,8 +37,9 @@ def _json_commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) 
 def _driven(code: str, timeout: int = 240) -> subprocess.CompletedProcess:
     """``code`` (it ends by calling the CLI) in a fresh Python process, as a user's shell runs it
     (``_user_env``); stdout and stderr captured apart."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=_user_env())
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=_user_env()
+    )
 
 
 def _user_env() -> dict[str, str]:
@@ -54,8 +55,13 @@ def test_plan_json_prints_one_json_document(tmp_path):
     from dsamodel.presets import tiny_config
 
     tiny_config().to_json(tmp_path / "config.json")
-    proc = subprocess.run([str(KVOFFLOAD), "plan", "--model", str(tmp_path), "--json"], capture_output=True,
-                          text=True, timeout=120, env=_user_env())
+    proc = subprocess.run(
+        [str(KVOFFLOAD), "plan", "--model", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_user_env(),
+    )
     assert proc.returncode in (0, 1), proc.stderr  # 1: the deployment is not valid (the JSON says why)
     assert json.loads(proc.stdout)["valid"] is (proc.returncode == 0)
 
@@ -78,8 +84,12 @@ def test_bench_pool_json_prints_one_json_document_and_its_logs_on_stderr():
     assert r["bench"] == "pool" and set(r["backends"]) == {"kvoffload", "mooncake", "memcache"}
     assert "kvoffload bench pool: no goal to meet" in proc.stderr
     rows, row_bytes, count = SHAPES["kv_block"]
-    assert r["shapes"]["kv_block"] == {"rows": rows, "row_bytes": row_bytes, "object_bytes": rows * row_bytes,
-                                       "objects": count}
+    assert r["shapes"]["kv_block"] == {
+        "rows": rows,
+        "row_bytes": row_bytes,
+        "object_bytes": rows * row_bytes,
+        "objects": count,
+    }
     memcpy = r["memcpy_gbps"]["kv_block"]
     assert memcpy > 0
     for name in ("kvoffload", "mooncake"):  # make test installs Mooncake: both must have run
@@ -96,7 +106,8 @@ def test_bench_pool_json_prints_one_json_document_and_its_logs_on_stderr():
 def test_whatever_a_bench_writes_to_stdout_goes_to_stderr():
     """Python prints, writes to descriptor 1, C stdio (buffered when stdout is a pipe), child processes
     and structlog: stdout keeps the JSON alone."""
-    proc = _driven("""
+    proc = _driven(
+        """
         import ctypes, os, subprocess, sys
         import structlog
         from kvoffload import cli, cli_bench
@@ -111,7 +122,9 @@ def test_whatever_a_bench_writes_to_stdout_goes_to_stderr():
 
         cli_bench._load = lambda target: noisy
         sys.exit(cli.main(["bench", "prefix", "--json"]))
-    """, timeout=120)
+    """,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"bench": "noisy", "goals_met": {"quiet": True}}
     for line in ("a print", "a write to descriptor 1", "a C printf", "a child process", "a structlog warning"):

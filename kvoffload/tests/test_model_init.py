@@ -1,4 +1,5 @@
 """``kvoffload model init`` writes a loadable tiny model, byte-identical for the same seed."""
+
 import hashlib
 
 from kvoffload.cli import main

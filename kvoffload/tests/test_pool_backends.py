@@ -5,9 +5,9 @@ its fault table and its server's kill; ``kvoffload bench pool`` measures every b
 from __future__ import annotations
 
 from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STACK_POOLS
+from kvoffload.cli import build_parser
 from kvoffload_bench import pool as bench_pool
 from kvoffload_testing import fault_catalog, stack
-from kvoffload.cli import build_parser
 
 
 def test_the_stack_runs_the_server_of_each_of_its_pools_and_the_fault_suite_knows_them():

@@ -21,15 +21,39 @@ def _idle() -> dict[str, dict[str, float]]:
     (prefill: kvcore.gates + ledger + pool; decode: loop + ledger + transfer + pool; metastore:
     stats_counters) — the tally reads some of them, the others are there as in real replies."""
     return {
-        "metastore": {"pools": 1.0, "world_size": 1.0, "objects": 3.0, "complete_objects": 3.0,
-                      "live_leases": 0.0, "lease_expiries_total": 0.0, "used_bytes": 4096.0},
-        "prefill-0": {"slots": 3.0, "held_slots": 0.0, "acquires": 12.0, "ledger_open": 0.0,
-                      "ledger_finished_ok": 2.0, "device_kv_bytes": 0.0, "pool_available": 1.0,
-                      "pool_used_bytes": 4096.0, "pool_used_blocks": 1.0, "pool_live_leases": 0.0,
-                      "pool_complete_objects": 3.0},
-        "decode-0": {"pending": 0.0, "running": 0.0, "sequences": 0.0, "ledger_open": 0.0,
-                     "ledger_finished_ok": 2.0, "read_done": 4.0, "pool_used_bytes": 0.0,
-                     "pool_used_blocks": 0.0, "pool_live_leases": 0.0},
+        "metastore": {
+            "pools": 1.0,
+            "world_size": 1.0,
+            "objects": 3.0,
+            "complete_objects": 3.0,
+            "live_leases": 0.0,
+            "lease_expiries_total": 0.0,
+            "used_bytes": 4096.0,
+        },
+        "prefill-0": {
+            "slots": 3.0,
+            "held_slots": 0.0,
+            "acquires": 12.0,
+            "ledger_open": 0.0,
+            "ledger_finished_ok": 2.0,
+            "device_kv_bytes": 0.0,
+            "pool_available": 1.0,
+            "pool_used_bytes": 4096.0,
+            "pool_used_blocks": 1.0,
+            "pool_live_leases": 0.0,
+            "pool_complete_objects": 3.0,
+        },
+        "decode-0": {
+            "pending": 0.0,
+            "running": 0.0,
+            "sequences": 0.0,
+            "ledger_open": 0.0,
+            "ledger_finished_ok": 2.0,
+            "read_done": 4.0,
+            "pool_used_bytes": 0.0,
+            "pool_used_blocks": 0.0,
+            "pool_live_leases": 0.0,
+        },
     }
 
 
@@ -42,8 +66,12 @@ def test_every_held_counter_is_counted():
     stats["prefill-0"].update(held_slots=2, pool_live_leases=3, ledger_open=1)
     stats["decode-0"].update(pool_used_bytes=512, pool_live_leases=1, sequences=1, ledger_open=2)
     stats["metastore"]["live_leases"] = 4
-    assert held(stats) == {"leaked_slots": 2, "leaked_pool_bytes": 512, "leaked_leases": 3 + 1 + 4,
-                           "open_requests": 1 + 1 + 2}
+    assert held(stats) == {
+        "leaked_slots": 2,
+        "leaked_pool_bytes": 512,
+        "leaked_leases": 3 + 1 + 4,
+        "open_requests": 1 + 1 + 2,
+    }
 
 
 def test_every_prefill_and_decode_is_counted():
@@ -53,9 +81,15 @@ def test_every_prefill_and_decode_is_counted():
     assert held(stats)["leaked_slots"] == 1 and held(stats)["leaked_pool_bytes"] == 64
 
 
-@pytest.mark.parametrize(("service", "key"), [(s, k) for kind, keys in REQUIRED_STATS.items()
-                                              for s in [kind if kind == "metastore" else f"{kind}-0"]
-                                              for k in keys])
+@pytest.mark.parametrize(
+    ("service", "key"),
+    [
+        (s, k)
+        for kind, keys in REQUIRED_STATS.items()
+        for s in [kind if kind == "metastore" else f"{kind}-0"]
+        for k in keys
+    ],
+)
 def test_a_missing_counter_is_an_error_not_a_zero(service, key):
     stats = _idle()
     del stats[service][key]
@@ -118,9 +152,21 @@ def test_the_required_counters_exist_in_what_the_metastore_and_the_gates_report(
     from kvoffload_metastore.metrics import stats_counters
     from kvoffload_metastore.records import MetaStats
 
-    meta = stats_counters(MetaStats(pools=[], world_size=1, lease_ttl_ms=1, heartbeat_timeout_ms=1,
-                                    dram_bytes_per_local_service=0, live_leases=0, lease_expiries=0,
-                                    leases_dropped=0, evictions=0, pools_expired=0), {})
+    meta = stats_counters(
+        MetaStats(
+            pools=[],
+            world_size=1,
+            lease_ttl_ms=1,
+            heartbeat_timeout_ms=1,
+            dram_bytes_per_local_service=0,
+            live_leases=0,
+            lease_expiries=0,
+            leases_dropped=0,
+            evictions=0,
+            pools_expired=0,
+        ),
+        {},
+    )
     assert set(REQUIRED_STATS["metastore"]) <= set(meta), sorted(meta)
     assert "held_slots" in GateSet({0: 0}).stats()
 
@@ -132,8 +178,13 @@ def _run(leaks: dict[str, float]) -> RunRecord:
 def test_summarize_sums_every_run_and_needs_every_leak_key():
     a, b = held(_idle()), {**held(_idle()), "leaked_slots": 1.0, "leaked_leases": 2.0}
     out = summarize([_run(a), _run(b)])
-    assert (out["leaked_slots"], out["leaked_pool_bytes"], out["leaked_leases"], out["open_requests_after"],
-            out["stats_unreadable"]) == (1, 0, 2, 0, 0)
+    assert (
+        out["leaked_slots"],
+        out["leaked_pool_bytes"],
+        out["leaked_leases"],
+        out["open_requests_after"],
+        out["stats_unreadable"],
+    ) == (1, 0, 2, 0, 0)
     broken = dict(a)
     del broken["leaked_slots"]
     with pytest.raises(MissingStatsKey, match="leaked_slots"):
@@ -167,56 +218,92 @@ def test_summarize_counts_the_runs_of_each_fault_of_the_stack():
 
 # ---- the error each fault gives -------------------------------------------------------------------
 
+
 def _names() -> dict[str, tuple[str, ...]]:
     from kvoffload_testing.fault_catalog import peer_names
     from kvoffload_testing.stack import StackConfig
 
-    return peer_names(StackConfig(model=Path("m"), log_dir=Path("l"), proxy_port=9000, prefill_ports=(8100,),
-                                  decode_ports=(8200,), kv_port=20050))
+    return peer_names(
+        StackConfig(
+            model=Path("m"),
+            log_dir=Path("l"),
+            proxy_port=9000,
+            prefill_ports=(8100,),
+            decode_ports=(8200,),
+            kv_port=20050,
+        )
+    )
 
 
 # errors as the client records them (``_request``), phrased as the proxy and the services phrase them
-PREFILL_DIED = ('HTTP 502: {"error": {"message": "prefiller http://127.0.0.1:8100 failed while sending the request: '
-                'ServerDisconnectedError: Server disconnected", "type": "upstream_error", "code": 502}}')
-PREFILL_QUIET = ('HTTP 502: {"error": {"message": "decoder http://127.0.0.1:8200 answered HTTP 502: {\\"error\\": '
-                 '{\\"message\\": \\"prefill 127.0.0.1:18100 sent no news for request cmpl-1 for 2 s\\"}}"}}')
-DECODE_DIED = ("SSE error 502: decoder http://127.0.0.1:8200 failed while relaying the response: "
-               "ClientPayloadError: Response payload is not completed")
-DECODE_GONE = ('HTTP 502: {"error": {"message": "prefiller http://127.0.0.1:8100 answered HTTP 502: {\\"error\\": '
-               '{\\"message\\": \\"prefill failed: request cmpl-2 stopped before layer 3: decode 127.0.0.1:20050 '
-               'no longer waits for request cmpl-2\\"}}"}}')
+PREFILL_DIED = (
+    'HTTP 502: {"error": {"message": "prefiller http://127.0.0.1:8100 failed while sending the request: '
+    'ServerDisconnectedError: Server disconnected", "type": "upstream_error", "code": 502}}'
+)
+PREFILL_QUIET = (
+    'HTTP 502: {"error": {"message": "decoder http://127.0.0.1:8200 answered HTTP 502: {\\"error\\": '
+    '{\\"message\\": \\"prefill 127.0.0.1:18100 sent no news for request cmpl-1 for 2 s\\"}}"}}'
+)
+DECODE_DIED = (
+    "SSE error 502: decoder http://127.0.0.1:8200 failed while relaying the response: "
+    "ClientPayloadError: Response payload is not completed"
+)
+DECODE_GONE = (
+    'HTTP 502: {"error": {"message": "prefiller http://127.0.0.1:8100 answered HTTP 502: {\\"error\\": '
+    '{\\"message\\": \\"prefill failed: request cmpl-2 stopped before layer 3: decode 127.0.0.1:20050 '
+    'no longer waits for request cmpl-2\\"}}"}}'
+)
 UNRELATED_500 = 'HTTP 500: {"error": {"message": "internal proxy error: KeyError", "type": "proxy_error", "code": 500}}'
-POOL_FULL = ('HTTP 502: {"error": {"message": "prefiller http://127.0.0.1:8100 answered HTTP 502: {\\"error\\": '
-             '{\\"message\\": \\"prefill failed: host pool full: 128 block(s) needed, 16 free\\"}}"}}')
+POOL_FULL = (
+    'HTTP 502: {"error": {"message": "prefiller http://127.0.0.1:8100 answered HTTP 502: {\\"error\\": '
+    '{\\"message\\": \\"prefill failed: host pool full: 128 block(s) needed, 16 free\\"}}"}}'
+)
 
 
-@pytest.mark.parametrize(("fault", "error"), [
-    ("kill_prefill", PREFILL_DIED), ("kill_prefill", PREFILL_QUIET), ("stall_prefill_long", PREFILL_QUIET),
-    ("kill_decode", DECODE_DIED), ("kill_decode", DECODE_GONE), ("stall_decode_long", DECODE_GONE),
-    ("fill_host_pool", POOL_FULL), ("kill_proxy", "RemoteDisconnected: Remote end closed connection without response"),
-    ("overfill_decode", 'HTTP 429: {"error": {"message": "every decoder is at its queue limit (1 of 1 answered 429); '
-                        'retry after 1 s", "type": "rate_limit_error", "code": 429}}'),
-    ("kill_metastore", 'HTTP 502: {"error": {"message": "prefiller http://127.0.0.1:8100 answered HTTP 502: '
-                       'prefill failed: MetaStore Exists: UNAVAILABLE: failed to connect to all addresses"}}'),
-])
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        ("kill_prefill", PREFILL_DIED),
+        ("kill_prefill", PREFILL_QUIET),
+        ("stall_prefill_long", PREFILL_QUIET),
+        ("kill_decode", DECODE_DIED),
+        ("kill_decode", DECODE_GONE),
+        ("stall_decode_long", DECODE_GONE),
+        ("fill_host_pool", POOL_FULL),
+        ("kill_proxy", "RemoteDisconnected: Remote end closed connection without response"),
+        (
+            "overfill_decode",
+            'HTTP 429: {"error": {"message": "every decoder is at its queue limit (1 of 1 answered 429); '
+            'retry after 1 s", "type": "rate_limit_error", "code": 429}}',
+        ),
+        (
+            "kill_metastore",
+            'HTTP 502: {"error": {"message": "prefiller http://127.0.0.1:8100 answered HTTP 502: '
+            'prefill failed: MetaStore Exists: UNAVAILABLE: failed to connect to all addresses"}}',
+        ),
+    ],
+)
 def test_the_error_a_fault_gives_names_the_service_it_hit(fault, error):
     from kvoffload_testing.fault_catalog import wrong_error
 
     assert wrong_error(fault, error, _names()) == ""
 
 
-@pytest.mark.parametrize(("fault", "error", "why"), [
-    ("kill_prefill", UNRELATED_500, "HTTP 502 or HTTP 503, not HTTP 500"),  # a 50x, but not the prefill's
-    ("kill_prefill", DECODE_DIED, "does not name the prefill"),  # a 502 about something else
-    ("stall_prefill_long", DECODE_DIED, "does not name the prefill"),
-    ("kill_decode", PREFILL_DIED, "does not name the decode"),
-    ("kill_metastore", PREFILL_DIED, "does not name the metastore"),
-    ("fill_host_pool", PREFILL_DIED, "does not say 'host pool full'"),
-    ("kill_proxy", DECODE_DIED, "gives no HTTP answer, not HTTP 502"),
-    ("none", PREFILL_DIED, "must fail no request"),
-    ("stall_decode_short", DECODE_DIED, "must fail no request"),
-    ("kill_decode", "", "gives HTTP 502 or HTTP 503, not no HTTP answer"),  # a failure that says nothing
-])
+@pytest.mark.parametrize(
+    ("fault", "error", "why"),
+    [
+        ("kill_prefill", UNRELATED_500, "HTTP 502 or HTTP 503, not HTTP 500"),  # a 50x, but not the prefill's
+        ("kill_prefill", DECODE_DIED, "does not name the prefill"),  # a 502 about something else
+        ("stall_prefill_long", DECODE_DIED, "does not name the prefill"),
+        ("kill_decode", PREFILL_DIED, "does not name the decode"),
+        ("kill_metastore", PREFILL_DIED, "does not name the metastore"),
+        ("fill_host_pool", PREFILL_DIED, "does not say 'host pool full'"),
+        ("kill_proxy", DECODE_DIED, "gives no HTTP answer, not HTTP 502"),
+        ("none", PREFILL_DIED, "must fail no request"),
+        ("stall_decode_short", DECODE_DIED, "must fail no request"),
+        ("kill_decode", "", "gives HTTP 502 or HTTP 503, not no HTTP answer"),  # a failure that says nothing
+    ],
+)
 def test_any_50x_is_not_the_named_error(fault, error, why):
     from kvoffload_testing.fault_catalog import wrong_error
 
@@ -238,8 +325,9 @@ class _FakeStack:
     def __init__(self, pool: str = "kvoffload") -> None:
         from kvoffload_testing.stack import StackConfig
 
-        self.cfg = StackConfig(model=Path("m"), log_dir=Path("l"), prefill_ports=(8100,), decode_ports=(8200,),
-                               kv_port=20050, pool=pool)
+        self.cfg = StackConfig(
+            model=Path("m"), log_dir=Path("l"), prefill_ports=(8100,), decode_ports=(8200,), kv_port=20050, pool=pool
+        )
         self.url = "http://127.0.0.1:9000"
 
     def commands(self):
@@ -281,7 +369,7 @@ def test_errors_carry_their_status_from_http_and_from_sse():
     from kvoffload_testing.faults import _request
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
+        def do_POST(self):
             stream = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["stream"]
             if not stream:
                 body = b'{"error": {"message": "no prefiller reachable", "code": 503}}'
@@ -293,9 +381,11 @@ def test_errors_carry_their_status_from_http_and_from_sse():
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            self.wfile.write(b'data: {"choices": [{"token_ids": [5]}]}\n\n'
-                             b'data: {"error": {"message": "decoder x reported an error: y", "code": 502}}\n\n'
-                             b"data: [DONE]\n\n")
+            self.wfile.write(
+                b'data: {"choices": [{"token_ids": [5]}]}\n\n'
+                b'data: {"error": {"message": "decoder x reported an error: y", "code": 502}}\n\n'
+                b"data: [DONE]\n\n"
+            )
 
         def log_message(self, *args):
             pass
@@ -316,6 +406,7 @@ def test_errors_carry_their_status_from_http_and_from_sse():
 
 
 # ---- the goal of bench faults ---------------------------------------------------------------------
+
 
 def _summary(**figures) -> dict:
     out = summarize([_run(held(_idle()))])
@@ -369,7 +460,15 @@ def test_bench_faults_is_not_met_while_a_request_is_still_open(monkeypatch):
     monkeypatch.setattr(faults, "FaultRunner", Runner)
     out = faults.bench(runs=2, progress=False)
     assert out["open_requests_after"] == 2 and out["goal_met"] is False, out
-    monkeypatch.setattr(Runner, "run_one", lambda self, i, fault: RunRecord(
-        i, fault, [fault_tally.RequestRecord(24, False, ok=True, ended=True, tokens_equal=True)],
-        dict.fromkeys(LEAK_KEYS, 0.0), fresh_ok=True))
+    monkeypatch.setattr(
+        Runner,
+        "run_one",
+        lambda self, i, fault: RunRecord(
+            i,
+            fault,
+            [fault_tally.RequestRecord(24, False, ok=True, ended=True, tokens_equal=True)],
+            dict.fromkeys(LEAK_KEYS, 0.0),
+            fresh_ok=True,
+        ),
+    )
     assert faults.bench(runs=2, progress=False)["goal_met"] is True

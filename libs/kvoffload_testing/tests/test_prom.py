@@ -50,10 +50,8 @@ def test_the_decodes_own_metrics_are_read_by_name():
 
     from kvoffload_decode.metrics import Metrics as DecodeMetrics
 
-    stats = {"queued": 0, "waiting_for_blocks": 0, "running": 0, "rejected": 3, "gather_waits": 5,
-             "gather_wait_s": 0.5}
-    step = SimpleNamespace(hit_rate=0.0, layer_hits={}, layer_misses={}, h2d_bytes=0, prefetched=0,
-                           prefetch_hits=0)
+    stats = {"queued": 0, "waiting_for_blocks": 0, "running": 0, "rejected": 3, "gather_waits": 5, "gather_wait_s": 0.5}
+    step = SimpleNamespace(hit_rate=0.0, layer_hits={}, layer_misses={}, h2d_bytes=0, prefetched=0, prefetch_hits=0)
     pool = SimpleNamespace(stats=lambda: SimpleNamespace(used_bytes=0))
     loop = SimpleNamespace(decoder=SimpleNamespace(last_step=step, pool=pool), stats=lambda: stats)
     transfer = SimpleNamespace(counters={"read_done": 0, "read_ms_total": 0.0})
@@ -68,7 +66,7 @@ def test_metric_reads_a_servers_metrics_over_http():
     body = b'# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.25\n'
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
+        def do_GET(self):
             self.send_response(200 if self.path == "/metrics" else 404)
             self.end_headers()
             self.wfile.write(body)

@@ -10,11 +10,11 @@ import torch
 from dsamodel import dense_decode
 from dsamodel.weights import load_model
 from kvcore import gather, hotcache, localpool
-from kvoffload_testing.reference import greedy_reference
-from kvoffload_testing.stack import ensure_tiny_model
 from kvoffload_engine import buffers, decode_requests, engine, prefill
 from kvoffload_engine import decode as decode_module
 from kvoffload_engine.engine import Engine, EngineConfig
+from kvoffload_testing.reference import greedy_reference
+from kvoffload_testing.stack import ensure_tiny_model
 from openai_api.sampling_params import SamplingParams
 
 PROMPT = [1] + [7 + (i * 37) % 250 for i in range(299)]  # 300 tokens: sparse top-k, 19 blocks
@@ -34,8 +34,18 @@ def oracle_tokens(model_dir):
 
 def _engine_tokens(model_dir, **sizes) -> list[int]:
     """The engine with the stacks' sizes (what the oracle used to run), or ``sizes`` instead."""
-    cfg = dict(block_size=16, max_model_len=4096, chunk_size=2048, buffers=3, topk_buffer_size=128,
-               prefill_pool_bytes=64 << 20, decode_pool_bytes=64 << 20) | sizes
+    cfg = (
+        dict(
+            block_size=16,
+            max_model_len=4096,
+            chunk_size=2048,
+            buffers=3,
+            topk_buffer_size=128,
+            prefill_pool_bytes=64 << 20,
+            decode_pool_bytes=64 << 20,
+        )
+        | sizes
+    )
     eng = Engine(load_model(model_dir), EngineConfig(**cfg))
     try:
         return eng.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS))[0]
@@ -53,12 +63,19 @@ def test_the_oracle_builds_none_of_the_engine_machinery(model_dir, oracle_tokens
     def forbidden(*args, **kwargs):
         raise AssertionError("the oracle ran the code under test")
 
-    for owner, name in [(engine.Engine, "__init__"), (prefill.LayerwisePrefill, "__init__"),
-                        (decode_module.SparseDecoder, "__init__"), (buffers.LayerBuffers, "__init__"),
-                        (hotcache.HotCache, "__init__"), (localpool.LocalHostPool, "__init__"),
-                        (gather, "gather_rows"), (gather, "scatter_rows"),
-                        (decode_module, "gather_rows"), (decode_module, "scatter_rows"),
-                        (decode_requests, "scatter_rows")]:
+    for owner, name in [
+        (engine.Engine, "__init__"),
+        (prefill.LayerwisePrefill, "__init__"),
+        (decode_module.SparseDecoder, "__init__"),
+        (buffers.LayerBuffers, "__init__"),
+        (hotcache.HotCache, "__init__"),
+        (localpool.LocalHostPool, "__init__"),
+        (gather, "gather_rows"),
+        (gather, "scatter_rows"),
+        (decode_module, "gather_rows"),
+        (decode_module, "scatter_rows"),
+        (decode_requests, "scatter_rows"),
+    ]:
         monkeypatch.setattr(owner, name, forbidden)
     assert greedy_reference(model_dir, max_model_len=4096)(PROMPT, MAX_TOKENS) == oracle_tokens
 

@@ -7,13 +7,16 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from kvoffload_testing.stack import API_KEY_ENV, Stack, StackConfig
 from svcruntime.tls import TLSConfig
 
-from kvoffload_testing.stack import API_KEY_ENV, Stack, StackConfig
-
 ROOT = Path(__file__).resolve().parents[3]
-SOURCES = sorted(p for pattern in ("libs/*/src/**/*.py", "services/*/src/**/*.py", "kvoffload/*.py")
-                 for p in ROOT.glob(pattern) if "_pb2" not in p.name)
+SOURCES = sorted(
+    p
+    for pattern in ("libs/*/src/**/*.py", "services/*/src/**/*.py", "kvoffload/*.py")
+    for p in ROOT.glob(pattern)
+    if "_pb2" not in p.name
+)
 GRPC_RAW = {"insecure_channel", "secure_channel", "add_insecure_port", "add_secure_port"}
 
 
@@ -26,7 +29,10 @@ def _calls(tree: ast.AST):
 
 def test_sources_found():
     names = {p.relative_to(ROOT).as_posix() for p in SOURCES}
-    assert "libs/svcruntime/src/svcruntime/tls.py" in names and "libs/kvoffload_testing/src/kvoffload_testing/stack.py" in names
+    assert (
+        "libs/svcruntime/src/svcruntime/tls.py" in names
+        and "libs/kvoffload_testing/src/kvoffload_testing/stack.py" in names
+    )
     assert any(n.startswith("services/proxy/") for n in names)
 
 
@@ -47,8 +53,10 @@ def test_stack_passes_tls_to_every_grpc_service_and_the_key_by_environment(tmp_p
     tls = TLSConfig.load(tmp_path / "c.pem", tmp_path / "k.pem", tmp_path / "c.pem")
     plain = Stack(StackConfig(model=tmp_path, log_dir=tmp_path)).commands()
     assert not any("--tls" in " ".join(argv) for _, argv, _ in plain)  # default unchanged: no TLS
-    cmds = {name: argv for name, argv, _ in Stack(StackConfig(model=tmp_path, log_dir=tmp_path, tls=tls,
-                                                              api_key="k3y")).commands()}
+    cmds = {
+        name: argv
+        for name, argv, _ in Stack(StackConfig(model=tmp_path, log_dir=tmp_path, tls=tls, api_key="k3y")).commands()
+    }
     for name in ("metastore", "decode-0", "prefill-0"):
         argv = cmds[name]
         assert argv[argv.index("--tls-cert") + 1] == str(tmp_path / "c.pem"), name

@@ -6,8 +6,15 @@ import pytest
 
 from kvoffload_testing.sse import StreamTruncated, sse_events, token_ids
 
-STREAM = [b'data: {"choices": [{"token_ids": [1, 2]}]}\n', b"\n", b": keep-alive\n",
-          b'data: {"choices": [{"token_ids": [3]}, {"text": "x"}]}\n', b"\n", b"data: [DONE]\n", b"\n"]
+STREAM = [
+    b'data: {"choices": [{"token_ids": [1, 2]}]}\n',
+    b"\n",
+    b": keep-alive\n",
+    b'data: {"choices": [{"token_ids": [3]}, {"text": "x"}]}\n',
+    b"\n",
+    b"data: [DONE]\n",
+    b"\n",
+]
 
 
 def test_events_in_order_other_lines_and_done_skipped():

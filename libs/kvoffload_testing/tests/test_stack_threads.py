@@ -16,8 +16,10 @@ from kvoffload_testing.stack import Stack, StackConfig, colocated_threads_env
 
 @pytest.mark.parametrize(("cores", "decode_threads"), [(1, "1"), (2, "1"), (4, "1"), (8, "2"), (64, "16")])
 def test_a_decode_gets_a_quarter_of_the_cores_and_a_prefill_all(cores, decode_threads):
-    assert colocated_threads_env("decode-0", cores, {}) == {"OMP_WAIT_POLICY": "PASSIVE",
-                                                           "OMP_NUM_THREADS": decode_threads}
+    assert colocated_threads_env("decode-0", cores, {}) == {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "OMP_NUM_THREADS": decode_threads,
+    }
     assert colocated_threads_env("prefill-1", cores, {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
 
 

@@ -15,7 +15,12 @@ import pytest
 
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.stack import Stack, StackConfig, colocated_threads_env
-from kvoffload_testing.vllm_stack import VllmStack, split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
+from kvoffload_testing.vllm_stack import (
+    VllmStack,
+    split_cores,
+    vllm_decode_transfer_config,
+    vllm_prefill_transfer_config,
+)
 
 # ---- configs and command lines -----------------------------------------------------------------
 
@@ -24,20 +29,29 @@ def test_the_prefill_transfer_config_is_the_multiconnector_of_the_d2h_producer_a
     config = json.loads(vllm_prefill_transfer_config("127.0.0.1:5000"))
     d2h, store = config["kv_connector_extra_config"].pop("connectors")
     assert config == {"kv_connector": "MultiConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {}}
-    assert d2h == {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer",
-                   "kv_connector_module_path": "kvoffload_vllm",
-                   "kv_connector_extra_config": {"transfer_backend": "kvoffload"}}
-    assert store == {"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer",
-                     "kv_connector_module_path": "kvoffload_vllm",
-                     "kv_connector_extra_config": {"backend": "kvoffload", "use_layerwise": True,
-                                                   "metastore": "127.0.0.1:5000"}}
+    assert d2h == {
+        "kv_connector": "SfaRemoteD2HConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_module_path": "kvoffload_vllm",
+        "kv_connector_extra_config": {"transfer_backend": "kvoffload"},
+    }
+    assert store == {
+        "kv_connector": "AscendStoreConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_module_path": "kvoffload_vllm",
+        "kv_connector_extra_config": {"backend": "kvoffload", "use_layerwise": True, "metastore": "127.0.0.1:5000"},
+    }
 
 
 def test_the_decode_transfer_config_is_the_d2h_consumer_on_its_control_port():
     assert json.loads(vllm_decode_transfer_config(20050)) == {
-        "kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": 20050,
-        "kv_connector_module_path": "kvoffload_vllm", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"transfer_backend": "kvoffload"}}
+        "kv_connector": "SfaRemoteD2HConnector",
+        "kv_role": "kv_consumer",
+        "kv_port": 20050,
+        "kv_connector_module_path": "kvoffload_vllm",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"transfer_backend": "kvoffload"},
+    }
 
 
 def _cfg(tmp_path: Path, **kw) -> StackConfig:
@@ -57,9 +71,10 @@ def test_vllm_commands_metastore_prefill_decode_proxy_in_start_order(tmp_path):
     ref = {name: (argv, health) for name, argv, health in Stack(cfg).commands()}
     assert cmds["metastore"] == ref["metastore"] and cmds["proxy"] == ref["proxy"]
     assert cmds["metastore"][1] == f"grpc://127.0.0.1:{cfg.metastore_port}"
-    for name, port, config in (("prefill-0", cfg.prefill_ports[0],
-                                vllm_prefill_transfer_config(f"127.0.0.1:{cfg.metastore_port}")),
-                               ("decode-0", cfg.decode_ports[0], vllm_decode_transfer_config(cfg.kv_port))):
+    for name, port, config in (
+        ("prefill-0", cfg.prefill_ports[0], vllm_prefill_transfer_config(f"127.0.0.1:{cfg.metastore_port}")),
+        ("decode-0", cfg.decode_ports[0], vllm_decode_transfer_config(cfg.kv_port)),
+    ):
         argv, health = cmds[name]
         assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         assert _flag(argv, "--model") == str(cfg.model) and _flag(argv, "--port") == str(port)
@@ -79,7 +94,7 @@ def test_every_decode_gets_its_own_control_port(tmp_path):
     assert list(cmds) == ["metastore", "prefill-0", "prefill-1", "decode-0", "decode-1", "proxy"]
     for i in range(2):
         assert json.loads(_flag(cmds[f"decode-{i}"], "--kv-transfer-config"))["kv_port"] == cfg.kv_port + 16 * i
-    assert cmds["proxy"][cmds["proxy"].index("--decoder-ports") + 1:][:2] == [str(p) for p in cfg.decode_ports]
+    assert cmds["proxy"][cmds["proxy"].index("--decoder-ports") + 1 :][:2] == [str(p) for p in cfg.decode_ports]
 
 
 def test_only_the_vllm_children_get_the_vllm_environment(tmp_path, monkeypatch):
@@ -91,7 +106,8 @@ def test_only_the_vllm_children_get_the_vllm_environment(tmp_path, monkeypatch):
     assert stack.engine_env("metastore") == stack.engine_env("proxy") == {}
     reference = Stack(_cfg(tmp_path)).engine_env("prefill-0")  # the reference stack's own thread plan only
     assert not any(k.startswith("VLLM_") for k in reference) and reference == colocated_threads_env(
-        "prefill-0", 4, os.environ)
+        "prefill-0", 4, os.environ
+    )
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert stack.engine_env("decode-0") == base  # one core: nothing to split
 
@@ -111,7 +127,7 @@ def test_the_vllm_stack_refuses_tls(tmp_path):
 
 # ---- the launcher, on fake children ----------------------------------------------------------------
 
-FAKE_SERVICE = textwrap.dedent('''
+FAKE_SERVICE = textwrap.dedent("""
     import http.server, os, signal, subprocess, sys, time
     name, port, events, delay, code = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
     grandchild = sys.argv[6] == "1"
@@ -146,11 +162,18 @@ FAKE_SERVICE = textwrap.dedent('''
     signal.signal(signal.SIGTERM, term)
     event("healthy")
     server.serve_forever()
-''')
+""")
 
 
-def fake_stack(base: type[Stack], cfg: StackConfig, script: Path, events: Path, delays: dict, codes: dict,
-               grandchildren: bool = True):
+def fake_stack(
+    base: type[Stack],
+    cfg: StackConfig,
+    script: Path,
+    events: Path,
+    delays: dict,
+    codes: dict,
+    grandchildren: bool = True,
+):
     """``base``'s services (names, start order, hooks), each played by FAKE_SERVICE on an HTTP health port
     (with a grandchild that ignores SIGTERM when ``grandchildren``)."""
 
@@ -161,8 +184,16 @@ def fake_stack(base: type[Stack], cfg: StackConfig, script: Path, events: Path, 
             out = []
             for name, _, health in base.commands(self):
                 port = int(health.split(":")[2].split("/")[0])
-                argv = [sys.executable, str(script), name, str(port), str(events), str(delays.get(name, 0)),
-                        str(codes.get(name, 0)), "1" if grandchildren else "0"]
+                argv = [
+                    sys.executable,
+                    str(script),
+                    name,
+                    str(port),
+                    str(events),
+                    str(delays.get(name, 0)),
+                    str(codes.get(name, 0)),
+                    "1" if grandchildren else "0",
+                ]
                 out.append((name, argv, f"http://127.0.0.1:{port}/"))
             return out
 
@@ -175,7 +206,7 @@ def read_events(events: Path) -> list[tuple[str, ...]]:
 
 
 def index(evs, *event) -> int:
-    return next(i for i, e in enumerate(evs) if e[:len(event)] == event)
+    return next(i for i, e in enumerate(evs) if e[: len(event)] == event)
 
 
 def pid_alive(pid: int) -> bool:
@@ -188,8 +219,9 @@ def pid_alive(pid: int) -> bool:
 
 def test_vllm_stack_starts_metastore_first_then_the_rest_and_stops_whole_groups_in_reverse(tmp_path):
     cfg, events = _cfg(tmp_path), tmp_path / "events"
-    stack = fake_stack(VllmStack, cfg, tmp_path / "fake.py", events,
-                       delays={"metastore": 1.0, "prefill-0": 1.5}, codes={})
+    stack = fake_stack(
+        VllmStack, cfg, tmp_path / "fake.py", events, delays={"metastore": 1.0, "prefill-0": 1.5}, codes={}
+    )
     stack.start(timeout_s=60, progress=False)
     try:
         evs = read_events(events)
@@ -224,8 +256,9 @@ def test_a_child_that_dies_while_starting_stops_the_others_and_names_itself(tmp_
 
 def test_the_reference_stack_still_spawns_every_service_at_once(tmp_path):
     cfg, events = _cfg(tmp_path), tmp_path / "events"
-    stack = fake_stack(Stack, cfg, tmp_path / "fake.py", events, delays={"metastore": 1.0}, codes={},
-                       grandchildren=False)
+    stack = fake_stack(
+        Stack, cfg, tmp_path / "fake.py", events, delays={"metastore": 1.0}, codes={}, grandchildren=False
+    )
     t = time.monotonic()
     stack.start(timeout_s=60, progress=False)
     stack.stop()

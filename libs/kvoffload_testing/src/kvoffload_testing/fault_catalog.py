@@ -18,8 +18,9 @@ from kvoffload_testing.ports import DATA_PORT_OFFSET
 from kvoffload_testing.stack import StackConfig
 
 # the fault that kill -9s the server of a stack's pool -> that service ("kill_metastore": "metastore")
-SERVER_FAULTS: dict[str, str] = {f"kill_{b.stack.service.replace('-', '_')}": b.stack.service
-                                  for b in POOL_BACKENDS.values() if b.stack}
+SERVER_FAULTS: dict[str, str] = {
+    f"kill_{b.stack.service.replace('-', '_')}": b.stack.service for b in POOL_BACKENDS.values() if b.stack
+}
 
 # fault -> relative weight in a randomized run
 FAULTS: dict[str, int] = {
@@ -60,6 +61,7 @@ def error_status(error: str) -> int | None:
 
 
 # ---- the error each fault may give ----------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ExpectedError:
@@ -113,12 +115,18 @@ def peer_names(cfg: StackConfig) -> dict[str, tuple[str, ...]]:
     named by the exception that says so."""
     h, prefill, decode = cfg.host, cfg.prefill_ports[0], cfg.decode_ports[0]
     return {
-        "decode": (f"http://{h}:{decode}", f"decode {h}:{cfg.decode_control_port(0)}", "the decode ",
-                   "every decoder "),
+        "decode": (f"http://{h}:{decode}", f"decode {h}:{cfg.decode_control_port(0)}", "the decode ", "every decoder "),
         "prefill": (f"http://{h}:{prefill}", f"prefill {h}:{prefill + DATA_PORT_OFFSET}", "the prefill "),
         **{b.stack.service: b.stack.named for b in POOL_BACKENDS.values() if b.stack},
-        "proxy": ("RemoteDisconnected", "ConnectionResetError", "ConnectionRefusedError", "Connection refused",
-                  "IncompleteRead", "BrokenPipeError", "the stream ended without data: [DONE]"),
+        "proxy": (
+            "RemoteDisconnected",
+            "ConnectionResetError",
+            "ConnectionRefusedError",
+            "Connection refused",
+            "IncompleteRead",
+            "BrokenPipeError",
+            "the stream ended without data: [DONE]",
+        ),
     }
 
 

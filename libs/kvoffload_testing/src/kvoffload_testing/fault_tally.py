@@ -63,15 +63,18 @@ def _kind(name: str) -> str:
             return kind
     if name == "metastore":
         return name
-    raise MissingStatsKey(f"Stats of an unknown service {name!r}: the leak tally knows prefill-N, decode-N "
-                          f"and metastore")
+    raise MissingStatsKey(
+        f"Stats of an unknown service {name!r}: the leak tally knows prefill-N, decode-N and metastore"
+    )
 
 
 def _require(name: str, counters: dict[str, float], keys: tuple[str, ...]) -> None:
     missing = [k for k in keys if k not in counters]
     if missing:
-        raise MissingStatsKey(f"{name}: Stats lack {', '.join(map(repr, missing))} (the leak tally needs "
-                              f"{', '.join(keys)}); the keys present are: {sorted(counters)}")
+        raise MissingStatsKey(
+            f"{name}: Stats lack {', '.join(map(repr, missing))} (the leak tally needs "
+            f"{', '.join(keys)}); the keys present are: {sorted(counters)}"
+        )
 
 
 def held(stats: dict[str, dict[str, float]], pool: str = "kvoffload") -> dict[str, float]:
@@ -150,8 +153,16 @@ def summarize(records: list[RunRecord], faults: dict[str, int] = FAULTS) -> dict
 # the figures of ``summarize`` that must be 0 for the suite's goal: nothing held or open once the
 # stack is idle (and its Stats read), every answer right, every error its fault's own, every fresh
 # request after a run served
-GOAL_ZERO = ("stats_unreadable", "leaked_slots", "leaked_pool_bytes", "leaked_leases", "open_requests_after",
-             "wrong_tokens", "wrong_errors", "fresh_request_failures")
+GOAL_ZERO = (
+    "stats_unreadable",
+    "leaked_slots",
+    "leaked_pool_bytes",
+    "leaked_leases",
+    "open_requests_after",
+    "wrong_tokens",
+    "wrong_errors",
+    "fresh_request_failures",
+)
 
 
 class MissingFigure(LookupError):
@@ -165,8 +176,12 @@ def goal_met(summary: dict) -> bool:
     missing = [k for k in ("runs", "requests", "terminated", *GOAL_ZERO) if k not in summary]
     if missing:
         raise MissingFigure(f"the fault summary lacks {', '.join(missing)}; it has {sorted(summary)}")
-    return (summary["runs"] > 0 and summary["requests"] > 0 and summary["terminated"] == summary["requests"]
-            and all(summary[k] == 0 for k in GOAL_ZERO))
+    return (
+        summary["runs"] > 0
+        and summary["requests"] > 0
+        and summary["terminated"] == summary["requests"]
+        and all(summary[k] == 0 for k in GOAL_ZERO)
+    )
 
 
 def records_json(records: list[RunRecord]) -> str:

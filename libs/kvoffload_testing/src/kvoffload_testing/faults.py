@@ -68,15 +68,29 @@ def fault_stack_config(model: Path, log_dir: Path, pool: str = "kvoffload") -> S
     t = str(PEER_TIMEOUT_S)
     metastore = {"metastore": ["--heartbeat-timeout-ms", str(POOL_TIMEOUT_MS)]} if pool == "kvoffload" else {}
     return StackConfig(
-        model=model, log_dir=log_dir, **free_stack_ports(mooncake=pool == "mooncake"), max_model_len=4096,
-        block_size=BLOCK_SIZE, prefill_pool_gb=PREFILL_POOL_GB, pool=pool,
+        model=model,
+        log_dir=log_dir,
+        **free_stack_ports(mooncake=pool == "mooncake"),
+        max_model_len=4096,
+        block_size=BLOCK_SIZE,
+        prefill_pool_gb=PREFILL_POOL_GB,
+        pool=pool,
         service_args={
             **metastore,
-            "decode-0": ["--peer-timeout-s", t, "--max-queued-requests", "8", "--max-num-seqs", "4",
-                         "--metaserver-timeout-s", "30"],
+            "decode-0": [
+                "--peer-timeout-s",
+                t,
+                "--max-queued-requests",
+                "8",
+                "--max-num-seqs",
+                "4",
+                "--metaserver-timeout-s",
+                "30",
+            ],
             "prefill-0": ["--peer-timeout-s", t, "--read-timeout-s", "15"],
             "proxy": ["--request-timeout-s", "30", "--metaserver-timeout-s", "10", "--connect-timeout-s", "2"],
-        })
+        },
+    )
 
 
 def _prompts() -> list[list[int]]:
@@ -132,8 +146,13 @@ def _sse_error(error: object) -> str:
 class FaultRunner:
     """Runs seeded fault runs against ``stack``; ``reference(prompt)`` gives the expected tokens."""
 
-    def __init__(self, stack: Stack, reference: Callable[[list[int]], list[int]], seed: int = 0,
-                 log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        stack: Stack,
+        reference: Callable[[list[int]], list[int]],
+        seed: int = 0,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         self.stack, self.reference, self.seed, self.rng = stack, reference, seed, random.Random(seed)
         self.pool = stack.cfg.pool
         self.faults = FAULTS_BY_POOL[self.pool]
@@ -154,9 +173,11 @@ class FaultRunner:
         records = []
         for i, fault in enumerate(plan):
             rec = self.run_one(i, fault)
-            self.log(f"run {i} {fault}: {sum(r.ok for r in rec.requests)}/{len(rec.requests)} ok, "
-                     f"max {max((r.seconds for r in rec.requests), default=0):.1f} s, leaks {rec.leaks}, "
-                     f"fresh {'ok' if rec.fresh_ok else 'FAILED'}")
+            self.log(
+                f"run {i} {fault}: {sum(r.ok for r in rec.requests)}/{len(rec.requests)} ok, "
+                f"max {max((r.seconds for r in rec.requests), default=0):.1f} s, leaks {rec.leaks}, "
+                f"fresh {'ok' if rec.fresh_ok else 'FAILED'}"
+            )
             records.append(rec)
         return records
 
@@ -171,8 +192,10 @@ class FaultRunner:
         if fault == "fill_host_pool":  # one prompt the prefill's host pool cannot hold, among others
             picks.append((_filler(), rng.random() < 0.5))
         records = [RequestRecord(len(p), s) for p, s in picks]
-        threads = [threading.Thread(target=self._client, args=(p, s, r, fault), daemon=True)
-                   for (p, s), r in zip(picks, records)]
+        threads = [
+            threading.Thread(target=self._client, args=(p, s, r, fault), daemon=True)
+            for (p, s), r in zip(picks, records)
+        ]
         for th in threads:
             th.start()
         time.sleep(rng.uniform(0.05, 0.8))
@@ -206,23 +229,25 @@ class FaultRunner:
             want = self.reference(prompt)
             rec.tokens_equal = tokens == want
             if not rec.tokens_equal:
-                self.log(f"WRONG TOKENS under {fault}: prompt {len(prompt)} stream {stream}: got {tokens}, "
-                         f"want {want}")
+                self.log(f"WRONG TOKENS under {fault}: prompt {len(prompt)} stream {stream}: got {tokens}, want {want}")
 
     def _inject(self, fault: str) -> None:
         s, rng = self.stack, self.rng
         if fault == "none":
             return
         if fault.startswith("kill_"):
-            name = {"kill_decode": "decode-0", "kill_prefill": "prefill-0", "kill_proxy": "proxy",
-                    **SERVER_FAULTS}[fault]
+            name = {"kill_decode": "decode-0", "kill_prefill": "prefill-0", "kill_proxy": "proxy", **SERVER_FAULTS}[
+                fault
+            ]
             s.signal(name, signal.SIGKILL)
             s.process(name).wait(10)  # gone for good before anyone restarts it
             return
-        stalls = {"stall_decode_short": ("decode-0", rng.uniform(0.2, 1.0)),
-                  "stall_decode_long": ("decode-0", PEER_TIMEOUT_S + rng.uniform(1.0, 2.0)),
-                  "stall_prefill_long": ("prefill-0", PEER_TIMEOUT_S + rng.uniform(1.0, 2.0)),
-                  "expire_pool_and_leases": ("prefill-0", POOL_TIMEOUT_MS / 1000 + 1.5)}
+        stalls = {
+            "stall_decode_short": ("decode-0", rng.uniform(0.2, 1.0)),
+            "stall_decode_long": ("decode-0", PEER_TIMEOUT_S + rng.uniform(1.0, 2.0)),
+            "stall_prefill_long": ("prefill-0", PEER_TIMEOUT_S + rng.uniform(1.0, 2.0)),
+            "expire_pool_and_leases": ("prefill-0", POOL_TIMEOUT_MS / 1000 + 1.5),
+        }
         if fault in stalls:
             name, seconds = stalls[fault]
             s.signal(name, signal.SIGSTOP)
@@ -244,8 +269,10 @@ class FaultRunner:
         for port in cfg.prefill_ports:
             while not healthy(f"http://{cfg.host}:{port}/health"):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the prefill on port {port} is not ready {RECOVERY_S:.0f} s after the "
-                                       f"restarts; see {cfg.log_dir}")
+                    raise TimeoutError(
+                        f"the prefill on port {port} is not ready {RECOVERY_S:.0f} s after the "
+                        f"restarts; see {cfg.log_dir}"
+                    )
                 time.sleep(0.2)
 
     def _wait_idle(self, timeout_s: float = 20.0) -> dict[str, float]:
@@ -300,8 +327,10 @@ def bench_runs(runner: FaultRunner, runs: int, progress: bool = False) -> dict:
     faults = runner.faults
     names = list(faults)
     plan = (names + runner.rng.choices(names, [faults[f] for f in names], k=max(0, runs - len(names))))[:runs]
-    records = [runner.run_one(i, fault)
-               for i, fault in enumerate(tqdm(plan, desc="fault runs", disable=not progress, file=sys.stderr))]
+    records = [
+        runner.run_one(i, fault)
+        for i, fault in enumerate(tqdm(plan, desc="fault runs", disable=not progress, file=sys.stderr))
+    ]
     out = summarize(records, faults)
     out["seed"] = runner.seed
     out["goal_met"] = goal_met(out)

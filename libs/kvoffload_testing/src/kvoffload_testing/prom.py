@@ -68,12 +68,16 @@ class Metrics:
     def _missing(self, name: str, labels: dict[str, str]) -> str:
         series = [dict(ls) for n, ls in self.samples if n == name]
         if series:
-            return (f"{self.source}: no sample {name}{_fmt(labels)}; its series: "
-                    f"{', '.join(name + _fmt(s) for s in series[:10])}")
+            return (
+                f"{self.source}: no sample {name}{_fmt(labels)}; its series: "
+                f"{', '.join(name + _fmt(s) for s in series[:10])}"
+            )
         near = sorted({n for n, _ in self.samples if n.split("_")[:2] == name.split("_")[:2]})[:10]
-        return (f"{self.source}: no sample named {name!r}"
-                + (" (declared, but no series yet)" if self.declares(name) else "")
-                + (f"; samples with a like name: {', '.join(near)}" if near else ""))
+        return (
+            f"{self.source}: no sample named {name!r}"
+            + (" (declared, but no series yet)" if self.declares(name) else "")
+            + (f"; samples with a like name: {', '.join(near)}" if near else "")
+        )
 
 
 def _fmt(labels: dict[str, str]) -> str:

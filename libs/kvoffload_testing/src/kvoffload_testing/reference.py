@@ -22,8 +22,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-def greedy_reference(model_dir: Path, *, block_size: int = 16, max_model_len: int = 8192
-                     ) -> Callable[[list[int], int], list[int]]:
+def greedy_reference(
+    model_dir: Path, *, block_size: int = 16, max_model_len: int = 8192
+) -> Callable[[list[int], int], list[int]]:
     """``run(prompt_ids, max_tokens)``: the model's greedy tokens, refused (ValueError) past
     ``max_model_len`` as the stack refuses them. ``block_size`` is the stack's; a full KV has no
     blocks, so the tokens do not depend on it (I3: placement never changes results)."""
@@ -40,8 +41,9 @@ def greedy_reference(model_dir: Path, *, block_size: int = 16, max_model_len: in
         key = (tuple(prompt_ids), max_tokens)
         if key not in cache:
             if len(prompt_ids) + max_tokens > max_model_len:
-                raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) exceeds "
-                                 f"max_model_len={max_model_len}")
+                raise ValueError(
+                    f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) exceeds max_model_len={max_model_len}"
+                )
             with _one_thread():
                 cache[key] = generate_full_kv(model, list(prompt_ids), SamplingParams(max_tokens=max_tokens))
         return cache[key]
@@ -68,19 +70,32 @@ class TimedEngine:
     """The single-process engine with a stack's sizes, loaded once, for benchmarks: ``run`` serves a
     batch of requests (all added at once, stepped until done) and returns when each token appeared."""
 
-    def __init__(self, model_dir: Path, *, block_size: int, max_model_len: int, max_num_seqs: int,
-                 chunk_size: int) -> None:
+    def __init__(
+        self, model_dir: Path, *, block_size: int, max_model_len: int, max_num_seqs: int, chunk_size: int
+    ) -> None:
         from dsamodel.weights import load_model
         from kvoffload_engine.engine import Engine, EngineConfig
 
-        self.eng = Engine(load_model(model_dir),
-                          EngineConfig(block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                       chunk_size=chunk_size, buffers=3, topk_buffer_size=128,
-                                       prefill_pool_bytes=1 << 30, decode_pool_bytes=1 << 30))
+        self.eng = Engine(
+            load_model(model_dir),
+            EngineConfig(
+                block_size=block_size,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                chunk_size=chunk_size,
+                buffers=3,
+                topk_buffer_size=128,
+                prefill_pool_bytes=1 << 30,
+                decode_pool_bytes=1 << 30,
+            ),
+        )
 
-    def run(self, tag: str, work: list[tuple[list[int], int]],
-            after_step: Callable[[list, list[list[float]]], None] | None = None
-            ) -> tuple[float, list[list[int]], list[list[float]]]:
+    def run(
+        self,
+        tag: str,
+        work: list[tuple[list[int], int]],
+        after_step: Callable[[list, list[list[float]]], None] | None = None,
+    ) -> tuple[float, list[list[int]], list[list[float]]]:
         """(start time, token ids, perf_counter stamps of each token) per request of ``work``
         ((prompt, max_tokens) pairs); ``after_step(seqs, stamps)`` runs after every engine step."""
         from openai_api.sampling_params import SamplingParams

@@ -28,9 +28,21 @@ def metastore_command(host: str, port: int, *, dram_size: str | None = None, tls
 
 def proxy_command(host: str, port: int, prefill_ports: Sequence[int], decode_ports: Sequence[int]) -> list[str]:
     """A ``kvoffload-proxy`` on ``host:port`` in front of the prefill and decode HTTP ports on ``host``."""
-    return [binary("kvoffload-proxy"), "--host", host, "--port", str(port),
-            "--prefiller-hosts", *[host] * len(prefill_ports), "--prefiller-ports", *map(str, prefill_ports),
-            "--decoder-hosts", *[host] * len(decode_ports), "--decoder-ports", *map(str, decode_ports)]
+    return [
+        binary("kvoffload-proxy"),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--prefiller-hosts",
+        *[host] * len(prefill_ports),
+        "--prefiller-ports",
+        *map(str, prefill_ports),
+        "--decoder-hosts",
+        *[host] * len(decode_ports),
+        "--decoder-ports",
+        *map(str, decode_ports),
+    ]
 
 
 class Service(ServerProcess):
@@ -42,9 +54,18 @@ class Service(ServerProcess):
     keep_logs = True
     poll_s = 0.2
 
-    def __init__(self, name: str, argv: list[str], health: str, log_dir: Path, *,
-                 env: Mapping[str, str] | None = None, tls: TLSConfig | None = None,
-                 start_timeout_s: float = 180.0, whole_group: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        health: str,
+        log_dir: Path,
+        *,
+        env: Mapping[str, str] | None = None,
+        tls: TLSConfig | None = None,
+        start_timeout_s: float = 180.0,
+        whole_group: bool = False,
+    ) -> None:
         super().__init__(log_dir, f"{name}.log", start_timeout_s)
         self.name, self.health, self.tls = name, health, tls
         self._argv, self._env = argv, dict(env) if env is not None else None
@@ -71,8 +92,10 @@ class Service(ServerProcess):
         return healthy(self.health, self.tls)
 
     def exited(self, code: int) -> Exception:
-        return RuntimeError(f"{self.name} exited with status {code} while starting; its log ({self.log_path}) "
-                            f"ends with:\n{self.log_path.read_text(errors='replace')[-2000:]}")
+        return RuntimeError(
+            f"{self.name} exited with status {code} while starting; its log ({self.log_path}) "
+            f"ends with:\n{self.log_path.read_text(errors='replace')[-2000:]}"
+        )
 
     def timed_out(self) -> Exception:
         return TimeoutError(f"{self.name} not healthy at {self.health} in time; see {self.log_path}")

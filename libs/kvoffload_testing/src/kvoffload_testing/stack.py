@@ -130,9 +130,11 @@ def colocated_threads_env(name: str, cores: int, environ: Mapping[str, str]) -> 
 
 def metastore_service(c: StackConfig) -> tuple[str, list[str], str]:
     """(name, argv, health URL) of the stack's metastore."""
-    return (METASTORE, metastore_command(c.host, c.metastore_port, dram_size=f"{int(c.prefill_pool_gb * 1024)}MB",
-                                         tls=c.tls),
-            f"grpc://{c.host}:{c.metastore_port}")
+    return (
+        METASTORE,
+        metastore_command(c.host, c.metastore_port, dram_size=f"{int(c.prefill_pool_gb * 1024)}MB", tls=c.tls),
+        f"grpc://{c.host}:{c.metastore_port}",
+    )
 
 
 def mooncake_master_service(c: StackConfig) -> tuple[str, list[str], str]:
@@ -142,8 +144,11 @@ def mooncake_master_service(c: StackConfig) -> tuple[str, list[str], str]:
     from poolbackends.mooncake_master import MasterConfig, find_master_binary, master_argv
 
     config = MasterConfig(host=c.host, rpc_port=c.mooncake_port, metrics_port=c.mooncake_metrics_port)
-    return (MOONCAKE_MASTER, master_argv(find_master_binary(), config, c.mooncake_port, c.mooncake_metrics_port),
-            f"http://{c.host}:{c.mooncake_metrics_port}/health")
+    return (
+        MOONCAKE_MASTER,
+        master_argv(find_master_binary(), config, c.mooncake_port, c.mooncake_metrics_port),
+        f"http://{c.host}:{c.mooncake_metrics_port}/health",
+    )
 
 
 # how the stack runs the server of each pool it takes (kvcore.poolregistry.STACK_POOLS) on its ports
@@ -152,8 +157,11 @@ POOL_SERVERS = {EMBEDDED: metastore_service, "mooncake": mooncake_master_service
 
 def proxy_service(c: StackConfig) -> tuple[str, list[str], str]:
     """(name, argv, health URL) of the stack's proxy, in front of every prefill and decode HTTP port."""
-    return ("proxy", proxy_command(c.host, c.proxy_port, c.prefill_ports, c.decode_ports),
-            f"http://{c.host}:{c.proxy_port}/healthcheck")
+    return (
+        "proxy",
+        proxy_command(c.host, c.proxy_port, c.prefill_ports, c.decode_ports),
+        f"http://{c.host}:{c.proxy_port}/healthcheck",
+    )
 
 
 class Stack:
@@ -190,29 +198,69 @@ class Stack:
         """(name, argv, health URL) of every service, in start order."""
         c = self.cfg
         tls = c.tls.flags() if c.tls else []
-        common = ["--model", str(c.model), "--host", c.host, "--max-model-len", str(c.max_model_len),
-                  "--block-size", str(c.block_size), *tls]
+        common = [
+            "--model",
+            str(c.model),
+            "--host",
+            c.host,
+            "--max-model-len",
+            str(c.max_model_len),
+            "--block-size",
+            str(c.block_size),
+            *tls,
+        ]
         mooncake = c.pool == "mooncake"
         out = [POOL_SERVERS[c.pool](c)]
         index = [] if mooncake else ["--metastore", f"{c.host}:{c.metastore_port}"]  # mooncake: the master indexes
         master = c.mooncake_master if mooncake else None
         offload_only = c.mode == "offload-only"
-        prefill_kv = offload_only_kv_transfer_config(mooncake_master=master) if offload_only else \
-            prefill_kv_transfer_config(c.kv_port, mooncake_master=master)
+        prefill_kv = (
+            offload_only_kv_transfer_config(mooncake_master=master)
+            if offload_only
+            else prefill_kv_transfer_config(c.kv_port, mooncake_master=master)
+        )
         for i, port in enumerate(() if offload_only else c.decode_ports):
             # a deployment reserves dp * tp consecutive control ports from its kv_port
             kv_port, dp = (c.kv_port, ["--dp-rank", str(i)]) if c.decode_dp else (c.decode_control_port(i), [])
             tp = ["--tensor-parallel-size", str(c.decode_tp)] if c.decode_tp > 1 else []
-            out.append((f"decode-{i}", [binary("kvoffload-decode"), *common, "--port", str(port), *dp, *tp,
-                                        "--kv-transfer-config", decode_kv_transfer_config(kv_port),
-                                        "--additional-config", decode_additional_config()],
-                        f"http://{c.host}:{port}/health"))
+            out.append(
+                (
+                    f"decode-{i}",
+                    [
+                        binary("kvoffload-decode"),
+                        *common,
+                        "--port",
+                        str(port),
+                        *dp,
+                        *tp,
+                        "--kv-transfer-config",
+                        decode_kv_transfer_config(kv_port),
+                        "--additional-config",
+                        decode_additional_config(),
+                    ],
+                    f"http://{c.host}:{port}/health",
+                )
+            )
         for i, port in enumerate(c.prefill_ports):
-            out.append((f"prefill-{i}", [binary("kvoffload-prefill"), *common, "--port", str(port),
-                                         "--data-port", str(port + DATA_PORT_OFFSET),
-                                         *index, "--host-pool-gb", str(c.prefill_pool_gb),
-                                         "--kv-transfer-config", prefill_kv],
-                        f"http://{c.host}:{port}/health"))
+            out.append(
+                (
+                    f"prefill-{i}",
+                    [
+                        binary("kvoffload-prefill"),
+                        *common,
+                        "--port",
+                        str(port),
+                        "--data-port",
+                        str(port + DATA_PORT_OFFSET),
+                        *index,
+                        "--host-pool-gb",
+                        str(c.prefill_pool_gb),
+                        "--kv-transfer-config",
+                        prefill_kv,
+                    ],
+                    f"http://{c.host}:{port}/health",
+                )
+            )
         if not offload_only:
             out.append(proxy_service(c))
         return [(name, argv + c.service_args.get(name, []), health) for name, argv, health in out]
@@ -228,8 +276,15 @@ class Stack:
         env.pop(API_KEY_ENV, None)
         if name == "proxy" and self.cfg.api_key:
             env[API_KEY_ENV] = self.cfg.api_key
-        return Service(name, argv, health, self.cfg.log_dir, env={**env, **self.cfg.service_env.get(name, {})},
-                       tls=self.cfg.tls, whole_group=self.whole_groups)
+        return Service(
+            name,
+            argv,
+            health,
+            self.cfg.log_dir,
+            env={**env, **self.cfg.service_env.get(name, {})},
+            tls=self.cfg.tls,
+            whole_group=self.whole_groups,
+        )
 
     def start(self, timeout_s: float | None = None, progress: bool = True) -> None:
         """Spawn every service in ``commands`` order (one waiting first for those before it when it is
@@ -242,8 +297,9 @@ class Stack:
             service.log_path.write_bytes(b"")
         deadline = time.monotonic() + (self.start_timeout_s if timeout_s is None else timeout_s)
         try:
-            with tqdm(total=len(services), desc="starting kvoffload", unit="service", disable=not progress,
-                      file=sys.stderr) as bar:
+            with tqdm(
+                total=len(services), desc="starting kvoffload", unit="service", disable=not progress, file=sys.stderr
+            ) as bar:
                 ready = 0  # services [0, ready) answered their health check
 
                 def wait_healthy_until(end: int) -> None:
@@ -273,9 +329,11 @@ class Stack:
             return
         taken = [p for p in (c.mooncake_port, c.mooncake_metrics_port) if port_answers(c.host, p, 0.5)]
         if taken:
-            raise RuntimeError(f"cannot start {MOONCAKE_MASTER} on {c.host}: something listens on port(s) {taken} "
-                               f"(another mooncake_master?); pick others (StackConfig.mooncake_port / "
-                               f"mooncake_metrics_port)")
+            raise RuntimeError(
+                f"cannot start {MOONCAKE_MASTER} on {c.host}: something listens on port(s) {taken} "
+                f"(another mooncake_master?); pick others (StackConfig.mooncake_port / "
+                f"mooncake_metrics_port)"
+            )
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
@@ -320,7 +378,7 @@ class Stack:
                 print(f"kvoffload: {exc}", file=sys.stderr)
         self.services.clear()
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         self.start()
         return self
 

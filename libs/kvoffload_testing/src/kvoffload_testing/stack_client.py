@@ -22,10 +22,11 @@ def healthy(url: str, tls: TLSConfig | None = None) -> bool:
         from svcruntime.tls import secure_or_insecure_channel
 
         try:
-            with secure_or_insecure_channel(url[len("grpc://"):], tls) as ch:
+            with secure_or_insecure_channel(url[len("grpc://") :], tls) as ch:
                 stub = health_pb2_grpc.HealthStub(ch)
                 reply = stub.Check(  # type: ignore[attr-defined]  # types-grpcio-health-checking omits Check
-                    health_pb2.HealthCheckRequest(), timeout=2)  # (the generated class binds it in __init__)
+                    health_pb2.HealthCheckRequest(), timeout=2
+                )  # (the generated class binds it in __init__)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
             return False
@@ -37,8 +38,9 @@ def healthy(url: str, tls: TLSConfig | None = None) -> bool:
 
 
 def post_json(url: str, body: dict, timeout_s: float = 300.0, headers: dict[str, str] | None = None) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
+    )
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return json.loads(resp.read())
 
@@ -46,8 +48,9 @@ def post_json(url: str, body: dict, timeout_s: float = 300.0, headers: dict[str,
 def stream_token_ids(url: str, body: dict, timeout_s: float = 300.0) -> list[int]:
     """POST ``body`` with ``stream: true``; the token ids of every SSE event, in order (an event
     carrying an error raises AssertionError with it)."""
-    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps({**body, "stream": True}).encode(), headers={"Content-Type": "application/json"}
+    )
     ids: list[int] = []
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         for event in sse_events(resp):

@@ -20,10 +20,9 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from kvoffload_testing.ports import free_port_base
 from kvoffload_testing.service import Service, metastore_command, proxy_command
@@ -54,12 +53,27 @@ def _health_ok(url: str) -> bool:
         return False
 
 
-def api_server_command(model: Path | str, *, port: int, max_model_len: int, host: str = "127.0.0.1",
-                       extra_args: Sequence[str] = ()) -> list[str]:
+def api_server_command(
+    model: Path | str, *, port: int, max_model_len: int, host: str = "127.0.0.1", extra_args: Sequence[str] = ()
+) -> list[str]:
     """The argv of a vLLM OpenAI server on this machine (eager, float32; see docs/vllm.md)."""
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--host", host, "--port", str(port), "--enforce-eager", "--dtype", "float32",
-            "--max-model-len", str(max_model_len), *extra_args]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_model_len),
+        *extra_args,
+    ]
 
 
 def api_server_env(kv_cache_space_gib: int | str = 1) -> dict[str, str]:
@@ -82,10 +96,19 @@ class VllmServer(ServerProcess):
     keep_logs = True
     poll_s = 0.5
 
-    def __init__(self, model: Path | str, *, port: int | None = None, max_model_len: int = 2048,
-                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 kv_cache_space_gib: int | str = 1, log_path: Path | None = None,
-                 start_timeout_s: float = 180.0, stop_timeout_s: float = 20.0) -> None:
+    def __init__(
+        self,
+        model: Path | str,
+        *,
+        port: int | None = None,
+        max_model_len: int = 2048,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        kv_cache_space_gib: int | str = 1,
+        log_path: Path | None = None,
+        start_timeout_s: float = 180.0,
+        stop_timeout_s: float = 20.0,
+    ) -> None:
         log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="vllm-server-")) / "vllm.log"
         super().__init__(log_path.parent, log_path.name, start_timeout_s)
         self.model = Path(model)
@@ -139,8 +162,10 @@ class VllmServer(ServerProcess):
             self.launch()
         except _NotAnswering as exc:
             self.stop()
-            raise RuntimeError(f"vLLM server for {self.model} on {self.url} {exc}; command: {' '.join(self.cmd)}\n"
-                               f"last lines of {self.log_path}:\n{tail(self.log_path)}") from None
+            raise RuntimeError(
+                f"vLLM server for {self.model} on {self.url} {exc}; command: {' '.join(self.cmd)}\n"
+                f"last lines of {self.log_path}:\n{tail(self.log_path)}"
+            ) from None
         self.start_s = time.monotonic() - self._spawned_at
         return self
 
@@ -186,8 +211,13 @@ class Metastore(Service):
     def __init__(self, log_path: Path, *, port: int | None = None, start_timeout_s: float = 30.0) -> None:
         self.port = port if port is not None else free_port()
         log_path = Path(log_path)
-        super().__init__("metastore", metastore_command("127.0.0.1", self.port), f"grpc://127.0.0.1:{self.port}",
-                         log_path.parent, start_timeout_s=start_timeout_s)
+        super().__init__(
+            "metastore",
+            metastore_command("127.0.0.1", self.port),
+            f"grpc://127.0.0.1:{self.port}",
+            log_path.parent,
+            start_timeout_s=start_timeout_s,
+        )
         self.log_path = log_path
 
     @property
@@ -202,12 +232,18 @@ class Proxy(Service):
 
     STOP_GRACE_S = 30.0
 
-    def __init__(self, port: int, prefill_port: int, decode_port: int, log_path: Path,
-                 start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, port: int, prefill_port: int, decode_port: int, log_path: Path, start_timeout_s: float = 60.0
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         log_path = Path(log_path)
-        super().__init__("proxy", proxy_command("127.0.0.1", port, [prefill_port], [decode_port]),
-                         f"{self.url}/healthcheck", log_path.parent, start_timeout_s=start_timeout_s)
+        super().__init__(
+            "proxy",
+            proxy_command("127.0.0.1", port, [prefill_port], [decode_port]),
+            f"{self.url}/healthcheck",
+            log_path.parent,
+            start_timeout_s=start_timeout_s,
+        )
         self.log_path = log_path
         self.start()
 

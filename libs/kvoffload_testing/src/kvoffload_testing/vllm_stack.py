@@ -31,24 +31,47 @@ DEFAULT_MAX_TOKENS = 64
 def vllm_prefill_transfer_config(metastore: str) -> str:
     """The vLLM prefill's ``--kv-transfer-config``: the remote D2H producer and the layerwise store
     (registered with the metastore at ``metastore``, HOST:PORT), composed by vLLM's MultiConnector."""
-    return json.dumps({
-        "kv_connector": "MultiConnector", "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"connectors": [
-            {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer",
-             "kv_connector_module_path": "kvoffload_vllm",
-             "kv_connector_extra_config": {"transfer_backend": "kvoffload"}},
-            {"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer",
-             "kv_connector_module_path": "kvoffload_vllm",
-             "kv_connector_extra_config": {"backend": "kvoffload", "use_layerwise": True,
-                                           "metastore": metastore}}]}})
+    return json.dumps(
+        {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {
+                "connectors": [
+                    {
+                        "kv_connector": "SfaRemoteD2HConnector",
+                        "kv_role": "kv_producer",
+                        "kv_connector_module_path": "kvoffload_vllm",
+                        "kv_connector_extra_config": {"transfer_backend": "kvoffload"},
+                    },
+                    {
+                        "kv_connector": "AscendStoreConnector",
+                        "kv_role": "kv_producer",
+                        "kv_connector_module_path": "kvoffload_vllm",
+                        "kv_connector_extra_config": {
+                            "backend": "kvoffload",
+                            "use_layerwise": True,
+                            "metastore": metastore,
+                        },
+                    },
+                ]
+            },
+        }
+    )
 
 
 def vllm_decode_transfer_config(kv_port: int) -> str:
     """The vLLM decode's ``--kv-transfer-config``: the remote D2H consumer, its gRPC control port
     ``kv_port``; a failed pull is recomputed (vLLM's ``kv_load_failure_policy``), never attended over."""
-    return json.dumps({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": kv_port,
-                       "kv_connector_module_path": "kvoffload_vllm", "kv_load_failure_policy": "recompute",
-                       "kv_connector_extra_config": {"transfer_backend": "kvoffload"}})
+    return json.dumps(
+        {
+            "kv_connector": "SfaRemoteD2HConnector",
+            "kv_role": "kv_consumer",
+            "kv_port": kv_port,
+            "kv_connector_module_path": "kvoffload_vllm",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"transfer_backend": "kvoffload"},
+        }
+    )
 
 
 def split_cores(cores: list[int] | None = None) -> tuple[str, str] | None:
@@ -86,17 +109,32 @@ class VllmStack(Stack):
         c = self.cfg
         out = [metastore_service(c)]
         for i, port in enumerate(c.prefill_ports):
-            out.append((f"prefill-{i}", self._vllm(port, vllm_prefill_transfer_config(f"{c.host}:{c.metastore_port}")),
-                        f"http://{c.host}:{port}/health"))
+            out.append(
+                (
+                    f"prefill-{i}",
+                    self._vllm(port, vllm_prefill_transfer_config(f"{c.host}:{c.metastore_port}")),
+                    f"http://{c.host}:{port}/health",
+                )
+            )
         for i, port in enumerate(c.decode_ports):
-            out.append((f"decode-{i}", self._vllm(port, vllm_decode_transfer_config(c.kv_port + 16 * i)),
-                        f"http://{c.host}:{port}/health"))
+            out.append(
+                (
+                    f"decode-{i}",
+                    self._vllm(port, vllm_decode_transfer_config(c.kv_port + 16 * i)),
+                    f"http://{c.host}:{port}/health",
+                )
+            )
         out.append(proxy_service(c))
         return [(name, argv + c.service_args.get(name, []), health) for name, argv, health in out]
 
     def _vllm(self, port: int, kv_transfer_config: str) -> list[str]:
-        return api_server_command(self.cfg.model, host=self.cfg.host, port=port, max_model_len=self.cfg.max_model_len,
-                                  extra_args=["--kv-transfer-config", kv_transfer_config])
+        return api_server_command(
+            self.cfg.model,
+            host=self.cfg.host,
+            port=port,
+            max_model_len=self.cfg.max_model_len,
+            extra_args=["--kv-transfer-config", kv_transfer_config],
+        )
 
     def engine_env(self, name: str) -> dict[str, str]:
         if not name.startswith(("prefill-", "decode-")):
@@ -123,15 +161,23 @@ DEMO_CONTEXT = (
     "can load those blocks instead of computing them again. Every service reports its health, and "
     "every request either finishes with its tokens or fails with an error that names the server and "
     "the stage where it failed. Nothing a request held is left behind: its buffers, its pool blocks "
-    "and its leases are released in every case.")
+    "and its leases are released in every case."
+)
 DEMO_QUESTION = "In two sentences, how does a request travel from the prefill server to the decode server?"
 
 
 # the /metrics samples the summary reads (counters only: a scrape equals the last one once a request settled)
-_COUNTERS = frozenset({"vllm:prompt_tokens_by_source_total", "vllm:generation_tokens_total",
-                       "vllm:request_success_total", "kvoffload_proxy_requests_total",
-                       "kvoffload_proxy_metaserver_latency_seconds_count",
-                       "kvoffload_proxy_metaserver_latency_seconds_sum", "kvoffload_proxy_backend_retries_total"})
+_COUNTERS = frozenset(
+    {
+        "vllm:prompt_tokens_by_source_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "kvoffload_proxy_requests_total",
+        "kvoffload_proxy_metaserver_latency_seconds_count",
+        "kvoffload_proxy_metaserver_latency_seconds_sum",
+        "kvoffload_proxy_backend_retries_total",
+    }
+)
 # What each server must export, checked on every scrape: a missing one makes that server's summary
 # an error naming it, never a 0 that passes "no prompt token computed" or "nothing retried". vLLM
 # creates each series the summary reads at start-up (every prompt-token source, every finish
@@ -141,9 +187,15 @@ _VLLM_SERIES: tuple[tuple[str, dict[str, str]], ...] = (
     ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),
     ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"}),
     ("vllm:prompt_tokens_by_source_total", {"source": "local_cache_hit"}),
-    ("vllm:generation_tokens_total", {}), ("vllm:request_success_total", {}))
-_PROXY_METRICS = ("kvoffload_proxy_requests_total", "kvoffload_proxy_metaserver_latency_seconds_count",
-                  "kvoffload_proxy_metaserver_latency_seconds_sum", "kvoffload_proxy_backend_retries_total")
+    ("vllm:generation_tokens_total", {}),
+    ("vllm:request_success_total", {}),
+)
+_PROXY_METRICS = (
+    "kvoffload_proxy_requests_total",
+    "kvoffload_proxy_metaserver_latency_seconds_count",
+    "kvoffload_proxy_metaserver_latency_seconds_sum",
+    "kvoffload_proxy_backend_retries_total",
+)
 
 
 def _counters(metrics: Metrics, proxy: bool) -> dict[tuple[str, tuple], float]:
@@ -188,13 +240,15 @@ def _delta(after: dict, before: dict) -> dict:
 
 def _vllm_view(d: dict) -> dict:
     """What one vLLM server did, from its /metrics: prompt tokens by where their KV came from."""
-    return {"prompt_tokens_computed": int(_series(d, "vllm:prompt_tokens_by_source_total", source="local_compute")),
-            "prompt_tokens_pulled": int(_series(d, "vllm:prompt_tokens_by_source_total",
-                                                source="external_kv_transfer")),
-            "prompt_tokens_local_cache_hit": int(_series(d, "vllm:prompt_tokens_by_source_total",
-                                                         source="local_cache_hit")),
-            "generation_tokens": int(_series(d, "vllm:generation_tokens_total")),
-            "requests": int(_series(d, "vllm:request_success_total"))}
+    return {
+        "prompt_tokens_computed": int(_series(d, "vllm:prompt_tokens_by_source_total", source="local_compute")),
+        "prompt_tokens_pulled": int(_series(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")),
+        "prompt_tokens_local_cache_hit": int(
+            _series(d, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
+        ),
+        "generation_tokens": int(_series(d, "vllm:generation_tokens_total")),
+        "requests": int(_series(d, "vllm:request_success_total")),
+    }
 
 
 def _proxy_view(d: dict) -> dict:
@@ -206,9 +260,12 @@ def _proxy_view(d: dict) -> dict:
             requests[f"{ls.get('endpoint')}:{ls.get('outcome')}"] = int(value)
         elif name == "kvoffload_proxy_metaserver_latency_seconds_count" and value:
             registrations[ls.get("outcome")] = int(value)
-    return {"requests": requests, "metaserver_registrations": registrations,
-            "metaserver_seconds": round(_total(d, "kvoffload_proxy_metaserver_latency_seconds_sum"), 3),
-            "backend_retries": int(_total(d, "kvoffload_proxy_backend_retries_total"))}
+    return {
+        "requests": requests,
+        "metaserver_registrations": registrations,
+        "metaserver_seconds": round(_total(d, "kvoffload_proxy_metaserver_latency_seconds_sum"), 3),
+        "backend_retries": int(_total(d, "kvoffload_proxy_backend_retries_total")),
+    }
 
 
 # the D2H consumer's lines (kvoffload_vllm.consumer): a request whose every layer landed, one whose pull failed
@@ -233,9 +290,12 @@ def _logged_pulls(stack: VllmStack, since: dict[str, int]) -> dict[str, dict]:
                 f.seek(since.get(name, 0))
                 text = f.read().decode(errors="replace")
             pulled = _PULLED.findall(text)
-            out[name] = {"pulls_logged": len(pulled), "bytes_pulled": sum(int(b) for b in pulled),
-                         "pull_failures_logged": len(_PULL_FAILED.findall(text)),
-                         "load_failures_recovered_by_vllm": sum(int(r) for r in _RECOVERED.findall(text))}
+            out[name] = {
+                "pulls_logged": len(pulled),
+                "bytes_pulled": sum(int(b) for b in pulled),
+                "pull_failures_logged": len(_PULL_FAILED.findall(text)),
+                "load_failures_recovered_by_vllm": sum(int(r) for r in _RECOVERED.findall(text)),
+            }
     return out
 
 
@@ -243,8 +303,11 @@ def _scrape_all(stack: VllmStack) -> dict[str, dict | str]:
     """Every server's ``_COUNTERS``, or why they could not be read (a server that died, or one that
     does not export a series the summary reads: that server's summary is then that error)."""
     c = stack.cfg
-    urls = {**{f"prefill-{i}": f"http://{c.host}:{p}" for i, p in enumerate(c.prefill_ports)},
-            **{f"decode-{i}": f"http://{c.host}:{p}" for i, p in enumerate(c.decode_ports)}, "proxy": stack.url}
+    urls = {
+        **{f"prefill-{i}": f"http://{c.host}:{p}" for i, p in enumerate(c.prefill_ports)},
+        **{f"decode-{i}": f"http://{c.host}:{p}" for i, p in enumerate(c.decode_ports)},
+        "proxy": stack.url,
+    }
     out: dict[str, dict | str] = {}
     for name, url in urls.items():
         try:
@@ -272,8 +335,9 @@ def _settled(stack: VllmStack, timeout_s: float = 5.0, since: dict | None = None
             was = since.get(name)
             if role is None or isinstance(samples, str) or isinstance(was, str):
                 continue
-            done[role] += (_total(samples, "vllm:request_success_total")
-                           - _total(was or {}, "vllm:request_success_total"))
+            done[role] += _total(samples, "vllm:request_success_total") - _total(
+                was or {}, "vllm:request_success_total"
+            )
         return all(v >= 1 for v in done.values())
 
     deadline, last = time.monotonic() + timeout_s, _scrape_all(stack)
@@ -292,9 +356,12 @@ def demo(stack: VllmStack, max_tokens: int = DEFAULT_MAX_TOKENS, timeout_s: floa
     before, logs_before = _settled(stack, timeout_s=1.0), _log_sizes(stack)
     messages = [{"role": "user", "content": f"{DEMO_CONTEXT}\n\n{DEMO_QUESTION}"}]
     t = time.monotonic()
-    answer = post_json(f"{stack.url}/v1/chat/completions",
-                       {"messages": messages, "max_tokens": max_tokens, "temperature": 0},
-                       timeout_s=timeout_s, headers=stack.auth_headers)
+    answer = post_json(
+        f"{stack.url}/v1/chat/completions",
+        {"messages": messages, "max_tokens": max_tokens, "temperature": 0},
+        timeout_s=timeout_s,
+        headers=stack.auth_headers,
+    )
     elapsed = time.monotonic() - t
     after = _settled(stack, timeout_s=30.0, since=before)
     logged = _logged_pulls(stack, logs_before)
@@ -308,9 +375,13 @@ def demo(stack: VllmStack, max_tokens: int = DEFAULT_MAX_TOKENS, timeout_s: floa
             views[name] = _proxy_view(d) if name == "proxy" else _vllm_view(d)
         views[name].update(logged.get(name, {}))
     summary = {
-        "engine": "vllm", "model": str(stack.cfg.model),
-        "prompt_tokens": answer["usage"]["prompt_tokens"], "completion_tokens": answer["usage"]["completion_tokens"],
-        "finish_reason": answer["choices"][0].get("finish_reason"), "seconds": round(elapsed, 3), **views,
+        "engine": "vllm",
+        "model": str(stack.cfg.model),
+        "prompt_tokens": answer["usage"]["prompt_tokens"],
+        "completion_tokens": answer["usage"]["completion_tokens"],
+        "finish_reason": answer["choices"][0].get("finish_reason"),
+        "seconds": round(elapsed, 3),
+        **views,
     }
     return answer["choices"][0]["message"]["content"] or "", summary
 

@@ -70,13 +70,19 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
-          "critical": logging.CRITICAL}
+LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 
 
 def _add_service(service: str) -> Processor:
     def processor(_logger: Any, _name: str, event: EventDict) -> EventDict:
         return {"service": service, **event}
+
     return processor
 
 
@@ -89,11 +95,17 @@ def configure_logging(service: str, level: str = "info", stream: TextIO | None =
     numeric = LEVELS[level.lower()]
     # _CurrentStderr has the write/flush that WriteLogger and StreamHandler call, not all of TextIO
     out = stream if stream is not None else cast(TextIO, _CurrentStderr())
-    shared: list[Processor] = [structlog.contextvars.merge_contextvars, REQUEST_IDS,
-                               structlog.processors.add_log_level,
-                               structlog.processors.TimeStamper(fmt="iso", utc=True)]
-    render: list[Processor] = [structlog.processors.format_exc_info, _add_service(service),
-                               structlog.processors.JSONRenderer(default=repr)]
+    shared: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        REQUEST_IDS,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    render: list[Processor] = [
+        structlog.processors.format_exc_info,
+        _add_service(service),
+        structlog.processors.JSONRenderer(default=repr),
+    ]
     structlog.configure(
         processors=[*shared, *render],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
@@ -101,9 +113,12 @@ def configure_logging(service: str, level: str = "info", stream: TextIO | None =
         cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(out)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render]))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render],
+        )
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric)
@@ -112,5 +127,7 @@ def configure_logging(service: str, level: str = "info", stream: TextIO | None =
 def quiet_logs() -> None:
     """For a tool that prints one JSON document on stdout (the benches): info logs are dropped, and
     warnings and errors go to stderr (the ``sys.stderr`` of the moment each is logged)."""
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-                        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
+    )

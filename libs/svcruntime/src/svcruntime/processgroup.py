@@ -23,7 +23,7 @@ def group_members(pgid: int) -> list[int]:
         except OSError:  # exited meanwhile
             continue
         # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses, so split after the last ')'
-        state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
         if int(pgrp) == pgid and state != "Z":
             members.append(int(entry.name))
     return members

@@ -61,10 +61,12 @@ def port_answers(host: str, port: int, timeout_s: float) -> bool:
 # ``preexec_fn`` would do the same in the forked child, but it forces a fork that runs gRPC's fork
 # handlers in a launcher with live gRPC channels, and those abort the child (grpc/grpc#43055);
 # without one, the child is spawned with vfork and no handler runs.
-_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; "
-                    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM); "
-                    "os.getppid() == int(sys.argv[1]) or sys.exit('kvoffload: the launcher is gone'); "
-                    "os.execv(sys.argv[2], sys.argv[2:])")
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit('kvoffload: the launcher is gone'); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
 
 
 def dying_with_parent(argv: list[str]) -> list[str]:
@@ -180,9 +182,14 @@ class ServerProcess(ABC):
         argv = self.argv()
         with open(self.log_path, "ab") as out:
             try:
-                self._proc = subprocess.Popen(dying_with_parent(argv) if self.die_with_parent else argv, stdout=out,
-                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env(),
-                                              start_new_session=True)
+                self._proc = subprocess.Popen(
+                    dying_with_parent(argv) if self.die_with_parent else argv,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=self.env(),
+                    start_new_session=True,
+                )
             except OSError as e:
                 raise self.spawn_failed(e) from e
         self._spawned_at = time.monotonic()
@@ -197,13 +204,15 @@ class ServerProcess(ABC):
             code = self._proc.poll()
             if code is not None:
                 raise self.exited(code) or self.START_ERROR(
-                    f"{self.title} exited with {code} while starting on {self.endpoint}; its output: {self.log_tail()}")
+                    f"{self.title} exited with {code} while starting on {self.endpoint}; its output: {self.log_tail()}"
+                )
             if self.answers():
                 return
             if time.monotonic() > deadline:
                 raise self.timed_out() or self.START_ERROR(
                     f"{self.title} did not answer on {self.endpoint} within {self.start_timeout_s} s; "
-                    f"its output: {self.log_tail()}")
+                    f"its output: {self.log_tail()}"
+                )
             time.sleep(self.poll_s)
 
     def signal(self, sig: int) -> None:
