@@ -6,19 +6,20 @@ Two kinds of case, one of each per row size:
   ``context`` tokens of each row, copied into random hot-buffer slots: a large copy (16384 rows at
   the defaults) that shows the copy rate with per-call costs amortized.
 - ``miss_cases`` (one real decode step's misses): the rows a decode step really gathers. The
-  synthetic trace ``trace`` (``kvcore.traces.synthetic``, one layer, one stream per request, ``rows``
-  requests, top-k ``topk`` over a context of ``context`` tokens growing by one per step) is resolved
-  step by step by ``kvoffload_bench.hotcache.simulate`` (LRU, the default policy; ``stable_lens`` = the step's context, so every
-  miss stays resident, as in ``kvoffload_bench.hotcache``). After ``warmup_steps`` steps (the first
-  one misses the whole top-k) the ``miss_rows``/``miss_tokens``/``miss_slots`` of each of the next
-  ``miss_steps`` steps are gathered unchanged: at the defaults (overlap90, k = 2048, capacity
-  4096) about a hundred rows per request, some 800 per step, well under 1 MB, so these cases
-  measure a small copy where per-call costs (argument checks, thread start) weigh. Each of the
-  ``miss_reps`` repetitions times every measured step's three paths back to back, the path that
-  goes first rotating from repetition to repetition; per step the median time gives GB/s, and the
-  case reports the median over steps of each path's GB/s (``*_gbps``; ``*_gbps_per_step`` lists
-  them) and their ratios. The same step's rows are copied in every repetition, so all three paths
-  run with warm caches (the bytes of a step fit in L2/L3): it compares copy code, not DRAM latency.
+  synthetic trace ``trace`` (``kvcore.traces.synthetic``, one layer, one stream per request,
+  ``rows`` requests, top-k ``topk`` over a context of ``context`` tokens growing by one per step)
+  is resolved step by step by ``kvoffload_bench.hotcache.simulate`` (LRU, the default policy;
+  ``stable_lens`` = the step's context, so every miss stays resident, as in
+  ``kvoffload_bench.hotcache``). After ``warmup_steps`` steps (the first one misses the whole
+  top-k) the ``miss_rows``/``miss_tokens``/``miss_slots`` of each of the next ``miss_steps``
+  steps are gathered unchanged: at the defaults (overlap90, k = 2048, capacity 4096) about a
+  hundred rows per request, some 800 per step, well under 1 MB, so these cases measure a small
+  copy where per-call costs (argument checks, thread start) weigh. Each of the ``miss_reps``
+  repetitions times every measured step's three paths back to back, the path that goes first
+  rotating from repetition to repetition; per step the median time gives GB/s, and the case
+  reports the median over steps of each path's GB/s (``*_gbps``; ``*_gbps_per_step`` lists them)
+  and their ratios. The same step's rows are copied in every repetition, so all three paths run
+  with warm caches (the bytes of a step fit in L2/L3): it compares copy code, not DRAM latency.
 
 Common to both: the host pool of at least ``pool_gib`` GiB is allocated once and touched (no page
 faults are timed); token rows reach it through a random block table of distinct blocks spread over
@@ -122,7 +123,8 @@ def _pool_view(pool_flat, rows, row_bytes, block_size, tokens, gen):
     max_blocks = -(-tokens // block_size)
     if rows * max_blocks > num_blocks:
         raise ValueError(
-            f"pool of {pool_flat.numel()} bytes holds {num_blocks} blocks; {rows} rows of {tokens} tokens need {rows * max_blocks}"
+            f"pool of {pool_flat.numel()} bytes holds {num_blocks} blocks; "
+            f"{rows} rows of {tokens} tokens need {rows * max_blocks}"
         )
     pool = pool_flat[: num_blocks * block_size * row_bytes].view(num_blocks, block_size, row_bytes)
     # block_table: [rows, max_blocks] int32, distinct blocks spread over the whole pool

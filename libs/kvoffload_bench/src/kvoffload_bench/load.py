@@ -293,7 +293,7 @@ def _level(n: int, rounds: int, per_round: list[dict], decode_stats: dict[str, f
     """One client count's figures over its rounds: counts summed, errors merged, tokens equal in all,
     every other figure the median; and the decode's queue counters."""
     level: dict[str, object] = {"clients": n, "rounds": rounds}
-    for key, value in per_round[0].items():
+    for key in per_round[0]:
         values = [r[key] for r in per_round]
         if key in ("ok", "failed", "rejected_429", "retries", "prompt_tokens", "output_tokens", "single_output_tokens"):
             level[key] = sum(values)

@@ -185,7 +185,10 @@ def _rounds(
                 countdown = _Countdown(requests, second)
                 memcpy = sampler.start(second)
                 pd = list(
-                    pool.map(lambda p: _stream_timed(f"{stack.url}/v1/completions", p, max_tokens, countdown), prompts)
+                    pool.map(
+                        partial(_stream_timed, f"{stack.url}/v1/completions", max_tokens=max_tokens, second=countdown),
+                        prompts,
+                    )
                 )
                 memcpy_gbps, copies = memcpy()
                 after = stack_stats(cfg)["decode-0"]

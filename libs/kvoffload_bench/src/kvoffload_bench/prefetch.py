@@ -83,9 +83,15 @@ def evaluate(
 
 
 def _stream_below(trace: Trace) -> torch.Tensor:
-    of = {(int(r), int(g), int(l)): s for s, (r, g, l) in enumerate(zip(trace.requests, trace.groups, trace.layers))}
+    of = {
+        (int(r), int(g), int(layer)): s
+        for s, (r, g, layer) in enumerate(zip(trace.requests, trace.groups, trace.layers))
+    }
     return torch.tensor(
-        [of.get((int(r), int(g), int(l) - 1), -1) for r, g, l in zip(trace.requests, trace.groups, trace.layers)],
+        [
+            of.get((int(r), int(g), int(layer) - 1), -1)
+            for r, g, layer in zip(trace.requests, trace.groups, trace.layers)
+        ],
         dtype=torch.int64,
     )
 
