@@ -187,7 +187,7 @@ def running(*servers: VllmServer) -> Iterator[tuple[VllmServer, ...]]:
     def start(server: VllmServer) -> None:
         try:
             server.start()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - not swallowed: running() re-raises it in the caller's thread
             failed.append(exc)
             for other in servers:
                 other.stop()
