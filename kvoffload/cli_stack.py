@@ -132,7 +132,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     cfg = stack_config(args)
     if args.engine == "vllm":
-        from kvoffload_testing.vllm_stack import DEFAULT_MAX_TOKENS, DEMO_QUESTION, run_demo
+        from kvoffload_testing.vllm_demo import DEFAULT_MAX_TOKENS, DEMO_QUESTION, run_demo
 
         text, summary = run_demo(cfg, DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens)
         print(f"question (after a {summary['prompt_tokens']}-token prompt): {DEMO_QUESTION}")

@@ -94,7 +94,7 @@ def test_the_reference_demo_says_its_text_is_meaningless_and_where_real_text_is(
 
 
 def test_the_vllm_demo_prints_the_question_the_answer_and_the_summary(tmp_path, monkeypatch, capsys):
-    import kvoffload_testing.vllm_stack as vs
+    import kvoffload_testing.vllm_demo as vs
 
     seen = {}
 

@@ -18,8 +18,9 @@ from vllm_support import tiny_llama_dir
 
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.stack import StackConfig
+from kvoffload_testing.vllm_demo import demo
 from kvoffload_testing.vllm_server import tail
-from kvoffload_testing.vllm_stack import VllmStack, demo
+from kvoffload_testing.vllm_stack import VllmStack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ import pytest
 
 
 def test_the_demo_reads_vllm_and_proxy_counters_by_label():
-    from kvoffload_testing.vllm_stack import _delta, _proxy_view, _vllm_view
+    from kvoffload_testing.vllm_demo import _delta, _proxy_view, _vllm_view
 
     def sample(name, value, **labels):
         return (name, tuple(sorted({"engine": "0", "model_name": "m", **labels}.items()))), value
@@ -56,7 +56,7 @@ def test_the_demo_reads_vllm_and_proxy_counters_by_label():
 def test_the_demo_counts_the_connectors_pull_lines_written_during_the_request(tmp_path):
     from types import SimpleNamespace
 
-    from kvoffload_testing.vllm_stack import _logged_pulls
+    from kvoffload_testing.vllm_demo import _logged_pulls
 
     log = tmp_path / "decode-0.log"
     log.write_text("2026 [info] kvoffload_d2h_pulled  bytes=999 request_id=old tokens=3\n")
@@ -113,7 +113,7 @@ def _vllm_metrics(without: tuple[str, dict] | None = None):
 
 def test_a_vllm_series_the_summary_reads_that_the_server_lacks_is_an_error_not_a_zero():
     from kvoffload_testing.prom import MissingMetric
-    from kvoffload_testing.vllm_stack import _VLLM_SERIES, _counters, _delta, _vllm_view
+    from kvoffload_testing.vllm_demo import _VLLM_SERIES, _counters, _delta, _vllm_view
 
     full = _counters(_vllm_metrics(), proxy=False)
     assert _vllm_view(_delta(full, full)) == {
@@ -136,7 +136,7 @@ def test_the_proxy_must_declare_every_counter_the_summary_reads(proxy_text):
     """A fresh proxy has no series of its labelled counters yet (0 retries is then true); a proxy
     that does not export one of them at all makes its summary an error."""
     from kvoffload_testing.prom import Metrics, MissingMetric
-    from kvoffload_testing.vllm_stack import _PROXY_METRICS, _counters, _proxy_view
+    from kvoffload_testing.vllm_demo import _PROXY_METRICS, _counters, _proxy_view
 
     text = proxy_text
     assert _proxy_view(_counters(Metrics.parse(text), proxy=True)) == {
@@ -155,7 +155,7 @@ def test_the_proxy_must_declare_every_counter_the_summary_reads(proxy_text):
 def test_a_server_lacking_what_the_summary_reads_gets_an_error_in_the_summary(monkeypatch, proxy_text):
     from types import SimpleNamespace
 
-    from kvoffload_testing import vllm_stack as vs
+    from kvoffload_testing import vllm_demo as vs
     from kvoffload_testing.prom import Metrics
 
     cfg = SimpleNamespace(host="h", prefill_ports=(1,), decode_ports=(2,))

