@@ -12,6 +12,8 @@ process (``timing``: ``interleaved`` medians):
 - ``prefill``: layerwise buffer reuse vs no reuse, on a deep tiny model.
 - ``prefix``: the prefix cache: a second request on a shared prefix vs the first.
 - ``decode``: sparse offload vs ``keep_device_kv_cache``, on prompts or on a top-k trace (I2).
+  ``decode_trace``: its trace mode (a trace replayed over installed prompt KV, with miss prefetch);
+  ``decode_report``: its goals and the JSON both modes return.
 
 kvcore's native paths and the host pools (bench ``hotcache``, ``gather``, ``pool``):
 
@@ -28,9 +30,11 @@ kvcore's native paths and the host pools (bench ``hotcache``, ``gather``, ``pool
 The P/D stack and vLLM (bench ``pd``, ``load``, ``vllm``):
 
 - ``pd``: the P/D stack through the proxy vs the single-process engine (TTFT, TPOT, pull rate);
-  ``pd_memcpy``: its memcpy references (the in-stack sampler, the idle diagnostic).
+  ``pd_memcpy``: its memcpy references (the in-stack sampler, the idle diagnostic); ``pd_report``: its
+  per-round figures, medians, TP 2 block and goals.
 - ``load``: the P/D stack under a burst of concurrent clients vs the single-process engine.
-- ``vllm_connectors``: the kvoffload connectors inside real vLLM servers (store hits, P/D).
+- ``vllm_connectors``: the kvoffload connectors inside real vLLM servers (store hits, P/D). ``vllm_goals``: its
+  goals and what was not measured.
 
 The stacks, servers, oracle and SSE reader these run on are ``kvoffload_testing``'s.
 

@@ -80,11 +80,7 @@ def run(
     others = OtherLoad()
     gen = torch.Generator().manual_seed(seed)
     pool_bytes = int(pool_gib * 2**30)
-    pool_flat = torch.empty(pool_bytes, dtype=torch.uint8)  # [pool_bytes]
-    pattern = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=gen)
-    for start in range(0, pool_bytes, pattern.numel()):  # touch every page once, with varied bytes
-        chunk = pool_flat[start : start + pattern.numel()]
-        chunk.copy_(pattern[: chunk.numel()])
+    pool_flat = _touched_pool(pool_bytes, gen)
     cases = [_case(pool_flat, rows, misses_per_row, rb, block_size, context, capacity, reps, gen) for rb in row_bytes]
     steps = _miss_steps(trace, rows, topk, context, capacity, warmup_steps, miss_steps, seed)
     miss_cases = [
@@ -114,6 +110,17 @@ def run(
         "cases": cases,
         "miss_cases": miss_cases,
     }
+
+
+def _touched_pool(pool_bytes: int, gen: torch.Generator) -> torch.Tensor:
+    """The host pool, flat uint8 ``[pool_bytes]``, every page touched once with varied bytes (no page
+    fault is timed)."""
+    pool_flat = torch.empty(pool_bytes, dtype=torch.uint8)  # [pool_bytes]
+    pattern = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=gen)
+    for start in range(0, pool_bytes, pattern.numel()):  # touch every page once, with varied bytes
+        chunk = pool_flat[start : start + pattern.numel()]
+        chunk.copy_(pattern[: chunk.numel()])
+    return pool_flat
 
 
 def _pool_view(pool_flat, rows, row_bytes, block_size, tokens, gen):

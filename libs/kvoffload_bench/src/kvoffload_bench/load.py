@@ -239,6 +239,14 @@ def run(
                 levels.append(_level(n, rounds, per_round, stack_stats(cfg)["decode-0"]))
     finally:
         single.close()
+    return _result(levels, clients, rounds, min_prompt, max_prompt, max_tokens)
+
+
+def _result(
+    levels: list[dict], clients: tuple[int, ...], rounds: int, min_prompt: int, max_prompt: int, max_tokens: int
+) -> dict:
+    """The JSON-ready result: the run's sizes, every level, the totals and the worst throughput ratio
+    against the goals."""
     failures = sum(lv["failed"] for lv in levels)
     worst = min(lv["throughput_ratio"] for lv in levels)
     tokens_equal = all(lv["tokens_equal"] for lv in levels)

@@ -26,6 +26,9 @@ layer still loads its growing prefix back into its buffer 3 times per prompt.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
+
 import torch
 
 from dsamodel.presets import tiny_model
@@ -53,31 +56,12 @@ def run(
     model = tiny_model(seed=seed, dtype="float32", num_hidden_layers=num_hidden_layers).to(getattr(torch, dtype))
     prompt = torch.randint(0, 256, (prompt_tokens,), generator=torch.Generator().manual_seed(seed))
     n = len(model.cache_layers)
-    engines, pools = {}, []
-    for name, b, indep in (("reuse", buffers, list(independent)), ("no_reuse", None, "all")):
-        pool = build.prefill_pool(model, block_size, 4 * prompt_tokens * _token_bytes(model) + (64 << 20))
-        pools.append(pool)
-        engines[name] = build.prefill_engine(
-            model,
-            pool,
-            buffers=b,
-            independent=indep,
-            chunk_size=chunk_size,
-            max_model_len=prompt_tokens,
-            model_id=f"bench-{name}",
-        )
+    engines, pools = _engines(model, prompt_tokens, chunk_size, block_size, buffers, independent)
     counter = iter(range(1 << 30))
-    logits = {}
+    logits: dict[str, torch.Tensor] = {}
 
     def prefill(name):
-        def go():
-            eng = engines[name]
-            res = eng.run(PrefillRequest(f"{name}-{next(counter)}", prompt))
-            logits[name] = res.logits
-            eng.release(res)
-            eng.pool.remove(res.keys)  # the next repetition recomputes instead of hitting the prefix cache
-
-        return go
+        return partial(_prefill, engines[name], name, prompt, counter, logits)
 
     try:
         prefill("reuse")()  # warm-up
@@ -86,8 +70,6 @@ def run(
         dev = {name: e.allocator.stats().peak_by_tag for name, e in engines.items()}
         bytes_of = {name: sum(v for k, v in d.items() if k.startswith("prefill.")) for name, d in dev.items()}
         plan = engines["reuse"].plan
-        num_independent = len(plan.independent_layers)
-        shared_slots = [s for s in plan.slots if not (len(s) == 1 and s[0] in plan.independent_layers)]
         expected = plan.num_buffers / n
         device_kv_ratio = bytes_of["reuse"] / bytes_of["no_reuse"]
         return {
@@ -98,11 +80,7 @@ def run(
             "num_hidden_layers": model.config.num_hidden_layers,
             "num_mtp_layers": model.config.num_nextn_predict_layers,
             "num_logical_layers": n,
-            "num_independent": num_independent,
-            "independent_layers": sorted(plan.independent_layers),
-            "num_shared_buffers": len(shared_slots),
-            "num_buffers": plan.num_buffers,
-            "layers_per_shared_buffer": [len(s) for s in shared_slots],
+            **_plan_figures(plan),
             "dtype": dtype,
             "reuse_s": t["reuse"],
             "no_reuse_s": t["no_reuse"],
@@ -122,6 +100,45 @@ def run(
             e.close()
         for p in pools:
             p.close()
+
+
+def _engines(model, prompt_tokens: int, chunk_size: int, block_size: int, buffers: int, independent: tuple[int, ...]):
+    """The two prefill engines, ``reuse`` (``buffers`` shared buffers, ``independent`` layers apart) and
+    ``no_reuse`` (a buffer per layer), each on a pool of its own: (engines by name, their pools)."""
+    engines, pools = {}, []
+    for name, b, indep in (("reuse", buffers, list(independent)), ("no_reuse", None, "all")):
+        pool = build.prefill_pool(model, block_size, 4 * prompt_tokens * _token_bytes(model) + (64 << 20))
+        pools.append(pool)
+        engines[name] = build.prefill_engine(
+            model,
+            pool,
+            buffers=b,
+            independent=indep,
+            chunk_size=chunk_size,
+            max_model_len=prompt_tokens,
+            model_id=f"bench-{name}",
+        )
+    return engines, pools
+
+
+def _prefill(eng, name: str, prompt: torch.Tensor, counter: Iterator[int], logits: dict[str, torch.Tensor]) -> None:
+    """One timed prefill of ``prompt`` on ``eng``: its logits kept as ``logits[name]``, its blocks dropped."""
+    res = eng.run(PrefillRequest(f"{name}-{next(counter)}", prompt))
+    logits[name] = res.logits
+    eng.release(res)
+    eng.pool.remove(res.keys)  # the next repetition recomputes instead of hitting the prefix cache
+
+
+def _plan_figures(plan) -> dict:
+    """The reuse engine's buffer plan: its independent layers and the layers each shared buffer holds."""
+    shared_slots = [s for s in plan.slots if not (len(s) == 1 and s[0] in plan.independent_layers)]
+    return {
+        "num_independent": len(plan.independent_layers),
+        "independent_layers": sorted(plan.independent_layers),
+        "num_shared_buffers": len(shared_slots),
+        "num_buffers": plan.num_buffers,
+        "layers_per_shared_buffer": [len(s) for s in shared_slots],
+    }
 
 
 def _token_bytes(model) -> int:

@@ -60,11 +60,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvoffload_bench.vllm_goals import goals
 from kvoffload_testing.prom import metric
 from kvoffload_testing.sse import sse_events
 
-GOAL_TTFT_RATIO = 0.3
-GOAL_PD_TPOT_RATIO = 1.3
 BLOCK_SIZE = 128  # vLLM's CPU default block size: P/D moves whole blocks
 CONSUMER = "vllm:kvoffload_d2h_consumer_{}_total"
 
@@ -191,13 +190,51 @@ def _plain(plain, name: str, rounds: int, prompt_tokens: int, max_tokens: int, s
     return plain_rounds
 
 
+def _pd_servers(model_dir: Path, work: Path, metastore: str, ports: dict, max_len: int, prefill_env, decode_env):
+    """The P/D part's vLLM prefill (its producer registered with ``metastore``) and decode, not started."""
+    from kvoffload_testing.vllm_server import VllmServer
+    from kvoffload_testing.vllm_stack import vllm_decode_transfer_config, vllm_prefill_transfer_config
+
+    prefill = VllmServer(
+        model_dir,
+        port=ports["prefill_ports"][0],
+        max_model_len=max_len,
+        env=prefill_env,
+        log_path=work / "prefill.log",
+        start_timeout_s=300,
+        extra_args=["--kv-transfer-config", vllm_prefill_transfer_config(metastore)],
+    )
+    decode = VllmServer(
+        model_dir,
+        port=ports["decode_ports"][0],
+        max_model_len=max_len,
+        env=decode_env,
+        log_path=work / "decode.log",
+        start_timeout_s=300,
+        extra_args=["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"])],
+    )
+    return prefill, decode
+
+
+def _pd_pair(p: dict, d: dict) -> dict:
+    """One round's plain (``p``) and P/D (``d``) figures side by side: ``pd_per_round``'s entry."""
+    return {
+        "plain_ttft_s": p["ttft_s"],
+        "pd_ttft_s": d["ttft_s"],
+        "plain_tpot_s": p["tpot_s"],
+        "pd_tpot_s": d["tpot_s"],
+        "plain_tpot_source": p["tpot_source"],
+        "pd_tpot_source": d["tpot_source"],
+        "tokens_equal": p["tokens"] == d["tokens"],
+    }
+
+
 def _pd(
     model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens: int, say, plain_rounds: list[dict]
 ) -> dict:
     """The P/D stack on the prompts the plain server answered (``plain_rounds``): the ``pd_*`` fields."""
     from kvoffload_testing.ports import free_stack_ports
-    from kvoffload_testing.vllm_server import Metastore, Proxy, VllmServer, running
-    from kvoffload_testing.vllm_stack import vllm_decode_transfer_config, vllm_prefill_transfer_config
+    from kvoffload_testing.vllm_server import Metastore, Proxy, running
 
     prefill_env, decode_env = _cores()
     name, max_len = str(model_dir), prompt_tokens + max_tokens + 512
@@ -205,24 +242,7 @@ def _pd(
     ports = free_stack_ports(1, 1)
     counters = [CONSUMER.format(c) for c in ("bytes_read", "requests_pulled", "requests_failed")]
     with Metastore(work / "pd-metastore.log") as ms:
-        prefill = VllmServer(
-            model_dir,
-            port=ports["prefill_ports"][0],
-            max_model_len=max_len,
-            env=prefill_env,
-            log_path=work / "prefill.log",
-            start_timeout_s=300,
-            extra_args=["--kv-transfer-config", vllm_prefill_transfer_config(ms.address)],
-        )
-        decode = VllmServer(
-            model_dir,
-            port=ports["decode_ports"][0],
-            max_model_len=max_len,
-            env=decode_env,
-            log_path=work / "decode.log",
-            start_timeout_s=300,
-            extra_args=["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"])],
-        )
+        prefill, decode = _pd_servers(model_dir, work, ms.address, ports, max_len, prefill_env, decode_env)
         with (
             running(prefill, decode),
             Proxy(ports["proxy_port"], prefill.port, decode.port, work / "proxy.log") as proxy,
@@ -233,18 +253,7 @@ def _pd(
             pd_rounds = _timed_rounds(proxy.url, name, rounds, prompt_tokens, max_tokens, decode.url)
             after = _settled(decode.url, counters)
     pulled, requests, failed = (after[c] - before[c] for c in counters)
-    per_round = [
-        {
-            "plain_ttft_s": p["ttft_s"],
-            "pd_ttft_s": d["ttft_s"],
-            "plain_tpot_s": p["tpot_s"],
-            "pd_tpot_s": d["tpot_s"],
-            "plain_tpot_source": p["tpot_source"],
-            "pd_tpot_source": d["tpot_source"],
-            "tokens_equal": p["tokens"] == d["tokens"],
-        }
-        for p, d in zip(plain_rounds, pd_rounds)
-    ]
+    per_round = [_pd_pair(p, d) for p, d in zip(plain_rounds, pd_rounds)]
     say(f"P/D: {per_round}")
     med = {
         k: statistics.median(p[k] for p in per_round)
@@ -270,6 +279,48 @@ def _pd(
     }
 
 
+def _store_server(model_dir: Path, work: Path, metastore: str, prefix_tokens: int):
+    """The store part's vLLM server (not started): the ``AscendStoreConnector`` over ``metastore``,
+    vLLM's own prefix cache off."""
+    from kvoffload_testing.vllm_server import VllmServer
+
+    kv = {
+        "kv_connector": "AscendStoreConnector",
+        "kv_role": "kv_both",
+        "kv_connector_module_path": "kvoffload_vllm",
+        "kv_connector_extra_config": {"backend": "kvoffload", "metastore": metastore, "host_pool_gb": 1},
+    }
+    args = ["--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
+    return VllmServer(
+        model_dir,
+        max_model_len=prefix_tokens + 512,
+        extra_args=args,
+        kv_cache_space_gib=2,
+        log_path=work / "vllm.log",
+        start_timeout_s=300,
+    )
+
+
+def _store_round(url: str, name: str, r: int, prefix_tokens: int, max_tokens: int) -> dict:
+    """Store round ``r``: its fresh prompt sent twice (a miss, then a hit), the TTFTs, tokens and hits."""
+    prompt = [(i * 7919 + r * 104729) % 40000 + 1000 for i in range(prefix_tokens)] + [
+        (i * 31 + r) % 5000 + 200 for i in range(40)
+    ]
+    hits_before = metric(url, "vllm:external_prefix_cache_hits_total")
+    miss_ttft, miss_tokens, _ = _stream(url, name, prompt, max_tokens)
+    hits_mid = metric(url, "vllm:external_prefix_cache_hits_total")
+    hit_ttft, hit_tokens, _ = _stream(url, name, prompt, max_tokens)
+    hits_after = metric(url, "vllm:external_prefix_cache_hits_total")
+    return {
+        "miss_ttft_s": miss_ttft,
+        "hit_ttft_s": hit_ttft,
+        "ttft_ratio": hit_ttft / miss_ttft,
+        "tokens_equal": hit_tokens == miss_tokens,
+        "miss_hit_tokens": hits_mid - hits_before,
+        "hit_tokens": hits_after - hits_mid,
+    }
+
+
 def run(
     *,
     model: str | None = None,
@@ -281,7 +332,7 @@ def run(
     progress: bool = True,
 ) -> dict:
     from kvoffload_testing.model_fetch import cached_model
-    from kvoffload_testing.vllm_server import Metastore, VllmServer, running
+    from kvoffload_testing.vllm_server import Metastore, running
 
     model_dir = Path(model) if model else cached_model("smollm2", log=lambda line: None)
     work = Path(tempfile.mkdtemp(prefix="kvoffload-bench-vllm-"))
@@ -292,44 +343,13 @@ def run(
 
     per_round = []
     with Metastore(work / "metastore.log") as ms:
-        kv = {
-            "kv_connector": "AscendStoreConnector",
-            "kv_role": "kv_both",
-            "kv_connector_module_path": "kvoffload_vllm",
-            "kv_connector_extra_config": {"backend": "kvoffload", "metastore": ms.address, "host_pool_gb": 1},
-        }
-        args = ["--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
-        server = VllmServer(
-            model_dir,
-            max_model_len=prefix_tokens + 512,
-            extra_args=args,
-            kv_cache_space_gib=2,
-            log_path=work / "vllm.log",
-            start_timeout_s=300,
-        )
+        server = _store_server(model_dir, work, ms.address, prefix_tokens)
         # the P/D part's plain server starts beside it (a start-up is mostly one core's work) and waits
         with running(server, _plain_server(model_dir, work, pd_prompt_tokens, pd_max_tokens)) as (server, plain):
             name = str(model_dir)
             _stream(server.url, name, [100 + i for i in range(64)], 2)  # warm-up
             for r in range(rounds):
-                prompt = [(i * 7919 + r * 104729) % 40000 + 1000 for i in range(prefix_tokens)] + [
-                    (i * 31 + r) % 5000 + 200 for i in range(40)
-                ]
-                hits_before = metric(server.url, "vllm:external_prefix_cache_hits_total")
-                miss_ttft, miss_tokens, _ = _stream(server.url, name, prompt, max_tokens)
-                hits_mid = metric(server.url, "vllm:external_prefix_cache_hits_total")
-                hit_ttft, hit_tokens, _ = _stream(server.url, name, prompt, max_tokens)
-                hits_after = metric(server.url, "vllm:external_prefix_cache_hits_total")
-                per_round.append(
-                    {
-                        "miss_ttft_s": miss_ttft,
-                        "hit_ttft_s": hit_ttft,
-                        "ttft_ratio": hit_ttft / miss_ttft,
-                        "tokens_equal": hit_tokens == miss_tokens,
-                        "miss_hit_tokens": hits_mid - hits_before,
-                        "hit_tokens": hits_after - hits_mid,
-                    }
-                )
+                per_round.append(_store_round(server.url, name, r, prefix_tokens, max_tokens))
                 say(f"round {r + 1}/{rounds}: {per_round[-1]}")
             server.stop()  # the plain server is measured alone
             plain_rounds = _plain(plain, name, rounds, pd_prompt_tokens, pd_max_tokens, say)
@@ -354,29 +374,4 @@ def run(
         "prompt_kv_bytes": prompt_len * per_token,
         **pd,
     }
-    return out | _goals(out)
-
-
-def _goals(out: dict) -> dict:
-    """``goals``, ``goals_met`` and ``not_measured`` of the result ``out`` so far."""
-    tpot = out["pd_tpot_ratio"]
-    goals = {
-        "ttft_ratio_prefix_hit": GOAL_TTFT_RATIO,
-        "pd_tpot_ratio": GOAL_PD_TPOT_RATIO,
-        "tokens_equal": True,
-        "pd_requests_pulled": out["rounds"],
-        "pd_requests_failed": 0,
-    }
-    met = {
-        "ttft_ratio_prefix_hit": out["ttft_ratio_prefix_hit"] <= GOAL_TTFT_RATIO,
-        "pd_tpot_ratio": tpot is not None and tpot <= GOAL_PD_TPOT_RATIO,
-        "tokens_equal": out["tokens_equal"],
-        "pd_requests_pulled": out["pd_requests_pulled"] >= out["rounds"],
-        "pd_requests_failed": out["pd_requests_failed"] == 0,
-    }
-    not_measured = (
-        {}
-        if tpot is not None
-        else {"pd_tpot_ratio": "the plain server's median TPOT is 0: its requests had a single output token"}
-    )
-    return {"goals": goals, "goals_met": met, "not_measured": not_measured}
+    return out | goals(out)

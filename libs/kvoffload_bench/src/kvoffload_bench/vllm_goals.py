@@ -1,0 +1,33 @@
+"""The vLLM bench's goals (``kvoffload_bench.vllm_connectors``): each goal, whether the result meets it,
+and why a figure the goals judge was not measured (a goal is never judged on a figure that was not
+measured: it is not met)."""
+
+from __future__ import annotations
+
+GOAL_TTFT_RATIO = 0.3
+GOAL_PD_TPOT_RATIO = 1.3
+
+
+def goals(out: dict) -> dict:
+    """``goals``, ``goals_met`` and ``not_measured`` of the result ``out`` so far."""
+    tpot = out["pd_tpot_ratio"]
+    goals = {
+        "ttft_ratio_prefix_hit": GOAL_TTFT_RATIO,
+        "pd_tpot_ratio": GOAL_PD_TPOT_RATIO,
+        "tokens_equal": True,
+        "pd_requests_pulled": out["rounds"],
+        "pd_requests_failed": 0,
+    }
+    met = {
+        "ttft_ratio_prefix_hit": out["ttft_ratio_prefix_hit"] <= GOAL_TTFT_RATIO,
+        "pd_tpot_ratio": tpot is not None and tpot <= GOAL_PD_TPOT_RATIO,
+        "tokens_equal": out["tokens_equal"],
+        "pd_requests_pulled": out["pd_requests_pulled"] >= out["rounds"],
+        "pd_requests_failed": out["pd_requests_failed"] == 0,
+    }
+    not_measured = (
+        {}
+        if tpot is not None
+        else {"pd_tpot_ratio": "the plain server's median TPOT is 0: its requests had a single output token"}
+    )
+    return {"goals": goals, "goals_met": met, "not_measured": not_measured}
