@@ -9,10 +9,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from kvoffload_testing.stack_client import healthy
 from svcruntime.serverprocess import ServerProcess
 from svcruntime.tls import TLSConfig
+
+_S = TypeVar("_S", bound="Service")
 
 
 def binary(name: str) -> str:
@@ -100,7 +103,7 @@ class Service(ServerProcess):
     def timed_out(self) -> Exception:
         return TimeoutError(f"{self.name} not healthy at {self.health} in time; see {self.log_path}")
 
-    def start(self) -> Service:
+    def start(self: _S) -> _S:
         """Truncate its log, spawn it and wait until it is healthy (stopped again when it is not)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.write_bytes(b"")
@@ -111,5 +114,5 @@ class Service(ServerProcess):
             raise
         return self
 
-    def __enter__(self) -> Service:
+    def __enter__(self: _S) -> _S:
         return self.start()
