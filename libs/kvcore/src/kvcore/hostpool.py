@@ -212,6 +212,7 @@ def check_open_segment(segment: object) -> None:
 
 def check_positive(name: str, value: object) -> None:
     """ValueError naming ``name`` unless ``value`` > 0 (a timeout, an interval)."""
+    # any caller's value (object): a non-number fails the comparison itself, with a TypeError
     if not value > 0:  # type: ignore[operator]
         raise ValueError(f"{name} must be > 0, got {value!r}")
 

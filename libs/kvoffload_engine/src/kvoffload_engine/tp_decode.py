@@ -38,9 +38,8 @@ collective, and a reduction left unjoined times out.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import structlog
@@ -210,7 +209,7 @@ class LeadDecoder(SparseDecoder):
 def follow_decode(
     decoder: SparseDecoder,
     channel: Channel,
-    lock: threading.Lock | None = None,
+    lock: AbstractContextManager[Any] | None = None,
     *,
     on_op: Callable[[tuple], None] | None = None,
     status: Callable[[], Any] | None = None,

@@ -187,8 +187,7 @@ def _follow(decoder, pool, layout, own: argparse.Namespace, args: argparse.Names
     grpc_side.start()
     log.info("tp_rank_following", rank=own.rank, size=own.size, control_port=control_port)
     try:
-        # follow_decode only holds ``lock`` (a with): a Condition is one; its annotation says Lock
-        return follow_decode(decoder, DistChannel(), pulls.lock, on_op=pulls.on_op, status=pulls.status)  # type: ignore[arg-type]
+        return follow_decode(decoder, DistChannel(), pulls.lock, on_op=pulls.on_op, status=pulls.status)
     finally:
         grpc_side.stop(1.0)
         transfer.close()
