@@ -65,11 +65,13 @@ def scheduled_requests(scheduler_output) -> Iterator[Scheduled]:
 
 @dataclass(frozen=True)
 class Transfer:
-    """Blocks of one request to load or save: ``keys[i]`` <-> vLLM block ``block_ids[i]``."""
+    """Blocks of one request to load or save: ``keys[i]`` <-> vLLM block ``block_ids[i]``, the
+    request's block ``start + i``."""
 
     request_id: str
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    start: int = 0
 
 
 @dataclass
@@ -122,7 +124,9 @@ class StorePlanner:
         if req.external:
             first = (num_computed - req.external) // self.block_size
             n = req.external // self.block_size
-            load = Transfer(request_id, tuple(req.keys[first : first + n]), tuple(req.block_ids[first : first + n]))
+            load = Transfer(
+                request_id, tuple(req.keys[first : first + n]), tuple(req.block_ids[first : first + n]), first
+            )
             req.external = 0
         req.saved = num_computed // self.block_size
         return load, self._save(request_id, req, num_computed + num_scheduled)
@@ -145,9 +149,14 @@ class StorePlanner:
         full = min(min(computed_after, req.prompt_len) // self.block_size, len(req.block_ids))
         if full <= req.saved:
             return None
-        out = Transfer(request_id, tuple(req.keys[req.saved : full]), tuple(req.block_ids[req.saved : full]))
+        out = Transfer(request_id, tuple(req.keys[req.saved : full]), tuple(req.block_ids[req.saved : full]), req.saved)
         req.saved = full
         return out
+
+    def block_ids(self, request_id: str) -> tuple[int, ...] | None:
+        """The request's vLLM blocks so far (None: not a request the store plans)."""
+        req = self._reqs.get(request_id)
+        return None if req is None else tuple(req.block_ids)
 
     def finished(self, request_id: str) -> None:
         self._reqs.pop(request_id, None)

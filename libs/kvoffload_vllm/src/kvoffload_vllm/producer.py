@@ -9,8 +9,11 @@ decode pulled it); the forward does not wait. The decode pulls through this work
 gRPC server, which streams whole blocks straight out of vLLM's cache tensor (rows of a vLLM block
 are not token-contiguous, so only block-aligned ranges are served). A request is reported finished
 (``finished``) once vLLM finished it and every announce of it was answered, READ_DONE or not; only
-then may vLLM free its blocks. Its log line says how many layers the decode had pulled before the
-last layer of their step was announced (``layers_read_during_forward``: the pull is layerwise).
+then may vLLM free its blocks. Each announce holds its layer at the reuse gate
+(``kvoffload_vllm.reuse_gate``) until it is answered: with shared layer buffers, the next layer of
+the buffer is not written before the decode pulled this one. Its log line says how many layers the
+decode had pulled before the last layer of their step was announced (``layers_read_during_forward``:
+the pull is layerwise).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 from kvoffload_vllm.d2h_plan import Send, blocks_of
 from kvoffload_vllm.d2h_settings import D2HSettings
 from kvoffload_vllm.layout import CacheLayout
+from kvoffload_vllm.reuse_gate import GATE
 from kvoffload_vllm.stats import Counters
 from pdlink.layer_source import LayerSourceServicer, RowBuffer
 from pdlink.links import DecodeLink, LinkError
@@ -38,6 +42,8 @@ from pdlink.refusals import MalformedRead, Refused, UnknownRequest
 from svcruntime.tls import add_port
 
 log = structlog.get_logger("vllm.kvoffload.producer")
+
+PULL_MARGIN_S = 5.0  # past the ReadReady timeout, for the answer to reach the reuse gate
 
 COUNTERS = {
     "requests_sent": "prefill requests whose KV a decode pulls",
@@ -82,10 +88,10 @@ class _Announce:
         self.clock = clock
 
     def read_done(self, reader) -> None:
-        self.producer._answered(self.out, "", self.clock)
+        self.producer._answered(self.out, self.layer, "", self.clock)
 
     def read_failed(self, reader, reason: str) -> None:
-        self.producer._answered(self.out, reason or "READ_FAILED", self.clock)
+        self.producer._answered(self.out, self.layer, reason or "READ_FAILED", self.clock)
 
 
 class Producer(RowBuffer):
@@ -180,6 +186,8 @@ class Producer(RowBuffer):
         for out in self._step:
             with self._lock:
                 out.outstanding += 1
+            # the layer's blocks may sit in a shared buffer: its next layer waits until this pull is answered
+            GATE.hold(layer_name, "pull", self.settings.read_timeout_s + PULL_MARGIN_S)
             assert out.link is not None  # a step holds the sends with a link only (_begin_step)
             out.link.announce(
                 _Announce(self, out, layer, self._clock), None, out.send.peer.transfer_id, out.send.start, out.send.end
@@ -200,8 +208,9 @@ class Producer(RowBuffer):
             )
         self._step, self._announced_at = None, []
 
-    def _answered(self, out: _Outgoing, failure: str, clock: _StepClock) -> None:
+    def _answered(self, out: _Outgoing, layer: int, failure: str, clock: _StepClock) -> None:
         at = time.perf_counter()
+        GATE.release(self.layout.layer_names[layer], "pull")
         with self._lock:
             out.outstanding -= 1
             if failure:

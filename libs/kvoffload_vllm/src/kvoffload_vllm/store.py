@@ -59,6 +59,8 @@ from kvcore.hostpool import HostPoolBackend, ObjectExists, PoolError
 from kvcore.segment import sweep_stale_segments
 from kvoffload_vllm.layout import CacheLayout, cache_spec, vllm_model_id
 from kvoffload_vllm.plan import StorePlanner, Transfer, scheduled_requests
+from kvoffload_vllm.shared_buffers import check_caches, plan_of, transfer_config_dict
+from kvoffload_vllm.shared_steps import SharedSteps, StepBlocks
 from kvoffload_vllm.stats import Counters, CountingConnector
 from kvoffload_vllm.store_config import store_config
 from poolbackends.client import MetaStoreClient
@@ -95,6 +97,7 @@ class StoreStepMetadata(KVConnectorMetadata):
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    steps: list[StepBlocks] = field(default_factory=list)  # shared layer buffers only: every request
 
 
 class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
@@ -106,6 +109,13 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._layer_order, self._spec = cache_spec(kv_cache_config)
         self.model_id = vllm_model_id(vllm_config, self._spec, self._layer_order)
+        self._shared = plan_of(
+            transfer_config_dict(vllm_config),
+            self._layer_order,
+            self._block_size,
+            self._spec.page_size_bytes,
+            self._spec.dtype,
+        )
         self._counters = Counters(COUNTERS)
         self._lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
@@ -123,12 +133,15 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             self._layer_loaded: dict[str, threading.Event] = {}
             self._loader: threading.Thread | None = None
             self._load_errors: set[int] = set()
+            self._shared_steps: SharedSteps | None = None  # register_kv_caches, with shared buffers
+            self._host_saves: list[Future] = []  # this step's copies into the shared steps' RequestKV
         log.info(
             "kvoffload_store_connector",
             role=role.name,
             model_id=self.model_id,
             metastore=self._store.metastore,
             block_size=self._block_size,
+            shared_buffers=None if self._shared is None else [list(s) for s in self._shared.plan.slots],
         )
 
     # ---- scheduler side ----------------------------------------------------------------------
@@ -168,6 +181,9 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             else:
                 save = self._planner.running_request(s.req_id, s.block_ids, s.resumed, s.computed, s.scheduled)
             meta.saves += [save] if save else []
+            blocks = self._planner.block_ids(s.req_id) if self._shared is not None else None
+            if blocks is not None:
+                meta.steps.append(StepBlocks(s.req_id, blocks, s.computed, s.scheduled))
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -181,6 +197,19 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             kv_caches, self._layer_order, self._kv_cache_config.num_blocks, self._block_size, self._spec.page_size_bytes
         )
         self._caches = {name: kv_caches[name] for name in self._layer_order}
+        if self._shared is not None:
+            check_caches(self._shared, self._caches)
+            self._shared_steps = SharedSteps(
+                self._shared,
+                self._layout,
+                self._caches,
+                self._saver,
+                self._shared_load_failed,
+                lambda: self._get_connector_metadata() if self.has_connector_metadata() else None,
+            )
+            self._shared_steps.hook_layers(
+                self._vllm_config.compilation_config.static_forward_context, lambda: self._pool
+            )
         pool_gb = self._store.host_pool_gb or DEFAULT_HOST_POOL_GB
         geometry = self._layout.geometry(int(pool_gb * 2**30))
         sweep_stale_segments()
@@ -201,6 +230,8 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, StoreStepMetadata)
+        if self._shared_steps is not None:  # loads happen layer by layer, behind the reuse gate
+            return
         if not meta.loads or self._pool is None:
             return
         self._layer_loaded = {name: threading.Event() for name in self._layer_order}
@@ -248,7 +279,15 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             for name in pending:
                 self._layer_loaded[name].set()
 
+    def _shared_load_failed(self, blocks: list[int], num_requests: int) -> None:
+        with self._lock:
+            self._load_errors.update(blocks)
+        self._counters.add(load_errors=len(blocks))
+
     def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._shared_steps is not None:
+            self._shared_steps.before_attention(layer_name, self._pool)
+            return
         event = self._layer_loaded.get(layer_name)
         if event is not None:
             event.wait()
@@ -257,15 +296,16 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, StoreStepMetadata)
         pool = self._pool
-        if not meta.saves or pool is None:
-            return
-        if self._step_saves is None:
-            self._step_saves = self._allocate(pool, meta.saves)
-        if self._step_saves:
-            plane = self._layout.plane(layer_name)
-            self._handoffs.append(time.perf_counter())
-            for t in self._step_saves:
-                self._save_futures.append((t, self._saver.submit(self._save, pool, t, plane, kv_layer)))
+        if meta.saves and pool is not None:
+            if self._step_saves is None:
+                self._step_saves = self._allocate(pool, meta.saves)
+            if self._step_saves:
+                plane = self._layout.plane(layer_name)
+                self._handoffs.append(time.perf_counter())
+                for t in self._step_saves:
+                    self._save_futures.append((t, self._saver.submit(self._save, pool, t, plane, kv_layer)))
+        if self._shared_steps is not None:  # after the pool's saves of the layer: one saver thread, in order
+            self._host_saves += self._shared_steps.after_attention(layer_name)
 
     def _allocate(self, pool: HostPoolBackend, saves: list[Transfer]) -> list[Transfer]:
         """Pool objects for the step's saves, minus blocks the pool has or another engine is writing."""
@@ -296,6 +336,11 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
         self._saved_at[plane] = time.perf_counter()  # one saver thread: the layer's last save
 
     def wait_for_save(self) -> None:
+        if self._shared_steps is not None:
+            for fut in self._host_saves:
+                fut.result()  # _save reports its own failures; this raises only on a bug
+            self._host_saves = []
+            self._shared_steps.end_step()
         futures, self._save_futures, saves, self._step_saves = self._save_futures, [], self._step_saves, None
         handoffs, saved_at, self._handoffs, self._saved_at = self._handoffs, self._saved_at, [], {}
         failed: dict[str, tuple[Transfer, BaseException]] = {}
@@ -336,6 +381,11 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
                 first_layer_saved_s=round(min(saved_at.values(), default=handoffs[0]) - handoffs[0], 4),
                 request_ids=[t.request_id for t in saves or []],
             )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._shared_steps is not None:  # their host copies are no longer needed
+            self._shared_steps.finished(finished_req_ids)
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._loader is not None:  # sync loads: reported in the pass that ran them

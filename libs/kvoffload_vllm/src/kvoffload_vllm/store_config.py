@@ -7,12 +7,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import structlog
+import vllm
 
 from kvcore.config import parse_kv_transfer_config
 from kvcore.configerrors import ConfigError
 from kvcore.confignames import STORE_CONNECTOR
 from kvcore.connectorconfig import StoreConnectorConfig
 from kvcore.poolregistry import VLLM_POOLS
+from kvoffload_vllm.shared_buffers import check_vllm_version, requested, transfer_config_dict
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,13 +55,18 @@ def store_config(vllm_config: VllmConfig) -> StoreConnectorConfig:
                 "kvoffload-metastore's HOST:PORT (start one with `kvoffload-metastore`)"
             ]
         )
-    unused = sorted(k for k in store.model_fields_set if k.startswith("layerwise_"))
-    if unused:  # the reference engine's shared device buffers; vLLM keeps its own paged cache
+    shared = requested(transfer_config_dict(vllm_config)) is not None
+    if shared:  # the connector changes vLLM's KV cache allocation (kvoffload_vllm.kv_cache_patch)
+        check_vllm_version(vllm.__version__)
+    used = {"layerwise_num_shared_buffers", "layerwise_independent_layers"} if shared else set()
+    unused = sorted(k for k in store.model_fields_set if k.startswith("layerwise_") and k not in used)
+    if unused:
         log.warning(
             "kvoffload_config_ignored",
             keys=unused,
-            reason="under vLLM the connector saves and loads layer by layer through vLLM's paged cache; "
-            "shared device buffers are the reference engine's",
+            reason="shared layer buffers are a kv_producer's with use_layerwise: true; "
+            "layerwise_prefetch_layers is the reference engine's (the vLLM store loads each layer before its "
+            "attention)",
         )
     par = vllm_config.parallel_config
     if par.tensor_parallel_size * par.pipeline_parallel_size > 1:  # every rank would save its shard

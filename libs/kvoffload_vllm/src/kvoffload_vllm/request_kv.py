@@ -1,0 +1,73 @@
+"""Host copies of the running requests' KV blocks, for the layers that live in shared buffers.
+
+With shared layer buffers (``kvoffload_vllm.shared_buffers``) a layer's blocks stay in its device
+buffer only until the next layer of that buffer runs. Everything a later step attends over must
+come back before the layer's attention: the blocks the request computed in earlier steps (earlier
+chunks of its prompt, a partial block included) and its prefix hit. The host pool holds full prompt
+blocks by content, best effort (it may be full, a block may be another engine's); this holds every
+block of every running request, by request and position, as long as vLLM runs it: the store saves
+each layer's new blocks here after its attention and reloads them before the layer's next
+attention. ``drop`` frees a request's copy when vLLM finished it.
+
+Thread use: the forward thread sizes (``reserve``) and drops, the saver thread writes (``put``),
+the loader thread reads (``get``); a request is never written and read at once (its layer's reload
+waits for the layer's previous save at the reuse gate).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+class RequestKV:
+    def __init__(self, layer_names: Sequence[str], block_bytes: int, *, pin: bool = False) -> None:
+        self._layer = {name: i for i, name in enumerate(layer_names)}
+        self.block_bytes, self._pin = block_bytes, pin
+        self._lock = threading.Lock()
+        self._reqs: dict[str, torch.Tensor] = {}  # request id -> [layers, capacity, block_bytes] uint8
+
+    def reserve(self, req_id: str, num_blocks: int) -> None:
+        """Room for positions ``[0, num_blocks)`` of every layer (grows by doubling, keeps the data)."""
+        with self._lock:
+            old = self._reqs.get(req_id)
+            have = 0 if old is None else old.shape[1]
+            if num_blocks <= have:
+                return
+            new = torch.empty(
+                (len(self._layer), max(num_blocks, 2 * have), self.block_bytes), dtype=torch.uint8, pin_memory=self._pin
+            )
+            if old is not None:
+                new[:, :have].copy_(old)
+            self._reqs[req_id] = new
+
+    def _blocks(self, req_id: str, layer: str, positions: range) -> torch.Tensor:
+        with self._lock:
+            kv = self._reqs.get(req_id)
+        if kv is None or positions.stop > kv.shape[1]:
+            have = 0 if kv is None else kv.shape[1]
+            raise KeyError(f"request {req_id!r}: positions {positions} not reserved (holds {have} blocks)")
+        return kv[self._layer[layer], positions.start : positions.stop]
+
+    def put(self, req_id: str, layer: str, positions: range, blocks: torch.Tensor) -> None:
+        """Blocks ``[n, block_bytes]`` (any device) of ``layer`` at ``positions`` (n of them)."""
+        self._blocks(req_id, layer, positions).copy_(blocks, non_blocking=self._pin)
+
+    def get(self, req_id: str, layer: str, positions: range) -> torch.Tensor:
+        """``[n, block_bytes]`` of ``layer`` at ``positions`` (a view: copy before it is written again)."""
+        return self._blocks(req_id, layer, positions)
+
+    def drop(self, req_ids: Iterable[str]) -> None:
+        with self._lock:
+            for rid in req_ids:
+                self._reqs.pop(rid, None)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(t.numel() for t in self._reqs.values())
+
+    def __contains__(self, req_id: str) -> bool:
+        with self._lock:
+            return req_id in self._reqs

@@ -1,0 +1,217 @@
+"""The store connector's worker side on shared layer buffers: one step, layer by layer.
+
+Before layer L writes the step's tokens into its buffer (``before_attention``: ``hook_layers``
+wraps the layer's ``do_kv_cache_update``, which vLLM 0.32 runs before the connector's
+``wait_for_layer_load``; every connector's ``save_kv_layer`` of the layers before L has run by then):
+  1. the reuse gate (``kvoffload_vllm.reuse_gate``): wait until L's buffer's previous occupant is
+     saved and pulled by every decode reading it (bounded; a stuck holder fails loudly);
+  2. the step's prefix hits: blocks from the host pool into L's buffer (and into ``RequestKV``);
+  3. for each request of the step, the blocks its earlier steps computed (earlier chunks, a partial
+     block included): from ``RequestKV`` into L's buffer.
+After L's attention (``after_attention``, from ``save_kv_layer``): L is held at the gate while the
+saver thread copies the step's blocks of L into ``RequestKV``; the pool's saves of full prompt
+blocks (the store's ordinary saves) queue before the release. Independent layers keep their own
+buffer: only step 2 applies to them.
+
+A failed load marks the request's blocks as load errors (vLLM recomputes them); a gate past its
+bound raises ``ReuseTimeout`` out of the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from kvcore.hostpool import HostPoolBackend
+from kvoffload_vllm.layout import CacheLayout
+from kvoffload_vllm.plan import Transfer
+from kvoffload_vllm.request_kv import RequestKV
+from kvoffload_vllm.reuse_gate import GATE, SAVE_BOUND_S
+from kvoffload_vllm.shared_buffers import SharedBuffers
+
+log = structlog.get_logger("vllm.kvoffload.store")
+
+
+@dataclass(frozen=True)
+class StepBlocks:
+    """One request of a step on a shared-buffer node: all its vLLM blocks so far, tokens computed
+    before the step and scheduled in it."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    computed: int
+    scheduled: int
+
+    def positions(self, block_size: int) -> tuple[range, range]:
+        """(blocks to reload before attention, blocks the step writes)."""
+        done = -(-self.computed // block_size)
+        end = min(-(-(self.computed + self.scheduled) // block_size), len(self.block_ids))
+        return range(0, min(done, len(self.block_ids))), range(self.computed // block_size, end)
+
+
+@dataclass
+class _Step:
+    loads: list[Transfer]
+    requests: list[StepBlocks]
+    meta: Any = None  # the StoreStepMetadata it was begun from
+    prepared: set[str] = field(default_factory=set)  # layers whose buffer is ready this step
+    failed: set[str] = field(default_factory=set)
+    gate_wait_s: float = 0.0
+    reloaded_blocks: int = 0
+
+
+class SharedSteps:
+    def __init__(
+        self,
+        shared: SharedBuffers,
+        layout: CacheLayout,
+        caches: dict[str, torch.Tensor],
+        saver: Executor,
+        on_load_error: Callable[[list[int], int], None],
+        metadata: Callable[[], Any],
+    ) -> None:
+        self.shared, self.layout, self._saver, self._on_load_error = shared, layout, saver, on_load_error
+        self._metadata = metadata  # the step's bound StoreStepMetadata, None outside a step
+        self._bytes = {n: t.view(torch.uint8).view(layout.num_blocks, layout.block_bytes) for n, t in caches.items()}
+        pin = next(iter(caches.values())).device.type != "cpu"
+        self.request_kv = RequestKV([n for n in layout.layer_names if shared.is_shared(n)], layout.block_bytes, pin=pin)
+        self._step = _Step([], [])
+
+    # ---- the forward thread ------------------------------------------------------------------
+
+    def hook_layers(self, forward_context: dict[str, Any], pool: Callable[[], HostPoolBackend | None]) -> None:
+        """Run ``before_attention`` ahead of each layer's KV cache write (the write precedes vLLM's
+        ``wait_for_layer_load`` for backends with a separate ``do_kv_cache_update``)."""
+        for name in self.layout.layer_names:
+            impl = getattr(forward_context.get(name), "impl", None)
+            write = getattr(impl, "do_kv_cache_update", None)
+            if write is None:  # the backend writes inside its forward, after wait_for_layer_load
+                continue
+
+            def update(*args: Any, _name: str = name, _write: Callable[..., Any] = write, **kwargs: Any) -> Any:
+                self.before_attention(_name, pool())
+                return _write(*args, **kwargs)
+
+            impl.do_kv_cache_update = update
+
+    def _current(self) -> _Step | None:
+        """This step (begun at its first layer: vLLM may call ``start_load_kv`` after the forward),
+        None outside a step (vLLM's dummy and profiling runs)."""
+        meta = self._metadata()
+        if meta is None:
+            return None
+        if self._step.meta is not meta:
+            self._step = _Step(list(meta.loads), list(meta.steps), meta=meta)
+            for r in meta.steps:
+                self.request_kv.reserve(r.request_id, len(r.block_ids))
+        return self._step
+
+    def before_attention(self, layer: str, pool: HostPoolBackend | None) -> None:
+        """Idempotent within a step (vLLM's ``wait_for_layer_load`` follows the hooked write)."""
+        step, shared = self._current(), self.shared.is_shared(layer)
+        if step is None or layer in step.prepared:
+            return
+        step.prepared.add(layer)
+        if shared:
+            step.gate_wait_s += GATE.wait_free(self.shared.previous_occupant[layer], waiter=layer)
+        hit: dict[str, int] = {}
+        if step.loads and pool is not None:
+            hit = self._load_hits(step, layer, pool, shared)
+        if shared:
+            self._reload(step, layer, hit)
+
+    def _load_hits(self, step: _Step, layer: str, pool: HostPoolBackend, shared: bool) -> dict[str, int]:
+        """The pool's blocks of the step's prefix hits into ``layer``'s buffer; request -> blocks."""
+        loads = [t for t in step.loads if t.request_id not in step.failed]
+        keys = [k for t in loads for k in t.keys]
+        if not keys:
+            return {}
+        try:
+            staging = torch.empty((len(keys), self.layout.block_bytes), dtype=torch.uint8)
+            pool.get_into(keys, self.layout.plane(layer), staging.view(len(keys), self.layout.block_size, -1))
+            ids = torch.tensor([b for t in loads for b in t.block_ids], dtype=torch.long)
+            dst = self._bytes[layer]
+            dst.index_copy_(0, ids.to(dst.device), staging.to(dst.device))
+            at = 0
+            for t in loads:
+                if shared:
+                    self.request_kv.put(t.request_id, layer, range(t.start, t.start + len(t.keys)), staging[at:])
+                at += len(t.keys)
+        except Exception as exc:  # noqa: BLE001 - reported to vLLM as load errors: it recomputes the blocks
+            self._fail(step, [t.request_id for t in loads], layer, exc)
+            return {}
+        return {t.request_id: t.start + len(t.keys) for t in loads}
+
+    def _reload(self, step: _Step, layer: str, hit: dict[str, int]) -> None:
+        """Blocks earlier steps computed, from ``RequestKV`` into ``layer``'s buffer."""
+        dst, bs = self._bytes[layer], self.layout.block_size
+        for r in step.requests:
+            if r.request_id in step.failed:
+                continue
+            again, _ = r.positions(bs)
+            again = range(max(again.start, hit.get(r.request_id, 0)), again.stop)
+            if not again:
+                continue
+            try:
+                ids = torch.tensor(r.block_ids[again.start : again.stop], dtype=torch.long, device=dst.device)
+                dst.index_copy_(0, ids, self.request_kv.get(r.request_id, layer, again).to(dst.device))
+                step.reloaded_blocks += len(again)
+            except Exception as exc:  # noqa: BLE001 - reported to vLLM as load errors: it recomputes the blocks
+                self._fail(step, [r.request_id], layer, exc)
+
+    def _fail(self, step: _Step, request_ids: list[str], layer: str, exc: BaseException) -> None:
+        step.failed.update(request_ids)
+        blocks = [b for r in step.requests if r.request_id in request_ids for b in r.block_ids]
+        blocks += [b for t in step.loads if t.request_id in request_ids for b in t.block_ids]
+        self._on_load_error(sorted(set(blocks)), len(request_ids))
+        log.error("kvoffload_shared_load_failed", request_ids=request_ids, layer=layer, error=str(exc))
+
+    def after_attention(self, layer: str) -> list[Future]:
+        """Copy the step's blocks of ``layer`` to ``RequestKV`` (queued behind the pool's saves of the
+        layer: one saver thread), holding the layer at the gate until it is done."""
+        if not self.shared.is_shared(layer) or not self._step.requests:
+            return []
+        GATE.hold(layer, "save", SAVE_BOUND_S)
+        return [self._saver.submit(self._save, layer, list(self._step.requests))]
+
+    def _save(self, layer: str, requests: list[StepBlocks]) -> None:
+        """A request whose copy failed loses it: its next reload fails and vLLM recomputes."""
+        try:
+            with torch.inference_mode():  # the host copies were made in the forward's inference mode
+                for r in requests:
+                    self._save_one(layer, r)
+        finally:
+            GATE.release(layer, "save")
+
+    def _save_one(self, layer: str, r: StepBlocks) -> None:
+        src = self._bytes[layer]
+        _, written = r.positions(self.layout.block_size)
+        if not written:
+            return
+        try:
+            ids = torch.tensor(r.block_ids[written.start : written.stop], dtype=torch.long, device=src.device)
+            self.request_kv.put(r.request_id, layer, written, src.index_select(0, ids))
+        except Exception as exc:  # noqa: BLE001 - the request's host copy is dropped: never reloaded stale
+            self.request_kv.drop([r.request_id])
+            log.error("kvoffload_shared_save_failed", request_id=r.request_id, layer=layer, error=str(exc))
+
+    def end_step(self) -> None:
+        step = self._step
+        if step.requests:
+            log.info(
+                "kvoffload_shared_step",
+                request_ids=[r.request_id for r in step.requests],
+                layers_prepared=len(step.prepared),
+                reloaded_blocks=step.reloaded_blocks,
+                gate_wait_s=round(step.gate_wait_s, 4),
+                host_copy_bytes=self.request_kv.nbytes(),
+            )
+        self._step = _Step([], [])
+
+    def finished(self, request_ids: set[str]) -> None:
+        self.request_kv.drop(request_ids)
