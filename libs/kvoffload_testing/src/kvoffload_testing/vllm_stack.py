@@ -23,9 +23,14 @@ VLLM_KVCACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE of each vLLM server (its own page
 DEFAULT_MAX_MODEL_LEN = 4096  # SmolLM2 allows 8192; the tests' tiny Llama 4096
 
 
-def vllm_prefill_transfer_config(metastore: str) -> str:
+def vllm_prefill_transfer_config(metastore: str, shared_buffers: int | None = 3) -> str:
     """The vLLM prefill's ``--kv-transfer-config``: the remote D2H producer and the layerwise store
-    (registered with the metastore at ``metastore``, HOST:PORT), composed by vLLM's MultiConnector."""
+    (registered with the metastore at ``metastore``, HOST:PORT), composed by vLLM's MultiConnector;
+    with ``shared_buffers`` (``layerwise_num_shared_buffers``, None: off) the prefill keeps the
+    seed's few shared layer buffers instead of every layer's KV."""
+    store: dict[str, object] = {"backend": "kvoffload", "use_layerwise": True, "metastore": metastore}
+    if shared_buffers is not None:
+        store["layerwise_num_shared_buffers"] = shared_buffers
     return json.dumps(
         {
             "kv_connector": "MultiConnector",
@@ -42,11 +47,7 @@ def vllm_prefill_transfer_config(metastore: str) -> str:
                         "kv_connector": "AscendStoreConnector",
                         "kv_role": "kv_producer",
                         "kv_connector_module_path": "kvoffload_vllm",
-                        "kv_connector_extra_config": {
-                            "backend": "kvoffload",
-                            "use_layerwise": True,
-                            "metastore": metastore,
-                        },
+                        "kv_connector_extra_config": store,
                     },
                 ]
             },

@@ -13,7 +13,15 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 
 - ``store``: ``AscendStoreConnector``, the layerwise prefix store over a host pool.
 - ``store_config``: its ``kv_transfer_config``, checked and typed.
+- ``store_counters``: its counters and what each counts.
 - ``plan``: which blocks each step of the store loads and saves.
+- ``pool_alloc``: the pool objects a step's saves write (blocks the pool lacks).
+- ``shared_buffers``: the seed's shared layer buffers on a vLLM prefill (which layers share which
+  buffer; the vLLM version they are built for).
+- ``kv_cache_patch``: sizes vLLM's KV cache for those buffers (the one change to vLLM internals).
+- ``shared_steps``: the store's per-layer loads and host copies on shared buffers.
+- ``request_kv``: host copies of running requests' blocks of the shared layers.
+- ``reuse_gate``: a shared buffer's next layer waits until its previous one is saved and pulled.
 - ``d2h``: ``SfaRemoteD2HConnector``, the P/D pull; its worker sides:
 - ``producer``: the prefill's side (announces layers through ``pdlink``'s ``DecodeLink``, serves
   vLLM's blocks as a ``RowBuffer``).
@@ -24,7 +32,7 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``d2h_step``: ``D2HStepMetadata``, one step's work for the workers (sends, ``Recv``, cancellations).
 - ``layout``: vLLM's paged cache as pool geometry; the one KV cache group the connectors support.
 - ``stats``: the connectors' counters as vLLM stats and Prometheus counters.
-- ``plugin``: registers the connector names with vLLM.
+- ``plugin``: registers the connector names with vLLM and installs ``kv_cache_patch``.
 """
 
 from __future__ import annotations

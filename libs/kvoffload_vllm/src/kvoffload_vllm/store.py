@@ -33,8 +33,10 @@ Worker side (model runner process), hook by hook
     ``wait_for_save``               the barrier: every layer written, or the failed objects removed
                                     (an object is complete, and visible to lookups, only once all
                                     its layers are written).
-Counters (blocks and bytes saved / loaded, hit tokens, errors) go to structlog lines with the
-request id and to vLLM's connector stats.
+    ``get_finished``                frees the host copies of finished requests (shared buffers).
+A kv_producer with ``layerwise_num_shared_buffers`` keeps a few shared layer buffers (sized by
+``kvoffload_vllm.kv_cache_patch``): its loads and its host copies run layer by layer in
+``kvoffload_vllm.shared_steps``. Counters go to structlog lines (request id) and vLLM's stats.
 """
 
 from __future__ import annotations
@@ -55,14 +57,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvcore.hostpool import HostPoolBackend, ObjectExists, PoolError
+from kvcore.hostpool import HostPoolBackend, PoolError
 from kvcore.segment import sweep_stale_segments
 from kvoffload_vllm.layout import CacheLayout, cache_spec, vllm_model_id
 from kvoffload_vllm.plan import StorePlanner, Transfer, scheduled_requests
+from kvoffload_vllm.pool_alloc import allocate
 from kvoffload_vllm.shared_buffers import check_caches, plan_of, transfer_config_dict
 from kvoffload_vllm.shared_steps import SharedSteps, StepBlocks
 from kvoffload_vllm.stats import Counters, CountingConnector
 from kvoffload_vllm.store_config import store_config
+from kvoffload_vllm.store_counters import COUNTERS
 from poolbackends.client import MetaStoreClient
 from poolbackends.registry import PoolRequest, open_pool
 
@@ -78,17 +82,6 @@ log = structlog.get_logger("vllm.kvoffload.store")
 
 DEFAULT_HOST_POOL_GB = 1.0
 METASTORE_TIMEOUT_S = 5.0
-COUNTERS = {
-    "blocks_saved": "blocks (of all layers) written to the host pool",
-    "bytes_saved": "bytes written to the host pool",
-    "blocks_loaded": "blocks (of all layers) loaded from the host pool into vLLM's cache",
-    "bytes_loaded": "bytes loaded from the host pool",
-    "save_errors": "blocks whose save failed or was skipped (pool full, MetaStore down)",
-    "load_errors": "blocks whose load failed (vLLM recomputed them)",
-    "lookups": "prefix lookups at the MetaStore",
-    "hit_tokens": "prompt tokens found in the host pool",
-    "layers_saved_during_forward": "layers in the pool before the last layer's attention of their step ended",
-}
 
 
 @dataclass
@@ -308,25 +301,10 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             self._host_saves += self._shared_steps.after_attention(layer_name)
 
     def _allocate(self, pool: HostPoolBackend, saves: list[Transfer]) -> list[Transfer]:
-        """Pool objects for the step's saves, minus blocks the pool has or another engine is writing."""
-        out = []
-        for t in saves:
-            try:
-                present = pool.exists(list(t.keys))
-                keep = [(k, b) for k, b, p in zip(t.keys, t.block_ids, present, strict=True) if not p]
-                while keep:
-                    try:
-                        pool.alloc([k for k, _ in keep])
-                        break
-                    except ObjectExists as exc:  # being written by another engine: theirs will do
-                        keep = [(k, b) for k, b in keep if k != exc.key]
-                        if exc.key is None:
-                            raise
-                if keep:
-                    out.append(Transfer(t.request_id, tuple(k for k, _ in keep), tuple(b for _, b in keep)))
-            except PoolError as exc:  # a full pool or a MetaStore outage: the blocks are simply not cached
-                self._counters.add(save_errors=len(t.keys))
-                log.warning("kvoffload_save_skipped", request_id=t.request_id, blocks=len(t.keys), error=str(exc))
+        out, skipped = allocate(pool, saves)
+        for t, exc in skipped:  # a full pool or a MetaStore outage: the blocks are simply not cached
+            self._counters.add(save_errors=len(t.keys))
+            log.warning("kvoffload_save_skipped", request_id=t.request_id, blocks=len(t.keys), error=str(exc))
         return out
 
     def _save(self, pool: HostPoolBackend, t: Transfer, plane: int, kv_layer: torch.Tensor) -> None:
