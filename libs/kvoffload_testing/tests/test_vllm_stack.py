@@ -39,8 +39,18 @@ def test_the_prefill_transfer_config_is_the_multiconnector_of_the_d2h_producer_a
         "kv_connector": "AscendStoreConnector",
         "kv_role": "kv_producer",
         "kv_connector_module_path": "kvoffload_vllm",
-        "kv_connector_extra_config": {"backend": "kvoffload", "use_layerwise": True, "metastore": "127.0.0.1:5000"},
+        "kv_connector_extra_config": {
+            "backend": "kvoffload",
+            "use_layerwise": True,
+            "metastore": "127.0.0.1:5000",
+            "layerwise_num_shared_buffers": 3,  # the seed's shared layer buffers on the prefill
+        },
     }
+    plain = json.loads(vllm_prefill_transfer_config("127.0.0.1:5000", shared_buffers=None))
+    assert (
+        "layerwise_num_shared_buffers"
+        not in plain["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]
+    )
 
 
 def test_the_decode_transfer_config_is_the_d2h_consumer_on_its_control_port():
