@@ -90,7 +90,7 @@ class SharedSteps:
         for name in self.layout.layer_names:
             impl = getattr(forward_context.get(name), "impl", None)
             write = getattr(impl, "do_kv_cache_update", None)
-            if write is None:  # the backend writes inside its forward, after wait_for_layer_load
+            if impl is None or write is None:  # the backend writes inside its forward, after wait_for_layer_load
                 continue
 
             def update(*args: Any, _name: str = name, _write: Callable[..., Any] = write, **kwargs: Any) -> Any:
