@@ -1,7 +1,7 @@
-"""Support for integration tests that run real vLLM OpenAI servers (``kvoffload_testing.vllm_server``): the
-real SmolLM2 model directory (built once per machine), small random-weight Llama directories with its
-tokenizer, and plain-urllib request helpers. Nothing here is mocked: every helper builds or talks to
-the real thing."""
+"""Support for integration tests that run real vLLM OpenAI servers (``kvoffload_testing.vllm_server``):
+the real SmolLM2 model directory (built once per machine), small random-weight Llama and DeepSeek-V3
+(MLA) directories with its tokenizer, and plain-urllib request helpers. Nothing here is mocked: every
+helper builds or talks to the real thing."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import shutil
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-TINY_MARKER = "kvoffload-tiny-llama.json"
+TINY_MARKER = "kvoffload-tiny-model.json"  # written last: its presence means the directory is complete
 # The tokenizer and chat-template files a model directory may carry; those present are copied.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -51,10 +51,6 @@ def smollm2_dir() -> Path:
     return cached_model("smollm2", log=lambda line: print(f"kvoffload model fetch: {line}", flush=True))
 
 
-def _tiny_record(seed: int, num_layers: int) -> dict:
-    return {"seed": seed, "num_layers": num_layers, "tokenizer": "smollm2"}
-
-
 def _tiny_is_complete(path: Path, record: dict) -> bool:
     """True when ``path`` holds a finished tiny model built with ``record``'s parameters; a finished one
     built with other parameters is an error, not something to overwrite."""
@@ -65,17 +61,16 @@ def _tiny_is_complete(path: Path, record: dict) -> bool:
         return False
     if found.get("params") != record:
         raise ValueError(
-            f"{path} already holds a tiny Llama built with {found.get('params')}, not {record}; use another directory"
+            f"{path} already holds a tiny model built with {found.get('params')}, not {record}; use another directory"
         )
     return all((path / name).is_file() and (path / name).stat().st_size == size for name, size in files.items())
 
 
-def tiny_llama_dir(path: Path, *, seed: int = 0, num_layers: int = 2) -> Path:
-    """Write a random-weight float32 Llama (hidden 128, 4 heads of 32, 2 KV heads) with the SmolLM2
-    tokenizer into ``path`` unless it is already complete. The same ``seed`` gives byte-identical weights.
-    The directory appears complete or not at all (built next to it, then renamed into place)."""
+def _tiny_model_dir(path: Path, record: dict, write: Callable[[Path, Path], None]) -> Path:
+    """``path`` once it holds the tiny model ``record`` describes: unless already complete, ``write(out,
+    tokenizer_dir)`` builds it next to ``path`` (under a lock), which is then renamed into place, so the
+    directory appears complete or not at all."""
     path = Path(path).absolute()
-    record = _tiny_record(seed, num_layers)
     if _tiny_is_complete(path, record):
         return path
     source = smollm2_dir()
@@ -86,34 +81,90 @@ def tiny_llama_dir(path: Path, *, seed: int = 0, num_layers: int = 2) -> Path:
             raise FileExistsError(f"{path} exists and is not a complete tiny model; choose an empty or new directory")
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.partial-") as tmp:
             build = Path(tmp) / "model"
-            _write_tiny_llama(build, source, seed=seed, num_layers=num_layers)
+            write(build, source)
             files = {p.name: p.stat().st_size for p in sorted(build.iterdir())}
             (build / TINY_MARKER).write_text(json.dumps({"params": record, "files": files}, indent=2) + "\n")
             os.replace(build, path)  # an empty directory at `path` is replaced too
     return path
 
 
-def _write_tiny_llama(out: Path, tokenizer_dir: Path, *, seed: int, num_layers: int) -> None:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def tiny_llama_dir(path: Path, *, seed: int = 0, num_layers: int = 2) -> Path:
+    """Write a random-weight float32 Llama (hidden 128, 4 heads of 32, 2 KV heads) with the SmolLM2
+    tokenizer into ``path`` unless it is already complete. The same ``seed`` gives byte-identical weights.
+    The directory appears complete or not at all (built next to it, then renamed into place)."""
+    record = {"seed": seed, "num_layers": num_layers, "tokenizer": "smollm2"}
+
+    def write(out: Path, tokenizer_dir: Path) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,  # vLLM CPU: head_dim >= 32
+            intermediate_size=256,
+            num_hidden_layers=num_layers,
+            max_position_embeddings=4096,
+            **_tokenizer_ids(tokenizer_dir),
+        )
+        _save_seeded(LlamaForCausalLM, config, seed, out, tokenizer_dir)
+
+    return _tiny_model_dir(path, record, write)
+
+
+def tiny_deepseek_v3_dir(path: Path, *, seed: int = 0, num_layers: int = 2) -> Path:
+    """Write a random-weight float32 DeepSeek-V3-architecture model (``DeepseekV3ForCausalLM``: MLA
+    attention, dense MLPs only: ``first_k_dense_replace`` = ``num_layers``, so no MoE layer) with the
+    SmolLM2 tokenizer into ``path`` unless it is already complete; like :func:`tiny_llama_dir`
+    otherwise. Hidden 128, 4 heads; the latent KV row is vLLM's CPU MLA decode kernel's only size:
+    kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values per token and layer."""
+    record = {"seed": seed, "num_layers": num_layers, "tokenizer": "smollm2", "architecture": "deepseek_v3"}
+
+    def write(out: Path, tokenizer_dir: Path) -> None:
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        config = DeepseekV3Config(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=num_layers,
+            first_k_dense_replace=num_layers,  # every layer dense: no expert is built or loaded
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=64,
+            kv_lora_rank=512,  # vLLM CPU_MLA: head size 576 = 512 + 64 only
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            num_nextn_predict_layers=0,
+            max_position_embeddings=4096,
+            **_tokenizer_ids(tokenizer_dir),
+        )
+        _save_seeded(DeepseekV3ForCausalLM, config, seed, out, tokenizer_dir)
+
+    return _tiny_model_dir(path, record, write)
+
+
+def _tokenizer_ids(tokenizer_dir: Path) -> dict[str, Any]:
+    """The config fields a tiny model takes from the tokenizer it reuses."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,  # vLLM CPU: head_dim >= 32
-        intermediate_size=256,
-        num_hidden_layers=num_layers,
-        max_position_embeddings=4096,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        dtype=torch.float32,
-        tie_word_embeddings=False,
-    )
+    return {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "tie_word_embeddings": False,
+    }
+
+
+def _save_seeded(model_cls: Any, config: Any, seed: int, out: Path, tokenizer_dir: Path) -> None:
+    """Build ``model_cls(config)`` with weights drawn after ``torch.manual_seed(seed)``, save it in float32
+    safetensors into ``out`` with the tokenizer files of ``tokenizer_dir``."""
+    import torch
+
+    config.dtype = torch.float32
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     out.mkdir(parents=True)
     model.save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
@@ -153,6 +204,22 @@ def chat(url: str, messages: list[dict], max_tokens: int, *, timeout_s: float = 
         {"messages": messages, "max_tokens": max_tokens, "temperature": 0, **kw},
         timeout_s,
     )
+
+
+def stream_choices(url: str, path: str, body: dict, timeout_s: float = 180.0) -> list[dict]:
+    """``POST {url}{path}`` with ``body`` streamed (SSE): the first choice of every event, in order (a
+    completion's has ``text`` and, when asked, ``logprobs``; a chat's ``delta`` and ``logprobs``). A
+    stream that ends without ``data: [DONE]`` raises ``kvoffload_testing.sse.StreamTruncated``."""
+    from kvoffload_testing.sse import sse_events
+
+    request = urllib.request.Request(
+        f"{url}{path}",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        return [event["choices"][0] for event in sse_events(resp, require_done=True) if event.get("choices")]
 
 
 # ---- launches that must fail --------------------------------------------------------------------
