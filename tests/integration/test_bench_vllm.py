@@ -18,12 +18,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_bench_vllm_small(tmp_path):
     r = run(
-        model=str(tiny_llama_dir(tmp_path / "tiny")),
+        model=str(tiny_llama_dir(tmp_path / "tiny", num_layers=6)),
         prefix_tokens=1024,
         rounds=1,
         max_tokens=4,
         pd_prompt_tokens=300,
         pd_max_tokens=8,
+        shared_prompt_tokens=1000,
         progress=False,
     )
     json.dumps(r)
@@ -40,8 +41,15 @@ def test_bench_vllm_small(tmp_path):
     assert r["pd_tokens_equal"] is True and r["pd_per_round"][0]["tokens_equal"] is True
     assert {r["pd_per_round"][0][f"{side}_tpot_source"] for side in ("plain", "pd")} <= {"stream", "server"}
     assert r["pd_requests_pulled"] == 1 and r["pd_requests_failed"] == 0, r
-    # 300 tokens: 3 blocks of 128, K and V of 2 layers, 2 KV heads of 32, fp32
-    assert r["pd_prompt_kv_bytes"] == 3 * 128 * 2 * 2 * 2 * 32 * 4
+    # 300 tokens: 3 blocks of 128, K and V of 6 layers, 2 KV heads of 32, fp32
+    assert r["pd_prompt_kv_bytes"] == 3 * 128 * 2 * 6 * 2 * 32 * 4
+    # shared layer buffers on the prefill: 6 layers on 4 buffers ([0], [1, 4], [2, 5], [3]), same KV budget
+    assert (r["prefill_buffers"], r["prefill_layers"]) == (4, 6)
+    assert r["prefill_capacity_ratio"] == pytest.approx(6 / 4, rel=0.01), r
+    assert r["goals_met"]["prefill_capacity_ratio"] and r["goals_met"]["prefill_kv_bytes_ratio"], r
+    assert r["shared_tokens_equal"] is True and r["goals_met"]["shared_tokens_equal"] is True
+    for key in ("prefill_time_ratio_shared", "ttft_ratio_prefix_hit_shared"):
+        assert isinstance(r[key], float) and r[key] > 0, (key, r)
     assert 0 < r["pd_bytes_pulled_per_request"] <= r["pd_prompt_kv_bytes"], r
     assert r["goals"]["pd_tpot_ratio"] == 1.3
     assert r["goals_met"]["pd_tpot_ratio"] == (r["pd_tpot_ratio"] <= 1.3)

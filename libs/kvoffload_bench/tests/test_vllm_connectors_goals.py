@@ -4,7 +4,8 @@ every pull failed (the decode recomputed the prompt, and its tokens are still ri
 
 ``run`` is driven end to end with the servers replaced (no vLLM starts): each stream answers at
 once, and the counters the bench reads from the servers' ``/metrics`` are kept here, moved by the
-streams as the real servers would move them."""
+streams as the real servers would move them. The P/D prefill logs a plan of 4 buffers for 30 layers
+and holds ``SHARED_CAPACITY`` times the plain server's tokens."""
 
 from __future__ import annotations
 
@@ -14,16 +15,29 @@ import json
 import pytest
 
 from kvoffload_bench import vllm_connectors as bench_vllm
+from kvoffload_bench import vllm_shared
 
 HITS = "vllm:external_prefix_cache_hits_total"
+PLAIN_CAPACITY = 23_296
+SHARED_CAPACITY = {"ratio": 7.5}  # the prefill's capacity over the plain server's (a test may change it)
 
 
 class _Service:
     """A vLLM server, metastore or proxy: its address only."""
 
-    def __init__(self, *args, port: int | None = None, **kw) -> None:
+    prefill_urls: set[str] = set()
+
+    def __init__(self, *args, port: int | None = None, log_path=None, **kw) -> None:
         self.port = port or (args[0] if args and isinstance(args[0], int) else 1)
         self.url, self.address = f"http://127.0.0.1:{self.port}", f"127.0.0.1:{self.port}"
+        self.prefill = log_path is not None and log_path.name == "prefill.log"
+        if self.prefill:
+            self.prefill_urls.add(self.url)
+
+    def log_text(self) -> str:
+        return (
+            "kvoffload_shared_buffers block_bytes_per_buffer=1 buffers=4 layers=30 num_blocks=1" if self.prefill else ""
+        )
 
     def start(self) -> _Service:
         return self
@@ -72,6 +86,11 @@ def servers(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_vllm, "_stream", stream)
     monkeypatch.setattr(bench_vllm, "metric", lambda url, name: metrics[name])
     monkeypatch.setattr(bench_vllm, "_settled", lambda url, names: {n: metrics[n] for n in names})
+    monkeypatch.setattr(
+        vllm_shared,
+        "capacity_tokens",
+        lambda url: int(PLAIN_CAPACITY * (SHARED_CAPACITY["ratio"] if url in _Service.prefill_urls else 1)),
+    )
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(
@@ -110,3 +129,14 @@ def test_goals_are_met_when_every_p_d_request_pulled_its_kv(servers):
     assert set(r["goals"]) == set(r["goals_met"])
     assert all(r["goals_met"].values()), r["goals_met"]
     assert r["not_measured"] == {} and r["pd_bytes_pulled_per_request"] == 1000
+
+
+def test_the_shared_buffer_goals_fail_when_the_prefill_holds_no_more_than_a_plain_server(servers, monkeypatch):
+    _, model = servers
+    r = _run(model)
+    assert r["prefill_capacity_ratio"] == 7.5 and r["prefill_kv_bytes_ratio"] == pytest.approx(4 / 30)
+    assert r["goals"]["prefill_kv_bytes_ratio"] == pytest.approx(4 / 30)
+    assert r["goals"]["prefill_capacity_ratio"] == pytest.approx(0.95 * 30 / 4)
+    monkeypatch.setitem(SHARED_CAPACITY, "ratio", 1.0)  # vLLM allocated every layer after all
+    r = _run(model)
+    assert r["goals_met"]["prefill_capacity_ratio"] is False and r["goals_met"]["prefill_kv_bytes_ratio"] is False

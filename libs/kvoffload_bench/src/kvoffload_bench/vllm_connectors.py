@@ -45,6 +45,11 @@ through the proxy; both had a warm-up request of that length first.
 
 ``tokens_equal`` covers both parts: the hit's tokens equal the miss's, and P/D's equal plain's.
 
+Shared layer buffers: the P/D prefill keeps the seed's few shared layer buffers; against the plain
+server it gives ``prefill_kv_bytes_ratio``, ``prefill_capacity_ratio``, ``prefill_time_ratio_shared``
+(a fresh ``shared_prompt_tokens`` prompt) and ``ttft_ratio_prefix_hit_shared``
+(``kvoffload_bench.vllm_shared``).
+
 ``goals`` / ``goals_met``: each goal and whether it held; ``not_measured``: goal -> why its figure is
 None (a goal is never judged on a figure that was not measured: it is not met).
 """
@@ -61,6 +66,7 @@ import urllib.request
 from pathlib import Path
 
 from kvoffload_bench.vllm_goals import goals
+from kvoffload_bench.vllm_shared import baseline, shared_figures
 from kvoffload_testing.prom import metric
 from kvoffload_testing.sse import sse_events
 
@@ -169,25 +175,26 @@ def _cores() -> tuple[dict[str, str], dict[str, str]]:
     )
 
 
-def _plain_server(model_dir: Path, work: Path, prompt_tokens: int, max_tokens: int):
+def _plain_server(model_dir: Path, work: Path, max_len: int):
     from kvoffload_testing.vllm_server import VllmServer
 
     return VllmServer(
         model_dir,
-        max_model_len=prompt_tokens + max_tokens + 512,
+        max_model_len=max_len,
         env=_cores()[1],
         log_path=work / "plain.log",
         start_timeout_s=300,
     )
 
 
-def _plain(plain, name: str, rounds: int, prompt_tokens: int, max_tokens: int, say) -> list[dict]:
-    """The P/D part's baseline: the same prompts on the plain server (nothing else runs meanwhile)."""
+def _plain(plain, name: str, rounds: int, prompt_tokens: int, max_tokens: int, shared_tokens: int, say):
+    """The P/D part's baseline: the same prompts on the plain server (nothing else runs meanwhile),
+    then the shared-buffer figures' (``vllm_shared.baseline``)."""
     say(f"plain server up on cores {_cores()[1].get('VLLM_CPU_OMP_THREADS_BIND', 'all')}")
     _stream(plain.url, name, _pd_prompt(-1, prompt_tokens), max_tokens)  # warm-up
     plain_rounds = _timed_rounds(plain.url, name, rounds, prompt_tokens, max_tokens, plain.url)
     say(f"plain: {[{k: v for k, v in p.items() if k != 'tokens'} for p in plain_rounds]}")
-    return plain_rounds
+    return plain_rounds, baseline(_stream, plain.url, name, shared_tokens)
 
 
 def _pd_servers(model_dir: Path, work: Path, metastore: str, ports: dict, max_len: int, prefill_env, decode_env):
@@ -229,15 +236,15 @@ def _pd_pair(p: dict, d: dict) -> dict:
     }
 
 
-def _pd(
-    model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens: int, say, plain_rounds: list[dict]
-) -> dict:
-    """The P/D stack on the prompts the plain server answered (``plain_rounds``): the ``pd_*`` fields."""
+def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens: int, say, plain: tuple) -> dict:
+    """The P/D stack on the prompts the plain server answered (``plain``: ``_plain``'s rounds and
+    long-prompt baseline): the ``pd_*`` fields, and the prefill's shared-buffer figures."""
+    plain_rounds, long_baseline = plain
     from kvoffload_testing.ports import free_stack_ports
     from kvoffload_testing.vllm_server import Metastore, Proxy, running
 
     prefill_env, decode_env = _cores()
-    name, max_len = str(model_dir), prompt_tokens + max_tokens + 512
+    name, max_len = str(model_dir), _max_len(prompt_tokens, max_tokens, long_baseline["prompt_tokens"])
 
     ports = free_stack_ports(1, 1)
     counters = [CONSUMER.format(c) for c in ("bytes_read", "requests_pulled", "requests_failed")]
@@ -252,6 +259,8 @@ def _pd(
             before = _settled(decode.url, counters)
             pd_rounds = _timed_rounds(proxy.url, name, rounds, prompt_tokens, max_tokens, decode.url)
             after = _settled(decode.url, counters)
+            shared = shared_figures(_stream, prefill, name, long_baseline["prompt_tokens"], long_baseline)
+            say(f"shared buffers: {shared}")
     pulled, requests, failed = (after[c] - before[c] for c in counters)
     per_round = [_pd_pair(p, d) for p, d in zip(plain_rounds, pd_rounds)]
     say(f"P/D: {per_round}")
@@ -276,7 +285,13 @@ def _pd(
             "prefill": prefill_env.get("VLLM_CPU_OMP_THREADS_BIND"),
             "decode": decode_env.get("VLLM_CPU_OMP_THREADS_BIND"),
         },
+        **shared,
     }
+
+
+def _max_len(prompt_tokens: int, max_tokens: int, shared_tokens: int) -> int:
+    """The P/D part's servers' max_model_len: its prompts and the long shared-buffer prompt fit."""
+    return max(prompt_tokens + max_tokens, shared_tokens + 4) + 512
 
 
 def _store_server(model_dir: Path, work: Path, metastore: str, prefix_tokens: int):
@@ -329,6 +344,7 @@ def run(
     max_tokens: int = 8,
     pd_prompt_tokens: int = 2000,
     pd_max_tokens: int = 32,
+    shared_prompt_tokens: int = 8000,
     progress: bool = True,
 ) -> dict:
     from kvoffload_testing.model_fetch import cached_model
@@ -345,15 +361,16 @@ def run(
     with Metastore(work / "metastore.log") as ms:
         server = _store_server(model_dir, work, ms.address, prefix_tokens)
         # the P/D part's plain server starts beside it (a start-up is mostly one core's work) and waits
-        with running(server, _plain_server(model_dir, work, pd_prompt_tokens, pd_max_tokens)) as (server, plain):
+        plain_server = _plain_server(model_dir, work, _max_len(pd_prompt_tokens, pd_max_tokens, shared_prompt_tokens))
+        with running(server, plain_server) as (server, plain):
             name = str(model_dir)
             _stream(server.url, name, [100 + i for i in range(64)], 2)  # warm-up
             for r in range(rounds):
                 per_round.append(_store_round(server.url, name, r, prefix_tokens, max_tokens))
                 say(f"round {r + 1}/{rounds}: {per_round[-1]}")
             server.stop()  # the plain server is measured alone
-            plain_rounds = _plain(plain, name, rounds, pd_prompt_tokens, pd_max_tokens, say)
-    pd = _pd(model_dir, work, rounds, pd_prompt_tokens, pd_max_tokens, say, plain_rounds)
+            baselines = _plain(plain, name, rounds, pd_prompt_tokens, pd_max_tokens, shared_prompt_tokens, say)
+    pd = _pd(model_dir, work, rounds, pd_prompt_tokens, pd_max_tokens, say, baselines)
     per_token = _kv_bytes_per_token(model_dir)
     prompt_len = prefix_tokens + 40
     hit_token_count = statistics.median(p["hit_tokens"] for p in per_round)

@@ -4,6 +4,8 @@ measured: it is not met)."""
 
 from __future__ import annotations
 
+from kvoffload_bench.vllm_shared import shared_goals
+
 GOAL_TTFT_RATIO = 0.3
 GOAL_PD_TPOT_RATIO = 1.3
 
@@ -25,6 +27,9 @@ def goals(out: dict) -> dict:
         "pd_requests_pulled": out["pd_requests_pulled"] >= out["rounds"],
         "pd_requests_failed": out["pd_requests_failed"] == 0,
     }
+    shared, shared_met = shared_goals(out)
+    goals |= shared
+    met |= shared_met
     not_measured = (
         {}
         if tpot is not None

@@ -61,6 +61,14 @@ class Metrics:
             raise MissingMetric(self._missing(name, labels))
         return got
 
+    def label_sets(self, name: str) -> list[dict[str, str]]:
+        """The labels of every sample named ``name`` (an ``_info`` gauge carries its data there);
+        raises ``MissingMetric`` when there is none."""
+        got = [dict(ls) for n, ls in self.samples if n == name]
+        if not got:
+            raise MissingMetric(self._missing(name, {}))
+        return got
+
     def total(self, name: str, **labels: str) -> float:
         """The sum of ``values(name, **labels)``: a metric with no such sample raises."""
         return sum(self.values(name, **labels))
