@@ -2,7 +2,7 @@
 
 The prefill runs the guide's MultiConnector (remote D2H producer + the store on a real metastore),
 the decode the D2H consumer, the proxy is the one the reference stack uses, unchanged. A random
-6-layer Llama (fp32) keeps it fast; the fault test runs the real SmolLM2 model.
+6-layer Llama (fp32) keeps it fast; its prefill keeps 4 shared layer buffers for the 6 layers.
 
 - Greedy tokens through the proxy equal one plain vLLM server's (no connector), for prompts of 1,
   block_size - 1 and >= 2,000 tokens, completions and chat, streaming and not, 8 at once. The
@@ -11,9 +11,7 @@ the decode the D2H consumer, the proxy is the one the reference stack uses, unch
 - Layerwise: the decode had pulled early layers before the prefill announced the last one (the
   producer measures it per request), and it moved the prompt's blocks, no more.
 - The metastore gone: requests are still served through P/D, without the prefix cache, with a log.
-- kill -9 of the prefill mid-transfer: the client's request ends with an error (or recomputed)
-  within the peer timeout, the decode's KV usage returns to idle, and the next request (a new
-  prefill on the same port) succeeds.
+- Faults (a stalled or killed decode, a killed prefill) are ``test_vllm_pd_faults.py``'s, on SmolLM2.
 - Bad configs stop vLLM with the field named.
 """
 
@@ -22,22 +20,17 @@ from __future__ import annotations
 import json
 import math
 import re
-import signal
-import threading
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from vllm_support import chat, completion, failed_starts, post_json, refusals, smollm2_dir, tiny_llama_dir
+from vllm_support import chat, completion, failed_starts, refusals, tiny_llama_dir
 
 from kvoffload_testing.ports import free_stack_ports
-from kvoffload_testing.prom import scrape
 from kvoffload_testing.sse import sse_events
 from kvoffload_testing.vllm_server import Metastore, Proxy, VllmServer, free_port, running
 from kvoffload_testing.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
-from svcruntime.processgroup import signal_group
 
 pytestmark = pytest.mark.vllm
 
@@ -253,92 +246,3 @@ def test_the_in_process_start_up_builds_the_engine_of_a_good_config(refused):
     assert error == "STARTED: good built its engine", error[-3000:] + log[-3000:]
     built = [line for line in log.splitlines() if "kvoffload_d2h_connector" in line]  # both roles' connectors
     assert any("role=WORKER" in line for line in built) and any("role=SCHEDULER" in line for line in built), log
-
-
-def _prefill_server(model: Path, port: int, log_path: Path, prefill_args: list[str]) -> VllmServer:
-    return VllmServer(
-        model,
-        port=port,
-        max_model_len=4096,
-        log_path=log_path,
-        env=PREFILL_ENV,
-        extra_args=prefill_args,
-    )
-
-
-def _kill_the_prefill_mid_transfer(proxy, prefill, decode, prompt: list[int], peer_timeout: float) -> None:
-    """Sends the prompt through the proxy, kill -9s the prefill once the decode has its layout, and checks
-    that the request ends within the peer timeout: recomputed by the decode, or failed naming the prefill."""
-    outcome: dict[str, object] = {}
-
-    def client() -> None:
-        try:
-            outcome["answer"] = completion(proxy.url, prompt, 4, timeout_s=120)
-        except Exception as exc:  # noqa: BLE001 - the error is the outcome under test
-            outcome["error"] = str(exc)
-        outcome["at"] = time.monotonic()
-
-    thread = threading.Thread(target=client)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while "layout_exchange" not in decode.log_text():  # the prefill is computing and announcing
-        assert time.monotonic() < deadline, decode.log_text()[-3000:]
-        time.sleep(0.05)
-    time.sleep(1.0)
-    assert signal_group(prefill.proc, signal.SIGKILL, 10)
-    killed_at = time.monotonic()
-    thread.join(timeout=60)
-    assert not thread.is_alive()
-    assert outcome["at"] - killed_at < peer_timeout + 5, outcome
-    if "answer" in outcome:  # recomputed by the decode: then it is the right answer
-        assert outcome["answer"]["choices"][0]["finish_reason"] in ("length", "stop")
-    else:
-        assert "prefill" in str(outcome["error"]) or "502" in str(outcome["error"]), outcome
-
-
-def _wait_until_the_decode_holds_no_kv(decode) -> None:
-    idle_deadline = time.monotonic() + 20
-    # KV usage must be exported: a missing metric raises MissingMetric, it is not "idle"
-    while scrape(decode.url).total("vllm:kv_cache_usage_perc") > 0:
-        assert time.monotonic() < idle_deadline, "the decode still holds KV blocks"
-        time.sleep(0.5)
-
-
-@pytest.mark.slow
-def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decode(tmp_path):
-    """The real SmolLM2 model (30 layers): a 3,000-token prefill takes seconds, so the kill lands
-    while layers are being announced and pulled."""
-    model = smollm2_dir()
-    peer_timeout = 3.0
-    ports = free_stack_ports(1, 1)
-    decode_kv = json.loads(vllm_decode_transfer_config(ports["kv_port"]))
-    decode_kv["kv_connector_extra_config"]["peer_timeout_s"] = peer_timeout
-    prompt = [(i * 7919) % 40000 + 1000 for i in range(3000)]
-    with Metastore(tmp_path / "metastore.log") as ms:
-        prefill_args = ["--kv-transfer-config", vllm_prefill_transfer_config(ms.address)]
-        prefill = _prefill_server(model, ports["prefill_ports"][0], tmp_path / "p1.log", prefill_args)
-        decode = VllmServer(
-            model,
-            port=ports["decode_ports"][0],
-            max_model_len=4096,
-            log_path=tmp_path / "d.log",
-            env=DECODE_ENV,
-            extra_args=["--kv-transfer-config", json.dumps(decode_kv)],
-        )
-        with running(decode, prefill):
-            proxy = Proxy(ports["proxy_port"], prefill.port, decode.port, tmp_path / "proxy.log")
-            try:
-                _kill_the_prefill_mid_transfer(proxy, prefill, decode, prompt, peer_timeout)
-                _wait_until_the_decode_holds_no_kv(decode)
-                prefill.stop()
-                with _prefill_server(model, ports["prefill_ports"][0], tmp_path / "p2.log", prefill_args):
-                    answer = post_json(
-                        f"{proxy.url}/v1/completions",
-                        {"prompt": prompt[:500], "max_tokens": 4, "temperature": 0},
-                        timeout_s=180,
-                    )
-                    assert answer["choices"][0]["finish_reason"] in ("length", "stop")
-            finally:
-                proxy.close()
-    log = (tmp_path / "d.log").read_text()
-    assert "kvoffload_d2h_cancelled" in log or "kvoffload_d2h_load_failed" in log, log[-3000:]
