@@ -123,9 +123,17 @@ def servers(model, tmp_path_factory):
 
 
 def test_the_prefill_keeps_two_shared_buffers_for_the_four_mla_layers(servers):
-    log = servers["prefill"].log_text()
+    prefill, plain = servers["prefill"], servers["plain"]
+    log = prefill.log_text()
     assert "Layerwise KV cache reuse merged 4 descriptors into 2 descriptors using 2 buffer assignments." in log
-    assert "kvoffload_shared_buffers" in log and "ReuseTimeout" not in log
+    assert "kvoffload_shared_buffers" in log
+    # generating on the prefill itself: every decode step reloads the shared layers' blocks before they write
+    prompt = [(i * 13) % 7000 + 500 for i in range(200)]
+    got, want = completion_steps(prefill.url, prompt, 8), completion_steps(plain.url, prompt, 8)
+    assert agree(got, want, "prefill") == len(want)
+    reloaded = [int(n) for n in re.findall(r"reloaded_blocks=(\d+)", prefill.log_text())]
+    assert reloaded and max(reloaded) >= 13, reloaded  # the 200 tokens' 13 blocks, of layers 2 and 3 at least
+    assert "ReuseTimeout" not in prefill.log_text()
 
 
 def steps(choices: list[dict]) -> list[Step]:
