@@ -19,7 +19,7 @@ from kvcore.configerrors import ConfigError
 from kvoffload_vllm import kv_cache_patch, reuse_gate
 from kvoffload_vllm.request_kv import RequestKV
 from kvoffload_vllm.reuse_gate import ReuseGate, ReuseTimeout
-from kvoffload_vllm.shared_buffers import SUPPORTED_VLLM, check_caches, check_vllm_version, plan_of
+from kvoffload_vllm.shared_buffers import SUPPORTED_VLLM, check_caches, check_eager, check_vllm_version, plan_of
 from kvoffload_vllm.shared_steps import StepBlocks
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
@@ -63,10 +63,13 @@ def test_the_plan_follows_the_seed_keys_and_only_a_producer_with_shared_buffers_
     assert plan_of(every, LAYERS, 16, SPEC.page_size_bytes, SPEC.dtype) is None  # nothing to share
 
 
-def test_another_vllm_version_is_refused_with_both_versions_named():
+def test_another_vllm_version_and_graph_mode_are_refused_naming_why():
     check_vllm_version(SUPPORTED_VLLM)
     with pytest.raises(ConfigError, match=r"built for vLLM 0\.32\.0; this is vLLM 0\.33\.1"):
         check_vllm_version("0.33.1")
+    check_eager(True)
+    with pytest.raises(ConfigError, match=r"need vLLM's eager mode \(--enforce-eager\)"):
+        check_eager(False)
 
 
 def test_vllm_sizes_the_cache_for_the_buffers_and_every_layer_views_its_buffer():

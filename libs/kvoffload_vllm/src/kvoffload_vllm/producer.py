@@ -189,9 +189,16 @@ class Producer(RowBuffer):
             # the layer's blocks may sit in a shared buffer: its next layer waits until this pull is answered
             GATE.hold(layer_name, "pull", self.settings.read_timeout_s + PULL_MARGIN_S)
             assert out.link is not None  # a step holds the sends with a link only (_begin_step)
-            out.link.announce(
-                _Announce(self, out, layer, self._clock), None, out.send.peer.transfer_id, out.send.start, out.send.end
-            )
+            try:
+                out.link.announce(
+                    _Announce(self, out, layer, self._clock),
+                    None,
+                    out.send.peer.transfer_id,
+                    out.send.start,
+                    out.send.end,
+                )
+            except Exception as exc:  # noqa: BLE001 - never sent: a failed read, so its gate hold is released
+                self._answered(out, layer, f"announce failed: {exc}", self._clock)
         self._announced_at.append(time.perf_counter())
         self._clock.last_layer_at = self._announced_at[-1]
         self.counters.add(layers_announced=1)

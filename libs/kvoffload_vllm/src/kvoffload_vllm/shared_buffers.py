@@ -101,6 +101,19 @@ def check_vllm_version(version: str) -> None:
         )
 
 
+def check_eager(enforce_eager: bool) -> None:
+    """The per-layer reload runs in Python around each layer's KV write: captured graphs would skip it
+    (the seed's shared buffers are eager-mode only too)."""
+    if not enforce_eager:
+        raise ConfigError(
+            [
+                "kv_connector_extra_config.layerwise_num_shared_buffers: shared layer buffers need vLLM's "
+                "eager mode (--enforce-eager): each layer's reload and reuse gate run in Python around its "
+                "KV write, which a captured graph would skip"
+            ]
+        )
+
+
 def plan_of(
     kv_transfer_config: Mapping[str, Any] | None,
     layer_names: Sequence[str],

@@ -14,7 +14,7 @@ from kvcore.configerrors import ConfigError
 from kvcore.confignames import STORE_CONNECTOR
 from kvcore.connectorconfig import StoreConnectorConfig
 from kvcore.poolregistry import VLLM_POOLS
-from kvoffload_vllm.shared_buffers import check_vllm_version, requested, transfer_config_dict
+from kvoffload_vllm.shared_buffers import check_eager, check_vllm_version, requested, transfer_config_dict
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,6 +58,7 @@ def store_config(vllm_config: VllmConfig) -> StoreConnectorConfig:
     shared = requested(transfer_config_dict(vllm_config)) is not None
     if shared:  # the connector changes vLLM's KV cache allocation (kvoffload_vllm.kv_cache_patch)
         check_vllm_version(vllm.__version__)
+        check_eager(vllm_config.model_config.enforce_eager)
     used = {"layerwise_num_shared_buffers", "layerwise_independent_layers"} if shared else set()
     unused = sorted(k for k in store.model_fields_set if k.startswith("layerwise_") and k not in used)
     if unused:
