@@ -291,7 +291,7 @@ def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens
 
 def _max_len(prompt_tokens: int, max_tokens: int, shared_tokens: int) -> int:
     """The P/D part's servers' max_model_len: its prompts and the long shared-buffer prompt fit."""
-    return max(prompt_tokens + max_tokens, shared_tokens + 4) + 512
+    return max(prompt_tokens + max_tokens + 512, shared_tokens + 64)  # 8000 + 64 fits SmolLM2's 8192
 
 
 def _store_server(model_dir: Path, work: Path, metastore: str, prefix_tokens: int):
