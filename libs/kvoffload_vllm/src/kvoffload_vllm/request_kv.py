@@ -52,8 +52,9 @@ class RequestKV:
         return kv[self._layer[layer], positions.start : positions.stop]
 
     def put(self, req_id: str, layer: str, positions: range, blocks: torch.Tensor) -> None:
-        """Blocks ``[n, block_bytes]`` (any device) of ``layer`` at ``positions`` (n of them)."""
-        self._blocks(req_id, layer, positions).copy_(blocks, non_blocking=self._pin)
+        """Blocks ``[n, block_bytes]`` (any device) of ``layer`` at ``positions`` (n of them). The copy is
+        complete on return (a device buffer may be reused right after: never ``non_blocking``)."""
+        self._blocks(req_id, layer, positions).copy_(blocks)
 
     def get(self, req_id: str, layer: str, positions: range) -> torch.Tensor:
         """``[n, block_bytes]`` of ``layer`` at ``positions`` (a view: copy before it is written again)."""

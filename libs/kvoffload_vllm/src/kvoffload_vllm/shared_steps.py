@@ -140,7 +140,8 @@ class SharedSteps:
             at = 0
             for t in loads:
                 if shared:
-                    self.request_kv.put(t.request_id, layer, range(t.start, t.start + len(t.keys)), staging[at:])
+                    positions = range(t.start, t.start + len(t.keys))
+                    self.request_kv.put(t.request_id, layer, positions, staging[at : at + len(t.keys)])
                 at += len(t.keys)
         except Exception as exc:  # noqa: BLE001 - reported to vLLM as load errors: it recomputes the blocks
             self._fail(step, [t.request_id for t in loads], layer, exc)
