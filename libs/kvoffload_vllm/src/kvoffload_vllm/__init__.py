@@ -31,6 +31,7 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``d2h_settings``: ``D2HSettings``, the connector's typed config.
 - ``d2h_step``: ``D2HStepMetadata``, one step's work for the workers (sends, ``Recv``, cancellations).
 - ``layout``: vLLM's paged cache as pool geometry; the one KV cache group the connectors support.
+- ``block_bytes``: a layer's cache as its blocks' bytes over any block stride (hybrid-manager views too).
 - ``stats``: the connectors' counters as vLLM stats and Prometheus counters.
 - ``plugin``: registers the connector names with vLLM and installs ``kv_cache_patch``.
 """

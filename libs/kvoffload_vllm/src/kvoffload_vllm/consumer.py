@@ -31,6 +31,7 @@ import torch
 
 from kvcore.layout import dtype_name
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+from kvoffload_vllm.block_bytes import block_bytes
 from kvoffload_vllm.d2h_plan import Coverage, blocks_of
 from kvoffload_vllm.d2h_settings import D2HSettings
 from kvoffload_vllm.d2h_step import D2HStepMetadata, Recv
@@ -82,9 +83,7 @@ class Consumer(RowSink):
         self, settings: D2HSettings, model_id: str, layout: CacheLayout, caches: dict[str, torch.Tensor]
     ) -> None:
         self.settings, self.model_id, self.layout = settings, model_id, layout
-        self._bytes = [
-            caches[name].view(torch.uint8).view(layout.num_blocks, layout.block_bytes) for name in layout.layer_names
-        ]
+        self._bytes = [block_bytes(caches[name], name) for name in layout.layer_names]
         self._lock = threading.Lock()
         self._reqs: dict[str, _Incoming] = {}  # by transfer id
         self._by_req: dict[str, str] = {}  # vLLM request id -> transfer id

@@ -31,6 +31,7 @@ import torch
 from kvcore.layout import dtype_name
 from kvcore.segment import host_id
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+from kvoffload_vllm.block_bytes import block_bytes
 from kvoffload_vllm.d2h_plan import Send, blocks_of
 from kvoffload_vllm.d2h_settings import D2HSettings
 from kvoffload_vllm.layout import CacheLayout
@@ -99,9 +100,7 @@ class Producer(RowBuffer):
         self, settings: D2HSettings, model_id: str, layout: CacheLayout, caches: dict[str, torch.Tensor]
     ) -> None:
         self.settings, self.layout, self.caches = settings, layout, caches
-        self._bytes = {
-            name: t.view(torch.uint8).view(layout.num_blocks, layout.block_bytes) for name, t in caches.items()
-        }
+        self._bytes = {name: block_bytes(t, name) for name, t in caches.items()}
         self._lock = threading.Lock()
         self._reqs: dict[str, _Outgoing] = {}  # by transfer id (the decode's and the proxy's name)
         self._by_req: dict[str, str] = {}  # vLLM request id -> transfer id

@@ -28,6 +28,7 @@ import structlog
 import torch
 
 from kvcore.hostpool import HostPoolBackend
+from kvoffload_vllm.block_bytes import block_bytes
 from kvoffload_vllm.layout import CacheLayout
 from kvoffload_vllm.plan import Transfer
 from kvoffload_vllm.request_kv import RequestKV
@@ -77,7 +78,7 @@ class SharedSteps:
     ) -> None:
         self.shared, self.layout, self._saver, self._on_load_error = shared, layout, saver, on_load_error
         self._metadata = metadata  # the step's bound StoreStepMetadata, None outside a step
-        self._bytes = {n: t.view(torch.uint8).view(layout.num_blocks, layout.block_bytes) for n, t in caches.items()}
+        self._bytes = {n: block_bytes(t, n) for n, t in caches.items()}
         pin = next(iter(caches.values())).device.type != "cpu"
         self.request_kv = RequestKV([n for n in layout.layer_names if shared.is_shared(n)], layout.block_bytes, pin=pin)
         self._step = _Step([], [])
