@@ -1,6 +1,7 @@
-"""Faults of the vLLM P/D stack whose prefill keeps shared layer buffers, on the real SmolLM2 (30 layers
-on 4 buffers; chunks of 512 tokens, so a prompt takes several steps and every buffer is reused while
-the decode still pulls): one stack for the module, a killed server replaced on its port.
+"""Faults of the vLLM P/D stack whose prefill keeps shared layer buffers, on a random 6-layer Llama
+(the one ``test_vllm_pd.py`` runs: 6 layers on 4 buffers; chunks of 128 tokens, so a prompt takes
+many steps and every buffer is reused while the decode still pulls): one stack for the module, a
+killed server replaced on its port.
 
 - A stalled decode (SIGSTOP, the reference stack's stall fault, shorter than the peer timeout): the
   prefill's next layer of a buffer waits at the reuse gate for the pulls of the buffer's previous
@@ -23,7 +24,7 @@ import threading
 import time
 
 import pytest
-from vllm_support import completion, smollm2_dir
+from vllm_support import completion, tiny_llama_dir
 
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.prom import scrape
@@ -35,8 +36,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 PEER_TIMEOUT_S = 3.0
 STALL_S = 2.0  # below the peer timeout: a stall, not a death
-LAYERS, BLOCK = 30, 128
-BLOCK_BYTES = 2 * 3 * 64 * BLOCK * 4  # K and V, 3 KV heads of 64, fp32: one block of one layer
+LAYERS, BLOCK = 6, 128
+BLOCK_BYTES = 2 * 2 * 32 * BLOCK * 4  # K and V, 2 KV heads of 32, fp32: one block of one layer
 HALVES = split_cores() or ("", "")
 PREFILL_ENV = {"VLLM_CPU_OMP_THREADS_BIND": HALVES[0]} if HALVES[0] else {}
 DECODE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": HALVES[1]} if HALVES[1] else {}
@@ -50,7 +51,7 @@ def prompt(salt: int, tokens: int = 3000) -> list[int]:
 def _prefill(model, port: int, log_path, metastore: str) -> VllmServer:
     kv = json.loads(vllm_prefill_transfer_config(metastore))
     kv["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"]["peer_timeout_s"] = PEER_TIMEOUT_S
-    args = ["--kv-transfer-config", json.dumps(kv), "--max-num-batched-tokens", "512"]
+    args = ["--kv-transfer-config", json.dumps(kv), "--max-num-batched-tokens", "128"]
     return VllmServer(model, port=port, max_model_len=4096, log_path=log_path, env=PREFILL_ENV, extra_args=args)
 
 
@@ -65,7 +66,8 @@ def _decode(model, port: int, kv_port: int, log_path) -> VllmServer:
 def stack(tmp_path_factory):
     """The metastore, the prefill, the decode and the proxy; ``stack["new_decode"]()`` /
     ``stack["new_prefill"]()`` start a replacement on the same port (the old one must be gone)."""
-    logs, model = tmp_path_factory.mktemp("pdfaults"), smollm2_dir()
+    logs = tmp_path_factory.mktemp("pdfaults")
+    model = tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "llama6", num_layers=LAYERS)
     ports = free_stack_ports(1, 1)
     with Metastore(logs / "metastore.log") as ms:
         out: dict = {"logs": logs}

@@ -16,6 +16,7 @@ from kvoffload_vllm.layout import CacheLayout
 from kvoffload_vllm.plan import Transfer
 from kvoffload_vllm.shared_buffers import plan_of
 from kvoffload_vllm.shared_steps import SharedSteps, StepBlocks
+from kvoffload_vllm.stats import Counters
 
 NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(3))
 BS, NUM_BLOCKS = 4, 8
@@ -67,14 +68,17 @@ def test_hits_of_two_requests_and_the_blocks_a_reused_buffer_lost_come_back(pool
         steps=[StepBlocks("r1", (2, 3, 4), 2 * BS, 3), StepBlocks("r2", (5, 6), BS, 2)],
     )
     holder = {"meta": meta}
+    counters = Counters(["blocks_loaded", "bytes_loaded"])
     steps = SharedSteps(
-        shared, LAYOUT, caches, ThreadPoolExecutor(1), lambda b, n: errors.append(b), lambda: holder["meta"]
+        shared, LAYOUT, caches, ThreadPoolExecutor(1), lambda b, n: errors.append(b), lambda: holder["meta"], counters
     )
     steps.before_attention(NAMES[1], pool)
     assert [caches[NAMES[1]][b, 0, 0].item() for b in (2, 3, 5)] == [100.0, 101.0, 102.0]  # plane 1's hits
     holder["meta"] = SimpleNamespace(loads=meta.loads, steps=meta.steps)  # start that step over, whole
     run_step(steps, pool, caches, {NAMES[0]: 1000.0, NAMES[1]: 1001.0, NAMES[2]: 1002.0})
     assert errors == []
+    # the hits: 3 blocks, loaded into the 3 layers of the whole step and into layer 1 once before it
+    assert counters.take() == {"blocks_loaded": 3, "bytes_loaded": 4 * 3 * LAYOUT.block_bytes}
     assert caches[NAMES[1]][2, 0, 0].item() == 200.0  # layer 2 (plane 2, key k0) was the last occupant
     # the next step: layer 1 first gets back its hits and the block it wrote, over layer 2's
     holder["meta"] = SimpleNamespace(loads=[], steps=[StepBlocks("r1", (2, 3, 4), 2 * BS + 3, 1)])

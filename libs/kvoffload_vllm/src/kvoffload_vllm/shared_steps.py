@@ -34,6 +34,7 @@ from kvoffload_vllm.plan import Transfer
 from kvoffload_vllm.request_kv import RequestKV
 from kvoffload_vllm.reuse_gate import GATE, SAVE_BOUND_S
 from kvoffload_vllm.shared_buffers import SharedBuffers
+from kvoffload_vllm.stats import Counters
 
 log = structlog.get_logger("vllm.kvoffload.store")
 
@@ -62,6 +63,7 @@ class _Step:
     meta: Any = None  # the StoreStepMetadata it was begun from
     prepared: set[str] = field(default_factory=set)  # layers whose buffer is ready this step
     failed: set[str] = field(default_factory=set)
+    hit_layers: int = 0  # layers whose prefix hits were loaded
     gate_wait_s: float = 0.0
     reloaded_blocks: int = 0
 
@@ -75,9 +77,11 @@ class SharedSteps:
         saver: Executor,
         on_load_error: Callable[[list[int], int], None],
         metadata: Callable[[], Any],
+        counters: Counters,
     ) -> None:
         self.shared, self.layout, self._saver, self._on_load_error = shared, layout, saver, on_load_error
         self._metadata = metadata  # the step's bound StoreStepMetadata, None outside a step
+        self._counters = counters  # the store's: blocks_loaded and bytes_loaded count the hits loaded here
         self._bytes = {n: block_bytes(t, n) for n, t in caches.items()}
         pin = next(iter(caches.values())).device.type != "cpu"
         self.request_kv = RequestKV([n for n in layout.layer_names if shared.is_shared(n)], layout.block_bytes, pin=pin)
@@ -147,6 +151,8 @@ class SharedSteps:
         except Exception as exc:  # noqa: BLE001 - reported to vLLM as load errors: it recomputes the blocks
             self._fail(step, [t.request_id for t in loads], layer, exc)
             return {}
+        step.hit_layers += 1
+        self._counters.add(bytes_loaded=len(keys) * self.layout.block_bytes)
         return {t.request_id: t.start + len(t.keys) for t in loads}
 
     def _reload(self, step: _Step, layer: str, hit: dict[str, int]) -> None:
@@ -204,6 +210,11 @@ class SharedSteps:
 
     def end_step(self) -> None:
         step = self._step
+        if step.hit_layers == len(self.layout.layer_names):  # every layer of the hits loaded
+            loaded = [t for t in step.loads if t.request_id not in step.failed]
+            self._counters.add(blocks_loaded=sum(len(t.keys) for t in loaded))
+            for t in loaded:
+                log.info("kvoffload_loaded", request_id=t.request_id, blocks=len(t.keys), layerwise=True)
         if step.requests:
             log.info(
                 "kvoffload_shared_step",

@@ -199,6 +199,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
                 self._saver,
                 self._shared_load_failed,
                 lambda: self._get_connector_metadata() if self.has_connector_metadata() else None,
+                self._counters,
             )
             self._shared_steps.hook_layers(
                 self._vllm_config.compilation_config.static_forward_context, lambda: self._pool
