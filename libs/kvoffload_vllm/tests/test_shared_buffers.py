@@ -19,7 +19,14 @@ from kvcore.configerrors import ConfigError
 from kvoffload_vllm import kv_cache_patch, reuse_gate
 from kvoffload_vllm.request_kv import RequestKV
 from kvoffload_vllm.reuse_gate import ReuseGate, ReuseTimeout
-from kvoffload_vllm.shared_buffers import SUPPORTED_VLLM, check_caches, check_eager, check_vllm_version, plan_of
+from kvoffload_vllm.shared_buffers import (
+    SUPPORTED_VLLM,
+    check_caches,
+    check_eager,
+    check_vllm_version,
+    plan_of,
+    requested_in,
+)
 from kvoffload_vllm.shared_steps import StepBlocks
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
@@ -51,16 +58,23 @@ def vllm_config(kv: dict, prefix_caching: bool = True) -> SimpleNamespace:
 
 def test_the_plan_follows_the_seed_keys_and_only_a_producer_with_shared_buffers_gets_one():
     shared = plan_of(
-        transfer_config(layerwise_num_shared_buffers=2), LAYERS[::-1], 16, SPEC.page_size_bytes, SPEC.dtype
+        requested_in(transfer_config(layerwise_num_shared_buffers=2)),
+        LAYERS[::-1],
+        16,
+        SPEC.page_size_bytes,
+        SPEC.dtype,
     )
     assert shared is not None and shared.plan.slots == ((0,), (1, 3, 5), (2, 4))
     assert shared.previous_occupant[LAYERS[3]] == LAYERS[1]
     assert shared.previous_occupant[LAYERS[1]] == LAYERS[5]  # the slot's last layer, of the previous step
     assert not shared.is_shared(LAYERS[0])  # independent (the default [0])
-    assert plan_of(transfer_config(), LAYERS, 16, SPEC.page_size_bytes, SPEC.dtype) is None
-    assert plan_of(transfer_config("kv_both", layerwise_num_shared_buffers=2), LAYERS, 16, 1024, SPEC.dtype) is None
+    assert plan_of(requested_in(transfer_config()), LAYERS, 16, SPEC.page_size_bytes, SPEC.dtype) is None
+    assert (
+        plan_of(requested_in(transfer_config("kv_both", layerwise_num_shared_buffers=2)), LAYERS, 16, 1024, SPEC.dtype)
+        is None
+    )
     every = transfer_config(layerwise_num_shared_buffers=2, layerwise_independent_layers="all")
-    assert plan_of(every, LAYERS, 16, SPEC.page_size_bytes, SPEC.dtype) is None  # nothing to share
+    assert plan_of(requested_in(every), LAYERS, 16, SPEC.page_size_bytes, SPEC.dtype) is None  # nothing to share
 
 
 def test_another_vllm_version_and_graph_mode_are_refused_naming_why():
@@ -89,7 +103,9 @@ def test_vllm_sizes_the_cache_for_the_buffers_and_every_layer_views_its_buffer()
     ptr = [caches[n].data_ptr() for n in LAYERS]
     assert ptr[1] == ptr[3] == ptr[5] and ptr[2] == ptr[4] and len({ptr[0], ptr[1], ptr[2]}) == 3
     assert next(iter(caches.values())).untyped_storage().nbytes() == 3 * 200 * SPEC.page_size_bytes
-    plan = plan_of(transfer_config(layerwise_num_shared_buffers=2), LAYERS, 16, SPEC.page_size_bytes, SPEC.dtype)
+    plan = plan_of(
+        requested_in(transfer_config(layerwise_num_shared_buffers=2)), LAYERS, 16, SPEC.page_size_bytes, SPEC.dtype
+    )
     assert plan is not None
     check_caches(plan, caches)
     apart = allocate_kv_cache(plain, torch.device("cpu"), cfg.cache_config.get_resolved_kv_cache_layout())

@@ -14,7 +14,7 @@ import torch
 from kvcore.localpool import LocalHostPool
 from kvoffload_vllm.layout import CacheLayout
 from kvoffload_vllm.plan import Transfer
-from kvoffload_vllm.shared_buffers import plan_of
+from kvoffload_vllm.shared_buffers import plan_of, requested_in
 from kvoffload_vllm.shared_steps import SharedSteps, StepBlocks
 from kvoffload_vllm.stats import Counters
 
@@ -58,7 +58,7 @@ def run_step(steps: SharedSteps, pool, caches: dict[str, torch.Tensor], written:
 
 
 def test_hits_of_two_requests_and_the_blocks_a_reused_buffer_lost_come_back(pool):
-    shared = plan_of(transfer_config(), NAMES, BS, BS * 8 * 4, torch.float32)
+    shared = plan_of(requested_in(transfer_config()), NAMES, BS, BS * 8 * 4, torch.float32)
     assert shared is not None and shared.plan.slots == ((0,), (1, 2))
     slot0, slot1 = torch.zeros(NUM_BLOCKS, BS, 8), torch.zeros(NUM_BLOCKS, BS, 8)
     caches = {NAMES[0]: slot0, NAMES[1]: slot1, NAMES[2]: slot1}  # layers 1 and 2 share a buffer
@@ -69,9 +69,7 @@ def test_hits_of_two_requests_and_the_blocks_a_reused_buffer_lost_come_back(pool
     )
     holder = {"meta": meta}
     counters = Counters(["blocks_loaded", "bytes_loaded"])
-    steps = SharedSteps(
-        shared, LAYOUT, caches, ThreadPoolExecutor(1), lambda b, n: errors.append(b), lambda: holder["meta"], counters
-    )
+    steps = SharedSteps(shared, LAYOUT, caches, ThreadPoolExecutor(1), errors.append, lambda: holder["meta"], counters)
     steps.before_attention(NAMES[1], pool)
     assert [caches[NAMES[1]][b, 0, 0].item() for b in (2, 3, 5)] == [100.0, 101.0, 102.0]  # plane 1's hits
     holder["meta"] = SimpleNamespace(loads=meta.loads, steps=meta.steps)  # start that step over, whole

@@ -26,7 +26,7 @@ from dataclasses import replace
 import structlog
 
 from kvcore.configerrors import ConfigError
-from kvoffload_vllm.shared_buffers import SUPPORTED_VLLM, SharedBuffers, plan_of, requested, transfer_config_dict
+from kvoffload_vllm.shared_buffers import SUPPORTED_VLLM, SharedBuffers, plan_of, requested_in, transfer_config_dict
 
 log = structlog.get_logger("vllm.kvoffload.shared_buffers")
 
@@ -81,8 +81,9 @@ def shared_plan(vllm_config, kv_cache_groups) -> SharedBuffers | None:
     """The plan for these groups, None without one; ConfigError for a cache the plan cannot take."""
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-    kv = transfer_config_dict(vllm_config)
-    if requested(kv) is None:
+    kv = vllm_config.kv_transfer_config
+    asked = None if kv is None else requested_in(transfer_config_dict(kv))
+    if asked is None:
         return None
     groups = [g for g in kv_cache_groups if not getattr(g, "host_resident", False)]
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
@@ -94,7 +95,7 @@ def shared_plan(vllm_config, kv_cache_groups) -> SharedBuffers | None:
             ]
         )
     spec = groups[0].kv_cache_spec
-    return plan_of(kv, groups[0].layer_names, spec.block_size, spec.page_size_bytes, spec.dtype)
+    return plan_of(asked, groups[0].layer_names, spec.block_size, spec.page_size_bytes, spec.dtype)
 
 
 def reduced(kv_cache_groups, shared: SharedBuffers) -> list:

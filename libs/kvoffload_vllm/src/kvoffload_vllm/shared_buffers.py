@@ -23,6 +23,7 @@ import torch
 
 from kvcore.config import parse_kv_transfer_config
 from kvcore.configerrors import ConfigError
+from kvcore.connectorconfig import StoreConnectorConfig
 from kvcore.layout import CacheSpec, KVLayout, LayerSpec, physical_index
 from kvcore.nodeconfig import store_of
 from kvcore.plan import BufferPlan
@@ -37,10 +38,6 @@ class SharedBuffers:
 
     layer_names: tuple[str, ...]
     plan: BufferPlan
-
-    @cached_property
-    def slot_of(self) -> dict[str, int]:
-        return {name: self.plan.slot_of(i) for i, name in enumerate(self.layer_names)}
 
     @cached_property
     def previous_occupant(self) -> dict[str, str]:
@@ -62,25 +59,27 @@ class SharedBuffers:
         return layer_name in self.previous_occupant
 
 
-def requested(kv_transfer_config: Mapping[str, Any] | None) -> tuple[int, Any] | None:
+Request = tuple[int, Any]  # (B, the layerwise_independent_layers spec)
+
+
+def requested(kv_role: str | None, store: StoreConnectorConfig | None) -> Request | None:
     """(B, independent-layer spec) when a kv_producer's store asks for shared buffers, else None."""
-    if not kv_transfer_config:
+    if store is None or kv_role != "kv_producer":
         return None
-    kv = parse_kv_transfer_config(dict(kv_transfer_config))
-    found = store_of(kv)
-    if found is None or kv.kv_role != "kv_producer":
-        return None
-    store = found[1]
     if not store.use_layerwise or store.layerwise_num_shared_buffers is None:
         return None
     return store.layerwise_num_shared_buffers, store.layerwise_independent_layers
 
 
-def transfer_config_dict(vllm_config) -> dict[str, Any] | None:
-    """vLLM's ``kv_transfer_config`` as the plain dict kvcore's config models read."""
-    kv = vllm_config.kv_transfer_config
-    if kv is None:
-        return None
+def requested_in(kv_transfer_config: Mapping[str, Any]) -> Request | None:
+    """``requested`` of a whole ``kv_transfer_config`` (the store alone or inside a MultiConnector)."""
+    kv = parse_kv_transfer_config(dict(kv_transfer_config))
+    found = store_of(kv)
+    return requested(kv.kv_role, None if found is None else found[1])
+
+
+def transfer_config_dict(kv) -> dict[str, Any]:
+    """vLLM's ``KVTransferConfig`` as the plain dict kvcore's config models read."""
     return {
         "kv_connector": kv.kv_connector,
         "kv_role": kv.kv_role,
@@ -115,15 +114,14 @@ def check_eager(enforce_eager: bool) -> None:
 
 
 def plan_of(
-    kv_transfer_config: Mapping[str, Any] | None,
+    asked: Request | None,
     layer_names: Sequence[str],
     block_size: int,
     page_bytes: int,
     dtype: torch.dtype,
 ) -> SharedBuffers | None:
-    """The shared-buffer plan of one uniform attention group, or None when not asked for or when
-    every layer would keep its own buffer anyway."""
-    asked = requested(kv_transfer_config)
+    """The shared-buffer plan of one uniform attention group for ``asked`` (``requested``), or None when
+    not asked for or when every layer would keep its own buffer anyway."""
     if asked is None:
         return None
     num_shared, independent_spec = asked

@@ -29,6 +29,7 @@ import torch
 
 from kvcore.hostpool import HostPoolBackend
 from kvoffload_vllm.block_bytes import block_bytes
+from kvoffload_vllm.d2h_plan import blocks_of
 from kvoffload_vllm.layout import CacheLayout
 from kvoffload_vllm.plan import Transfer
 from kvoffload_vllm.request_kv import RequestKV
@@ -50,10 +51,11 @@ class StepBlocks:
     scheduled: int
 
     def positions(self, block_size: int) -> tuple[range, range]:
-        """(blocks to reload before attention, blocks the step writes)."""
-        done = -(-self.computed // block_size)
-        end = min(-(-(self.computed + self.scheduled) // block_size), len(self.block_ids))
-        return range(0, min(done, len(self.block_ids))), range(self.computed // block_size, end)
+        """(blocks to reload before attention, blocks the step writes), within the request's blocks."""
+        n = len(self.block_ids)
+        before = blocks_of(0, self.computed, block_size)
+        written = blocks_of(self.computed, self.computed + self.scheduled, block_size)
+        return range(0, min(before.stop, n)), range(written.start, min(written.stop, n))
 
 
 @dataclass
@@ -75,7 +77,7 @@ class SharedSteps:
         layout: CacheLayout,
         caches: dict[str, torch.Tensor],
         saver: Executor,
-        on_load_error: Callable[[list[int], int], None],
+        on_load_error: Callable[[list[int]], None],
         metadata: Callable[[], Any],
         counters: Counters,
     ) -> None:
@@ -176,7 +178,7 @@ class SharedSteps:
         step.failed.update(request_ids)
         blocks = [b for r in step.requests if r.request_id in request_ids for b in r.block_ids]
         blocks += [b for t in step.loads if t.request_id in request_ids for b in t.block_ids]
-        self._on_load_error(sorted(set(blocks)), len(request_ids))
+        self._on_load_error(sorted(set(blocks)))
         log.error("kvoffload_shared_load_failed", request_ids=request_ids, layer=layer, error=str(exc))
 
     def after_attention(self, layer: str) -> list[Future]:

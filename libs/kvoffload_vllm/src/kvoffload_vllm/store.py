@@ -62,7 +62,7 @@ from kvcore.segment import sweep_stale_segments
 from kvoffload_vllm.layout import CacheLayout, cache_spec, vllm_model_id
 from kvoffload_vllm.plan import StorePlanner, Transfer, scheduled_requests
 from kvoffload_vllm.pool_alloc import allocate
-from kvoffload_vllm.shared_buffers import check_caches, plan_of, transfer_config_dict
+from kvoffload_vllm.shared_buffers import check_caches, plan_of, requested
 from kvoffload_vllm.shared_steps import SharedSteps, StepBlocks
 from kvoffload_vllm.stats import Counters, CountingConnector
 from kvoffload_vllm.store_config import store_config
@@ -103,7 +103,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
         self._layer_order, self._spec = cache_spec(kv_cache_config)
         self.model_id = vllm_model_id(vllm_config, self._spec, self._layer_order)
         self._shared = plan_of(
-            transfer_config_dict(vllm_config),
+            requested(vllm_config.kv_transfer_config.kv_role, self._store),  # type: ignore[union-attr]  # store_config required it
             self._layer_order,
             self._block_size,
             self._spec.page_size_bytes,
@@ -197,7 +197,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
                 self._layout,
                 self._caches,
                 self._saver,
-                self._shared_load_failed,
+                self._load_failed,
                 lambda: self._get_connector_metadata() if self.has_connector_metadata() else None,
                 self._counters,
             )
@@ -260,9 +260,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
                     seconds=round(time.perf_counter() - t0, 4),
                 )
         except Exception as exc:  # noqa: BLE001 - reported to vLLM as load errors: it recomputes the blocks
-            with self._lock:
-                self._load_errors.update(ids.tolist())
-            self._counters.add(load_errors=len(keys))
+            self._load_failed(ids.tolist())
             log.error(
                 "kvoffload_load_failed",
                 request_ids=[t.request_id for t in loads],
@@ -273,7 +271,8 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             for name in pending:
                 self._layer_loaded[name].set()
 
-    def _shared_load_failed(self, blocks: list[int], num_requests: int) -> None:
+    def _load_failed(self, blocks: list[int]) -> None:
+        """``blocks`` go to vLLM as load errors (``get_block_ids_with_load_errors``): it recomputes them."""
         with self._lock:
             self._load_errors.update(blocks)
         self._counters.add(load_errors=len(blocks))

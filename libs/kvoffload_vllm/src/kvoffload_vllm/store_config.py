@@ -28,14 +28,7 @@ def store_config(vllm_config: VllmConfig) -> StoreConnectorConfig:
     kv = vllm_config.kv_transfer_config
     if kv is None:
         raise ConfigError([f"kv_transfer_config: missing; the {STORE_CONNECTOR} is configured there"])
-    parsed = parse_kv_transfer_config(
-        {
-            "kv_connector": kv.kv_connector,
-            "kv_role": kv.kv_role,
-            "kv_connector_extra_config": dict(kv.kv_connector_extra_config or {}),
-        },
-        strict=True,
-    )
+    parsed = parse_kv_transfer_config(transfer_config_dict(kv), strict=True)
     store = parsed.store
     if parsed.kv_connector != STORE_CONNECTOR or store is None:
         raise ConfigError(
@@ -55,7 +48,7 @@ def store_config(vllm_config: VllmConfig) -> StoreConnectorConfig:
                 "kvoffload-metastore's HOST:PORT (start one with `kvoffload-metastore`)"
             ]
         )
-    shared = requested(transfer_config_dict(vllm_config)) is not None
+    shared = requested(parsed.kv_role, store) is not None
     if shared:  # the connector changes vLLM's KV cache allocation (kvoffload_vllm.kv_cache_patch)
         check_vllm_version(vllm.__version__)
         check_eager(vllm_config.model_config.enforce_eager)
