@@ -36,27 +36,27 @@ def offload_only_kv_transfer_config(
     )
 
 
-def prefill_kv_transfer_config(kv_port: int, buffers: int = 3, mooncake_master: str | None = None) -> str:
+def producer_multi_connector(d2h: dict, store: dict) -> str:
+    """A prefill's MultiConnector: the SfaRemoteD2HConnector (``d2h``: the rest of its entry) and the
+    AscendStoreConnector (``store``: the rest of its entry), both ``kv_producer``."""
     return json.dumps(
         {
             "kv_connector": "MultiConnector",
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {
                 "connectors": [
-                    {
-                        "kv_connector": "SfaRemoteD2HConnector",
-                        "kv_role": "kv_producer",
-                        "kv_port": kv_port,
-                        "kv_connector_extra_config": {"transfer_backend": "kvoffload"},
-                    },
-                    {
-                        "kv_connector": "AscendStoreConnector",
-                        "kv_role": "kv_producer",
-                        "kv_connector_extra_config": prefill_store_config(buffers, mooncake_master),
-                    },
+                    {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_producer", **d2h},
+                    {"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer", **store},
                 ]
             },
         }
+    )
+
+
+def prefill_kv_transfer_config(kv_port: int, buffers: int = 3, mooncake_master: str | None = None) -> str:
+    return producer_multi_connector(
+        {"kv_port": kv_port, "kv_connector_extra_config": {"transfer_backend": "kvoffload"}},
+        {"kv_connector_extra_config": prefill_store_config(buffers, mooncake_master)},
     )
 
 

@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from kvoffload_testing.connector_configs import producer_multi_connector
 from kvoffload_testing.stack import Stack, StackConfig, metastore_service, proxy_service
 from kvoffload_testing.vllm_server import api_server_command, api_server_env
 
@@ -31,27 +32,10 @@ def vllm_prefill_transfer_config(metastore: str, shared_buffers: int | None = 3)
     store: dict[str, object] = {"backend": "kvoffload", "use_layerwise": True, "metastore": metastore}
     if shared_buffers is not None:
         store["layerwise_num_shared_buffers"] = shared_buffers
-    return json.dumps(
-        {
-            "kv_connector": "MultiConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {
-                "connectors": [
-                    {
-                        "kv_connector": "SfaRemoteD2HConnector",
-                        "kv_role": "kv_producer",
-                        "kv_connector_module_path": "kvoffload_vllm",
-                        "kv_connector_extra_config": {"transfer_backend": "kvoffload"},
-                    },
-                    {
-                        "kv_connector": "AscendStoreConnector",
-                        "kv_role": "kv_producer",
-                        "kv_connector_module_path": "kvoffload_vllm",
-                        "kv_connector_extra_config": store,
-                    },
-                ]
-            },
-        }
+    module = {"kv_connector_module_path": "kvoffload_vllm"}
+    return producer_multi_connector(
+        {**module, "kv_connector_extra_config": {"transfer_backend": "kvoffload"}},
+        {**module, "kv_connector_extra_config": store},
     )
 
 
