@@ -202,25 +202,21 @@ def _pd_servers(model_dir: Path, work: Path, metastore: str, ports: dict, max_le
     from kvoffload_testing.vllm_server import VllmServer
     from kvoffload_testing.vllm_stack import vllm_decode_transfer_config, vllm_prefill_transfer_config
 
-    prefill = VllmServer(
-        model_dir,
-        port=ports["prefill_ports"][0],
-        max_model_len=max_len,
-        env=prefill_env,
-        log_path=work / "prefill.log",
-        start_timeout_s=300,
-        extra_args=["--kv-transfer-config", vllm_prefill_transfer_config(metastore)],
+    def server(name: str, port: int, env, kv_transfer_config: str) -> VllmServer:
+        return VllmServer(
+            model_dir,
+            port=port,
+            max_model_len=max_len,
+            env=env,
+            log_path=work / f"{name}.log",
+            start_timeout_s=300,
+            extra_args=["--kv-transfer-config", kv_transfer_config],
+        )
+
+    return (
+        server("prefill", ports["prefill_ports"][0], prefill_env, vllm_prefill_transfer_config(metastore)),
+        server("decode", ports["decode_ports"][0], decode_env, vllm_decode_transfer_config(ports["kv_port"])),
     )
-    decode = VllmServer(
-        model_dir,
-        port=ports["decode_ports"][0],
-        max_model_len=max_len,
-        env=decode_env,
-        log_path=work / "decode.log",
-        start_timeout_s=300,
-        extra_args=["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"])],
-    )
-    return prefill, decode
 
 
 def _pd_pair(p: dict, d: dict) -> dict:
