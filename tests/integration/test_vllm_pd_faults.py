@@ -100,12 +100,27 @@ def _in_flight(proxy_url: str, body: list[int], outcome: dict) -> threading.Thre
     return thread
 
 
-def _wait_for_announces(prefill: VllmServer, before: int) -> None:
-    """Until the prefill announced a step of layers more than ``before`` times (the request is mid-pull)."""
+def _mid_transfer(stack: dict, body: list[int]) -> tuple[dict, threading.Thread]:
+    """``body`` sent through the proxy (its outcome filled in by the returned thread), once the prefill
+    announced a step of its layers: the request is mid-pull."""
+    prefill, outcome = stack["prefill"], {}
+    before = prefill.log_text().count(ANNOUNCED)
+    thread = _in_flight(stack["proxy"].url, body, outcome)
     deadline = time.monotonic() + 120
     while prefill.log_text().count(ANNOUNCED) <= before:
         assert time.monotonic() < deadline, prefill.log_text()[-3000:]
         time.sleep(0.02)
+    return outcome, thread
+
+
+def _prefill_alone(stack: dict, body: list[int], max_tokens: int) -> str:
+    """What the prefill answers by itself (no P/D): what the proxy must answer too."""
+    return completion(stack["prefill"].url, body, max_tokens, timeout_s=180)["choices"][0]["text"]
+
+
+def _next_request_is_right(stack: dict, body: list[int], max_tokens: int) -> None:
+    got = completion(stack["proxy"].url, body, max_tokens, timeout_s=180)["choices"][0]["text"]
+    assert got == _prefill_alone(stack, body, max_tokens)
 
 
 def _idle(server: VllmServer, within_s: float) -> float:
@@ -120,10 +135,8 @@ def _idle(server: VllmServer, within_s: float) -> float:
 
 
 def test_a_stalled_decode_holds_the_next_layer_at_the_gate_and_the_pull_completes(stack):
-    prefill, decode, proxy = stack["prefill"], stack["decode"], stack["proxy"]
-    body, outcome = prompt(1), {}
-    thread = _in_flight(proxy.url, body, outcome)
-    _wait_for_announces(prefill, prefill.log_text().count(ANNOUNCED))
+    prefill, decode, body = stack["prefill"], stack["decode"], prompt(1)
+    outcome, thread = _mid_transfer(stack, body)
     stalled_from = len(prefill.log_text())
     signal_group(decode.proc, signal.SIGSTOP, 0)
     time.sleep(STALL_S)
@@ -134,15 +147,13 @@ def test_a_stalled_decode_holds_the_next_layer_at_the_gate_and_the_pull_complete
     assert waits and max(waits) >= STALL_S / 2, waits  # a layer waited for the stalled decode's pulls
     pulled = re.findall(r"kvoffload_d2h_pulled\s.*?bytes=(\d+).*?tokens=(\d+)", decode.log_text())
     assert (str(-(-len(body) // BLOCK) * BLOCK_BYTES * LAYERS), str(len(body))) in pulled, pulled
-    assert outcome["answer"] == completion(prefill.url, body, 8, timeout_s=180)["choices"][0]["text"]
+    assert outcome["answer"] == _prefill_alone(stack, body, 8)
     assert "ReuseTimeout" not in prefill.log_text()
 
 
 def test_kill_9_of_the_decode_mid_pull_releases_the_gate_and_the_next_request_succeeds(stack):
-    prefill, decode, proxy = stack["prefill"], stack["decode"], stack["proxy"]
-    body, outcome = prompt(2), {}
-    thread = _in_flight(proxy.url, body, outcome)
-    _wait_for_announces(prefill, prefill.log_text().count(ANNOUNCED))
+    prefill, decode = stack["prefill"], stack["decode"]
+    _, thread = _mid_transfer(stack, prompt(2))
     assert signal_group(decode.proc, signal.SIGKILL, 10)
     thread.join(timeout=180)
     assert not thread.is_alive()
@@ -150,17 +161,13 @@ def test_kill_9_of_the_decode_mid_pull_releases_the_gate_and_the_next_request_su
     log = prefill.log_text()
     assert "kvoffload_d2h_reads_failed" in log and "ReuseTimeout" not in log, log[-3000:]
     decode.stop()
-    stack["decode"] = decode = stack["new_decode"](1).start()
-    nxt = prompt(3, 700)
-    got = completion(proxy.url, nxt, 8, timeout_s=180)["choices"][0]["text"]
-    assert got == completion(prefill.url, nxt, 8, timeout_s=180)["choices"][0]["text"]
+    stack["decode"] = stack["new_decode"](1).start()
+    _next_request_is_right(stack, prompt(3, 700), 8)
 
 
 def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decode(stack):
-    prefill, decode, proxy = stack["prefill"], stack["decode"], stack["proxy"]
-    body, outcome = prompt(4), {}
-    thread = _in_flight(proxy.url, body, outcome)
-    _wait_for_announces(prefill, prefill.log_text().count(ANNOUNCED))
+    prefill, decode = stack["prefill"], stack["decode"]
+    outcome, thread = _mid_transfer(stack, prompt(4))
     assert signal_group(prefill.proc, signal.SIGKILL, 10)
     killed_at = time.monotonic()
     thread.join(timeout=60)
@@ -172,7 +179,5 @@ def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decod
     log = decode.log_text()
     assert "kvoffload_d2h_cancelled" in log or "kvoffload_d2h_load_failed" in log, log[-3000:]
     prefill.stop()
-    stack["prefill"] = prefill = stack["new_prefill"](1).start()
-    nxt = prompt(5, 500)
-    got = completion(proxy.url, nxt, 4, timeout_s=180)["choices"][0]["text"]
-    assert got == completion(prefill.url, nxt, 4, timeout_s=180)["choices"][0]["text"]
+    stack["prefill"] = stack["new_prefill"](1).start()
+    _next_request_is_right(stack, prompt(5, 500), 4)
