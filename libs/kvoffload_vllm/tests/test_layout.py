@@ -21,15 +21,7 @@ def test_a_good_layout_gives_one_plane_per_layer_in_layer_order():
     order = list(caches)[::-1]
     layout = CacheLayout.of(caches, order, NB, BS, page_bytes=2 * BS * 16 * 4)
     assert layout.layer_names == tuple(order) and layout.plane(order[0]) == 0
-    geo = layout.geometry(10 * 3 * layout.block_bytes + 5)
-    assert geo.num_blocks == 10 and geo.plane_row_bytes == (layout.block_bytes // BS,) * 3
-    assert geo.plane_labels == ((0, "main"), (1, "main"), (2, "main"))
-    blocks = caches[order[1]][[4, 1]]
-    rows = layout.as_rows(blocks)
-    assert rows.shape == (2, BS, layout.block_bytes // BS) and rows.dtype == torch.uint8
-    back = torch.empty_like(blocks)
-    layout.as_rows(back).copy_(rows)
-    assert torch.equal(back, blocks)
+    assert layout.block_bytes == 2 * BS * 16 * 4 and layout.block_shape == SHAPE[1:]
 
 
 @pytest.mark.parametrize(
@@ -47,12 +39,6 @@ def test_a_layout_the_connector_cannot_copy_is_refused_with_the_layer(caches, or
     with pytest.raises(LayoutMismatch) as e:
         CacheLayout.of(caches, order, NB, BS, page)
     assert message in str(e.value)
-
-
-def test_a_pool_too_small_for_one_block_is_an_error():
-    layout = CacheLayout.of(_caches(), list(_caches()), NB, BS, 512)
-    with pytest.raises(ValueError, match="holds no block"):
-        layout.geometry(100)
 
 
 def test_the_key_prefix_changes_with_anything_that_changes_a_block():

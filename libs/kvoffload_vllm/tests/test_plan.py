@@ -74,14 +74,30 @@ def test_scheduled_requests_reads_new_then_running_requests_of_a_scheduler_step(
     out = SimpleNamespace(
         num_scheduled_tokens={"a": 128, "b": 1, "c": 5},
         scheduled_new_reqs=[
-            SimpleNamespace(req_id="a", prompt_token_ids=[1, 2], block_ids=([3, 4],), num_computed_tokens=0)
+            SimpleNamespace(req_id="a", prompt_token_ids=[1, 2], block_ids=([3, 4], [5, 0]), num_computed_tokens=0)
         ],
         scheduled_cached_reqs=SimpleNamespace(
-            req_ids=["b", "c"], new_block_ids=[None, ([9],)], resumed_req_ids={"c"}, num_computed_tokens=[130, 7]
+            req_ids=["b", "c"], new_block_ids=[None, ([9], [])], resumed_req_ids={"c"}, num_computed_tokens=[130, 7]
         ),
     )
     assert list(scheduled_requests(out)) == [
-        Scheduled("a", True, False, [1, 2], [3, 4], 0, 128),
+        Scheduled("a", True, False, [1, 2], ([3, 4], [5, 0]), 0, 128),  # every KV cache group's blocks
         Scheduled("b", False, False, None, None, 130, 1),
-        Scheduled("c", False, True, None, [9], 7, 5),
+        Scheduled("c", False, True, None, ([9], []), 7, 5),
     ]
+
+
+def test_a_sliding_window_groups_null_blocks_are_neither_loaded_nor_saved():
+    """A sliding-window group's blocks before the window are vLLM's null block (0): a hit loads only
+    the blocks after them, with their positions; a resumed request saves none of them."""
+    prompt = list(range(20))
+    keys = block_keys(MODEL, prompt, BS)
+    plan = StorePlanner(MODEL, BS, group=1)
+    assert plan.lookup("r", prompt, 0, lambda ks: [True] * len(ks)) == 16
+    plan.allocated("r", 16)
+    load, save = plan.new_request("r", prompt, [0, 0, 7, 8, 9], 16, 4)
+    assert (load.keys, load.block_ids, load.start, load.group) == (tuple(keys[2:4]), (7, 8), 2, 1)
+    assert (save.keys, save.block_ids, save.start) == ((keys[4],), (9,), 4)
+    assert plan.running_request("r", [0, 0, 0, 0, 3], True, 0, 16) is None  # only nulls before the recompute's end
+    save = plan.running_request("r", None, False, 16, 4)
+    assert (save.block_ids, save.start) == ((3,), 4)

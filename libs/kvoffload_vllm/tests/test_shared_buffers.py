@@ -77,6 +77,22 @@ def test_the_plan_follows_the_seed_keys_and_only_a_producer_with_shared_buffers_
     assert plan_of(requested_in(every), LAYERS, 16, SPEC.page_size_bytes, SPEC.dtype) is None  # nothing to share
 
 
+def test_another_projects_connector_config_is_not_read_by_the_plugin():
+    """The plugin's sizing runs in every vLLM process: a config of vLLM's own connectors (or of a
+    MultiConnector's other children) is theirs, never refused by our config rules."""
+    foreign = {"kv_connector": "MooncakeConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"x": 1}}
+    assert requested_in(foreign) is None
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"connectors": [foreign]},
+    }
+    assert requested_in(multi) is None
+    ours = transfer_config(layerwise_num_shared_buffers=2)
+    multi["kv_connector_extra_config"]["connectors"] = [foreign, ours]
+    assert requested_in(multi) == requested_in(ours) == (2, (0,))
+
+
 def test_another_vllm_version_and_graph_mode_are_refused_naming_why():
     check_vllm_version(SUPPORTED_VLLM)
     with pytest.raises(ConfigError, match=r"built for vLLM 0\.32\.0; this is vLLM 0\.33\.1"):

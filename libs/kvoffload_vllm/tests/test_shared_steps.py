@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvcore.localpool import LocalHostPool
+from kvcore.poolgeometry import PoolGeometry
 from kvoffload_vllm.layout import CacheLayout
 from kvoffload_vllm.plan import Transfer
 from kvoffload_vllm.shared_buffers import plan_of, requested_in
@@ -31,11 +32,12 @@ def transfer_config() -> dict:
 
 @pytest.fixture
 def pool():
-    pool = LocalHostPool.create(f"kvoffload-test-{uuid.uuid4().hex[:8]}", LAYOUT.geometry(1 << 20))
+    geometry = PoolGeometry(1, (LAYOUT.block_bytes,) * len(NAMES), 16)  # one row per plane: the page
+    pool = LocalHostPool.create(f"kvoffload-test-{uuid.uuid4().hex[:8]}", geometry)
     pool.alloc(KEYS)
     for plane in range(len(NAMES)):  # block i of plane p holds 100 p + i everywhere
         blocks = torch.stack([torch.full((BS, 8), 100.0 * plane + i) for i in range(len(KEYS))])
-        pool.put_from(KEYS, plane, LAYOUT.as_rows(blocks))
+        pool.put_from(KEYS, plane, blocks.view(torch.uint8).view(len(KEYS), 1, -1))
     yield pool
     pool.close()
 

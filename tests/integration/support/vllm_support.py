@@ -88,11 +88,20 @@ def _tiny_model_dir(path: Path, record: dict, write: Callable[[Path, Path], None
     return path
 
 
-def tiny_llama_dir(path: Path, *, seed: int = 0, num_layers: int = 2) -> Path:
+def tiny_llama_dir(path: Path, *, seed: int = 0, num_layers: int = 2, sliding_window: int | None = None) -> Path:
     """Write a random-weight float32 Llama (hidden 128, 4 heads of 32, 2 KV heads) with the SmolLM2
     tokenizer into ``path`` unless it is already complete. The same ``seed`` gives byte-identical weights.
-    The directory appears complete or not at all (built next to it, then renamed into place)."""
-    record = {"seed": seed, "num_layers": num_layers, "tokenizer": "smollm2"}
+    The directory appears complete or not at all (built next to it, then renamed into place).
+    ``sliding_window``: a hybrid model, odd layers sliding-window attention of that many tokens and even
+    layers full attention (``layer_types``: vLLM's hybrid KV cache manager makes two KV cache groups)."""
+    record: dict[str, Any] = {"seed": seed, "num_layers": num_layers, "tokenizer": "smollm2"}
+    hybrid: dict[str, Any] = {}
+    if sliding_window is not None:
+        record["sliding_window"] = sliding_window
+        hybrid = {
+            "sliding_window": sliding_window,
+            "layer_types": [("sliding_attention" if i % 2 else "full_attention") for i in range(num_layers)],
+        }
 
     def write(out: Path, tokenizer_dir: Path) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -105,6 +114,7 @@ def tiny_llama_dir(path: Path, *, seed: int = 0, num_layers: int = 2) -> Path:
             intermediate_size=256,
             num_hidden_layers=num_layers,
             max_position_embeddings=4096,
+            **hybrid,
             **_tokenizer_ids(tokenizer_dir),
         )
         _save_seeded(LlamaForCausalLM, config, seed, out, tokenizer_dir)

@@ -11,11 +11,15 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 ``SfaRemoteD2HConnector`` with ``kv_role`` ``kv_producer`` on the prefill (usually inside vLLM's
 ``MultiConnector`` next to the store) and ``kv_consumer`` on the decode; see ``kvoffload_vllm.d2h``.
 
-- ``store``: ``AscendStoreConnector``, the layerwise prefix store over a host pool.
+- ``store``: ``AscendStoreConnector``, the layerwise prefix store over host pools (``SupportsHMA``:
+  every KV cache group by its own block table and block size).
 - ``store_config``: its ``kv_transfer_config``, checked and typed.
 - ``store_counters``: its counters and what each counts.
 - ``plan``: which blocks each step of the store loads and saves.
 - ``pool_alloc``: the pool objects a step's saves write (blocks the pool lacks).
+- ``kv_groups``: vLLM's KV cache groups (layers, block size, layer specs; the null block).
+- ``group_caches``: one group's caches as pool planes, read and written in place.
+- ``group_pools``: the store's pool per group, and a step's hits loaded from them.
 - ``shared_buffers``: the seed's shared layer buffers on a vLLM prefill (which layers share which
   buffer; the vLLM version they are built for).
 - ``kv_cache_patch``: sizes vLLM's KV cache for those buffers (the one change to vLLM internals).
@@ -30,7 +34,8 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``d2h_plan``: what each step sends, and which copy of a block a decode keeps.
 - ``d2h_settings``: ``D2HSettings``, the connector's typed config.
 - ``d2h_step``: ``D2HStepMetadata``, one step's work for the workers (sends, ``Recv``, cancellations).
-- ``layout``: vLLM's paged cache as pool geometry; the one KV cache group the connectors support.
+- ``layout``: block keys' model ids; the one contiguous KV cache group the D2H connector and shared
+  buffers take.
 - ``block_bytes``: a layer's cache as its blocks' bytes over any block stride (hybrid-manager views too).
 - ``stats``: the connectors' counters as vLLM stats and Prometheus counters.
 - ``plugin``: registers the connector names with vLLM and installs ``kv_cache_patch``.

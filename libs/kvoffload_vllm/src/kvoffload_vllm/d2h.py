@@ -158,7 +158,9 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
             meta.cancelled, self._cancelled = self._cancelled, []
             return meta
         for s in scheduled_requests(scheduler_output):
-            send = self._planner.step(s.req_id, s.block_ids, s.first or s.resumed, s.computed, s.scheduled)
+            send = self._planner.step(
+                s.req_id, s.block_ids[0] if s.block_ids else None, s.first or s.resumed, s.computed, s.scheduled
+            )
             meta.sends += [send] if send else []
         return meta
 

@@ -1,11 +1,12 @@
-"""vLLM's paged KV cache as kvoffload pool geometry, and the key prefix that keeps layouts apart.
+"""The key prefix that keeps layouts apart, and one contiguous KV cache group's layout.
 
 A vLLM worker hands the connector one tensor per attention layer whose first dimension is the
 block: ``cache[b]`` is block b of that layer (on CPU ``[num_blocks, num_kv_heads, 2 * block_size,
-head_size]``-like; the order inside a block is the backend's business). The pool stores a block of
-a layer as one plane of one object, byte for byte, so a block goes back into any engine with the
-same layout unchanged; the layout's digest is part of every block key, so engines whose layouts
-differ never read each other's blocks.
+head_size]``-like; the order inside a block is the backend's business). A block is copied byte for
+byte, so it goes back into any engine with the same layout unchanged; the layout's digest (and, with
+several KV cache groups, the group's) is part of every block key, so engines whose layouts differ
+never read each other's blocks. ``CacheLayout`` is the one contiguous group the D2H connector and the
+shared layer buffers take (the store takes any groups: ``kvoffload_vllm.group_caches``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcore.configerrors import ConfigError
-from kvcore.poolgeometry import PoolGeometry
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
+
+    from kvoffload_vllm.kv_groups import KVGroup
 
 
 class LayoutMismatch(ValueError):
@@ -36,27 +38,36 @@ def model_key_prefix(model_name: str, layout: Mapping[str, object]) -> str:
     return f"vllm:{model_name}:{digest}"
 
 
-def vllm_model_id(vllm_config, spec, layer_order: Sequence[str]) -> str:
+def vllm_model_id(vllm_config, spec, layer_order: Sequence[str], layer_specs: Sequence[object] = ()) -> str:
     """``model_key_prefix`` of a vLLM engine: its served model name and the attention spec, device
-    type, vLLM version and layer names that decide a block's bytes (imports vLLM)."""
+    type, vLLM version and layer names that decide a block's bytes (imports vLLM). ``layer_specs``:
+    each layer's spec where a KV cache group mixes them (a hybrid KV cache's groups)."""
     import vllm
     from vllm.platforms import current_platform
 
     model = vllm_config.model_config
-    return model_key_prefix(
-        str(model.served_model_name or model.model),
-        {
-            "spec": type(spec).__name__,
-            "block_size": spec.block_size,
-            "num_kv_heads": spec.num_kv_heads,
-            "head_size": spec.head_size,
-            "dtype": str(spec.dtype),
-            "page_bytes": spec.page_size_bytes,
-            "device": current_platform.device_type,
-            "vllm": vllm.__version__,
-            "layers": list(layer_order),
-        },
-    )
+    fields = {
+        "spec": type(spec).__name__,
+        "block_size": spec.block_size,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_size": spec.head_size,
+        "dtype": str(spec.dtype),
+        "page_bytes": spec.page_size_bytes,
+        "device": current_platform.device_type,
+        "vllm": vllm.__version__,
+        "layers": list(layer_order),
+    }
+    if layer_specs:
+        fields["layer_specs"] = [repr(s) for s in layer_specs]
+    return model_key_prefix(str(model.served_model_name or model.model), fields)
+
+
+def group_model_ids(vllm_config, groups: Sequence[KVGroup]) -> list[str]:
+    """The block keys' model id of each KV cache group: with several, each layer's spec and the group's
+    index are in it too, so no two groups' keys meet (imports vLLM)."""
+    if len(groups) == 1:
+        return [vllm_model_id(vllm_config, groups[0].specs[0], groups[0].layer_names)]
+    return [f"{vllm_model_id(vllm_config, g.specs[0], g.layer_names, g.specs)}:g{g.index}" for g in groups]
 
 
 @dataclass(frozen=True)
@@ -77,31 +88,8 @@ class CacheLayout:
             n *= d
         return n * self.dtype.itemsize
 
-    def as_rows(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Contiguous blocks ``[n, *block_shape]`` viewed as the pool's ``[n, block_size, row_bytes]``
-        bytes (no copy: a block is copied byte for byte, whatever its inner order)."""
-        return blocks.view(torch.uint8).view(blocks.shape[0], self.block_size, -1)
-
     def plane(self, layer_name: str) -> int:
         return self.layer_names.index(layer_name)
-
-    def geometry(self, pool_bytes: int) -> PoolGeometry:
-        """A pool of as many objects (one block of every layer each) as fit in ``pool_bytes``."""
-        if self.block_bytes % self.block_size:
-            raise LayoutMismatch(f"a block of {self.block_bytes} bytes does not split into {self.block_size} rows")
-        per_object = self.block_bytes * len(self.layer_names)
-        num_objects = pool_bytes // per_object
-        if num_objects < 1:
-            raise ValueError(
-                f"host_pool_gb holds no block: one block of all {len(self.layer_names)} layers "
-                f"is {per_object} bytes, the pool {pool_bytes}"
-            )
-        return PoolGeometry(
-            self.block_size,
-            (self.block_bytes // self.block_size,) * len(self.layer_names),
-            num_objects,
-            tuple((i, "main") for i in range(len(self.layer_names))),
-        )
 
     @classmethod
     def of(

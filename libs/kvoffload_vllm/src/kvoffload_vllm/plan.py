@@ -18,26 +18,27 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvcore.blockkeys import block_keys
+from kvoffload_vllm.kv_groups import skip_null
 
 
 @dataclass(frozen=True)
 class Scheduled:
     """One request of a scheduler step: ``first`` (scheduled for the first time: ``block_ids`` are all
     its blocks) or not (``block_ids``: the blocks added, all of them again when ``resumed``, None for
-    none); ``computed`` tokens before the step, ``scheduled`` in it; ``prompt`` only when first."""
+    none); block ids are per KV cache group (``block_ids[g]``); ``computed`` tokens before the step,
+    ``scheduled`` in it; ``prompt`` only when first."""
 
     req_id: str
     first: bool
     resumed: bool
     prompt: Sequence[int] | None
-    block_ids: list[int] | None
+    block_ids: tuple[list[int], ...] | None
     computed: int
     scheduled: int
 
 
 def scheduled_requests(scheduler_output) -> Iterator[Scheduled]:
-    """The requests of vLLM's ``SchedulerOutput`` (new, then running), with the first KV cache
-    group's block ids (the connectors support exactly one group)."""
+    """The requests of vLLM's ``SchedulerOutput`` (new, then running), with every KV cache group's block ids."""
     counts = scheduler_output.num_scheduled_tokens
     for new in scheduler_output.scheduled_new_reqs:
         yield Scheduled(
@@ -45,7 +46,7 @@ def scheduled_requests(scheduler_output) -> Iterator[Scheduled]:
             True,
             False,
             new.prompt_token_ids,
-            new.block_ids[0],
+            tuple(new.block_ids),
             new.num_computed_tokens,
             counts.get(new.req_id, 0),
         )
@@ -57,7 +58,7 @@ def scheduled_requests(scheduler_output) -> Iterator[Scheduled]:
             False,
             rid in cached.resumed_req_ids,
             None,
-            new_ids[0] if new_ids else None,
+            tuple(new_ids) if new_ids else None,
             cached.num_computed_tokens[i],
             counts.get(rid, 0),
         )
@@ -65,13 +66,14 @@ def scheduled_requests(scheduler_output) -> Iterator[Scheduled]:
 
 @dataclass(frozen=True)
 class Transfer:
-    """Blocks of one request to load or save: ``keys[i]`` <-> vLLM block ``block_ids[i]``, the
-    request's block ``start + i``."""
+    """Blocks of one request to load or save: ``keys[i]`` <-> vLLM block ``block_ids[i]`` of KV cache
+    group ``group``, the request's block ``start + i``."""
 
     request_id: str
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     start: int = 0
+    group: int = 0
 
 
 @dataclass
@@ -84,8 +86,10 @@ class _Request:
 
 
 class StorePlanner:
-    def __init__(self, model_id: str, block_size: int) -> None:
-        self.model_id, self.block_size = model_id, block_size
+    """One KV cache group's bookkeeping (``group``: its index, ``block_size``: its block size)."""
+
+    def __init__(self, model_id: str, block_size: int, group: int = 0) -> None:
+        self.model_id, self.block_size, self.group = model_id, block_size, group
         self._reqs: dict[str, _Request] = {}
 
     def _request(self, request_id: str, prompt: Sequence[int]) -> _Request:
@@ -124,9 +128,7 @@ class StorePlanner:
         if req.external:
             first = (num_computed - req.external) // self.block_size
             n = req.external // self.block_size
-            load = Transfer(
-                request_id, tuple(req.keys[first : first + n]), tuple(req.block_ids[first : first + n]), first
-            )
+            load = self._transfer(request_id, req, first, first + n)
             req.external = 0
         req.saved = num_computed // self.block_size
         return load, self._save(request_id, req, num_computed + num_scheduled)
@@ -149,9 +151,16 @@ class StorePlanner:
         full = min(min(computed_after, req.prompt_len) // self.block_size, len(req.block_ids))
         if full <= req.saved:
             return None
-        out = Transfer(request_id, tuple(req.keys[req.saved : full]), tuple(req.block_ids[req.saved : full]), req.saved)
+        out = self._transfer(request_id, req, req.saved, full)
         req.saved = full
         return out
+
+    def _transfer(self, request_id: str, req: _Request, start: int, end: int) -> Transfer | None:
+        """The request's blocks ``[start, end)`` but those that are vLLM's null block (None if no block is left)."""
+        start += skip_null(req.block_ids[start:end])
+        if start >= end:
+            return None
+        return Transfer(request_id, tuple(req.keys[start:end]), tuple(req.block_ids[start:end]), start, self.group)
 
     def block_ids(self, request_id: str) -> tuple[int, ...] | None:
         """The request's vLLM blocks so far (None: not a request the store plans)."""

@@ -7,14 +7,21 @@ the request's blocks: they are simply not cached, and the caller counts and logs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 from kvcore.hostpool import HostPoolBackend, ObjectExists, PoolError
 from kvoffload_vllm.plan import Transfer
 
 
-def allocate(pool: HostPoolBackend, saves: list[Transfer]) -> tuple[list[Transfer], list[tuple[Transfer, PoolError]]]:
-    """(the saves to write, each in objects now allocated; the saves skipped, with why)."""
+def allocate(
+    pools: Sequence[HostPoolBackend], saves: list[Transfer]
+) -> tuple[list[Transfer], list[tuple[Transfer, PoolError]]]:
+    """(the saves to write, each in objects now allocated in its KV cache group's pool ``pools[group]``;
+    the saves skipped, with why)."""
     out, skipped = [], []
     for t in saves:
+        pool = pools[t.group]
         try:
             present = pool.exists(list(t.keys))
             keep = [(k, b) for k, b, p in zip(t.keys, t.block_ids, present, strict=True) if not p]
@@ -27,7 +34,9 @@ def allocate(pool: HostPoolBackend, saves: list[Transfer]) -> tuple[list[Transfe
                     if exc.key is None:
                         raise
             if keep:
-                out.append(Transfer(t.request_id, tuple(k for k, _ in keep), tuple(b for _, b in keep)))
+                out.append(
+                    replace(t, keys=tuple(k for k, _ in keep), block_ids=tuple(b for _, b in keep))
+                )  # its group kept
         except PoolError as exc:
             skipped.append((t, exc))
     return out, skipped

@@ -23,11 +23,13 @@ import torch
 
 from kvcore.config import parse_kv_transfer_config
 from kvcore.configerrors import ConfigError
+from kvcore.confignames import MULTI_CONNECTOR, STORE_CONNECTOR
 from kvcore.connectorconfig import StoreConnectorConfig
 from kvcore.layout import CacheSpec, KVLayout, LayerSpec, physical_index
 from kvcore.nodeconfig import store_of
 from kvcore.plan import BufferPlan
 from kvcore.prefillsettings import resolve_independent_layers
+from kvoffload_vllm.kv_groups import KVGroup
 
 SUPPORTED_VLLM = "0.32.0"  # the KV cache allocation kvoffload_vllm.kv_cache_patch changes
 
@@ -72,10 +74,43 @@ def requested(kv_role: str | None, store: StoreConnectorConfig | None) -> Reques
 
 
 def requested_in(kv_transfer_config: Mapping[str, Any]) -> Request | None:
-    """``requested`` of a whole ``kv_transfer_config`` (the store alone or inside a MultiConnector)."""
-    kv = parse_kv_transfer_config(dict(kv_transfer_config))
+    """``requested`` of a whole ``kv_transfer_config`` (the store alone or inside a MultiConnector).
+    The plugin runs in every vLLM process: a config that names no AscendStoreConnector (vLLM's own
+    connectors, another project's) is not ours to read, and a MultiConnector's other children are
+    left to their own connectors."""
+    config = dict(kv_transfer_config)
+    if config.get("kv_connector") == MULTI_CONNECTOR:
+        extra = dict(config.get("kv_connector_extra_config") or {})
+        children = extra.get("connectors")
+        ours = [c for c in children if _names_store(c)] if isinstance(children, list) else []
+        if not ours:
+            return None
+        config["kv_connector_extra_config"] = {**extra, "connectors": ours}
+    elif not _names_store(config):
+        return None
+    kv = parse_kv_transfer_config(config)
     found = store_of(kv)
     return requested(kv.kv_role, None if found is None else found[1])
+
+
+def _names_store(config: object) -> bool:
+    return isinstance(config, Mapping) and config.get("kv_connector") == STORE_CONNECTOR
+
+
+def group_plan(asked: Request | None, groups: Sequence[KVGroup]) -> SharedBuffers | None:
+    """``plan_of`` the model's one KV cache group; ConfigError naming the key when there are several."""
+    if asked is None:
+        return None
+    if len(groups) != 1:
+        raise ConfigError(
+            [
+                "kv_connector_extra_config.layerwise_num_shared_buffers: shared layer buffers take one "
+                f"KV cache group; this model has {len(groups)} (block sizes {[g.block_size for g in groups]}): "
+                "drop the key, or start vLLM with --disable-hybrid-kv-cache-manager where the model allows it"
+            ]
+        )
+    group, spec = groups[0], groups[0].specs[0]
+    return plan_of(asked, list(group.layer_names), group.block_size, spec.page_size_bytes, spec.dtype)
 
 
 def transfer_config_dict(kv) -> dict[str, Any]:

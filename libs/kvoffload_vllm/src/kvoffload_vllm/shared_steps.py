@@ -140,7 +140,7 @@ class SharedSteps:
             return {}
         try:
             staging = torch.empty((len(keys), self.layout.block_bytes), dtype=torch.uint8)
-            pool.get_into(keys, self.layout.plane(layer), staging.view(len(keys), self.layout.block_size, -1))
+            pool.get_into(keys, self.layout.plane(layer), staging.view(len(keys), 1, -1))  # one row: the page
             ids = torch.tensor([b for t in loads for b in t.block_ids], dtype=torch.long)
             dst = self._bytes[layer]
             dst.index_copy_(0, ids.to(dst.device), staging.to(dst.device))

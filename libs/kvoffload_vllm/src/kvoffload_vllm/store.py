@@ -41,10 +41,8 @@ A kv_producer with ``layerwise_num_shared_buffers`` keeps a few shared layer buf
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -55,20 +53,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvcore.hostpool import HostPoolBackend, PoolError
-from kvcore.segment import sweep_stale_segments
-from kvoffload_vllm.layout import CacheLayout, cache_spec, vllm_model_id
+from kvoffload_vllm.group_caches import GroupCaches
+from kvoffload_vllm.group_pools import load_groups, open_group_pools
+from kvoffload_vllm.kv_groups import hit_unit, kv_groups
+from kvoffload_vllm.layout import CacheLayout, group_model_ids
 from kvoffload_vllm.plan import StorePlanner, Transfer, scheduled_requests
 from kvoffload_vllm.pool_alloc import allocate
-from kvoffload_vllm.shared_buffers import check_caches, plan_of, requested
+from kvoffload_vllm.shared_buffers import check_caches, group_plan, requested
 from kvoffload_vllm.shared_steps import SharedSteps, StepBlocks
 from kvoffload_vllm.stats import Counters, CountingConnector
 from kvoffload_vllm.store_config import store_config
 from kvoffload_vllm.store_counters import COUNTERS
 from poolbackends.client import MetaStoreClient
-from poolbackends.registry import PoolRequest, open_pool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -93,36 +93,34 @@ class StoreStepMetadata(KVConnectorMetadata):
     steps: list[StepBlocks] = field(default_factory=list)  # shared layer buffers only: every request
 
 
-class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
+class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
     """See the module docstring; one instance per role (scheduler / worker)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._store = store_config(vllm_config)
-        self._block_size = vllm_config.cache_config.block_size
-        self._layer_order, self._spec = cache_spec(kv_cache_config)
-        self.model_id = vllm_model_id(vllm_config, self._spec, self._layer_order)
-        self._shared = plan_of(
-            requested(vllm_config.kv_transfer_config.kv_role, self._store),  # type: ignore[union-attr]  # store_config required it
-            self._layer_order,
-            self._block_size,
-            self._spec.page_size_bytes,
-            self._spec.dtype,
-        )
+        self._groups = kv_groups(kv_cache_config, "AscendStoreConnector")
+        self._layer_order = [n for g in self._groups for n in g.layer_names]
+        self._group_ids = group_model_ids(vllm_config, self._groups)
+        self.model_id = self._group_ids[0] if len(self._groups) == 1 else ",".join(self._group_ids)
+        self._shared = group_plan(requested(vllm_config.kv_transfer_config.kv_role, self._store), self._groups)  # type: ignore[union-attr]  # store_config required it
         self._counters = Counters(COUNTERS)
         self._lock = threading.Lock()
         if role == KVConnectorRole.SCHEDULER:
             self._client = MetaStoreClient(self._store.metastore, timeout_s=METASTORE_TIMEOUT_S)
-            self._planner = StorePlanner(self.model_id, self._block_size)
+            self._planners = [
+                StorePlanner(mid, g.block_size, g.index) for mid, g in zip(self._group_ids, self._groups, strict=True)
+            ]
+            self._hit_unit = hit_unit(self._groups)
         else:
-            self._pool: HostPoolBackend | None = None
-            self._layout: CacheLayout  # set by register_kv_caches, before any load or save
-            self._caches: dict[str, torch.Tensor] = {}
+            self._pools: list[HostPoolBackend] = []  # one per KV cache group, by register_kv_caches
+            self._layout: CacheLayout  # shared layer buffers only (one group), by register_kv_caches
+            self._group_caches: list[GroupCaches] = []  # set by register_kv_caches, before any load or save
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-save")
             self._step_saves: list[Transfer] | None = None  # allocated at the step's first save_kv_layer
             self._save_futures: list[tuple[Transfer, Future]] = []
             self._handoffs: list[float] = []  # this step: when each layer's save was handed off ...
-            self._saved_at: dict[int, float] = {}  # ... and when each layer's saves finished
+            self._saved_at: dict[tuple[int, int], float] = {}  # ... and when each (group, layer)'s saves finished
             self._layer_loaded: dict[str, threading.Event] = {}
             self._loader: threading.Thread | None = None
             self._load_errors: set[int] = set()
@@ -133,7 +131,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             role=role.name,
             model_id=self.model_id,
             metastore=self._store.metastore,
-            block_size=self._block_size,
+            block_sizes=[g.block_size for g in self._groups],
             shared_buffers=None if self._shared is None else [list(s) for s in self._shared.plan.slots],
         )
 
@@ -143,8 +141,11 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
         prompt = request.prompt_token_ids
         if not prompt:
             return 0, False
-        try:
-            hit = self._planner.lookup(request.request_id, prompt, num_computed_tokens, self._client.exists)
+        try:  # every group's blocks of a hit present, each group's whole
+            hit = min(
+                p.lookup(request.request_id, prompt, num_computed_tokens, self._client.exists) for p in self._planners
+            )
+            hit -= hit % self._hit_unit
         except PoolError as exc:  # the MetaStore is down or refuses: serve without the pool's prefix cache
             log.warning("kvoffload_lookup_failed", request_id=request.request_id, error=str(exc))
             return 0, False
@@ -160,65 +161,73 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
         return hit, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._planner.allocated(request.request_id, num_external_tokens)
+        for planner in self._planners:
+            planner.allocated(request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = StoreStepMetadata()
         for s in scheduled_requests(scheduler_output):
-            if s.first:
-                if not s.prompt:
-                    continue
+            if s.first and not s.prompt:
+                continue
+            for planner in self._planners:  # each group by its own block table
                 # a new request comes with all its blocks (None is a running request's "no new block")
-                load, save = self._planner.new_request(s.req_id, s.prompt, s.block_ids or [], s.computed, s.scheduled)
-                meta.loads += [load] if load else []
-            else:
-                save = self._planner.running_request(s.req_id, s.block_ids, s.resumed, s.computed, s.scheduled)
-            meta.saves += [save] if save else []
-            blocks = self._planner.block_ids(s.req_id) if self._shared is not None else None
+                ids = s.block_ids[planner.group] if s.block_ids else None
+                if s.first:
+                    load, save = planner.new_request(s.req_id, s.prompt or [], ids or [], s.computed, s.scheduled)
+                    meta.loads += [load] if load else []
+                else:
+                    save = planner.running_request(s.req_id, ids, s.resumed, s.computed, s.scheduled)
+                meta.saves += [save] if save else []
+            blocks = self._planners[0].block_ids(s.req_id) if self._shared is not None else None
             if blocks is not None:
                 meta.steps.append(StepBlocks(s.req_id, blocks, s.computed, s.scheduled))
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._planner.finished(request.request_id)
-        return False, None
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        for planner in self._planners:
+            planner.finished(request.request_id)
+        return False, None  # saves end with the step that computed them: the blocks are free at once
 
     # ---- worker side -------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._layout = CacheLayout.of(
-            kv_caches, self._layer_order, self._kv_cache_config.num_blocks, self._block_size, self._spec.page_size_bytes
-        )
-        self._caches = {name: kv_caches[name] for name in self._layer_order}
+        num_blocks = self._kv_cache_config.num_blocks
+        self._group_caches = [GroupCaches.of(g, kv_caches, num_blocks) for g in self._groups]
         if self._shared is not None:
-            check_caches(self._shared, self._caches)
-            self._shared_steps = SharedSteps(
-                self._shared,
-                self._layout,
-                self._caches,
-                self._saver,
-                self._load_failed,
-                lambda: self._get_connector_metadata() if self.has_connector_metadata() else None,
-                self._counters,
-            )
-            self._shared_steps.hook_layers(
-                self._vllm_config.compilation_config.static_forward_context, lambda: self._pool
-            )
+            self._start_shared_steps(kv_caches)
         pool_gb = self._store.host_pool_gb or DEFAULT_HOST_POOL_GB
-        geometry = self._layout.geometry(int(pool_gb * 2**30))
-        sweep_stale_segments()
-        tag = uuid.uuid4().hex[:8]
-        pool_id = f"vllm-{os.getpid()}-{tag}"  # the store config's metastore indexes it (store_config)
-        self._pool = open_pool(
-            PoolRequest(self._store, geometry, f"kvoffload-vllm-pool-{tag}", pool_id, timeout_s=METASTORE_TIMEOUT_S)
+        self._pools = open_group_pools(self._store, self._group_caches, pool_gb, METASTORE_TIMEOUT_S)
+
+    def _start_shared_steps(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Shared layer buffers (one KV cache group): loads and host copies layer by layer."""
+        assert self._shared is not None
+        group = self._groups[0]
+        self._layout = CacheLayout.of(
+            kv_caches,
+            list(group.layer_names),
+            self._kv_cache_config.num_blocks,
+            group.block_size,
+            group.specs[0].page_size_bytes,
         )
-        log.info(
-            "kvoffload_pool_registered",
-            pool_id=pool_id,
-            layers=len(self._layer_order),
-            block_bytes=self._layout.block_bytes,
-            objects=geometry.num_blocks,
-            host_pool_gb=pool_gb,
+        caches = {name: kv_caches[name] for name in group.layer_names}
+        check_caches(self._shared, caches)
+        self._shared_steps = SharedSteps(
+            self._shared,
+            self._layout,
+            caches,
+            self._saver,
+            self._load_failed,
+            lambda: self._get_connector_metadata() if self.has_connector_metadata() else None,
+            self._counters,
+        )
+        self._shared_steps.hook_layers(
+            self._vllm_config.compilation_config.static_forward_context,
+            lambda: self._pools[0] if self._pools else None,
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -226,44 +235,37 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
         assert isinstance(meta, StoreStepMetadata)
         if self._shared_steps is not None:  # loads happen layer by layer, behind the reuse gate
             return
-        if not meta.loads or self._pool is None:
+        if not meta.loads or not self._pools:
             return
         self._layer_loaded = {name: threading.Event() for name in self._layer_order}
-        self._loader = threading.Thread(
-            target=self._load, args=(self._pool, list(meta.loads)), name="kvoffload-load", daemon=True
-        )
+        self._loader = threading.Thread(target=self._load, args=(list(meta.loads),), name="kvoffload-load", daemon=True)
         self._loader.start()
 
-    def _load(self, pool: HostPoolBackend, loads: list[Transfer]) -> None:
-        """Layer by layer: every load's blocks from the pool into its vLLM blocks; on a failure the
-        blocks of every load of the step become load errors and the remaining layers are released."""
-        keys = [k for t in loads for k in t.keys]
-        ids = torch.tensor([b for t in loads for b in t.block_ids], dtype=torch.long)
-        layout, pending = self._layout, list(self._layer_order)
-        t0 = time.perf_counter()
+    def _load(self, loads: list[Transfer]) -> None:
+        """Group by group, layer by layer: every load's blocks from the pool into its vLLM blocks; on a
+        failure the blocks of every load of the step become load errors and the remaining layers are released."""
+        pending, t0 = list(self._layer_order), time.perf_counter()
+
+        def layer_done(name: str) -> None:
+            pending.remove(name)
+            self._layer_loaded[name].set()
+
         try:
-            staging = torch.empty((len(keys),) + layout.block_shape, dtype=layout.dtype)
-            for name in self._layer_order:
-                pool.get_into(keys, layout.plane(name), layout.as_rows(staging))
-                cache = self._caches[name]
-                cache.index_copy_(0, ids.to(cache.device), staging.to(cache.device))
-                pending.remove(name)
-                self._layer_loaded[name].set()
-            self._counters.add(
-                blocks_loaded=len(keys), bytes_loaded=len(keys) * layout.block_bytes * len(self._layer_order)
-            )
+            blocks, nbytes = load_groups(loads, self._group_caches, self._pools, layer_done)
+            self._counters.add(blocks_loaded=blocks, bytes_loaded=nbytes)
             for t in loads:
                 log.info(
                     "kvoffload_loaded",
                     request_id=t.request_id,
+                    group=t.group,
                     blocks=len(t.keys),
                     seconds=round(time.perf_counter() - t0, 4),
                 )
         except Exception as exc:  # noqa: BLE001 - reported to vLLM as load errors: it recomputes the blocks
-            self._load_failed(ids.tolist())
+            self._load_failed([b for t in loads for b in t.block_ids])
             log.error(
                 "kvoffload_load_failed",
-                request_ids=[t.request_id for t in loads],
+                request_ids=sorted({t.request_id for t in loads}),
                 error=str(exc),
                 layers_left=len(pending),
             )
@@ -279,7 +281,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._shared_steps is not None:
-            self._shared_steps.before_attention(layer_name, self._pool)
+            self._shared_steps.before_attention(layer_name, self._pools[0] if self._pools else None)
             return
         event = self._layer_loaded.get(layer_name)
         if event is not None:
@@ -288,30 +290,32 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, StoreStepMetadata)
-        pool = self._pool
-        if meta.saves and pool is not None:
+        if meta.saves and self._pools:
             if self._step_saves is None:
-                self._step_saves = self._allocate(pool, meta.saves)
+                self._step_saves = self._allocate(meta.saves)
             if self._step_saves:
-                plane = self._layout.plane(layer_name)
                 self._handoffs.append(time.perf_counter())
                 for t in self._step_saves:
-                    self._save_futures.append((t, self._saver.submit(self._save, pool, t, plane, kv_layer)))
+                    c = self._group_caches[t.group]
+                    if layer_name in c.group.layer_names:
+                        plane = c.group.layer_names.index(layer_name)
+                        self._save_futures.append((t, self._saver.submit(self._save, t, plane)))
         if self._shared_steps is not None:  # after the pool's saves of the layer: one saver thread, in order
             self._host_saves += self._shared_steps.after_attention(layer_name)
 
-    def _allocate(self, pool: HostPoolBackend, saves: list[Transfer]) -> list[Transfer]:
-        out, skipped = allocate(pool, saves)
+    def _allocate(self, saves: list[Transfer]) -> list[Transfer]:
+        out, skipped = allocate(self._pools, saves)
         for t, exc in skipped:  # a full pool or a MetaStore outage: the blocks are simply not cached
             self._counters.add(save_errors=len(t.keys))
-            log.warning("kvoffload_save_skipped", request_id=t.request_id, blocks=len(t.keys), error=str(exc))
+            log.warning(
+                "kvoffload_save_skipped", request_id=t.request_id, group=t.group, blocks=len(t.keys), error=str(exc)
+            )
         return out
 
-    def _save(self, pool: HostPoolBackend, t: Transfer, plane: int, kv_layer: torch.Tensor) -> None:
-        ids = torch.tensor(t.block_ids, dtype=torch.long, device=kv_layer.device)
-        blocks = kv_layer.index_select(0, ids).cpu()  # [n, *block_shape], contiguous
-        pool.put_from(list(t.keys), plane, self._layout.as_rows(blocks))
-        self._saved_at[plane] = time.perf_counter()  # one saver thread: the layer's last save
+    def _save(self, t: Transfer, plane: int) -> None:
+        c = self._group_caches[t.group]
+        self._pools[t.group].put_from(list(t.keys), plane, c.read(plane, torch.tensor(t.block_ids, dtype=torch.long)))
+        self._saved_at[(t.group, plane)] = time.perf_counter()  # one saver thread: the layer's last save
 
     def wait_for_save(self) -> None:
         if self._shared_steps is not None:
@@ -320,45 +324,47 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             self._host_saves = []
             self._shared_steps.end_step()
         futures, self._save_futures, saves, self._step_saves = self._save_futures, [], self._step_saves, None
-        handoffs, saved_at, self._handoffs, self._saved_at = self._handoffs, self._saved_at, [], {}
-        failed: dict[str, tuple[Transfer, BaseException]] = {}
+        failed: dict[tuple[str, int], BaseException] = {}
         for t, fut in futures:
             try:
                 fut.result()
             except Exception as exc:  # noqa: BLE001 - the object stays incomplete: removed below
-                failed.setdefault(t.request_id, (t, exc))
+                failed.setdefault((t.request_id, t.group), exc)
         for t in saves or []:
-            if t.request_id in failed:
-                self._counters.add(save_errors=len(t.keys))
-                log.warning(
-                    "kvoffload_save_failed",
-                    request_id=t.request_id,
-                    blocks=len(t.keys),
-                    error=str(failed[t.request_id][1]),
-                )
-                assert self._pool is not None  # the step's saves were allocated in it (save_kv_layer)
-                try:
-                    self._pool.remove(list(t.keys))
-                except PoolError as exc:
-                    log.warning("kvoffload_remove_failed", request_id=t.request_id, error=str(exc))
-            else:
-                self._counters.add(
-                    blocks_saved=len(t.keys),
-                    bytes_saved=len(t.keys) * self._layout.block_bytes * len(self._layer_order),
-                )
-                log.info("kvoffload_saved", request_id=t.request_id, blocks=len(t.keys))
-        if handoffs:
-            # layerwise: how many layers were already in the pool when the last layer's attention ended
-            during = sum(1 for at in saved_at.values() if at < handoffs[-1])
-            self._counters.add(layers_saved_during_forward=during)
-            log.info(
-                "kvoffload_step_saved",
-                layers=len(handoffs),
-                layers_saved_during_forward=during,
-                forward_s=round(handoffs[-1] - handoffs[0], 4),
-                first_layer_saved_s=round(min(saved_at.values(), default=handoffs[0]) - handoffs[0], 4),
-                request_ids=[t.request_id for t in saves or []],
-            )
+            self._saved(t, failed.get((t.request_id, t.group)))
+        self._log_step(saves or [])
+
+    def _saved(self, t: Transfer, error: BaseException | None) -> None:
+        """Count one save; a failed one's objects (incomplete, never visible) are removed."""
+        if error is None:
+            c = self._group_caches[t.group]
+            self._counters.add(blocks_saved=len(t.keys), bytes_saved=len(t.keys) * c.object_bytes)
+            log.info("kvoffload_saved", request_id=t.request_id, group=t.group, blocks=len(t.keys))
+            return
+        self._counters.add(save_errors=len(t.keys))
+        log.warning(
+            "kvoffload_save_failed", request_id=t.request_id, group=t.group, blocks=len(t.keys), error=str(error)
+        )
+        try:
+            self._pools[t.group].remove(list(t.keys))
+        except PoolError as exc:
+            log.warning("kvoffload_remove_failed", request_id=t.request_id, error=str(exc))
+
+    def _log_step(self, saves: list[Transfer]) -> None:
+        """Layerwise: how many layers were already in the pool when the last layer's attention ended."""
+        handoffs, saved_at, self._handoffs, self._saved_at = self._handoffs, self._saved_at, [], {}
+        if not handoffs:
+            return
+        during = sum(1 for at in saved_at.values() if at < handoffs[-1])
+        self._counters.add(layers_saved_during_forward=during)
+        log.info(
+            "kvoffload_step_saved",
+            layers=len(handoffs),
+            layers_saved_during_forward=during,
+            forward_s=round(handoffs[-1] - handoffs[0], 4),
+            first_layer_saved_s=round(min(saved_at.values(), default=handoffs[0]) - handoffs[0], 4),
+            request_ids=sorted({t.request_id for t in saves}),
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._shared_steps is not None:  # their host copies are no longer needed
@@ -389,6 +395,6 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1):
             self._client.close()
             return
         self._saver.shutdown(wait=True)
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        pools, self._pools = self._pools, []
+        for pool in pools:
+            pool.close()

@@ -1,14 +1,21 @@
-"""Byte views of vLLM's paged caches: contiguous per-layer tensors, and the 14 strided views into one
-storage that vLLM 0.32.0 hands a connector for a DeepSeek-V4 model with the hybrid KV cache manager
-(``shared/spec/vllm-dsa-kv-layout.md``: 5 groups, block stride 93,888 bytes, per-layer offsets). Each
-layer's blocks are read and written in place, exactly their bytes and nothing of the layers beside them."""
+"""vLLM's KV cache groups as pool planes: byte views of contiguous per-layer tensors and of the strided
+views into one storage that vLLM 0.32.0 hands a connector for a DeepSeek-V4 model with the hybrid KV
+cache manager (5 groups of block sizes 64/256/4/8, block stride 93,888 bytes, per-layer offsets, 584-byte
+latent rows, 132-byte indexer rows, float32 compressor states). Each layer's blocks are read and written
+in place, exactly their bytes and nothing of the layers beside them; each group saved into a real local
+host pool of its own and loaded into other blocks of a fresh storage comes back byte for byte."""
 
 from __future__ import annotations
+
+import uuid
 
 import pytest
 import torch
 
+from kvcore.localpool import LocalHostPool
 from kvoffload_vllm.block_bytes import block_bytes
+from kvoffload_vllm.group_caches import GroupCaches
+from kvoffload_vllm.kv_groups import KVGroup
 from kvoffload_vllm.layout import LayoutMismatch
 
 NUM_BLOCKS = 6
@@ -28,14 +35,25 @@ DSV4 = {
     "model.layers.3.attn.compressor.state_cache": (torch.float32, (1, 4, 2048), (8192, 2048, 1), 4320 + 8192),
     "model.layers.2.attn.compressor.state_cache": (torch.float32, (1, 8, 1024), (8192, 1024, 1), 0),
 }
-# the pages of one group's layers never overlap within a block (groups alias each other: a block id
-# belongs to one group at a time)
-GROUPS = [
-    ["model.layers.0.attn.swa_cache", "model.layers.2.attn.swa_cache"],
-    ["model.layers.1.attn.swa_cache", "model.layers.3.attn.swa_cache"],
-    ["model.layers.1.attn.indexer.k_cache", "model.layers.3.attn.indexer.k_cache", "model.layers.1.attn"],
-    ["model.layers.1.attn.compressor.state_cache", "model.layers.3.attn.compressor.state_cache"],
+# vLLM's groups (block size, layers): the pages of one group's layers never overlap within a block (groups
+# alias each other: a block id belongs to one group at a time)
+DSV4_GROUPS = [
+    (64, ["model.layers.0.attn.swa_cache", "model.layers.2.attn.swa_cache"]),
+    (64, ["model.layers.1.attn.swa_cache", "model.layers.3.attn.swa_cache"]),
+    (
+        256,
+        [
+            "model.layers.1.attn.indexer.k_cache",
+            "model.layers.3.attn.indexer.k_cache",
+            "model.layers.1.attn",
+            "model.layers.3.attn",
+            "model.layers.2.attn",
+        ],
+    ),
+    (4, ["model.layers.1.attn.compressor.state_cache", "model.layers.3.attn.compressor.state_cache"]),
+    (8, ["model.layers.2.attn.compressor.state_cache"]),
 ]
+GROUPS = [names for _, names in DSV4_GROUPS]
 
 
 def views(storage: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -79,3 +97,45 @@ def test_a_contiguous_layer_is_its_blocks_back_to_back_and_a_sparse_block_is_ref
         block_bytes(torch.zeros(3, 4, 6)[:, :, :4], "x")  # rows of 4 of every 6 elements
     with pytest.raises(LayoutMismatch, match="no dense blocks"):
         block_bytes(torch.zeros(3, 4, 4).transpose(1, 2), "y")
+
+
+def _groups() -> list[KVGroup]:
+    return [KVGroup(i, tuple(names), bs, ()) for i, (bs, names) in enumerate(DSV4_GROUPS)]
+
+
+def test_each_dsv4_group_goes_through_its_own_pool_and_back_into_other_blocks_byte_for_byte():
+    torch.manual_seed(0)
+    source = torch.randint(0, 256, (NUM_BLOCKS * STRIDE,), dtype=torch.uint8)
+    target = torch.zeros_like(source)
+    src, dst = views(source), views(target)
+    expected = torch.zeros_like(source)
+    want = views(expected)
+    for group in _groups():
+        a, b = GroupCaches.of(group, src, NUM_BLOCKS), GroupCaches.of(group, dst, NUM_BLOCKS)
+        assert a.page_bytes == tuple(block_bytes(src[n]).shape[1] for n in group.layer_names)
+        geometry = a.geometry(4)
+        assert geometry.plane_row_bytes == a.page_bytes and geometry.block_size == 1  # a row is a page
+        pool = LocalHostPool.create(f"kvoffload-test-{uuid.uuid4().hex[:8]}", geometry)
+        try:
+            keys = [f"g{group.index}-{i}".encode() for i in range(2)]
+            pool.alloc(keys)
+            for plane in range(len(group.layer_names)):
+                pool.put_from(keys, plane, a.read(plane, torch.tensor([4, 1])))
+            for plane, name in enumerate(group.layer_names):
+                staging = torch.empty((2, 1, b.page_bytes[plane]), dtype=torch.uint8)
+                pool.get_into(keys, plane, staging)
+                b.write(plane, torch.tensor([2, 5]), staging)
+                block_bytes(want[name])[[2, 5]] = block_bytes(src[name])[[4, 1]]
+        finally:
+            pool.close()
+    assert torch.equal(target, expected)  # every layer's pages where they belong, nothing else written
+    assert int(target.count_nonzero()) > 0
+
+
+def test_a_group_whose_layer_vllm_did_not_register_is_refused_naming_it():
+    group = KVGroup(2, ("model.layers.1.attn", "model.layers.9.attn"), 256, ())
+    caches = views(torch.zeros(NUM_BLOCKS * STRIDE, dtype=torch.uint8))
+    with pytest.raises(LayoutMismatch, match="'model.layers.9.attn' of KV cache group 2: vLLM registered no cache"):
+        GroupCaches.of(group, caches, NUM_BLOCKS)
+    with pytest.raises(LayoutMismatch, match=r"needs \[num_blocks=7, ...\]"):
+        GroupCaches.of(KVGroup(0, ("model.layers.1.attn",), 256, ()), caches, 7)
