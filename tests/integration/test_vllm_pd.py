@@ -12,7 +12,7 @@ the decode the D2H consumer, the proxy is the one the reference stack uses, unch
   producer measures it per request), and it moved the prompt's blocks, no more.
 - The metastore gone: requests are still served through P/D, without the prefix cache, with a log.
 - Faults (a stalled or killed decode, a killed prefill) are ``test_vllm_pd_faults.py``'s, on SmolLM2.
-- Bad configs stop vLLM with the field named.
+- Configs vLLM must refuse at start-up: ``test_vllm_refusals.py``.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from vllm_support import chat, completion, failed_starts, refusals, tiny_llama_dir
+from vllm_support import chat, completion, tiny_llama_dir
 
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.sse import sse_events
-from kvoffload_testing.vllm_server import Metastore, Proxy, VllmServer, free_port, running
+from kvoffload_testing.vllm_server import Metastore, Proxy, VllmServer, running
 from kvoffload_testing.vllm_stack import split_cores, vllm_decode_transfer_config, vllm_prefill_transfer_config
 
 pytestmark = pytest.mark.vllm
@@ -169,80 +169,3 @@ def test_with_the_metastore_gone_requests_are_still_served(pd):
     got = completion(pd["proxy"].url, prompt, 12, timeout_s=180)["choices"][0]["text"]
     assert got == completion(pd["prefill"].url, prompt, 12, timeout_s=180)["choices"][0]["text"]
     assert "kvoffload_lookup_failed" in pd["prefill"].log_text()
-
-
-BAD_D2H_CONFIGS = {  # id: (kv-transfer-config, the message that names the field)
-    "both-role": (
-        {"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_both"},
-        "kv_transfer_config.kv_role: got 'kv_both'",
-    ),
-    "memfabric": (
-        {
-            "kv_connector": "SfaRemoteD2HConnector",
-            "kv_role": "kv_consumer",  # (vLLM itself defaults kv_port)
-            "kv_connector_extra_config": {"transfer_backend": "memfabric"},
-        },
-        "transfer_backend: got 'memfabric'",
-    ),
-    "unknown-key": (
-        {
-            "kv_connector": "SfaRemoteD2HConnector",
-            "kv_role": "kv_consumer",
-            "kv_port": 20050,
-            "kv_connector_extra_config": {"peer_timeout": 3},
-        },
-        "unknown key 'peer_timeout'; did you mean 'peer_timeout_s'?",
-    ),
-    "wildcard-host": (
-        {
-            "kv_connector": "SfaRemoteD2HConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"advertise_host": "0.0.0.0"},
-        },
-        "kv_connector_extra_config.advertise_host: got",
-    ),
-}
-
-
-REAL_LAUNCH = "both-role"  # the case started as a real server (its exit status and log); the others in-process
-
-
-@pytest.fixture(scope="module")
-def refused(tmp_path_factory) -> dict[str, tuple[str, str]]:
-    """Every bad config's start-up: (error, log) by case. One is a real server launch; the others go as
-    far as vLLM's engine in one process that imports vLLM once (``refusals``)."""
-    tmp = tmp_path_factory.mktemp("refused")
-    model = tiny_llama_dir(tmp / "tiny")
-    args = {
-        name: ["--kv-transfer-config", json.dumps({**config, "kv_connector_module_path": "kvoffload_vllm"})]
-        for name, (config, _) in BAD_D2H_CONFIGS.items()
-    }
-    # the control: a good decode config, which must build its engine the same way (the way is not vacuous)
-    args["good"] = ["--kv-transfer-config", vllm_decode_transfer_config(free_port())]
-    out = refusals(model, {name: a for name, a in args.items() if name != REAL_LAUNCH}, tmp / "in-process")
-    server = VllmServer(
-        model,
-        max_model_len=1024,
-        log_path=tmp / f"{REAL_LAUNCH}.log",
-        start_timeout_s=300,
-        extra_args=args[REAL_LAUNCH],
-    )
-    error = failed_starts({REAL_LAUNCH: server})[REAL_LAUNCH]
-    return out | {REAL_LAUNCH: (error, server.log_text())}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", BAD_D2H_CONFIGS)
-def test_a_bad_d2h_config_stops_vllm_with_the_field_named(refused, case):
-    error, log = refused[case]
-    assert not error.startswith("STARTED"), error
-    message = BAD_D2H_CONFIGS[case][1]
-    assert message in error or message in log, error[-3000:] + log[-3000:]
-
-
-@pytest.mark.slow
-def test_the_in_process_start_up_builds_the_engine_of_a_good_config(refused):
-    error, log = refused["good"]
-    assert error == "STARTED: good built its engine", error[-3000:] + log[-3000:]
-    built = [line for line in log.splitlines() if "kvoffload_d2h_connector" in line]  # both roles' connectors
-    assert any("role=WORKER" in line for line in built) and any("role=SCHEDULER" in line for line in built), log

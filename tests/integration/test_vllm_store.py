@@ -11,41 +11,24 @@
   or wrote a group's blocks into the other group's, would change both.
 - Layerwise: while the forward goes on, the layers already computed are saved (the connector logs
   how many layers were in the pool when the last layer's attention ended).
-- The MetaStore gone: requests are still served (no prefix cache), with a log line saying why; a
-  MetaStore that does not answer at start-up stops vLLM with its address named.
-- Bad configs (an unknown key, a missing metastore address, another backend, a role vLLM does not
-  know, a value out of range): vLLM fails to start with an error naming the field.
+- The MetaStore gone: requests are still served (no prefix cache), with a log line saying why.
+- Configs vLLM must refuse at start-up: ``test_vllm_refusals.py``.
 """
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
-from vllm_support import completion, failed_starts, refusals, tiny_llama_dir
+from vllm_support import completion, store_config, tiny_llama_dir
 
 from kvoffload_testing.prom import metric
-from kvoffload_testing.vllm_server import Metastore, VllmServer, free_port, running
+from kvoffload_testing.vllm_server import Metastore, VllmServer, running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 BLOCK = 128  # vLLM's CPU default block size
 LAYERS, WINDOW = 4, 64  # the hybrid model: layers 1 and 3 sliding-window attention
-
-
-def store_config(metastore: str | None, role: str = "kv_both", **extra) -> str:
-    body = {"backend": "kvoffload", "use_layerwise": True, "host_pool_gb": 0.25, **extra}
-    if metastore:
-        body["metastore"] = metastore
-    return json.dumps(
-        {
-            "kv_connector": "AscendStoreConnector",
-            "kv_role": role,
-            "kv_connector_module_path": "kvoffload_vllm",
-            "kv_connector_extra_config": body,
-        }
-    )
 
 
 def greedy(url: str, prompt: list[int], n: int = 12) -> tuple[list[str], list[float]]:
@@ -113,86 +96,3 @@ def test_with_the_metastore_gone_requests_are_served_without_the_prefix_cache(se
     assert completion(v.url, prompt, 4)["choices"][0]["text"] == first
     log = v.log_text()[before:]  # what the server logged once the metastore was gone
     assert "kvoffload_lookup_failed" in log and "kvoffload_save_skipped" in log, log[-3000:]
-
-
-BAD_CONFIGS = {  # id: (extra config, metastore, the message that names the field)
-    "unknown-key": ({"metastor": "127.0.0.1:1"}, "127.0.0.1:5000", "unknown key 'metastor'; did you mean 'metastore'?"),
-    "no-metastore": ({}, None, "kv_connector_extra_config.metastore: missing"),
-    "other-backend": ({"backend": "memcache"}, "127.0.0.1:5000", "kv_connector_extra_config.backend: got 'memcache'"),
-    "unknown-role": (
-        {"role": "kv_sender"},
-        "127.0.0.1:5000",
-        "kv_role\n  Input should be 'kv_producer', 'kv_both' or 'kv_consumer'",
-    ),  # vLLM's own check comes first
-    "zero-buffers": (
-        {"layerwise_num_shared_buffers": 0},
-        "127.0.0.1:5000",
-        "kv_connector_extra_config.layerwise_num_shared_buffers: got 0 (int); must be an int >= 1",
-    ),
-}
-
-
-@pytest.fixture(scope="module")
-def nobody() -> str:
-    return f"127.0.0.1:{free_port()}"  # free: nothing listens there
-
-
-@pytest.fixture(scope="module")
-def refused(tmp_path_factory, nobody) -> dict[str, tuple[str, str]]:
-    """Every start-up of this module that must fail: (error, log) by case. The bad configs go as far as
-    vLLM's engine in one process that imports vLLM once (``refusals``); the tensor-parallel server and
-    the unanswering metastore are real launches, side by side, so the exit path of a real server (status,
-    log) is covered here too."""
-    tmp = tmp_path_factory.mktemp("refused")
-    model = tiny_llama_dir(tmp / "tiny")
-
-    def args(kv_config: str, *extra: str) -> list[str]:
-        return ["--kv-transfer-config", kv_config, *extra]
-
-    def server(name: str, kv_config: str, *extra: str, env: dict | None = None) -> VllmServer:
-        return VllmServer(
-            model,
-            max_model_len=1024,
-            log_path=tmp / f"{name}.log",
-            start_timeout_s=300,
-            env=env,
-            extra_args=args(kv_config, *extra),
-        )
-
-    out = refusals(
-        model,
-        {name: args(store_config(metastore, **extra)) for name, (extra, metastore, _) in BAD_CONFIGS.items()},
-        tmp / "in-process",
-    )
-    servers = {
-        "tp2": server(
-            "tp2",
-            store_config("127.0.0.1:5000"),
-            "--tensor-parallel-size",
-            "2",
-            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
-        ),  # one core per rank (else vLLM refuses first)
-        "nobody": server("nobody", store_config(nobody)),
-    }
-    errors = failed_starts(servers)
-    return out | {name: (errors[name], servers[name].log_text()) for name in servers}
-
-
-@pytest.mark.parametrize("case", BAD_CONFIGS)
-def test_a_bad_connector_config_stops_vllm_with_the_field_named(refused, case):
-    error, log = refused[case]
-    message = BAD_CONFIGS[case][2]
-    assert not error.startswith("STARTED"), error
-    assert message in error or message in log, log[-3000:]
-
-
-def test_a_tensor_parallel_server_is_refused_until_ranks_keep_their_shards_apart(refused):
-    error, log = refused["tp2"]
-    assert not error.startswith("STARTED"), error
-    assert "AscendStoreConnector: runs with one rank only for now; got tensor_parallel_size 2" in log, log[-3000:]
-
-
-def test_a_metastore_that_does_not_answer_at_start_stops_vllm_with_its_address(refused, nobody):
-    error, log = refused["nobody"]
-    assert not error.startswith("STARTED"), error
-    assert "MetaStore" in log and nobody in log, log[-3000:]

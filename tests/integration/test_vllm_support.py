@@ -54,26 +54,20 @@ def test_server_answers_greedily_and_leaves_nothing_running(tiny, tmp_path):
     assert "Starting vLLM server" in server.log_text()
 
 
-def test_server_without_a_model_fails_fast_with_its_log(tmp_path):
-    timeout_s = 180.0
-    server = VllmServer(tmp_path / "no-such-model", log_path=tmp_path / "vllm.log", start_timeout_s=timeout_s)
-    started = time.monotonic()
-    with pytest.raises(RuntimeError, match="exited with status") as info:
-        server.__enter__()
-    assert time.monotonic() - started < timeout_s
-    message = str(info.value)
-    assert "last lines of" in message and "no-such-model" in message.split("last lines of", 1)[1]
-    assert group_members(server.proc.pid) == []
-
-
 def test_servers_started_together_all_stop_when_one_cannot_start(tiny, tmp_path):
-    """``running``: the server that cannot start raises its own error, and the one still starting is
-    stopped then, not left to finish starting."""
+    """``running``: the server that cannot start (no model) fails fast, long before its start timeout,
+    raising its own error with the last lines of its log, and the one still starting is stopped then,
+    not left to finish starting."""
+    timeout_s = 180.0
     good = VllmServer(tiny, log_path=tmp_path / "good.log")
-    bad = VllmServer(tmp_path / "no-such-model", log_path=tmp_path / "bad.log")
+    bad = VllmServer(tmp_path / "no-such-model", log_path=tmp_path / "bad.log", start_timeout_s=timeout_s)
+    started = time.monotonic()
     with pytest.raises(RuntimeError, match="no-such-model") as info:
         with running(good, bad):
             pytest.fail("a server that cannot start was reported started")
-    assert "exited with status" in str(info.value) and str(bad.url) in str(info.value)
+    assert time.monotonic() - started < timeout_s
+    message = str(info.value)
+    assert "exited with status" in message and str(bad.url) in message
+    assert "last lines of" in message and "no-such-model" in message.split("last lines of", 1)[1]
     assert good.start_s is None  # stopped while starting: it never answered /health
     assert group_members(good.proc.pid) == [] and group_members(bad.proc.pid) == []

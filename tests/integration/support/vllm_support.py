@@ -232,6 +232,24 @@ def stream_choices(url: str, path: str, body: dict, timeout_s: float = 180.0) ->
         return [event["choices"][0] for event in sse_events(resp, require_done=True) if event.get("choices")]
 
 
+# ---- kv-transfer-configs ---------------------------------------------------------------------
+
+
+def store_config(metastore: str | None, role: str = "kv_both", **extra: Any) -> str:
+    """An ``AscendStoreConnector`` config on the kvoffload backend (a 0.25 GB pool), ``extra`` keys added."""
+    body = {"backend": "kvoffload", "use_layerwise": True, "host_pool_gb": 0.25, **extra}
+    if metastore:
+        body["metastore"] = metastore
+    return json.dumps(
+        {
+            "kv_connector": "AscendStoreConnector",
+            "kv_role": role,
+            "kv_connector_module_path": "kvoffload_vllm",
+            "kv_connector_extra_config": body,
+        }
+    )
+
+
 # ---- launches that must fail --------------------------------------------------------------------
 
 
