@@ -3,7 +3,9 @@ real gRPC on loopback and a real HTTP metaserver stand-in that answers the regis
 
 Blocks move byte for byte into the decode's blocks, whatever the block ids on either side; a
 request ends exactly once (landed, failed, cancelled); a silent prefill fails the request after
-``peer_timeout_s``; a layout from another model is refused with both sides named.
+``peer_timeout_s``; a layout from another model is refused with both sides named. With two KV cache
+groups (vLLM's hybrid KV cache manager) whose layers alias one storage, each layer moves through its
+own group's blocks and block size, and null blocks are neither pulled nor served.
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ import pytest
 import torch
 
 from kvoffload_vllm.consumer import COUNTERS, Consumer
+from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import Peer, Send
 from kvoffload_vllm.d2h_settings import D2HSettings
 from kvoffload_vllm.d2h_step import D2HStepMetadata, Recv
-from kvoffload_vllm.layout import CacheLayout
+from kvoffload_vllm.kv_groups import KVGroup
 from kvoffload_vllm.producer import Producer
+from pdlink.refusals import Refused
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
-LAYOUT = CacheLayout(LAYERS, num_blocks=8, block_size=4, block_shape=(2, 8, 3), dtype=torch.float32)
+GROUPS = (KVGroup(0, LAYERS, 4, ()),)
 
 
 class Metaserver:
@@ -65,12 +69,16 @@ def pair():
     torch.manual_seed(0)
     prefill_caches = {name: torch.randn((8, 2, 8, 3)) for name in LAYERS}
     decode_caches = {name: torch.zeros((8, 2, 8, 3)) for name in LAYERS}
+    yield from running_pair(D2HLayers.of(GROUPS, prefill_caches, 8), D2HLayers.of(GROUPS, decode_caches, 8))
+
+
+def running_pair(prefill_layers: D2HLayers, decode_layers: D2HLayers):
     consumer = Consumer(
-        D2HSettings("kv_consumer", free_port(), "127.0.0.1", 0, 1.0, 10.0, dp_rank=1), "model-a", LAYOUT, decode_caches
+        D2HSettings("kv_consumer", free_port(), "127.0.0.1", 0, 1.0, 10.0, dp_rank=1), "model-a", decode_layers
     )
-    producer = Producer(D2HSettings("kv_producer", None, "127.0.0.1", 0, 1.0, 10.0), "model-a", LAYOUT, prefill_caches)
+    producer = Producer(D2HSettings("kv_producer", None, "127.0.0.1", 0, 1.0, 10.0), "model-a", prefill_layers)
     meta = Metaserver()
-    yield producer, consumer, meta, prefill_caches, decode_caches
+    yield producer, consumer, meta, prefill_layers, decode_layers
     producer.close()
     consumer.close()
     meta.close()
@@ -86,12 +94,17 @@ def until(check, timeout_s: float = 10.0):
     raise AssertionError("timed out")
 
 
-def recv(meta: Metaserver, num_tokens: int, block_ids: tuple[int, ...], first_block: int = 0) -> Recv:
-    return Recv("vllm-d", "cmpl-1", meta.url, None, num_tokens, first_block, block_ids)
+def recv(meta: Metaserver, num_tokens: int, *block_ids: tuple[int, ...]) -> Recv:
+    return Recv("vllm-d", "cmpl-1", meta.url, None, num_tokens, 0, block_ids)
+
+
+def ended(consumer: Consumer) -> tuple[set[str], set[str]]:
+    return until(lambda: (lambda r: r if r[0] or r[1] else None)(consumer.finished()))
 
 
 def test_a_chunked_prompt_lands_block_for_block_and_ends_once(pair):
-    producer, consumer, meta, pc, dc = pair
+    producer, consumer, meta, prefill, decode = pair
+    pc, dc = dict(zip(LAYERS, prefill.pages, strict=True)), dict(zip(LAYERS, decode.pages, strict=True))
     consumer.begin_step(D2HStepMetadata(recvs=[recv(meta, 10, (5, 7, 6))]))
     until(lambda: meta.bodies)
     params = meta.bodies[0]["kv_transfer_params"]
@@ -99,12 +112,11 @@ def test_a_chunked_prompt_lands_block_for_block_and_ends_once(pair):
     assert params["remote_dp_rank"] == 1  # its true DP rank
     peer = Peer("cmpl-1", consumer.endpoint)
     for start, end, blocks in ((0, 6, (1, 2)), (6, 10, (1, 2, 3))):  # two chunks; block 2 written by both
-        step = D2HStepMetadata(sends=[Send("vllm-p", peer, start, end, 10, blocks)])
+        step = D2HStepMetadata(sends=[Send("vllm-p", peer, start, end, 10, (blocks,))])
         for name in LAYERS:
             producer.layer_saved(name, step)
         producer.end_step()
-    done, failed = until(lambda: (lambda r: r if r[0] or r[1] else None)(consumer.finished()))
-    assert (done, failed) == ({"vllm-d"}, set())
+    assert ended(consumer) == ({"vllm-d"}, set())
     for name in LAYERS:
         assert torch.equal(dc[name][[5, 7, 6]], pc[name][[1, 2, 3]])
         assert not dc[name][[0, 1, 2, 3, 4]].any()  # nothing else written
@@ -120,8 +132,7 @@ def test_a_prefill_that_goes_silent_fails_the_request_after_the_peer_timeout(pai
     consumer.begin_step(D2HStepMetadata(recvs=[recv(meta, 10, (5, 6, 7))]))
     until(lambda: meta.bodies)  # registered: the prefill answered, its reads are due now
     t = time.monotonic()
-    done, failed = until(lambda: (lambda r: r if r[0] or r[1] else None)(consumer.finished()))
-    assert (done, failed) == (set(), {"vllm-d"})
+    assert ended(consumer) == (set(), {"vllm-d"})
     assert 0.9 < time.monotonic() - t < 5
 
 
@@ -158,3 +169,92 @@ def test_the_layer_source_serves_only_block_aligned_ranges_of_requests_it_sends(
     with pytest.raises(grpc.RpcError) as e:
         list(stub.ReadLayer(transfer_pb2.ReadLayerRequest(request_id="nobody", src_start=0, src_end=3, **ask)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "block-aligned" in e.value.details()
+
+
+# vLLM's hybrid KV cache manager (hybrid-facts.md): a full-attention group (layers 0, 2; 4-token
+# blocks) and a sliding-window group (layers 1, 3; 8-token blocks, as with DeepSeek-V4's groups of
+# different block sizes); layer 0 and layer 1 are views of one storage, layers 2 and 3 of another, so
+# block id b is the same bytes in both groups and belongs to one group at a time.
+HYBRID = (
+    KVGroup(0, ("model.layers.0.attn", "model.layers.2.attn"), 4, ()),
+    KVGroup(1, ("model.layers.1.attn", "model.layers.3.attn"), 8, ()),
+)
+
+
+def hybrid_caches(storages: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each storage ``[16, 48]`` float32 (192-byte pages) as a full layer (4 rows of 48 bytes per block) and
+    a sliding layer (8 rows of 24 bytes)."""
+    full, sliding = HYBRID[0].layer_names, HYBRID[1].layer_names
+    return {
+        **{name: s.view(16, 4, 12) for name, s in zip(full, storages, strict=True)},
+        **{name: s.view(16, 8, 6) for name, s in zip(sliding, storages, strict=True)},
+    }
+
+
+@pytest.fixture
+def hybrid_pair():
+    torch.manual_seed(1)
+    prefill = D2HLayers.of(HYBRID, hybrid_caches([torch.randn(16, 48), torch.randn(16, 48)]), 16)
+    decode = D2HLayers.of(HYBRID, hybrid_caches([torch.zeros(16, 48), torch.zeros(16, 48)]), 16)
+    yield from running_pair(prefill, decode)
+
+
+def test_two_groups_pull_through_their_own_blocks_and_never_touch_null_ones(hybrid_pair):
+    producer, consumer, meta, prefill, decode = hybrid_pair
+    assert prefill.names == ("model.layers.0.attn", "model.layers.2.attn", "model.layers.1.attn", "model.layers.3.attn")
+    assert [lay.block_size for lay in producer.metadata.layers] == [4, 4, 8, 8]
+    # the decode's window needs tokens 14..19 of 20: its first sliding block is its null block
+    consumer.begin_step(D2HStepMetadata(recvs=[recv(meta, 20, (9, 10, 11, 12, 13), (0, 14, 15))]))
+    until(lambda: meta.bodies)
+    peer = Peer("cmpl-1", consumer.endpoint)
+    served: dict[str, float] = {}
+
+    def answered(reads: int) -> bool:  # the producer's counters, summed across takes
+        for k, v in producer.take_counters().items():
+            served[k] = served.get(k, 0) + v
+        return served["reads_done"] >= reads
+
+    # two chunks; between them the prefill's sliding block 8 fell out of the window and went to the full group
+    steps = (((0, 12), ((1, 2, 3), (8, 6))), ((12, 20), ((1, 2, 3, 8, 5), (0, 6, 7))))
+    for n, ((start, end), blocks) in enumerate(steps, 1):
+        step = D2HStepMetadata(sends=[Send("vllm-p", peer, start, end, 20, blocks)])
+        for name in ("model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn", "model.layers.3.attn"):
+            producer.layer_saved(name, step)  # model order: the groups interleave
+        producer.end_step()
+        until(lambda n=n: answered(4 * n))  # in order, so what each step pulls is known
+    assert ended(consumer) == ({"vllm-d"}, set())
+    for layer in range(4):
+        got, want = decode.pages[layer], prefill.pages[layer]
+        if decode.group_of[layer] == 0:
+            assert torch.equal(got[[9, 10, 11, 12, 13]], want[[1, 2, 3, 8, 5]])
+        else:  # the decode's null block 0 stays untouched; its block 14 landed from the prefill's 6, 15 from 7
+            assert torch.equal(got[[14, 15]], want[[6, 7]])
+            assert not got[0].any()
+    untouched = [b for b in range(16) if b not in (9, 10, 11, 12, 13, 14, 15)]
+    assert not decode.pages[0][untouched].any() and not decode.pages[1][untouched].any()
+    # full layers: 3 + 2 blocks each; sliding: block 1 of the first chunk, then blocks 1 and 2 (never block 0)
+    assert consumer.take_counters()["blocks_pulled"] == served["blocks_served"] == 2 * 5 + 2 * 3
+
+    from kvoffload_proto.v1 import transfer_pb2
+
+    ask = dict(request_id="cmpl-1", kind=transfer_pb2.PLANE_KIND_MAIN, generation=1)
+    ask["layout_version"] = producer.metadata.layout_version
+    with pytest.raises(Refused, match="null block"):  # the prefill's sliding block 0 is no longer its own
+        producer.rows(transfer_pb2.ReadLayerRequest(layer=2, src_start=0, src_end=8, **ask))
+    with pytest.raises(Refused, match="block-aligned ranges of 8 rows"):
+        producer.rows(transfer_pb2.ReadLayerRequest(layer=2, src_start=4, src_end=8, **ask))
+    assert until(lambda: producer.finished({"vllm-p"})) == {"vllm-p"}
+
+
+def test_a_layer_whose_block_size_differs_is_refused_naming_it(hybrid_pair):
+    producer, _, _, _, _ = hybrid_pair
+    caches = hybrid_caches([torch.zeros(16, 48), torch.zeros(16, 48)])
+    caches["model.layers.1.attn"] = caches["model.layers.0.attn"]  # 4-token blocks for the sliding layer too
+    groups = (HYBRID[0], KVGroup(1, HYBRID[1].layer_names, 4, ()))
+    other = Consumer(
+        D2HSettings("kv_consumer", free_port(), "127.0.0.1", 0, 1.0, 10.0), "model-a", D2HLayers.of(groups, caches, 16)
+    )
+    try:
+        assert other.pull.exchange_layout(producer.metadata) == "layers[2].block_size: prefill 8, decode 4"
+    finally:
+        other.close()

@@ -134,6 +134,10 @@ def _read(c: PullConsumer, **kw) -> ReadOutcome:
         (dict(model_id="other"), "model_id: prefill 'other', decode 'm'"),
         (dict(num_layers=3), "num_layers: prefill 3 (2 described), decode 2"),
         (dict(block_size=8), "block_size: prefill 8, decode 4"),
+        (
+            dict(layers=[pb.LayerLayout(layer=i, main_row_bytes=ROW, block_size=4 + 4 * i) for i in range(LAYERS)]),
+            "layers[1].block_size: prefill 8, decode 4",
+        ),
         (dict(memfabric_session="10.0.0.1:1"), "memfabric_session: the prefill's transfer_backend is 'memfabric'"),
         (dict(prefill_tp_rank=4), "prefill_tp_rank: 4 is outside 0..1"),
         (
@@ -141,7 +145,7 @@ def _read(c: PullConsumer, **kw) -> ReadOutcome:
             "layers: rows of another size",
         ),
     ],
-    ids=["version-0", "model", "layers", "block-size", "transfer-backend", "tp", "sink"],
+    ids=["version-0", "model", "layers", "block-size", "layer-block-size", "transfer-backend", "tp", "sink"],
 )
 def test_the_common_checks_come_first_then_the_sinks(change, reason):
     c = PullConsumer(BlockSink(), Sources(), model_id="m")

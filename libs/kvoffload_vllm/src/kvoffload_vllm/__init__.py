@@ -26,16 +26,17 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``shared_steps``: the store's per-layer loads and host copies on shared buffers.
 - ``request_kv``: host copies of running requests' blocks of the shared layers.
 - ``reuse_gate``: a shared buffer's next layer waits until its previous one is saved and pulled.
-- ``d2h``: ``SfaRemoteD2HConnector``, the P/D pull; its worker sides:
+- ``d2h``: ``SfaRemoteD2HConnector``, the P/D pull (``SupportsHMA``: every KV cache group by its own
+  block table and block size); its worker sides:
 - ``producer``: the prefill's side (announces layers through ``pdlink``'s ``DecodeLink``, serves
   vLLM's blocks as a ``RowBuffer``).
 - ``consumer``: the decode's side (registration at the proxy's metaserver, a ``RowSink`` of vLLM's
   blocks under ``pdlink``'s ``PullConsumer``).
 - ``d2h_plan``: what each step sends, and which copy of a block a decode keeps.
+- ``d2h_layers``: the D2H connector's layers on the wire, each with its KV cache group's blocks and block size.
 - ``d2h_settings``: ``D2HSettings``, the connector's typed config.
 - ``d2h_step``: ``D2HStepMetadata``, one step's work for the workers (sends, ``Recv``, cancellations).
-- ``layout``: block keys' model ids; the one contiguous KV cache group the D2H connector and shared
-  buffers take.
+- ``layout``: block keys' model ids; the one contiguous KV cache group the shared buffers take.
 - ``block_bytes``: a layer's cache as its blocks' bytes over any block stride (hybrid-manager views too).
 - ``stats``: the connectors' counters as vLLM stats and Prometheus counters.
 - ``plugin``: registers the connector names with vLLM and installs ``kv_cache_patch``.

@@ -3,10 +3,12 @@
 Per new request (``begin_step``): a thread POSTs this worker's control endpoint to the proxy's
 ``/v1/metaserver`` (the proxy answers once the prefill answered). The Transfer gRPC server on the
 control port takes the prefill's layout (checked against this engine's: model and vLLM layout
-digest, layers, block size, row bytes, dtype; a mismatch is refused naming both sides), its
-ReadReady announcements and heartbeats. A ReadReady pulls whole blocks from the prefill's
-LayerSource (``pdlink.sources.RowSources``) and writes those that improve on what landed
-(``kvoffload_vllm.d2h_plan.Coverage``) into the request's vLLM blocks, then answers READ_DONE.
+digest, layers, each layer's block size, row bytes, dtype; a mismatch is refused naming both
+sides), its ReadReady announcements and heartbeats. A ReadReady pulls from the prefill's LayerSource
+(``pdlink.sources.RowSources``) the whole blocks of the layer's KV cache group that improve on what
+landed (``kvoffload_vllm.d2h_plan.Coverage``, one per group) and writes them into the request's
+vLLM blocks of that group, then answers READ_DONE. A block this decode does not need (its own
+prefix-cache hit, or its null block where a sliding window skips one) is neither pulled nor written.
 
 A request ends in exactly one of three ways, each reported once by ``finished`` after no pull is
 writing its blocks any more: every layer landed (a finished receive); a pull failed, the
@@ -29,13 +31,11 @@ import grpc
 import structlog
 import torch
 
-from kvcore.layout import dtype_name
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
-from kvoffload_vllm.block_bytes import block_bytes
-from kvoffload_vllm.d2h_plan import Coverage, blocks_of
+from kvoffload_vllm.d2h_layers import D2HLayers
+from kvoffload_vllm.d2h_plan import Coverage
 from kvoffload_vllm.d2h_settings import D2HSettings
 from kvoffload_vllm.d2h_step import D2HStepMetadata, Recv
-from kvoffload_vllm.layout import CacheLayout
 from kvoffload_vllm.stats import Counters
 from openai_api.transfer_params import KVTransferParams
 from pdlink.consumer import Plane, PullConsumer, Read, ReadOutcome, RowSink
@@ -63,8 +63,8 @@ WATCHDOG_S = 0.25
 @dataclass
 class _Incoming:
     recv: Recv
-    coverage: Coverage
-    block_ids: torch.Tensor
+    coverages: list[Coverage]  # per KV cache group
+    block_ids: list[torch.Tensor]  # per KV cache group
     started: float = field(default_factory=time.monotonic)
     last_news: float = 0.0  # monotonic time of the prefill's last word; 0 before it started
     peer: str = ""
@@ -74,20 +74,24 @@ class _Incoming:
     bytes: int = 0
     write_lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def layers_done(self) -> int:
+        return sum(c.layers_done() for c in self.coverages)
+
+    @property
+    def complete(self) -> bool:
+        return all(c.complete for c in self.coverages)
+
 
 class Consumer(RowSink):
     """The requests this worker receives, the ``RowSink`` its pulls write into (vLLM's blocks), and
     the control port (``pdlink``'s ``TransferServicer`` over a ``PullConsumer``)."""
 
-    def __init__(
-        self, settings: D2HSettings, model_id: str, layout: CacheLayout, caches: dict[str, torch.Tensor]
-    ) -> None:
-        self.settings, self.model_id, self.layout = settings, model_id, layout
-        self._bytes = [block_bytes(caches[name], name) for name in layout.layer_names]
+    def __init__(self, settings: D2HSettings, model_id: str, layers: D2HLayers) -> None:
+        self.settings, self.model_id, self.layers = settings, model_id, layers
         self._lock = threading.Lock()
         self._reqs: dict[str, _Incoming] = {}  # by transfer id
         self._by_req: dict[str, str] = {}  # vLLM request id -> transfer id
-        self.num_layers, self.block_size = len(layout.layer_names), layout.block_size
+        self.num_layers, self.block_size = len(layers.names), layers.groups[0].block_size
         self.counters = Counters(SINK_COUNTERS)
         sources = RowSources(lambda endpoint: secure_or_insecure_channel(endpoint, PROCESS))
         self.pull = PullConsumer(self, sources, model_id=model_id, read_retries=READ_RETRIES)
@@ -103,8 +107,8 @@ class Consumer(RowSink):
         log.info(
             "kvoffload_d2h_consumer",
             control_endpoint=self.endpoint,
-            layers=len(layout.layer_names),
-            block_bytes=layout.block_bytes,
+            layers=len(layers.names),
+            block_sizes=[g.block_size for g in layers.groups],
             peer_timeout_s=settings.peer_timeout_s,
         )
 
@@ -112,10 +116,20 @@ class Consumer(RowSink):
 
     def begin_step(self, meta: D2HStepMetadata) -> None:
         for recv in meta.recvs:
+            groups = self.layers.groups
             inc = _Incoming(
                 recv,
-                Coverage(len(self.layout.layer_names), recv.num_tokens, self.layout.block_size, recv.first_block),
-                torch.tensor(recv.block_ids, dtype=torch.long),
+                [
+                    Coverage(
+                        len(g.layer_names),
+                        recv.num_tokens,
+                        g.block_size,
+                        recv.local_tokens // g.block_size,
+                        recv.block_ids[g.index],
+                    )
+                    for g in groups
+                ],
+                [torch.tensor(recv.block_ids[g.index], dtype=torch.long) for g in groups],
             )
             with self._lock:
                 self._reqs[recv.transfer_id] = inc
@@ -181,7 +195,7 @@ class Consumer(RowSink):
             request_id=inc.recv.req_id,
             transfer_id=transfer_id,
             reason=reason,
-            layers_done=inc.coverage.layers_done(),
+            layers_done=inc.layers_done(),
         )
 
     def _watch(self) -> None:
@@ -235,24 +249,27 @@ class Consumer(RowSink):
 
     # ---- the RowSink hooks (pdlink.consumer): the prefill's calls --------------------------------
 
+    def layer_block_size(self, layer: int) -> int:
+        return self.layers.block_size(layer)
+
     def layout_problem(self, m: transfer_pb2.LayoutMetadata) -> str:
-        lay = self.layout
-        row_bytes, dtype = lay.block_bytes // lay.block_size, dtype_name(lay.dtype)
         if m.prefill_tp_size != 1:
             return f"prefill_tp_size: prefill {m.prefill_tp_size}, decode 1 (one rank only for now)"
         for i, got in enumerate(m.layers):
+            row_bytes, dtype = self.layers.row_bytes(i), self.layers.dtypes[i]
             if got.layer != i or got.main_row_bytes != row_bytes or got.main_dtype != dtype or got.indexer_row_bytes:
                 return (
                     f"layers[{i}]: prefill layer {got.layer} rows {got.main_row_bytes} bytes {got.main_dtype} "
-                    f"(indexer {got.indexer_row_bytes}), decode layer {i} rows {row_bytes} bytes {dtype} (no indexer)"
+                    f"(indexer {got.indexer_row_bytes}), decode layer {i} ({self.layers.names[i]}) rows "
+                    f"{row_bytes} bytes {dtype} (no indexer)"
                 )
         return ""
 
     def planes(self, layer: int) -> list[Plane]:
-        return [Plane(transfer_pb2.PLANE_KIND_MAIN, self.layout.block_bytes // self.layout.block_size)]
+        return [Plane(transfer_pb2.PLANE_KIND_MAIN, self.layers.row_bytes(layer))]
 
     def begin(self, read: Read) -> range | ReadOutcome:
-        """Whole blocks: the announced rows widened to the blocks that hold them (vLLM's pages)."""
+        """Whole blocks: of the announced rows, the blocks of the layer's group that improve on what landed."""
         r = read.request
         if r.dst_start != r.src_start:
             raise MalformedRead(
@@ -272,12 +289,15 @@ class Consumer(RowSink):
             inc.last_news, inc.peer = time.monotonic(), read.endpoint
             inc.busy += 1
         with inc.write_lock:
-            landed = not len(inc.coverage.to_write(r.layer, r.src_start, r.src_end))
-        if landed:  # a retry or a duplicate: these tokens are here
+            idx = inc.coverages[self.layers.group_of[r.layer]].to_write(
+                self.layers.plane_of[r.layer], r.src_start, r.src_end
+            )
+        if not len(idx):  # a retry, a duplicate, or blocks this decode does not need
             self.end(read)
             return ReadOutcome(done=True)
-        blocks = blocks_of(r.src_start, r.src_end, self.layout.block_size)
-        return range(blocks.start * self.layout.block_size, blocks.stop * self.layout.block_size)
+        bs = self.layers.block_size(r.layer)
+        first = r.src_start // bs
+        return range((first + int(idx[0])) * bs, (first + int(idx[-1]) + 1) * bs)
 
     def wanted(self, transfer_id: str) -> bool:
         with self._lock:
@@ -285,21 +305,27 @@ class Consumer(RowSink):
             return inc is not None and inc.state == "loading"
 
     def install(self, read: Read, rows: range, planes: list[torch.Tensor]) -> float:
-        """Write the blocks that improve on what landed into the request's vLLM blocks."""
-        r, bs = read.request, self.layout.block_size
+        """Write the pulled blocks that improve on what landed into the request's vLLM blocks of the
+        layer's group."""
+        r, lay = read.request, self.layers
+        group, plane, bs = lay.group_of[r.layer], lay.plane_of[r.layer], lay.block_size(r.layer)
         with self._lock:
             inc = self._reqs[r.request_id]
-        first = rows.start // bs
-        data = planes[0].view(-1, self.layout.block_bytes)
+        pulled = range(rows.start // bs, rows.stop // bs)
+        data = planes[0].view(-1, lay.page_bytes(r.layer))
         t = time.perf_counter()
         # vLLM's caches, and what begin_step made under vLLM's inference mode, are inference tensors
         with inc.write_lock, torch.inference_mode():
             if inc.state != "loading":
                 raise RequestEnded(inc.reason or f"request {r.request_id!r} is {inc.state}")
-            idx = inc.coverage.to_write(r.layer, r.src_start, r.src_end)
-            self._bytes[r.layer].index_copy_(0, inc.block_ids[first + idx], data[idx])
-            inc.coverage.landed(r.layer, r.src_start, r.src_end, idx)
-            complete = inc.coverage.complete
+            coverage = inc.coverages[group]
+            idx = coverage.to_write(plane, r.src_start, r.src_end)  # at most begin's: coverage only grows
+            blocks = idx + r.src_start // bs
+            kept = (blocks >= pulled.start) & (blocks < pulled.stop)
+            idx, blocks = idx[kept], blocks[kept]
+            lay.pages[r.layer].index_copy_(0, inc.block_ids[group][blocks], data[blocks - pulled.start])
+            coverage.landed(plane, r.src_start, r.src_end, idx)
+            complete = inc.complete
         self.counters.add(blocks_pulled=len(idx))
         with self._lock:
             inc.bytes += int(data.numel())

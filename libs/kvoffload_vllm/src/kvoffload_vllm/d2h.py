@@ -10,7 +10,10 @@ contract (the same one the kvoffload prefill and decode services speak)::
               "kv_connector_module_path": "kvoffload_vllm", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": {"transfer_backend": "kvoffload"}}
 
-(the prefill's usually sits in a ``MultiConnector`` next to the ``AscendStoreConnector``). The
+(the prefill's usually sits in a ``MultiConnector`` next to the ``AscendStoreConnector``). It
+supports vLLM's hybrid KV cache manager (``SupportsHMA``): every attention layer of every KV cache
+group moves through its own group's block table and block size (``kvoffload_vllm.d2h_layers``), and
+vLLM's null block (a sliding window's blocks outside the window) is never read nor written. The
 kvoffload proxy sends a client request to the decode first, with ``kv_transfer_params``
 ``{"do_remote_prefill": true, "metaserver": URL, "request_id": ID}``; the decode registers its
 control endpoint there, and the proxy then sends the prefill the request with that endpoint in its
@@ -19,8 +22,10 @@ control endpoint there, and the proxy then sends the prefill the request with th
 Producer (prefill)
     scheduler  ``update_state_after_alloc`` notes the decode a request sends to;
                ``build_connector_meta`` turns each step's prompt tokens into sends
-               (``kvoffload_vllm.d2h_plan``); ``request_finished`` delays the free of a request's
-               blocks until every read of them was answered (``get_finished`` reports it).
+               (``kvoffload_vllm.d2h_plan``) with the request's blocks per group as the scheduler's
+               KV cache manager holds them then (the workers' sliding-window tables keep stale ids);
+               ``request_finished_all_groups`` delays the free of a request's blocks until every
+               read of them was answered (``get_finished`` reports it).
     worker     ``kvoffload_vllm.producer``: a LayerSource gRPC server streams blocks out of vLLM's
                cache; after each layer's attention ``save_kv_layer`` announces the layer to the
                decode (ReadReady), while the forward goes on.
@@ -28,8 +33,8 @@ Consumer (decode)
     scheduler  ``get_num_new_matched_tokens`` answers "the whole prompt, asynchronously" for a
                ``do_remote_prefill`` request (vLLM then computes the last prompt token itself, which
                samples the first output token); ``update_state_after_alloc`` passes the request's
-               blocks to the worker; ``request_finished`` of a request still loading delays the free
-               until the worker let go of its blocks.
+               blocks (per group) to the worker; ``request_finished_all_groups`` of a request still
+               loading delays the free until the worker let go of its blocks.
     worker     ``kvoffload_vllm.consumer``: a Transfer gRPC server on ``kv_port + dp_rank × tp +
                tp_rank`` takes the layout, the ReadReady announcements (pulls each layer into the
                request's blocks) and the heartbeats; the registration POST to the proxy's
@@ -49,12 +54,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
+from kvcore.confignames import D2H_CONNECTOR
+from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import SendPlanner, peer_of
 from kvoffload_vllm.d2h_settings import d2h_settings
 from kvoffload_vllm.d2h_step import D2HStepMetadata, Recv
-from kvoffload_vllm.layout import CacheLayout, cache_spec, vllm_model_id
+from kvoffload_vllm.kv_groups import kv_groups
+from kvoffload_vllm.layout import group_model_ids
 from kvoffload_vllm.plan import scheduled_requests
 from kvoffload_vllm.stats import CountingConnector
 from openai_api.transfer_params import KVTransferParams, parse_transfer_params
@@ -62,7 +71,7 @@ from openai_api.transfer_params import KVTransferParams, parse_transfer_params
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -73,16 +82,16 @@ if TYPE_CHECKING:
 log = structlog.get_logger("vllm.kvoffload.d2h")
 
 
-class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
+class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
     """See the module docstring; one instance per role (scheduler / worker)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = d2h_settings(vllm_config)
         self.producer_role = self.settings.role == "kv_producer"
-        self._block_size = vllm_config.cache_config.block_size
-        self._layer_order, self._spec = cache_spec(kv_cache_config)
-        self.model_id = vllm_model_id(vllm_config, self._spec, self._layer_order)
+        self._groups = kv_groups(kv_cache_config, D2H_CONNECTOR)
+        group_ids = group_model_ids(vllm_config, self._groups)
+        self.model_id = ",".join(group_ids)  # one group: its id, as the store's
         # worker: a prefill's Producer or a decode's Consumer, once the caches are registered
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
@@ -97,6 +106,7 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
             role=role.name,
             kv_role=self.settings.role,
             model_id=self.model_id,
+            block_sizes=[g.block_size for g in self._groups],
             control_port=self.settings.control_port,
             advertise_host=self.settings.advertise_host,
         )
@@ -145,8 +155,8 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
                 str(params.metaserver),
                 params.registration_token,
                 prompt_len,
-                local // self._block_size,
-                tuple(blocks.get_block_ids()[0]),
+                local,
+                tuple(tuple(ids) for ids in blocks.get_block_ids()),
             )
         )
         self._loading.add(request.request_id)
@@ -158,17 +168,29 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
             meta.cancelled, self._cancelled = self._cancelled, []
             return meta
         for s in scheduled_requests(scheduler_output):
-            send = self._planner.step(
-                s.req_id, s.block_ids[0] if s.block_ids else None, s.first or s.resumed, s.computed, s.scheduled
-            )
-            meta.sends += [send] if send else []
+            if self._planner.sends(s.req_id):
+                send = self._planner.step(s.req_id, self._block_table(s.req_id), s.computed, s.scheduled)
+                meta.sends += [send] if send else []
         return meta
+
+    def _block_table(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's blocks per KV cache group as the scheduler holds them now: a sliding window's
+        blocks that fell out of it are vLLM's null block (the scheduler output names new blocks only)."""
+        manager: KVCacheManager | None = self._kv_cache_manager
+        if manager is None:
+            raise RuntimeError(f"{D2H_CONNECTOR}: vLLM did not bind its KV cache manager (bind_kv_cache_manager)")
+        return manager.get_block_ids(req_id)
 
     def update_connector_output(self, connector_output) -> None:
         for rid in connector_output.finished_recving or ():
             self._loading.discard(rid)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if self.producer_role:
             return self._planner.finished(request.request_id), None
         self._matched.pop(request.request_id, None)
@@ -181,18 +203,15 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1):
     # ---- worker side -------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = CacheLayout.of(
-            kv_caches, self._layer_order, self._kv_cache_config.num_blocks, self._block_size, self._spec.page_size_bytes
-        )
-        caches = {name: kv_caches[name] for name in self._layer_order}
+        layers = D2HLayers.of(self._groups, kv_caches, self._kv_cache_config.num_blocks)
         if self.producer_role:
             from kvoffload_vllm.producer import Producer
 
-            self._producer = Producer(self.settings, self.model_id, layout, caches)
+            self._producer = Producer(self.settings, self.model_id, layers)
         else:
             from kvoffload_vllm.consumer import Consumer
 
-            self._consumer = Consumer(self.settings, self.model_id, layout, caches)
+            self._consumer = Consumer(self.settings, self.model_id, layers)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -4,25 +4,30 @@ Producer, scheduler side (``SendPlanner``): a request whose ``kv_transfer_params
 (``remote_host``/``remote_port``, as the proxy's ``/v1/metaserver`` hands them to the prefill) is
 sent as its prompt is computed: every step that computes prompt tokens ``[s, e)`` of it yields a
 ``Send`` of the token range ``[0 or s, e)`` (the first send of a request starts at 0, so a local
-prefix-cache hit reaches the decode too) with the request's vLLM block ids so far. Only prompt
-tokens are sent: the decode computes the last one itself.
+prefix-cache hit reaches the decode too) with the request's vLLM block ids per KV cache group as the
+scheduler holds them in that step (a sliding window's blocks that fell out of it are vLLM's null
+block there, never the stale ids a worker's block table keeps). Only prompt tokens are sent: the
+decode computes the last one itself.
 
-Consumer, worker side (``Coverage``): which tokens of every layer of one request have landed in
-its vLLM blocks. Between vLLM engines the unit of transfer is the whole block (a block's bytes are
-not token-contiguous), so a range ``[s, e)`` moves blocks ``s // bs .. ceil(e / bs) - 1``, and the
-last of them may be valid only in part. Ranges may land in any order, and a block copied early
-holds fewer valid tokens than the same block copied later: a block is written only when the copy
-at hand holds more valid tokens than the one already there, so an older, shorter copy never
-overwrites a newer one. Blocks before ``first_block`` (the decode's own prefix-cache hit) are
-never written.
+Consumer, worker side (``Coverage``, one per KV cache group): which tokens of every layer of the
+group of one request have landed in its vLLM blocks. Between vLLM engines the unit of transfer is
+the whole block (a block's bytes are not token-contiguous), so a range ``[s, e)`` moves blocks
+``s // bs .. ceil(e / bs) - 1`` (``bs``: the group's block size), and the last of them may be valid
+only in part. Ranges may land in any order, and a block copied early holds fewer valid tokens than
+the same block copied later: a block is written only when the copy at hand holds more valid tokens
+than the one already there, so an older, shorter copy never overwrites a newer one. Blocks before
+``first_block`` (the decode's own prefix-cache hit) and blocks that are the decode's null block (a
+sliding window's blocks outside the window) are not needed: never written, never pulled.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvoffload_vllm.kv_groups import NULL_BLOCK
 from openai_api.transfer_params import KVTransferParams
 
 
@@ -37,14 +42,15 @@ class Peer:
 
 @dataclass(frozen=True)
 class Send:
-    """Tokens ``[start, end)`` of request ``req_id`` are computed by the end of this step."""
+    """Tokens ``[start, end)`` of request ``req_id`` are computed by the end of this step;
+    ``block_ids[g]``: its vLLM blocks of KV cache group g in this step."""
 
     req_id: str
     peer: Peer
     start: int
     end: int
     prompt_len: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
 
 
 def peer_of(params: KVTransferParams | None) -> Peer | None:
@@ -64,35 +70,34 @@ def peer_of(params: KVTransferParams | None) -> Peer | None:
 class _Outgoing:
     peer: Peer
     prompt_len: int
-    block_ids: list[int]
     sent_to: int = 0  # prompt tokens covered by sends so far
 
 
 class SendPlanner:
-    """Producer scheduler side: per request its decode and blocks; per step its sends."""
+    """Producer scheduler side: per request its decode; per step its sends."""
 
     def __init__(self) -> None:
         self._reqs: dict[str, _Outgoing] = {}
 
     def allocated(self, req_id: str, peer: Peer, prompt_len: int) -> None:
         if req_id not in self._reqs:
-            self._reqs[req_id] = _Outgoing(peer, prompt_len, [])
+            self._reqs[req_id] = _Outgoing(peer, prompt_len)
 
-    def step(
-        self, req_id: str, block_ids: list[int] | None, replace: bool, computed: int, scheduled: int
-    ) -> Send | None:
-        """One scheduled step of ``req_id``: ``block_ids`` new (or, with ``replace``, all) blocks;
+    def sends(self, req_id: str) -> bool:
+        """Whether ``req_id`` goes to a decode."""
+        return req_id in self._reqs
+
+    def step(self, req_id: str, block_ids: Sequence[Sequence[int]], computed: int, scheduled: int) -> Send | None:
+        """One scheduled step of ``req_id``: ``block_ids`` all its blocks per KV cache group now;
         ``computed`` tokens before the step, ``scheduled`` in it. None when nothing is to send."""
         req = self._reqs.get(req_id)
         if req is None:
             return None
-        if block_ids:
-            req.block_ids = list(block_ids) if replace else req.block_ids + list(block_ids)
         end = min(computed + scheduled, req.prompt_len)
         if end <= req.sent_to:
             return None
         start, req.sent_to = req.sent_to, end
-        return Send(req_id, req.peer, start, end, req.prompt_len, tuple(req.block_ids))
+        return Send(req_id, req.peer, start, end, req.prompt_len, tuple(tuple(ids) for ids in block_ids))
 
     def finished(self, req_id: str) -> bool:
         """Forget ``req_id``; True if anything of it was sent (its blocks must outlive the reads)."""
@@ -106,14 +111,19 @@ def blocks_of(start: int, end: int, block_size: int) -> range:
 
 
 class Coverage:
-    """Consumer side: valid tokens per (layer, block) of one request's ``num_tokens`` to load."""
+    """Consumer side: valid tokens per (layer, block) of one KV cache group (``num_layers`` layers,
+    ``block_size`` tokens per block) of one request's ``num_tokens`` to load into its ``block_ids``."""
 
-    def __init__(self, num_layers: int, num_tokens: int, block_size: int, first_block: int = 0) -> None:
+    def __init__(
+        self, num_layers: int, num_tokens: int, block_size: int, first_block: int = 0, block_ids: Sequence[int] = ()
+    ) -> None:
         self.num_tokens, self.block_size, self.first_block = num_tokens, block_size, first_block
         nblocks = -(-num_tokens // block_size)
         self.needed = torch.tensor(
             [min(block_size, num_tokens - b * block_size) for b in range(nblocks)], dtype=torch.int32
         )
+        null = [b for b, i in enumerate(block_ids[:nblocks]) if i == NULL_BLOCK]
+        self.needed[torch.tensor(null, dtype=torch.long)] = 0
         self.valid = torch.zeros((num_layers, nblocks), dtype=torch.int32)
         self.valid[:, :first_block] = self.needed[:first_block]
 
@@ -124,7 +134,8 @@ class Coverage:
             return torch.empty(0, dtype=torch.long)
         b = torch.arange(blocks.start, blocks.stop)
         have = (torch.clamp(end - b * self.block_size, max=self.block_size)).to(torch.int32)
-        better = have > self.valid[layer, blocks.start : blocks.stop]
+        valid = self.valid[layer, blocks.start : blocks.stop]
+        better = (have > valid) & (valid < self.needed[blocks.start : blocks.stop])
         return torch.nonzero(better).flatten()
 
     def landed(self, layer: int, start: int, end: int, written: torch.Tensor) -> None:

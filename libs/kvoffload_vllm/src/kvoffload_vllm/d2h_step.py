@@ -13,16 +13,17 @@ from kvoffload_vllm.d2h_plan import Send
 @dataclass(frozen=True)
 class Recv:
     """A decode request whose prompt KV comes from a prefill: vLLM request ``req_id``, known to the
-    proxy and the prefill as ``transfer_id``; ``block_ids`` for the prompt's ``num_tokens`` tokens,
-    of which blocks before ``first_block`` are this decode's own prefix-cache hit."""
+    proxy and the prefill as ``transfer_id``; ``block_ids[g]`` its blocks of KV cache group g for the
+    prompt's ``num_tokens`` tokens (vLLM's null block where a sliding window skips one), of which the
+    first ``local_tokens`` tokens are this decode's own prefix-cache hit."""
 
     req_id: str
     transfer_id: str
     metaserver: str
     token: str | None
     num_tokens: int
-    first_block: int
-    block_ids: tuple[int, ...]
+    local_tokens: int
+    block_ids: tuple[tuple[int, ...], ...]
 
 
 @dataclass

@@ -5,8 +5,8 @@ block: ``cache[b]`` is block b of that layer (on CPU ``[num_blocks, num_kv_heads
 head_size]``-like; the order inside a block is the backend's business). A block is copied byte for
 byte, so it goes back into any engine with the same layout unchanged; the layout's digest (and, with
 several KV cache groups, the group's) is part of every block key, so engines whose layouts differ
-never read each other's blocks. ``CacheLayout`` is the one contiguous group the D2H connector and the
-shared layer buffers take (the store takes any groups: ``kvoffload_vllm.group_caches``).
+never read each other's blocks. ``CacheLayout`` is the one contiguous group the shared layer buffers
+take (the store and the D2H connector take any groups: ``kvoffload_vllm.group_caches``).
 """
 
 from __future__ import annotations
@@ -19,11 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcore.configerrors import ConfigError
-
 if TYPE_CHECKING:
-    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
-
     from kvoffload_vllm.kv_groups import KVGroup
 
 
@@ -134,14 +130,3 @@ class CacheLayout:
                 f"a block of layer {order[0]!r} is {layout.block_bytes} bytes, the KV cache spec says {page_bytes}"
             )
         return layout
-
-
-def cache_spec(kv_cache_config: KVCacheConfig) -> tuple[list[str], AttentionSpec]:
-    """(layer names, spec) of the one attention group the connector supports; ConfigError otherwise."""
-    from vllm.v1.kv_cache_interface import AttentionSpec
-
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
-        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-        raise ConfigError([f"AscendStoreConnector: supports one full-attention KV cache group; the model has {kinds}"])
-    return list(groups[0].layer_names), groups[0].kv_cache_spec

@@ -7,10 +7,13 @@ watchdog quiet while anything of it is outstanding). After each layer's attentio
 (``layer_saved``) every send of the step is announced for that layer (ReadReady, answered when the
 decode pulled it); the forward does not wait. The decode pulls through this worker's LayerSource
 gRPC server, which streams whole blocks straight out of vLLM's cache tensor (rows of a vLLM block
-are not token-contiguous, so only block-aligned ranges are served). A request is reported finished
-(``finished``) once vLLM finished it and every announce of it was answered, READ_DONE or not; only
-then may vLLM free its blocks. Each announce holds its layer at the reuse gate
-(``kvoffload_vllm.reuse_gate``) until it is answered: with shared layer buffers, the next layer of
+are not token-contiguous, so only ranges aligned to the layer's block size are served), through the
+block ids of the layer's KV cache group in the request's latest send (``kvoffload_vllm.d2h_layers``):
+the scheduler's ids, never the worker's attention metadata, whose sliding-window table keeps stale
+ids of blocks vLLM nulled and may have handed to another group. vLLM's null block is never served.
+A request is reported finished (``finished``) once vLLM finished it and every announce of it was
+answered, READ_DONE or not; only then may vLLM free its blocks. Each announce holds its layer at the
+reuse gate (``kvoffload_vllm.reuse_gate``) until it is answered: with shared layer buffers, the next layer of
 the buffer is not written before the decode pulled this one. Its log line says how many layers the
 decode had pulled before the last layer of their step was announced (``layers_read_during_forward``:
 the pull is layerwise).
@@ -28,13 +31,12 @@ import grpc
 import structlog
 import torch
 
-from kvcore.layout import dtype_name
 from kvcore.segment import host_id
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
-from kvoffload_vllm.block_bytes import block_bytes
+from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import Send, blocks_of
 from kvoffload_vllm.d2h_settings import D2HSettings
-from kvoffload_vllm.layout import CacheLayout
+from kvoffload_vllm.kv_groups import NULL_BLOCK
 from kvoffload_vllm.reuse_gate import GATE
 from kvoffload_vllm.stats import Counters
 from pdlink.layer_source import LayerSourceServicer, RowBuffer
@@ -96,11 +98,8 @@ class _Announce:
 
 
 class Producer(RowBuffer):
-    def __init__(
-        self, settings: D2HSettings, model_id: str, layout: CacheLayout, caches: dict[str, torch.Tensor]
-    ) -> None:
-        self.settings, self.layout, self.caches = settings, layout, caches
-        self._bytes = {name: block_bytes(t, name) for name, t in caches.items()}
+    def __init__(self, settings: D2HSettings, model_id: str, layers: D2HLayers) -> None:
+        self.settings, self.layers = settings, layers
         self._lock = threading.Lock()
         self._reqs: dict[str, _Outgoing] = {}  # by transfer id (the decode's and the proxy's name)
         self._by_req: dict[str, str] = {}  # vLLM request id -> transfer id
@@ -117,15 +116,11 @@ class Producer(RowBuffer):
             raise RuntimeError(f"cannot bind the LayerSource at {settings.advertise_host}:{settings.data_port}")
         self._server.start()
         self.data_endpoint = f"{settings.advertise_host}:{port}"
-        row_bytes = layout.block_bytes // layout.block_size
         self.metadata = transfer_pb2.LayoutMetadata(
             model_id=model_id,
-            num_layers=len(layout.layer_names),
-            block_size=layout.block_size,
-            layers=[
-                transfer_pb2.LayerLayout(layer=i, slot=i, main_row_bytes=row_bytes, main_dtype=dtype_name(layout.dtype))
-                for i in range(len(layout.layer_names))
-            ],
+            num_layers=len(layers.names),
+            block_size=layers.groups[0].block_size,
+            layers=layers.layer_layouts(),
             prefill_tp_rank=0,
             prefill_tp_size=1,
             data_endpoint=self.data_endpoint,
@@ -135,8 +130,8 @@ class Producer(RowBuffer):
         log.info(
             "kvoffload_d2h_producer",
             data_endpoint=self.data_endpoint,
-            layers=len(layout.layer_names),
-            block_bytes=layout.block_bytes,
+            layers=len(layers.names),
+            block_sizes=[g.block_size for g in layers.groups],
             layout_version=self.metadata.layout_version,
         )
 
@@ -181,7 +176,7 @@ class Producer(RowBuffer):
             self._begin_step(meta)
         if not self._step:
             return
-        layer = self.layout.plane(layer_name)
+        layer = self.layers.index(layer_name)
         for out in self._step:
             with self._lock:
                 out.outstanding += 1
@@ -216,7 +211,7 @@ class Producer(RowBuffer):
 
     def _answered(self, out: _Outgoing, layer: int, failure: str, clock: _StepClock) -> None:
         at = time.perf_counter()
-        GATE.release(self.layout.layer_names[layer], "pull")
+        GATE.release(self.layers.names[layer], "pull")
         with self._lock:
             out.outstanding -= 1
             if failure:
@@ -274,12 +269,24 @@ class Producer(RowBuffer):
             )
         if request.kind != transfer_pb2.PLANE_KIND_MAIN:
             raise MalformedRead("this prefill has no indexer plane (vLLM's KV only)")
-        bs = self.layout.block_size
-        if request.layer >= len(self.layout.layer_names) or request.src_start % bs or request.src_end % bs:
+        if request.layer >= len(self.layers.names):
+            raise MalformedRead(f"layer {request.layer}: this prefill has {len(self.layers.names)} layers")
+        bs = self.layers.block_size(request.layer)
+        if request.src_start % bs or request.src_end % bs:
             raise MalformedRead(
-                f"layer {request.layer} or range [{request.src_start}, {request.src_end}) is "
-                f"malformed (vLLM blocks: block-aligned ranges of {bs} rows only)"
+                f"layer {request.layer} range [{request.src_start}, {request.src_end}) is malformed "
+                f"(vLLM blocks: block-aligned ranges of {bs} rows only)"
             )
+        blocks = blocks_of(request.src_start, request.src_end, bs)
+        ids = torch.tensor(self._block_ids(request, blocks), dtype=torch.long)
+        data = self.layers.pages[request.layer].index_select(0, ids)
+        self.counters.add(blocks_served=len(ids), bytes_served=data.numel())
+        return data.view(-1)
+
+    def _block_ids(self, request, blocks: range) -> tuple[int, ...]:
+        """The vLLM block ids of ``blocks`` of the request's layer, from its latest send; ``Refused`` for a
+        request not sent from here, another generation, blocks it lacks or vLLM's null block."""
+        group = self.layers.group_of[request.layer]
         with self._lock:
             out = self._reqs.get(request.request_id)
             if out is None:
@@ -289,17 +296,21 @@ class Producer(RowBuffer):
                     f"request {request.request_id!r} is generation {out.generation}, not {request.generation}",
                     grpc.StatusCode.FAILED_PRECONDITION,
                 )
-            blocks = blocks_of(request.src_start, request.src_end, bs)
-            block_ids = out.send.block_ids
-            if blocks.stop > len(block_ids):
-                raise Refused(
-                    f"rows up to {request.src_end}: the request holds {len(block_ids)} blocks",
-                    grpc.StatusCode.OUT_OF_RANGE,
-                )
-            ids = torch.tensor(block_ids[blocks.start : blocks.stop], dtype=torch.long)
-        data = self._bytes[self.layout.layer_names[request.layer]].index_select(0, ids)
-        self.counters.add(blocks_served=len(ids), bytes_served=data.numel())
-        return data.view(-1)
+            block_ids = out.send.block_ids[group]
+        if blocks.stop > len(block_ids):
+            raise Refused(
+                f"rows up to {request.src_end}: the request holds {len(block_ids)} blocks of KV cache group {group}",
+                grpc.StatusCode.OUT_OF_RANGE,
+            )
+        ids = block_ids[blocks.start : blocks.stop]
+        if NULL_BLOCK in ids:  # a sliding window's block vLLM freed: its bytes may be another group's now
+            raise Refused(
+                f"layer {request.layer} ({self.layers.names[request.layer]}): block "
+                f"{blocks.start + ids.index(NULL_BLOCK)} of KV cache group {group} is out of the sliding window "
+                "(vLLM's null block): not served",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+        return ids
 
     def take_counters(self) -> dict[str, float]:
         """The sums since the last report."""

@@ -98,10 +98,15 @@ class ReadOutcome:
 
 class RowSink(ABC):
     """Where a consumer's pulled rows go (module doc, hook by hook). ``num_layers`` and
-    ``block_size`` are what a prefill's layout must match."""
+    ``block_size`` (each layer's: ``layer_block_size``) are what a prefill's layout must match."""
 
     num_layers: int
     block_size: int
+
+    def layer_block_size(self, layer: int) -> int:
+        """Tokens per block of ``layer`` (``block_size`` unless the sink's layers differ: vLLM's hybrid
+        KV cache manager gives each KV cache group its own)."""
+        return self.block_size
 
     @abstractmethod
     def layout_problem(self, meta: transfer_pb2.LayoutMetadata) -> str:
@@ -196,6 +201,12 @@ class PullConsumer:
             return f"num_layers: prefill {m.num_layers} ({len(m.layers)} described), decode {sink.num_layers}"
         if m.block_size != sink.block_size:
             return f"block_size: prefill {m.block_size}, decode {sink.block_size}"
+        for i, lay in enumerate(m.layers):  # a layer's own block size; 0: the layout's
+            if (lay.block_size or m.block_size) != sink.layer_block_size(i):
+                return (
+                    f"layers[{i}].block_size: prefill {lay.block_size or m.block_size}, "
+                    f"decode {sink.layer_block_size(i)}"
+                )
         mine = "memfabric" if self.memfabric is not None else "kvoffload"
         theirs = "memfabric" if m.memfabric_session else "kvoffload"
         if mine != theirs:
