@@ -5,7 +5,7 @@ the decode the D2H consumer, the proxy is the one the reference stack uses, unch
 6-layer Llama (fp32) keeps it fast; its prefill keeps 4 shared layer buffers for the 6 layers.
 
 - Greedy tokens through the proxy equal one plain vLLM server's (no connector), for prompts of 1,
-  block_size - 1 and >= 2,000 tokens, completions and chat, streaming and not, 8 at once. The
+  block_size - 1, 2,100 and 8,000 tokens, completions and chat, streaming and not, 8 at once. The
   decode computes the last prompt token itself (vLLM's P/D: it samples the first token), over the
   pulled KV, in a kernel call of its own: log-probabilities are compared within 1e-3.
 - Layerwise: the decode had pulled early layers before the prefill announced the last one (the
@@ -41,7 +41,9 @@ PROMPTS = {
     "one": [1000],
     "block-1": list(range(2000, 2000 + BLOCK - 1)),
     "long": [(i * 7919) % 40000 + 1000 for i in range(2100)],
+    "8k": [(i * 6133) % 40000 + 1000 for i in range(8000)],  # several prefill chunks over the shared buffers
 }
+MAX_LEN = 8192 + 64
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow, one per line."}]
 # the prefill on one half of the cores, the decode (and the plain server it is compared with) on the other
 HALVES = split_cores() or ("", "")
@@ -100,49 +102,41 @@ def same(got: dict, want: dict) -> None:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    return tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "llama6", num_layers=LAYERS)
-
-
-@pytest.fixture(scope="module")
-def plain(model, tmp_path_factory):
-    """What one vLLM server without any connector answers (then it stops, to leave the cores free)."""
-    with VllmServer(
-        model, max_model_len=4096, log_path=tmp_path_factory.mktemp("plain") / "v.log", env=DECODE_ENV
-    ) as v:
-        return answers(v.url)
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "llama6", num_layers=LAYERS, max_positions=MAX_LEN)
 
 
 @pytest.fixture(scope="module")
 def pd(model, tmp_path_factory):
+    """The P/D pair behind the proxy, and a plain vLLM server without any connector (on the decode's
+    cores), all started side by side."""
     logs = tmp_path_factory.mktemp("pd")
     ports = free_stack_ports(1, 1)
+
+    def server(name: str, env: dict, port: int | None = None, kv_config: str | None = None) -> VllmServer:
+        return VllmServer(
+            model,
+            port=port,
+            max_model_len=MAX_LEN,
+            log_path=logs / f"{name}.log",
+            env=env,
+            extra_args=["--kv-transfer-config", kv_config] if kv_config else [],
+        )
+
     with Metastore(logs / "metastore.log") as ms:
-        prefill = VllmServer(
-            model,
-            port=ports["prefill_ports"][0],
-            max_model_len=4096,
-            log_path=logs / "prefill.log",
-            env=PREFILL_ENV,
-            extra_args=["--kv-transfer-config", vllm_prefill_transfer_config(ms.address)],
-        )
-        decode = VllmServer(
-            model,
-            port=ports["decode_ports"][0],
-            max_model_len=4096,
-            log_path=logs / "decode.log",
-            env=DECODE_ENV,
-            extra_args=["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"])],
-        )
-        with running(prefill, decode):
+        prefill = server("prefill", PREFILL_ENV, ports["prefill_ports"][0], vllm_prefill_transfer_config(ms.address))
+        decode = server("decode", DECODE_ENV, ports["decode_ports"][0], vllm_decode_transfer_config(ports["kv_port"]))
+        with running(prefill, decode, server("plain", DECODE_ENV)) as (_, _, plain):
             proxy = Proxy(ports["proxy_port"], prefill.port, decode.port, logs / "proxy.log")
             try:
-                yield {"proxy": proxy, "prefill": prefill, "decode": decode, "metastore": ms}
+                yield {"proxy": proxy, "prefill": prefill, "decode": decode, "metastore": ms, "plain": plain}
             finally:
                 proxy.close()
 
 
-def test_greedy_tokens_through_the_proxy_equal_one_plain_vllm_server(pd, plain):
-    same(answers(pd["proxy"].url), plain)
+def test_greedy_tokens_through_the_proxy_equal_one_plain_vllm_server(pd):
+    want = answers(pd["plain"].url)
+    pd["plain"].stop()  # its cores to the decode
+    same(answers(pd["proxy"].url), want)
     decode_log, prefill_log = pd["decode"].log_text(), pd["prefill"].log_text()
     assert "kvoffload_d2h_pulled" in decode_log and "kvoffload_d2h_load_failed" not in decode_log, decode_log[-3000:]
     assert "kvoffload_d2h_sent" in prefill_log and "kvoffload_d2h_reads_failed" not in prefill_log

@@ -88,13 +88,18 @@ def _tiny_model_dir(path: Path, record: dict, write: Callable[[Path, Path], None
     return path
 
 
-def tiny_llama_dir(path: Path, *, seed: int = 0, num_layers: int = 2, sliding_window: int | None = None) -> Path:
+def tiny_llama_dir(
+    path: Path, *, seed: int = 0, num_layers: int = 2, sliding_window: int | None = None, max_positions: int = 4096
+) -> Path:
     """Write a random-weight float32 Llama (hidden 128, 4 heads of 32, 2 KV heads) with the SmolLM2
     tokenizer into ``path`` unless it is already complete. The same ``seed`` gives byte-identical weights.
     The directory appears complete or not at all (built next to it, then renamed into place).
     ``sliding_window``: a hybrid model, odd layers sliding-window attention of that many tokens and even
-    layers full attention (``layer_types``: vLLM's hybrid KV cache manager makes two KV cache groups)."""
+    layers full attention (``layer_types``: vLLM's hybrid KV cache manager makes two KV cache groups).
+    ``max_positions``: the longest sequence it takes (``max_position_embeddings``)."""
     record: dict[str, Any] = {"seed": seed, "num_layers": num_layers, "tokenizer": "smollm2"}
+    if max_positions != 4096:
+        record["max_positions"] = max_positions
     hybrid: dict[str, Any] = {}
     if sliding_window is not None:
         record["sliding_window"] = sliding_window
@@ -113,7 +118,7 @@ def tiny_llama_dir(path: Path, *, seed: int = 0, num_layers: int = 2, sliding_wi
             head_dim=32,  # vLLM CPU: head_dim >= 32
             intermediate_size=256,
             num_hidden_layers=num_layers,
-            max_position_embeddings=4096,
+            max_position_embeddings=max_positions,
             **hybrid,
             **_tokenizer_ids(tokenizer_dir),
         )
