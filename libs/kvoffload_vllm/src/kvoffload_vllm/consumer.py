@@ -72,6 +72,7 @@ class _Incoming:
     reason: str = ""
     busy: int = 0  # pulls in flight
     bytes: int = 0
+    layer_blocks: list[int] = field(default_factory=list)  # blocks written per layer (wire order)
     write_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def layers_done(self) -> int:
@@ -130,6 +131,7 @@ class Consumer(RowSink):
                     for g in groups
                 ],
                 [torch.tensor(recv.block_ids[g.index], dtype=torch.long) for g in groups],
+                layer_blocks=[0] * self.num_layers,
             )
             with self._lock:
                 self._reqs[recv.transfer_id] = inc
@@ -237,6 +239,7 @@ class Consumer(RowSink):
                     transfer_id=inc.recv.transfer_id,
                     tokens=inc.recv.num_tokens,
                     bytes=inc.bytes,
+                    layer_blocks=inc.layer_blocks,
                     seconds=seconds,
                     prefill=inc.peer,
                 )
@@ -325,6 +328,7 @@ class Consumer(RowSink):
             idx, blocks = idx[kept], blocks[kept]
             lay.pages[r.layer].index_copy_(0, inc.block_ids[group][blocks], data[blocks - pulled.start])
             coverage.landed(plane, r.src_start, r.src_end, idx)
+            inc.layer_blocks[r.layer] += len(idx)
             complete = inc.complete
         self.counters.add(blocks_pulled=len(idx))
         with self._lock:
