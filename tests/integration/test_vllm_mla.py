@@ -12,7 +12,7 @@ prefix caching is off, so a prefix it saw comes back from the host pool.
 - Store: the prefill (its MultiConnector's store) saves a prompt's full blocks layer by layer; given
   the prompt plus a new suffix, it loads them from the pool into its shared buffers (vLLM counts the
   external prefix hit, the connector logs the load) and answers with the plain server's greedy
-  tokens, log-probabilities within 1e-3. (A fresh server loading another's pool: test_vllm_store.py.)
+  tokens, log-probabilities within 1e-3. (A fresh server loading another's pool: test_vllm_hybrid.py.)
 - P/D (the vLLM prefill's MultiConnector: remote D2H producer + store; the vLLM decode the D2H
   consumer): greedy answers through the proxy follow the plain server's for prompts of 1, 15, 300
   and 1,500 tokens, completions and chat, streaming and not, and 4 requests at once; every prompt
