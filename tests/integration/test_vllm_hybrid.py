@@ -17,8 +17,7 @@ hybrid manager was turned off.
   forward goes on, the layers already computed are saved (layerwise).
 - P/D: greedy tokens through the proxy equal the plain server's for prompts of 1, 127, 700 and 2,100
   tokens (the 2,100-token one begins with the prefix A computed before: A's own prefix-cache hit is
-  sent on too), one
-  streamed, and a chat; log-probabilities within 1e-3. Every layer of every pulled request landed
+  sent on too), one streamed, and a chat; log-probabilities within 1e-3. Every layer of every pulled request landed
   (the decode logs each layer's blocks): the full-attention layers every block of the prompt, the
   sliding-window layers only the few blocks their window reaches into (the decode's null blocks are
   never pulled).
