@@ -1,6 +1,7 @@
 """``kvoffload bench vllm`` on a small model: the pool's hit covers every full block of the prompt
 but the one holding its last token, the hit's tokens equal the miss's; P/D through the proxy gives
-the plain server's tokens, the decode pulled the prompt's blocks (no more), and the JSON carries
+the plain server's tokens (the equality matrix's completions, streams, chats and burst too), the
+decode pulled the prompt's blocks (no more), and the JSON carries
 every field, the P/D ratios and the goal's verdict included."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def test_bench_vllm_small(tmp_path):
         pd_prompt_tokens=300,
         pd_max_tokens=8,
         shared_prompt_tokens=1000,
+        pd_matrix_tokens=(1, 127, 700),
         progress=False,
     )
     json.dumps(r)
@@ -41,6 +43,9 @@ def test_bench_vllm_small(tmp_path):
     assert r["pd_tokens_equal"] is True and r["pd_per_round"][0]["tokens_equal"] is True
     assert {r["pd_per_round"][0][f"{side}_tpot_source"] for side in ("plain", "pd")} <= {"stream", "server"}
     assert r["pd_requests_pulled"] == 1 and r["pd_requests_failed"] == 0, r
+    # the equality matrix: every case through the proxy answered as the plain server did
+    assert r["pd_matrix_mismatches"] == [] and r["goals_met"]["pd_matrix_tokens_equal"] is True, r
+    assert {"completion-700", "stream-127", "chat", "chat-stream", "burst-7"} <= set(r["pd_matrix_cases"])
     # 300 tokens: 3 blocks of 128, K and V of 6 layers, 2 KV heads of 32, fp32
     assert r["pd_prompt_kv_bytes"] == 3 * 128 * 2 * 6 * 2 * 32 * 4
     # shared layer buffers on the prefill: 6 layers on 4 buffers ([0], [1, 4], [2, 5], [3]), same KV budget

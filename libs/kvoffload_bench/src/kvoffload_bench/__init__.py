@@ -35,7 +35,8 @@ The P/D stack and vLLM (bench ``pd``, ``load``, ``vllm``):
 - ``load``: the P/D stack under a burst of concurrent clients vs the single-process engine.
 - ``vllm_connectors``: the kvoffload connectors inside real vLLM servers (store hits, P/D). ``vllm_goals``: its
   goals and what was not measured. ``vllm_shared``: its shared-layer-buffer figures (the P/D prefill's KV
-  capacity, bytes per token, long-prompt TTFT and pool hits against the plain server).
+  capacity, bytes per token, long-prompt TTFT and pool hits against the plain server). ``pd_matrix``: its
+  P/D equality matrix (prompt lengths, completions and chat, streamed and not, a burst; plain vs proxy).
 
 The stacks, servers, oracle and SSE reader these run on are ``kvoffload_testing``'s.
 

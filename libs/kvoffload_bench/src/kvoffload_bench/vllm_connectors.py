@@ -43,6 +43,10 @@ through the proxy; both had a warm-up request of that length first.
   128 tokens), K and V of every layer in float32;
 - ``pd_cores``: the ``VLLM_CPU_OMP_THREADS_BIND`` each server got (None: unbound, one core only).
 
+- ``pd_matrix_tokens_equal``: every request of the equality matrix (``kvoffload_bench.pd_matrix``:
+  prompts of ``pd_matrix_tokens`` tokens, completions and chat, streamed and not, 8 at once) gives
+  the plain server's answer through the proxy; ``pd_matrix_mismatches`` names those that did not.
+
 ``tokens_equal`` covers both parts: the hit's tokens equal the miss's, and P/D's equal plain's.
 
 Shared layer buffers: the P/D prefill keeps the seed's few shared layer buffers; against the plain
@@ -65,6 +69,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvoffload_bench import pd_matrix
 from kvoffload_bench.vllm_goals import goals
 from kvoffload_bench.vllm_shared import baseline, shared_figures
 from kvoffload_testing.prom import metric
@@ -187,14 +192,16 @@ def _plain_server(model_dir: Path, work: Path, max_len: int):
     )
 
 
-def _plain(plain, name: str, rounds: int, prompt_tokens: int, max_tokens: int, shared_tokens: int, say):
+def _plain(plain, name: str, rounds: int, prompt_tokens: int, max_tokens: int, shared_tokens: int, matrix, say):
     """The P/D part's baseline: the same prompts on the plain server (nothing else runs meanwhile),
-    then the shared-buffer figures' (``vllm_shared.baseline``)."""
+    then the shared-buffer figures' (``vllm_shared.baseline``), then the equality matrix's answers
+    (``pd_matrix``, prompts of ``matrix`` tokens)."""
     say(f"plain server up on cores {_cores()[1].get('VLLM_CPU_OMP_THREADS_BIND', 'all')}")
     _stream(plain.url, name, _pd_prompt(-1, prompt_tokens), max_tokens)  # warm-up
     plain_rounds = _timed_rounds(plain.url, name, rounds, prompt_tokens, max_tokens, plain.url)
     say(f"plain: {[{k: v for k, v in p.items() if k != 'tokens'} for p in plain_rounds]}")
-    return plain_rounds, baseline(_stream, plain.url, name, shared_tokens)
+    long_baseline = baseline(_stream, plain.url, name, shared_tokens)
+    return plain_rounds, long_baseline, pd_matrix.answers(plain.url, name, matrix)
 
 
 def _pd_servers(model_dir: Path, work: Path, metastore: str, ports: dict, max_len: int, prefill_env, decode_env):
@@ -233,14 +240,15 @@ def _pd_pair(p: dict, d: dict) -> dict:
 
 
 def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens: int, say, plain: tuple) -> dict:
-    """The P/D stack on the prompts the plain server answered (``plain``: ``_plain``'s rounds and
-    long-prompt baseline): the ``pd_*`` fields, and the prefill's shared-buffer figures."""
-    plain_rounds, long_baseline = plain
+    """The P/D stack on the prompts the plain server answered (``plain``: ``_plain``'s rounds,
+    long-prompt baseline and matrix answers): the ``pd_*`` fields, and the prefill's shared-buffer figures."""
+    plain_rounds, long_baseline, matrix_want = plain
     from kvoffload_testing.ports import free_stack_ports
     from kvoffload_testing.vllm_server import Metastore, Proxy, running
 
     prefill_env, decode_env = _cores()
-    name, max_len = str(model_dir), _max_len(prompt_tokens, max_tokens, long_baseline["prompt_tokens"])
+    lengths = tuple(sorted({int(k.split("-")[1]) for k in matrix_want if k.startswith("completion-")}))
+    name, max_len = str(model_dir), _max_len(prompt_tokens, max_tokens, max(long_baseline["prompt_tokens"], *lengths))
 
     ports = free_stack_ports(1, 1)
     counters = [CONSUMER.format(c) for c in ("bytes_read", "requests_pulled", "requests_failed")]
@@ -257,6 +265,8 @@ def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens
             after = _settled(decode.url, counters)
             shared = shared_figures(_stream, prefill, name, long_baseline["prompt_tokens"], long_baseline)
             say(f"shared buffers: {shared}")
+            matrix_off = pd_matrix.mismatches(pd_matrix.answers(proxy.url, name, lengths), matrix_want)
+            say(f"P/D matrix: {len(matrix_want)} cases, {len(matrix_off)} differ {matrix_off}")
     pulled, requests, failed = (after[c] - before[c] for c in counters)
     per_round = [_pd_pair(p, d) for p, d in zip(plain_rounds, pd_rounds)]
     say(f"P/D: {per_round}")
@@ -272,6 +282,9 @@ def _pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens
         "pd_ttft_ratio": med["pd_ttft_s"] / med["plain_ttft_s"],
         "pd_tpot_ratio": med["pd_tpot_s"] / med["plain_tpot_s"] if med["plain_tpot_s"] else None,
         "pd_tokens_equal": all(p["tokens_equal"] for p in per_round),
+        "pd_matrix_cases": sorted(matrix_want),
+        "pd_matrix_mismatches": matrix_off,
+        "pd_matrix_tokens_equal": not matrix_off,
         "pd_requests_pulled": int(requests),
         "pd_requests_failed": int(failed),
         "pd_bytes_pulled_per_request": int(pulled / requests) if requests else None,
@@ -341,6 +354,7 @@ def run(
     pd_prompt_tokens: int = 2000,
     pd_max_tokens: int = 32,
     shared_prompt_tokens: int = 8000,
+    pd_matrix_tokens: tuple[int, ...] = pd_matrix.MATRIX_TOKENS,
     progress: bool = True,
 ) -> dict:
     from kvoffload_testing.model_fetch import cached_model
@@ -357,7 +371,8 @@ def run(
     with Metastore(work / "metastore.log") as ms:
         server = _store_server(model_dir, work, ms.address, prefix_tokens)
         # the P/D part's plain server starts beside it (a start-up is mostly one core's work) and waits
-        plain_server = _plain_server(model_dir, work, _max_len(pd_prompt_tokens, pd_max_tokens, shared_prompt_tokens))
+        max_len = _max_len(pd_prompt_tokens, pd_max_tokens, max(shared_prompt_tokens, *pd_matrix_tokens))
+        plain_server = _plain_server(model_dir, work, max_len)
         with running(server, plain_server) as (server, plain):
             name = str(model_dir)
             _stream(server.url, name, [100 + i for i in range(64)], 2)  # warm-up
@@ -365,7 +380,9 @@ def run(
                 per_round.append(_store_round(server.url, name, r, prefix_tokens, max_tokens))
                 say(f"round {r + 1}/{rounds}: {per_round[-1]}")
             server.stop()  # the plain server is measured alone
-            baselines = _plain(plain, name, rounds, pd_prompt_tokens, pd_max_tokens, shared_prompt_tokens, say)
+            baselines = _plain(
+                plain, name, rounds, pd_prompt_tokens, pd_max_tokens, shared_prompt_tokens, pd_matrix_tokens, say
+            )
     pd = _pd(model_dir, work, rounds, pd_prompt_tokens, pd_max_tokens, say, baselines)
     per_token = _kv_bytes_per_token(model_dir)
     prompt_len = prefix_tokens + 40

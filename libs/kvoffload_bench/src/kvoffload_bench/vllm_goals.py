@@ -19,6 +19,7 @@ def goals(out: dict) -> dict:
         "tokens_equal": True,
         "pd_requests_pulled": out["rounds"],
         "pd_requests_failed": 0,
+        "pd_matrix_tokens_equal": True,
     }
     met = {
         "ttft_ratio_prefix_hit": out["ttft_ratio_prefix_hit"] <= GOAL_TTFT_RATIO,
@@ -26,6 +27,7 @@ def goals(out: dict) -> dict:
         "tokens_equal": out["tokens_equal"],
         "pd_requests_pulled": out["pd_requests_pulled"] >= out["rounds"],
         "pd_requests_failed": out["pd_requests_failed"] == 0,
+        "pd_matrix_tokens_equal": out["pd_matrix_tokens_equal"],
     }
     shared, shared_met = shared_goals(out)
     goals |= shared
