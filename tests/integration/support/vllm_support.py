@@ -127,13 +127,21 @@ def tiny_llama_dir(
     return _tiny_model_dir(path, record, write)
 
 
-def tiny_deepseek_v3_dir(path: Path, *, seed: int = 0, num_layers: int = 2) -> Path:
+def tiny_deepseek_v3_dir(path: Path, *, seed: int = 0, num_layers: int = 2, max_positions: int = 4096) -> Path:
     """Write a random-weight float32 DeepSeek-V3-architecture model (``DeepseekV3ForCausalLM``: MLA
     attention, dense MLPs only: ``first_k_dense_replace`` = ``num_layers``, so no MoE layer) with the
     SmolLM2 tokenizer into ``path`` unless it is already complete; like :func:`tiny_llama_dir`
     otherwise. Hidden 128, 4 heads; the latent KV row is vLLM's CPU MLA decode kernel's only size:
-    kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values per token and layer."""
-    record = {"seed": seed, "num_layers": num_layers, "tokenizer": "smollm2", "architecture": "deepseek_v3"}
+    kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values per token and layer. ``max_positions``: the longest
+    sequence it takes."""
+    record: dict[str, Any] = {
+        "seed": seed,
+        "num_layers": num_layers,
+        "tokenizer": "smollm2",
+        "architecture": "deepseek_v3",
+    }
+    if max_positions != 4096:
+        record["max_positions"] = max_positions
 
     def write(out: Path, tokenizer_dir: Path) -> None:
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -151,7 +159,7 @@ def tiny_deepseek_v3_dir(path: Path, *, seed: int = 0, num_layers: int = 2) -> P
             qk_nope_head_dim=32,
             v_head_dim=32,
             num_nextn_predict_layers=0,
-            max_position_embeddings=4096,
+            max_position_embeddings=max_positions,
             **_tokenizer_ids(tokenizer_dir),
         )
         _save_seeded(DeepseekV3ForCausalLM, config, seed, out, tokenizer_dir)
