@@ -9,34 +9,34 @@ host pool (``backend: "kvoffload"``: shared-memory segments indexed by ``kvofflo
                                       "metastore": "127.0.0.1:5000", "host_pool_gb": 1}}'
 
 Scheduler side (engine core process)
-    ``get_num_new_matched_tokens``  one MetaStore ``Exists`` over the prompt's block keys beyond the
-                                    local prefix-cache hit: the leading run of complete blocks is
-                                    the external hit (loaded synchronously, before the forward).
-                                    The MetaStore down: a warning and no hit, never a failure.
-    ``update_state_after_alloc``    remembers the promised tokens.
-    ``build_connector_meta``        ``kvoffload_vllm.plan``: this step's loads and saves.
-    ``request_finished``            forgets the request; blocks are freed at once (saves are
-                                    finished by the end of the step that computed them).
+    ``get_num_new_matched_tokens``  per KV cache group one MetaStore ``Exists`` over the prompt's
+                                    block keys beyond the local prefix-cache hit: the leading run
+                                    of complete blocks every group holds is the external hit
+                                    (loaded synchronously, before the forward). The MetaStore
+                                    down: a warning and no hit, never a failure.
+    ``update_state_after_alloc``    remembers the promised tokens; ``build_connector_meta``: this
+                                    step's loads and saves (``kvoffload_vllm.plan``).
+    ``request_finished_all_groups`` forgets the request; its blocks are freed at once (saves end with their step).
 
 Worker side (model runner process), hook by hook
-    ``register_kv_caches``          checks vLLM's per-layer caches (``kvoffload_vllm.layout``),
-                                    contributes a pool of ``host_pool_gb`` to the MetaStore.
+    ``register_kv_caches``          each group's caches as byte views (``group_caches``); a pool
+                                    per group to the MetaStore (``group_pools``, ``host_pool_gb``).
     ``start_load_kv``               a loader thread copies each layer's hit blocks from the pool
                                     (any pool on this host) into the request's vLLM blocks, layer
                                     0 first; ``wait_for_layer_load(layer)`` waits for that layer.
                                     A failed load marks the request's loaded blocks as load errors
                                     (``get_block_ids_with_load_errors``): vLLM recomputes them.
-    ``save_kv_layer``               at the step's first layer, allocates pool objects for the
-                                    blocks this step completes (blocks already in the pool, or
-                                    being written by another engine, are skipped); then each layer's
-                                    blocks are handed to a saver thread as the forward goes on.
-    ``wait_for_save``               the barrier: every layer written, or the failed objects removed
-                                    (an object is complete, and visible to lookups, only once all
-                                    its layers are written).
-    ``get_finished``                frees the host copies of finished requests (shared buffers).
-A kv_producer with ``layerwise_num_shared_buffers`` keeps a few shared layer buffers (sized by
-``kvoffload_vllm.kv_cache_patch``): its loads and its host copies run layer by layer in
-``kvoffload_vllm.shared_steps``. Counters go to structlog lines (request id) and vLLM's stats.
+    ``save_kv_layer``               at the step's first layer, allocates pool objects for the blocks
+                                    this step completes (those in the pool or being written by
+                                    another engine skipped); then each layer's blocks go to a
+                                    saver thread as the forward goes on.
+    ``wait_for_save``               the barrier: every layer written or the failed objects removed (an
+                                    object is visible to lookups once all its layers are written).
+    ``get_finished``                frees finished requests' host copies (shared buffers).
+A kv_producer with ``layerwise_num_shared_buffers`` keeps a few shared layer buffers (``kv_cache_patch``):
+its loads and host copies run layer by layer in ``shared_steps``. ``SupportsHMA``: each KV cache group by
+its own block table and block size (``kv_groups``); vLLM's null block (a sliding window's dropped blocks)
+is never saved or loaded into. Counters go to structlog lines (request id) and vLLM's stats.
 """
 
 from __future__ import annotations
