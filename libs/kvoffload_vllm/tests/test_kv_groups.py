@@ -22,8 +22,9 @@ FULL = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=tor
 SWA = SlidingWindowSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64)
 
 
-def config(*groups: KVCacheGroupSpec) -> KVCacheConfig:
-    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=list(groups))
+def config(*groups: KVCacheGroupSpec) -> list[KVCacheGroupSpec]:
+    """The groups as a ``KVCacheConfig`` holds them."""
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=list(groups)).kv_cache_groups
 
 
 def test_a_hybrid_models_groups_keep_their_layers_block_sizes_and_specs():

@@ -12,11 +12,12 @@ import pytest
 import torch
 from vllm.config.cache import _layout_from_name
 from vllm.v1.core import kv_cache_utils
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, UniformTypeKVCacheSpecs
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvcore.configerrors import ConfigError
 from kvoffload_vllm import kv_cache_patch, reuse_gate
+from kvoffload_vllm.kv_groups import kv_groups
 from kvoffload_vllm.request_kv import RequestKV
 from kvoffload_vllm.reuse_gate import ReuseGate, ReuseTimeout
 from kvoffload_vllm.shared_buffers import (
@@ -24,6 +25,7 @@ from kvoffload_vllm.shared_buffers import (
     check_caches,
     check_eager,
     check_vllm_version,
+    group_plan,
     plan_of,
     requested_in,
 )
@@ -136,6 +138,18 @@ def test_a_multi_group_cache_is_refused_for_shared_buffers():
         kv_cache_utils.get_kv_cache_config_from_groups(
             vllm_config(transfer_config(layerwise_num_shared_buffers=2)), groups, 10**6
         )
+
+
+def test_one_group_whose_layers_differ_in_spec_is_refused_for_shared_buffers():
+    """A buffer holds any layer of its bucket: a group mixing cache specs (DeepSeek-V4's indexer and
+    latent caches in one group) has no one page size to plan with."""
+    small = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=132, dtype=torch.uint8)
+    mixed = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={LAYERS[0]: small, LAYERS[1]: SPEC})
+    asked = requested_in(transfer_config(layerwise_num_shared_buffers=1))
+    with pytest.raises(ConfigError, match="one attention KV cache group of one cache spec"):
+        group_plan(asked, kv_groups([KVCacheGroupSpec(LAYERS[:2], mixed)], "AscendStoreConnector"))
+    one = kv_groups([KVCacheGroupSpec(LAYERS, SPEC)], "AscendStoreConnector")
+    assert group_plan(asked, one) == plan_of(asked, LAYERS, 16, SPEC.page_size_bytes, SPEC.dtype)
 
 
 def test_the_gate_waits_for_every_holder_and_fails_loudly_past_their_deadline(monkeypatch):

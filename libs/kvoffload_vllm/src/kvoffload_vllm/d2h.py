@@ -89,7 +89,7 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = d2h_settings(vllm_config)
         self.producer_role = self.settings.role == "kv_producer"
-        self._groups = kv_groups(kv_cache_config, D2H_CONNECTOR)
+        self._groups = kv_groups(kv_cache_config.kv_cache_groups, D2H_CONNECTOR)
         group_ids = group_model_ids(vllm_config, self._groups)
         self.model_id = ",".join(group_ids)  # one group: its id, as the store's
         # worker: a prefill's Producer or a decode's Consumer, once the caches are registered

@@ -122,8 +122,8 @@ class Coverage:
         self.needed = torch.tensor(
             [min(block_size, num_tokens - b * block_size) for b in range(nblocks)], dtype=torch.int32
         )
-        null = [b for b, i in enumerate(block_ids[:nblocks]) if i == NULL_BLOCK]
-        self.needed[torch.tensor(null, dtype=torch.long)] = 0
+        ids = torch.tensor(block_ids[:nblocks], dtype=torch.long)
+        self.needed[: len(ids)][ids == NULL_BLOCK] = 0  # the null block's tokens are not this decode's to hold
         self.valid = torch.zeros((num_layers, nblocks), dtype=torch.int32)
         self.valid[:, :first_block] = self.needed[:first_block]
 

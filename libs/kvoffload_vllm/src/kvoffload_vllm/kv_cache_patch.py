@@ -25,8 +25,15 @@ from dataclasses import replace
 
 import structlog
 
-from kvcore.configerrors import ConfigError
-from kvoffload_vllm.shared_buffers import SUPPORTED_VLLM, SharedBuffers, plan_of, requested_in, transfer_config_dict
+from kvcore.confignames import STORE_CONNECTOR
+from kvoffload_vllm.kv_groups import kv_groups
+from kvoffload_vllm.shared_buffers import (
+    SUPPORTED_VLLM,
+    SharedBuffers,
+    group_plan,
+    requested_in,
+    transfer_config_dict,
+)
 
 log = structlog.get_logger("vllm.kvoffload.shared_buffers")
 
@@ -78,24 +85,14 @@ def install() -> bool:
 
 
 def shared_plan(vllm_config, kv_cache_groups) -> SharedBuffers | None:
-    """The plan for these groups, None without one; ConfigError for a cache the plan cannot take."""
-    from vllm.v1.kv_cache_interface import AttentionSpec
-
+    """The plan for these groups, None without one; ConfigError for a cache the plan cannot take (the
+    store connector's own rule, ``shared_buffers.group_plan``)."""
     kv = vllm_config.kv_transfer_config
     asked = None if kv is None else requested_in(transfer_config_dict(kv))
     if asked is None:
         return None
     groups = [g for g in kv_cache_groups if not getattr(g, "host_resident", False)]
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
-        kinds = [type(g.kv_cache_spec).__name__ for g in kv_cache_groups]
-        raise ConfigError(
-            [
-                "kv_connector_extra_config.layerwise_num_shared_buffers: shared layer buffers inside vLLM "
-                f"take one attention KV cache group for now; this model has {kinds}"
-            ]
-        )
-    spec = groups[0].kv_cache_spec
-    return plan_of(asked, groups[0].layer_names, spec.block_size, spec.page_size_bytes, spec.dtype)
+    return group_plan(asked, kv_groups(groups, STORE_CONNECTOR))
 
 
 def reduced(kv_cache_groups, shared: SharedBuffers) -> list:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvcore.configerrors import ConfigError
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
 NULL_BLOCK = 0  # vLLM's BlockPool takes block 0 as its null block (padding of skipped blocks)
 
@@ -35,13 +35,13 @@ class KVGroup:
     specs: tuple[Any, ...]  # vLLM AttentionSpec per layer (the bytes of a block)
 
 
-def kv_groups(kv_cache_config: KVCacheConfig, connector: str) -> tuple[KVGroup, ...]:
-    """The groups of ``kv_cache_config``; ConfigError naming ``connector`` for a group that holds a
-    cache other than attention (a Mamba state)."""
+def kv_groups(kv_cache_groups: Sequence[KVCacheGroupSpec], connector: str) -> tuple[KVGroup, ...]:
+    """vLLM's ``kv_cache_groups`` (a ``KVCacheConfig``'s); ConfigError naming ``connector`` for a group
+    that holds a cache other than attention (a Mamba state)."""
     from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
 
     out = []
-    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+    for i, group in enumerate(kv_cache_groups):
         spec = group.kv_cache_spec
         per_layer = (
             dict(spec.kv_cache_specs)

@@ -98,18 +98,22 @@ def _names_store(config: object) -> bool:
 
 
 def group_plan(asked: Request | None, groups: Sequence[KVGroup]) -> SharedBuffers | None:
-    """``plan_of`` the model's one KV cache group; ConfigError naming the key when there are several."""
+    """``plan_of`` the model's one KV cache group, whose layers share one cache spec (a buffer holds any
+    of its layers); ConfigError naming the key otherwise."""
     if asked is None:
         return None
-    if len(groups) != 1:
+    spec = groups[0].specs[0]
+    if len(groups) != 1 or any(s != spec for s in groups[0].specs):
+        kinds = sorted({type(s).__name__ for g in groups for s in g.specs})
         raise ConfigError(
             [
-                "kv_connector_extra_config.layerwise_num_shared_buffers: shared layer buffers take one "
-                f"KV cache group; this model has {len(groups)} (block sizes {[g.block_size for g in groups]}): "
-                "drop the key, or start vLLM with --disable-hybrid-kv-cache-manager where the model allows it"
+                "kv_connector_extra_config.layerwise_num_shared_buffers: shared layer buffers inside vLLM take "
+                f"one attention KV cache group of one cache spec; this model has {len(groups)} group(s) (block "
+                f"sizes {[g.block_size for g in groups]}, specs {kinds}): drop the key, or start vLLM with "
+                "--disable-hybrid-kv-cache-manager where the model allows it"
             ]
         )
-    group, spec = groups[0], groups[0].specs[0]
+    group = groups[0]
     return plan_of(asked, list(group.layer_names), group.block_size, spec.page_size_bytes, spec.dtype)
 
 

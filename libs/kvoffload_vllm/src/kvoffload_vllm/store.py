@@ -21,11 +21,10 @@ Scheduler side (engine core process)
 Worker side (model runner process), hook by hook
     ``register_kv_caches``          each group's caches as byte views (``group_caches``); a pool
                                     per group to the MetaStore (``group_pools``, ``host_pool_gb``).
-    ``start_load_kv``               a loader thread copies each layer's hit blocks from the pool
-                                    (any pool on this host) into the request's vLLM blocks, layer
-                                    0 first; ``wait_for_layer_load(layer)`` waits for that layer.
-                                    A failed load marks the request's loaded blocks as load errors
-                                    (``get_block_ids_with_load_errors``): vLLM recomputes them.
+    ``start_load_kv``               a loader thread copies each layer's hit blocks from the pool (any
+                                    pool on this host) into the request's vLLM blocks, layer 0 first;
+                                    ``wait_for_layer_load(layer)`` waits for that layer. A failed load's
+                                    blocks are load errors (``get_block_ids_with_load_errors``): recomputed.
     ``save_kv_layer``               at the step's first layer, allocates pool objects for the blocks
                                     this step completes (those in the pool or being written by
                                     another engine skipped); then each layer's blocks go to a
@@ -56,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvcore.confignames import STORE_CONNECTOR
 from kvcore.hostpool import HostPoolBackend, PoolError
 from kvoffload_vllm.group_caches import GroupCaches
 from kvoffload_vllm.group_pools import load_groups, open_group_pools
@@ -99,10 +99,10 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._store = store_config(vllm_config)
-        self._groups = kv_groups(kv_cache_config, "AscendStoreConnector")
+        self._groups = kv_groups(kv_cache_config.kv_cache_groups, STORE_CONNECTOR)
         self._layer_order = [n for g in self._groups for n in g.layer_names]
         self._group_ids = group_model_ids(vllm_config, self._groups)
-        self.model_id = self._group_ids[0] if len(self._groups) == 1 else ",".join(self._group_ids)
+        self.model_id = ",".join(self._group_ids)  # one group: its id
         self._shared = group_plan(requested(vllm_config.kv_transfer_config.kv_role, self._store), self._groups)  # type: ignore[union-attr]  # store_config required it
         self._counters = Counters(COUNTERS)
         self._lock = threading.Lock()
