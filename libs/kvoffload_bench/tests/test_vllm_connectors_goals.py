@@ -86,6 +86,15 @@ def servers(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_vllm, "_stream", stream)
     monkeypatch.setattr(bench_vllm, "metric", lambda url, name: metrics[name])
     monkeypatch.setattr(bench_vllm, "_settled", lambda url, names: {n: metrics[n] for n in names})
+
+    def matrix(url: str, model: str, lengths: tuple[int, ...]) -> dict:
+        """The equality matrix's answers: the proxy's differ in one case where the test asks."""
+        out = {f"completion-{n}": (["a", "b"], [-0.5, -0.25]) for n in lengths}
+        if url in _Proxy.urls and pd_outcome.get("matrix") == "differs":
+            out[f"completion-{lengths[-1]}"] = (["a", "c"], [-0.5, -0.25])
+        return out
+
+    monkeypatch.setattr(bench_vllm.pd_matrix, "answers", matrix)
     monkeypatch.setattr(
         vllm_shared,
         "capacity_tokens",
@@ -128,6 +137,15 @@ def test_goals_are_met_when_every_p_d_request_pulled_its_kv(servers):
     assert r["goals"]["pd_requests_pulled"] == 2 and r["goals"]["pd_requests_failed"] == 0
     assert set(r["goals"]) == set(r["goals_met"])
     assert all(r["goals_met"].values()), r["goals_met"]
+    assert r["pd_matrix_mismatches"] == []
+
+
+def test_goals_are_not_met_when_one_matrix_answer_differs_through_p_d(servers):
+    pd_outcome, model = servers
+    pd_outcome["matrix"] = "differs"
+    r = _run(model)
+    assert r["goals_met"]["pd_matrix_tokens_equal"] is False
+    assert len(r["pd_matrix_mismatches"]) == 1 and "tokens" in r["pd_matrix_mismatches"][0], r["pd_matrix_mismatches"]
     assert r["not_measured"] == {} and r["pd_bytes_pulled_per_request"] == 1000
 
 
