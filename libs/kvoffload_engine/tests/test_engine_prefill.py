@@ -48,9 +48,12 @@ def _assert_same(got, want):
         assert torch.equal(a, b)
 
 
-# Every (B, independent, MTP) plan against the all-independent run, over the chunk/prompt grid.
+# Every (B, independent, MTP) plan against the all-independent run, over a chunk/prompt grid: each
+# chunk size (under a block, a block, several blocks and a tail, one token) meets a one-token prompt,
+# a prompt one token short of a block or a whole block, and a long prompt with a partial tail.
 PLANS = list(itertools.product([1, 2, 3, "N-1"], [[0], [0, -1], "all"], [True, False]))
-GRID = [(c, p) for c in (BS - 1, BS, 3 * BS + 5) for p in (1, BS - 1, BS, LONG)] + [(1, BS), (1, 2 * BS + 1)]
+GRID = [(BS - 1, 1), (BS - 1, BS), (BS - 1, LONG), (BS, BS - 1), (BS, LONG), (3 * BS + 5, 1), (3 * BS + 5, BS)]
+GRID += [(3 * BS + 5, LONG), (1, BS), (1, 2 * BS + 1)]
 
 
 @pytest.mark.parametrize("buffers, independent, mtp", PLANS)
