@@ -15,8 +15,18 @@ keeps it fast; its prefill keeps 4 shared layer buffers for the 6 layers.
   server, stopped then, leaves no process behind.
 - Layerwise: the decode had pulled early layers before the prefill announced the last one (the
   producer measures it per request), and it moved the prompt's blocks, no more.
-- The metastore gone: requests are still served through P/D, without the prefix cache, with a log.
-- Faults (a stalled or killed decode, a killed prefill) are ``test_vllm_pd_faults.py``'s, on SmolLM2.
+- Faults, on the same stack (the prefill's 6 layers on 4 buffers: each step reuses every buffer while
+  the decode still pulls), each killed server restarted on its port:
+  - a stalled decode (SIGSTOP, shorter than the peer timeout): the prefill's next layer of a buffer
+    waits at the reuse gate for the pulls of the buffer's previous layer (the prefill logs the wait),
+    and once the decode resumes the request completes with the tokens the prefill alone gives; the
+    decode pulled every layer's blocks of the prompt, no less;
+  - kill -9 of the decode mid-pull: the failed reads release the gate (no ``ReuseTimeout``), the
+    prefill holds no request and no KV, and with a new decode the next request succeeds;
+  - kill -9 of the prefill mid-transfer: the client's request ends within the peer timeout (an error,
+    or recomputed by the decode), the decode's KV usage returns to idle, and with a new prefill the
+    next request succeeds.
+- Last, the metastore gone: requests are still served through P/D, without the prefix cache, with a log.
 - Configs vLLM must refuse at start-up: ``test_vllm_refusals.py``.
 """
 
@@ -26,6 +36,8 @@ import json
 import math
 import re
 import signal
+import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,17 +46,20 @@ import pytest
 from vllm_support import chat, completion, tiny_llama_dir
 
 from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.prom import scrape
 from kvoffload_testing.sse import sse_events
 from kvoffload_testing.stack import StackConfig
 from kvoffload_testing.vllm_demo import demo
 from kvoffload_testing.vllm_server import VllmServer
 from kvoffload_testing.vllm_stack import VllmStack, split_cores
-from svcruntime.processgroup import group_members
+from kvoffload_vllm.d2h_settings import DEFAULT_PEER_TIMEOUT_S
+from svcruntime.processgroup import group_members, signal_group
 
 pytestmark = pytest.mark.vllm
 
 BLOCK = 128  # vLLM's CPU default block size
 LAYERS = 6
+BLOCK_BYTES = 2 * 2 * 32 * BLOCK * 4  # K and V, 2 KV heads of 32, fp32: one block of one layer
 TOLERANCE = 1e-3
 PROMPTS = {
     "one": [1000],
@@ -139,6 +154,7 @@ class PD:
         self.stack, self.plain = stack, plain
         self.proxy_url = stack.url
         self.prefill_url = f"http://{stack.cfg.host}:{stack.cfg.prefill_ports[0]}"
+        self.decode_url = f"http://{stack.cfg.host}:{stack.cfg.decode_ports[0]}"
 
     def log(self, name: str) -> str:
         """The log of the stack's service ``name`` ("prefill-0", "decode-0", "proxy")."""
@@ -194,10 +210,123 @@ def test_the_pull_is_layerwise_and_moves_the_prompts_blocks(pd):
     pulled = [
         (int(t), int(b)) for t, b in re.findall(r"kvoffload_d2h_pulled\s.*?bytes=(\d+).*?tokens=(\d+)", decode_log)
     ]
-    block_bytes = 2 * 2 * 32 * BLOCK * 4  # K and V, 2 KV heads of 32, fp32, per layer
-    assert (math.ceil(3000 / BLOCK) * block_bytes * LAYERS, 3000) in [(b, t) for b, t in pulled], pulled
+    assert (math.ceil(3000 / BLOCK) * BLOCK_BYTES * LAYERS, 3000) in [(b, t) for b, t in pulled], pulled
     during = [int(n) for n in re.findall(r"kvoffload_d2h_sent\s.*?layers_read_during_forward=(\d+)", prefill_log)]
     assert during and max(during) >= 1, prefill_log[-3000:]  # an early layer landed while later ones computed
+
+
+# ---- faults: a stalled or killed decode, a killed prefill (each killed server restarted on its port) ----
+
+PEER_TIMEOUT_S = DEFAULT_PEER_TIMEOUT_S  # the stack's connectors keep the default
+STALL_S = 2.0  # below the peer timeout: a stall, not a death (4 s broke the proxy's connection to the decode here)
+ANNOUNCED = "kvoffload_d2h_step_announced"
+
+
+def fault_prompt(salt: int, tokens: int = 6000) -> list[int]:
+    """A prompt not seen before; 6,000 tokens take the prefill three steps of 2,048, each reusing
+    every shared buffer while the decode still pulls."""
+    return [(i * 7919 + salt * 104729) % 40000 + 1000 for i in range(tokens)]
+
+
+def _in_flight(url: str, body: list[int], outcome: dict) -> threading.Thread:
+    def client() -> None:
+        try:
+            outcome["answer"] = completion(url, body, 8, timeout_s=180)["choices"][0]["text"]
+        except Exception as exc:  # noqa: BLE001 - the error is an outcome under test
+            outcome["error"] = str(exc)
+        outcome["at"] = time.monotonic()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    return thread
+
+
+def _mid_transfer(pd: PD, body: list[int]) -> tuple[dict, threading.Thread]:
+    """``body`` sent through the proxy (its outcome filled in by the returned thread), once the prefill
+    announced a step of its layers: the request is mid-pull."""
+    outcome: dict = {}
+    before = pd.log("prefill-0").count(ANNOUNCED)
+    thread = _in_flight(pd.proxy_url, body, outcome)
+    deadline = time.monotonic() + 120
+    while pd.log("prefill-0").count(ANNOUNCED) <= before:
+        assert time.monotonic() < deadline, pd.log("prefill-0")[-3000:]
+        time.sleep(0.02)
+    return outcome, thread
+
+
+def _prefill_alone(pd: PD, body: list[int], max_tokens: int) -> str:
+    """What the prefill answers by itself (no P/D): what the proxy must answer too."""
+    return completion(pd.prefill_url, body, max_tokens, timeout_s=180)["choices"][0]["text"]
+
+
+def _next_request_is_right(pd: PD, body: list[int], max_tokens: int) -> None:
+    got = completion(pd.proxy_url, body, max_tokens, timeout_s=180)["choices"][0]["text"]
+    assert got == _prefill_alone(pd, body, max_tokens)
+
+
+def _idle(url: str, within_s: float) -> float:
+    """Seconds until the server at ``url`` runs no request and holds no KV block (AssertionError past
+    ``within_s``)."""
+    t0 = time.monotonic()
+    while True:
+        m = scrape(url)
+        if m.total("vllm:num_requests_running") == 0 and m.total("vllm:kv_cache_usage_perc") == 0:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < within_s, f"{url} still holds requests or KV"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_stalled_decode_holds_the_next_layer_at_the_gate_and_the_pull_completes(pd):
+    body = fault_prompt(1)
+    outcome, thread = _mid_transfer(pd, body)
+    stalled_from = len(pd.log("prefill-0"))
+    decode = pd.stack.process("decode-0")
+    signal_group(decode, signal.SIGSTOP, 0)
+    time.sleep(STALL_S)
+    signal_group(decode, signal.SIGCONT, 0)
+    thread.join(timeout=180)
+    assert "answer" in outcome, outcome
+    waits = [float(w) for w in re.findall(r"gate_wait_s=([\d.]+)", pd.log("prefill-0")[stalled_from:])]
+    # a layer waited for the stalled decode's pulls, for what was left of the stall once the prefill had
+    # computed up to it (~1 s into it on an idle machine; unstalled, a wait is ~0)
+    assert waits and max(waits) >= STALL_S / 8, waits
+    pulled = re.findall(r"kvoffload_d2h_pulled\s.*?bytes=(\d+).*?tokens=(\d+)", pd.log("decode-0"))
+    assert (str(math.ceil(len(body) / BLOCK) * BLOCK_BYTES * LAYERS), str(len(body))) in pulled, pulled
+    assert outcome["answer"] == _prefill_alone(pd, body, 8)
+    assert "ReuseTimeout" not in pd.log("prefill-0")
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_decode_mid_pull_releases_the_gate_and_the_next_request_succeeds(pd):
+    since = len(pd.log("prefill-0"))
+    _, thread = _mid_transfer(pd, fault_prompt(2))
+    assert signal_group(pd.stack.process("decode-0"), signal.SIGKILL, 10)
+    thread.join(timeout=180)
+    assert not thread.is_alive()
+    _idle(pd.prefill_url, within_s=PEER_TIMEOUT_S + 10)  # the failed reads let every layer go on, and the request end
+    log = pd.log("prefill-0")[since:]
+    assert "kvoffload_d2h_reads_failed" in log and "ReuseTimeout" not in log, log[-3000:]
+    pd.stack.restart("decode-0", timeout_s=600)
+    _next_request_is_right(pd, fault_prompt(3, 700), 8)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decode(pd):
+    since = len(pd.log("decode-0"))
+    outcome, thread = _mid_transfer(pd, fault_prompt(4))
+    assert signal_group(pd.stack.process("prefill-0"), signal.SIGKILL, 10)
+    killed_at = time.monotonic()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert outcome["at"] - killed_at < PEER_TIMEOUT_S + 5, outcome
+    if "error" in outcome:
+        assert "prefill" in outcome["error"] or "502" in outcome["error"], outcome
+    _idle(pd.decode_url, within_s=PEER_TIMEOUT_S + 10)
+    log = pd.log("decode-0")[since:]
+    assert "kvoffload_d2h_cancelled" in log or "kvoffload_d2h_load_failed" in log, log[-3000:]
+    pd.stack.restart("prefill-0", timeout_s=600)
+    _next_request_is_right(pd, fault_prompt(5, 500), 4)
 
 
 @pytest.mark.slow
