@@ -138,6 +138,7 @@ def test_goals_are_met_when_every_p_d_request_pulled_its_kv(servers):
     assert set(r["goals"]) == set(r["goals_met"])
     assert all(r["goals_met"].values()), r["goals_met"]
     assert r["pd_matrix_mismatches"] == []
+    assert r["not_measured"] == {} and r["pd_bytes_pulled_per_request"] == 1000
 
 
 def test_goals_are_not_met_when_one_matrix_answer_differs_through_p_d(servers):
@@ -146,7 +147,6 @@ def test_goals_are_not_met_when_one_matrix_answer_differs_through_p_d(servers):
     r = _run(model)
     assert r["goals_met"]["pd_matrix_tokens_equal"] is False
     assert len(r["pd_matrix_mismatches"]) == 1 and "tokens" in r["pd_matrix_mismatches"][0], r["pd_matrix_mismatches"]
-    assert r["not_measured"] == {} and r["pd_bytes_pulled_per_request"] == 1000
 
 
 def test_the_shared_buffer_goals_fail_when_the_prefill_holds_no_more_than_a_plain_server(servers, monkeypatch):
