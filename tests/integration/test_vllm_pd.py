@@ -7,7 +7,6 @@ keeps it fast; its prefill keeps 4 shared layer buffers for the 6 layers.
 
 - The demo's request answers, and the decode took the prompt's KV from the prefill (every number the
   demo prints, checked).
-
 - Greedy tokens through the proxy equal one plain vLLM server's (no connector), for prompts of 1,
   block_size - 1, 2,100 and 8,000 tokens, completions and chat, streaming and not, 8 at once. The
   decode computes the last prompt token itself (vLLM's P/D: it samples the first token), over the
