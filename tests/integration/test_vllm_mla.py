@@ -97,7 +97,7 @@ def servers(model, tmp_path_factory):
             log_path=logs / f"{name}.log",
             env=CORE_ENV[core],
             extra_args=["--kv-transfer-config", kv_config] if kv_config else [],
-            start_timeout_s=400,  # four servers load at once on a small machine
+            start_timeout_s=600,  # three servers load at once, beside the other worker's tests
         )
 
     with Metastore(logs / "metastore.log") as ms:
