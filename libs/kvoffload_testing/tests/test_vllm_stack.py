@@ -264,7 +264,7 @@ def test_a_child_that_dies_while_starting_stops_the_others_and_names_itself(tmp_
     assert stack.services == []
 
 
-def test_the_reference_stack_still_spawns_every_service_at_once(tmp_path):
+def test_the_reference_stack_spawns_the_decode_at_once_and_the_prefill_once_the_metastore_answers(tmp_path):
     cfg, events = _cfg(tmp_path), tmp_path / "events"
     stack = fake_stack(
         Stack, cfg, tmp_path / "fake.py", events, delays={"metastore": 1.0}, codes={}, grandchildren=False
@@ -273,6 +273,7 @@ def test_the_reference_stack_still_spawns_every_service_at_once(tmp_path):
     stack.start(timeout_s=60, progress=False)
     stack.stop()
     evs = read_events(events)
-    assert index(evs, "proxy", "spawned") < index(evs, "metastore", "healthy")
+    assert index(evs, "decode-0", "spawned") < index(evs, "metastore", "healthy")
+    assert index(evs, "metastore", "healthy") < min(index(evs, "prefill-0", "spawned"), index(evs, "proxy", "spawned"))
     assert [e[0] for e in evs if e[1] == "sigterm"] == ["proxy", "prefill-0", "decode-0", "metastore"]
     assert time.monotonic() - t < 30

@@ -239,9 +239,14 @@ class Stack:
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
         self.services: list[Service] = []  # in start order, as they are spawned
-        if cfg.pool == "mooncake":  # the prefills connect to the master at start-up: it must answer by then,
-            # so the service after it (and with it every later one) is spawned once the master is healthy
-            self.spawn_after_healthy = self.spawn_after_healthy | {self.commands()[1][0]}
+        # the prefills register their pool with the pool's server at start-up: it must answer by then.
+        # With the master, the service after it (and with it every later one) is spawned once the master
+        # is healthy; with the metastore, the first prefill (and every later service) — the decode starts
+        # beside the metastore (a metastore that took 67 s to start on a loaded machine lost that race)
+        names = [name for name, _, _ in self.commands()]
+        gate = names[1] if cfg.pool == "mooncake" else next((n for n in names if n.startswith("prefill-")), None)
+        if gate is not None:
+            self.spawn_after_healthy = self.spawn_after_healthy | {gate}
 
     @property
     def url(self) -> str:

@@ -7,6 +7,7 @@ in-process); ``serve(config)`` is ``start`` plus the signal-driven shutdown of S
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -27,7 +28,6 @@ from kvoffload_metastore.servicer import MetaStoreServicer, StatsServicer
 from kvoffload_proto.v1 import metastore_pb2_grpc, stats_pb2_grpc
 from svcruntime import tls as kvtls
 from svcruntime.logs import configure_logging
-from svcruntime.serving import exit_now
 
 SERVICE = "kvoffload-metastore"
 HEALTH_NAMES = ("", "kvoffload.v1.MetaStore", "kvoffload.v1.Stats")
@@ -185,8 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cli() -> None:
     """The console script: ``main``, then exit at once. Everything was released in order already;
     the interpreter's own exit (gRPC's core winding down) took another 1-2.5 s, past a container's
-    2 s stop bound."""
-    exit_now(main())
+    2 s stop bound. (Not ``svcruntime.serving.exit_now``: that module imports torch, 3 s of every
+    start-up, for the shared-memory segments a metastore never creates.)"""
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":
