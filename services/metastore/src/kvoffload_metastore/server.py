@@ -185,8 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cli() -> None:
     """The console script: ``main``, then exit at once. Everything was released in order already;
     the interpreter's own exit (gRPC's core winding down) took another 1-2.5 s, past a container's
-    2 s stop bound. (Not ``svcruntime.serving.exit_now``: that module imports torch, 3 s of every
-    start-up, for the shared-memory segments a metastore never creates.)"""
+    2 s stop bound. (Not ``svcruntime.serving.exit_now``: it unlinks shared-memory segments, which a
+    metastore never creates, and its module brings the HTTP services' serving stack along.)"""
     rc = main()
     sys.stdout.flush()
     sys.stderr.flush()
