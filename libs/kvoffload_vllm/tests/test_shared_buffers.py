@@ -148,6 +148,8 @@ def test_one_group_whose_layers_differ_in_spec_is_refused_for_shared_buffers():
     asked = requested_in(transfer_config(layerwise_num_shared_buffers=1))
     with pytest.raises(ConfigError, match="one attention KV cache group of one cache spec"):
         group_plan(asked, kv_groups([KVCacheGroupSpec(LAYERS[:2], mixed)], "AscendStoreConnector"))
+    with pytest.raises(ConfigError, match="this model has 0 group"):  # no attention cache at all
+        group_plan(asked, ())
     one = kv_groups([KVCacheGroupSpec(LAYERS, SPEC)], "AscendStoreConnector")
     assert group_plan(asked, one) == plan_of(asked, LAYERS, 16, SPEC.page_size_bytes, SPEC.dtype)
 

@@ -102,8 +102,7 @@ def group_plan(asked: Request | None, groups: Sequence[KVGroup]) -> SharedBuffer
     of its layers); ConfigError naming the key otherwise."""
     if asked is None:
         return None
-    spec = groups[0].specs[0]
-    if len(groups) != 1 or any(s != spec for s in groups[0].specs):
+    if len(groups) != 1 or any(s != groups[0].specs[0] for s in groups[0].specs):
         kinds = sorted({type(s).__name__ for g in groups for s in g.specs})
         raise ConfigError(
             [
@@ -113,7 +112,7 @@ def group_plan(asked: Request | None, groups: Sequence[KVGroup]) -> SharedBuffer
                 "--disable-hybrid-kv-cache-manager where the model allows it"
             ]
         )
-    group = groups[0]
+    group, spec = groups[0], groups[0].specs[0]
     return plan_of(asked, list(group.layer_names), group.block_size, spec.page_size_bytes, spec.dtype)
 
 
