@@ -103,15 +103,7 @@ def servers(tmp_path_factory):
 
     def server(name: str, env: dict, port: int | None = None, kv_config: str | None = None) -> VllmServer:
         kv = ["--kv-transfer-config", kv_config] if kv_config else []
-        return VllmServer(
-            model,
-            port=port,
-            max_model_len=4096,
-            log_path=logs / f"{name}.log",
-            env=env,
-            extra_args=kv,
-            start_timeout_s=600,  # four servers load at once, beside the other worker's tests: 180 s was not enough
-        )
+        return VllmServer(model, port=port, max_model_len=4096, log_path=logs / f"{name}.log", env=env, extra_args=kv)
 
     with Metastore(logs / "metastore.log") as ms:
         a = server("a", PREFILL_ENV, ports["prefill_ports"][0], vllm_prefill_transfer_config(ms.address, None))

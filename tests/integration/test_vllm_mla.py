@@ -97,7 +97,6 @@ def servers(model, tmp_path_factory):
             log_path=logs / f"{name}.log",
             env=CORE_ENV[core],
             extra_args=["--kv-transfer-config", kv_config] if kv_config else [],
-            start_timeout_s=600,  # three servers load at once, beside the other worker's tests
         )
 
     with Metastore(logs / "metastore.log") as ms:

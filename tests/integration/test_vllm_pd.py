@@ -134,9 +134,7 @@ def pd(model, tmp_path_factory):
     plain vLLM server without any connector (on the decode's cores), started side by side."""
     logs = tmp_path_factory.mktemp("pd")
     stack = VllmStack(StackConfig(model=model, log_dir=logs, max_model_len=MAX_LEN, **free_stack_ports()))
-    plain = VllmServer(
-        model, max_model_len=MAX_LEN, log_path=logs / "plain.log", env=DECODE_ENV, start_timeout_s=stack.start_timeout_s
-    )
+    plain = VllmServer(model, max_model_len=MAX_LEN, log_path=logs / "plain.log", env=DECODE_ENV)
     try:
         with ThreadPoolExecutor(1) as pool:
             plain_up = pool.submit(plain.start)

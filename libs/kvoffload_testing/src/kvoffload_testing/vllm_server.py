@@ -106,7 +106,7 @@ class VllmServer(ServerProcess):
         env: Mapping[str, str] | None = None,
         kv_cache_space_gib: int | str = 1,
         log_path: Path | None = None,
-        start_timeout_s: float = 180.0,
+        start_timeout_s: float = 600.0,  # several servers load at once beside other tests: 180 s was passed
         stop_timeout_s: float = 20.0,
     ) -> None:
         log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="vllm-server-")) / "vllm.log"
