@@ -7,8 +7,10 @@ keeps it fast; its prefill keeps 4 shared layer buffers for the 6 layers.
 
 - The demo's request answers, and the decode took the prompt's KV from the prefill (every number the
   demo prints, checked).
-- Greedy tokens through the proxy equal one plain vLLM server's (no connector), for prompts of 1,
-  block_size - 1, 2,100 and 8,000 tokens, completions and chat, streaming and not, 8 at once. The
+- Greedy tokens through the proxy equal one plain vLLM server's (no P/D, no shared buffers: its
+  store connector only saves its KV to a pool of its own, for the byte comparisons below), for prompts of 1,
+  block_size - 1, 2,100 and 8,000 tokens, completions and chat, streaming and not, 8 at once (the
+  matrix of ``kvoffload bench vllm``: ``kvoffload_bench.pd_matrix``). The
   decode computes the last prompt token itself (vLLM's P/D: it samples the first token), over the
   pulled KV, in a kernel call of its own: log-probabilities are compared within 1e-3. The plain
   server, stopped then, leaves no process behind.
@@ -19,7 +21,12 @@ keeps it fast; its prefill keeps 4 shared layer buffers for the 6 layers.
   - a stalled decode (SIGSTOP, shorter than the peer timeout): the prefill's next layer of a buffer
     waits at the reuse gate for the pulls of the buffer's previous layer (the prefill logs the wait),
     and once the decode resumes the request completes with the tokens the prefill alone gives; the
-    decode pulled every layer's blocks of the prompt, no less;
+    decode pulled every layer's blocks of the prompt, no less, and byte for byte the plain server's
+    (the decode's ``kv_digests`` against the plain server's pool objects);
+  - slowed pool saves (the metastore, which every save calls, stopped and resumed over and over):
+    the next layer of a buffer waits at the gate for the save of the buffer's previous layer, more
+    than for the same kind of request unslowed; every block is saved, and the pool's copy and the
+    decode's pulled KV are, layer by layer, byte for byte the plain server's;
   - kill -9 of the decode mid-pull: the failed reads release the gate (no ``ReuseTimeout``), the
     prefill holds no request and no KV, and with a new decode the next request succeeds;
   - kill -9 of the prefill mid-transfer: the client's request ends within the peer timeout (an error,
@@ -31,26 +38,28 @@ keeps it fast; its prefill keeps 4 shared layer buffers for the 6 layers.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import re
 import signal
 import threading
 import time
-import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from vllm_support import chat, completion, tiny_llama_dir
+import torch
+from pool_pages import model_id, pages_digests, pool_pages, pulled_digests
+from vllm_support import completion, store_config, tiny_llama_dir
 
+from kvoffload_bench import pd_matrix
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.prom import scrape
-from kvoffload_testing.sse import sse_events
 from kvoffload_testing.stack import StackConfig
 from kvoffload_testing.vllm_demo import demo
-from kvoffload_testing.vllm_server import VllmServer
-from kvoffload_testing.vllm_stack import VllmStack, split_cores
+from kvoffload_testing.vllm_server import Metastore, VllmServer
+from kvoffload_testing.vllm_stack import VllmStack, split_cores, vllm_decode_transfer_config
 from kvoffload_vllm.d2h_settings import DEFAULT_PEER_TIMEOUT_S
 from svcruntime.processgroup import group_members, signal_group
 
@@ -59,68 +68,11 @@ pytestmark = pytest.mark.vllm
 BLOCK = 128  # vLLM's CPU default block size
 LAYERS = 6
 BLOCK_BYTES = 2 * 2 * 32 * BLOCK * 4  # K and V, 2 KV heads of 32, fp32: one block of one layer
-TOLERANCE = 1e-3
-PROMPTS = {
-    "one": [1000],
-    "block-1": list(range(2000, 2000 + BLOCK - 1)),
-    "long": [(i * 7919) % 40000 + 1000 for i in range(2100)],
-    "8k": [(i * 6133) % 40000 + 1000 for i in range(8000)],  # several prefill chunks over the shared buffers
-}
 MAX_LEN = 8192 + 64
-CHAT = [{"role": "user", "content": "Name three colours of the rainbow, one per line."}]
 # the stack puts the prefill on one half of the cores, the decode on the other; the plain server it is
 # compared with runs on the decode's
 HALVES = split_cores()
 DECODE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": HALVES[1]} if HALVES else {}
-
-
-def stream_text(url: str, path: str, body: dict) -> str:
-    """The text of a streamed answer (SSE), pieced together from its deltas."""
-    req = urllib.request.Request(
-        f"{url}{path}",
-        data=json.dumps({**body, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    text = []
-    with urllib.request.urlopen(req, timeout=180) as resp:
-        for event in sse_events(resp):
-            choice = event["choices"][0]
-            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-    return "".join(text)
-
-
-def answers(url: str) -> dict[str, object]:
-    """Every request of the comparison, against ``url``: (tokens, logprobs) or text per case."""
-    out: dict[str, object] = {}
-    for name, prompt in PROMPTS.items():
-        lp = completion(url, prompt, 12, logprobs=1, timeout_s=180)["choices"][0]["logprobs"]
-        out[f"completion-{name}"] = (lp["tokens"], lp["token_logprobs"])
-        out[f"stream-{name}"] = stream_text(
-            url, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0}
-        )
-    content = chat(url, CHAT, 16, logprobs=True, timeout_s=180)["choices"][0]["logprobs"]["content"]
-    out["chat"] = ([c["token"] for c in content], [c["logprob"] for c in content])
-    out["chat-stream"] = stream_text(
-        url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 16, "temperature": 0}
-    )
-    burst = [[3000 + 17 * i + j for j in range(150 + 100 * i)] for i in range(8)]
-    with ThreadPoolExecutor(8) as pool:
-        texts = pool.map(lambda p: completion(url, p, 8, timeout_s=300)["choices"][0]["text"], burst)
-    out["burst"] = list(texts)
-    return out
-
-
-def same(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys()
-    for key in want:
-        if isinstance(want[key], tuple):
-            (tokens, logprobs), (want_tokens, want_logprobs) = got[key], want[key]
-            assert tokens == want_tokens, key
-            worst = max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True))
-            assert worst < TOLERANCE, (key, worst)
-        else:
-            assert got[key] == want[key], key
 
 
 @pytest.fixture(scope="module")
@@ -130,28 +82,49 @@ def model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pd(model, tmp_path_factory):
-    """The demo's stack (``kvoffload demo --engine vllm``: metastore, the P/D pair, the proxy) and a
-    plain vLLM server without any connector (on the decode's cores), started side by side."""
+    """The demo's stack (``kvoffload demo --engine vllm``: metastore, the P/D pair, the proxy; its
+    decode logs the digests of the KV it pulls) and a plain vLLM server (on the decode's cores:
+    no P/D, no shared buffers; its store connector saves its KV to a pool of its own, on a metastore of
+    its own), started side by side. Before anything else runs, the plain server computes the prompts
+    whose pulled KV the fault tests compare byte for byte, and their blocks are read from its pool."""
     logs = tmp_path_factory.mktemp("pd")
-    stack = VllmStack(StackConfig(model=model, log_dir=logs, max_model_len=MAX_LEN, **free_stack_ports()))
-    plain = VllmServer(model, max_model_len=MAX_LEN, log_path=logs / "plain.log", env=DECODE_ENV)
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            plain_up = pool.submit(plain.start)
-            stack.start(progress=False)
-            plain_up.result()
-        yield PD(stack, plain)
-    finally:
-        plain.stop()
-        stack.stop()
+    ports = free_stack_ports()
+    digests = ["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"], kv_digests=True)]
+    cfg = StackConfig(model=model, log_dir=logs, max_model_len=MAX_LEN, service_args={"decode-0": digests}, **ports)
+    stack = VllmStack(cfg)  # (vLLM takes the last --kv-transfer-config: the stack's own, with kv_digests)
+    with Metastore(logs / "plain-metastore.log") as plain_pool:
+        plain = VllmServer(
+            model,
+            max_model_len=MAX_LEN,
+            log_path=logs / "plain.log",
+            env=DECODE_ENV,
+            extra_args=["--kv-transfer-config", store_config(plain_pool.address)],
+        )
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                plain_up = pool.submit(plain.start)
+                stack.start(progress=False)
+                plain_up.result()
+            plain_kv = {salt: _plain_pages(plain, plain_pool.address, fault_prompt(salt)) for salt in COMPARED}
+            yield PD(stack, plain, plain_kv)
+        finally:
+            plain.stop()
+            stack.stop()
+
+
+def _plain_pages(plain: VllmServer, metastore: str, prompt: list[int]) -> list[torch.Tensor]:
+    completion(plain.url, prompt, 1, timeout_s=180)
+    return pool_pages(metastore, model_id(plain.log_text()), prompt, BLOCK, LAYERS)
 
 
 class PD:
-    """The running stack's parts, by what the tests ask of them."""
+    """The running stack's parts, by what the tests ask of them; ``plain_kv[salt]``: per layer, the
+    plain server's full blocks of ``fault_prompt(salt)``."""
 
-    def __init__(self, stack: VllmStack, plain: VllmServer) -> None:
-        self.stack, self.plain = stack, plain
-        self.proxy_url = stack.url
+    def __init__(self, stack: VllmStack, plain: VllmServer, plain_kv: dict[int, list[torch.Tensor]]) -> None:
+        self.stack, self.plain, self.plain_kv = stack, plain, plain_kv
+        self.proxy_url, self.model = stack.url, str(stack.cfg.model)
+        self.metastore = f"{stack.cfg.host}:{stack.cfg.metastore_port}"
         self.prefill_url = f"http://{stack.cfg.host}:{stack.cfg.prefill_ports[0]}"
         self.decode_url = f"http://{stack.cfg.host}:{stack.cfg.decode_ports[0]}"
 
@@ -190,12 +163,12 @@ def test_the_demo_answers_and_the_decode_pulls_the_prompt_kv(pd):
 
 
 def test_greedy_tokens_through_the_proxy_equal_one_plain_vllm_server(pd):
-    want = answers(pd.plain.url)
+    want = pd_matrix.answers(pd.plain.url, pd.model)
     pgid = pd.plain.proc.pid
     assert group_members(pgid), "the plain server's process group is empty while it runs"
     pd.plain.stop()  # its cores to the decode; it leaves no process behind
     assert pd.plain.proc.returncode is not None and group_members(pgid) == []
-    same(answers(pd.proxy_url), want)
+    assert pd_matrix.mismatches(pd_matrix.answers(pd.proxy_url, pd.model), want) == []
     decode_log, prefill_log = pd.log("decode-0"), pd.log("prefill-0")
     assert "kvoffload_d2h_pulled" in decode_log and "kvoffload_d2h_load_failed" not in decode_log, decode_log[-3000:]
     assert "kvoffload_d2h_sent" in prefill_log and "kvoffload_d2h_reads_failed" not in prefill_log
@@ -219,6 +192,9 @@ def test_the_pull_is_layerwise_and_moves_the_prompts_blocks(pd):
 PEER_TIMEOUT_S = DEFAULT_PEER_TIMEOUT_S  # the stack's connectors keep the default
 STALL_S = 2.0  # below the peer timeout: a stall, not a death (4 s broke the proxy's connection to the decode here)
 ANNOUNCED = "kvoffload_d2h_step_announced"
+
+
+COMPARED = (1, 6)  # the fault prompts whose pulled KV is compared with the plain server's, block for block
 
 
 def fault_prompt(salt: int, tokens: int = 6000) -> list[int]:
@@ -292,8 +268,69 @@ def test_a_stalled_decode_holds_the_next_layer_at_the_gate_and_the_pull_complete
     assert waits and max(waits) >= STALL_S / 8, waits
     pulled = re.findall(r"kvoffload_d2h_pulled\s.*?bytes=(\d+).*?tokens=(\d+)", pd.log("decode-0"))
     assert (str(math.ceil(len(body) / BLOCK) * BLOCK_BYTES * LAYERS), str(len(body))) in pulled, pulled
+    _pulled_kv_is_the_plain_servers(pd, 1)
     assert outcome["answer"] == _prefill_alone(pd, body, 8)
     assert "ReuseTimeout" not in pd.log("prefill-0")
+
+
+def _pulled_kv_is_the_plain_servers(pd: PD, salt: int) -> None:
+    """Every layer of ``fault_prompt(salt)``'s KV that the decode pulled equals, byte for byte, the
+    plain server's (no shared buffers), and so does the prefill's copy in its pool."""
+    prompt, plain = fault_prompt(salt), pd.plain_kv[salt]
+    digests, (first, stop) = pulled_digests(pd.log("decode-0"), len(prompt))
+    assert (first, stop) == (0, len(prompt) // BLOCK)
+    assert digests == pages_digests(plain, first, stop)
+    saved = pool_pages(pd.metastore, model_id(pd.log("prefill-0")), prompt, BLOCK, LAYERS)
+    assert all(torch.equal(a, b) for a, b in zip(saved, plain, strict=True))
+
+
+@pytest.mark.slow
+def test_slowed_pool_saves_hold_the_next_layer_at_the_gate_and_the_saved_and_pulled_kv_is_the_plain_servers(pd):
+    """The prefill's pool saves wait on the metastore (a lease and a mark_written call per layer and
+    request); with the metastore answering every call up to 1 s late (SIGSTOP 1 s, SIGCONT 20 ms, over
+    and over: longer than a layer's forward here, ~0.2-0.4 s), the saver falls behind the forward, and
+    a layer whose buffer's previous occupant is still being saved waits at the reuse gate — side by
+    side with the same kind of request unslowed (its waits: ~0)."""
+    since = len(pd.log("prefill-0"))
+    completion(pd.proxy_url, fault_prompt(7), 8, timeout_s=180)
+    unslowed = _gate_waits(pd.log("prefill-0")[since:])
+    since = len(pd.log("prefill-0"))
+    body = fault_prompt(6)
+    with _slowed(pd.stack.process("metastore")):
+        answer = completion(pd.proxy_url, body, 8, timeout_s=180)["choices"][0]["text"]
+    log = pd.log("prefill-0")[since:]
+    slowed = _gate_waits(log)
+    assert sum(slowed) >= sum(unslowed) + 0.5, (slowed, unslowed)
+    assert "kvoffload_save_failed" not in log and "kvoffload_save_skipped" not in log, log[-3000:]
+    assert "ReuseTimeout" not in log
+    _pulled_kv_is_the_plain_servers(pd, 6)
+    assert answer == _prefill_alone(pd, body, 8)
+
+
+def _gate_waits(prefill_log: str) -> list[float]:
+    return [float(w) for w in re.findall(r"kvoffload_shared_step\b.*?gate_wait_s=([\d.]+)", prefill_log)]
+
+
+@contextlib.contextmanager
+def _slowed(proc, stopped_s: float = 1.0, running_s: float = 0.02) -> Iterator[None]:
+    """``proc`` stopped ``stopped_s``, run ``running_s``, over and over while the block runs."""
+    done = threading.Event()
+
+    def cycle() -> None:
+        while not done.is_set():
+            signal_group(proc, signal.SIGSTOP, 0)
+            time.sleep(stopped_s)
+            signal_group(proc, signal.SIGCONT, 0)
+            time.sleep(running_s)
+
+    thread = threading.Thread(target=cycle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        signal_group(proc, signal.SIGCONT, 0)
 
 
 @pytest.mark.slow
@@ -331,7 +368,7 @@ def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decod
 @pytest.mark.slow
 def test_with_the_metastore_gone_requests_are_still_served(pd):
     pd.stack.signal("metastore", signal.SIGKILL)
-    prompt = PROMPTS["long"][::-1]  # not seen before: the prefill asks the (gone) metastore for it
+    prompt = pd_matrix.prompt(2100, salt=99)  # not seen before: the prefill asks the (gone) metastore for it
     got = completion(pd.proxy_url, prompt, 12, timeout_s=180)["choices"][0]["text"]
     assert got == completion(pd.prefill_url, prompt, 12, timeout_s=180)["choices"][0]["text"]
     assert "kvoffload_lookup_failed" in pd.log("prefill-0")

@@ -72,6 +72,14 @@ BAD_D2H_CONFIGS = {  # id: (kv-transfer-config, the message that names the field
         },
         "kv_connector_extra_config.advertise_host: got",
     ),
+    "digests-on-the-prefill": (
+        {
+            "kv_connector": "SfaRemoteD2HConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"kv_digests": True},
+        },
+        "kv_connector_extra_config.kv_digests: the decode ('kv_consumer') logs the digests",
+    ),
 }
 
 

@@ -45,12 +45,17 @@ def test_the_vllm_d2h_keys_are_typed_and_named_for_the_services_that_take_flags_
             "kv_connector": "SfaRemoteD2HConnector",
             "kv_role": "kv_consumer",
             "kv_port": 20050,
-            "kv_connector_extra_config": {"advertise_host": "10.0.0.7", "data_port": 0, "peer_timeout_s": 3},
+            "kv_connector_extra_config": {
+                "advertise_host": "10.0.0.7",
+                "data_port": 0,
+                "peer_timeout_s": 3,
+                "kv_digests": True,
+            },
         },
         strict=True,
     )
     extra = cfg.kv_connector_extra_config
-    assert (extra.advertise_host, extra.data_port, extra.peer_timeout_s) == ("10.0.0.7", 0, 3.0)
+    assert (extra.advertise_host, extra.data_port, extra.peer_timeout_s, extra.kv_digests) == ("10.0.0.7", 0, 3.0, True)
     assert extra.vllm_only_problems() == [
         "kv_connector_extra_config.advertise_host: read by the vLLM connector only; the kvoffload services take "
         "--advertise-host instead",
@@ -58,6 +63,8 @@ def test_the_vllm_d2h_keys_are_typed_and_named_for_the_services_that_take_flags_
         "--data-port instead",
         "kv_connector_extra_config.peer_timeout_s: read by the vLLM connector only; the kvoffload services take "
         "--peer-timeout-s instead",
+        "kv_connector_extra_config.kv_digests: read by the vLLM connector only; the kvoffload services have no "
+        "such option; remove it",
     ]
     for key, bad, rule in (
         ("advertise_host", "0.0.0.0", "not a wildcard"),

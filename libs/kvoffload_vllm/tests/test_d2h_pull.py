@@ -17,12 +17,14 @@ import time
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from kvoffload_vllm.consumer import COUNTERS, Consumer
 from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import Peer, Send
 from kvoffload_vllm.d2h_settings import D2HSettings
 from kvoffload_vllm.d2h_step import D2HStepMetadata, Recv
+from kvoffload_vllm.kv_digest import pages_digest
 from kvoffload_vllm.kv_groups import KVGroup
 from kvoffload_vllm.producer import Producer
 from pdlink.refusals import Refused
@@ -72,9 +74,11 @@ def pair():
     yield from running_pair(D2HLayers.of(GROUPS, prefill_caches, 8), D2HLayers.of(GROUPS, decode_caches, 8))
 
 
-def running_pair(prefill_layers: D2HLayers, decode_layers: D2HLayers):
+def running_pair(prefill_layers: D2HLayers, decode_layers: D2HLayers, *, kv_digests: bool = False):
     consumer = Consumer(
-        D2HSettings("kv_consumer", free_port(), "127.0.0.1", 0, 1.0, 10.0, dp_rank=1), "model-a", decode_layers
+        D2HSettings("kv_consumer", free_port(), "127.0.0.1", 0, 1.0, 10.0, dp_rank=1, kv_digests=kv_digests),
+        "model-a",
+        decode_layers,
     )
     producer = Producer(D2HSettings("kv_producer", None, "127.0.0.1", 0, 1.0, 10.0), "model-a", prefill_layers)
     meta = Metaserver()
@@ -125,6 +129,33 @@ def test_a_chunked_prompt_lands_block_for_block_and_ends_once(pair):
     counters = consumer.take_counters()
     assert counters["requests_pulled"] == 1 and counters["read_done"] == 4 and counters["bytes_read"] > 0
     assert set(counters) >= set(COUNTERS) and consumer.take_counters()["read_done"] == 0  # the sums since the last
+
+
+@pytest.fixture
+def digest_pair():
+    torch.manual_seed(1)
+    prefill_caches = {name: torch.randn((8, 2, 8, 3)) for name in LAYERS}
+    decode_caches = {name: torch.zeros((8, 2, 8, 3)) for name in LAYERS}
+    prefill, decode = D2HLayers.of(GROUPS, prefill_caches, 8), D2HLayers.of(GROUPS, decode_caches, 8)
+    yield from running_pair(prefill, decode, kv_digests=True)
+
+
+def test_with_kv_digests_the_pulled_line_carries_each_layers_digest_of_the_full_prompt_blocks(digest_pair):
+    producer, consumer, meta, prefill, _ = digest_pair
+    consumer.begin_step(D2HStepMetadata(recvs=[recv(meta, 10, (5, 7, 6))]))
+    until(lambda: meta.bodies)
+    step = D2HStepMetadata(sends=[Send("vllm-p", Peer("cmpl-1", consumer.endpoint), 0, 10, 10, ((1, 2, 3),))])
+    for name in LAYERS:
+        producer.layer_saved(name, step)
+    producer.end_step()
+    with capture_logs() as logs:
+        assert ended(consumer) == ({"vllm-d"}, set())
+    (line,) = [e for e in logs if e["event"] == "kvoffload_d2h_pulled"]
+    # 10 tokens in blocks of 4: two full blocks, the prefill's 1 and 2; the partial third is left out
+    assert line["kv_digests"] == [pages_digest(page[[1, 2]]) for page in prefill.pages]
+    assert line["kv_digest_blocks"] == [(0, 2)]
+    assert len(set(line["kv_digests"])) == len(LAYERS)  # the layers' bytes differ: so do their digests
+    assert line["kv_digests"][0] != pages_digest(prefill.pages[0][[1, 3]])
 
 
 def test_a_prefill_that_goes_silent_fails_the_request_after_the_peer_timeout(pair):

@@ -91,14 +91,16 @@ class D2HConnectorConfig(ConfigModel):
     advertise_host: Annotated[str | None, BeforeValidator(host)] = None  # where peers reach this engine
     data_port: Annotated[int | None, int_rule(0, 65535, optional=True)] = None  # producer's LayerSource; 0: any
     peer_timeout_s: Annotated[float | None, BeforeValidator(positive_seconds)] = None
+    kv_digests: StrictBool = False  # decode: log a digest of each layer's prompt KV once it landed
     # transfer_backend "memfabric" only: TransferEngine.initialize's device_id and data_op_type
     memfabric_device_id: Annotated[int, int_rule(0)] = 0
     memfabric_data_op: Annotated[str, choice(MEMFABRIC_DATA_OPS)] = "sdma"
 
-    VLLM_ONLY: ClassVar[dict[str, str]] = {
+    VLLM_ONLY: ClassVar[dict[str, str | None]] = {  # key -> the kvoffload services' flag (None: none)
         "advertise_host": "--advertise-host",
         "data_port": "--data-port",
         "peer_timeout_s": "--peer-timeout-s",
+        "kv_digests": None,
     }
     # keys of transfer_backend "memfabric": key -> what it is (with its default); refused with "kvoffload"
     MEMFABRIC_KEYS: ClassVar[dict[str, str]] = {
@@ -121,7 +123,7 @@ class D2HConnectorConfig(ConfigModel):
         """The vLLM-connector keys this config sets, as errors naming the reference service's flag."""
         return [
             f"{prefix}kv_connector_extra_config.{key}: read by the vLLM connector only; the kvoffload "
-            f"services take {flag} instead"
+            + (f"services take {flag} instead" if flag else "services have no such option; remove it")
             for key, flag in self.VLLM_ONLY.items()
             if key in self.model_fields_set
         ]

@@ -39,9 +39,10 @@ def vllm_prefill_transfer_config(metastore: str, shared_buffers: int | None = 3)
     )
 
 
-def vllm_decode_transfer_config(kv_port: int) -> str:
+def vllm_decode_transfer_config(kv_port: int, **extra: object) -> str:
     """The vLLM decode's ``--kv-transfer-config``: the remote D2H consumer, its gRPC control port
-    ``kv_port``; a failed pull is recomputed (vLLM's ``kv_load_failure_policy``), never attended over."""
+    ``kv_port``; a failed pull is recomputed (vLLM's ``kv_load_failure_policy``), never attended over;
+    ``extra`` keys added to its ``kv_connector_extra_config`` (e.g. ``kv_digests=True``)."""
     return json.dumps(
         {
             "kv_connector": "SfaRemoteD2HConnector",
@@ -49,7 +50,7 @@ def vllm_decode_transfer_config(kv_port: int) -> str:
             "kv_port": kv_port,
             "kv_connector_module_path": "kvoffload_vllm",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"transfer_backend": "kvoffload"},
+            "kv_connector_extra_config": {"transfer_backend": "kvoffload", **extra},
         }
     )
 

@@ -36,6 +36,7 @@ from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import Coverage
 from kvoffload_vllm.d2h_settings import D2HSettings
 from kvoffload_vllm.d2h_step import D2HStepMetadata, Recv
+from kvoffload_vllm.kv_digest import prompt_digests
 from kvoffload_vllm.stats import Counters
 from openai_api.transfer_params import KVTransferParams
 from pdlink.consumer import Plane, PullConsumer, Read, ReadOutcome, RowSink
@@ -242,6 +243,7 @@ class Consumer(RowSink):
                     layer_blocks=inc.layer_blocks,
                     seconds=seconds,
                     prefill=inc.peer,
+                    **self._digests(inc),
                 )
             elif inc.state == "failed":
                 self.counters.add(requests_failed=1)
@@ -249,6 +251,14 @@ class Consumer(RowSink):
                 self.counters.add(requests_cancelled=1)
                 log.info("kvoffload_d2h_cancelled", request_id=inc.recv.req_id, transfer_id=inc.recv.transfer_id)
         return done, failed
+
+    def _digests(self, inc: _Incoming) -> dict[str, object]:
+        """With ``kv_digests``: each layer's digest of the prompt KV that landed (read before vLLM is told
+        it did, so nothing computed over it yet; ``kvoffload_vllm.kv_digest``)."""
+        if not self.settings.kv_digests:
+            return {}
+        digests, spans = prompt_digests(self.layers, inc.recv.block_ids, inc.recv.num_tokens)
+        return {"kv_digests": digests, "kv_digest_blocks": spans}
 
     # ---- the RowSink hooks (pdlink.consumer): the prefill's calls --------------------------------
 

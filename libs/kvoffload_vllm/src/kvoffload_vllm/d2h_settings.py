@@ -27,6 +27,7 @@ class D2HSettings:
     peer_timeout_s: float
     read_timeout_s: float
     dp_rank: int = 0  # consumer: registered with the proxy as remote_dp_rank
+    kv_digests: bool = False  # consumer: log each layer's prompt KV digest once it landed
 
 
 def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
@@ -60,6 +61,13 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
                 "vLLM the pull runs on 'kvoffload' (memfabric is a path of the kvoffload services only)"
             ]
         )
+    if extra.kv_digests and parsed.kv_role != "kv_consumer":
+        raise ConfigError(
+            [
+                "kv_connector_extra_config.kv_digests: the decode ('kv_consumer') logs the digests of the KV "
+                f"it pulled; this is the prefill ({parsed.kv_role!r}): remove it"
+            ]
+        )
     par = vllm_config.parallel_config
     if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
         raise ConfigError(
@@ -88,4 +96,5 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
         peer_timeout,
         read_timeout_s=max(30.0, 3 * peer_timeout),
         dp_rank=par.data_parallel_rank,
+        kv_digests=extra.kv_digests,
     )
