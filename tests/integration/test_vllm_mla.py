@@ -16,7 +16,7 @@ prefix caching is off, so a prefix it saw comes back from the host pool.
 - P/D (the vLLM prefill's MultiConnector: remote D2H producer + store; the vLLM decode the D2H
   consumer): greedy answers through the proxy follow the plain server's for prompts of 1, 15, 127,
   300, 1,500, 2,100 and 8,000 tokens (the last one not streamed), completions and chat, streaming and
-  not, and 4 requests at once; every prompt was pulled: one ``kvoffload_d2h_pulled`` per request, its bytes the prompt's
+  not, and 8 requests at once; every prompt was pulled: one ``kvoffload_d2h_pulled`` per request, its bytes the prompt's
   latent blocks of every layer.
 - The decode computes the last prompt token itself (vLLM's P/D: it samples the first token) through
   vLLM's MLA decode path (the query absorbed into the latent space, ``mla_decode_kvcache``), the plain
@@ -67,7 +67,7 @@ PROMPTS = {
 }
 UNSTREAMED = {"8k"}  # CPU_MLA's prefill (plain SDPA, no chunking) takes ~30 s for it: once each way is enough
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow, one per line."}]
-BURST = [[3000 + 17 * i + j for j in range(40 + 37 * i)] for i in range(4)]  # 4 at once, lengths apart
+BURST = [[3000 + 17 * i + j for j in range(40 + 37 * i)] for i in range(8)]  # 8 at once, lengths apart
 # P and D on disjoint cores (vllm_stack.split_cores says why); each other server beside one of them
 HALVES = split_cores() or ("", "")
 CORE_ENV = [{"VLLM_CPU_OMP_THREADS_BIND": half} if half else {} for half in HALVES]
