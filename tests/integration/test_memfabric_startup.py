@@ -104,8 +104,9 @@ def _layout_of_a_prefill(layout, memfabric_session: str) -> pb.LayoutMetadata:
         data_endpoint="10.0.0.1:7000",
         host_id="decode-host",
         layout_version=5,
-        memfabric_session=memfabric_session,
-        memfabric_segment_address=4096 if memfabric_session else 0,
+        transfer_engine="memfabric" if memfabric_session else "",
+        engine_session=memfabric_session,
+        engine_segment_address=4096 if memfabric_session else 0,
     )
 
 
@@ -116,7 +117,7 @@ def test_an_embedded_decode_refuses_a_memfabric_prefills_layout():
     try:
         ack = transfer.ExchangeLayout(_layout_of_a_prefill(layout, "10.0.0.1:9000"), None)
         assert not ack.accepted and ack.reason == (
-            "memfabric_session: the prefill's transfer_backend is 'memfabric' (session 10.0.0.1:9000), this "
+            "transfer_engine: the prefill's transfer_backend is 'memfabric' (session 10.0.0.1:9000), this "
             "decode's 'kvoffload'; both sides must use the same one"
         )
         assert transfer.consumer.layouts() == {}

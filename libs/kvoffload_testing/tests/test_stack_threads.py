@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload_testing.stack import Stack, StackConfig, colocated_threads_env
+from kvoffload_testing.stack import Stack, StackConfig
+from kvoffload_testing.stack_threads import colocated_threads_env
 
 
 @pytest.mark.parametrize(("cores", "decode_threads"), [(1, "1"), (2, "1"), (4, "1"), (8, "2"), (64, "16")])

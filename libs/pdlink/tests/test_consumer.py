@@ -138,7 +138,10 @@ def _read(c: PullConsumer, **kw) -> ReadOutcome:
             dict(layers=[pb.LayerLayout(layer=i, main_row_bytes=ROW, block_size=4 + 4 * i) for i in range(LAYERS)]),
             "layers[1].block_size: prefill 8, decode 4",
         ),
-        (dict(memfabric_session="10.0.0.1:1"), "memfabric_session: the prefill's transfer_backend is 'memfabric'"),
+        (
+            dict(transfer_engine="mooncake", engine_session="10.0.0.1:1"),
+            "transfer_engine: the prefill's transfer_backend is 'mooncake' (session 10.0.0.1:1)",
+        ),
         (dict(prefill_tp_rank=4), "prefill_tp_rank: 4 is outside 0..1"),
         (
             dict(layers=[pb.LayerLayout(layer=i, main_row_bytes=ROW + 1) for i in range(LAYERS)]),

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from kvoffload_proto.v1 import transfer_pb2
+from pdlink.engine_rows import EngineRows
 from pdlink.memfabric import (
     MemfabricNotInstalled,
-    MemfabricRows,
     MemfabricTransfer,
     native_reason,
 )
@@ -185,9 +185,9 @@ def test_a_decode_reads_rows_a_prefill_registered() -> None:
             pytest.skip(f"memfabric's data path needs an Ascend driver: {reason}")
         assert line.startswith("READY "), f"the prefill child exited with {child.wait()}"
         _, session, address = line.split()
-        rows = MemfabricRows(MemfabricTransfer.start("Decode", "127.0.0.1"), 16 * 64)
+        rows = EngineRows(MemfabricTransfer.start("Decode", "127.0.0.1"), 16 * 64)
         try:
-            meta = transfer_pb2.LayoutMetadata(memfabric_session=session, memfabric_segment_address=int(address))
+            meta = transfer_pb2.LayoutMetadata(engine_session=session, engine_segment_address=int(address))
             region = transfer_pb2.BufferRegion(
                 segment_name="rows", offset_bytes=0, row_stride_bytes=64, capacity_tokens=256
             )

@@ -19,6 +19,7 @@ STATS_KEYS = {
     "read_ms_total",
     "reads_shared_memory",
     "reads_streamed",
+    "reads_engine",
     "heartbeats",
 }  # what Stats, /metrics and the kvoffload tools read
 

@@ -124,11 +124,11 @@ ROWS = [
     Row("prefill kv-transfer-config",
         edit(PREFILL_KV, (D2H + ("kv_connector_extra_config", "transfer_backend"), DELETE)),
         f"{D2H_P}.kv_connector_extra_config.transfer_backend: required for SfaRemoteD2HConnector; "
-        "must be 'kvoffload' or 'memfabric'", "transfer-backend-missing"),
+        "must be 'kvoffload', 'memfabric' or 'mooncake'", "transfer-backend-missing"),
     Row("prefill kv-transfer-config",
         edit(PREFILL_KV, (D2H + ("kv_connector_extra_config", "transfer_backend"), "nccl")),
         f"{D2H_P}.kv_connector_extra_config.transfer_backend: got 'nccl' (str); "
-        "must be one of 'kvoffload', 'memfabric'",
+        "must be one of 'kvoffload', 'memfabric', 'mooncake'",
         "transfer-backend-unknown"),
     Row("prefill kv-transfer-config", edit(PREFILL_KV, (D2H + ("kv_port",), 70000)),
         f"{D2H_P}.kv_port: got 70000 (int); must be an int in 1..65535 or null", "kv-port-too-big"),
@@ -165,7 +165,7 @@ ROWS = [
         "kv_port: got 0 (int); must be an int in 1..65535 or null", "kv-port-zero"),
     Row("decode kv-transfer-config", edit(DECODE_KV, (("kv_connector_extra_config", "transfer_backend"), DELETE)),
         "kv_connector_extra_config.transfer_backend: required for SfaRemoteD2HConnector; "
-        "must be 'kvoffload' or 'memfabric'", "transfer-backend-missing"),
+        "must be 'kvoffload', 'memfabric' or 'mooncake'", "transfer-backend-missing"),
     Row("decode kv-transfer-config", "kvoffload",
         "--kv-transfer-config: malformed JSON at line 1 column 1 (char 0): Expecting value", "not-json"),
     # -- decode sizes (flags combined with the configs) -------------------------------------------------

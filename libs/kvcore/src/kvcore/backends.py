@@ -6,8 +6,10 @@ probe is its ``kvcore.poolregistry`` entry's (``"mooncake"``: ``mooncake.store``
 ``mooncake-transfer-engine-non-cuda`` plus Debian's ``libibverbs1``, no NPU needed; its master is
 checked when the pool connects; ``"memcache"``: ``memcache_hybrid``), the transfer backend
 ``"memfabric"`` (the P→D layer pull over memfabric_hybrid's TransferEngine, ``pdlink.memfabric``)
-needs ``memfabric_hybrid``. Whether the Ascend backends' data path runs here (it needs an Ascend NPU
-driver) is decided by the adapter's own construction, the single source of truth, which fails with
+needs ``memfabric_hybrid``, the transfer backend ``"mooncake"`` (over Mooncake Transfer Engine,
+``pdlink.mooncake``) ``mooncake.engine``, the same wheel as Mooncake Store's. Whether the Ascend
+backends' data path runs here (it needs an Ascend NPU driver) is decided by the adapter's own
+construction, the single source of truth, which fails with
 the library's reason at start-up. Services call ``require_available`` at start-up: a backend that
 cannot run here is an error that says exactly why (missing module and how to install it) and names
 the embedded alternative, never a silent substitution. The import probe (``import_module``) is
@@ -21,12 +23,15 @@ from types import ModuleType
 
 from kvcore.configerrors import ConfigError, describe_value
 from kvcore.confignames import TRANSFER_BACKENDS
-from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STORE_BACKENDS, ImportProbe
+from kvcore.poolregistry import EMBEDDED, MOONCAKE_INSTALL, POOL_BACKENDS, STORE_BACKENDS, ImportProbe
 
 AVAILABLE = "available"
 
 MEMFABRIC_INSTALL = "install MemFabric: scripts/install-memcache (it runs `pip install memfabric_hybrid==1.3.0`)"
-_TRANSFER_PROBES = {"memfabric": ImportProbe("memfabric_hybrid", MEMFABRIC_INSTALL)}
+_TRANSFER_PROBES = {
+    "memfabric": ImportProbe("memfabric_hybrid", MEMFABRIC_INSTALL),
+    "mooncake": ImportProbe("mooncake.engine", MOONCAKE_INSTALL),
+}
 
 _ALTERNATIVES = {
     "backend": "use backend 'kvoffload' (the embedded host pool managed by kvoffload-metastore)",

@@ -12,7 +12,7 @@ D2H_CONNECTOR = "SfaRemoteD2HConnector"
 MULTI_CONNECTOR = "MultiConnector"
 CONNECTORS = (STORE_CONNECTOR, D2H_CONNECTOR, MULTI_CONNECTOR)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-TRANSFER_BACKENDS = ("kvoffload", "memfabric")
+TRANSFER_BACKENDS = ("kvoffload", "memfabric", "mooncake")
 # memfabric_hybrid.TransDataOpType members, lower-case (its TransferEngine's data operation; the
 # library's default is SDMA)
 MEMFABRIC_DATA_OPS = ("sdma", "host_rdma", "device_rdma", "device_urma", "device_uboe")

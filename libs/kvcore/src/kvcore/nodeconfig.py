@@ -71,7 +71,7 @@ def missing_transfer_backend(prefix: str) -> str:
     """The error of an SfaRemoteD2HConnector without ``transfer_backend`` (``prefix``: its path)."""
     return (
         f"{prefix}kv_connector_extra_config.transfer_backend: required for {D2H_CONNECTOR}; "
-        "must be 'kvoffload' or 'memfabric'"
+        "must be 'kvoffload', 'memfabric' or 'mooncake'"
     )
 
 

@@ -8,7 +8,8 @@ starts is a ``svcruntime.serverprocess.ServerProcess`` (``service.Service`` for 
 - ``stack``              ``Stack`` / ``StackConfig``: the reference P/D stack on loopback, one process
                          per service; ``ports`` (free loopback ports), ``connector_configs`` (the
                          services' --kv-transfer-config / --additional-config JSON), ``stack_client``
-                         (health probes, completions, Stats of a running stack).
+                         (health probes, completions, Stats of a running stack), ``stack_threads``
+                         (the OpenMP settings of services sharing the host's cores).
 - ``vllm_stack``         the same stack on real vLLM servers; ``vllm_server`` one vLLM server (or
                          metastore, proxy) as a child process; ``vllm_demo`` the demo's one request on
                          it and its summary (client, /metrics deltas, connector log lines).

@@ -3,7 +3,8 @@
 
 They are the guide's (MultiConnector prefill with layerwise reuse, sparse-offload decode); only
 ``backend`` / ``transfer_backend`` name kvoffload's backends: the embedded ``"kvoffload"`` ones, or
-with a ``mooncake_master`` (``HOST:PORT``) the prefill's host pool on Mooncake Store.
+with a ``mooncake_master`` (``HOST:PORT``) the prefill's host pool on Mooncake Store, and with
+``transfer`` ``"mooncake"`` the P→D pull over Mooncake Transfer Engine.
 """
 
 from __future__ import annotations
@@ -53,20 +54,22 @@ def producer_multi_connector(d2h: dict, store: dict) -> str:
     )
 
 
-def prefill_kv_transfer_config(kv_port: int, buffers: int = 3, mooncake_master: str | None = None) -> str:
+def prefill_kv_transfer_config(
+    kv_port: int, buffers: int = 3, mooncake_master: str | None = None, transfer: str = "kvoffload"
+) -> str:
     return producer_multi_connector(
-        {"kv_port": kv_port, "kv_connector_extra_config": {"transfer_backend": "kvoffload"}},
+        {"kv_port": kv_port, "kv_connector_extra_config": {"transfer_backend": transfer}},
         {"kv_connector_extra_config": prefill_store_config(buffers, mooncake_master)},
     )
 
 
-def decode_kv_transfer_config(kv_port: int) -> str:
+def decode_kv_transfer_config(kv_port: int, transfer: str = "kvoffload") -> str:
     return json.dumps(
         {
             "kv_connector": "SfaRemoteD2HConnector",
             "kv_role": "kv_consumer",
             "kv_port": kv_port,
-            "kv_connector_extra_config": {"transfer_backend": "kvoffload", "use_layerwise": True},
+            "kv_connector_extra_config": {"transfer_backend": transfer, "use_layerwise": True},
         }
     )
 

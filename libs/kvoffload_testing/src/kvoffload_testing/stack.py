@@ -3,7 +3,8 @@
 Configs are the guide's (MultiConnector prefill with layerwise reuse, sparse-offload decode); only
 ``backend`` / ``transfer_backend`` name kvoffload's backends: the embedded ``"kvoffload"`` ones, or
 with ``StackConfig.pool = "mooncake"`` (``kvoffload up --pool mooncake``) the prefill's host pool on
-Mooncake Store, served by a real ``mooncake_master`` the stack runs in place of the metastore. The
+Mooncake Store, served by a real ``mooncake_master`` the stack runs in place of the metastore, and
+with ``StackConfig.transfer = "mooncake"`` the P→D pull over Mooncake Transfer Engine. The
 tiny model is created on first use. Every child logs JSON to its own file; Ctrl-C (or SIGTERM)
 stops them all.
 
@@ -20,7 +21,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from kvoffload_testing.connector_configs import (
 )
 from kvoffload_testing.ports import DATA_PORT_OFFSET
 from kvoffload_testing.service import Service, binary, metastore_command, proxy_command
+from kvoffload_testing.stack_threads import colocated_threads_env
 from svcruntime.serverprocess import port_answers
 from svcruntime.tls import TLSConfig
 
@@ -54,6 +55,7 @@ MOONCAKE_MASTER = _stack_server("mooncake").service  # ... and of its mooncake_m
 # StackConfig.mode / `kvoffload up --mode`: "pd" (prefill, decode, proxy) or "offload-only" (the seed's
 # first deployment: prefills with an AscendStoreConnector alone serve complete requests; no decode, no proxy)
 MODES = ("pd", "offload-only")
+TRANSFERS = ("kvoffload", "mooncake")  # the transfer backends a loopback stack can run (memfabric needs an Ascend NPU)
 
 
 @dataclass
@@ -83,12 +85,15 @@ class StackConfig:
     decode_dp: bool = False
     decode_tp: int = 1  # each decode runs --tensor-parallel-size N: rank t of DP rank d on kv_port + d N + t
     mode: str = "pd"  # one of MODES; "offload-only": no decodes and no proxy (decode_ports, proxy_port unused)
+    transfer: str = "kvoffload"  # the P→D pull's transfer_backend on every prefill and decode: one of TRANSFERS
 
     def __post_init__(self) -> None:
         if self.pool not in STACK_POOLS:
             raise ValueError(f"pool: got {self.pool!r}; must be one of {', '.join(map(repr, STACK_POOLS))}")
         if self.mode not in MODES:
             raise ValueError(f"mode: got {self.mode!r}; must be one of {', '.join(map(repr, MODES))}")
+        if self.transfer not in TRANSFERS:
+            raise ValueError(f"transfer: got {self.transfer!r}; must be one of {', '.join(map(repr, TRANSFERS))}")
 
     def decode_control_port(self, i: int) -> int:
         """Control (Transfer gRPC) port of decode ``i`` (its TP rank 0; rank t listens on this + t)."""
@@ -109,25 +114,6 @@ def ensure_tiny_model(path: Path) -> Path:
     return path
 
 
-def colocated_threads_env(name: str, cores: int, environ: Mapping[str, str]) -> dict[str, str]:
-    """OpenMP settings for reference service ``name`` when the prefills and decodes share one host's
-    ``cores`` (what every stack of this module is): each would otherwise run torch with a thread per
-    core and keep idle OpenMP threads spinning after every parallel region, so the decode's small,
-    back-to-back steps take the cores the prefill's barriers wait for (a 2-thread prefill next to a
-    busy decode ran as slowly as one thread). So: idle threads sleep at once
-    (``OMP_WAIT_POLICY=PASSIVE``), and a decode gets a quarter of the cores, at least one
-    (``OMP_NUM_THREADS``); the prefill keeps them all. Measured on 2 cores with ``kvoffload bench
-    load`` at 64 clients: throughput ratio to the engine 0.84 and 0.85 without it, 0.88, 0.89 and 0.93
-    with it (docs/design.md, "Throughput on shared cores"); on larger hosts a starting point. A
-    variable already in ``environ`` (the user's) is left as it is."""
-    if not name.startswith(("prefill-", "decode-")):
-        return {}
-    env = {"OMP_WAIT_POLICY": "PASSIVE"}
-    if name.startswith("decode-"):
-        env["OMP_NUM_THREADS"] = str(max(1, cores // 4))
-    return {k: v for k, v in env.items() if k not in environ}
-
-
 def decode_services(c: StackConfig, common: list[str]) -> list[tuple[str, list[str], str]]:
     """(name, argv, health URL) of the stack's decodes; ``common`` are the flags every service gets."""
     out = []
@@ -146,7 +132,7 @@ def decode_services(c: StackConfig, common: list[str]) -> list[tuple[str, list[s
                     *dp,
                     *tp,
                     "--kv-transfer-config",
-                    decode_kv_transfer_config(kv_port),
+                    decode_kv_transfer_config(kv_port, c.transfer),
                     "--additional-config",
                     decode_additional_config(),
                 ],
@@ -164,7 +150,7 @@ def prefill_services(c: StackConfig, common: list[str]) -> list[tuple[str, list[
     prefill_kv = (
         offload_only_kv_transfer_config(mooncake_master=master)
         if c.mode == "offload-only"
-        else prefill_kv_transfer_config(c.kv_port, mooncake_master=master)
+        else prefill_kv_transfer_config(c.kv_port, mooncake_master=master, transfer=c.transfer)
     )
     return [
         (

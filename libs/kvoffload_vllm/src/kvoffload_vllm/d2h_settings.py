@@ -58,7 +58,8 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
         raise ConfigError(
             [
                 f"kv_connector_extra_config.transfer_backend: got {extra.transfer_backend!r}; inside "
-                "vLLM the pull runs on 'kvoffload' (memfabric is a path of the kvoffload services only)"
+                "vLLM the pull runs on 'kvoffload' (memfabric and mooncake are paths of the kvoffload "
+                "services only, for now)"
             ]
         )
     if extra.kv_digests and parsed.kv_role != "kv_consumer":

@@ -20,8 +20,10 @@ The producer's side:
 Both:
 
 - ``refusals``: the messages an end refuses outright, each with its gRPC status.
-- ``memfabric``: transfer_backend "memfabric": the producer's registered buffers, the consumer's
-  batched reads.
+- ``engines``: the transfer engines a pull may run on (transfer_backend "memfabric", "mooncake"):
+  started, or stopped with the engine's own reason; ``engine_rows``: ``EngineRows``, the consumer's
+  batched reads through one.
+- ``memfabric``: memfabric_hybrid's TransferEngine; ``mooncake``: Mooncake Transfer Engine (TCP).
 """
 
 __version__ = "0.1.0"

@@ -25,10 +25,11 @@ A malformed or unknown message raises a ``pdlink.refusals.Refused`` and changes 
 well-formed ReadReady gets an answer (``ReadOutcome``), so the prefill's reuse gate never waits
 forever. Same host: planes are read straight out of the prefill's shared-memory layer buffers;
 other hosts: streamed from its LayerSource in bounded chunks (``pdlink.sources.RowSources``). With
-transfer_backend "memfabric" every layer is read through memfabric instead (both planes in one
-batched read) and a layout of another transfer backend is refused. A failed read of the source is
-retried (idempotently: the same rows land in the same place) up to ``read_retries`` times while
-the request still waits; a failed memfabric read is failed at once. Everything here may be called
+transfer_backend "memfabric" or "mooncake" every layer is read through that transfer engine
+instead (``pdlink.engine_rows``: both planes in one batched read) and a layout of another transfer
+backend is refused. A failed read of the source is retried (idempotently: the same rows land in
+the same place) up to ``read_retries`` times while the request still waits; a failed engine read
+is failed at once. Everything here may be called
 from many gRPC threads at once.
 """
 
@@ -45,7 +46,7 @@ import torch
 
 from kvcore.pdpair import tp_handshake_problem
 from kvoffload_proto.v1 import transfer_pb2
-from pdlink.memfabric import MemfabricRows
+from pdlink.engine_rows import EngineRows
 from pdlink.pullcounters import PullCounters
 from pdlink.refusals import MalformedRead, NoAcceptedLayout
 from pdlink.sources import RowSources, read_with_retries
@@ -146,7 +147,7 @@ class RowSink(ABC):
 
 class PullConsumer:
     """One consumer rank's side of the transfer (module doc): the layouts it accepted (by
-    ``layout_version``), the pulls into ``sink`` (through ``sources``, or ``memfabric`` when given),
+    ``layout_version``), the pulls into ``sink`` (through ``sources``, or the transfer engine's ``engine`` when given),
     heartbeats and PrefillDone, and the ``counters``. ``host_id`` None: never the prefill's host."""
 
     def __init__(
@@ -157,11 +158,11 @@ class PullConsumer:
         model_id: str,
         host_id: str | None = None,
         read_retries: int = 2,
-        memfabric: MemfabricRows | None = None,
+        engine: EngineRows | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
     ) -> None:
-        self.sink, self.sources, self.memfabric = sink, sources, memfabric
+        self.sink, self.sources, self.engine = sink, sources, engine
         self.model_id, self.host_id, self.read_retries = model_id, host_id, read_retries
         self.tp_rank, self.tp_size = tp_rank, tp_size  # this consumer rank: only its contributors' layouts
         self.counters = PullCounters()
@@ -207,12 +208,12 @@ class PullConsumer:
                     f"layers[{i}].block_size: prefill {lay.block_size or m.block_size}, "
                     f"decode {sink.layer_block_size(i)}"
                 )
-        mine = "memfabric" if self.memfabric is not None else "kvoffload"
-        theirs = "memfabric" if m.memfabric_session else "kvoffload"
+        mine = self.engine.name if self.engine is not None else "kvoffload"
+        theirs = m.transfer_engine or "kvoffload"
         if mine != theirs:
             return (
-                f"memfabric_session: the prefill's transfer_backend is {theirs!r} (session "
-                f"{m.memfabric_session or 'none'}), this decode's {mine!r}; both sides must use the same one"
+                f"transfer_engine: the prefill's transfer_backend is {theirs!r} (session "
+                f"{m.engine_session or 'none'}), this decode's {mine!r}; both sides must use the same one"
             )
         return tp_handshake_problem(
             m.prefill_tp_size, m.prefill_tp_rank, self.tp_size, self.tp_rank
@@ -295,8 +296,9 @@ class PullConsumer:
         lay = read.meta.layers[read.layer]
         planes = self.sink.planes(read.layer)
         regions = [lay.main_buffer if p.kind == transfer_pb2.PLANE_KIND_MAIN else lay.indexer_buffer for p in planes]
-        if self.memfabric is not None:  # every plane in one batched memfabric read
-            return self.memfabric.layer_rows(
+        if self.engine is not None:  # every plane in one batched read of the transfer engine
+            self.counters.increment("reads_engine")
+            return self.engine.layer_rows(
                 read.meta,
                 rows.start,
                 rows.stop,
@@ -336,5 +338,5 @@ class PullConsumer:
 
     def close(self) -> None:
         self.sources.close()
-        if self.memfabric is not None:
-            self.memfabric.close()
+        if self.engine is not None:
+            self.engine.close()

@@ -1,6 +1,6 @@
 """transfer_backend ``"memfabric"``: the P→D layer pull over memfabric_hybrid 1.3.0's ``TransferEngine``.
-``MemfabricTransfer`` is one started engine (both sides); ``MemfabricRows`` is the decode's reads
-through it.
+``MemfabricTransfer`` is one started engine (both sides); the decode reads through it with
+``pdlink.engine_rows.EngineRows``, as with Mooncake.
 
 How memfabric_hybrid 1.3.0 pairs the two sides (its Python API docs and the log strings of its
 binding; a host without an Ascend driver fails ``initialize`` before any of it):
@@ -15,7 +15,8 @@ binding; a host without an Ascend driver fails ``initialize`` before any of it):
   ``session_id`` is the host peers reach this process at; memfabric picks the port (a free one in
   ``$MF_CONFIG_STORE_PORT_START``..``$MF_CONFIG_STORE_PORT_END``, default 9000..65535) and
   ``get_rpc_port`` returns it after ``initialize``. The prefill advertises its session "HOST:PORT"
-  and the address of its registered layer-buffer segment in ``LayoutMetadata``.
+  and the address of its registered layer-buffer segment in ``LayoutMetadata`` (``engine_session``,
+  ``engine_segment_address``).
 
 Failures. memfabric's calls return only a number; the reason is in its log lines, which it prints
 to stdout (the binding's own ADAPTER lines included). The start-up calls (``initialize``,
@@ -37,7 +38,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
-import torch
 
 from kvcore.backends import MEMFABRIC_INSTALL
 from kvcore.confignames import MEMFABRIC_DATA_OPS
@@ -135,6 +135,8 @@ class MemfabricTransfer:
     decode's staging buffer); ``read`` copies ranges of a peer session's registered memory into local
     registered memory in one batched sync read; ``close`` releases it all, in order."""
 
+    name = "memfabric"
+
     def __init__(self, mf: Any, engine: Any, role: str, session: str) -> None:
         self._mf, self._engine = mf, engine
         self.role, self.session = role, session
@@ -224,57 +226,3 @@ class MemfabricTransfer:
         self._engine.destroy()
         self._engine.unInitialize()
         log.info("memfabric_closed", role=self.role, session=self.session)
-
-
-class MemfabricRows:
-    """The decode's reads through ``transfer`` (which it owns and closes): a staging buffer of
-    ``staging_bytes`` registered with it, and ``layer_rows``, the announced rows of a layer's planes
-    read from the prefill session its layout names in one batched read, then copied out of the
-    staging buffer (so the next read may reuse it: reads take turns)."""
-
-    def __init__(self, transfer: MemfabricTransfer, staging_bytes: int) -> None:
-        if staging_bytes < 1:
-            raise ValueError(f"staging_bytes must be >= 1, got {staging_bytes}")
-        self.transfer = transfer
-        self._staging = torch.empty(staging_bytes, dtype=torch.uint8)
-        self._lock = threading.Lock()
-        transfer.register(self._staging.data_ptr(), staging_bytes)
-
-    def layer_rows(self, meta, start: int, end: int, planes: Sequence[tuple[Any, int]]) -> list[torch.Tensor]:
-        """Rows [start, end) of each plane, given as (``BufferRegion``, row bytes), out of the memory the
-        prefill of layout ``meta`` registered: uint8 ``[end - start, row_bytes]`` per plane. ValueError
-        when the layout or a region cannot give them or they exceed the staging buffer; MemfabricError
-        when the read fails."""
-        if not meta.memfabric_session or not meta.memfabric_segment_address:
-            raise ValueError("the prefill's layout names no memfabric_session / memfabric_segment_address")
-        n = end - start
-        for region, row_bytes in planes:
-            if end > region.capacity_tokens or region.row_stride_bytes != row_bytes:
-                raise ValueError(
-                    f"buffer region of {region.capacity_tokens} rows x {region.row_stride_bytes} bytes "
-                    f"cannot give rows [{start}, {end}) of {row_bytes} bytes"
-                )
-        sizes = [n * row_bytes for _, row_bytes in planes]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        if sum(sizes) > self._staging.numel():
-            raise ValueError(
-                f"rows [{start}, {end}) need {sum(sizes)} bytes; the memfabric staging buffer holds "
-                f"{self._staging.numel()}"
-            )
-        base = self._staging.data_ptr()
-        ranges = [
-            (base + off, meta.memfabric_segment_address + region.offset_bytes + start * row_bytes, size)
-            for off, size, (region, row_bytes) in zip(offsets, sizes, planes)
-            if size
-        ]
-        with self._lock:
-            if ranges:
-                local, peer, lengths = (list(column) for column in zip(*ranges))
-                self.transfer.read(meta.memfabric_session, local, peer, lengths)
-            return [
-                self._staging[off : off + size].clone().view(n, row_bytes)
-                for off, size, (_, row_bytes) in zip(offsets, sizes, planes)
-            ]
-
-    def close(self) -> None:
-        self.transfer.close()  # unregisters the staging buffer first

@@ -16,6 +16,7 @@ COUNTERS = {  # name -> meaning (the names are what Stats and /metrics expose)
     "read_ms_total": "ms the READ_DONE pulls spent moving data (reading the source + installing the rows)",
     "reads_shared_memory": "plane reads out of the prefill's shared-memory buffer (retries included)",
     "reads_streamed": "plane reads streamed from the prefill's LayerSource (retries included)",
+    "reads_engine": "layer reads (all planes in one) through a transfer engine, memfabric or mooncake (retries too)",
     "heartbeats": "Heartbeat messages taken",
 }
 # and, per prefill TP rank r whose rows this decode pulled, ``bytes_read_prefill_tp_rank_<r>``: the

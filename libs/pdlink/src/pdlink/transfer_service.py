@@ -30,7 +30,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
             layout_version=request.layout_version,
             decode_tp_rank=c.tp_rank,
             decode_tp_size=c.tp_size,
-            shared_memory=c.memfabric is None and c.same_host(request.host_id),
+            shared_memory=c.engine is None and c.same_host(request.host_id),
         )
 
     def ReadReady(self, request, context):

@@ -1,8 +1,9 @@
 """``kvoffload-decode``: the kv_consumer. Parses the node's configs as users write them, loads the
 model, builds the sparse-offload decoder over its host pool, serves the Transfer control port
 (gRPC, ``kv_port + dp_rank * tp + tp_rank``) and the OpenAI HTTP API, and shuts down in order on
-SIGTERM/SIGINT. With transfer_backend "memfabric" it pulls every layer through memfabric_hybrid
-(``pdlink.memfabric``); where that cannot start, it stops with memfabric's reason (exit 2). With
+SIGTERM/SIGINT. With transfer_backend "memfabric" or "mooncake" it pulls every layer through that
+transfer engine (``pdlink.engines``); where that cannot start, it stops with the engine's reason
+(exit 2). With
 ``--tensor-parallel-size N`` it is rank 0 of N and starts the others (``kvoffload_decode.tp_ranks``);
 its flags and settings are ``kvoffload_decode.options``."""
 
@@ -25,7 +26,8 @@ from kvoffload_decode.loop import DecodeLoop
 from kvoffload_decode.options import FLAG_RULES, SERVICE, build_parser, decoder_options, model_id_of, settings_of
 from kvoffload_decode.transfer import decode_transfer
 from kvoffload_proto.v1 import transfer_pb2_grpc
-from pdlink.memfabric import MemfabricNotInstalled, MemfabricRows, MemfabricTransfer, MemfabricUnavailable
+from pdlink.engine_rows import EngineRows
+from pdlink.engines import ENGINES, EngineUnavailable, start_engine
 from pdlink.transfer_service import TransferServicer
 from svcruntime.ranks import share_cores
 from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, run, serve_http, start_process
@@ -47,14 +49,14 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     model, speculative = _load_model(args)
     layout = kv_layout(model.config, args.block_size, model.dtype)
     settings = settings_of(args, layout, model.config.index_topk)
-    if settings.tp > 1 and settings.d2h.transfer_backend == "memfabric":
+    if settings.tp > 1 and settings.d2h.transfer_backend in ENGINES:
         raise ConfigError(
             [
-                f"--tensor-parallel-size: got {settings.tp}; with transfer_backend 'memfabric' the decode "
-                "runs one rank, use 1"
+                f"--tensor-parallel-size: got {settings.tp}; with transfer_backend "
+                f"{settings.d2h.transfer_backend!r} the decode runs one rank, use 1"
             ]
         )
-    memfabric = _memfabric_rows(args, settings.d2h, layout)
+    engine = _engine_rows(args, settings.d2h, layout)
     tp_rank = 0  # this process; ranks 1..tp-1 are its TPRanks
     control_port = settings.control_port(args.dp_rank, tp_rank)
     ranks = _tp_ranks(args, model, settings.tp, argv)
@@ -76,14 +78,14 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         host_id(),
         read_retries=args.read_retries,
         tls=tls,
-        memfabric=memfabric,
+        engine=engine,
         tp_rank=tp_rank,
         tp_size=settings.tp,
     )
     grpc_side = _control_side(loop, transfer, f"{args.host}:{control_port}", tls, not_ready)
     app = _http_app(args, loop, transfer, model_id, settings.tp, control_port, not_ready)
     grpc_side.start()
-    _log_serving(args, settings, loop, model_id, control_port, speculative, memfabric, tls)
+    _log_serving(args, settings, loop, model_id, control_port, speculative, engine, tls)
     serve_http(
         app,
         args.host,
@@ -149,7 +151,7 @@ def _log_serving(
     model_id: str,
     control_port: int,
     speculative: int,
-    memfabric: MemfabricRows | None,
+    engine: EngineRows | None,
     tls: TLSConfig | None,
 ) -> None:
     """The ``serving`` line: where this decode listens and how it is set up."""
@@ -168,7 +170,7 @@ def _log_serving(
         tensor_parallel_size=settings.tp,
         num_speculative_tokens=speculative,
         transfer_backend=settings.d2h.transfer_backend,
-        **({"memfabric_session": memfabric.transfer.session} if memfabric else {}),
+        **({"engine_session": engine.transfer.session} if engine else {}),
         **(tls.describe() if tls else {"tls": False}),
     )
 
@@ -229,25 +231,23 @@ def _tp_ranks(args: argparse.Namespace, model, size: int, argv: list[str]):
     return TPRanks.start(model, size=size, argv=argv)
 
 
-def _memfabric_rows(args: argparse.Namespace, d2h, layout) -> MemfabricRows | None:
-    """transfer_backend "memfabric": this decode's memfabric TransferEngine (role "Decode", at --host)
-    and its registered staging buffer (--max-model-len rows of the widest layer); else None. Where
-    memfabric cannot start (no Ascend driver, no wheel) a StartupError with its own reason: never the
-    embedded data path."""
-    if d2h.transfer_backend != "memfabric":
+def _engine_rows(args: argparse.Namespace, d2h, layout) -> EngineRows | None:
+    """transfer_backend "memfabric" or "mooncake": this decode's transfer engine at --host
+    (``pdlink.engines``) and its registered staging buffer (--max-model-len rows of the widest
+    layer); else None. Where it cannot start (no Ascend driver, no wheel) a StartupError with its own
+    reason: never the embedded data path."""
+    if d2h.transfer_backend not in ENGINES:
         return None
     widest = max(s.main.row_bytes + (s.indexer.row_bytes if s.indexer else 0) for s in layout.layers)
     try:
-        transfer = MemfabricTransfer.start(
-            "Decode", args.host, device_id=d2h.memfabric_device_id, data_op=d2h.memfabric_data_op
-        )
-        try:
-            return MemfabricRows(transfer, args.max_model_len * widest)
-        except BaseException:
-            transfer.close()
-            raise
-    except (MemfabricUnavailable, MemfabricNotInstalled, ValueError) as e:
-        raise StartupError(f"transfer_backend 'memfabric': {e}") from None
+        transfer = start_engine(d2h.transfer_backend, "Decode", args.host, d2h)
+    except EngineUnavailable as e:
+        raise StartupError(str(e)) from None
+    try:
+        return EngineRows(transfer, args.max_model_len * widest)
+    except (ValueError, RuntimeError) as e:  # the staging buffer refused by the engine
+        transfer.close()
+        raise StartupError(f"transfer_backend {d2h.transfer_backend!r}: {e}") from None
 
 
 def _stats(loop: DecodeLoop, transfer: TransferServicer, include_ledger: bool) -> StatsSnapshot:

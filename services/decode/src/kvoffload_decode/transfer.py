@@ -1,14 +1,14 @@
 """The decode's control port, ``kvoffload.v1.Transfer``: ``pdlink``'s servicer and pull state
 machine over this decode rank's ``DecodeRows`` (``kvoffload_decode.pull``). Streamed pulls from a
-prefill's LayerSource go over the process's TLS; with ``memfabric`` (transfer_backend "memfabric")
-every pull reads through it instead."""
+prefill's LayerSource go over the process's TLS; with ``engine`` (transfer_backend "memfabric" or
+"mooncake") every pull reads through that transfer engine instead."""
 
 from __future__ import annotations
 
 from kvcore.layout import KVLayout
 from kvoffload_decode.pull import DecodeRows
 from pdlink.consumer import PullConsumer
-from pdlink.memfabric import MemfabricRows
+from pdlink.engine_rows import EngineRows
 from pdlink.sources import RowSources
 from pdlink.transfer_service import TransferServicer
 from svcruntime.tls import PROCESS, secure_or_insecure_channel
@@ -23,7 +23,7 @@ def decode_transfer(
     host_id: str,
     read_retries: int = 2,
     tls=PROCESS,
-    memfabric: MemfabricRows | None = None,
+    engine: EngineRows | None = None,
     *,
     tp_rank: int = 0,
     tp_size: int = 1,
@@ -37,7 +37,7 @@ def decode_transfer(
         model_id=model_id,
         host_id=host_id,
         read_retries=read_retries,
-        memfabric=memfabric,
+        engine=engine,
         tp_rank=tp_rank,
         tp_size=tp_size,
     )

@@ -5,9 +5,9 @@ refuses sparse offload, runs layerwise prefill over shared-memory layer buffers 
 (backend ``kvoffload``: in this process or indexed by the metastore; ``mooncake``: shared through a
 mooncake_master; ``memcache``: shared through a Memcache MetaService), serves LayerSource + Health
 + Stats over gRPC and the OpenAI HTTP dispatch, and shuts down in order on SIGTERM/SIGINT. With
-transfer_backend "memfabric" it registers its layer buffers with memfabric_hybrid (``pdlink.memfabric``)
-and advertises its session in the layout the decodes get; where that cannot start, it stops with
-memfabric's reason (exit 2)."""
+transfer_backend "memfabric" or "mooncake" it registers its layer buffers with that transfer engine
+(``pdlink.engines``: memfabric_hybrid, Mooncake Transfer Engine) and advertises its session in the
+layout the decodes get; where that cannot start, it stops with the engine's reason (exit 2)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ from kvoffload_prefill.pools import host_pool, pool_counters, pool_not_ready
 from kvoffload_prefill.source import LayerBufferRows
 from kvoffload_prefill.worker import PrefillWorker
 from kvoffload_proto.v1 import transfer_pb2_grpc
+from pdlink.engine_rows import Transfer
+from pdlink.engines import ENGINES, EngineUnavailable, register_segment, start_engine
 from pdlink.layer_source import LayerSourceServicer
-from pdlink.memfabric import MemfabricNotInstalled, MemfabricTransfer, MemfabricUnavailable
 from svcruntime.ranks import share_cores
 from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, run, serve_http, start_process
 
@@ -53,15 +54,16 @@ def serve(args: argparse.Namespace) -> int:
     model = load_model(args.model, dtype=args.dtype)
     settings = settings_of(args, kv_layout(model.config, args.block_size, model.dtype))
     pool_flags(args, settings.store)
-    if settings.d2h is not None and settings.d2h.transfer_backend == "memfabric" and args.tensor_parallel_size > 1:
+    backend = settings.d2h.transfer_backend if settings.d2h is not None else None
+    if backend in ENGINES and args.tensor_parallel_size > 1:
         raise ConfigError(
             [
                 f"--tensor-parallel-size: got {args.tensor_parallel_size}; with transfer_backend "
-                "'memfabric' the prefill runs one rank (its followers' layer buffers are not registered "
-                "with memfabric), use 1"
+                f"{backend!r} the prefill runs one rank (its followers' layer buffers are not registered "
+                "with the transfer engine), use 1"
             ]
         )
-    memfabric = _memfabric(args, settings.d2h)  # before the pool: fail fast, holding nothing
+    transfer = _engine(args, settings.d2h)  # before the pool: fail fast, holding nothing
     log.info(
         "host pool size",
         bytes=args.host_pool_bytes,
@@ -87,7 +89,7 @@ def serve(args: argparse.Namespace) -> int:
                 ]
             )
         return _serve_offload_only(args, tls, model, tokenizer, settings, pool, model_id)
-    return _serve_pd(args, tls, model, tokenizer, settings, pool, model_id, tag, memfabric)
+    return _serve_pd(args, tls, model, tokenizer, settings, pool, model_id, tag, transfer)
 
 
 def _serve_pd(
@@ -99,10 +101,10 @@ def _serve_pd(
     pool,
     model_id: str,
     tag: str,
-    memfabric: MemfabricTransfer | None,
+    transfer: Transfer | None,
 ) -> int:
     """A P/D prefill: layerwise prefill announcing every layer to the decodes a request names, which
-    pull it through LayerSource (or memfabric); its TP ranks, when ``--tensor-parallel-size`` > 1."""
+    pull it through LayerSource (or a transfer engine); its TP ranks, when ``--tensor-parallel-size`` > 1."""
     ranks = _tp_ranks(args, model, pool)
     engine = _pd_engine(args, model, settings, pool, model_id, tag, ranks)
     follower_buffers = _follower_buffers(ranks, engine, tag) if ranks else []
@@ -119,19 +121,19 @@ def _serve_pd(
         peer_timeout_s=args.peer_timeout_s,
         follower_segments=tuple(b.segment.name for b in follower_buffers),
     )
-    if memfabric is not None:
-        _share_layer_buffers(memfabric, engine, worker)
+    if transfer is not None:
+        _share_layer_buffers(transfer, engine, worker)
     buffers = {lay.layout_version: bufs for lay, bufs in zip(worker.layouts, (engine.buffers, *follower_buffers))}
     grpc_side.add(
         transfer_pb2_grpc.add_LayerSourceServicer_to_server, LayerSourceServicer(LayerBufferRows(engine, buffers))
     )
     app = build_app(worker, tokenizer, model_id, args.max_model_len, not_ready=not_ready)
     grpc_side.start()
-    _log_serving(args, tls, data_port, model_id, engine.plan.log_line(), settings, memfabric)
-    # memfabric lets go of the layer buffers before the engine unmaps them
+    _log_serving(args, tls, data_port, model_id, engine.plan.log_line(), settings, transfer)
+    # the transfer engine lets go of the layer buffers before the engine unmaps them
     closers = (
         worker.close,
-        *((memfabric.close,) if memfabric else ()),
+        *((transfer.close,) if transfer else ()),
         engine.close,
         *(b.close for b in follower_buffers),
         *((ranks.close,) if ranks else ()),
@@ -183,7 +185,7 @@ def _log_serving(
     model_id: str,
     plan: str,
     settings: PrefillSettings,
-    memfabric: MemfabricTransfer | None,
+    transfer: Transfer | None,
 ) -> None:
     """The P/D prefill's ``serving`` line: where it listens, what it runs, how the decodes pull."""
     assert settings.d2h is not None  # without a D2H connector serve() runs offload-only
@@ -196,7 +198,7 @@ def _log_serving(
         plan=plan,
         backend=settings.store.backend,
         transfer_backend=settings.d2h.transfer_backend,
-        **({"memfabric_session": memfabric.session} if memfabric else {}),
+        **({"engine_session": transfer.session} if transfer else {}),
         **(tls.describe() if tls else {"tls": False}),
     )
 
@@ -295,32 +297,31 @@ def _stats(worker: PrefillWorker, include_ledger: bool) -> StatsSnapshot:
     )
 
 
-def _memfabric(args: argparse.Namespace, d2h) -> MemfabricTransfer | None:
-    """transfer_backend "memfabric": this prefill's memfabric TransferEngine (role "Prefill", the
-    config-store host, at --host); else (also offload-only: no SfaRemoteD2HConnector) None. Where
-    memfabric cannot start (no Ascend driver, no wheel) a StartupError with its own reason: never
-    the embedded data path."""
-    if d2h is None or d2h.transfer_backend != "memfabric":
+def _engine(args: argparse.Namespace, d2h) -> Transfer | None:
+    """transfer_backend "memfabric" or "mooncake": this prefill's transfer engine at --host
+    (``pdlink.engines``); else (also offload-only: no SfaRemoteD2HConnector) None. Where it cannot
+    start (no Ascend driver, no wheel) a StartupError with its own reason: never the embedded data path."""
+    if d2h is None or d2h.transfer_backend not in ENGINES:
         return None
     try:
-        return MemfabricTransfer.start(
-            "Prefill", args.host, device_id=d2h.memfabric_device_id, data_op=d2h.memfabric_data_op
-        )
-    except (MemfabricUnavailable, MemfabricNotInstalled, ValueError) as e:
-        raise StartupError(f"transfer_backend 'memfabric': {e}") from None
+        return start_engine(d2h.transfer_backend, "Prefill", args.host, d2h)
+    except EngineUnavailable as e:
+        raise StartupError(str(e)) from None
 
 
-def _share_layer_buffers(transfer: MemfabricTransfer, engine, worker: PrefillWorker) -> None:
-    """Register the layer-buffer segment with memfabric and put the session and the segment's
-    address in the layout every decode gets (LayoutMetadata.memfabric_session / _segment_address)."""
+def _share_layer_buffers(transfer: Transfer, engine, worker: PrefillWorker) -> None:
+    """Register the layer-buffer segment with the transfer engine and put its name, session and the
+    segment's address in the layout every decode gets (LayoutMetadata.transfer_engine,
+    engine_session, engine_segment_address)."""
     segment = engine.buffers.segment
     address = segment.plane(0).data_ptr() - segment.plane_offsets[0]  # byte 0 of the mapping
     try:
-        transfer.register(address, segment.size_bytes)
-    except MemfabricUnavailable as e:
-        raise StartupError(f"transfer_backend 'memfabric': {e}") from None
-    worker.layout.memfabric_session = transfer.session
-    worker.layout.memfabric_segment_address = address
+        register_segment(transfer, address, segment.size_bytes)
+    except EngineUnavailable as e:
+        raise StartupError(str(e)) from None
+    worker.layout.transfer_engine = transfer.name
+    worker.layout.engine_session = transfer.session
+    worker.layout.engine_segment_address = address
 
 
 def _tp_ranks(args: argparse.Namespace, model, pool):
