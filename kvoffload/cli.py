@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from kvcore.confignames import STACK_TRANSFERS
 from kvcore.poolregistry import EMBEDDED, STACK_POOLS  # light: names only, no backend is imported
 from kvoffload.cli_bench import BENCH_EXIT_STATUS, BENCHES, cmd_bench
 from kvoffload.cli_model import cmd_model_fetch, cmd_model_init
@@ -47,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--pool",
         choices=STACK_POOLS,
         help="the prefill's host-pool backend of the stack, for benches that take one (faults; default kvoffload)",
+    )
+    bench.add_argument(
+        "--transfer",
+        choices=STACK_TRANSFERS,
+        help="the P→D pull's transfer_backend of the stack, for benches that take one (faults; default kvoffload)",
     )
     bench.set_defaults(func=cmd_bench)
 

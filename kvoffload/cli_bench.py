@@ -80,7 +80,7 @@ def _stdout_to_stderr() -> Iterator[None]:
 def cmd_bench(args: argparse.Namespace) -> int:
     run = _load(BENCHES[args.name])
     kwargs = {}
-    for option in ("trace", "pool"):  # only to benches that take one
+    for option in ("trace", "pool", "transfer"):  # only to benches that take one
         value = getattr(args, option)
         if value is None:
             continue

@@ -1,4 +1,5 @@
-"""``kvoffload bench pd`` runs end to end with small parameters and reports its fields."""
+"""``kvoffload bench pd`` runs end to end with small parameters and reports its fields (the pull on
+every P→D data path too: ``pull_by_backend``)."""
 
 import pytest
 
@@ -32,7 +33,14 @@ def test_bench_pd_fields():
     assert (
         set(r["goals_met"])
         == set(r["goals"])
-        == {"tpot_ratio", "pull_gbps_in_stack_ratio_to_memcpy", "tokens_equal", "tp_2_1_tokens_equal"}
+        == {
+            "tpot_ratio",
+            "pull_gbps_in_stack_ratio_to_memcpy",
+            "tokens_equal",
+            "tp_2_1_tokens_equal",
+            "pull_by_backend.mooncake.ratio_to_memcpy",
+            "tokens_equal_by_backend",
+        }
     )
     assert r["goals_met"]["pull_gbps_in_stack_ratio_to_memcpy"] == (r["pull_gbps_in_stack_ratio_to_memcpy"] >= 0.5)
     tp = r["tp_2_1"]  # the same with a TP 2 prefill, float32
@@ -45,3 +53,13 @@ def test_bench_pd_fields():
     assert all(0.4 < b / tp["pull_bytes"] < 0.6 for b in by_rank.values()), by_rank
     for rnd in tp["per_round"]:
         assert sum(rnd["pull_bytes_by_prefill_tp_rank"].values()) == rnd["pull_bytes"]
+    # each P→D path in a stack of its own, the same prompts, every read the path's own
+    assert r["tokens_equal_by_backend"] and r["goals_met"]["tokens_equal_by_backend"]
+    by = r["pull_by_backend"]
+    assert set(by) == {"shared_memory", "grpc_stream", "mooncake"}
+    for path in by.values():
+        assert path["path_checked"] and path["reads"] >= 2 * 2 * 5, path  # every layer, both requests, both rounds
+        assert path["gbps_in_stack"] > 0 and path["memcpy_gbps"] > 0 and path["ratio_to_memcpy"] > 0, path
+        assert len(path["per_round"]) == 2
+    ratio = by["mooncake"]["ratio_to_memcpy"]
+    assert r["goals_met"]["pull_by_backend.mooncake.ratio_to_memcpy"] == (ratio >= 0.5)

@@ -9,9 +9,12 @@ every run: each client request ended within its deadline, every success is bit-i
 full-KV oracle (``kvoffload_testing.reference``), the idle stack holds no slot, pool byte, lease or
 open request, and a fresh request succeeds. ``KVOFFLOAD_FAULT_SEED`` replays another seed.
 
-The same checks on a stack whose prefill pool is on Mooncake Store (a real ``mooncake_master``):
+The same checks on a Mooncake deployment: the prefill pool on Mooncake Store (a real
+``mooncake_master``) and the P→D pull on Mooncake Transfer Engine (``transfer_backend: "mooncake"``,
+every layer read through the engines, ``kvoffload bench faults --pool mooncake --transfer mooncake``):
 every one of its fault kinds once, then a few random ones — kill -9 of the master (every key lost),
-and of the prefill (a dead segment owner the master still lists).
+and of the prefill mid-transfer (a dead segment owner the master still lists, a dead engine session
+the decode's reads fail on), of the decode mid-transfer, a decode stalled past the peer timeout.
 
 50 seeded runs in all, each with its own random moment of the fault, prompts and streaming: the 11
 kinds and 23 random runs on the metastore's stack, the 10 kinds and 6 random runs on Mooncake's
@@ -34,6 +37,7 @@ from kvoffload_testing.faults import (
     reference_tokens,
 )
 from kvoffload_testing.stack import Stack, ensure_tiny_model
+from kvoffload_testing.stack_client import stack_stats
 
 pytestmark = pytest.mark.stack
 
@@ -57,7 +61,7 @@ def mooncake_runner(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults-mooncake")
     model = ensure_tiny_model(tmp / "tiny")
     ref = reference_tokens(model)
-    with Stack(fault_stack_config(model, tmp / "logs", pool="mooncake")) as stack:
+    with Stack(fault_stack_config(model, tmp / "logs", pool="mooncake", transfer="mooncake")) as stack:
         yield FaultRunner(stack, ref, SEED, log=print)
 
 
@@ -101,10 +105,12 @@ def test_randomized_fault_runs(runner):
 
 
 @pytest.mark.slow
-def test_every_fault_kind_with_the_pool_on_mooncake_store(mooncake_runner):
+def test_every_fault_kind_with_the_pool_and_the_pull_on_mooncake(mooncake_runner):
     runs = mooncake_runner.run_many(len(MOONCAKE_FAULTS), list(MOONCAKE_FAULTS))
     runs += mooncake_runner.run_many(MOONCAKE_RANDOM_RUNS)
     _check(runs, MOONCAKE_FAULTS)  # a request the master's loss failed says so (EXPECTED_ERRORS)
+    stats = stack_stats(mooncake_runner.stack.cfg)["decode-0"]  # every read went through the engine
+    assert stats["reads_engine"] > 0 and stats["reads_shared_memory"] == stats["reads_streamed"] == 0, stats
 
 
 @pytest.mark.slow

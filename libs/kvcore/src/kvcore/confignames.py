@@ -13,6 +13,7 @@ MULTI_CONNECTOR = "MultiConnector"
 CONNECTORS = (STORE_CONNECTOR, D2H_CONNECTOR, MULTI_CONNECTOR)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 TRANSFER_BACKENDS = ("kvoffload", "memfabric", "mooncake")
+STACK_TRANSFERS = ("kvoffload", "mooncake")  # those a loopback stack runs (memfabric needs an Ascend NPU)
 # memfabric_hybrid.TransDataOpType members, lower-case (its TransferEngine's data operation; the
 # library's default is SDMA)
 MEMFABRIC_DATA_OPS = ("sdma", "host_rdma", "device_rdma", "device_urma", "device_uboe")

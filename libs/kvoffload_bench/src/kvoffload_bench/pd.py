@@ -36,6 +36,10 @@ identical in every pair (I3, ``tokens_equal``).
   prefill rank sends its share of every layer (two pulls a layer), and
   ``pull_bytes_by_prefill_tp_rank`` says how many bytes each rank's shares carried (about half each,
   one copy of the prompts in all).
+- ``pull_by_backend`` / ``tokens_equal_by_backend`` (with ``backends``): the decode's in-stack pull
+  rate on each P→D data path (shared memory, the gRPC stream, Mooncake Transfer Engine) against a
+  memcpy under the same load, ``pull_by_backend.<path>.gbps_in_stack`` / ``.ratio_to_memcpy``
+  (``kvoffload_bench.pd_backends``); goal: mooncake >= 0.5 of the memcpy.
 - ``idle_*`` (with ``idle_pull``): the old out-of-stack figure, kept as a diagnostic: the same
   pull code path (``SparseDecoder.write_prompt_layer``, the whole prompt of one layer) against a
   memcpy of the same bytes, side by side in the bench process after the stack is down (other
@@ -220,9 +224,11 @@ def run(
     rounds: int = 3,
     idle_pull: bool = True,
     tp: bool = True,
+    backends: bool = True,
 ) -> dict:
     """Runs ``rounds`` interleaved P/D + single-process pairs; returns the JSON-ready result
-    (see module docstring). With ``tp``, the same again with a TP 2 prefill (``tp_2_1``)."""
+    (see module docstring). With ``tp``, the same again with a TP 2 prefill (``tp_2_1``); with
+    ``backends``, the pull on each P→D data path (``pull_by_backend``)."""
     from dsamodel.presets import write_tiny
     from kvoffload_testing.stack import ensure_tiny_model
     from svcruntime.logs import quiet_logs
@@ -255,6 +261,23 @@ def run(
         tp_rounds, tp_equal = sized_rounds(model32, work / "logs-tp2", ["--tensor-parallel-size", "2"], sampler=sampler)
         del sampler
         out["tp_2_1"] = tp_figures(tp_rounds, tp_equal)
+    if backends:
+        from kvoffload_bench.pd_backends import by_backend
+
+        sampler = MemcpySampler(memcpy_bytes)
+        out |= by_backend(
+            model_dir,
+            work / "logs-backends",
+            requests=requests,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            block_size=block_size,
+            rounds=rounds,
+            gen=gen,
+            sampler=sampler,
+            prefill_args=["--chunk-size", str(CHUNK_SIZE)],
+        )
+        del sampler
     out |= goals(out, per_round)
     if idle_pull:
         idle_pull_gbps, idle_memcpy = pull_vs_memcpy(prompt_tokens, block_size)

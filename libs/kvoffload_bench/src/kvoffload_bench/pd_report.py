@@ -8,6 +8,7 @@ import statistics
 
 GOAL_TPOT_RATIO = 1.3
 GOAL_PULL_RATIO = 0.5
+MOONCAKE_GOAL = "pull_by_backend.mooncake.ratio_to_memcpy"
 BY_RANK = "bytes_read_prefill_tp_rank_"  # the decode's Stats: bytes pulled out of prefill TP rank <r>
 
 
@@ -96,11 +97,14 @@ def goals(out: dict, per_round: list[dict]) -> dict:
     }
     if "tp_2_1" in out:
         goals["tp_2_1_tokens_equal"], met["tp_2_1_tokens_equal"] = True, out["tp_2_1"]["tokens_equal"]
-    return {
-        "goals": goals,
-        "goals_met": met,
-        "not_measured": {k: _not_measured(per_round, k) for k in NOT_MEASURED if out[k] is None},
-    }
+    not_measured = {k: _not_measured(per_round, k) for k in NOT_MEASURED if out[k] is None}
+    if "pull_by_backend" in out:  # the transfer engine's pull, one host
+        mooncake = out["pull_by_backend"]["mooncake"]["ratio_to_memcpy"]
+        goals[MOONCAKE_GOAL], met[MOONCAKE_GOAL] = GOAL_PULL_RATIO, mooncake is not None and mooncake >= GOAL_PULL_RATIO
+        goals["tokens_equal_by_backend"], met["tokens_equal_by_backend"] = True, out["tokens_equal_by_backend"]
+        if mooncake is None:
+            not_measured[MOONCAKE_GOAL] = "the mooncake stack's decode read some rows another way, or timed no pull"
+    return {"goals": goals, "goals_met": met, "not_measured": not_measured}
 
 
 def tp_figures(tp_rounds: list[dict], tp_equal: bool) -> dict:

@@ -59,10 +59,11 @@ PREFILL_POOL_GB = 0.006  # ~2680 tokens of the tiny model: the longest prompt fi
 FILLER_TOKENS = 3200
 
 
-def fault_stack_config(model: Path, log_dir: Path, pool: str = "kvoffload") -> StackConfig:
+def fault_stack_config(model: Path, log_dir: Path, pool: str = "kvoffload", transfer: str = "kvoffload") -> StackConfig:
     """A one-prefill, one-decode stack with short failure bounds, on ports free now (two fault
     stacks may run at once); ``pool`` is the prefill's host-pool backend ("kvoffload": indexed by a
-    metastore; "mooncake": on Mooncake Store, a real mooncake_master)."""
+    metastore; "mooncake": on Mooncake Store, a real mooncake_master), ``transfer`` the P→D pull's
+    transfer_backend ("kvoffload", or "mooncake": over Mooncake Transfer Engine)."""
     if pool not in FAULTS_BY_POOL:
         raise ValueError(f"pool: got {pool!r}; the fault suite runs on {', '.join(map(repr, FAULTS_BY_POOL))}")
     t = str(PEER_TIMEOUT_S)
@@ -75,6 +76,7 @@ def fault_stack_config(model: Path, log_dir: Path, pool: str = "kvoffload") -> S
         block_size=BLOCK_SIZE,
         prefill_pool_gb=PREFILL_POOL_GB,
         pool=pool,
+        transfer=transfer,
         service_args={
             **metastore,
             "decode-0": [
@@ -299,21 +301,24 @@ def reference_tokens(model_dir: Path) -> Callable[[list[int]], list[int]]:
     return lambda prompt: run(prompt, MAX_TOKENS)
 
 
-def bench(runs: int = 20, seed: int = 0, progress: bool = True, pool: str = "kvoffload") -> dict:
+def bench(
+    runs: int = 20, seed: int = 0, progress: bool = True, pool: str = "kvoffload", transfer: str = "kvoffload"
+) -> dict:
     """``kvoffload bench faults``: ``runs`` seeded fault runs on a fresh loopback stack whose
-    prefill pool is ``pool`` ("kvoffload" or "mooncake")."""
+    prefill pool is ``pool`` ("kvoffload" or "mooncake") and whose P→D pull runs on ``transfer``
+    ("kvoffload" or "mooncake")."""
     from svcruntime.logs import quiet_logs
 
     quiet_logs()  # stdout carries the JSON only
     with tempfile.TemporaryDirectory(prefix="kvoffload-faults-") as tmp:
         model = ensure_tiny_model(Path(tmp) / "tiny")
-        cfg = fault_stack_config(model, Path(tmp) / "logs", pool)
+        cfg = fault_stack_config(model, Path(tmp) / "logs", pool, transfer)
         ref = reference_tokens(model)
         for p in _prompts():
             ref(p)
         with Stack(cfg) as stack:
             out = bench_runs(FaultRunner(stack, ref, seed), runs, progress)
-    out["pool"] = pool
+    out["pool"], out["transfer"] = pool, transfer
     return out
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvcore.confignames import STACK_TRANSFERS
 from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STACK_POOLS, StackServer
 from kvoffload_testing.connector_configs import (
     decode_additional_config,
@@ -55,7 +56,6 @@ MOONCAKE_MASTER = _stack_server("mooncake").service  # ... and of its mooncake_m
 # StackConfig.mode / `kvoffload up --mode`: "pd" (prefill, decode, proxy) or "offload-only" (the seed's
 # first deployment: prefills with an AscendStoreConnector alone serve complete requests; no decode, no proxy)
 MODES = ("pd", "offload-only")
-TRANSFERS = ("kvoffload", "mooncake")  # the transfer backends a loopback stack can run (memfabric needs an Ascend NPU)
 
 
 @dataclass
@@ -85,15 +85,15 @@ class StackConfig:
     decode_dp: bool = False
     decode_tp: int = 1  # each decode runs --tensor-parallel-size N: rank t of DP rank d on kv_port + d N + t
     mode: str = "pd"  # one of MODES; "offload-only": no decodes and no proxy (decode_ports, proxy_port unused)
-    transfer: str = "kvoffload"  # the P→D pull's transfer_backend on every prefill and decode: one of TRANSFERS
+    transfer: str = "kvoffload"  # the P→D pull's transfer_backend on every prefill and decode: STACK_TRANSFERS
 
     def __post_init__(self) -> None:
         if self.pool not in STACK_POOLS:
             raise ValueError(f"pool: got {self.pool!r}; must be one of {', '.join(map(repr, STACK_POOLS))}")
         if self.mode not in MODES:
             raise ValueError(f"mode: got {self.mode!r}; must be one of {', '.join(map(repr, MODES))}")
-        if self.transfer not in TRANSFERS:
-            raise ValueError(f"transfer: got {self.transfer!r}; must be one of {', '.join(map(repr, TRANSFERS))}")
+        if self.transfer not in STACK_TRANSFERS:
+            raise ValueError(f"transfer: got {self.transfer!r}; must be one of {', '.join(map(repr, STACK_TRANSFERS))}")
 
     def decode_control_port(self, i: int) -> int:
         """Control (Transfer gRPC) port of decode ``i`` (its TP rank 0; rank t listens on this + t)."""

@@ -1,0 +1,120 @@
+"""``bench pd``'s ``pull_by_backend``: the decode's pull rate in the stack on each P→D data path, each
+against a memcpy sampled under the same load, the paths taking turns round by round.
+
+- ``shared_memory``: transfer_backend "kvoffload", prefill and decode on one host id: the decode
+  copies the rows straight out of the prefill's shared-memory layer buffers;
+- ``grpc_stream``: transfer_backend "kvoffload", the decode given another host id
+  (``KVOFFLOAD_HOST_ID``): it streams the rows from the prefill's LayerSource, as across hosts;
+- ``mooncake``: transfer_backend "mooncake": every layer read through Mooncake Transfer Engine (TCP).
+
+Three stacks run side by side (one per path). Each round sends the same ``requests`` fresh prompts
+through each stack in turn (completions, not streamed: a request ends after every layer was
+pulled); around each, the decode's pull counters and the memcpy sampler (``MemcpySampler``, the one
+``bench pd`` uses). Per path: ``gbps_in_stack`` (bytes_read over read_ms_total, median over the
+rounds), ``memcpy_gbps`` (median) and ``ratio_to_memcpy`` (the median of the rounds' ratios);
+``reads`` (the counter of the path's reads: ``reads_shared_memory``, ``reads_streamed``,
+``reads_engine``) and ``path_checked`` (every read of every round went that way). A path whose
+reads went another way has no figures (None). ``tokens_equal_by_backend``: the three paths gave
+the same greedy tokens for every prompt.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import random
+from pathlib import Path
+
+from kvoffload_bench.pd_memcpy import MemcpySampler
+from kvoffload_bench.pd_report import _measured_median, pull_figures
+
+# path -> (StackConfig fields, the decode's counter of the path's reads)
+BACKENDS: dict[str, tuple[dict, str]] = {
+    "shared_memory": ({}, "reads_shared_memory"),
+    "grpc_stream": ({"service_env": {"decode-0": {"KVOFFLOAD_HOST_ID": "bench-pd-other-host"}}}, "reads_streamed"),
+    "mooncake": ({"transfer": "mooncake"}, "reads_engine"),
+}
+READ_COUNTERS = ("reads_shared_memory", "reads_streamed", "reads_engine")
+
+
+def by_backend(
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    requests: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    rounds: int,
+    gen: random.Random,
+    sampler: MemcpySampler,
+    prefill_args: list[str],
+) -> dict:
+    """``pull_by_backend`` and ``tokens_equal_by_backend`` (module docstring)."""
+    from kvoffload_testing.ports import free_stack_ports
+    from kvoffload_testing.stack import Stack, StackConfig
+
+    per_round: dict[str, list[dict]] = {name: [] for name in BACKENDS}
+    tokens_equal = True
+    with contextlib.ExitStack() as stacks, cf.ThreadPoolExecutor(requests) as pool:
+        running = {}
+        for name, (fields, _) in BACKENDS.items():  # one after another: each takes ports free now
+            cfg = StackConfig(
+                model=model_dir,
+                log_dir=log_dir / name,
+                **free_stack_ports(),
+                max_model_len=8192,
+                block_size=block_size,
+                service_args={"prefill-0": prefill_args},
+                **fields,
+            )
+            running[name] = stacks.enter_context(Stack(cfg))
+        for _ in range(rounds):
+            prompts = [[gen.randrange(256) for _ in range(prompt_tokens)] for _ in range(requests)]
+            answers = {
+                name: _round(stack, pool, prompts, max_tokens, sampler, per_round[name])
+                for name, stack in running.items()
+            }
+            tokens_equal &= len({tuple(map(tuple, a)) for a in answers.values()}) == 1
+    return {
+        "pull_by_backend": {name: _figures(per_round[name], BACKENDS[name][1]) for name in BACKENDS},
+        "tokens_equal_by_backend": tokens_equal,
+    }
+
+
+def _round(stack, pool, prompts, max_tokens: int, sampler: MemcpySampler, out: list[dict]) -> list[list[int]]:
+    """One round on ``stack``: the prompts at once, the decode's counters and the memcpy around them."""
+    import threading
+    from functools import partial
+
+    from kvoffload_testing.stack_client import post_json, stack_stats
+
+    before = stack_stats(stack.cfg)["decode-0"]
+    done = threading.Event()
+    memcpy = sampler.start(done)
+    body = partial(
+        lambda url, p: post_json(url, {"prompt": p, "max_tokens": max_tokens, "temperature": 0}),
+        f"{stack.url}/v1/completions",
+    )
+    try:
+        answers = [a["choices"][0]["token_ids"] for a in pool.map(body, prompts)]
+    finally:
+        done.set()
+    memcpy_gbps, copies = memcpy()
+    after = stack_stats(stack.cfg)["decode-0"]
+    reads = {c: int(after[c] - before[c]) for c in READ_COUNTERS}
+    out.append(pull_figures(before, after, memcpy_gbps, copies) | {"reads": reads})
+    return answers
+
+
+def _figures(rounds: list[dict], counter: str) -> dict:
+    checked = all(r["reads"][counter] > 0 and sum(r["reads"].values()) == r["reads"][counter] for r in rounds)
+    med = (lambda key: _measured_median([r[key] for r in rounds])) if checked else (lambda key: None)
+    return {
+        "gbps_in_stack": med("pull_gbps_in_stack"),
+        "memcpy_gbps": med("memcpy_gbps_in_stack"),
+        "ratio_to_memcpy": med("pull_gbps_in_stack_ratio_to_memcpy"),
+        "reads": sum(r["reads"][counter] for r in rounds),
+        "path_checked": checked,
+        "per_round": rounds,
+    }
