@@ -1,0 +1,149 @@
+"""P/D across two network stacks: the decode in a network namespace of its own, joined to the rest by a
+veth pair (Debian's iproute2, ``ip netns``), so every byte between prefill and decode crosses a real
+network stack, not loopback. The metastore, the prefill and the proxy run in this namespace on the
+veth's address (10.231.0.1), the decode behind the other end (10.231.0.2), each side under its own
+host id (no shared memory between them).
+
+- On the mooncake transfer backend: I3 (tokens equal the single process), json and SSE; every read
+  went through the engine, across the veth; the rate is printed.
+- On the embedded backend the same prompts stream from the prefill's LayerSource over gRPC (the
+  cross-host path), and the answers are the same; both rates are printed side by side.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+from dsamodel.tokenizer import ByteTokenizer
+from kvoffload_testing.ports import free_stack_ports
+from kvoffload_testing.reference import greedy_reference
+from kvoffload_testing.stack import Stack, StackConfig
+from kvoffload_testing.stack_client import grpc_stats, post_json, stream_token_ids
+
+pytestmark = [pytest.mark.stack]
+
+BS = 16
+TOK = ByteTokenizer()
+HERE, THERE = "10.231.0.1", "10.231.0.2"  # this namespace's end of the veth, the decode's
+PROMPTS = {
+    "1": [65],
+    "bs-1": list(range(66, 66 + BS - 1)),
+    "2600": "".join(chr(32 + (i * 4099) % 90) for i in range(2600)),
+}
+
+
+IP = shutil.which("ip") or "/usr/sbin/ip"  # iproute2 (Debian's): a missing one fails the fixture, never skips
+
+
+def ip(*args: str) -> None:
+    subprocess.run([IP, *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def namespace():
+    """A network namespace for the decode, a veth pair between it and this one (a /30 on each end)."""
+    name, tag = f"kvd-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:6]
+    here, there = f"kvh{tag}", f"kvt{tag}"
+    ip("netns", "add", name)
+    try:
+        ip("link", "add", here, "type", "veth", "peer", "name", there)
+        ip("link", "set", there, "netns", name)
+        ip("addr", "add", f"{HERE}/30", "dev", here)
+        ip("link", "set", here, "up")
+        ip("-n", name, "addr", "add", f"{THERE}/30", "dev", there)
+        ip("-n", name, "link", "set", there, "up")
+        ip("-n", name, "link", "set", "lo", "up")
+        yield name
+    finally:
+        subprocess.run([IP, "link", "del", here], capture_output=True, timeout=30)
+        subprocess.run([IP, "netns", "del", name], capture_output=True, timeout=30)
+
+
+class SplitStack(Stack):
+    """The reference stack with its decode in ``namespace`` on ``THERE`` (its command run through
+    ``ip netns exec``, its --host, health URL and the proxy's decoder host pointed there)."""
+
+    def __init__(self, cfg: StackConfig, namespace: str) -> None:
+        self.namespace = namespace
+        super().__init__(cfg)
+
+    def commands(self) -> list[tuple[str, list[str], str]]:
+        out = []
+        for name, argv, health in super().commands():
+            if name == "decode-0":
+                argv = [IP, "netns", "exec", self.namespace, *argv, "--host", THERE]
+                health = health.replace(HERE, THERE)
+            if name == "proxy":
+                argv = [*argv, "--decoder-hosts", THERE]
+            out.append((name, argv, health))
+        return out
+
+
+def split_stack(model_dir, log_dir, namespace: str, transfer: str) -> SplitStack:
+    cfg = StackConfig(
+        model=model_dir,
+        log_dir=log_dir,
+        **free_stack_ports(),
+        host=HERE,
+        max_model_len=8192,
+        block_size=BS,
+        transfer=transfer,
+        service_env={"decode-0": {"KVOFFLOAD_HOST_ID": "decode-host"}},  # its own host: no shared memory
+    )
+    return SplitStack(cfg, namespace)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return greedy_reference(model_dir, block_size=BS, max_model_len=8192)
+
+
+@pytest.fixture(scope="module")
+def stacks(model_dir, namespace, tmp_path_factory):
+    """A split stack per transfer backend, one after the other (one decode namespace)."""
+    logs = tmp_path_factory.mktemp("netns")
+    return {transfer: (model_dir, logs / transfer, namespace) for transfer in ("mooncake", "kvoffload")}
+
+
+def _decode_stats(stack: SplitStack) -> dict[str, float]:
+    return grpc_stats(f"{THERE}:{stack.cfg.decode_control_port(0)}")
+
+
+def _answers(stack: SplitStack) -> dict[str, list[int]]:
+    url, out = f"{stack.url}/v1/completions", {}
+    for name, prompt in PROMPTS.items():
+        ids = TOK.encode(prompt, add_bos=True) if isinstance(prompt, str) else prompt
+        body = {"prompt": ids, "max_tokens": 10, "temperature": 0}
+        out[f"{name}-json"] = post_json(url, body)["choices"][0]["token_ids"]
+        out[f"{name}-sse"] = stream_token_ids(url, body)
+    return out
+
+
+def _rate(stats: dict[str, float]) -> float:
+    return stats["bytes_read"] / stats["read_ms_total"] / 1e6  # GB/s
+
+
+def test_i3_across_namespaces_on_the_mooncake_engine_and_the_grpc_stream(stacks, reference):
+    rates, got = {}, {}
+    for transfer, (model_dir, logs, namespace) in stacks.items():
+        with split_stack(model_dir, logs, namespace, transfer) as stack:
+            got[transfer] = _answers(stack)
+            stats = _decode_stats(stack)
+        read_by = "reads_engine" if transfer == "mooncake" else "reads_streamed"
+        assert stats[read_by] >= 1 and stats["read_failed"] == 0, stats
+        assert (
+            stats["reads_shared_memory"] == 0
+            and stats["read_done"] * (1 if transfer == "mooncake" else 2) == stats[read_by]
+        ), stats
+        rates[transfer] = _rate(stats)
+    for name, prompt in PROMPTS.items():
+        ids = TOK.encode(prompt, add_bos=True) if isinstance(prompt, str) else prompt
+        want = reference(ids, 10)
+        for transfer in got:
+            assert got[transfer][f"{name}-json"] == want and got[transfer][f"{name}-sse"] == want, (transfer, name)
+    ratio = rates["mooncake"] / rates["kvoffload"]
+    print(f"pull rate across the veth, GB/s: {rates} (mooncake / grpc stream: {ratio:.2f})")
