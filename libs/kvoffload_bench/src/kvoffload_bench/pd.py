@@ -60,12 +60,15 @@ import time
 import urllib.request
 from functools import partial
 from pathlib import Path
+from typing import Any
 
+from kvoffload_bench.pd_backends import by_backend
 from kvoffload_bench.pd_memcpy import MemcpySampler, pull_vs_memcpy
 from kvoffload_bench.pd_report import figures, goals, pull_figures, round_figures, tp_figures
 from kvoffload_testing.sse import sse_events, token_ids
 
 CHUNK_SIZE = 2048  # prefill chunk, both halves: the decode pulls a layer's rows one chunk at a time
+CHUNKS = ["--chunk-size", str(CHUNK_SIZE)]  # the prefill's flag
 
 
 class _Countdown:
@@ -171,7 +174,7 @@ def _rounds(
         **free_stack_ports(),
         max_model_len=8192,
         block_size=block_size,
-        service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE), *prefill_args]},
+        service_args={"prefill-0": [*CHUNKS, *prefill_args]},
     )
     per_round: list[dict] = []
     tokens_equal = True
@@ -241,43 +244,27 @@ def run(
     model_dir = ensure_tiny_model(work / "tiny")
     memcpy_bytes = min(prompt_tokens, CHUNK_SIZE) * _row_bytes(model_dir)  # one pull: a layer's rows of one chunk
     gen = random.Random(0)
-    sized_rounds = partial(
-        _rounds,
-        requests=requests,
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        block_size=block_size,
-        rounds=rounds,
-        gen=gen,
-    )
-    sampler = MemcpySampler(memcpy_bytes)
-    per_round, tokens_equal = sized_rounds(model_dir, work / "logs", [], sampler=sampler)
-    del sampler
+    sizes: dict[str, Any] = {
+        "requests": requests,
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "block_size": block_size,
+        "rounds": rounds,
+    }
 
+    def sized_rounds(model: Path, logs: Path, prefill_args: list[str], sampler: MemcpySampler):
+        return _rounds(model, logs, prefill_args, **sizes, gen=gen, sampler=sampler)
+
+    per_round, tokens_equal = sized_rounds(model_dir, work / "logs", [], MemcpySampler(memcpy_bytes))
     out = figures(per_round, tokens_equal, requests, prompt_tokens, max_tokens, rounds, memcpy_bytes)
     if tp:  # (prefill TP, decode TP) = (2, 1); float32: a TP size's partial sums round differently
         model32 = write_tiny(work / "tiny-float32", dtype="float32")
-        sampler = MemcpySampler(min(prompt_tokens, CHUNK_SIZE) * _row_bytes(model32))
-        tp_rounds, tp_equal = sized_rounds(model32, work / "logs-tp2", ["--tensor-parallel-size", "2"], sampler=sampler)
-        del sampler
+        tp_sampler = MemcpySampler(min(prompt_tokens, CHUNK_SIZE) * _row_bytes(model32))
+        tp_rounds, tp_equal = sized_rounds(model32, work / "logs-tp2", ["--tensor-parallel-size", "2"], tp_sampler)
         out["tp_2_1"] = tp_figures(tp_rounds, tp_equal)
-    if backends:
-        from kvoffload_bench.pd_backends import by_backend
-
-        sampler = MemcpySampler(memcpy_bytes)
-        out |= by_backend(
-            model_dir,
-            work / "logs-backends",
-            requests=requests,
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
-            block_size=block_size,
-            rounds=rounds,
-            gen=gen,
-            sampler=sampler,
-            prefill_args=["--chunk-size", str(CHUNK_SIZE)],
-        )
-        del sampler
+    if backends:  # the pull on each P→D data path: kvoffload_bench.pd_backends
+        logs = work / "logs-backends"
+        out |= by_backend(model_dir, logs, **sizes, gen=gen, sampler=MemcpySampler(memcpy_bytes), prefill_args=CHUNKS)
     out |= goals(out, per_round)
     if idle_pull:
         idle_pull_gbps, idle_memcpy = pull_vs_memcpy(prompt_tokens, block_size)

@@ -26,6 +26,15 @@ class Transfer(Protocol):
     def close(self) -> None: ...
 
 
+def check_ranges(local: Sequence[int], peer: Sequence[int], lengths: Sequence[int]) -> None:
+    """A batched read's ranges: as many local addresses as peer addresses and lengths (ValueError)."""
+    if not len(local) == len(peer) == len(lengths):
+        raise ValueError(
+            f"read needs as many local addresses ({len(local)}), peer addresses ({len(peer)}) "
+            f"and lengths ({len(lengths)})"
+        )
+
+
 class EngineRows:
     """The decode's reads through ``transfer`` (which it owns and closes): a staging buffer of
     ``staging_bytes`` registered with it, and ``layer_rows``, the announced rows of a layer's planes

@@ -41,6 +41,7 @@ import structlog
 
 from kvcore.backends import MEMFABRIC_INSTALL
 from kvcore.confignames import MEMFABRIC_DATA_OPS
+from pdlink.engine_rows import check_ranges
 from svcruntime.native_output import native_output
 
 log = structlog.get_logger(__name__)
@@ -196,11 +197,7 @@ class MemfabricTransfer:
     def read(self, peer_session: str, local: Sequence[int], peer: Sequence[int], lengths: Sequence[int]) -> None:
         """Copy ``lengths[i]`` bytes at ``peer[i]`` (registered by ``peer_session``) to ``local[i]``
         (registered here) with one batched sync read; MemfabricError if it fails."""
-        if not len(local) == len(peer) == len(lengths):
-            raise ValueError(
-                f"read needs as many local addresses ({len(local)}), peer addresses ({len(peer)}) "
-                f"and lengths ({len(lengths)})"
-            )
+        check_ranges(local, peer, lengths)
         self._open()
         code = int(self._engine.batch_transfer_sync_read(peer_session, list(local), list(peer), list(lengths)))
         if code != 0:

@@ -35,6 +35,7 @@ from typing import Any
 import structlog
 
 from kvcore.poolregistry import MOONCAKE_INSTALL
+from pdlink.engine_rows import check_ranges
 from svcruntime.native_output import native_output
 
 log = structlog.get_logger(__name__)
@@ -154,11 +155,7 @@ class MooncakeTransfer:
     def read(self, peer_session: str, local: Sequence[int], peer: Sequence[int], lengths: Sequence[int]) -> None:
         """Copy ``lengths[i]`` bytes at ``peer[i]`` (registered by ``peer_session``) to ``local[i]``
         (registered here) with one batched sync read; MooncakeError if it fails."""
-        if not len(local) == len(peer) == len(lengths):
-            raise ValueError(
-                f"read needs as many local addresses ({len(local)}), peer addresses ({len(peer)}) "
-                f"and lengths ({len(lengths)})"
-            )
+        check_ranges(local, peer, lengths)
         self._open()
         code = int(self._engine.batch_transfer_sync_read(peer_session, list(local), list(peer), list(lengths)))
         if code != 0:
