@@ -101,7 +101,9 @@ def _decode_stats(call: int, ms: float) -> dict:
 
 
 def _run() -> dict:
-    return bench_pd.run(requests=1, prompt_tokens=8, max_tokens=len(TOKENS), rounds=1, idle_pull=False, tp=False, backends=False)
+    return bench_pd.run(
+        requests=1, prompt_tokens=8, max_tokens=len(TOKENS), rounds=1, idle_pull=False, tp=False, backends=False
+    )
 
 
 def test_a_stream_in_one_chunk_measures_no_tpot_and_meets_no_tpot_goal(stack):
