@@ -42,7 +42,7 @@ import structlog
 from kvcore.backends import MEMFABRIC_INSTALL
 from kvcore.confignames import MEMFABRIC_DATA_OPS
 from pdlink.engine_rows import check_ranges
-from svcruntime.native_output import native_output
+from svcruntime.native_output import error_lines, native_output
 
 log = structlog.get_logger(__name__)
 
@@ -55,7 +55,9 @@ DRIVER_HINT = (
     "back to its embedded P→D data path"
 )
 
-_ERROR_LINE = re.compile(r"\bERROR\b.*?\[(\w+) ([\w.]+:\d+) \w+\] (.*)$")  # "... ERROR [pid-tid][TAG file:line fn] msg"
+_ERROR_LINE = re.compile(
+    r"\bERROR\b.*?\[(?P<src>\w+ [\w.]+:\d+) \w+\] (?P<msg>.*)$"
+)  # "... ERROR [pid-tid][TAG file:line fn] msg"
 
 
 class MemfabricNotInstalled(ImportError):
@@ -90,15 +92,7 @@ def import_memfabric() -> Any:
 
 def native_reason(lines: Sequence[str]) -> str:
     """memfabric's ERROR lines, the first of each source line: ``msg (TAG file:line)``, joined by "; "."""
-    seen: set[str] = set()
-    out = []
-    for line in lines:
-        m = _ERROR_LINE.search(line)
-        if m is None or m.group(2) in seen:
-            continue
-        seen.add(m.group(2))
-        out.append(f"{m.group(3).strip()} ({m.group(1)} {m.group(2)})")
-    return "; ".join(out)
+    return error_lines(lines, _ERROR_LINE)
 
 
 def _last_error(mf: Any) -> str:

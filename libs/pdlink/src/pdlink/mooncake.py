@@ -36,7 +36,7 @@ import structlog
 
 from kvcore.poolregistry import MOONCAKE_INSTALL
 from pdlink.engine_rows import check_ranges
-from svcruntime.native_output import native_output
+from svcruntime.native_output import error_lines, native_output
 
 log = structlog.get_logger(__name__)
 
@@ -45,7 +45,7 @@ P2P_HANDSHAKE = "P2PHANDSHAKE"  # no metadata server: peers handshake on each en
 PROTOCOL = "tcp"
 
 _ERROR_LINE = re.compile(
-    r"^[EF]\d{4} [\d:.]+\s+\d+ ([\w.]+:\d+)\] (.*)$"
+    r"^[EF]\d{4} [\d:.]+\s+\d+ (?P<src>[\w.]+:\d+)\] (?P<msg>.*)$"
 )  # glog: "E1203 18:47:11.11 4742 f.cpp:9] msg"
 
 
@@ -76,15 +76,7 @@ def import_engine() -> Any:
 
 def native_reason(lines: Sequence[str]) -> str:
     """The engine's error lines, the first of each source line: ``msg (file:line)``, joined by "; "."""
-    seen: set[str] = set()
-    out = []
-    for line in lines:
-        m = _ERROR_LINE.search(line.strip())
-        if m is None or m.group(1) in seen:
-            continue
-        seen.add(m.group(1))
-        out.append(f"{m.group(2).strip()} ({m.group(1)})")
-    return "; ".join(out)
+    return error_lines(lines, _ERROR_LINE)
 
 
 def _checked(call: str, fn: Callable[[], int]) -> None:
