@@ -62,13 +62,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvoffload_bench.pd_backends import by_backend
+from kvoffload_bench.pd_backends import CHUNK_SIZE, bench_stack_config, by_backend
 from kvoffload_bench.pd_memcpy import MemcpySampler, pull_vs_memcpy
 from kvoffload_bench.pd_report import figures, goals, pull_figures, round_figures, tp_figures
 from kvoffload_testing.sse import sse_events, token_ids
-
-CHUNK_SIZE = 2048  # prefill chunk, both halves: the decode pulls a layer's rows one chunk at a time
-CHUNKS = ["--chunk-size", str(CHUNK_SIZE)]  # the prefill's flag
 
 
 class _Countdown:
@@ -164,18 +161,10 @@ def _rounds(
 ) -> tuple[list[dict], bool]:
     """``rounds`` interleaved P/D + single-process pairs on ``model_dir`` (the prefill started with
     ``prefill_args``): (per-round figures, whether greedy tokens were equal in every pair)."""
-    from kvoffload_testing.ports import free_stack_ports
-    from kvoffload_testing.stack import Stack, StackConfig
+    from kvoffload_testing.stack import Stack
     from kvoffload_testing.stack_client import stack_stats
 
-    cfg = StackConfig(
-        model=model_dir,
-        log_dir=log_dir,
-        **free_stack_ports(),
-        max_model_len=8192,
-        block_size=block_size,
-        service_args={"prefill-0": [*CHUNKS, *prefill_args]},
-    )
+    cfg = bench_stack_config(model_dir, log_dir, block_size, prefill_args)
     per_round: list[dict] = []
     tokens_equal = True
     single = _Single(model_dir, requests, block_size)
@@ -264,7 +253,7 @@ def run(
         out["tp_2_1"] = tp_figures(tp_rounds, tp_equal)
     if backends:  # the pull on each P→D data path: kvoffload_bench.pd_backends
         logs = work / "logs-backends"
-        out |= by_backend(model_dir, logs, **sizes, gen=gen, sampler=MemcpySampler(memcpy_bytes), prefill_args=CHUNKS)
+        out |= by_backend(model_dir, logs, **sizes, gen=gen, sampler=MemcpySampler(memcpy_bytes))
     out |= goals(out, per_round)
     if idle_pull:
         idle_pull_gbps, idle_memcpy = pull_vs_memcpy(prompt_tokens, block_size)

@@ -23,10 +23,31 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvoffload_bench.pd_memcpy import MemcpySampler
 from kvoffload_bench.pd_report import _measured_median, pull_figures
+
+CHUNK_SIZE = 2048  # prefill chunk, both halves: the decode pulls a layer's rows one chunk at a time
+
+
+def bench_stack_config(model_dir: Path, log_dir: Path, block_size: int, prefill_args: Sequence[str] = (), **fields):
+    """The stack every ``bench pd`` round runs on (ports free now; the prefill's chunk ``CHUNK_SIZE``
+    and ``prefill_args``), with ``fields`` of ``StackConfig`` on top."""
+    from kvoffload_testing.ports import free_stack_ports
+    from kvoffload_testing.stack import StackConfig
+
+    return StackConfig(
+        model=model_dir,
+        log_dir=log_dir,
+        **free_stack_ports(),
+        max_model_len=8192,
+        block_size=block_size,
+        service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE), *prefill_args]},
+        **fields,
+    )
+
 
 # path -> (StackConfig fields, the decode's counter of the path's reads)
 BACKENDS: dict[str, tuple[dict, str]] = {
@@ -48,26 +69,16 @@ def by_backend(
     rounds: int,
     gen: random.Random,
     sampler: MemcpySampler,
-    prefill_args: list[str],
 ) -> dict:
     """``pull_by_backend`` and ``tokens_equal_by_backend`` (module docstring)."""
-    from kvoffload_testing.ports import free_stack_ports
-    from kvoffload_testing.stack import Stack, StackConfig
+    from kvoffload_testing.stack import Stack
 
     per_round: dict[str, list[dict]] = {name: [] for name in BACKENDS}
     tokens_equal = True
     with contextlib.ExitStack() as stacks, cf.ThreadPoolExecutor(requests) as pool:
         running = {}
         for name, (fields, _) in BACKENDS.items():  # one after another: each takes ports free now
-            cfg = StackConfig(
-                model=model_dir,
-                log_dir=log_dir / name,
-                **free_stack_ports(),
-                max_model_len=8192,
-                block_size=block_size,
-                service_args={"prefill-0": prefill_args},
-                **fields,
-            )
+            cfg = bench_stack_config(model_dir, log_dir / name, block_size, **fields)
             running[name] = stacks.enter_context(Stack(cfg))
         for _ in range(rounds):
             prompts = [[gen.randrange(256) for _ in range(prompt_tokens)] for _ in range(requests)]
