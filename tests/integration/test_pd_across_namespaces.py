@@ -102,13 +102,6 @@ def reference(model_dir):
     return greedy_reference(model_dir, block_size=BS, max_model_len=8192)
 
 
-@pytest.fixture(scope="module")
-def stacks(model_dir, namespace, tmp_path_factory):
-    """A split stack per transfer backend, one after the other (one decode namespace)."""
-    logs = tmp_path_factory.mktemp("netns")
-    return {transfer: (model_dir, logs / transfer, namespace) for transfer in ("mooncake", "kvoffload")}
-
-
 def _decode_stats(stack: SplitStack) -> dict[str, float]:
     return grpc_stats(f"{THERE}:{stack.cfg.decode_control_port(0)}")
 
@@ -127,10 +120,10 @@ def _rate(stats: dict[str, float]) -> float:
     return stats["bytes_read"] / stats["read_ms_total"] / 1e6  # GB/s
 
 
-def test_i3_across_namespaces_on_the_mooncake_engine_and_the_grpc_stream(stacks, reference):
+def test_i3_across_namespaces_on_the_mooncake_engine_and_the_grpc_stream(model_dir, namespace, tmp_path, reference):
     rates, got = {}, {}
-    for transfer, (model_dir, logs, namespace) in stacks.items():
-        with split_stack(model_dir, logs, namespace, transfer) as stack:
+    for transfer in ("mooncake", "kvoffload"):  # one split stack after the other, one decode namespace
+        with split_stack(model_dir, tmp_path / transfer, namespace, transfer) as stack:
             got[transfer] = _answers(stack)
             stats = _decode_stats(stack)
         read_by = "reads_engine" if transfer == "mooncake" else "reads_streamed"
