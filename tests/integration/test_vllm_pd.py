@@ -2,7 +2,10 @@
 
 The stack is ``kvoffload demo --engine vllm``'s (``VllmStack``, on free loopback ports): the prefill
 runs the guide's MultiConnector (remote D2H producer + the store on a real metastore), the decode the
-D2H consumer, the proxy is the one the reference stack uses, unchanged. A random 6-layer Llama (fp32)
+D2H consumer, the proxy is the one the reference stack uses, unchanged; the decode reads the
+prefill's blocks through Mooncake Transfer Engine (``transfer_backend: "mooncake"`` on both, over
+TCP: every read straight into the decode's blocks, none streamed over gRPC; the gRPC stream under
+vLLM is ``test_vllm_hybrid.py``'s and ``test_vllm_mla.py``'s). A random 6-layer Llama (fp32)
 keeps it fast; its prefill keeps 4 shared layer buffers for the 6 layers.
 
 - The demo's request answers, and the decode took the prompt's KV from the prefill (every number the
@@ -15,7 +18,8 @@ keeps it fast; its prefill keeps 4 shared layer buffers for the 6 layers.
   pulled KV, in a kernel call of its own: log-probabilities are compared within 1e-3. The plain
   server, stopped then, leaves no process behind.
 - Layerwise: the decode had pulled early layers before the prefill announced the last one (the
-  producer measures it per request), and it moved the prompt's blocks, no more.
+  producer measures it per request), and it moved the prompt's blocks, no more, every read through
+  the engine.
 - Faults, on the same stack (the prefill's 6 layers on 4 buffers: each step reuses every buffer while
   the decode still pulls), each killed server restarted on its port:
   - a stalled decode (SIGSTOP, shorter than the peer timeout): the prefill's next layer of a buffer
@@ -69,6 +73,7 @@ BLOCK = 128  # vLLM's CPU default block size
 LAYERS = 6
 BLOCK_BYTES = 2 * 2 * 32 * BLOCK * 4  # K and V, 2 KV heads of 32, fp32: one block of one layer
 MAX_LEN = 8192 + 64
+TRANSFER = "mooncake"  # the P→D pull's transfer_backend on both servers
 # the stack puts the prefill on one half of the cores, the decode on the other; the plain server it is
 # compared with runs on the decode's
 HALVES = split_cores()
@@ -89,8 +94,15 @@ def pd(model, tmp_path_factory):
     whose pulled KV the fault tests compare byte for byte, and their blocks are read from its pool."""
     logs = tmp_path_factory.mktemp("pd")
     ports = free_stack_ports()
-    digests = ["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"], kv_digests=True)]
-    cfg = StackConfig(model=model, log_dir=logs, max_model_len=MAX_LEN, service_args={"decode-0": digests}, **ports)
+    digests = ["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"], TRANSFER, kv_digests=True)]
+    cfg = StackConfig(
+        model=model,
+        log_dir=logs,
+        max_model_len=MAX_LEN,
+        transfer=TRANSFER,
+        service_args={"decode-0": digests},
+        **ports,
+    )
     stack = VllmStack(cfg)  # (vLLM takes the last --kv-transfer-config: the stack's own, with kv_digests)
     with Metastore(logs / "plain-metastore.log") as plain_pool:
         plain = VllmServer(
@@ -185,6 +197,13 @@ def test_the_pull_is_layerwise_and_moves_the_prompts_blocks(pd):
     assert (math.ceil(3000 / BLOCK) * BLOCK_BYTES * LAYERS, 3000) in [(b, t) for b, t in pulled], pulled
     during = [int(n) for n in re.findall(r"kvoffload_d2h_sent\s.*?layers_read_during_forward=(\d+)", prefill_log)]
     assert during and max(during) >= 1, prefill_log[-3000:]  # an early layer landed while later ones computed
+    decode = scrape(pd.decode_url + "/metrics")
+    engine, streamed = (
+        decode.total(f"vllm:kvoffload_d2h_consumer_{n}_total") for n in ("reads_engine", "reads_streamed")
+    )
+    assert engine >= LAYERS and streamed == 0  # every read through Mooncake Transfer Engine
+    # none streamed out of the prefill's LayerSource
+    assert scrape(pd.prefill_url + "/metrics").total("vllm:kvoffload_d2h_producer_bytes_served_total") == 0
 
 
 # ---- faults: a stalled or killed decode, a killed prefill (each killed server restarted on its port) ----

@@ -5,7 +5,10 @@ Blocks move byte for byte into the decode's blocks, whatever the block ids on ei
 request ends exactly once (landed, failed, cancelled); a silent prefill fails the request after
 ``peer_timeout_s``; a layout from another model is refused with both sides named. With two KV cache
 groups (vLLM's hybrid KV cache manager) whose layers alias one storage, each layer moves through its
-own group's blocks and block size, and null blocks are neither pulled nor served.
+own group's blocks and block size, and null blocks are neither pulled nor served. Each of these runs
+on both transfer backends a vLLM pair takes: the LayerSource's gRPC stream ("kvoffload") and Mooncake
+Transfer Engine ("mooncake": a real engine per side, over TCP on loopback, reading straight into the
+decode's blocks).
 """
 
 from __future__ import annotations
@@ -66,21 +69,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def pair():
+BACKENDS = ("kvoffload", "mooncake")
+
+
+@pytest.fixture(params=BACKENDS)
+def pair(request):
     torch.manual_seed(0)
     prefill_caches = {name: torch.randn((8, 2, 8, 3)) for name in LAYERS}
     decode_caches = {name: torch.zeros((8, 2, 8, 3)) for name in LAYERS}
-    yield from running_pair(D2HLayers.of(GROUPS, prefill_caches, 8), D2HLayers.of(GROUPS, decode_caches, 8))
+    prefill, decode = D2HLayers.of(GROUPS, prefill_caches, 8), D2HLayers.of(GROUPS, decode_caches, 8)
+    yield from running_pair(prefill, decode, backend=request.param)
 
 
-def running_pair(prefill_layers: D2HLayers, decode_layers: D2HLayers, *, kv_digests: bool = False):
+def settings(role: str, backend: str, control_port: int | None = None, **kw) -> D2HSettings:
+    return D2HSettings(role, control_port, "127.0.0.1", 0, 1.0, 10.0, transfer_backend=backend, **kw)
+
+
+def running_pair(prefill_layers: D2HLayers, decode_layers: D2HLayers, *, backend: str, kv_digests: bool = False):
     consumer = Consumer(
-        D2HSettings("kv_consumer", free_port(), "127.0.0.1", 0, 1.0, 10.0, dp_rank=1, kv_digests=kv_digests),
-        "model-a",
-        decode_layers,
+        settings("kv_consumer", backend, free_port(), dp_rank=1, kv_digests=kv_digests), "model-a", decode_layers
     )
-    producer = Producer(D2HSettings("kv_producer", None, "127.0.0.1", 0, 1.0, 10.0), "model-a", prefill_layers)
+    producer = Producer(settings("kv_producer", backend), "model-a", prefill_layers)
     meta = Metaserver()
     yield producer, consumer, meta, prefill_layers, decode_layers
     producer.close()
@@ -128,6 +137,9 @@ def test_a_chunked_prompt_lands_block_for_block_and_ends_once(pair):
     assert consumer.finished() == (set(), set())  # reported once
     counters = consumer.take_counters()
     assert counters["requests_pulled"] == 1 and counters["read_done"] == 4 and counters["bytes_read"] > 0
+    engine = consumer.settings.transfer_backend == "mooncake"  # every read through it, none streamed
+    assert (counters["reads_engine"], counters["reads_streamed"]) == ((4, 0) if engine else (0, 4))
+    assert producer.take_counters()["blocks_served"] == (0 if engine else 2 * 4)  # per layer: blocks 0, 1, then 1, 2
     assert set(counters) >= set(COUNTERS) and consumer.take_counters()["read_done"] == 0  # the sums since the last
 
 
@@ -137,7 +149,7 @@ def digest_pair():
     prefill_caches = {name: torch.randn((8, 2, 8, 3)) for name in LAYERS}
     decode_caches = {name: torch.zeros((8, 2, 8, 3)) for name in LAYERS}
     prefill, decode = D2HLayers.of(GROUPS, prefill_caches, 8), D2HLayers.of(GROUPS, decode_caches, 8)
-    yield from running_pair(prefill, decode, kv_digests=True)
+    yield from running_pair(prefill, decode, backend="kvoffload", kv_digests=True)
 
 
 def test_with_kv_digests_the_pulled_line_carries_each_layers_digest_of_the_full_prompt_blocks(digest_pair):
@@ -222,12 +234,12 @@ def hybrid_caches(storages: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.fixture
-def hybrid_pair():
+@pytest.fixture(params=BACKENDS)
+def hybrid_pair(request):
     torch.manual_seed(1)
     prefill = D2HLayers.of(HYBRID, hybrid_caches([torch.randn(16, 48), torch.randn(16, 48)]), 16)
     decode = D2HLayers.of(HYBRID, hybrid_caches([torch.zeros(16, 48), torch.zeros(16, 48)]), 16)
-    yield from running_pair(prefill, decode)
+    yield from running_pair(prefill, decode, backend=request.param)
 
 
 def test_two_groups_pull_through_their_own_blocks_and_never_touch_null_ones(hybrid_pair):
@@ -264,7 +276,8 @@ def test_two_groups_pull_through_their_own_blocks_and_never_touch_null_ones(hybr
     untouched = [b for b in range(16) if b not in (9, 10, 11, 12, 13, 14, 15)]
     assert not decode.pages[0][untouched].any() and not decode.pages[1][untouched].any()
     # full layers: 3 + 2 blocks each; sliding: block 1 of the first chunk, then blocks 1 and 2 (never block 0)
-    assert consumer.take_counters()["blocks_pulled"] == served["blocks_served"] == 2 * 5 + 2 * 3
+    assert consumer.take_counters()["blocks_pulled"] == 2 * 5 + 2 * 3
+    assert served["blocks_served"] == (0 if producer.transfer else 2 * 5 + 2 * 3)  # the engine's reads pass it by
 
     from kvoffload_proto.v1 import transfer_pb2
 
@@ -282,10 +295,65 @@ def test_a_layer_whose_block_size_differs_is_refused_naming_it(hybrid_pair):
     caches = hybrid_caches([torch.zeros(16, 48), torch.zeros(16, 48)])
     caches["model.layers.1.attn"] = caches["model.layers.0.attn"]  # 4-token blocks for the sliding layer too
     groups = (HYBRID[0], KVGroup(1, HYBRID[1].layer_names, 4, ()))
-    other = Consumer(
-        D2HSettings("kv_consumer", free_port(), "127.0.0.1", 0, 1.0, 10.0), "model-a", D2HLayers.of(groups, caches, 16)
-    )
+    backend = producer.settings.transfer_backend
+    other = Consumer(settings("kv_consumer", backend, free_port()), "model-a", D2HLayers.of(groups, caches, 16))
     try:
         assert other.pull.exchange_layout(producer.metadata) == "layers[2].block_size: prefill 8, decode 4"
     finally:
         other.close()
+
+
+def test_a_prefill_of_another_transfer_backend_is_refused_naming_both(pair):
+    producer, _, _, prefill, _ = pair
+    mine = producer.settings.transfer_backend
+    theirs = next(b for b in BACKENDS if b != mine)
+    other = Consumer(settings("kv_consumer", theirs, free_port()), "model-a", prefill)
+    try:
+        reason = other.pull.exchange_layout(producer.metadata)
+    finally:
+        other.close()
+    assert f"the prefill's transfer_backend is {mine!r}" in reason and f"this decode's {theirs!r}" in reason
+
+
+@pytest.fixture
+def engine_pair():
+    torch.manual_seed(2)
+    prefill_caches = {name: torch.randn((8, 2, 8, 3)) for name in LAYERS}
+    decode_caches = {name: torch.zeros((8, 2, 8, 3)) for name in LAYERS}
+    prefill, decode = D2HLayers.of(GROUPS, prefill_caches, 8), D2HLayers.of(GROUPS, decode_caches, 8)
+    yield from running_pair(prefill, decode, backend="mooncake")
+
+
+def test_on_the_engine_every_layer_names_its_block_addresses_and_reads_fail_on_what_they_cannot_read(engine_pair):
+    from kvoffload_proto.v1 import transfer_pb2
+
+    producer, consumer, meta, prefill, decode = engine_pair
+    layouts = producer.metadata.layers
+    assert producer.metadata.transfer_engine == "mooncake" and producer.metadata.engine_session.startswith("127.0.0.1:")
+    assert [(lay.engine_block_address, lay.engine_block_stride_bytes) for lay in layouts] == [
+        (page.data_ptr(), page.stride(0)) for page in prefill.pages
+    ]
+    bare = type(producer.metadata)()
+    bare.CopyFrom(producer.metadata)
+    bare.layers[1].engine_block_address = 0
+    assert "layers[1].engine_block_address: the prefill names no block addresses" in consumer.pull.exchange_layout(bare)
+    assert consumer.pull.exchange_layout(producer.metadata) == ""
+
+    two = Recv("vllm-e", "cmpl-2", meta.url, None, 10, 0, ((4, 3, 2),))
+    consumer.begin_step(D2HStepMetadata(recvs=[recv(meta, 10, (5, 7, 6)), two]))
+    until(lambda: len(meta.bodies) == 2)
+    ask = dict(generation=1, layout_version=producer.metadata.layout_version)
+    few = consumer.pull.read_ready(
+        transfer_pb2.ReadReadyRequest(
+            request_id="cmpl-1", layer=0, src_start=0, src_end=10, src_block_ids=[1, 2], **ask
+        )
+    )
+    assert not few.done and "names 2 prefill blocks for rows [0, 10), which are 3 blocks" in few.reason
+    null = consumer.pull.read_ready(
+        transfer_pb2.ReadReadyRequest(request_id="cmpl-2", layer=1, src_start=0, src_end=8, src_block_ids=[1, 0], **ask)
+    )
+    assert not null.done and "block 1 of KV cache group 0 is out of its sliding window" in null.reason
+    failed: set[str] = set()
+    until(lambda: failed.update(consumer.finished()[1]) or len(failed) == 2)
+    assert failed == {"vllm-d", "vllm-e"}  # a failed read fails its request (vLLM recomputes it)
+    assert not any(page.any() for page in decode.pages)  # nothing was written

@@ -24,25 +24,29 @@ VLLM_KVCACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE of each vLLM server (its own page
 DEFAULT_MAX_MODEL_LEN = 4096  # SmolLM2 allows 8192; the tests' tiny Llama 4096
 
 
-def vllm_prefill_transfer_config(metastore: str, shared_buffers: int | None = 3) -> str:
-    """The vLLM prefill's ``--kv-transfer-config``: the remote D2H producer and the layerwise store
-    (registered with the metastore at ``metastore``, HOST:PORT), composed by vLLM's MultiConnector;
-    with ``shared_buffers`` (``layerwise_num_shared_buffers``, None: off) the prefill keeps the
-    seed's few shared layer buffers instead of every layer's KV."""
+def vllm_prefill_transfer_config(
+    metastore: str, shared_buffers: int | None = 3, transfer_backend: str = "kvoffload"
+) -> str:
+    """The vLLM prefill's ``--kv-transfer-config``: the remote D2H producer (its blocks read by the
+    decode over ``transfer_backend``) and the layerwise store (registered with the metastore at
+    ``metastore``, HOST:PORT), composed by vLLM's MultiConnector; with ``shared_buffers``
+    (``layerwise_num_shared_buffers``, None: off) the prefill keeps the seed's few shared layer
+    buffers instead of every layer's KV."""
     store: dict[str, object] = {"backend": "kvoffload", "use_layerwise": True, "metastore": metastore}
     if shared_buffers is not None:
         store["layerwise_num_shared_buffers"] = shared_buffers
     module = {"kv_connector_module_path": "kvoffload_vllm"}
     return producer_multi_connector(
-        {**module, "kv_connector_extra_config": {"transfer_backend": "kvoffload"}},
+        {**module, "kv_connector_extra_config": {"transfer_backend": transfer_backend}},
         {**module, "kv_connector_extra_config": store},
     )
 
 
-def vllm_decode_transfer_config(kv_port: int, **extra: object) -> str:
+def vllm_decode_transfer_config(kv_port: int, transfer_backend: str = "kvoffload", **extra: object) -> str:
     """The vLLM decode's ``--kv-transfer-config``: the remote D2H consumer, its gRPC control port
-    ``kv_port``; a failed pull is recomputed (vLLM's ``kv_load_failure_policy``), never attended over;
-    ``extra`` keys added to its ``kv_connector_extra_config`` (e.g. ``kv_digests=True``)."""
+    ``kv_port``, reading the prefill's blocks over ``transfer_backend``; a failed pull is recomputed
+    (vLLM's ``kv_load_failure_policy``), never attended over; ``extra`` keys added to its
+    ``kv_connector_extra_config`` (e.g. ``kv_digests=True``)."""
     return json.dumps(
         {
             "kv_connector": "SfaRemoteD2HConnector",
@@ -50,7 +54,7 @@ def vllm_decode_transfer_config(kv_port: int, **extra: object) -> str:
             "kv_port": kv_port,
             "kv_connector_module_path": "kvoffload_vllm",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"transfer_backend": "kvoffload", **extra},
+            "kv_connector_extra_config": {"transfer_backend": transfer_backend, **extra},
         }
     )
 
@@ -73,8 +77,9 @@ class VllmStack(Stack):
     """Metastore, vLLM prefills, vLLM decodes, proxy: started in that order (the prefills once the
     metastore is healthy: their store connector registers with it at start-up), stopped in the
     reverse one (proxy, decodes, prefills, metastore). Of ``StackConfig`` it uses the model, host,
-    ports (``kv_port + 16 * i``: decode i's control port), max_model_len, log_dir and the env and
-    args fields; TLS and the reference engine's pool and block sizes do not apply."""
+    ports (``kv_port + 16 * i``: decode i's control port), max_model_len, log_dir, ``transfer`` (the
+    P→D pull's ``transfer_backend``) and the env and args fields; TLS and the reference engine's pool
+    and block sizes do not apply."""
 
     start_timeout_s = 600.0  # two vLLM servers loading at once on a small machine
     stop_grace_s = 20.0  # a vLLM server's engine core and workers too
@@ -93,7 +98,9 @@ class VllmStack(Stack):
             out.append(
                 (
                     f"prefill-{i}",
-                    self._vllm(port, vllm_prefill_transfer_config(f"{c.host}:{c.metastore_port}")),
+                    self._vllm(
+                        port, vllm_prefill_transfer_config(f"{c.host}:{c.metastore_port}", transfer_backend=c.transfer)
+                    ),
                     f"http://{c.host}:{port}/health",
                 )
             )
@@ -101,7 +108,7 @@ class VllmStack(Stack):
             out.append(
                 (
                     f"decode-{i}",
-                    self._vllm(port, vllm_decode_transfer_config(c.kv_port + 16 * i)),
+                    self._vllm(port, vllm_decode_transfer_config(c.kv_port + 16 * i, c.transfer)),
                     f"http://{c.host}:{port}/health",
                 )
             )

@@ -30,8 +30,11 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
   block table and block size); its worker sides:
 - ``producer``: the prefill's side (announces layers through ``pdlink``'s ``DecodeLink``, serves
   vLLM's blocks as a ``RowBuffer``).
-- ``consumer``: the decode's side (registration at the proxy's metaserver, a ``RowSink`` of vLLM's
-  blocks under ``pdlink``'s ``PullConsumer``).
+- ``consumer``: the decode's side (a ``RowSink`` of vLLM's blocks under ``pdlink``'s ``PullConsumer``);
+- ``incoming``: one request the decode receives (its blocks, what landed, its state);
+- ``registration``: the decode's registration of a request at the proxy's metaserver;
+- ``d2h_engine``: both sides on a transfer engine (``transfer_backend: "mooncake"``: vLLM's cache
+  memory registered, each layer's block addresses, one batched read into the request's blocks).
 - ``d2h_plan``: what each step sends, and which copy of a block a decode keeps.
 - ``d2h_layers``: the D2H connector's layers on the wire, each with its KV cache group's blocks and block size.
 - ``d2h_settings``: ``D2HSettings``, the connector's typed config.

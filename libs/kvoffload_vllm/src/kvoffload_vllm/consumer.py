@@ -9,6 +9,10 @@ sides), its ReadReady announcements and heartbeats. A ReadReady pulls from the p
 landed (``kvoffload_vllm.d2h_plan.Coverage``, one per group) and writes them into the request's
 vLLM blocks of that group, then answers READ_DONE. A block this decode does not need (its own
 prefix-cache hit, or its null block where a sliding window skips one) is neither pulled nor written.
+With ``transfer_backend: "mooncake"`` the blocks are read through this worker's Mooncake Transfer
+Engine instead, straight into the request's blocks (``read_in_place``, ``kvoffload_vllm.d2h_engine``:
+the prefill's block ids of each announced range come with its ReadReady); a prefill on another
+transfer backend is refused naming both.
 
 A request ends in exactly one of three ways, each reported once by ``finished`` after no pull is
 writing its blocks any more: every layer landed (a finished receive); a pull failed, the
@@ -19,26 +23,25 @@ it was loading (a client gone: a finished receive, so vLLM frees the blocks).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent import futures
-from dataclasses import dataclass, field
 
 import grpc
 import structlog
 import torch
 
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+from kvoffload_vllm.d2h_engine import read_blocks, start_d2h_engine
 from kvoffload_vllm.d2h_layers import D2HLayers
-from kvoffload_vllm.d2h_plan import Coverage
-from kvoffload_vllm.d2h_settings import D2HSettings
-from kvoffload_vllm.d2h_step import D2HStepMetadata, Recv
+from kvoffload_vllm.d2h_plan import blocks_of
+from kvoffload_vllm.d2h_settings import ENGINE_BACKENDS, D2HSettings
+from kvoffload_vllm.d2h_step import D2HStepMetadata
+from kvoffload_vllm.incoming import Incoming, RequestEnded
 from kvoffload_vllm.kv_digest import prompt_digests
+from kvoffload_vllm.kv_groups import NULL_BLOCK
+from kvoffload_vllm.registration import register
 from kvoffload_vllm.stats import Counters
-from openai_api.transfer_params import KVTransferParams
 from pdlink.consumer import Plane, PullConsumer, Read, ReadOutcome, RowSink
 from pdlink.pullcounters import COUNTERS as PULL_COUNTERS
 from pdlink.refusals import MalformedRead, UnknownRequest
@@ -55,33 +58,8 @@ SINK_COUNTERS = {
     "blocks_pulled": "blocks (of one layer) written into vLLM's cache",
 }
 COUNTERS = {**SINK_COUNTERS, **PULL_COUNTERS}  # the pulls' own counters: pdlink.pullcounters
-REGISTRATION_TIMEOUT_S = 1800.0  # a backstop: the proxy answers within its own request deadline
-REGISTRATION_RETRIES = 3
 READ_RETRIES = 2
 WATCHDOG_S = 0.25
-
-
-@dataclass
-class _Incoming:
-    recv: Recv
-    coverages: list[Coverage]  # per KV cache group
-    block_ids: list[torch.Tensor]  # per KV cache group
-    started: float = field(default_factory=time.monotonic)
-    last_news: float = 0.0  # monotonic time of the prefill's last word; 0 before it started
-    peer: str = ""
-    state: str = "loading"  # loading | done | failed | cancelled
-    reason: str = ""
-    busy: int = 0  # pulls in flight
-    bytes: int = 0
-    layer_blocks: list[int] = field(default_factory=list)  # blocks written per layer (wire order)
-    write_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def layers_done(self) -> int:
-        return sum(c.layers_done() for c in self.coverages)
-
-    @property
-    def complete(self) -> bool:
-        return all(c.complete for c in self.coverages)
 
 
 class Consumer(RowSink):
@@ -91,10 +69,14 @@ class Consumer(RowSink):
     def __init__(self, settings: D2HSettings, model_id: str, layers: D2HLayers) -> None:
         self.settings, self.model_id, self.layers = settings, model_id, layers
         self._lock = threading.Lock()
-        self._reqs: dict[str, _Incoming] = {}  # by transfer id
+        self._reqs: dict[str, Incoming] = {}  # by transfer id
         self._by_req: dict[str, str] = {}  # vLLM request id -> transfer id
         self.num_layers, self.block_size = len(layers.names), layers.groups[0].block_size
         self.counters = Counters(SINK_COUNTERS)
+        self.transfer = None
+        if settings.transfer_backend in ENGINE_BACKENDS:
+            self.transfer = start_d2h_engine(settings.transfer_backend, "Decode", settings.advertise_host, layers)
+            self.transfer_engine = self.transfer.name
         sources = RowSources(lambda endpoint: secure_or_insecure_channel(endpoint, PROCESS))
         self.pull = PullConsumer(self, sources, model_id=model_id, read_retries=READ_RETRIES)
         self._stop = threading.Event()
@@ -112,28 +94,15 @@ class Consumer(RowSink):
             layers=len(layers.names),
             block_sizes=[g.block_size for g in layers.groups],
             peer_timeout_s=settings.peer_timeout_s,
+            transfer_backend=settings.transfer_backend,
+            engine_session=self.transfer.session if self.transfer else "",
         )
 
     # ---- the scheduler's news ----------------------------------------------------------------
 
     def begin_step(self, meta: D2HStepMetadata) -> None:
         for recv in meta.recvs:
-            groups = self.layers.groups
-            inc = _Incoming(
-                recv,
-                [
-                    Coverage(
-                        len(g.layer_names),
-                        recv.num_tokens,
-                        g.block_size,
-                        recv.local_tokens // g.block_size,
-                        recv.block_ids[g.index],
-                    )
-                    for g in groups
-                ],
-                [torch.tensor(recv.block_ids[g.index], dtype=torch.long) for g in groups],
-                layer_blocks=[0] * self.num_layers,
-            )
+            inc = Incoming.of(recv, self.layers.groups, self.num_layers)
             with self._lock:
                 self._reqs[recv.transfer_id] = inc
                 self._by_req[recv.req_id] = recv.transfer_id
@@ -145,35 +114,10 @@ class Consumer(RowSink):
                 if ended is not None and ended.state == "loading":
                     ended.state, ended.reason = "cancelled", "vLLM finished the request while its KV was loading"
 
-    def _register(self, inc: _Incoming) -> None:
-        """POST our endpoint to the proxy's metaserver; its answer comes once the prefill answered."""
+    def _register(self, inc: Incoming) -> None:
+        """Register at the proxy's metaserver (``kvoffload_vllm.registration``); the prefill is due after."""
         recv = inc.recv
-        params = KVTransferParams(
-            request_id=recv.transfer_id,
-            remote_host=self.settings.advertise_host,
-            remote_port=self.settings.control_port,
-            remote_tp_size=1,
-            remote_dp_rank=self.settings.dp_rank,
-        )
-        body = json.dumps({"request_id": recv.transfer_id, "kv_transfer_params": params.wire()}).encode()
-        headers = {"Content-Type": "application/json", "X-Request-Id": recv.transfer_id}
-        if recv.token:
-            headers["Authorization"] = f"Bearer {recv.token}"
-        problem = ""
-        for attempt in range(REGISTRATION_RETRIES + 1):
-            try:
-                req = urllib.request.Request(recv.metaserver, data=body, headers=headers, method="POST")
-                with urllib.request.urlopen(req, timeout=REGISTRATION_TIMEOUT_S) as resp:
-                    resp.read()
-                problem = ""
-                break
-            except urllib.error.HTTPError as exc:
-                problem = f"metaserver {recv.metaserver} answered {exc.code}: {exc.read()[:300]!r}"
-                break
-            except (urllib.error.URLError, OSError) as exc:
-                problem = f"metaserver {recv.metaserver} unreachable after {attempt + 1} attempts: {exc}"
-                if self._stop.wait(0.2 * 2**attempt):
-                    break
+        problem = register(recv, self.settings, self._stop)
         if problem:
             self._fail(recv.transfer_id, problem)
             return
@@ -221,7 +165,7 @@ class Consumer(RowSink):
         """(vLLM ids whose KV landed or that were cancelled, ids whose load failed), each once."""
         done: set[str] = set()
         failed: set[str] = set()
-        ended: list[_Incoming] = []
+        ended: list[Incoming] = []
         with self._lock:
             for tid, inc in list(self._reqs.items()):
                 if inc.state == "loading" or inc.busy:
@@ -252,7 +196,7 @@ class Consumer(RowSink):
                 log.info("kvoffload_d2h_cancelled", request_id=inc.recv.req_id, transfer_id=inc.recv.transfer_id)
         return done, failed
 
-    def _digests(self, inc: _Incoming) -> dict[str, object]:
+    def _digests(self, inc: Incoming) -> dict[str, object]:
         """With ``kv_digests``: each layer's digest of the prompt KV that landed (read before vLLM is told
         it did, so nothing computed over it yet; ``kvoffload_vllm.kv_digest``)."""
         if not self.settings.kv_digests:
@@ -268,6 +212,13 @@ class Consumer(RowSink):
     def layout_problem(self, m: transfer_pb2.LayoutMetadata) -> str:
         if m.prefill_tp_size != 1:
             return f"prefill_tp_size: prefill {m.prefill_tp_size}, decode 1 (one rank only for now)"
+        if self.transfer is not None:
+            for got in m.layers:
+                if not got.engine_block_address or not got.engine_block_stride_bytes:
+                    return (
+                        f"layers[{got.layer}].engine_block_address: the prefill names no block addresses in "
+                        f"its {m.transfer_engine!r} session; a vLLM decode reads a vLLM prefill's blocks"
+                    )
         for i, got in enumerate(m.layers):
             row_bytes, dtype = self.layers.row_bytes(i), self.layers.dtypes[i]
             if got.layer != i or got.main_row_bytes != row_bytes or got.main_dtype != dtype or got.indexer_row_bytes:
@@ -321,11 +272,49 @@ class Consumer(RowSink):
         """Write the pulled blocks that improve on what landed into the request's vLLM blocks of the
         layer's group."""
         r, lay = read.request, self.layers
+        data = planes[0].view(-1, lay.page_bytes(r.layer))
+        first = rows.start // lay.block_size(r.layer)
+
+        def copy(ids: torch.Tensor, blocks: torch.Tensor) -> int:
+            lay.pages[r.layer].index_copy_(0, ids, data[blocks - first])
+            return int(data.numel())
+
+        return self._write(read, rows, copy)[1]
+
+    def read_in_place(self, read: Read, rows: range) -> tuple[int, float]:
+        """With a transfer engine: read the blocks that improve on what landed straight from the
+        prefill's blocks (named by the ReadReady's ``src_block_ids``) into the request's."""
+        r, transfer = read.request, self.transfer
+        assert transfer is not None  # transfer_engine is set only with it
+        announced = blocks_of(r.src_start, r.src_end, self.layers.block_size(r.layer))
+        if len(r.src_block_ids) != len(announced):
+            raise ValueError(
+                f"the ReadReady names {len(r.src_block_ids)} prefill blocks for rows [{r.src_start}, "
+                f"{r.src_end}), which are {len(announced)} blocks of layer {r.layer}"
+            )
+        src_all = torch.tensor(r.src_block_ids, dtype=torch.long)
+
+        def copy(ids: torch.Tensor, blocks: torch.Tensor) -> int:
+            src = src_all[blocks - announced.start]
+            if bool((src == NULL_BLOCK).any()):
+                raise ValueError(
+                    f"layer {r.layer} ({self.layers.names[r.layer]}): the prefill's block "
+                    f"{int(blocks[src == NULL_BLOCK][0])} of KV cache group {self.layers.group_of[r.layer]} is out "
+                    "of its sliding window (vLLM's null block): not read"
+                )
+            return read_blocks(transfer, read.meta, r.layer, src, self.layers.pages[r.layer], ids)
+
+        return self._write(read, rows, copy)
+
+    def _write(self, read: Read, rows: range, copy) -> tuple[int, float]:
+        """Under the request's write lock: ``copy(ids, blocks)`` the blocks of ``rows`` that improve on
+        what landed (``blocks``: their indices in the request, ``ids``: its vLLM blocks of the layer's
+        group), returning the bytes moved; then count them landed. (bytes, seconds)."""
+        r, lay = read.request, self.layers
         group, plane, bs = lay.group_of[r.layer], lay.plane_of[r.layer], lay.block_size(r.layer)
         with self._lock:
             inc = self._reqs[r.request_id]
         pulled = range(rows.start // bs, rows.stop // bs)
-        data = planes[0].view(-1, lay.page_bytes(r.layer))
         t = time.perf_counter()
         # vLLM's caches, and what begin_step made under vLLM's inference mode, are inference tensors
         with inc.write_lock, torch.inference_mode():
@@ -336,16 +325,16 @@ class Consumer(RowSink):
             blocks = idx + r.src_start // bs
             kept = (blocks >= pulled.start) & (blocks < pulled.stop)
             idx, blocks = idx[kept], blocks[kept]
-            lay.pages[r.layer].index_copy_(0, inc.block_ids[group][blocks], data[blocks - pulled.start])
+            nbytes = copy(inc.block_ids[group][blocks], blocks)
             coverage.landed(plane, r.src_start, r.src_end, idx)
             inc.layer_blocks[r.layer] += len(idx)
             complete = inc.complete
         self.counters.add(blocks_pulled=len(idx))
         with self._lock:
-            inc.bytes += int(data.numel())
+            inc.bytes += nbytes
             if complete and inc.state == "loading":
                 inc.state = "done"
-        return time.perf_counter() - t
+        return nbytes, time.perf_counter() - t
 
     def failed(self, read: Read, reason: str) -> None:
         self._fail(read.request_id, reason)  # vLLM recomputes or fails the request (I5)
@@ -375,7 +364,5 @@ class Consumer(RowSink):
         self._stop.set()
         self._server.stop(grace=1.0)
         self.pull.close()
-
-
-class RequestEnded(RuntimeError):
-    """The request stopped loading (failed or cancelled) while its rows were being pulled."""
+        if self.transfer is not None:
+            self.transfer.close()

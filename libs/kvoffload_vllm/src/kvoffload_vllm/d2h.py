@@ -10,7 +10,9 @@ contract (the same one the kvoffload prefill and decode services speak)::
               "kv_connector_module_path": "kvoffload_vllm", "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": {"transfer_backend": "kvoffload"}}
 
-(the prefill's usually sits in a ``MultiConnector`` next to the ``AscendStoreConnector``). It
+(the prefill's usually sits in a ``MultiConnector`` next to the ``AscendStoreConnector``);
+``"transfer_backend": "mooncake"`` on both moves the blocks through Mooncake Transfer Engine instead
+of the LayerSource's gRPC stream (``kvoffload_vllm.d2h_engine``). It
 supports vLLM's hybrid KV cache manager (``SupportsHMA``): every attention layer of every KV cache
 group moves through its own group's block table and block size (``kvoffload_vllm.d2h_layers``), and
 vLLM's null block (a sliding window's blocks outside the window) is never read nor written. The

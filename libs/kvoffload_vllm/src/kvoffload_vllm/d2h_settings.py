@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 DEFAULT_ADVERTISE_HOST = "127.0.0.1"
 DEFAULT_PEER_TIMEOUT_S = 10.0
+ENGINE_BACKENDS = ("mooncake",)  # the transfer_backend values whose blocks move through a transfer engine
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class D2HSettings:
     read_timeout_s: float
     dp_rank: int = 0  # consumer: registered with the proxy as remote_dp_rank
     kv_digests: bool = False  # consumer: log each layer's prompt KV digest once it landed
+    transfer_backend: str = "kvoffload"  # or "mooncake": the blocks move through Mooncake Transfer Engine
 
 
 def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
@@ -54,12 +56,12 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
                 "the prefill ('kv_producer') or the decode ('kv_consumer')"
             ]
         )
-    if extra.transfer_backend not in (None, "kvoffload"):
+    if extra.transfer_backend not in (None, "kvoffload", *ENGINE_BACKENDS):
         raise ConfigError(
             [
                 f"kv_connector_extra_config.transfer_backend: got {extra.transfer_backend!r}; inside "
-                "vLLM the pull runs on 'kvoffload' (memfabric and mooncake are paths of the kvoffload "
-                "services only, for now)"
+                f"vLLM the pull runs on 'kvoffload' or {', '.join(map(repr, ENGINE_BACKENDS))} (memfabric is "
+                "a path of the kvoffload services only, for now)"
             ]
         )
     if extra.kv_digests and parsed.kv_role != "kv_consumer":
@@ -98,4 +100,5 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
         read_timeout_s=max(30.0, 3 * peer_timeout),
         dp_rank=par.data_parallel_rank,
         kv_digests=extra.kv_digests,
+        transfer_backend=extra.transfer_backend or "kvoffload",
     )

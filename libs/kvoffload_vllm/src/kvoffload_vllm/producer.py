@@ -16,7 +16,9 @@ answered, READ_DONE or not; only then may vLLM free its blocks. Each announce ho
 reuse gate (``kvoffload_vllm.reuse_gate``) until it is answered: with shared layer buffers, the next layer of
 the buffer is not written before the decode pulled this one. Its log line says how many layers the
 decode had pulled before the last layer of their step was announced (``layers_read_during_forward``:
-the pull is layerwise).
+the pull is layerwise). With ``transfer_backend: "mooncake"`` the decode reads the blocks through
+Mooncake Transfer Engine instead (``kvoffload_vllm.d2h_engine``: vLLM's cache memory registered with
+this worker's engine, each layer's block addresses in the layout, each announce naming its blocks).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ import torch
 
 from kvcore.segment import host_id
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
+from kvoffload_vllm.d2h_engine import layer_layouts, start_d2h_engine
 from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import Send, blocks_of
-from kvoffload_vllm.d2h_settings import D2HSettings
+from kvoffload_vllm.d2h_settings import ENGINE_BACKENDS, D2HSettings
 from kvoffload_vllm.kv_groups import NULL_BLOCK
 from kvoffload_vllm.reuse_gate import GATE
 from kvoffload_vllm.stats import Counters
@@ -109,6 +112,9 @@ class Producer(RowBuffer):
         self._clock = _StepClock()
         self._generation = 0
         self.counters = Counters(COUNTERS)
+        self.transfer = None
+        if settings.transfer_backend in ENGINE_BACKENDS:  # before the server: a failed start leaves nothing
+            self.transfer = start_d2h_engine(settings.transfer_backend, "Prefill", settings.advertise_host, layers)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvoffload-source"))
         transfer_pb2_grpc.add_LayerSourceServicer_to_server(LayerSourceServicer(self), self._server)
         port = add_port(self._server, f"{settings.advertise_host}:{settings.data_port}")
@@ -120,19 +126,23 @@ class Producer(RowBuffer):
             model_id=model_id,
             num_layers=len(layers.names),
             block_size=layers.groups[0].block_size,
-            layers=layers.layer_layouts(),
+            layers=layer_layouts(layers) if self.transfer else layers.layer_layouts(),
             prefill_tp_rank=0,
             prefill_tp_size=1,
             data_endpoint=self.data_endpoint,
             host_id=host_id(),
-            layout_version=secrets.randbits(62) + 1,
-        )  # vLLM seeds `random`
+            layout_version=secrets.randbits(62) + 1,  # vLLM seeds `random`
+            transfer_engine=self.transfer.name if self.transfer else "",
+            engine_session=self.transfer.session if self.transfer else "",
+        )
         log.info(
             "kvoffload_d2h_producer",
             data_endpoint=self.data_endpoint,
             layers=len(layers.names),
             block_sizes=[g.block_size for g in layers.groups],
             layout_version=self.metadata.layout_version,
+            transfer_backend=settings.transfer_backend,
+            engine_session=self.metadata.engine_session,
         )
 
     # ---- a step ------------------------------------------------------------------------------
@@ -177,6 +187,7 @@ class Producer(RowBuffer):
         if not self._step:
             return
         layer = self.layers.index(layer_name)
+        group, bs = self.layers.group_of[layer], self.layers.block_size(layer)
         for out in self._step:
             with self._lock:
                 out.outstanding += 1
@@ -190,12 +201,20 @@ class Producer(RowBuffer):
                     out.send.peer.transfer_id,
                     out.send.start,
                     out.send.end,
+                    self._announced_blocks(out.send, group, bs),
                 )
             except Exception as exc:  # noqa: BLE001 - never sent: a failed read, so its gate hold is released
                 self._answered(out, layer, f"announce failed: {exc}", self._clock)
         self._announced_at.append(time.perf_counter())
         self._clock.last_layer_at = self._announced_at[-1]
         self.counters.add(layers_announced=1)
+
+    def _announced_blocks(self, send: Send, group: int, bs: int) -> tuple[int, ...]:
+        """With a transfer engine: the send's blocks of ``group`` that hold its rows (``src_block_ids``)."""
+        if self.transfer is None:
+            return ()
+        blocks = blocks_of(send.start, send.end, bs)
+        return send.block_ids[group][blocks.start : blocks.stop]
 
     def end_step(self) -> None:
         if self._announced_at and self._step:  # announced: the step has sends
@@ -320,3 +339,5 @@ class Producer(RowBuffer):
         self._server.stop(grace=1.0)
         for link in self._links.values():
             link.close()
+        if self.transfer is not None:
+            self.transfer.close()

@@ -17,6 +17,10 @@ service's host pool (``kvoffload_decode.pull``), a vLLM decode's paged blocks
 - ``failed(read, reason)``: the read was answered READ_FAILED (after ``begin``).
 - ``end(read)``: the read is over, answered either way (after a ``begin`` that returned a range).
 
+A sink that reads through a transfer engine of its own straight into its memory (a vLLM decode's
+blocks: ``kvoffload_vllm.consumer``) names that engine in ``transfer_engine`` and reads and installs
+in one hook instead of ``install``: ``read_in_place(read, rows)``, returning the bytes and seconds.
+
 and for the other messages ``layout_problem(meta)`` (what this sink needs of a layout beyond the
 common checks), ``heard(request_id, endpoint)`` (a heartbeat: still waiting?) and
 ``prefill_done(request, endpoint)``.
@@ -103,6 +107,7 @@ class RowSink(ABC):
 
     num_layers: int
     block_size: int
+    transfer_engine = ""  # the engine ``read_in_place`` reads through; "": the consumer reads, ``install`` writes
 
     def layer_block_size(self, layer: int) -> int:
         """Tokens per block of ``layer`` (``block_size`` unless the sink's layers differ: vLLM's hybrid
@@ -128,6 +133,11 @@ class RowSink(ABC):
     @abstractmethod
     def install(self, read: Read, rows: range, planes: list[torch.Tensor]) -> float:
         """Write the pulled rows (one uint8 ``[n, row_bytes]`` per plane); the seconds it took."""
+
+    def read_in_place(self, read: Read, rows: range) -> tuple[int, float]:
+        """A sink with a ``transfer_engine``: read source rows ``rows`` through it straight into this
+        sink's memory; (bytes read, seconds). Raising fails the read."""
+        raise NotImplementedError(f"{type(self).__name__} reads through no transfer engine of its own")
 
     def failed(self, read: Read, reason: str) -> None:  # noqa: B027 - an optional hook, doing nothing by default
         """Nothing by default: the prefill, told READ_FAILED, ends the request."""
@@ -208,7 +218,7 @@ class PullConsumer:
                     f"layers[{i}].block_size: prefill {lay.block_size or m.block_size}, "
                     f"decode {sink.layer_block_size(i)}"
                 )
-        mine = self.engine.name if self.engine is not None else "kvoffload"
+        mine = self.engine.name if self.engine is not None else (sink.transfer_engine or "kvoffload")
         theirs = m.transfer_engine or "kvoffload"
         if mine != theirs:
             return (
@@ -261,10 +271,15 @@ class PullConsumer:
 
     def _pull(self, read: Read, rows: range) -> ReadOutcome:
         try:
-            t = time.perf_counter()
-            planes = self._read_with_retries(read, rows)
-            copy_s = time.perf_counter() - t  # the pull's own data movement: read out of the source,
-            copy_s += self.sink.install(read, rows, planes)  # then install
+            if self.sink.transfer_engine:  # read and installed in one, through the sink's engine
+                self.counters.increment("reads_engine")
+                nbytes, copy_s = self.sink.read_in_place(read, rows)
+            else:
+                t = time.perf_counter()
+                planes = self._read_with_retries(read, rows)
+                copy_s = time.perf_counter() - t  # the pull's own data movement: read out of the source,
+                copy_s += self.sink.install(read, rows, planes)  # then install
+                nbytes = sum(p.numel() * p.element_size() for p in planes)
         except Exception as exc:  # noqa: BLE001 - answered, never left hanging: the prefill fails the slot's read
             self.counters.increment("read_failed")
             reason = (
@@ -275,7 +290,6 @@ class PullConsumer:
             self.sink.failed(read, reason)
             return ReadOutcome(done=False, reason=reason)
         ms = copy_s * 1000
-        nbytes = sum(p.numel() * p.element_size() for p in planes)
         self.counters.add_read(read.meta.prefill_tp_rank, nbytes, ms)
         return ReadOutcome(done=True, bytes_read=nbytes, read_ms=ms)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Protocol
 
 import grpc
@@ -207,8 +207,12 @@ class DecodeLink:
         for future in pending:
             future.cancel()
 
-    def announce(self, ticket: ReadTicket, reader, request_id: str, start: int, end: int) -> _Outcome:
+    def announce(
+        self, ticket: ReadTicket, reader, request_id: str, start: int, end: int, block_ids: Sequence[int] = ()
+    ) -> _Outcome:
         """ReadReady for rows [start, end) of ``ticket.layer``; the answer settles ``reader``.
+        ``block_ids``: a paged prefill's blocks holding those rows, where the decode reads them through
+        a transfer engine (``ReadReadyRequest.src_block_ids``).
 
         Returns the call's future: its result is True for READ_DONE, False for a failure."""
         outcome = _Outcome()
@@ -226,6 +230,7 @@ class DecodeLink:
             src_end=end,
             dst_start=start,
             layout_version=self._layout.layout_version,
+            src_block_ids=block_ids,
         )
         sent = time.monotonic()
         future = self._stub.ReadReady.future(req, timeout=self._read_timeout_s)
