@@ -1,5 +1,5 @@
 """P/D across two network stacks: the decode in a network namespace of its own, joined to the rest by a
-veth pair (Debian's iproute2, ``ip netns``), so every byte between prefill and decode crosses a real
+veth pair (``netns``: Debian's iproute2, ``ip netns``), so every byte between prefill and decode crosses a real
 network stack, not loopback. The metastore, the prefill and the proxy run in this namespace on the
 veth's address (10.231.0.1), the decode behind the other end (10.231.0.2), each side under its own
 host id (no shared memory between them).
@@ -12,23 +12,19 @@ host id (no shared memory between them).
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import uuid
-
 import pytest
 
 from dsamodel.tokenizer import ByteTokenizer
+from kvoffload_testing.netns import HERE, THERE, SplitStack, veth_namespace
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.reference import greedy_reference
-from kvoffload_testing.stack import Stack, StackConfig
+from kvoffload_testing.stack import StackConfig
 from kvoffload_testing.stack_client import grpc_stats, post_json, stream_token_ids
 
 pytestmark = [pytest.mark.stack]
 
 BS = 16
 TOK = ByteTokenizer()
-HERE, THERE = "10.231.0.1", "10.231.0.2"  # this namespace's end of the veth, the decode's
 PROMPTS = {
     "1": [65],
     "bs-1": list(range(66, 66 + BS - 1)),
@@ -36,51 +32,11 @@ PROMPTS = {
 }
 
 
-IP = shutil.which("ip") or "/usr/sbin/ip"  # iproute2 (Debian's): a missing one fails the fixture, never skips
-
-
-def ip(*args: str) -> None:
-    subprocess.run([IP, *args], check=True, capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture(scope="module")
 def namespace():
-    """A network namespace for the decode, a veth pair between it and this one (a /30 on each end)."""
-    name, tag = f"kvd-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:6]
-    here, there = f"kvh{tag}", f"kvt{tag}"
-    ip("netns", "add", name)
-    try:
-        ip("link", "add", here, "type", "veth", "peer", "name", there)
-        ip("link", "set", there, "netns", name)
-        ip("addr", "add", f"{HERE}/30", "dev", here)
-        ip("link", "set", here, "up")
-        ip("-n", name, "addr", "add", f"{THERE}/30", "dev", there)
-        ip("-n", name, "link", "set", there, "up")
-        ip("-n", name, "link", "set", "lo", "up")
+    """A network namespace for the decode, a veth pair between it and this one (``netns``)."""
+    with veth_namespace() as name:
         yield name
-    finally:
-        subprocess.run([IP, "link", "del", here], capture_output=True, timeout=30)
-        subprocess.run([IP, "netns", "del", name], capture_output=True, timeout=30)
-
-
-class SplitStack(Stack):
-    """The reference stack with its decode in ``namespace`` on ``THERE`` (its command run through
-    ``ip netns exec``, its --host, health URL and the proxy's decoder host pointed there)."""
-
-    def __init__(self, cfg: StackConfig, namespace: str) -> None:
-        self.namespace = namespace
-        super().__init__(cfg)
-
-    def commands(self) -> list[tuple[str, list[str], str]]:
-        out = []
-        for name, argv, health in super().commands():
-            if name == "decode-0":
-                argv = [IP, "netns", "exec", self.namespace, *argv, "--host", THERE]
-                health = health.replace(HERE, THERE)
-            if name == "proxy":
-                argv = [*argv, "--decoder-hosts", THERE]
-            out.append((name, argv, health))
-        return out
 
 
 def split_stack(model_dir, log_dir, namespace: str, transfer: str) -> SplitStack:

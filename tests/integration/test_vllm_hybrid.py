@@ -20,7 +20,9 @@ hybrid manager was turned off.
   sent on too), one streamed, and a chat; log-probabilities within 1e-3. Every layer of every pulled request landed
   (the decode logs each layer's blocks): the full-attention layers every block of the prompt, the
   sliding-window layers only the few blocks their window reaches into (the decode's null blocks are
-  never pulled).
+  never pulled). The decode reads the blocks through Mooncake Transfer Engine (``transfer_backend:
+  "mooncake"`` on both, one host): each worker registers the storage its groups' layers alias once,
+  and every read lands straight in the request's blocks of the layer's own group (none streamed).
 - The MetaStore gone: requests are still served (no prefix cache), with a log line saying why.
 - Configs vLLM must refuse at start-up: ``test_vllm_refusals.py``.
 """
@@ -42,6 +44,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BLOCK = 128  # vLLM's CPU default block size, both groups'
 LAYERS, WINDOW = 4, 64  # layers 1 and 3 sliding-window attention
 TOLERANCE = 1e-3
+TRANSFER = "mooncake"  # the P→D pull's transfer_backend on A and D
 PREFIX = [(i * 7919) % 40000 + 1000 for i in range(16 * BLOCK + 40)]  # 16 full blocks + a partial one
 PROMPTS = {
     "one": [1000],
@@ -106,9 +109,11 @@ def servers(tmp_path_factory):
         return VllmServer(model, port=port, max_model_len=4096, log_path=logs / f"{name}.log", env=env, extra_args=kv)
 
     with Metastore(logs / "metastore.log") as ms:
-        a = server("a", PREFILL_ENV, ports["prefill_ports"][0], vllm_prefill_transfer_config(ms.address, None))
+        a = server(
+            "a", PREFILL_ENV, ports["prefill_ports"][0], vllm_prefill_transfer_config(ms.address, None, TRANSFER)
+        )
         b = server("b", PREFILL_ENV, kv_config=store_config(ms.address))
-        d = server("d", DECODE_ENV, ports["decode_ports"][0], vllm_decode_transfer_config(ports["kv_port"]))
+        d = server("d", DECODE_ENV, ports["decode_ports"][0], vllm_decode_transfer_config(ports["kv_port"], TRANSFER))
         with running(a, b, d, server("plain", DECODE_ENV)) as (_, _, _, plain):
             proxy = Proxy(ports["proxy_port"], a.port, d.port, logs / "proxy.log")
             try:
@@ -163,6 +168,12 @@ def test_pd_on_the_hybrid_manager_answers_as_one_plain_server_and_pulls_every_la
             # the window (64 tokens) reaches into at most two blocks, the decode nulls the rest (each block
             # written at most twice: partly by one prefill chunk, whole by the next)
             assert 1 <= sliding_1 <= 4 and 1 <= sliding_3 <= 4, (tokens, pulled[tokens])
+    reads = {
+        n: metric(servers["d"].url, f"vllm:kvoffload_d2h_consumer_{n}_total")
+        for n in ("reads_engine", "reads_streamed")
+    }
+    assert reads["reads_engine"] >= LAYERS * len(PROMPTS) and reads["reads_streamed"] == 0, reads
+    assert metric(servers["a"].url, "vllm:kvoffload_d2h_producer_bytes_served_total") == 0  # nothing streamed
 
 
 def test_with_the_metastore_gone_requests_are_served_without_the_prefix_cache(servers):

@@ -2,11 +2,13 @@
 
 The stack is ``kvoffload demo --engine vllm``'s (``VllmStack``, on free loopback ports): the prefill
 runs the guide's MultiConnector (remote D2H producer + the store on a real metastore), the decode the
-D2H consumer, the proxy is the one the reference stack uses, unchanged; the decode reads the
-prefill's blocks through Mooncake Transfer Engine (``transfer_backend: "mooncake"`` on both, over
-TCP: every read straight into the decode's blocks, none streamed over gRPC; the gRPC stream under
-vLLM is ``test_vllm_hybrid.py``'s and ``test_vllm_mla.py``'s). A random 6-layer Llama (fp32)
-keeps it fast; its prefill keeps 4 shared layer buffers for the 6 layers.
+D2H consumer, the proxy is the one the reference stack uses, unchanged. The decode runs across a
+real network stack from the rest: in a network namespace of its own behind a veth pair
+(``netns``: the metastore, prefill and proxy on 10.231.0.1, the decode on 10.231.0.2), and it reads
+the prefill's blocks through Mooncake Transfer Engine (``transfer_backend: "mooncake"`` on both,
+over TCP across the veth: every read straight into the decode's blocks, none streamed over gRPC;
+Mooncake on one host is ``test_vllm_hybrid.py``'s, the gRPC stream under vLLM ``test_vllm_mla.py``'s).
+A random 6-layer Llama (fp32) keeps it fast; its prefill keeps 4 shared layer buffers for the 6 layers.
 
 - The demo's request answers, and the decode took the prompt's KV from the prefill (every number the
   demo prints, checked).
@@ -58,12 +60,18 @@ from pool_pages import model_id, pages_digests, pool_pages, pulled_digests
 from vllm_support import completion, store_config, tiny_llama_dir
 
 from kvoffload_bench import pd_matrix
+from kvoffload_testing.netns import HERE, THERE, split_decode, veth_namespace
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.prom import scrape
 from kvoffload_testing.stack import StackConfig
 from kvoffload_testing.vllm_demo import demo
 from kvoffload_testing.vllm_server import Metastore, VllmServer
-from kvoffload_testing.vllm_stack import VllmStack, split_cores, vllm_decode_transfer_config
+from kvoffload_testing.vllm_stack import (
+    VllmStack,
+    split_cores,
+    vllm_decode_transfer_config,
+    vllm_prefill_transfer_config,
+)
 from kvoffload_vllm.d2h_settings import DEFAULT_PEER_TIMEOUT_S
 from svcruntime.processgroup import group_members, signal_group
 
@@ -85,8 +93,26 @@ def model(tmp_path_factory) -> Path:
     return tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "llama6", num_layers=LAYERS, max_positions=MAX_LEN)
 
 
+class SplitVllmStack(VllmStack):
+    """The vLLM stack with its decode in ``namespace`` on ``THERE`` (its command run through ``ip netns
+    exec``, its --host, health URL and the proxy's decoder host pointed there)."""
+
+    def __init__(self, cfg: StackConfig, namespace: str) -> None:
+        self.namespace = namespace
+        super().__init__(cfg)
+
+    def commands(self) -> list[tuple[str, list[str], str]]:
+        return split_decode(super().commands(), self.namespace)
+
+
 @pytest.fixture(scope="module")
-def pd(model, tmp_path_factory):
+def namespace():
+    with veth_namespace() as name:
+        yield name
+
+
+@pytest.fixture(scope="module")
+def pd(model, namespace, tmp_path_factory):
     """The demo's stack (``kvoffload demo --engine vllm``: metastore, the P/D pair, the proxy; its
     decode logs the digests of the KV it pulls) and a plain vLLM server (on the decode's cores:
     no P/D, no shared buffers; its store connector saves its KV to a pool of its own, on a metastore of
@@ -94,16 +120,20 @@ def pd(model, tmp_path_factory):
     whose pulled KV the fault tests compare byte for byte, and their blocks are read from its pool."""
     logs = tmp_path_factory.mktemp("pd")
     ports = free_stack_ports()
-    digests = ["--kv-transfer-config", vllm_decode_transfer_config(ports["kv_port"], TRANSFER, kv_digests=True)]
+    # vLLM takes the last --kv-transfer-config: the stack's own, with each side's advertise_host (and kv_digests)
+    metastore = f"{HERE}:{ports['metastore_port']}"
+    producer = vllm_prefill_transfer_config(metastore, transfer_backend=TRANSFER, advertise_host=HERE)
+    consumer = vllm_decode_transfer_config(ports["kv_port"], TRANSFER, kv_digests=True, advertise_host=THERE)
     cfg = StackConfig(
         model=model,
         log_dir=logs,
         max_model_len=MAX_LEN,
+        host=HERE,
         transfer=TRANSFER,
-        service_args={"decode-0": digests},
+        service_args={"prefill-0": ["--kv-transfer-config", producer], "decode-0": ["--kv-transfer-config", consumer]},
         **ports,
     )
-    stack = VllmStack(cfg)  # (vLLM takes the last --kv-transfer-config: the stack's own, with kv_digests)
+    stack = SplitVllmStack(cfg, namespace)
     with Metastore(logs / "plain-metastore.log") as plain_pool:
         plain = VllmServer(
             model,
@@ -137,8 +167,7 @@ class PD:
         self.stack, self.plain, self.plain_kv = stack, plain, plain_kv
         self.proxy_url, self.model = stack.url, str(stack.cfg.model)
         self.metastore = f"{stack.cfg.host}:{stack.cfg.metastore_port}"
-        self.prefill_url = f"http://{stack.cfg.host}:{stack.cfg.prefill_ports[0]}"
-        self.decode_url = f"http://{stack.cfg.host}:{stack.cfg.decode_ports[0]}"
+        self.prefill_url, self.decode_url = stack.http_url("prefill-0"), stack.http_url("decode-0")
 
     def log(self, name: str) -> str:
         """The log of the stack's service ``name`` ("prefill-0", "decode-0", "proxy")."""

@@ -102,7 +102,14 @@ def _decode_stats(call: int, ms: float) -> dict:
 
 def _run() -> dict:
     return bench_pd.run(
-        requests=1, prompt_tokens=8, max_tokens=len(TOKENS), rounds=1, idle_pull=False, tp=False, backends=False
+        requests=1,
+        prompt_tokens=8,
+        max_tokens=len(TOKENS),
+        rounds=1,
+        idle_pull=False,
+        tp=False,
+        backends=False,
+        across=False,
     )
 
 

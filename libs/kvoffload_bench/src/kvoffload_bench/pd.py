@@ -40,6 +40,10 @@ identical in every pair (I3, ``tokens_equal``).
   rate on each P→D data path (shared memory, the gRPC stream, Mooncake Transfer Engine) against a
   memcpy under the same load, ``pull_by_backend.<path>.gbps_in_stack`` / ``.ratio_to_memcpy``
   (``kvoffload_bench.pd_backends``); goal: mooncake >= 0.5 of the memcpy.
+- ``pull_across_namespaces`` / ``tokens_equal_across_namespaces`` (with ``across``): the two paths
+  across hosts (Mooncake Transfer Engine, the gRPC stream) with the decode in a network namespace of
+  its own behind a veth pair, the same rounds: ``pull_across_namespaces.<path>.gbps_in_stack`` /
+  ``.ratio_to_memcpy`` and ``pull_across_namespaces.mooncake_to_grpc_stream`` (goal >= 2). Needs root.
 - ``idle_*`` (with ``idle_pull``): the old out-of-stack figure, kept as a diagnostic: the same
   pull code path (``SparseDecoder.write_prompt_layer``, the whole prompt of one layer) against a
   memcpy of the same bytes, side by side in the bench process after the stack is down (other
@@ -62,7 +66,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvoffload_bench.pd_backends import CHUNK_SIZE, bench_stack_config, by_backend
+from kvoffload_bench.pd_backends import CHUNK_SIZE, across_namespaces, bench_stack_config, by_backend
 from kvoffload_bench.pd_memcpy import MemcpySampler, pull_vs_memcpy
 from kvoffload_bench.pd_report import figures, goals, pull_figures, round_figures, tp_figures
 from kvoffload_testing.sse import sse_events, token_ids
@@ -217,10 +221,12 @@ def run(
     idle_pull: bool = True,
     tp: bool = True,
     backends: bool = True,
+    across: bool = True,
 ) -> dict:
     """Runs ``rounds`` interleaved P/D + single-process pairs; returns the JSON-ready result
     (see module docstring). With ``tp``, the same again with a TP 2 prefill (``tp_2_1``); with
-    ``backends``, the pull on each P→D data path (``pull_by_backend``)."""
+    ``backends``, the pull on each P→D data path (``pull_by_backend``); with ``across``, the paths
+    across hosts with the decode in a network namespace (``pull_across_namespaces``)."""
     from dsamodel.presets import write_tiny
     from kvoffload_testing.stack import ensure_tiny_model
     from svcruntime.logs import quiet_logs
@@ -254,6 +260,9 @@ def run(
     if backends:  # the pull on each P→D data path: kvoffload_bench.pd_backends
         logs = work / "logs-backends"
         out |= by_backend(model_dir, logs, **sizes, gen=gen, sampler=MemcpySampler(memcpy_bytes))
+    if across:  # the paths across hosts, the decode behind a veth pair: kvoffload_bench.pd_backends
+        logs = work / "logs-across"
+        out |= across_namespaces(model_dir, logs, **sizes, gen=gen, sampler=MemcpySampler(memcpy_bytes))
     out |= goals(out, per_round)
     if idle_pull:
         idle_pull_gbps, idle_memcpy = pull_vs_memcpy(prompt_tokens, block_size)

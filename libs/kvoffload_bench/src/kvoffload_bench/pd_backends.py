@@ -16,6 +16,13 @@ rounds), ``memcpy_gbps`` (median) and ``ratio_to_memcpy`` (the median of the rou
 ``reads_engine``) and ``path_checked`` (every read of every round went that way). A path whose
 reads went another way has no figures (None). ``tokens_equal_by_backend``: the three paths gave
 the same greedy tokens for every prompt.
+
+``pull_across_namespaces`` (``across_namespaces``): the same rounds on the two paths across hosts,
+with the decode in a network namespace of its own behind a veth pair (``kvoffload_testing.netns``:
+every byte crosses a real network stack), ``mooncake`` and ``grpc_stream`` side by side, and
+``mooncake_to_grpc_stream``, the ratio of their ``gbps_in_stack`` (goal >= 2); with
+``tokens_equal_across_namespaces``. Network namespaces need root: without it (or without ``ip``)
+the part raises, naming why.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import contextlib
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import urlparse
 
 from kvoffload_bench.pd_memcpy import MemcpySampler
 from kvoffload_bench.pd_report import _measured_median, pull_figures
@@ -49,13 +57,20 @@ def bench_stack_config(model_dir: Path, log_dir: Path, block_size: int, prefill_
     )
 
 
+OTHER_HOST: dict = {"service_env": {"decode-0": {"KVOFFLOAD_HOST_ID": "bench-pd-other-host"}}}
 # path -> (StackConfig fields, the decode's counter of the path's reads)
 BACKENDS: dict[str, tuple[dict, str]] = {
     "shared_memory": ({}, "reads_shared_memory"),
-    "grpc_stream": ({"service_env": {"decode-0": {"KVOFFLOAD_HOST_ID": "bench-pd-other-host"}}}, "reads_streamed"),
+    "grpc_stream": (OTHER_HOST, "reads_streamed"),
     "mooncake": ({"transfer": "mooncake"}, "reads_engine"),
 }
 READ_COUNTERS = ("reads_shared_memory", "reads_streamed", "reads_engine")
+ACROSS: dict[
+    str, tuple[dict, str]
+] = {  # the paths across hosts, the decode in a namespace of its own (and another host id)
+    "mooncake": ({"transfer": "mooncake", **OTHER_HOST}, "reads_engine"),
+    "grpc_stream": (OTHER_HOST, "reads_streamed"),
+}
 
 
 def by_backend(
@@ -73,13 +88,60 @@ def by_backend(
     """``pull_by_backend`` and ``tokens_equal_by_backend`` (module docstring)."""
     from kvoffload_testing.stack import Stack
 
-    per_round: dict[str, list[dict]] = {name: [] for name in BACKENDS}
+    by, equal = _paths(
+        BACKENDS, Stack, model_dir, log_dir, requests, prompt_tokens, max_tokens, block_size, rounds, gen, sampler
+    )
+    return {"pull_by_backend": by, "tokens_equal_by_backend": equal}
+
+
+def across_namespaces(
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    requests: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    rounds: int,
+    gen: random.Random,
+    sampler: MemcpySampler,
+) -> dict:
+    """``pull_across_namespaces`` and ``tokens_equal_across_namespaces`` (module docstring)."""
+    from kvoffload_testing.netns import HERE, SplitStack, veth_namespace
+
+    with veth_namespace() as namespace:
+        paths = {name: ({**fields, "host": HERE}, counter) for name, (fields, counter) in ACROSS.items()}
+        by, equal = _paths(
+            paths,
+            lambda cfg: SplitStack(cfg, namespace),
+            model_dir,
+            log_dir,
+            requests,
+            prompt_tokens,
+            max_tokens,
+            block_size,
+            rounds,
+            gen,
+            sampler,
+        )
+    mooncake, grpc_stream = by["mooncake"]["gbps_in_stack"], by["grpc_stream"]["gbps_in_stack"]
+    ratio = mooncake / grpc_stream if mooncake is not None and grpc_stream else None
+    return {"pull_across_namespaces": {**by, "mooncake_to_grpc_stream": ratio}, "tokens_equal_across_namespaces": equal}
+
+
+def _paths(
+    paths, make_stack, model_dir, log_dir, requests, prompt_tokens, max_tokens, block_size, rounds, gen, sampler
+):
+    """Each path of ``paths`` (name -> (StackConfig fields, its reads' counter)) in a stack of its own
+    (``make_stack(cfg)``), all side by side, the same prompts on each in turn, round by round: each
+    path's ``_figures`` and whether every path gave the same tokens."""
+    per_round: dict[str, list[dict]] = {name: [] for name in paths}
     tokens_equal = True
     with contextlib.ExitStack() as stacks, cf.ThreadPoolExecutor(requests) as pool:
         running = {}
-        for name, (fields, _) in BACKENDS.items():  # one after another: each takes ports free now
+        for name, (fields, _) in paths.items():  # one after another: each takes ports free now
             cfg = bench_stack_config(model_dir, log_dir / name, block_size, **fields)
-            running[name] = stacks.enter_context(Stack(cfg))
+            running[name] = stacks.enter_context(make_stack(cfg))
         for _ in range(rounds):
             prompts = [[gen.randrange(256) for _ in range(prompt_tokens)] for _ in range(requests)]
             answers = {
@@ -87,10 +149,7 @@ def by_backend(
                 for name, stack in running.items()
             }
             tokens_equal &= len({tuple(map(tuple, a)) for a in answers.values()}) == 1
-    return {
-        "pull_by_backend": {name: _figures(per_round[name], BACKENDS[name][1]) for name in BACKENDS},
-        "tokens_equal_by_backend": tokens_equal,
-    }
+    return {name: _figures(per_round[name], paths[name][1]) for name in paths}, tokens_equal
 
 
 def _round(stack, pool, prompts, max_tokens: int, sampler: MemcpySampler, out: list[dict]) -> list[list[int]]:
@@ -98,9 +157,10 @@ def _round(stack, pool, prompts, max_tokens: int, sampler: MemcpySampler, out: l
     import threading
     from functools import partial
 
-    from kvoffload_testing.stack_client import post_json, stack_stats
+    from kvoffload_testing.stack_client import grpc_stats, post_json
 
-    before = stack_stats(stack.cfg)["decode-0"]
+    decode = f"{urlparse(stack.http_url('decode-0')).hostname}:{stack.cfg.decode_control_port(0)}"
+    before = grpc_stats(decode)
     done = threading.Event()
     memcpy = sampler.start(done)
     body = partial(
@@ -112,7 +172,7 @@ def _round(stack, pool, prompts, max_tokens: int, sampler: MemcpySampler, out: l
     finally:
         done.set()
     memcpy_gbps, copies = memcpy()
-    after = stack_stats(stack.cfg)["decode-0"]
+    after = grpc_stats(decode)
     reads = {c: int(after[c] - before[c]) for c in READ_COUNTERS}
     out.append(pull_figures(before, after, memcpy_gbps, copies) | {"reads": reads})
     return answers

@@ -9,6 +9,8 @@ import statistics
 GOAL_TPOT_RATIO = 1.3
 GOAL_PULL_RATIO = 0.5
 MOONCAKE_GOAL = "pull_by_backend.mooncake.ratio_to_memcpy"
+ACROSS_GOAL = "pull_across_namespaces.mooncake_to_grpc_stream"
+GOAL_ACROSS_RATIO = 2.0  # Mooncake Transfer Engine at least twice the gRPC stream across a network stack
 BY_RANK = "bytes_read_prefill_tp_rank_"  # the decode's Stats: bytes pulled out of prefill TP rank <r>
 
 
@@ -104,6 +106,13 @@ def goals(out: dict, per_round: list[dict]) -> dict:
         goals["tokens_equal_by_backend"], met["tokens_equal_by_backend"] = True, out["tokens_equal_by_backend"]
         if mooncake is None:
             not_measured[MOONCAKE_GOAL] = "the mooncake stack's decode read some rows another way, or timed no pull"
+    if "pull_across_namespaces" in out:  # the paths across hosts
+        ratio = out["pull_across_namespaces"]["mooncake_to_grpc_stream"]
+        goals[ACROSS_GOAL], met[ACROSS_GOAL] = GOAL_ACROSS_RATIO, ratio is not None and ratio >= GOAL_ACROSS_RATIO
+        goals["tokens_equal_across_namespaces"] = True
+        met["tokens_equal_across_namespaces"] = out["tokens_equal_across_namespaces"]
+        if ratio is None:
+            not_measured[ACROSS_GOAL] = "a split stack's decode read some rows another way, or timed no pull"
     return {"goals": goals, "goals_met": met, "not_measured": not_measured}
 
 

@@ -9,7 +9,8 @@ starts is a ``svcruntime.serverprocess.ServerProcess`` (``service.Service`` for 
                          per service; ``ports`` (free loopback ports), ``connector_configs`` (the
                          services' --kv-transfer-config / --additional-config JSON), ``stack_client``
                          (health probes, completions, Stats of a running stack), ``stack_threads``
-                         (the OpenMP settings of services sharing the host's cores).
+                         (the OpenMP settings of services sharing the host's cores), ``netns`` (a
+                         stack's decode in a network namespace behind a veth pair).
 - ``vllm_stack``         the same stack on real vLLM servers; ``vllm_server`` one vLLM server (or
                          metastore, proxy) as a child process; ``vllm_demo`` the demo's one request on
                          it and its summary (client, /metrics deltas, connector log lines).

@@ -342,6 +342,14 @@ class Stack:
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
 
+    def http_url(self, name: str) -> str:
+        """``http://HOST:PORT`` of service ``name`` (one with an HTTP health check), where its health
+        check reaches it (a split stack's decode may live at another address than ``cfg.host``)."""
+        health = self.service(name).health
+        if not health.startswith("http"):
+            raise ValueError(f"service {name!r} has no HTTP health check ({health!r})")
+        return health.rsplit("/", 1)[0]
+
     def process(self, name: str) -> subprocess.Popen:
         proc = self.service(name).proc
         assert proc is not None  # a started stack's services are all spawned

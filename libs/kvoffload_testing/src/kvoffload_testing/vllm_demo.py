@@ -171,8 +171,8 @@ def _scrape_all(stack: VllmStack) -> dict[str, dict | str]:
     does not export a series the summary reads: that server's summary is then that error)."""
     c = stack.cfg
     urls = {
-        **{f"prefill-{i}": f"http://{c.host}:{p}" for i, p in enumerate(c.prefill_ports)},
-        **{f"decode-{i}": f"http://{c.host}:{p}" for i, p in enumerate(c.decode_ports)},
+        **{f"prefill-{i}": stack.http_url(f"prefill-{i}") for i in range(len(c.prefill_ports))},
+        **{f"decode-{i}": stack.http_url(f"decode-{i}") for i in range(len(c.decode_ports))},
         "proxy": stack.url,
     }
     out: dict[str, dict | str] = {}

@@ -25,11 +25,12 @@ DEFAULT_MAX_MODEL_LEN = 4096  # SmolLM2 allows 8192; the tests' tiny Llama 4096
 
 
 def vllm_prefill_transfer_config(
-    metastore: str, shared_buffers: int | None = 3, transfer_backend: str = "kvoffload"
+    metastore: str, shared_buffers: int | None = 3, transfer_backend: str = "kvoffload", **producer: object
 ) -> str:
     """The vLLM prefill's ``--kv-transfer-config``: the remote D2H producer (its blocks read by the
-    decode over ``transfer_backend``) and the layerwise store (registered with the metastore at
-    ``metastore``, HOST:PORT), composed by vLLM's MultiConnector; with ``shared_buffers``
+    decode over ``transfer_backend``; ``producer``: more keys of its ``kv_connector_extra_config``,
+    e.g. ``advertise_host``) and the layerwise store (registered with the metastore at ``metastore``,
+    HOST:PORT), composed by vLLM's MultiConnector; with ``shared_buffers``
     (``layerwise_num_shared_buffers``, None: off) the prefill keeps the seed's few shared layer
     buffers instead of every layer's KV."""
     store: dict[str, object] = {"backend": "kvoffload", "use_layerwise": True, "metastore": metastore}
@@ -37,7 +38,7 @@ def vllm_prefill_transfer_config(
         store["layerwise_num_shared_buffers"] = shared_buffers
     module = {"kv_connector_module_path": "kvoffload_vllm"}
     return producer_multi_connector(
-        {**module, "kv_connector_extra_config": {"transfer_backend": transfer_backend}},
+        {**module, "kv_connector_extra_config": {"transfer_backend": transfer_backend, **producer}},
         {**module, "kv_connector_extra_config": store},
     )
 
