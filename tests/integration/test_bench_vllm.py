@@ -2,7 +2,8 @@
 but the one holding its last token, the hit's tokens equal the miss's; P/D through the proxy gives
 the plain server's tokens (the equality matrix's completions, streams, chats and burst too), the
 decode pulled the prompt's blocks (no more), and the JSON carries
-every field, the P/D ratios and the goal's verdict included."""
+every field, the P/D ratios and the goal's verdict included; the pull and TPOT on each transfer
+backend (the gRPC stream, Mooncake Transfer Engine) are measured, every read the backend's own."""
 
 from __future__ import annotations
 
@@ -58,6 +59,17 @@ def test_bench_vllm_small(tmp_path):
     assert 0 < r["pd_bytes_pulled_per_request"] <= r["pd_prompt_kv_bytes"], r
     assert r["goals"]["pd_tpot_ratio"] == 1.3
     assert r["goals_met"]["pd_tpot_ratio"] == (r["pd_tpot_ratio"] <= 1.3)
+    # the pull on each transfer backend of the vLLM connectors, their P/D pairs side by side
+    by = r["pull_by_backend"]
+    assert set(by) == {"grpc_stream", "mooncake"} and r["tokens_equal_by_backend"] is True, by
+    for name, path in by.items():
+        assert path["path_checked"] and path["reads"] >= 6 and path["tokens_equal"], (name, path)  # every layer once
+        assert path["gbps_in_stack"] > 0 and path["memcpy_gbps"] > 0 and path["pd_tpot_ratio"] > 0, (name, path)
+        assert abs(path["ratio_to_memcpy"] - path["gbps_in_stack"] / path["memcpy_gbps"]) < 1e-9, (name, path)
+    assert by["grpc_stream"]["pd_tpot_ratio"] == r["pd_tpot_ratio"]  # the pd_* figures are the gRPC pair's
+    mooncake = by["mooncake"]
+    assert r["goals_met"]["pull_by_backend.mooncake.ratio_to_memcpy"] == (mooncake["ratio_to_memcpy"] >= 0.5)
+    assert r["goals_met"]["pull_by_backend.mooncake.pd_tpot_ratio"] == (mooncake["pd_tpot_ratio"] <= 1.3)
     halves = split_cores()
     if halves:
         assert r["pd_cores"] == {"plain": halves[1], "prefill": halves[0], "decode": halves[1]}

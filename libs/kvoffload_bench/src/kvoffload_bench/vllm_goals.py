@@ -8,6 +8,8 @@ from kvoffload_bench.vllm_shared import shared_goals
 
 GOAL_TTFT_RATIO = 0.3
 GOAL_PD_TPOT_RATIO = 1.3
+GOAL_PULL_RATIO = 0.5  # the transfer engine's pull in the stack against a memcpy under the same load
+MOONCAKE = "pull_by_backend.mooncake."
 
 
 def goals(out: dict) -> dict:
@@ -37,4 +39,16 @@ def goals(out: dict) -> dict:
         if tpot is not None
         else {"pd_tpot_ratio": "the plain server's median TPOT is 0: its requests had a single output token"}
     )
+    mooncake = out["pull_by_backend"]["mooncake"]  # the transfer engine's pull and TPOT (vllm_backends)
+    goals[MOONCAKE + "ratio_to_memcpy"] = GOAL_PULL_RATIO
+    goals[MOONCAKE + "pd_tpot_ratio"] = GOAL_PD_TPOT_RATIO
+    goals["tokens_equal_by_backend"] = True
+    ratio = mooncake["ratio_to_memcpy"]
+    met[MOONCAKE + "ratio_to_memcpy"] = ratio is not None and ratio >= GOAL_PULL_RATIO
+    met[MOONCAKE + "pd_tpot_ratio"] = mooncake["pd_tpot_ratio"] <= GOAL_PD_TPOT_RATIO
+    met["tokens_equal_by_backend"] = out["tokens_equal_by_backend"]
+    if ratio is None:
+        not_measured[MOONCAKE + "ratio_to_memcpy"] = (
+            "the mooncake pair's decode read some blocks another way, or timed no pull"
+        )
     return {"goals": goals, "goals_met": met, "not_measured": not_measured}
