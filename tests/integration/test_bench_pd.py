@@ -18,8 +18,11 @@ def test_bench_pd_fields():
         "memcpy_gbps_in_stack",
         "pull_gbps_in_stack_ratio_to_memcpy",
         "idle_pull_ratio_to_memcpy",
+        "idle_mooncake_ratio_to_memcpy",
     ):
         assert r[key] > 0, key
+    # the transfer engine's own ceiling here, out of any stack
+    assert r["idle_mooncake_ratio_to_memcpy"] == r["idle_mooncake_gbps"] / r["idle_mooncake_memcpy_gbps"]
     for rnd in r["per_round"]:
         assert rnd["pulls"] == 2 * 5  # every layer of both requests was pulled once, in every round
         assert rnd["memcpy_copies"] >= 1

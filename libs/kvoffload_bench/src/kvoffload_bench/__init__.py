@@ -32,7 +32,8 @@ The P/D stack and vLLM (bench ``pd``, ``load``, ``vllm``):
 - ``pd``: the P/D stack through the proxy vs the single-process engine (TTFT, TPOT, pull rate);
   ``pd_memcpy``: its memcpy references (the in-stack sampler, the idle diagnostic); ``pd_report``: its
   per-round figures, medians, TP 2 block and goals; ``pd_backends``: the pull on each P→D data path
-  (shared memory, gRPC stream, Mooncake Transfer Engine) side by side, and across a network namespace.
+  (shared memory, gRPC stream, Mooncake Transfer Engine) side by side, and across a network namespace;
+  ``engine_ceiling``: Mooncake Transfer Engine's own rate here, out of any stack (the path's ceiling).
 - ``load``: the P/D stack under a burst of concurrent clients vs the single-process engine.
 - ``vllm_connectors``: the kvoffload connectors inside real vLLM servers (store hits, P/D). ``vllm_pd``: its
   P/D part; ``vllm_backends``: the P/D pull on each transfer backend of the vLLM connectors, side by side;

@@ -48,7 +48,9 @@ identical in every pair (I3, ``tokens_equal``).
   pull code path (``SparseDecoder.write_prompt_layer``, the whole prompt of one layer) against a
   memcpy of the same bytes, side by side in the bench process after the stack is down (other
   processes on the machine still count). A low in-stack ratio next to a high idle ratio points
-  at the load (scheduling), not at the copy code.
+  at the load (scheduling), not at the copy code. With it, ``idle_mooncake_*``: Mooncake Transfer
+  Engine's own rate on this host out of any stack against a memcpy (``kvoffload_bench.engine_ceiling``):
+  the ceiling of the mooncake path's ``ratio_to_memcpy`` here.
 
 The memcpy references (the sampler, the idle diagnostic) are ``kvoffload_bench.pd_memcpy``'s.
 """
@@ -66,6 +68,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from kvoffload_bench.engine_ceiling import mooncake_ceiling
 from kvoffload_bench.pd_backends import CHUNK_SIZE, across_namespaces, bench_stack_config, by_backend
 from kvoffload_bench.pd_memcpy import MemcpySampler, pull_vs_memcpy
 from kvoffload_bench.pd_report import figures, goals, pull_figures, round_figures, tp_figures
@@ -270,5 +273,6 @@ def run(
             "idle_pull_gbps": idle_pull_gbps,
             "idle_memcpy_gbps": idle_memcpy,
             "idle_pull_ratio_to_memcpy": idle_pull_gbps / idle_memcpy,
+            **mooncake_ceiling(),
         }
     return out
