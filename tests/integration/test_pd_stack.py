@@ -1,7 +1,7 @@
 """I3 through real processes on loopback: greedy tokens through proxy -> prefill -> decode equal the
 plain full-KV oracle (``kvoffload_testing.reference``: no shared buffers, host pool or hot cache),
 for short and long prompts, completions and chat, streaming and not; and afterwards no slot, pool
-byte or lease is left held (Stats)."""
+byte or lease is left held (Stats). The prefill logs the guide's buffer-plan line, exactly."""
 
 from __future__ import annotations
 
@@ -108,6 +108,19 @@ def test_nothing_is_left_held(stack):
     assert stats["prefill-0"]["held_slots"] == 0
     assert stats["decode-0"]["pool_used_bytes"] == 0 and stats["decode-0"]["sequences"] == 0
     assert stats["decode-0"]["pool_live_leases"] == 0 and stats["prefill-0"]["pool_live_leases"] == 0
+
+
+def test_the_prefill_logs_the_guides_buffer_plan_line(stack, model_dir):
+    """The guide's start-up line, exactly, with the numbers of this prefill's plan (its model's layers,
+    3 shared buffers, layer 0 independent: the stack's store config)."""
+    from dsamodel.config import ModelConfig
+    from kvcore.plan import BufferPlan
+    from kvoffload_engine.layout import kv_layout
+
+    layout = kv_layout(ModelConfig.from_json(model_dir / "config.json"), BS)
+    line = BufferPlan.build(layout, 3, [0]).log_line()
+    assert line.startswith("Layerwise KV cache reuse merged ") and line.endswith(" buffer assignments."), line
+    assert line in (stack.cfg.log_dir / "prefill-0.log").read_text()
 
 
 def test_every_http_service_exports_its_metrics(stack):

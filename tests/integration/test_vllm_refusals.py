@@ -10,7 +10,9 @@ connector in a role it does not take, and a tensor-parallel store server.
   role vLLM does not know, a value out of range; tensor parallel (refused until ranks keep their
   shards apart); a metastore that does not answer, its address named.
 - D2H (``SfaRemoteD2HConnector``): a role it does not take, a transfer backend this machine cannot
-  run, an unknown key with the near miss named, a wildcard advertise host.
+  run, an unknown key with the near miss named, a wildcard advertise host; the guide's decode with its
+  ``--additional-config`` ``sparse_kv_offload_config`` (vLLM has none: the message says where sparse
+  decode runs). Every other guide key: ``test_vllm_guide_keys.py``.
 """
 
 from __future__ import annotations
@@ -104,6 +106,13 @@ def refused(tmp_path_factory, nobody) -> dict[str, tuple[str, str]]:
     }
     cases |= {f"d2h-{name}": d2h_args(config) for name, (config, _) in BAD_D2H_CONFIGS.items() if name != "both-role"}
     cases["nobody"] = ["--kv-transfer-config", store_config(nobody)]
+    cases["sparse-decode"] = [  # the guide's decode, --additional-config included: vLLM has no sparse offload
+        *d2h_args({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": free_port()}),
+        "--additional-config",
+        json.dumps(
+            {"sparse_kv_offload_config": {"enabled": True, "topk_buffer_size": 4096, "dram_size_per_dp_GB": 128}}
+        ),
+    ]
     cases["good"] = ["--kv-transfer-config", vllm_decode_transfer_config(free_port())]
     out = refusals(model, cases, tmp / "in-process")
 
@@ -142,6 +151,11 @@ def test_a_tensor_parallel_store_server_is_refused_until_ranks_keep_their_shards
 def test_a_metastore_that_does_not_answer_at_start_stops_vllm_with_its_address(refused, nobody):
     _refused(refused, "nobody", "MetaStore")
     assert nobody in refused["nobody"][1]
+
+
+def test_the_guides_sparse_decode_config_stops_vllm_saying_where_sparse_decode_runs(refused):
+    _refused(refused, "sparse-decode", "additional_config.sparse_kv_offload_config.enabled: true, but vLLM has no")
+    _refused(refused, "sparse-decode", "it runs in the kvoffload decode service (kvoffload-decode")
 
 
 @pytest.mark.parametrize("case", BAD_D2H_CONFIGS)

@@ -14,6 +14,8 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``store``: ``AscendStoreConnector``, the layerwise prefix store over host pools (``SupportsHMA``:
   every KV cache group by its own block table and block size).
 - ``store_config``: its ``kv_transfer_config``, checked and typed.
+- ``unread_config``: the guide's keys a vLLM server would leave unread (``sparse_kv_offload_config``,
+  the pull's ``use_layerwise``): refused or warned at start-up.
 - ``store_counters``: its counters and what each counts.
 - ``plan``: which blocks each step of the store loads and saves.
 - ``pool_alloc``: the pool objects a step's saves write (blocks the pool lacks).

@@ -15,6 +15,7 @@ from kvcore.confignames import STORE_CONNECTOR
 from kvcore.connectorconfig import StoreConnectorConfig
 from kvcore.poolregistry import VLLM_POOLS
 from kvoffload_vllm.shared_buffers import check_eager, check_vllm_version, requested, transfer_config_dict
+from kvoffload_vllm.unread_config import check_additional_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -29,6 +30,7 @@ def store_config(vllm_config: VllmConfig) -> StoreConnectorConfig:
     if kv is None:
         raise ConfigError([f"kv_transfer_config: missing; the {STORE_CONNECTOR} is configured there"])
     parsed = parse_kv_transfer_config(transfer_config_dict(kv), strict=True)
+    check_additional_config(vllm_config.additional_config, STORE_CONNECTOR)
     store = parsed.store
     if parsed.kv_connector != STORE_CONNECTOR or store is None:
         raise ConfigError(
