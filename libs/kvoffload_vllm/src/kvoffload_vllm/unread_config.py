@@ -56,7 +56,7 @@ def check_additional_config(additional_config: object, connector: str) -> None:
     )
 
 
-def check_d2h_keys(role: str, kv_port: int, extra: dict[str, Any]) -> None:
+def check_d2h_keys(role: str | None, kv_port: int, extra: dict[str, Any]) -> None:
     """Warn about the D2H connector's keys the vLLM connector does not act on: ``use_layerwise: false``
     (the pull is layerwise whatever it says) and a prefill's own ``kv_port`` (``role`` "kv_producer"
     given another port than vLLM's default: the prefill listens on none)."""
