@@ -1,7 +1,8 @@
 """``pdlink.mooncake`` against the real Mooncake Transfer Engine (``mooncake-transfer-engine-non-cuda``,
 scripts/install-mooncake), over TCP on loopback, the prefill's engine in a child process: a decode
 reads the rows the prefill registered, byte for byte, through ``EngineRows``; a read from a session
-nobody serves fails with the engine's error and leaves the engine usable; bad arguments are refused
+nobody serves, or of memory the prefill did not register, fails with the engine's error and leaves
+the engine usable; bad arguments are refused
 before any engine starts; the engine's glog error lines become the reason of a failed start-up."""
 
 from __future__ import annotations
@@ -85,6 +86,19 @@ def test_a_read_from_a_session_nobody_serves_fails_and_the_engine_reads_on(prefi
     meta = transfer_pb2.LayoutMetadata(engine_session=session, engine_segment_address=address)
     (got,) = rows.layer_rows(meta, 255, 256, [(REGION, 64)])
     assert torch.equal(got, WANT[255:])
+
+
+def test_the_peer_refuses_a_read_of_memory_it_did_not_register(prefill, rows) -> None:
+    """The prefill's engine checks every range against what it registered: addresses from a stale
+    layout (a restarted prefill's old buffers) fail the read, they never read other bytes."""
+    session, address = prefill
+    beyond = transfer_pb2.LayoutMetadata(engine_session=session, engine_segment_address=address + 256 * 64)
+    with pytest.raises(MooncakeError, match="returned -1"):
+        rows.layer_rows(beyond, 0, 1, [(REGION, 64)])  # the 64 bytes after the registered rows
+    (got,) = rows.layer_rows(
+        transfer_pb2.LayoutMetadata(engine_session=session, engine_segment_address=address), 0, 1, [(REGION, 64)]
+    )
+    assert torch.equal(got, WANT[:1])  # and the engine reads on
 
 
 @pytest.mark.parametrize("host", ["", " 127.0.0.1", "[::1]", "127.0.0.1:9000", "0.0.0.0", None])
