@@ -30,8 +30,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from kvoffload_bench.pd_memcpy import MemcpySampler
@@ -73,65 +74,41 @@ ACROSS: dict[
 }
 
 
-def by_backend(
-    model_dir: Path,
-    log_dir: Path,
-    *,
-    requests: int,
-    prompt_tokens: int,
-    max_tokens: int,
-    block_size: int,
-    rounds: int,
-    gen: random.Random,
-    sampler: MemcpySampler,
-) -> dict:
-    """``pull_by_backend`` and ``tokens_equal_by_backend`` (module docstring)."""
+def by_backend(model_dir: Path, log_dir: Path, **sizes: Any) -> dict:
+    """``pull_by_backend`` and ``tokens_equal_by_backend`` (module docstring); ``sizes``: ``_paths``'s."""
     from kvoffload_testing.stack import Stack
 
-    by, equal = _paths(
-        BACKENDS, Stack, model_dir, log_dir, requests, prompt_tokens, max_tokens, block_size, rounds, gen, sampler
-    )
+    by, equal = _paths(BACKENDS, Stack, model_dir, log_dir, **sizes)
     return {"pull_by_backend": by, "tokens_equal_by_backend": equal}
 
 
-def across_namespaces(
-    model_dir: Path,
-    log_dir: Path,
-    *,
-    requests: int,
-    prompt_tokens: int,
-    max_tokens: int,
-    block_size: int,
-    rounds: int,
-    gen: random.Random,
-    sampler: MemcpySampler,
-) -> dict:
-    """``pull_across_namespaces`` and ``tokens_equal_across_namespaces`` (module docstring)."""
+def across_namespaces(model_dir: Path, log_dir: Path, **sizes: Any) -> dict:
+    """``pull_across_namespaces`` and ``tokens_equal_across_namespaces`` (module docstring); ``sizes``:
+    ``_paths``'s."""
     from kvoffload_testing.netns import HERE, SplitStack, veth_namespace
 
     with veth_namespace() as namespace:
         paths = {name: ({**fields, "host": HERE}, counter) for name, (fields, counter) in ACROSS.items()}
-        by, equal = _paths(
-            paths,
-            lambda cfg: SplitStack(cfg, namespace),
-            model_dir,
-            log_dir,
-            requests,
-            prompt_tokens,
-            max_tokens,
-            block_size,
-            rounds,
-            gen,
-            sampler,
-        )
+        by, equal = _paths(paths, lambda cfg: SplitStack(cfg, namespace), model_dir, log_dir, **sizes)
     mooncake, grpc_stream = by["mooncake"]["gbps_in_stack"], by["grpc_stream"]["gbps_in_stack"]
     ratio = mooncake / grpc_stream if mooncake is not None and grpc_stream else None
     return {"pull_across_namespaces": {**by, "mooncake_to_grpc_stream": ratio}, "tokens_equal_across_namespaces": equal}
 
 
 def _paths(
-    paths, make_stack, model_dir, log_dir, requests, prompt_tokens, max_tokens, block_size, rounds, gen, sampler
-):
+    paths: dict[str, tuple[dict, str]],
+    make_stack: Callable,
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    requests: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    block_size: int,
+    rounds: int,
+    gen: random.Random,
+    sampler: MemcpySampler,
+) -> tuple[dict, bool]:
     """Each path of ``paths`` (name -> (StackConfig fields, its reads' counter)) in a stack of its own
     (``make_stack(cfg)``), all side by side, the same prompts on each in turn, round by round: each
     path's ``_figures`` and whether every path gave the same tokens."""
