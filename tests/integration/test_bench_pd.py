@@ -9,8 +9,8 @@ pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 
 def test_bench_pd_fields():
-    r = run(requests=2, prompt_tokens=80, max_tokens=6, rounds=2)
-    assert r["tokens_equal"] and r["rounds"] == 2 and len(r["per_round"]) == 2
+    r = run(requests=2, prompt_tokens=80, max_tokens=6, rounds=1)  # one round: each part is timed side by side
+    assert r["tokens_equal"] and r["rounds"] == 1 and len(r["per_round"]) == 1
     for key in (
         "ttft_ratio",
         "tpot_ratio",
@@ -31,7 +31,7 @@ def test_bench_pd_fields():
             < 1e-9
         )
     assert (
-        r["pulls"] == 2 * 2 * 5 and r["pull_bytes_per_pull"] == r["memcpy_bytes"]
+        r["pulls"] == 2 * 5 and r["pull_bytes_per_pull"] == r["memcpy_bytes"]
     )  # the reference copies one pull's bytes
     assert (
         set(r["goals_met"])
@@ -50,8 +50,8 @@ def test_bench_pd_fields():
     assert r["goals_met"]["pull_gbps_in_stack_ratio_to_memcpy"] == (r["pull_gbps_in_stack_ratio_to_memcpy"] >= 0.5)
     tp = r["tp_2_1"]  # the same with a TP 2 prefill, float32
     assert (tp["prefill_tp"], tp["decode_tp"], tp["dtype"]) == (2, 1, "float32") and tp["tokens_equal"]
-    assert tp["ttft_ratio"] > 0 and tp["tpot_ratio"] > 0 and len(tp["per_round"]) == 2
-    assert tp["pulls"] == 2 * 2 * 2 * 5  # every layer of every request in two shares, one per prefill rank
+    assert tp["ttft_ratio"] > 0 and tp["tpot_ratio"] > 0 and len(tp["per_round"]) == 1
+    assert tp["pulls"] == 2 * 2 * 5  # every layer of every request in two shares, one per prefill rank
     assert tp["pull_bytes"] == 2 * r["pull_bytes"]  # one copy; float32 rows: twice the bfloat16 bytes
     by_rank = tp["pull_bytes_by_prefill_tp_rank"]
     assert sorted(by_rank) == ["0", "1"] and sum(by_rank.values()) == tp["pull_bytes"]
@@ -63,9 +63,9 @@ def test_bench_pd_fields():
     by = r["pull_by_backend"]
     assert set(by) == {"shared_memory", "grpc_stream", "mooncake"}
     for path in by.values():
-        assert path["path_checked"] and path["reads"] >= 2 * 2 * 5, path  # every layer, both requests, both rounds
+        assert path["path_checked"] and path["reads"] >= 2 * 5, path  # every layer of both requests
         assert path["gbps_in_stack"] > 0 and path["memcpy_gbps"] > 0 and path["ratio_to_memcpy"] > 0, path
-        assert len(path["per_round"]) == 2
+        assert len(path["per_round"]) == 1
     ratio = by["mooncake"]["ratio_to_memcpy"]
     assert r["goals_met"]["pull_by_backend.mooncake.ratio_to_memcpy"] == (ratio >= 0.5)
     # the two paths across hosts, the decode in a network namespace behind a veth pair
@@ -74,7 +74,7 @@ def test_bench_pd_fields():
     assert set(across) == {"mooncake", "grpc_stream", "mooncake_to_grpc_stream"}
     for name in ("mooncake", "grpc_stream"):
         path = across[name]
-        assert path["path_checked"] and path["reads"] >= 2 * 2 * 5 and path["gbps_in_stack"] > 0, path
+        assert path["path_checked"] and path["reads"] >= 2 * 5 and path["gbps_in_stack"] > 0, path
     ratio = across["mooncake"]["gbps_in_stack"] / across["grpc_stream"]["gbps_in_stack"]
     assert abs(across["mooncake_to_grpc_stream"] - ratio) < 1e-9
     assert r["goals_met"]["pull_across_namespaces.mooncake_to_grpc_stream"] == (ratio >= 2)

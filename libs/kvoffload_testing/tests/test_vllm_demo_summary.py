@@ -159,7 +159,8 @@ def test_a_server_lacking_what_the_summary_reads_gets_an_error_in_the_summary(mo
     from kvoffload_testing.prom import Metrics
 
     cfg = SimpleNamespace(host="h", prefill_ports=(1,), decode_ports=(2,))
-    stack = SimpleNamespace(cfg=cfg, url="http://h:3", auth_headers={})
+    urls = {"prefill-0": "http://h:1", "decode-0": "http://h:2"}  # where each server's health check reaches it
+    stack = SimpleNamespace(cfg=cfg, url="http://h:3", auth_headers={}, http_url=urls.__getitem__)
     scrapes = {
         "http://h:1": _vllm_metrics(),
         "http://h:3": Metrics.parse(proxy_text),
