@@ -35,7 +35,7 @@ from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 from kvoffload_vllm.d2h_engine import read_blocks, start_d2h_engine
 from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import blocks_of
-from kvoffload_vllm.d2h_settings import ENGINE_BACKENDS, D2HSettings
+from kvoffload_vllm.d2h_settings import D2HSettings
 from kvoffload_vllm.d2h_step import D2HStepMetadata
 from kvoffload_vllm.incoming import Incoming, RequestEnded
 from kvoffload_vllm.kv_digest import prompt_digests
@@ -73,9 +73,8 @@ class Consumer(RowSink):
         self._by_req: dict[str, str] = {}  # vLLM request id -> transfer id
         self.num_layers, self.block_size = len(layers.names), layers.groups[0].block_size
         self.counters = Counters(SINK_COUNTERS)
-        self.transfer = None
-        if settings.transfer_backend in ENGINE_BACKENDS:
-            self.transfer = start_d2h_engine(settings.transfer_backend, "Decode", settings.advertise_host, layers)
+        self.transfer = start_d2h_engine(settings, "Decode", layers)
+        if self.transfer is not None:
             self.transfer_engine = self.transfer.name
         sources = RowSources(lambda endpoint: secure_or_insecure_channel(endpoint, PROCESS))
         self.pull = PullConsumer(self, sources, model_id=model_id, read_retries=READ_RETRIES)

@@ -19,6 +19,7 @@ import torch
 
 from kvoffload_proto.v1 import transfer_pb2
 from kvoffload_vllm.d2h_layers import D2HLayers
+from kvoffload_vllm.d2h_settings import ENGINE_BACKENDS, D2HSettings
 from pdlink.engine_rows import Transfer
 from pdlink.engines import register_segment, start_engine
 
@@ -32,10 +33,13 @@ def storages(pages: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
     return list(seen.items())
 
 
-def start_d2h_engine(backend: str, role: str, host: str, layers: D2HLayers) -> Transfer:
-    """This worker's engine of ``backend`` at ``host`` ("Prefill" or "Decode" ``role``), vLLM's KV cache
-    storages registered with it; ``EngineUnavailable`` with the engine's reason when it cannot."""
-    transfer = start_engine(backend, role, host, None)
+def start_d2h_engine(settings: D2HSettings, role: str, layers: D2HLayers) -> Transfer | None:
+    """This worker's engine of ``settings.transfer_backend`` at its ``advertise_host`` ("Prefill" or
+    "Decode" ``role``), vLLM's KV cache storages registered with it; None when the backend has no
+    engine (the gRPC stream); ``EngineUnavailable`` with the engine's reason when it cannot start."""
+    if settings.transfer_backend not in ENGINE_BACKENDS:
+        return None
+    transfer = start_engine(settings.transfer_backend, role, settings.advertise_host, None)
     try:
         for address, nbytes in storages(layers.pages):
             register_segment(transfer, address, nbytes)

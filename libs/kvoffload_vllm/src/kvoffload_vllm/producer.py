@@ -38,7 +38,7 @@ from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 from kvoffload_vllm.d2h_engine import layer_layouts, start_d2h_engine
 from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import Send, blocks_of
-from kvoffload_vllm.d2h_settings import ENGINE_BACKENDS, D2HSettings
+from kvoffload_vllm.d2h_settings import D2HSettings
 from kvoffload_vllm.kv_groups import NULL_BLOCK
 from kvoffload_vllm.reuse_gate import GATE
 from kvoffload_vllm.stats import Counters
@@ -112,9 +112,7 @@ class Producer(RowBuffer):
         self._clock = _StepClock()
         self._generation = 0
         self.counters = Counters(COUNTERS)
-        self.transfer = None
-        if settings.transfer_backend in ENGINE_BACKENDS:  # before the server: a failed start leaves nothing
-            self.transfer = start_d2h_engine(settings.transfer_backend, "Prefill", settings.advertise_host, layers)
+        self.transfer = start_d2h_engine(settings, "Prefill", layers)  # before the server: a failed start leaves none
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvoffload-source"))
         transfer_pb2_grpc.add_LayerSourceServicer_to_server(LayerSourceServicer(self), self._server)
         port = add_port(self._server, f"{settings.advertise_host}:{settings.data_port}")
