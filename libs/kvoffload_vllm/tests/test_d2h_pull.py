@@ -72,12 +72,17 @@ def free_port() -> int:
 BACKENDS = ("kvoffload", "mooncake")
 
 
-@pytest.fixture(params=BACKENDS)
-def pair(request):
-    torch.manual_seed(0)
+def two_layers(seed: int) -> tuple[D2HLayers, D2HLayers]:
+    """A prefill's ``LAYERS`` (random KV, seeded) and a decode's (zeros): 8 blocks of 4 rows each."""
+    torch.manual_seed(seed)
     prefill_caches = {name: torch.randn((8, 2, 8, 3)) for name in LAYERS}
     decode_caches = {name: torch.zeros((8, 2, 8, 3)) for name in LAYERS}
-    prefill, decode = D2HLayers.of(GROUPS, prefill_caches, 8), D2HLayers.of(GROUPS, decode_caches, 8)
+    return D2HLayers.of(GROUPS, prefill_caches, 8), D2HLayers.of(GROUPS, decode_caches, 8)
+
+
+@pytest.fixture(params=BACKENDS)
+def pair(request):
+    prefill, decode = two_layers(seed=0)
     yield from running_pair(prefill, decode, backend=request.param)
 
 
@@ -145,10 +150,7 @@ def test_a_chunked_prompt_lands_block_for_block_and_ends_once(pair):
 
 @pytest.fixture
 def digest_pair():
-    torch.manual_seed(1)
-    prefill_caches = {name: torch.randn((8, 2, 8, 3)) for name in LAYERS}
-    decode_caches = {name: torch.zeros((8, 2, 8, 3)) for name in LAYERS}
-    prefill, decode = D2HLayers.of(GROUPS, prefill_caches, 8), D2HLayers.of(GROUPS, decode_caches, 8)
+    prefill, decode = two_layers(seed=1)
     yield from running_pair(prefill, decode, backend="kvoffload", kv_digests=True)
 
 
@@ -317,10 +319,7 @@ def test_a_prefill_of_another_transfer_backend_is_refused_naming_both(pair):
 
 @pytest.fixture
 def engine_pair():
-    torch.manual_seed(2)
-    prefill_caches = {name: torch.randn((8, 2, 8, 3)) for name in LAYERS}
-    decode_caches = {name: torch.zeros((8, 2, 8, 3)) for name in LAYERS}
-    prefill, decode = D2HLayers.of(GROUPS, prefill_caches, 8), D2HLayers.of(GROUPS, decode_caches, 8)
+    prefill, decode = two_layers(seed=2)
     yield from running_pair(prefill, decode, backend="mooncake")
 
 
