@@ -1,4 +1,6 @@
-"""``kvoffload bench load`` runs end to end with small parameters and reports its fields."""
+"""``kvoffload bench load`` runs end to end with small parameters and reports its fields, the burst
+case included: a decode of one sequence slot and a 2 s queue-wait bound given 16 requests at once
+answers each (tokens, or 429 with Retry-After) and lets none wait without a byte."""
 
 import pytest
 
@@ -8,13 +10,31 @@ pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 
 def test_bench_load_fields():
-    r = run(clients=(6,), max_prompt=60, max_tokens=4, rounds=1)
+    r = run(
+        clients=(6,),
+        max_prompt=60,
+        max_tokens=4,
+        rounds=1,
+        decode_args=("--max-num-seqs", "1", "--max-queue-wait-s", "2"),
+        burst_requests=16,
+        burst_max_prompt=300,
+        burst_max_tokens=64,
+        burst_client_timeout_s=30,
+    )
     assert r["bench"] == "load" and r["clients"] == [6] and len(r["levels"]) == 1
     lv = r["levels"][0]
     assert lv["ok"] == 6 and lv["failed"] == 0 and r["failed"] == 0 and r["tokens_equal"]
     for key in ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s", "single_output_tokens_per_s", "throughput_ratio"):
         assert lv[key] > 0, key
     assert lv["ttft_p50_s"] <= lv["ttft_p99_s"] and lv["output_tokens"] == lv["single_output_tokens"]
-    assert lv["decode_max_queued"] >= 32  # the default queue limit: at least 4 x --max-num-seqs 8
-    assert set(r["goals"]) == set(r["goals_met"]) == {"failed", "throughput_ratio", "tokens_equal"}
+    assert lv["decode_max_queued"] >= 4  # the default queue limit: at least 4 x --max-num-seqs 1
+    assert set(r["goals"]) == set(r["goals_met"]) == {"failed", "throughput_ratio", "tokens_equal", "burst_timed_out"}
     assert r["goals_met"]["throughput_ratio"] == (r["throughput_ratio_min"] >= 0.9)
+    # the burst: every request answered or refused, none left waiting; the bound refused some
+    b = r["burst"]
+    assert (b["requests"], b["streamed"], b["max_queue_wait_s"], b["client_timeout_s"]) == (16, 8, 2.0, 30), b
+    assert b["ok"] + b["rejected_429"] == 16 and b["timed_out"] == 0 and b["failed"] == 0, b
+    assert b["ok"] >= 1 and b["rejected_429"] >= 1, b  # one slot, 16 x up to 64 tokens: not all within 2 s
+    assert 1 <= b["queue_timeouts"] + b["rejected_by_estimate"] <= b["rejected_429"], b  # the bound refused
+    assert all(s >= 1 for s in b["retry_after_s"]) and b["first_answer_max_s"] < 30, b
+    assert r["goals_met"]["burst_timed_out"] is True

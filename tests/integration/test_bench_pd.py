@@ -1,5 +1,7 @@
 """``kvoffload bench pd`` runs end to end with small parameters and reports its fields (the pull on
-every P→D data path too: ``pull_by_backend``; and across a network namespace: ``pull_across_namespaces``)."""
+every P→D data path too: ``pull_by_backend``). Its part across a network namespace
+(``pull_across_namespaces``: two more stacks, the decode behind a veth pair) is left out here: the
+same split stacks answer I3 on both paths in ``test_pd_across_namespaces.py``."""
 
 import pytest
 
@@ -9,7 +11,7 @@ pytestmark = [pytest.mark.stack, pytest.mark.slow]
 
 
 def test_bench_pd_fields():
-    r = run(requests=2, prompt_tokens=80, max_tokens=6, rounds=1)  # one round: each part is timed side by side
+    r = run(requests=2, prompt_tokens=80, max_tokens=6, rounds=1, across=False)  # each part timed side by side
     assert r["tokens_equal"] and r["rounds"] == 1 and len(r["per_round"]) == 1
     for key in (
         "ttft_ratio",
@@ -43,8 +45,6 @@ def test_bench_pd_fields():
             "tp_2_1_tokens_equal",
             "pull_by_backend.mooncake.ratio_to_memcpy",
             "tokens_equal_by_backend",
-            "pull_across_namespaces.mooncake_to_grpc_stream",
-            "tokens_equal_across_namespaces",
         }
     )
     assert r["goals_met"]["pull_gbps_in_stack_ratio_to_memcpy"] == (r["pull_gbps_in_stack_ratio_to_memcpy"] >= 0.5)
@@ -68,13 +68,5 @@ def test_bench_pd_fields():
         assert len(path["per_round"]) == 1
     ratio = by["mooncake"]["ratio_to_memcpy"]
     assert r["goals_met"]["pull_by_backend.mooncake.ratio_to_memcpy"] == (ratio >= 0.5)
-    # the two paths across hosts, the decode in a network namespace behind a veth pair
-    assert r["tokens_equal_across_namespaces"] and r["goals_met"]["tokens_equal_across_namespaces"]
-    across = r["pull_across_namespaces"]
-    assert set(across) == {"mooncake", "grpc_stream", "mooncake_to_grpc_stream"}
-    for name in ("mooncake", "grpc_stream"):
-        path = across[name]
-        assert path["path_checked"] and path["reads"] >= 2 * 5 and path["gbps_in_stack"] > 0, path
-    ratio = across["mooncake"]["gbps_in_stack"] / across["grpc_stream"]["gbps_in_stack"]
-    assert abs(across["mooncake_to_grpc_stream"] - ratio) < 1e-9
-    assert r["goals_met"]["pull_across_namespaces.mooncake_to_grpc_stream"] == (ratio >= 2)
+    # the part across network namespaces was not asked for: neither its figures nor its goals
+    assert "pull_across_namespaces" not in r and "tokens_equal_across_namespaces" not in r

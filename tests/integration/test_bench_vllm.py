@@ -2,8 +2,11 @@
 but the one holding its last token, the hit's tokens equal the miss's; P/D through the proxy gives
 the plain server's tokens (the equality matrix's completions, streams, chats and burst too), the
 decode pulled the prompt's blocks (no more), and the JSON carries
-every field, the P/D ratios and the goal's verdict included; the pull and TPOT on each transfer
-backend (the gRPC stream, Mooncake Transfer Engine) are measured, every read the backend's own."""
+every field, the P/D ratios and the goal's verdict included; the pull and TPOT of the gRPC stream's
+pair are measured, every read its own. The bench's Mooncake pair runs the same code on another
+backend (its figures and goals: ``libs/kvoffload_bench/tests/test_vllm_connectors_goals.py``; vLLM
+P/D on Mooncake Transfer Engine: ``test_vllm_pd.py``, ``test_vllm_hybrid.py``), so it is left out
+here (two vLLM servers fewer)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ def test_bench_vllm_small(tmp_path):
         pd_max_tokens=8,
         shared_prompt_tokens=1000,
         pd_matrix_tokens=(127,),  # the matrix's other lengths: test_vllm_pd.py, and the bench's own run
+        backends=("grpc_stream",),
         progress=False,
     )
     json.dumps(r)
@@ -59,17 +63,16 @@ def test_bench_vllm_small(tmp_path):
     assert 0 < r["pd_bytes_pulled_per_request"] <= r["pd_prompt_kv_bytes"], r
     assert r["goals"]["pd_tpot_ratio"] == 1.3
     assert r["goals_met"]["pd_tpot_ratio"] == (r["pd_tpot_ratio"] <= 1.3)
-    # the pull on each transfer backend of the vLLM connectors, their P/D pairs side by side
+    # the pull of the gRPC stream's pair, measured and checked; the Mooncake pair was not run
     by = r["pull_by_backend"]
-    assert set(by) == {"grpc_stream", "mooncake"} and r["tokens_equal_by_backend"] is True, by
-    for name, path in by.items():
-        assert path["path_checked"] and path["reads"] >= 6 and path["tokens_equal"], (name, path)  # every layer once
-        assert path["gbps_in_stack"] > 0 and path["memcpy_gbps"] > 0 and path["pd_tpot_ratio"] > 0, (name, path)
-        assert abs(path["ratio_to_memcpy"] - path["gbps_in_stack"] / path["memcpy_gbps"]) < 1e-9, (name, path)
-    assert by["grpc_stream"]["pd_tpot_ratio"] == r["pd_tpot_ratio"]  # the pd_* figures are the gRPC pair's
-    mooncake = by["mooncake"]
-    assert r["goals_met"]["pull_by_backend.mooncake.ratio_to_memcpy"] == (mooncake["ratio_to_memcpy"] >= 0.5)
-    assert r["goals_met"]["pull_by_backend.mooncake.pd_tpot_ratio"] == (mooncake["pd_tpot_ratio"] <= 1.3)
+    assert set(by) == {"grpc_stream"} and r["tokens_equal_by_backend"] is True, by
+    path = by["grpc_stream"]
+    assert path["path_checked"] and path["reads"] >= 6 and path["tokens_equal"], path  # every layer once
+    assert path["gbps_in_stack"] > 0 and path["memcpy_gbps"] > 0 and path["pd_tpot_ratio"] > 0, path
+    assert abs(path["ratio_to_memcpy"] - path["gbps_in_stack"] / path["memcpy_gbps"]) < 1e-9, path
+    assert path["pd_tpot_ratio"] == r["pd_tpot_ratio"]  # the pd_* figures are the gRPC pair's
+    assert r["goals_met"]["pull_by_backend.mooncake.ratio_to_memcpy"] is False
+    assert "not run" in r["not_measured"]["pull_by_backend.mooncake.ratio_to_memcpy"]
     halves = split_cores()
     if halves:
         assert r["pd_cores"] == {"plain": halves[1], "prefill": halves[0], "decode": halves[1]}

@@ -123,6 +123,17 @@ def test_the_prefill_logs_the_guides_buffer_plan_line(stack, model_dir):
     assert line in (stack.cfg.log_dir / "prefill-0.log").read_text()
 
 
+def test_the_prefill_takes_its_metastore_from_the_guides_mmc_local_conf(stack):
+    """The stack's prefill gets no --metastore: its pool is indexed by the metastore its mmc-local.conf
+    names (ock.mmc.meta_service_url), and its start-up line says where the index came from."""
+    c = stack.cfg
+    lines = [json.loads(x) for x in (c.log_dir / "prefill-0.log").read_text().splitlines() if '"host pool size"' in x]
+    assert len(lines) == 1, lines
+    conf = c.log_dir / "mmc-local.conf"
+    assert lines[0]["index"] == f"{c.host}:{c.metastore_port}", lines[0]
+    assert lines[0]["index_source"] == f"ock.mmc.meta_service_url = tcp://{c.host}:{c.metastore_port} ({conf}:2)"
+
+
 def test_every_http_service_exports_its_metrics(stack):
     # sampled, so it never drafts: its steps run the miss prefetch (a step with drafts does not)
     post_json(f"{stack.url}/v1/completions", {"prompt": "x" * 300, "max_tokens": 4, "temperature": 0.5, "seed": 1})

@@ -148,3 +148,29 @@ def test_every_guide_key_is_honoured_or_named_in_a_warning_or_an_error(vllm_conf
     else:
         assert expect(settings), settings
         assert not warnings, warnings  # honoured: nothing said to be ignored
+
+
+def test_the_guides_mmc_variables_are_read_by_the_store_and_named_by_the_d2h(vllm_config, tmp_path, monkeypatch):
+    """``MMC_META_CONFIG_PATH`` / ``MMC_LOCAL_CONFIG_PATH``, exported as the guide does: the store takes
+    the MetaService and pool size its config leaves out, the pair rules refuse a mismatch, and the D2H
+    connector (no pool) names the variables it does not read."""
+    meta, local = tmp_path / "mmc-meta.conf", tmp_path / "mmc-local.conf"
+    meta.write_text(
+        "ock.mmc.meta_service_url = tcp://127.0.0.1:5000\nock.mmc.meta_service.config_store_url = tcp://127.0.0.1:6000\n"
+    )
+    local.write_text(
+        "ock.mmc.meta_service_url = tcp://127.0.0.1:5000\nock.mmc.local_service.config_store_url = tcp://127.0.0.1:6000\n"
+        "ock.mmc.local_service.protocol = device_sdma\nock.mmc.local_service.dram.size = 2GB\n"
+    )
+    monkeypatch.setenv("MMC_META_CONFIG_PATH", str(meta))
+    monkeypatch.setenv("MMC_LOCAL_CONFIG_PATH", str(local))
+    bare = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer", **MODULE}
+    settings, warnings = read(vllm_config, {**bare, "kv_connector_extra_config": {"backend": "kvoffload"}})
+    assert (settings.metastore, settings.host_pool_gb) == ("127.0.0.1:5000", 2.0) and not warnings, warnings
+    _, warnings = read(vllm_config, d2h("kv_consumer", 20050))
+    assert any(f"$MMC_LOCAL_CONFIG_PATH={local}" in k for w in warnings for k in w.get("keys", ())), warnings
+    local.write_text(
+        "ock.mmc.meta_service_url = tcp://127.0.0.1:5000\nock.mmc.local_service.config_store_url = tcp://127.0.0.1:6001\n"
+    )
+    with pytest.raises(ConfigError, match="the LocalService's config store must be the MetaService's"):
+        read(vllm_config, store())

@@ -6,7 +6,9 @@ block id belonging to one group at a time; blocks out of a window become vLLM's 
 metastore; server A is the P/D prefill (the D2H producer next to the store, no shared layer
 buffers: they take one group), B a second store server, D the P/D decode, and a plain server
 without any connector: all started side by side, the proxy in front of A and D. No log says the
-hybrid manager was turned off.
+hybrid manager was turned off. B names no metastore in its config: it reads the guide's
+mmc-local.conf through ``$MMC_LOCAL_CONFIG_PATH`` (its ``ock.mmc.meta_service_url``); D, given the same
+variable, says its connector reads no mmc file.
 
 - Store, prefix reuse across instances: A serves a ~2K-token prompt and saves every group's full
   blocks to the pools it contributes, one per group (alive as long as A is); B, fresh, given the
@@ -112,8 +114,12 @@ def servers(tmp_path_factory):
         a = server(
             "a", PREFILL_ENV, ports["prefill_ports"][0], vllm_prefill_transfer_config(ms.address, None, TRANSFER)
         )
-        b = server("b", PREFILL_ENV, kv_config=store_config(ms.address))
-        d = server("d", DECODE_ENV, ports["decode_ports"][0], vllm_decode_transfer_config(ports["kv_port"], TRANSFER))
+        mmc = logs / "mmc-local.conf"  # B's metastore: the guide's file, through the guide's variable
+        mmc.write_text(f"ock.mmc.meta_service_url = tcp://{ms.address}\nock.mmc.local_service.dram.size = 256MB\n")
+        mmc_env = {"MMC_LOCAL_CONFIG_PATH": str(mmc)}
+        b = server("b", {**PREFILL_ENV, **mmc_env}, kv_config=store_config(None))
+        d_config = vllm_decode_transfer_config(ports["kv_port"], TRANSFER)
+        d = server("d", {**DECODE_ENV, **mmc_env}, ports["decode_ports"][0], d_config)
         with running(a, b, d, server("plain", DECODE_ENV)) as (_, _, _, plain):
             proxy = Proxy(ports["proxy_port"], a.port, d.port, logs / "proxy.log")
             try:
@@ -127,6 +133,13 @@ def test_a_fresh_server_loads_the_prefix_another_saved_and_answers_as_without_th
     for name in ("a", "b", "d", "plain"):  # the hybrid KV cache manager stays on with both connectors
         assert "Turning off hybrid kv cache manager" not in servers[name].log_text(), name
     assert sorted(g for g, _ in by_group(a.log_text(), "kvoffload_pool_registered", "objects")) == [0, 1]
+    # B names no metastore: it took the one its mmc-local.conf names (and its pool size); the decode's
+    # D2H connector keeps no pool and says it reads neither file
+    taken = [x for x in b.log_text().splitlines() if "kvoffload_metastore_from_mmc_conf" in x]
+    assert len(taken) == 1 and f"metastore={servers['metastore'].address}" in taken[0], taken
+    assert "mmc-local.conf:1" in taken[0], taken  # where it came from
+    unread = [x for x in servers["d"].log_text().splitlines() if "$MMC_LOCAL_CONFIG_PATH=" in x]
+    assert len(unread) == 1 and "kvoffload_config_ignored" in unread[0], unread
     prefix = PREFIX
     prompt = prefix + [(i * 31) % 5000 + 200 for i in range(57)]
     assert "kvoffload_loaded" not in b.log_text()

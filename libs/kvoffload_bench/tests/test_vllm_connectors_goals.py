@@ -126,7 +126,7 @@ def servers(tmp_path, monkeypatch):
     return pd_outcome, model
 
 
-def _run(model) -> dict:
+def _run(model, **kw) -> dict:
     return bench_vllm.run(
         model=str(model),
         prefix_tokens=256,
@@ -135,6 +135,7 @@ def _run(model) -> dict:
         pd_prompt_tokens=200,
         pd_max_tokens=4,
         progress=False,
+        **kw,
     )
 
 
@@ -166,6 +167,18 @@ def test_goals_are_met_when_every_p_d_request_pulled_its_kv(servers):
         "grpc_stream": (True, 60),
         "mooncake": (True, 60),
     }
+
+
+def test_a_run_of_the_grpc_pair_alone_meets_no_mooncake_goal_and_says_why(servers):
+    _, model = servers
+    r = _run(model, backends=("grpc_stream",))
+    assert set(r["pull_by_backend"]) == {"grpc_stream"} and r["pull_by_backend"]["grpc_stream"]["reads"] == 60
+    assert r["goals_met"]["pd_requests_pulled"] is True and r["goals_met"]["tokens_equal_by_backend"] is True
+    for key in ("ratio_to_memcpy", "pd_tpot_ratio"):
+        assert r["goals_met"][f"pull_by_backend.mooncake.{key}"] is False
+        assert "not run" in r["not_measured"][f"pull_by_backend.mooncake.{key}"]
+    with pytest.raises(ValueError, match="backends: expected grpc_stream"):
+        _run(model, backends=("mooncake",))
 
 
 def test_goals_are_not_met_when_one_matrix_answer_differs_through_p_d(servers):

@@ -131,3 +131,54 @@ def test_a_queued_request_registers_once_it_has_blocks_and_the_queue_limit_is_42
     finally:
         loop.close()
         pool.close()
+
+
+async def _queue_timeout_scenario(loop: DecodeLoop) -> None:
+    """A holds the pool's blocks (its registration held: its prefill "runs"); B, streamed, waits for
+    blocks past the 1 s bound: it gets 429 with Retry-After and the OpenAI error body, no SSE byte,
+    and nothing of it stays held."""
+    meta = _Metaserver()
+    meta_app = web.Application()
+    meta_app.router.add_post("/v1/metaserver", meta.handle)
+    meta_runner, meta_url = await _serve(meta_app)
+    settings = AppSettings(model_name="tiny", max_model_len=256, advertise_host="127.0.0.1", control_port=1)
+    dec_runner, dec_url = await _serve(build_app(loop, _Transfer(), ByteTokenizer(), settings))
+    body = partial(_body, metaserver=f"{meta_url}/v1/metaserver")
+    try:
+        async with aiohttp.ClientSession() as http:
+            a = asyncio.ensure_future(http.post(f"{dec_url}/v1/completions", json=body("A")))
+            await meta.until(lambda: "A" in meta.answers, "A's registration")
+            began = asyncio.get_running_loop().time()
+            async with http.post(f"{dec_url}/v1/completions", json={**body("B"), "stream": True}) as r:
+                waited = asyncio.get_running_loop().time() - began
+                assert r.status == 429 and int(r.headers["Retry-After"]) >= 1, await r.text()
+                assert r.headers["Content-Type"].startswith("application/json")  # not an event stream
+                err = (await r.json())["error"]
+                assert err["type"] == "rate_limit_error" and "--max-queue-wait-s=1" in err["message"], err
+            assert 0.5 < waited < 5, waited
+            st = loop.stats()
+            assert (st["queue_timeouts"], st["queued"], st["waiting_for_blocks"]) == (1, 1, 0), st
+            meta.answers["A"].set_result(502)
+            async with await a as r:
+                assert r.status == 502
+        await meta.until(lambda: loop.stats()["sequences"] == 0, "everything freed")
+        assert loop.decoder.pool.stats().used_bytes == 0 and loop.stats()["ledger_open"] == 0
+    finally:
+        await dec_runner.cleanup()
+        await meta_runner.cleanup()
+
+
+def test_a_request_queued_past_the_bound_gets_429_before_any_byte():
+    model = tiny_model(dtype="float32")
+    block_bytes = build.decode_geometry(model, 16, 1 << 20).block_bytes
+    pool = build.decode_pool(model, 16, block_bytes * 4)  # one request of N + 1 tokens (3 blocks)
+    loop = DecodeLoop(
+        SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256),
+        model.config.eos_token_id,
+        max_queue_wait_s=1.0,
+    )
+    try:
+        asyncio.run(asyncio.wait_for(_queue_timeout_scenario(loop), 60))
+    finally:
+        loop.close()
+        pool.close()

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvoffload_metastore.config import MetaStoreConfig, build_config, parse_size_bytes, parse_url
+from kvcore.mmcconf import parse_size_bytes, parse_url
+from kvoffload_metastore.config import MetaStoreConfig, build_config
 from kvoffload_metastore.server import config_from_args
 
 GUIDE_META = """\
@@ -113,10 +114,17 @@ def test_invalid_files_name_the_key(tmp_path, text, message):
 
 
 def test_meta_and_local_must_agree(tmp_path):
+    """The pair rules (kvcore.mmcconf.mmc_pair) hold for the metastore's files too."""
     meta = conf(tmp_path, "ock.mmc.meta_service_url = tcp://a:1\n", "m.conf")
     local = conf(tmp_path, "ock.mmc.meta_service_url = tcp://b:1\n", "l.conf")
-    with pytest.raises(ValueError, match=r"ock.mmc.meta_service_url: .*l.conf:1 says 'tcp://b:1' but .*m.conf:1"):
+    with pytest.raises(ValueError, match=r"tcp://b:1 \(.*l.conf:1\) differs from .*tcp://a:1 \(.*m.conf:1\)"):
         build_config(meta_config=meta, local_config=local, env={})
+    stores = conf(tmp_path, GUIDE_LOCAL.replace("127.0.0.2:6000", "127.0.0.3:6000"), "stores.conf")
+    with pytest.raises(ValueError, match=r"config_store_url = tcp://127.0.0.3:6000 .* differs from .*127.0.0.2:6000"):
+        build_config(meta_config=conf(tmp_path, GUIDE_META, "g.conf"), local_config=stores, env={})
+    protocol = conf(tmp_path, GUIDE_LOCAL.replace("device_sdma", "pigeon"), "p.conf")
+    with pytest.raises(ValueError, match=r"ock.mmc.local_service.protocol \(.*p.conf:4\): expected one of"):
+        build_config(local_config=protocol, env={})
 
 
 def test_missing_file_is_named(tmp_path):
@@ -141,6 +149,8 @@ def test_invalid_flags_name_the_flag(argv, message):
 
 def test_size_and_url_parsers():
     assert parse_size_bytes("10GB") == 10 * 2**30 and parse_size_bytes("7 B") == 7 and parse_size_bytes("2k") == 2048
-    assert parse_url("tcp://10.0.0.1:5000") == ("10.0.0.1", 5000)
-    with pytest.raises(ValueError):
-        parse_url("tcp://:5000")
+    assert parse_url("tcp://10.0.0.1:5000", "k") == ("10.0.0.1", 5000)
+    assert parse_url("http://[::1]:8000/", "k", ("http",)) == ("::1", 8000)
+    for bad in ("tcp://:5000", "http://h:5000", "tcp://h:0", "tcp://h:70000"):
+        with pytest.raises(ValueError, match="^k: expected tcp://HOST:PORT with a port in 1..65535"):
+            parse_url(bad, "k")

@@ -76,3 +76,38 @@ def test_a_bad_dram_size_or_missing_file_is_a_config_error_naming_it(tmp_path):
         pool_flags(_args(local_config=str(_conf(tmp_path, "0GB"))), StoreConnectorConfig(backend="kvoffload"), NO_ENV)
     with pytest.raises(ConfigError, match="cannot read conf file .*nope.conf"):
         pool_flags(_args(local_config=str(tmp_path / "nope.conf")), StoreConnectorConfig(backend="kvoffload"), NO_ENV)
+
+
+def test_the_embedded_pools_index_is_the_mmc_local_confs_metaservice_unless_named(tmp_path):
+    conf = tmp_path / "mmc-local.conf"
+    conf.write_text("ock.mmc.meta_service_url = tcp://10.0.0.9:5000\nock.mmc.local_service.protocol = host_tcp\n")
+    store = StoreConnectorConfig(backend="kvoffload")
+    args = _args()  # through the seed's variable, as the guide exports it
+    pool_flags(args, store, {"MMC_LOCAL_CONFIG_PATH": str(conf)})
+    assert (args.metastore, args.metastore_source, args.mmc_protocol) == (
+        "10.0.0.9:5000",
+        f"ock.mmc.meta_service_url = tcp://10.0.0.9:5000 ({conf}:1)",
+        "host_tcp",
+    )
+    args = _args(metastore="10.0.0.1:5000", local_config=str(conf))  # the flag wins
+    pool_flags(args, store, NO_ENV)
+    assert (args.metastore, args.metastore_source) == ("10.0.0.1:5000", "--metastore")
+    args = _args(local_config=str(conf))  # so does the store config
+    pool_flags(args, StoreConnectorConfig(backend="kvoffload", metastore="10.0.0.2:5000"), NO_ENV)
+    assert (args.metastore, args.metastore_source) == ("10.0.0.2:5000", "kv_connector_extra_config.metastore")
+    args = _args()  # no file: the index stays in this process
+    pool_flags(args, store, NO_ENV)
+    assert (args.metastore, args.metastore_source, args.mmc_protocol) == (None, None, None)
+
+
+def test_the_mmc_files_are_checked_as_a_pair(tmp_path):
+    meta = tmp_path / "mmc-meta.conf"
+    meta.write_text("ock.mmc.meta_service_url = tcp://10.0.0.9:5000\n")
+    local = tmp_path / "mmc-local.conf"
+    local.write_text("ock.mmc.meta_service_url = tcp://10.0.0.8:5000\n")
+    env = {"MMC_META_CONFIG_PATH": str(meta), "MMC_LOCAL_CONFIG_PATH": str(local)}
+    with pytest.raises(ConfigError, match=r"tcp://10.0.0.8:5000 \(.*mmc-local.conf:1\) differs from .*10.0.0.9:5000"):
+        pool_flags(_args(), StoreConnectorConfig(backend="kvoffload"), env)
+    local.write_text("ock.mmc.local_service.protocol = smoke_signals\n")
+    with pytest.raises(ConfigError, match=r"ock.mmc.local_service.protocol \(.*:1\): expected one of host_rdma"):
+        pool_flags(_args(), StoreConnectorConfig(backend="kvoffload"), env)

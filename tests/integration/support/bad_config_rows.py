@@ -254,8 +254,17 @@ ROWS = [
         "dram-fraction"),
     Row("mmc meta+local conf", ("ock.mmc.meta_service_url = tcp://127.0.0.1:5000\n",
                                 "ock.mmc.meta_service_url = tcp://127.0.0.1:5001\n"),
-        "ock.mmc.meta_service_url: {dir}/mmc-local.conf:1 says 'tcp://127.0.0.1:5001' but {dir}/mmc-meta.conf:1 "
-        "says 'tcp://127.0.0.1:5000'", "meta-and-local-disagree"),
+        "ock.mmc.meta_service_url = tcp://127.0.0.1:5001 ({dir}/mmc-local.conf:1) differs from "
+        "ock.mmc.meta_service_url = tcp://127.0.0.1:5000 ({dir}/mmc-meta.conf:1): both files must name the same "
+        "MetaService", "meta-and-local-disagree"),
+    Row("mmc meta+local conf", ("ock.mmc.meta_service.config_store_url = tcp://127.0.0.1:6000\n",
+                                "ock.mmc.local_service.config_store_url = tcp://127.0.0.2:6000\n"),
+        "ock.mmc.local_service.config_store_url = tcp://127.0.0.2:6000 ({dir}/mmc-local.conf:1) differs from "
+        "ock.mmc.meta_service.config_store_url = tcp://127.0.0.1:6000 ({dir}/mmc-meta.conf:1): the LocalService's "
+        "config store must be the MetaService's", "config-stores-disagree"),
+    Row("mmc local conf", "ock.mmc.local_service.protocol = sdma\n",
+        "ock.mmc.local_service.protocol ({dir}/mmc-local.conf:1): expected one of host_rdma, host_urma, host_tcp, "
+        "host_shm, device_rdma, device_urma, device_uboe, device_sdma, got 'sdma'", "protocol-unknown"),
     Row("mmc conf env", {"MMC_META_CONFIG_PATH": "{dir}/absent.conf"},
         "cannot read conf file {dir}/absent.conf: No such file or directory", "env-names-a-missing-file"),
     # -- kvoffload-decode / kvoffload-prefill flags (checked before the model loads) --------------------

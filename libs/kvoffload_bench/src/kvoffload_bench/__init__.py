@@ -34,7 +34,8 @@ The P/D stack and vLLM (bench ``pd``, ``load``, ``vllm``):
   per-round figures, medians, TP 2 block and goals; ``pd_backends``: the pull on each P→D data path
   (shared memory, gRPC stream, Mooncake Transfer Engine) side by side, and across a network namespace;
   ``engine_ceiling``: Mooncake Transfer Engine's own rate here, out of any stack (the path's ceiling).
-- ``load``: the P/D stack under a burst of concurrent clients vs the single-process engine.
+- ``load``: the P/D stack under a burst of concurrent clients vs the single-process engine;
+  ``load_burst``: its burst case (mixed requests at once, no retry: answered, 429 or timed out).
 - ``vllm_connectors``: the kvoffload connectors inside real vLLM servers (store hits, P/D). ``vllm_pd``: its
   P/D part; ``vllm_backends``: the P/D pull on each transfer backend of the vLLM connectors, side by side;
   ``vllm_stream``: its timed streamed completions (TTFT, TPOT). ``vllm_goals``: its

@@ -54,13 +54,16 @@ class Pair:
 
 
 @contextlib.contextmanager
-def pairs(model_dir: Path, work: Path, max_len: int, prefill_env: dict, decode_env: dict) -> Iterator[dict[str, Pair]]:
-    """A running P/D pair per backend of ``BACKENDS``, all started side by side; stopped on leaving."""
+def pairs(
+    model_dir: Path, work: Path, max_len: int, prefill_env: dict, decode_env: dict, backends: tuple[str, ...]
+) -> Iterator[dict[str, Pair]]:
+    """A running P/D pair per backend of ``backends`` (keys of ``BACKENDS``), all started side by side;
+    stopped on leaving."""
     from kvoffload_testing.ports import free_stack_ports
     from kvoffload_testing.vllm_server import Metastore, Proxy, VllmServer, free_port, running
     from kvoffload_testing.vllm_stack import vllm_decode_transfer_config, vllm_prefill_transfer_config
 
-    ports = free_stack_ports(len(BACKENDS), len(BACKENDS))  # decode i's control port: kv_port + 16 i
+    ports = free_stack_ports(len(backends), len(backends))  # decode i's control port: kv_port + 16 i
 
     def server(name: str, port: int, env: dict, kv_transfer_config: str) -> VllmServer:
         return VllmServer(
@@ -75,7 +78,8 @@ def pairs(model_dir: Path, work: Path, max_len: int, prefill_env: dict, decode_e
 
     with contextlib.ExitStack() as stack:
         servers = []
-        for i, (backend, (transfer, _)) in enumerate(BACKENDS.items()):
+        for i, backend in enumerate(backends):
+            transfer = BACKENDS[backend][0]
             ms = stack.enter_context(Metastore(work / f"{backend}-metastore.log"))
             prefill_config = vllm_prefill_transfer_config(ms.address, transfer_backend=transfer)
             decode_config = vllm_decode_transfer_config(ports["kv_port"] + 16 * i, transfer)
@@ -83,7 +87,7 @@ def pairs(model_dir: Path, work: Path, max_len: int, prefill_env: dict, decode_e
             servers.append(server(f"{backend}-decode", ports["decode_ports"][i], decode_env, decode_config))
         stack.enter_context(running(*servers))
         out = {}
-        for i, backend in enumerate(BACKENDS):
+        for i, backend in enumerate(backends):
             prefill, decode = servers[2 * i], servers[2 * i + 1]
             port = ports["proxy_port"] if i == 0 else free_port()
             proxy = stack.enter_context(Proxy(port, prefill.port, decode.port, work / f"{backend}-proxy.log"))

@@ -133,6 +133,7 @@ def run(
     pd_max_tokens: int = 32,
     shared_prompt_tokens: int = 8000,
     pd_matrix_tokens: tuple[int, ...] = pd_matrix.MATRIX_TOKENS,
+    backends: tuple[str, ...] = ("grpc_stream", "mooncake"),
     progress: bool = True,
 ) -> dict:
     from kvoffload_testing.model_fetch import cached_model
@@ -160,7 +161,7 @@ def run(
             baselines = vllm_pd.plain(
                 plain, name, rounds, pd_prompt_tokens, pd_max_tokens, shared_prompt_tokens, pd_matrix_tokens, say
             )
-    pd = vllm_pd.pd(model_dir, work, rounds, pd_prompt_tokens, pd_max_tokens, say, baselines)
+    pd = vllm_pd.pd(model_dir, work, rounds, pd_prompt_tokens, pd_max_tokens, say, baselines, backends)
     per_token = vllm_pd.kv_bytes_per_token(model_dir)
     prompt_len = prefix_tokens + 40
     hit_token_count = statistics.median(p["hit_tokens"] for p in per_round)

@@ -76,19 +76,31 @@ def pd_pair(p: dict, d: dict) -> dict:
     }
 
 
-def pd(model_dir: Path, work: Path, rounds: int, prompt_tokens: int, max_tokens: int, say, plain: tuple) -> dict:
+def pd(
+    model_dir: Path,
+    work: Path,
+    rounds: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    say,
+    plain: tuple,
+    backends: tuple[str, ...] = tuple(BACKENDS),
+) -> dict:
     """The P/D stack on the prompts the plain server answered (``plain``: ``plain``'s rounds,
-    long-prompt baseline and matrix answers): one P/D pair per transfer backend side by side
-    (``vllm_backends.pairs``), the rounds taking turns; the ``pd_*`` fields and the prefill's
-    shared-buffer figures from the gRPC stream's pair, ``pull_by_backend`` from both."""
+    long-prompt baseline and matrix answers): one P/D pair per transfer backend of ``backends`` (the
+    gRPC stream's always) side by side (``vllm_backends.pairs``), the rounds taking turns; the
+    ``pd_*`` fields and the prefill's shared-buffer figures from the gRPC stream's pair,
+    ``pull_by_backend`` from each."""
+    if "grpc_stream" not in backends or not set(backends) <= set(BACKENDS):
+        raise ValueError(f"backends: expected grpc_stream and any of {', '.join(BACKENDS)}, got {backends!r}")
     plain_rounds, long_baseline, matrix_want = plain
     prefill_env, decode_env = cores()
     lengths = tuple(sorted({int(k.split("-")[1]) for k in matrix_want if k.startswith("completion-")}))
     name, model_len = str(model_dir), max_len(prompt_tokens, max_tokens, max(long_baseline["prompt_tokens"], *lengths))
     sampler = MemcpySampler(math.ceil(prompt_tokens / BLOCK_SIZE) * BLOCK_SIZE * kv_bytes_per_token(model_dir, 1))
     counters = [CONSUMER.format(c) for c in ("bytes_read", "requests_pulled", "requests_failed")]
-    by_backend: dict[str, list[dict]] = {backend: [] for backend in BACKENDS}
-    with pairs(model_dir, work, model_len, prefill_env, decode_env) as running:
+    by_backend: dict[str, list[dict]] = {backend: [] for backend in backends}
+    with pairs(model_dir, work, model_len, prefill_env, decode_env, backends) as running:
         main = running["grpc_stream"]  # the pd_* figures, the shared buffers' and the matrix
         say(f"P/D pairs up (metastore, prefill, decode, proxy each): {', '.join(running)}")
         for pair in running.values():

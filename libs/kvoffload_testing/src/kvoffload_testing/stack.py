@@ -145,7 +145,7 @@ def decode_services(c: StackConfig, common: list[str]) -> list[tuple[str, list[s
 def prefill_services(c: StackConfig, common: list[str]) -> list[tuple[str, list[str], str]]:
     """(name, argv, health URL) of the stack's prefills; ``common`` are the flags every service gets."""
     mooncake = c.pool == "mooncake"
-    index = [] if mooncake else ["--metastore", f"{c.host}:{c.metastore_port}"]  # mooncake: the master indexes
+    index = [] if mooncake else ["--local-config", str(mmc_local_conf(c))]  # mooncake: the master indexes
     master = c.mooncake_master if mooncake else None
     prefill_kv = (
         offload_only_kv_transfer_config(mooncake_master=master)
@@ -172,6 +172,19 @@ def prefill_services(c: StackConfig, common: list[str]) -> list[tuple[str, list[
         )
         for i, port in enumerate(c.prefill_ports)
     ]
+
+
+def mmc_local_conf(c: StackConfig) -> Path:
+    """The guide's ``mmc-local.conf`` of the stack's prefills, written to the log directory: its
+    ``ock.mmc.meta_service_url`` names the stack's metastore (the prefill's index, as a user moving
+    from the reference configures it; ``--metastore`` would say the same)."""
+    path = c.log_dir / "mmc-local.conf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    host = f"[{c.host}]" if ":" in c.host else c.host
+    path.write_text(
+        f"# written by kvoffload (the stack's prefills)\nock.mmc.meta_service_url = tcp://{host}:{c.metastore_port}\n"
+    )
+    return path
 
 
 def metastore_service(c: StackConfig) -> tuple[str, list[str], str]:

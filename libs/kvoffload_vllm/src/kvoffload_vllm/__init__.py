@@ -14,6 +14,7 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``store``: ``AscendStoreConnector``, the layerwise prefix store over host pools (``SupportsHMA``:
   every KV cache group by its own block table and block size).
 - ``store_config``: its ``kv_transfer_config``, checked and typed.
+- ``store_mmc``: what that config leaves out, from the seed's mmc files (``MMC_*_CONFIG_PATH``).
 - ``unread_config``: the guide's keys a vLLM server would leave unread (``sparse_kv_offload_config``,
   the pull's ``use_layerwise``): refused or warned at start-up.
 - ``store_counters``: its counters and what each counts.

@@ -10,6 +10,7 @@ from kvcore.config import parse_kv_transfer_config
 from kvcore.configerrors import ConfigError
 from kvcore.confignames import D2H_CONNECTOR
 from kvcore.connectorconfig import D2HConnectorConfig
+from kvoffload_vllm.store_mmc import warn_unread
 from kvoffload_vllm.unread_config import check_additional_config, check_d2h_keys
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
     )
     extra = parsed.kv_connector_extra_config
     check_additional_config(vllm_config.additional_config, D2H_CONNECTOR)
+    warn_unread(D2H_CONNECTOR)
     check_d2h_keys(kv.kv_role, kv.kv_port, dict(kv.kv_connector_extra_config or {}))
     if parsed.kv_connector != D2H_CONNECTOR or not isinstance(extra, D2HConnectorConfig):
         raise ConfigError([f"kv_transfer_config.kv_connector: got {kv.kv_connector!r}; this class is {D2H_CONNECTOR}"])

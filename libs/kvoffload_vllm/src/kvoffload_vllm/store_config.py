@@ -1,6 +1,7 @@
 """The ``AscendStoreConnector``'s configuration: vLLM's ``kv_transfer_config`` checked and typed
 (``kvcore.connectorconfig.StoreConnectorConfig``: unknown keys, a backend vLLM does not run, a
-missing metastore and more than one rank are ``ConfigError``s naming the field)."""
+missing metastore and more than one rank are ``ConfigError``s naming the field); what it leaves out
+taken from the seed's mmc files (``kvoffload_vllm.store_mmc``)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from kvcore.config import parse_kv_transfer_config
 from kvcore.configerrors import ConfigError
 from kvcore.confignames import STORE_CONNECTOR
 from kvcore.connectorconfig import StoreConnectorConfig
+from kvcore.mmcconf import LOCAL_ENV
 from kvcore.poolregistry import VLLM_POOLS
 from kvoffload_vllm.shared_buffers import check_eager, check_vllm_version, requested, transfer_config_dict
+from kvoffload_vllm.store_mmc import with_mmc_files
 from kvoffload_vllm.unread_config import check_additional_config
 
 if TYPE_CHECKING:
@@ -43,11 +46,13 @@ def store_config(vllm_config: VllmConfig) -> StoreConnectorConfig:
                 f"runs on {', '.join(map(repr, VLLM_POOLS))} (the memcache adapter does not exist yet)"
             ]
         )
+    store = with_mmc_files(store)
     if not store.metastore:
         raise ConfigError(
             [
                 "kv_connector_extra_config.metastore: missing; the AscendStoreConnector needs the "
-                "kvoffload-metastore's HOST:PORT (start one with `kvoffload-metastore`)"
+                "kvoffload-metastore's HOST:PORT (start one with `kvoffload-metastore`), or an "
+                f"mmc-local.conf naming it (ock.mmc.meta_service_url) in ${LOCAL_ENV}"
             ]
         )
     shared = requested(parsed.kv_role, store) is not None

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcore.hostpool import PoolError
+from kvcore.mmcconf import mmc_pair
 from poolbackends.memcache_conf import LocalSettings, local_fields
 from poolbackends.memcache_meta import INSTALL_HINT, MODULE, MemcacheNotInstalled
 from svcruntime.native_output import native_output
@@ -136,7 +137,8 @@ class MemcacheClient:
         cls, local_config: str | os.PathLike[str] | LocalSettings, *, device_id: int = 0, contribute_memory: bool = True
     ) -> MemcacheClient:
         """Start a LocalService from an ``mmc-local.conf`` path (or settings, written to a temporary
-        file first). Raises ``MemcacheNotInstalled``, ``ValueError`` (a bad conf) or
+        file first). Raises ``MemcacheNotInstalled``, ``ValueError`` (a bad conf, or one that breaks the
+        pair rules against ``$MMC_META_CONFIG_PATH``: ``kvcore.mmcconf.mmc_pair``) or
         ``MemcacheUnavailable`` (the library refused to start: the reason is its own)."""
         if not isinstance(device_id, int) or device_id < 0:
             raise ValueError(f"device_id must be an int >= 0, got {device_id!r}")
@@ -147,6 +149,7 @@ class MemcacheClient:
                 f.write(local_config.conf_text())
         else:
             path = os.fspath(local_config)
+            mmc_pair(local_config=path)  # the same MetaService and config store as $MMC_META_CONFIG_PATH's
         owns_conf = isinstance(local_config, LocalSettings)
         try:
             return cls._start(mmc, path, device_id, contribute_memory, owns_conf)

@@ -25,12 +25,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcore.hostpool import check_count
-from kvcore.mmcconf import DRAM_KEY, parse_size_bytes, read_conf
+from kvcore.mmcconf import (
+    DRAM_KEY,
+    LOCAL_STORE_KEY,
+    META_STORE_KEY,
+    META_URL_KEY,
+    PROTOCOL_KEY,
+    PROTOCOLS,
+    parse_size_bytes,
+    parse_url,
+    read_conf,
+)
 
-META_URL_KEY = "ock.mmc.meta_service_url"
-META_STORE_KEY = "ock.mmc.meta_service.config_store_url"
 METRICS_KEY = "ock.mmc.meta_service.metrics_url"
-LOCAL_STORE_KEY = "ock.mmc.local_service.config_store_url"
 
 # mmc-local.conf key -> (LocalConfig field, type)
 LOCAL_KEYS: dict[str, tuple[str, type]] = {
@@ -38,7 +45,7 @@ LOCAL_KEYS: dict[str, tuple[str, type]] = {
     LOCAL_STORE_KEY: ("config_store_url", str),
     "ock.mmc.log_level": ("log_level", str),
     "ock.mmc.local_service.world_size": ("world_size", int),
-    "ock.mmc.local_service.protocol": ("protocol", str),
+    PROTOCOL_KEY: ("protocol", str),
     DRAM_KEY: ("dram_size", str),
     "ock.mmc.local_service.hbm.size": ("hbm_size", str),
     "ock.mmc.local_service.max.dram.size": ("max_dram_size", str),
@@ -55,16 +62,6 @@ LOCAL_KEYS: dict[str, tuple[str, type]] = {
     "ock.mmc.client.aggregate.num": ("aggregate_num", int),
 }
 
-PROTOCOLS = (
-    "host_rdma",
-    "host_urma",
-    "host_tcp",
-    "host_shm",
-    "device_rdma",
-    "device_urma",
-    "device_uboe",
-    "device_sdma",
-)
 _LOG_LEVELS = {
     "debug": "debug",
     "info": "info",
@@ -86,14 +83,6 @@ def mmc_log_level(level: str) -> str:
 
 def tcp_url(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-def parse_url(text: str, key: str) -> tuple[str, int]:
-    """``tcp://HOST:PORT`` or ``http://HOST:PORT`` -> (host, port); ValueError naming ``key``."""
-    m = re.match(r"^(?:tcp|https?)://(\[[0-9A-Fa-f:.]+\]|[^:/\s\[\]]+):(\d{1,5})/?$", text.strip())
-    if not m or not 1 <= int(m.group(2)) <= 65535:
-        raise ValueError(f"{key}: expected tcp://HOST:PORT (or http:// for the metrics URL), got {text!r}")
-    return m.group(1).strip("[]"), int(m.group(2))
 
 
 def meta_conf_text(
@@ -139,9 +128,9 @@ def meta_urls(path: str | os.PathLike[str]) -> MetaUrls:
     """The endpoints an ``mmc-meta.conf`` names (the library's defaults for keys it lacks)."""
     conf = read_conf(path)
 
-    def get(key: str, default: str) -> tuple[str, int]:
+    def get(key: str, default: str, schemes: tuple[str, ...] = ("tcp",)) -> tuple[str, int]:
         value, where = conf.get(key, (default, f"{path} (default)"))
-        return parse_url(value, f"{key} ({where})")
+        return parse_url(value, f"{key} ({where})", schemes)
 
     host, port = get(META_URL_KEY, "tcp://127.0.0.1:5000")
     store_host, store_port = get(META_STORE_KEY, "tcp://127.0.0.1:6000")
@@ -149,7 +138,7 @@ def meta_urls(path: str | os.PathLike[str]) -> MetaUrls:
         raise ValueError(
             f"{META_STORE_KEY} ({path}): the config store must be on the MetaService's host {host}, got {store_host}"
         )
-    m_host, m_port = get(METRICS_KEY, "http://127.0.0.1:8000")
+    m_host, m_port = get(METRICS_KEY, "http://127.0.0.1:8000", ("http", "https", "tcp"))
     return MetaUrls(host, port, store_port, m_host, m_port)
 
 
@@ -216,7 +205,7 @@ def local_fields(path: str | os.PathLike[str]) -> dict[str, Any]:
                 parse_url(value, named)
             elif key == DRAM_KEY and not re.fullmatch(r"\d+(\.\d+)?\s*[KMGT]?B?", value, re.IGNORECASE):
                 parse_size_bytes(value, named)  # raises, naming the key and the expected format
-            elif key == "ock.mmc.local_service.protocol" and value not in PROTOCOLS:
+            elif key == PROTOCOL_KEY and value not in PROTOCOLS:
                 raise ValueError(f"{named}: expected one of {', '.join(PROTOCOLS)}, got {value!r}")
             elif key == "ock.mmc.log_level":
                 value = mmc_log_level(value)

@@ -8,10 +8,12 @@ Modules:
 - ``metrics``: its Prometheus ``/metrics``
 - ``loop``: ``DecodeLoop``, which owns the decoder and runs the batch (gathering, sampling, cancel,
   the watchdog's verdict); its parts:
-  - ``admission``: admission at once, the queue limit (``DecodeFull``), the wait for host blocks
+  - ``admission``: admission at once, the queue limit (``DecodeFull``), the wait for host blocks,
+    the queue-wait bound kept
   - ``prefill_reports``: what the transfer path reports (news, pulled rows, the first token)
   - ``rank_poll``: TP, the polls of the follower ranks
   - ``loop_state``: ``LoopState``, the loop's state as these parts use it (declared once, typed)
+- ``queue_wait``: the bound on a request's wait in the queues (the measured pace, the 429s)
 - ``request``: ``DecodeRequest``, one request as the loop keeps it
 - ``rows``: ``RowInstaller``, the installation of pulled rows (rank 0 and TP followers alike)
 - ``transfer``: the ``Transfer`` control port (``pdlink``'s servicer over ``pull``)

@@ -1,29 +1,33 @@
 """The decode loop's admission (``Admission``, a part of ``DecodeLoop``): a request is admitted into
 the decode's queue at once, never after a wait.
 
-``expect_remote`` raises ``DecodeFull`` (HTTP 429 with ``Retry-After``) only when ``max_queued``
-requests already wait for the running batch. An admitted request reserves its prompt's host-pool
-blocks right away — a sequence slot (device row) too when one is free; otherwise its pulled
-indexer keys are staged on the host (``SparseDecoder.reserve``). So the decode registers it at the
-proxy's metaserver at once, the prefill runs while other requests decode, and the pulled KV waits
-in host memory (the cheap resource) for a slot. When the host pool cannot hold the prompt either,
-the request still queues (``waiting``, FIFO) and gets its blocks as soon as others free theirs
-(``_reserve_waiting``); its ``on_reserved`` callback then lets the HTTP side register it
-(meanwhile the HTTP side tells the metaserver the request is queued, which lifts the proxy's
-registration deadline). Nothing in the decode times a queued request out: it waits until the
-client (or the proxy's ``--request-timeout-s``) gives up, which cancels it. A prompt that does not
-fit in the whole host pool is refused (``TooLarge``, HTTP 413).
+``expect_remote`` raises ``DecodeFull`` (HTTP 429 with ``Retry-After``) when ``max_queued``
+requests already wait for the running batch, or when the queue's measured pace says the request
+would not start within ``max_queue_wait_s`` (``kvoffload_decode.queue_wait``); a request still
+queued past that bound is refused then (``_expire_queued``, called by the loop). An admitted
+request reserves its prompt's host-pool blocks right away — a sequence slot (device row) too when
+one is free; otherwise its pulled indexer keys are staged on the host (``SparseDecoder.reserve``).
+So the decode registers it at the proxy's metaserver at once, the prefill runs while other
+requests decode, and the pulled KV waits in host memory (the cheap resource) for a slot. When the
+host pool cannot hold the prompt either, the request still queues (``waiting``, FIFO) and gets its
+blocks as soon as others free theirs (``_reserve_waiting``); its ``on_reserved`` callback then lets
+the HTTP side register it (meanwhile the HTTP side tells the metaserver the request is queued,
+which lifts the proxy's registration deadline). A queued request waits at most
+``max_queue_wait_s`` (or until the client gives up, which cancels it). A prompt that does not fit
+in the whole host pool is refused (``TooLarge``, HTTP 413).
 
 It works on the loop's state (``decoder``, ``engine_lock`` and ``lock``, ``pending``, ``waiting``,
-``running``, ``ledger``; ``kvoffload_decode.loop_state``).
+``running``, ``ledger``, ``pace``; ``kvoffload_decode.loop_state``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from dsamodel.sampling import RequestSampler
 from kvoffload_decode.loop_state import LoopState
+from kvoffload_decode.queue_wait import EXPIRY_SCAN_S, DecodeFull, expired, refusal
 from kvoffload_decode.request import DecodeRequest, Emit
 from kvoffload_engine.decode import SparseDecoder
 from openai_api.sampling_params import SamplingParams
@@ -31,14 +35,6 @@ from openai_api.sampling_params import SamplingParams
 
 class TooLarge(ValueError):
     """The prompt does not fit in the decode's whole host pool."""
-
-
-class DecodeFull(RuntimeError):
-    """The decode's queue is full: a new request is refused at once (HTTP 429)."""
-
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 def default_max_queued(decoder: SparseDecoder) -> int:
@@ -78,6 +74,11 @@ class Admission(LoopState):
                     f"running, limit --max-queued-requests={self.max_queued}); retry later",
                     retry_after_s=self.retry_after_s(),
                 )
+            estimate = self.pace.estimate_s(len(self.pending)) if not self.decoder.free_slots else None
+            if self.max_queue_wait_s and estimate is not None and estimate > self.max_queue_wait_s:
+                self.rejected += 1
+                self.rejected_by_estimate += 1
+                raise refusal(estimate, len(self.pending), self.pace, self.max_queue_wait_s)
             req = DecodeRequest(
                 request_id,
                 prompt_ids,
@@ -92,6 +93,7 @@ class Admission(LoopState):
             self.ledger.open(request_id, "admitted")
             self.pending[request_id] = req
             if not reserved:
+                req.waiting_since = req.arrived_s
                 self.waiting.append(req)
                 self.ledger.advance(request_id, "queued")
             return req
@@ -100,6 +102,34 @@ class Admission(LoopState):
         """A client's pause before retrying a refused request: 1 s, up to 5 s for a queue many times
         deeper than the batch (a refusal is cheap; a long pause would leave the queue idle)."""
         return float(max(1, min(5, len(self.pending) // (16 * max(1, self.decoder.indexer.shape[1])))))
+
+    def _queue_expired(self) -> bool:
+        """Under ``lock``: the request waiting longest for host blocks has waited past the bound
+        (``waiting`` is FIFO; a request waits for a slot only while others run, and steps check it)."""
+        oldest = self.waiting[0] if self.waiting else None
+        return (
+            bool(self.max_queue_wait_s)
+            and oldest is not None
+            and (oldest.waited_s(time.monotonic()) > self.max_queue_wait_s)
+        )
+
+    def _expire_queued(self) -> None:
+        """Under both locks, at most every ``EXPIRY_SCAN_S``: refuse (``QueueWaitExceeded``, HTTP 429)
+        and free every queued request that waited past the bound in the decode's queues — for host
+        blocks, or for a slot once its prompt is complete (``kvoffload_decode.queue_wait``)."""
+        now = time.monotonic()
+        if not self.max_queue_wait_s or now - self._expiry_scanned < EXPIRY_SCAN_S and not self._queue_expired():
+            return
+        self._expiry_scanned = now
+        for req in list(self.pending.values()):
+            if req.waiting_since is None and req.reserved and req.prompt_complete:
+                req.waiting_since = now  # complete: from now on it waits for a slot
+            waited = req.waited_s(now)
+            if waited > self.max_queue_wait_s:
+                refused = expired(waited, self.max_queue_wait_s, self.retry_after_s())
+                req.emit("error", refused)
+                self.cancel(req.request_id, str(refused), outcome="queue_timeout")
+                self.queue_timeouts += 1
 
     def _reserve(self, req: DecodeRequest) -> bool:
         """Host blocks for the prompt (+ the first sampled token), and a sequence slot when one is free
@@ -134,6 +164,8 @@ class Admission(LoopState):
                 self.cancel(req.request_id, str(exc), outcome="error")
                 continue
             self.waiting.pop(0)
+            now = time.monotonic()
+            req.blocks_wait_s, req.waiting_since = req.waited_s(now), None
             self.ledger.advance(req.request_id, "admitted")
             if req.on_reserved is not None:
                 req.on_reserved()

@@ -21,9 +21,10 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvoffload_decode.admission import DecodeFull, TooLarge
+from kvoffload_decode.admission import TooLarge
 from kvoffload_decode.loop import DecodeLoop
 from kvoffload_decode.metrics import Metrics
+from kvoffload_decode.queue_wait import DecodeFull
 from openai_api.body import RequestError
 from openai_api.output import Output, Responder
 from openai_api.request import ParsedRequest, parse_request
@@ -90,19 +91,29 @@ def encode_load(load: dict[str, float]) -> str:
 
 class _Events:
     """What the loop tells one request's handler, from the loop's threads: tokens and errors
-    (``queue``; ``failed`` is set with the first error: the watchdog may fail a request early), and
-    that a request queued for host blocks got them (``reserved``)."""
+    (``queue``; ``failed`` is set with the first error: the watchdog may fail a request early, and
+    ``refused`` holds it when it is a 429: the queue-wait bound), that the request started
+    (``started``: its first token), and that a request queued for host blocks got them
+    (``reserved``)."""
 
     def __init__(self, aio: asyncio.AbstractEventLoop) -> None:
         self.aio = aio
         self.queue: asyncio.Queue = asyncio.Queue()
         self.failed = asyncio.Event()
+        self.started = asyncio.Event()
         self.reserved = asyncio.Event()
+        self.refused: DecodeFull | None = None
+        self._first = True
 
     def emit(self, kind: str, value: object) -> None:
+        if kind == "error" and isinstance(value, DecodeFull):
+            self.refused = value  # before ``failed`` is set, which the handler reads it after
         self.aio.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
         if kind == "error":
             self.aio.call_soon_threadsafe(self.failed.set)
+        elif kind == "token" and self._first:
+            self._first = False
+            self.aio.call_soon_threadsafe(self.started.set)
 
     def on_reserved(self) -> None:
         self.aio.call_soon_threadsafe(self.reserved.set)
@@ -165,6 +176,11 @@ class _Handler:
         done = False
         try:
             problem = await self._await_prefill(rid, ktp, bound, events, admitted.reserved)
+            if problem is None:  # queued for a slot, unless it started: answer nothing before it does
+                await self._started_or_failed(events)
+            if events.refused is not None:  # waited past --max-queue-wait-s: 429, before any byte
+                done = True
+                return self._queue_timeout(bound, events.refused)
             if problem is not None:
                 return problem
             out = self.responder.output(parsed.body, params, ids, admitted.sampler.logprobs.__getitem__, chat=chat)
@@ -179,6 +195,24 @@ class _Handler:
                 self.loop.cancel(rid, "the client request ended early")
                 self.metrics.requests.labels("cancelled").inc()
             REQUEST_IDS.unlink(rid)
+
+    async def _started_or_failed(self, events: _Events) -> None:
+        """Until the request's first token or its first error (at most ``token_timeout_s``: the
+        stream or JSON answer then says no token came)."""
+        waits = {asyncio.ensure_future(events.started.wait()), asyncio.ensure_future(events.failed.wait())}
+        try:
+            await asyncio.wait(waits, timeout=self.settings.token_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    def _queue_timeout(self, bound, refused: DecodeFull) -> web.Response:
+        """The 429 of a request refused after waiting past the queue-wait bound."""
+        bound.warning("request_queue_timeout", reason=str(refused), retry_after_s=refused.retry_after_s)
+        self.metrics.requests.labels("queue_timeout").inc()
+        resp = error_response(429, str(refused), "rate_limit_error")
+        resp.headers["Retry-After"] = str(int(refused.retry_after_s))
+        return resp
 
     async def _parse(self, request: web.Request, chat: bool) -> tuple[ParsedRequest, KVTransferParams] | web.Response:
         """The request and its ``transfer`` (a remote prefill), or the 400 that refuses it."""

@@ -5,9 +5,11 @@ jobs, one module each: admission and the wait for host blocks (``kvoffload_decod
 the transfer path reports — pulled rows, the first token, the prefill's news that keeps the
 watchdog quiet (``kvoffload_decode.prefill_reports``, installing rows through
 ``kvoffload_decode.rows``), TP: the polls of the follower ranks (``kvoffload_decode.rank_poll``);
-and here, the batch. One deadline per request, end to end: nothing in the decode times a queued
-request out, the client (or the proxy's ``--request-timeout-s``) does, which cancels it; only a
-prefill that goes quiet while the request is pulled fails it (the watchdog, ``_timed_out``).
+and here, the batch. A queued request starts within ``max_queue_wait_s`` or is refused (HTTP 429:
+at admission when the queue's pace says it would not, ``kvoffload_decode.queue_wait``, else once the
+bound has passed); the client (or the proxy's ``--request-timeout-s``) may give up sooner, which
+cancels it; a prefill that goes quiet while the request is pulled fails it (the watchdog,
+``_timed_out``).
 
 Once every layer holds the whole prompt and the first token is known, the request joins the running
 batch as soon as it has (or gets) a sequence slot, in arrival order; the loop thread runs one
@@ -40,6 +42,7 @@ import structlog
 
 from kvoffload_decode.admission import Admission, default_max_queued
 from kvoffload_decode.prefill_reports import PrefillReports
+from kvoffload_decode.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S, StartPace
 from kvoffload_decode.rank_poll import RANK_POLL_S, RankPolling
 from kvoffload_decode.request import DecodeRequest
 from kvoffload_decode.rows import RowInstaller
@@ -73,6 +76,7 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
         max_queued: int | None = None,
         num_speculative_tokens: int = 0,
         step_gather_s: float = DEFAULT_STEP_GATHER_S,
+        max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S,
     ) -> None:
         if num_speculative_tokens not in (0, 1):
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens}: must be 0 or 1")
@@ -91,6 +95,12 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
         self.gather_wait_s = 0.0
         self._step_started = 0.0  # monotonic start of the previous step
         self.max_queued = max_queued if max_queued is not None else default_max_queued(decoder)
+        if not max_queue_wait_s >= 0:
+            raise ValueError(f"max_queue_wait_s={max_queue_wait_s}: must be >= 0 (0: no bound)")
+        self.max_queue_wait_s = max_queue_wait_s
+        self.pace = StartPace()
+        self.queue_timeouts = 0
+        self._expiry_scanned = 0.0  # monotonic time of the last scan for requests past the bound
         self.ledger = Ledger(self._timed_out).start()
         self.eos_token_id = eos_token_id
         self.engine_lock = threading.RLock()  # taken before ``lock``, never after
@@ -98,7 +108,8 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
         self.pending: dict[str, DecodeRequest] = {}  # admitted, not running yet (blocks reserved or waiting)
         self.waiting: list[DecodeRequest] = []  # the pending ones still waiting for host blocks, FIFO
         self.running: list[DecodeRequest] = []
-        self.rejected = 0  # requests refused because the queue was full
+        self.rejected = 0  # requests refused at admission (queue full, or the estimate past the bound)
+        self.rejected_by_estimate = 0
         self._next: dict[str, int] = {}
         self._drafts: dict[str, int] = {}  # running greedy requests' MTP drafts (speculative decoding)
         self.installer = RowInstaller(decoder, self.lock, self.pending, free=self._free_copied)
@@ -149,6 +160,10 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
                 "max_queued": self.max_queued,
                 "free_slots": self.decoder.free_slots,
                 "rejected": self.rejected,
+                "rejected_by_estimate": self.rejected_by_estimate,
+                "queue_timeouts": self.queue_timeouts,
+                "start_interval_s": self.pace.interval_s or 0.0,
+                "max_queue_wait_s": self.max_queue_wait_s,
                 "drafts": self.draft_stats.drafts,
                 "drafts_accepted": self.draft_stats.accepted,
                 "gather_waits": self.gather_waits,
@@ -216,6 +231,7 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
                 continue
             self.decoder.bind(rid)  # a staged request gets its device row now
             del self.pending[rid]
+            self.pace.started(time.monotonic(), backlog=bool(self.pending))
             self.ledger.advance(rid, "decoding")
             self.decoder.set_prompt_done(rid, req.num_prompt_tokens)
             req.sampler.accept(first, req.first_logprob)  # penalties, stop, logprobs see it
@@ -237,8 +253,8 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
             time.sleep(YIELD_S)
             with self.lock:
                 while not self._stop and not self.running and not any(self._runnable(r) for r in self.pending.values()):
-                    if self._awaiting_ranks():
-                        break  # polled below
+                    if self._awaiting_ranks() or self._queue_expired():
+                        break  # polled / refused below
                     self.lock.wait(timeout=1.0)
                 self._gather()
             if self.lead is not None and not self._poll_ranks() and not self.running:
@@ -247,6 +263,7 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
                 with self.lock:
                     if self._stop:
                         return
+                    self._expire_queued()
                     self._admit_ready()
                     if not self.running:
                         continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
+from kvoffload_decode.queue_wait import StartPace
 from kvoffload_decode.request import DecodeRequest
 from kvoffload_decode.rows import RowInstaller
 from kvoffload_engine.decode import SparseDecoder
@@ -32,7 +33,12 @@ class LoopState(Protocol):
     pending: dict[str, DecodeRequest]  # admitted, not running yet (blocks reserved or waiting)
     waiting: list[DecodeRequest]  # the pending ones still waiting for host blocks, FIFO
     running: list[DecodeRequest]
-    rejected: int  # requests refused because the queue was full
+    rejected: int  # requests refused at admission (429): the queue full, or the estimate past the bound
+    rejected_by_estimate: int  # of those, refused because the estimated wait was past ``max_queue_wait_s``
+    max_queue_wait_s: float  # the longest a request stays queued before it starts (0: no bound)
+    queue_timeouts: int  # queued requests refused once they waited past the bound
+    pace: StartPace
+    _expiry_scanned: float  # monotonic time of the last scan for requests past the bound
     installer: RowInstaller[DecodeRequest]
     _stop: bool
 

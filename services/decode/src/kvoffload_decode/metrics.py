@@ -45,7 +45,17 @@ class Metrics:
         self.queued = gauge("kvoffload_decode_queued_requests", "Requests admitted, not in the running batch yet")
         self.waiting = gauge("kvoffload_decode_waiting_for_blocks", "Queued requests still waiting for host blocks")
         self.running = gauge("kvoffload_decode_running_requests", "Requests in the running batch")
-        self.rejected = counter("kvoffload_decode_rejected", "Requests refused with 429 (queue full)")
+        self.rejected = counter(
+            "kvoffload_decode_rejected",
+            "Requests refused with 429 at admission: the queue full, or its estimated wait past --max-queue-wait-s",
+        )
+        self.queue_timeouts = gauge(
+            "kvoffload_decode_queue_timeouts_total", "Queued requests refused with 429 after --max-queue-wait-s"
+        )
+        self.start_interval = gauge(
+            "kvoffload_decode_start_interval_seconds",
+            "The queue's pace: seconds between request starts under a backlog (0 until measured)",
+        )
         self.gather_waits = gauge(
             "kvoffload_decode_gather_waits_total",
             "Steps held at saturation for requests on their way (--step-gather-ms)",
@@ -70,6 +80,8 @@ class Metrics:
         self.running.set(stats["running"])
         self.gather_waits.set(stats["gather_waits"])
         self.gather_wait_s.set(stats["gather_wait_s"])
+        self.queue_timeouts.set(stats["queue_timeouts"])
+        self.start_interval.set(stats["start_interval_s"])
         c = self.transfer.counters
         self.reads.set(c["read_done"])
         self.read_ms.set(c["read_ms_total"] / c["read_done"] if c["read_done"] else 0.0)

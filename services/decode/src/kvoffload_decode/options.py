@@ -14,6 +14,7 @@ from kvcore.configerrors import ConfigError
 from kvcore.decodesettings import DecodeSettings, decode_settings
 from kvoffload_decode import __version__
 from kvoffload_decode.loop import DEFAULT_STEP_GATHER_S
+from kvoffload_decode.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 from svcruntime.flags import add_model_service_flags, add_process_flags, add_shared_flag
 
 DESCRIPTION = "``kvoffload-decode``: the kv_consumer (sparse-offload decode of a P/D stack)."
@@ -22,7 +23,7 @@ FLAG_RULES = dict(
     at_least_one=("max_model_len", "max_num_seqs", "block_size", "tensor_parallel_size"),
     at_least_zero=("dp_rank", "read_retries", "max_queued_requests"),
     seconds=("metaserver_timeout_s", "peer_timeout_s"),
-    seconds_or_zero=("shutdown_grace_s", "step_gather_ms"),
+    seconds_or_zero=("shutdown_grace_s", "step_gather_ms", "max_queue_wait_s"),
     ports=("port",),
 )
 log = structlog.get_logger(__name__)
@@ -56,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests admitted but not yet in the running batch; one more gets 429 with Retry-After "
         "at once (default 0: as many as the host pool holds at max_model_len/4 tokens each, "
         "at least 4 x --max-num-seqs, at most 1024)",
+    )
+    p.add_argument(
+        "--max-queue-wait-s",
+        type=float,
+        default=DEFAULT_MAX_QUEUE_WAIT_S,
+        help="longest a request waits in this decode's queues (for host blocks, or for a sequence slot once "
+        "its prompt is complete; its prefill is service, not a wait): one the queue's measured pace says "
+        "would wait longer is refused at once, one that did is refused then, each with 429 and Retry-After "
+        f"(default {DEFAULT_MAX_QUEUE_WAIT_S:g}; 0: no bound)",
     )
     p.add_argument(
         "--step-gather-ms",

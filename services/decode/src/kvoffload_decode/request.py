@@ -30,6 +30,10 @@ class DecodeRequest:
     first_logprob: TokenLogprob | None = None  # the first token's log-probabilities, when asked for
     draft: int | None = None  # the prefill's MTP draft for the token after first_token, if it sent one
     arrived_s: float = field(default_factory=time.monotonic)
+    # its wait in the decode's queues (``kvoffload_decode.queue_wait``): for host blocks, then for a
+    # sequence slot once its prompt is complete; the time its prefill and pull run is not a wait
+    blocks_wait_s: float = 0.0  # waited for host blocks, once it got them
+    waiting_since: float | None = None  # monotonic start of the wait it is in now (None: not waiting)
     copies: int = 0  # pulled rows being installed right now (outside the loop's lock)
     free_after_copies: str | None = None  # cancelled while copies ran: the last copy frees it
     reserved: bool = False  # holds its prompt's host-pool blocks (else it waits for them, FIFO)
@@ -39,6 +43,10 @@ class DecodeRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    def waited_s(self, now: float) -> float:
+        """Seconds spent waiting in the decode's queues so far."""
+        return self.blocks_wait_s + (now - self.waiting_since if self.waiting_since is not None else 0.0)
 
     @property
     def prompt_complete(self) -> bool:

@@ -69,6 +69,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         max_queued=args.max_queued_requests or None,
         num_speculative_tokens=speculative,
         step_gather_s=args.step_gather_ms / 1000,
+        max_queue_wait_s=args.max_queue_wait_s,
     )
     model_id = model_id_of(args)
     transfer = decode_transfer(
@@ -167,6 +168,7 @@ def _log_serving(
         keep_device_kv_cache=settings.sparse.keep_device_kv_cache,
         max_queued_requests=loop.max_queued,
         step_gather_ms=args.step_gather_ms,
+        max_queue_wait_s=args.max_queue_wait_s,
         tensor_parallel_size=settings.tp,
         num_speculative_tokens=speculative,
         transfer_backend=settings.d2h.transfer_backend,

@@ -15,7 +15,9 @@ Precedence: defaults < conf files (``--meta-config`` / ``MMC_META_CONFIG_PATH``,
 ======================================  ==================================================
 
 ``IGNORED`` keys are accepted and logged with the reason; any other key is logged as unknown.
-A malformed line or value is a ``ValueError`` naming the file, line and key.
+A malformed line or value is a ``ValueError`` naming the file, line and key; so are the two
+files' disagreements (``kvcore.mmcconf.mmc_pair``: another MetaService, another config store, an
+unknown protocol).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvcore.mmcconf import DRAM_KEY, LOCAL_ENV, META_ENV, parse_size_bytes, read_conf
+from kvcore.mmcconf import DRAM_KEY, mmc_pair, parse_size_bytes, parse_url, read_conf
 from svcruntime.tls import TLSConfig
 
 URL_KEY = "ock.mmc.meta_service_url"
@@ -67,14 +69,6 @@ class MetaStoreConfig(BaseModel):
     @property
     def bind_address(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-
-def parse_url(text: str, key: str = URL_KEY) -> tuple[str, int]:
-    """``tcp://HOST:PORT`` -> (host, port); IPv6 hosts in brackets."""
-    m = re.match(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\s\[\]]+):(\d{1,5})$", text)
-    if not m or not 1 <= int(m.group(2)) <= 65535:
-        raise ValueError(f"{key}: expected tcp://HOST:PORT with a port in 1..65535, got {text!r}")
-    return m.group(1).strip("[]"), int(m.group(2))
 
 
 def _positive_int(text: str, key: str) -> int:
@@ -128,7 +122,8 @@ def build_config(
     names the bad key or flag.
     """
     env = os.environ if env is None else env
-    paths = [p for p in (meta_config or env.get(META_ENV), local_config or env.get(LOCAL_ENV)) if p]
+    pair = mmc_pair(meta_config, local_config, env)  # the same MetaService and config store, a known protocol
+    paths = [p for p in (pair.meta_path, pair.local_path) if p]
     entries: dict[str, tuple[str, str]] = {}
     for path in paths:
         for key, (value, where) in read_conf(path).items():

@@ -20,8 +20,9 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvcore.mmcconf import LOCAL_ENV, META_ENV, parse_size_bytes
 from kvoffload_metastore import __version__
-from kvoffload_metastore.config import LOCAL_ENV, META_ENV, MetaStoreConfig, build_config, parse_size_bytes
+from kvoffload_metastore.config import MetaStoreConfig, build_config
 from kvoffload_metastore.core import MetaStoreCore
 from kvoffload_metastore.metrics import MetaMetrics
 from kvoffload_metastore.servicer import MetaStoreServicer, StatsServicer

@@ -12,7 +12,7 @@ import structlog
 
 from kvcore.backends import require_available
 from kvcore.configerrors import ConfigError
-from kvcore.mmcconf import LOCAL_ENV, local_dram_size
+from kvcore.mmcconf import LOCAL_ENV, local_dram_size, mmc_pair
 from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS
 from kvcore.prefillsettings import PrefillSettings, prefill_settings
 from kvoffload_prefill import __version__
@@ -102,8 +102,12 @@ def pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None = 
     by --local-config or $MMC_LOCAL_CONFIG_PATH > 1 GiB; ``args.host_pool_source`` names the winner
     and ``args.host_pool_overrides`` the sources it overrode (for the start-up log line). A backend
     that keeps its index elsewhere refuses --metastore, and one that needs an mmc-local.conf
-    (``kvcore.poolregistry``) gets it in ``args.pool_local_config``."""
-    sources = []
+    (``kvcore.poolregistry``) gets it in ``args.pool_local_config``. The mmc files are checked as a
+    pair (``kvcore.mmcconf.mmc_pair``; the mmc-meta.conf of $MMC_META_CONFIG_PATH), and the embedded
+    pool's index is the mmc-local.conf's ``ock.mmc.meta_service_url`` when neither --metastore nor the
+    store config names one (``args.metastore_source`` says which; ``args.mmc_protocol`` the file's
+    protocol, for the log)."""
+    sources, named = [], {}
     for flag, attr in (("--metastore", "metastore"), ("--host-pool-gb", "host_pool_gb")):
         given, configured = getattr(args, attr), getattr(store, attr)
         if given is not None and configured is not None and given != configured:
@@ -111,9 +115,9 @@ def pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None = 
                 [f"{flag} {given} and kv_connector_extra_config.{attr} {configured!r} disagree; give one of them"]
             )
         setattr(args, attr, given if given is not None else configured)
-        if attr == "host_pool_gb" and args.host_pool_gb is not None:
-            named = flag if given is not None else f"kv_connector_extra_config.{attr}"
-            sources.append((int(args.host_pool_gb * 2**30), named))
+        named[attr] = flag if given is not None else f"kv_connector_extra_config.{attr}"
+    if args.host_pool_gb is not None:
+        sources.append((int(args.host_pool_gb * 2**30), named["host_pool_gb"]))
     backend = POOL_BACKENDS[store.backend]
     if backend.index and args.metastore is not None:
         raise ConfigError(
@@ -129,9 +133,14 @@ def pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None = 
             [f"backend {backend.name!r}: {backend.local_config}: give --local-config or set ${LOCAL_ENV}"]
         )
     try:
-        dram = local_dram_size(getattr(args, "local_config", None), env)
+        pair = mmc_pair(None, args.pool_local_config, env)
+        dram = local_dram_size(args.pool_local_config, env)
     except ValueError as e:
         raise ConfigError([str(e)]) from None
+    args.mmc_protocol = pair.protocol
+    args.metastore_source = named["metastore"] if args.metastore is not None else None
+    if args.metastore is None and backend.name == EMBEDDED and pair.metastore is not None:
+        args.metastore, args.metastore_source = pair.metastore, pair.meta_service_where
     if dram is not None:
         sources.append(dram)
     sources.append((2**30, "default (1 GiB)"))

@@ -69,6 +69,8 @@ def serve(args: argparse.Namespace) -> int:
         bytes=args.host_pool_bytes,
         source=args.host_pool_source,
         **({"overrides": args.host_pool_overrides} if args.host_pool_overrides else {}),
+        **({"index": args.metastore, "index_source": args.metastore_source} if args.metastore else {}),
+        **({"mmc_protocol": args.mmc_protocol} if args.mmc_protocol else {}),
     )
     model_id = args.served_model_name or Path(args.model).resolve().name
     tag = uuid.uuid4().hex[:8]

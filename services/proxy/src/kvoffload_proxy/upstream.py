@@ -6,7 +6,8 @@ resend cannot duplicate work), with exponential backoff `retry_backoff_s x 2^att
 retried. Timeouts: `connect_timeout_s` per connection attempt, `request_timeout_s` for any
 silence while reading (headers, body or the gap between two stream events).
 
-Backpressure: a backend that answers 429 (a decoder whose queue is full) did no work, so the
+Backpressure: a backend that answers 429 (a decoder whose queue is full, or, later, one that held
+the request past its ``--max-queue-wait-s`` and freed it) serves it no more, so the
 request goes at once to the next backend not tried yet — those not known to be full first — and
 only when every one refused does the caller get 429 with the smallest ``Retry-After`` they gave
 (the last one's OpenAI-style body). Every decoder answer's ``X-Decode-Load`` header updates the

@@ -1,0 +1,98 @@
+"""``kvoffload bench load``'s burst case: many mixed requests sent at once, with no retry, as a new
+user's first try does — does every request get an answer (its first token, or a 429 with
+``Retry-After``) instead of waiting with no byte?
+
+``burst`` requests leave at the same moment: prompts log-uniform in [10, ``max_prompt``] tokens,
+``max_tokens`` uniform in [1, ``max_tokens``], every other one streamed. A client waits at most
+``client_timeout_s`` for its first byte (by default the decode's ``--max-queue-wait-s`` plus
+``TIMEOUT_MARGIN_S``: the bound, and room for the service a request gets before it starts —
+its prefill and pull). Each request ends as one of:
+
+- ``ok``: answered (a stream's first token, or a whole JSON answer);
+- ``rejected_429``: refused with 429 (its ``Retry-After`` kept in ``retry_after_s``);
+- ``timed_out``: no byte within ``client_timeout_s`` — what the bound exists to prevent;
+- ``failed``: any other error.
+
+Reported with the decode's own counts (``queue_timeouts``, ``rejected_by_estimate``,
+``start_interval_s``) and ``first_answer_p50_s`` / ``first_answer_max_s`` (send to the first byte of
+the answer, whatever it was). The goal: ``timed_out`` 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+import random
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+TIMEOUT_MARGIN_S = 60.0
+
+
+def _one(url: str, prompt: list[int], max_tokens: int, stream: bool, start: threading.Event, timeout_s: float) -> dict:
+    """One request: its outcome and the time to the first byte of its answer."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    start.wait()
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            resp.read(1)  # a stream's first event, or the JSON answer's first byte
+            first = time.perf_counter() - t0
+            resp.read()
+        return {"outcome": "ok", "first_s": first}
+    except urllib.error.HTTPError as e:
+        first = time.perf_counter() - t0
+        e.read()
+        if e.code == 429:
+            return {"outcome": "rejected_429", "first_s": first, "retry_after_s": float(e.headers["Retry-After"])}
+        return {"outcome": "failed", "first_s": first, "error": f"HTTP {e.code}"}
+    except TimeoutError:
+        return {"outcome": "timed_out", "first_s": None}
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, TimeoutError | socket.timeout):
+            return {"outcome": "timed_out", "first_s": None}
+        return {"outcome": "failed", "first_s": None, "error": repr(e.reason)}
+
+
+def burst(
+    url: str, n: int, max_prompt: int, max_tokens: int, seed: int, bound_s: float, client_timeout_s: float | None
+) -> dict:
+    """``n`` requests at ``url`` at once (module doc); the decode's bound ``bound_s`` names the default
+    client timeout."""
+    gen = random.Random(seed)
+    lo, hi = math.log(10), math.log(max_prompt)
+    work = [
+        (
+            [gen.randrange(256) for _ in range(int(math.exp(gen.uniform(lo, hi))))],
+            gen.randint(1, max_tokens),
+            i % 2 == 0,
+        )
+        for i in range(n)
+    ]
+    timeout_s = client_timeout_s if client_timeout_s is not None else bound_s + TIMEOUT_MARGIN_S
+    start = threading.Event()
+    with cf.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(_one, url, p, m, s, start, timeout_s) for p, m, s in work]
+        time.sleep(0.5)  # every client thread is up and waiting
+        start.set()
+        recs = [f.result() for f in futures]
+    firsts = sorted(r["first_s"] for r in recs if r["first_s"] is not None)
+    count = {k: sum(r["outcome"] == k for r in recs) for k in ("ok", "rejected_429", "timed_out", "failed")}
+    return {
+        "requests": n,
+        "streamed": sum(s for _, _, s in work),
+        "max_prompt": max_prompt,
+        "max_tokens": max_tokens,
+        **count,
+        "errors": sorted({r["error"] for r in recs if "error" in r})[:5],
+        "retry_after_s": sorted({r["retry_after_s"] for r in recs if "retry_after_s" in r}),
+        "client_timeout_s": timeout_s,
+        "max_queue_wait_s": bound_s,
+        "first_answer_p50_s": firsts[len(firsts) // 2] if firsts else None,
+        "first_answer_max_s": firsts[-1] if firsts else None,
+    }

@@ -1,0 +1,80 @@
+"""How long a request waits in the decode's queue before it starts decoding, and the bound on it.
+
+A request *starts* when it joins the running batch (its first token is handed out). Before that it
+is served (its prefill runs, its KV is pulled) or it waits in one of the decode's queues: for host
+blocks (the pool is full), or, its prompt complete, for a sequence slot (the batch is full). The
+decode bounds the time a request waits there (``--max-queue-wait-s``, ``DEFAULT_MAX_QUEUE_WAIT_S``;
+0: no bound; a long prefill is service, never refused for its length) twice:
+
+- at admission, from an estimate, when the batch is full (no free sequence slot: the request will
+  wait for one): ``StartPace`` measures the queue's pace, the interval between two starts while a
+  backlog remained (a request still queued after the first of them started), so an idle decode's
+  gaps never count; smoothed over recent starts (EWMA, ``ALPHA``). A new request behind ``ahead``
+  queued ones starts in about ``(ahead + 1) * interval``; over the bound it is refused at once
+  (HTTP 429, ``Retry-After`` the estimate's excess over the bound). The pace covers whatever
+  limits the starts — prefill, pull or the batch — without modelling each, so the estimate also
+  counts its own prefill: it errs towards refusing early, when the bound is near. Before the
+  first measured interval there is no estimate, and nothing is refused by one.
+- as a guarantee: a request that has waited past the bound is refused then (``QueueWaitExceeded``,
+  HTTP 429 before any byte of its answer), so no request waits past the bound without an answer,
+  whatever the estimate said (a burst on a fresh decode has no pace measured yet).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+DEFAULT_MAX_QUEUE_WAIT_S = 60.0
+EXPIRY_SCAN_S = 0.1  # how often the loop looks for requests past the bound (and at once when one waits for blocks)
+ALPHA = 0.2  # weight of the newest interval in the pace
+
+
+class DecodeFull(RuntimeError):
+    """A new request is refused at once (HTTP 429): the queue is full, or would hold it too long."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueWaitExceeded(DecodeFull):
+    """A queued request did not start within the bound: refused (HTTP 429) and freed."""
+
+
+@dataclass
+class StartPace:
+    """The interval between request starts under a backlog (module doc); ``interval_s`` None until
+    one was measured."""
+
+    interval_s: float | None = None
+    _last_start: float | None = None  # monotonic time of the previous start that left a backlog
+
+    def started(self, now: float, backlog: bool) -> None:
+        """A request started at ``now``; ``backlog``: other admitted requests are still queued."""
+        if self._last_start is not None:
+            gap = max(0.0, now - self._last_start)
+            self.interval_s = gap if self.interval_s is None else (1 - ALPHA) * self.interval_s + ALPHA * gap
+        self._last_start = now if backlog else None
+
+    def estimate_s(self, ahead: int) -> float | None:
+        """A new request's wait behind ``ahead`` queued requests; None before any pace was measured."""
+        return None if self.interval_s is None else (ahead + 1) * self.interval_s
+
+
+def refusal(estimate_s: float, ahead: int, pace: StartPace, bound_s: float) -> DecodeFull:
+    """The 429 of a request the estimate puts past the bound; ``Retry-After`` the excess (>= 1 s)."""
+    return DecodeFull(
+        f"the decode would start this request in about {estimate_s:.1f} s ({ahead} queued ahead of it, one "
+        f"starting every {pace.interval_s:.2f} s), past its bound --max-queue-wait-s={bound_s:g}; retry later",
+        retry_after_s=max(1, math.ceil(estimate_s - bound_s)),
+    )
+
+
+def expired(waited_s: float, bound_s: float, retry_after_s: float) -> QueueWaitExceeded:
+    """The 429 of a request still queued after the bound."""
+    return QueueWaitExceeded(
+        f"the request waited {waited_s:.1f} s in the decode's queue without starting, past its bound "
+        f"--max-queue-wait-s={bound_s:g}; retry later",
+        retry_after_s=retry_after_s,
+    )

@@ -1,0 +1,134 @@
+"""The bound on a request's wait in the decode's queue (``kvoffload_decode.queue_wait``): the pace
+counts only starts under a backlog; a request that waited past the bound is refused (a 429's
+``QueueWaitExceeded``) and frees everything it held, one whose prefill runs is served, not waiting; once a pace is measured, a request it puts past
+the bound is refused at admission, with a ``Retry-After`` of the excess; 0 turns the bound off."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from dsamodel.presets import tiny_model
+from kvoffload_decode.loop import DecodeLoop
+from kvoffload_decode.queue_wait import DecodeFull, QueueWaitExceeded, StartPace
+from kvoffload_engine import build
+from kvoffload_engine.decode import SparseDecoder
+from openai_api.sampling_params import SamplingParams
+
+N = 40
+
+
+def _loop(max_queue_wait_s: float, max_num_seqs: int = 1):
+    model = tiny_model(dtype="float32")
+    pool = build.decode_pool(model, 16, 8 << 20)
+    decoder = SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=max_num_seqs, max_model_len=512)
+    return DecodeLoop(decoder, model.config.eos_token_id, max_queue_wait_s=max_queue_wait_s), pool
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.errors: list[object] = []
+        self.done = threading.Event()
+
+    def __call__(self, kind, value) -> None:
+        if kind == "token":
+            self.tokens.append(value)
+        elif kind in ("done", "error"):
+            if kind == "error":
+                self.errors.append(value)
+            self.done.set()
+
+
+def _push(lp: DecodeLoop, rid: str) -> None:
+    c = lp.decoder.model.config
+    g = torch.Generator().manual_seed(1)
+    for layer in range(len(lp.decoder.model.cache_layers)):
+        lp.write_rows(
+            rid, layer, 0, torch.randn(N, c.kv_row_width, generator=g), torch.randn(N, c.index_head_dim, generator=g)
+        )
+    assert lp.prefill_done(rid, N, 7) == ""
+
+
+def _until(cond, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_pace_counts_only_starts_under_a_backlog():
+    pace = StartPace()
+    assert pace.estimate_s(5) is None  # nothing measured: no estimate
+    pace.started(10.0, backlog=False)  # an idle decode's start: the next gap is not a service interval
+    pace.started(50.0, backlog=True)
+    assert pace.interval_s is None
+    pace.started(52.0, backlog=True)
+    assert pace.interval_s == 2.0 and pace.estimate_s(0) == 2.0 and pace.estimate_s(4) == 10.0
+    pace.started(57.0, backlog=False)  # the gap after a backlog start counts; the one after this does not
+    assert pace.interval_s == pytest.approx(0.8 * 2.0 + 0.2 * 5.0)
+    pace.started(500.0, backlog=True)
+    assert pace.interval_s == pytest.approx(0.8 * 2.0 + 0.2 * 5.0)
+
+
+def test_a_request_queued_past_the_bound_is_refused_and_frees_what_it_held():
+    lp, pool = _loop(max_queue_wait_s=1.0)
+    try:
+        a, b = Sink(), Sink()
+        lp.expect_remote("a", list(range(N)), SamplingParams(max_tokens=100_000, ignore_eos=True), a)
+        lp.expect_remote("b", list(range(N)), SamplingParams(max_tokens=4, ignore_eos=True), b)
+        lp.expect_remote("c", list(range(N)), SamplingParams(max_tokens=4, ignore_eos=True), c := Sink())
+        _push(lp, "a")
+        _push(lp, "b")  # complete, but a holds the only slot for far longer than the bound
+        # c's prefill never ends here: it is being served, not waiting, however long that takes
+        began = time.monotonic()
+        assert b.done.wait(10) and not b.tokens
+        waited = time.monotonic() - began
+        assert 0.5 < waited < 3.0, waited
+        (refused,) = b.errors
+        assert isinstance(refused, QueueWaitExceeded) and isinstance(refused, DecodeFull)
+        assert "waited" in str(refused) and "--max-queue-wait-s=1" in str(refused) and refused.retry_after_s >= 1
+        time.sleep(1.0)  # c: two bounds since its admission
+        st = lp.stats()
+        assert st["queue_timeouts"] == 1 and st["queued"] == 1 and st["running"] == 1 and st["ledger_open"] == 2
+        assert not c.done.is_set() and not a.done.is_set() and a.tokens  # c still served, a goes on
+        assert lp.cancel("a", "done with it") and lp.cancel("c", "done with it")
+        assert lp.stats()["sequences"] == 0 and pool.stats().used_bytes == 0
+    finally:
+        lp.close()
+        pool.close()
+
+
+def test_with_a_measured_pace_a_request_past_the_bound_is_refused_at_admission():
+    lp, pool = _loop(max_queue_wait_s=3.0)
+    try:
+        lp.pace.interval_s = 1.0  # as measured: one start a second
+        lp.expect_remote("running", list(range(N)), SamplingParams(max_tokens=100_000, ignore_eos=True), Sink())
+        _push(lp, "running")  # the one slot taken: new requests will wait for it
+        _until(lambda: lp.stats()["running"] == 1)
+        for i in range(3):  # the third, behind 2, starts in about 3 s: within the bound
+            lp.expect_remote(f"q{i}", list(range(N)), SamplingParams(max_tokens=4), Sink())
+        with pytest.raises(DecodeFull) as refused:  # behind 3: about 4 s
+            lp.expect_remote("late", list(range(N)), SamplingParams(max_tokens=4), Sink())
+        assert "about 4.0 s (3 queued ahead of it, one starting every 1.00 s)" in str(refused.value)
+        assert "past its bound --max-queue-wait-s=3" in str(refused.value) and refused.value.retry_after_s == 1
+        st = lp.stats()
+        assert (st["rejected"], st["rejected_by_estimate"], st["queued"], st["ledger_open"]) == (1, 1, 3, 4)
+    finally:
+        lp.close()
+        pool.close()
+
+
+def test_a_bound_of_zero_never_refuses_by_time():
+    lp, pool = _loop(max_queue_wait_s=0)
+    try:
+        lp.pace.interval_s = 100.0
+        lp.expect_remote("a", list(range(N)), SamplingParams(max_tokens=4), Sink())
+        lp.expect_remote("b", list(range(N)), SamplingParams(max_tokens=4), Sink())
+        assert lp.stats()["queued"] == 2
+        with pytest.raises(ValueError, match="max_queue_wait_s=-1"):
+            DecodeLoop(lp.decoder, None, max_queue_wait_s=-1)
+    finally:
+        lp.close()
+        pool.close()
