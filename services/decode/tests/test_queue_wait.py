@@ -1,7 +1,8 @@
 """The bound on a request's wait in the decode's queue (``kvoffload_decode.queue_wait``): the pace
 counts only starts under a backlog; a request that waited past the bound is refused (a 429's
-``QueueWaitExceeded``) and frees everything it held, one whose prefill runs is served, not waiting; once a pace is measured, a request it puts past
-the bound is refused at admission, with a ``Retry-After`` of the excess; 0 turns the bound off."""
+``QueueWaitExceeded``) and frees everything it held, one whose prefill runs is served, not
+waiting; once a pace is measured, a request it puts past the bound is refused at admission, with a
+``Retry-After`` of the excess; 0 turns the bound off."""
 
 import threading
 import time

@@ -50,6 +50,8 @@ def default_max_queued(decoder: SparseDecoder) -> int:
 class Admission(LoopState):
     """``DecodeLoop``'s admission (module doc)."""
 
+    expiry_scanned_at: float  # (LoopState's; declared here too, as this part assigns it)
+
     def expect_remote(
         self,
         request_id: str,
@@ -118,9 +120,9 @@ class Admission(LoopState):
         and free every queued request that waited past the bound in the decode's queues — for host
         blocks, or for a slot once its prompt is complete (``kvoffload_decode.queue_wait``)."""
         now = time.monotonic()
-        if not self.max_queue_wait_s or now - self._expiry_scanned < EXPIRY_SCAN_S and not self._queue_expired():
+        if not self.max_queue_wait_s or now - self.expiry_scanned_at < EXPIRY_SCAN_S and not self._queue_expired():
             return
-        self._expiry_scanned = now
+        self.expiry_scanned_at = now
         for req in list(self.pending.values()):
             if req.waiting_since is None and req.reserved and req.prompt_complete:
                 req.waiting_since = now  # complete: from now on it waits for a slot

@@ -100,7 +100,7 @@ class DecodeLoop(Admission, PrefillReports, RankPolling):
         self.max_queue_wait_s = max_queue_wait_s
         self.pace = StartPace()
         self.queue_timeouts = 0
-        self._expiry_scanned = 0.0  # monotonic time of the last scan for requests past the bound
+        self.expiry_scanned_at = 0.0  # monotonic time of the last scan for requests past the bound
         self.ledger = Ledger(self._timed_out).start()
         self.eos_token_id = eos_token_id
         self.engine_lock = threading.RLock()  # taken before ``lock``, never after

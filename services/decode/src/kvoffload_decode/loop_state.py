@@ -38,7 +38,7 @@ class LoopState(Protocol):
     max_queue_wait_s: float  # the longest a request stays queued before it starts (0: no bound)
     queue_timeouts: int  # queued requests refused once they waited past the bound
     pace: StartPace
-    _expiry_scanned: float  # monotonic time of the last scan for requests past the bound
+    expiry_scanned_at: float  # monotonic time of the last scan for requests past the bound
     installer: RowInstaller[DecodeRequest]
     _stop: bool
 
