@@ -119,18 +119,22 @@ async def _scenario(loop: DecodeLoop) -> None:
         await meta_runner.cleanup()
 
 
-def test_a_queued_request_registers_once_it_has_blocks_and_the_queue_limit_is_429():
+def _run(scenario, **loop_kw) -> None:
+    """``scenario(loop)`` against a decode whose host pool holds one request of N + 1 tokens (3 blocks)."""
     model = tiny_model(dtype="float32")
     block_bytes = build.decode_geometry(model, 16, 1 << 20).block_bytes
-    pool = build.decode_pool(model, 16, block_bytes * 4)  # one request of N + 1 tokens (3 blocks)
-    loop = DecodeLoop(
-        SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256), model.config.eos_token_id
-    )
+    pool = build.decode_pool(model, 16, block_bytes * 4)
+    decoder = SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256)
+    loop = DecodeLoop(decoder, model.config.eos_token_id, **loop_kw)
     try:
-        asyncio.run(asyncio.wait_for(_scenario(loop), 60))
+        asyncio.run(asyncio.wait_for(scenario(loop), 60))
     finally:
         loop.close()
         pool.close()
+
+
+def test_a_queued_request_registers_once_it_has_blocks_and_the_queue_limit_is_429():
+    _run(_scenario)
 
 
 async def _queue_timeout_scenario(loop: DecodeLoop) -> None:
@@ -169,16 +173,4 @@ async def _queue_timeout_scenario(loop: DecodeLoop) -> None:
 
 
 def test_a_request_queued_past_the_bound_gets_429_before_any_byte():
-    model = tiny_model(dtype="float32")
-    block_bytes = build.decode_geometry(model, 16, 1 << 20).block_bytes
-    pool = build.decode_pool(model, 16, block_bytes * 4)  # one request of N + 1 tokens (3 blocks)
-    loop = DecodeLoop(
-        SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=2, max_model_len=256),
-        model.config.eos_token_id,
-        max_queue_wait_s=1.0,
-    )
-    try:
-        asyncio.run(asyncio.wait_for(_queue_timeout_scenario(loop), 60))
-    finally:
-        loop.close()
-        pool.close()
+    _run(_queue_timeout_scenario, max_queue_wait_s=1.0)
