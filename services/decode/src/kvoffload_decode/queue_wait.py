@@ -16,8 +16,13 @@ decode bounds the time a request waits there (``--max-queue-wait-s``, ``DEFAULT_
   counts its own prefill: it errs towards refusing early, when the bound is near. Before the
   first measured interval there is no estimate, and nothing is refused by one.
 - as a guarantee: a request that has waited past the bound is refused then (``QueueWaitExceeded``,
-  HTTP 429 before any byte of its answer), so no request waits past the bound without an answer,
-  whatever the estimate said (a burst on a fresh decode has no pace measured yet).
+  HTTP 429 before any byte of its answer), so no request waits in these queues past the bound
+  without an answer, whatever the estimate said (a burst on a fresh decode has no pace measured yet).
+
+Not bounded here: the wait for the prefill itself. A prefill that has the request sends heartbeats
+for it while it queues behind other prompts, so the decode sees that wait as service; ``kvoffload
+bench load``'s burst case (96 mixed prompts at once to one prefill) shows requests still waiting
+there with no byte. Bounding it is the prefill's part (its queued prompt tokens and measured rate).
 """
 
 from __future__ import annotations
