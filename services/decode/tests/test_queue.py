@@ -2,10 +2,8 @@
 host blocks (indexer keys staged on the host) while they wait, then decode exactly as if they had
 had a slot from the start; a request the host pool cannot hold yet waits for blocks, FIFO."""
 
-import threading
-
 import pytest
-import torch
+from queue_support import N, Sink, push
 
 from dsamodel.presets import tiny_model
 from kvoffload_decode.admission import TooLarge, default_max_queued
@@ -13,8 +11,6 @@ from kvoffload_decode.loop import DecodeLoop
 from kvoffload_engine import build
 from kvoffload_engine.decode import SparseDecoder
 from openai_api.sampling_params import SamplingParams
-
-N = 40
 
 
 def _loop(max_num_seqs: int, pool_bytes: int = 8 << 20) -> tuple[DecodeLoop, object]:
@@ -27,28 +23,6 @@ def _loop(max_num_seqs: int, pool_bytes: int = 8 << 20) -> tuple[DecodeLoop, obj
     return lp, pool
 
 
-class Sink:
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.done = threading.Event()
-
-    def __call__(self, kind, value) -> None:
-        if kind == "token":
-            self.tokens.append(value)
-        elif kind in ("done", "error"):
-            self.done.set()
-
-
-def _push(lp: DecodeLoop, rid: str, seed: int) -> None:
-    c = lp.decoder.model.config
-    g = torch.Generator().manual_seed(seed)
-    for layer in range(len(lp.decoder.model.cache_layers)):
-        lp.write_rows(
-            rid, layer, 0, torch.randn(N, c.kv_row_width, generator=g), torch.randn(N, c.index_head_dim, generator=g)
-        )
-    assert lp.prefill_done(rid, N, 7) == ""
-
-
 def test_a_queued_request_pulls_without_a_slot_and_decodes_like_one_that_had_it():
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     ref, ref_pool = _loop(1)
@@ -56,7 +30,7 @@ def test_a_queued_request_pulls_without_a_slot_and_decodes_like_one_that_had_it(
         sink = Sink()
         ref.expect_remote("b", list(range(N)), params, sink)
         assert ref.decoder.seqs["b"].seq_slot is not None
-        _push(ref, "b", 2)
+        push(ref, "b", 2)
         assert sink.done.wait(30)
         expected = sink.tokens
     finally:
@@ -69,10 +43,10 @@ def test_a_queued_request_pulls_without_a_slot_and_decodes_like_one_that_had_it(
         lp.expect_remote("a", list(range(N)), SamplingParams(max_tokens=200, ignore_eos=True), a)
         lp.expect_remote("b", list(range(N)), params, b)
         assert lp.decoder.seqs["b"].seq_slot is None  # queued: its KV lands in host blocks + staging
-        _push(lp, "b", 2)  # b's prefill finishes first: it must wait for a's slot
+        push(lp, "b", 2)  # b's prefill finishes first: it must wait for a's slot
         assert lp.check_prompt_complete("b") == ""
         assert not b.done.wait(0.3) and not b.tokens
-        _push(lp, "a", 1)
+        push(lp, "a", 1)
         assert a.done.wait(60) and b.done.wait(60)
         assert b.tokens == expected
         st = lp.stats()
@@ -103,7 +77,7 @@ def test_a_request_the_pool_cannot_hold_yet_waits_for_blocks_fifo():
         assert not rb.reserved and not rc.reserved  # c would fit, but it waits behind b (FIFO)
         st = lp.stats()
         assert st["waiting_for_blocks"] == 2 and st["ledger_open_queued"] == 2
-        _push(lp, "a", 1)
+        push(lp, "a", 1)
         assert a.done.wait(30)
         with lp.lock:  # "done" is emitted just before a's blocks are freed, under the lock
             assert reserved[:1] == ["b"] and rb.reserved

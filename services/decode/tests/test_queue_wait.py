@@ -4,11 +4,10 @@ counts only starts under a backlog; a request that waited past the bound is refu
 waiting; once a pace is measured, a request it puts past the bound is refused at admission, with a
 ``Retry-After`` of the excess; 0 turns the bound off."""
 
-import threading
 import time
 
 import pytest
-import torch
+from queue_support import N, Sink, push
 
 from dsamodel.presets import tiny_model
 from kvoffload_decode.loop import DecodeLoop
@@ -17,39 +16,12 @@ from kvoffload_engine import build
 from kvoffload_engine.decode import SparseDecoder
 from openai_api.sampling_params import SamplingParams
 
-N = 40
-
 
 def _loop(max_queue_wait_s: float, max_num_seqs: int = 1):
     model = tiny_model(dtype="float32")
     pool = build.decode_pool(model, 16, 8 << 20)
     decoder = SparseDecoder(model, pool, topk_buffer_size=64, max_num_seqs=max_num_seqs, max_model_len=512)
     return DecodeLoop(decoder, model.config.eos_token_id, max_queue_wait_s=max_queue_wait_s), pool
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.errors: list[object] = []
-        self.done = threading.Event()
-
-    def __call__(self, kind, value) -> None:
-        if kind == "token":
-            self.tokens.append(value)
-        elif kind in ("done", "error"):
-            if kind == "error":
-                self.errors.append(value)
-            self.done.set()
-
-
-def _push(lp: DecodeLoop, rid: str) -> None:
-    c = lp.decoder.model.config
-    g = torch.Generator().manual_seed(1)
-    for layer in range(len(lp.decoder.model.cache_layers)):
-        lp.write_rows(
-            rid, layer, 0, torch.randn(N, c.kv_row_width, generator=g), torch.randn(N, c.index_head_dim, generator=g)
-        )
-    assert lp.prefill_done(rid, N, 7) == ""
 
 
 def _until(cond, timeout_s: float = 30) -> None:
@@ -80,8 +52,8 @@ def test_a_request_queued_past_the_bound_is_refused_and_frees_what_it_held():
         lp.expect_remote("a", list(range(N)), SamplingParams(max_tokens=100_000, ignore_eos=True), a)
         lp.expect_remote("b", list(range(N)), SamplingParams(max_tokens=4, ignore_eos=True), b)
         lp.expect_remote("c", list(range(N)), SamplingParams(max_tokens=4, ignore_eos=True), c := Sink())
-        _push(lp, "a")
-        _push(lp, "b")  # complete, but a holds the only slot for far longer than the bound
+        push(lp, "a")
+        push(lp, "b")  # complete, but a holds the only slot for far longer than the bound
         # c's prefill never ends here: it is being served, not waiting, however long that takes
         began = time.monotonic()
         assert b.done.wait(10) and not b.tokens
@@ -106,7 +78,7 @@ def test_with_a_measured_pace_a_request_past_the_bound_is_refused_at_admission()
     try:
         lp.pace.interval_s = 1.0  # as measured: one start a second
         lp.expect_remote("running", list(range(N)), SamplingParams(max_tokens=100_000, ignore_eos=True), Sink())
-        _push(lp, "running")  # the one slot taken: new requests will wait for it
+        push(lp, "running")  # the one slot taken: new requests will wait for it
         _until(lambda: lp.stats()["running"] == 1)
         for i in range(3):  # the third, behind 2, starts in about 3 s: within the bound
             lp.expect_remote(f"q{i}", list(range(N)), SamplingParams(max_tokens=4), Sink())

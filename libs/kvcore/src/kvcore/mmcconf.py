@@ -4,7 +4,7 @@ the size format, the rules the two files keep together, and the keys a pool owne
 A conf file is ``key = value`` lines; ``#`` starts a comment; a key may appear once. Sizes are
 ``<int><unit>`` with binary units: ``10GB`` = 10 * 2**30 bytes (B, K/KB/KiB, M/MB/MiB, G/GB/GiB,
 T/TB/TiB). The metastore reads every key it knows (``kvoffload_metastore.config``); a prefill or
-LocalService pool reads ``ock.mmc.local_service.dram.size`` to size itself (``local_dram_size``).
+LocalService pool reads ``ock.mmc.local_service.dram.size`` to size itself (``MmcPair.dram_size``).
 
 The pair (``mmc_pair``), as the guide states it: both files name the same MetaService
 (``ock.mmc.meta_service_url``), the LocalService's config store
@@ -76,25 +76,6 @@ def read_conf(path: str | os.PathLike[str]) -> dict[str, tuple[str, str]]:
     return out
 
 
-def local_dram_size(local_config: str | None = None, env: Mapping[str, str] | None = None) -> tuple[int, str] | None:
-    """``(bytes, "DRAM_KEY (file:line)")`` of ``dram.size`` in the mmc-local.conf at ``local_config``
-    (else ``$MMC_LOCAL_CONFIG_PATH``); None when there is no such file named or it lacks the key.
-    ValueError names the file, line and key of a malformed or non-positive value."""
-    env = os.environ if env is None else env
-    path = local_config or env.get(LOCAL_ENV)
-    if not path:
-        return None
-    entry = read_conf(path).get(DRAM_KEY)
-    if entry is None:
-        return None
-    value, where = entry
-    named = f"{DRAM_KEY} ({where})"
-    size = parse_size_bytes(value, named)
-    if size <= 0:
-        raise ValueError(f"{named}: expected a size > 0, got {value!r}")
-    return size, named
-
-
 def parse_url(text: str, key: str, schemes: tuple[str, ...] = ("tcp",)) -> tuple[str, int]:
     """``tcp://HOST:PORT`` (or another of ``schemes``) -> (host, port), IPv6 hosts in brackets;
     ValueError naming ``key``."""
@@ -113,6 +94,20 @@ class MmcPair:
     meta_service: tuple[str, int] | None  # (host, port) of ock.mmc.meta_service_url, from either file
     meta_service_where: str  # "KEY (file:line)" it was read at; "" when neither file names it
     protocol: str | None  # ock.mmc.local_service.protocol of the mmc-local.conf
+    dram: tuple[str, str] | None  # (value, "file:line") of the mmc-local.conf's dram.size, unparsed
+
+    def dram_size(self) -> tuple[int, str] | None:
+        """``(bytes, "DRAM_KEY (file:line)")`` of the mmc-local.conf's ``dram.size``; None when the
+        file is not named or lacks the key. ValueError names the file, line and key of a malformed or
+        non-positive value."""
+        if self.dram is None:
+            return None
+        value, where = self.dram
+        named = f"{DRAM_KEY} ({where})"
+        size = parse_size_bytes(value, named)
+        if size <= 0:
+            raise ValueError(f"{named}: expected a size > 0, got {value!r}")
+        return size, named
 
     @property
     def metastore(self) -> str | None:
@@ -149,6 +144,7 @@ def mmc_pair(
         service[0] if service else None,
         service[1] if service else "",
         protocol[0] if protocol else None,
+        local.get(DRAM_KEY),
     )
 
 

@@ -248,15 +248,11 @@ def run(
                     per_round.append(_pair(f"{stack.url}/v1/completions", single, work, n, rnd, max_retries))
                 levels.append(_level(n, rounds, per_round, stack_stats(cfg)["decode-0"]))
             before = stack_stats(cfg)["decode-0"]
+            burst_work = _workload(random.Random(seed), burst_requests, 10, burst_max_prompt, burst_max_tokens)
             burst = load_burst.burst(
-                f"{stack.url}/v1/completions",
-                burst_requests,
-                burst_max_prompt,
-                burst_max_tokens,
-                seed,
-                before["max_queue_wait_s"],
-                burst_client_timeout_s,
+                f"{stack.url}/v1/completions", burst_work, before["max_queue_wait_s"], burst_client_timeout_s
             )
+            burst |= {"max_prompt": burst_max_prompt, "max_tokens": burst_max_tokens}
             after = stack_stats(cfg)["decode-0"]
             burst |= {k: int(after[k] - before[k]) for k in ("queue_timeouts", "rejected_by_estimate")}
             burst["start_interval_s"] = after["start_interval_s"]

@@ -2,8 +2,9 @@
 user's first try does — does every request get an answer (its first token, or a 429 with
 ``Retry-After``) instead of waiting with no byte?
 
-``burst`` requests leave at the same moment: prompts log-uniform in [10, ``max_prompt``] tokens,
-``max_tokens`` uniform in [1, ``max_tokens``], every other one streamed. A client waits at most
+The requests (``kvoffload_bench.load``'s workload: prompts log-uniform in [10, ``max_prompt``]
+tokens, ``max_tokens`` uniform in [1, ``max_tokens``]) leave at the same moment, every other one
+streamed. A client waits at most
 ``client_timeout_s`` for its first byte (by default the decode's ``--max-queue-wait-s`` plus
 ``TIMEOUT_MARGIN_S``: the bound, and room for the service a request gets before it starts —
 its prefill and pull). Each request ends as one of:
@@ -22,8 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import math
-import random
 import socket
 import threading
 import time
@@ -59,35 +58,22 @@ def _one(url: str, prompt: list[int], max_tokens: int, stream: bool, start: thre
         return {"outcome": "failed", "first_s": None, "error": repr(e.reason)}
 
 
-def burst(
-    url: str, n: int, max_prompt: int, max_tokens: int, seed: int, bound_s: float, client_timeout_s: float | None
-) -> dict:
-    """``n`` requests at ``url`` at once (module doc); the decode's bound ``bound_s`` names the default
-    client timeout."""
-    gen = random.Random(seed)
-    lo, hi = math.log(10), math.log(max_prompt)
-    work = [
-        (
-            [gen.randrange(256) for _ in range(int(math.exp(gen.uniform(lo, hi))))],
-            gen.randint(1, max_tokens),
-            i % 2 == 0,
-        )
-        for i in range(n)
-    ]
+def burst(url: str, work: list[tuple[list[int], int]], bound_s: float, client_timeout_s: float | None) -> dict:
+    """``work`` ((prompt, max_tokens) each; every other one streamed) at ``url`` at once (module doc);
+    the decode's bound ``bound_s`` names the default client timeout."""
+    jobs = [(prompt, max_tokens, i % 2 == 0) for i, (prompt, max_tokens) in enumerate(work)]
     timeout_s = client_timeout_s if client_timeout_s is not None else bound_s + TIMEOUT_MARGIN_S
     start = threading.Event()
-    with cf.ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(_one, url, p, m, s, start, timeout_s) for p, m, s in work]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(_one, url, p, m, s, start, timeout_s) for p, m, s in jobs]
         time.sleep(0.5)  # every client thread is up and waiting
         start.set()
         recs = [f.result() for f in futures]
     firsts = sorted(r["first_s"] for r in recs if r["first_s"] is not None)
     count = {k: sum(r["outcome"] == k for r in recs) for k in ("ok", "rejected_429", "timed_out", "failed")}
     return {
-        "requests": n,
-        "streamed": sum(s for _, _, s in work),
-        "max_prompt": max_prompt,
-        "max_tokens": max_tokens,
+        "requests": len(jobs),
+        "streamed": sum(s for _, _, s in jobs),
         **count,
         "errors": sorted({r["error"] for r in recs if "error" in r})[:5],
         "retry_after_s": sorted({r["retry_after_s"] for r in recs if "retry_after_s" in r}),

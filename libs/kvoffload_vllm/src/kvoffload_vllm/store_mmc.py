@@ -22,7 +22,7 @@ import structlog
 
 from kvcore.configerrors import ConfigError
 from kvcore.connectorconfig import StoreConnectorConfig
-from kvcore.mmcconf import LOCAL_ENV, META_ENV, local_dram_size, mmc_pair
+from kvcore.mmcconf import LOCAL_ENV, META_ENV, mmc_pair
 from kvcore.poolregistry import EMBEDDED
 
 log = structlog.get_logger("vllm.kvoffload.config")
@@ -32,7 +32,7 @@ def with_mmc_files(store: StoreConnectorConfig, env: Mapping[str, str] | None = 
     """``store`` with ``metastore`` / ``host_pool_gb`` from the mmc files where it names none (module doc)."""
     try:
         pair = mmc_pair(env=env)
-        dram = local_dram_size(env=env)
+        dram = pair.dram_size()
     except ValueError as e:
         raise ConfigError([str(e)]) from None
     update: dict[str, object] = {}

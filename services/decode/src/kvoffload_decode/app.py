@@ -89,6 +89,13 @@ def encode_load(load: dict[str, float]) -> str:
     return ";".join(f"{k}={int(v)}" for k, v in load.items())
 
 
+def _too_busy(refused: DecodeFull) -> web.Response:
+    """The 429 of a refused request: its reason, OpenAI's ``rate_limit_error``, ``Retry-After``."""
+    resp = error_response(429, str(refused), "rate_limit_error")
+    resp.headers["Retry-After"] = str(int(refused.retry_after_s))
+    return resp
+
+
 class _Events:
     """What the loop tells one request's handler, from the loop's threads: tokens and errors
     (``queue``; ``failed`` is set with the first error: the watchdog may fail a request early, and
@@ -210,9 +217,7 @@ class _Handler:
         """The 429 of a request refused after waiting past the queue-wait bound."""
         bound.warning("request_queue_timeout", reason=str(refused), retry_after_s=refused.retry_after_s)
         self.metrics.requests.labels("queue_timeout").inc()
-        resp = error_response(429, str(refused), "rate_limit_error")
-        resp.headers["Retry-After"] = str(int(refused.retry_after_s))
-        return resp
+        return _too_busy(refused)
 
     async def _parse(self, request: web.Request, chat: bool) -> tuple[ParsedRequest, KVTransferParams] | web.Response:
         """The request and its ``transfer`` (a remote prefill), or the 400 that refuses it."""
@@ -239,9 +244,7 @@ class _Handler:
             return await asyncio.to_thread(self.loop.expect_remote, rid, ids, params, events.emit, events.on_reserved)
         except DecodeFull as exc:
             self.metrics.rejected.inc()
-            resp = error_response(429, str(exc), "rate_limit_error")
-            resp.headers["Retry-After"] = str(int(exc.retry_after_s))
-            return resp
+            return _too_busy(exc)
         except TooLarge as exc:
             return error_response(413, str(exc), "invalid_request_error")
         except ValueError as exc:

@@ -12,7 +12,7 @@ import structlog
 
 from kvcore.backends import require_available
 from kvcore.configerrors import ConfigError
-from kvcore.mmcconf import LOCAL_ENV, local_dram_size, mmc_pair
+from kvcore.mmcconf import LOCAL_ENV, mmc_pair
 from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS
 from kvcore.prefillsettings import PrefillSettings, prefill_settings
 from kvoffload_prefill import __version__
@@ -134,7 +134,7 @@ def pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None = 
         )
     try:
         pair = mmc_pair(None, args.pool_local_config, env)
-        dram = local_dram_size(args.pool_local_config, env)
+        dram = pair.dram_size()
     except ValueError as e:
         raise ConfigError([str(e)]) from None
     args.mmc_protocol = pair.protocol
