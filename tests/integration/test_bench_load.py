@@ -1,6 +1,8 @@
 """``kvoffload bench load`` runs end to end with small parameters and reports its fields, the burst
-case included: a decode of one sequence slot and a 2 s queue-wait bound given 16 requests at once
-answers each (tokens, or 429 with Retry-After) and lets none wait without a byte."""
+case included: a decode of one sequence slot and a 2 s queue-wait bound, behind a prefill with a
+1 s bound, given 16 requests at once (prompts up to 3,000 tokens: seconds of prefill queued)
+answers each (tokens, or 429 with Retry-After) and lets none wait without a byte; both bounds
+refused some."""
 
 import pytest
 
@@ -16,8 +18,9 @@ def test_bench_load_fields():
         max_tokens=4,
         rounds=1,
         decode_args=("--max-num-seqs", "1", "--max-queue-wait-s", "2"),
+        prefill_args=("--max-queue-wait-s", "1"),
         burst_requests=16,
-        burst_max_prompt=300,
+        burst_max_prompt=3000,
         burst_max_tokens=64,
         burst_client_timeout_s=30,
     )
@@ -32,9 +35,13 @@ def test_bench_load_fields():
     assert r["goals_met"]["throughput_ratio"] == (r["throughput_ratio_min"] >= 0.9)
     # the burst: every request answered or refused, none left waiting; the bound refused some
     b = r["burst"]
-    assert (b["requests"], b["streamed"], b["max_queue_wait_s"], b["client_timeout_s"]) == (16, 8, 2.0, 30), b
+    assert (b["requests"], b["streamed"], b["client_timeout_s"]) == (16, 8, 30), b
+    assert (b["max_queue_wait_s"], b["prefill_max_queue_wait_s"]) == (2.0, 1.0), b
     assert b["ok"] + b["rejected_429"] == 16 and b["timed_out"] == 0 and b["failed"] == 0, b
-    assert b["ok"] >= 1 and b["rejected_429"] >= 1, b  # one slot, 16 x up to 64 tokens: not all within 2 s
-    assert 1 <= b["queue_timeouts"] + b["rejected_by_estimate"] <= b["rejected_429"], b  # the bound refused
+    assert b["ok"] >= 1 and b["rejected_429"] >= 1, b  # not all within the bounds
+    prefill_refused = b["prefill_queue_timeouts"] + b["prefill_rejected_by_estimate"]
+    assert prefill_refused >= 1 and b["prefill_rejected_queue_full"] == 0, b  # seconds of prompts queued
+    assert prefill_refused + b["queue_timeouts"] + b["rejected_by_estimate"] <= b["rejected_429"], b
+    assert b["prefill_rate_tokens_per_s"] > 0, b
     assert all(s >= 1 for s in b["retry_after_s"]) and b["first_answer_max_s"] < 30, b
     assert r["goals_met"]["burst_timed_out"] is True

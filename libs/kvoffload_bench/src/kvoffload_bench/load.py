@@ -210,6 +210,7 @@ def run(
     seed: int = 0,
     rounds: int = 3,
     decode_args: tuple[str, ...] = (),
+    prefill_args: tuple[str, ...] = (),
     service_env: dict[str, dict[str, str]] | None = None,
     burst_requests: int = 96,
     burst_max_prompt: int = 6000,
@@ -234,7 +235,7 @@ def run(
         **free_stack_ports(),
         max_model_len=max_model_len,
         block_size=block_size,
-        service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE)], "decode-0": list(decode_args)},
+        service_args={"prefill-0": ["--chunk-size", str(CHUNK_SIZE), *prefill_args], "decode-0": list(decode_args)},
         service_env=service_env or {},
     )
     levels = []
@@ -247,18 +248,30 @@ def run(
                     work = _workload(gen, n, min_prompt, max_prompt, max_tokens)
                     per_round.append(_pair(f"{stack.url}/v1/completions", single, work, n, rnd, max_retries))
                 levels.append(_level(n, rounds, per_round, stack_stats(cfg)["decode-0"]))
-            before = stack_stats(cfg)["decode-0"]
             burst_work = _workload(random.Random(seed), burst_requests, 10, burst_max_prompt, burst_max_tokens)
-            burst = load_burst.burst(
-                f"{stack.url}/v1/completions", burst_work, before["max_queue_wait_s"], burst_client_timeout_s
-            )
+            burst = _burst(cfg, stack.url, burst_work, burst_client_timeout_s)
             burst |= {"max_prompt": burst_max_prompt, "max_tokens": burst_max_tokens}
-            after = stack_stats(cfg)["decode-0"]
-            burst |= {k: int(after[k] - before[k]) for k in ("queue_timeouts", "rejected_by_estimate")}
-            burst["start_interval_s"] = after["start_interval_s"]
     finally:
         single.close()
     return _result(levels, clients, rounds, min_prompt, max_prompt, max_tokens, burst)
+
+
+def _burst(cfg, url: str, work: list[tuple[list[int], int]], client_timeout_s: float | None) -> dict:
+    """The burst case on the running stack, with what the decode's and the prefill's bounds did."""
+    from kvoffload_testing.stack_client import stack_stats
+
+    before = stack_stats(cfg)
+    bounds = before["decode-0"]["max_queue_wait_s"], before["prefill-0"]["max_queue_wait_s"]
+    out = load_burst.burst(f"{url}/v1/completions", work, bounds, client_timeout_s)
+    after = stack_stats(cfg)
+    for service, prefix, keys in (
+        ("decode-0", "", ("queue_timeouts", "rejected_by_estimate")),
+        ("prefill-0", "prefill_", ("queue_timeouts", "rejected_by_estimate", "rejected_queue_full")),
+    ):
+        out |= {prefix + k: int(after[service][k] - before[service][k]) for k in keys}
+    out["start_interval_s"] = after["decode-0"]["start_interval_s"]
+    out["prefill_rate_tokens_per_s"] = after["prefill-0"]["rate_tokens_per_s"]
+    return out
 
 
 def _result(

@@ -5,9 +5,9 @@ user's first try does — does every request get an answer (its first token, or 
 The requests (``kvoffload_bench.load``'s workload: prompts log-uniform in [10, ``max_prompt``]
 tokens, ``max_tokens`` uniform in [1, ``max_tokens``]) leave at the same moment, every other one
 streamed. A client waits at most
-``client_timeout_s`` for its first byte (by default the decode's ``--max-queue-wait-s`` plus
-``TIMEOUT_MARGIN_S``: the bound, and room for the service a request gets before it starts —
-its prefill and pull). Each request ends as one of:
+``client_timeout_s`` for its first byte (by default the larger of the decode's and the prefill's
+``--max-queue-wait-s`` plus ``TIMEOUT_MARGIN_S``: the bound, and room for the service a request
+gets before it starts — its prefill and pull). Each request ends as one of:
 
 - ``ok``: answered (a stream's first token, or a whole JSON answer);
 - ``rejected_429``: refused with 429 (its ``Retry-After`` kept in ``retry_after_s``);
@@ -15,8 +15,9 @@ its prefill and pull). Each request ends as one of:
 - ``failed``: any other error.
 
 Reported with the decode's own counts (``queue_timeouts``, ``rejected_by_estimate``,
-``start_interval_s``) and ``first_answer_p50_s`` / ``first_answer_max_s`` (send to the first byte of
-the answer, whatever it was). The goal: ``timed_out`` 0.
+``start_interval_s``), the prefill's (``prefill_queue_timeouts``, ``prefill_rejected_by_estimate``,
+``prefill_rejected_queue_full``, ``prefill_rate_tokens_per_s``) and ``first_answer_p50_s`` /
+``first_answer_max_s`` (send to the first byte of the answer, whatever it was). The goal: ``timed_out`` 0.
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ def _one(url: str, prompt: list[int], max_tokens: int, stream: bool, start: thre
         return {"outcome": "failed", "first_s": None, "error": repr(e.reason)}
 
 
-def burst(url: str, work: list[tuple[list[int], int]], bound_s: float, client_timeout_s: float | None) -> dict:
+def burst(
+    url: str, work: list[tuple[list[int], int]], bounds_s: tuple[float, float], client_timeout_s: float | None
+) -> dict:
     """``work`` ((prompt, max_tokens) each; every other one streamed) at ``url`` at once (module doc);
-    the decode's bound ``bound_s`` names the default client timeout."""
+    the (decode's, prefill's) bounds ``bounds_s`` name the default client timeout."""
     jobs = [(prompt, max_tokens, i % 2 == 0) for i, (prompt, max_tokens) in enumerate(work)]
-    timeout_s = client_timeout_s if client_timeout_s is not None else bound_s + TIMEOUT_MARGIN_S
+    timeout_s = client_timeout_s if client_timeout_s is not None else max(bounds_s) + TIMEOUT_MARGIN_S
     start = threading.Event()
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(_one, url, p, m, s, start, timeout_s) for p, m, s in jobs]
@@ -78,7 +81,8 @@ def burst(url: str, work: list[tuple[list[int], int]], bound_s: float, client_ti
         "errors": sorted({r["error"] for r in recs if "error" in r})[:5],
         "retry_after_s": sorted({r["retry_after_s"] for r in recs if "retry_after_s" in r}),
         "client_timeout_s": timeout_s,
-        "max_queue_wait_s": bound_s,
+        "max_queue_wait_s": bounds_s[0],
+        "prefill_max_queue_wait_s": bounds_s[1],
         "first_answer_p50_s": firsts[len(firsts) // 2] if firsts else None,
         "first_answer_max_s": firsts[-1] if firsts else None,
     }

@@ -20,9 +20,8 @@ decode bounds the time a request waits there (``--max-queue-wait-s``, ``DEFAULT_
   without an answer, whatever the estimate said (a burst on a fresh decode has no pace measured yet).
 
 Not bounded here: the wait for the prefill itself. A prefill that has the request sends heartbeats
-for it while it queues behind other prompts, so the decode sees that wait as service; ``kvoffload
-bench load``'s burst case (96 mixed prompts at once to one prefill) shows requests still waiting
-there with no byte. Bounding it is the prefill's part (its queued prompt tokens and measured rate).
+for it while it queues behind other prompts, so the decode sees that wait as service; the prefill
+bounds it (``kvoffload_prefill.queue_bound``: its queued prompt tokens and measured rate).
 """
 
 from __future__ import annotations

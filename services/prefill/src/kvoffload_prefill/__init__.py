@@ -6,6 +6,7 @@ Modules:
 - ``options``: its flags, their checks, the validated settings, the host pool's flags
 - ``pools``: the host pool by backend, its readiness and its Stats counters
 - ``worker``: ``PrefillWorker``, one request's prefill announcing every layer to its decodes
+- ``queue_bound``: ``PrefillQueue``, the P/D mode's turns at the engine and their time bound
 - ``source``: the rows ``LayerSource`` serves out of the layer buffers
 - ``app``: the HTTP API of a P/D prefill (the proxy's dispatch)
 - ``generate``: ``GenerateLoop``, offload-only mode's engine thread (complete requests)

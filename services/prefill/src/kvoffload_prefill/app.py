@@ -1,6 +1,10 @@
 """The prefill's HTTP API: the proxy's ``max_tokens=1`` dispatch on ``/v1/completions`` and
 ``/v1/chat/completions`` (one prompt with ``kv_transfer_params``, or a prompt list with
-``kv_transfer_params_list``), plus ``/health``, ``/metrics`` and ``/reset_prefix_cache``."""
+``kv_transfer_params_list``), plus ``/health``, ``/metrics`` and ``/reset_prefix_cache``.
+
+Every child request takes a turn of the worker's queue (``kvoffload_prefill.queue_bound``) before it
+reaches a thread: one the queue refuses, at admission or after waiting past the bound, is answered
+429 with ``Retry-After`` before any byte, as the whole request."""
 
 from __future__ import annotations
 
@@ -8,11 +12,14 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import structlog
 from aiohttp import web
 
 from kvoffload_prefill.metrics import PrefillMetrics
+from kvoffload_prefill.queue_bound import MAX_IN_SERVICE, PrefillBusy
 from kvoffload_prefill.worker import PrefillOutcome, PrefillWorker
 from openai_api.body import RequestError
 from openai_api.dispatch import Child, parse_dispatch
@@ -31,6 +38,13 @@ class Metrics(PrefillMetrics):
         self.gate_wait = self.gauge("kvoffload_prefill_gate_wait_seconds_total", "Time spent waiting on reuse gates")
         self.held = self.gauge("kvoffload_prefill_held_slots", "Slots whose occupant is not settled")
         self.read_ms = self.gauge("kvoffload_prefill_read_done_ms_avg", "Average announce -> READ_DONE latency (ms)")
+        self.queued = self.gauge("kvoffload_prefill_queued_requests", "Requests waiting for the engine")
+        self.queued_tokens = self.gauge(
+            "kvoffload_prefill_queued_prompt_tokens", "Prompt tokens waiting for the engine"
+        )
+        self.rate = self.gauge(
+            "kvoffload_prefill_prompt_tokens_per_second", "The engine's measured rate (0 before the first run)"
+        )
 
     def update(self) -> None:
         gates = self.worker.engine.gates.stats()
@@ -38,6 +52,10 @@ class Metrics(PrefillMetrics):
         self.held.set(gates["held_slots"])
         lat = self.worker.read_latency_ms()
         self.read_ms.set(sum(lat) / len(lat) if lat else 0.0)
+        queue = self.worker.queue.stats()
+        self.queued.set(queue["queued"])
+        self.queued_tokens.set(queue["queued_tokens"])
+        self.rate.set(queue["rate_tokens_per_s"])
 
 
 def build_app(
@@ -52,6 +70,11 @@ def build_app(
     metrics = Metrics(worker)
     app = draining_app("prefill")
     dispatch = _Dispatch(worker, tokenizer, model_name, max_model_len, metrics)
+
+    async def stop_threads(app: web.Application) -> None:
+        dispatch.executor.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(stop_threads)
 
     async def reset_prefix_cache(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", **await asyncio.to_thread(worker.reset_prefix_cache)})
@@ -81,6 +104,8 @@ class _Dispatch:
     ) -> None:
         self.worker, self.tokenizer, self.metrics = worker, tokenizer, metrics
         self.model_name, self.max_model_len = model_name, max_model_len
+        # a thread for every request in service: one waiting for its turn never delays another's
+        self.executor = ThreadPoolExecutor(MAX_IN_SERVICE, thread_name_prefix="prefill-request")
 
     async def complete(self, request: web.Request, chat: bool) -> web.Response:
         try:
@@ -114,10 +139,18 @@ class _Dispatch:
 
     async def _prefill(self, rid: str, child_id: str, child: Child):
         """The child's ``PrefillOutcome``, or the error answer of the whole request."""
+        try:
+            turn = self.worker.queue.admit(child_id, len(child.prompt_ids))
+        except PrefillBusy as exc:
+            return self._too_busy(rid, exc)
         wire_id = (child.transfer.request_id or "") if child.transfer is not None else ""
         REQUEST_IDS.link(wire_id, rid)  # log lines about the wire id carry the proxy's id
         try:
-            return await asyncio.to_thread(self.worker.run, child_id, child.prompt_ids, child.transfer, child.params)
+            # the worker's thread owns the turn from here: it leaves the queue when the run ends
+            run = partial(self.worker.run, child_id, child.prompt_ids, child.transfer, child.params, turn=turn)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        except PrefillBusy as exc:
+            return self._too_busy(rid, exc)
         except ValueError as exc:
             self.metrics.requests.labels("bad_request").inc()
             return error_response(400, str(exc), "invalid_request_error")
@@ -127,6 +160,14 @@ class _Dispatch:
             return error_response(502, f"prefill failed: {exc}", "prefill_failed")
         finally:
             REQUEST_IDS.unlink(wire_id)
+
+    def _too_busy(self, rid: str, refused: PrefillBusy) -> web.Response:
+        """The 429 of a refused request: its reason, OpenAI's ``rate_limit_error``, ``Retry-After``."""
+        self.metrics.requests.labels("too_busy").inc()
+        log.warning("prefill_refused", request_id=rid, reason=str(refused), retry_after_s=refused.retry_after_s)
+        resp = error_response(429, str(refused), "rate_limit_error")
+        resp.headers["Retry-After"] = str(int(refused.retry_after_s))
+        return resp
 
     def _choice(self, index: int, out: PrefillOutcome, chat: bool) -> dict:
         """The child's choice: its first token (and its log-probabilities when asked for)."""

@@ -16,6 +16,7 @@ from kvcore.mmcconf import LOCAL_ENV, mmc_pair
 from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS
 from kvcore.prefillsettings import PrefillSettings, prefill_settings
 from kvoffload_prefill import __version__
+from kvoffload_prefill.queue_bound import DEFAULT_MAX_QUEUE_WAIT_S, MAX_IN_SERVICE
 from svcruntime.flags import add_model_service_flags, add_process_flags, add_shared_flag
 
 DESCRIPTION = "``kvoffload-prefill``: the kv_producer. Takes ``--kv-transfer-config`` as users write it:"
@@ -23,7 +24,7 @@ SERVICE = "kvoffload-prefill"
 FLAG_RULES = dict(
     at_least_one=("max_model_len", "block_size", "chunk_size", "max_num_seqs", "tensor_parallel_size"),
     seconds=("host_pool_gb", "read_timeout_s", "peer_timeout_s"),
-    seconds_or_zero=("shutdown_grace_s",),
+    seconds_or_zero=("shutdown_grace_s", "max_queue_wait_s"),
     ports=("port",),
     any_ports=("data_port",),
 )
@@ -59,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
         "without either the index is kept in this process",
     )
     p.add_argument("--read-timeout-s", type=float, default=60.0, help="longest wait for a decode's READ_DONE")
+    p.add_argument(
+        "--max-queue-wait-s",
+        type=float,
+        help="P/D mode: longest a request waits for the engine behind other prompts: one the queued prompt "
+        "tokens and the measured rate say would wait longer is refused at once, one that did is refused "
+        f"then, each with 429 and Retry-After; at most {MAX_IN_SERVICE} requests in service "
+        f"(default {DEFAULT_MAX_QUEUE_WAIT_S:g}; 0: no bound)",
+    )
     add_shared_flag(
         p,
         "--peer-timeout-s",

@@ -27,6 +27,7 @@ from kvoffload_prefill.generate import GenerateLoop
 from kvoffload_prefill.offload_app import build_offload_app
 from kvoffload_prefill.options import FLAG_RULES, SERVICE, build_parser, pool_flags, settings_of
 from kvoffload_prefill.pools import host_pool, pool_counters, pool_not_ready
+from kvoffload_prefill.queue_bound import DEFAULT_MAX_QUEUE_WAIT_S, PrefillQueue
 from kvoffload_prefill.source import LayerBufferRows
 from kvoffload_prefill.worker import PrefillWorker
 from kvoffload_proto.v1 import transfer_pb2_grpc
@@ -82,14 +83,20 @@ def serve(args: argparse.Namespace) -> int:
     )
     tokenizer = ByteTokenizer.from_dir(args.model)
     if settings.d2h is None:
+        wrong = []
         if args.tensor_parallel_size > 1:
-            pool.close()
-            raise ConfigError(
-                [
-                    f"--tensor-parallel-size: got {args.tensor_parallel_size}; offload-only mode "
-                    "(no SfaRemoteD2HConnector) runs one rank, use 1"
-                ]
+            wrong.append(
+                f"--tensor-parallel-size: got {args.tensor_parallel_size}; offload-only mode "
+                "(no SfaRemoteD2HConnector) runs one rank, use 1"
             )
+        if args.max_queue_wait_s is not None:
+            wrong.append(
+                f"--max-queue-wait-s: got {args.max_queue_wait_s:g}; it bounds the P/D mode's queue, "
+                "offload-only mode (no SfaRemoteD2HConnector) does not take it"
+            )
+        if wrong:
+            pool.close()
+            raise ConfigError(wrong)
         return _serve_offload_only(args, tls, model, tokenizer, settings, pool, model_id)
     return _serve_pd(args, tls, model, tokenizer, settings, pool, model_id, tag, transfer)
 
@@ -122,6 +129,7 @@ def _serve_pd(
         read_timeout_s=args.read_timeout_s,
         peer_timeout_s=args.peer_timeout_s,
         follower_segments=tuple(b.segment.name for b in follower_buffers),
+        queue=PrefillQueue(DEFAULT_MAX_QUEUE_WAIT_S if args.max_queue_wait_s is None else args.max_queue_wait_s),
     )
     if transfer is not None:
         _share_layer_buffers(transfer, engine, worker)
@@ -289,6 +297,7 @@ def _stats(worker: PrefillWorker, include_ledger: bool) -> StatsSnapshot:
     counters = {
         **eng.gates.stats(),
         **worker.ledger.counters(),
+        **worker.queue.stats(),
         "device_kv_bytes": eng.allocator.stats().current_bytes,
         **pool,
     }

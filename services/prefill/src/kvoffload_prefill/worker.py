@@ -15,6 +15,10 @@ rank's share of every layer
 the slot is reused only once every share was read. Rank 0 does the talking for all of them (it
 decides when a slot is taken, so it also knows when each follower's copy is in place), and its link
 to decode TP rank 0 reports the first token.
+
+A request given a ``Turn`` of the prefill's queue (``kvoffload_prefill.queue_bound``) waits there for
+the engine — named in its decodes' heartbeats meanwhile, leaving when the bound passes or its decode
+drops it — and frees the engine for the next one when its run ends.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import random
 import threading
 from dataclasses import dataclass
+from functools import partial
 
 import structlog
 import torch
@@ -31,6 +36,7 @@ from kvcore.layout import dtype_name
 from kvcore.pdpair import contributor_share, tp_contributors
 from kvoffload_engine.prefill import LayerwisePrefill, PrefillRequest
 from kvoffload_prefill.prefix_cache import remove_unleased
+from kvoffload_prefill.queue_bound import PrefillQueue, Turn
 from kvoffload_proto.v1 import transfer_pb2
 from openai_api.logprobs import TokenLogprob
 from openai_api.sampling_params import SamplingParams
@@ -66,8 +72,10 @@ class PrefillWorker:
         read_timeout_s: float = 60.0,
         peer_timeout_s: float = 10.0,
         follower_segments: tuple[str, ...] = (),
+        queue: PrefillQueue | None = None,
     ) -> None:
         self.engine = engine
+        self.queue = queue if queue is not None else PrefillQueue()
         size = engine.followers.size if engine.followers else 1
         if len(follower_segments) != size - 1:
             raise ValueError(
@@ -179,8 +187,25 @@ class PrefillWorker:
         prompt_ids: list[int],
         transfer_params: KVTransferParams | None,
         params: SamplingParams | None = None,
+        turn: Turn | None = None,
     ) -> PrefillOutcome:
-        """Prefill one prompt; with decode params, every layer goes to that decode's TP ranks."""
+        """Prefill one prompt; with decode params, every layer goes to that decode's TP ranks. With a
+        ``turn`` of ``self.queue``, the engine run waits for it (``queue_bound``'s errors raised), and
+        the turn leaves the queue when this returns or raises."""
+        try:
+            return self._serve(request_id, prompt_ids, transfer_params, params, turn)
+        finally:
+            if turn is not None:
+                self.queue.leave(turn)
+
+    def _serve(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        transfer_params: KVTransferParams | None,
+        params: SamplingParams | None,
+        turn: Turn | None,
+    ) -> PrefillOutcome:
         readers: frozenset = frozenset()
         links: list[DecodeLink] = []
         rid = request_id
@@ -197,7 +222,7 @@ class PrefillWorker:
             readers = frozenset(found)
         self.ledger.open(rid, "prefilling", peer=f"decode {links[0].endpoint}" if links else "")
         try:
-            out = self._run(rid, prompt_ids, links, readers, params)
+            out = self._run(rid, prompt_ids, links, readers, params, turn)
         except BaseException as exc:
             self.ledger.finish(rid, "error", repr(exc))
             raise
@@ -211,26 +236,22 @@ class PrefillWorker:
         links: list[DecodeLink],
         readers: frozenset,
         params: SamplingParams | None,
+        turn: Turn | None,
     ) -> PrefillOutcome:
         # the client's parameters hold for the first token too: penalties (none yet), min_tokens
         # (no EOS or stop token id while min_tokens >= 1), logprobs
         sampler = RequestSampler(params or SamplingParams(max_tokens=1), self.engine.model.config.eos_token_id)
+        prompt = torch.tensor(prompt_ids, dtype=torch.long)
         if not links:
-            res = self.engine.run(PrefillRequest(rid, torch.tensor(prompt_ids, dtype=torch.long), sample=sampler.step))
+            res = self._engine_run(PrefillRequest(rid, prompt, sample=sampler.step), turn)
             self._release(res)
             return self._finished(rid, prompt_ids, res, sampler)
         for link in links:
             link.hold(rid)  # heartbeats name the request from now on, queued or computing
         try:
-            res = self.engine.run(
-                PrefillRequest(
-                    rid,
-                    torch.tensor(prompt_ids, dtype=torch.long),
-                    readers=readers,
-                    sample=sampler.step,
-                    cancelled=lambda: self._stop_reason(rid, links),
-                )
-            )
+            stop = partial(self._stop_reason, rid, links)  # the queue and the engine ask it
+            req = PrefillRequest(rid, prompt, readers=readers, sample=sampler.step, cancelled=stop)
+            res = self._engine_run(req, turn)
         except BaseException:
             for link in links:
                 link.release(rid)
@@ -250,6 +271,17 @@ class PrefillWorker:
                 self._outcomes.pop(rid, None)
             self._release(res)
         return self._finished(rid, prompt_ids, res, sampler)
+
+    def _engine_run(self, req: PrefillRequest, turn: Turn | None):
+        """The engine's run of ``req``, after ``turn``'s wait in the queue (when given); the engine is
+        the next one's when the run ends."""
+        if turn is None:
+            return self.engine.run(req)
+        self.queue.wait(turn, req.cancelled or (lambda: ""))
+        try:
+            return self.engine.run(req)
+        finally:
+            self.queue.ran(turn)
 
     def _release(self, res) -> None:
         """End the engine's hand-off; the prompt's hash-keyed blocks stay as prefix cache."""

@@ -1,0 +1,175 @@
+"""``PrefillQueue``: turns at the engine in arrival order, refused from the estimate at admission, or
+after waiting past the bound, or when the decode drops the request; the rate learnt from the runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvoffload_prefill import queue_bound
+from kvoffload_prefill.queue_bound import Abandoned, PrefillBusy, PrefillQueue, QueueWaitExceeded
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_once(queue: PrefillQueue, clock: Clock, tokens: int, seconds: float) -> None:
+    """One request through the engine, ``seconds`` long on ``clock``."""
+    turn = queue.admit("warm", tokens)
+    queue.wait(turn)
+    clock.now += seconds
+    queue.ran(turn)
+    queue.leave(turn)
+
+
+def waiter(queue: PrefillQueue, turn, order: list, cancelled=lambda: "") -> threading.Thread:
+    """A thread that waits for ``turn``, records its request id (or its error), runs and leaves."""
+
+    def go() -> None:
+        try:
+            queue.wait(turn, cancelled)
+            order.append(turn.request_id)
+            queue.ran(turn)
+        except PrefillBusy as exc:
+            order.append(exc)
+        except Abandoned as exc:
+            order.append(exc)
+        finally:
+            queue.leave(turn)
+
+    t = threading.Thread(target=go)
+    t.start()
+    return t
+
+
+def test_turns_go_in_arrival_order_one_at_a_time():
+    queue = PrefillQueue(bound_s=30)
+    first = queue.admit("a", 10)
+    queue.wait(first)  # the engine is free: at once
+    order: list = []
+    threads = [waiter(queue, queue.admit(rid, 10), order) for rid in ("b", "c", "d")]
+    time.sleep(0.2)
+    assert order == [] and queue.stats()["queued"] == 3  # the engine is a's
+    queue.ran(first)
+    queue.leave(first)
+    for t in threads:
+        t.join(5)
+    assert order == ["b", "c", "d"]
+    assert queue.stats()["in_service"] == 0 and queue.stats()["queued"] == 0
+
+
+def test_the_estimate_refuses_at_admission_what_would_wait_past_the_bound():
+    clock = Clock()
+    queue = PrefillQueue(bound_s=10, clock=clock)
+    assert queue.rate_tokens_per_s is None
+    run_once(queue, clock, 1000, 2.0)  # 500 tokens/s
+    assert queue.rate_tokens_per_s == pytest.approx(500)
+    running = queue.admit("running", 1000)
+    queue.wait(running)
+    clock.now += 1.0  # half of it left: 500 tokens, 1 s
+    queued = [queue.admit(f"q{i}", 1000) for i in range(4)]  # +8 s: 9 s ahead of the next
+    assert queue.stats()["queued_tokens"] == 4000
+    fits = queue.admit("fits", 3000)  # 9 s <= 10: admitted, whatever its own length
+    with pytest.raises(PrefillBusy, match=r"about 15\.0 s \(5 queued ahead.*500 prompt tokens/s.*wait-s=10;") as info:
+        queue.admit("late", 10)  # 1 + 8 + 6 s ahead
+    assert info.value.retry_after_s == 5  # the excess over the bound
+    clock.now += 0.9  # the running one nearly done: 14.1 s ahead
+    with pytest.raises(PrefillBusy) as info:
+        queue.admit("later", 10)
+    assert info.value.retry_after_s == 5  # 4.1 s past the bound, rounded up
+    assert queue.stats()["rejected_by_estimate"] == 2 and queue.stats()["queued"] == 5
+    assert len(queued) == 4 and fits.tokens == 3000
+
+
+def test_a_request_still_waiting_at_the_bound_leaves_the_queue_with_429():
+    queue = PrefillQueue(bound_s=0.4)
+    first = queue.admit("a", 10)
+    queue.wait(first)
+    order: list = []
+    started = time.monotonic()
+    late = waiter(queue, queue.admit("b", 10), order)
+    late.join(5)
+    waited = time.monotonic() - started
+    assert 0.35 < waited < 1.5, waited
+    assert len(order) == 1 and isinstance(order[0], QueueWaitExceeded)
+    assert "waited 0.4 s in the prefill's queue without starting" in str(order[0])
+    assert "--max-queue-wait-s=0.4" in str(order[0])
+    stats = queue.stats()
+    assert stats["queue_timeouts"] == 1 and stats["queued"] == 0 and stats["in_service"] == 1  # a's
+    queue.ran(first)
+    queue.leave(first)
+    after = queue.admit("c", 10)
+    queue.wait(after)  # nothing left behind in the queue: at once
+
+
+def test_the_next_in_line_is_first_once_the_one_ahead_timed_out():
+    queue = PrefillQueue(bound_s=0.3)
+    first = queue.admit("a", 10)
+    queue.wait(first)
+    order: list = []
+    b = waiter(queue, queue.admit("b", 10), order)
+    time.sleep(0.2)
+    c_turn = queue.admit("c", 10)  # admitted 0.2 s later: its bound passes later
+    b.join(5)
+    queue.ran(first)  # the engine is free after b left: c runs
+    c = waiter(queue, c_turn, order)
+    c.join(5)
+    assert isinstance(order[0], QueueWaitExceeded) and order[1] == "c", order
+
+
+def test_a_request_its_decode_dropped_leaves_the_queue():
+    queue = PrefillQueue(bound_s=30)
+    first = queue.admit("a", 10)
+    queue.wait(first)
+    order: list = []
+    dropped = threading.Event()
+    t = waiter(queue, queue.admit("b", 10), order, cancelled=lambda: "the client went away" if dropped.is_set() else "")
+    time.sleep(0.1)
+    dropped.set()
+    t.join(queue_bound.POLL_S + 2)
+    assert len(order) == 1 and isinstance(order[0], Abandoned) and "client went away" in str(order[0])
+    assert queue.stats()["abandoned"] == 1 and queue.stats()["queued"] == 0
+
+
+def test_the_requests_in_service_are_capped(monkeypatch):
+    monkeypatch.setattr(queue_bound, "MAX_IN_SERVICE", 2)
+    queue = PrefillQueue(bound_s=30)
+    a, b = queue.admit("a", 1), queue.admit("b", 1)
+    with pytest.raises(PrefillBusy, match="2 requests in service, its limit"):
+        queue.admit("c", 1)
+    assert queue.stats()["rejected_queue_full"] == 1
+    queue.leave(a)  # a never waited (its worker failed first): b is first now, and c has room
+    queue.wait(b)
+    queue.admit("c", 1)
+    queue.leave(b)
+    queue.leave(b)  # leaving twice counts once
+    assert queue.stats()["in_service"] == 1
+
+
+def test_no_bound_refuses_nothing_and_times_nothing_out():
+    clock = Clock()
+    queue = PrefillQueue(bound_s=0, clock=clock)
+    run_once(queue, clock, 10, 10.0)  # 1 token/s
+    running = queue.admit("r", 10_000)
+    queue.wait(running)
+    waiting = [queue.admit(f"w{i}", 10_000) for i in range(5)]  # hours ahead: admitted
+    clock.now += 3600
+    order: list = []
+    t = waiter(queue, waiting[0], order)
+    time.sleep(0.2)
+    assert order == [] and t.is_alive()  # still waiting, not timed out
+    queue.ran(running)
+    t.join(5)
+    assert order == ["w0"]
+
+
+def test_a_negative_bound_is_refused():
+    with pytest.raises(ValueError, match="must be >= 0"):
+        PrefillQueue(bound_s=-1)
