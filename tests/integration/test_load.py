@@ -138,7 +138,7 @@ def test_64_concurrent_requests_queue_and_all_succeed_then_the_excess_of_a_burst
     assert d["queued"] == 0 and d["waiting_for_blocks"] == 0 and d["ledger_open"] == 0, d
     assert d["free_slots"] == 2 and d["rejected"] >= len(refused), d
     assert d["gather_waits"] > 0 and d["gather_wait_s"] > 0, d  # the bursts saturated it: steps were held
-    assert p["held_slots"] == 0 and p["pool_live_leases"] == 0, p
+    assert p["held_slots"] == 0 and p["pool_live_leases"] == 0 and p["in_service"] == 0 and p["queued"] == 0, p
     assert stats["metastore"]["live_leases"] == 0, stats["metastore"]
 
     # every metric read must be there: a missing one raises MissingMetric naming it, never reads 0

@@ -31,6 +31,7 @@ def _idle() -> dict[str, dict[str, float]]:
             "acquires": 12.0,
             "ledger_open": 0.0,
             "ledger_finished_ok": 2.0,
+            "in_service": 0.0,
             "device_kv_bytes": 0.0,
             "pool_available": 1.0,
             "pool_used_bytes": 4096.0,
@@ -67,6 +68,8 @@ def test_every_held_counter_is_counted():
         "leaked_leases": 3 + 1 + 4,
         "open_requests": 1 + 1 + 2,
     }
+    stats["prefill-0"]["in_service"] = 3  # one in the ledger, two more admitted to its queue
+    assert held(stats)["open_requests"] == 3 + 1 + 2
 
 
 def test_every_prefill_and_decode_is_counted():
@@ -99,7 +102,7 @@ def test_a_missing_counter_is_an_error_not_a_zero(service, key):
 def test_the_required_keys_are_the_ones_the_tally_reads():
     """Pinned, so that a key dropped from REQUIRED_STATS (read with a default again) shows here."""
     assert REQUIRED_STATS == {
-        "prefill": ("held_slots", "ledger_open", "pool_available"),
+        "prefill": ("held_slots", "ledger_open", "in_service", "pool_available"),
         "decode": ("pool_used_bytes", "pool_live_leases", "sequences", "ledger_open"),
         "metastore": ("live_leases",),
     }

@@ -42,11 +42,11 @@ class RunRecord:
 LEAK_KEYS = ("leaked_slots", "leaked_pool_bytes", "leaked_leases", "open_requests")
 
 # The Stats counters the tally reads, per kind of service — exactly what each service's GetStats
-# always reports (prefill: kvcore.gates + the ledger + the pool; decode: the loop + the ledger + the
+# always reports (prefill: kvcore.gates + the ledger + the pool + its queue; decode: the loop + the ledger + the
 # pool; metastore: kvoffload_metastore.metrics.stats_counters). The prefill reports its pool's
 # counters only while the pool answers (``pool_available`` 1); ``pool_available`` 0 counts as open.
 REQUIRED_STATS: dict[str, tuple[str, ...]] = {
-    "prefill": ("held_slots", "ledger_open", "pool_available"),
+    "prefill": ("held_slots", "ledger_open", "in_service", "pool_available"),
     "decode": ("pool_used_bytes", "pool_live_leases", "sequences", "ledger_open"),
     "metastore": ("live_leases",),
 }
@@ -97,7 +97,8 @@ def held(stats: dict[str, dict[str, float]], pool: str = "kvoffload") -> dict[st
                 _require(name, c, PREFILL_POOL_STATS)
                 out["leaked_leases"] += c["pool_live_leases"]
             out["leaked_slots"] += c["held_slots"]
-            out["open_requests"] += c["ledger_open"] + (1 - c["pool_available"])
+            # a request in service is in the ledger too, but for its wait to be admitted to it
+            out["open_requests"] += max(c["ledger_open"], c["in_service"]) + (1 - c["pool_available"])
         elif kind == "decode":
             out["leaked_pool_bytes"] += c["pool_used_bytes"]
             out["leaked_leases"] += c["pool_live_leases"]
