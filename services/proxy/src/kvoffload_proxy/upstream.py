@@ -7,7 +7,8 @@ retried. Timeouts: `connect_timeout_s` per connection attempt, `request_timeout_
 silence while reading (headers, body or the gap between two stream events).
 
 Backpressure: a backend that answers 429 (a decoder whose queue is full, or, later, one that held
-the request past its ``--max-queue-wait-s`` and freed it) serves it no more, so the
+the request past its ``--max-queue-wait-s`` and freed it; a prefill whose queue for its engine would
+hold it, or did hold it, past its own ``--max-queue-wait-s``) serves it no more, so the
 request goes at once to the next backend not tried yet — those not known to be full first — and
 only when every one refused does the caller get 429 with the smallest ``Retry-After`` they gave
 (the last one's OpenAI-style body). Every decoder answer's ``X-Decode-Load`` header updates the
