@@ -43,7 +43,8 @@ The host pool:
 - ``poolgeometry``: ``PoolGeometry``, the shape of a pool; ``segment``: ``SharedSegment``, the named
   shared memory that holds it.
 - ``leases``: the ``Lease`` protocol and the lease table; ``eviction``: eviction policies;
-  ``poolerrors``: the pool's typed errors.
+  ``poolerrors``: the pool's typed errors; ``poolchecks``: the checks of a pool's arguments (keys,
+  counts), without torch, as the metastore imports them.
 - ``blockkeys``: stable chained block keys.
 
 And: ``device``: devices and the counting allocator.

@@ -91,11 +91,11 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
 from kvcore.leases import Lease
+from kvcore.poolchecks import MAX_KEY_BYTES, check_count, check_keys, check_positive, objects_of  # noqa: F401
 from kvcore.poolerrors import (  # noqa: F401 - the pool's error vocabulary, importable from here
     IncompleteObject,
     LeaseExpired,
@@ -110,10 +110,6 @@ from kvcore.poolerrors import (  # noqa: F401 - the pool's error vocabulary, imp
 )
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
-
-MAX_KEY_BYTES = 512
-T = TypeVar("T")
-
 
 # --------------------------------------------------------------------------------------------
 # Stats
@@ -190,48 +186,10 @@ class HostPoolBackend(ABC):
         self.close()
 
 
-def check_keys(keys: Sequence[bytes], *, unique: bool) -> list[bytes]:
-    """``keys`` as a list of 1..MAX_KEY_BYTES bytes keys (unique if asked), else ValueError."""
-    if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
-        raise ValueError(f"keys must be a list of bytes keys, got {type(keys).__name__}")
-    keys = list(keys)
-    for i, k in enumerate(keys):
-        if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY_BYTES:
-            raise ValueError(f"keys[{i}] must be bytes of length 1..{MAX_KEY_BYTES}, got {k!r:.80}")
-    if unique and len(set(keys)) != len(keys):
-        dup = next(k for i, k in enumerate(keys) if k in keys[:i])
-        raise ValueError(f"keys must be unique in one call; {dup!r} repeats")
-    return keys
-
-
 def check_open_segment(segment: object) -> None:
     """ValueError unless ``segment`` is an open ``SharedSegment`` (what a pool's memory must be)."""
     if not isinstance(segment, SharedSegment) or segment.closed:
         raise ValueError("segment must be an open SharedSegment")
-
-
-def check_positive(name: str, value: object) -> None:
-    """ValueError naming ``name`` unless ``value`` > 0 (a timeout, an interval)."""
-    # any caller's value (object): a non-number fails the comparison itself, with a TypeError
-    if not value > 0:  # type: ignore[operator]
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-
-
-def check_count(name: str, value: object) -> None:
-    """ValueError naming ``name`` unless ``value`` is an int >= 1 (bool rejected): a size, a TTL."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def objects_of(index: Mapping[bytes, T], keys: Sequence[bytes]) -> list[T]:
-    """What ``index`` holds for each key, in order; ``ObjectNotFound`` naming the first key it lacks."""
-    out = []
-    for k in keys:
-        entry = index.get(k)
-        if entry is None:
-            raise ObjectNotFound(f"no object for key {k!r}", key=k)
-        out.append(entry)
-    return out
 
 
 def _as_block_bytes(t: torch.Tensor, name: str, n: int, geometry: PoolGeometry, plane: int) -> torch.Tensor:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvcore.layout import KVLayout
+if TYPE_CHECKING:  # kvcore.layout imports torch; the metastore reads geometries without it
+    from kvcore.layout import KVLayout
 
 PLANE_KINDS = ("main", "indexer")
 
@@ -110,6 +112,8 @@ class PoolGeometry:
     @classmethod
     def from_layout(cls, layout: KVLayout, capacity_bytes: int, *, include_indexer: bool) -> PoolGeometry:
         """Planes per layer in physical order: its main cache, then its indexer cache (if asked and present)."""
+        from kvcore.layout import KVLayout
+
         if not isinstance(layout, KVLayout):
             raise ValueError(f"layout must be a KVLayout, got {type(layout).__name__}")
         rows: list[int] = []

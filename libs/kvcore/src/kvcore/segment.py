@@ -14,10 +14,12 @@ import mmap
 import os
 import re
 import struct
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvcore.poolgeometry import PoolGeometry
+
+if TYPE_CHECKING:  # torch is imported where a segment is mapped: the metastore checks names without it
+    import torch
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "kvoffload-"
@@ -132,6 +134,8 @@ class SharedSegment:
             _OWNED_PATHS[path] = os.getpid()  # unlinked at interpreter exit if the owner never did
         self.size_bytes = len(mm)
         self._mmap: mmap.mmap | None = mm
+        import torch
+
         self._mv: memoryview | None = memoryview(mm)  # torch views hold this export: see close()
         self._planes: list[torch.Tensor] = [
             torch.frombuffer(self._mv, dtype=torch.uint8, count=geometry.plane_bytes(p), offset=off).view(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcore.hostpool import PoolError
+from kvcore.poolerrors import PoolError
 
 
 class PoolNotRegistered(PoolError):

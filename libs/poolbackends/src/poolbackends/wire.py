@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvcore.hostpool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, PoolError, PoolFullError
+from kvcore.poolerrors import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, PoolError, PoolFullError
 from kvcore.poolgeometry import PoolGeometry
 from kvoffload_proto.v1 import metastore_pb2 as pb
 from poolbackends.errors import (

@@ -46,7 +46,8 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from kvcore.hostpool import ObjectExists, ObjectLeased, check_count, check_keys, objects_of
+from kvcore.poolchecks import check_count, check_keys, objects_of
+from kvcore.poolerrors import ObjectExists, ObjectLeased
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
 from kvoffload_metastore.errors import PoolFull

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import itertools
 
-from kvcore.hostpool import LeaseExpired
 from kvcore.leases import LeaseRecord, LeaseTable, check_ttl_ms
+from kvcore.poolerrors import LeaseExpired
 
 MAX_LEASE_TTL_MS = 86_400_000
 
