@@ -146,6 +146,11 @@ FAKE_SERVICE = textwrap.dedent("""
         with open(events, "a") as f:
             f.write(" ".join([name, *map(str, what)]) + "\\n")
 
+    def term(*_):
+        event("sigterm")
+        os._exit(0)  # a grandchild is left behind: stopping the group must end it
+
+    signal.signal(signal.SIGTERM, term)  # first: a service stopped while it starts says so too
     event("spawned", os.environ.get("HF_HUB_OFFLINE"))
     if code:
         sys.exit(code)
@@ -165,11 +170,6 @@ FAKE_SERVICE = textwrap.dedent("""
 
     server = http.server.HTTPServer(("127.0.0.1", port), Health)
 
-    def term(*_):
-        event("sigterm")
-        os._exit(0)  # a grandchild is left behind: stopping the group must end it
-
-    signal.signal(signal.SIGTERM, term)
     event("healthy")
     server.serve_forever()
 """)
