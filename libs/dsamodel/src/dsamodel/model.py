@@ -30,7 +30,7 @@ from torch import nn
 from dsamodel.config import ModelConfig
 from dsamodel.indexcodec import IndexCodec
 from dsamodel.mla import MLAttention, Projection
-from dsamodel.modules import RMSNorm, SwiGLU, linear
+from dsamodel.modules import RMSNorm, SwiGLU, embedding, linear
 from dsamodel.tp import SOLO, TPGroup
 
 __all__ = ["DSAModel", "DecoderLayer", "MTPLayer", "Projection"]
@@ -106,9 +106,7 @@ class Backbone(nn.Module):
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device) -> None:
         super().__init__()
-        self.embed_tokens = torch.nn.utils.skip_init(
-            nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=torch.device(device or "cpu")
-        )
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         n = config.num_hidden_layers
         self.layers = nn.ModuleList(
             [DecoderLayer(config, i, dtype=dtype, device=device) for i in range(n)]

@@ -1,7 +1,9 @@
 """Small building blocks: RMSNorm, the indexer's LayerNorm and the dense SwiGLU MLP.
 
-Norms compute in float32 and return the input dtype (HF DeepSeek-V3 convention). Linear layers are
-created uninitialized (``skip_init``): weights come from a checkpoint or ``presets.init_weights``.
+Norms compute in float32 and return the input dtype (HF DeepSeek-V3 convention). Linear layers and
+the embedding are created uninitialized (``linear``, ``embedding``): weights come from a checkpoint
+or ``presets.init_weights``. Not through ``torch.nn.utils.skip_init``: it builds the module on the
+meta device first, whose ``normal_`` imports torch._dynamo — seconds of CPU at every process start.
 """
 
 from __future__ import annotations
@@ -13,10 +15,26 @@ from torch import nn
 INDEXER_LAYERNORM_EPS = 1e-6  # DeepSeek-V3.2's indexer k_norm (a LayerNorm with bias)
 
 
+class _UninitLinear(nn.Linear):
+    def reset_parameters(self) -> None:  # the weight stays as torch.empty made it
+        pass
+
+
+class _UninitEmbedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        pass
+
+
 def linear(in_features: int, out_features: int, *, dtype: torch.dtype, device: torch.device | str | None) -> nn.Linear:
     """A bias-free ``nn.Linear`` whose weight [out, in] is left uninitialized."""
     device = torch.device("cpu") if device is None else torch.device(device)
-    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype, device=device)
+    return _UninitLinear(in_features, out_features, bias=False, dtype=dtype, device=device)
+
+
+def embedding(num: int, dim: int, *, dtype: torch.dtype, device: torch.device | str | None) -> nn.Embedding:
+    """An ``nn.Embedding`` [num, dim] whose weight is left uninitialized."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    return _UninitEmbedding(num, dim, dtype=dtype, device=device)
 
 
 class RMSNorm(nn.Module):
