@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvoffload_prefill import queue_bound
-from kvoffload_prefill.queue_bound import Abandoned, PrefillBusy, PrefillQueue, QueueWaitExceeded
+from kvoffload_prefill.queue_bound import Abandoned, PrefillBusy, PrefillQueue, QueueWaitExceeded, Turn
 
 
 class Clock:
@@ -27,6 +27,14 @@ def run_once(queue: PrefillQueue, clock: Clock, tokens: int, seconds: float) -> 
     clock.now += seconds
     queue.ran(turn)
     queue.leave(turn)
+
+
+def busy(bound_s: float) -> tuple[PrefillQueue, Turn]:
+    """A queue whose engine request "a" holds; the turn of "a"."""
+    queue = PrefillQueue(bound_s=bound_s)
+    first = queue.admit("a", 10)
+    queue.wait(first)  # the engine is free: at once
+    return queue, first
 
 
 def waiter(queue: PrefillQueue, turn, order: list, cancelled=lambda: "") -> threading.Thread:
@@ -50,9 +58,7 @@ def waiter(queue: PrefillQueue, turn, order: list, cancelled=lambda: "") -> thre
 
 
 def test_turns_go_in_arrival_order_one_at_a_time():
-    queue = PrefillQueue(bound_s=30)
-    first = queue.admit("a", 10)
-    queue.wait(first)  # the engine is free: at once
+    queue, first = busy(30)
     order: list = []
     threads = [waiter(queue, queue.admit(rid, 10), order) for rid in ("b", "c", "d")]
     time.sleep(0.2)
@@ -89,9 +95,7 @@ def test_the_estimate_refuses_at_admission_what_would_wait_past_the_bound():
 
 
 def test_a_request_still_waiting_at_the_bound_leaves_the_queue_with_429():
-    queue = PrefillQueue(bound_s=0.4)
-    first = queue.admit("a", 10)
-    queue.wait(first)
+    queue, first = busy(0.4)
     order: list = []
     started = time.monotonic()
     late = waiter(queue, queue.admit("b", 10), order)
@@ -110,9 +114,7 @@ def test_a_request_still_waiting_at_the_bound_leaves_the_queue_with_429():
 
 
 def test_the_next_in_line_is_first_once_the_one_ahead_timed_out():
-    queue = PrefillQueue(bound_s=0.3)
-    first = queue.admit("a", 10)
-    queue.wait(first)
+    queue, first = busy(0.3)
     order: list = []
     b = waiter(queue, queue.admit("b", 10), order)
     time.sleep(0.2)
@@ -125,9 +127,7 @@ def test_the_next_in_line_is_first_once_the_one_ahead_timed_out():
 
 
 def test_a_request_its_decode_dropped_leaves_the_queue():
-    queue = PrefillQueue(bound_s=30)
-    first = queue.admit("a", 10)
-    queue.wait(first)
+    queue, first = busy(30)
     order: list = []
     dropped = threading.Event()
     t = waiter(queue, queue.admit("b", 10), order, cancelled=lambda: "the client went away" if dropped.is_set() else "")
