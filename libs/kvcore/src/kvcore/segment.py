@@ -123,6 +123,8 @@ class SharedSegment:
     def __init__(
         self, name: str, path: str, mm: mmap.mmap, geometry: PoolGeometry, plane_offsets: list[int], owner: bool
     ) -> None:
+        import torch  # here, not at the top: the metastore imports this module for its name rules
+
         self.name = name
         self.path = path
         self.geometry = geometry
@@ -134,8 +136,6 @@ class SharedSegment:
             _OWNED_PATHS[path] = os.getpid()  # unlinked at interpreter exit if the owner never did
         self.size_bytes = len(mm)
         self._mmap: mmap.mmap | None = mm
-        import torch
-
         self._mv: memoryview | None = memoryview(mm)  # torch views hold this export: see close()
         self._planes: list[torch.Tensor] = [
             torch.frombuffer(self._mv, dtype=torch.uint8, count=geometry.plane_bytes(p), offset=off).view(
