@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DEFAULT_MAX_QUEUE_WAIT_S = 60.0
 ALPHA = 0.2  # weight of the newest run in the rate
@@ -59,7 +59,7 @@ class Turn:
     tokens: int
     admitted: float
     started: float | None = None  # when its engine run began
-    done: bool = field(default=False)
+    done: bool = False
 
 
 class PrefillQueue:
@@ -74,8 +74,8 @@ class PrefillQueue:
         self._running: Turn | None = None
         self._in_service = 0
         self._tokens_avg = self._seconds_avg = 0.0  # the rate's smoothed numerator and denominator
+        # Stats names: the decode's for the same things
         self.counters = {"rejected_by_estimate": 0, "rejected_queue_full": 0, "queue_timeouts": 0, "abandoned": 0}
-        # (Stats names: the decode's for the same things)
 
     @property
     def rate_tokens_per_s(self) -> float | None:
@@ -92,11 +92,9 @@ class PrefillQueue:
             tokens += max(0.0, self._running.tokens - rate * (now - self._running.started))
         return tokens / rate
 
-    def retry_after_s(self) -> float:
-        """When a new request could be admitted: the estimate's excess over the bound (>= 1 s)."""
-        with self._cond:
-            ahead = self._ahead_s(self.clock())
-        return max(1, math.ceil(ahead - self.bound_s)) if ahead is not None else 1
+    def _retry_after_s(self, ahead_s: float | None) -> float:
+        """A refusal's ``Retry-After``: the estimate's excess over the bound, at least 1 s."""
+        return max(1, math.ceil((ahead_s or 0) - self.bound_s))
 
     def admit(self, request_id: str, tokens: int) -> Turn:
         """A place in the queue, or ``PrefillBusy`` when it is full or the estimate is past the bound."""
@@ -106,7 +104,7 @@ class PrefillQueue:
                 self.counters["rejected_queue_full"] += 1
                 raise PrefillBusy(
                     f"the prefill has {self._in_service} requests in service, its limit; retry later",
-                    retry_after_s=max(1, math.ceil((self._ahead_s(now) or 0) - self.bound_s)),
+                    retry_after_s=self._retry_after_s(self._ahead_s(now)),
                 )
             ahead = self._ahead_s(now)
             if self.bound_s and ahead is not None and ahead > self.bound_s:
@@ -115,7 +113,7 @@ class PrefillQueue:
                     f"the prefill would start this request in about {ahead:.1f} s ({len(self._waiting)} queued "
                     f"ahead of it, {self.rate_tokens_per_s:.0f} prompt tokens/s), past its bound "
                     f"--max-queue-wait-s={self.bound_s:g}; retry later",
-                    retry_after_s=max(1, math.ceil(ahead - self.bound_s)),
+                    retry_after_s=self._retry_after_s(ahead),
                 )
             turn = Turn(request_id, tokens, now)
             self._waiting.append(turn)
@@ -141,7 +139,7 @@ class PrefillQueue:
                     raise QueueWaitExceeded(
                         f"the request waited {now - turn.admitted:.1f} s in the prefill's queue without "
                         f"starting, past its bound --max-queue-wait-s={self.bound_s:g}; retry later",
-                        retry_after_s=max(1, math.ceil((self._ahead_s(now) or 0) - self.bound_s)),
+                        retry_after_s=self._retry_after_s(self._ahead_s(now)),
                     )
                 self._cond.wait(min(left, POLL_S))
             self._waiting.popleft()
