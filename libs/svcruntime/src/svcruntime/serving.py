@@ -193,6 +193,14 @@ def error_response(status: int, message: str, code: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": code, "code": status}}, status=status)
 
 
+def too_busy_response(message: str, retry_after_s: float) -> web.Response:
+    """The 429 of a request a service's queue refused: ``message``, OpenAI's ``rate_limit_error``,
+    ``Retry-After`` (whole seconds)."""
+    resp = error_response(429, message, "rate_limit_error")
+    resp.headers["Retry-After"] = str(int(retry_after_s))
+    return resp
+
+
 def draining_app(service: str) -> web.Application:
     """An aiohttp app of ``service`` (bodies up to 32 MiB) that refuses new requests once it drains
     (``refuse_while_draining``)."""

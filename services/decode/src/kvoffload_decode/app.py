@@ -32,7 +32,7 @@ from openai_api.sampling_params import SamplingParams
 from openai_api.tokenizer import Tokenizer
 from openai_api.transfer_params import KVTransferParams
 from svcruntime.logs import REQUEST_IDS
-from svcruntime.serving import draining_app, error_response
+from svcruntime.serving import draining_app, error_response, too_busy_response
 from svcruntime.sse import sse_response
 
 log = structlog.get_logger(__name__)
@@ -87,13 +87,6 @@ LOAD_HEADER = "X-Decode-Load"
 def encode_load(load: dict[str, float]) -> str:
     """``queued=3;running=2;max_queued=64;free_slots=0;free_pool_bytes=123`` (``X-Decode-Load``)."""
     return ";".join(f"{k}={int(v)}" for k, v in load.items())
-
-
-def _too_busy(refused: DecodeFull) -> web.Response:
-    """The 429 of a refused request: its reason, OpenAI's ``rate_limit_error``, ``Retry-After``."""
-    resp = error_response(429, str(refused), "rate_limit_error")
-    resp.headers["Retry-After"] = str(int(refused.retry_after_s))
-    return resp
 
 
 class _Events:
@@ -217,7 +210,7 @@ class _Handler:
         """The 429 of a request refused after waiting past the queue-wait bound."""
         bound.warning("request_queue_timeout", reason=str(refused), retry_after_s=refused.retry_after_s)
         self.metrics.requests.labels("queue_timeout").inc()
-        return _too_busy(refused)
+        return too_busy_response(str(refused), refused.retry_after_s)
 
     async def _parse(self, request: web.Request, chat: bool) -> tuple[ParsedRequest, KVTransferParams] | web.Response:
         """The request and its ``transfer`` (a remote prefill), or the 400 that refuses it."""
@@ -244,7 +237,7 @@ class _Handler:
             return await asyncio.to_thread(self.loop.expect_remote, rid, ids, params, events.emit, events.on_reserved)
         except DecodeFull as exc:
             self.metrics.rejected.inc()
-            return _too_busy(exc)
+            return too_busy_response(str(exc), exc.retry_after_s)
         except TooLarge as exc:
             return error_response(413, str(exc), "invalid_request_error")
         except ValueError as exc:

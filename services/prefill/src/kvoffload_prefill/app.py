@@ -26,7 +26,7 @@ from openai_api.dispatch import Child, parse_dispatch
 from openai_api.logprobs import chat_logprobs, completion_logprobs
 from openai_api.tokenizer import Tokenizer
 from svcruntime.logs import REQUEST_IDS
-from svcruntime.serving import draining_app, error_response
+from svcruntime.serving import draining_app, error_response, too_busy_response
 
 log = structlog.get_logger(__name__)
 
@@ -162,12 +162,10 @@ class _Dispatch:
             REQUEST_IDS.unlink(wire_id)
 
     def _too_busy(self, rid: str, refused: PrefillBusy) -> web.Response:
-        """The 429 of a refused request: its reason, OpenAI's ``rate_limit_error``, ``Retry-After``."""
+        """The 429 of a refused request, counted and logged."""
         self.metrics.requests.labels("too_busy").inc()
         log.warning("prefill_refused", request_id=rid, reason=str(refused), retry_after_s=refused.retry_after_s)
-        resp = error_response(429, str(refused), "rate_limit_error")
-        resp.headers["Retry-After"] = str(int(refused.retry_after_s))
-        return resp
+        return too_busy_response(str(refused), refused.retry_after_s)
 
     def _choice(self, index: int, out: PrefillOutcome, chat: bool) -> dict:
         """The child's choice: its first token (and its log-probabilities when asked for)."""
