@@ -137,7 +137,9 @@ def _decode_section(layout: KVLayout, s, d: Deployment) -> dict[str, Any]:
         "device_kv_bytes_no_offload": full,
         "device_kv_ratio": device / full if full else 1.0,
         "host_kv_bytes": s.host_bytes_needed,
-        "host_pool_bytes": s.host_pool_bytes,
+        "host_pool_bytes": s.host_pool_bytes,  # one pool per DP rank, shared by its TP ranks
+        "host_pool_tp_ranks": s.tp,
+        "host_pool_bytes_all_dp_ranks": s.host_pool_bytes * s.dp,
         "control_ports": s.control_ports(),
         "transfer_backend": s.d2h.transfer_backend,
     }
@@ -165,6 +167,11 @@ def format_report(report: dict[str, Any]) -> str:
         for key in ("device_kv_bytes", "device_kv_bytes_no_offload", "host_kv_bytes"):
             lines.append(f"  {key:28s} {sec[key]:>20,d}  ({sec[key] / 2**30:.2f} GiB)")
         lines.append(f"  {'device_kv_ratio':28s} {sec['device_kv_ratio']:>20.4f}")
+        if side == "decode":
+            lines.append(
+                f"  {'host_pool_bytes':28s} {sec['host_pool_bytes']:>20,d}  ({sec['host_pool_bytes'] / 2**30:.2f} GiB"
+                f" per DP rank, one pool its {sec['host_pool_tp_ranks']} TP rank(s) share)"
+            )
     for w in report["warnings"]:
         lines.append(f"warning: {w}")
     for e in report["errors"]:

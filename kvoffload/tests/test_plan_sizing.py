@@ -192,3 +192,14 @@ def test_cli_json_and_exit_status(tmp_path, capsys):
         ]
     )
     assert rc == 1 and json.loads(capsys.readouterr().out)["errors"]
+
+
+def test_the_decode_host_pool_is_counted_once_per_dp_rank_whatever_its_tp():
+    one = plan_report(_deployment())["decode"]
+    for dp, tp in ((1, 4), (2, 2)):
+        r = plan_report(_deployment(prefill_tp=4, decode_tp=tp, decode_dp=dp))
+        assert r["valid"], r["errors"]
+        d = r["decode"]
+        assert d["host_pool_bytes"] == one["host_pool_bytes"] and d["host_pool_tp_ranks"] == tp
+        assert d["host_pool_bytes_all_dp_ranks"] == dp * one["host_pool_bytes"]  # never x tp
+        assert f"per DP rank, one pool its {tp} TP rank(s) share" in format_report(r)

@@ -1,12 +1,13 @@
 """Tensor-parallel sparse decode over gloo rank processes: rank 0 leads (``LeadDecoder``), the other
-ranks repeat every state change and step on their own pool and shard (``kvoffload_engine.tp_decode``).
+ranks repeat every state change and step on their own shard, over rank 0's pool (attached:
+``kvcore.attachedpool``; one pool per DP rank) (``kvoffload_engine.tp_decode``).
 
 Rank 0 runs the single-process engine with its decoder swapped for the leader over a sharded copy
 of the model; the prompt's rows it installs go to the followers along. Against the one-rank engine
 in float32 (another TP size sums its partials in another order: equal to rounding, not bits): the
 same tokens, greedy and sampled, with MTP drafting off and on, over a batch that changes while it
 runs and a hot buffer small enough to miss; logits to 1e-4. Every follower ran every step and ends
-with nothing held."""
+with nothing held, having used rank 0's pool."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.multiprocessing as mp
-from engine_support import decode_pool, seeded_prompt, tiny
+from engine_support import seeded_prompt, tiny
 
 from dsamodel.tp import DistGroup, shard_model
+from kvcore.attachedpool import AttachedPool
 from kvoffload_engine.decode import SparseDecoder
 from kvoffload_engine.engine import Engine, EngineConfig
 from kvoffload_engine.tp_channel import DistChannel
@@ -79,6 +81,16 @@ def _lead_engine(model, sharded, channel, size: int, mtp: bool) -> Engine:
     return eng
 
 
+def _share_pool(name: str | None = None) -> str:
+    """Rank 0's decode pool segment, sent to every follower (they attach it: one pool per DP rank)."""
+    import torch.distributed as dist
+
+    names = [name]
+    dist.broadcast_object_list(names, src=0)
+    assert names[0] is not None
+    return names[0]
+
+
 def _rank(rank: int, size: int, mtp: bool, init: str, out: dict) -> None:
     import torch.distributed as dist
 
@@ -88,18 +100,20 @@ def _rank(rank: int, size: int, mtp: bool, init: str, out: dict) -> None:
         sharded = shard_model(copy.deepcopy(tiny(torch.float32)), DistGroup())
         if rank == 0:
             eng = _lead_engine(tiny(torch.float32), sharded, DistChannel(), size, mtp)
+            _share_pool(eng.decode_pool.segment.name)
             try:
                 tokens, steps = _run(eng)
                 out[0] = (tokens, steps, eng.decoder.steps_sent, eng.num_drafts, eng.num_accepted)
+                out["pool"] = (eng.decode_pool.segment.name, eng.decode_pool.stats().used_blocks)
                 eng.decoder.close_followers()
             finally:
                 eng.close()
         else:
-            pool = decode_pool(sharded, BS, 16 << 20)
+            pool = AttachedPool.attach(_share_pool())
             try:
                 dec = SparseDecoder(sharded, pool, **DECODER)
                 n = follow_decode(dec, DistChannel())
-                out[rank] = (n, len(dec.seqs), pool.stats().used_blocks)
+                out[rank] = (n, len(dec.seqs), pool.stats().used_blocks, pool.segment.name)
             finally:
                 pool.close()
     finally:
@@ -113,7 +127,10 @@ def test_followers_repeat_every_step_and_the_tokens_are_one_ranks(tmp_path, size
         mp.spawn(_rank, args=(size, mtp, f"file://{tmp_path}/rendezvous", out), nprocs=size, join=True)
         got = dict(out)
     tokens, steps, sent, drafts, accepted = got[0]
-    assert [got[r] for r in range(1, size)] == [(sent, 0, 0)] * (size - 1)  # every step, nothing held
+    segment, used = got["pool"]
+    # every step, nothing held, rank 0's pool the one every follower used
+    assert [got[r] for r in range(1, size)] == [(sent, 0, 0, segment)] * (size - 1)
+    assert used == 0
     eng = Engine(tiny(torch.float32), _config(mtp))
     try:
         want_tokens, want_steps = _run(eng)
@@ -138,6 +155,7 @@ def _dying_rank(rank: int, size: int, init: str, out: dict) -> None:
     sharded = shard_model(copy.deepcopy(tiny(torch.float32)), DistGroup())
     if rank == 0:
         eng = _lead_engine(tiny(torch.float32), sharded, DistChannel(), size, mtp=False)
+        _share_pool(eng.decode_pool.segment.name)
         errors = []
         for _ in range(2):
             try:
@@ -146,8 +164,7 @@ def _dying_rank(rank: int, size: int, init: str, out: dict) -> None:
                 errors.append(f"{type(exc).__name__}: {exc}")
         out[0] = (errors, eng.decoder.broken)
     else:
-        pool = decode_pool(sharded, BS, 16 << 20)
-        dec = SparseDecoder(sharded, pool, **DECODER)
+        dec = SparseDecoder(sharded, AttachedPool.attach(_share_pool()), **DECODER)
         real = dec.forward
         calls = iter(range(1000))
 

@@ -242,3 +242,43 @@ def test_a_figure_the_goal_reads_that_is_missing_is_an_error_not_a_pass():
         del summary[key]
         with pytest.raises(MissingFigure, match=key):
             goal_met(summary)
+
+
+def test_a_run_has_a_problem_when_a_request_or_the_stack_after_it_went_wrong():
+    from kvoffload_testing.fault_tally import RequestRecord
+
+    clean = dict.fromkeys(LEAK_KEYS, 0.0)
+    ok = RequestRecord(700, False, ok=True, ended=True, tokens_equal=True)
+    told = RequestRecord(700, False, ok=False, ended=True, error="HTTP 502: prefill ...", wrong_error="")
+    assert not RunRecord(0, "kill_prefill", [ok, told], clean, True).has_problem()
+    assert RunRecord(0, "none", [ok], clean, False).has_problem()  # the fresh request failed
+    assert RunRecord(0, "none", [ok], {**clean, "leaked_slots": 1.0}, True).has_problem()
+    for bad in (
+        RequestRecord(700, False, ok=False, ended=False),
+        RequestRecord(700, False, ok=True, ended=True, tokens_equal=False),
+        RequestRecord(700, False, ok=False, ended=True, wrong_error="gives HTTP 504, not HTTP 502"),
+        RequestRecord(700, False, ok=False, ended=True),  # an error nobody judged
+    ):
+        assert RunRecord(0, "stall_prefill_long", [ok, bad], clean, True).has_problem(), bad
+
+
+def test_a_run_with_a_problem_reports_the_warnings_its_services_logged_during_it(tmp_path):
+    from types import SimpleNamespace
+
+    from kvoffload_testing.faults import LOG_LINES_KEPT, FaultRunner
+
+    before = '{"event": "old_failure", "level": "error"}\n'
+    (tmp_path / "prefill-0.log").write_text(before)
+    (tmp_path / "decode-0.log").write_text("")
+    runner = SimpleNamespace(stack=SimpleNamespace(cfg=SimpleNamespace(log_dir=tmp_path)))
+    starts = {"prefill-0": len(before), "decode-0": 0, "proxy": 0}  # the proxy has no log yet
+    with (tmp_path / "prefill-0.log").open("a") as f:
+        f.write('{"event": "serving", "level": "info"}\n')
+        for i in range(LOG_LINES_KEPT + 3):
+            f.write(f'{{"event": "prefill_failed", "n": {i}, "level": "error"}}\n')
+    (tmp_path / "decode-0.log").write_text('{"event": "request_timed_out", "level": "warning"}\n')
+    logs = FaultRunner._logged_since(runner, starts)
+    assert set(logs) == {"prefill-0", "decode-0"}
+    assert len(logs["prefill-0"]) == LOG_LINES_KEPT and '"n": 3,' in logs["prefill-0"][0]
+    assert logs["prefill-0"][-1] == f'{{"event": "prefill_failed", "n": {LOG_LINES_KEPT + 2}, "level": "error"}}'
+    assert logs["decode-0"] == ['{"event": "request_timed_out", "level": "warning"}']

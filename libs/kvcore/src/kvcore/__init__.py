@@ -39,7 +39,8 @@ The host pool:
 - ``hostpool``: the ``HostPoolBackend`` interface, its hook map and the checks every backend applies.
 - ``poolregistry``: one entry per host-pool backend (name, keys, probe, factory, readiness, launcher),
   read by config validation, the services, the stack, the fault suite and ``bench pool``.
-- ``localpool``: ``LocalHostPool``, the embedded backend.
+- ``localpool``: ``LocalHostPool``, the embedded backend; ``attachedpool``: ``AttachedPool``, a decode TP
+  follower's view of its DP rank's pool (rank 0's), at the blocks rank 0 allocates.
 - ``poolgeometry``: ``PoolGeometry``, the shape of a pool; ``segment``: ``SharedSegment``, the named
   shared memory that holds it.
 - ``leases``: the ``Lease`` protocol and the lease table; ``eviction``: eviction policies;

@@ -36,6 +36,7 @@ import torch
 
 from dsamodel.attention import batched_indexer_topk, sparse_mla_attention
 from dsamodel.model import DSAModel
+from kvcore.attachedpool import AttachedPool
 from kvcore.device import DeviceAllocator
 from kvcore.gather import gather_rows, scatter_rows
 from kvcore.hostpool import HostPoolBackend
@@ -78,7 +79,7 @@ class SparseDecoder(DecodeRequests):
     def __init__(
         self,
         model: DSAModel,
-        pool: HostPoolBackend,
+        pool: HostPoolBackend | AttachedPool,
         *,
         topk_buffer_size: int,
         max_num_seqs: int,

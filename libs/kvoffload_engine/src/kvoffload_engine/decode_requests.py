@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcore.attachedpool import AttachedPool
 from kvcore.blockkeys import request_block_key
 from kvcore.gather import scatter_rows
 from kvcore.hostpool import HostPoolBackend
@@ -47,7 +48,7 @@ class DecodeRequests:
     set in ``SparseDecoder.__init__``; this class holds the methods that change which requests
     hold which sequence slots and host-pool blocks."""
 
-    pool: HostPoolBackend
+    pool: HostPoolBackend | AttachedPool  # a TP follower's: rank 0's pool, attached
     native: bool
     block_size: int
     max_model_len: int
@@ -184,6 +185,10 @@ class DecodeRequests:
         if seq.seq_slot is not None:
             self.block_table[seq.seq_slot] = -1
             self._free_slots.append(seq.seq_slot)
+
+    def grow(self, request_id: str, num_tokens: int) -> None:
+        """Host blocks for the request's first ``num_tokens`` tokens (those it lacks are allocated)."""
+        self._grow(self.seqs[request_id], num_tokens)
 
     def _grow(self, seq: DecodeSeq, num_tokens: int) -> None:
         need = -(-num_tokens // self.block_size)

@@ -1,11 +1,14 @@
 """Tensor-parallel sparse decode: rank 0 leads, ranks 1..N-1 repeat every state change and step.
 
-Every rank holds its shard of the model (``dsamodel.tp``) and a whole ``SparseDecoder`` of its own:
-its host pool with the full main KV of every request, its indexer cache, its hot top-k buffer.
-The cache rows are the same on every rank (the latent projection and the indexer are replicated),
-so every rank selects the same top-k, misses the same rows and loads them from its own pool; only
-the two reductions per layer cross ranks. That is also why each decode rank pulls its own copy of
-the prompt's KV (from its contributor prefill ranks) instead of sharing one.
+Every rank holds its shard of the model (``dsamodel.tp``) and a ``SparseDecoder`` of its own: its
+indexer cache, its hot top-k buffer, and a view of the one host pool of its DP rank, which holds the
+full main KV of every request. Rank 0 creates that pool and alone allocates and frees its blocks;
+a follower's pool is the ``kvcore.attachedpool.AttachedPool`` of rank 0's segment, and takes the
+block ids rank 0 allocated from the ops below. The cache rows are the same on every rank (the latent
+projection and the indexer are replicated), so every rank selects the same top-k, misses the same
+rows and reads them from the shared pool, and a row two ranks write (a step's new token; a prompt
+row each rank pulls from its contributor prefill ranks, for its own indexer cache) holds the same
+bytes either way; only the two reductions per layer cross ranks.
 
 Rank 0 (``LeadDecoder``, a ``SparseDecoder``) decides: admission, binding, commits, frees, which
 requests step with which tokens, the MTP layer's inputs. Each change is applied on rank 0 first
@@ -13,14 +16,21 @@ requests step with which tokens, the MTP layer's inputs. Each change is applied 
 the followers, in order over a ``Channel``, as one ``("ops", [op, ...])`` message just before the
 next step (which the followers must join) or ``sync``. The ops::
 
-    ("reserve", request_id, num_tokens)   ("bind", request_id)      ("finish", request_id)
-    ("done", request_id, num_tokens)      ("commit", request_id, num_tokens)
+    ("reserve", request_id, num_tokens, block_ids)       ("grow", request_id, num_tokens, block_ids)
+    ("bind", request_id)   ("finish", request_id)   ("done", request_id, num_tokens)
+    ("commit", request_id, num_tokens)
     ("rows", request_id, layer, start, kv_spec, index_spec)   + two tensors (``send_rows``)
     ("forward", request_ids, tokens)                          the base layers: a step
     ("mtp", request_ids, positions, next_tokens, h_spec)      + h_prev: the MTP layer
     ("sync",)    a barrier: every follower has applied everything before it
     ("poll",)    every follower answers with its ``status()`` (a gather to rank 0)
     ("close",)   the follower returns (after a barrier)
+
+``block_ids`` are the pool blocks rank 0 allocated for the request (all of them for ``reserve``, the
+new ones for ``grow``: rank 0 grows each request before a step that needs more, and sends that
+first); a follower hands them to its ``AttachedPool`` and makes the same call. ``finish`` goes to
+the followers, and every one has applied it (a barrier), before rank 0 frees the blocks: a pull a
+follower was still installing for the request can never write into blocks rank 0 gave to another.
 
 ``send_rows`` (the default) sends every installed prompt row along: one process computed or pulled
 them and the followers take rank 0's copy (the engine tests). A decode service whose ranks each
@@ -45,6 +55,7 @@ from typing import Any
 import structlog
 import torch
 
+from kvcore.attachedpool import AttachedPool
 from kvoffload_engine.decode import SparseDecoder
 from kvoffload_engine.decode_requests import DecodeSeq
 from kvoffload_engine.tp_channel import Channel, TPGroupBroken, tensor_dtype, tensor_spec
@@ -103,7 +114,7 @@ class LeadDecoder(SparseDecoder):
     def reserve(self, request_id: str, num_tokens: int) -> DecodeSeq:
         self.check()
         seq = super().reserve(request_id, num_tokens)
-        self._ops.append(("reserve", request_id, num_tokens))
+        self._ops.append(("reserve", request_id, num_tokens, list(seq.block_ids)))
         if not self.send_rows:  # the ranks pull their own rows: every one must know the request first
             self.sync()
         return seq
@@ -127,16 +138,24 @@ class LeadDecoder(SparseDecoder):
         self._ops.append(("done", request_id, num_tokens))
 
     def finish(self, request_id: str) -> None:
-        """Free the request here and on every follower at once (not with the next step: an idle
-        decode's followers must not hold what rank 0 freed). Never raises over the caller's cleanup:
-        a follower that cannot be told has broken the group."""
-        super().finish(request_id)
-        if not self.broken:
+        """Drop the request on every follower, then free it here (its pool blocks with it): at once,
+        not with the next step (an idle decode's followers must not hold what rank 0 freed), and only
+        once every follower has applied it (module doc). Never raises over the caller's cleanup: a
+        follower that cannot be told has broken the group."""
+        if not self.broken and request_id in self.seqs:
             self._ops.append(("finish", request_id))
             try:
-                self._flush()
+                self.sync()
             except TPGroupBroken:
-                pass  # marked broken, logged by _flush
+                pass  # marked broken, logged
+        super().finish(request_id)
+
+    def _grow_told(self, seq: DecodeSeq, num_tokens: int) -> None:
+        """Blocks for ``num_tokens`` tokens of ``seq``; the new ones are queued for the followers."""
+        before = len(seq.block_ids)
+        self._grow(seq, num_tokens)
+        if len(seq.block_ids) > before:
+            self._ops.append(("grow", seq.request_id, num_tokens, seq.block_ids[before:]))
 
     def commit(self, request_id: str, num_tokens: int) -> None:
         super().commit(request_id, num_tokens)
@@ -153,6 +172,8 @@ class LeadDecoder(SparseDecoder):
             if seq.num_tokens + len(toks) > self.max_model_len:
                 raise ValueError(f"request {seq.request_id!r} would exceed max_model_len={self.max_model_len}")
         tokens = [[int(t) for t in toks] for toks in tokens]
+        for seq, toks in zip(seqs, tokens):  # the step's new blocks, told before the step
+            self._grow_told(seq, seq.num_tokens + len(toks))
         with self._computing(("forward", list(request_ids), tokens)):
             out = super().forward(request_ids, tokens)
         self.steps_sent += 1
@@ -214,10 +235,14 @@ def follow_decode(
     on_op: Callable[[tuple], None] | None = None,
     status: Callable[[], Any] | None = None,
 ) -> int:
-    """A follower rank's loop over its own ``decoder`` (its shard of the model, its own pool): apply
-    rank 0's ops in order until it closes; returns the number of steps run. ``lock`` is held while
-    an op is applied, and ``on_op(op)`` is called after it (a service's own pull threads install
-    rows under the lock); ``status()`` is this rank's answer to a poll."""
+    """A follower rank's loop over its own ``decoder`` (its shard of the model, over the
+    ``AttachedPool`` of rank 0's pool): apply rank 0's ops in order until it closes; returns the
+    number of steps run. ``lock`` is held while an op is applied, and ``on_op(op)`` is called after
+    it (a service's own pull threads install rows under the lock); ``status()`` is this rank's
+    answer to a poll."""
+    pool = decoder.pool
+    if not isinstance(pool, AttachedPool):
+        raise TypeError(f"a TP decode follower's pool must be the AttachedPool of rank 0's, got {type(pool).__name__}")
     guard = lock if lock is not None else nullcontext()
     steps = 0
     while True:
@@ -237,7 +262,11 @@ def follow_decode(
                 continue
             with guard:
                 if kind == "reserve":
+                    pool.give(op[3])
                     decoder.reserve(op[1], op[2])
+                elif kind == "grow":
+                    pool.give(op[3])
+                    decoder.grow(op[1], op[2])
                 elif kind == "bind":
                     decoder.bind(op[1])
                 elif kind == "done":

@@ -37,6 +37,17 @@ class RunRecord:
     leaks: dict[str, float] = field(default_factory=dict)
     fresh_ok: bool = False
     seconds: float = 0.0
+    # a run with a problem: each service's warnings and errors logged during the run (its last lines)
+    logs: dict[str, list[str]] = field(default_factory=dict)
+
+    def has_problem(self) -> bool:
+        """The fresh request failed, something leaked, or a request did not end, got wrong tokens or
+        the wrong error."""
+        return (
+            not self.fresh_ok
+            or any(v for v in self.leaks.values())
+            or any(not q.ended or q.tokens_equal is False or (not q.ok and q.wrong_error != "") for q in self.requests)
+        )
 
 
 LEAK_KEYS = ("leaked_slots", "leaked_pool_bytes", "leaked_leases", "open_requests")

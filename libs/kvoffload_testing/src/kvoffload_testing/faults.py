@@ -33,6 +33,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import re
 import signal
 import tempfile
 import threading
@@ -135,6 +136,8 @@ def _request(url: str, prompt: list[int], stream: bool, deadline_s: float) -> tu
 
 
 ERROR_CHARS = 2000  # of an error body: enough for the proxy's message and the backend's it quotes
+LOG_LINES_KEPT = 12  # per service, of a run with a problem (RunRecord.logs)
+LOG_LINE_CHARS = 400
 
 
 def _sse_error(error: object) -> str:
@@ -187,6 +190,7 @@ class FaultRunner:
         rng, stack = self.rng, self.stack
         rec = RunRecord(index, fault)
         t_run = time.monotonic()
+        log_starts = self._log_sizes()
         count = 4 if fault == "overfill_decode" else rng.randint(1, 3)
         picks = [(rng.choice(self.prompts), rng.random() < 0.5) for _ in range(count)]
         if fault == "overfill_decode":  # more long prompts than the decode has sequence slots
@@ -212,7 +216,33 @@ class FaultRunner:
         if not rec.fresh_ok:
             self.log(f"run {index}: fresh request failed: {err or tokens}")
         rec.seconds = time.monotonic() - t_run
+        if rec.has_problem():
+            rec.logs = self._logged_since(log_starts)
         return rec
+
+    def _log_sizes(self) -> dict[str, int]:
+        d = self.stack.cfg.log_dir
+        return {
+            name: (d / f"{name}.log").stat().st_size if (d / f"{name}.log").exists() else 0 for name in self.services
+        }
+
+    def _logged_since(self, starts: dict[str, int], keep: int = LOG_LINES_KEPT) -> dict[str, list[str]]:
+        """Each service's warnings and errors written since ``starts`` (its log sizes then; a restarted
+        service appends to the same file): the last ``keep`` lines of each, for a run's failure report."""
+        out = {}
+        for name, start in starts.items():
+            path = self.stack.cfg.log_dir / f"{name}.log"
+            if not path.exists():
+                continue
+            with path.open("rb") as f:
+                f.seek(start)
+                text = f.read().decode(errors="replace")
+            lines = [
+                ln[:LOG_LINE_CHARS] for ln in text.splitlines() if re.search(r'"level": "(warning|error|critical)"', ln)
+            ]
+            if lines:
+                out[name] = lines[-keep:]
+        return out
 
     def _client(self, prompt: list[int], stream: bool, rec: RequestRecord, fault: str) -> None:
         t = time.monotonic()

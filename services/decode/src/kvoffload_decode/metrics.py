@@ -35,6 +35,9 @@ class Metrics:
             "Misses of the last step served by rows the prefetch had loaded early",
         )
         self.pool_used = gauge("kvoffload_decode_pool_used_bytes", "Host-pool bytes in use")
+        self.pool_capacity = gauge(
+            "kvoffload_decode_pool_capacity_bytes", "Host-pool bytes of this DP rank (one pool, its TP ranks share it)"
+        )
         self.reads = gauge("kvoffload_decode_read_done_total", "Layer pulls answered READ_DONE")
         self.bytes_by_rank = gauge(
             "kvoffload_decode_bytes_read_by_prefill_tp_rank",
@@ -73,7 +76,9 @@ class Metrics:
         self.h2d.set(st.h2d_bytes)
         self.prefetched.set(st.prefetched)
         self.prefetch_hits.set(st.prefetch_hits)
-        self.pool_used.set(self.loop.decoder.pool.stats().used_bytes)
+        pool = self.loop.decoder.pool.stats()
+        self.pool_used.set(pool.used_bytes)
+        self.pool_capacity.set(pool.capacity_bytes)
         stats = self.loop.stats()
         self.queued.set(stats["queued"])
         self.waiting.set(stats["waiting_for_blocks"])

@@ -59,9 +59,14 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     engine = _engine_rows(args, settings.d2h, layout)
     tp_rank = 0  # this process; ranks 1..tp-1 are its TPRanks
     control_port = settings.control_port(args.dp_rank, tp_rank)
-    ranks = _tp_ranks(args, model, settings.tp, argv)
+    pool = _decode_pool(args, model, settings, control_port)
+    try:
+        ranks = _tp_ranks(args, model, settings.tp, argv, pool.segment.name)
+    except BaseException:
+        pool.close()
+        raise
     not_ready = ranks.not_ready if ranks else (lambda: "")
-    decoder, pool = _decoder(args, model, settings, ranks, control_port)
+    decoder = _decoder(args, model, settings, ranks, pool)
     loop = DecodeLoop(
         decoder,
         model.config.eos_token_id,
@@ -195,31 +200,27 @@ def _load_model(args: argparse.Namespace):
     return model, speculative
 
 
-def _decoder(args: argparse.Namespace, model, settings, ranks, control_port: int):
-    """This rank's host pool and the decoder over it: a ``SparseDecoder``, or with TP ranks, rank 0's
-    ``LeadDecoder`` (the ranks are closed when the pool cannot be made)."""
+def _decode_pool(args: argparse.Namespace, model, settings, control_port: int):
+    """This DP rank's host pool (``dram_size_per_dp_GB``), created by rank 0; its TP followers attach
+    it (``kvcore.attachedpool``)."""
     from kvoffload_engine import build
+
+    name = f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}"
+    return build.decode_pool(model, args.block_size, settings.host_pool_bytes, name=name)
+
+
+def _decoder(args: argparse.Namespace, model, settings, ranks, pool):
+    """The decoder over ``pool``: a ``SparseDecoder``, or with TP ranks, rank 0's ``LeadDecoder``."""
     from kvoffload_engine.decode import SparseDecoder
 
-    try:
-        pool = build.decode_pool(
-            model,
-            args.block_size,
-            settings.host_pool_bytes,
-            name=f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}",
-        )
-    except BaseException:
-        if ranks is not None:
-            ranks.close()
-        raise
     if ranks is None:
-        return SparseDecoder(model, pool, **decoder_options(args, settings)), pool
-    return ranks.lead(model, pool, **decoder_options(args, settings)), pool
+        return SparseDecoder(model, pool, **decoder_options(args, settings))
+    return ranks.lead(model, pool, **decoder_options(args, settings))
 
 
-def _tp_ranks(args: argparse.Namespace, model, size: int, argv: list[str]):
-    """Ranks 1..size-1 started and joined, ``model`` sharded (None with one rank); a size the model
-    cannot be sharded over is a ConfigError naming both."""
+def _tp_ranks(args: argparse.Namespace, model, size: int, argv: list[str], pool_segment: str):
+    """Ranks 1..size-1 started (each attaching rank 0's pool, ``pool_segment``) and joined, ``model``
+    sharded (None with one rank); a size the model cannot be sharded over is a ConfigError naming both."""
     from dsamodel.tp import check_tp_size
     from kvoffload_decode.tp_ranks import TPRanks
 
@@ -230,7 +231,7 @@ def _tp_ranks(args: argparse.Namespace, model, size: int, argv: list[str]):
     except ValueError as exc:
         raise ConfigError([f"--tensor-parallel-size: {exc}"]) from None
     share_cores(size)  # the ranks share this host's cores
-    return TPRanks.start(model, size=size, argv=argv)
+    return TPRanks.start(model, size=size, argv=argv, pool_segment=pool_segment)
 
 
 def _engine_rows(args: argparse.Namespace, d2h, layout) -> EngineRows | None:

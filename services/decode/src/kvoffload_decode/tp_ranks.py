@@ -7,12 +7,16 @@ ranks 1..N-1 (``python -m kvoffload_decode.tp_ranks --rank R --init I -- <rank 0
 one process each; ``svcruntime.ranks``: a gloo group over a file rendezvous) and shards rank 0's
 model. Each follower parses the same arguments, so it has the same model, sizes and configs, and:
 
-- holds its shard and a whole ``SparseDecoder`` of its own (its own host pool, indexer cache and
-  hot buffer: every rank selects the same top-k over the same rows);
+- holds its shard and a ``SparseDecoder`` of its own (its indexer cache and hot buffer) over the DP
+  rank's one host pool: rank 0 creates it and passes its segment's name (``--pool-segment``), the
+  follower attaches it (``kvcore.attachedpool``) and takes the blocks rank 0 allocates from rank 0's
+  ops, so a TP N decode holds each prompt's KV once in host memory; every rank selects the same
+  top-k over the same rows;
 - serves the Transfer control port of its rank, ``kv_port + dp_rank * N + rank``, where its
-  contributor prefill ranks announce their shares of every layer; it pulls them into its own pool
-  (``kvoffload_decode.follower``) and answers each READ_DONE / READ_FAILED itself, and its Stats
-  show what it pulled from which prefill rank;
+  contributor prefill ranks announce their shares of every layer; it pulls them into the shared
+  pool (the same bytes rank 0 pulls) and its indexer cache (``kvoffload_decode.follower``), answers
+  each READ_DONE / READ_FAILED itself, and its Stats show what it pulled from which prefill rank and
+  the pool blocks its requests hold;
 - follows rank 0 (``follow_decode``) until rank 0 closes the group.
 
 Rank 0 runs a request only once every rank holds its prompt whole (it polls them). One service,
@@ -44,8 +48,9 @@ class TPRanks(LeadRanks):
         self.decoder: LeadDecoder | None = None  # the LeadDecoder, once ``lead`` built it
 
     @classmethod
-    def start(cls, model, *, size: int, argv: list[str]) -> TPRanks:
-        """Spawn ranks 1..size-1 with rank 0's ``argv``, join the group and shard ``model``."""
+    def start(cls, model, *, size: int, argv: list[str], pool_segment: str) -> TPRanks:
+        """Spawn ranks 1..size-1 with rank 0's ``argv`` (each attaching the pool ``pool_segment``),
+        join the group and shard ``model``."""
         from dsamodel.tp import DistGroup, check_tp_size, shard_model
 
         check_tp_size(model.config, size)
@@ -61,6 +66,8 @@ class TPRanks(LeadRanks):
                 str(size),
                 "--init",
                 init,
+                "--pool-segment",
+                pool_segment,
                 "--",
                 *argv,
             ],
@@ -95,8 +102,8 @@ def _follower_main(argv: list[str] | None = None) -> int:
 
     from dsamodel.tp import DistGroup, shard_model
     from dsamodel.weights import load_model
+    from kvcore.attachedpool import AttachedPool
     from kvoffload_decode.options import SERVICE, decoder_options, settings_of
-    from kvoffload_engine import build
     from kvoffload_engine.decode import SparseDecoder
     from kvoffload_engine.layout import kv_layout
     from svcruntime import tls as kvtls
@@ -113,9 +120,7 @@ def _follower_main(argv: list[str] | None = None) -> int:
     layout = kv_layout(model.config, args.block_size, model.dtype)
     settings = settings_of(args, layout, model.config.index_topk)
     control_port = settings.control_port(args.dp_rank, own.rank)
-    pool = build.decode_pool(
-        model, args.block_size, settings.host_pool_bytes, name=f"kvoffload-decode-{control_port}-tp{own.rank}"
-    )
+    pool = AttachedPool.attach(own.pool_segment)
     try:
         decoder = SparseDecoder(model, pool, **decoder_options(args, settings))
         steps = _follow(decoder, pool, layout, own, args, tls, control_port)
@@ -127,11 +132,12 @@ def _follower_main(argv: list[str] | None = None) -> int:
 
 
 def _parse_rank_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespace]:
-    """This rank's own flags (``--rank``, ``--size``, ``--init``) and rank 0's service arguments,
-    which follow them (after ``--``)."""
+    """This rank's own flags (``--rank``, ``--size``, ``--init``, ``--pool-segment``) and rank 0's
+    service arguments, which follow them (after ``--``)."""
     from kvoffload_decode.options import build_parser
 
     p = follower_parser("kvoffload-decode tp rank")
+    p.add_argument("--pool-segment", required=True, help="rank 0's host pool segment, attached here")
     p.add_argument("service_args", nargs=argparse.REMAINDER)
     own = p.parse_args(argv)
     args = build_parser().parse_args(own.service_args[1:] if own.service_args[:1] == ["--"] else own.service_args)
