@@ -54,9 +54,17 @@ def _health_ok(url: str) -> bool:
 
 
 def api_server_command(
-    model: Path | str, *, port: int, max_model_len: int, host: str = "127.0.0.1", extra_args: Sequence[str] = ()
+    model: Path | str,
+    *,
+    port: int,
+    max_model_len: int,
+    host: str = "127.0.0.1",
+    extra_args: Sequence[str] = (),
+    in_process_worker: bool = False,
 ) -> list[str]:
-    """The argv of a vLLM OpenAI server on this machine (eager, float32; see docs/vllm.md)."""
+    """The argv of a vLLM OpenAI server on this machine (eager, float32; see docs/vllm.md). With
+    ``in_process_worker`` its one rank's worker runs inside the engine core's process (vLLM's ``uni``
+    executor; ``api_server_env`` gives the variable it needs on the CPU platform)."""
     return [
         sys.executable,
         "-m",
@@ -72,14 +80,63 @@ def api_server_command(
         "float32",
         "--max-model-len",
         str(max_model_len),
+        *(["--distributed-executor-backend", "uni"] if in_process_worker else []),
         *extra_args,
     ]
 
 
-def api_server_env(kv_cache_space_gib: int | str = 1) -> dict[str, str]:
+def api_server_env(kv_cache_space_gib: int | str = 1, *, in_process_worker: bool = False) -> dict[str, str]:
     """What a vLLM server's environment adds: its KV cache size (GiB) and no model hub
-    (HF_HUB_OFFLINE: a model path that does not exist must fail, not be tried as a hub repo id)."""
-    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib), "HF_HUB_OFFLINE": "1"}
+    (HF_HUB_OFFLINE: a model path that does not exist must fail, not be tried as a hub repo id). With
+    ``in_process_worker``: VLLM_ENABLE_V1_MULTIPROCESSING=0, without which vLLM's CPU platform turns
+    the ``uni`` executor back into ``mp``."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib), "HF_HUB_OFFLINE": "1"}
+    if in_process_worker:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+def ranks_of(extra_args: Sequence[str]) -> int:
+    """The ranks a server of ``extra_args`` runs (tensor x pipeline parallel sizes; 1 when not given)."""
+    sizes = {"--tensor-parallel-size": 1, "-tp": 1, "--pipeline-parallel-size": 1, "-pp": 1}
+    args = list(extra_args)
+    for i, a in enumerate(args):
+        flag, eq, value = a.partition("=")
+        if flag in sizes:
+            sizes[flag] = int(value if eq else args[i + 1])
+    return max(sizes["--tensor-parallel-size"], sizes["-tp"]) * max(sizes["--pipeline-parallel-size"], sizes["-pp"])
+
+
+# Runs as ``python -c _BOUND CPUS ARGV...``: the server's processes on the CPUs given, then the server.
+_BOUND = (
+    "import os, sys; os.sched_setaffinity(0, map(int, sys.argv[1].split(','))); os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+def cpu_ids(cpu_list: str) -> list[int]:
+    """The CPUs of a ``VLLM_CPU_OMP_THREADS_BIND`` value of one rank ("0", "2,3", "0-3,6")."""
+    out: list[int] = []
+    for part in cpu_list.split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def in_process_binding(argv: list[str], env: dict[str, str]) -> list[str]:
+    """What vLLM's ``mp`` executor does for its CPU worker (``VLLM_CPU_OMP_THREADS_BIND``: its OpenMP
+    threads on those CPUs, one per CPU; "auto": one CPU fewer than the process may use, one kept for
+    the rest), done for a server whose worker runs in the engine core's process, which the ``uni``
+    executor leaves unbound: ``env`` gets OMP_NUM_THREADS, and the argv returned pins the server's
+    processes to the CPUs given (unchanged for "auto" and "nobind")."""
+    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind == "nobind":
+        return argv
+    if bind == "auto":
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - 1)))
+        return argv
+    cpus = cpu_ids(bind)
+    env["OMP_NUM_THREADS"] = str(len(cpus))
+    return [sys.executable, "-c", _BOUND, ",".join(map(str, cpus)), *argv]
 
 
 class _NotAnswering(RuntimeError):
@@ -89,7 +146,11 @@ class _NotAnswering(RuntimeError):
 class VllmServer(ServerProcess):
     """A real vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on 127.0.0.1, run in
     its own process group. ``with VllmServer(model) as s:`` waits for ``/health``; leaving the block
-    stops the whole group (SIGTERM, then SIGKILL after ``stop_timeout_s``)."""
+    stops the whole group (SIGTERM, then SIGKILL after ``stop_timeout_s``). A server of one rank runs
+    its worker inside the engine core's process (``in_process_worker``: a start of ~20 CPU-s here
+    instead of ~32), its CPUs bound as vLLM's ``mp`` executor would (``in_process_binding``); one of
+    several ranks, and ``VllmStack``'s servers (what ``kvoffload up --engine vllm`` and
+    ``test_vllm_pd.py`` run), keep a worker process per rank."""
 
     START_ERROR = _NotAnswering
     whole_group = True
@@ -114,8 +175,14 @@ class VllmServer(ServerProcess):
         self.model = Path(model)
         self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = api_server_command(model, port=self.port, max_model_len=max_model_len, extra_args=extra_args)
-        self._env = {**os.environ, **api_server_env(kv_cache_space_gib), **(env or {})}
+        # one rank: its worker in the engine core's process (one process of ~12 CPU-s fewer to start)
+        one = ranks_of(extra_args) == 1
+        self.cmd = api_server_command(
+            model, port=self.port, max_model_len=max_model_len, extra_args=extra_args, in_process_worker=one
+        )
+        self._env = {**os.environ, **api_server_env(kv_cache_space_gib, in_process_worker=one), **(env or {})}
+        if one:
+            self.cmd = in_process_binding(self.cmd, self._env)
         self.stop_timeout_s = stop_timeout_s
         self.start_s: float | None = None  # seconds from launch to the first healthy answer
 
