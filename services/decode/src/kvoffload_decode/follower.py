@@ -1,8 +1,8 @@
 """What a decode TP follower rank knows about its requests: the rows it pulled of each.
 
 A follower (TP rank 1..N-1 of a decode, ``kvoffload_decode.tp_ranks``) serves its own control port
-and pulls its contributor prefill ranks' shares into its own pool, through the same pull path
-rank 0 uses (``kvoffload_decode.pull``). ``FollowerPulls`` stands in for the ``DecodeLoop`` there: a
+and pulls its contributor prefill ranks' shares into its DP rank's pool (rank 0's, attached) and
+its own indexer cache, through the same pull path rank 0 uses (``kvoffload_decode.pull``). ``FollowerPulls`` stands in for the ``DecodeLoop`` there: a
 request is known here from the moment rank 0's ``reserve`` reached this rank (``on_op``, called by
 ``follow_decode``: rank 0 reserves, then waits at a barrier until every rank has) until its
 ``finish``; the rows are installed and counted per layer as rank 0 does it (the ``RowInstaller``
