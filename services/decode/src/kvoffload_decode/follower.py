@@ -2,13 +2,13 @@
 
 A follower (TP rank 1..N-1 of a decode, ``kvoffload_decode.tp_ranks``) serves its own control port
 and pulls its contributor prefill ranks' shares into its DP rank's pool (rank 0's, attached) and
-its own indexer cache, through the same pull path rank 0 uses (``kvoffload_decode.pull``). ``FollowerPulls`` stands in for the ``DecodeLoop`` there: a
-request is known here from the moment rank 0's ``reserve`` reached this rank (``on_op``, called by
-``follow_decode``: rank 0 reserves, then waits at a barrier until every rank has) until its
-``finish``; the rows are installed and counted per layer as rank 0 does it (the ``RowInstaller``
-of ``kvoffload_decode.rows``); ``status`` answers rank 0's poll with the requests whose prompt this
-rank holds whole (rank 0 runs a request only once every rank does). The first token is rank 0's
-business: a PrefillDone here is refused.
+its own indexer cache, through the same pull path rank 0 uses (``kvoffload_decode.pull``).
+``FollowerPulls`` stands in for the ``DecodeLoop`` there: a request is known here from the moment
+rank 0's ``reserve`` reached this rank (``on_op``, called by ``follow_decode``: rank 0 reserves,
+then waits at a barrier until every rank has) until its ``finish``; the rows are installed and
+counted per layer as rank 0 does it (the ``RowInstaller`` of ``kvoffload_decode.rows``); ``status``
+answers rank 0's poll with the requests whose prompt this rank holds whole (rank 0 runs a request
+only once every rank does). The first token is rank 0's business: a PrefillDone here is refused.
 
 Everything that changes the decoder holds ``lock``, which ``follow_decode`` holds while it applies
 an op (a step included), so a pull waits for a step and a step for a pull's install.
