@@ -53,7 +53,7 @@ def test_the_decodes_own_metrics_are_read_by_name():
     stats = {"queued": 0, "waiting_for_blocks": 0, "running": 0, "rejected": 3, "gather_waits": 5, "gather_wait_s": 0.5}
     stats |= {"queue_timeouts": 2, "start_interval_s": 0.25}  # the queue-wait bound's
     step = SimpleNamespace(hit_rate=0.0, layer_hits={}, layer_misses={}, h2d_bytes=0, prefetched=0, prefetch_hits=0)
-    pool = SimpleNamespace(stats=lambda: SimpleNamespace(used_bytes=0))
+    pool = SimpleNamespace(stats=lambda: SimpleNamespace(used_bytes=0, capacity_bytes=1 << 30))
     loop = SimpleNamespace(decoder=SimpleNamespace(last_step=step, pool=pool), stats=lambda: stats)
     transfer = SimpleNamespace(counters={"read_done": 0, "read_ms_total": 0.0})
     text = DecodeMetrics(loop, transfer).render().decode()
@@ -63,6 +63,7 @@ def test_the_decodes_own_metrics_are_read_by_name():
     assert m.total("kvoffload_decode_rejected_total") == 0  # counted by the app, not from Stats
     assert m.total("kvoffload_decode_queue_timeouts_total") == 2
     assert m.total("kvoffload_decode_start_interval_seconds") == 0.25
+    assert m.total("kvoffload_decode_pool_capacity_bytes") == 1 << 30  # the DP rank's one pool
 
 
 def test_metric_reads_a_servers_metrics_over_http():

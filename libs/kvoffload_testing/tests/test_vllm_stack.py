@@ -151,7 +151,7 @@ FAKE_SERVICE = textwrap.dedent("""
         os._exit(0)  # a grandchild is left behind: stopping the group must end it
 
     signal.signal(signal.SIGTERM, term)  # first: a service stopped while it starts says so too
-    event("spawned", os.environ.get("HF_HUB_OFFLINE"))
+    event("spawned", os.environ.get("HF_HUB_OFFLINE"), os.getpid())
     if code:
         sys.exit(code)
     if grandchild:  # like vLLM's engine core: a process of the service's group, here one that ignores SIGTERM
@@ -259,7 +259,14 @@ def test_a_child_that_dies_while_starting_stops_the_others_and_names_itself(tmp_
     with pytest.raises(RuntimeError, match=r"decode-0 exited with status 3 while starting; its log \("):
         stack.start(timeout_s=60, progress=False)
     evs = read_events(events)
-    assert [e[0] for e in evs if e[1] == "sigterm"] == ["proxy", "prefill-0", "metastore"]
+    # every other service that had started running (its handler installed: "spawned" is written after it)
+    # got SIGTERM, in reverse start order; one stopped before its interpreter ran a line writes nothing,
+    # and only the metastore (healthy before the others spawn) is sure to have run
+    running = {e[0] for e in evs if e[1] == "spawned"} - {"decode-0"}
+    assert "metastore" in running
+    stopped = [e[0] for e in evs if e[1] == "sigterm"]
+    assert stopped == [n for n in ["proxy", "prefill-0", "metastore"] if n in running], (stopped, running)
+    assert not any(pid_alive(int(e[3])) for e in evs if e[1] == "spawned")
     assert not any(pid_alive(int(e[2])) for e in evs if e[1] == "grandchild")
     assert stack.services == []
 
