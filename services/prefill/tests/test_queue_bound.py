@@ -173,3 +173,48 @@ def test_no_bound_refuses_nothing_and_times_nothing_out():
 def test_a_negative_bound_is_refused():
     with pytest.raises(ValueError, match="must be >= 0"):
         PrefillQueue(bound_s=-1)
+
+
+def test_the_run_model_learns_a_fixed_part_and_a_part_per_token():
+    model = queue_bound.RunModel()
+    assert model.fit() is None and model.seconds(100) is None
+    model.add(1000, 2.0)
+    assert model.fit() == pytest.approx((0.0, 0.002))  # one size: tokens over a rate
+    for _ in range(10):  # short and long prompts alternate: 0.1 s per run + 1 ms per token
+        model.add(10, 0.11)
+        model.add(1200, 1.3)
+    fixed, per = model.fit()
+    assert fixed == pytest.approx(0.1, abs=0.01) and per == pytest.approx(0.001, rel=0.02)
+    assert model.seconds(10) == pytest.approx(0.11, abs=0.01) and model.seconds(1200) == pytest.approx(1.3, rel=0.02)
+
+
+def test_a_queue_of_short_prompts_is_estimated_by_their_fixed_costs():
+    """22 short prompts ahead are 2.4 s of engine time, 23 are 2.5 s: the 24th is refused under a 2.45 s
+    bound, where their tokens alone (0.26 s) would have admitted hundreds."""
+    clock = Clock()
+    queue = PrefillQueue(bound_s=2.45, clock=clock)
+    for _ in range(10):
+        run_once(queue, clock, 10, 0.11)
+        run_once(queue, clock, 1200, 1.3)
+    assert queue.stats()["run_fixed_s"] == pytest.approx(0.1, abs=0.01)
+    assert queue.rate_tokens_per_s == pytest.approx(1000, rel=0.02)
+    ahead = [queue.admit(f"s{i}", 10) for i in range(23)]
+    with pytest.raises(
+        PrefillBusy, match=r"about 2\.5 s \(23 queued ahead.*1\d\d\d prompt tokens/s and 0\.1\d s per run"
+    ):
+        queue.admit("short", 10)
+    assert len(ahead) == 23
+
+
+def test_a_queue_of_long_prompts_is_not_charged_the_short_ones_overhead_per_token():
+    """After mixed runs, 40 prompts of 1,200 tokens ahead are 52 s: admitted under a 55 s bound (tokens
+    over the smoothed rate of the same runs would say 55.5 s and refuse)."""
+    clock = Clock()
+    queue = PrefillQueue(bound_s=55, clock=clock)
+    for _ in range(10):
+        run_once(queue, clock, 10, 0.11)
+        run_once(queue, clock, 1200, 1.3)
+    for i in range(40):
+        queue.admit(f"l{i}", 1200)
+    queue.admit("next", 1200)  # 40 x 1.3 s = 52 s ahead: within the bound
+    assert queue.stats()["rejected_by_estimate"] == 0

@@ -271,6 +271,7 @@ def _burst(cfg, url: str, work: list[tuple[list[int], int]], client_timeout_s: f
         out |= {prefix + k: int(after[service][k] - before[service][k]) for k in keys}
     out["start_interval_s"] = after["decode-0"]["start_interval_s"]
     out["prefill_rate_tokens_per_s"] = after["prefill-0"]["rate_tokens_per_s"]
+    out["prefill_run_fixed_s"] = after["prefill-0"]["run_fixed_s"]
     return out
 
 

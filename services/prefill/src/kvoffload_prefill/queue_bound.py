@@ -5,11 +5,15 @@ The engine prefills one prompt at a time; the others wait their turn, in arrival
 decode sees it as served), so the decode's own ``--max-queue-wait-s`` does not cover this wait: the
 prefill bounds it (``--max-queue-wait-s``, ``DEFAULT_MAX_QUEUE_WAIT_S``; 0: no bound) twice:
 
-- at admission, from an estimate: the prompt tokens queued ahead (those waiting, and what is left
-  of the one running) over the engine's measured rate (prompt tokens per second of engine run,
-  smoothed over recent runs: ``ALPHA``; prefix-cache hits included, so the rate is the workload's).
-  A request the estimate puts past the bound is refused at once (HTTP 429, ``Retry-After`` the
-  estimate's excess over the bound). Before the first run there is no rate, and no estimate refuses.
+- at admission, from an estimate: the engine time of the prompts queued ahead (those waiting, and
+  what is left of the one running). A run of ``n`` prompt tokens takes ``c + n / rate`` seconds: a
+  fixed part (lookups, pool allocation, the hand-off to the decode) and a part per token, fitted by
+  least squares over recent runs (``RunModel``: smoothed sums, ``ALPHA``; prefix-cache hits included,
+  so the fit is the workload's; while the runs seen are all of one size, no fixed part). Tokens over
+  a single rate alone were wrong both ways on mixed prompts: a queue of short prompts is mostly fixed
+  costs, a queue of long ones mostly tokens. A request the estimate puts past the bound is refused at
+  once (HTTP 429, ``Retry-After`` the estimate's excess over the bound). Before the first run there is
+  no estimate, and none refuses.
 - as a guarantee: a request still waiting for its turn when the bound has passed leaves the queue and
   is refused then (``QueueWaitExceeded``, 429 before any byte), whatever the estimate said.
 
@@ -51,6 +55,43 @@ class Abandoned(RuntimeError):
     """A queued request left the queue: its decode no longer waits for it."""
 
 
+class RunModel:
+    """The engine time of a run of ``n`` prompt tokens, ``fixed_s + n * per_token_s``, fitted by least
+    squares over the runs seen, each weighted by ``ALPHA`` against the ones before (module doc)."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self._n = self._t = self._nn = self._nt = 0.0  # smoothed n, t, n^2, n*t
+
+    def add(self, tokens: int, seconds: float) -> None:
+        w = 1.0 if self.runs == 0 else ALPHA
+        n, t = float(tokens), max(0.0, seconds)
+        self._n += w * (n - self._n)
+        self._t += w * (t - self._t)
+        self._nn += w * (n * n - self._nn)
+        self._nt += w * (n * t - self._nt)
+        self.runs += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed_s, per_token_s); None before the first run (or with no tokens seen)."""
+        if self.runs == 0 or self._n <= 0:
+            return None
+        var = self._nn - self._n * self._n
+        if var > (0.01 * self._n) ** 2:  # runs of different sizes: fixed part and slope
+            per = (self._nt - self._n * self._t) / var
+            fixed = self._t - per * self._n
+            if per > 0 and fixed >= 0:
+                return fixed, per
+            if per > 0:  # the line crosses below zero: through the origin
+                return 0.0, self._nt / self._nn
+        return 0.0, self._t / self._n  # one size seen (or no slope): tokens over a rate
+
+    def seconds(self, tokens: float) -> float | None:
+        """The estimated engine time of a run of ``tokens`` prompt tokens (None: no fit yet)."""
+        f = self.fit()
+        return None if f is None else f[0] + f[1] * tokens
+
+
 @dataclass(eq=False)
 class Turn:
     """One request's place: its prompt tokens and when it was admitted (monotonic)."""
@@ -73,24 +114,26 @@ class PrefillQueue:
         self._waiting: deque[Turn] = deque()
         self._running: Turn | None = None
         self._in_service = 0
-        self._tokens_avg = self._seconds_avg = 0.0  # the rate's smoothed numerator and denominator
+        self.model = RunModel()  # the engine time of a run, learnt from the runs
         # Stats names: the decode's for the same things
         self.counters = {"rejected_by_estimate": 0, "rejected_queue_full": 0, "queue_timeouts": 0, "abandoned": 0}
 
     @property
     def rate_tokens_per_s(self) -> float | None:
-        """Prompt tokens per second of engine run (smoothed); None before the first run."""
-        return self._tokens_avg / self._seconds_avg if self._seconds_avg > 0 else None
+        """Prompt tokens per second of engine run beyond its fixed part; None before the first run."""
+        f = self.model.fit()
+        return 1.0 / f[1] if f is not None and f[1] > 0 else None
 
     def _ahead_s(self, now: float) -> float | None:
-        """The wait of a request queued now: the tokens ahead over the rate; None without a rate."""
-        rate = self.rate_tokens_per_s
-        if rate is None:
+        """The wait of a request queued now: the engine time of the runs ahead; None without a fit."""
+        f = self.model.fit()
+        if f is None:
             return None
-        tokens = float(sum(t.tokens for t in self._waiting))
+        fixed, per = f
+        ahead = sum(fixed + per * t.tokens for t in self._waiting)
         if self._running is not None and self._running.started is not None:
-            tokens += max(0.0, self._running.tokens - rate * (now - self._running.started))
-        return tokens / rate
+            ahead += max(0.0, fixed + per * self._running.tokens - (now - self._running.started))
+        return ahead
 
     def _retry_after_s(self, ahead_s: float | None) -> float:
         """A refusal's ``Retry-After``: the estimate's excess over the bound, at least 1 s."""
@@ -109,9 +152,10 @@ class PrefillQueue:
             ahead = self._ahead_s(now)
             if self.bound_s and ahead is not None and ahead > self.bound_s:
                 self.counters["rejected_by_estimate"] += 1
+                fixed, per = self.model.fit() or (0.0, 0.0)
                 raise PrefillBusy(
                     f"the prefill would start this request in about {ahead:.1f} s ({len(self._waiting)} queued "
-                    f"ahead of it, {self.rate_tokens_per_s:.0f} prompt tokens/s), past its bound "
+                    f"ahead of it, {1 / per:.0f} prompt tokens/s and {fixed:.2f} s per run), past its bound "
                     f"--max-queue-wait-s={self.bound_s:g}; retry later",
                     retry_after_s=self._retry_after_s(ahead),
                 )
@@ -149,9 +193,7 @@ class PrefillQueue:
         """``turn``'s engine run ended (or failed): the engine is free; the rate learns its pace."""
         with self._cond:
             if self._running is turn and turn.started is not None:
-                seconds = self.clock() - turn.started
-                self._tokens_avg = (1 - ALPHA) * self._tokens_avg + ALPHA * turn.tokens
-                self._seconds_avg = (1 - ALPHA) * self._seconds_avg + ALPHA * seconds
+                self.model.add(turn.tokens, self.clock() - turn.started)
                 self._running = None
                 self._cond.notify_all()
 
@@ -167,12 +209,13 @@ class PrefillQueue:
 
     def stats(self) -> dict[str, float]:
         with self._cond:
-            rate = self.rate_tokens_per_s
+            rate, fit = self.rate_tokens_per_s, self.model.fit()
             return {
                 **self.counters,
                 "queued": len(self._waiting),
                 "queued_tokens": sum(t.tokens for t in self._waiting),
                 "in_service": self._in_service,
                 "rate_tokens_per_s": round(rate, 1) if rate is not None else 0.0,
+                "run_fixed_s": round(fit[0], 4) if fit is not None else 0.0,
                 "max_queue_wait_s": self.bound_s,
             }
