@@ -83,7 +83,9 @@ def test_the_estimate_refuses_at_admission_what_would_wait_past_the_bound():
     queued = [queue.admit(f"q{i}", 1000) for i in range(4)]  # +8 s: 9 s ahead of the next
     assert queue.stats()["queued_tokens"] == 4000
     fits = queue.admit("fits", 3000)  # 9 s <= 10: admitted, whatever its own length
-    with pytest.raises(PrefillBusy, match=r"about 15\.0 s \(5 queued ahead.*500 prompt tokens/s.*wait-s=10;") as info:
+    with pytest.raises(
+        PrefillBusy, match=r"about 15\.0 s \(5 queued ahead.*4096 prompt tokens takes about 8\.19 s.*wait-s=10;"
+    ) as info:
         queue.admit("late", 10)  # 1 + 8 + 6 s ahead
     assert info.value.retry_after_s == 5  # the excess over the bound
     clock.now += 0.9  # the running one nearly done: 14.1 s ahead
@@ -178,14 +180,29 @@ def test_a_negative_bound_is_refused():
 def test_the_run_model_learns_a_fixed_part_and_a_part_per_token():
     model = queue_bound.RunModel()
     assert model.fit() is None and model.seconds(100) is None
-    model.add(1000, 2.0)
-    assert model.fit() == pytest.approx((0.0, 0.002))  # one size: tokens over a rate
+    model.add(1000, 1.1)
+    assert model.fit() == pytest.approx({"fixed": 0.0, "token": 0.0011, "square": 0.0})  # one size: a rate
     for _ in range(10):  # short and long prompts alternate: 0.1 s per run + 1 ms per token
         model.add(10, 0.11)
         model.add(1200, 1.3)
-    fixed, per = model.fit()
-    assert fixed == pytest.approx(0.1, abs=0.01) and per == pytest.approx(0.001, rel=0.02)
+    f = model.fit()
+    assert f["fixed"] == pytest.approx(0.1, abs=0.01) and f["token"] == pytest.approx(0.001, rel=0.02)
     assert model.seconds(10) == pytest.approx(0.11, abs=0.01) and model.seconds(1200) == pytest.approx(1.3, rel=0.02)
+
+
+def test_the_run_model_learns_the_cost_that_grows_with_the_square_of_the_prompt():
+    """Attention over the prompt: 0.05 s + 0.2 ms per token + 0.1 us per token squared, over mixed sizes."""
+    model = queue_bound.RunModel()
+    for n in (10, 300, 1000, 2500, 6000) * 4:
+        model.add(n, 0.05 + 2e-4 * n + 1e-7 * n * n)
+    f = model.fit()
+    assert f == pytest.approx({"fixed": 0.05, "token": 2e-4, "square": 1e-7}, rel=1e-3, abs=1e-6)
+    assert model.seconds(4096) == pytest.approx(0.05 + 0.8192 + 1.6777, rel=1e-3)
+    assert len(model._runs) == 20 and queue_bound.WINDOW >= 20
+    for _ in range(queue_bound.WINDOW):  # only the latest runs count: the engine got twice as slow
+        for n in (10, 300, 1000, 2500, 6000):
+            model.add(n, 2 * (0.05 + 2e-4 * n + 1e-7 * n * n))
+    assert model.seconds(4096) == pytest.approx(2 * (0.05 + 0.8192 + 1.6777), rel=1e-3)
 
 
 def test_a_queue_of_short_prompts_is_estimated_by_their_fixed_costs():
@@ -198,10 +215,9 @@ def test_a_queue_of_short_prompts_is_estimated_by_their_fixed_costs():
         run_once(queue, clock, 1200, 1.3)
     assert queue.stats()["run_fixed_s"] == pytest.approx(0.1, abs=0.01)
     assert queue.rate_tokens_per_s == pytest.approx(1000, rel=0.02)
+    assert queue.stats()["run_4k_s"] == pytest.approx(0.1 + 4.096, rel=0.02)
     ahead = [queue.admit(f"s{i}", 10) for i in range(23)]
-    with pytest.raises(
-        PrefillBusy, match=r"about 2\.5 s \(23 queued ahead.*1\d\d\d prompt tokens/s and 0\.1\d s per run"
-    ):
+    with pytest.raises(PrefillBusy, match=r"about 2\.5 s \(23 queued ahead.*4096 prompt tokens takes about 4\.2\d s"):
         queue.admit("short", 10)
     assert len(ahead) == 23
 

@@ -272,6 +272,7 @@ def _burst(cfg, url: str, work: list[tuple[list[int], int]], client_timeout_s: f
     out["start_interval_s"] = after["decode-0"]["start_interval_s"]
     out["prefill_rate_tokens_per_s"] = after["prefill-0"]["rate_tokens_per_s"]
     out["prefill_run_fixed_s"] = after["prefill-0"]["run_fixed_s"]
+    out["prefill_run_4k_s"] = after["prefill-0"]["run_4k_s"]
     return out
 
 

@@ -16,9 +16,9 @@ gets before it starts — its prefill and pull). Each request ends as one of:
 
 Reported with the decode's own counts (``queue_timeouts``, ``rejected_by_estimate``,
 ``start_interval_s``), the prefill's (``prefill_queue_timeouts``, ``prefill_rejected_by_estimate``,
-``prefill_rejected_queue_full``; ``prefill_rate_tokens_per_s`` and ``prefill_run_fixed_s``, the fit its
-estimate uses) and ``first_answer_p50_s`` / ``first_answer_max_s`` (send to the first byte of the
-answer, whatever it was). The goal: ``timed_out`` 0.
+``prefill_rejected_queue_full``; ``prefill_rate_tokens_per_s``, ``prefill_run_fixed_s`` and
+``prefill_run_4k_s``, the fit its estimate uses) and ``first_answer_p50_s`` / ``first_answer_max_s``
+(send to the first byte of the answer, whatever it was). The goal: ``timed_out`` 0.
 """
 
 from __future__ import annotations

@@ -6,14 +6,14 @@ decode sees it as served), so the decode's own ``--max-queue-wait-s`` does not c
 prefill bounds it (``--max-queue-wait-s``, ``DEFAULT_MAX_QUEUE_WAIT_S``; 0: no bound) twice:
 
 - at admission, from an estimate: the engine time of the prompts queued ahead (those waiting, and
-  what is left of the one running). A run of ``n`` prompt tokens takes ``c + n / rate`` seconds: a
-  fixed part (lookups, pool allocation, the hand-off to the decode) and a part per token, fitted by
-  least squares over recent runs (``RunModel``: smoothed sums, ``ALPHA``; prefix-cache hits included,
-  so the fit is the workload's; while the runs seen are all of one size, no fixed part). Tokens over
-  a single rate alone were wrong both ways on mixed prompts: a queue of short prompts is mostly fixed
-  costs, a queue of long ones mostly tokens. A request the estimate puts past the bound is refused at
-  once (HTTP 429, ``Retry-After`` the estimate's excess over the bound). Before the first run there is
-  no estimate, and none refuses.
+  what is left of the one running). A run of ``n`` prompt tokens takes a fixed part (lookups, pool
+  allocation, the hand-off to the decode), a part per token and a part per token squared (attention
+  over the prompt), each fitted by least squares over the latest runs (``RunModel``, ``WINDOW``;
+  prefix-cache hits included, so the fit is the workload's). Tokens over a single rate were wrong both
+  ways on mixed prompts: a queue of short prompts is mostly fixed costs, a queue of long ones costs
+  more per token than short runs do. A request the estimate puts past the bound is refused at once
+  (HTTP 429, ``Retry-After`` the estimate's excess over the bound). Before the first run there is no
+  estimate, and none refuses.
 - as a guarantee: a request still waiting for its turn when the bound has passed leaves the queue and
   is refused then (``QueueWaitExceeded``, 429 before any byte), whatever the estimate said.
 
@@ -34,7 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 DEFAULT_MAX_QUEUE_WAIT_S = 60.0
-ALPHA = 0.2  # weight of the newest run in the rate
+WINDOW = 64  # the latest runs the engine's time is fitted over
+PROBE_TOKENS = 4096  # the prompt length the refusals and Stats quote the fitted run time of
 POLL_S = 0.5  # how often a waiting request asks whether its decode still wants it
 MAX_IN_SERVICE = 256  # requests waiting, running or awaiting reads at once (the HTTP side's threads)
 
@@ -56,40 +57,71 @@ class Abandoned(RuntimeError):
 
 
 class RunModel:
-    """The engine time of a run of ``n`` prompt tokens, ``fixed_s + n * per_token_s``, fitted by least
-    squares over the runs seen, each weighted by ``ALPHA`` against the ones before (module doc)."""
+    """The engine time of a run of ``n`` prompt tokens: ``fixed_s + n * token_s + n**2 * square_s`` (the
+    lookups and the hand-off; the work per token; attention over the prompt), each term >= 0, fitted by
+    least squares over the last ``WINDOW`` runs: of the subsets of those terms, the one with
+    non-negative coefficients that fits them best, with no more terms than distinct sizes seen (one
+    size seen: tokens over a rate)."""
+
+    TERMS = (
+        ("fixed", "token", "square"),
+        ("fixed", "token"),
+        ("token", "square"),
+        ("fixed", "square"),
+        ("token",),
+        ("square",),
+        ("fixed",),
+    )
 
     def __init__(self) -> None:
-        self.runs = 0
-        self._n = self._t = self._nn = self._nt = 0.0  # smoothed n, t, n^2, n*t
+        self._runs: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (kilotokens, seconds)
+        self._coef: dict[str, float] | None = None  # per term, in seconds per token, per token**2
+
+    @property
+    def runs(self) -> int:
+        return len(self._runs)
 
     def add(self, tokens: int, seconds: float) -> None:
-        w = 1.0 if self.runs == 0 else ALPHA
-        n, t = float(tokens), max(0.0, seconds)
-        self._n += w * (n - self._n)
-        self._t += w * (t - self._t)
-        self._nn += w * (n * n - self._nn)
-        self._nt += w * (n * t - self._nt)
-        self.runs += 1
+        if tokens > 0:
+            self._runs.append((tokens / 1000, max(0.0, seconds)))
+            self._coef = self._solve()
 
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed_s, per_token_s); None before the first run (or with no tokens seen)."""
-        if self.runs == 0 or self._n <= 0:
+    def _solve(self) -> dict[str, float] | None:
+        import torch  # the prefill has it loaded; kilotokens keep the squares well-conditioned
+
+        k = torch.tensor([r[0] for r in self._runs], dtype=torch.float64)
+        t = torch.tensor([r[1] for r in self._runs], dtype=torch.float64)
+        cols = {"fixed": torch.ones_like(k), "token": k, "square": k * k}
+        sizes = len({r[0] for r in self._runs})
+        tie = 1e-9 * float((t * t).sum())  # fits closer than this are equal: the earlier terms win
+        best: tuple[float, tuple[str, ...], list[float]] | None = None
+        for terms in self.TERMS:
+            if len(terms) > sizes:
+                continue
+            x = torch.stack([cols[c] for c in terms], 1)
+            coef = torch.linalg.lstsq(x, t[:, None]).solution[:, 0]
+            if bool((coef < 0).any()):
+                continue
+            resid = float(((x @ coef - t) ** 2).sum())
+            if best is None or resid < best[0] - tie:
+                best = (resid, terms, coef.tolist())
+        if best is None:
             return None
-        var = self._nn - self._n * self._n
-        if var > (0.01 * self._n) ** 2:  # runs of different sizes: fixed part and slope
-            per = (self._nt - self._n * self._t) / var
-            fixed = self._t - per * self._n
-            if per > 0 and fixed >= 0:
-                return fixed, per
-            if per > 0:  # the line crosses below zero: through the origin
-                return 0.0, self._nt / self._nn
-        return 0.0, self._t / self._n  # one size seen (or no slope): tokens over a rate
+        got = dict(zip(best[1], best[2], strict=True))
+        return {
+            "fixed": got.get("fixed", 0.0),
+            "token": got.get("token", 0.0) / 1e3,
+            "square": got.get("square", 0.0) / 1e6,
+        }
+
+    def fit(self) -> dict[str, float] | None:
+        """The terms (``fixed`` s, ``token`` s per token, ``square`` s per token**2); None before a run."""
+        return self._coef
 
     def seconds(self, tokens: float) -> float | None:
         """The estimated engine time of a run of ``tokens`` prompt tokens (None: no fit yet)."""
-        f = self.fit()
-        return None if f is None else f[0] + f[1] * tokens
+        c = self._coef
+        return None if c is None else c["fixed"] + c["token"] * tokens + c["square"] * tokens * tokens
 
 
 @dataclass(eq=False)
@@ -120,19 +152,18 @@ class PrefillQueue:
 
     @property
     def rate_tokens_per_s(self) -> float | None:
-        """Prompt tokens per second of engine run beyond its fixed part; None before the first run."""
+        """Prompt tokens per second of the per-token term; None before the first run or without it."""
         f = self.model.fit()
-        return 1.0 / f[1] if f is not None and f[1] > 0 else None
+        return 1.0 / f["token"] if f is not None and f["token"] > 0 else None
 
     def _ahead_s(self, now: float) -> float | None:
         """The wait of a request queued now: the engine time of the runs ahead; None without a fit."""
-        f = self.model.fit()
-        if f is None:
+        m = self.model
+        if m.fit() is None:
             return None
-        fixed, per = f
-        ahead = sum(fixed + per * t.tokens for t in self._waiting)
+        ahead = sum(m.seconds(t.tokens) or 0.0 for t in self._waiting)
         if self._running is not None and self._running.started is not None:
-            ahead += max(0.0, fixed + per * self._running.tokens - (now - self._running.started))
+            ahead += max(0.0, (m.seconds(self._running.tokens) or 0.0) - (now - self._running.started))
         return ahead
 
     def _retry_after_s(self, ahead_s: float | None) -> float:
@@ -152,10 +183,10 @@ class PrefillQueue:
             ahead = self._ahead_s(now)
             if self.bound_s and ahead is not None and ahead > self.bound_s:
                 self.counters["rejected_by_estimate"] += 1
-                fixed, per = self.model.fit() or (0.0, 0.0)
                 raise PrefillBusy(
                     f"the prefill would start this request in about {ahead:.1f} s ({len(self._waiting)} queued "
-                    f"ahead of it, {1 / per:.0f} prompt tokens/s and {fixed:.2f} s per run), past its bound "
+                    f"ahead of it; a run of {PROBE_TOKENS} prompt tokens takes about "
+                    f"{self.model.seconds(PROBE_TOKENS) or 0.0:.2f} s here), past its bound "
                     f"--max-queue-wait-s={self.bound_s:g}; retry later",
                     retry_after_s=self._retry_after_s(ahead),
                 )
@@ -209,13 +240,14 @@ class PrefillQueue:
 
     def stats(self) -> dict[str, float]:
         with self._cond:
-            rate, fit = self.rate_tokens_per_s, self.model.fit()
+            rate, fit, probe = self.rate_tokens_per_s, self.model.fit(), self.model.seconds(PROBE_TOKENS)
             return {
                 **self.counters,
                 "queued": len(self._waiting),
                 "queued_tokens": sum(t.tokens for t in self._waiting),
                 "in_service": self._in_service,
                 "rate_tokens_per_s": round(rate, 1) if rate is not None else 0.0,
-                "run_fixed_s": round(fit[0], 4) if fit is not None else 0.0,
+                "run_fixed_s": round(fit["fixed"], 4) if fit is not None else 0.0,
+                "run_4k_s": round(probe, 3) if probe is not None else 0.0,  # a run of PROBE_TOKENS
                 "max_queue_wait_s": self.bound_s,
             }
