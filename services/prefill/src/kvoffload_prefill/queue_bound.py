@@ -77,10 +77,6 @@ class RunModel:
         self._runs: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (kilotokens, seconds)
         self._coef: dict[str, float] | None = None  # per term, in seconds per token, per token**2
 
-    @property
-    def runs(self) -> int:
-        return len(self._runs)
-
     def add(self, tokens: int, seconds: float) -> None:
         if tokens > 0:
             self._runs.append((tokens / 1000, max(0.0, seconds)))
