@@ -13,19 +13,16 @@ decode's blocks).
 
 from __future__ import annotations
 
-import http.server
-import json
-import threading
 import time
 
 import pytest
 import torch
+from d2h_support import Metaserver, ended, free_port, settings, until
 from structlog.testing import capture_logs
 
 from kvoffload_vllm.consumer import COUNTERS, Consumer
 from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import Peer, Send
-from kvoffload_vllm.d2h_settings import D2HSettings
 from kvoffload_vllm.d2h_step import D2HStepMetadata, Recv
 from kvoffload_vllm.kv_digest import pages_digest
 from kvoffload_vllm.kv_groups import KVGroup
@@ -34,39 +31,6 @@ from pdlink.refusals import Refused
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 GROUPS = (KVGroup(0, LAYERS, 4, ()),)
-
-
-class Metaserver:
-    """Answers every registration 200 and keeps the bodies."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict] = []
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                outer.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(b'{"status": "ok"}')
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/metaserver"
-
-    def close(self) -> None:
-        self.server.shutdown()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 BACKENDS = ("kvoffload", "mooncake")
@@ -86,10 +50,6 @@ def pair(request):
     yield from running_pair(prefill, decode, backend=request.param)
 
 
-def settings(role: str, backend: str, control_port: int | None = None, **kw) -> D2HSettings:
-    return D2HSettings(role, control_port, "127.0.0.1", 0, 1.0, 10.0, transfer_backend=backend, **kw)
-
-
 def running_pair(prefill_layers: D2HLayers, decode_layers: D2HLayers, *, backend: str, kv_digests: bool = False):
     consumer = Consumer(
         settings("kv_consumer", backend, free_port(), dp_rank=1, kv_digests=kv_digests), "model-a", decode_layers
@@ -102,22 +62,8 @@ def running_pair(prefill_layers: D2HLayers, decode_layers: D2HLayers, *, backend
     meta.close()
 
 
-def until(check, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError("timed out")
-
-
 def recv(meta: Metaserver, num_tokens: int, *block_ids: tuple[int, ...]) -> Recv:
     return Recv("vllm-d", "cmpl-1", meta.url, None, num_tokens, 0, block_ids)
-
-
-def ended(consumer: Consumer) -> tuple[set[str], set[str]]:
-    return until(lambda: (lambda r: r if r[0] or r[1] else None)(consumer.finished()))
 
 
 def test_a_chunked_prompt_lands_block_for_block_and_ends_once(pair):

@@ -42,6 +42,8 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``d2h_layers``: the D2H connector's layers on the wire, each with its KV cache group's blocks and block size.
 - ``d2h_settings``: ``D2HSettings``, the connector's typed config.
 - ``d2h_step``: ``D2HStepMetadata``, one step's work for the workers (sends, ``Recv``, cancellations).
+- ``d2h_tp``: tensor parallel pairing: the decode rank a prefill rank feeds, its share of a step,
+  the head slice of a block it fills.
 - ``kv_digest``: per-layer digests of a request's prompt KV (the decode's ``kv_digests`` log, checks).
 - ``layout``: block keys' model ids; the one contiguous KV cache group the shared buffers take.
 - ``block_bytes``: a layer's cache as its blocks' bytes over any block stride (hybrid-manager views too).

@@ -14,6 +14,11 @@ Engine instead, straight into the request's blocks (``read_in_place``, ``kvofflo
 the prefill's block ids of each announced range come with its ReadReady); a prefill on another
 transfer backend is refused naming both.
 
+Under tensor parallel each rank's consumer takes its own part: decode rank t pulls from its prefill
+contributors only (``kvcore.pdpair``), each prefill rank's head slice of every block, or its share
+of the blocks where every rank holds the same KV (``kvoffload_vllm.d2h_tp``); every rank registers
+the same decode (rank 0's port, the TP size) with the proxy.
+
 A request ends in exactly one of three ways, each reported once by ``finished`` after no pull is
 writing its blocks any more: every layer landed (a finished receive); a pull failed, the
 registration failed, or the prefill went silent for longer than ``peer_timeout_s`` once the
@@ -37,6 +42,7 @@ from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import blocks_of
 from kvoffload_vllm.d2h_settings import D2HSettings
 from kvoffload_vllm.d2h_step import D2HStepMetadata
+from kvoffload_vllm.d2h_tp import HeadSlice, head_slice, slice_problem, sliced
 from kvoffload_vllm.incoming import Incoming, RequestEnded
 from kvoffload_vllm.kv_digest import prompt_digests
 from kvoffload_vllm.kv_groups import NULL_BLOCK
@@ -77,7 +83,14 @@ class Consumer(RowSink):
         if self.transfer is not None:
             self.transfer_engine = self.transfer.name
         sources = RowSources(lambda endpoint: secure_or_insecure_channel(endpoint, PROCESS))
-        self.pull = PullConsumer(self, sources, model_id=model_id, read_retries=READ_RETRIES)
+        self.pull = PullConsumer(
+            self,
+            sources,
+            model_id=model_id,
+            read_retries=READ_RETRIES,
+            tp_rank=settings.tp_rank,
+            tp_size=settings.tp_size,
+        )
         self._stop = threading.Event()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvoffload-transfer"))
         transfer_pb2_grpc.add_TransferServicer_to_server(TransferServicer(self.pull), self._server)
@@ -90,6 +103,8 @@ class Consumer(RowSink):
         log.info(
             "kvoffload_d2h_consumer",
             control_endpoint=self.endpoint,
+            tp_rank=settings.tp_rank,
+            tp_size=settings.tp_size,
             layers=len(layers.names),
             block_sizes=[g.block_size for g in layers.groups],
             peer_timeout_s=settings.peer_timeout_s,
@@ -183,6 +198,8 @@ class Consumer(RowSink):
                     transfer_id=inc.recv.transfer_id,
                     tokens=inc.recv.num_tokens,
                     bytes=inc.bytes,
+                    bytes_by_prefill_tp_rank=dict(sorted(inc.bytes_by_rank.items())),
+                    tp_rank=self.settings.tp_rank,
                     layer_blocks=inc.layer_blocks,
                     seconds=seconds,
                     prefill=inc.peer,
@@ -209,8 +226,6 @@ class Consumer(RowSink):
         return self.layers.block_size(layer)
 
     def layout_problem(self, m: transfer_pb2.LayoutMetadata) -> str:
-        if m.prefill_tp_size != 1:
-            return f"prefill_tp_size: prefill {m.prefill_tp_size}, decode 1 (one rank only for now)"
         if self.transfer is not None:
             for got in m.layers:
                 if not got.engine_block_address or not got.engine_block_stride_bytes:
@@ -220,13 +235,27 @@ class Consumer(RowSink):
                     )
         for i, got in enumerate(m.layers):
             row_bytes, dtype = self.layers.row_bytes(i), self.layers.dtypes[i]
-            if got.layer != i or got.main_row_bytes != row_bytes or got.main_dtype != dtype or got.indexer_row_bytes:
+            part = self._slice(m, i)
+            if got.layer != i or isinstance(part, str) or got.main_dtype != dtype or got.indexer_row_bytes:
                 return (
                     f"layers[{i}]: prefill layer {got.layer} rows {got.main_row_bytes} bytes {got.main_dtype} "
                     f"(indexer {got.indexer_row_bytes}), decode layer {i} ({self.layers.names[i]}) rows "
-                    f"{row_bytes} bytes {dtype} (no indexer)"
+                    f"{row_bytes} bytes {dtype} (no indexer){f': {part}' if isinstance(part, str) else ''}"
                 )
+            problem = slice_problem(part, self.layers, i, self.settings.kv_heads, self.transfer is not None)
+            if problem:
+                return f"layers[{i}] ({self.layers.names[i]}): {problem}"
         return ""
+
+    def _slice(self, m: transfer_pb2.LayoutMetadata, layer: int) -> HeadSlice | str:
+        """The part of each of this rank's rows of ``layer`` the prefill rank of layout ``m`` fills."""
+        return head_slice(
+            m.layers[layer].main_row_bytes,
+            self.layers.row_bytes(layer),
+            m.prefill_tp_size,
+            m.prefill_tp_rank,
+            self.settings.tp_size,
+        )
 
     def planes(self, layer: int) -> list[Plane]:
         return [Plane(transfer_pb2.PLANE_KIND_MAIN, self.layers.row_bytes(layer))]
@@ -251,16 +280,26 @@ class Consumer(RowSink):
                 return ReadOutcome(done=False, reason=inc.reason or f"request {r.request_id!r} is {inc.state}")
             inc.last_news, inc.peer = time.monotonic(), read.endpoint
             inc.busy += 1
+        part, row = self._part(read)
         with inc.write_lock:
-            idx = inc.coverages[self.layers.group_of[r.layer]].to_write(
-                self.layers.plane_of[r.layer], r.src_start, r.src_end
-            )
+            problem = inc.slice_into(part.count, self.layers.groups)
+            coverage = inc.coverages[self.layers.group_of[r.layer]]
+            idx = coverage.to_write(row, r.src_start, r.src_end) if not problem else torch.empty(0)
+        if problem:
+            self.end(read)
+            return ReadOutcome(done=False, reason=problem)
         if not len(idx):  # a retry, a duplicate, or blocks this decode does not need
             self.end(read)
             return ReadOutcome(done=True)
         bs = self.layers.block_size(r.layer)
         first = r.src_start // bs
         return range((first + int(idx[0])) * bs, (first + int(idx[-1]) + 1) * bs)
+
+    def _part(self, read: Read) -> tuple[HeadSlice, int]:
+        """The head slice of each block ``read``'s prefill rank fills, and its coverage row."""
+        part = self._slice(read.meta, read.layer)
+        assert not isinstance(part, str)  # layout_problem accepted the layout
+        return part, self.layers.plane_of[read.layer] * part.count + part.index
 
     def wanted(self, transfer_id: str) -> bool:
         with self._lock:
@@ -271,11 +310,13 @@ class Consumer(RowSink):
         """Write the pulled blocks that improve on what landed into the request's vLLM blocks of the
         layer's group."""
         r, lay = read.request, self.layers
-        data = planes[0].view(-1, lay.page_bytes(r.layer))
+        part = self._part(read)[0]
+        data = planes[0].view(-1, lay.page_bytes(r.layer) // part.count)
         first = rows.start // lay.block_size(r.layer)
+        target = sliced(lay.pages[r.layer], part)
 
         def copy(ids: torch.Tensor, blocks: torch.Tensor) -> int:
-            lay.pages[r.layer].index_copy_(0, ids, data[blocks - first])
+            target.index_copy_(0, ids, data[blocks - first])
             return int(data.numel())
 
         return self._write(read, rows, copy)[1]
@@ -310,7 +351,7 @@ class Consumer(RowSink):
         what landed (``blocks``: their indices in the request, ``ids``: its vLLM blocks of the layer's
         group), returning the bytes moved; then count them landed. (bytes, seconds)."""
         r, lay = read.request, self.layers
-        group, plane, bs = lay.group_of[r.layer], lay.plane_of[r.layer], lay.block_size(r.layer)
+        group, row, bs = lay.group_of[r.layer], self._part(read)[1], lay.block_size(r.layer)
         with self._lock:
             inc = self._reqs[r.request_id]
         pulled = range(rows.start // bs, rows.stop // bs)
@@ -320,17 +361,19 @@ class Consumer(RowSink):
             if inc.state != "loading":
                 raise RequestEnded(inc.reason or f"request {r.request_id!r} is {inc.state}")
             coverage = inc.coverages[group]
-            idx = coverage.to_write(plane, r.src_start, r.src_end)  # at most begin's: coverage only grows
+            idx = coverage.to_write(row, r.src_start, r.src_end)  # at most begin's: coverage only grows
             blocks = idx + r.src_start // bs
             kept = (blocks >= pulled.start) & (blocks < pulled.stop)
             idx, blocks = idx[kept], blocks[kept]
             nbytes = copy(inc.block_ids[group][blocks], blocks)
-            coverage.landed(plane, r.src_start, r.src_end, idx)
+            coverage.landed(row, r.src_start, r.src_end, idx)
             inc.layer_blocks[r.layer] += len(idx)
             complete = inc.complete
         self.counters.add(blocks_pulled=len(idx))
         with self._lock:
             inc.bytes += nbytes
+            rank = read.meta.prefill_tp_rank
+            inc.bytes_by_rank[rank] = inc.bytes_by_rank.get(rank, 0) + nbytes
             if complete and inc.state == "loading":
                 inc.state = "done"
         return nbytes, time.perf_counter() - t

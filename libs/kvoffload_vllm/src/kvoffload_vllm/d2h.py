@@ -92,7 +92,9 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
         self.settings = d2h_settings(vllm_config)
         self.producer_role = self.settings.role == "kv_producer"
         self._groups = kv_groups(kv_cache_config.kv_cache_groups, D2H_CONNECTOR)
-        group_ids = group_model_ids(vllm_config, self._groups)
+        # the whole model's id: a TP rank's heads are one slice of it, unless every rank holds them all
+        shards = 1 if self.settings.kv_replicated else self.settings.tp_size
+        group_ids = group_model_ids(vllm_config, self._groups, shards)
         self.model_id = ",".join(group_ids)  # one group: its id, as the store's
         # worker: a prefill's Producer or a decode's Consumer, once the caches are registered
         self._producer: Producer | None = None

@@ -28,7 +28,8 @@ from kvoffload_vllm.layout import LayoutMismatch
 class D2HLayers:
     """``names[i]``: layer i; ``group_of[i]``/``plane_of[i]``: its group's index and its position in
     the group; ``pages[i]``: its cache as ``[num_blocks, page_bytes]`` uint8; ``dtypes[i]``: the
-    cache's torch dtype name."""
+    cache's torch dtype name; ``leads[i]``: the size of a block's outermost dimension (vLLM's CPU
+    attention: the rank's KV heads)."""
 
     groups: tuple[KVGroup, ...]
     names: tuple[str, ...]
@@ -36,12 +37,13 @@ class D2HLayers:
     plane_of: tuple[int, ...]
     pages: tuple[torch.Tensor, ...]
     dtypes: tuple[str, ...]
+    leads: tuple[int, ...]
 
     @classmethod
     def of(cls, groups: tuple[KVGroup, ...], caches: Mapping[str, torch.Tensor], num_blocks: int) -> D2HLayers:
         """vLLM's ``caches`` of ``groups``; LayoutMismatch naming the layer when one is missing, not
         ``num_blocks`` dense blocks, or its block does not split into the group's token rows."""
-        names, group_of, plane_of, pages, dtypes = [], [], [], [], []
+        names, group_of, plane_of, pages, dtypes, leads = [], [], [], [], [], []
         for g in groups:
             group_caches = GroupCaches.of(g, caches, num_blocks)
             for plane, (name, page) in enumerate(zip(g.layer_names, group_caches.pages, strict=True)):
@@ -55,9 +57,12 @@ class D2HLayers:
                 plane_of.append(plane)
                 pages.append(page)
                 dtypes.append(dtype_name(caches[name].dtype))
+                leads.append(int(caches[name].shape[1]))
         if not names:
             raise LayoutMismatch("vLLM registered no KV cache layer")
-        return cls(tuple(groups), tuple(names), tuple(group_of), tuple(plane_of), tuple(pages), tuple(dtypes))
+        return cls(
+            tuple(groups), tuple(names), tuple(group_of), tuple(plane_of), tuple(pages), tuple(dtypes), tuple(leads)
+        )
 
     def index(self, name: str) -> int:
         """The wire index of layer ``name``."""

@@ -28,16 +28,24 @@ from dataclasses import dataclass
 import torch
 
 from kvoffload_vllm.kv_groups import NULL_BLOCK
+from openai_api.body import RequestError
 from openai_api.transfer_params import KVTransferParams
 
 
 @dataclass(frozen=True)
 class Peer:
-    """Where a request's KV goes (producer) or came from (consumer): the decode's control endpoint
-    and the id both sides use for the request (the proxy's child id)."""
+    """Where a request's KV goes (producer) or came from (consumer): the control endpoint of the
+    decode's TP rank 0 (rank t listens on its port + t), its TP size, and the id both sides use for
+    the request (the proxy's child id)."""
 
     transfer_id: str
     endpoint: str
+    decode_tp: int = 1
+
+    def rank_endpoint(self, rank: int) -> str:
+        """The control endpoint of the decode's TP rank ``rank``."""
+        host, port = self.endpoint.rsplit(":", 1)
+        return f"{host}:{int(port) + rank}"
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,11 @@ def peer_of(params: KVTransferParams | None) -> Peer | None:
             f"kv_transfer_params must give remote_host (str), remote_port (1..65535) and request_id "
             f"(str) together; got {params.wire()!r}"
         )
-    return Peer(params.request_id, f"{params.remote_host}:{params.remote_port}")
+    try:
+        endpoints = params.decode_endpoints()  # checks every TP rank's port
+    except RequestError as exc:
+        raise ValueError(str(exc)) from None
+    return Peer(params.request_id, endpoints[0], params.remote_tp_size)
 
 
 @dataclass
@@ -112,41 +124,52 @@ def blocks_of(start: int, end: int, block_size: int) -> range:
 
 class Coverage:
     """Consumer side: valid tokens per (layer, block) of one KV cache group (``num_layers`` layers,
-    ``block_size`` tokens per block) of one request's ``num_tokens`` to load into its ``block_ids``."""
+    ``block_size`` tokens per block) of one request's ``num_tokens`` to load into its ``block_ids``;
+    with ``slices`` > 1 per (layer, slice, block): each block of a layer is filled by that many
+    prefill ranks' head slices (``kvoffload_vllm.d2h_tp``), row ``layer × slices + slice``."""
 
     def __init__(
-        self, num_layers: int, num_tokens: int, block_size: int, first_block: int = 0, block_ids: Sequence[int] = ()
+        self,
+        num_layers: int,
+        num_tokens: int,
+        block_size: int,
+        first_block: int = 0,
+        block_ids: Sequence[int] = (),
+        slices: int = 1,
     ) -> None:
         self.num_tokens, self.block_size, self.first_block = num_tokens, block_size, first_block
+        self.num_layers, self.slices = num_layers, slices
         nblocks = -(-num_tokens // block_size)
         self.needed = torch.tensor(
             [min(block_size, num_tokens - b * block_size) for b in range(nblocks)], dtype=torch.int32
         )
         ids = torch.tensor(block_ids[:nblocks], dtype=torch.long)
         self.needed[: len(ids)][ids == NULL_BLOCK] = 0  # the null block's tokens are not this decode's to hold
-        self.valid = torch.zeros((num_layers, nblocks), dtype=torch.int32)
+        self.valid = torch.zeros((num_layers * slices, nblocks), dtype=torch.int32)
         self.valid[:, :first_block] = self.needed[:first_block]
 
-    def to_write(self, layer: int, start: int, end: int) -> torch.Tensor:
-        """Indices (into ``blocks_of(start, end)``) of the blocks a copy of ``[start, end)`` improves."""
+    def to_write(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Indices (into ``blocks_of(start, end)``) of the blocks of ``row`` (a layer, or a layer's
+        slice) a copy of ``[start, end)`` improves."""
         blocks = blocks_of(start, min(end, self.num_tokens), self.block_size)
         if not len(blocks):
             return torch.empty(0, dtype=torch.long)
         b = torch.arange(blocks.start, blocks.stop)
         have = (torch.clamp(end - b * self.block_size, max=self.block_size)).to(torch.int32)
-        valid = self.valid[layer, blocks.start : blocks.stop]
+        valid = self.valid[row, blocks.start : blocks.stop]
         better = (have > valid) & (valid < self.needed[blocks.start : blocks.stop])
         return torch.nonzero(better).flatten()
 
-    def landed(self, layer: int, start: int, end: int, written: torch.Tensor) -> None:
-        """The blocks ``written`` (from ``to_write``) of ``[start, end)`` are in place."""
+    def landed(self, row: int, start: int, end: int, written: torch.Tensor) -> None:
+        """The blocks ``written`` (from ``to_write``) of ``[start, end)`` of ``row`` are in place."""
         blocks = blocks_of(start, min(end, self.num_tokens), self.block_size)
         idx = written + blocks.start
         have = torch.clamp(end - idx * self.block_size, max=self.block_size).to(torch.int32)
-        self.valid[layer, idx] = torch.maximum(self.valid[layer, idx], torch.minimum(have, self.needed[idx]))
+        self.valid[row, idx] = torch.maximum(self.valid[row, idx], torch.minimum(have, self.needed[idx]))
 
     def layers_done(self) -> int:
-        return int((self.valid >= self.needed).all(dim=1).sum())
+        done = (self.valid >= self.needed).all(dim=1).view(self.num_layers, self.slices)
+        return int(done.all(dim=1).sum())
 
     @property
     def complete(self) -> bool:

@@ -1,5 +1,11 @@
 """The D2H connector's typed settings (``D2HSettings``), read from vLLM's ``kv_transfer_config``
-by ``d2h_settings``: unknown keys are errors, and a ``ConfigError`` names the field."""
+and parallel config by ``d2h_settings``: unknown keys are errors, and a ``ConfigError`` names the
+field.
+
+Tensor parallel: every TP rank's worker runs its own producer or consumer; decode TP rank t listens
+on ``kv_port + dp_rank × tp + t``. Whether a rank's KV is its own slice of the heads or a copy of
+every rank's (``kv_replicated``: an MLA latent, or a model of one KV head) decides how a prefill
+rank shares a decode rank's rows with the other ranks that feed it (``kvoffload_vllm.d2h_tp``)."""
 
 from __future__ import annotations
 
@@ -32,6 +38,15 @@ class D2HSettings:
     dp_rank: int = 0  # consumer: registered with the proxy as remote_dp_rank
     kv_digests: bool = False  # consumer: log each layer's prompt KV digest once it landed
     transfer_backend: str = "kvoffload"  # or "mooncake": the blocks move through Mooncake Transfer Engine
+    tp_rank: int = 0
+    tp_size: int = 1
+    kv_replicated: bool = False  # every TP rank holds the same KV (MLA latent, one KV head)
+    kv_heads: int = 0  # KV heads of this rank's cache (0: not known)
+
+    @property
+    def base_port(self) -> int | None:
+        """The consumer's TP rank 0's control port: the one registered with the proxy."""
+        return None if self.control_port is None else self.control_port - self.tp_rank
 
 
 def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
@@ -77,23 +92,29 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
             ]
         )
     par = vllm_config.parallel_config
-    if par.tensor_parallel_size * par.pipeline_parallel_size > 1:
+    if par.pipeline_parallel_size > 1:
         raise ConfigError(
             [
-                f"{D2H_CONNECTOR}: runs with one rank only for now; got tensor_parallel_size "
-                f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size}"
+                f"{D2H_CONNECTOR}: pipeline parallel is not supported; got pipeline_parallel_size "
+                f"{par.pipeline_parallel_size} (tensor parallel is)"
             ]
         )
+    tp, tp_rank = par.tensor_parallel_size, tp_rank_of(par)
+    replicated = kv_replicated(vllm_config)
     control_port = None
     if parsed.kv_role == "kv_consumer":
         if parsed.kv_port is None:
             raise ConfigError(
                 ["kv_transfer_config.kv_port: missing; the decode's control port is kv_port + dp_rank * tp + tp_rank"]
             )
-        control_port = parsed.kv_port + par.data_parallel_rank * par.tensor_parallel_size
-        if control_port > 65535:
+        base_port = parsed.kv_port + par.data_parallel_rank * tp
+        control_port = base_port + tp_rank
+        if base_port + tp - 1 > 65535:
             raise ConfigError(
-                [f"kv_transfer_config.kv_port: {parsed.kv_port} + dp_rank {par.data_parallel_rank} is beyond 65535"]
+                [
+                    f"kv_transfer_config.kv_port: {parsed.kv_port} + dp_rank {par.data_parallel_rank} x tp {tp} "
+                    f"+ tp_rank (up to {tp - 1}) is beyond 65535"
+                ]
             )
     peer_timeout = extra.peer_timeout_s or DEFAULT_PEER_TIMEOUT_S
     return D2HSettings(
@@ -106,4 +127,37 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
         dp_rank=par.data_parallel_rank,
         kv_digests=extra.kv_digests,
         transfer_backend=extra.transfer_backend or "kvoffload",
+        tp_rank=tp_rank,
+        tp_size=tp,
+        kv_replicated=replicated,
+        kv_heads=vllm_config.model_config.get_num_kv_heads(par),
     )
+
+
+def tp_rank_of(par) -> int:
+    """This process's TP rank: its worker's (vLLM's TP group, once initialised), else 0 (the scheduler,
+    which needs none)."""
+    if par.tensor_parallel_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+
+    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
+
+
+def kv_replicated(vllm_config: VllmConfig) -> bool:
+    """Whether every TP rank holds the same KV: an MLA latent, or one KV head vLLM copies to every rank.
+    ConfigError for KV heads vLLM copies to some ranks only (fewer heads than ranks, more than one):
+    no TP P/D split covers that."""
+    model, tp = vllm_config.model_config, vllm_config.parallel_config.tensor_parallel_size
+    if model.use_mla or tp == 1:
+        return model.use_mla
+    heads = model.get_total_num_kv_heads()
+    if 1 < heads < tp:
+        raise ConfigError(
+            [
+                f"{D2H_CONNECTOR}: tensor_parallel_size {tp} over {heads} KV heads: vLLM copies each head to "
+                f"{tp // heads} ranks, and the P/D pull takes either every rank's own heads or one head "
+                "every rank holds; use a TP that divides the KV heads"
+            ]
+        )
+    return heads == 1

@@ -34,10 +34,14 @@ def model_key_prefix(model_name: str, layout: Mapping[str, object]) -> str:
     return f"vllm:{model_name}:{digest}"
 
 
-def vllm_model_id(vllm_config, spec, layer_order: Sequence[str], layer_specs: Sequence[object] = ()) -> str:
+def vllm_model_id(
+    vllm_config, spec, layer_order: Sequence[str], layer_specs: Sequence[object] = (), head_shards: int = 1
+) -> str:
     """``model_key_prefix`` of a vLLM engine: its served model name and the attention spec, device
     type, vLLM version and layer names that decide a block's bytes (imports vLLM). ``layer_specs``:
-    each layer's spec where a KV cache group mixes them (a hybrid KV cache's groups)."""
+    each layer's spec where a KV cache group mixes them (a hybrid KV cache's groups). ``head_shards``:
+    the ranks the spec's KV heads are one slice of (a TP rank's), so the id is the whole model's,
+    the same for engines of any TP that hold all the heads together."""
     import vllm
     from vllm.platforms import current_platform
 
@@ -45,10 +49,10 @@ def vllm_model_id(vllm_config, spec, layer_order: Sequence[str], layer_specs: Se
     fields = {
         "spec": type(spec).__name__,
         "block_size": spec.block_size,
-        "num_kv_heads": spec.num_kv_heads,
+        "num_kv_heads": spec.num_kv_heads * head_shards,
         "head_size": spec.head_size,
         "dtype": str(spec.dtype),
-        "page_bytes": spec.page_size_bytes,
+        "page_bytes": spec.page_size_bytes * head_shards,
         "device": current_platform.device_type,
         "vllm": vllm.__version__,
         "layers": list(layer_order),
@@ -58,12 +62,13 @@ def vllm_model_id(vllm_config, spec, layer_order: Sequence[str], layer_specs: Se
     return model_key_prefix(str(model.served_model_name or model.model), fields)
 
 
-def group_model_ids(vllm_config, groups: Sequence[KVGroup]) -> list[str]:
+def group_model_ids(vllm_config, groups: Sequence[KVGroup], head_shards: int = 1) -> list[str]:
     """The block keys' model id of each KV cache group: with several, each layer's spec and the group's
-    index are in it too, so no two groups' keys meet (imports vLLM)."""
+    index are in it too, so no two groups' keys meet (imports vLLM); ``head_shards`` as
+    ``vllm_model_id``'s."""
     if len(groups) == 1:
-        return [vllm_model_id(vllm_config, groups[0].specs[0], groups[0].layer_names)]
-    return [f"{vllm_model_id(vllm_config, g.specs[0], g.layer_names, g.specs)}:g{g.index}" for g in groups]
+        return [vllm_model_id(vllm_config, groups[0].specs[0], groups[0].layer_names, head_shards=head_shards)]
+    return [f"{vllm_model_id(vllm_config, g.specs[0], g.layer_names, g.specs, head_shards)}:g{g.index}" for g in groups]
 
 
 @dataclass(frozen=True)

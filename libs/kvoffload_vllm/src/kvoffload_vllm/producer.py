@@ -19,6 +19,9 @@ decode had pulled before the last layer of their step was announced (``layers_re
 the pull is layerwise). With ``transfer_backend: "mooncake"`` the decode reads the blocks through
 Mooncake Transfer Engine instead (``kvoffload_vllm.d2h_engine``: vLLM's cache memory registered with
 this worker's engine, each layer's block addresses in the layout, each announce naming its blocks).
+Under tensor parallel each rank's producer feeds the decode rank it contributes to
+(``kvoffload_vllm.d2h_tp``): its head slice of every row, or, where every rank holds the same KV,
+its share of the step's blocks; its layout names its rank.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from kvoffload_vllm.d2h_engine import layer_layouts, start_d2h_engine
 from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import Send, blocks_of
 from kvoffload_vllm.d2h_settings import D2HSettings
+from kvoffload_vllm.d2h_tp import Contribution, announced_rows, contribution
 from kvoffload_vllm.kv_groups import NULL_BLOCK
 from kvoffload_vllm.reuse_gate import GATE
 from kvoffload_vllm.stats import Counters
@@ -76,6 +80,7 @@ class _Outgoing:
     send: Send
     generation: int
     link: DecodeLink | None
+    part: Contribution  # which decode rank this rank feeds, and its share
     outstanding: int = 0  # announces not answered yet
     failed: list[str] = field(default_factory=list)
     finished: bool = False  # vLLM finished the request
@@ -125,8 +130,8 @@ class Producer(RowBuffer):
             num_layers=len(layers.names),
             block_size=layers.groups[0].block_size,
             layers=layer_layouts(layers) if self.transfer else layers.layer_layouts(),
-            prefill_tp_rank=0,
-            prefill_tp_size=1,
+            prefill_tp_rank=settings.tp_rank,
+            prefill_tp_size=settings.tp_size,
             data_endpoint=self.data_endpoint,
             host_id=host_id(),
             layout_version=secrets.randbits(62) + 1,  # vLLM seeds `random`
@@ -139,6 +144,9 @@ class Producer(RowBuffer):
             layers=len(layers.names),
             block_sizes=[g.block_size for g in layers.groups],
             layout_version=self.metadata.layout_version,
+            tp_rank=settings.tp_rank,
+            tp_size=settings.tp_size,
+            kv_replicated=settings.kv_replicated,
             transfer_backend=settings.transfer_backend,
             engine_session=self.metadata.engine_session,
         )
@@ -154,6 +162,21 @@ class Producer(RowBuffer):
         link.ensure_layout()
         return link
 
+    def _open(self, send: Send) -> tuple[DecodeLink | None, Contribution]:
+        """The link to the decode rank this rank feeds for ``send``'s request (None, logged, when the
+        ranks do not pair or the link fails: the decode's watchdog fails the request), and the part."""
+        s, tid = self.settings, send.peer.transfer_id
+        try:
+            part = contribution(send.peer, s.tp_rank, s.tp_size, s.kv_replicated)
+        except ValueError as exc:
+            log.error("kvoffload_d2h_tp_mismatch", request_id=send.req_id, transfer_id=tid, error=str(exc))
+            return None, Contribution(send.peer.endpoint, 0, 1, False)
+        try:
+            return self._link(part.endpoint), part
+        except LinkError as exc:
+            log.error("kvoffload_d2h_link_failed", request_id=send.req_id, transfer_id=tid, error=str(exc))
+            return None, part
+
     def _begin_step(self, meta) -> None:
         self._step, self._clock = [], _StepClock()
         for send in meta.sends:
@@ -161,14 +184,10 @@ class Producer(RowBuffer):
             with self._lock:
                 out = self._reqs.get(tid)
             if out is None:
-                try:
-                    link = self._link(send.peer.endpoint)
-                except LinkError as exc:  # the decode's watchdog fails its request; ours is not held
-                    log.error("kvoffload_d2h_link_failed", request_id=send.req_id, transfer_id=tid, error=str(exc))
-                    link = None
+                link, part = self._open(send)
                 with self._lock:
                     self._generation += 1
-                    out = self._reqs[tid] = _Outgoing(send.req_id, send, self._generation, link)
+                    out = self._reqs[tid] = _Outgoing(send.req_id, send, self._generation, link, part)
                     self._by_req[send.req_id] = tid
                 if link is not None:
                     link.hold(tid)
@@ -187,6 +206,9 @@ class Producer(RowBuffer):
         layer = self.layers.index(layer_name)
         group, bs = self.layers.group_of[layer], self.layers.block_size(layer)
         for out in self._step:
+            start, end = announced_rows(out.send.start, out.send.end, bs, out.part)
+            if start == end:  # copies: the step's blocks of this layer are other contributors' share
+                continue
             with self._lock:
                 out.outstanding += 1
             # the layer's blocks may sit in a shared buffer: its next layer waits until this pull is answered
@@ -197,9 +219,9 @@ class Producer(RowBuffer):
                     _Announce(self, out, layer, self._clock),
                     None,
                     out.send.peer.transfer_id,
-                    out.send.start,
-                    out.send.end,
-                    self._announced_blocks(out.send, group, bs),
+                    start,
+                    end,
+                    self._announced_blocks(out.send, start, end, group, bs),
                 )
             except Exception as exc:  # noqa: BLE001 - never sent: a failed read, so its gate hold is released
                 self._answered(out, layer, f"announce failed: {exc}", self._clock)
@@ -207,11 +229,12 @@ class Producer(RowBuffer):
         self._clock.last_layer_at = self._announced_at[-1]
         self.counters.add(layers_announced=1)
 
-    def _announced_blocks(self, send: Send, group: int, bs: int) -> tuple[int, ...]:
-        """With a transfer engine: the send's blocks of ``group`` that hold its rows (``src_block_ids``)."""
+    def _announced_blocks(self, send: Send, start: int, end: int, group: int, bs: int) -> tuple[int, ...]:
+        """With a transfer engine: the send's blocks of ``group`` that hold rows ``[start, end)``
+        (``src_block_ids``)."""
         if self.transfer is None:
             return ()
-        blocks = blocks_of(send.start, send.end, bs)
+        blocks = blocks_of(start, end, bs)
         return send.block_ids[group][blocks.start : blocks.stop]
 
     def end_step(self) -> None:
@@ -268,6 +291,8 @@ class Producer(RowBuffer):
                     "kvoffload_d2h_sent",
                     request_id=out.req_id,
                     transfer_id=tid,
+                    tp_rank=self.settings.tp_rank,
+                    decode=out.part.endpoint,
                     tokens=out.send.end,
                     layers_read=len(out.answers),
                     layers_read_during_forward=during,

@@ -1,6 +1,8 @@
-"""The decode's registration of one request at the proxy's ``/v1/metaserver``: a POST of this
-worker's control endpoint (``kv_transfer_params``), which the proxy answers once the prefill
-answered, retried a few times while the metaserver cannot be reached."""
+"""The decode's registration of one request at the proxy's ``/v1/metaserver``: a POST of the
+control endpoint of the decode's TP rank 0 and its TP size (``kv_transfer_params``: rank t listens
+on that port + t), which the proxy answers once the prefill answered, retried a few times while the
+metaserver cannot be reached. Every TP rank posts the same registration (the proxy takes a repeat
+as the same one), so each learns from its own answer when the prefill's reads are due."""
 
 from __future__ import annotations
 
@@ -18,13 +20,13 @@ REGISTRATION_RETRIES = 3
 
 
 def register(recv: Recv, settings: D2HSettings, stop: threading.Event) -> str:
-    """POST this worker's endpoint for ``recv`` to its metaserver: "" once answered 200, else why not
+    """POST the decode's endpoints for ``recv`` to its metaserver: "" once answered 200, else why not
     (an HTTP error at once; unreachable after ``REGISTRATION_RETRIES`` retries, or ``stop`` set)."""
     params = KVTransferParams(
         request_id=recv.transfer_id,
         remote_host=settings.advertise_host,
-        remote_port=settings.control_port,
-        remote_tp_size=1,
+        remote_port=settings.base_port,
+        remote_tp_size=settings.tp_size,
         remote_dp_rank=settings.dp_rank,
     )
     body = json.dumps({"request_id": recv.transfer_id, "kv_transfer_params": params.wire()}).encode()

@@ -13,7 +13,9 @@ service's host pool (``kvoffload_decode.pull``), a vLLM decode's paged blocks
   pulling, the answer at once (a ``ReadOutcome``: done for rows already installed).
 - ``wanted(request_id)``: whether a failed read is worth retrying (the request still waits).
 - ``install(read, rows, planes)``: write the pulled rows, one uint8 ``[n, row_bytes]`` tensor per
-  plane of ``planes(layer)``; returns the seconds it took; raising fails the read.
+  plane of ``planes(layer)``, ``row_bytes`` as the prefill's layout gives them (the sink's own, unless
+  its ``layout_problem`` accepted rows that are a part of its own: a TP head slice); returns the
+  seconds it took; raising fails the read.
 - ``failed(read, reason)``: the read was answered READ_FAILED (after ``begin``).
 - ``end(read)``: the read is over, answered either way (after a ``begin`` that returned a range).
 
@@ -308,7 +310,10 @@ class PullConsumer:
     def _read(self, read: Read, rows: range) -> list[torch.Tensor]:
         """Source rows ``rows`` of each of the sink's planes of the layer: uint8 ``[n, row_bytes]``."""
         lay = read.meta.layers[read.layer]
-        planes = self.sink.planes(read.layer)
+        planes = [  # rows as the prefill holds them: a TP head slice may be a part of the sink's row
+            Plane(p.kind, lay.main_row_bytes if p.kind == transfer_pb2.PLANE_KIND_MAIN else lay.indexer_row_bytes)
+            for p in self.sink.planes(read.layer)
+        ]
         regions = [lay.main_buffer if p.kind == transfer_pb2.PLANE_KIND_MAIN else lay.indexer_buffer for p in planes]
         if self.engine is not None:  # every plane in one batched read of the transfer engine
             self.counters.increment("reads_engine")
