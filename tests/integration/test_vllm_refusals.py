@@ -2,13 +2,13 @@
 
 Every refusal of the vLLM connectors in one place, paid for once per test run: the bad configs go as
 far as vLLM's engine in one process that imports vLLM once (``vllm_support.refusals``), next to a
-good D2H config that must build its engine the same way (the way is not vacuous); two real launches
-run side by side, so the exit path of a real server (its status, its log) is covered too: a D2H
-connector in a role it does not take, and a tensor-parallel store server.
+good D2H config that must build its engine the same way (the way is not vacuous); one real launch
+covers the exit path of a real server (its status, its log): a D2H connector in a role it does not
+take. (Tensor parallel is taken by both connectors: ``test_vllm_tp.py``; pipeline parallel is
+refused: ``libs/kvoffload_vllm/tests/test_tp_config.py``.)
 
 - Store (``AscendStoreConnector``): an unknown key, a missing metastore address, another backend, a
-  role vLLM does not know, a value out of range; tensor parallel (refused until ranks keep their
-  shards apart); a metastore that does not answer, its address named.
+  role vLLM does not know, a value out of range; a metastore that does not answer, its address named.
 - D2H (``SfaRemoteD2HConnector``): a role it does not take, a transfer backend this machine cannot
   run, an unknown key with the near miss named, a wildcard advertise host; the guide's decode with its
   ``--additional-config`` ``sparse_kv_offload_config`` (vLLM has none: the message says where sparse
@@ -123,11 +123,6 @@ def refused(tmp_path_factory, nobody) -> dict[str, tuple[str, str]]:
 
     servers = {
         "d2h-both-role": server("d2h-both-role", d2h_args(BAD_D2H_CONFIGS["both-role"][0])),
-        "tp2": server(
-            "tp2",
-            ["--kv-transfer-config", store_config("127.0.0.1:5000"), "--tensor-parallel-size", "2"],
-            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank (else vLLM refuses first)
-        ),
     }
     errors = failed_starts(servers)
     return out | {name: (errors[name], servers[name].log_text()) for name in servers}
@@ -142,10 +137,6 @@ def _refused(refused: dict, case: str, message: str) -> None:
 @pytest.mark.parametrize("case", BAD_CONFIGS)
 def test_a_bad_store_config_stops_vllm_with_the_field_named(refused, case):
     _refused(refused, case, BAD_CONFIGS[case][2])
-
-
-def test_a_tensor_parallel_store_server_is_refused_until_ranks_keep_their_shards_apart(refused):
-    _refused(refused, "tp2", "AscendStoreConnector: runs with one rank only for now; got tensor_parallel_size 2")
 
 
 def test_a_metastore_that_does_not_answer_at_start_stops_vllm_with_its_address(refused, nobody):

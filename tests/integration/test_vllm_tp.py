@@ -30,13 +30,13 @@ import pytest
 from vllm_support import chat, completion, stream_choices, tiny_llama_dir
 
 from kvoffload_testing.ports import free_stack_ports
-from kvoffload_testing.vllm_server import Proxy, VllmServer, running
-from kvoffload_testing.vllm_stack import split_cores
+from kvoffload_testing.vllm_server import Metastore, Proxy, VllmServer, free_port, running
+from kvoffload_testing.vllm_stack import split_cores, vllm_prefill_transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 BLOCK = 128  # vLLM's CPU default block size
-LAYERS = 2
+LAYERS = 3
 ROW_BYTES = 2 * 2 * 32 * 4  # one token of one layer on one rank of TP 1: 2 KV heads, K and V, 32 float32 each
 TOLERANCE = 1e-3
 HALVES = split_cores() or ("0", "0")  # the prefill's ranks on one half of the cores, the decodes' on the other
@@ -47,14 +47,6 @@ PROMPTS = {
     "1500": [(i * 7919) % 40000 + 1000 for i in range(1500)],
 }
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow, one per line."}]
-PRODUCER = json.dumps(
-    {
-        "kv_connector": "SfaRemoteD2HConnector",
-        "kv_role": "kv_producer",
-        "kv_connector_module_path": "kvoffload_vllm",
-        "kv_connector_extra_config": {"transfer_backend": "kvoffload"},
-    }
-)
 
 
 def consumer(kv_port: int) -> str:
@@ -85,17 +77,24 @@ def servers(tmp_path_factory):
             env={"VLLM_CPU_OMP_THREADS_BIND": "|".join([core] * tp)},  # module docstring
             extra_args=[
                 *("--kv-transfer-config", kv_config, "--tensor-parallel-size", str(tp)),
-                # a decode's own answer is computed, never its prefix cache's copy of pulled KV
-                *(() if name.startswith("prefill") else ("--no-enable-prefix-caching",)),
+                # a decode's own answer is computed, never its prefix cache's copy of pulled KV; a prefill's
+                # repeated prefix comes from the store's pool
+                "--no-enable-prefix-caching",
             ],
         )
 
-    kv_port, proxy_ports = ports["kv_port"], (ports["proxy_port"], ports["metastore_port"])  # no metastore here
-    with running(
-        server("prefill-tp2", ports["prefill_ports"][0], PRODUCER, 2),
-        server("decode-tp1", ports["decode_ports"][0], consumer(kv_port), 1),
-        server("decode-tp2", ports["decode_ports"][1], consumer(kv_port + 16), 2),
-    ) as (prefill, decode1, decode2):
+    kv_port, proxy_ports = ports["kv_port"], (ports["proxy_port"], free_port())
+    metastore = Metastore(logs / "metastore.log", port=ports["metastore_port"])
+    # the guide's prefill: the D2H producer and the store, its 3 layers on 2 shared buffers (layer 0 alone)
+    producer = vllm_prefill_transfer_config(metastore.address, shared_buffers=1)
+    with (
+        metastore,
+        running(
+            server("prefill-tp2", ports["prefill_ports"][0], producer, 2),
+            server("decode-tp1", ports["decode_ports"][0], consumer(kv_port), 1),
+            server("decode-tp2", ports["decode_ports"][1], consumer(kv_port + 16), 2),
+        ) as (prefill, decode1, decode2),
+    ):
         with (
             Proxy(proxy_ports[0], prefill.port, decode1.port, logs / "proxy-tp1.log") as proxy1,
             Proxy(proxy_ports[1], prefill.port, decode2.port, logs / "proxy-tp2.log") as proxy2,
@@ -214,3 +213,28 @@ def test_the_prefill_ranks_each_announced_to_the_decode_rank_they_feed(servers):
         assert any(f"decode=127.0.0.1:{kv1}" in s for s in mine), rank  # both feed the TP 1 decode's rank
         assert any(f"decode=127.0.0.1:{kv2 + rank}" in s for s in mine), rank  # rank t feeds rank t
         assert not any(f"decode=127.0.0.1:{kv2 + 1 - rank}" in s for s in mine), rank
+
+
+def test_each_prefill_rank_saves_its_slice_to_the_pool_and_loads_it_back(servers):
+    prefill = servers["prefill"]
+    prompt = fresh(3)[:1000]  # 7 full blocks
+    first = steps(completion(prefill.url, prompt, 8, logprobs=1)["choices"])
+    before = prefill.log_text().count("kvoffload_loaded")
+    again = steps(completion(prefill.url, prompt, 8, logprobs=1)["choices"])
+    assert_agree({"again": again}, {"again": first})
+    log = prefill.log_text()
+    assert re.search(r"kvoffload_prefix_hit\s.*hit_tokens=896\b", log), log[-3000:]
+    loaded = re.findall(r"kvoffload_loaded\s.*", log[_nth(log, "kvoffload_loaded", before) :])
+    assert len(loaded) == 2 and all(re.search(r"\bblocks=7\b", line) for line in loaded), loaded  # each rank
+    workers = re.findall(r"kvoffload_store_connector\s.*role=WORKER.*", log)
+    assert len(workers) == 2 and all("shared_buffers=[[0], [1, 2]]" in w for w in workers), workers
+
+
+def _nth(text: str, word: str, n: int) -> int:
+    """Where the ``n``-th (from 0) occurrence of ``word`` in ``text`` starts (its end when there are fewer)."""
+    at = -1
+    for _ in range(n + 1):
+        at = text.find(word, at + 1)
+        if at < 0:
+            return len(text)
+    return at

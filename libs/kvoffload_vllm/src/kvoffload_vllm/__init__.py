@@ -18,6 +18,8 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``unread_config``: the guide's keys a vLLM server would leave unread (``sparse_kv_offload_config``,
   the pull's ``use_layerwise``): refused or warned at start-up.
 - ``store_counters``: its counters and what each counts.
+- ``store_tp``: the pool keys each TP rank keeps its blocks under.
+- ``tp``: this engine's TP rank, and whether every rank holds the same KV.
 - ``plan``: which blocks each step of the store loads and saves.
 - ``pool_alloc``: the pool objects a step's saves write (blocks the pool lacks).
 - ``kv_groups``: vLLM's KV cache groups (layers, block size, layer specs; the null block).

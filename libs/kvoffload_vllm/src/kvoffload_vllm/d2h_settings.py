@@ -17,6 +17,7 @@ from kvcore.configerrors import ConfigError
 from kvcore.confignames import D2H_CONNECTOR
 from kvcore.connectorconfig import D2HConnectorConfig
 from kvoffload_vllm.store_mmc import warn_unread
+from kvoffload_vllm.tp import kv_heads_copied, kv_replicated, tp_rank_of
 from kvoffload_vllm.unread_config import check_additional_config, check_d2h_keys
 
 if TYPE_CHECKING:
@@ -99,8 +100,8 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
                 f"{par.pipeline_parallel_size} (tensor parallel is)"
             ]
         )
-    tp, tp_rank = par.tensor_parallel_size, tp_rank_of(par)
-    replicated = kv_replicated(vllm_config)
+    tp, tp_rank = par.tensor_parallel_size, tp_rank_of(vllm_config)
+    check_head_split(vllm_config)
     control_port = None
     if parsed.kv_role == "kv_consumer":
         if parsed.kv_port is None:
@@ -129,35 +130,20 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
         transfer_backend=extra.transfer_backend or "kvoffload",
         tp_rank=tp_rank,
         tp_size=tp,
-        kv_replicated=replicated,
+        kv_replicated=kv_replicated(vllm_config),
         kv_heads=vllm_config.model_config.get_num_kv_heads(par),
     )
 
 
-def tp_rank_of(par) -> int:
-    """This process's TP rank: its worker's (vLLM's TP group, once initialised), else 0 (the scheduler,
-    which needs none)."""
-    if par.tensor_parallel_size == 1:
-        return 0
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
-
-    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
-
-
-def kv_replicated(vllm_config: VllmConfig) -> bool:
-    """Whether every TP rank holds the same KV: an MLA latent, or one KV head vLLM copies to every rank.
-    ConfigError for KV heads vLLM copies to some ranks only (fewer heads than ranks, more than one):
-    no TP P/D split covers that."""
-    model, tp = vllm_config.model_config, vllm_config.parallel_config.tensor_parallel_size
-    if model.use_mla or tp == 1:
-        return model.use_mla
-    heads = model.get_total_num_kv_heads()
-    if 1 < heads < tp:
+def check_head_split(vllm_config: VllmConfig) -> None:
+    """ConfigError where vLLM copies each KV head to some ranks only: no TP P/D split covers that."""
+    copies = kv_heads_copied(vllm_config)
+    if copies > 1:
+        tp = vllm_config.parallel_config.tensor_parallel_size
         raise ConfigError(
             [
-                f"{D2H_CONNECTOR}: tensor_parallel_size {tp} over {heads} KV heads: vLLM copies each head to "
-                f"{tp // heads} ranks, and the P/D pull takes either every rank's own heads or one head "
-                "every rank holds; use a TP that divides the KV heads"
+                f"{D2H_CONNECTOR}: tensor_parallel_size {tp} over {tp // copies} KV heads: vLLM copies each head "
+                f"to {copies} ranks, and the P/D pull takes either every rank's own heads or one head every rank "
+                "holds; use a TP that divides the KV heads"
             ]
         )
-    return heads == 1

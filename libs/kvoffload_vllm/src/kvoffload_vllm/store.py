@@ -35,11 +35,13 @@ Worker side (model runner process), hook by hook
 A kv_producer with ``layerwise_num_shared_buffers`` keeps a few shared layer buffers (``kv_cache_patch``):
 its loads and host copies run layer by layer in ``shared_steps``. ``SupportsHMA``: each KV cache group by
 its own block table and block size (``kv_groups``); vLLM's null block (a sliding window's dropped blocks)
-is never saved or loaded into. Counters go to structlog lines (request id) and vLLM's stats.
+is never saved or loaded into. Tensor parallel: each rank runs the step under its own keys
+(``store_tp``). Counters go to structlog lines (request id) and vLLM's stats.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,6 +70,8 @@ from kvoffload_vllm.shared_steps import SharedSteps, StepBlocks
 from kvoffload_vllm.stats import Counters, CountingConnector
 from kvoffload_vllm.store_config import store_config
 from kvoffload_vllm.store_counters import COUNTERS
+from kvoffload_vllm.store_tp import RankKeys
+from kvoffload_vllm.tp import kv_replicated, tp_rank_of
 from poolbackends.client import MetaStoreClient
 
 if TYPE_CHECKING:
@@ -106,6 +110,8 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
         self._shared = group_plan(requested(vllm_config.kv_transfer_config.kv_role, self._store), self._groups)  # type: ignore[union-attr]  # store_config required it
         self._counters = Counters(COUNTERS)
         self._lock = threading.Lock()
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        self._ranks = RankKeys(tp_rank_of(vllm_config), tp, kv_replicated(vllm_config))
         if role == KVConnectorRole.SCHEDULER:
             self._client = MetaStoreClient(self._store.metastore, timeout_s=METASTORE_TIMEOUT_S)
             self._planners = [
@@ -142,9 +148,8 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
         if not prompt:
             return 0, False
         try:  # every group's blocks of a hit present, each group's whole
-            hit = min(
-                p.lookup(request.request_id, prompt, num_computed_tokens, self._client.exists) for p in self._planners
-            )
+            exists = self._ranks.exists(self._client.exists)  # every TP rank's blocks present
+            hit = min(p.lookup(request.request_id, prompt, num_computed_tokens, exists) for p in self._planners)
             hit -= hit % self._hit_unit
         except PoolError as exc:  # the MetaStore is down or refuses: serve without the pool's prefix cache
             log.warning("kvoffload_lookup_failed", request_id=request.request_id, error=str(exc))
@@ -194,6 +199,13 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
         return False, None  # saves end with the step that computed them: the blocks are free at once
 
     # ---- worker side -------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step as this TP rank runs it: its loads and saves under its own keys (``store_tp``)."""
+        if isinstance(connector_metadata, StoreStepMetadata) and self._ranks.size > 1:
+            loads, saves = self._ranks.mine(connector_metadata.loads, connector_metadata.saves)
+            connector_metadata = dataclasses.replace(connector_metadata, loads=loads, saves=saves)
+        super().bind_connector_metadata(connector_metadata)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self._kv_cache_config.num_blocks

@@ -70,11 +70,11 @@ def store_config(vllm_config: VllmConfig) -> StoreConnectorConfig:
             "attention)",
         )
     par = vllm_config.parallel_config
-    if par.tensor_parallel_size * par.pipeline_parallel_size > 1:  # every rank would save its shard
+    if par.pipeline_parallel_size > 1:
         raise ConfigError(
             [
-                f"AscendStoreConnector: runs with one rank only for now; got tensor_parallel_size "
-                f"{par.tensor_parallel_size}, pipeline_parallel_size {par.pipeline_parallel_size}"
+                f"AscendStoreConnector: pipeline parallel is not supported; got pipeline_parallel_size "
+                f"{par.pipeline_parallel_size} (tensor parallel is: each rank keeps its blocks under its own keys)"
             ]
         )
     return store
