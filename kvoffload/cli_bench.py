@@ -30,12 +30,6 @@ BENCHES: dict[str, str] = {
 }
 
 
-# bench name -> why it sets no goal (its result has no goals_met; ``kvoffload bench`` says so and exits 0)
-NO_GOALS: dict[str, str] = {
-    "pool": "it reports each host-pool backend's put/get rates as ratios to memcpy "
-    "(figures to compare backends), not a goal"
-}
-
 # bench name -> the recorded traces its default run reads (kvoffload_bench.trace_record records them)
 RECORDED_TRACES: dict[str, tuple[str, ...]] = {"hotcache": ("smollm2",)}
 
@@ -43,8 +37,7 @@ RECORDED_TRACES: dict[str, tuple[str, ...]] = {"hotcache": ("smollm2",)}
 # target say the same)
 EXIT_GOALS_MET, EXIT_ERROR, EXIT_USAGE, EXIT_GOALS_NOT_MET = 0, 1, 2, 3
 BENCH_EXIT_STATUS = """exit status:
-  0  every goal the result judges (goals_met, faults: goal_met) was met; or the bench sets no goal
-     (pool), which it says on stderr
+  0  every goal the result judges (goals_met, faults: goal_met) was met
   1  error: the bench failed, or its result judges no goal (no goals_met / goal_met of true/false)
   2  usage error: an unknown bench, an option this bench does not take
   3  goals not met: the bench ran and printed its JSON, but a goal was not met or its figure could
@@ -144,9 +137,6 @@ def _bench_verdict(name: str, result: dict) -> int:
     def say(line: str) -> None:
         print(f"kvoffload bench {name}: {line}", file=sys.stderr)
 
-    if name in NO_GOALS and "goals_met" not in result and "goal_met" not in result:
-        say(f"no goal to meet: {NO_GOALS[name]}")
-        return EXIT_GOALS_MET
     try:
         unmet = _unmet_goals(result)
     except ValueError as exc:

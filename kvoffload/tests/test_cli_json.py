@@ -75,14 +75,15 @@ def test_bench_pool_json_prints_one_json_document_and_its_logs_on_stderr():
     proc = _driven("""
         import functools, sys
         import kvoffload_bench.pool as bench
-        bench.run = functools.partial(bench.run, repeats=2, shapes=("kv_block",))  # small sizes
+        bench.run = functools.partial(bench.run, repeats=2, shapes=("kv_block",))  # small sizes, no goal judged
         from kvoffload.cli import main
         sys.exit(main(["bench", "pool", "--json"]))
     """)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 3, proc.stderr[-3000:]  # its goals are the 1mib shape's: not measured
     r = json.loads(proc.stdout)
     assert r["bench"] == "pool" and set(r["backends"]) == {"kvoffload", "mooncake", "memcache"}
-    assert "kvoffload bench pool: no goal to meet" in proc.stderr
+    assert r["goals_met"] == {"kvoffload_1mib_put_ratio": False, "kvoffload_1mib_get_ratio": False}
+    assert "kvoffload_1mib_put_ratio (not measured: the 1mib shape was not run)" in proc.stderr
     rows, row_bytes, count = SHAPES["kv_block"]
     assert r["shapes"]["kv_block"] == {
         "rows": rows,

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcore.gather import gather_rows, max_threads, scatter_rows
+from kvcore.gather import gather_rows, max_threads, scatter_blocks, scatter_rows
 
 ROW_BYTES = [1, 3, 5, 64, 576, 1152]
 I32, I64, U8 = torch.int32, torch.int64, torch.uint8
@@ -284,3 +284,26 @@ def test_repeats_found_in_large_index_spaces(native):
     with pytest.raises(ValueError, match=r"miss_slots\[2\] = 5 writes dst\[0, 5\] a second time"):
         gather_rows(**args, native=native)
     assert not dst.any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 4), st.sampled_from(ROW_BYTES), st.data())
+def test_scatter_blocks_equals_index_copy(num_blocks, block_size, row_bytes, data):
+    ids = data.draw(st.lists(st.integers(0, num_blocks - 1), unique=True, max_size=num_blocks))
+    plane = _bytes(num_blocks, block_size * row_bytes, seed=num_blocks).view(num_blocks, block_size, row_bytes)
+    src = _bytes(len(ids), block_size * row_bytes, seed=7).view(len(ids), block_size, row_bytes)
+    want = plane.clone()
+    want.index_copy_(0, torch.tensor(ids, dtype=I64), src)
+    scatter_blocks(plane, torch.tensor(ids, dtype=I64), src)
+    assert torch.equal(plane, want)
+
+
+def test_scatter_blocks_refuses_a_strided_plane_a_wrong_block_and_a_repeat():
+    plane = torch.zeros(4, 2, 6, dtype=U8)
+    with pytest.raises(ValueError, match="contiguous"):
+        scatter_blocks(plane[:, :, :3], torch.tensor([0], dtype=I64), torch.zeros(1, 2, 3, dtype=U8))
+    with pytest.raises(ValueError, match=r"blocks of the plane are \(2, 6\)"):
+        scatter_blocks(plane, torch.tensor([0], dtype=I64), torch.zeros(1, 2, 3, dtype=U8))
+    with pytest.raises(ValueError, match="writes that pool row a second time"):
+        scatter_blocks(plane, torch.tensor([1, 1], dtype=I64), torch.ones(2, 2, 6, dtype=U8))
+    assert not plane.any()  # nothing copied on an error

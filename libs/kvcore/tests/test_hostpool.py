@@ -40,20 +40,20 @@ def test_pool_blocks_visible_to_attached_segment(make_pool):
 # ---- copies and lifecycle ----------------------------------------------------------------------------
 
 
-def test_remove_waits_for_in_flight_copy(make_pool):
+def test_remove_waits_for_in_flight_copy(make_pool, monkeypatch):
+    import kvcore.localpool
+
     pool = make_pool(2)
     pool.alloc(_keys("a"))
     started, finish = threading.Event(), threading.Event()
-    plane = pool.segment.plane(0)
+    copy = kvcore.localpool.scatter_blocks
 
-    class SlowPlane:  # stands in for plane 0 during one slow copy
-        def index_copy_(self, *a):
-            started.set()
-            finish.wait(5)
-            return plane.index_copy_(*a)
+    def slow_copy(*a):  # one slow copy of the put's blocks
+        started.set()
+        finish.wait(5)
+        return copy(*a)
 
-    real = pool.segment.plane
-    pool.segment.plane = lambda p: SlowPlane() if p == 0 else real(p)
+    monkeypatch.setattr(kvcore.localpool, "scatter_blocks", slow_copy)
     t = threading.Thread(target=pool.put_from, args=(_keys("a"), 0, _block(0, 0)))
     t.start()
     assert started.wait(5)

@@ -8,6 +8,9 @@ A token row is ``row_bytes`` bytes (callers pass ``uint8`` views of any KV dtype
   ``miss_slots``).
 - ``scatter_rows``: new tokens -> pool. ``pool[s // block_size, s % block_size] = src[i]`` for
   ``s = slot_mapping[i] = block_id * block_size + offset``.
+- ``scatter_blocks``: whole blocks -> a pool plane (a host pool's put): ``scatter_rows`` with each
+  block as one row. torch's ``index_copy_`` of whole blocks runs at about a seventh of a memcpy on
+  this machine's CPUs (32 objects of 1 MiB: 16-22 ms against 2.7 ms), one memcpy per block does not.
 
 ``native=True`` runs the C++/OpenMP path (one memcpy per row, rows spread over ``max_threads()``
 threads with software prefetch, GIL released); ``native=False`` the torch reference
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_rows", "scatter_rows", "max_threads", "torch_gather"]
+__all__ = ["gather_rows", "scatter_blocks", "scatter_rows", "max_threads", "torch_gather"]
 
 
 def max_threads() -> int:
@@ -126,6 +129,24 @@ def scatter_rows(pool: torch.Tensor, slot_mapping: torch.Tensor, src: torch.Tens
         )
         return
     _scatter_reference(pool, slot_mapping, src)
+
+
+def scatter_blocks(plane: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor, *, native: bool = True) -> None:
+    """Writes block ``src[i]`` to block ``block_ids[i]`` of ``plane`` (``[num_blocks, block_size, row_bytes]``
+    uint8, contiguous; ``src`` ``[n, block_size, row_bytes]``); the checks and errors are
+    ``scatter_rows``' with a block as one row."""
+    if plane.dim() != 3 or not plane.is_contiguous():
+        raise ValueError(
+            f"scatter_blocks: plane must be a contiguous [num_blocks, block_size, row_bytes] tensor, got "
+            f"shape {tuple(plane.shape)} strides {plane.stride()}"
+        )
+    if tuple(src.shape[1:]) != tuple(plane.shape[1:]):
+        raise ValueError(
+            f"scatter_blocks: src has shape {tuple(src.shape)}, blocks of the plane are {tuple(plane.shape[1:])}"
+        )
+    block_bytes = plane.shape[1] * plane.shape[2]
+    rows = src.contiguous().view(src.shape[0], block_bytes)
+    scatter_rows(plane.view(plane.shape[0], 1, block_bytes), block_ids, rows, native=native)
 
 
 def _check(fn: str, name: str, t: object, dtype: torch.dtype, ndim: int, shape: str) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from kvcore.eviction import EvictionPolicy, LRUEviction
+from kvcore.gather import scatter_blocks
 from kvcore.hostpool import (
     HostPoolBackend,
     PoolStats,
@@ -310,9 +311,9 @@ class LocalHostPool(HostPoolBackend):
             check_same_bytes(keys, plane, dst, ids_t, written, src_u8)
             fresh = ~written
             if bool(fresh.all()):
-                dst.index_copy_(0, ids_t, src_u8)
+                scatter_blocks(dst, ids_t, src_u8)
             elif bool(fresh.any()):
-                dst.index_copy_(0, ids_t[fresh], src_u8[fresh])
+                scatter_blocks(dst, ids_t[fresh], src_u8[fresh])
             ok = True
         finally:
             with self._cond:

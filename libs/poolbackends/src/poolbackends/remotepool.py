@@ -50,6 +50,7 @@ from contextlib import contextmanager
 import structlog
 import torch
 
+from kvcore.gather import scatter_blocks
 from kvcore.hostpool import (
     HostPoolBackend,
     IncompleteObject,
@@ -312,9 +313,9 @@ class RemoteHostPool(HostPoolBackend):
                 dst = self._segment.plane(plane)  # [num_blocks, block_size, row_bytes]
                 fresh = ~written[plane]
                 if bool(fresh.all()):
-                    dst.index_copy_(0, ids, src_u8[plane])
+                    scatter_blocks(dst, ids, src_u8[plane])
                 elif bool(fresh.any()):
-                    dst.index_copy_(0, ids[fresh], src_u8[plane][fresh])
+                    scatter_blocks(dst, ids[fresh], src_u8[plane][fresh])
             self._client.mark_written(keys, planes)
 
     def get_into(self, keys: Sequence[bytes], plane: int, dst: torch.Tensor) -> None:
