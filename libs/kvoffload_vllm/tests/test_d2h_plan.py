@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 from kvoffload_vllm.d2h_plan import Coverage, Peer, SendPlanner, blocks_of, peer_of
 from openai_api.transfer_params import parse_transfer_params
 
-PEER = Peer("cmpl-1", "127.0.0.1:20050")
+PEER = Peer("cmpl-1", ("127.0.0.1:20050",))
 
 
 def test_peer_of_reads_the_metaserver_params_and_refuses_half_of_them():
     assert peer_of(parse_transfer_params({"do_remote_decode": False})) is None
     assert peer_of(None) is None
     assert peer_of(parse_transfer_params({"remote_host": "10.0.0.2", "remote_port": 20050, "request_id": "r"})) == Peer(
-        "r", "10.0.0.2:20050"
+        "r", ("10.0.0.2:20050",)
     )
     with pytest.raises(ValueError, match="remote_port"):
         peer_of(parse_transfer_params({"remote_host": "10.0.0.2", "request_id": "r"}))

@@ -74,7 +74,7 @@ def test_a_chunked_prompt_lands_block_for_block_and_ends_once(pair):
     params = meta.bodies[0]["kv_transfer_params"]
     assert (params["request_id"], params["remote_port"]) == ("cmpl-1", consumer.settings.control_port)
     assert params["remote_dp_rank"] == 1  # its true DP rank
-    peer = Peer("cmpl-1", consumer.endpoint)
+    peer = Peer("cmpl-1", (consumer.endpoint,))
     for start, end, blocks in ((0, 6, (1, 2)), (6, 10, (1, 2, 3))):  # two chunks; block 2 written by both
         step = D2HStepMetadata(sends=[Send("vllm-p", peer, start, end, 10, (blocks,))])
         for name in LAYERS:
@@ -104,7 +104,7 @@ def test_with_kv_digests_the_pulled_line_carries_each_layers_digest_of_the_full_
     producer, consumer, meta, prefill, _ = digest_pair
     consumer.begin_step(D2HStepMetadata(recvs=[recv(meta, 10, (5, 7, 6))]))
     until(lambda: meta.bodies)
-    step = D2HStepMetadata(sends=[Send("vllm-p", Peer("cmpl-1", consumer.endpoint), 0, 10, 10, ((1, 2, 3),))])
+    step = D2HStepMetadata(sends=[Send("vllm-p", Peer("cmpl-1", (consumer.endpoint,)), 0, 10, 10, ((1, 2, 3),))])
     for name in LAYERS:
         producer.layer_saved(name, step)
     producer.end_step()
@@ -197,7 +197,7 @@ def test_two_groups_pull_through_their_own_blocks_and_never_touch_null_ones(hybr
     # the decode's window needs tokens 14..19 of 20: its first sliding block is its null block
     consumer.begin_step(D2HStepMetadata(recvs=[recv(meta, 20, (9, 10, 11, 12, 13), (0, 14, 15))]))
     until(lambda: meta.bodies)
-    peer = Peer("cmpl-1", consumer.endpoint)
+    peer = Peer("cmpl-1", (consumer.endpoint,))
     served: dict[str, float] = {}
 
     def answered(reads: int) -> bool:  # the producer's counters, summed across takes

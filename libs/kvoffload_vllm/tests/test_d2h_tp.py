@@ -32,12 +32,12 @@ HEADS, NUM_BLOCKS = 2, 8
 
 
 def test_each_prefill_rank_feeds_the_decode_rank_of_its_contributor_group():
-    peer = Peer("r", "10.0.0.2:20050", decode_tp=2)
+    peer = Peer("r", ("10.0.0.2:20050", "10.0.0.2:20051"))
     assert contribution(peer, 3, 4, replicated=False) == Contribution("10.0.0.2:20051", 1, 2, False)
     assert contribution(peer, 0, 4, replicated=True) == Contribution("10.0.0.2:20050", 0, 2, True)
-    assert contribution(Peer("r", "h:7", 1), 0, 1, replicated=True) == Contribution("h:7", 0, 1, False)
+    assert contribution(Peer("r", ("h:7",)), 0, 1, replicated=True) == Contribution("h:7", 0, 1, False)
     with pytest.raises(ValueError, match="prefill tp 2, decode tp 4"):
-        contribution(Peer("r", "h:7", 4), 0, 2, replicated=False)
+        contribution(Peer("r", ("h:7", "h:8", "h:9", "h:10")), 0, 2, replicated=False)
 
 
 def test_copies_split_a_steps_blocks_between_the_contributors_and_head_slices_send_every_row():
@@ -90,7 +90,7 @@ class TPPair:
             )
             for t, c in enumerate(self.decode)
         ]
-        self.peer = Peer("cmpl-1", self.consumers[0].endpoint, decode_tp)
+        self.peer = Peer("cmpl-1", tuple(c.endpoint for c in self.consumers))
 
     def run(self, num_tokens: int, chunks: tuple[tuple[int, int], ...], prefill_blocks, decode_blocks) -> None:
         for consumer in self.consumers:

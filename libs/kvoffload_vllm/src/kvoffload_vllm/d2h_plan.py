@@ -34,18 +34,21 @@ from openai_api.transfer_params import KVTransferParams
 
 @dataclass(frozen=True)
 class Peer:
-    """Where a request's KV goes (producer) or came from (consumer): the control endpoint of the
-    decode's TP rank 0 (rank t listens on its port + t), its TP size, and the id both sides use for
-    the request (the proxy's child id)."""
+    """Where a request's KV goes (producer) or came from (consumer): the control endpoints of the
+    decode's TP ranks, in rank order (``KVTransferParams.decode_endpoints``), and the id both sides
+    use for the request (the proxy's child id)."""
 
     transfer_id: str
-    endpoint: str
-    decode_tp: int = 1
+    endpoints: tuple[str, ...]
 
-    def rank_endpoint(self, rank: int) -> str:
-        """The control endpoint of the decode's TP rank ``rank``."""
-        host, port = self.endpoint.rsplit(":", 1)
-        return f"{host}:{int(port) + rank}"
+    @property
+    def endpoint(self) -> str:
+        """The control endpoint of the decode's TP rank 0 (the one it registered)."""
+        return self.endpoints[0]
+
+    @property
+    def decode_tp(self) -> int:
+        return len(self.endpoints)
 
 
 @dataclass(frozen=True)
@@ -72,10 +75,9 @@ def peer_of(params: KVTransferParams | None) -> Peer | None:
             f"(str) together; got {params.wire()!r}"
         )
     try:
-        endpoints = params.decode_endpoints()  # checks every TP rank's port
+        return Peer(params.request_id, tuple(params.decode_endpoints()))  # checks every TP rank's port
     except RequestError as exc:
         raise ValueError(str(exc)) from None
-    return Peer(params.request_id, endpoints[0], params.remote_tp_size)
 
 
 @dataclass

@@ -45,7 +45,7 @@ def contribution(peer: Peer, tp_rank: int, tp_size: int, replicated: bool) -> Co
     sizes when they do not pair: prefill TP >= decode TP and divisible)."""
     target = tp_target(tp_size, peer.decode_tp, tp_rank)
     count = tp_size // peer.decode_tp
-    return Contribution(peer.rank_endpoint(target), tp_rank % count, count, replicated and count > 1)
+    return Contribution(peer.endpoints[target], tp_rank % count, count, replicated and count > 1)
 
 
 def announced_rows(start: int, end: int, block_size: int, part: Contribution) -> tuple[int, int]:
