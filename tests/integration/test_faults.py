@@ -45,6 +45,7 @@ SEED = int(os.environ.get("KVOFFLOAD_FAULT_SEED", "20261129"))
 RANDOM_RUNS = 23  # plus one run of every fault kind
 MOONCAKE_RANDOM_RUNS = 6  # plus one run of every kind of the Mooncake stack
 SEEDED_RUNS = 50  # the runs of both stacks together, at least
+DRAINED_TOKENS = 800  # of the request a SIGTERM finds decoding: seconds of work, well within the 30 s grace
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +115,11 @@ def test_a_metastore_fault_does_not_apply_to_a_mooncake_stack(mooncake_runner):
 
 
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(runner):
-    """Graceful shutdown: SIGTERM to the decode while a request decodes — that request finishes with
-    the right tokens, a new one is refused with a clear 'shutting down' error, the decode exits 0,
-    and after a restart everything serves again."""
+    """Graceful shutdown: SIGTERM to the decode while a request decodes — that request finishes whole
+    with the right tokens, a new one is refused with a clear 'shutting down' error, the decode exits 0,
+    and after a restart everything serves again. The request in flight asks for ``DRAINED_TOKENS``
+    tokens, so it still decodes when the new one (a prefill first) reaches the decode: with the
+    suite's 6 it could finish first, the decode exit, and the new one meet a closed port."""
     import signal
     import threading
     import time
@@ -124,24 +127,32 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(runner):
     from kvoffload_testing.faults import _request
     from kvoffload_testing.stack_client import stack_stats
 
-    stack, prompt = runner.stack, runner.prompts[-1]
+    stack, prompt = runner.stack, runner.prompts[1]
     got: dict = {}
     th = threading.Thread(
-        target=lambda: got.update(zip(("ok", "tokens", "error"), _request(stack.url, prompt, True, REQUEST_DEADLINE_S)))
+        target=lambda: got.update(
+            zip(("ok", "tokens", "error"), _request(stack.url, prompt, True, REQUEST_DEADLINE_S, DRAINED_TOKENS))
+        )
     )
     th.start()
     deadline = time.monotonic() + 30
-    while not stack_stats(stack.cfg)["decode-0"]["pending"] + stack_stats(stack.cfg)["decode-0"]["running"]:
+    while not stack_stats(stack.cfg)["decode-0"]["running"]:
         assert time.monotonic() < deadline and th.is_alive(), f"the request never reached the decode: {got}"
         time.sleep(0.02)
     stack.signal("decode-0", signal.SIGTERM)
-    time.sleep(0.1)
-    ok, _, error = _request(stack.url, runner.prompts[0], False, REQUEST_DEADLINE_S)
-    th.join(REQUEST_DEADLINE_S + 5)
-    assert got.get("ok") and got["tokens"] == runner.reference(prompt), got
-    assert not ok and "shutting down" in error, error
-    assert stack.process("decode-0").wait(40) == 0
-    stack.restart("decode-0")
+    try:
+        time.sleep(0.1)
+        ok, _, error = _request(stack.url, runner.prompts[0], False, REQUEST_DEADLINE_S)
+        still_decoding = th.is_alive()
+        th.join(REQUEST_DEADLINE_S + 5)
+        assert still_decoding, f"the request in flight ended before the new one was answered; make it longer: {got}"
+        assert got.get("ok") and len(got["tokens"]) == DRAINED_TOKENS, got
+        assert got["tokens"][: len(runner.reference(prompt))] == runner.reference(prompt), got
+        assert not ok and "shutting down" in error, error
+        assert stack.process("decode-0").wait(40) == 0
+    finally:  # the module's other tests need the decode back, whatever failed here
+        stack.process("decode-0").wait(40)
+        stack.restart("decode-0")
     ok, tokens, error = _request(stack.url, runner.prompts[0], False, REQUEST_DEADLINE_S)
     assert ok and tokens == runner.reference(runner.prompts[0]), error
 

@@ -8,7 +8,8 @@ starts is a ``svcruntime.serverprocess.ServerProcess`` (``service.Service`` for 
 - ``stack``              ``Stack`` / ``StackConfig``: the reference P/D stack on loopback, one process
                          per service; ``ports`` (free loopback ports), ``connector_configs`` (the
                          services' --kv-transfer-config / --additional-config JSON), ``stack_client``
-                         (health probes, completions, Stats of a running stack), ``stack_threads``
+                         (health probes, completions, Stats of a running stack; ``logtail`` the last
+                         lines of a service's log its errors quote), ``stack_threads``
                          (the OpenMP settings of services sharing the host's cores), ``netns`` (a
                          stack's decode in a network namespace behind a veth pair).
 - ``vllm_stack``         the same stack on real vLLM servers; ``vllm_server`` one vLLM server (or

@@ -109,11 +109,13 @@ def _filler() -> list[int]:
     return [1] + [7 + i % 250 for i in range(FILLER_TOKENS)]
 
 
-def _request(url: str, prompt: list[int], stream: bool, deadline_s: float) -> tuple[bool, list[int], str]:
+def _request(
+    url: str, prompt: list[int], stream: bool, deadline_s: float, max_tokens: int = MAX_TOKENS
+) -> tuple[bool, list[int], str]:
     """(ok, tokens, error) of one completion; an error event mid-stream is a failure. The error says
     its status first ("HTTP 502: <body>", "SSE error 502: <message>"; ``error_status`` reads it)
     or, with no HTTP answer, the exception ("RemoteDisconnected: ...")."""
-    body = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}).encode()
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=deadline_s) as resp:

@@ -6,7 +6,9 @@ import http.client
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
+from kvoffload_testing.logtail import tail
 from kvoffload_testing.ports import DATA_PORT_OFFSET
 from kvoffload_testing.sse import sse_events, token_ids
 from svcruntime.tls import TLSConfig
@@ -71,12 +73,33 @@ def grpc_stats(target: str, timeout_s: float = 15.0, tls: TLSConfig | None = Non
     return dict(reply.counters)
 
 
+class StatsUnavailable(RuntimeError):
+    """A service of a stack did not answer its Stats call; the message names it, its address, the gRPC
+    status, and ends with its log's last lines (a dead service's last words, a hung one's last event)."""
+
+
 def stack_stats(cfg) -> dict[str, dict[str, float]]:
     """Stats of the metastore (pool "kvoffload"), every prefill (data port) and decode (control port) of
-    the stack ``cfg`` (a ``kvoffload_testing.stack.StackConfig``) describes."""
-    out = {"metastore": grpc_stats(f"{cfg.host}:{cfg.metastore_port}", tls=cfg.tls)} if cfg.pool == "kvoffload" else {}
-    for i, port in enumerate(cfg.prefill_ports):
-        out[f"prefill-{i}"] = grpc_stats(f"{cfg.host}:{port + DATA_PORT_OFFSET}", tls=cfg.tls)
-    for i, _ in enumerate(() if cfg.mode == "offload-only" else cfg.decode_ports):
-        out[f"decode-{i}"] = grpc_stats(f"{cfg.host}:{cfg.decode_control_port(i)}", tls=cfg.tls)
-    return out
+    the stack ``cfg`` (a ``kvoffload_testing.stack.StackConfig``) describes; :class:`StatsUnavailable`
+    when one does not answer."""
+    targets = {"metastore": cfg.metastore_port} if cfg.pool == "kvoffload" else {}
+    targets.update({f"prefill-{i}": port + DATA_PORT_OFFSET for i, port in enumerate(cfg.prefill_ports)})
+    if cfg.mode != "offload-only":
+        targets.update({f"decode-{i}": cfg.decode_control_port(i) for i, _ in enumerate(cfg.decode_ports)})
+    return {name: _service_stats(cfg, name, f"{cfg.host}:{port}") for name, port in targets.items()}
+
+
+def _service_stats(cfg, name: str, target: str) -> dict[str, float]:
+    import grpc
+
+    try:
+        return grpc_stats(target, tls=cfg.tls)
+    except grpc.RpcError as exc:
+        log = Path(cfg.log_dir) / f"{name}.log"
+        raise StatsUnavailable(
+            f"{name}'s Stats on {target}: {exc.code()} {exc.details()}; "
+            f"{log} ends with:\n{tail(log, LOG_TAIL_LINES) or '(nothing)'}"
+        ) from exc
+
+
+LOG_TAIL_LINES = 20  # of a service's log, in StatsUnavailable

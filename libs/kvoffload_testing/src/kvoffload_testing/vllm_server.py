@@ -19,11 +19,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvoffload_testing.logtail import tail
 from kvoffload_testing.ports import free_port_base
 from kvoffload_testing.service import Service, metastore_command, proxy_command
 from svcruntime.serverprocess import ServerProcess
@@ -32,15 +32,6 @@ from svcruntime.serverprocess import ServerProcess
 def free_port() -> int:
     """A port free on 127.0.0.1 now, below the ephemeral range (``kvoffload_testing.ports.free_port_base``)."""
     return free_port_base((0,))
-
-
-def tail(path: Path, lines: int = 60) -> str:
-    """The last ``lines`` lines of the text file ``path`` (empty when it does not exist)."""
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=lines))
-    except FileNotFoundError:
-        return ""
 
 
 def _health_ok(url: str) -> bool:
