@@ -1,10 +1,13 @@
 """Types of the native hot top-k cache extension (built from native/hotcache.cpp by setup.py).
 
-Pointers are ``data_ptr()`` integers of CPU tensors that ``kvcore.hotcache`` has validated; a
+``resolve`` takes the top-k tensor and returns its outputs (created natively); ``resident``'s
+pointers are ``data_ptr()`` integers of CPU tensors that ``kvcore.hotcache`` has validated; a
 request is an integer handle from ``Cache.alloc``.
 """
 
 from collections.abc import Sequence
+
+import torch
 
 MAX_TOKEN: int
 
@@ -17,15 +20,5 @@ class Cache:
     def residency(self, handle: int, layer: int) -> list[tuple[int, int]]: ...
     def resident(self, layer: int, handles: Sequence[int], tokens_ptr: int, n: int, out_ptr: int) -> None: ...
     def resolve(
-        self,
-        layer: int,
-        handles: Sequence[int],
-        topk_ptr: int,
-        k: int,
-        topk_is_int64: bool,
-        stable_lens: Sequence[int],
-        slots_ptr: int,
-        miss_rows_ptr: int,
-        miss_tokens_ptr: int,
-        miss_slots_ptr: int,
-    ) -> tuple[int, int]: ...
+        self, layer: int, handles: Sequence[int], topk: torch.Tensor, stable_lens: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]: ...

@@ -66,6 +66,7 @@ request-id map is guarded by a lock. The reference path runs one call at a time.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 from collections.abc import Sequence
@@ -109,6 +110,25 @@ class HotCache:
         stable_lens: Sequence[int] | torch.Tensor,
     ) -> Resolution:
         """Maps the top-k tokens of each row (request) to hot-buffer slots; see module docstring."""
+        res = None
+        if isinstance(self._impl, _Native):  # it checks every input before it changes any state
+            with contextlib.suppress(ValueError, TypeError):  # ... and the checks below name what failed
+                res = self._impl.resolve(layer, request_ids, topk, stable_lens)
+        if res is None:
+            res = self._impl.resolve(*self._checked(layer, request_ids, topk, stable_lens))
+        rows, k = topk.shape
+        with self._lock:
+            self._steps += 1
+            self._hits += res.num_hits
+            self._misses += res.num_misses
+            self._entries += rows * k
+        return res
+
+    def _checked(
+        self, layer: int, request_ids: Sequence[str], topk: torch.Tensor, stable_lens: Sequence[int] | torch.Tensor
+    ) -> tuple[int, list[str], torch.Tensor, list[int]]:
+        """``resolve``'s arguments checked as the module docstring says (ValueError naming the argument,
+        the position and the value) and normalized: both paths then give the same message."""
         layer = operator.index(layer)
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer = {layer} is out of range [0, {self.num_layers})")
@@ -131,14 +151,7 @@ class HotCache:
             raise ValueError(
                 f"topk has {k} columns but capacity is {self.capacity} (capacity >= topk guarantees enough slots)"
             )
-        stable = _stable_list(stable_lens, rows)
-        res = self._impl.resolve(layer, ids, topk, stable)
-        with self._lock:
-            self._steps += 1
-            self._hits += res.num_hits
-            self._misses += res.num_misses
-            self._entries += rows * k
-        return res
+        return layer, ids, topk, _stable_list(stable_lens, rows)
 
     def resident(self, layer: int, request_ids: Sequence[str], tokens: torch.Tensor) -> torch.Tensor:
         """Read-only: bool ``[rows, n]``, True where ``tokens[r, j]`` is resident in (request r,
@@ -228,46 +241,32 @@ class _Native:
         self._lock = lock
         self.requests: dict[str, int] = {}  # request id -> native handle
 
-    def resolve(self, layer: int, ids: list[str], topk: torch.Tensor, stable: list[int]) -> Resolution:
-        # Lean on purpose: at 8 rows this Python is a visible part of a call's cost.
-        rows, k = topk.shape
+    def resolve(
+        self, layer: int, ids: Sequence[str], topk: torch.Tensor, stable: Sequence[int] | torch.Tensor
+    ) -> Resolution:
+        """Unchecked arguments are fine: the native side checks every one before it changes any state,
+        and a refused call leaves no handle behind. Lean on purpose: at 8 rows this Python is a
+        visible part of a call's cost."""
         requests = self.requests
+        if not isinstance(stable, list):
+            stable = stable.tolist() if isinstance(stable, torch.Tensor) else list(stable)
         with self._lock:
             try:
                 handles = [requests[rid] for rid in ids]
                 new: list[str] = []
-            except KeyError:  # requests joining: allocate their handles
-                new = [rid for rid in ids if rid not in requests]
+            except KeyError:  # requests joining: allocate their handles (once each: ids may repeat)
+                new = list(dict.fromkeys(rid for rid in ids if rid not in requests))
                 for rid in new:
                     requests[rid] = self._cache.alloc()
                 handles = [requests[rid] for rid in ids]
-        empty, i32 = torch.empty, torch.int32
-        slots = empty(rows, k, dtype=i32)  # [rows, k]
-        miss_rows = empty(rows * k, dtype=i32)  # [rows*k] -> [M]
-        miss_tokens = empty(rows * k, dtype=torch.int64)
-        miss_slots = empty(rows * k, dtype=i32)
-        try:
-            hits, misses = self._cache.resolve(
-                layer,
-                handles,
-                topk.data_ptr(),
-                k,
-                topk.dtype == torch.int64,
-                stable,
-                slots.data_ptr(),
-                miss_rows.data_ptr(),
-                miss_tokens.data_ptr(),
-                miss_slots.data_ptr(),
-            )
+        try:  # one trip: the native side creates the outputs (its tensor calls are the bulk of a call's cost)
+            slots, miss_rows, miss_tokens, miss_slots, hits, misses = self._cache.resolve(layer, handles, topk, stable)
         except (ValueError, IndexError) as e:
             with self._lock:
                 for rid in new:  # an invalid call leaves no state behind
                     self._cache.free(requests.pop(rid))
             raise ValueError(str(e)) from None
-        # resize_ shrinks in place (same storage, contiguous from 0): what [:misses] gives, cheaper
-        return Resolution(
-            slots, miss_rows.resize_(misses), miss_tokens.resize_(misses), miss_slots.resize_(misses), hits, misses
-        )
+        return Resolution(slots, miss_rows, miss_tokens, miss_slots, hits, misses)
 
     def resident(self, layer: int, ids: list[str], tokens: torch.Tensor) -> torch.Tensor:
         with self._lock:

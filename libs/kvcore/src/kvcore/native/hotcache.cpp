@@ -8,10 +8,14 @@
 //   alloc() -> handle, free(handle), residency(handle, layer) -> [(token, slot)]
 //   resident(layer, handles, tokens_ptr, n, out_ptr)   read-only: out[r, j] = 1 iff token
 //           tokens[r, j] (int64, [rows, n]) is resident in (handles[r], layer); handle -1 = none
-//   resolve(layer, handles, topk_ptr, k, topk_is_int64, stable_lens, slots_ptr, miss_rows_ptr,
-//           miss_tokens_ptr, miss_slots_ptr) -> (num_hits, num_misses)
-// Pointers are data_ptr() integers of CPU tensors validated by the Python wrapper (dtype,
-// contiguity, shapes); every index is re-checked here before any state changes, and an error is
+//   resolve(layer, handles, topk, stable_lens) -> (slots, miss_rows, miss_tokens, miss_slots,
+//           num_hits, num_misses): topk a CPU [rows, k] int32/int64 tensor; the outputs are
+//           created here (ATen), so that a call is one trip from Python: its tensor calls (four
+//           outputs, three sized to the misses) cost more than the kernel's own work at a batch of
+//           a few requests once other work has evicted their code from the caches.
+// resident's pointers are data_ptr() integers of CPU tensors validated by the Python wrapper
+// (dtype, contiguity, shapes). Every input of resolve is re-checked here before any state changes
+// (the wrapper checks them first, with the messages its reference path gives), and an error is
 // raised as ValueError naming the argument, the position and the value. The GIL is released while
 // rows are processed (OpenMP over rows: each row is a different request).
 //
@@ -39,7 +43,7 @@
 // disjoint (request, layer) pairs (e.g. different layers). alloc/free take the table lock
 // exclusively; resolve holds it shared.
 
-#include <pybind11/pybind11.h>
+#include <torch/extension.h>  // ATen tensors, and the pybind11 torch builds with
 #include <pybind11/stl.h>
 #include <omp.h>
 
@@ -612,11 +616,37 @@ class Cache {
     }
   }
 
-  py::tuple resolve(int64_t layer, const std::vector<int64_t>& handles, uintptr_t topk_ptr,
-                    int64_t k, bool topk_is_int64, const std::vector<int64_t>& stable, uintptr_t slots_ptr,
-                    uintptr_t miss_rows_ptr, uintptr_t miss_tokens_ptr, uintptr_t miss_slots_ptr) {
-    const int64_t rows = static_cast<int64_t>(handles.size());
+  py::tuple resolve(int64_t layer, const std::vector<int64_t>& handles, const at::Tensor& topk,
+                    const std::vector<int64_t>& stable) {
     check_layer(layer);
+    const auto dtype = topk.scalar_type();
+    if (dtype != at::kInt && dtype != at::kLong)
+      throw py::value_error(std::string("topk must be an int32 or int64 tensor, got ") + c10::toString(dtype));
+    if (!topk.device().is_cpu() || topk.dim() != 2 || !topk.is_contiguous())
+      throw py::value_error("topk must be a contiguous CPU [rows, k] tensor");
+    const int64_t rows = topk.size(0), k = topk.size(1);
+    if (static_cast<int64_t>(handles.size()) != rows)
+      throw py::value_error("request_ids has " + std::to_string(handles.size()) + " entries but topk has " +
+                            std::to_string(rows) + " rows");
+    const auto i32 = at::TensorOptions().dtype(at::kInt);
+    at::Tensor slots = at::empty({rows, k}, i32), miss_rows = at::empty({rows * k}, i32),
+               miss_tokens = at::empty({rows * k}, at::TensorOptions().dtype(at::kLong)),
+               miss_slots = at::empty({rows * k}, i32);
+    const auto [hits, misses] =
+        resolve_rows(layer, handles, topk.data_ptr(), k, dtype == at::kLong, stable, slots.data_ptr<int32_t>(),
+                     miss_rows.data_ptr<int32_t>(), miss_tokens.data_ptr<int64_t>(), miss_slots.data_ptr<int32_t>());
+    miss_rows.resize_({misses});  // in place, same storage: what [:misses] gives, cheaper
+    miss_tokens.resize_({misses});
+    miss_slots.resize_({misses});
+    return py::make_tuple(slots, miss_rows, miss_tokens, miss_slots, hits, misses);
+  }
+
+ private:
+  std::pair<int64_t, int64_t> resolve_rows(int64_t layer, const std::vector<int64_t>& handles, const void* topk,
+                                           int64_t k, bool topk_is_int64, const std::vector<int64_t>& stable,
+                                           int32_t* slots, int32_t* miss_rows, int64_t* miss_tokens,
+                                           int32_t* miss_slots) {
+    const int64_t rows = static_cast<int64_t>(handles.size());
     if (static_cast<int64_t>(stable.size()) != rows)
       throw py::value_error("stable_lens has " + std::to_string(stable.size()) +
                             " entries but there are " + std::to_string(rows) + " rows");
@@ -641,30 +671,22 @@ class Cache {
       }
       if (err.kind == 0 && rows > 0) {
         if (topk_is_int64)
-          err = run<int64_t>(layer, handles, reinterpret_cast<const int64_t*>(topk_ptr), k,
-                             stable.data(), slots_ptr, miss_rows_ptr, miss_tokens_ptr,
-                             miss_slots_ptr, &hits, &misses);
+          err = run<int64_t>(layer, handles, static_cast<const int64_t*>(topk), k, stable.data(), slots,
+                             miss_rows, miss_tokens, miss_slots, &hits, &misses);
         else
-          err = run<int32_t>(layer, handles, reinterpret_cast<const int32_t*>(topk_ptr), k,
-                             stable.data(), slots_ptr, miss_rows_ptr, miss_tokens_ptr,
-                             miss_slots_ptr, &hits, &misses);
+          err = run<int32_t>(layer, handles, static_cast<const int32_t*>(topk), k, stable.data(), slots,
+                             miss_rows, miss_tokens, miss_slots, &hits, &misses);
       }
     }
     if (err.kind != 0) throw py::value_error(message(err));
-    return py::make_tuple(hits, misses);
+    return {hits, misses};
   }
 
- private:
   template <typename T>
   Error run(int64_t layer, const std::vector<int64_t>& handles, const T* topk, int64_t k,
-            const int64_t* stable, uintptr_t slots_ptr, uintptr_t miss_rows_ptr,
-            uintptr_t miss_tokens_ptr, uintptr_t miss_slots_ptr, int64_t* hits_out,
-            int64_t* misses_out) {
+            const int64_t* stable, int32_t* slots, int32_t* miss_rows, int64_t* miss_tokens,
+            int32_t* miss_slots, int64_t* hits_out, int64_t* misses_out) {
     const int64_t rows = static_cast<int64_t>(handles.size());
-    int32_t* slots = reinterpret_cast<int32_t*>(slots_ptr);
-    int32_t* miss_rows = reinterpret_cast<int32_t*>(miss_rows_ptr);
-    int64_t* miss_tokens = reinterpret_cast<int64_t*>(miss_tokens_ptr);
-    int32_t* miss_slots = reinterpret_cast<int32_t*>(miss_slots_ptr);
     std::vector<int64_t> per_row(static_cast<size_t>(3 * rows), 0);
     int64_t* max_token = per_row.data();  // [rows]
     int64_t* row_hits = max_token + rows;  // [rows]
@@ -785,7 +807,6 @@ PYBIND11_MODULE(_native_hotcache, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("resident", &Cache::resident, py::arg("layer"), py::arg("handles"), py::arg("tokens_ptr"),
            py::arg("n"), py::arg("out_ptr"))
-      .def("resolve", &Cache::resolve, py::arg("layer"), py::arg("handles"), py::arg("topk_ptr"),
-           py::arg("k"), py::arg("topk_is_int64"), py::arg("stable_lens"), py::arg("slots_ptr"),
-           py::arg("miss_rows_ptr"), py::arg("miss_tokens_ptr"), py::arg("miss_slots_ptr"));
+      .def("resolve", &Cache::resolve, py::arg("layer"), py::arg("handles"), py::arg("topk"),
+           py::arg("stable_lens"));
 }
