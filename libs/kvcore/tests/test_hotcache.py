@@ -142,7 +142,7 @@ BAD_CALLS = [
     (dict(ids=["a", "a"], topk=_t([[1], [2]]), stable=[3, 3]), "request_ids[1] = 'a' appears twice"),
     (dict(ids=["a", "b"]), "request_ids has 2 entries but topk has 1 rows"),
     (dict(ids=["new", "new"], topk=_t([[1], [2]]), stable=[3, 3]), "request_ids[1] = 'new' appears twice"),
-    (dict(topk=[[1, 2]]), "topk must be an int32 or int64 tensor, got list"),
+    (dict(topk=[[1, 2]], ids=["new"]), "topk must be an int32 or int64 tensor, got list"),
     (dict(layer=-1), "layer = -1 is out of range [0, 2)"),
     (dict(topk=torch.tensor([[1.0, 2.0]])), "topk must be an int32 or int64 tensor"),
     (dict(topk=_t([[1, 2], [3, 4]]).t()[:1]), "contiguous"),

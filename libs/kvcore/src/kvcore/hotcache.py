@@ -261,11 +261,11 @@ class _Native:
                 handles = [requests[rid] for rid in ids]
         try:  # one trip: the native side creates the outputs (its tensor calls are the bulk of a call's cost)
             slots, miss_rows, miss_tokens, miss_slots, hits, misses = self._cache.resolve(layer, handles, topk, stable)
-        except (ValueError, IndexError) as e:
+        except (ValueError, IndexError, TypeError) as e:  # TypeError: an argument of the wrong type
             with self._lock:
                 for rid in new:  # an invalid call leaves no state behind
                     self._cache.free(requests.pop(rid))
-            raise ValueError(str(e)) from None
+            raise (e if isinstance(e, TypeError) else ValueError(str(e))) from None
         return Resolution(slots, miss_rows, miss_tokens, miss_slots, hits, misses)
 
     def resident(self, layer: int, ids: list[str], tokens: torch.Tensor) -> torch.Tensor:
