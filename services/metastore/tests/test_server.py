@@ -33,7 +33,7 @@ def test_process_serves_then_stops_gracefully(tmp_path, sig):
     conf.write_text("ock.mmc.meta.lease_ttl_ms = 1234\nock.mmc.meta_service.config_store_url = tcp://x:6000\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvoffload_metastore", "--port", "0", "--grace-s", "1"],
-        env={"MMC_META_CONFIG_PATH": str(conf), "PATH": ""},
+        env={"MMC_META_CONFIG_PATH": str(conf), "PATH": "", "PYTHONFAULTHANDLER": "1"},
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -49,7 +49,7 @@ def test_process_serves_then_stops_gracefully(tmp_path, sig):
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         proc.send_signal(sig)
-        assert proc.wait(timeout=15) == 0
+        assert _exit_code(proc, lines, seen, sig) == 0
         stopped = _event(lines, "stopped", seen)
         assert stopped["released_pools"] == 0
         assert any(r["event"] == "signal received" and r["signal"] == sig.name for r in seen)
@@ -57,6 +57,21 @@ def test_process_serves_then_stops_gracefully(tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _exit_code(proc: subprocess.Popen, lines: queue.Queue, seen: list, sig: signal.Signals) -> int:
+    """The process's exit code within 15 s of ``sig``; else a failure that quotes what it logged and,
+    from SIGABRT (faulthandler, PYTHONFAULTHANDLER), where each of its threads stood."""
+    try:
+        return proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(10)
+        rest = []
+        while not lines.empty():
+            rest.append(lines.get())
+        events = [r["event"] for r in seen]
+        pytest.fail(f"no exit within 15 s of {sig.name}; events {events}, then:\n{''.join(rest)}")
 
 
 def test_invalid_configuration_exits_2_naming_the_key(tmp_path, capsys, monkeypatch):
