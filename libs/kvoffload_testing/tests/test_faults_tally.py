@@ -266,11 +266,14 @@ def test_a_run_with_a_problem_reports_the_warnings_its_services_logged_during_it
     from types import SimpleNamespace
 
     from kvoffload_testing.faults import LOG_LINES_KEPT, FaultRunner
+    from kvoffload_testing.ports import free_stack_ports
+    from kvoffload_testing.stack import StackConfig
 
     before = '{"event": "old_failure", "level": "error"}\n'
     (tmp_path / "prefill-0.log").write_text(before)
     (tmp_path / "decode-0.log").write_text("")
-    runner = SimpleNamespace(stack=SimpleNamespace(cfg=SimpleNamespace(log_dir=tmp_path)))
+    cfg = StackConfig(model=tmp_path / "model", log_dir=tmp_path, **free_stack_ports())  # where its logs are
+    runner = SimpleNamespace(stack=SimpleNamespace(cfg=cfg))
     starts = {"prefill-0": len(before), "decode-0": 0, "proxy": 0}  # the proxy has no log yet
     with (tmp_path / "prefill-0.log").open("a") as f:
         f.write('{"event": "serving", "level": "info"}\n')

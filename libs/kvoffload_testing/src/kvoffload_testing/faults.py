@@ -223,17 +223,15 @@ class FaultRunner:
         return rec
 
     def _log_sizes(self) -> dict[str, int]:
-        d = self.stack.cfg.log_dir
-        return {
-            name: (d / f"{name}.log").stat().st_size if (d / f"{name}.log").exists() else 0 for name in self.services
-        }
+        paths = {name: self.stack.cfg.log_path(name) for name in self.services}
+        return {name: path.stat().st_size if path.exists() else 0 for name, path in paths.items()}
 
     def _logged_since(self, starts: dict[str, int], keep: int = LOG_LINES_KEPT) -> dict[str, list[str]]:
         """Each service's warnings and errors written since ``starts`` (its log sizes then; a restarted
         service appends to the same file): the last ``keep`` lines of each, for a run's failure report."""
         out = {}
         for name, start in starts.items():
-            path = self.stack.cfg.log_dir / f"{name}.log"
+            path = self.stack.cfg.log_path(name)
             if not path.exists():
                 continue
             with path.open("rb") as f:

@@ -99,6 +99,10 @@ class StackConfig:
         """Control (Transfer gRPC) port of decode ``i`` (its TP rank 0; rank t listens on this + t)."""
         return self.kv_port + (i * self.decode_tp if self.decode_dp else 16 * i)
 
+    def log_path(self, name: str) -> Path:
+        """The log file of service ``name`` (``kvoffload_testing.service.Service`` writes it)."""
+        return self.log_dir / f"{name}.log"
+
     @property
     def mooncake_master(self) -> str:
         """``HOST:PORT`` of the stack's mooncake_master (pool "mooncake")."""
@@ -372,7 +376,7 @@ class Stack:
         """The JSON log lines of service ``name`` whose ``event`` is ``event`` and whose other fields
         equal ``fields`` (e.g. ``request_id=...``), in log order."""
         out = []
-        for line in (self.cfg.log_dir / f"{name}.log").read_text().splitlines():
+        for line in self.cfg.log_path(name).read_text().splitlines():
             if line.startswith("{"):
                 record = json.loads(line)
                 if record.get("event") == event and all(record.get(k) == v for k, v in fields.items()):

@@ -6,7 +6,6 @@ import http.client
 import json
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 from kvoffload_testing.logtail import tail
 from kvoffload_testing.ports import DATA_PORT_OFFSET
@@ -95,7 +94,7 @@ def _service_stats(cfg, name: str, target: str) -> dict[str, float]:
     try:
         return grpc_stats(target, tls=cfg.tls)
     except grpc.RpcError as exc:
-        log = Path(cfg.log_dir) / f"{name}.log"
+        log = cfg.log_path(name)
         raise StatsUnavailable(
             f"{name}'s Stats on {target}: {exc.code()} {exc.details()}; "
             f"{log} ends with:\n{tail(log, LOG_TAIL_LINES) or '(nothing)'}"
