@@ -71,11 +71,44 @@ def test_turns_go_in_arrival_order_one_at_a_time():
     assert queue.stats()["in_service"] == 0 and queue.stats()["queued"] == 0
 
 
+def test_the_end_of_a_run_wakes_only_the_next_in_line_and_at_once(monkeypatch):
+    """A run's end wakes the first waiter, not all of them (each wake of 200 queued requests took the
+    engine thread's GIL), and the turns still follow one another without waiting for a poll."""
+    monkeypatch.setattr(queue_bound, "POLL_S", 30.0)  # only wakes move a waiter here
+    queue, first = busy(60)
+    order: list = []
+    asked: dict[str, int] = {}
+
+    def counted(rid: str):
+        def cancelled() -> str:
+            asked[rid] = asked.get(rid, 0) + 1
+            return ""
+
+        return cancelled
+
+    ids = [f"r{i}" for i in range(20)]
+    threads = [waiter(queue, queue.admit(rid, 10), order, cancelled=counted(rid)) for rid in ids]
+    deadline = time.monotonic() + 5
+    while len(asked) < len(ids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert asked == dict.fromkeys(ids, 1)  # each waiter checked once, then slept
+    t0 = time.monotonic()
+    queue.ran(first)  # r0 runs, then r1, ... each woken by the previous run's end
+    queue.leave(first)
+    for t in threads:
+        t.join(5)
+    assert order == ids and time.monotonic() - t0 < 5  # not a 30 s poll
+    # a waiter is woken only when it is first: the check at entry, then none (r0 went at the first
+    # wake, which ends its loop before a check)
+    assert asked == dict.fromkeys(ids, 1), asked
+
+
 def test_the_estimate_refuses_at_admission_what_would_wait_past_the_bound():
     clock = Clock()
     queue = PrefillQueue(bound_s=10, clock=clock)
     assert queue.rate_tokens_per_s is None
-    run_once(queue, clock, 1000, 2.0)  # 500 tokens/s
+    for _ in range(queue_bound.MIN_RUNS):
+        run_once(queue, clock, 1000, 2.0)  # 500 tokens/s
     assert queue.rate_tokens_per_s == pytest.approx(500)
     running = queue.admit("running", 1000)
     queue.wait(running)
@@ -94,6 +127,28 @@ def test_the_estimate_refuses_at_admission_what_would_wait_past_the_bound():
     assert info.value.retry_after_s == 5  # 4.1 s past the bound, rounded up
     assert queue.stats()["rejected_by_estimate"] == 2 and queue.stats()["queued"] == 5
     assert len(queued) == 4 and fits.tokens == 3000
+
+
+def test_the_estimate_refuses_nobody_until_it_has_fitted_a_few_runs():
+    """One run is no pace: a fresh prefill's first run (a short prompt, a cold process) read as a rate
+    would refuse a burst it can serve. Until MIN_RUNS runs, admission follows the bound alone."""
+    clock = Clock()
+    queue = PrefillQueue(bound_s=10, clock=clock)
+    run_once(queue, clock, 10, 0.3)  # 33 tokens/s: 4096 tokens "in 123 s"
+    assert queue.stats()["run_4k_s"] > 10
+    turns = [queue.admit(f"q{i}", 1000) for i in range(queue_bound.MIN_RUNS)]  # "30 s each": admitted
+    for t in turns:
+        queue.wait(t)
+        clock.now += 0.3
+        queue.ran(t)
+        queue.leave(t)
+    assert queue.model.runs == queue_bound.MIN_RUNS + 1 and queue.stats()["rejected_by_estimate"] == 0
+    running = queue.admit("running", 1000)
+    queue.wait(running)
+    ahead = [queue.admit(f"a{i}", 1000) for i in range(33)]  # 0.3 s each now: the last 9.9 s ahead
+    with pytest.raises(PrefillBusy, match=r"would start this request in about 10\.2 s \(33 queued"):
+        queue.admit("late", 1000)
+    assert queue.stats()["rejected_by_estimate"] == 1 and len(ahead) == 33
 
 
 def test_a_request_still_waiting_at_the_bound_leaves_the_queue_with_429():
