@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcore.gather import gather_rows, max_threads, scatter_blocks, scatter_rows
+from kvcore.gather import gather_rows, max_threads, scatter_blocks, scatter_rows, write_pages
 
 ROW_BYTES = [1, 3, 5, 64, 576, 1152]
 I32, I64, U8 = torch.int32, torch.int64, torch.uint8
@@ -307,3 +307,56 @@ def test_scatter_blocks_refuses_a_strided_plane_a_wrong_block_and_a_repeat():
     with pytest.raises(ValueError, match="writes that pool row a second time"):
         scatter_blocks(plane, torch.tensor([1, 1], dtype=I64), torch.ones(2, 2, 6, dtype=U8))
     assert not plane.any()  # nothing copied on an error
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 8), st.sampled_from(ROW_BYTES), st.integers(0, 70), st.integers(0, 3), st.data())
+def test_write_pages_equals_index_copy_at_any_block_stride(num_blocks, page_bytes, gap, offset, data):
+    """A vLLM layer's blocks as bytes: pages at a stride past their size (other layers' bytes between
+    them) and an offset into the storage; write_pages touches exactly index_copy_'s bytes."""
+    ids = data.draw(st.lists(st.integers(0, num_blocks - 1), unique=True, max_size=num_blocks))
+    storage = _bytes(num_blocks * (page_bytes + gap) + offset + page_bytes, seed=num_blocks)
+    stride = page_bytes + gap
+
+    def pages(t: torch.Tensor) -> torch.Tensor:
+        return torch.as_strided(t, (num_blocks, page_bytes), (stride, 1), offset)
+
+    src = _bytes(len(ids), page_bytes, seed=7)
+    want = storage.clone()
+    pages(want).index_copy_(0, torch.tensor(ids, dtype=I64), src)
+    write_pages(pages(storage), torch.tensor(ids, dtype=I64), src)
+    assert torch.equal(storage, want)  # the pages written, and every byte between and around them kept
+
+
+def test_write_pages_takes_a_head_slice_of_each_block():
+    """The decode's TP install: one contributor's half of every block (``d2h_tp.sliced``)."""
+    storage = _bytes(6, 2, 48, seed=3)
+    half = storage.view(6, 96).unflatten(1, (2, -1))[:, 1]  # [6, 48], stride 96
+    src = _bytes(3, 48, seed=4)
+    want = storage.clone()
+    want.view(6, 96).unflatten(1, (2, -1))[:, 1].index_copy_(0, torch.tensor([5, 0, 2]), src)
+    write_pages(half, torch.tensor([5, 0, 2]), src)
+    assert torch.equal(storage, want)
+
+
+def test_write_pages_refuses_what_it_cannot_write_and_writes_nothing():
+    storage = torch.zeros(4, 16, dtype=U8)
+    pages = storage[:, 4:12]  # [4, 8], stride 16
+    one = torch.ones(1, 8, dtype=U8)
+    with pytest.raises(ValueError, match=r"block_ids\[1\] = 2 writes that block a second time"):
+        write_pages(pages, torch.tensor([2, 2]), torch.ones(2, 8, dtype=U8))
+    with pytest.raises(ValueError, match=r"block_ids\[0\] = 4 is out of range \[0, 4\) \(blocks of pages\)"):
+        write_pages(pages, torch.tensor([4]), one)
+    with pytest.raises(ValueError, match=r"src must be \[len\(block_ids\), page_bytes\] = \(1, 8\)"):
+        write_pages(pages, torch.tensor([0]), torch.ones(1, 9, dtype=U8))
+    with pytest.raises(ValueError, match="one dense run of bytes not overlapping the next"):
+        write_pages(torch.as_strided(storage, (4, 8), (4, 1)), torch.tensor([0]), one)  # rows overlap
+    with pytest.raises(ValueError, match="one dense run of bytes"):
+        write_pages(storage.view(4, 8, 2)[:, :, 0], torch.tensor([0]), one)  # every other byte
+    with pytest.raises(ValueError, match="uint8"):
+        write_pages(storage.view(torch.int16), torch.tensor([0]), one)
+    with pytest.raises(ValueError, match="block_ids must be torch.int64"):
+        write_pages(pages, torch.tensor([0], dtype=I32), one)
+    assert not storage.any()
+    write_pages(pages, torch.tensor([], dtype=I64), torch.zeros(0, 8, dtype=U8))  # nothing to write
+    assert not storage.any()

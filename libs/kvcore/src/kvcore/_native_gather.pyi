@@ -30,4 +30,5 @@ def scatter_rows(
     slot_mapping_ptr: int,
     M: int,
     src_ptr: int,
+    row_stride: int,
 ) -> None: ...

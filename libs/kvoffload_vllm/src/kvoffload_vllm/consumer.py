@@ -36,6 +36,7 @@ import grpc
 import structlog
 import torch
 
+from kvcore.gather import write_pages
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 from kvoffload_vllm.d2h_engine import read_blocks, start_d2h_engine
 from kvoffload_vllm.d2h_layers import D2HLayers
@@ -316,7 +317,7 @@ class Consumer(RowSink):
         target = sliced(lay.pages[r.layer], part)
 
         def copy(ids: torch.Tensor, blocks: torch.Tensor) -> int:
-            target.index_copy_(0, ids, data[blocks - first])
+            write_pages(target, ids, data.index_select(0, blocks - first))
             return int(data.numel())
 
         return self._write(read, rows, copy)[1]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore.gather import write_pages
 from kvcore.poolgeometry import PoolGeometry
 from kvoffload_vllm.block_bytes import block_bytes
 from kvoffload_vllm.kv_groups import KVGroup
@@ -66,4 +67,4 @@ class GroupCaches:
     def write(self, plane: int, block_ids: torch.Tensor, data: torch.Tensor) -> None:
         """``data`` (``[n, 1, page_bytes]``) into blocks ``block_ids`` of layer ``plane``, in place."""
         page = self.pages[plane]
-        page.index_copy_(0, block_ids.to(page.device), data.view(len(block_ids), -1).to(page.device))
+        write_pages(page, block_ids, data.view(len(block_ids), -1))

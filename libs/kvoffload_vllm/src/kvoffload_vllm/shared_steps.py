@@ -27,6 +27,7 @@ from typing import Any
 import structlog
 import torch
 
+from kvcore.gather import write_pages
 from kvcore.hostpool import HostPoolBackend
 from kvoffload_vllm.block_bytes import block_bytes
 from kvoffload_vllm.d2h_plan import blocks_of
@@ -143,7 +144,7 @@ class SharedSteps:
             pool.get_into(keys, self.layout.plane(layer), staging.view(len(keys), 1, -1))  # one row: the page
             ids = torch.tensor([b for t in loads for b in t.block_ids], dtype=torch.long)
             dst = self._bytes[layer]
-            dst.index_copy_(0, ids.to(dst.device), staging.to(dst.device))
+            write_pages(dst, ids, staging)
             at = 0
             for t in loads:
                 if shared:
@@ -169,7 +170,7 @@ class SharedSteps:
                 continue
             try:
                 ids = torch.tensor(r.block_ids[again.start : again.stop], dtype=torch.long, device=dst.device)
-                dst.index_copy_(0, ids, self.request_kv.get(r.request_id, layer, again).to(dst.device))
+                write_pages(dst, ids, self.request_kv.get(r.request_id, layer, again))
                 step.reloaded_blocks += len(again)
             except Exception as exc:  # noqa: BLE001 - reported to vLLM as load errors: it recomputes the blocks
                 self._fail(step, [r.request_id], layer, exc)

@@ -51,14 +51,16 @@ inline void prefetch_row(const uint8_t* p, int64_t n, bool write) {
   }
 }
 
-// Copies n rows: dst + dst_row[i] * row_bytes <- src + src_row[i] * row_bytes, in chunks of about
-// kChunkBytes spread over the pool. src_row/dst_row may be null for "row i" (contiguous side).
+// Copies n rows: dst + dst_row[i] * dst_stride <- src + src_row[i] * row_bytes, in chunks of about
+// kChunkBytes spread over the pool. src_row/dst_row may be null for "row i" (contiguous side);
+// dst_stride (bytes from one destination row to the next, >= row_bytes) 0 means row_bytes.
 void copy_rows(const uint8_t* src, const int64_t* src_row, uint8_t* dst, const int64_t* dst_row,
-               int64_t n, int64_t row_bytes) {
+               int64_t n, int64_t row_bytes, int64_t dst_stride = 0) {
+  if (dst_stride == 0) dst_stride = row_bytes;
   const int64_t per_chunk = std::max<int64_t>(1, kChunkBytes / row_bytes);
   const int64_t chunks = (n + per_chunk - 1) / per_chunk;
   auto sp = [&](int64_t i) { return src + (src_row ? src_row[i] : i) * row_bytes; };
-  auto dp = [&](int64_t i) { return dst + (dst_row ? dst_row[i] : i) * row_bytes; };
+  auto dp = [&](int64_t i) { return dst + (dst_row ? dst_row[i] : i) * dst_stride; };
   parallel_for(chunks, [&](int64_t c) {
     const int64_t lo = c * per_chunk, hi = std::min(n, lo + per_chunk);
     for (int64_t i = lo; i < std::min(hi, lo + kPrefetchRows); ++i) {
@@ -201,7 +203,10 @@ void gather_rows(uintptr_t pool_ptr, int64_t num_blocks, int64_t block_size, int
 }
 
 void scatter_rows(uintptr_t pool_ptr, int64_t num_blocks, int64_t block_size, int64_t row_bytes,
-                  uintptr_t slot_mapping_ptr, int64_t M, uintptr_t src_ptr) {
+                  uintptr_t slot_mapping_ptr, int64_t M, uintptr_t src_ptr, int64_t row_stride) {
+  if (row_stride != 0 && row_stride < row_bytes)
+    throw py::value_error("scatter_rows: row_stride = " + std::to_string(row_stride) + " is below row_bytes = " +
+                          std::to_string(row_bytes) + " (rows would overlap)");
   if (M <= 0 || row_bytes <= 0) return;
   auto* pool = reinterpret_cast<uint8_t*>(pool_ptr);
   const auto* mapping = reinterpret_cast<const int64_t*>(slot_mapping_ptr);
@@ -220,7 +225,7 @@ void scatter_rows(uintptr_t pool_ptr, int64_t num_blocks, int64_t block_size, in
       const int64_t rep = first_repeat(mapping, M, total);
       if (rep >= 0) { err.kind = 2; err.i = rep; err.a = mapping[rep]; }
     }
-    if (err.kind == 0) copy_rows(src, nullptr, pool, mapping, M, row_bytes);
+    if (err.kind == 0) copy_rows(src, nullptr, pool, mapping, M, row_bytes, row_stride);
   }
   if (err.kind == 1)
     throw py::value_error("scatter_rows: slot_mapping[" + std::to_string(err.i) + "] = " +
@@ -246,5 +251,5 @@ PYBIND11_MODULE(_native_gather, m) {
         py::arg("miss_slots_ptr"));
   m.def("scatter_rows", &scatter_rows, py::arg("pool_ptr"), py::arg("num_blocks"),
         py::arg("block_size"), py::arg("row_bytes"), py::arg("slot_mapping_ptr"), py::arg("M"),
-        py::arg("src_ptr"));
+        py::arg("src_ptr"), py::arg("row_stride"));
 }
