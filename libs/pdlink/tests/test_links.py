@@ -21,6 +21,7 @@ class FakeDecode(transfer_pb2_grpc.TransferServicer):
         self.release = threading.Event()
         self.unknown: set[str] = set()
         self.tp = (0, 1)  # the decode TP rank and size its acks report
+        self.read_layers: list[int] = []  # the layers of the ReadReady calls, in arrival order
 
     def ExchangeLayout(self, request, context):
         return transfer_pb2.LayoutAck(
@@ -36,6 +37,7 @@ class FakeDecode(transfer_pb2_grpc.TransferServicer):
         )
 
     def ReadReady(self, request, context):
+        self.read_layers.append(request.layer)
         self.release.wait(30)  # a decode that stopped in the middle of a pull
         return transfer_pb2.ReadResult(status=transfer_pb2.READ_DONE)
 
@@ -150,3 +152,35 @@ def test_a_read_ticket_of_the_callers_own_is_settled_by_the_answer(decode):
         assert failed.settled == [("failed", "reader", "decode " + endpoint + " no longer waits for request gone")]
     finally:
         link.close()
+
+
+def test_announces_leave_in_order_from_the_links_thread_and_none_is_stranded_by_a_close(decode):
+    """The caller's thread only queues an announce (the call, and the gRPC polling thread an idle
+    channel starts for it, are the link's); they are issued in order (concurrent calls may still
+    arrive in another); one made after the link closed fails its read instead of waiting."""
+    fake, endpoint = decode
+    callers: set[str] = set()
+    issued: list[int] = []
+    fake.release.set()
+    link = _link(endpoint)
+    issue = link._issue
+
+    def issued_on(*args):
+        callers.add(threading.current_thread().name)
+        issued.append(args[0].layer)  # (req, ticket, reader, outcome)
+        return issue(*args)
+
+    link._issue = issued_on
+    tickets = [RecordingTicket(layer=i, generation=i) for i in range(12)]
+    outcomes = [link.announce(t, "reader", "r", 0, 16) for t in tickets]
+    assert all(o.result(timeout=10) for o in outcomes)
+    assert (
+        issued == list(range(12))
+        and sorted(fake.read_layers) == issued
+        and all(t.settled == [("done", "reader")] for t in tickets)
+    )
+    assert callers == {f"announce-{endpoint}_0"}  # one thread of the link's, never the caller's
+    link.close()
+    late = RecordingTicket(layer=12, generation=12)
+    assert link.announce(late, "reader", "r", 0, 16).result(timeout=1) is False
+    assert late.settled == [("failed", "reader", f"decode {endpoint}: the link closed")]
