@@ -135,9 +135,9 @@ class Turn:
     request_id: str
     tokens: int
     admitted: float
+    wake: threading.Condition  # its waiter's, on the queue's lock
     started: float | None = None  # when its engine run began
     done: bool = False
-    wake: threading.Condition | None = None  # its waiter's, on the queue's lock (set by ``admit``)
 
 
 class PrefillQueue:
@@ -195,7 +195,7 @@ class PrefillQueue:
                     f"--max-queue-wait-s={self.bound_s:g}; retry later",
                     retry_after_s=self._retry_after_s(ahead),
                 )
-            turn = Turn(request_id, tokens, now, wake=threading.Condition(self._lock))
+            turn = Turn(request_id, tokens, now, threading.Condition(self._lock))
             self._waiting.append(turn)
             self._in_service += 1
             return turn
@@ -221,7 +221,6 @@ class PrefillQueue:
                         f"starting, past its bound --max-queue-wait-s={self.bound_s:g}; retry later",
                         retry_after_s=self._retry_after_s(self._ahead_s(now)),
                     )
-                assert turn.wake is not None  # admit sets it
                 turn.wake.wait(min(left, POLL_S))
             self._waiting.popleft()
             self._running, turn.started = turn, self.clock()
@@ -248,7 +247,7 @@ class PrefillQueue:
         """Wakes the first waiter, the only one that may run next (under the lock). One wake, not one
         per waiter: with 200 requests queued, each run's end woke 200 threads, each to take the GIL
         from the engine's thread and go back to sleep."""
-        if self._waiting and self._waiting[0].wake is not None:
+        if self._waiting:
             self._waiting[0].wake.notify()
 
     def stats(self) -> dict[str, float]:

@@ -1,7 +1,7 @@
 // kvcore._native_gather: dtype-agnostic gather/scatter of token rows (rows of bytes), C++/OpenMP.
 //
 //   gather_rows(...)  dst[dst_index[r], slot] = pool[block_table[r, tok // bs], tok % bs]
-//   scatter_rows(...) pool[slot // bs, slot % bs] = src[i]
+//   scatter_rows(...) pool[slot // bs, slot % bs] = src[i]   (pool rows row_stride bytes apart)
 // Arguments are data_ptr() integers and sizes of contiguous CPU uint8/int tensors validated by the
 // Python wrapper (kvcore/gather.py). Every index is checked here first, over all rows, together
 // with "no destination written twice"; the first bad position (lowest i) raises ValueError naming
@@ -53,10 +53,9 @@ inline void prefetch_row(const uint8_t* p, int64_t n, bool write) {
 
 // Copies n rows: dst + dst_row[i] * dst_stride <- src + src_row[i] * row_bytes, in chunks of about
 // kChunkBytes spread over the pool. src_row/dst_row may be null for "row i" (contiguous side);
-// dst_stride (bytes from one destination row to the next, >= row_bytes) 0 means row_bytes.
+// dst_stride: bytes from one destination row to the next (>= row_bytes).
 void copy_rows(const uint8_t* src, const int64_t* src_row, uint8_t* dst, const int64_t* dst_row,
-               int64_t n, int64_t row_bytes, int64_t dst_stride = 0) {
-  if (dst_stride == 0) dst_stride = row_bytes;
+               int64_t n, int64_t row_bytes, int64_t dst_stride) {
   const int64_t per_chunk = std::max<int64_t>(1, kChunkBytes / row_bytes);
   const int64_t chunks = (n + per_chunk - 1) / per_chunk;
   auto sp = [&](int64_t i) { return src + (src_row ? src_row[i] : i) * row_bytes; };
@@ -197,14 +196,14 @@ void gather_rows(uintptr_t pool_ptr, int64_t num_blocks, int64_t block_size, int
         err.kind = 8; err.i = rep; err.a = slots[rep]; err.b = dst_index[rows[rep]];
       }
     }
-    if (err.kind == 0) copy_rows(pool, src_row.get(), dst, dst_row.get(), M, row_bytes);
+    if (err.kind == 0) copy_rows(pool, src_row.get(), dst, dst_row.get(), M, row_bytes, row_bytes);
   }
   if (err.kind != 0) throw py::value_error(gather_message(err, R, max_blocks, num_blocks, capacity, D));
 }
 
 void scatter_rows(uintptr_t pool_ptr, int64_t num_blocks, int64_t block_size, int64_t row_bytes,
                   uintptr_t slot_mapping_ptr, int64_t M, uintptr_t src_ptr, int64_t row_stride) {
-  if (row_stride != 0 && row_stride < row_bytes)
+  if (row_stride < row_bytes)
     throw py::value_error("scatter_rows: row_stride = " + std::to_string(row_stride) + " is below row_bytes = " +
                           std::to_string(row_bytes) + " (rows would overlap)");
   if (M <= 0 || row_bytes <= 0) return;
