@@ -10,7 +10,9 @@ For each chunk, every cache layer (base layers, then MTP layers) runs the design
 
 A loader thread acquires slots and loads prefixes up to ``prefetch_layers`` layers ahead of the
 compute (``kvoffload_engine.prefill_loader``), and a saver thread writes finished layers to the host
-pool, so transfers overlap compute (torch ops release the GIL). Which pool object holds each block
+pool, so transfers overlap compute (torch ops release the GIL). ``compute`` returns once every layer
+is computed and ``settle`` waits for the last saves without the engine's lock, so the next request
+computes meanwhile. Which pool object holds each block
 (the prefix cache, request-scoped tails) is ``kvoffload_engine.prefill_blocks``'s. Every failure
 settles the tickets it leaves behind, so no slot stays held (I4, I6).
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -33,7 +35,7 @@ import structlog
 import torch
 
 from dsamodel.model import DecoderLayer, DSAModel
-from kvcore.blockkeys import block_keys
+from kvcore.blockkeys import block_keys, is_request_key
 from kvcore.device import DeviceAllocator
 from kvcore.gates import GateSet
 from kvcore.hostpool import HostPoolBackend, ObjectUnreachable
@@ -90,6 +92,52 @@ class PrefillError(RuntimeError):
     """A prefill failed; the request ends with this error and every slot it held is settled."""
 
 
+@dataclass
+class ComputedPrefill:
+    """A prefill whose every layer is computed; its last saves may still run. ``settle`` (no engine
+    lock: the next request computes meanwhile) waits for them and hands over the result, or raises
+    the first save's error with the request's unwritten objects removed."""
+
+    request_id: str
+    blocks: PromptBlocks
+    saved: Future  # done once every save of the request has run
+    save_errors: list[BaseException]
+    logits: torch.Tensor
+    first_token: int
+    draft_logits: torch.Tensor | None
+    start: int  # tokens the prefix cache held
+
+    def settle(self) -> PrefillResult:
+        blocks, rid = self.blocks, self.request_id
+        self.saved.result()
+        try:
+            if self.save_errors:
+                raise PrefillError(
+                    f"saving request {rid} to the host pool failed: {self.save_errors[0]!r}"
+                ) from self.save_errors[0]
+            lease = blocks.pool.lease(blocks.keys, blocks.lease_ttl_ms)  # before the chunks' leases end
+        except BaseException:
+            blocks.release_leases()
+            blocks.remove_unwritten()  # complete hash blocks stay cached
+            raise
+        blocks.release_leases()
+        n = blocks.num_tokens
+        log.info(
+            "prefill_done", request_id=rid, prompt_tokens=n, cached_tokens=self.start, computed_tokens=n - self.start
+        )
+        return PrefillResult(
+            rid,
+            self.logits,
+            self.first_token,
+            self.draft_logits,
+            self.start,
+            n - self.start,
+            blocks.keys,
+            lease,
+            blocks.owned,
+        )
+
+
 class LayerwisePrefill:
     """The prefill engine of one process: a model, a buffer plan, a host pool, gates and threads."""
 
@@ -141,6 +189,9 @@ class LayerwisePrefill:
             (pool.geometry.plane_index(i, "main"), self._plane(i, "indexer")) for i in range(layout.num_layers)
         ]
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kv-save")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        # (hash keys, done once saved) of computed requests whose saves may still run
+        self._saving: list[tuple[frozenset[bytes], Future]] = []
         self._lock = threading.Lock()  # one request at a time through the buffers
         self._announced = False  # this try of the running request told a reader of a layer
         self._try = 0  # which try of the running request: the slot gates' owner is (request id, try)
@@ -154,7 +205,13 @@ class LayerwisePrefill:
     # ---- the request ------------------------------------------------------------------------
 
     def run(self, req: PrefillRequest) -> PrefillResult:
-        """Prefill ``req.prompt``; blocks until every layer is computed (saves may still run)."""
+        """Prefill ``req.prompt``: ``compute`` it, then ``settle`` its saves."""
+        return self.compute(req).settle()
+
+    def compute(self, req: PrefillRequest) -> ComputedPrefill:
+        """Compute every layer of ``req.prompt``, one request at a time; returns while the last saves
+        may still run, so the next request can compute meanwhile (the slot gates keep its layers off a
+        slot until that slot's save ends, I4)."""
         prompt = req.prompt
         if prompt.dim() != 1 or prompt.numel() == 0:
             raise ValueError(f"prompt must be a non-empty [P] tensor, got shape {list(prompt.shape)}")
@@ -165,7 +222,7 @@ class LayerwisePrefill:
                 self.followers.check()
             self._announced, self._try = False, 0
             try:
-                return self._run(req)
+                return self._compute(req)
             except ObjectUnreachable as exc:
                 if self._announced:
                     raise
@@ -178,14 +235,14 @@ class LayerwisePrefill:
             # the backend removed them: the prefix match now stops before them. Another owner for the
             # gates, so the first try's failed slots are not reported to this one
             self._try = 1
-            return self._run(req)
+            return self._compute(req)
 
-    def _run(self, req: PrefillRequest) -> PrefillResult:
+    def _compute(self, req: PrefillRequest) -> ComputedPrefill:
         bs, n = self.block_size, req.prompt.numel()
-        self._save_errors: list[BaseException] = []
-        blocks = PromptBlocks(
-            self.pool, req.request_id, block_keys(self.model_id, req.prompt, bs), n, bs, self.lease_ttl_ms
-        )
+        hash_keys = block_keys(self.model_id, req.prompt, bs)
+        self._await_saves_of(hash_keys)
+        self._save_errors: list[BaseException] = []  # this request's: each save is given the list
+        blocks = PromptBlocks(self.pool, req.request_id, hash_keys, n, bs, self.lease_ttl_ms)
         logits = first = draft = None
         try:
             start = blocks.cached_blocks * bs
@@ -196,24 +253,23 @@ class LayerwisePrefill:
                 logits, first, draft = self._run_chunk(req, chunk, final=e == n)
             # the prefix match leaves at least one token to compute, so a last (final) chunk ran
             assert logits is not None and first is not None
-            self._saver.submit(lambda: None).result()  # this request's saves are written
-            if self._save_errors:
-                raise PrefillError(
-                    f"saving request {req.request_id} to the host pool failed: {self._save_errors[0]!r}"
-                ) from self._save_errors[0]
-            blocks.release_leases()
-            full_lease = self.pool.lease(blocks.keys, self.lease_ttl_ms)
         except BaseException:
             blocks.release_leases()
             self._saver.submit(lambda: None).result()
             blocks.remove_unwritten()  # complete hash blocks stay cached
             raise
-        log.info(
-            "prefill_done", request_id=req.request_id, prompt_tokens=n, cached_tokens=start, computed_tokens=n - start
-        )
-        return PrefillResult(
-            req.request_id, logits, first, draft, start, n - start, blocks.keys, full_lease, blocks.owned
-        )
+        saved = self._saver.submit(lambda: None)  # done once this request's saves are
+        self._saving.append((frozenset(k for k in blocks.keys if not is_request_key(k)), saved))
+        return ComputedPrefill(req.request_id, blocks, saved, self._save_errors, logits, first, draft, start)
+
+    def _await_saves_of(self, hash_keys: list[bytes]) -> None:
+        """Wait for the saves of earlier requests that write blocks of this prompt, so that a prompt
+        sharing a prefix with one still saving finds that prefix cached (``exists`` is true only for
+        complete objects); a prompt sharing nothing does not wait."""
+        self._saving = [(keys, saved) for keys, saved in self._saving if not saved.done()]
+        for keys, saved in self._saving:
+            if not keys.isdisjoint(hash_keys):
+                saved.result()
 
     def release(self, result: PrefillResult) -> None:
         """End the hand-off: release the lease and drop the request-scoped objects."""
@@ -232,6 +288,7 @@ class LayerwisePrefill:
         positions = torch.arange(s, e, device=model.device)
         layers = model.cache_layers
         pipeline = SlotLoader(
+            self._loader,
             self.gates,
             self.buffers,
             self.plan.num_logical_layers,
@@ -297,7 +354,7 @@ class LayerwisePrefill:
             raise
         ticket.computed()
         self.buffers.set_residency(i, req.request_id, e)
-        self._saver.submit(self._save, ticket, chunk, i)
+        self._saver.submit(self._save, ticket, chunk, i, self._save_errors)
         if self.announce is not None and ticket.readers:
             # the first computed chunk also carries the prefix loaded from the prefix cache
             self._announced = True  # from here a reader may hold this try's rows
@@ -308,7 +365,7 @@ class LayerwisePrefill:
                 raise
         return h
 
-    def _save(self, ticket: SlotTicket, chunk: Chunk, layer: int) -> None:
+    def _save(self, ticket: SlotTicket, chunk: Chunk, layer: int, errors: list[BaseException]) -> None:
         try:
             if chunk.save_keys:
                 blocks = torch.tensor(chunk.save_blocks, dtype=torch.long)
@@ -319,7 +376,7 @@ class LayerwisePrefill:
                 self.pool.put_planes_from(chunk.save_keys, srcs)  # one round trip for both (remote pools)
         except BaseException as exc:  # noqa: BLE001 - the ticket carries it: the prefill raises it where it waits
             log.error("prefill_save_failed", layer=layer, error=str(exc))
-            self._save_errors.append(exc)
+            errors.append(exc)
             ticket.save_failed(exc)
             return
         ticket.saved()
@@ -346,4 +403,5 @@ class LayerwisePrefill:
     def close(self) -> None:
         self.gates.abort_all("prefill engine closed")
         self._saver.shutdown(wait=True)
+        self._loader.shutdown(wait=True)
         self.buffers.close()

@@ -43,7 +43,7 @@ class PromptBlocks:
         lease_ttl_ms: int,
     ) -> None:
         self.pool, self.request_id, self.hash_keys = pool, request_id, hash_keys
-        self.block_size, self.lease_ttl_ms = block_size, lease_ttl_ms
+        self.block_size, self.lease_ttl_ms, self.num_tokens = block_size, lease_ttl_ms, num_tokens
         self.cached_blocks = self._match_prefix(num_tokens)
         self.keys: list[bytes] = hash_keys[: self.cached_blocks]
         lease = pool.lease(self.keys, lease_ttl_ms) if self.keys else None
@@ -52,16 +52,20 @@ class PromptBlocks:
         self.leases: list[Lease] = [lease] if lease else []
 
     def _match_prefix(self, num_tokens: int) -> int:
-        """Leading full blocks already complete in the pool, leaving at least one token to compute."""
+        """Leading full blocks already complete in the pool, leaving at least one token to compute.
+        Keeps which blocks were absent for the first chunk's plan (``_absent``)."""
         usable = (num_tokens - 1) // self.block_size
         present = self.pool.exists(self.hash_keys[:usable])
+        self._absent = {b for b, ok in enumerate(present) if not ok}
         return next((i for i, ok in enumerate(present) if not ok), len(present))
 
     def plan_chunk(self, s: int, e: int) -> Chunk:
         """Decide the pool object of every block the chunk [s, e) touches and allocate the new ones.
 
-        On return ``keys`` covers the chunk too. One ``exists`` for the chunk's full blocks, one lease
-        on those someone else already wrote (before the ``alloc`` could evict them), one ``alloc`` for
+        On return ``keys`` covers the chunk too. One ``exists`` for the chunk's full blocks (none for
+        the first chunk when the prefix match just found all of them absent: a block written since
+        meets ``alloc``'s ``ObjectExists`` and is computed into a copy of our own), one lease on
+        those someone else already wrote (before the ``alloc`` could evict them), one ``alloc`` for
         the rest, one lease on what this chunk writes.
         """
         bs, hash_keys, keys = self.block_size, self.hash_keys, self.keys
@@ -70,7 +74,11 @@ class PromptBlocks:
         del keys[chunk.first_block :]  # the old tail object is superseded by this chunk's
         blocks = range(chunk.first_block, chunk.end_block)
         full = range(chunk.first_block, e // bs)  # the chunk's blocks that end inside it
-        written = {b for b, ok in zip(full, self.pool.exists([hash_keys[b] for b in full]) if full else []) if ok}
+        absent, self._absent = self._absent, set()  # the match's answer is the first chunk's only
+        if all(b in absent for b in full):
+            written: set[int] = set()
+        else:
+            written = {b for b, ok in zip(full, self.pool.exists([hash_keys[b] for b in full]), strict=True) if ok}
         if written:
             self.leases.append(self.pool.lease([hash_keys[b] for b in sorted(written)], self.lease_ttl_ms))
         chunk.save_blocks = [b for b in blocks if b not in written]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 
 from kvcore.gates import GateSet
 from kvcore.slottickets import SlotTicket
@@ -30,10 +30,12 @@ def fail_ticket(ticket: SlotTicket, exc: BaseException, *, compute: bool, save: 
 
 class SlotLoader:
     """Acquires slots (for ``readers``, as ``owner``) and loads prefixes (``load(ticket)``) of the
-    ``num_layers`` layers in order, at most ``ahead`` layers ahead of ``take``."""
+    ``num_layers`` layers in order, at most ``ahead`` layers ahead of ``take``, on ``thread`` (the
+    engine's one loader thread: a thread started per chunk cost the compute's thread its start)."""
 
     def __init__(
         self,
+        thread: Executor,
         gates: GateSet,
         buffers: LayerBuffers,
         num_layers: int,
@@ -47,8 +49,7 @@ class SlotLoader:
         self._permits = threading.Semaphore(ahead)
         self._stop = threading.Event()
         self._taken = 0
-        self._thread = threading.Thread(target=self._work, name="kv-load", daemon=True)
-        self._thread.start()
+        self._done = thread.submit(self._work)
 
     def _work(self) -> None:
         for layer, fut in enumerate(self._futures):
@@ -85,7 +86,7 @@ class SlotLoader:
         self._stop.set()
         for _ in self._futures:
             self._permits.release()
-        self._thread.join()
+        self._done.result()
         for fut in self._futures[self._taken :]:
             if fut.exception() is None:
                 ticket = fut.result()
@@ -93,4 +94,4 @@ class SlotLoader:
                 fail_ticket(ticket, exc, compute=True, save=True, reads=True)
 
     def finish(self) -> None:
-        self._thread.join()
+        self._done.result()

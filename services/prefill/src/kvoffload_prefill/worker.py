@@ -274,14 +274,15 @@ class PrefillWorker:
 
     def _engine_run(self, req: PrefillRequest, turn: Turn | None):
         """The engine's run of ``req``, after ``turn``'s wait in the queue (when given); the engine is
-        the next one's when the run ends."""
+        the next one's once every layer is computed, while this request's last saves settle."""
         if turn is None:
             return self.engine.run(req)
         self.queue.wait(turn, req.cancelled or (lambda: ""))
         try:
-            return self.engine.run(req)
+            computed = self.engine.compute(req)
         finally:
             self.queue.ran(turn)
+        return computed.settle()
 
     def _release(self, res) -> None:
         """End the engine's hand-off; the prompt's hash-keyed blocks stay as prefix cache."""
