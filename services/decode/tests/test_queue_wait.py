@@ -11,7 +11,7 @@ from queue_support import N, Sink, push
 
 from dsamodel.presets import tiny_model
 from kvoffload_decode.loop import DecodeLoop
-from kvoffload_decode.queue_wait import DecodeFull, QueueWaitExceeded, StartPace
+from kvoffload_decode.queue_wait import MIN_INTERVALS, WINDOW, DecodeFull, QueueWaitExceeded, StartPace
 from kvoffload_engine import build
 from kvoffload_engine.decode import SparseDecoder
 from openai_api.sampling_params import SamplingParams
@@ -36,13 +36,33 @@ def test_the_pace_counts_only_starts_under_a_backlog():
     assert pace.estimate_s(5) is None  # nothing measured: no estimate
     pace.started(10.0, backlog=False)  # an idle decode's start: the next gap is not a service interval
     pace.started(50.0, backlog=True)
-    assert pace.interval_s is None
-    pace.started(52.0, backlog=True)
+    for i in range(1, MIN_INTERVALS):  # intervals of 2 s: too few yet for an estimate
+        pace.started(50.0 + 2 * i, backlog=True)
+        assert pace.interval_s is None and pace.estimate_s(4) is None
+    now = 50.0 + 2 * MIN_INTERVALS
+    pace.started(now, backlog=False)  # the gap after a backlog start counts; the one after this does not
     assert pace.interval_s == 2.0 and pace.estimate_s(0) == 2.0 and pace.estimate_s(4) == 10.0
-    pace.started(57.0, backlog=False)  # the gap after a backlog start counts; the one after this does not
-    assert pace.interval_s == pytest.approx(0.8 * 2.0 + 0.2 * 5.0)
-    pace.started(500.0, backlog=True)
-    assert pace.interval_s == pytest.approx(0.8 * 2.0 + 0.2 * 5.0)
+    pace.started(now + 500.0, backlog=True)
+    assert pace.interval_s == 2.0
+
+
+def test_the_pace_is_the_mean_of_the_latest_intervals_so_a_burst_of_starts_does_not_swing_it():
+    """Starts come in bursts (a batch's slots free together): 7 at once, then one 1.2 s later. The
+    pace is their mean over the window (0.15 s), not the last few: an average that followed them
+    (an EWMA of weight 0.2) read up to 0.33 s after each long gap, twice the queue's real pace."""
+    pace, now = StartPace(), 0.0
+    pace.started(now, backlog=True)
+    for _ in range(4 * WINDOW // 8):
+        for gap in (0.0,) * 7 + (1.2,):
+            now += gap
+            pace.started(now, backlog=True)
+            if pace.interval_s is not None and len(pace._gaps) == WINDOW:
+                assert pace.interval_s == pytest.approx(0.15)
+    assert pace.interval_s == pytest.approx(0.15)
+    for _ in range(WINDOW):  # the window forgets: a slower decode reads as slower
+        now += 1.0
+        pace.started(now, backlog=True)
+    assert pace.interval_s == pytest.approx(1.0)
 
 
 def test_a_request_queued_past_the_bound_is_refused_and_frees_what_it_held():
