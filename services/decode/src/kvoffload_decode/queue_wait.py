@@ -12,13 +12,12 @@ decode bounds the time a request waits there (``--max-queue-wait-s``, ``DEFAULT_
   gaps never count; the mean of the latest ``WINDOW`` intervals, once ``MIN_INTERVALS`` were
   measured. Starts come in bursts (a batch's slots free together), so a short average swings: in a
   256-client round (mean interval 0.15 s) an EWMA of weight 0.2 ranged 0.05-0.35 s and refused
-  requests that then started within 40 s of a 60 s bound; the mean of 64 stayed in 0.11-0.19 s. A
-  new request behind ``ahead``
-  queued ones starts in about ``(ahead + 1) * interval``; over the bound it is refused at once
-  (HTTP 429, ``Retry-After`` the estimate's excess over the bound). The pace covers whatever
-  limits the starts — prefill, pull or the batch — without modelling each, so the estimate also
-  counts its own prefill: it errs towards refusing early, when the bound is near. Before
-  ``MIN_INTERVALS`` measured intervals there is no estimate, and nothing is refused by one.
+  requests that then started within 40 s of a 60 s bound; the mean of 64 stayed in 0.11-0.19 s.
+  A new request behind ``ahead`` queued ones starts in about ``(ahead + 1) * interval``; over the
+  bound it is refused at once (HTTP 429, ``Retry-After`` the estimate's excess over the bound). The
+  pace covers whatever limits the starts — prefill, pull or the batch — without modelling each, so
+  the estimate also counts its own prefill: it errs towards refusing early, when the bound is near.
+  Before ``MIN_INTERVALS`` measured intervals there is no estimate, and nothing is refused by one.
 - as a guarantee: a request that has waited past the bound is refused then (``QueueWaitExceeded``,
   HTTP 429 before any byte of its answer), so no request waits in these queues past the bound
   without an answer, whatever the estimate said (a burst on a fresh decode has no pace measured yet).
