@@ -120,8 +120,8 @@ def serve(config: MetaStoreConfig) -> int:
         stop.wait()
         running.shutdown()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, handler in previous.items():  # None: a handler not set from Python (faulthandler's)
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     return 0
 
 
