@@ -251,6 +251,15 @@ def test_a_layer_whose_block_size_differs_is_refused_naming_it(hybrid_pair):
         other.close()
 
 
+def test_a_second_decode_on_a_taken_kv_port_fails_to_bind_instead_of_sharing_it(pair):
+    """gRPC binds with SO_REUSEPORT unless told not to: two decodes on one kv_port would both start,
+    and the kernel would hand each prefill connection to either, announces reaching the wrong one."""
+    _, consumer, _, _, decode = pair
+    port = consumer.settings.control_port
+    with pytest.raises(RuntimeError, match=f"cannot bind the decode control port .*:{port}"):
+        Consumer(settings("kv_consumer", "kvoffload", port), "model-a", decode)
+
+
 def test_a_prefill_of_another_transfer_backend_is_refused_naming_both(pair):
     producer, _, _, prefill, _ = pair
     mine = producer.settings.transfer_backend

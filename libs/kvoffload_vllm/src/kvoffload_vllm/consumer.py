@@ -93,11 +93,23 @@ class Consumer(RowSink):
             tp_size=settings.tp_size,
         )
         self._stop = threading.Event()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvoffload-transfer"))
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvoffload-transfer"),
+            # a second decode on this kv_port fails to bind: with gRPC's default SO_REUSEPORT the kernel
+            # would split the prefills' connections between the two, and announces reach the wrong decode
+            options=[("grpc.so_reuseport", 0)],
+        )
         transfer_pb2_grpc.add_TransferServicer_to_server(TransferServicer(self.pull), self._server)
         self.endpoint = f"{settings.advertise_host}:{settings.control_port}"
-        if not add_port(self._server, self.endpoint):
-            raise RuntimeError(f"cannot bind the decode control port {self.endpoint} (kv_port)")
+        try:
+            bound = add_port(self._server, self.endpoint)
+        except RuntimeError:  # grpcio raises where older releases returned 0
+            bound = 0
+        if not bound:
+            raise RuntimeError(
+                f"cannot bind the decode control port {self.endpoint} (kv_port + dp_rank x tp + tp_rank): "
+                "another process holds it"
+            )
         self._server.start()
         self._watchdog = threading.Thread(target=self._watch, name="kvoffload-watchdog", daemon=True)
         self._watchdog.start()

@@ -118,7 +118,10 @@ class Producer(RowBuffer):
         self._generation = 0
         self.counters = Counters(COUNTERS)
         self.transfer = start_d2h_engine(settings, "Prefill", layers)  # before the server: a failed start leaves none
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvoffload-source"))
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvoffload-source"),
+            options=[("grpc.so_reuseport", 0)],  # a second bind of the data port fails (see the consumer's)
+        )
         transfer_pb2_grpc.add_LayerSourceServicer_to_server(LayerSourceServicer(self), self._server)
         port = add_port(self._server, f"{settings.advertise_host}:{settings.data_port}")
         if not port:
