@@ -130,6 +130,9 @@ def test_pipeline_with_remote_acks_does_not_deadlock():
     assert stats["acquires"] == num_layers and stats["held_slots"] == 0 and stats["timeouts"] == 0
 
 
+ACQUIRE_ATTEMPTS = 3  # an OccupantFailed is raised to one acquire and the next gets the slot: 2 suffice
+
+
 def _run_randomized(seed: int, num_slots: int, num_layers: int = 24, fail_p: float = 0.1):
     """Engine + save/read workers with seeded delays and failures; returns (log, violations, stats)."""
     rng = random.Random(seed)
@@ -156,13 +159,15 @@ def _run_randomized(seed: int, num_slots: int, num_layers: int = 24, fail_p: flo
             compute_s = rng.uniform(0, 0.002)
             jobs = [("save", rng.uniform(0, 0.004), rng.random() < fail_p)]
             jobs += [(r, rng.uniform(0, 0.004), rng.random() < fail_p) for r in readers]
-            while True:
+            for _ in range(ACQUIRE_ATTEMPTS):
                 try:
                     t = gs.acquire(layer, readers, timeout_s=5)
                     break
                 except OccupantFailed:
                     with lock:
                         log.append(("failed", layer % num_slots, layer))
+            else:  # a failed occupant is reported to one acquire, the next gets the slot: never a loop
+                pytest.fail(f"layer {layer}: OccupantFailed on each of {ACQUIRE_ATTEMPTS} acquires")
             with lock:
                 log.append(("acquired", t.slot, t.generation, 2 + len(readers)))
                 owner[t.slot] = layer
