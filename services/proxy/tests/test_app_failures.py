@@ -134,13 +134,11 @@ async def test_a_request_answered_before_its_prefill_lets_the_prefill_finish(sta
     layers): the client gets its answer at once, the prefill is not cancelled (its server would count
     an aborted request) but answered, the waiting registration gets that answer, and afterwards
     nothing is held."""
-    async with stack(decoders=("no_wait",), prefill_delay_s=0.8) as s:
-        t0 = time.monotonic()
+    async with stack(decoders=("no_wait",), prefill_delay_s=1.5) as s:
         status, data, _ = await s.post("/v1/completions", {"prompt": "hi"})
         assert status == 200 and data["choices"][0]["text"] == "<hi> a b"
-        assert time.monotonic() - t0 < 0.7  # not held for the prefill
-        assert s.prefillers[0].done_at == []
-        assert await s.until(lambda: s.decoders[0].metaserver_answers, 3.0)
+        assert s.prefillers[0].done_at == []  # answered before the prefill was: not held for it
+        assert await s.until(lambda: s.decoders[0].metaserver_answers, 5.0)
         assert s.prefillers[0].cancelled == 0 and len(s.prefillers[0].done_at) == 1
         assert s.decoders[0].metaserver_answers[0][0] == 200
         await s.assert_idle()

@@ -61,39 +61,43 @@ def test_refused_by_name(kind, body, fragment):
 
 
 def test_accepted_set_and_nulls():
-    _parse(
-        "completions",
-        {
-            "prompt": "x",
-            "stop": ["a", "b"],
-            "stop_token_ids": [1],
-            "seed": 3,
-            "n": 2,
-            "best_of": 2,
-            "logprobs": 5,
-            "presence_penalty": 1,
-            "frequency_penalty": -1.5,
-            "min_tokens": 2,
-            "ignore_eos": True,
-            "user": "u",
-            "temperature": 1,
-            "top_p": 0.5,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        },
-    )
-    _parse("completions", {"prompt": [1, 2], "echo": True})
-    _parse(
-        "chat",
-        {
-            "messages": [{"role": "system", "content": [{"type": "text", "text": "s"}]}] + MSG,
-            "logprobs": True,
-            "top_logprobs": 3,
-            "max_completion_tokens": 4,
-            "stop": "x",
-        },
-    )
-    _parse("completions", {"prompt": "x", "stop": None, "logprobs": None, "seed": None, "user": None})
+    """Every accepted field parses to the request the proxy forwards: the body as sent, and what the
+    proxy itself reads from it (stream, n, the children, max_tokens)."""
+    body = {
+        "prompt": "x",
+        "stop": ["a", "b"],
+        "stop_token_ids": [1],
+        "seed": 3,
+        "n": 2,
+        "best_of": 2,
+        "logprobs": 5,
+        "presence_penalty": 1,
+        "frequency_penalty": -1.5,
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "user": "u",
+        "temperature": 1,
+        "top_p": 0.5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = _parse("completions", body)
+    assert req.body == body and req.kind == "completions" and not req.is_batch
+    assert (req.stream, req.n, req.prompts, req.max_tokens) == (True, 2, ("x", "x"), 16)  # 16: the API's default
+    req = _parse("completions", {"prompt": [1, 2], "echo": True})
+    assert req.body == {"prompt": [1, 2], "echo": True} and req.prompts == ([1, 2],) and req.num_prompt_tokens == (2,)
+    chat = {
+        "messages": [{"role": "system", "content": [{"type": "text", "text": "s"}]}] + MSG,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "max_completion_tokens": 4,
+        "stop": "x",
+    }
+    req = _parse("chat", chat)
+    assert req.body == chat and req.kind == "chat" and (req.stream, req.n, req.max_tokens) == (False, 1, 4)
+    nulls = {"prompt": "x", "stop": None, "logprobs": None, "seed": None, "user": None}
+    req = _parse("completions", nulls)
+    assert req.body == nulls and (req.stream, req.n, req.prompts, req.max_tokens) == (False, 1, ("x",), 16)
 
 
 def test_n_makes_one_child_per_choice():
