@@ -28,13 +28,19 @@ timed steps, greedy tokens from the sparse engine fed to both.
 
 Report: ``step_time_ratio`` = median sparse step / median keep step (goal <= 1.25 without a
 trace, <= 1.10 with one, on CPU at batch 8); ``device_kv_ratio`` = device KV bytes (indexer cache
-+ hot buffers vs indexer cache + full KV, from the counting allocator; goal <= 0.2);
-``hit_rate`` and ``h2d_bytes_per_step`` (misses x row bytes, from ``StepStats``) of the sparse
-engine over the timed steps; ``h2d_floor_bytes_per_step`` = (1 - hit_rate) x k x row_bytes x
-layers x batch, the bytes a step must move at that hit rate, and ``h2d_floor_ratio`` = measured /
-floor (goal <= 1.02: nothing moved beyond the misses); ``belady_hit_rate`` (trace mode): the
-offline optimum for the same buffer and steps (``kvoffload_bench.belady``), the ceiling for any policy;
-``logits_equal``: both engines' logits bit-identical at every step (I2).
++ hot buffers vs indexer cache + full KV, from the counting allocator by tag; goal <= 0.2);
+``hit_rate`` and ``h2d_bytes_per_step`` (``StepStats.h2d_bytes``: the bytes of the rows the
+sparse decoder's copies into its hot buffers moved, counted at the copy) of the sparse engine over
+the timed steps; ``h2d_floor_bytes_per_step`` = (1 - hit_rate) x k x row_bytes x layers x batch,
+the bytes a step must move at that hit rate, and ``h2d_floor_ratio`` = measured / floor (goal
+<= 1.02: nothing moved beyond the misses; below 1, some miss was not loaded, also not met);
+``belady_hit_rate`` (trace mode): the offline optimum for the same buffer and steps
+(``kvoffload_bench.belady``), the ceiling for any policy; ``logits_equal``: the sparse and the keep
+engines' logits bit-identical at every step (I2). Goals (``goals``, ``goals_met``): those three
+ratios and ``logits_equal`` (every decoder's logits equal at every step: in trace mode the prefetch
+decoder's too). A ratio whose figures were not recorded (no hot-cache stats, or device bytes
+missing under a KV tag) is not met and named in ``not_measured`` with why
+(``kvoffload_bench.decode_report``).
 
 Miss prefetch (trace mode): a third decoder, the sparse one with ``miss_prefetch`` on
 (``kvoffload_engine.prefetch``), steps in the same rotation. ``prefetch`` reports the share of the

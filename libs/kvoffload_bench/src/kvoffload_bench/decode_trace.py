@@ -40,11 +40,10 @@ def run_trace(trace, *, batch, context, steps, topk_buffer_size, block_size, dty
     prompt_lens = [override.prompt_len(r) for r in ids]
     if min(prompt_lens) < 1:
         raise ValueError(f"trace {tr.name!r} starts at context {min(prompt_lens) + 1}: a prompt needs >= 1 token")
-    k = tr.k
     max_len = max(prompt_lens) + 1 + steps + 1  # tokens after the warm-up and the timed steps
     model = _model(base, tr, max_len, seed, dtype)
     if topk_buffer_size is None:
-        topk_buffer_size = -(-2 * k // block_size) * block_size  # 2k, whole blocks
+        topk_buffer_size = -(-2 * tr.k // block_size) * block_size  # 2k, whole blocks
     blocks = batch * (-(-max_len // block_size) + 1) + 4  # every request's blocks, some spare
     pool_bytes = blocks * build.decode_geometry(model, block_size, 1 << 40).block_bytes
     decoders: dict[str, SparseDecoder] = {}
@@ -74,6 +73,7 @@ def run_trace(trace, *, batch, context, steps, topk_buffer_size, block_size, dty
         dev=dev,
         total=total,
         equal=bool(equal),
+        prefetch_equal=bool(pf_equal),
         extra={
             "kv_source": "installed",
             "setup_s": setup_s,

@@ -31,7 +31,9 @@ measured step for the miss cases).
 
 Goals, over the uniform cases and the miss cases together (the minimum over all of them):
 ``ratio_to_memcpy = min(native / memcpy) >= 0.7`` and ``speedup_vs_torch = min(native / torch) >= 1``;
-``miss_ratio_to_memcpy`` and ``miss_speedup_vs_torch`` give the miss cases' minimum alone.
+``miss_ratio_to_memcpy`` and ``miss_speedup_vs_torch`` give the miss cases' minimum alone;
+``outputs_equal``: the native result equal to the reference's in every case, uniform and miss
+(``unequal_cases`` names any that differ).
 """
 
 from __future__ import annotations
@@ -89,26 +91,47 @@ def run(
         )
         for rb in row_bytes
     ]
-    every = cases + miss_cases
-    ratio = min(c["ratio_to_memcpy"] for c in every)
-    speedup = min(c["speedup_vs_torch"] for c in every)
     return {
         "bench": "gather",
         "threads": gather.max_threads(),
         "torch_threads": torch.get_num_threads(),
         "pool_bytes": pool_bytes,
+        **_goals(cases, miss_cases),
+        "cpu_used_by_others": others.fraction(),
+        "cases": cases,
+        "miss_cases": miss_cases,
+    }
+
+
+def _goals(cases: list[dict], miss_cases: list[dict]) -> dict:
+    """The figures the goals judge (each the minimum over the cases), ``goals`` and ``goals_met``."""
+    every = cases + miss_cases
+    ratio = min(c["ratio_to_memcpy"] for c in every)
+    speedup = min(c["speedup_vs_torch"] for c in every)
+    kinds = {"cases": cases, "miss_cases": miss_cases}
+    unequal = [
+        f"{kind}[{i}] ({c['row_bytes']} B rows)"
+        for kind, cs in kinds.items()
+        for i, c in enumerate(cs)
+        if not c["equal"]
+    ]
+    return {
         "ratio_to_memcpy": ratio,
         "speedup_vs_torch": speedup,
         "miss_ratio_to_memcpy": min(c["ratio_to_memcpy"] for c in miss_cases),
         "miss_speedup_vs_torch": min(c["speedup_vs_torch"] for c in miss_cases),
-        "goals": {"ratio_to_memcpy": GOAL_RATIO_TO_MEMCPY, "speedup_vs_torch": GOAL_SPEEDUP_VS_TORCH},
-        "cpu_used_by_others": others.fraction(),
+        "outputs_equal": not unequal,
+        "unequal_cases": unequal,
+        "goals": {
+            "ratio_to_memcpy": GOAL_RATIO_TO_MEMCPY,
+            "speedup_vs_torch": GOAL_SPEEDUP_VS_TORCH,
+            "outputs_equal": True,
+        },
         "goals_met": {
             "ratio_to_memcpy": ratio >= GOAL_RATIO_TO_MEMCPY,
             "speedup_vs_torch": speedup >= GOAL_SPEEDUP_VS_TORCH,
+            "outputs_equal": not unequal,
         },
-        "cases": cases,
-        "miss_cases": miss_cases,
     }
 
 

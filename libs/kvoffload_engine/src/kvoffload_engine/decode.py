@@ -48,10 +48,12 @@ from kvoffload_engine.topk_override import TopkOverride, overridden_topk
 
 @dataclass
 class StepStats:
-    """What the last step moved: hot-cache hits/misses and host-to-device bytes (every miss's row,
-    early or not); with miss prefetch, the rows loaded early (``prefetched``), the misses they served
-    (``prefetch_hits``: their H2D was off the critical path) and ``load_s``, the seconds the step
-    spent loading misses on its critical path (gathers, copies from staging, waits for a prefetch)."""
+    """What the last step moved: hot-cache hits/misses and host-to-device bytes (``h2d_bytes``: the
+    bytes of the rows copied into the hot buffers, counted at each copy, gathered from the host pool
+    or taken from the prefetch staging: every miss's row, early or not); with miss prefetch, the
+    rows loaded early (``prefetched``), the misses they served (``prefetch_hits``: their H2D was off
+    the critical path) and ``load_s``, the seconds the step spent loading misses on its critical
+    path (gathers, copies from staging, waits for a prefetch)."""
 
     hits: int = 0
     misses: int = 0
@@ -262,19 +264,18 @@ class SparseDecoder(DecodeRequests):
         if staged is not None and miss_rows.numel():  # misses loaded early: copy them from staging
             found, at = staged.find(miss_rows, miss_tokens)  # [M], [F]
             if bool(found.any()):
-                hot[seq_slots[miss_rows[found].long()].to(hot.device), miss_slots[found].long().to(hot.device)] = (
-                    staged.rows[at.to(staged.rows.device)]
-                )
+                early = staged.rows[at.to(staged.rows.device)]  # [F, W]
+                hot[seq_slots[miss_rows[found].long()].to(hot.device), miss_slots[found].long().to(hot.device)] = early
+                stats.h2d_bytes += early.numel() * early.element_size()
                 stats.prefetch_hits += int(at.numel())
                 rest = ~found
                 miss_rows, miss_tokens, miss_slots = miss_rows[rest], miss_tokens[rest], miss_slots[rest]
-        self._load(layer, seq_slots, miss_rows, miss_tokens, miss_slots)
+        stats.h2d_bytes += self._load(layer, seq_slots, miss_rows, miss_tokens, miss_slots)
         stats.load_s += time.perf_counter() - t0
         stats.hits += res.num_hits
         stats.misses += res.num_misses
         stats.layer_hits[layer] = stats.layer_hits.get(layer, 0) + res.num_hits
         stats.layer_misses[layer] = stats.layer_misses.get(layer, 0) + res.num_misses
-        stats.h2d_bytes += res.num_misses * hot.shape[-1] * hot.element_size()
         slots = res.slots.to(torch.long).clamp(min=0).to(hot.device)  # [R, k]
         return hot[seq_slots.to(hot.device)[:, None], slots]  # [R, k, W]
 
@@ -290,21 +291,25 @@ class SparseDecoder(DecodeRequests):
         miss_rows: torch.Tensor,
         miss_tokens: torch.Tensor,
         miss_slots: torch.Tensor,
-    ) -> None:
-        """Gather misses (batch row, token, hot slot; [M] each) from the host pool into their slots."""
+    ) -> int:
+        """Gather misses (batch row, token, hot slot; [M] each) from the host pool into their slots;
+        returns the bytes copied into the hot buffer (the rows handed to the gather, or the staged
+        rows copied to the device)."""
         hot, m = self._hot_buffer(layer), miss_rows.numel()  # hot: [S, capacity, W]
         if m and self._gather_in_place:  # host memory: gather straight into the hot buffer
+            dst = hot.view(torch.uint8)  # [S, capacity, row_bytes]
             gather_rows(
                 self.pool.plane(self._planes[layer]),
                 self.block_table[seq_slots],
                 miss_rows,
                 miss_tokens,
-                hot.view(torch.uint8),
+                dst,
                 seq_slots.to(torch.int32),
                 miss_slots,
                 native=self.native,
             )
-        elif m:  # accelerator: gather into host staging rows, then one copy into the slots
+            return miss_rows.numel() * dst.shape[-1]
+        if m:  # accelerator: gather into host staging rows, then one copy into the slots
             staging = torch.empty(
                 (1, m, hot.shape[-1] * hot.element_size()), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
             )  # [1, M, row_bytes]
@@ -320,3 +325,5 @@ class SparseDecoder(DecodeRequests):
             )
             rows = staging[0].to(hot.device, non_blocking=True).view(hot.dtype).view(m, -1)  # [M, W]
             hot[seq_slots[miss_rows.long()].to(hot.device), miss_slots.long().to(hot.device)] = rows
+            return rows.numel() * rows.element_size()
+        return 0
