@@ -125,7 +125,9 @@ class Flow:
         self._idle.set()
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=True)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=upstream.KEEPALIVE_S), auto_decompress=True
+        )
 
     async def close(self) -> None:
         await self.registry.aclose()

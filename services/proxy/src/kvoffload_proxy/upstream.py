@@ -1,10 +1,14 @@
 """Talking to backends: connect with bounded retries, map every failure to a `ProxyError`.
 
-Retry policy (issue 6): only a failure to *connect* is retried (nothing reached the backend, so a
-resend cannot duplicate work), with exponential backoff `retry_backoff_s x 2^attempt`, at most
-`max_retries` times, preferring a backend not tried yet. An HTTP error answer is a failure, never
-retried. Timeouts: `connect_timeout_s` per connection attempt, `request_timeout_s` for any
-silence while reading (headers, body or the gap between two stream events).
+Retry policy (issue 6): only a failure to *deliver* the request is retried (nothing reached the
+backend, so a resend cannot duplicate work): a failed connect, or a connection reset under the
+request's write (``undelivered``: a pooled keep-alive connection the backend closed while it was
+idle), with exponential backoff `retry_backoff_s x 2^attempt`, at most `max_retries` times,
+preferring a backend not tried yet. An HTTP error answer is a failure, never retried. Idle
+connections are kept ``KEEPALIVE_S``, less than the servers behind the proxy keep theirs (uvicorn's,
+vLLM's: 5 s), so a reused one is rarely one the backend just closed. Timeouts: `connect_timeout_s`
+per connection attempt, `request_timeout_s` for any silence while reading (headers, body or the gap
+between two stream events).
 
 Backpressure: a backend that answers 429 (a decoder whose queue is full, or, later, one that held
 the request past its ``--max-queue-wait-s`` and freed it; a prefill whose queue for its engine would
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import math
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +41,24 @@ from .errors import ProxyError, excerpt
 
 log = structlog.get_logger("kvoffload_proxy.upstream")
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+KEEPALIVE_S = 3.0  # idle connections to backends are closed after this (below uvicorn's 5 s)
+UNSENT = "Can not write request body"  # aiohttp's ClientOSError when the request's write failed
+# a reset (or broken pipe) before any answer: the backend closed the connection with the request unread
+# (a closed socket with unread bytes resets; one that read the request and then died ends with a FIN,
+# aiohttp's ServerDisconnectedError, which is not retried)
+UNREAD = (errno.ECONNRESET, errno.EPIPE)
+
+
+def undelivered(exc: BaseException) -> bool:
+    """Whether ``exc``, raised before any byte of an answer, means the backend never got the whole
+    request: the connect failed, or the connection was reset under its write (a pooled keep-alive
+    connection the backend closed while idle). A backend that hung up after reading the request is
+    not one: resending would repeat its work."""
+    if isinstance(exc, CONNECT_ERRORS):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and (UNSENT in str(exc) or exc.errno in UNREAD)
+
+
 LOAD_HEADER = "X-Decode-Load"  # a decoder's self-reported load, on every answer
 
 
@@ -205,8 +228,10 @@ async def post(
             await _refused(resp, lease, balancer, tried, refused)
             if len(tried) >= len(balancer.loads):
                 break
-        except CONNECT_ERRORS as e:
+        except (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError) as e:
             lease.release()
+            if not undelivered(e):
+                raise transport_error(e, backend, "sending the request") from None
             tried.add(lease.index)
             last = f"{type(e).__name__}: {e}"
             if attempt == cfg.max_retries:
