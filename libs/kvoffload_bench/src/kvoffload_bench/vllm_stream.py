@@ -1,6 +1,8 @@
 """A streamed greedy completion as ``kvoffload bench vllm`` times it: TTFT, each token's arrival,
-TPOT (``tpot``), a timed round of the P/D part's prompts (``timed_round``), and the counters a
-server records a moment after the client has its answer (``settled``)."""
+TPOT (``tpot``), a timed round of the P/D part's prompts (``timed_round``), whether two sets of
+rounds timed their TPOT the same way (``tpot_sources_differ``: a ratio of TPOTs from different
+sources is not measured), and the counters a server records a moment after the client has its
+answer (``settled``)."""
 
 from __future__ import annotations
 
@@ -93,3 +95,19 @@ def timed_round(url: str, name: str, r: int, prompt_tokens: int, max_tokens: int
 def timed_rounds(url: str, name: str, rounds: int, prompt_tokens: int, max_tokens: int, server_url: str) -> list[dict]:
     """``timed_round`` of rounds 0 .. ``rounds`` - 1, one after the other."""
     return [timed_round(url, name, r, prompt_tokens, max_tokens, server_url) for r in range(rounds)]
+
+
+def tpot_sources_differ(sides: dict[str, list[dict]]) -> str | None:
+    """Why a TPOT ratio between the rounds of ``sides`` (name -> ``timed_round``'s, e.g. the plain
+    server's and a P/D pair's) cannot be measured: their TPOTs come from more than one source, and a
+    client stream's span between tokens is not the same quantity as a server's own inter-token
+    latency (which leaves out the API process and the network); None when every round of every side
+    has one and the same source."""
+    found = {side: sorted({r["tpot_source"] for r in rounds}) for side, rounds in sides.items()}
+    if len({source for sources in found.values() for source in sources}) <= 1:
+        return None
+    named = "; ".join(f"{side}: {', '.join(sources)}" for side, sources in found.items())
+    return (
+        f"the TPOTs compared come from different sources ({named}): a client stream's timing against "
+        "a server's own inter-token latency"
+    )
