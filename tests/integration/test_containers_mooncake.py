@@ -12,8 +12,8 @@ compose.mooncake.yaml) in place of the metastore, and the prefill's host pool on
 
 Needs a Docker engine and the images (``scripts/images``; built here when one is missing), like
 test_containers.py, whose stack and helpers (tests/integration/support: ``container_stack``,
-``container_requests``) it reuses. Skipped, saying why, only when no engine
-answers. Select with ``-m containers``.
+``container_requests``) it reuses. Without an engine every test fails, saying why (a missing
+dependency is a failure, never a skip). Select with ``-m containers``.
 """
 
 from __future__ import annotations
@@ -194,6 +194,5 @@ STOP_BOUND_S = {"proxy": 2.0, "prefill": 2.0 + MOONCAKE_CLIENT_CLOSE_S, "decode"
 def test_every_container_stops_in_time(stack):
     """Last (it stops the stack): SIGTERM through the init process ends each idle container
     cleanly (exit 0), in compose's order, within 2 s (the prefill: 2 s plus Mooncake's client close),
-    well inside compose's 10 s grace."""
-    took = stop_times(stack, tuple(STOP_BOUND_S))
-    assert all(took[name] < bound for name, bound in STOP_BOUND_S.items()), took
+    well inside compose's 10 s grace. The first stop past its bound fails (``stop_times``)."""
+    stop_times(stack, STOP_BOUND_S)

@@ -4,7 +4,8 @@ Every fault kind once, then randomized runs: kill -9 the decode mid-pull, the
 prefill mid-layer, the metastore, the proxy; stop the decode briefly (delayed READ_DONE: the
 request must still succeed) or past the peer timeout (lost READ_DONE); stop the prefill past the
 peer timeout or past the metastore's heartbeat timeout (its pool and leases expire); overfill the
-decode's sequence slots; fill the prefill's host pool (a prompt larger than it, among others). After
+decode's sequence slots; fill the prefill's host pool (a prompt larger than it, among others). Every
+fault met a request in flight (sent, not yet answered, as its client saw it; ``missed_faults`` 0). After
 every run: each client request ended within its deadline, every success is bit-identical to the plain
 full-KV oracle (``kvoffload_testing.reference``), the idle stack holds no slot, pool byte, lease or
 open request, and a fresh request succeeds. ``KVOFFLOAD_FAULT_SEED`` replays another seed.
@@ -18,7 +19,8 @@ the decode's reads fail on), of the decode mid-transfer, a decode stalled past t
 
 50 seeded runs in all, each with its own random moment of the fault, prompts and streaming: the 11
 kinds and 23 random runs on the metastore's stack, the 10 kinds and 6 random runs on Mooncake's
-(``test_seeded_runs_are_fifty_in_all`` counts them).
+(``test_seeded_runs_are_fifty_in_all`` counts them). The randomized runs have a time budget inside
+their test's timeout: when it ends, the test fails with the tally of the runs done so far.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 import pytest
 
 from kvoffload_testing.fault_catalog import FAULTS, MOONCAKE_FAULTS
-from kvoffload_testing.fault_tally import records_json, summarize
+from kvoffload_testing.fault_tally import missed, records_json, summarize
 from kvoffload_testing.faults import (
     FILLER_TOKENS,
     REQUEST_DEADLINE_S,
@@ -45,6 +47,8 @@ SEED = int(os.environ.get("KVOFFLOAD_FAULT_SEED", "20261129"))
 RANDOM_RUNS = 23  # plus one run of every fault kind
 MOONCAKE_RANDOM_RUNS = 6  # plus one run of every kind of the Mooncake stack
 SEEDED_RUNS = 50  # the runs of both stacks together, at least
+RANDOM_TIMEOUT_S = 900  # test_randomized_fault_runs' own timeout (a stack test's default)
+RANDOM_BUDGET_S = 700  # its runs' time budget: the rest is for a stack start (run alone) and a last long run
 DRAINED_TOKENS = 800  # of the request a SIGTERM finds decoding: seconds of work, well within the 30 s grace
 
 
@@ -70,6 +74,12 @@ def _check(records, faults=FAULTS) -> None:
     summary = summarize(records, faults)
     bad = [r for r in records if r.has_problem()]  # each with its services' warnings and errors
     detail = f"seed {SEED}: {summary}\nruns with a problem: {records_json(bad)[:60000]}"
+    missed_runs = [
+        (r.run, r.fault, r.injected_s, [(q.sent_s, q.done_s) for q in r.requests]) for r in records if missed(r)
+    ]
+    assert summary["missed_faults"] == 0, (
+        f"faults that met no request in flight (run, fault, when): {missed_runs}\n{detail}"
+    )
     assert summary["terminated"] == summary["requests"], detail
     assert summary["max_termination_s"] <= REQUEST_DEADLINE_S, detail
     assert summary["wrong_tokens"] == 0, detail
@@ -95,8 +105,18 @@ def test_seeded_runs_are_fifty_in_all():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(RANDOM_TIMEOUT_S)
 def test_randomized_fault_runs(runner):
-    _check(runner.run_many(RANDOM_RUNS))
+    """``RANDOM_RUNS`` runs of faults drawn by weight, within ``RANDOM_BUDGET_S``: once the budget ends
+    no run starts, and the test fails with the tally of the runs done (before, a run past the
+    test's timeout said nothing of how far it got)."""
+    records = runner.run_many(RANDOM_RUNS, budget_s=RANDOM_BUDGET_S)
+    tally = summarize(records)
+    print(f"randomized fault runs: {len(records)} of {RANDOM_RUNS} within {RANDOM_BUDGET_S} s: {tally}")
+    _check(records)
+    assert len(records) == RANDOM_RUNS, (
+        f"the time budget of {RANDOM_BUDGET_S} s ended after {len(records)} of {RANDOM_RUNS} runs; their tally: {tally}"
+    )
 
 
 @pytest.mark.slow
@@ -173,9 +193,11 @@ def test_bench_faults_prints_the_issue_fields(runner):
         "max_termination_s",
         "open_requests_after",
         "wrong_errors",
+        "missed_faults",
     ):
         assert key in out, out
     assert out["runs"] == 3 and out["seed"] == SEED and out["goal_met"], out
+    assert out["goals_met"]["missed_faults"] and out["missed_faults"] == 0, out
 
 
 def test_oversized_prompts_are_refused_before_any_kv_and_a_disconnect_frees_everything(runner):

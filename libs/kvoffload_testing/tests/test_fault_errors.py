@@ -213,7 +213,7 @@ def test_bench_faults_is_not_met_while_a_request_is_still_open(monkeypatch):
         def run_one(self, i, fault):
             req = fault_tally.RequestRecord(24, False, ok=True, ended=True, seconds=0.1, tokens_equal=True)
             leaks = {**dict.fromkeys(LEAK_KEYS, 0.0), "open_requests": 1.0}
-            return RunRecord(i, fault, [req], leaks, fresh_ok=True)
+            return RunRecord(i, fault, [req], leaks, fresh_ok=True, open_at_injection=[0])
 
     import svcruntime.logs
 
@@ -233,6 +233,7 @@ def test_bench_faults_is_not_met_while_a_request_is_still_open(monkeypatch):
             [fault_tally.RequestRecord(24, False, ok=True, ended=True, tokens_equal=True)],
             dict.fromkeys(LEAK_KEYS, 0.0),
             fresh_ok=True,
+            open_at_injection=[0],  # the fault met the request in flight
         ),
     )
     assert faults.bench(runs=2, progress=False)["goal_met"] is True

@@ -263,24 +263,21 @@ def test_a_run_has_a_problem_when_a_request_or_the_stack_after_it_went_wrong():
 
 
 def test_a_run_with_a_problem_reports_the_warnings_its_services_logged_during_it(tmp_path):
-    from types import SimpleNamespace
-
-    from kvoffload_testing.faults import LOG_LINES_KEPT, FaultRunner
-    from kvoffload_testing.ports import free_stack_ports
-    from kvoffload_testing.stack import StackConfig
+    from kvoffload_testing.fault_tally import log_sizes, logged_since
+    from kvoffload_testing.faults import LOG_LINES_KEPT
 
     before = '{"event": "old_failure", "level": "error"}\n'
     (tmp_path / "prefill-0.log").write_text(before)
     (tmp_path / "decode-0.log").write_text("")
-    cfg = StackConfig(model=tmp_path / "model", log_dir=tmp_path, **free_stack_ports())  # where its logs are
-    runner = SimpleNamespace(stack=SimpleNamespace(cfg=cfg))
-    starts = {"prefill-0": len(before), "decode-0": 0, "proxy": 0}  # the proxy has no log yet
+    paths = {name: tmp_path / f"{name}.log" for name in ("prefill-0", "decode-0", "proxy")}
+    starts = log_sizes(paths)
+    assert starts == {"prefill-0": len(before), "decode-0": 0, "proxy": 0}  # the proxy has no log yet
     with (tmp_path / "prefill-0.log").open("a") as f:
         f.write('{"event": "serving", "level": "info"}\n')
         for i in range(LOG_LINES_KEPT + 3):
             f.write(f'{{"event": "prefill_failed", "n": {i}, "level": "error"}}\n')
     (tmp_path / "decode-0.log").write_text('{"event": "request_timed_out", "level": "warning"}\n')
-    logs = FaultRunner._logged_since(runner, starts)
+    logs = logged_since(paths, starts, LOG_LINES_KEPT)
     assert set(logs) == {"prefill-0", "decode-0"}
     assert len(logs["prefill-0"]) == LOG_LINES_KEPT and '"n": 3,' in logs["prefill-0"][0]
     assert logs["prefill-0"][-1] == f'{{"event": "prefill_failed", "n": {LOG_LINES_KEPT + 2}, "level": "error"}}'

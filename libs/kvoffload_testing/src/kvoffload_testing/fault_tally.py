@@ -2,15 +2,21 @@
 the runs and the goal it judges.
 
 ``held`` reads the services' Stats counters (``REQUIRED_STATS``: exactly what each service always
-reports; a missing one raises ``MissingStatsKey``, never counts as 0); ``summarize`` sums the runs'
-figures; ``goal_met`` needs every ``GOAL_ZERO`` figure at 0 (a figure the summary lacks raises
-``MissingFigure``).
+reports; a missing one raises ``MissingStatsKey``, never counts as 0); ``open_at`` says which
+requests were open (sent, not yet answered, as the client saw them) at the moment a fault went in,
+and a run whose fault found none is a *missed* fault (``missed``: not recorded counts as missed);
+``summarize`` sums the runs' figures; ``goals_met`` judges each goal (every ``GOAL_ZERO`` figure,
+``missed_faults`` among them, at 0; a figure the summary lacks raises ``MissingFigure``) and
+``goal_met`` all of them. ``log_sizes`` / ``logged_since``: the warnings and errors a run's services
+logged, for the report of a run with a problem.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from kvoffload_testing.fault_catalog import FAULTS
 
@@ -27,6 +33,10 @@ class RequestRecord:
     # failures only: why the error is not the one the run's fault gives (``wrong_error``), "" when it
     # is; None: not judged, which counts as wrong
     wrong_error: str | None = None
+    # seconds from the run's start: when the client had written the whole request (None: never sent,
+    # e.g. the connection was refused) and when it had the whole answer or its error (None: not yet)
+    sent_s: float | None = None
+    done_s: float | None = None
 
 
 @dataclass
@@ -39,6 +49,10 @@ class RunRecord:
     seconds: float = 0.0
     # a run with a problem: each service's warnings and errors logged during the run (its last lines)
     logs: dict[str, list[str]] = field(default_factory=dict)
+    # seconds from the run's start to the fault's injection, and the requests (indices into
+    # ``requests``) open then (``open_at``); None: not recorded, which counts as a missed fault
+    injected_s: float | None = None
+    open_at_injection: list[int] | None = None
 
     def has_problem(self) -> bool:
         """The fresh request failed, something leaked, or a request did not end, got wrong tokens or
@@ -48,6 +62,22 @@ class RunRecord:
             or any(v for v in self.leaks.values())
             or any(not q.ended or q.tokens_equal is False or (not q.ok and q.wrong_error != "") for q in self.requests)
         )
+
+
+def open_at(requests: list[RequestRecord], t_s: float) -> list[int]:
+    """The indices of ``requests`` open at ``t_s`` (seconds from the run's start), as their client saw
+    them: sent by then and not yet answered (``done_s`` later, or None: it never ended)."""
+    return [
+        i
+        for i, r in enumerate(requests)
+        if r.sent_s is not None and r.sent_s <= t_s and (r.done_s is None or r.done_s > t_s)
+    ]
+
+
+def missed(run: RunRecord) -> bool:
+    """Whether ``run``'s fault touched no request: none was open at its injection, or what was open was
+    not recorded. A run of fault "none" injects nothing, so it cannot miss."""
+    return run.fault != "none" and not run.open_at_injection
 
 
 LEAK_KEYS = ("leaked_slots", "leaked_pool_bytes", "leaked_leases", "open_requests")
@@ -151,6 +181,8 @@ def summarize(records: list[RunRecord], faults: dict[str, int] = FAULTS) -> dict
         # failures whose error is not the one their run's fault gives (status and the peer it names)
         "wrong_errors": sum(not r.ok and r.wrong_error != "" for r in reqs),
         "wrong_tokens": sum(r.ok and r.tokens_equal is False for r in reqs),
+        # runs whose fault went in while no request was open: it proved nothing
+        "missed_faults": sum(missed(run) for run in records),
         "leaked_slots": _leak_total(leaks, "leaked_slots"),
         "leaked_pool_bytes": _leak_total(leaks, "leaked_pool_bytes"),
         "leaked_leases": _leak_total(leaks, "leaked_leases"),
@@ -162,10 +194,11 @@ def summarize(records: list[RunRecord], faults: dict[str, int] = FAULTS) -> dict
     }
 
 
-# the figures of ``summarize`` that must be 0 for the suite's goal: nothing held or open once the
-# stack is idle (and its Stats read), every answer right, every error its fault's own, every fresh
-# request after a run served
+# the figures of ``summarize`` that must be 0 for the suite's goal: every fault hit an open request,
+# nothing held or open once the stack is idle (and its Stats read), every answer right, every error
+# its fault's own, every fresh request after a run served
 GOAL_ZERO = (
+    "missed_faults",
     "stats_unreadable",
     "leaked_slots",
     "leaked_pool_bytes",
@@ -181,19 +214,52 @@ class MissingFigure(LookupError):
     """A figure the goal is judged on is not in the summary: it was not measured, so no pass."""
 
 
-def goal_met(summary: dict) -> bool:
-    """Whether ``summary`` (``summarize``'s) meets the fault suite's goal: runs and requests took
-    place, every request ended within its deadline, and every ``GOAL_ZERO`` figure is 0. A figure
-    the summary lacks raises ``MissingFigure`` naming it."""
+def goals_met(summary: dict) -> dict[str, bool]:
+    """Each goal of the fault suite on ``summary`` (``summarize``'s), by name: runs and requests took
+    place (``runs``, ``requests``), every request ended within its deadline (``terminated``), and
+    each ``GOAL_ZERO`` figure is 0. A figure the summary lacks raises ``MissingFigure`` naming it."""
     missing = [k for k in ("runs", "requests", "terminated", *GOAL_ZERO) if k not in summary]
     if missing:
         raise MissingFigure(f"the fault summary lacks {', '.join(missing)}; it has {sorted(summary)}")
-    return (
-        summary["runs"] > 0
-        and summary["requests"] > 0
-        and summary["terminated"] == summary["requests"]
-        and all(summary[k] == 0 for k in GOAL_ZERO)
-    )
+    return {
+        "runs": summary["runs"] > 0,
+        "requests": summary["requests"] > 0,
+        "terminated": summary["terminated"] == summary["requests"],
+        **{k: summary[k] == 0 for k in GOAL_ZERO},
+    }
+
+
+def goal_met(summary: dict) -> bool:
+    """Whether ``summary`` meets every goal of ``goals_met`` (which raises for a missing figure)."""
+    return all(goals_met(summary).values())
+
+
+LOG_LINE_CHARS = 400  # of a warning or error line in a run's report
+
+
+def log_sizes(paths: dict[str, Path]) -> dict[str, int]:
+    """Each service's log size now (0: no log yet): where ``logged_since`` starts reading."""
+    return {name: path.stat().st_size if path.exists() else 0 for name, path in paths.items()}
+
+
+def logged_since(paths: dict[str, Path], starts: dict[str, int], keep: int) -> dict[str, list[str]]:
+    """Each service's warnings and errors written to its log (``paths``) since ``starts`` (its sizes
+    then; a restarted service appends to the same file): the last ``keep`` lines of each, for a run's
+    failure report."""
+    out = {}
+    for name, start in starts.items():
+        path = paths[name]
+        if not path.exists():
+            continue
+        with path.open("rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+        lines = [
+            ln[:LOG_LINE_CHARS] for ln in text.splitlines() if re.search(r'"level": "(warning|error|critical)"', ln)
+        ]
+        if lines:
+            out[name] = lines[-keep:]
+    return out
 
 
 def records_json(records: list[RunRecord]) -> str:

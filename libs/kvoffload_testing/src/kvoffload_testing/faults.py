@@ -2,12 +2,18 @@
 ``kvoffload bench faults`` and ``tests/integration/test_faults.py``.
 
 One *run*: a few concurrent client requests (prompts of different lengths, streaming or not) go
-through the proxy; at a random moment one fault hits a service (kill -9 the decode mid-pull, the
-prefill mid-layer, the metastore or the proxy; stop the decode briefly (delayed READ_DONE) or past
-the peer timeout (lost READ_DONE); stop the prefill past the peer timeout; stop it past the
-metastore's heartbeat timeout so its pool and leases expire; overfill the decode). Then every
-killed service is restarted, and the run records:
+through the proxy; at a random moment, 0.05-0.8 s after the first request was sent, one fault hits a
+service (kill -9 the decode mid-pull, the prefill mid-layer, the metastore or the proxy; stop the
+decode briefly (delayed READ_DONE) or past the peer timeout (lost READ_DONE); stop the prefill past
+the peer timeout; stop it past the metastore's heartbeat timeout so its pool and leases expire;
+overfill the decode). A fault must hit a request in flight: when every request has ended before that
+moment, the longest prompt joins the run and the fault goes in as soon as its client has sent it.
+Then every killed service is restarted, and the run records:
 
+- which requests were open when the fault went in, as their clients saw them (sent, not yet
+  answered; ``fault_tally.open_at``): a run with none is a missed fault (``missed_faults``, goal 0;
+  the two load faults, overfill_decode and fill_host_pool, are their requests and inject nothing at
+  that moment: theirs says their requests were in flight together);
 - whether each request ended (success or error) within its deadline, and how long it took;
 - whether each success returned exactly the oracle's greedy tokens (``kvoffload_testing.reference``: the
   plain full-KV path, none of the stack's machinery), and whether
@@ -30,23 +36,28 @@ the objects are removed from the store and that request computes the prefix agai
 
 from __future__ import annotations
 
-import http.client
-import json
 import random
-import re
 import signal
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from kvoffload_testing.fault_catalog import FAULTS_BY_POOL, SERVER_FAULTS, peer_names, wrong_error
-from kvoffload_testing.fault_tally import MissingStatsKey, RequestRecord, RunRecord, goal_met, held, summarize
+from kvoffload_testing.fault_catalog import FAULTS_BY_POOL, MAX_TOKENS, SERVER_FAULTS, peer_names, wrong_error
+from kvoffload_testing.fault_catalog import request as _request  # the suite's client (tests import it from here)
+from kvoffload_testing.fault_tally import (
+    MissingStatsKey,
+    RequestRecord,
+    RunRecord,
+    goals_met,
+    held,
+    log_sizes,
+    logged_since,
+    open_at,
+    summarize,
+)
 from kvoffload_testing.ports import free_stack_ports
-from kvoffload_testing.sse import StreamTruncated, sse_events, token_ids
 from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
 from kvoffload_testing.stack_client import healthy, stack_stats
 
@@ -54,10 +65,10 @@ PEER_TIMEOUT_S = 2.0
 POOL_TIMEOUT_MS = 3000  # the metastore's heartbeat timeout for pools
 REQUEST_DEADLINE_S = 45.0  # a client request must end (either way) within this
 BLOCK_SIZE = 16
-MAX_TOKENS = 6
 RECOVERY_S = 60.0  # after a restart every prefill reports ready within this (a new master: objects put again)
 PREFILL_POOL_GB = 0.006  # ~2680 tokens of the tiny model: the longest prompt fits, FILLER_TOKENS does not
 FILLER_TOKENS = 3200
+INJECT_AFTER_S = (0.05, 0.8)  # the fault goes in this long after the run's first request was sent
 
 
 def fault_stack_config(model: Path, log_dir: Path, pool: str = "kvoffload", transfer: str = "kvoffload") -> StackConfig:
@@ -109,45 +120,7 @@ def _filler() -> list[int]:
     return [1] + [7 + i % 250 for i in range(FILLER_TOKENS)]
 
 
-def _request(
-    url: str, prompt: list[int], stream: bool, deadline_s: float, max_tokens: int = MAX_TOKENS
-) -> tuple[bool, list[int], str]:
-    """(ok, tokens, error) of one completion; an error event mid-stream is a failure. The error says
-    its status first ("HTTP 502: <body>", "SSE error 502: <message>"; ``error_status`` reads it)
-    or, with no HTTP answer, the exception ("RemoteDisconnected: ...")."""
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=deadline_s) as resp:
-            if not stream:
-                out = json.loads(resp.read())
-                return True, out["choices"][0]["token_ids"], ""
-            ids: list[int] = []
-            try:
-                for event in sse_events(resp, require_done=True, until_done=True):
-                    if "error" in event:
-                        return False, ids, _sse_error(event["error"])
-                    ids.extend(token_ids(event))
-            except StreamTruncated:
-                return False, ids, "the stream ended without data: [DONE] (truncated)"
-            return True, ids, ""
-    except urllib.error.HTTPError as exc:
-        return False, [], f"HTTP {exc.code}: {exc.read()[:ERROR_CHARS].decode(errors='replace')}"
-    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
-        return False, [], f"{type(exc).__name__}: {exc}"
-
-
-ERROR_CHARS = 2000  # of an error body: enough for the proxy's message and the backend's it quotes
 LOG_LINES_KEPT = 12  # per service, of a run with a problem (RunRecord.logs)
-LOG_LINE_CHARS = 400
-
-
-def _sse_error(error: object) -> str:
-    """An SSE error event's error object as "SSE error <code>: <message>" (no code: "SSE error: ...")."""
-    if not isinstance(error, dict):
-        return f"SSE error: {error}"
-    code = error.get("code")
-    return f"SSE error{f' {code}' if isinstance(code, int) else ''}: {error.get('message', error)}"
 
 
 class FaultRunner:
@@ -169,19 +142,30 @@ class FaultRunner:
         self.prompts = _prompts()
         self.log = log or (lambda msg: None)
         self.names = peer_names(stack.cfg)
+        self._t_run = time.monotonic()  # the current run's start: its records' times count from it
+        self._moved = threading.Condition()  # a client of the current run sent its request or ended
 
-    def run_many(self, n: int, faults: list[str] | None = None) -> list[RunRecord]:
+    def run_many(self, n: int, faults: list[str] | None = None, budget_s: float | None = None) -> list[RunRecord]:
+        """``faults`` in order, or ``n`` kinds drawn by weight. With ``budget_s``, no run starts once the
+        time spent plus the longest run so far passes it: the runs done by then are returned, fewer
+        than planned, and the log says how far it got."""
         names = list(self.faults)
         weights = [self.faults[f] for f in names]
         unknown = [f for f in faults or () if f not in self.faults]
         if unknown:
             raise ValueError(f"faults {unknown} do not apply to a {self.pool!r} stack; its faults: {names}")
         plan = faults if faults is not None else self.rng.choices(names, weights, k=n)
-        records = []
+        records: list[RunRecord] = []
+        t0 = time.monotonic()
         for i, fault in enumerate(plan):
+            longest = max((r.seconds for r in records), default=0.0)
+            if budget_s is not None and time.monotonic() - t0 + longest > budget_s:
+                self.log(f"the time budget of {budget_s:.0f} s ends after {i} of {len(plan)} runs")
+                break
             rec = self.run_one(i, fault)
             self.log(
                 f"run {i} {fault}: {sum(r.ok for r in rec.requests)}/{len(rec.requests)} ok, "
+                f"open at injection {rec.open_at_injection}, "
                 f"max {max((r.seconds for r in rec.requests), default=0):.1f} s, leaks {rec.leaks}, "
                 f"fresh {'ok' if rec.fresh_ok else 'FAILED'}"
             )
@@ -191,27 +175,27 @@ class FaultRunner:
     def run_one(self, index: int, fault: str) -> RunRecord:
         rng, stack = self.rng, self.stack
         rec = RunRecord(index, fault)
-        t_run = time.monotonic()
-        log_starts = self._log_sizes()
-        count = 4 if fault == "overfill_decode" else rng.randint(1, 3)
-        picks = [(rng.choice(self.prompts), rng.random() < 0.5) for _ in range(count)]
-        if fault == "overfill_decode":  # more long prompts than the decode has sequence slots
-            picks = [(self.prompts[-1], False)] * 6
-        if fault == "fill_host_pool":  # one prompt the prefill's host pool cannot hold, among others
-            picks.append((_filler(), rng.random() < 0.5))
+        self._t_run = t_run = time.monotonic()
+        paths = {name: stack.cfg.log_path(name) for name in self.services}
+        log_starts = log_sizes(paths)
+        picks = self._draw(fault)
+        delay = rng.uniform(*INJECT_AFTER_S)
+        longer = (self.prompts[-1], rng.random() < 0.5)  # drawn every run: a seed replays the same draws
         records = [RequestRecord(len(p), s) for p, s in picks]
-        threads = [
-            threading.Thread(target=self._client, args=(p, s, r, fault), daemon=True)
-            for (p, s), r in zip(picks, records)
-        ]
-        for th in threads:
-            th.start()
-        time.sleep(rng.uniform(0.05, 0.8))
+        threads = [self._start(p, s, r, fault) for (p, s), r in zip(picks, records, strict=True)]
+        if not self._await_open(records, delay) and fault != "none":
+            # every request ended before the moment: the longest prompt joins, the fault goes in once it is sent
+            self.log(f"run {index} {fault}: no request open {delay:.2f} s after the first was sent; one more")
+            records.append(RequestRecord(len(longer[0]), longer[1]))
+            threads.append(self._start(*longer, records[-1], fault))
+            self._await_open(records[-1:], 0.0)
+        rec.injected_s = time.monotonic() - t_run
         self._inject(fault)
         for th in threads:
             th.join(REQUEST_DEADLINE_S + 5)
-        self._recover()
         rec.requests = records
+        rec.open_at_injection = open_at(records, rec.injected_s)
+        self._recover()
         rec.leaks = self._wait_idle()
         ok, tokens, err = _request(stack.url, self.prompts[0], False, REQUEST_DEADLINE_S)
         rec.fresh_ok = ok and tokens == self.reference(self.prompts[0])
@@ -219,34 +203,57 @@ class FaultRunner:
             self.log(f"run {index}: fresh request failed: {err or tokens}")
         rec.seconds = time.monotonic() - t_run
         if rec.has_problem():
-            rec.logs = self._logged_since(log_starts)
+            rec.logs = logged_since(paths, log_starts, LOG_LINES_KEPT)
         return rec
 
-    def _log_sizes(self) -> dict[str, int]:
-        paths = {name: self.stack.cfg.log_path(name) for name in self.services}
-        return {name: path.stat().st_size if path.exists() else 0 for name, path in paths.items()}
+    def _draw(self, fault: str) -> list[tuple[list[int], bool]]:
+        """The run's requests: (prompt, stream) each."""
+        rng = self.rng
+        count = 4 if fault == "overfill_decode" else rng.randint(1, 3)
+        picks = [(rng.choice(self.prompts), rng.random() < 0.5) for _ in range(count)]
+        if fault == "overfill_decode":  # more long prompts than the decode has sequence slots
+            picks = [(self.prompts[-1], False)] * 6
+        if fault == "fill_host_pool":  # one prompt the prefill's host pool cannot hold, among others
+            picks.append((_filler(), rng.random() < 0.5))
+        return picks
 
-    def _logged_since(self, starts: dict[str, int], keep: int = LOG_LINES_KEPT) -> dict[str, list[str]]:
-        """Each service's warnings and errors written since ``starts`` (its log sizes then; a restarted
-        service appends to the same file): the last ``keep`` lines of each, for a run's failure report."""
-        out = {}
-        for name, start in starts.items():
-            path = self.stack.cfg.log_path(name)
-            if not path.exists():
-                continue
-            with path.open("rb") as f:
-                f.seek(start)
-                text = f.read().decode(errors="replace")
-            lines = [
-                ln[:LOG_LINE_CHARS] for ln in text.splitlines() if re.search(r'"level": "(warning|error|critical)"', ln)
-            ]
-            if lines:
-                out[name] = lines[-keep:]
-        return out
+    def _start(self, prompt: list[int], stream: bool, rec: RequestRecord, fault: str) -> threading.Thread:
+        th = threading.Thread(target=self._client, args=(prompt, stream, rec, fault), daemon=True)
+        th.start()
+        return th
+
+    def _await_open(self, records: list[RequestRecord], delay_s: float) -> bool:
+        """Wait until one of ``records`` has been sent (or all ended), then until ``delay_s`` after the
+        first send, unless every one of them ended before; whether one is open at the end."""
+
+        def sent() -> list[float]:
+            return [r.sent_s for r in records if r.sent_s is not None]
+
+        def ended() -> bool:
+            return all(r.done_s is not None for r in records)
+
+        with self._moved:
+            self._moved.wait_for(lambda: bool(sent()) or ended(), REQUEST_DEADLINE_S)
+            if sent():
+                moment = self._t_run + min(sent()) + delay_s
+                self._moved.wait_for(ended, max(0.0, moment - time.monotonic()))
+            return bool(open_at(records, time.monotonic() - self._t_run))
+
+    def _mark(self, rec: RequestRecord, moment: str, t_run: float) -> None:
+        """Record now, from its run's start ``t_run``, as ``rec``'s ``moment`` ("sent_s" or "done_s")."""
+        with self._moved:
+            setattr(rec, moment, time.monotonic() - t_run)
+            self._moved.notify_all()
 
     def _client(self, prompt: list[int], stream: bool, rec: RequestRecord, fault: str) -> None:
+        t_run = self._t_run  # its run's start: a client that outlives its run must not use the next one's
         t = time.monotonic()
-        ok, tokens, err = _request(self.stack.url, prompt, stream, REQUEST_DEADLINE_S)
+        try:
+            ok, tokens, err = _request(
+                self.stack.url, prompt, stream, REQUEST_DEADLINE_S, MAX_TOKENS, lambda: self._mark(rec, "sent_s", t_run)
+            )
+        finally:
+            self._mark(rec, "done_s", t_run)
         rec.seconds = time.monotonic() - t
         rec.ended = rec.seconds <= REQUEST_DEADLINE_S
         rec.ok, rec.error = ok, err
@@ -354,7 +361,8 @@ def bench(
 
 def bench_runs(runner: FaultRunner, runs: int, progress: bool = False) -> dict:
     """The bench's runs on ``runner``'s stack: every fault kind once (as far as ``runs`` allows),
-    then kinds drawn by weight; their summary, its seed and whether the goal is met."""
+    then kinds drawn by weight; their summary, its seed, each goal (``goals_met``: ``missed_faults``
+    0, nothing leaked, ...) and whether all are met (``goal_met``)."""
     import sys
 
     from tqdm import tqdm
@@ -368,5 +376,6 @@ def bench_runs(runner: FaultRunner, runs: int, progress: bool = False) -> dict:
     ]
     out = summarize(records, faults)
     out["seed"] = runner.seed
-    out["goal_met"] = goal_met(out)
+    out["goals_met"] = goals_met(out)
+    out["goal_met"] = all(out["goals_met"].values())
     return out
