@@ -70,7 +70,7 @@ def stack(request, model32, tmp_path_factory):
     cfg = StackConfig(
         model=model32,
         log_dir=tmp_path_factory.mktemp(f"tp{prefill_tp}-{decode_tp}") / "logs",
-        **free_stack_ports(1, 1),
+        **free_stack_ports(1, 1, decode_tp=decode_tp),
         max_model_len=4096,
         block_size=BS,
         service_args=args,
@@ -158,7 +158,7 @@ def test_two_decode_dp_ranks_each_of_tp2(model32, reference, tmp_path):
     cfg = StackConfig(
         model=model32,
         log_dir=tmp_path / "logs",
-        **free_stack_ports(1, 2),
+        **free_stack_ports(1, 2, decode_tp=2),
         max_model_len=4096,
         block_size=BS,
         service_args={"prefill-0": ["--tensor-parallel-size", "2"]},

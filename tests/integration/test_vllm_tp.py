@@ -67,7 +67,7 @@ def consumer(kv_port: int) -> str:
 def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-tp")
     model = tiny_llama_dir(logs / "tiny", num_layers=LAYERS)
-    ports = free_stack_ports(1, 2)
+    ports = free_stack_ports(1, 2, decode_tp=2)  # both ranks' control ports of the TP 2 decode checked free
 
     def server(name: str, port: int, kv_config: str, tp: int) -> VllmServer:
         core = HALVES[0] if name.startswith("prefill") else HALVES[1]
@@ -206,14 +206,28 @@ def test_each_rank_of_a_tp2_decode_pulls_its_half_from_its_own_prefill_rank(serv
 
 
 def test_the_prefill_ranks_each_announced_to_the_decode_rank_they_feed(servers):
-    log = servers["prefill"].log_text()
     kv1, kv2 = servers["tp1"][2], servers["tp2"][2]
-    sent = re.findall(r"kvoffload_d2h_sent.*", log)
+    sent = sent_lines(servers["prefill"].log_text())
     for rank in (0, 1):
-        mine = [s for s in sent if re.search(rf"\btp_rank={rank}\b", s)]
-        assert any(f"decode=127.0.0.1:{kv1}" in s for s in mine), rank  # both feed the TP 1 decode's rank
-        assert any(f"decode=127.0.0.1:{kv2 + rank}" in s for s in mine), rank  # rank t feeds rank t
-        assert not any(f"decode=127.0.0.1:{kv2 + 1 - rank}" in s for s in mine), rank
+        mine = {decode for tp_rank, decode in sent if tp_rank == rank}
+        # both ranks feed the TP 1 decode's one rank; of the TP 2 decode's, rank t feeds rank t only
+        assert f"127.0.0.1:{kv1}" in mine and f"127.0.0.1:{kv2 + rank}" in mine, (rank, sent)
+        assert f"127.0.0.1:{kv2 + 1 - rank}" not in mine, (rank, sent)
+        assert mine <= {f"127.0.0.1:{kv1}", f"127.0.0.1:{kv2}", f"127.0.0.1:{kv2 + 1}"}, (rank, sent)
+
+
+def sent_lines(log: str) -> list[tuple[int, str]]:
+    """(prefill TP rank, decode endpoint) of every ``kvoffload_d2h_sent`` line of ``log``; a line that
+    does not read as exactly one such event (two processes' output run together) fails the test with it."""
+    out = []
+    for line in log.splitlines():
+        if "kvoffload_d2h_sent" not in line:
+            continue
+        rank, decode = re.findall(r"\btp_rank=(\d+)\b", line), re.findall(r"\bdecode=([\d.]+:\d+)(?!\d)", line)
+        assert line.count("kvoffload_d2h_sent") == 1 and len(rank) == 1 and len(decode) == 1, line
+        out.append((int(rank[0]), decode[0]))
+    assert out, "no kvoffload_d2h_sent line"
+    return out
 
 
 def test_each_prefill_rank_saves_its_slice_to_the_pool_and_loads_it_back(servers):

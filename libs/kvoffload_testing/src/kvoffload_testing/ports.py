@@ -35,20 +35,27 @@ def free_port_base(offsets: tuple[int, ...] = (0, 1, 2, 3, 20, 1 + DATA_PORT_OFF
     raise RuntimeError(f"no free ports for offsets {offsets} below 32768")
 
 
-def free_stack_ports(prefills: int = 1, decodes: int = 1, mooncake: bool = False) -> dict:
+def free_stack_ports(prefills: int = 1, decodes: int = 1, mooncake: bool = False, decode_tp: int = 1) -> dict:
     """StackConfig's port fields for a stack of ``prefills`` and ``decodes`` whose every port (HTTP,
     the prefills' data ports, the metastore, the decodes' control ports, with ``mooncake`` the
     mooncake_master's RPC and metrics ports) is free now and below the ephemeral range:
-    ``StackConfig(model=..., log_dir=..., **free_stack_ports())``."""
+    ``StackConfig(model=..., log_dir=..., **free_stack_ports())``.
+
+    A decode of ``decode_tp`` ranks listens on ``decode_tp`` consecutive control ports (rank t on its
+    control port + t), and every one of them is checked: whether the decodes are deployments of their
+    own (decode i's control port ``kv_port + 16 i``) or the DP ranks of one (``kv_port + i x tp``)."""
+    if not 1 <= decode_tp <= 16 // max(1, decodes):
+        raise ValueError(f"decode_tp: got {decode_tp}; {decodes} decodes of it must fit 16 control ports")
     kv = 2 + prefills + decodes
     master: tuple[int, ...] = (kv + 16 * decodes, kv + 16 * decodes + 1) if mooncake else ()
+    control = {kv + 16 * i + t for i in range(decodes) for t in range(decode_tp)}  # separate deployments
+    control |= {kv + i * decode_tp + t for i in range(decodes) for t in range(decode_tp)}  # DP ranks of one
     offsets = (
         *range(kv),
         *(1 + i + DATA_PORT_OFFSET for i in range(prefills)),
-        *(kv + 16 * i for i in range(decodes)),
-        *(kv + i for i in range(decodes)),
+        *sorted(control),
         *master,
-    )  # control ports of separate decodes, and of DP ranks
+    )
     base = free_port_base(offsets)
     ports = {
         "proxy_port": base,
