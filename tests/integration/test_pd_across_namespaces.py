@@ -1,7 +1,7 @@
 """P/D across two network stacks: the decode in a network namespace of its own, joined to the rest by a
 veth pair (``netns``: Debian's iproute2, ``ip netns``), so every byte between prefill and decode crosses a real
 network stack, not loopback. The metastore, the prefill and the proxy run in this namespace on the
-veth's address (10.231.0.1), the decode behind the other end (10.231.0.2), each side under its own
+veth's address (a /30 of its own: ``netns``), the decode behind the other end, each side under its own
 host id (no shared memory between them).
 
 - On the mooncake transfer backend: I3 (tokens equal the single process), json and SSE; every read
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from dsamodel.tokenizer import ByteTokenizer
-from kvoffload_testing.netns import HERE, THERE, SplitStack, veth_namespace
+from kvoffload_testing.netns import SplitStack, Veth, veth_namespace
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.stack import StackConfig
@@ -35,16 +35,16 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def namespace():
     """A network namespace for the decode, a veth pair between it and this one (``netns``)."""
-    with veth_namespace() as name:
-        yield name
+    with veth_namespace() as veth:
+        yield veth
 
 
-def split_stack(model_dir, log_dir, namespace: str, transfer: str) -> SplitStack:
+def split_stack(model_dir, log_dir, namespace: Veth, transfer: str) -> SplitStack:
     cfg = StackConfig(
         model=model_dir,
         log_dir=log_dir,
         **free_stack_ports(),
-        host=HERE,
+        host=namespace.here,
         max_model_len=8192,
         block_size=BS,
         transfer=transfer,
@@ -59,7 +59,7 @@ def reference(model_dir):
 
 
 def _decode_stats(stack: SplitStack) -> dict[str, float]:
-    return grpc_stats(f"{THERE}:{stack.cfg.decode_control_port(0)}")
+    return grpc_stats(f"{stack.veth.there}:{stack.cfg.decode_control_port(0)}")
 
 
 def _answers(stack: SplitStack) -> dict[str, list[int]]:

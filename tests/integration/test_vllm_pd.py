@@ -4,7 +4,7 @@ The stack is ``kvoffload demo --engine vllm``'s (``VllmStack``, on free loopback
 runs the guide's MultiConnector (remote D2H producer + the store on a real metastore), the decode the
 D2H consumer, the proxy is the one the reference stack uses, unchanged. The decode runs across a
 real network stack from the rest: in a network namespace of its own behind a veth pair
-(``netns``: the metastore, prefill and proxy on 10.231.0.1, the decode on 10.231.0.2), and it reads
+(``netns``: the metastore, prefill and proxy on this end of a veth pair, the decode on the other), and it reads
 the prefill's blocks through Mooncake Transfer Engine (``transfer_backend: "mooncake"`` on both,
 over TCP across the veth: every read straight into the decode's blocks, none streamed over gRPC;
 Mooncake on one host is ``test_vllm_hybrid.py``'s, the gRPC stream under vLLM ``test_vllm_mla.py``'s).
@@ -60,7 +60,7 @@ from pool_pages import model_id, pages_digests, pool_pages, pulled_digests
 from vllm_support import completion, store_config, tiny_llama_dir
 
 from kvoffload_bench import pd_matrix
-from kvoffload_testing.netns import HERE, THERE, split_decode, veth_namespace
+from kvoffload_testing.netns import Veth, split_decode, veth_namespace
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.prom import scrape
 from kvoffload_testing.stack import StackConfig
@@ -94,21 +94,21 @@ def model(tmp_path_factory) -> Path:
 
 
 class SplitVllmStack(VllmStack):
-    """The vLLM stack with its decode in ``namespace`` on ``THERE`` (its command run through ``ip netns
-    exec``, its --host, health URL and the proxy's decoder host pointed there)."""
+    """The vLLM stack with its decode in the veth's namespace on ``veth.there`` (its command run through
+    ``ip netns exec``, its --host, health URL and the proxy's decoder host pointed there)."""
 
-    def __init__(self, cfg: StackConfig, namespace: str) -> None:
-        self.namespace = namespace
+    def __init__(self, cfg: StackConfig, veth: Veth) -> None:
+        self.veth = veth
         super().__init__(cfg)
 
     def commands(self) -> list[tuple[str, list[str], str]]:
-        return split_decode(super().commands(), self.namespace)
+        return split_decode(super().commands(), self.veth)
 
 
 @pytest.fixture(scope="module")
 def namespace():
-    with veth_namespace() as name:
-        yield name
+    with veth_namespace() as veth:
+        yield veth
 
 
 @pytest.fixture(scope="module")
@@ -121,14 +121,14 @@ def pd(model, namespace, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd")
     ports = free_stack_ports()
     # vLLM takes the last --kv-transfer-config: the stack's own, with each side's advertise_host (and kv_digests)
-    metastore = f"{HERE}:{ports['metastore_port']}"
-    producer = vllm_prefill_transfer_config(metastore, transfer_backend=TRANSFER, advertise_host=HERE)
-    consumer = vllm_decode_transfer_config(ports["kv_port"], TRANSFER, kv_digests=True, advertise_host=THERE)
+    metastore = f"{namespace.here}:{ports['metastore_port']}"
+    producer = vllm_prefill_transfer_config(metastore, transfer_backend=TRANSFER, advertise_host=namespace.here)
+    consumer = vllm_decode_transfer_config(ports["kv_port"], TRANSFER, kv_digests=True, advertise_host=namespace.there)
     cfg = StackConfig(
         model=model,
         log_dir=logs,
         max_model_len=MAX_LEN,
-        host=HERE,
+        host=namespace.here,
         transfer=TRANSFER,
         service_args={"prefill-0": ["--kv-transfer-config", producer], "decode-0": ["--kv-transfer-config", consumer]},
         **ports,
@@ -226,19 +226,23 @@ def test_the_pull_is_layerwise_and_moves_the_prompts_blocks(pd):
     assert (math.ceil(3000 / BLOCK) * BLOCK_BYTES * LAYERS, 3000) in [(b, t) for b, t in pulled], pulled
     during = [int(n) for n in re.findall(r"kvoffload_d2h_sent\s.*?layers_read_during_forward=(\d+)", prefill_log)]
     assert during and max(during) >= 1, prefill_log[-3000:]  # an early layer landed while later ones computed
-    decode = scrape(pd.decode_url + "/metrics")
+    decode = scrape(pd.decode_url)
     engine, streamed = (
         decode.total(f"vllm:kvoffload_d2h_consumer_{n}_total") for n in ("reads_engine", "reads_streamed")
     )
     assert engine >= LAYERS and streamed == 0  # every read through Mooncake Transfer Engine
     # none streamed out of the prefill's LayerSource
-    assert scrape(pd.prefill_url + "/metrics").total("vllm:kvoffload_d2h_producer_bytes_served_total") == 0
+    assert scrape(pd.prefill_url).total("vllm:kvoffload_d2h_producer_bytes_served_total") == 0
 
 
 # ---- faults: a stalled or killed decode, a killed prefill (each killed server restarted on its port) ----
 
 PEER_TIMEOUT_S = DEFAULT_PEER_TIMEOUT_S  # the stack's connectors keep the default
-STALL_S = 2.0  # below the peer timeout: a stall, not a death (4 s broke the proxy's connection to the decode here)
+# how long the decode stays stopped once the prefill waits at the gate for it: with the time the prefill
+# takes to reach the gate, below the peer timeout (a stall, not a death; 4 s broke the proxy's connection
+# to the decode here)
+HELD_S = 1.0
+REACH_GATE_S = 2.5  # the prefill reaches a layer whose buffer the stopped decode still reads within this
 ANNOUNCED = "kvoffload_d2h_step_announced"
 
 
@@ -301,24 +305,43 @@ def _idle(url: str, within_s: float) -> float:
 
 @pytest.mark.slow
 def test_a_stalled_decode_holds_the_next_layer_at_the_gate_and_the_pull_completes(pd):
+    """The decode stopped mid-pull: the prefill's next layer of a shared buffer waits at the gate for the
+    stopped decode's read (its ``kvoffload_shared_gate_held`` line names a pull), for as long as the
+    decode stays stopped after that (measured here, at whatever speed the machine runs), and the
+    request completes right once the decode runs again."""
     body = fault_prompt(1)
     outcome, thread = _mid_transfer(pd, body)
     stalled_from = len(pd.log("prefill-0"))
     decode = pd.stack.process("decode-0")
     signal_group(decode, signal.SIGSTOP, 0)
-    time.sleep(STALL_S)
-    signal_group(decode, signal.SIGCONT, 0)
+    try:
+        held_seen = _held_by_a_pull(pd, stalled_from, within_s=REACH_GATE_S)
+        time.sleep(HELD_S)
+    finally:
+        signal_group(decode, signal.SIGCONT, 0)
+    held_s = time.monotonic() - held_seen  # the gate held at least this long while the decode was stopped
     thread.join(timeout=180)
     assert "answer" in outcome, outcome
     waits = [float(w) for w in re.findall(r"gate_wait_s=([\d.]+)", pd.log("prefill-0")[stalled_from:])]
-    # a layer waited for the stalled decode's pulls, for what was left of the stall once the prefill had
-    # computed up to it (~1 s into it on an idle machine; unstalled, a wait is ~0)
-    assert waits and max(waits) >= STALL_S / 8, waits
+    assert waits and max(waits) >= held_s, (waits, held_s)
     pulled = re.findall(r"kvoffload_d2h_pulled\s.*?bytes=(\d+).*?tokens=(\d+)", pd.log("decode-0"))
     assert (str(math.ceil(len(body) / BLOCK) * BLOCK_BYTES * LAYERS), str(len(body))) in pulled, pulled
     _pulled_kv_is_the_plain_servers(pd, 1)
     assert outcome["answer"] == _prefill_alone(pd, body, 8)
     assert "ReuseTimeout" not in pd.log("prefill-0")
+
+
+def _held_by_a_pull(pd: PD, since: int, within_s: float) -> float:
+    """The moment (monotonic) the prefill's log first said a layer waits at the gate for a decode's
+    pull, after offset ``since``; AssertionError past ``within_s`` (the decode stays stopped meanwhile,
+    and must not reach its peer timeout)."""
+    deadline = time.monotonic() + within_s
+    while not any(
+        "'pull'" in held for held in re.findall(r"kvoffload_shared_gate_held.*", pd.log("prefill-0")[since:])
+    ):
+        assert time.monotonic() < deadline, f"no layer waited for the stopped decode: {pd.log('prefill-0')[-3000:]}"
+        time.sleep(0.02)
+    return time.monotonic()
 
 
 def _pulled_kv_is_the_plain_servers(pd: PD, salt: int) -> None:

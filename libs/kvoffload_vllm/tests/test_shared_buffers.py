@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 from vllm.config.cache import _layout_from_name
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, UniformTypeKVCacheSpecs
@@ -159,8 +160,12 @@ def test_the_gate_waits_for_every_holder_and_fails_loudly_past_their_deadline(mo
     gate.hold("a", "save", 10)
     gate.hold("a", "pull", 10)
     threading.Timer(0.1, gate.release, ("a", "save")).start()
-    threading.Timer(0.2, gate.release, ("a", "pull")).start()
-    assert 0.15 < gate.wait_free("a", waiter="b") < 5
+    threading.Timer(0.3, gate.release, ("a", "pull")).start()
+    with capture_logs() as logs:
+        assert 0.25 < gate.wait_free("a", waiter="b") < 5
+    held = [e for e in logs if e["event"] == "kvoffload_shared_gate_held"]
+    assert len(held) == 1 and held[0]["waiter"] == "b" and held[0]["layer"] == "a", logs  # once, while it waited
+    assert held[0]["holders"] in ({"pull": 1}, {"save": 1, "pull": 1})
     assert gate.held("a") == {}
     with pytest.raises(ValueError, match="not held"):
         gate.release("a", "pull")

@@ -85,11 +85,11 @@ def by_backend(model_dir: Path, log_dir: Path, **sizes: Any) -> dict:
 def across_namespaces(model_dir: Path, log_dir: Path, **sizes: Any) -> dict:
     """``pull_across_namespaces`` and ``tokens_equal_across_namespaces`` (module docstring); ``sizes``:
     ``_paths``'s."""
-    from kvoffload_testing.netns import HERE, SplitStack, veth_namespace
+    from kvoffload_testing.netns import SplitStack, veth_namespace
 
-    with veth_namespace() as namespace:
-        paths = {name: ({**fields, "host": HERE}, counter) for name, (fields, counter) in ACROSS.items()}
-        by, equal = _paths(paths, lambda cfg: SplitStack(cfg, namespace), model_dir, log_dir, **sizes)
+    with veth_namespace() as veth:
+        paths = {name: ({**fields, "host": veth.here}, counter) for name, (fields, counter) in ACROSS.items()}
+        by, equal = _paths(paths, lambda cfg: SplitStack(cfg, veth), model_dir, log_dir, **sizes)
     mooncake, grpc_stream = by["mooncake"]["gbps_in_stack"], by["grpc_stream"]["gbps_in_stack"]
     ratio = mooncake / grpc_stream if mooncake is not None and grpc_stream else None
     return {"pull_across_namespaces": {**by, "mooncake_to_grpc_stream": ratio}, "tokens_equal_across_namespaces": equal}

@@ -6,7 +6,9 @@ the layer here for as long as it reads (``hold`` ... ``release``), with a deadli
 keep (the saver: ``SAVE_BOUND_S``; a pull: the D2H read timeout, after which the producer answers
 the read failed). The next layer of the same buffer waits in ``wait_free`` before anything is
 written into it; a hold past its deadline is a bug somewhere and the wait fails loudly
-(``ReuseTimeout`` naming the layer and its holders), never a silent overwrite.
+(``ReuseTimeout`` naming the layer and its holders), never a silent overwrite. A wait that lasts
+``HELD_LOG_S`` says so once (``kvoffload_shared_gate_held``: the waiter, the layer it waits for and
+its holders), so a prefill held by a slow save or a stalled decode's pull is visible while it waits.
 
 One gate per worker process (``GATE``): the store and the D2H connector are separate connectors
 of one vLLM worker and meet here.
@@ -18,8 +20,13 @@ import threading
 import time
 from collections import Counter
 
+import structlog
+
+log = structlog.get_logger("vllm.kvoffload.store")
+
 SAVE_BOUND_S = 120.0  # a host copy of one layer's blocks; far beyond any real one
 GRACE_S = 5.0  # past the latest deadline before the wait gives up
+HELD_LOG_S = 0.1  # a wait this long is logged once (far above a wait for a save that is finishing)
 
 
 class ReuseTimeout(RuntimeError):
@@ -59,16 +66,21 @@ class ReuseGate:
         """Block until nothing holds ``layer``; the seconds waited. ``ReuseTimeout`` once its holds
         are past their deadline (plus ``GRACE_S``)."""
         t0 = time.monotonic()
+        logged = False
         with self._cond:
             while layer in self._holds:
-                left = self._deadline[layer] + GRACE_S - time.monotonic()
+                now = time.monotonic()
+                left = self._deadline[layer] + GRACE_S - now
                 if left <= 0:
                     raise ReuseTimeout(
                         f"{waiter} cannot take its shared KV buffer: its previous occupant {layer!r} is still "
-                        f"held by {dict(self._holds[layer])} past their deadline ({time.monotonic() - t0:.1f} s "
+                        f"held by {dict(self._holds[layer])} past their deadline ({now - t0:.1f} s "
                         "waited); refusing to overwrite KV that is being read"
                     )
-                self._cond.wait(left)
+                if not logged and now - t0 >= HELD_LOG_S:
+                    log.info("kvoffload_shared_gate_held", waiter=waiter, layer=layer, holders=dict(self._holds[layer]))
+                    logged = True
+                self._cond.wait(left if logged else min(left, t0 + HELD_LOG_S - now))
         return time.monotonic() - t0
 
 
