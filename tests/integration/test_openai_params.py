@@ -1,7 +1,8 @@
 """Issue 11, the API half: every OpenAI parameter is honoured end to end through proxy -> decode ->
 prefill (the first token is the prefill's), or refused with a 400 naming it. Sampled outputs are
 compared with the single-process engine run with the same parameters; log-probabilities with the
-engine's own log_softmax at the chosen tokens."""
+engine's and, independently of every part of the engine's decode, with ``log_softmax`` over the
+whole-sequence reference forward's logits (``dense_logprobs``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import urllib.request
 
 import openai
 import pytest
-from openai_params_client import choice_text, engine_runner, post_status, sse_stream, streamed_choices
+from openai_params_client import (
+    DENSE_LOGPROB_TOL,
+    choice_text,
+    dense_logprobs,
+    engine_runner,
+    post_status,
+    sse_stream,
+    streamed_choices,
+)
 
 from dsamodel.tokenizer import ByteTokenizer
 from kvoffload_testing.ports import free_stack_ports
@@ -189,7 +198,7 @@ def test_n_chat_with_the_openai_client(client):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_completion_logprobs_are_the_engines_log_softmax(stack, engine, stream):
+def test_completion_logprobs_are_the_reference_forwards_log_softmax(stack, engine, model_dir, stream):
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 3}
     ref_ids, ref_lp = engine(_prompt_ids(), body)
     if stream:
@@ -209,12 +218,22 @@ def test_completion_logprobs_are_the_engines_log_softmax(stack, engine, stream):
     for got_lp, e in zip(token_lps, ref_lp, strict=True):  # one logprob per token, as many as the engine's
         assert got_lp == pytest.approx(e.logprob, abs=1e-4) and got_lp <= 0
         assert e.logprob == pytest.approx(e.top[0][1])  # greedy picks the most likely token
+    _match_the_dense_oracle(model_dir, _prompt_ids(), ids, token_lps)
+
+
+def _match_the_dense_oracle(model_dir, prompt_ids: list[int], ids: list[int], token_lps: list[float]) -> None:
+    """Greedy ``ids`` and their log-probabilities are the whole-sequence reference forward's argmax and
+    log_softmax (``dense_logprobs``: no offload, no hot cache, no sampler), within bf16's rounding."""
+    dense = dense_logprobs(model_dir, prompt_ids, ids)
+    assert dense.argmax(-1).tolist() == ids
+    expected = [dense[i, t].item() for i, t in enumerate(ids)]
+    assert token_lps == pytest.approx(expected, abs=DENSE_LOGPROB_TOL)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_chat_logprobs(stack, engine, stream):
+def test_chat_logprobs(stack, engine, model_dir, stream):
     body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2}
-    _, ref_lp = engine(_chat_ids(), body, chat=True)
+    ref_ids, ref_lp = engine(_chat_ids(), body, chat=True)
     if stream:
         content = streamed_choices(sse_stream(stack, "/v1/chat/completions", body), True)[0]["lp"]
     else:
@@ -224,6 +243,7 @@ def test_chat_logprobs(stack, engine, stream):
         assert entry["logprob"] == pytest.approx(e.logprob, abs=1e-4)
         assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx([lp for _, lp in e.top], abs=1e-4)
         assert isinstance(entry["bytes"], list) and len(entry["top_logprobs"]) == 2
+    _match_the_dense_oracle(model_dir, _chat_ids(), ref_ids, [entry["logprob"] for entry in content])
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])

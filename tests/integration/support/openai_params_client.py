@@ -1,7 +1,8 @@
 """How ``test_openai_params`` talks to the stack and to what it compares with: a raw POST that returns the
 status and the JSON body (a 400's too), an SSE stream's events, a choice's text, the per-choice pieces of a
-streamed response, and ``engine_runner``, the body of its ``engine`` fixture (the single-process engine run
-with the same sampling parameters)."""
+streamed response, ``engine_runner``, the body of its ``engine`` fixture (the single-process engine run
+with the same sampling parameters), and ``dense_logprobs``, the oracle the log-probabilities are judged
+against that shares nothing with the engine's decode: no offload, no hot cache, no sampler."""
 
 from __future__ import annotations
 
@@ -86,3 +87,23 @@ def engine_runner(model_dir: Path, block_size: int):
             eng.close()
 
     return run
+
+
+# the reference model is bfloat16: the engine's incremental decode and one whole-sequence forward round
+# differently, by up to 0.03 in a log-probability on the tests' prompts
+DENSE_LOGPROB_TOL = 0.06
+
+
+def dense_logprobs(model_dir: Path, prompt_ids: list[int], output_ids: list[int]):
+    """``log_softmax`` of ``dsamodel.reference.forward_dense``'s logits over the prompt and the output
+    (no caches, no offload, no sampler): row i is the distribution ``output_ids[i]`` was drawn from,
+    [len(output_ids), V] float32."""
+    import torch
+
+    from dsamodel.reference import forward_dense
+    from dsamodel.weights import load_model
+
+    model = load_model(model_dir)
+    with torch.no_grad():
+        logits = forward_dense(model, torch.tensor(prompt_ids + output_ids[:-1]))
+    return torch.log_softmax(logits.float(), dim=-1)[len(prompt_ids) - 1 :]
