@@ -49,7 +49,10 @@ MOONCAKE_RANDOM_RUNS = 6  # plus one run of every kind of the Mooncake stack
 SEEDED_RUNS = 50  # the runs of both stacks together, at least
 RANDOM_TIMEOUT_S = 900  # test_randomized_fault_runs' own timeout (a stack test's default)
 RANDOM_BUDGET_S = 700  # its runs' time budget: the rest is for a stack start (run alone) and a last long run
-DRAINED_TOKENS = 800  # of the request a SIGTERM finds decoding: seconds of work, well within the 30 s grace
+# the request a SIGTERM finds decoding lasts DRAINED_S at the decode's rate measured in the test: long
+# beside a request's own round trip, well within the decode's 30 s --shutdown-grace-s at any speed
+DRAINED_S = (8.0, 15.0)  # at least, at most (seconds of decoding)
+RATE_TOKENS = 64  # decoded to measure the rate
 
 
 @pytest.fixture(scope="module")
@@ -137,9 +140,9 @@ def test_a_metastore_fault_does_not_apply_to_a_mooncake_stack(mooncake_runner):
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(runner):
     """Graceful shutdown: SIGTERM to the decode while a request decodes — that request finishes whole
     with the right tokens, a new one is refused with a clear 'shutting down' error, the decode exits 0,
-    and after a restart everything serves again. The request in flight asks for ``DRAINED_TOKENS``
-    tokens, so it still decodes when the new one (a prefill first) reaches the decode: with the
-    suite's 6 it could finish first, the decode exit, and the new one meet a closed port."""
+    and after a restart everything serves again. The request in flight is sized by the decode's rate
+    measured here first (``drained_tokens``), so it still decodes when the new one (a prefill first)
+    reaches the decode, and ends within the grace, on a fast machine or a slow one."""
     import signal
     import threading
     import time
@@ -148,14 +151,15 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(runner):
     from kvoffload_testing.stack_client import stack_stats
 
     stack, prompt = runner.stack, runner.prompts[1]
+    tokens, per_token_s, round_trip_s = drained_tokens(stack, prompt)
     got: dict = {}
     th = threading.Thread(
         target=lambda: got.update(
-            zip(("ok", "tokens", "error"), _request(stack.url, prompt, True, REQUEST_DEADLINE_S, DRAINED_TOKENS))
+            zip(("ok", "tokens", "error"), _request(stack.url, prompt, True, REQUEST_DEADLINE_S, tokens))
         )
     )
     th.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + REQUEST_DEADLINE_S
     while not stack_stats(stack.cfg)["decode-0"]["running"]:
         assert time.monotonic() < deadline and th.is_alive(), f"the request never reached the decode: {got}"
         time.sleep(0.02)
@@ -164,17 +168,40 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(runner):
         time.sleep(0.1)
         ok, _, error = _request(stack.url, runner.prompts[0], False, REQUEST_DEADLINE_S)
         still_decoding = th.is_alive()
-        th.join(REQUEST_DEADLINE_S + 5)
-        assert still_decoding, f"the request in flight ended before the new one was answered; make it longer: {got}"
-        assert got.get("ok") and len(got["tokens"]) == DRAINED_TOKENS, got
+        th.join(3 * (tokens * per_token_s + round_trip_s) + 10)  # 3x the measured pace: a slower moment
+        assert still_decoding, f"the request in flight ended before the new one was answered: {got}"
+        assert got.get("ok") and len(got["tokens"]) == tokens, (got, tokens, per_token_s)
         assert got["tokens"][: len(runner.reference(prompt))] == runner.reference(prompt), got
         assert not ok and "shutting down" in error, error
         assert stack.process("decode-0").wait(40) == 0
     finally:  # the module's other tests need the decode back, whatever failed here
         stack.process("decode-0").wait(40)
         stack.restart("decode-0")
-    ok, tokens, error = _request(stack.url, runner.prompts[0], False, REQUEST_DEADLINE_S)
-    assert ok and tokens == runner.reference(runner.prompts[0]), error
+    ok, tokens_after, error = _request(stack.url, runner.prompts[0], False, REQUEST_DEADLINE_S)
+    assert ok and tokens_after == runner.reference(runner.prompts[0]), error
+
+
+def drained_tokens(stack: Stack, prompt: list[int]) -> tuple[int, float, float]:
+    """(tokens, seconds per decoded token, seconds of a one-token request) for the request a SIGTERM
+    finds decoding: the rate measured now on ``stack`` (its prompt's prefix cached, as the drained
+    request's will be), the tokens ``DRAINED_S`` of it, within the stack's max_model_len."""
+    import math
+    import time
+
+    from kvoffload_testing.faults import _request
+
+    def timed(max_tokens: int) -> float:
+        t0 = time.monotonic()
+        ok, out, error = _request(stack.url, prompt, False, REQUEST_DEADLINE_S, max_tokens)
+        assert ok and len(out) == max_tokens, error
+        return time.monotonic() - t0
+
+    timed(1)  # the prompt's blocks into the pool
+    one = timed(1)
+    per_token = max(timed(1 + RATE_TOKENS) - one, 1e-3) / RATE_TOKENS
+    want_s = min(max(DRAINED_S[0], 4 * one), DRAINED_S[1])
+    room = stack.cfg.max_model_len - len(prompt) - 1
+    return min(math.ceil(want_s / per_token), room), per_token, one
 
 
 @pytest.mark.slow
