@@ -1,10 +1,12 @@
 """The vLLM test support itself, against the real thing: tiny Llama directories are deterministic per seed,
-and a server that cannot start fails fast with its log, stopping the one starting beside it. (A server
-that starts, answers greedily and leaves no process behind when stopped: ``test_vllm_pd.py``'s plain
-server.)"""
+and a server that cannot start (a real vLLM server given no model) fails fast with its log, stopping
+the one starting beside it (a stand-in that never answers /health: a real one would only cost a vLLM
+start the test stops anyway). (A server that starts, answers greedily and leaves no process behind when
+stopped: ``test_vllm_pd.py``'s plain server.)"""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +47,7 @@ def test_servers_started_together_all_stop_when_one_cannot_start(tiny, tmp_path)
     not left to finish starting."""
     timeout_s = 180.0
     good = VllmServer(tiny, log_path=tmp_path / "good.log")
+    good.cmd = [sys.executable, "-c", "import time; time.sleep(600)"]  # still starting when stopped
     bad = VllmServer(tmp_path / "no-such-model", log_path=tmp_path / "bad.log", start_timeout_s=timeout_s)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="no-such-model") as info:
