@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_support import decode_pool, hand_trace, tiny
 
-import kvoffload_engine.decode as decode_mod
+from dsamodel.model import DecoderLayer
 from kvcore.traces import SyntheticParams, Trace, generate
 from kvoffload_engine.decode import SparseDecoder
 from kvoffload_engine.trace_topk import TraceTopK
@@ -65,7 +65,7 @@ def test_override_drives_the_hot_cache(monkeypatch):
     ids = ["a", "b"]
     override = TraceTopK(trace, ids, num_layers=4)
     calls, indexer_calls = [], []
-    real_indexer = decode_mod.batched_indexer_topk
+    real_indexer = DecoderLayer.select_batched
 
     def counting_indexer(*a, **kw):
         indexer_calls.append(1)
@@ -75,7 +75,7 @@ def test_override_drives_the_hot_cache(monkeypatch):
         calls.append((layer, list(row_ids), positions.tolist()))
         return override(layer, row_ids, positions)
 
-    monkeypatch.setattr(decode_mod, "batched_indexer_topk", counting_indexer)
+    monkeypatch.setattr(DecoderLayer, "select_batched", counting_indexer)
     (dec, plain), pools = _decoders(model, [False, False])
     dec.topk_override = recording
     try:

@@ -27,6 +27,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from dsamodel.attention import batched_indexer_topk, gather_rows, indexer_topk, sparse_mla_attention
 from dsamodel.config import ModelConfig
 from dsamodel.indexcodec import IndexCodec
 from dsamodel.mla import MLAttention, Projection
@@ -56,6 +57,30 @@ class DecoderLayer(nn.Module):
         self._check_hidden(h)
         _check_positions(positions, h.shape[0], self.max_position_embeddings)
         return self.self_attn.project(self.input_layernorm(h), positions)
+
+    # ---- the attention an engine runs between project and finish (a Llama layer has the same) ----
+
+    def select(self, proj: Projection, keys: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
+        """The lightning indexer's causal top-k of one request's decoded indexer keys [C, Di] for the
+        queries at ``positions`` [T] -> [T, topk] ascending, -1 padded."""
+        return indexer_topk(proj.index_q, proj.index_w, keys, positions, topk)
+
+    def select_batched(self, proj: Projection, keys: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
+        """``select`` for one query per row of a decode batch, each over its own request's keys
+        [T, C, Di] (rows past ``positions[t]`` ignored) -> [T, topk]."""
+        return batched_indexer_topk(proj.index_q, proj.index_w, keys, positions, topk)
+
+    def attend(self, proj: Projection, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Absorbed MLA over gathered latent rows [T, k, R + r] in top-k order -> latent [T, H, R]."""
+        return sparse_mla_attention(proj.q_latent, proj.q_rope, rows, valid, self.softmax_scale)
+
+    def prefill_attend(
+        self, proj: Projection, rows: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, topk: int
+    ) -> torch.Tensor:
+        """A prefill chunk's attention over its request's rows [C, R + r] and decoded indexer keys
+        [C, Di]: sparse, as DSA's prefill is (each query's top-k) -> latent [T, H, R]."""
+        gathered, valid = gather_rows(rows, self.select(proj, keys, positions, topk))  # [T, k, R + r], [T, k]
+        return self.attend(proj, gathered, valid)
 
     def finish(self, h: torch.Tensor, attn_latent: torch.Tensor) -> torch.Tensor:
         """h [T, D], attn_latent [T, H, R] -> W_UV, o_proj, residual, post-norm, MLP, residual -> [T, D]."""

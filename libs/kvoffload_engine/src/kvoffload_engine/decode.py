@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsamodel.attention import batched_indexer_topk, sparse_mla_attention
 from dsamodel.model import DSAModel
 from kvcore.attachedpool import AttachedPool
 from kvcore.device import DeviceAllocator
@@ -219,7 +218,7 @@ class SparseDecoder(DecodeRequests):
         codec = self.model.index_codec
         self.indexer[i, slots_dev, pos_dev] = codec.encode(proj.index_k)
         keys = codec.decode(self.indexer[i, slots_dev, : int(positions.max()) + 1])  # [N, C, Di]
-        topk = batched_indexer_topk(proj.index_q, proj.index_w, keys, pos_dev, self.topk)  # [N, k]
+        topk = layer.select_batched(proj, keys, pos_dev, self.topk)  # [N, k]
         if self.topk_override is not None:
             topk = overridden_topk(self.topk_override, i, [request_ids[r] for r in rows.tolist()], positions, topk)
         if self.full is not None:
@@ -245,8 +244,7 @@ class SparseDecoder(DecodeRequests):
                 kv_rows[sel.to(dev)] = self._hot_rows(
                     i, ids, slots[sel], topk[sel.to(dev)], [stable[r] for r in rows[sel].tolist()], stats
                 )
-        lat = sparse_mla_attention(proj.q_latent, proj.q_rope, kv_rows, topk >= 0, layer.softmax_scale)
-        return layer.finish(h, lat)
+        return layer.finish(h, layer.attend(proj, kv_rows, topk >= 0))
 
     def _hot_rows(self, layer, request_ids, seq_slots, topk, stable, stats: StepStats) -> torch.Tensor:
         """Resolve the top-k against the hot cache, gather misses, return rows [R, k, W] in top-k order."""
