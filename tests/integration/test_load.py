@@ -6,7 +6,8 @@
   in its batch (host blocks reserved, KV pulled while it waits) instead of letting the proxy's
   registration deadline fail it;
 - a burst past the decode's queue limit: the excess gets 429 with ``Retry-After`` at once (an
-  OpenAI-style error body), the rest succeed;
+  OpenAI-style error body), each hint when the queue's pace would admit that request, the requests
+  refused before it counted (so not one wait for all), the rest succeed;
 - afterwards Stats show no held slot, pool byte, lease or queued request, and ``/metrics`` of the
   proxy and the decode report the queue and the rejections.
 """
@@ -134,6 +135,9 @@ def test_64_concurrent_requests_queue_and_all_succeed_then_the_excess_of_a_burst
         assert err["retry_after"] and int(err["retry_after"]) >= 1, err
         assert err["error"]["code"] == 429 and err["error"]["type"] == "rate_limit_error", err
         assert "queue" in err["error"]["message"], err
+    # each told when the queue's pace would admit it, those refused before it counted: not one wait for all
+    hints = sorted(int(err["retry_after"]) for err, _ in refused)
+    assert hints[-1] > hints[0], (hints, stack_stats(stack.cfg)["decode-0"]["start_interval_s"])
     for (prompt, max_tokens, _), (_, ids, _, _) in served:
         assert ids == reference(prompt, max_tokens)
 

@@ -105,7 +105,8 @@ def test_with_a_measured_pace_a_request_past_the_bound_is_refused_at_admission()
         with pytest.raises(DecodeFull) as refused:  # behind 3: about 4 s
             lp.expect_remote("late", list(range(N)), SamplingParams(max_tokens=4), Sink())
         assert "about 4.0 s (3 queued ahead of it, one starting every 1.00 s)" in str(refused.value)
-        assert "past its bound --max-queue-wait-s=3" in str(refused.value) and refused.value.retry_after_s == 1
+        assert "past its bound --max-queue-wait-s=3; retry after 2 s" in str(refused.value)
+        assert refused.value.retry_after_s == 2  # 1 s past the bound, 10 % longer, rounded up
         st = lp.stats()
         assert (st["rejected"], st["rejected_by_estimate"], st["queued"], st["ledger_open"]) == (1, 1, 3, 4)
     finally:

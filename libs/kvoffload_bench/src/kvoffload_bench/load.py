@@ -4,7 +4,8 @@ For each client count in ``clients`` (default 64 and 256) every client sends one
 completion at the same moment, through the proxy of a one-prefill, one-decode stack (the decode's
 default ``--max-num-seqs 8`` and default queue limit; the prefill with ``--chunk-size 2048``). A
 client that gets 429 waits its ``Retry-After`` and sends again (at most ``max_retries`` times), as
-a well-behaved client does; any other error, or 429 after its last retry, is a failure. Then the
+OpenAI's Python client does (``kvoffload_bench.load_polite.retry_delay_s``); any other error, or 429
+after its last retry, is a failure. Then the
 single-process engine (``dsamodel``'s ``Engine``, same sizes, ``max_num_seqs`` = the decode's) runs
 the same requests in this process: all added at once, stepped until done. The halves alternate
 (stack, engine, stack, engine, ... ``rounds`` pairs per client count, 3 by default), each on the
@@ -24,15 +25,19 @@ Per client count:
 - ``output_tokens``, ``wall_s`` (first send to last token), ``output_tokens_per_s``;
 - ``single_*``: the same for the single-process engine, and ``throughput_ratio`` = stack output
   tokens/s over the engine's; ``tokens_equal``: every stack success returned the engine's greedy
-  tokens (I3).
+  tokens (I3); ``tokens_unequal`` counts the requests that did not, ``unequal_examples`` names up
+  to 5 (their sizes, their 429s, the first position where the tokens differ).
 
 Then the burst case on the same stack (``burst``: ``kvoffload_bench.load_burst``): 96 mixed requests
 (10-6,000-token prompts, half streamed) at once, no retry; each one answered, refused with 429, or
-timed out with no byte.
+timed out with no byte. Then the polite burst (``burst_polite``: ``kvoffload_bench.load_polite``):
+as many fresh requests of the same mix at once, each client retrying a 429 after its
+``Retry-After`` as OpenAI's Python client does; its retries per request, answered and failed.
 
-``goals``: no failures, ``throughput_ratio`` >= 0.9 at every client count, every request's tokens equal
-the single-process engine's (``tokens_equal``), and no burst request timed out without an answer
-(``burst_timed_out``); ``goals_met`` says which held.
+``goals`` (``kvoffload_bench.load_report``): no failures, ``throughput_ratio`` >= 0.9 at every client
+count, every request's tokens equal the single-process engine's (``tokens_equal``); in the burst no
+request timed out without an answer or failed, and one at least was answered; in the polite burst
+at most 3 retries a request, every request answered, none failed. ``goals_met`` says which held.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ import concurrent.futures as cf
 import json
 import math
 import random
-import statistics
 import tempfile
 import threading
 import time
@@ -50,10 +54,9 @@ import urllib.request
 from pathlib import Path
 from typing import TypedDict
 
-from kvoffload_bench import load_burst
+from kvoffload_bench import load_burst, load_polite, load_report
 from kvoffload_testing.sse import sse_events, token_ids
 
-GOAL_THROUGHPUT_RATIO = 0.9
 CHUNK_SIZE = 2048
 MAX_NUM_SEQS = 8  # the decode's default --max-num-seqs
 
@@ -78,8 +81,10 @@ class _ClientRecord(TypedDict):
 
 
 def _client(url: str, prompt: list[int], max_tokens: int, start: threading.Event, max_retries: int) -> _ClientRecord:
-    """One client: waits for ``start``, sends, retries after 429 per Retry-After."""
+    """One client: waits for ``start``, sends, retries a 429 after its Retry-After as OpenAI's Python
+    client does (``load_polite.retry_delay_s``)."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
+    rng = random.Random(len(prompt) * 1000 + max_tokens)  # its backoff's jitter, were a 429 without a hint
     start.wait()
     rec: _ClientRecord = {"ok": False, "rejected": 0, "error": "", "ids": [], "ttft": None, "tpot": None, "end": None}
     for attempt in range(max_retries + 1):
@@ -99,8 +104,9 @@ def _client(url: str, prompt: list[int], max_tokens: int, start: threading.Event
             text = e.read()[:300].decode(errors="replace")
             if e.code == 429:
                 rec["rejected"] += 1
-                if attempt < max_retries:
-                    time.sleep(float(e.headers.get("Retry-After") or 1))
+                delay = load_polite.retry_delay_s(e.headers.get("Retry-After"), attempt, rng)
+                if attempt < max_retries and delay is not None:
+                    time.sleep(delay)
                     continue
             rec["error"] = f"HTTP {e.code}: {text}"
             return rec
@@ -151,6 +157,7 @@ def _stack_round(url: str, work: list[tuple[list[int], int]], max_retries: int) 
         "wall_s": wall,
         "output_tokens_per_s": out_tokens / wall if wall else 0.0,
         "_ids": [r["ids"] if r["ok"] else None for r in recs],
+        "_rejected": [r["rejected"] for r in recs],
     }
 
 
@@ -217,8 +224,8 @@ def run(
     burst_max_tokens: int = 128,
     burst_client_timeout_s: float | None = None,
 ) -> dict:
-    """One stack round and one single-process round per client count, then the burst case on the same
-    stack (``kvoffload_bench.load_burst``); returns the JSON-ready result."""
+    """One stack round and one single-process round per client count, then the burst case and the
+    polite burst on the same stack (``load_burst``, ``load_polite``); returns the JSON-ready result."""
     from kvoffload_testing.ports import free_stack_ports
     from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
     from kvoffload_testing.stack_client import stack_stats
@@ -247,22 +254,33 @@ def run(
                 for rnd in range(rounds):
                     work = _workload(gen, n, min_prompt, max_prompt, max_tokens)
                     per_round.append(_pair(f"{stack.url}/v1/completions", single, work, n, rnd, max_retries))
-                levels.append(_level(n, rounds, per_round, stack_stats(cfg)["decode-0"]))
-            burst_work = _workload(random.Random(seed), burst_requests, 10, burst_max_prompt, burst_max_tokens)
-            burst = _burst(cfg, stack.url, burst_work, burst_client_timeout_s)
-            burst |= {"max_prompt": burst_max_prompt, "max_tokens": burst_max_tokens}
+                levels.append(load_report.level(n, rounds, per_round, stack_stats(cfg)["decode-0"]))
+            bursts = {}
+            for case, case_seed in (("burst", seed), ("burst_polite", seed + 1)):  # fresh prompts: no cache hits
+                burst_work = _workload(random.Random(case_seed), burst_requests, 10, burst_max_prompt, burst_max_tokens)
+                bursts[case] = _burst(cfg, stack.url, burst_work, burst_client_timeout_s, polite=case != "burst")
+                bursts[case] |= {"max_prompt": burst_max_prompt, "max_tokens": burst_max_tokens}
     finally:
         single.close()
-    return _result(levels, clients, rounds, min_prompt, max_prompt, max_tokens, burst)
+    sizes = {"clients": list(clients), "rounds": rounds, "min_prompt": min_prompt, "max_prompt": max_prompt}
+    sizes |= {"max_tokens": max_tokens, "decode_max_num_seqs": MAX_NUM_SEQS, "chunk_size": CHUNK_SIZE}
+    return load_report.result(levels, sizes, bursts["burst"], bursts["burst_polite"])
 
 
-def _burst(cfg, url: str, work: list[tuple[list[int], int]], client_timeout_s: float | None) -> dict:
-    """The burst case on the running stack, with what the decode's and the prefill's bounds did."""
+def _burst(cfg, url: str, work: list[tuple[list[int], int]], client_timeout_s: float | None, *, polite: bool) -> dict:
+    """The burst case on the running stack (its clients polite or not: ``load_polite``,
+    ``load_burst``), with what the decode's and the prefill's bounds did."""
     from kvoffload_testing.stack_client import stack_stats
 
     before = stack_stats(cfg)
     bounds = before["decode-0"]["max_queue_wait_s"], before["prefill-0"]["max_queue_wait_s"]
-    out = load_burst.burst(f"{url}/v1/completions", work, bounds, client_timeout_s)
+    if polite:
+        out = load_polite.polite_burst(
+            f"{url}/v1/completions", work, load_burst.client_timeout(bounds, client_timeout_s)
+        )
+        out |= {"max_queue_wait_s": bounds[0], "prefill_max_queue_wait_s": bounds[1]}
+    else:
+        out = load_burst.burst(f"{url}/v1/completions", work, bounds, client_timeout_s)
     after = stack_stats(cfg)
     for service, prefix, keys in (
         ("decode-0", "", ("queue_timeouts", "rejected_by_estimate")),
@@ -276,87 +294,40 @@ def _burst(cfg, url: str, work: list[tuple[list[int], int]], client_timeout_s: f
     return out
 
 
-def _result(
-    levels: list[dict],
-    clients: tuple[int, ...],
-    rounds: int,
-    min_prompt: int,
-    max_prompt: int,
-    max_tokens: int,
-    burst: dict,
-) -> dict:
-    """The JSON-ready result: the run's sizes, every level, the totals, the worst throughput ratio and
-    the burst case, against the goals."""
-    failures = sum(lv["failed"] for lv in levels)
-    worst = min(lv["throughput_ratio"] for lv in levels)
-    tokens_equal = all(lv["tokens_equal"] for lv in levels)
-    return {
-        "bench": "load",
-        "clients": list(clients),
-        "rounds": rounds,
-        "min_prompt": min_prompt,
-        "max_prompt": max_prompt,
-        "max_tokens": max_tokens,
-        "decode_max_num_seqs": MAX_NUM_SEQS,
-        "chunk_size": CHUNK_SIZE,
-        "levels": levels,
-        "ok": sum(lv["ok"] for lv in levels),
-        "failed": failures,
-        "rejected_429": sum(lv["rejected_429"] for lv in levels),
-        "throughput_ratio_min": worst,
-        "tokens_equal": tokens_equal,
-        "burst": burst,
-        "goals": {"failed": 0, "throughput_ratio": GOAL_THROUGHPUT_RATIO, "tokens_equal": True, "burst_timed_out": 0},
-        "goals_met": {
-            "failed": failures == 0,
-            "throughput_ratio": worst >= GOAL_THROUGHPUT_RATIO,
-            "tokens_equal": tokens_equal,
-            "burst_timed_out": burst["timed_out"] == 0,
-        },
-    }
-
-
 def _pair(url: str, single: _Single, work: list[tuple[list[int], int]], n: int, rnd: int, max_retries: int) -> dict:
     """Round ``rnd`` of ``work`` at ``n`` clients: the stack's clients at ``url``, then the single-process
     engine; the two halves' figures side by side (the engine's as ``single_*``), their throughput ratio
     and whether every stack answer equals the engine's."""
     pd = _stack_round(url, work, max_retries)
     one = single.round(f"c{n}r{rnd}", work)
-    pd_ids, one_ids = pd.pop("_ids"), one.pop("_ids")
+    pd_ids, one_ids, rejected = pd.pop("_ids"), one.pop("_ids"), pd.pop("_rejected")
     if len(pd_ids) != len(one_ids):
         raise RuntimeError(
             f"round {rnd}: {len(pd_ids)} stack answers for {len(one_ids)} engine "
             f"answers of the same {len(work)} requests"
         )
-    equal = all(a == b for a, b in zip(pd_ids, one_ids, strict=True))  # a failed request (None) is not equal
+    # a failed request (None) is not equal
+    unequal = [i for i, (a, b) in enumerate(zip(pd_ids, one_ids, strict=True)) if a != b]
     ratio = pd["output_tokens_per_s"] / one["output_tokens_per_s"] if one["output_tokens_per_s"] else 0.0
     return {
         "prompt_tokens": sum(len(p) for p, _ in work),
         **pd,
         **{f"single_{k}": v for k, v in one.items()},
         "throughput_ratio": ratio,
-        "tokens_equal": equal,
+        "tokens_equal": not unequal,
+        "tokens_unequal": len(unequal),
+        "unequal_examples": [_unequal(work[i], pd_ids[i], one_ids[i], rejected[i]) for i in unequal[:3]],
     }
 
 
-def _level(n: int, rounds: int, per_round: list[dict], decode_stats: dict[str, float]) -> dict:
-    """One client count's figures over its rounds: counts summed, errors merged, tokens equal in all,
-    every other figure the median; and the decode's queue counters."""
-    level: dict[str, object] = {"clients": n, "rounds": rounds}
-    for key in per_round[0]:
-        values = [r[key] for r in per_round]
-        if key in ("ok", "failed", "rejected_429", "retries", "prompt_tokens", "output_tokens", "single_output_tokens"):
-            level[key] = sum(values)
-        elif key == "errors":
-            level[key] = sorted({e for v in values for e in v})[:5]
-        elif key == "tokens_equal":
-            level[key] = all(values)
-        else:
-            level[key] = statistics.median(values)
-    level |= {
-        "decode_max_queued": int(decode_stats["max_queued"]),
-        "decode_rejected_total": int(decode_stats["rejected"]),
+def _unequal(job: tuple[list[int], int], got: list[int] | None, want: list[int], rejected: int) -> dict:
+    """One request whose stack answer differs from the engine's: its sizes, its 429s, where it differs."""
+    first = next((k for k, (a, b) in enumerate(zip(got or [], want)) if a != b), min(len(got or []), len(want)))
+    return {
+        "prompt_tokens": len(job[0]),
+        "max_tokens": job[1],
+        "rejected_429": rejected,
+        "stack_tokens": None if got is None else len(got),
+        "engine_tokens": len(want),
+        "first_difference": first,
     }
-    if rounds > 1:
-        level["per_round_throughput_ratio"] = [r["throughput_ratio"] for r in per_round]
-    return level

@@ -10,7 +10,8 @@ streamed. A client waits at most
 gets before it starts — its prefill and pull). Each request ends as one of:
 
 - ``ok``: answered (a stream's first token, or a whole JSON answer);
-- ``rejected_429``: refused with 429 (its ``Retry-After`` kept in ``retry_after_s``);
+- ``rejected_429``: refused with 429 (its ``Retry-After`` kept in ``retry_after_s``; a 429 without
+  one counts in ``retry_after_missing``);
 - ``timed_out``: no byte within ``client_timeout_s`` — what the bound exists to prevent;
 - ``failed``: any other error.
 
@@ -18,7 +19,10 @@ Reported with the decode's own counts (``queue_timeouts``, ``rejected_by_estimat
 ``start_interval_s``), the prefill's (``prefill_queue_timeouts``, ``prefill_rejected_by_estimate``,
 ``prefill_rejected_queue_full``; ``prefill_rate_tokens_per_s``, ``prefill_run_fixed_s`` and
 ``prefill_run_4k_s``, the fit its estimate uses) and ``first_answer_p50_s`` / ``first_answer_max_s``
-(send to the first byte of the answer, whatever it was). The goal: ``timed_out`` 0.
+(send to the first byte of the answer, whatever it was). The goals (``kvoffload_bench.load_report``):
+``timed_out`` 0, ``failed`` 0 and at least one request answered — a burst whose every request got
+a 5xx has nothing timed out. ``kvoffload_bench.load_polite`` sends such a burst again with clients
+that retry after the ``Retry-After`` given (``one_try`` is the try both send).
 """
 
 from __future__ import annotations
@@ -35,10 +39,16 @@ TIMEOUT_MARGIN_S = 60.0
 
 
 def _one(url: str, prompt: list[int], max_tokens: int, stream: bool, start: threading.Event, timeout_s: float) -> dict:
-    """One request: its outcome and the time to the first byte of its answer."""
+    """One request sent once ``start`` is set (``one_try``)."""
+    start.wait()
+    return one_try(url, prompt, max_tokens, stream, timeout_s)
+
+
+def one_try(url: str, prompt: list[int], max_tokens: int, stream: bool, timeout_s: float) -> dict:
+    """One request: its outcome and the time to the first byte of its answer; a 429's ``Retry-After``
+    as sent (``retry_after``) and in seconds (``retry_after_s``, None when absent or not a number)."""
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}).encode()
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    start.wait()
     t0 = time.perf_counter()
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
@@ -50,7 +60,9 @@ def _one(url: str, prompt: list[int], max_tokens: int, stream: bool, start: thre
         first = time.perf_counter() - t0
         e.read()
         if e.code == 429:
-            return {"outcome": "rejected_429", "first_s": first, "retry_after_s": float(e.headers["Retry-After"])}
+            hint = e.headers.get("Retry-After")
+            seconds = float(hint) if hint is not None and hint.strip().replace(".", "", 1).isdigit() else None
+            return {"outcome": "rejected_429", "first_s": first, "retry_after": hint, "retry_after_s": seconds}
         return {"outcome": "failed", "first_s": first, "error": f"HTTP {e.code}"}
     except TimeoutError:
         return {"outcome": "timed_out", "first_s": None}
@@ -60,13 +72,19 @@ def _one(url: str, prompt: list[int], max_tokens: int, stream: bool, start: thre
         return {"outcome": "failed", "first_s": None, "error": repr(e.reason)}
 
 
+def client_timeout(bounds_s: tuple[float, float], client_timeout_s: float | None) -> float:
+    """A client's wait for the first byte: ``client_timeout_s``, by default the larger bound plus
+    ``TIMEOUT_MARGIN_S`` (module doc)."""
+    return client_timeout_s if client_timeout_s is not None else max(bounds_s) + TIMEOUT_MARGIN_S
+
+
 def burst(
     url: str, work: list[tuple[list[int], int]], bounds_s: tuple[float, float], client_timeout_s: float | None
 ) -> dict:
     """``work`` ((prompt, max_tokens) each; every other one streamed) at ``url`` at once (module doc);
     the (decode's, prefill's) bounds ``bounds_s`` name the default client timeout."""
     jobs = [(prompt, max_tokens, i % 2 == 0) for i, (prompt, max_tokens) in enumerate(work)]
-    timeout_s = client_timeout_s if client_timeout_s is not None else max(bounds_s) + TIMEOUT_MARGIN_S
+    timeout_s = client_timeout(bounds_s, client_timeout_s)
     start = threading.Event()
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(_one, url, p, m, s, start, timeout_s) for p, m, s in jobs]
@@ -80,7 +98,8 @@ def burst(
         "streamed": sum(s for _, _, s in jobs),
         **count,
         "errors": sorted({r["error"] for r in recs if "error" in r})[:5],
-        "retry_after_s": sorted({r["retry_after_s"] for r in recs if "retry_after_s" in r}),
+        "retry_after_s": sorted({r["retry_after_s"] for r in recs if r.get("retry_after_s") is not None}),
+        "retry_after_missing": sum(r["outcome"] == "rejected_429" and r["retry_after_s"] is None for r in recs),
         "client_timeout_s": timeout_s,
         "max_queue_wait_s": bounds_s[0],
         "prefill_max_queue_wait_s": bounds_s[1],

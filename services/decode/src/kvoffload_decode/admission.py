@@ -4,7 +4,9 @@ the decode's queue at once, never after a wait.
 ``expect_remote`` raises ``DecodeFull`` (HTTP 429 with ``Retry-After``) when ``max_queued``
 requests already wait for the running batch, or when the queue's measured pace says the request
 would not start within ``max_queue_wait_s`` (``kvoffload_decode.queue_wait``); a request still
-queued past that bound is refused then (``_expire_queued``, called by the loop). An admitted
+queued past that bound is refused then (``_expire_queued``, called by the loop). Each refusal's
+``Retry-After`` is when the same pace says the request, sent again, would be admitted
+(``StartPace.retry_after_s``). An admitted
 request reserves its prompt's host-pool blocks right away — a sequence slot (device row) too when
 one is free; otherwise its pulled indexer keys are staged on the host (``SparseDecoder.reserve``).
 So the decode registers it at the proxy's metaserver at once, the prefill runs while other
@@ -71,16 +73,18 @@ class Admission(LoopState):
                 raise DecodeFull("decode is shutting down")
             if len(self.pending) >= self.max_queued:
                 self.rejected += 1
+                wait = self._retry_after_s(len(self.pending))
                 raise DecodeFull(
                     f"decode queue is full ({len(self.pending)} queued, {len(self.running)} "
-                    f"running, limit --max-queued-requests={self.max_queued}); retry later",
-                    retry_after_s=self.retry_after_s(),
+                    f"running, limit --max-queued-requests={self.max_queued}); retry after {wait} s",
+                    retry_after_s=wait,
                 )
             estimate = self.pace.estimate_s(len(self.pending)) if not self.decoder.free_slots else None
             if self.max_queue_wait_s and estimate is not None and estimate > self.max_queue_wait_s:
                 self.rejected += 1
                 self.rejected_by_estimate += 1
-                raise refusal(estimate, len(self.pending), self.pace, self.max_queue_wait_s)
+                wait = self._retry_after_s(len(self.pending))
+                raise refusal(estimate, len(self.pending), self.pace, self.max_queue_wait_s, wait)
             req = DecodeRequest(
                 request_id,
                 prompt_ids,
@@ -100,10 +104,14 @@ class Admission(LoopState):
                 self.ledger.advance(request_id, "queued")
             return req
 
-    def retry_after_s(self) -> float:
-        """A client's pause before retrying a refused request: 1 s, up to 5 s for a queue many times
-        deeper than the batch (a refusal is cheap; a long pause would leave the queue idle)."""
-        return float(max(1, min(5, len(self.pending) // (16 * max(1, self.decoder.indexer.shape[1])))))
+    def _retry_after_s(self, ahead: int) -> int:
+        """A refused request's ``Retry-After``, behind ``ahead`` queued ones: when the queue's pace says
+        it would be admitted (``StartPace.retry_after_s``); before a pace is measured, 1 s, up to 5 s
+        for a queue many times deeper than the batch."""
+        wait = self.pace.retry_after_s(time.monotonic(), ahead, self.max_queue_wait_s, self.max_queued)
+        if wait is None:
+            return max(1, min(5, len(self.pending) // (16 * max(1, self.decoder.indexer.shape[1]))))
+        return wait
 
     def _queue_expired(self) -> bool:
         """Under ``lock``: the request waiting longest for host blocks has waited past the bound
@@ -128,7 +136,7 @@ class Admission(LoopState):
                 req.waiting_since = now  # complete: from now on it waits for a slot
             waited = req.waited_s(now)
             if waited > self.max_queue_wait_s:
-                refused = expired(waited, self.max_queue_wait_s, self.retry_after_s())
+                refused = expired(waited, self.max_queue_wait_s, self._retry_after_s(len(self.pending) - 1))
                 req.emit("error", refused)
                 self.cancel(req.request_id, str(refused), outcome="queue_timeout")
                 self.queue_timeouts += 1

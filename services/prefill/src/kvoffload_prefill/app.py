@@ -4,7 +4,8 @@
 
 Every child request takes a turn of the worker's queue (``kvoffload_prefill.queue_bound``) before it
 reaches a thread: one the queue refuses, at admission or after waiting past the bound, is answered
-429 with ``Retry-After`` before any byte, as the whole request."""
+429 with ``Retry-After`` (when the queue's estimate would admit it) before any byte, as the whole
+request."""
 
 from __future__ import annotations
 

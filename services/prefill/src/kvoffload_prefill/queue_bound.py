@@ -12,12 +12,26 @@ prefill bounds it (``--max-queue-wait-s``, ``DEFAULT_MAX_QUEUE_WAIT_S``; 0: no b
   prefix-cache hits included, so the fit is the workload's). Tokens over a single rate were wrong both
   ways on mixed prompts: a queue of short prompts is mostly fixed costs, a queue of long ones costs
   more per token than short runs do. A request the estimate puts past the bound is refused at once
-  (HTTP 429, ``Retry-After`` the estimate's excess over the bound). Until ``MIN_RUNS`` runs are fitted
+  (HTTP 429 with ``Retry-After``, below). Until ``MIN_RUNS`` runs are fitted
   the estimate refuses nothing: a fresh prefill's first run, often a short prompt that is all fixed
   cost on a cold process, read as a rate once put a 4096-token run at 46 s instead of 1.6 and refused
   229 of a 256-client burst that it would have served within its bound.
 - as a guarantee: a request still waiting for its turn when the bound has passed leaves the queue and
   is refused then (``QueueWaitExceeded``, 429 before any byte), whatever the estimate said.
+
+Every refusal's ``Retry-After`` is the wait after which the same request, sent again, would be
+admitted by the same estimate: the engine time ahead of a request queued now, plus the engine time
+of the refused requests already told to come back before it (``Returns``: each counts its own run
+until its ``Retry-After`` is due, when it is back in the queue or gone), minus the bound — it lands
+when the queue ahead has drained to the bound — made ``RETRY_SLACK`` longer (an engine slower than
+its fit over that wait) and rounded up to whole seconds, within [1, ``MAX_RETRY_AFTER_S``]. Without
+the returns counted, the requests refused together each heard the queue's excess alone (1 s beside
+an estimate of 60.0 s), came back together and all but one were refused again (issue 44: about 31
+tries a request in a 96-request burst). Requests refused in turn come back in turn, each to the room
+the ones before it left. A client that follows it is refused again when fresh requests took that
+room meanwhile, or when its wait was longer than ``MAX_RETRY_AFTER_S`` (the longest OpenAI's Python
+client follows: 60 s in its 1.x releases, 120 s later). Before ``MIN_RUNS`` runs are fitted, or
+without a bound (``0``: only the cap on requests in service refuses), it is 1 s.
 
 A request also leaves the queue when its decode no longer waits for it (the client went away): the
 waiter asks ``cancelled()`` every ``POLL_S``. At most ``MAX_IN_SERVICE`` requests are in service at
@@ -28,6 +42,7 @@ is service.
 
 from __future__ import annotations
 
+import heapq
 import math
 import threading
 import time
@@ -41,6 +56,8 @@ MIN_RUNS = 4  # runs fitted before the estimate refuses anyone (the bound's guar
 PROBE_TOKENS = 4096  # the prompt length the refusals and Stats quote the fitted run time of
 POLL_S = 0.5  # how often a waiting request asks whether its decode still wants it
 MAX_IN_SERVICE = 256  # requests waiting, running or awaiting reads at once (the HTTP side's threads)
+MAX_RETRY_AFTER_S = 60  # the longest Retry-After given (module doc): OpenAI's Python client follows up to 60 s
+RETRY_SLACK = 0.1  # a Retry-After is this much longer than the estimate's excess over the bound
 
 
 class PrefillBusy(RuntimeError):
@@ -128,6 +145,27 @@ class RunModel:
         return None if c is None else c["fixed"] + c["token"] * tokens + c["square"] * tokens * tokens
 
 
+class Returns:
+    """Refused requests told to come back and not due yet: when each is due (its ``Retry-After``) and
+    the engine time its run will add to the queue then."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, float]] = []  # a heap of (due, seconds)
+        self._seconds = 0.0
+
+    def promise(self, due: float, seconds: float) -> None:
+        heapq.heappush(self._due, (due, seconds))
+        self._seconds += seconds
+
+    def seconds(self, now: float) -> float:
+        """The engine time of the returns not due at ``now`` (those due are back in the queue, or gone)."""
+        while self._due and self._due[0][0] <= now:
+            self._seconds -= heapq.heappop(self._due)[1]
+        if not self._due:
+            self._seconds = 0.0  # no float residue
+        return self._seconds
+
+
 @dataclass(eq=False)
 class Turn:
     """One request's place: its prompt tokens and when it was admitted (monotonic)."""
@@ -152,6 +190,7 @@ class PrefillQueue:
         self._running: Turn | None = None
         self._in_service = 0
         self.model = RunModel()  # the engine time of a run, learnt from the runs
+        self.returns = Returns()  # the refused requests told when to come back
         # Stats names: the decode's for the same things
         self.counters = {"rejected_by_estimate": 0, "rejected_queue_full": 0, "queue_timeouts": 0, "abandoned": 0}
 
@@ -171,9 +210,16 @@ class PrefillQueue:
             ahead += max(0.0, (m.seconds(self._running.tokens) or 0.0) - (now - self._running.started))
         return ahead
 
-    def _retry_after_s(self, ahead_s: float | None) -> float:
-        """A refusal's ``Retry-After``: the estimate's excess over the bound, at least 1 s."""
-        return max(1, math.ceil((ahead_s or 0) - self.bound_s))
+    def _retry_after_s(self, now: float, tokens: int) -> int:
+        """A refusal's ``Retry-After`` for a request of ``tokens`` prompt tokens (module doc): when the
+        estimate would admit it, counting the returns promised before it; it is promised too."""
+        ahead = self._ahead_s(now)
+        if not self.bound_s or ahead is None or self.model.runs < MIN_RUNS:
+            return 1
+        excess = ahead + self.returns.seconds(now) - self.bound_s
+        wait = min(MAX_RETRY_AFTER_S, max(1, math.ceil(excess * (1 + RETRY_SLACK))))
+        self.returns.promise(now + wait, self.model.seconds(tokens) or 0.0)
+        return wait
 
     def admit(self, request_id: str, tokens: int) -> Turn:
         """A place in the queue, or ``PrefillBusy`` when it is full or the estimate is past the bound."""
@@ -181,19 +227,21 @@ class PrefillQueue:
             now = self.clock()
             if self._in_service >= MAX_IN_SERVICE:
                 self.counters["rejected_queue_full"] += 1
+                wait = self._retry_after_s(now, tokens)
                 raise PrefillBusy(
-                    f"the prefill has {self._in_service} requests in service, its limit; retry later",
-                    retry_after_s=self._retry_after_s(self._ahead_s(now)),
+                    f"the prefill has {self._in_service} requests in service, its limit; retry after {wait} s",
+                    retry_after_s=wait,
                 )
             ahead = self._ahead_s(now)
             if self.bound_s and ahead is not None and self.model.runs >= MIN_RUNS and ahead > self.bound_s:
                 self.counters["rejected_by_estimate"] += 1
+                wait = self._retry_after_s(now, tokens)
                 raise PrefillBusy(
                     f"the prefill would start this request in about {ahead:.1f} s ({len(self._waiting)} queued "
                     f"ahead of it; a run of {PROBE_TOKENS} prompt tokens takes about "
                     f"{self.model.seconds(PROBE_TOKENS) or 0.0:.2f} s here), past its bound "
-                    f"--max-queue-wait-s={self.bound_s:g}; retry later",
-                    retry_after_s=self._retry_after_s(ahead),
+                    f"--max-queue-wait-s={self.bound_s:g}; retry after {wait} s",
+                    retry_after_s=wait,
                 )
             turn = Turn(request_id, tokens, now, threading.Condition(self._lock))
             self._waiting.append(turn)
@@ -216,10 +264,11 @@ class PrefillQueue:
                         self.counters["abandoned"] += 1
                         raise Abandoned(why)
                     self.counters["queue_timeouts"] += 1
+                    wait = self._retry_after_s(now, turn.tokens)
                     raise QueueWaitExceeded(
                         f"the request waited {now - turn.admitted:.1f} s in the prefill's queue without "
-                        f"starting, past its bound --max-queue-wait-s={self.bound_s:g}; retry later",
-                        retry_after_s=self._retry_after_s(self._ahead_s(now)),
+                        f"starting, past its bound --max-queue-wait-s={self.bound_s:g}; retry after {wait} s",
+                        retry_after_s=wait,
                     )
                 turn.wake.wait(min(left, POLL_S))
             self._waiting.popleft()
