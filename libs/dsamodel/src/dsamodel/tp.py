@@ -19,6 +19,9 @@ not bit for bit (``tests/test_tp.py`` measures it).
 Groups: ``SOLO`` (one rank, no communication: the model as it always was), ``ThreadGroup`` (N ranks
 as threads of one process, for tests and for checking a sharding without processes) and
 ``DistGroup`` (``torch.distributed``, gloo on CPU: what rank processes use).
+
+Llama models (``dsamodel.llama``) are not sharded: ``check_tp_size`` and ``shard_model`` refuse a
+size above 1 for them, naming the reason.
 """
 
 from __future__ import annotations
@@ -117,9 +120,15 @@ class DistGroup:
 
 
 def check_tp_size(config, size: int) -> None:
-    """``size`` ranks can shard this model: heads and the MLP intermediate divide evenly."""
+    """``size`` ranks can shard this model: heads and the MLP intermediate divide evenly; a Llama
+    model (``LlamaConfig``) is not sharded at all (TP > 1 is refused, naming the reason)."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor parallel size {size!r}: must be an int >= 1")
+    if size > 1 and getattr(config, "model_type", None) == "llama":
+        raise ValueError(
+            f"tensor parallel size {size}: Llama models run on one rank (the split above is DeepSeek MLA's; "
+            "GQA heads and the PCA indexer are not sharded), use 1"
+        )
     bad = [
         f"{name}={value}"
         for name, value in (
@@ -146,6 +155,7 @@ def shard_model(model, group: TPGroup):
     """Keep rank ``group.rank``'s shard of every layer (module doc), in place; returns ``model``.
 
     The model must be whole (loaded with ``tp=1``); afterwards its layers reduce through ``group``.
+    A Llama model is refused for ``group.size > 1`` (``check_tp_size``).
     """
     check_tp_size(model.config, group.size)
     if getattr(model, "tp", SOLO).size != 1:

@@ -9,6 +9,8 @@ model's own ``state_dict()``: ``model.embed_tokens.weight``, ``model.layers.{i}.
 and ``lm_head`` (absent when ``tie_word_embeddings``; if present it must equal the embeddings).
 A sharded checkpoint (``model.safetensors.index.json``) loads too. Tensors are cast to the model's
 dtype; anything missing, unexpected, mis-shaped or non-floating is a ValueError listing them all.
+``load_model`` of a directory whose ``config.json`` has ``model_type`` ``llama`` returns a
+``LlamaModel`` (``dsamodel.llama_weights``, which reuses these checks).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsamodel.config import ModelConfig
+from dsamodel.llama import LlamaModel
+from dsamodel.llama_config import MODEL_TYPE as LLAMA_MODEL_TYPE
 from dsamodel.model import DSAModel
 
 WEIGHTS_NAME = "model.safetensors"
@@ -79,13 +83,27 @@ def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
     return model
 
 
-def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = None, device=None) -> DSAModel:
-    """``config.json`` + weights in ``model_dir`` -> a DSAModel in ``dtype`` (default: the config's)."""
+def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = None, device=None) -> DSAModel | LlamaModel:
+    """``config.json`` + weights in ``model_dir`` -> a DSAModel in ``dtype`` (default: the config's),
+    or a LlamaModel (``dsamodel.llama_weights``) when the config's ``model_type`` is ``llama``."""
+    if _model_type(model_dir) == LLAMA_MODEL_TYPE:
+        from dsamodel.llama_weights import load_llama_model  # it imports this module's checks
+
+        return load_llama_model(model_dir, dtype=dtype, device=device)
     config = ModelConfig.from_json(Path(model_dir) / "config.json")
     if isinstance(dtype, str):
         dtype = ModelConfig(**{**config.to_dict(), "torch_dtype": dtype}).dtype
     model = DSAModel(config, dtype=dtype, device=device)
     return load_weights(model, model_dir)
+
+
+def _model_type(model_dir: str | Path) -> object:
+    """``model_type`` of model_dir's ``config.json`` (None when unreadable: ModelConfig says why)."""
+    try:
+        data = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data.get("model_type") if isinstance(data, dict) else None
 
 
 def save_model(model: DSAModel, out_dir: str | Path) -> Path:
