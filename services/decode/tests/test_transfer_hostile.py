@@ -205,6 +205,7 @@ LAYOUTS = [
     ("tp-rank-outside", _set("prefill_tp_rank", 2), "prefill_tp_rank: 2 is outside 0..0 (prefill tp 1)"),
     ("main-dtype", _layer(2, "main_dtype", "bfloat16"), "layers[2]: "),
     ("main-row-bytes", _layer(0, "main_row_bytes", 1), "layers[0]: prefill layer 0 rows 1/"),
+    ("main-row-kind", _layer(1, "main_row_kind", "k_v"), "layers[1]: the prefill's rows hold 'k_v', this decode's"),
     ("indexer-row-bytes", _layer(4, "indexer_row_bytes", 0), "layers[4]: "),
     ("indexer-dtype", _layer(1, "indexer_dtype", "float16"), "layers[1]: "),
     ("layer-order", _layer(3, "layer", 4), "layers[3]: "),

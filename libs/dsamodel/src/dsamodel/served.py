@@ -1,14 +1,18 @@
-"""``ServedModel``: the models an engine serves (the DSA model, a Llama model with an indexer), and
-``sparse_ready``, the start-up check that a model can select tokens for sparse attention."""
+"""``ServedModel``: the models an engine serves (the DSA model, a Llama model with an indexer), their
+layers (``ServedLayer``), and ``sparse_ready``, the start-up check that a model can select tokens for
+sparse attention."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dsamodel.llama import LlamaModel
-from dsamodel.model import DSAModel
+import torch
+
+from dsamodel.llama import NO_INDEXER, LlamaLayer, LlamaModel, LlamaProjection
+from dsamodel.model import DecoderLayer, DSAModel, Projection
 
 ServedModel = DSAModel | LlamaModel
+ServedLayer = DecoderLayer | LlamaLayer
 
 # how a Llama model directory gets its indexer (docs/models.md)
 BUILD_INDEXER = "kvoffload model fetch smollm2 (SmolLM2), or kvoffload model indexer DIR (any Llama directory)"
@@ -24,3 +28,19 @@ def sparse_ready(model: ServedModel, model_dir: str | Path) -> str:
             f"build it with {BUILD_INDEXER}"
         )
     return ""
+
+
+def index_topk(model: ServedModel, model_dir: str | Path = "the model") -> int:
+    """The tokens the model's indexer selects per query; ValueError (``sparse_ready``'s reason) for a
+    model that has no indexer."""
+    topk = model.config.index_topk
+    if topk is None:
+        raise ValueError(sparse_ready(model, model_dir) or f"{model_dir} has no index_topk")
+    return topk
+
+
+def index_keys(proj: Projection | LlamaProjection) -> torch.Tensor:
+    """A projection's indexer cache rows [T, Di]; ValueError for a Llama model without an indexer."""
+    if proj.index_k is None:
+        raise ValueError(NO_INDEXER)
+    return proj.index_k

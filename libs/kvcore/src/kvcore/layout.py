@@ -1,9 +1,18 @@
-"""Per-layer KV cache specs of a sparse-attention (MLA + lightning indexer) model.
+"""Per-layer KV cache specs of a sparse-attention model.
 
 A model has ``num_base_layers`` decoder layers followed by ``num_mtp_layers`` MTP layers; every
-layer owns one main latent cache (``kv_lora_rank + qk_rope_head_dim`` elements per token) and,
-optionally, an indexer key cache (``index_head_dim`` elements, plus a per-token scale when the keys
-are quantized). Physical layer indices number base layers first, then MTP layers.
+layer owns one main cache and, optionally, an indexer key cache (``index_head_dim`` elements, plus a
+per-token scale when the keys are quantized). Physical layer indices number base layers first, then
+MTP layers. The main cache's row is one of ``ROW_KINDS``:
+
+- ``"mla_latent"``: an MLA model's compressed latent (``kv_lora_rank + qk_rope_head_dim`` elements
+  per token; DeepSeek-V3.2 / GLM-5, ``KVLayout.for_mla``);
+- ``"k_v"``: K of every KV head (RoPE'd), then V of every KV head (``2 x num_key_value_heads x
+  head_dim`` elements per token; a GQA model such as Llama, ``KVLayout.for_gqa``).
+
+Everything that moves rows (the plan, the host pool, the P->D pull, the hot cache) treats both
+alike: rows of ``row_bytes``; the kind says what they hold, so two sides that would read each other's
+rows can check they mean the same thing.
 """
 
 from __future__ import annotations
@@ -64,19 +73,26 @@ def physical_index(cache_name: str, num_base_layers: int) -> int:
     raise ValueError(f"cache name {cache_name!r} has no layer index (expected 'layers.N', 'mtp.N' or an integer)")
 
 
+ROW_KINDS = ("mla_latent", "k_v")  # what a main cache's row holds (module docstring)
+
+
 @dataclass(frozen=True)
 class CacheSpec:
-    """One cache of one layer, per token: ``width`` elements of ``dtype`` (+ optional scale bytes)."""
+    """One cache of one layer, per token: ``width`` elements of ``dtype`` (+ optional scale bytes);
+    a main cache's ``kind`` is one of ``ROW_KINDS`` (an indexer cache keeps the default)."""
 
     width: int
     dtype: torch.dtype
     scale_bytes: int = 0
+    kind: str = "mla_latent"
 
     def __post_init__(self) -> None:
         if self.width <= 0:
             raise ValueError(f"cache width must be > 0, got {self.width}")
         if self.scale_bytes < 0:
             raise ValueError(f"scale_bytes must be >= 0, got {self.scale_bytes}")
+        if self.kind not in ROW_KINDS:
+            raise ValueError(f"cache row kind must be one of {ROW_KINDS}, got {self.kind!r}")
 
     @property
     def row_bytes(self) -> int:
@@ -146,14 +162,40 @@ class KVLayout:
         index_scale_bytes: int = 0,
     ) -> KVLayout:
         """The layout of an MLA model (DeepSeek-V3.2 / GLM-5 style), MTP layers after base layers."""
+        main = CacheSpec(kv_lora_rank + qk_rope_head_dim, parse_dtype(dtype), kind="mla_latent")
+        indexer = (
+            CacheSpec(index_head_dim, parse_dtype(index_dtype or dtype), index_scale_bytes) if index_head_dim else None
+        )
+        return cls._of(main, indexer, num_hidden_layers, num_mtp_layers, block_size)
+
+    @classmethod
+    def for_gqa(
+        cls,
+        *,
+        num_hidden_layers: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: str | torch.dtype = "bfloat16",
+        index_head_dim: int | None = None,
+        index_dtype: str | torch.dtype | None = None,
+    ) -> KVLayout:
+        """The layout of a GQA model (Llama style): a row of K then V of every KV head per token and
+        layer, with the indexer keys of an indexer built for it; no MTP layers."""
+        if num_key_value_heads <= 0 or head_dim <= 0:
+            raise ValueError(f"num_key_value_heads and head_dim must be > 0, got {num_key_value_heads}, {head_dim}")
+        main = CacheSpec(2 * num_key_value_heads * head_dim, parse_dtype(dtype), kind="k_v")
+        indexer = CacheSpec(index_head_dim, parse_dtype(index_dtype or dtype)) if index_head_dim else None
+        return cls._of(main, indexer, num_hidden_layers, 0, block_size)
+
+    @classmethod
+    def _of(
+        cls, main: CacheSpec, indexer: CacheSpec | None, num_hidden_layers: int, num_mtp_layers: int, block_size: int
+    ) -> KVLayout:
         if num_hidden_layers <= 0:
             raise ValueError(f"num_hidden_layers must be > 0, got {num_hidden_layers}")
         if num_mtp_layers < 0:
             raise ValueError(f"num_nextn_predict_layers must be >= 0, got {num_mtp_layers}")
-        main = CacheSpec(kv_lora_rank + qk_rope_head_dim, parse_dtype(dtype))
-        indexer = None
-        if index_head_dim:
-            indexer = CacheSpec(index_head_dim, parse_dtype(index_dtype or dtype), index_scale_bytes)
         layers = []
         for i in range(num_hidden_layers + num_mtp_layers):
             name = f"model.layers.{i}" if i < num_hidden_layers else f"model.mtp.{i - num_hidden_layers}"

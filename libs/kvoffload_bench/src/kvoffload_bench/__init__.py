@@ -35,7 +35,9 @@ The P/D stack and vLLM (bench ``pd``, ``load``, ``vllm``):
   (shared memory, gRPC stream, Mooncake Transfer Engine) side by side, and across a network namespace;
   ``engine_ceiling``: Mooncake Transfer Engine's own rate here, out of any stack (the path's ceiling).
 - ``load``: the P/D stack under a burst of concurrent clients vs the single-process engine;
-  ``load_burst``: its burst case (mixed requests at once, no retry: answered, 429 or timed out).
+  ``load_burst``: its burst case (mixed requests at once, no retry: answered, 429 or timed out);
+  ``load_polite``: the same burst with clients that follow ``Retry-After`` as OpenAI's client does;
+  ``load_report``: its result and goals.
 - ``vllm_connectors``: the kvoffload connectors inside real vLLM servers (store hits, P/D). ``vllm_pd``: its
   P/D part; ``vllm_backends``: the P/D pull on each transfer backend of the vLLM connectors, side by side;
   ``vllm_stream``: its timed streamed completions (TTFT, TPOT). ``vllm_goals``: its

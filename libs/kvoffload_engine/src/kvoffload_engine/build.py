@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 
-from dsamodel.model import DSAModel
+from dsamodel.served import ServedModel
 from kvcore.eviction import LRUEviction, NoEviction
 from kvcore.hostpool import HostPoolBackend
 from kvcore.localpool import LocalHostPool
@@ -19,28 +19,28 @@ def _name(prefix: str, name: str | None) -> str:
     return name or f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
-def prefill_geometry(model: DSAModel, block_size: int, capacity_bytes: int) -> PoolGeometry:
+def prefill_geometry(model: ServedModel, block_size: int, capacity_bytes: int) -> PoolGeometry:
     """The prefill side's pool geometry: main + indexer planes of every layer."""
     return PoolGeometry.from_layout(
         kv_layout(model.config, block_size, model.dtype), capacity_bytes, include_indexer=True
     )
 
 
-def prefill_pool(model: DSAModel, block_size: int, capacity_bytes: int, name: str | None = None) -> LocalHostPool:
+def prefill_pool(model: ServedModel, block_size: int, capacity_bytes: int, name: str | None = None) -> LocalHostPool:
     """The prefill side's host pool, indexed in this process, with an LRU prefix cache."""
     return LocalHostPool.create(
         _name("kvoffload-prefill", name), prefill_geometry(model, block_size, capacity_bytes), eviction=LRUEviction()
     )
 
 
-def decode_geometry(model: DSAModel, block_size: int, capacity_bytes: int) -> PoolGeometry:
+def decode_geometry(model: ServedModel, block_size: int, capacity_bytes: int) -> PoolGeometry:
     """The decode side's pool geometry: main planes only (the indexer stays on device)."""
     return PoolGeometry.from_layout(
         kv_layout(model.config, block_size, model.dtype), capacity_bytes, include_indexer=False
     )
 
 
-def decode_pool(model: DSAModel, block_size: int, capacity_bytes: int, name: str | None = None) -> LocalHostPool:
+def decode_pool(model: ServedModel, block_size: int, capacity_bytes: int, name: str | None = None) -> LocalHostPool:
     """The decode side's host pool (``decode_geometry``); never evicts."""
     return LocalHostPool.create(
         _name("kvoffload-decode", name), decode_geometry(model, block_size, capacity_bytes), eviction=NoEviction()
@@ -48,7 +48,7 @@ def decode_pool(model: DSAModel, block_size: int, capacity_bytes: int, name: str
 
 
 def prefill_engine(
-    model: DSAModel,
+    model: ServedModel,
     pool: HostPoolBackend,
     *,
     buffers: int | None,

