@@ -147,13 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
             "--engine",
             choices=ENGINES,
             default="reference",
-            help="reference: the kvoffload prefill and decode services (DSA model); vllm: vLLM "
+            help="reference: the kvoffload prefill and decode services (sparse decode); vllm: vLLM "
             "prefill and decode servers with the kvoffload connectors (docs/vllm.md)",
         )
         cmd.add_argument(
             "--model",
-            help="model directory (default: the tiny seeded DSA model, created on first "
-            "use; with --engine vllm: SmolLM2-135M-Instruct, built on first use)",
+            help="a model directory, or smollm2 (the default: SmolLM2-135M-Instruct with its indexer, built "
+            "on first use, ~2 min once) or tiny (the seeded random DSA model, reference engine only); "
+            "with --engine vllm: SmolLM2-135M-Instruct by default",
         )
         cmd.add_argument(
             "--port", type=int, default=9000, help="proxy port (with --mode offload-only: the prefill's HTTP port)"

@@ -19,6 +19,7 @@ REFERENCE_ONLY_WHY = (
 )
 MODES = ("pd", "offload-only")  # `up --mode` (== kvoffload_testing.stack.MODES; not imported: --help stays light)
 REFERENCE_MAX_MODEL_LEN = 16384
+DECODE_MAX_NUM_SEQS = 8  # the stack's decode (kvoffload-decode's default --max-num-seqs)
 VLLM_MAX_MODEL_LEN = 4096  # kvoffload_testing.vllm_stack.DEFAULT_MAX_MODEL_LEN (not imported here: --help stays light)
 
 
@@ -62,9 +63,10 @@ def stack_config(args: argparse.Namespace):
             raise SystemExit(1) from None
         default_len = DEFAULT_MAX_MODEL_LEN
     else:
-        model = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_HOME / "models" / "tiny")
+        model = ensure_tiny_model(DEFAULT_HOME / "models" / "tiny") if args.model == "tiny" else _reference_model(args)
         default_len = REFERENCE_MAX_MODEL_LEN
-    max_model_len = default_len if args.max_model_len is None else args.max_model_len
+    sizes = _model_sizes(model, default_len)
+    max_model_len = sizes["max_model_len"] if args.max_model_len is None else args.max_model_len
     mode = getattr(args, "mode", "pd")
     if mode == "offload-only" and args.api_key:
         args.parser.error(
@@ -80,8 +82,54 @@ def stack_config(args: argparse.Namespace):
         api_key=args.api_key or None,
         pool=args.pool,
         mode=mode,
+        topk_buffer_size=sizes["topk_buffer_size"],
+        prefill_pool_gb=sizes["prefill_pool_gb"],
+        decode_dram_gb=sizes["decode_dram_gb"],
         **ports,
     )
+
+
+def _reference_model(args: argparse.Namespace):
+    """The reference engine's model: ``--model`` DIR, or ``smollm2`` / none: SmolLM2-135M-Instruct with
+    its indexer, built on first use (a 93 MB download, a conversion and the indexer's calibration,
+    about 2 minutes once per machine). (``tiny``, the seeded random DSA model: ``stack_config``.)"""
+    from pathlib import Path
+
+    if args.model not in (None, "smollm2"):
+        return Path(args.model)
+    from kvoffload_testing.model_fetch import FetchError
+    from kvoffload_testing.model_indexer import served_model
+
+    try:
+        return served_model("smollm2", log=lambda line: print(f"kvoffload {args.command}: {line}", file=sys.stderr))
+    except FetchError as exc:  # says why and what to do
+        print(f"kvoffload {args.command}: cannot build SmolLM2: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _model_sizes(model, default_len: int) -> dict:
+    """Sizes that follow the model when its config can be read (a directory that holds none is
+    refused by the services, with the reason, when they start): max_model_len at most its
+    positions, the decode's hot buffer twice its index_topk, the prefill's pool room for two prompts
+    of max_model_len, the decode's pool for its 8 sequences of max_model_len; else the defaults."""
+    try:
+        from dsamodel.served import read_config
+        from kvoffload_engine.layout import kv_layout
+
+        config = read_config(model)
+    except (ValueError, OSError):
+        return {"max_model_len": default_len, "topk_buffer_size": 128, "prefill_pool_gb": 0.25, "decode_dram_gb": 1}
+    max_len = min(default_len, config.max_position_embeddings)
+    topk = config.index_topk or 64
+    layout = kv_layout(config, 16)
+    row_bytes = sum(layer.row_bytes for layer in layout.layers)  # a token's rows: prefill pool (indexer too)
+    main_bytes = sum(layer.main.row_bytes for layer in layout.layers)  # a token's rows: decode pool
+    return {
+        "max_model_len": max_len,
+        "topk_buffer_size": -(-2 * topk // 16) * 16,
+        "prefill_pool_gb": max(0.25, round(2 * max_len * row_bytes / 2**30, 2)),
+        "decode_dram_gb": max(1, -(-DECODE_MAX_NUM_SEQS * max_len * main_bytes // 2**30)),
+    }
 
 
 def make_stack(args: argparse.Namespace, cfg):
@@ -125,59 +173,17 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    import time
-
-    from kvoffload_testing.stack import Stack
-    from kvoffload_testing.stack_client import post_json, stack_stats
-
     cfg = stack_config(args)
     if args.engine == "vllm":
-        from kvoffload_testing.vllm_demo import DEFAULT_MAX_TOKENS, DEMO_QUESTION, run_demo
+        from kvoffload_testing import vllm_demo as demo
+    else:
+        from kvoffload_testing import reference_demo as demo  # type: ignore[no-redef]  # same names, either engine
 
-        text, summary = run_demo(cfg, DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens)
-        print(f"question (after a {summary['prompt_tokens']}-token prompt): {DEMO_QUESTION}")
-        print(f"answer ({summary['completion_tokens']} tokens): {text!r}")
-        print(json.dumps(summary))
-        return 0
-    prompt = (
-        "kvoffload keeps almost no KV cache in accelerator memory: layerwise offload on prefill, "
-        "sparse offload on decode, a remote pull in between. "
-    ) * 40
-    with Stack(cfg) as stack:
-        t = time.monotonic()
-        answer = post_json(
-            f"{stack.url}/v1/completions",
-            {"prompt": prompt, "max_tokens": 32 if args.max_tokens is None else args.max_tokens, "temperature": 0},
-            headers=stack.auth_headers,
-        )
-        elapsed = time.monotonic() - t
-        stats = stack_stats(cfg)
-    choice = answer["choices"][0]
-    p, d = stats["prefill-0"], stats["decode-0"]
-    summary = {
-        "prompt_tokens": answer["usage"]["prompt_tokens"],
-        "completion_tokens": answer["usage"]["completion_tokens"],
-        "token_ids": choice["token_ids"],
-        "seconds": round(elapsed, 3),
-        "prefill_device_kv_bytes": int(p["device_kv_bytes"]),
-        "prefill_pool_used_bytes": int(p["pool_used_bytes"]),
-        "decode_bytes_pulled": int(d["bytes_read"]),
-        "decode_layer_pulls": int(d["read_done"]),
-        "decode_pool_used_bytes_after": int(d["pool_used_bytes"]),
-        "prefill_held_slots_after": int(p["held_slots"]),
-    }
-    if "metastore" in stats:  # pool "kvoffload" (with --pool mooncake the stack runs no metastore)
-        summary["metastore"] = {
-            k: stats["metastore"][k] for k in sorted(stats["metastore"]) if k.startswith(("objects", "pools", "live"))
-        }
-    if not args.model:
-        print(
-            "note: the tiny model's weights are random, so its text is meaningless; "
-            "`make demo-vllm` shows real text (SmolLM2 under vLLM)"
-        )
-    print(
-        f"answer ({summary['completion_tokens']} tokens after a {summary['prompt_tokens']}-token prompt): "
-        f"{choice['text']!r}"
-    )
+    text, summary = demo.run_demo(cfg, demo.DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens)
+    if args.engine != "vllm" and args.model == "tiny":
+        print("note: the tiny model's weights are random, so its text is meaningless (the default model is SmolLM2)")
+    else:
+        print(f"question (at the end of a {summary['prompt_tokens']}-token prompt): {demo.DEMO_QUESTION}")
+    print(f"answer ({summary['completion_tokens']} tokens): {text!r}")
     print(json.dumps(summary))
     return 0

@@ -59,38 +59,32 @@ def test_the_reference_engine_is_the_default_and_builds_the_reference_stack(tmp_
     assert type(cli_stack.make_stack(args, cli_stack.stack_config(args))) is VllmStack
 
 
-def test_the_reference_demo_says_its_text_is_meaningless_and_where_real_text_is(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("model", [None, "tiny"])
+def test_the_reference_demo_prints_the_question_or_says_the_tiny_text_is_meaningless(
+    tmp_path, monkeypatch, capsys, model
+):
+    import kvoffload_testing.reference_demo as rd
     import kvoffload_testing.stack as stack_mod
-    import kvoffload_testing.stack_client as client_mod
+    from kvoffload_testing import model_indexer
 
-    class FakeStack:
-        def __init__(self, cfg):
-            self.url, self.auth_headers = "http://127.0.0.1:1", {}
+    seen = {}
 
-        def __enter__(self):
-            return self
+    def fake_run_demo(cfg, max_tokens):
+        seen.update(cfg=cfg, max_tokens=max_tokens)
+        return "The Apache License 2.0.", {"prompt_tokens": 2270, "completion_tokens": 9, "seconds": 1.0}
 
-        def __exit__(self, *exc):
-            pass
-
-    stats = {"device_kv_bytes": 1, "pool_used_bytes": 2, "bytes_read": 3, "read_done": 4, "held_slots": 0}
-    monkeypatch.setattr(stack_mod, "Stack", FakeStack)
-    monkeypatch.setattr(stack_mod, "ensure_tiny_model", lambda path: tmp_path)
-    monkeypatch.setattr(
-        client_mod,
-        "post_json",
-        lambda *a, **kw: {
-            "choices": [{"text": "xq", "token_ids": [1, 2]}],
-            "usage": {"prompt_tokens": 9, "completion_tokens": 2},
-        },
-    )
-    monkeypatch.setattr(
-        client_mod, "stack_stats", lambda cfg: {"prefill-0": stats, "decode-0": stats, "metastore": {"objects": 1}}
-    )
-    assert cli.main(["demo", "--log-dir", str(tmp_path)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert [line for line in lines if "meaningless" in line and "make demo-vllm" in line] == [lines[0]]
-    assert json.loads(lines[-1])["completion_tokens"] == 2
+    monkeypatch.setattr(rd, "run_demo", fake_run_demo)
+    monkeypatch.setattr(stack_mod, "ensure_tiny_model", lambda path: tmp_path / "tiny")
+    monkeypatch.setattr(model_indexer, "served_model", lambda name, log=print: tmp_path / name)
+    argv = ["demo", "--log-dir", str(tmp_path), *(["--model", model] if model else [])]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert seen["cfg"].model == tmp_path / (model or "smollm2") and seen["max_tokens"] == rd.DEFAULT_MAX_TOKENS
+    if model == "tiny":
+        assert "meaningless" in out[0]
+    else:
+        assert rd.DEMO_QUESTION in out[0] and "2270-token prompt" in out[0]
+    assert "'The Apache License 2.0.'" in out[1] and json.loads(out[2])["completion_tokens"] == 9
 
 
 def test_the_vllm_demo_prints_the_question_the_answer_and_the_summary(tmp_path, monkeypatch, capsys):

@@ -1,18 +1,26 @@
 """``ServedModel``: the models an engine serves (the DSA model, a Llama model with an indexer), their
-layers (``ServedLayer``), and ``sparse_ready``, the start-up check that a model can select tokens for
-sparse attention."""
+layers (``ServedLayer``), their configs (``read_config``: a directory's, its indexer included, without
+loading weights), and ``sparse_ready``, the start-up check that a model can select tokens for sparse
+attention."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
+from dsamodel.config import ModelConfig
 from dsamodel.llama import NO_INDEXER, LlamaLayer, LlamaModel, LlamaProjection
+from dsamodel.llama_config import MODEL_TYPE as LLAMA
+from dsamodel.llama_config import LlamaConfig
+from dsamodel.llama_weights import llama_config, read_config_json
 from dsamodel.model import DecoderLayer, DSAModel, Projection
+from dsamodel.pca_indexer import read_indexer_meta
 
 ServedModel = DSAModel | LlamaModel
 ServedLayer = DecoderLayer | LlamaLayer
+ServedConfig = ModelConfig | LlamaConfig
 
 # how a Llama model directory gets its indexer (docs/models.md)
 BUILD_INDEXER = "kvoffload model fetch smollm2 (SmolLM2), or kvoffload model indexer DIR (any Llama directory)"
@@ -44,3 +52,14 @@ def index_keys(proj: Projection | LlamaProjection) -> torch.Tensor:
     if proj.index_k is None:
         raise ValueError(NO_INDEXER)
     return proj.index_k
+
+
+def read_config(model_dir: str | Path) -> ServedConfig:
+    """The config of the model in model_dir (a Llama model's with its indexer's rank and top-k when it
+    has one), from its files alone: no weights read. ValueError naming what is wrong."""
+    if read_config_json(model_dir).get("model_type") != LLAMA:
+        return ModelConfig.from_json(Path(model_dir) / "config.json")
+    config, meta = llama_config(model_dir), read_indexer_meta(model_dir)
+    if meta is None:
+        return config
+    return dataclasses.replace(config, index_rank=meta["rank"], index_topk=meta["index_topk"])

@@ -71,6 +71,8 @@ class StackConfig:
     prefill_pool_gb: float = 0.25
     max_model_len: int = 16384
     block_size: int = 16
+    topk_buffer_size: int = 128  # each decode's hot buffer (>= the model's index_topk; 2x is a good start)
+    decode_dram_gb: int = 1  # each decode's host pool (dram_size_per_dp_GB): max_num_seqs x max_model_len rows
     extra_env: dict[str, str] = field(default_factory=dict)  # for every service
     service_env: dict[str, dict[str, str]] = field(default_factory=dict)  # per service name, e.g. "prefill-0"
     service_args: dict[str, list[str]] = field(default_factory=dict)  # extra flags per service name
@@ -138,7 +140,7 @@ def decode_services(c: StackConfig, common: list[str]) -> list[tuple[str, list[s
                     "--kv-transfer-config",
                     decode_kv_transfer_config(kv_port, c.transfer),
                     "--additional-config",
-                    decode_additional_config(),
+                    decode_additional_config(c.topk_buffer_size, c.decode_dram_gb),
                 ],
                 f"http://{c.host}:{port}/health",
             )

@@ -131,12 +131,12 @@ def _http_app(
     not_ready: Callable[[], str],
 ) -> web.Application:
     """The OpenAI HTTP API over ``loop`` (``kvoffload_decode.app``)."""
-    from dsamodel.tokenizer import ByteTokenizer
+    from dsamodel.auto_tokenizer import load_tokenizer
 
     return build_app(
         loop,
         transfer,
-        ByteTokenizer.from_dir(args.model),
+        load_tokenizer(args.model),
         AppSettings(
             model_name=model_id,
             max_model_len=args.max_model_len,
@@ -185,6 +185,7 @@ def _log_serving(
 def _load_model(args: argparse.Namespace):
     """The model, and the speculative tokens of ``--speculative-config`` (0: off); a config the model
     cannot run (no MTP layer) is a ConfigError."""
+    from dsamodel.served import sparse_ready
     from dsamodel.weights import load_model
     from kvoffload_engine.speculative import parse_speculative_config
 
@@ -193,6 +194,9 @@ def _load_model(args: argparse.Namespace):
     except ValueError as exc:
         raise ConfigError([str(exc)]) from None
     model = load_model(args.model, dtype=args.dtype)
+    why = sparse_ready(model, args.model)
+    if why:  # a Llama model whose indexer was never built
+        raise ConfigError([f"--model: {why}"])
     if speculative and not model.config.num_nextn_predict_layers:
         raise ConfigError(
             [f"--speculative-config: the model at {args.model} has no MTP layer (num_nextn_predict_layers is 0)"]
@@ -254,10 +258,16 @@ def _engine_rows(args: argparse.Namespace, d2h, layout) -> EngineRows | None:
 
 
 def _stats(loop: DecodeLoop, transfer: TransferServicer, include_ledger: bool) -> StatsSnapshot:
-    pool = loop.decoder.pool.stats()
+    pool, device = loop.decoder.pool.stats(), loop.decoder.allocator.stats()
     counters = {
         **loop.stats(),
         **transfer.counters,
+        # the device KV this rank holds for all its sequence slots: the indexer keys of every row and
+        # the hot top-k buffers (decode.*: kvoffload_engine.decode), or the full KV with keep_device_kv_cache
+        "device_kv_bytes": device.current_bytes,
+        "device_indexer_bytes": device.current_by_tag.get("decode.indexer", 0),
+        "device_hot_bytes": device.current_by_tag.get("decode.hot", 0),
+        "max_num_seqs": loop.decoder.max_num_seqs,
         "pool_used_bytes": pool.used_bytes,
         "pool_used_blocks": pool.used_blocks,
         "pool_live_leases": pool.live_leases,

@@ -46,13 +46,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from dsamodel.tokenizer import ByteTokenizer
+    from dsamodel.auto_tokenizer import load_tokenizer
+    from dsamodel.served import sparse_ready
     from dsamodel.weights import load_model
     from kvoffload_engine import build
     from kvoffload_engine.layout import kv_layout
 
     tls = start_process(SERVICE, args, log_level=args.log_level, **FLAG_RULES)
     model = load_model(args.model, dtype=args.dtype)
+    why = sparse_ready(model, args.model)
+    if why:  # a Llama model whose indexer was never built: its decode could not select over the rows
+        raise ConfigError([f"--model: {why}"])
     settings = settings_of(args, kv_layout(model.config, args.block_size, model.dtype))
     pool_flags(args, settings.store)
     backend = settings.d2h.transfer_backend if settings.d2h is not None else None
@@ -81,7 +85,7 @@ def serve(args: argparse.Namespace) -> int:
         build.prefill_geometry(model, args.block_size, args.host_pool_bytes),
         f"kvoffload-prefill-pool-{tag}",
     )
-    tokenizer = ByteTokenizer.from_dir(args.model)
+    tokenizer = load_tokenizer(args.model)
     if settings.d2h is None:
         wrong = []
         if args.tensor_parallel_size > 1:
