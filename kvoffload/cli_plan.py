@@ -8,11 +8,14 @@ import sys
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from dsamodel.config import ModelConfig
+    from pathlib import Path
+
+    from dsamodel.served import read_config
     from kvoffload.plan_sizing import Deployment, format_report, plan_report
 
-    try:
-        config = ModelConfig.from_json(args.model)
+    model = Path(args.model)
+    try:  # a DSA model's config.json, or a Llama directory (its indexer, when built, beside the weights)
+        config = read_config(model.parent if model.is_file() else model)
     except (OSError, ValueError) as exc:
         print(f"kvoffload plan: cannot read the model config: {exc}", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
 """``kvoffload plan``: size a deployment from a config.json and the JSON each node is given.
 
-Nothing runs: the model's layout comes from ``config.json`` alone (no weights), the prefill and
+Nothing runs: the model's layout comes from ``config.json`` alone (no weights; a Llama model's
+``kvoffload-indexer.json`` beside it gives its indexer's width and top-k), the prefill and
 decode configs are validated exactly as the services would (Ascend backend names are accepted
 here: sizing is not running), and the report gives, per side, the layer -> slot table, the plan's
 log line, device bytes with and without offload and host-pool bytes.
@@ -16,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dsamodel.config import ModelConfig
 from dsamodel.indexcodec import indexer_cache_format
+from dsamodel.served import ServedConfig
 from kvcore.configerrors import ConfigError
 from kvcore.decodesettings import decode_settings
 from kvcore.layout import KVLayout
@@ -31,7 +32,7 @@ from kvoffload_engine.layout import kv_layout
 class Deployment:
     """What ``kvoffload plan`` is asked: the model, the sizes and each side's two JSON options."""
 
-    config: ModelConfig
+    config: ServedConfig
     block_size: int = 64
     max_model_len: int = 131072
     max_num_seqs: int = 8
@@ -54,6 +55,7 @@ def plan_report(d: Deployment) -> dict[str, Any]:
             "num_hidden_layers": d.config.num_hidden_layers,
             "num_mtp_layers": d.config.num_nextn_predict_layers,
             "index_topk": d.config.index_topk,
+            "main_row_kind": first.main.kind,
             "main_row_bytes": first.main.row_bytes,
             "indexer_row_bytes": first.indexer.row_bytes if first.indexer is not None else 0,
             "indexer": indexer_cache_format(d.config).describe(),

@@ -203,3 +203,43 @@ def test_the_decode_host_pool_is_counted_once_per_dp_rank_whatever_its_tp():
         assert d["host_pool_bytes"] == one["host_pool_bytes"] and d["host_pool_tp_ranks"] == tp
         assert d["host_pool_bytes_all_dp_ranks"] == dp * one["host_pool_bytes"]  # never x tp
         assert f"per DP rank, one pool its {tp} TP rank(s) share" in format_report(r)
+
+
+SMOLLM2 = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_a_llama_directory_is_planned_with_k_and_v_rows_and_its_indexer(tmp_path, capsys):
+    """A Llama model's row is K and V of every KV head (3 x 64 x 2 x 2 bytes), its indexer's keys the
+    PCA rank of each head (16 x 3 x 2 bytes), read from the directory without its weights."""
+    from kvoffload.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    (tmp_path / "kvoffload-indexer.json").write_text(json.dumps({"method": "pca", "rank": 16, "index_topk": 512}))
+    (tmp_path / "kvoffload-indexer.safetensors").write_bytes(b"")
+    argv = ["plan", "--model", str(tmp_path), "--block-size", "16", "--max-model-len", "8192", "--json"]
+    decode = DECODE.replace("memfabric", "kvoffload")
+    assert (
+        main(
+            [*argv, "--decode-kv-transfer-config", decode, "--decode-additional-config", SPARSE.replace("4096", "1024")]
+        )
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    model = report["model"]
+    assert (model["main_row_kind"], model["main_row_bytes"], model["indexer_row_bytes"]) == ("k_v", 768, 96)
+    assert model["index_topk"] == 512 and model["num_mtp_layers"] == 0
+    # the decode's device KV: hot buffers of 1,024 rows and every row's indexer keys, against every K/V row
+    hot_and_keys, dense = 1024 * 768 + 8192 * 96, 8192 * 864  # bytes per layer and sequence slot
+    assert report["decode"]["device_kv_ratio"] == pytest.approx(hot_and_keys / dense, abs=1e-4)
