@@ -58,7 +58,7 @@ def plan_report(d: Deployment) -> dict[str, Any]:
             "main_row_kind": first.main.kind,
             "main_row_bytes": first.main.row_bytes,
             "indexer_row_bytes": first.indexer.row_bytes if first.indexer is not None else 0,
-            "indexer": indexer_cache_format(d.config).describe(),
+            "indexer": indexer_cache_format(d.config).describe() if d.config.index_head_dim else None,
         },
         "sizes": {"block_size": d.block_size, "max_model_len": d.max_model_len, "max_num_seqs": d.max_num_seqs},
         "errors": [],

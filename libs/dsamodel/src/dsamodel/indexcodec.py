@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from dsamodel.config import ModelConfig
+from dsamodel.llama_config import LlamaConfig
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -58,14 +59,18 @@ class IndexerCacheFormat:
         }
 
 
-def indexer_cache_format(config: ModelConfig) -> IndexerCacheFormat:
-    """The indexer cache format of ``config`` (module docstring)."""
+def indexer_cache_format(config: ModelConfig | LlamaConfig) -> IndexerCacheFormat:
+    """The indexer cache format of ``config`` (module docstring); ValueError for a Llama config whose
+    indexer was never built."""
+    width = config.index_head_dim
+    if width is None:
+        raise ValueError("the model has no indexer, so no indexer cache (a Llama model's is built beside its weights)")
     fp8 = next((a for a in config.architectures if a in FP8_INDEXER_ARCHITECTURES), None)
     if fp8 is not None:
-        blocks = -(-config.index_head_dim // INDEX_SCALE_BLOCK)
+        blocks = -(-width // INDEX_SCALE_BLOCK)
         return IndexerCacheFormat(
             torch.float8_e4m3fn,
-            config.index_head_dim,
+            width,
             4 * blocks,
             INDEX_SCALE_BLOCK,
             f"architectures {fp8}: the serving engines store its indexer keys as float8_e4m3fn with one "
@@ -73,7 +78,7 @@ def indexer_cache_format(config: ModelConfig) -> IndexerCacheFormat:
         )
     return IndexerCacheFormat(
         config.dtype,
-        config.index_head_dim * config.dtype.itemsize,
+        width * config.dtype.itemsize,
         0,
         None,
         f"torch_dtype {config.torch_dtype} (architectures {list(config.architectures)}: no fp8 indexer cache)",
@@ -83,9 +88,9 @@ def indexer_cache_format(config: ModelConfig) -> IndexerCacheFormat:
 class IndexCodec:
     """The storage of one model's indexer keys (module docstring)."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        fmt = indexer_cache_format(config)
-        self.width = config.index_head_dim
+    def __init__(self, config: ModelConfig | LlamaConfig) -> None:
+        fmt = indexer_cache_format(config)  # ValueError without an indexer
+        self.width: int = config.index_head_dim or 0
         self.fp8 = fmt.dtype == FP8
         self.block = fmt.scale_block or 0
         self.num_blocks = -(-self.width // self.block) if self.fp8 else 0
