@@ -20,7 +20,7 @@ from torch import nn
 
 from dsamodel.config import ModelConfig
 from dsamodel.indexcodec import IndexCodec
-from dsamodel.modules import IndexerLayerNorm, RMSNorm, linear
+from dsamodel.modules import IndexerLayerNorm, RMSNorm, batch_rows, linear
 from dsamodel.rope import apply_rope
 
 
@@ -131,7 +131,8 @@ class MLAttention(nn.Module):
         """x [T, D] (after input_layernorm) -> Projection."""
         q_nope, q_rope, qr = self.queries(x, positions)  # [T, H, n], [T, H, r], [T, q_in]
         w_uk, _ = self.w_uk_uv()  # [H, n, R]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()  # [T, H, R]
+        q_latent = batch_rows(lambda q: torch.bmm(q.transpose(0, 1), w_uk).transpose(0, 1), q_nope)  # [T, H, R]
+        q_latent = q_latent.contiguous()
         index_q, index_w, index_k = self.indexer.project(x, qr, positions)
         return Projection(
             q_latent=q_latent,
@@ -147,8 +148,8 @@ class MLAttention(nn.Module):
         rank's heads' share of o_proj, in float32, to be summed over the ranks."""
         t = attn_latent.shape[0]
         _, w_uv = self.w_uk_uv()  # [H, v, R]
-        o = torch.bmm(attn_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
-        o = o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim)  # [T, H*v]
+        o = batch_rows(lambda a: torch.bmm(a.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1), attn_latent)
+        o = o.reshape(t, self.num_heads * self.v_dim)  # [T, H*v]
         if partial:
             return F.linear(o.to(torch.float32), self.o_proj.weight.to(torch.float32))  # [T, D]
         return self.o_proj(o)  # [T, D]

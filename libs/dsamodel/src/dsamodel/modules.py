@@ -4,9 +4,15 @@ Norms compute in float32 and return the input dtype (HF DeepSeek-V3 convention).
 the embedding are created uninitialized (``linear``, ``embedding``): weights come from a checkpoint
 or ``presets.init_weights``. Not through ``torch.nn.utils.skip_init``: it builds the module on the
 meta device first, whose ``normal_`` imports torch._dynamo — seconds of CPU at every process start.
+
+A token's row never depends on how many rows share its product (``batch_rows``): a decode step of
+one request gives the bytes the same request gets in a batch of eight, and a one-token prefill chunk
+those of a longer one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,9 +21,31 @@ from torch import nn
 INDEXER_LAYERNORM_EPS = 1e-6  # DeepSeek-V3.2's indexer k_norm (a LayerNorm with bias)
 
 
+# Measured with torch 2.13 on the CPU: its bfloat16 GEMM (oneDNN) computes a product of one row with
+# another kernel than a product of two rows or more, and rounds about one output in a few hundred
+# differently in its last bit, while the rows of a product of 2..2048 rows equal each other's. A
+# batch of one request and a batch of several then part at a near tie of the greedy choice (a
+# request's tokens depended on who shared its decode batch, I3). float32 GEMMs (MKL) round a row
+# differently at several batch sizes, so one row made two would not help them: left alone.
+ONE_ROW_AS_TWO = (torch.bfloat16,)
+
+
+def batch_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for ``x`` [T, ...] whose rows ``fn`` maps one to one onto [T, ...]; a single row of a
+    dtype in ``ONE_ROW_AS_TWO`` goes through ``fn`` as two equal rows, and the first comes back, so
+    the row is computed as in any batch."""
+    if x.shape[0] != 1 or x.dtype not in ONE_ROW_AS_TWO:
+        return fn(x)
+    return fn(torch.cat((x, x)))[:1]
+
+
 class _UninitLinear(nn.Linear):
     def reset_parameters(self) -> None:  # the weight stays as torch.empty made it
         pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]; a row's bytes are those it gets in any batch (``batch_rows``)."""
+        return batch_rows(super().forward, x)
 
 
 class _UninitEmbedding(nn.Embedding):
