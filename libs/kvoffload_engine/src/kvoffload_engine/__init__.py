@@ -4,7 +4,8 @@
 One concept per module:
 
 - ``prefill``          ``LayerwisePrefill``: a prompt chunk by chunk and layer by layer through shared
-                       device buffers (``PrefillRequest``, ``PrefillResult``, ``PrefillError``).
+                       device buffers (``PrefillRequest``), on the engine's one compute thread.
+- ``prefill_result``   what a prefill hands over: ``ComputedPrefill``, ``PrefillResult``, ``PrefillError``.
 - ``prefill_blocks``   ``PromptBlocks``: which pool object holds each prompt block (prefix cache,
                        request-scoped tails), planned chunk by chunk (``Chunk``).
 - ``prefill_loader``   ``SlotLoader``: slots acquired and prefixes loaded ahead of the compute.

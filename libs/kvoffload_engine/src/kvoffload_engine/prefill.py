@@ -10,9 +10,10 @@ For each chunk, every cache layer (base layers, then MTP layers) runs the design
 
 A loader thread acquires slots and loads prefixes up to ``prefetch_layers`` layers ahead of the
 compute (``kvoffload_engine.prefill_loader``), and a saver thread writes finished layers to the host
-pool, so transfers overlap compute (torch ops release the GIL). ``compute`` returns once every layer
-is computed and ``settle`` waits for the last saves without the engine's lock, so the next request
-computes meanwhile. Which pool object holds each block
+pool, so transfers overlap compute (torch ops release the GIL). Every request computes on the
+engine's one compute thread, whichever thread calls ``compute`` (torch keeps kernels per thread).
+``compute`` returns once every layer is computed and ``settle`` waits for the last saves without the
+engine's lock, so the next request computes meanwhile. Which pool object holds each block
 (the prefix cache, request-scoped tails) is ``kvoffload_engine.prefill_blocks``'s. Every failure
 settles the tickets it leaves behind, so no slot stays held (I4, I6).
 
@@ -25,27 +26,29 @@ decode may hold rows of the first try, so the error stands (I5).
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
-from dsamodel.model import DecoderLayer, DSAModel
+from dsamodel.model import DSAModel
+from dsamodel.served import ServedLayer, ServedModel, index_keys
 from kvcore.blockkeys import block_keys, is_request_key
 from kvcore.device import DeviceAllocator
 from kvcore.gates import GateSet
 from kvcore.hostpool import HostPoolBackend, ObjectUnreachable
-from kvcore.leases import Lease
 from kvcore.plan import BufferPlan
 from kvcore.slottickets import SlotTicket
 from kvoffload_engine.buffers import LayerBuffers
 from kvoffload_engine.chunk_attention import attend
 from kvoffload_engine.prefill_blocks import Chunk, PromptBlocks
 from kvoffload_engine.prefill_loader import SlotLoader, fail_ticket
+from kvoffload_engine.prefill_result import ComputedPrefill, PrefillError, PrefillResult
 
 if TYPE_CHECKING:
     from kvoffload_engine.tp_prefill import Followers
@@ -68,82 +71,12 @@ class PrefillRequest:
     cancelled: Callable[[], str] | None = None
 
 
-@dataclass
-class PrefillResult:
-    """What a finished prefill hands over.
-
-    ``lease`` keeps the prompt's pool objects (``keys``, one per block, in order) readable; the
-    receiver copies what it needs and then calls ``LayerwisePrefill.release(result)``, which ends
-    the lease and removes the request-scoped objects (the hash-keyed ones stay as prefix cache).
-    """
-
-    request_id: str
-    logits: torch.Tensor  # [V] float32, last prompt position
-    first_token: int
-    draft_logits: torch.Tensor | None  # [V] MTP logits at the last position (predicts token P + 1)
-    num_cached_tokens: int
-    num_computed_tokens: int
-    keys: list[bytes]
-    lease: Lease
-    owned_keys: list[bytes] = field(default_factory=list)
-
-
-class PrefillError(RuntimeError):
-    """A prefill failed; the request ends with this error and every slot it held is settled."""
-
-
-@dataclass
-class ComputedPrefill:
-    """A prefill whose every layer is computed; its last saves may still run. ``settle`` (no engine
-    lock: the next request computes meanwhile) waits for them and hands over the result, or raises
-    the first save's error with the request's unwritten objects removed."""
-
-    request_id: str
-    blocks: PromptBlocks
-    saved: Future  # done once every save of the request has run
-    save_errors: list[BaseException]
-    logits: torch.Tensor
-    first_token: int
-    draft_logits: torch.Tensor | None
-    start: int  # tokens the prefix cache held
-
-    def settle(self) -> PrefillResult:
-        blocks, rid = self.blocks, self.request_id
-        self.saved.result()
-        try:
-            if self.save_errors:
-                raise PrefillError(
-                    f"saving request {rid} to the host pool failed: {self.save_errors[0]!r}"
-                ) from self.save_errors[0]
-            lease = blocks.pool.lease(blocks.keys, blocks.lease_ttl_ms)  # before the chunks' leases end
-        except BaseException:
-            blocks.release_leases()
-            blocks.remove_unwritten()  # complete hash blocks stay cached
-            raise
-        blocks.release_leases()
-        n = blocks.num_tokens
-        log.info(
-            "prefill_done", request_id=rid, prompt_tokens=n, cached_tokens=self.start, computed_tokens=n - self.start
-        )
-        return PrefillResult(
-            rid,
-            self.logits,
-            self.first_token,
-            self.draft_logits,
-            self.start,
-            n - self.start,
-            blocks.keys,
-            lease,
-            blocks.owned,
-        )
-
-
 class LayerwisePrefill:
     """The prefill engine of one process: a model, a buffer plan, a host pool, gates and threads."""
 
     def __init__(
         self,
-        model: DSAModel,
+        model: ServedModel,
         plan: BufferPlan,
         pool: HostPoolBackend,
         *,
@@ -188,6 +121,10 @@ class LayerwisePrefill:
         self._planes = [
             (pool.geometry.plane_index(i, "main"), self._plane(i, "indexer")) for i in range(layout.num_layers)
         ]
+        # every request computes on this one thread, whoever calls: torch's CPU GEMM (oneDNN) keeps a
+        # cache of up to 1024 kernels per calling thread, one per matmul shape (prompt length), so a
+        # service computing on each request's own thread grew ~0.65 MB per shape and thread, unbounded
+        self._computer = ThreadPoolExecutor(1, thread_name_prefix="kv-compute")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kv-save")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         # (hash keys, done once saved) of computed requests whose saves may still run
@@ -217,6 +154,10 @@ class LayerwisePrefill:
             raise ValueError(f"prompt must be a non-empty [P] tensor, got shape {list(prompt.shape)}")
         if prompt.numel() > self.max_model_len:
             raise ValueError(f"prompt of {prompt.numel()} tokens exceeds max_model_len={self.max_model_len}")
+        return self._computer.submit(contextvars.copy_context().run, self._compute_tries, req).result()
+
+    def _compute_tries(self, req: PrefillRequest) -> ComputedPrefill:
+        """``compute`` on the engine's compute thread: a second try when the cached prefix was unreachable."""
         with self._lock:
             if self.followers is not None:
                 self.followers.check()
@@ -311,7 +252,7 @@ class LayerwisePrefill:
                 first = req.sample(logits) if req.sample else int(torch.argmax(logits))
                 if followers is not None and len(layers) > base:
                     followers.first(first)  # their MTP layer's last input
-            if len(layers) > base:
+            if len(layers) > base and isinstance(model, DSAModel):  # its MTP layer (a Llama model has none)
                 nxt = req.prompt[s + 1 : e + 1].to(model.device)
                 if nxt.numel() < e - s:
                     nxt = torch.cat((nxt, torch.tensor([first], device=model.device)))
@@ -328,7 +269,7 @@ class LayerwisePrefill:
         pipeline.finish()
         return logits, first, draft
 
-    def _layer(self, layer: DecoderLayer, ticket: SlotTicket, req, chunk: Chunk, h, positions):
+    def _layer(self, layer: ServedLayer, ticket: SlotTicket, req, chunk: Chunk, h, positions):
         """Compute one layer of the chunk in its slot, then hand the slot to the saver."""
         i = layer.cache_index
         s, e = chunk.start, chunk.end
@@ -341,7 +282,7 @@ class LayerwisePrefill:
                 self.followers.layer(main[:s], idx[:s])  # go on, with the rows [0, s) this slot holds
             proj = layer.project(h, positions)
             main[s:e] = proj.kv  # [T, R + r]
-            idx[s:e] = self.model.index_codec.encode(proj.index_k)  # [T, W]
+            idx[s:e] = self.model.index_codec.encode(index_keys(proj))  # [T, W]
             pad_end = chunk.end_block * self.block_size
             main[e:pad_end] = 0  # tail rows are saved too: make them deterministic
             idx[e:pad_end] = 0
@@ -402,6 +343,7 @@ class LayerwisePrefill:
 
     def close(self) -> None:
         self.gates.abort_all("prefill engine closed")
+        self._computer.shutdown(wait=True)
         self._saver.shutdown(wait=True)
         self._loader.shutdown(wait=True)
         self.buffers.close()

@@ -14,7 +14,9 @@ starts is a ``svcruntime.serverprocess.ServerProcess`` (``service.Service`` for 
                          stack's decode in a network namespace behind a veth pair).
 - ``vllm_stack``         the same stack on real vLLM servers; ``vllm_server`` one vLLM server (or
                          metastore, proxy) as a child process; ``vllm_demo`` the demo's one request on
-                         it and its summary (client, /metrics deltas, connector log lines).
+                         it and its summary (client, /metrics deltas, connector log lines);
+                         ``reference_demo`` the same for the reference stack on SmolLM2 (a question
+                         over a long document, the answer and the device-KV summary).
 - ``reference``          the stacks' test oracle (plain full-KV greedy) and the timed single-process engine.
 - ``faults``             seeded fault runs against a stack (``kvoffload bench faults``); ``fault_catalog``
                          (the faults and the error each gives), ``fault_tally`` (records, leaks, summary, goal).
