@@ -20,12 +20,14 @@ from openai_api.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 300
 GREEDY_TOKENS = 16
-# Max |logit difference| vs transformers (eager attention) over the 300-token prompt, measured on this
-# machine: float32 0.0 (the same operations in the same order); bfloat16 1.0 (HF's eager path rounds
-# the scores, probabilities and attention output to bf16, ours keeps attention in float32: both are
-# ~1.56 from the float32 logits, and HF's own eager and sdpa bf16 paths differ by 1.59).
+# float32: max |logit difference| vs transformers (eager attention) over the 300-token prompt, 0.0 on
+# this machine (the same operations in the same order). bfloat16 rounds otherwise with the thread count
+# (measured 1.0-1.3 from transformers' bf16 logits): HF's eager path rounds the scores, probabilities and
+# attention output to bf16, ours keeps attention in float32. So bfloat16 is judged against the float32
+# truth: our error there at most BF16_ERROR_RATIO x transformers' own bf16 error, measured in the same
+# run (both ~1.56; HF's own eager and sdpa bf16 paths differ by 1.59).
 FP32_TOLERANCE = 1e-4
-BF16_TOLERANCE = 1.25
+BF16_ERROR_RATIO = 1.25
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +64,6 @@ def hf_reference(smollm2, prompt_ids):
     return out
 
 
-TOLERANCE = {"float32": FP32_TOLERANCE, "bfloat16": BF16_TOLERANCE}
-
-
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def ours(request, smollm2):
     """(dtype name, our LlamaModel loaded by dsamodel.weights.load_model in that dtype)."""
@@ -77,8 +76,17 @@ def test_logits_match_transformers(ours, prompt_ids, hf_reference):
     dtype, model = ours
     with torch.inference_mode():
         logits = forward_llama_dense(model, prompt_ids)
-    diff = (logits - hf_reference[dtype][0]).abs().max().item()
-    assert diff <= TOLERANCE[dtype], f"{dtype}: max |logit diff| {diff} > {TOLERANCE[dtype]}"
+    truth = hf_reference["float32"][0]
+    if dtype == "float32":
+        diff = (logits - truth).abs().max().item()
+        assert diff <= FP32_TOLERANCE, f"float32: max |logit diff| {diff} > {FP32_TOLERANCE}"
+        return
+    ours_err = (logits - truth).abs().max().item()
+    hf_err = (hf_reference["bfloat16"][0] - truth).abs().max().item()
+    assert hf_err > 0, "transformers' bfloat16 logits equal its float32 ones: the dtype was not applied"
+    assert ours_err <= BF16_ERROR_RATIO * hf_err, (
+        f"bfloat16: max |logit error| vs float32 {ours_err}, transformers' own bf16 error {hf_err}"
+    )
 
 
 def _greedy_incremental(model, prompt_ids, steps):
@@ -103,7 +111,8 @@ def _greedy_incremental(model, prompt_ids, steps):
 
 def test_greedy_tokens_match_transformers(ours, prompt_ids, hf_reference):
     """float32: all 16 tokens equal. bfloat16: equal up to a first divergence, if any, at a step whose
-    top-2 logit margin is within the bf16 logit tolerance (a near-tie that rounding decides)."""
+    top-2 logit margin is within twice transformers' own bf16 logit error (a near-tie that rounding decides:
+    each side may move a logit by about that error)."""
     dtype, model = ours
     ref_tokens = hf_reference[dtype][1]
     with torch.inference_mode():
@@ -113,9 +122,10 @@ def test_greedy_tokens_match_transformers(ours, prompt_ids, hf_reference):
             params = SamplingParams(max_tokens=2, ignore_eos=True)  # the recomputing reference agrees
             assert generate_llama_dense(model, prompt_ids.tolist(), params) == tokens[:2]
             return
+    near_tie = 2 * (hf_reference["bfloat16"][0] - hf_reference["float32"][0]).abs().max().item()
     for step, (token, ref) in enumerate(zip(tokens, ref_tokens, strict=True)):
         if token != ref:
-            assert margins[step] <= BF16_TOLERANCE, f"step {step}: {token} != {ref}, top-2 margin {margins[step]}"
+            assert margins[step] <= near_tie, f"step {step}: {token} != {ref}, top-2 margin {margins[step]}"
             break
 
 
