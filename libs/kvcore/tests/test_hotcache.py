@@ -1,4 +1,5 @@
-"""kvcore.hotcache: exact LRU and SLRU semantics, native == reference, invariants, validation, threads."""
+"""kvcore.hotcache: exact LRU and SLRU semantics, native == reference for every policy (CLOCK's own
+hand-computed cases: test_hotcache_clock.py), invariants, validation, threads."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from kvcore.hotcache import HotCache
 from kvcore.hotcache_resolution import MAX_TOKEN, Resolution
 
 BOTH = pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
-POLICIES = pytest.mark.parametrize("policy", ["lru", "slru"])
+POLICIES = pytest.mark.parametrize("policy", ["lru", "slru", "clock"])
 
 
 def _t(rows: list[list[int]], dtype=torch.int64) -> torch.Tensor:
@@ -173,7 +174,7 @@ def test_constructor_validation():
         HotCache(0, 1)
     with pytest.raises(ValueError, match="num_layers"):
         HotCache(4, 0, native=False)
-    with pytest.raises(ValueError, match="policy = 'lfu' must be one of lru, slru"):
+    with pytest.raises(ValueError, match="policy = 'lfu' must be one of lru, slru, clock"):
         HotCache(4, 1, policy="lfu")
 
 
@@ -341,12 +342,13 @@ def test_long_runs_match_reference(policy, capacity, keep):
     assert native.stats() | {"native": None} == ref.stats() | {"native": None}
 
 
+@pytest.mark.parametrize("policy", ["lru", "clock"])  # (slru shares lru's code paths)
 @pytest.mark.parametrize("capacity", [32766, 32767])  # the last 16-bit-map capacity, the first 32-bit one
-def test_both_token_map_widths_match_reference(capacity):
+def test_both_token_map_widths_match_reference(capacity, policy):
     """Every slot in use (slot numbers up to capacity - 1), evictions, padding, a shrink and
     ``resident`` past the mapped tokens, on either side of the native map's width switch."""
     g = torch.Generator().manual_seed(capacity)
-    native, ref = HotCache(capacity, 1), HotCache(capacity, 1, native=False)
+    native, ref = HotCache(capacity, 1, policy=policy), HotCache(capacity, 1, native=False, policy=policy)
     context = 3 * capacity
     first = torch.randperm(context, generator=g)[:capacity]
     rows = [

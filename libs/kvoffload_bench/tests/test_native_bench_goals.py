@@ -1,6 +1,7 @@
 """The native benches cannot pass by accident: outputs that differ from the reference fail a goal
 (``hotcache``: every policy, native, one core, torch; ``gather``: every case, the miss cases
-included), and the hot-cache speedup divides times of the same steps."""
+included), the hot-cache speedup divides times of the same steps, and each policy's cost times
+that policy's calls."""
 
 from __future__ import annotations
 
@@ -50,6 +51,38 @@ def test_hotcache_native_policy_outputs_that_differ_fail_outputs_equal(tmp_path,
     assert "timing" not in out and out["policy_outputs_equal"] is False and out["outputs_equal"] is False
     assert out["goals_met"]["outputs_equal"] is False
     assert out["gaps"]["outputs_equal"]["worst_on"] == "mine (policies vs reference)"
+
+
+def test_hotcache_timing_checks_every_policy_against_its_reference(monkeypatch):
+    """One policy (not the default) whose native outputs are wrong: the timing's per-policy one-core
+    calls are compared with that policy's reference, so the timing case fails outputs_equal too."""
+    real = HotCache.resolve
+
+    def wrong_native_clock(self, *a, **kw):
+        res = real(self, *a, **kw)
+        return _perturbed(res) if self.native and self.policy == "clock" else res
+
+    monkeypatch.setattr(HotCache, "resolve", wrong_native_clock)
+    case = hotcache._timing("overlap80", 2, 3, 2, 1, SMALL)
+    assert case["outputs_equal"] is False and case["torch_outputs_equal"] is True
+
+
+def test_hotcache_cost_by_policy_times_each_policys_one_core_calls(monkeypatch):
+    """Only the native "slru" cache slowed down on one core: only its cost per (request, layer, step)
+    shows it (the default's ``cost_us`` does not)."""
+    rows, slow_s = 2, 0.02
+    real = HotCache.resolve
+
+    def slow_slru(self, *a, **kw):
+        if self.native and self.policy == "slru":
+            time.sleep(slow_s)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(HotCache, "resolve", slow_slru)
+    case = hotcache._timing("overlap80", rows, 3, 1, 1, SMALL)
+    assert case["cost_us_by_policy"]["slru"] >= slow_s / rows * 1e6
+    assert max(case["cost_us_by_policy"]["lru"], case["cost_us_by_policy"]["clock"]) < slow_s / rows * 1e6
+    assert case["cost_us"] == case["cost_us_by_policy"]["lru"] and case["outputs_equal"] is True
 
 
 def test_hotcache_speedup_times_native_and_reference_over_the_same_steps(monkeypatch):

@@ -34,7 +34,7 @@ def test_hotcache_bench_fields():
     out = hotcache.run(traces=("overlap80", "overlap95"), rows=2, steps=4, reference_steps=2, warmup=1, synthetic=SMALL)
     json.dumps(out)
     assert out["bench"] == "hotcache" and out["threads"] >= 1 and out["default_policy"] == "lru"
-    assert out["policies"] == ["lru", "slru"]
+    assert out["policies"] == ["lru", "slru", "clock"]
     assert out["goals"] == HOTCACHE_GOALS and set(out["goals_met"]) == set(HOTCACHE_GOALS)
     assert out["goals_met"]["outputs_equal"] is True
     assert set(out["gaps"]) == {g for g, ok in out["goals_met"].items() if not ok}
@@ -49,7 +49,7 @@ def test_hotcache_bench_fields():
         assert list(rates) == ["1k", "1.5k", "2k", "4k"]
         assert [r["capacity"] for r in rates.values()] == [64, 96, 128, 256]
         for r in rates.values():
-            for policy in ("lru", "slru"):
+            for policy in ("lru", "slru", "clock"):
                 assert 0 < r[policy] <= r["belady"] + 1e-12  # Belady is the ceiling
                 assert r[f"{policy}_vs_belady"] == r[policy] / r["belady"]
         assert rates["1k"]["lru"] == rates["1k"]["belady"]  # no spare slot: no choice to make
@@ -66,18 +66,26 @@ def test_hotcache_bench_fields():
     assert out["policy_vs_belady_at_2k"] == {
         n: out["hit_rates"][n]["2k"]["lru_vs_belady"] for n in ("overlap80", "overlap95")
     }
+    assert out["vs_belady_at_2k_by_policy"] == {
+        p: {n: out["hit_rates"][n]["2k"][f"{p}_vs_belady"] for n in ("overlap80", "overlap95")} for p in out["policies"]
+    }
     assert out["goals_met"]["policy_vs_belady"] == (min(out["policy_vs_belady_at_2k"].values()) >= 0.95)
     assert out["policy_outputs_equal"] is True and out["outputs_equal"] is True
     assert len(out["timing"]) == 2
     for case in out["timing"]:
         assert case["native_s_per_step"] > 0 and case["torch_s_per_step"] > 0 and case["reference_s_per_step"] > 0
         assert case["cost_us"] > 0 and case["rows"] == 2 and case["topk"] == 64 and case["capacity"] == 128
+        assert list(case["cost_us_by_policy"]) == out["policies"] and min(case["cost_us_by_policy"].values()) > 0
+        assert case["cost_us"] == case["cost_us_by_policy"]["lru"]  # the default policy's
         assert abs(case["speedup_vs_torch"] - case["torch_s_per_step"] / case["native_s_per_step"]) < 1e-9
         # the reference ran 2 steps: the speedup divides by the native median over those 2 steps
         assert case["speedup"] == case["reference_s_per_step"] / case["native_s_per_step_reference_steps"]
         assert case["torch_s_per_step"] == min(case["torch_s_per_step_by_threads"].values())
         assert case["outputs_equal"] is True and case["torch_outputs_equal"] is True
     assert out["cost_us"] == max(c["cost_us"] for c in out["timing"])
+    assert out["cost_us_by_policy"] == {
+        p: max(c["cost_us_by_policy"][p] for c in out["timing"]) for p in out["policies"]
+    }
     assert out["goals_met"]["cost_us"] == (out["cost_us"] <= 10)
     assert out["speedup"] == min(c["speedup"] for c in out["timing"])
     assert out["goals_met"]["speedup"] == (out["speedup"] >= 10)
@@ -92,6 +100,7 @@ def test_hotcache_bench_on_one_recorded_trace(tmp_path, monkeypatch):
     generate(preset("overlap90", **SMALL), "mine").save(tmp_path / "traces" / "mine.pt")
     out = hotcache.run(trace="mine", reference_steps=2)
     assert list(out["hit_rates"]) == ["mine"] and "timing" not in out  # timing runs on the presets only
+    assert "cost_us_by_policy" not in out and set(out["vs_belady_at_2k_by_policy"]["clock"]) == {"mine"}
     assert set(out["goals_met"]) == {"policy_vs_belady", "outputs_equal"} and out["goals_met"]["outputs_equal"] is True
     assert out["goals_met"]["policy_vs_belady"] is False  # no preset measured: the goal is not met by default
     assert out["outputs_equal"] is True

@@ -17,7 +17,7 @@ STACK_TRANSFERS = ("kvoffload", "mooncake")  # those a loopback stack runs (memf
 # memfabric_hybrid.TransDataOpType members, lower-case (its TransferEngine's data operation; the
 # library's default is SDMA)
 MEMFABRIC_DATA_OPS = ("sdma", "host_rdma", "device_rdma", "device_urma", "device_uboe")
-HOT_CACHE_POLICIES = ("lru", "slru")  # == kvcore.hotcache.POLICIES (config imports no engine code)
+HOT_CACHE_POLICIES = ("lru", "slru", "clock")  # == kvcore.hotcache.POLICIES (config imports no engine code)
 LAYERWISE_KEYS = ("layerwise_num_shared_buffers", "layerwise_independent_layers", "layerwise_prefetch_layers")
 SPARSE_KEY = "sparse_kv_offload_config"
 

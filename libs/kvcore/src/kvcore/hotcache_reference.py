@@ -2,6 +2,7 @@
 
 ``HotCache(..., native=False)`` runs this path; the native C++/OpenMP path must produce identical
 outputs (the property tests compare them). It runs one call at a time, under the cache's lock.
+The list policies (``"lru"``, ``"slru"``) keep ``_LayerState``; ``"clock"`` keeps ``_ClockState``.
 """
 
 from __future__ import annotations
@@ -39,15 +40,49 @@ class _LayerState:
         self.move(slot, self.probation, last=False)
 
 
+class _ClockState:
+    """Reference state of one (request, layer) under ``"clock"``: per slot a reference bit, one hand."""
+
+    __slots__ = ("slot_token", "token_slot", "ref", "hand", "resident_bound")
+
+    def __init__(self, capacity: int) -> None:
+        self.slot_token = [-1] * capacity  # slot -> token, -1 = empty
+        self.token_slot: dict[int, int] = {}
+        self.ref = [False] * capacity  # slot -> reference bit
+        self.hand = 0
+        self.resident_bound = 0  # every resident token < resident_bound
+
+    def empty(self, slot: int) -> None:
+        del self.token_slot[self.slot_token[slot]]
+        self.slot_token[slot] = -1
+        self.ref[slot] = False
+
+    def victim(self, selected: set[int]) -> int:
+        """The slot the hand takes: it skips slots selected in this step (unchanged), clears set
+        bits, stops at the first other slot whose bit is clear; the hand moves past it."""
+        while True:
+            s = self.hand
+            self.hand = (s + 1) % len(self.slot_token)
+            if s in selected:
+                continue
+            if self.ref[s]:
+                self.ref[s] = False
+                continue
+            return s
+
+
+_State = _LayerState | _ClockState
+
+
 class ReferencePath:
     """Straightforward Python path: the executable form of ``kvcore.hotcache``'s docstring."""
 
-    def __init__(self, capacity: int, num_layers: int, lock: threading.Lock, slru: bool) -> None:
+    def __init__(self, capacity: int, num_layers: int, lock: threading.Lock, policy: str) -> None:
         self.capacity = capacity
         self.num_layers = num_layers
         self._lock = lock
-        self.slru = slru
-        self.requests: dict[str, list[_LayerState | None]] = {}
+        self.policy = policy
+        self.requests: dict[str, list[_State | None]] = {}
 
     def resolve(self, layer: int, ids: list[str], topk: torch.Tensor, stable: list[int]) -> Resolution:
         with self._lock:  # the reference is serial: one call at a time
@@ -69,8 +104,14 @@ class ReferencePath:
         hits = 0
         for r, rid in enumerate(ids):
             layers = self.requests.setdefault(rid, [None] * self.num_layers)
-            st = layers[layer] = layers[layer] or _LayerState(self.capacity)
-            hits += self._step(st, table[r], lens[r], r, slots[r], misses, self.slru)
+            if self.policy == "clock":
+                cst = layers[layer] = layers[layer] or _ClockState(self.capacity)
+                assert isinstance(cst, _ClockState)
+                hits += self._clock_step(cst, table[r], lens[r], r, slots[r], misses)
+            else:
+                st = layers[layer] = layers[layer] or _LayerState(self.capacity)
+                assert isinstance(st, _LayerState)
+                hits += self._step(st, table[r], lens[r], r, slots[r], misses, self.policy == "slru")
         return Resolution(
             slots=torch.tensor(slots, dtype=torch.int32).reshape(rows, k),
             miss_rows=torch.tensor([m[0] for m in misses], dtype=torch.int32),
@@ -118,6 +159,44 @@ class ReferencePath:
                 st.token_slot[t] = s
                 st.move(s, st.probation)
                 touched.add(s)
+                misses.append((row, t, s))
+                if t >= stable:
+                    spec.append(s)
+            out[j] = s
+        for s in sorted(spec):  # (4) speculative misses do not stay resident
+            st.empty(s)
+        st.resident_bound = stable
+        return hits
+
+    @staticmethod
+    def _clock_step(
+        st: _ClockState, toks: list[int], stable: int, row: int, out: list[int], misses: list[tuple[int, int, int]]
+    ) -> int:
+        if stable < st.resident_bound:  # (1) drop tokens >= stable
+            for s, t in enumerate(st.slot_token):
+                if t >= stable:
+                    st.empty(s)
+        selected: set[int] = set()
+        for j, t in enumerate(toks):  # (2) hits set their reference bit
+            s = st.token_slot.get(t, -1) if t >= 0 else -1
+            out[j] = s
+            if s >= 0:
+                selected.add(s)
+                st.ref[s] = True
+        hits = len(selected)
+        spec = []
+        for j, t in enumerate(toks):  # (3) misses take the hand's victim
+            if out[j] >= 0 or t < 0:
+                continue
+            s = st.token_slot.get(t, -1)
+            if s < 0:
+                s = st.victim(selected)
+                if st.slot_token[s] >= 0:
+                    del st.token_slot[st.slot_token[s]]
+                st.slot_token[s] = t
+                st.token_slot[t] = s
+                st.ref[s] = False  # a new token's bit starts clear (kvcore.hotcache says why)
+                selected.add(s)
                 misses.append((row, t, s))
                 if t >= stable:
                     spec.append(s)

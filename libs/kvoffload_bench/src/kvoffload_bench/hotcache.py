@@ -29,7 +29,10 @@ and, where recorded, ``smollm2`` (a real model's attention: ``kvoffload trace re
   call time / rows). ``speedup`` = the reference's median / the native path's median over the
   same steps (the first ``reference_steps`` timed ones: ``native_s_per_step_reference_steps``);
   ``native_s_per_step`` is the native median over all ``steps``. ``outputs_equal``: native ==
-  reference == torch wherever both ran.
+  reference == torch wherever both ran. ``cost_us_by_policy``: that one-core cost of every policy,
+  side by side (the same calls, back to back, in rotating order; each checked against its
+  reference on the reference's steps); at the top level each policy's worst preset's, next to
+  ``vs_belady_at_2k_by_policy`` (each policy's ratio to Belady at C = 2k on each trace).
 
 Goals: ``policy_vs_belady`` — the default policy's hit rate >= 0.95 x Belady's at C = 2k on every
 synthetic preset; ``cost_us`` <= 10 for k = 2048; and as before ``speedup`` (reference / native
@@ -87,7 +90,9 @@ def run(
         sizing[n] = _layer_sizing(tr)
         prefetched[n] = prefetch.evaluate(tr, 2 * tr.k, policy=DEFAULT_POLICY)
     timing = [_timing(p, rows, steps, reference_steps, warmup, synthetic) for p in names if p in PRESETS]
-    at_2k = {n: hr[_key(2.0)][f"{DEFAULT_POLICY}_vs_belady"] for n, hr in hit_rates.items() if _key(2.0) in hr}
+    at = {n: hr[_key(2.0)] for n, hr in hit_rates.items() if _key(2.0) in hr}  # the 2k row of each trace
+    by_policy = {p: {n: row[f"{p}_vs_belady"] for n, row in at.items()} for p in POLICIES}
+    at_2k = by_policy[DEFAULT_POLICY]
     result = {
         "bench": "hotcache",
         "default_policy": DEFAULT_POLICY,
@@ -96,12 +101,17 @@ def run(
         "traces": out_traces,
         "hit_rates": hit_rates,
         "policy_vs_belady_at_2k": at_2k,
+        "vs_belady_at_2k_by_policy": by_policy,
         "policy_outputs_equal": not unequal,
         "layer_sizing": sizing,
         "prefetch": prefetched,
     }
     if timing:
-        result |= {"torch_threads_tried": sorted({1, torch.get_num_threads()}), "timing": timing}
+        result |= {
+            "torch_threads_tried": sorted({1, torch.get_num_threads()}),
+            "timing": timing,
+            "cost_us_by_policy": {p: max(c["cost_us_by_policy"][p] for c in timing) for p in POLICIES},
+        }
     unequal += [f"{c['trace']} (timing)" for c in timing if not (c["outputs_equal"] and c["torch_outputs_equal"])]
     result["outputs_equal"] = not unequal
     return result | _goals(at_2k, timing, unequal) | {"cpu_used_by_others": others.fraction()}
@@ -301,7 +311,8 @@ def _timing(preset_name: str, rows: int, steps: int, reference_steps: int, warmu
         "torch_s_per_step_by_threads": {str(n): med[f"torch{n}"] for n in threads},
         "reference_s_per_step": ref_s,
         "native_s_per_step_reference_steps": native_ref_s,
-        "cost_us": med["one_core"] / rows * 1e6,
+        "cost_us": med[f"one_core:{DEFAULT_POLICY}"] / rows * 1e6,
+        "cost_us_by_policy": {p: med[f"one_core:{p}"] / rows * 1e6 for p in POLICIES},
         "speedup": ref_s / native_ref_s,
         "speedup_vs_torch": torch_s / native_s,
         "entries_per_s": rows * topk / native_s,
@@ -316,24 +327,25 @@ def _timed_steps(
 ) -> tuple[dict[str, list[float]], int, int, bool, bool]:
     """``rows`` requests of one layer through every path, ``warmup`` untimed steps then ``steps`` timed
     ones, back to back step by step: (seconds of each call by path, the native path's hits and misses,
-    native == one core == reference, torch == native == reference)."""
+    native == one core == reference for every policy, torch == native == reference). Path names:
+    ``native``, ``torch{n}``, ``reference``, ``one_core:{policy}``."""
     ids = [f"req-{r}" for r in range(rows)]
     native, vec = HotCache(capacity, 1, native=True), TorchHotCache(capacity, 1)
-    ref = HotCache(capacity, 1, native=False)
-    one_core = HotCache(capacity, 1, native=True)
+    refs = {p: HotCache(capacity, 1, native=False, policy=p) for p in POLICIES}  # the reference of each policy
+    one_core = {p: HotCache(capacity, 1, native=True, policy=p) for p in POLICIES}
     equal = torch_equal = True
     step = [tr.topk[:, t].contiguous() for t in range(tr.steps)]
     for t in range(warmup):
         stable = tr.context(t)
-        rres = ref.resolve(0, ids, step[t], stable)
-        equal &= _same(native.resolve(0, ids, step[t], stable), rres)
-        torch_equal &= _same(vec.resolve(0, ids, step[t], stable), rres)
-        one_core.resolve(0, ids, step[t], stable)
+        wres = {p: ref.resolve(0, ids, step[t], stable) for p, ref in refs.items()}
+        equal &= _same(native.resolve(0, ids, step[t], stable), wres[DEFAULT_POLICY])
+        torch_equal &= _same(vec.resolve(0, ids, step[t], stable), wres[DEFAULT_POLICY])
+        equal &= all(_same(res, wres[p]) for p, (_, res) in _one_core(one_core, ids, step[t], stable, t).items())
     times: dict[str, list[float]] = {
-        name: [] for name in ["native", "one_core", *(f"torch{n}" for n in threads), "reference"]
+        name: [] for name in ["native", *(f"one_core:{p}" for p in POLICIES), *(f"torch{n}" for n in threads)]
     }
+    times["reference"] = []
     hits = misses = 0
-    before = torch.get_num_threads()
     for t in range(warmup, warmup + steps):
         stable = tr.context(t)
         vec.threads = threads[t % len(threads)]
@@ -343,24 +355,40 @@ def _timed_steps(
             t0 = time.perf_counter()
             out[name] = path.resolve(0, ids, step[t], stable)
             times[name].append(time.perf_counter() - t0)
-        torch.set_num_threads(1)  # one core: OpenMP in this process (the native path's threads) = 1
-        try:
-            t0 = time.perf_counter()
-            single = one_core.resolve(0, ids, step[t], stable)
-            times["one_core"].append(time.perf_counter() - t0)
-        finally:
-            torch.set_num_threads(before)
+        single = _one_core(one_core, ids, step[t], stable, t)
+        for p, (seconds, _) in single.items():
+            times[f"one_core:{p}"].append(seconds)
         res, tres = out["native"], out[f"torch{vec.threads}"]
         torch_equal &= _same(tres, res)
-        equal &= _same(single, res)
+        equal &= _same(single[DEFAULT_POLICY][1], res)
         hits, misses = hits + res.num_hits, misses + res.num_misses
         if t - warmup < reference_steps:
             t0 = time.perf_counter()
-            rres = ref.resolve(0, ids, step[t], stable)
+            rres = refs[DEFAULT_POLICY].resolve(0, ids, step[t], stable)
             times["reference"].append(time.perf_counter() - t0)
             equal &= _same(res, rres)
             torch_equal &= _same(tres, rres)
+            for p in (q for q in POLICIES if q != DEFAULT_POLICY):  # every other policy against its reference
+                equal &= _same(single[p][1], refs[p].resolve(0, ids, step[t], stable))
     return times, hits, misses, equal, torch_equal
+
+
+def _one_core(
+    caches: dict[str, HotCache], ids: list[str], topk: torch.Tensor, stable: torch.Tensor, turn: int
+) -> dict[str, tuple[float, Resolution]]:
+    """Each policy's native cache resolves the same step on one core (OpenMP in this process = 1), one
+    after the other from policy ``turn`` (mod their number; no policy always first): (seconds, resolution)."""
+    names = list(caches)[turn % len(caches) :] + list(caches)[: turn % len(caches)]
+    out, before = {}, torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for p in names:
+            t0 = time.perf_counter()
+            res = caches[p].resolve(0, ids, topk, stable)
+            out[p] = (time.perf_counter() - t0, res)
+    finally:
+        torch.set_num_threads(before)
+    return out
 
 
 def _same(a: Resolution, b: Resolution) -> bool:

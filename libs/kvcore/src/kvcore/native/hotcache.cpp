@@ -1,10 +1,10 @@
-// kvcore._native_hotcache: per-(request, layer) hot top-k residency (exact LRU or segmented LRU),
-// C++/OpenMP.
+// kvcore._native_hotcache: per-(request, layer) hot top-k residency (exact LRU, segmented LRU or
+// CLOCK), C++/OpenMP.
 //
 // The semantics are defined in kvcore/hotcache.py's module docstring and mirrored line by line by
 // its Python reference; tests require identical outputs. This file owns only the fast path:
 //   Cache(capacity, num_layers, policy)   native state of one HotCache (policy 0 = "lru",
-//                                 1 = "slru"); requests are integer handles.
+//                                 1 = "slru", 2 = "clock"); requests are integer handles.
 //   alloc() -> handle, free(handle), residency(handle, layer) -> [(token, slot)]
 //   resident(layer, handles, tokens_ptr, n, out_ptr)   read-only: out[r, j] = 1 iff token
 //           tokens[r, j] (int64, [rows, n]) is resident in (handles[r], layer); handle -1 = none
@@ -38,6 +38,12 @@
 // hits), once over the last block (transfer), then places the misses (their victims collected
 // first, branch-free). On x86 with AVX2 (checked at run time) the validation scan and the lookup
 // run 8 entries at a time.
+//
+// "clock" keeps no lists and no stamps: per slot one 16-bit word, (the epoch of the last step
+// that selected the slot << 1) | its reference bit, and one hand. A step is the same lookup, one
+// pass over the hits (one word write each), then the hand's sweep for the misses; "selected in
+// this step" is an epoch compare, so nothing is reset between steps (only when the 15-bit epoch
+// wraps: every word's epoch to 0, once per 32767 steps of a (request, layer)).
 //
 // Threading contract: calls may run concurrently from several Python threads provided they touch
 // disjoint (request, layer) pairs (e.g. different layers). alloc/free take the table lock
@@ -73,6 +79,8 @@ namespace {
 constexpr int64_t kMaxToken = 2147483646;  // INT32_MAX - 1
 
 constexpr int kProbation = 0, kProtected = 1;
+constexpr int64_t kLru = 0, kSlruPolicy = 1, kClock = 2;  // policy codes (kvcore.hotcache.POLICIES)
+constexpr uint16_t kMaxEpoch = 32767;  // "clock": epochs 1..kMaxEpoch (15 bits)
 
 // Capacities up to this use a 16-bit token -> slot map: half the bytes of the structure a step
 // reads most, and mostly cold when it starts (its other layers and torch ran since).
@@ -236,10 +244,15 @@ KV_AVX2 int64_t lookup_avx2(const T* __restrict topk, int64_t k, const Map* __re
 // under "slru", the protected list (lists[1]); the dense token -> slot map. Methods templated on
 // `Stamp` use the stamp array in use (`wide`: 64 bits).
 struct LayerState {
-  LayerState(int32_t capacity, bool slru)
+  LayerState(int32_t capacity, int64_t policy)
       : cap(capacity), wide(ring_size(capacity) > (int64_t{1} << 29)), narrow(capacity <= kNarrowSlots),
         token(capacity, -1) {
     if (narrow) token_slot16.assign(2, -2); else token_slot32.assign(1, -2);
+    if (policy == kClock) {  // new state: every slot empty, its word 0 (epoch 0, bit clear), hand 0
+      clock.assign(static_cast<size_t>(capacity), 0);
+      return;
+    }
+    const bool slru = policy == kSlruPolicy;
     if (wide) stamp64.resize(capacity); else stamp32.resize(capacity);
     lists[kProbation].init(ring_size(capacity), capacity);
     if (slru) lists[kProtected].init(ring_size(capacity), capacity);
@@ -281,6 +294,56 @@ struct LayerState {
     map<Map>()[token[s]] = -1;
     token[s] = -1;
     push_front<Stamp>(s);
+  }
+  template <typename Map>
+  void empty_clock_slot(int32_t s) {  // "clock": the slot empty, its reference bit clear
+    map<Map>()[token[s]] = -1;
+    token[s] = -1;
+    clock[s] &= static_cast<uint16_t>(~1u);
+  }
+  uint16_t next_epoch() {  // "clock": this step's epoch; on wrap every word's epoch goes to 0 first
+    if (epoch == kMaxEpoch) {
+      for (uint16_t& w : clock) w &= 1;
+      epoch = 0;
+    }
+    return ++epoch;
+  }
+  // "clock": the hand's sweep for one miss, one slot at a time (kvcore/hotcache.py, step 3).
+  int32_t clock_sweep(uint16_t now) {
+    for (;;) {
+      const int32_t h = hand;
+      const uint16_t w = clock[h];
+      hand = h + 1 == cap ? 0 : h + 1;
+      if ((w >> 1) == now) continue;
+      if ((w & 1) == 0) return h;
+      clock[h] = static_cast<uint16_t>(w & ~1u);
+    }
+  }
+  // "clock": the victims the sweep would take while no slot changes: the slots from the hand on,
+  // within one turn, with a clear bit (before any miss of a step, the slots selected in it are
+  // its hits: their bits are set), up to `want`; branch-free (the slot is written every time and
+  // kept by advancing n). Changes nothing.
+  int64_t clock_collect(int64_t want, int32_t* __restrict out) const {
+    const uint16_t* __restrict w = clock.data();
+    int64_t n = 0;
+    int32_t p = hand;
+    for (int32_t looked = 0; n < want && looked < cap; ++looked) {
+      out[n] = p;
+      n += ~w[p] & 1u;
+      p = p + 1 == cap ? 0 : p + 1;
+    }
+    return n;
+  }
+  // "clock": what the sweep does to the n slots from `from` on (mod cap) that it passes: the set
+  // bit of each slot not selected in this step cleared. Branch-free, two contiguous runs.
+  void clock_clear(uint16_t now, int32_t from, int64_t n) {
+    uint16_t* __restrict w = clock.data();
+    const int64_t first = std::min<int64_t>(n, cap - from);
+    for (int pass = 0; pass < 2; ++pass) {
+      const int64_t lo = pass == 0 ? from : 0, hi = pass == 0 ? from + first : n - first;
+      for (int64_t p = lo; p < hi; ++p)
+        w[p] = static_cast<uint16_t>(w[p] & ~static_cast<unsigned>((w[p] >> 1) != now));
+    }
   }
   // Appends the live entries of the last step's block to the ring, in order: a branch-free
   // compaction (live and stale entries interleave at random; the ring has room for the one write
@@ -367,6 +430,9 @@ struct LayerState {
   std::vector<uint32_t> stamp32;    // [cap] slot -> stamp_of its live entry: one of the two
   std::vector<uint64_t> stamp64;    //   (by `wide`)
   List lists[2];                    // probation, protected (allocated under "slru" only)
+  std::vector<uint16_t> clock;      // "clock" only: [cap] (epoch last selected << 1) | reference bit
+  int32_t hand = 0;                 // "clock": the next slot the hand looks at
+  uint16_t epoch = 0;               // "clock": the last step's epoch
   std::vector<int32_t> token_slot32;  // [1 + tokens]: -2 (what padding -1 looks up), then the
                                       // dense token -> slot map, -1 = absent (see map())
   std::vector<int16_t> token_slot16;  // narrow: the same in 16 bits, plus one spare entry at the end
@@ -411,6 +477,33 @@ Error check_row(const T* __restrict topk, int64_t k, int64_t r, int64_t stable, 
 
 constexpr int64_t kParallelEntries = 4096;  // fewer top-k entries per call: one thread
 
+// Lookup of one row, branch-free: slots[j] = the slot of t[j], -1 unless resident (padding reads
+// the -2 in front of the map); the absent positions (-1) are listed in miss_pos; returns their
+// number. Map entries are fetched kLookAhead positions ahead, and `warm`'s array along the way.
+template <typename T, typename Map>
+int64_t lookup_row(const T* __restrict topk, int64_t k, const Map* __restrict ts, int32_t* __restrict slots,
+                   int32_t* __restrict miss_pos, Warm& warm) {
+  int64_t nm = 0;
+#ifdef KV_X86
+  if (kHasAvx2) {
+    nm = lookup_avx2<T, Map>(topk, k, ts, slots, miss_pos, warm);
+  } else
+#endif
+  {
+    const int64_t k_ahead = std::max<int64_t>(k - kLookAhead, 0);
+    for (int64_t j = 0; j < k; ++j) {
+      if (j < k_ahead) __builtin_prefetch(ts + static_cast<int64_t>(topk[j + kLookAhead]));
+      if ((j & 7) == 0) warm.upto(j + 8);
+      const int32_t s = ts[static_cast<int64_t>(topk[j])];
+      slots[j] = s < -1 ? -1 : s;
+      miss_pos[nm] = static_cast<int32_t>(j);
+      nm += s == -1;
+    }
+  }
+  warm.upto(k);
+  return nm;
+}
+
 // One step of one row; semantics in kvcore/hotcache.py. Returns (hits, misses); misses are
 // written in order of first top-k occurrence to the miss_* arrays (row-local region of k entries;
 // miss_rows doubles as the scratch list of miss positions). `spec` is a reusable buffer.
@@ -437,28 +530,9 @@ std::pair<int64_t, int64_t> resolve_row(LayerState& st, const T* __restrict topk
   Stamp* __restrict stamp = st.stamps<Stamp>();
   Map* __restrict ts = st.map<Map>();
   int32_t* __restrict token = st.token.data();
-  // Lookup, branch-free: slots[j] = the slot of t[j], -1 unless resident (padding reads the -2
-  // in front of the map); the absent positions (-1) are listed in miss_rows for (3). Map entries
-  // are fetched kLookAhead positions ahead, and the stamps (read by (2)) along the way.
+  // Lookup (the stamps, read by (2), fetched along the way).
   Warm warm_stamps(stamp, static_cast<int64_t>(cap) * static_cast<int64_t>(sizeof(Stamp)), k);
-  int64_t nm = 0;
-#ifdef KV_X86
-  if (kHasAvx2) {
-    nm = lookup_avx2<T, Map>(topk, k, ts, slots, miss_rows, warm_stamps);
-  } else
-#endif
-  {
-    const int64_t k_ahead = std::max<int64_t>(k - kLookAhead, 0);
-    for (int64_t j = 0; j < k; ++j) {
-      if (j < k_ahead) __builtin_prefetch(ts + static_cast<int64_t>(topk[j + kLookAhead]));
-      if ((j & 7) == 0) warm_stamps.upto(j + 8);
-      const int32_t s = ts[static_cast<int64_t>(topk[j])];
-      slots[j] = s < -1 ? -1 : s;
-      miss_rows[nm] = static_cast<int32_t>(j);
-      nm += s == -1;
-    }
-  }
-  warm_stamps.upto(k);
+  const int64_t nm = lookup_row<T, Map>(topk, k, ts, slots, miss_rows, warm_stamps);
   // (2) A hit's slot moves to the most-recent end of the hit list (its new block) unless it
   // already did in this step, i.e. its stamp is in that block (low 3 bits == mark). (Measured:
   // branches beat a branch-free form here.)
@@ -545,12 +619,94 @@ std::pair<int64_t, int64_t> resolve_row(LayerState& st, const T* __restrict topk
   return {hits, misses};
 }
 
+// One step of one row under "clock"; semantics in kvcore/hotcache.py, outputs as resolve_row's.
+// A word's epoch == this step's: the slot was selected in this step (hit, or taken by a miss).
+template <typename T, typename Map>
+std::pair<int64_t, int64_t> resolve_row_clock(LayerState& st, const T* __restrict topk, int64_t k,
+                                              int64_t stable, int32_t row, int32_t* __restrict slots,
+                                              int32_t* __restrict miss_rows,
+                                              int64_t* __restrict miss_tokens,
+                                              int32_t* __restrict miss_slots, std::vector<int32_t>& spec) {
+  const int32_t cap = st.cap;
+  // (1) Drop tokens >= stable (only possible when the stable length shrank).
+  if (stable < st.resident_bound)
+    for (int32_t s = 0; s < cap; ++s)
+      if (st.token[s] >= stable) st.empty_clock_slot<Map>(s);
+  const uint16_t now = st.next_epoch();
+  const uint16_t sel = static_cast<uint16_t>(now << 1);
+  uint16_t* __restrict word = st.clock.data();
+  Map* __restrict ts = st.map<Map>();
+  int32_t* __restrict token = st.token.data();
+  Warm warm_words(word, static_cast<int64_t>(cap) * 2, k);
+  const int64_t nm = lookup_row<T, Map>(topk, k, ts, slots, miss_rows, warm_words);
+  // (2) A hit sets its slot's reference bit and marks it selected; counted on its first occurrence.
+  int64_t hits = 0;
+  for (int64_t j = 0; j < k; ++j) {
+    const int32_t s = slots[j];
+    if (s >= 0) {
+      hits += (word[s] >> 1) != now;
+      word[s] = static_cast<uint16_t>(sel | 1);
+    }
+  }
+  // (3) A miss takes the first slot from the hand on that is not selected in this step and whose
+  // bit is clear, clearing the set bits the hand passes; duplicates reuse the slot taken in this
+  // step. The victims are collected first (up to nm, within one turn of the hand; misses do not
+  // change which slots ahead of the hand qualify); once the misses are placed, the bits of the
+  // slots the hand passed are cleared and it moves one past the last victim. Rarely one turn has
+  // too few: then the sweep runs slot by slot from the hand (it passes the first turn again,
+  // whose qualifying slots are all taken now, clearing its bits), and the clearing after it
+  // changes nothing more.
+  const int32_t hand0 = st.hand;
+  int32_t* const victim = miss_slots;  // victim[m] is read before miss m writes miss_slots[m]
+  const int64_t nv = nm > 0 ? st.clock_collect(nm, victim) : 0;
+  int64_t misses = 0, nspec = 0;
+  for (int64_t i = 0; i < nm; ++i) {
+    const int64_t j = miss_rows[i];  // read before miss_rows[misses <= i] is written
+    const int64_t t = static_cast<int64_t>(topk[j]);
+    int32_t s = ts[t];
+    if (s < 0) {
+      if (misses < nv) {
+        if (misses + kPrefetch < nv) __builtin_prefetch(token + victim[misses + kPrefetch]);
+        if (misses + kPrefetch / 2 < nv) __builtin_prefetch(ts + token[victim[misses + kPrefetch / 2]], 1);
+        s = victim[misses];
+      } else {
+        s = st.clock_sweep(now);  // (st.hand is still hand0)
+      }
+      const int32_t old = token[s];
+      ts[old] = static_cast<Map>(old < 0 ? -2 : -1);  // (an empty slot's -1 reads the padding entry: keep it)
+      token[s] = static_cast<int32_t>(t);
+      ts[t] = static_cast<Map>(s);
+      word[s] = sel;  // selected, its bit clear: a new token's bit starts clear
+      miss_rows[misses] = row;
+      miss_tokens[misses] = t;
+      miss_slots[misses] = s;
+      ++misses;
+      nspec += t >= stable;
+    }
+    slots[j] = s;
+  }
+  if (misses > 0) {
+    const int32_t last = miss_slots[misses - 1];
+    st.clock_clear(now, hand0, (last - hand0 + cap) % cap + 1);
+    st.hand = last + 1 == cap ? 0 : last + 1;
+  }
+  // (4) Speculative tokens loaded in this step do not stay resident.
+  if (nspec > 0) {
+    spec.clear();
+    for (int64_t m = 0; m < misses; ++m)
+      if (miss_tokens[m] >= stable) spec.push_back(miss_slots[m]);
+    for (const int32_t s : spec) st.empty_clock_slot<Map>(s);
+  }
+  st.resident_bound = stable;
+  return {hits, misses};
+}
+
 class Cache {
  public:
   Cache(int64_t capacity, int64_t num_layers, int64_t policy)
-      : cap_(capacity), num_layers_(num_layers), slru_(policy == 1) {
-    if (policy != 0 && policy != 1)
-      throw py::value_error("policy = " + std::to_string(policy) + " must be 0 (lru) or 1 (slru)");
+      : cap_(capacity), num_layers_(num_layers), policy_(policy) {
+    if (policy != kLru && policy != kSlruPolicy && policy != kClock)
+      throw py::value_error("policy = " + std::to_string(policy) + " must be 0 (lru), 1 (slru) or 2 (clock)");
     if (capacity <= 0 || capacity > (1 << 30))
       throw py::value_error("capacity = " + std::to_string(capacity) + " must be in [1, 2**30]");
     if (num_layers <= 0)
@@ -700,7 +856,7 @@ class Cache {
     std::vector<LayerState*> states(rows);
     for (int64_t r = 0; r < rows; ++r) {
       auto& slot = table_[handles[r]]->layers[layer];
-      if (!slot) slot = std::make_unique<LayerState>(static_cast<int32_t>(cap_), slru_);
+      if (!slot) slot = std::make_unique<LayerState>(static_cast<int32_t>(cap_), policy_);
       slot->ensure_token(std::max<int64_t>(max_token[r], 0));
       states[r] = slot.get();
     }
@@ -713,13 +869,16 @@ class Cache {
     // torch's spinning OpenMP workers whenever torch ops ran between calls, as in the engine.
     auto work = [&](int64_t lo, int64_t hi) {
       thread_local std::vector<int32_t> spec;  // speculative slots of a row (capacity kept)
+      const bool slru = policy_ == kSlruPolicy;
       for (int64_t r = lo; r < hi; ++r) {
-        auto step = states[r]->wide     ? (slru_ ? resolve_row<T, true, uint64_t, int32_t>
-                                                 : resolve_row<T, false, uint64_t, int32_t>)
-                    : states[r]->narrow ? (slru_ ? resolve_row<T, true, uint32_t, int16_t>
-                                                 : resolve_row<T, false, uint32_t, int16_t>)
-                                        : (slru_ ? resolve_row<T, true, uint32_t, int32_t>
-                                                 : resolve_row<T, false, uint32_t, int32_t>);
+        auto step = policy_ == kClock   ? (states[r]->narrow ? resolve_row_clock<T, int16_t>
+                                                             : resolve_row_clock<T, int32_t>)
+                    : states[r]->wide   ? (slru ? resolve_row<T, true, uint64_t, int32_t>
+                                                : resolve_row<T, false, uint64_t, int32_t>)
+                    : states[r]->narrow ? (slru ? resolve_row<T, true, uint32_t, int16_t>
+                                                : resolve_row<T, false, uint32_t, int16_t>)
+                                        : (slru ? resolve_row<T, true, uint32_t, int32_t>
+                                                : resolve_row<T, false, uint32_t, int32_t>);
         auto hm = step(*states[r], topk + r * k, k, stable[r], static_cast<int32_t>(r),
                        slots + r * k, miss_rows + r * k, miss_tokens + r * k, miss_slots + r * k,
                        spec);
@@ -786,7 +945,7 @@ class Cache {
   }
 
   int64_t cap_, num_layers_;
-  bool slru_;
+  int64_t policy_;  // kLru, kSlruPolicy or kClock
   std::shared_mutex mu_;
   std::vector<std::unique_ptr<RequestState>> table_;
   std::vector<int64_t> free_;
@@ -795,7 +954,7 @@ class Cache {
 }  // namespace
 
 PYBIND11_MODULE(_native_hotcache, m) {
-  m.doc() = "Native hot top-k cache (exact LRU or segmented LRU per request and layer); see kvcore.hotcache.";
+  m.doc() = "Native hot top-k cache (exact LRU, segmented LRU or CLOCK per request and layer); see kvcore.hotcache.";
   m.attr("MAX_TOKEN") = kMaxToken;
   m.def("max_threads", []() { return omp_get_max_threads(); });
   py::class_<Cache>(m, "Cache")
