@@ -111,7 +111,10 @@ def test_a_hang_the_timeout_signal_cannot_end_is_ended_by_the_watchdog_with_ever
     assert "Timeout" in result.stderr.str() and "test_hangs_in_native_code" in result.stderr.str(), result.stderr.str()
 
 
-def test_each_modules_set_up_time_is_printed_at_the_end(suite):
+def test_each_modules_set_up_time_is_printed_at_the_end(suite, monkeypatch):
+    # the inner run is in this process: under xdist it would inherit this worker's variable and take
+    # itself for a worker, which leaves the summary to its controller
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     suite.makepyfile(
         test_slow_setup="""
         import time

@@ -213,7 +213,11 @@ INVALID_ADDITIONAL = [
     (sparse(enabled=1), f"{SPARSE}.enabled", ["1 (int)", "must be true or false"]),
     (sparse(keep_device_kv_cache="false"), f"{SPARSE}.keep_device_kv_cache", ["must be true or false"]),
     (sparse(miss_prefetch="on"), f"{SPARSE}.miss_prefetch", ["'on' (str)", "must be true or false"]),
-    (sparse(hot_cache_policy="lfu"), f"{SPARSE}.hot_cache_policy", ["'lfu' (str)", "must be one of 'lru', 'slru'"]),
+    (
+        sparse(hot_cache_policy="lfu"),
+        f"{SPARSE}.hot_cache_policy",
+        ["'lfu' (str)", "must be one of 'lru', 'slru', 'clock'"],
+    ),
     (sparse(topk_buffer_size=0), f"{SPARSE}.topk_buffer_size", ["got 0 (int)", "must be an int"]),
     (sparse(topk_buffer_size=-128), f"{SPARSE}.topk_buffer_size", ["got -128 (int)"]),
     (sparse(topk_buffer_size="4096"), f"{SPARSE}.topk_buffer_size", ["'4096' (str)", "must be an int"]),

@@ -202,7 +202,7 @@ ROWS = [
         "sparse_kv_offload_config.topk_buffer_size: got 72; must be divisible by block_size 16 (72 % 16 = 8)",
         "topk-not-block-multiple"),
     Row("decode additional-config", edit(SPARSE, (SP + ("hot_cache_policy",), "fifo")),
-        "sparse_kv_offload_config.hot_cache_policy: got 'fifo' (str); must be one of 'lru', 'slru'",
+        "sparse_kv_offload_config.hot_cache_policy: got 'fifo' (str); must be one of 'lru', 'slru', 'clock'",
         "hot-cache-policy-unknown"),
     Row("decode additional-config", edit(SPARSE, (SP + ("topk_buffer_size",), 0)),
         "sparse_kv_offload_config.topk_buffer_size: got 0 (int); must be an int >= 1", "topk-zero"),

@@ -14,7 +14,8 @@ One concept per module:
                  no-offload reference) and ``forward_naive`` (per-head K/V, boolean mask).
 - ``dense_decode`` ``generate_full_kv``: ``generate_dense``'s tokens incrementally, over a full KV
                  per layer (no blocks, buffers, pools or hot cache): the stacks' test oracle.
-- ``weights``    HF-named safetensors load/save; ``tokenizer`` byte tokenizer; ``sampling``
+- ``weights``    HF-named safetensors load/save (``checkpoint``: reading and checking a checkpoint);
+                 ``tokenizer`` byte tokenizer; ``sampling``
                  greedy and seeded top-p (``RequestSampler``, over ``openai_api``'s ``SamplingParams``);
                  ``presets`` the tiny seeded test model.
 - ``indexcodec`` how indexer keys are stored in caches (``indexer_cache_format``: the format a config's

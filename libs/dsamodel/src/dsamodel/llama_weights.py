@@ -4,8 +4,8 @@ Checkpoint names are the model's own ``state_dict()`` keys (``model.embed_tokens
 ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``.input_layernorm.weight``,
 ``.post_attention_layernorm.weight``, ``.mlp.{gate,up,down}_proj.weight``, ``model.norm.weight``,
 ``lm_head.weight`` unless tied). Checks and errors are ``dsamodel.weights``'s (every missing,
-unexpected, mis-shaped or non-floating tensor listed). When ``kvoffload-indexer.json`` and
-``kvoffload-indexer.safetensors`` lie beside the weights (``dsamodel.pca_indexer``), the config
+unexpected, mis-shaped or non-floating tensor listed). When ``kvoffload-indexer/``'s json and
+safetensors lie beside the weights (``dsamodel.pca_indexer``), the config
 gains the indexer's rank and default ``index_topk`` and every layer its bases; without them the
 model has no indexer (``has_indexer`` False).
 """
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from dsamodel.checkpoint import check_tensors, read_checkpoint
 from dsamodel.llama import LlamaModel
 from dsamodel.llama_config import LlamaConfig
 from dsamodel.pca_indexer import load_bases, read_indexer_meta
-from dsamodel.weights import _check_tensors, read_checkpoint
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def load_llama_weights(model: LlamaModel, path: str | Path) -> LlamaModel:
         embed = tensors.get("model.embed_tokens.weight")
         if lm_head is not None and (embed is None or not torch.equal(lm_head, embed)):
             raise ValueError("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
-    _check_tensors(tensors, expected)
+    check_tensors(tensors, expected)
     model.load_state_dict({name: t.to(model.dtype) for name, t in tensors.items()}, strict=False)
     return model
 

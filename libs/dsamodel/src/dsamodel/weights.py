@@ -10,7 +10,7 @@ and ``lm_head`` (absent when ``tie_word_embeddings``; if present it must equal t
 A sharded checkpoint (``model.safetensors.index.json``) loads too. Tensors are cast to the model's
 dtype; anything missing, unexpected, mis-shaped or non-floating is a ValueError listing them all.
 ``load_model`` of a directory whose ``config.json`` has ``model_type`` ``llama`` returns a
-``LlamaModel`` (``dsamodel.llama_weights``, which reuses these checks).
+``LlamaModel`` (``dsamodel.llama_weights``); both read and check through ``dsamodel.checkpoint``.
 """
 
 from __future__ import annotations
@@ -19,16 +19,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from dsamodel.checkpoint import WEIGHTS_NAME, check_tensors, read_checkpoint
 from dsamodel.config import ModelConfig
 from dsamodel.llama import LlamaModel
 from dsamodel.llama_config import MODEL_TYPE as LLAMA_MODEL_TYPE
 from dsamodel.model import DSAModel
-
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-_LISTED = 20  # names shown per category in error messages
 
 
 def checkpoint_shapes(model: DSAModel) -> dict[str, tuple[int, ...]]:
@@ -49,25 +46,6 @@ def save_weights(model: DSAModel, path: str | Path) -> Path:
     return path
 
 
-def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors file, of a directory's ``model.safetensors``, or of its shards."""
-    path = Path(path)
-    if path.is_dir():
-        if (path / WEIGHTS_NAME).is_file():
-            path = path / WEIGHTS_NAME
-        elif (path / INDEX_NAME).is_file():
-            weight_map = json.loads((path / INDEX_NAME).read_text()).get("weight_map", {})
-            tensors: dict[str, torch.Tensor] = {}
-            for shard in sorted(set(weight_map.values())):
-                tensors.update(load_file(str(path / shard)))
-            return tensors
-        else:
-            raise ValueError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {path}")
-    if not path.is_file():
-        raise ValueError(f"no weights file at {path}")
-    return load_file(str(path))
-
-
 def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
     """Copy a checkpoint into ``model`` (cast to its dtype) after checking every name and shape."""
     tensors = read_checkpoint(path)
@@ -77,7 +55,7 @@ def load_weights(model: DSAModel, path: str | Path) -> DSAModel:
         embed = tensors.get("model.embed_tokens.weight")
         if embed is None or not torch.equal(lm_head, embed):
             raise ValueError("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
-    _check_tensors(tensors, expected)
+    check_tensors(tensors, expected)
     state = {name: t.to(model.dtype) for name, t in tensors.items()}
     model.load_state_dict(state, strict=not model.config.tie_word_embeddings)
     return model
@@ -87,7 +65,7 @@ def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = None,
     """``config.json`` + weights in ``model_dir`` -> a DSAModel in ``dtype`` (default: the config's),
     or a LlamaModel (``dsamodel.llama_weights``) when the config's ``model_type`` is ``llama``."""
     if _model_type(model_dir) == LLAMA_MODEL_TYPE:
-        from dsamodel.llama_weights import load_llama_model  # it imports this module's checks
+        from dsamodel.llama_weights import load_llama_model
 
         return load_llama_model(model_dir, dtype=dtype, device=device)
     config = ModelConfig.from_json(Path(model_dir) / "config.json")
@@ -114,26 +92,3 @@ def save_model(model: DSAModel, out_dir: str | Path) -> Path:
     ModelConfig(**{**model.config.to_dict(), "torch_dtype": dtype_name}).to_json(out_dir / "config.json")
     save_weights(model, out_dir / WEIGHTS_NAME)
     return out_dir
-
-
-def _check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    misshaped = sorted(
-        f"{name}: {list(t.shape)} (expected {list(expected[name])})"
-        for name, t in tensors.items()
-        if name in expected and tuple(t.shape) != expected[name]
-    )
-    non_float = sorted(f"{name}: {t.dtype}" for name, t in tensors.items() if not t.is_floating_point())
-    problems = [
-        f"{label} ({len(items)}): {', '.join(items[:_LISTED])}{' ...' if len(items) > _LISTED else ''}"
-        for label, items in (
-            ("missing", missing),
-            ("unexpected", unexpected),
-            ("mis-shaped", misshaped),
-            ("non-floating", non_float),
-        )
-        if items
-    ]
-    if problems:
-        raise ValueError("checkpoint does not match the model config: " + "; ".join(problems))
