@@ -1,7 +1,7 @@
 """``kvoffload plan``: size a deployment from a config.json and the JSON each node is given.
 
 Nothing runs: the model's layout comes from ``config.json`` alone (no weights; a Llama model's
-``kvoffload-indexer.json`` beside it gives its indexer's width and top-k), the prefill and
+``kvoffload-indexer/`` beside it gives its indexer's width and top-k), the prefill and
 decode configs are validated exactly as the services would (Ascend backend names are accepted
 here: sizing is not running), and the report gives, per side, the layer -> slot table, the plan's
 log line, device bytes with and without offload and host-pool bytes.

@@ -226,8 +226,11 @@ def test_a_llama_directory_is_planned_with_k_and_v_rows_and_its_indexer(tmp_path
     from kvoffload.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
-    (tmp_path / "kvoffload-indexer.json").write_text(json.dumps({"method": "pca", "rank": 16, "index_topk": 512}))
-    (tmp_path / "kvoffload-indexer.safetensors").write_bytes(b"")
+    (tmp_path / "kvoffload-indexer").mkdir()
+    (tmp_path / "kvoffload-indexer" / "kvoffload-indexer.json").write_text(
+        json.dumps({"method": "pca", "rank": 16, "index_topk": 512})
+    )
+    (tmp_path / "kvoffload-indexer" / "kvoffload-indexer.safetensors").write_bytes(b"")
     argv = ["plan", "--model", str(tmp_path), "--block-size", "16", "--max-model-len", "8192", "--json"]
     decode = DECODE.replace("memfabric", "kvoffload")
     assert (

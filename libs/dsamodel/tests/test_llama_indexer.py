@@ -40,7 +40,7 @@ def indexed(tmp_path_factory, smollm2):
     """SmolLM2's files (symlinked) plus an indexer built on a small budget beside them; the progress calls."""
     model_dir = tmp_path_factory.mktemp("smollm2-indexed")
     for f in sorted(smollm2.iterdir()):
-        if f.is_file() and not f.name.startswith("kvoffload-indexer"):
+        if f.is_file():  # the weights, the tokenizer: not the indexer's folder
             (model_dir / f.name).symlink_to(f)
     calls = []
     build_indexer(model_dir, progress=lambda done, total, stage: calls.append((done, total)), **SMALL_BUDGET)
@@ -78,8 +78,10 @@ def test_load_model_attaches_the_indexer(indexed):
 
 def test_a_lone_indexer_file_is_an_error(indexed, tmp_path):
     for f in indexed[0].iterdir():
-        if f.name != INDEXER_META:
+        if f.is_file():
             (tmp_path / f.name).symlink_to(f.resolve())
+    (tmp_path / INDEXER_WEIGHTS).parent.mkdir()
+    (tmp_path / INDEXER_WEIGHTS).symlink_to((indexed[0] / INDEXER_WEIGHTS).resolve())  # the json left out
     with pytest.raises(ValueError, match="rebuild the indexer"):
         load_model(tmp_path)
 

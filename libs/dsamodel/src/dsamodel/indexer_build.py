@@ -18,7 +18,8 @@
    each signed so that its largest-magnitude entry is positive (a deterministic choice);
 4. measures the built indexer's ``attention_recall`` on a held-out text (``indexer_corpus.HELD_OUT[0]``,
    ``recall_context`` tokens, k = ``index_topk``) and writes ``kvoffload-indexer.safetensors`` and
-   ``kvoffload-indexer.json`` (``dsamodel.pca_indexer``) into ``out_dir`` (default: beside the weights).
+   ``kvoffload-indexer.json`` (``dsamodel.pca_indexer``) into ``out_dir``'s ``kvoffload-indexer/``
+   (default: beside the weights).
 
 No random numbers are drawn (the json's ``seed`` is null): the same files give the same bytes on the
 same machine and thread count. ``progress(done, total, stage)`` is called as the work advances (one

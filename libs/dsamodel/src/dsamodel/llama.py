@@ -40,7 +40,7 @@ from dsamodel.tp import SOLO, TPGroup
 __all__ = ["NO_INDEXER", "LlamaLayer", "LlamaModel", "LlamaProjection"]
 
 NO_INDEXER = (
-    "this Llama model has no indexer (no kvoffload-indexer.json / .safetensors beside its weights), so it cannot "
+    "this Llama model has no indexer (no kvoffload-indexer/ folder beside its weights), so it cannot "
     "select tokens for sparse attention: build one with dsamodel.indexer_build.build_indexer (kvoffload model fetch)"
 )
 

@@ -9,7 +9,7 @@ than ``silu``, attention or MLP biases, query heads not a multiple of the KV hea
 ``eos_token_id`` list of more than one id (the samplers stop at one).
 
 The indexer fields (``index_rank``, ``index_topk``) are not HF keys: ``dsamodel.pca_indexer``'s
-``kvoffload-indexer.json`` beside the weights sets them when the model has a PCA indexer
+``kvoffload-indexer/kvoffload-indexer.json`` beside the weights sets them when the model has a PCA indexer
 (``dataclasses.replace``); without one they are None and ``has_indexer`` is False.
 """
 

@@ -11,8 +11,10 @@ query per request over its own keys). The output follows ``dsamodel.attention.in
 convention exactly, as the engine expects: int64 [T, k], positions in ascending order, -1 padded
 when fewer than k tokens are visible, equal scores preferring the later token.
 
-On disk, beside the weights: ``kvoffload-indexer.safetensors`` (``layers.{i}.basis`` [KV, hd, r]
-float32) and ``kvoffload-indexer.json`` (method, rank, index_topk, calibration, recall).
+On disk, in ``kvoffload-indexer/`` beside the weights (not at the top level, where loaders such as
+vLLM's take every ``*.safetensors`` for weights): ``kvoffload-indexer.safetensors``
+(``layers.{i}.basis`` [KV, hd, r] float32) and ``kvoffload-indexer.json`` (method, rank, index_topk,
+calibration, recall).
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from torch import nn
 
 from dsamodel.attention import _select_topk
 
-INDEXER_WEIGHTS = "kvoffload-indexer.safetensors"
-INDEXER_META = "kvoffload-indexer.json"
+# in a folder of its own beside the weights: vLLM (and other loaders) load every *.safetensors at
+# a model directory's top level as weights, and refuse a file that is not
+INDEXER_DIR = "kvoffload-indexer"
+INDEXER_WEIGHTS = f"{INDEXER_DIR}/kvoffload-indexer.safetensors"
+INDEXER_META = f"{INDEXER_DIR}/kvoffload-indexer.json"
 METHOD = "pca"
 DEFAULT_CHUNK_BYTES = 128 << 20  # selection working set per query chunk
 
@@ -174,6 +179,7 @@ def load_bases(model_dir: str | Path, num_layers: int, shape: tuple[int, int, in
 def save_indexer(out_dir: str | Path, bases: list[torch.Tensor], meta: dict[str, Any]) -> Path:
     """Write the bases and the metadata (deterministic bytes); returns the json's path."""
     out_dir = Path(out_dir)
+    (out_dir / INDEXER_DIR).mkdir(parents=True, exist_ok=True)
     tensors = {f"layers.{i}.basis": b.to(torch.float32).contiguous() for i, b in enumerate(bases)}
     weights, path = out_dir / INDEXER_WEIGHTS, out_dir / INDEXER_META
     tmp_weights, tmp_meta = out_dir / (INDEXER_WEIGHTS + ".tmp"), out_dir / (INDEXER_META + ".tmp")

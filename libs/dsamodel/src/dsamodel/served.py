@@ -31,8 +31,8 @@ def sparse_ready(model: ServedModel, model_dir: str | Path) -> str:
     model needs the indexer built beside its weights; the DSA model carries its own."""
     if isinstance(model, LlamaModel) and not model.has_indexer:
         return (
-            f"{model_dir} is a Llama model without an indexer (kvoffload-indexer.json and "
-            f".safetensors beside its weights): sparse decode selects each step's top-k tokens with one; "
+            f"{model_dir} is a Llama model without an indexer (no kvoffload-indexer/ folder "
+            f"beside its weights): sparse decode selects each step's top-k tokens with one; "
             f"build it with {BUILD_INDEXER}"
         )
     return ""

@@ -84,7 +84,8 @@ _OUR_FILES = {
     "special_tokens_map.json",
     "LICENSE",
     PROVENANCE,
-    "kvoffload-indexer.safetensors",  # the indexer built beside the weights (kvoffload_testing.model_indexer)
+    "kvoffload-indexer",  # the indexer's folder beside the weights (kvoffload_testing.model_indexer)
+    "kvoffload-indexer.safetensors",  # where it lay before it had a folder (removed by ensure_indexer)
     "kvoffload-indexer.json",
 }
 

@@ -34,6 +34,7 @@ def ensure_indexer(
     import fcntl
 
     model_dir = Path(model_dir).absolute()
+    _move_top_level_indexer(model_dir)
     if has_indexer(model_dir) and not force:
         return False
     with open(model_dir.parent / f".{model_dir.name}.indexer.lock", "a") as lock:
@@ -46,11 +47,25 @@ def ensure_indexer(
     return True
 
 
+def _move_top_level_indexer(model_dir: Path) -> None:
+    """Moves an indexer written at the directory's top level (before it had a folder of its own) into
+    its folder, or removes a leftover: vLLM takes every top-level *.safetensors for weights."""
+    from dsamodel.pca_indexer import INDEXER_DIR, INDEXER_META, INDEXER_WEIGHTS
+
+    old = [model_dir / Path(name).name for name in (INDEXER_WEIGHTS, INDEXER_META)]
+    if all(p.is_file() for p in old) and not has_indexer(model_dir):
+        (model_dir / INDEXER_DIR).mkdir(exist_ok=True)
+        for p, name in zip(old, (INDEXER_WEIGHTS, INDEXER_META), strict=True):  # the json last
+            os.replace(p, model_dir / name)
+    for p in old:
+        p.unlink(missing_ok=True)
+
+
 def _build(model_dir: Path, progress: bool) -> None:
     from tqdm import tqdm
 
     from dsamodel.indexer_build import build_indexer
-    from dsamodel.pca_indexer import INDEXER_META, INDEXER_WEIGHTS
+    from dsamodel.pca_indexer import INDEXER_DIR, INDEXER_META, INDEXER_WEIGHTS
 
     with (
         tempfile.TemporaryDirectory(dir=model_dir.parent, prefix=f".{model_dir.name}.indexer-") as tmp,
@@ -63,6 +78,7 @@ def _build(model_dir: Path, progress: bool) -> None:
             bar.update(done - bar.n)
 
         build_indexer(model_dir, out_dir=tmp, progress=report)
+        (model_dir / INDEXER_DIR).mkdir(exist_ok=True)
         for name in (INDEXER_WEIGHTS, INDEXER_META):  # the json last: with it, both are there
             os.replace(Path(tmp) / name, model_dir / name)
 
