@@ -26,7 +26,7 @@ demo-vllm: install-vllm
 # fails when any bench missed a goal or failed
 bench: install-vllm
 	@status=0; summary=""; \
-	for b in hotcache gather prefill prefix decode pd load faults vllm pool; do \
+	for b in hotcache gather prefill prefix decode pd load faults vllm pool quality; do \
 	  .venv/bin/kvoffload bench $$b --json; rc=$$?; \
 	  case "$$rc:$$b" in \
 	    0:*) verdict="goals met";; \

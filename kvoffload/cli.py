@@ -54,6 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=STACK_TRANSFERS,
         help="the P→D pull's transfer_backend of the stack, for benches that take one (faults; default kvoffload)",
     )
+    bench.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write the bench's curves as PNG files into DIR, for benches that draw them (quality)",
+    )
+    bench.add_argument(
+        "--prompts",
+        type=int,
+        metavar="N",
+        help="documents per context length, for benches that take them (quality; default 16)",
+    )
     bench.set_defaults(func=cmd_bench)
 
     model = sub.add_parser("model", help="model files").add_subparsers(

@@ -27,11 +27,15 @@ BENCHES: dict[str, str] = {
     "faults": "kvoffload_testing.faults:bench",
     "vllm": "kvoffload_bench.vllm_connectors:run",
     "pool": "kvoffload_bench.pool:run",
+    "quality": "kvoffload_bench.quality:run",
 }
 
 
 # bench name -> the recorded traces its default run reads (kvoffload_bench.trace_record records them)
 RECORDED_TRACES: dict[str, tuple[str, ...]] = {"hotcache": ("smollm2",)}
+
+# options passed on only to the benches whose run() takes a parameter of that name
+BENCH_OPTIONS = ("trace", "pool", "transfer", "plot", "prompts")
 
 # ``kvoffload bench``'s exit statuses (its --help, docs/configuration.md §6.6 and the Makefile's bench
 # target say the same)
@@ -73,7 +77,7 @@ def _stdout_to_stderr() -> Iterator[None]:
 def cmd_bench(args: argparse.Namespace) -> int:
     run = _load(BENCHES[args.name])
     kwargs = {}
-    for option in ("trace", "pool", "transfer"):  # only to benches that take one
+    for option in BENCH_OPTIONS:
         value = getattr(args, option)
         if value is None:
             continue

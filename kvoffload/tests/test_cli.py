@@ -154,3 +154,17 @@ def _make_bench_order(recipe: str) -> list[str]:
     import re
 
     return re.search(r"for b in ([\w ]+); do", recipe).group(1).split()
+
+
+def test_plot_and_prompts_go_only_to_a_bench_that_takes_them(capsys):
+    from kvoffload.cli import main
+
+    assert main(["bench", "prefix", "--plot", "/tmp/never"]) == 2
+    assert "this bench takes no --plot" in capsys.readouterr().err
+    assert main(["bench", "hotcache", "--prompts", "3"]) == 2
+    assert "this bench takes no --prompts" in capsys.readouterr().err
+    import inspect
+
+    from kvoffload.cli_bench import BENCHES, _load
+
+    assert {"plot", "prompts"} <= set(inspect.signature(_load(BENCHES["quality"])).parameters)

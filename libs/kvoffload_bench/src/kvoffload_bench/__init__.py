@@ -27,6 +27,13 @@ kvcore's native paths and the host pools (bench ``hotcache``, ``gather``, ``pool
 - ``prefetch``: offline scoring of miss predictors on a trace (the runtime prefetch is the engine's).
 - ``otherload``: ``OtherLoad``, how much of the machine other processes used while a bench ran.
 
+A real model's answers (bench ``quality``):
+
+- ``quality``: sparse vs dense decode of SmolLM2 with its indexer: recall, perplexity, greedy
+  agreement, planted facts; ``quality_text``: its documents and planted facts; ``quality_branch``:
+  a context computed once and its dense and sparse continuations; ``quality_speed``: decode TPOT of
+  the stack sparse and dense and of plain vLLM, side by side; ``quality_plot``: its curves as PNGs.
+
 The P/D stack and vLLM (bench ``pd``, ``load``, ``vllm``):
 
 - ``pd``: the P/D stack through the proxy vs the single-process engine (TTFT, TPOT, pull rate);
