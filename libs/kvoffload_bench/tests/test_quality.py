@@ -163,6 +163,13 @@ def test_a_figure_not_measured_is_not_met():
         "device_kv_ratio": False,
     }
     assert set(out["not_measured"]) == {"planted_facts", "tpot_ratio_to_vllm", "device_kv_ratio"}
+    weak = summary | {"planted_facts": {"cases": 48, "dense_accuracy": 0.04, "sparse_accuracy": 0.02}}
+    out = quality._goals(weak, (2048, 7168))  # both near zero: the cases cannot tell sparse from dense
+    assert not out["goals_met"]["planted_facts"] and "cannot retrieve" in out["not_measured"]["planted_facts"]
+    good = summary | {"planted_facts": {"cases": 48, "dense_accuracy": 0.8, "sparse_accuracy": 0.76}}
+    assert quality._goals(good, (2048, 7168))["goals_met"]["planted_facts"]
+    worse = summary | {"planted_facts": {"cases": 48, "dense_accuracy": 0.8, "sparse_accuracy": 0.74}}
+    assert not quality._goals(worse, (2048, 7168))["goals_met"]["planted_facts"]
     speed = {"tpot_ratio_to_vllm": {"2k": 0.5}, "device_kv_ratio": 0.2, "device_kv_ratio_bound": 0.25}
     out = quality._goals(summary | {"speed": speed}, (2048, 7168))
     assert not out["goals_met"]["tpot_ratio_to_vllm"] and out["goals_met"]["device_kv_ratio"]
