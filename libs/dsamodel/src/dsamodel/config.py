@@ -46,6 +46,23 @@ _REQUIRED_INTS = (
 )
 
 
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The mapping of a ``config.json`` (``path`` is the file or a directory holding one); ValueError
+    when it is absent, not JSON or not a JSON object. Every model config is read through here."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no model config at {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Validated model hyper-parameters (HF DeepSeek-V3.2 key names)."""
@@ -147,16 +164,7 @@ class ModelConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
         """Read ``path`` (a ``config.json`` or a directory holding one)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ValueError(f"no model config at {path}")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(read_config_json(path))
 
     def to_dict(self) -> dict[str, Any]:
         """The HF keys of this config (what ``from_dict`` reads back)."""

@@ -16,12 +16,13 @@ The indexer fields (``index_rank``, ``index_topk``) are not HF keys: ``dsamodel.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+
+from dsamodel.config import read_config_json
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 MODEL_TYPE = "llama"
@@ -166,16 +167,7 @@ class LlamaConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> LlamaConfig:
         """Read ``path`` (a ``config.json`` or a directory holding one)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ValueError(f"no model config at {path}")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(read_config_json(path))
 
 
 def _check_unsupported(data: dict[str, Any]) -> None:

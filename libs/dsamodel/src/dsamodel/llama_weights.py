@@ -12,30 +12,15 @@ model has no indexer (``has_indexer`` False).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from dsamodel.checkpoint import check_tensors, read_checkpoint
+from dsamodel.config import read_config_json
 from dsamodel.llama import LlamaModel
 from dsamodel.llama_config import LlamaConfig
 from dsamodel.pca_indexer import load_bases, read_indexer_meta
-
-
-def read_config_json(model_dir: str | Path) -> dict[str, Any]:
-    """The ``config.json`` mapping of model_dir (ValueError when absent or not JSON)."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"no model config at {path}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return data
 
 
 def llama_config(model_dir: str | Path, *, dtype: str | None = None) -> LlamaConfig:

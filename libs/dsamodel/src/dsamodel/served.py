@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from dsamodel.config import ModelConfig
+from dsamodel.config import ModelConfig, read_config_json
 from dsamodel.llama import NO_INDEXER, LlamaLayer, LlamaModel, LlamaProjection
 from dsamodel.llama_config import MODEL_TYPE as LLAMA
 from dsamodel.llama_config import LlamaConfig
-from dsamodel.llama_weights import llama_config, read_config_json
+from dsamodel.llama_weights import llama_config
 from dsamodel.model import DecoderLayer, DSAModel, Projection
 from dsamodel.pca_indexer import read_indexer_meta
 

@@ -15,14 +15,13 @@ dtype; anything missing, unexpected, mis-shaped or non-floating is a ValueError 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from dsamodel.checkpoint import WEIGHTS_NAME, check_tensors, read_checkpoint
-from dsamodel.config import ModelConfig
+from dsamodel.config import ModelConfig, read_config_json
 from dsamodel.llama import LlamaModel
 from dsamodel.llama_config import MODEL_TYPE as LLAMA_MODEL_TYPE
 from dsamodel.model import DSAModel
@@ -78,10 +77,9 @@ def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = None,
 def _model_type(model_dir: str | Path) -> object:
     """``model_type`` of model_dir's ``config.json`` (None when unreadable: ModelConfig says why)."""
     try:
-        data = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        return read_config_json(model_dir).get("model_type")
+    except (OSError, ValueError):
         return None
-    return data.get("model_type") if isinstance(data, dict) else None
 
 
 def save_model(model: DSAModel, out_dir: str | Path) -> Path:
