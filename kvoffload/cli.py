@@ -117,10 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="record a real model's top-k attention trace into the trace cache "
         "($KVOFFLOAD_HOME/traces/NAME.pt) and print its locality",
     )
-    rec.add_argument("name", help="which model (smollm2: SmolLM2-135M-Instruct, built on first use)")
+    rec.add_argument(
+        "name",
+        help="smollm2: SmolLM2-135M-Instruct's exact attention top-k; smollm2-indexer: the top-k its indexer "
+        "selects in sparse decode (the model and its indexer built on first use)",
+    )
     rec.add_argument("--context", type=int, help="prompt tokens (default 4096)")
     rec.add_argument("--steps", type=int, help="decode steps recorded (default 128)")
-    rec.add_argument("--topk", type=int, help="positions selected per step and stream (default 128)")
+    rec.add_argument(
+        "--topk", type=int, help="positions selected per step and stream (default 128; smollm2-indexer: index_topk)"
+    )
     rec.add_argument("--requests", type=int, help="prompts, each on a different document (default 2)")
     rec.add_argument("--out", help="write the trace here instead of the cache")
     rec.add_argument("--force", action="store_true", help="record again even when the trace exists")

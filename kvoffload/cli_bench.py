@@ -32,7 +32,7 @@ BENCHES: dict[str, str] = {
 
 
 # bench name -> the recorded traces its default run reads (kvoffload_bench.trace_record records them)
-RECORDED_TRACES: dict[str, tuple[str, ...]] = {"hotcache": ("smollm2",)}
+RECORDED_TRACES: dict[str, tuple[str, ...]] = {"hotcache": ("smollm2", "smollm2-indexer")}
 
 # options passed on only to the benches whose run() takes a parameter of that name
 BENCH_OPTIONS = ("trace", "pool", "transfer", "plot", "prompts")

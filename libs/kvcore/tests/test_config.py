@@ -131,7 +131,7 @@ def test_additional_config_defaults(value: Any) -> None:
         128,
         False,
     )
-    assert sparse.hot_cache_policy == "lru"
+    assert sparse.hot_cache_policy == "clock"
     assert parse_additional_config({SPARSE: {"hot_cache_policy": "slru"}}).sparse.hot_cache_policy == "slru"
     assert sparse.miss_prefetch is False
     assert parse_additional_config({SPARSE: {"miss_prefetch": True}}).sparse.miss_prefetch is True

@@ -33,7 +33,7 @@ def _same(a: Resolution, b: Resolution) -> None:
 
 @BOTH
 def test_first_step_fills_slots_in_order_and_duplicates_load_once(native):
-    c = HotCache(4, 1, native=native)
+    c = HotCache(4, 1, native=native, policy="lru")
     r = c.resolve(0, ["a"], _t([[5, 3, 5, -1]]), [10])
     assert r.slots.tolist() == [[0, 1, 0, -1]]
     assert r.miss_rows.tolist() == [0, 0] and r.miss_tokens.tolist() == [5, 3] and r.miss_slots.tolist() == [0, 1]
@@ -44,7 +44,7 @@ def test_first_step_fills_slots_in_order_and_duplicates_load_once(native):
 
 @BOTH
 def test_hits_keep_slots_and_misses_evict_least_recent(native):
-    c = HotCache(3, 1, native=native)
+    c = HotCache(3, 1, native=native, policy="lru")
     c.resolve(0, ["a"], _t([[10, 11, 12]]), [100])  # slots 0, 1, 2; LRU: 0 1 2
     r = c.resolve(0, ["a"], _t([[11, 13]]), [100])  # hit 11 -> LRU 0 2 1; 13 evicts slot 0
     assert r.slots.tolist() == [[1, 0]] and r.miss_tokens.tolist() == [13] and r.num_hits == 1
@@ -55,7 +55,7 @@ def test_hits_keep_slots_and_misses_evict_least_recent(native):
 
 @BOTH
 def test_speculative_tokens_are_returned_but_not_kept(native):
-    c = HotCache(4, 1, native=native)
+    c = HotCache(4, 1, native=native, policy="lru")
     r = c.resolve(0, ["b"], _t([[1, 2, 3, 4]]), [3])  # 3, 4 >= S: loaded, then dropped
     assert r.slots.tolist() == [[0, 1, 2, 3]] and r.num_misses == 4
     assert c.residency("b", 0) == {1: 0, 2: 1}
@@ -66,7 +66,7 @@ def test_speculative_tokens_are_returned_but_not_kept(native):
 
 @BOTH
 def test_shrinking_stable_length_drops_tokens_at_or_past_it(native):
-    c = HotCache(4, 1, native=native)
+    c = HotCache(4, 1, native=native, policy="lru")
     c.resolve(0, ["a"], _t([[0, 1, 2, 3]]), [10])
     r = c.resolve(0, ["a"], _t([[0, 2]]), [2])  # 2 and 3 dropped first: 2 is a miss again
     assert r.num_hits == 1 and r.miss_tokens.tolist() == [2]
@@ -75,7 +75,7 @@ def test_shrinking_stable_length_drops_tokens_at_or_past_it(native):
 
 @BOTH
 def test_residency_is_per_request_not_per_row(native):
-    c = HotCache(8, 2, native=native)
+    c = HotCache(8, 2, native=native, policy="lru")
     c.resolve(0, ["a", "b"], _t([[1, 2], [3, 4]]), [9, 9])
     r = c.resolve(0, ["c", "b", "a"], _t([[1, 2], [3, 4], [1, 2]]), [9, 9, 9])  # reorder + join
     assert r.num_hits == 4 and r.miss_rows.tolist() == [0, 0] and r.miss_tokens.tolist() == [1, 2]
@@ -86,7 +86,7 @@ def test_residency_is_per_request_not_per_row(native):
 
 @BOTH
 def test_resident_reads_without_changing_state(native):
-    c = HotCache(3, 2, native=native)
+    c = HotCache(3, 2, native=native, policy="lru")
     c.resolve(0, ["a"], _t([[5, 3]]), [10])
     got = c.resident(0, ["a", "zz"], _t([[5, 4, -1, 3], [5, 4, -1, 3]]))
     assert got.dtype == torch.bool and got.tolist() == [[True, False, False, True], [False] * 4]
@@ -102,7 +102,7 @@ def test_resident_reads_without_changing_state(native):
 
 @BOTH
 def test_int32_topk_and_tensor_stable_lens(native):
-    a, b = HotCache(6, 1, native=native), HotCache(6, 1, native=native)
+    a, b = HotCache(6, 1, native=native, policy="lru"), HotCache(6, 1, native=native, policy="lru")
     rows = [[4, -1, 4, 0], [2, 5, 1, 3]]
     _same(
         a.resolve(0, ["x", "y"], _t(rows, torch.int32), torch.tensor([5, 3])),
@@ -112,7 +112,7 @@ def test_int32_topk_and_tensor_stable_lens(native):
 
 @BOTH
 def test_empty_batches(native):
-    c = HotCache(4, 1, native=native)
+    c = HotCache(4, 1, native=native, policy="lru")
     r = c.resolve(0, [], torch.empty(0, 3, dtype=torch.int64), [])
     assert r.slots.shape == (0, 3) and r.num_misses == 0
     r = c.resolve(0, ["a"], torch.empty(1, 0, dtype=torch.int64), [5])
@@ -122,7 +122,7 @@ def test_empty_batches(native):
 
 
 def test_stats_count_hits_misses_and_entries():
-    c = HotCache(4, 1)
+    c = HotCache(4, 1, policy="lru")
     c.resolve(0, ["a"], _t([[1, 2]]), [9])
     c.resolve(0, ["a"], _t([[1, 3]]), [9])
     s = c.stats()
@@ -156,7 +156,7 @@ BAD_CALLS = [
 def test_invalid_calls_raise_the_same_valueerror_and_change_nothing(call, message):
     errors = []
     for native in (True, False):
-        c = HotCache(4, 2, native=native)
+        c = HotCache(4, 2, native=native, policy="lru")
         c.resolve(0, ["a"], _t([[7, 8]]), [10])
         before = c.residency("a", 0)
         with pytest.raises(ValueError) as e:
@@ -180,7 +180,7 @@ def test_constructor_validation():
 
 @BOTH
 def test_slru_evicts_tokens_selected_once_before_tokens_hit_again(native):
-    lru, slru = HotCache(4, 1, native=native), HotCache(4, 1, native=native, policy="slru")
+    lru, slru = HotCache(4, 1, native=native, policy="lru"), HotCache(4, 1, native=native, policy="slru")
     for c in (lru, slru):
         c.resolve(0, ["a"], _t([[10, 11]]), [100])  # 10 -> slot 0, 11 -> slot 1 (probation)
         c.resolve(0, ["a"], _t([[10, 12]]), [100])  # hit 10 (slru: protected); 12 -> slot 2

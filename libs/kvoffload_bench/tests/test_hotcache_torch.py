@@ -67,7 +67,7 @@ def test_resident_reads_without_changing_state():
 
 
 def test_requests_join_leave_reorder_and_handles_are_reused():
-    c, ref = TorchHotCache(8, 2), HotCache(8, 2, native=False)
+    c, ref = TorchHotCache(8, 2), HotCache(8, 2, native=False, policy="lru")
     calls = [
         (0, ["a", "b"], [[1, 2], [3, 4]]),
         (0, ["c", "b", "a"], [[1, 2], [3, 4], [1, 2]]),
@@ -85,7 +85,7 @@ def test_requests_join_leave_reorder_and_handles_are_reused():
 
 
 def test_large_tokens_grow_the_map_and_empty_batches():
-    c, ref = TorchHotCache(4, 1), HotCache(4, 1, native=False)
+    c, ref = TorchHotCache(4, 1), HotCache(4, 1, native=False, policy="lru")
     for rows in ([[1, 2]], [[100_000, 1]], [[7, 100_000]], [[3_000_000, -1]]):
         _same(c.resolve(0, ["a"], _t(rows), [10**7]), ref.resolve(0, ["a"], _t(rows), [10**7]))
     r = c.resolve(0, [], torch.empty(0, 3, dtype=torch.int64), [])
@@ -112,7 +112,7 @@ BAD_CALLS = [
 @pytest.mark.parametrize("call,message", BAD_CALLS)
 def test_invalid_calls_raise_the_references_valueerror_and_change_nothing(call, message):
     errors = []
-    for c in (TorchHotCache(4, 2), HotCache(4, 2, native=False)):
+    for c in (TorchHotCache(4, 2), HotCache(4, 2, native=False, policy="lru")):
         c.resolve(0, ["a"], _t([[7, 8]]), [10])
         with pytest.raises(ValueError) as e:
             c.resolve(
@@ -138,7 +138,7 @@ def scenarios():
 @given(scenarios())
 def test_torch_equals_reference(scenario):
     capacity, num_layers, steps = scenario
-    vec, ref = TorchHotCache(capacity, num_layers), HotCache(capacity, num_layers, native=False)
+    vec, ref = TorchHotCache(capacity, num_layers), HotCache(capacity, num_layers, native=False, policy="lru")
     for layer, ids, k, topk, stable, finish, int32 in steps:
         t = torch.tensor(topk, dtype=torch.int32 if int32 else torch.int64).reshape(len(ids), k)  # [rows, k]
         _same(vec.resolve(layer, ids, t, stable), ref.resolve(layer, ids, t, stable))
@@ -182,7 +182,7 @@ def test_torch_equals_native_on_a_bench_like_trace():
         )
     )
     ids = [f"q{i}" for i in range(4)]
-    vec, native = TorchHotCache(256, 1), HotCache(256, 1)
+    vec, native = TorchHotCache(256, 1), HotCache(256, 1, policy="lru")
     for i in range(tr.steps):
         topk = tr.topk[:, i].contiguous()
         stable = [2000 - 50 * (i % 3)] * 4  # shrinks now and then; some tokens are speculative

@@ -33,7 +33,7 @@ HOTCACHE_GOALS = {
 def test_hotcache_bench_fields():
     out = hotcache.run(traces=("overlap80", "overlap95"), rows=2, steps=4, reference_steps=2, warmup=1, synthetic=SMALL)
     json.dumps(out)
-    assert out["bench"] == "hotcache" and out["threads"] >= 1 and out["default_policy"] == "lru"
+    assert out["bench"] == "hotcache" and out["threads"] >= 1 and out["default_policy"] == "clock"
     assert out["policies"] == ["lru", "slru", "clock"]
     assert out["goals"] == HOTCACHE_GOALS and set(out["goals_met"]) == set(HOTCACHE_GOALS)
     assert out["goals_met"]["outputs_equal"] is True
@@ -76,7 +76,7 @@ def test_hotcache_bench_fields():
         assert case["native_s_per_step"] > 0 and case["torch_s_per_step"] > 0 and case["reference_s_per_step"] > 0
         assert case["cost_us"] > 0 and case["rows"] == 2 and case["topk"] == 64 and case["capacity"] == 128
         assert list(case["cost_us_by_policy"]) == out["policies"] and min(case["cost_us_by_policy"].values()) > 0
-        assert case["cost_us"] == case["cost_us_by_policy"]["lru"]  # the default policy's
+        assert case["cost_us"] == case["cost_us_by_policy"]["clock"]  # the default policy's
         assert abs(case["speedup_vs_torch"] - case["torch_s_per_step"] / case["native_s_per_step"]) < 1e-9
         # the reference ran 2 steps: the speedup divides by the native median over those 2 steps
         assert case["speedup"] == case["reference_s_per_step"] / case["native_s_per_step_reference_steps"]

@@ -13,7 +13,7 @@ from pydantic import BeforeValidator, ConfigDict, Field
 from kvcore.configerrors import Loc
 from kvcore.configfields import StrictBool, choice, dram_gib, int_rule
 from kvcore.configmodel import ConfigModel
-from kvcore.confignames import HOT_CACHE_POLICIES, SPARSE_KEY
+from kvcore.confignames import DEFAULT_HOT_CACHE_POLICY, HOT_CACHE_POLICIES, SPARSE_KEY
 
 
 class SparseKVOffloadConfig(ConfigModel):
@@ -26,7 +26,7 @@ class SparseKVOffloadConfig(ConfigModel):
     dram_size_per_dp_GB: Annotated[int, BeforeValidator(dram_gib)] = 128
     keep_device_kv_cache: StrictBool = False
     # kvoffload's own key: the hot cache's replacement policy (kvcore.hotcache.POLICIES)
-    hot_cache_policy: Annotated[str, choice(HOT_CACHE_POLICIES)] = "lru"
+    hot_cache_policy: Annotated[str, choice(HOT_CACHE_POLICIES)] = DEFAULT_HOT_CACHE_POLICY
     # kvoffload's own key: load the next layer's predicted misses while a layer runs
     miss_prefetch: StrictBool = False
 

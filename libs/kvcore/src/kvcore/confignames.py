@@ -18,6 +18,8 @@ STACK_TRANSFERS = ("kvoffload", "mooncake")  # those a loopback stack runs (memf
 # library's default is SDMA)
 MEMFABRIC_DATA_OPS = ("sdma", "host_rdma", "device_rdma", "device_urma", "device_uboe")
 HOT_CACHE_POLICIES = ("lru", "slru", "clock")  # == kvcore.hotcache.POLICIES (config imports no engine code)
+# the closest to Belady's optimum on the live indexer's selections, and the cheapest (kvcore.hotcache)
+DEFAULT_HOT_CACHE_POLICY = "clock"
 LAYERWISE_KEYS = ("layerwise_num_shared_buffers", "layerwise_independent_layers", "layerwise_prefetch_layers")
 SPARSE_KEY = "sparse_kv_offload_config"
 

@@ -3,8 +3,9 @@ per-layer sizing the traces support, and the native path's cost against vectoriz
 Python reference.
 
 Traces (``kvcore.traces``): the synthetic presets ``overlap80/90/95`` (k = 2048, context 32K)
-and, where recorded, ``smollm2`` (a real model's attention: ``kvoffload trace record smollm2``;
-``kvoffload bench hotcache`` records it first when it is missing).
+and two of a real model, SmolLM2 (``kvoffload trace record NAME``; ``kvoffload bench hotcache``
+records them first when missing): ``smollm2``, its exact attention top-k per KV-head group, and
+``smollm2-indexer``, what its indexer selects during sparse decode (the hot cache's live input).
 
 - ``traces``: each trace's measured locality (adjacent overlap, what the last 12 / 16 steps add,
   how far back the returning entries were) — the synthetic presets next to the real trace.
@@ -24,9 +25,10 @@ and, where recorded, ``smollm2`` (a real model's attention: ``kvoffload trace re
 - ``timing``: per preset (``rows`` requests of one layer), native vs ``TorchHotCache``
   (``kvoffload_bench.hotcache_torch``: whole-tensor torch ops of the same semantics, proven equal by
   a property test; timed at 1 intra-op thread and at the process's count, alternating, the faster
-  counts) vs the Python reference (first ``reference_steps`` steps), back to back step by step;
-  and the native cost per (request, layer, step) on one core (``cost_us``: one thread, median
-  call time / rows). ``speedup`` = the reference's median / the native path's median over the
+  counts) vs the Python reference (first ``reference_steps`` steps), back to back step by step,
+  all three on ``lru`` (the torch path's semantics: ``speed_policy``); and the default policy's
+  native cost per (request, layer, step) on one core (``cost_us``: one thread, median call time /
+  rows). ``speedup`` = the reference's median / the native path's median over the
   same steps (the first ``reference_steps`` timed ones: ``native_s_per_step_reference_steps``);
   ``native_s_per_step`` is the native median over all ``steps``. ``outputs_equal``: native ==
   reference == torch wherever both ran. ``cost_us_by_policy``: that one-core cost of every policy,
@@ -49,11 +51,13 @@ from operator import itemgetter
 
 import torch
 
+from kvcore.confignames import DEFAULT_HOT_CACHE_POLICY
 from kvcore.hotcache import POLICIES, HotCache, max_threads
 from kvcore.hotcache_resolution import Resolution
 from kvcore.traces import PRESETS, Trace, named
 from kvcore.traces.measure import locality
 from kvoffload_bench import belady, hotsizing, prefetch
+from kvoffload_bench.hotcache_torch import POLICY as TORCH_POLICY
 from kvoffload_bench.hotcache_torch import TorchHotCache
 from kvoffload_bench.otherload import OtherLoad
 
@@ -62,13 +66,13 @@ GOAL_COST_US = 10.0
 GOAL_SPEEDUP = 10.0
 GOAL_SPEEDUP_VS_TORCH = 1.0
 GOAL_ENTRIES_PER_S = 1e8
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = DEFAULT_HOT_CACHE_POLICY
 CURVE = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0)  # capacities of the per-layer curves, x k
 
 
 def run(
     *,
-    traces: tuple[str, ...] = ("overlap80", "overlap90", "overlap95", "smollm2"),
+    traces: tuple[str, ...] = ("overlap80", "overlap90", "overlap95", "smollm2", "smollm2-indexer"),
     trace: str | None = None,
     sizes: tuple[float, ...] = (1.0, 1.5, 2.0, 4.0),
     rows: int = 8,
@@ -311,6 +315,7 @@ def _timing(preset_name: str, rows: int, steps: int, reference_steps: int, warmu
         "torch_s_per_step_by_threads": {str(n): med[f"torch{n}"] for n in threads},
         "reference_s_per_step": ref_s,
         "native_s_per_step_reference_steps": native_ref_s,
+        "speed_policy": TORCH_POLICY,
         "cost_us": med[f"one_core:{DEFAULT_POLICY}"] / rows * 1e6,
         "cost_us_by_policy": {p: med[f"one_core:{p}"] / rows * 1e6 for p in POLICIES},
         "speedup": ref_s / native_ref_s,
@@ -327,10 +332,11 @@ def _timed_steps(
 ) -> tuple[dict[str, list[float]], int, int, bool, bool]:
     """``rows`` requests of one layer through every path, ``warmup`` untimed steps then ``steps`` timed
     ones, back to back step by step: (seconds of each call by path, the native path's hits and misses,
-    native == one core == reference for every policy, torch == native == reference). Path names:
+    native == one core == reference for every policy, torch == native == reference). ``native``,
+    ``torch{n}`` and ``reference`` run ``lru``, the vectorized torch path's policy. Path names:
     ``native``, ``torch{n}``, ``reference``, ``one_core:{policy}``."""
     ids = [f"req-{r}" for r in range(rows)]
-    native, vec = HotCache(capacity, 1, native=True), TorchHotCache(capacity, 1)
+    native, vec = HotCache(capacity, 1, native=True, policy=TORCH_POLICY), TorchHotCache(capacity, 1)
     refs = {p: HotCache(capacity, 1, native=False, policy=p) for p in POLICIES}  # the reference of each policy
     one_core = {p: HotCache(capacity, 1, native=True, policy=p) for p in POLICIES}
     equal = torch_equal = True
@@ -338,8 +344,8 @@ def _timed_steps(
     for t in range(warmup):
         stable = tr.context(t)
         wres = {p: ref.resolve(0, ids, step[t], stable) for p, ref in refs.items()}
-        equal &= _same(native.resolve(0, ids, step[t], stable), wres[DEFAULT_POLICY])
-        torch_equal &= _same(vec.resolve(0, ids, step[t], stable), wres[DEFAULT_POLICY])
+        equal &= _same(native.resolve(0, ids, step[t], stable), wres[TORCH_POLICY])
+        torch_equal &= _same(vec.resolve(0, ids, step[t], stable), wres[TORCH_POLICY])
         equal &= all(_same(res, wres[p]) for p, (_, res) in _one_core(one_core, ids, step[t], stable, t).items())
     times: dict[str, list[float]] = {
         name: [] for name in ["native", *(f"one_core:{p}" for p in POLICIES), *(f"torch{n}" for n in threads)]
@@ -360,15 +366,15 @@ def _timed_steps(
             times[f"one_core:{p}"].append(seconds)
         res, tres = out["native"], out[f"torch{vec.threads}"]
         torch_equal &= _same(tres, res)
-        equal &= _same(single[DEFAULT_POLICY][1], res)
+        equal &= _same(single[TORCH_POLICY][1], res)
         hits, misses = hits + res.num_hits, misses + res.num_misses
         if t - warmup < reference_steps:
             t0 = time.perf_counter()
-            rres = refs[DEFAULT_POLICY].resolve(0, ids, step[t], stable)
+            rres = refs[TORCH_POLICY].resolve(0, ids, step[t], stable)
             times["reference"].append(time.perf_counter() - t0)
             equal &= _same(res, rres)
             torch_equal &= _same(tres, rres)
-            for p in (q for q in POLICIES if q != DEFAULT_POLICY):  # every other policy against its reference
+            for p in (q for q in POLICIES if q != TORCH_POLICY):  # every other policy against its reference
                 equal &= _same(single[p][1], refs[p].resolve(0, ids, step[t], stable))
     return times, hits, misses, equal, torch_equal
 

@@ -12,7 +12,8 @@ row before it: ``"dense"`` through the layer's ``attend_causal``, ``"sparse"`` t
 indexer's top-``k`` (``select``, the gathered rows, ``attend``): what the engine's sparse decode
 computes step by step, a whole teacher-forced continuation at once. A sparse branch can also
 record, per layer and query, the share of the dense attention mass (summed over the layer's heads)
-that its selection, the exact top-k (the ceiling) and a recency window (the floor) keep.
+that its selection, the exact top-k (the ceiling) and a recency window (the floor) keep, and keep
+the selections themselves (``selections``: the live indexer's top-k trace, ``trace_indexer``).
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Branch:
         capacity: int = 512,
         recall: Recall | None = None,
         recall_ks: tuple[int, ...] = (),
+        selections: list[list[torch.Tensor]] | None = None,
     ) -> None:
         if mode not in ("dense", "sparse"):
             raise ValueError(f"mode must be 'dense' or 'sparse', got {mode!r}")
@@ -107,6 +109,7 @@ class Branch:
             raise ValueError(f"a sparse branch needs topk >= 1, got {topk!r}")
         self.model, self.mode, self.topk = model, mode, topk
         self.recall, self.recall_ks = recall, recall_ks
+        self.selections = selections  # a sparse branch appends each layer's top-k [n, k] to selections[layer]
         self.length = context.length
         self._kv = [_grown(rows, capacity) for rows in context.kv]  # per layer [L + capacity, W]
         self._keys = [_grown(rows, capacity) for rows in context.keys]
@@ -130,6 +133,8 @@ class Branch:
             else:
                 assert self.topk is not None
                 indices = layer.select(proj, keys, positions, self.topk)  # [n, k]
+                if self.selections is not None:
+                    self.selections[i].append(indices)
                 gathered, valid = gather_rows(rows, indices)
                 attn = layer.attend(proj, gathered, valid)
                 if self.recall is not None:

@@ -35,7 +35,10 @@ import torch
 
 from kvcore.traces.trace import Trace, traces_dir
 
-KNOWN = ("smollm2",)  # trace name -> the model of the same name (kvoffload_testing.model_fetch.SOURCES)
+# the traces ``ensure`` can record: ``smollm2`` (the exact attention top-k, ``record``) and
+# ``smollm2-indexer`` (the live indexer's selections, ``kvoffload_bench.trace_indexer``), both of
+# SmolLM2-135M-Instruct (kvoffload_testing.model_fetch.SOURCES)
+KNOWN = ("smollm2", "smollm2-indexer")
 ROOT = Path(__file__).resolve().parents[4]  # the repository: SOURCES are its documents
 SOURCES = ("docs/design.md", "docs/configuration.md", "README.md", "docs/vllm.md", "docs/models.md")
 INSTRUCTION = "Summarize the following document in a few sentences.\n\n"
@@ -230,7 +233,14 @@ def ensure(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if path.exists() and not force:  # recorded while we waited
             return path
-        model_dir = cached_model(name, log=log)
+        recorder: Callable[..., Trace]
+        if name == "smollm2-indexer":
+            from kvoffload_bench.trace_indexer import record_indexer
+            from kvoffload_testing.model_indexer import served_model
+
+            model_dir, recorder = served_model("smollm2", log=log), record_indexer  # its indexer built first
+        else:
+            model_dir, recorder = cached_model(name, log=log), record
         log(f"recording {name} from {model_dir} ({', '.join(f'{k}={v}' for k, v in params.items()) or 'defaults'})")
-        record(model_dir, name=name, progress=progress, **params).save(path)
+        recorder(model_dir, name=name, progress=progress, **params).save(path)
     return path

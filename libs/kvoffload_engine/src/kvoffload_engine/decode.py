@@ -37,6 +37,7 @@ import torch
 from dsamodel.model import DSAModel
 from dsamodel.served import ServedModel, index_keys, index_topk
 from kvcore.attachedpool import AttachedPool
+from kvcore.confignames import DEFAULT_HOT_CACHE_POLICY
 from kvcore.device import DeviceAllocator
 from kvcore.gather import gather_rows, scatter_rows
 from kvcore.hostpool import HostPoolBackend
@@ -90,7 +91,7 @@ class SparseDecoder(DecodeRequests):
         allocator: DeviceAllocator | None = None,
         native: bool = True,
         topk_override: TopkOverride | None = None,
-        hot_cache_policy: str = "lru",
+        hot_cache_policy: str = DEFAULT_HOT_CACHE_POLICY,
         miss_prefetch: bool = False,
     ) -> None:
         cfg = model.config

@@ -15,6 +15,7 @@ import torch
 
 from dsamodel.sampling import RequestSampler
 from dsamodel.served import ServedModel, index_topk
+from kvcore.confignames import DEFAULT_HOT_CACHE_POLICY
 from kvcore.device import DeviceAllocator
 from kvcore.hostpool import HostPoolBackend
 from kvoffload_engine import build
@@ -37,7 +38,7 @@ class EngineConfig:
     prefetch_layers: int | None = None
     topk_buffer_size: int = 128
     keep_device_kv_cache: bool = False
-    hot_cache_policy: str = "lru"  # kvcore.hotcache.POLICIES
+    hot_cache_policy: str = DEFAULT_HOT_CACHE_POLICY  # kvcore.hotcache.POLICIES
     miss_prefetch: bool = False  # kvoffload_engine.prefetch
     prefill_pool_bytes: int = 256 << 20
     decode_pool_bytes: int = 256 << 20

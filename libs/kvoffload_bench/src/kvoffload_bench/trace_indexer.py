@@ -1,0 +1,112 @@
+"""Record the live indexer's top-k trace of a Llama model with an indexer (``kvoffload trace record
+smollm2-indexer``).
+
+``kvoffload_bench.trace_record`` records what an ideal selector would pick (the exact attention top-k
+of each KV-head group, from transformers' attention weights). This records what the sparse decode
+actually asks the hot cache for: the model's own indexer (``dsamodel.pca_indexer``), one selection
+per layer shared by the layer's heads, along the sparse decode's own greedy tokens. The prompts are
+``trace_record.prompt_ids``'s (a document of this repository to summarize, exactly ``context``
+tokens). As the engine serves them: the prompt is computed densely (the prefill,
+``quality_branch.ContextRows``) and its logits give the first token; then each decode step is one
+token of a sparse ``quality_branch.Branch`` whose selections are kept. Streams are request-major,
+then layer; every stream's group is 0 (the selection is the layer's). Step ``t``'s query is
+generated token ``t`` at position ``context + t``, over ``context + t + 1`` tokens (the Trace
+contract with ``context0 = context + 1``), so ``kvoffload_engine.trace_topk.TraceTopK`` replays it
+on an engine request with the same prompt from its first decode step on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvcore.traces.trace import Trace
+
+SCORE = (
+    "the model's indexer (PCA keys and queries, dsamodel.pca_indexer): softmax mass over the layer's "
+    "query heads summed, top-k shared by the layer's heads, as the sparse decode selects"
+)
+
+
+def record_indexer(
+    model_dir: str | Path,
+    *,
+    name: str = "smollm2-indexer",
+    context: int = 4096,
+    steps: int = 128,
+    topk: int | None = None,
+    requests: int = 2,
+    attention: str = "sdpa",
+    progress: Callable[[int, int], None] | None = None,
+) -> Trace:
+    """The live indexer's trace of ``requests`` summaries decoded sparsely by the model in ``model_dir``
+    (module docstring); ``topk`` defaults to the model's ``index_topk``; ``attention`` is the prompt's
+    (``ContextRows``: ``"model"`` is bit-exact with the engine's prefill, ``"sdpa"`` faster)."""
+    from transformers import AutoTokenizer
+
+    from dsamodel.llama import LlamaModel
+    from dsamodel.weights import load_model
+    from kvoffload_bench.quality_branch import Branch, ContextRows
+    from kvoffload_bench.trace_record import ROOT, prompt_ids
+
+    model = load_model(model_dir)
+    if not isinstance(model, LlamaModel) or not model.has_indexer:
+        raise ValueError(f"{model_dir}: recording the indexer's trace needs a Llama model with an indexer")
+    k = model.config.index_topk if topk is None else topk
+    if k is None:
+        raise ValueError(f"{model_dir}: the model's config names no index_topk: give topk")
+    if context < 2 or steps < 1 or not 1 <= k <= context:
+        raise ValueError(f"need context >= 2, steps >= 1 and 1 <= topk <= context; got {context}, {steps}, {k}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts, sources = prompt_ids(tokenizer, context=context, requests=requests)
+    layers = len(model.layers)
+    out = torch.empty(requests, layers, steps, k, dtype=torch.int32)
+    generated = torch.empty(requests, steps + 1, dtype=torch.long)
+    with torch.inference_mode():
+        for r in range(requests):
+            rows = ContextRows.compute(model, prompts[r], attention)  # the prefill: its logits give token 0
+            picked: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+            branch = Branch(model, rows, "sparse", topk=k, capacity=steps, selections=picked)
+            token = rows.last_logits.argmax(-1, keepdim=True)  # [1]
+            generated[r, 0] = token[0]
+            for t in range(steps):  # step t: token t at position context + t
+                token = branch.extend(token)[-1:].argmax(-1)
+                generated[r, t + 1] = token[0]
+                for layer in range(layers):
+                    out[r, layer, t] = picked[layer][t][0].to(torch.int32)
+                if progress:
+                    progress(r * steps + t + 1, requests * steps)
+    grid = torch.arange(requests * layers, dtype=torch.int32)
+    meta = {
+        "kind": "recorded",
+        "model": name,
+        "selector": "indexer",
+        "context": context,
+        "steps": steps,
+        "topk": k,
+        "topk_fraction": k / context,
+        "requests": requests,
+        "layers": layers,
+        "groups": 1,
+        "score": SCORE,
+        "decode": f"greedy sparse decode (top-{k}) in {str(model.dtype).removeprefix('torch.')} on CPU after a "
+        f"dense prefill of the prompt ({attention} attention); step 0's query is the prefill's token",
+        "sources": [
+            {"paths": paths, "sha256": [hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in paths]}
+            for paths in sources
+        ],
+        "generated": [tokenizer.decode(row) for row in generated.tolist()],
+        "generated_ids": generated.tolist(),
+    }
+    return Trace(
+        name,
+        out.view(requests * layers, steps, k),
+        torch.full((grid.numel(),), context + 1, dtype=torch.int64),
+        grid % layers,
+        grid // layers,
+        torch.zeros(grid.numel(), dtype=torch.int32),
+        meta,
+    )
