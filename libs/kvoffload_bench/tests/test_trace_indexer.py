@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from dsamodel.weights import load_model
 from kvoffload_bench.trace_indexer import record_indexer
-from kvoffload_bench.trace_record import prompt_ids
+from kvoffload_bench.trace_prompts import prompt_ids
 from kvoffload_engine.engine import Engine, EngineConfig
 from kvoffload_engine.trace_topk import TraceTopK
 from kvoffload_testing.model_indexer import served_model

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvcore.traces.trace import Trace
+from kvoffload_bench import trace_prompts
 from kvoffload_bench import trace_record as tr
 
 CHAT = (
@@ -26,7 +27,7 @@ def tiny_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(
-        [tr.INSTRUCTION, "the cache keeps the attention of the model"],
+        [trace_prompts.INSTRUCTION, "the cache keeps the attention of the model"],
         trainers.BpeTrainer(
             vocab_size=VOCAB,
             special_tokens=["<|im_start|>", "<|im_end|>"],
@@ -84,16 +85,16 @@ def test_select_orders_by_score_then_position():
 
 def test_prompts_are_exact_chat_prompts_on_different_documents():
     tok = tiny_tokenizer()
-    ids, sources = tr.prompt_ids(tok, context=CONTEXT, requests=3)
+    ids, sources = trace_prompts.prompt_ids(tok, context=CONTEXT, requests=3)
     assert ids.shape == (3, CONTEXT) and ids.dtype == torch.long
     suffix = tok("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-    prefix = tok("<|im_start|>user\n" + tr.INSTRUCTION, add_special_tokens=False)["input_ids"]
+    prefix = tok("<|im_start|>user\n" + trace_prompts.INSTRUCTION, add_special_tokens=False)["input_ids"]
     for row in ids.tolist():
         assert row[: len(prefix)] == prefix and row[-len(suffix) :] == suffix
-    assert [s[0] for s in sources] == list(tr.SOURCES[:3])
+    assert [s[0] for s in sources] == list(trace_prompts.SOURCES[:3])
     assert len({tuple(row) for row in ids.tolist()}) == 3  # different text per request
     with pytest.raises(ValueError, match="too short"):
-        tr.prompt_ids(tok, context=len(prefix) + len(suffix), requests=1)
+        trace_prompts.prompt_ids(tok, context=len(prefix) + len(suffix), requests=1)
 
 
 def test_trace_layout_and_metadata(trace):
@@ -109,7 +110,7 @@ def test_trace_layout_and_metadata(trace):
     assert m["model_provenance"] == {"model": "tiny test llama"}
     assert (m["context"], m["steps"], m["topk"], m["requests"]) == (CONTEXT, STEPS, TOPK, REQUESTS)
     assert m["topk_fraction"] == TOPK / CONTEXT and "attention probability" in m["score"]
-    assert [s["paths"][0] for s in m["sources"]] == list(tr.SOURCES[:REQUESTS])
+    assert [s["paths"][0] for s in m["sources"]] == list(trace_prompts.SOURCES[:REQUESTS])
     assert set(m["versions"]) == {"transformers", "torch"}
     assert len(m["generated"]) == REQUESTS and all(isinstance(text, str) and text for text in m["generated"])
     json.dumps(m)  # Trace.save stores it as JSON

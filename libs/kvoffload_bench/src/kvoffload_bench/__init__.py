@@ -57,6 +57,9 @@ The stacks, servers, oracle and SSE reader these run on are ``kvoffload_testing`
 Traces:
 
 - ``trace_record``: real top-k traces recorded from a pretrained model (``kvoffload trace record``).
+- ``trace_indexer``: the live indexer's top-k trace of a Llama model with an indexer, along its sparse
+  decode (``kvoffload trace record smollm2-indexer``).
+- ``trace_prompts``: the prompts both recorders read (documents of this repository to summarize).
 """
 
 __version__ = "0.1.0"

@@ -5,7 +5,7 @@ smollm2-indexer``).
 of each KV-head group, from transformers' attention weights). This records what the sparse decode
 actually asks the hot cache for: the model's own indexer (``dsamodel.pca_indexer``), one selection
 per layer shared by the layer's heads, along the sparse decode's own greedy tokens. The prompts are
-``trace_record.prompt_ids``'s (a document of this repository to summarize, exactly ``context``
+``trace_prompts.prompt_ids``'s (a document of this repository to summarize, exactly ``context``
 tokens). As the engine serves them: the prompt is computed densely (the prefill,
 ``quality_branch.ContextRows``) and its logits give the first token; then each decode step is one
 token of a sparse ``quality_branch.Branch`` whose selections are kept. Streams are request-major,
@@ -50,7 +50,7 @@ def record_indexer(
     from dsamodel.llama import LlamaModel
     from dsamodel.weights import load_model
     from kvoffload_bench.quality_branch import Branch, ContextRows
-    from kvoffload_bench.trace_record import ROOT, prompt_ids
+    from kvoffload_bench.trace_prompts import ROOT, prompt_ids
 
     model = load_model(model_dir)
     if not isinstance(model, LlamaModel) or not model.has_indexer:

@@ -7,8 +7,8 @@ KV-head group (the query heads sharing one KV head), each context position is sc
 over the group's heads of its attention probability, and the ``topk`` best positions form that
 stream's row of the :class:`~kvcore.traces.trace.Trace`.
 
-- :func:`prompt_ids` builds the prompts: exactly ``context`` tokens each, a different document per
-  request;
+- ``kvoffload_bench.trace_prompts.prompt_ids`` builds the prompts: exactly ``context`` tokens each,
+  a different document per request;
 - :func:`record_ids` runs a model on given prompt ids: prefill (no attention weights: a 4K
   prefill with them would hold ~18 GB), then ``steps`` decode steps with
   ``output_attentions``. At step ``t`` the query is at position ``context - 1 + t`` and the
@@ -34,47 +34,16 @@ from pathlib import Path
 import torch
 
 from kvcore.traces.trace import Trace, traces_dir
+from kvoffload_bench.trace_prompts import INSTRUCTION, ROOT, prompt_ids
 
 # the traces ``ensure`` can record: ``smollm2`` (the exact attention top-k, ``record``) and
 # ``smollm2-indexer`` (the live indexer's selections, ``kvoffload_bench.trace_indexer``), both of
 # SmolLM2-135M-Instruct (kvoffload_testing.model_fetch.SOURCES)
 KNOWN = ("smollm2", "smollm2-indexer")
-ROOT = Path(__file__).resolve().parents[4]  # the repository: SOURCES are its documents
-SOURCES = ("docs/design.md", "docs/configuration.md", "README.md", "docs/vllm.md", "docs/models.md")
-INSTRUCTION = "Summarize the following document in a few sentences.\n\n"
 SCORE = (
     "sum over the KV-head group's query heads of the softmax attention probability of the decode "
     "query at each context position; top-k by descending score, ties to the lower position"
 )
-_DOC = "\x00DOCUMENT\x00"  # placeholder splitting the rendered chat template
-
-
-def prompt_ids(tokenizer, *, context: int, requests: int) -> tuple[torch.Tensor, list[list[str]]]:
-    """``[requests, context]`` token ids of chat prompts asking to summarize a document, and the
-    sources each one read. Request ``i`` starts with ``SOURCES[i % n]`` and continues through the
-    next sources (cyclically) until the document part fills exactly its share of ``context``."""
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": INSTRUCTION + _DOC}], tokenize=False, add_generation_prompt=True
-    )
-    prefix, suffix = (tokenizer(part, add_special_tokens=False)["input_ids"] for part in rendered.split(_DOC))
-    room = context - len(prefix) - len(suffix)
-    if room < 1:
-        raise ValueError(
-            f"context {context} is too short: the chat template alone takes {len(prefix) + len(suffix)} tokens"
-        )
-    docs = [tokenizer((ROOT / src).read_text(), add_special_tokens=False)["input_ids"] for src in SOURCES]
-    rows, used = [], []
-    for r in range(requests):
-        doc: list[int] = []
-        names: list[str] = []
-        i = r
-        while len(doc) < room:
-            doc += docs[i % len(docs)] + tokenizer("\n\n", add_special_tokens=False)["input_ids"]
-            names.append(SOURCES[i % len(docs)])
-            i += 1
-        rows.append(prefix + doc[:room] + suffix)
-        used.append(names)
-    return torch.tensor(rows, dtype=torch.long), used
 
 
 def select(scores: torch.Tensor, k: int) -> torch.Tensor:
