@@ -3,8 +3,9 @@
 Both come from files every installation of this library already has: documentation, licences
 and source of its own pinned dependencies (torch, numpy, jinja2), found through
 ``importlib.metadata`` (no network, no data from a model hub). A ``Source`` names a distribution
-and a file: ``dist-info:NAME`` is a file of its ``.dist-info`` directory (``METADATA`` is read
-from its body: the README, without the header lines), anything else a path under site-packages.
+and a file: ``dist-info:NAME`` is a file of its ``.dist-info`` directory or of its ``licenses/``
+folder (``METADATA`` is read from its body: the README, without the header lines), anything else a
+path under site-packages.
 
 ``CALIBRATION`` (prose, a licence, Markdown, Python) and ``HELD_OUT`` (for ``indexer_recall``)
 share no file. The order is fixed, so the same installed files give the same tokens.
@@ -38,7 +39,9 @@ class Source:
         except importlib.metadata.PackageNotFoundError as exc:
             raise ValueError(f"indexer text {self.name}: distribution {self.dist!r} is not installed") from exc
         if self.path.startswith(DIST_INFO):
-            text = dist.read_text(self.path.removeprefix(DIST_INFO))
+            name = self.path.removeprefix(DIST_INFO)
+            # a wheel built to PEP 639 keeps its licence files under .dist-info/licenses/
+            text = dist.read_text(name) or dist.read_text(f"licenses/{name}")
             if text is None:
                 raise ValueError(f"indexer text {self.name}: no such file in {self.dist}'s dist-info")
             return text.encode("utf-8")
