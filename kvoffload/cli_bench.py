@@ -15,6 +15,9 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
+from kvcore.confignames import STACK_TRANSFERS
+from kvcore.poolregistry import STACK_POOLS  # light: names only, no backend is imported
+
 # bench name -> "module:function"; each function takes keyword parameters and returns a dict.
 BENCHES: dict[str, str] = {
     "hotcache": "kvoffload_bench.hotcache:run",
@@ -152,3 +155,46 @@ def _bench_verdict(name: str, result: dict) -> int:
     why = result.get("not_measured") or {}
     say("goals not met: " + ", ".join(f"{g} (not measured: {why[g]})" if g in why else g for g in unmet))
     return EXIT_GOALS_NOT_MET
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``kvoffload bench``'s flags, on the command's subparsers ``sub``."""
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark and print its JSON (ratios measured in one run)",
+        description="Run a benchmark and print its result as one JSON document on stdout\n"
+        "(ratios measured side by side in one run; its goals as true/false in\n"
+        "goals_met).",
+        epilog=BENCH_EXIT_STATUS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    bench.add_argument("--json", action="store_true", help="print the JSON on one line (default: indented)")
+    bench.add_argument(
+        "--trace",
+        metavar="NAME",
+        help="run on a top-k trace (a synthetic preset overlap80/90/95 or "
+        "a recorded one), for benches that take one (e.g. decode)",
+    )
+    bench.add_argument(
+        "--pool",
+        choices=STACK_POOLS,
+        help="the prefill's host-pool backend of the stack, for benches that take one (faults; default kvoffload)",
+    )
+    bench.add_argument(
+        "--transfer",
+        choices=STACK_TRANSFERS,
+        help="the P→D pull's transfer_backend of the stack, for benches that take one (faults; default kvoffload)",
+    )
+    bench.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write the bench's curves as PNG files into DIR, for benches that draw them (quality)",
+    )
+    bench.add_argument(
+        "--prompts",
+        type=int,
+        metavar="N",
+        help="documents per context length, for benches that take them (quality; default 16)",
+    )
+    bench.set_defaults(func=cmd_bench)

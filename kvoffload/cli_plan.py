@@ -36,3 +36,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report["valid"] else 1
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``kvoffload plan``'s flags, on the command's subparsers ``sub``."""
+    plan = sub.add_parser("plan", help="size a deployment: buffer plan, device and host bytes, config validation")
+    plan.add_argument("--model", required=True, help="model directory or config.json (no weights needed)")
+    plan.add_argument("--prefill-kv-transfer-config", metavar="JSON", help="the prefill node's --kv-transfer-config")
+    plan.add_argument("--prefill-additional-config", metavar="JSON", help="the prefill node's --additional-config")
+    plan.add_argument("--decode-kv-transfer-config", metavar="JSON", help="the decode node's --kv-transfer-config")
+    plan.add_argument("--decode-additional-config", metavar="JSON", help="the decode node's --additional-config")
+    plan.add_argument("--max-model-len", type=int, default=131072)
+    plan.add_argument("--max-num-seqs", type=int, default=8)
+    plan.add_argument("--block-size", type=int, default=64)
+    plan.add_argument("--prefill-tp", type=int, default=1)
+    plan.add_argument("--decode-tp", type=int, default=1)
+    plan.add_argument("--decode-dp", type=int, default=1)
+    plan.add_argument("--json", action="store_true", help="print the report as one line of JSON")
+    plan.set_defaults(func=cmd_plan)

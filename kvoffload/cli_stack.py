@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from kvcore.poolregistry import EMBEDDED, VLLM_POOLS
+from kvcore.poolregistry import EMBEDDED, STACK_POOLS, VLLM_POOLS
+from svcruntime.tls import add_tls_arguments  # light: grpc is imported only when a channel is opened
 
 ENGINES = ("reference", "vllm")
 # `up` / `demo` flags only the reference engine takes (argparse dest -> flag), and why not vLLM's
@@ -187,3 +189,73 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"answer ({summary['completion_tokens']} tokens): {text!r}")
     print(json.dumps(summary))
     return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """``kvoffload up`` and ``kvoffload demo``: the flags both take (``_add_stack_arguments``) and each
+    one's own, on the command's subparsers ``sub``."""
+    for name, func, text in (
+        ("up", cmd_up, "start the P/D stack (metastore, prefill, decode, proxy) on loopback"),
+        (
+            "demo",
+            cmd_demo,
+            "start the stack, send one long prompt through the proxy, print "
+            "the answer and a memory/transfer summary, stop",
+        ),
+    ):
+        cmd = sub.add_parser(name, help=text)
+        _add_stack_arguments(cmd)
+        if name == "demo":
+            cmd.add_argument("--max-tokens", type=int, help="default 32; with --engine vllm 64")
+        else:
+            cmd.add_argument(
+                "--mode",
+                choices=MODES,
+                default="pd",
+                help="pd (default): metastore, prefill, decode and proxy; offload-only: the "
+                "metastore (or mooncake_master) and one prefill with an AscendStoreConnector "
+                "alone, serving complete requests itself on --port (layerwise offload and the "
+                "pool's prefix cache; no decode, no proxy); reference engine only",
+            )
+        cmd.set_defaults(func=func, parser=cmd)
+
+
+def _add_stack_arguments(cmd: argparse.ArgumentParser) -> None:
+    """The flags ``up`` and ``demo`` share: engine, model, ports, logs, pool, API key, TLS."""
+    cmd.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="reference",
+        help="reference: the kvoffload prefill and decode services (sparse decode); vllm: vLLM "
+        "prefill and decode servers with the kvoffload connectors (docs/vllm.md)",
+    )
+    cmd.add_argument(
+        "--model",
+        help="a model directory, or smollm2 (the default: SmolLM2-135M-Instruct with its indexer, built "
+        "on first use, ~2 min once) or tiny (the seeded random DSA model, reference engine only); "
+        "with --engine vllm: SmolLM2-135M-Instruct by default",
+    )
+    cmd.add_argument(
+        "--port", type=int, default=9000, help="proxy port (with --mode offload-only: the prefill's HTTP port)"
+    )
+    cmd.add_argument(
+        "--max-model-len",
+        type=int,
+        help=f"default {REFERENCE_MAX_MODEL_LEN}; with --engine vllm {VLLM_MAX_MODEL_LEN}",
+    )
+    cmd.add_argument("--log-dir", help="where each service logs (default ~/.cache/kvoffload/logs)")
+    cmd.add_argument(
+        "--pool",
+        choices=STACK_POOLS,
+        default=EMBEDDED,
+        help="the prefill's host-pool backend: kvoffload (default: the embedded pool, indexed by "
+        "kvoffload-metastore) or mooncake (Mooncake Store: the stack runs a mooncake_master "
+        "on 127.0.0.1 instead of the metastore; needs scripts/install-mooncake); reference "
+        "engine only",
+    )
+    cmd.add_argument(
+        "--api-key",
+        default=os.environ.get("KVOFFLOAD_API_KEY"),
+        help="the proxy requires 'Authorization: Bearer KEY' (default $KVOFFLOAD_API_KEY)",
+    )
+    add_tls_arguments(cmd)  # handed to every gRPC service of the stack, and used by its probes (reference only)

@@ -67,3 +67,32 @@ def cmd_trace_show(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(locality(trace), indent=2))
     return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``kvoffload trace record|show``'s flags, on the command's subparsers ``sub``."""
+    trace = sub.add_parser("trace", help="top-k traces: record one from a real model, show locality").add_subparsers(
+        dest="trace_command", required=True, metavar="ACTION"
+    )
+    rec = trace.add_parser(
+        "record",
+        help="record a real model's top-k attention trace into the trace cache "
+        "($KVOFFLOAD_HOME/traces/NAME.pt) and print its locality",
+    )
+    rec.add_argument(
+        "name",
+        help="smollm2: SmolLM2-135M-Instruct's exact attention top-k; smollm2-indexer: the top-k its indexer "
+        "selects in sparse decode (the model and its indexer built on first use)",
+    )
+    rec.add_argument("--context", type=int, help="prompt tokens (default 4096)")
+    rec.add_argument("--steps", type=int, help="decode steps recorded (default 128)")
+    rec.add_argument(
+        "--topk", type=int, help="positions selected per step and stream (default 128; smollm2-indexer: index_topk)"
+    )
+    rec.add_argument("--requests", type=int, help="prompts, each on a different document (default 2)")
+    rec.add_argument("--out", help="write the trace here instead of the cache")
+    rec.add_argument("--force", action="store_true", help="record again even when the trace exists")
+    rec.set_defaults(func=cmd_trace_record)
+    show = trace.add_parser("show", help="print the locality of a named trace (synthetic preset or recorded)")
+    show.add_argument("name", help="overlap80, overlap90, overlap95 or a recorded trace's name")
+    show.set_defaults(func=cmd_trace_show)

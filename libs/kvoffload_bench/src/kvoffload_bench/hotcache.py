@@ -2,10 +2,9 @@
 per-layer sizing the traces support, and the native path's cost against vectorized torch and the
 Python reference.
 
-Traces (``kvcore.traces``): the synthetic presets ``overlap80/90/95`` (k = 2048, context 32K)
-and two of a real model, SmolLM2 (``kvoffload trace record NAME``; ``kvoffload bench hotcache``
-records them first when missing): ``smollm2``, its exact attention top-k per KV-head group, and
-``smollm2-indexer``, what its indexer selects during sparse decode (the hot cache's live input).
+Traces (``kvcore.traces``): the synthetic presets ``overlap80/90/95`` (k = 2048, context 32K);
+SmolLM2's exact attention top-k (``smollm2``) and its indexer's selections in sparse decode
+(``smollm2-indexer``), recorded first when missing (``kvoffload trace record NAME``).
 
 - ``traces``: each trace's measured locality (adjacent overlap, what the last 12 / 16 steps add,
   how far back the returning entries were) — the synthetic presets next to the real trace.
@@ -28,8 +27,8 @@ records them first when missing): ``smollm2``, its exact attention top-k per KV-
   counts) vs the Python reference (first ``reference_steps`` steps), back to back step by step,
   all three on ``lru`` (the torch path's semantics: ``speed_policy``); and the default policy's
   native cost per (request, layer, step) on one core (``cost_us``: one thread, median call time /
-  rows). ``speedup`` = the reference's median / the native path's median over the
-  same steps (the first ``reference_steps`` timed ones: ``native_s_per_step_reference_steps``);
+  rows). ``speedup`` = the reference's median / the native median over the same steps (the
+  first ``reference_steps`` timed ones: ``native_s_per_step_reference_steps``);
   ``native_s_per_step`` is the native median over all ``steps``. ``outputs_equal``: native ==
   reference == torch wherever both ran. ``cost_us_by_policy``: that one-core cost of every policy,
   side by side (the same calls, back to back, in rotating order; each checked against its
@@ -51,14 +50,13 @@ from operator import itemgetter
 
 import torch
 
-from kvcore.confignames import DEFAULT_HOT_CACHE_POLICY
+from kvcore.confignames import DEFAULT_HOT_CACHE_POLICY as DEFAULT_POLICY
 from kvcore.hotcache import POLICIES, HotCache, max_threads
 from kvcore.hotcache_resolution import Resolution
 from kvcore.traces import PRESETS, Trace, named
 from kvcore.traces.measure import locality
 from kvoffload_bench import belady, hotsizing, prefetch
-from kvoffload_bench.hotcache_torch import POLICY as TORCH_POLICY
-from kvoffload_bench.hotcache_torch import TorchHotCache
+from kvoffload_bench.hotcache_torch import TORCH_POLICY, TorchHotCache
 from kvoffload_bench.otherload import OtherLoad
 
 GOAL_POLICY_VS_BELADY = 0.95
@@ -66,7 +64,6 @@ GOAL_COST_US = 10.0
 GOAL_SPEEDUP = 10.0
 GOAL_SPEEDUP_VS_TORCH = 1.0
 GOAL_ENTRIES_PER_S = 1e8
-DEFAULT_POLICY = DEFAULT_HOT_CACHE_POLICY
 CURVE = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0)  # capacities of the per-layer curves, x k
 
 
@@ -201,10 +198,8 @@ def simulate(
     the step's context): the cache (its stats) and the per-step resolutions."""
     cache = HotCache(capacity, 1, native=native, policy=policy)
     ids = [str(s) for s in range(tr.streams)]
-    out = []
-    for t in range(tr.steps if steps is None else min(steps, tr.steps)):
-        out.append(cache.resolve(0, ids, tr.topk[:, t].contiguous(), tr.context(t)))
-    return cache, out
+    last = tr.steps if steps is None else min(steps, tr.steps)
+    return cache, [cache.resolve(0, ids, tr.topk[:, t].contiguous(), tr.context(t)) for t in range(last)]
 
 
 def _stream_misses(tr: Trace, capacity: int) -> torch.Tensor:

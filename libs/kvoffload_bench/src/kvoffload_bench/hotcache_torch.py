@@ -53,7 +53,7 @@ from kvcore.hotcache_resolution import MAX_TOKEN, Resolution
 __all__ = ["TorchHotCache"]
 
 
-POLICY = "lru"  # the semantics this implementation has (and the only one)
+TORCH_POLICY = "lru"  # the semantics this implementation has (and the only one)
 
 
 class TorchHotCache(HotCache):
@@ -62,7 +62,7 @@ class TorchHotCache(HotCache):
     state, so only for single-threaded callers like the bench); None keeps the process's setting."""
 
     def __init__(self, capacity: int, num_layers: int, *, threads: int | None = None) -> None:
-        super().__init__(capacity, num_layers, native=False, policy=POLICY)
+        super().__init__(capacity, num_layers, native=False, policy=TORCH_POLICY)
         # kvcore.hotcache types _impl as its own two paths; this one has their interface (resolve, resident,
         # finish, residency, requests)
         self._impl = _TorchImpl(self.capacity, self.num_layers, self._lock)  # type: ignore[assignment]

@@ -49,7 +49,6 @@ def record_indexer(
 
     from dsamodel.llama import LlamaModel
     from dsamodel.weights import load_model
-    from kvoffload_bench.quality_branch import Branch, ContextRows
     from kvoffload_bench.trace_prompts import ROOT, prompt_ids
 
     model = load_model(model_dir)
@@ -65,20 +64,13 @@ def record_indexer(
     layers = len(model.layers)
     out = torch.empty(requests, layers, steps, k, dtype=torch.int32)
     generated = torch.empty(requests, steps + 1, dtype=torch.long)
-    with torch.inference_mode():
-        for r in range(requests):
-            rows = ContextRows.compute(model, prompts[r], attention)  # the prefill: its logits give token 0
-            picked: list[list[torch.Tensor]] = [[] for _ in range(layers)]
-            branch = Branch(model, rows, "sparse", topk=k, capacity=steps, selections=picked)
-            token = rows.last_logits.argmax(-1, keepdim=True)  # [1]
-            generated[r, 0] = token[0]
-            for t in range(steps):  # step t: token t at position context + t
-                token = branch.extend(token)[-1:].argmax(-1)
-                generated[r, t + 1] = token[0]
-                for layer in range(layers):
-                    out[r, layer, t] = picked[layer][t][0].to(torch.int32)
-                if progress:
-                    progress(r * steps + t + 1, requests * steps)
+    for r in range(requests):
+
+        def step_done(t: int, r: int = r) -> None:
+            if progress:
+                progress(r * steps + t + 1, requests * steps)
+
+        out[r], generated[r] = _decode(model, prompts[r], k, steps, attention, step_done)
     grid = torch.arange(requests * layers, dtype=torch.int32)
     meta = {
         "kind": "recorded",
@@ -110,3 +102,25 @@ def record_indexer(
         torch.zeros(grid.numel(), dtype=torch.int32),
         meta,
     )
+
+
+def _decode(
+    model, prompt: torch.Tensor, k: int, steps: int, attention: str, step_done: Callable[[int], None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request as the engine serves it (module docstring): each step's selection of every layer
+    [layers, steps, k] int32 and the tokens [steps + 1] (the prefill's first, then each step's)."""
+    from kvoffload_bench.quality_branch import Branch, ContextRows
+
+    layers = len(model.layers)
+    picked: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+    tokens = torch.empty(steps + 1, dtype=torch.long)
+    with torch.inference_mode():
+        rows = ContextRows.compute(model, prompt, attention)  # the prefill: its logits give token 0
+        branch = Branch(model, rows, "sparse", topk=k, capacity=steps, selections=picked)
+        token = rows.last_logits.argmax(-1, keepdim=True)  # [1]
+        tokens[0] = token[0]
+        for t in range(steps):  # step t: token t at position context + t
+            token = branch.extend(token)[-1:].argmax(-1)
+            tokens[t + 1] = token[0]
+            step_done(t)
+    return torch.stack([torch.cat(per_layer) for per_layer in picked]).to(torch.int32), tokens
