@@ -73,7 +73,14 @@ def test_bench_vllm_small(tmp_path):
         assert isinstance(r[key], float) and r[key] > 0, (key, r)
     assert 0 < r["pd_bytes_pulled_per_request"] <= r["pd_prompt_kv_bytes"], r
     assert r["goals"]["pd_tpot_ratio"] == 1.3
-    # the pull of the gRPC stream's pair, measured and checked; the Mooncake pair was not run
+    _check_pull_by_backend(r)  # the gRPC stream's pair measured and checked; the Mooncake pair not run
+    halves = split_cores()
+    if halves:
+        assert r["pd_cores"] == {"plain": halves[1], "prefill": halves[0], "decode": halves[1]}
+
+
+def _check_pull_by_backend(r: dict) -> None:
+    """The pull of the gRPC stream's pair, measured and checked; the Mooncake pair was not run."""
     by = r["pull_by_backend"]
     assert set(by) == {"grpc_stream"} and r["tokens_equal_by_backend"] is True, by
     path = by["grpc_stream"]
@@ -87,6 +94,3 @@ def test_bench_vllm_small(tmp_path):
     assert r["goals_met"]["pull_by_backend.mooncake.requests_pulled"] is False  # not run
     assert r["goals_met"]["pull_by_backend.mooncake.ratio_to_memcpy"] is False
     assert "not run" in r["not_measured"]["pull_by_backend.mooncake.ratio_to_memcpy"]
-    halves = split_cores()
-    if halves:
-        assert r["pd_cores"] == {"plain": halves[1], "prefill": halves[0], "decode": halves[1]}

@@ -124,24 +124,33 @@ def servers(tmp_path, monkeypatch):
         monkeypatch.setattr(module, "settled", lambda url, names: {n: metric(url, n) for n in names})
     monkeypatch.setattr(bench_vllm, "metric", metric)
 
-    def matrix(url: str, model: str, lengths: tuple[int, ...]) -> dict:
-        """The equality matrix's answers: the proxy's differ in one case where the test asks."""
-        out = {f"completion-{n}": (["a", "b"], [-0.5, -0.25]) for n in lengths}
-        if url in _Proxy.decode_of and knobs.get("matrix") == "differs":
-            out[f"completion-{lengths[-1]}"] = (["a", "c"], [-0.5, -0.25])
-        return out
-
-    monkeypatch.setattr(bench_vllm.pd_matrix, "answers", matrix)
+    monkeypatch.setattr(bench_vllm.pd_matrix, "answers", _matrix(knobs))
     monkeypatch.setattr(
         vllm_shared,
         "capacity_tokens",
         lambda url: int(PLAIN_CAPACITY * (SHARED_CAPACITY["ratio"] if url in _Service.prefill_urls else 1)),
     )
-    model = tmp_path / "model"
+    return knobs, _config_only_model(tmp_path / "model")
+
+
+def _matrix(knobs: dict):
+    """The equality matrix's answers: the proxy's differ in one case where the test asks."""
+
+    def answers(url: str, model: str, lengths: tuple[int, ...]) -> dict:
+        out = {f"completion-{n}": (["a", "b"], [-0.5, -0.25]) for n in lengths}
+        if url in _Proxy.decode_of and knobs.get("matrix") == "differs":
+            out[f"completion-{lengths[-1]}"] = (["a", "c"], [-0.5, -0.25])
+        return out
+
+    return answers
+
+
+def _config_only_model(model):
+    """A model directory holding only the config.json the bench reads (its layers: ``LAYERS``)."""
     model.mkdir()
     config = {"hidden_size": 64, "num_attention_heads": 2, "num_hidden_layers": LAYERS, "num_key_value_heads": 2}
     (model / "config.json").write_text(json.dumps(config))
-    return knobs, model
+    return model
 
 
 def _run(model, **kw) -> dict:

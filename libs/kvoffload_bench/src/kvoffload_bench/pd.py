@@ -267,12 +267,15 @@ def run(
         logs = work / "logs-across"
         out |= across_namespaces(model_dir, logs, **sizes, gen=gen, sampler=MemcpySampler(memcpy_bytes))
     out |= goals(out, per_round)
-    if idle_pull:
-        idle_pull_gbps, idle_memcpy = pull_vs_memcpy(prompt_tokens, block_size)
-        out |= {
-            "idle_pull_gbps": idle_pull_gbps,
-            "idle_memcpy_gbps": idle_memcpy,
-            "idle_pull_ratio_to_memcpy": idle_pull_gbps / idle_memcpy,
-            **mooncake_ceiling(),
-        }
-    return out
+    return out | (_idle_pull(prompt_tokens, block_size) if idle_pull else {})
+
+
+def _idle_pull(prompt_tokens: int, block_size: int) -> dict:
+    """The pull on an idle machine against memcpy, and Mooncake's own ceiling beside it."""
+    idle_pull_gbps, idle_memcpy = pull_vs_memcpy(prompt_tokens, block_size)
+    return {
+        "idle_pull_gbps": idle_pull_gbps,
+        "idle_memcpy_gbps": idle_memcpy,
+        "idle_pull_ratio_to_memcpy": idle_pull_gbps / idle_memcpy,
+        **mooncake_ceiling(),
+    }

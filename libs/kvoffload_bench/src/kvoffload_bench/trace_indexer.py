@@ -49,7 +49,7 @@ def record_indexer(
 
     from dsamodel.llama import LlamaModel
     from dsamodel.weights import load_model
-    from kvoffload_bench.trace_prompts import ROOT, prompt_ids
+    from kvoffload_bench.trace_prompts import prompt_ids
 
     model = load_model(model_dir)
     if not isinstance(model, LlamaModel) or not model.has_indexer:
@@ -72,27 +72,7 @@ def record_indexer(
 
         out[r], generated[r] = _decode(model, prompts[r], k, steps, attention, step_done)
     grid = torch.arange(requests * layers, dtype=torch.int32)
-    meta = {
-        "kind": "recorded",
-        "model": name,
-        "selector": "indexer",
-        "context": context,
-        "steps": steps,
-        "topk": k,
-        "topk_fraction": k / context,
-        "requests": requests,
-        "layers": layers,
-        "groups": 1,
-        "score": SCORE,
-        "decode": f"greedy sparse decode (top-{k}) in {str(model.dtype).removeprefix('torch.')} on CPU after a "
-        f"dense prefill of the prompt ({attention} attention); step 0's query is the prefill's token",
-        "sources": [
-            {"paths": paths, "sha256": [hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in paths]}
-            for paths in sources
-        ],
-        "generated": [tokenizer.decode(row) for row in generated.tolist()],
-        "generated_ids": generated.tolist(),
-    }
+    meta = _meta(name, model, tokenizer, k, context, steps, attention, sources, generated)
     return Trace(
         name,
         out.view(requests * layers, steps, k),
@@ -124,3 +104,30 @@ def _decode(
             tokens[t + 1] = token[0]
             step_done(t)
     return torch.stack([torch.cat(per_layer) for per_layer in picked]).to(torch.int32), tokens
+
+
+def _meta(name, model, tokenizer, k, context, steps, attention, sources, generated) -> dict:
+    """How the trace was made: the recording's parameters, its sources and the tokens decoded."""
+    from kvoffload_bench.trace_prompts import ROOT
+
+    return {
+        "kind": "recorded",
+        "model": name,
+        "selector": "indexer",
+        "context": context,
+        "steps": steps,
+        "topk": k,
+        "topk_fraction": k / context,
+        "requests": len(sources),
+        "layers": len(model.layers),
+        "groups": 1,
+        "score": SCORE,
+        "decode": f"greedy sparse decode (top-{k}) in {str(model.dtype).removeprefix('torch.')} on CPU after a "
+        f"dense prefill of the prompt ({attention} attention); step 0's query is the prefill's token",
+        "sources": [
+            {"paths": paths, "sha256": [hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in paths]}
+            for paths in sources
+        ],
+        "generated": [tokenizer.decode(row) for row in generated.tolist()],
+        "generated_ids": generated.tolist(),
+    }

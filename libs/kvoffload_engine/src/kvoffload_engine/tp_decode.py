@@ -261,33 +261,40 @@ def follow_decode(
                 channel.gather(status() if status is not None else None)
                 continue
             with guard:
-                if kind == "reserve":
-                    pool.give(op[3])
-                    decoder.reserve(op[1], op[2])
-                elif kind == "grow":
-                    pool.give(op[3])
-                    decoder.grow(op[1], op[2])
-                elif kind == "bind":
-                    decoder.bind(op[1])
-                elif kind == "done":
-                    decoder.set_prompt_done(op[1], op[2])
-                elif kind == "commit":
-                    decoder.commit(op[1], op[2])
-                elif kind == "finish":
-                    decoder.finish(op[1])
-                elif kind == "rows":
-                    _, rid, layer, start, (kv_shape, kv_dtype), (idx_shape, idx_dtype) = op
-                    kv = channel.recv_tensor(kv_shape, tensor_dtype(kv_dtype))
-                    idx = channel.recv_tensor(idx_shape, tensor_dtype(idx_dtype))
-                    decoder.write_prompt_layer(rid, layer, kv, idx, start=start)
-                elif kind == "forward":
-                    decoder.forward(op[1], op[2])
-                    steps += 1
-                elif kind == "mtp":
-                    _, ids, positions, next_tokens, (h_shape, h_dtype) = op
-                    h_prev = channel.recv_tensor(h_shape, tensor_dtype(h_dtype)).to(decoder.model.device)
-                    decoder.mtp_forward(ids, positions, h_prev, next_tokens)
-                else:
-                    raise RuntimeError(f"TP decode follower: unknown op {kind!r} from rank 0")
+                steps += _apply(decoder, pool, channel, op)
                 if on_op is not None:
                     on_op(op)
+
+
+def _apply(decoder: SparseDecoder, pool: AttachedPool, channel: Channel, op: tuple) -> int:
+    """Apply one of rank 0's ops to this rank's decoder; returns the steps it ran (1 for a forward)."""
+    kind = op[0]
+    if kind == "reserve":
+        pool.give(op[3])
+        decoder.reserve(op[1], op[2])
+    elif kind == "grow":
+        pool.give(op[3])
+        decoder.grow(op[1], op[2])
+    elif kind == "bind":
+        decoder.bind(op[1])
+    elif kind == "done":
+        decoder.set_prompt_done(op[1], op[2])
+    elif kind == "commit":
+        decoder.commit(op[1], op[2])
+    elif kind == "finish":
+        decoder.finish(op[1])
+    elif kind == "rows":
+        _, rid, layer, start, (kv_shape, kv_dtype), (idx_shape, idx_dtype) = op
+        kv = channel.recv_tensor(kv_shape, tensor_dtype(kv_dtype))
+        idx = channel.recv_tensor(idx_shape, tensor_dtype(idx_dtype))
+        decoder.write_prompt_layer(rid, layer, kv, idx, start=start)
+    elif kind == "forward":
+        decoder.forward(op[1], op[2])
+        return 1
+    elif kind == "mtp":
+        _, ids, positions, next_tokens, (h_shape, h_dtype) = op
+        h_prev = channel.recv_tensor(h_shape, tensor_dtype(h_dtype)).to(decoder.model.device)
+        decoder.mtp_forward(ids, positions, h_prev, next_tokens)
+    else:
+        raise RuntimeError(f"TP decode follower: unknown op {kind!r} from rank 0")
+    return 0

