@@ -19,7 +19,6 @@ ALLOWED: dict[str, str] = {
     "libs/kvoffload_vllm/src/kvoffload_vllm/consumer.py": "the D2H consumer's connector hooks, not split yet",
     "libs/kvoffload_vllm/src/kvoffload_vllm/store.py": "the store connector's hooks, not split yet",
     "libs/kvoffload_testing/src/kvoffload_testing/stack.py": "the loopback stack's config and lifecycle, not split yet",
-    "libs/kvoffload_vllm/src/kvoffload_vllm/d2h_settings.py::d2h_settings": "one validation per key, not split yet",
 }
 
 

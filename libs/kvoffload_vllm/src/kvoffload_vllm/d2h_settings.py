@@ -70,28 +70,7 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
     check_d2h_keys(kv.kv_role, kv.kv_port, dict(kv.kv_connector_extra_config or {}))
     if parsed.kv_connector != D2H_CONNECTOR or not isinstance(extra, D2HConnectorConfig):
         raise ConfigError([f"kv_transfer_config.kv_connector: got {kv.kv_connector!r}; this class is {D2H_CONNECTOR}"])
-    if parsed.kv_role not in ("kv_producer", "kv_consumer"):
-        raise ConfigError(
-            [
-                f"kv_transfer_config.kv_role: got {parsed.kv_role!r}; the {D2H_CONNECTOR} is either "
-                "the prefill ('kv_producer') or the decode ('kv_consumer')"
-            ]
-        )
-    if extra.transfer_backend not in (None, "kvoffload", *ENGINE_BACKENDS):
-        raise ConfigError(
-            [
-                f"kv_connector_extra_config.transfer_backend: got {extra.transfer_backend!r}; inside "
-                f"vLLM the pull runs on 'kvoffload' or {', '.join(map(repr, ENGINE_BACKENDS))} (memfabric is "
-                "a path of the kvoffload services only, for now)"
-            ]
-        )
-    if extra.kv_digests and parsed.kv_role != "kv_consumer":
-        raise ConfigError(
-            [
-                "kv_connector_extra_config.kv_digests: the decode ('kv_consumer') logs the digests of the KV "
-                f"it pulled; this is the prefill ({parsed.kv_role!r}): remove it"
-            ]
-        )
+    _check_role(parsed.kv_role, extra)
     par = vllm_config.parallel_config
     if par.pipeline_parallel_size > 1:
         raise ConfigError(
@@ -102,21 +81,8 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
         )
     tp, tp_rank = par.tensor_parallel_size, tp_rank_of(vllm_config)
     check_head_split(vllm_config)
-    control_port = None
-    if parsed.kv_role == "kv_consumer":
-        if parsed.kv_port is None:
-            raise ConfigError(
-                ["kv_transfer_config.kv_port: missing; the decode's control port is kv_port + dp_rank * tp + tp_rank"]
-            )
-        base_port = parsed.kv_port + par.data_parallel_rank * tp
-        control_port = base_port + tp_rank
-        if base_port + tp - 1 > 65535:
-            raise ConfigError(
-                [
-                    f"kv_transfer_config.kv_port: {parsed.kv_port} + dp_rank {par.data_parallel_rank} x tp {tp} "
-                    f"+ tp_rank (up to {tp - 1}) is beyond 65535"
-                ]
-            )
+    decode = parsed.kv_role == "kv_consumer"
+    control_port = _control_port(parsed.kv_port, par.data_parallel_rank, tp, tp_rank) if decode else None
     peer_timeout = extra.peer_timeout_s or DEFAULT_PEER_TIMEOUT_S
     return D2HSettings(
         parsed.kv_role,
@@ -133,6 +99,49 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
         kv_replicated=kv_replicated(vllm_config),
         kv_heads=vllm_config.model_config.get_num_kv_heads(par),
     )
+
+
+def _check_role(kv_role: str | None, extra: D2HConnectorConfig) -> None:
+    """The role is the prefill's or the decode's, the backend one vLLM runs, digests the decode's."""
+    if kv_role not in ("kv_producer", "kv_consumer"):
+        raise ConfigError(
+            [
+                f"kv_transfer_config.kv_role: got {kv_role!r}; the {D2H_CONNECTOR} is either "
+                "the prefill ('kv_producer') or the decode ('kv_consumer')"
+            ]
+        )
+    if extra.transfer_backend not in (None, "kvoffload", *ENGINE_BACKENDS):
+        raise ConfigError(
+            [
+                f"kv_connector_extra_config.transfer_backend: got {extra.transfer_backend!r}; inside "
+                f"vLLM the pull runs on 'kvoffload' or {', '.join(map(repr, ENGINE_BACKENDS))} (memfabric is "
+                "a path of the kvoffload services only, for now)"
+            ]
+        )
+    if extra.kv_digests and kv_role != "kv_consumer":
+        raise ConfigError(
+            [
+                "kv_connector_extra_config.kv_digests: the decode ('kv_consumer') logs the digests of the KV "
+                f"it pulled; this is the prefill ({kv_role!r}): remove it"
+            ]
+        )
+
+
+def _control_port(kv_port: int | None, dp_rank: int, tp: int, tp_rank: int) -> int:
+    """The decode rank's control port: kv_port + dp_rank * tp + tp_rank (its whole range below 65536)."""
+    if kv_port is None:
+        raise ConfigError(
+            ["kv_transfer_config.kv_port: missing; the decode's control port is kv_port + dp_rank * tp + tp_rank"]
+        )
+    base_port = kv_port + dp_rank * tp
+    if base_port + tp - 1 > 65535:
+        raise ConfigError(
+            [
+                f"kv_transfer_config.kv_port: {kv_port} + dp_rank {dp_rank} x tp {tp} "
+                f"+ tp_rank (up to {tp - 1}) is beyond 65535"
+            ]
+        )
+    return base_port + tp_rank
 
 
 def check_head_split(vllm_config: VllmConfig) -> None:
