@@ -19,7 +19,7 @@ REFERENCE_ONLY_WHY = (
     "the vLLM connectors do not speak TLS to the metastore yet, and their store runs on backend "
     "'kvoffload' only (docs/vllm.md)"
 )
-MODES = ("pd", "offload-only")  # `up --mode` (== kvoffload_testing.stack.MODES; not imported: --help stays light)
+MODES = ("pd", "offload-only")  # `up --mode` (== stack_config.MODES of kvoffload_testing; --help stays light)
 REFERENCE_MAX_MODEL_LEN = 16384
 DECODE_MAX_NUM_SEQS = 8  # the stack's decode (kvoffload-decode's default --max-num-seqs)
 VLLM_MAX_MODEL_LEN = 4096  # kvoffload_testing.vllm_stack.DEFAULT_MAX_MODEL_LEN (not imported here: --help stays light)
@@ -49,7 +49,7 @@ def _check_engine(args: argparse.Namespace) -> None:
 def stack_config(args: argparse.Namespace):
     from pathlib import Path
 
-    from kvoffload_testing.stack import DEFAULT_HOME, StackConfig, ensure_tiny_model
+    from kvoffload_testing.stack_config import DEFAULT_HOME, StackConfig, ensure_tiny_model
     from svcruntime.tls import from_args
 
     _check_engine(args)

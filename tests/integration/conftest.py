@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvoffload_testing.stack import ensure_tiny_model
+from kvoffload_testing.stack_config import ensure_tiny_model
 
 
 @pytest.fixture(scope="module")

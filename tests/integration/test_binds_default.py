@@ -13,8 +13,9 @@ import pytest
 from sockets import listening_sockets
 
 from kvoffload_testing.ports import DATA_PORT_OFFSET, free_stack_ports
-from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
+from kvoffload_testing.stack import Stack, StackConfig
 from kvoffload_testing.stack_client import stack_stats
+from kvoffload_testing.stack_config import ensure_tiny_model
 
 pytestmark = [
     pytest.mark.stack,

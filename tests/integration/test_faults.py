@@ -38,8 +38,9 @@ from kvoffload_testing.faults import (
     fault_stack_config,
     reference_tokens,
 )
-from kvoffload_testing.stack import Stack, ensure_tiny_model
+from kvoffload_testing.stack import Stack
 from kvoffload_testing.stack_client import stack_stats
+from kvoffload_testing.stack_config import ensure_tiny_model
 
 pytestmark = pytest.mark.stack
 

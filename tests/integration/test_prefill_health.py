@@ -13,8 +13,9 @@ import urllib.request
 import pytest
 
 from kvoffload_testing.ports import DATA_PORT_OFFSET, free_stack_ports
-from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
+from kvoffload_testing.stack import Stack, StackConfig
 from kvoffload_testing.stack_client import healthy
+from kvoffload_testing.stack_config import ensure_tiny_model
 
 pytestmark = [pytest.mark.stack, pytest.mark.slow]
 

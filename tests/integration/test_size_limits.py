@@ -18,7 +18,6 @@ ALLOWED: dict[str, str] = {
     "tests/integration/test_vllm_pd.py": "one vLLM P/D stack's tests; a split module would start it twice",
     "libs/kvoffload_vllm/src/kvoffload_vllm/consumer.py": "the D2H consumer's connector hooks, not split yet",
     "libs/kvoffload_vllm/src/kvoffload_vllm/store.py": "the store connector's hooks, not split yet",
-    "libs/kvoffload_testing/src/kvoffload_testing/stack.py": "the loopback stack's config and lifecycle, not split yet",
 }
 
 

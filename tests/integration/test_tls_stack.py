@@ -13,8 +13,9 @@ import pytest
 import tlscerts  # test support on the root pytest pythonpath (needs cryptography, a test extra)
 
 from kvoffload_testing.ports import DATA_PORT_OFFSET, free_stack_ports
-from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
+from kvoffload_testing.stack import Stack, StackConfig
 from kvoffload_testing.stack_client import grpc_stats, healthy, post_json
+from kvoffload_testing.stack_config import ensure_tiny_model
 from svcruntime.tls import TLSConfig
 
 pytestmark = pytest.mark.stack

@@ -14,7 +14,7 @@ from kvoffload_engine import buffers, decode_requests, engine, prefill
 from kvoffload_engine import decode as decode_module
 from kvoffload_engine.engine import Engine, EngineConfig
 from kvoffload_testing.reference import greedy_reference
-from kvoffload_testing.stack import ensure_tiny_model
+from kvoffload_testing.stack_config import ensure_tiny_model
 from openai_api.sampling_params import SamplingParams
 
 PROMPT = [1] + [7 + (i * 37) % 250 for i in range(299)]  # 300 tokens: sparse top-k, 19 blocks

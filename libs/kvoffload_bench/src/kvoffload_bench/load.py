@@ -227,8 +227,9 @@ def run(
     """One stack round and one single-process round per client count, then the burst case and the
     polite burst on the same stack (``load_burst``, ``load_polite``); returns the JSON-ready result."""
     from kvoffload_testing.ports import free_stack_ports
-    from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
+    from kvoffload_testing.stack import Stack, StackConfig
     from kvoffload_testing.stack_client import stack_stats
+    from kvoffload_testing.stack_config import ensure_tiny_model
     from svcruntime.logs import quiet_logs
 
     quiet_logs()

@@ -231,7 +231,7 @@ def run(
     ``backends``, the pull on each P→D data path (``pull_by_backend``); with ``across``, the paths
     across hosts with the decode in a network namespace (``pull_across_namespaces``)."""
     from dsamodel.presets import write_tiny
-    from kvoffload_testing.stack import ensure_tiny_model
+    from kvoffload_testing.stack_config import ensure_tiny_model
     from svcruntime.logs import quiet_logs
 
     if rounds < 1:

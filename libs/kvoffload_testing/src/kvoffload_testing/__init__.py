@@ -5,8 +5,9 @@ starts is a ``svcruntime.serverprocess.ServerProcess`` (``service.Service`` for 
 
 - ``service``            ``Service``: one server of a stack as a child process (log file, health
                          URL, dies with the launcher); the metastore's and the proxy's command lines.
-- ``stack``              ``Stack`` / ``StackConfig``: the reference P/D stack on loopback, one process
-                         per service; ``ports`` (free loopback ports), ``connector_configs`` (the
+- ``stack``              ``Stack``: the reference P/D stack on loopback, one process per service;
+                         ``stack_config`` (``StackConfig``, the tiny model it runs by default),
+                         ``ports`` (free loopback ports), ``connector_configs`` (the
                          services' --kv-transfer-config / --additional-config JSON), ``stack_client``
                          (health probes, completions, Stats of a running stack; ``logtail`` the last
                          lines of a service's log its errors quote), ``stack_threads``

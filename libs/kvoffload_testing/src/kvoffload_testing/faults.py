@@ -58,8 +58,9 @@ from kvoffload_testing.fault_tally import (
     summarize,
 )
 from kvoffload_testing.ports import free_stack_ports
-from kvoffload_testing.stack import Stack, StackConfig, ensure_tiny_model
+from kvoffload_testing.stack import Stack, StackConfig
 from kvoffload_testing.stack_client import healthy, stack_stats
+from kvoffload_testing.stack_config import ensure_tiny_model
 
 PEER_TIMEOUT_S = 2.0
 POOL_TIMEOUT_MS = 3000  # the metastore's heartbeat timeout for pools
