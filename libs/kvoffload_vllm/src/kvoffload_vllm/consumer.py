@@ -40,10 +40,11 @@ from kvcore.gather import write_pages
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 from kvoffload_vllm.d2h_engine import read_blocks, start_d2h_engine
 from kvoffload_vllm.d2h_layers import D2HLayers
+from kvoffload_vllm.d2h_layout import layer_slice, layout_problem
 from kvoffload_vllm.d2h_plan import blocks_of
 from kvoffload_vllm.d2h_settings import D2HSettings
 from kvoffload_vllm.d2h_step import D2HStepMetadata
-from kvoffload_vllm.d2h_tp import HeadSlice, head_slice, slice_problem, sliced
+from kvoffload_vllm.d2h_tp import HeadSlice, sliced
 from kvoffload_vllm.incoming import Incoming, RequestEnded
 from kvoffload_vllm.kv_digest import prompt_digests
 from kvoffload_vllm.kv_groups import NULL_BLOCK
@@ -239,36 +240,7 @@ class Consumer(RowSink):
         return self.layers.block_size(layer)
 
     def layout_problem(self, m: transfer_pb2.LayoutMetadata) -> str:
-        if self.transfer is not None:
-            for got in m.layers:
-                if not got.engine_block_address or not got.engine_block_stride_bytes:
-                    return (
-                        f"layers[{got.layer}].engine_block_address: the prefill names no block addresses in "
-                        f"its {m.transfer_engine!r} session; a vLLM decode reads a vLLM prefill's blocks"
-                    )
-        for i, got in enumerate(m.layers):
-            row_bytes, dtype = self.layers.row_bytes(i), self.layers.dtypes[i]
-            part = self._slice(m, i)
-            if got.layer != i or isinstance(part, str) or got.main_dtype != dtype or got.indexer_row_bytes:
-                return (
-                    f"layers[{i}]: prefill layer {got.layer} rows {got.main_row_bytes} bytes {got.main_dtype} "
-                    f"(indexer {got.indexer_row_bytes}), decode layer {i} ({self.layers.names[i]}) rows "
-                    f"{row_bytes} bytes {dtype} (no indexer){f': {part}' if isinstance(part, str) else ''}"
-                )
-            problem = slice_problem(part, self.layers, i, self.settings.kv_heads, self.transfer is not None)
-            if problem:
-                return f"layers[{i}] ({self.layers.names[i]}): {problem}"
-        return ""
-
-    def _slice(self, m: transfer_pb2.LayoutMetadata, layer: int) -> HeadSlice | str:
-        """The part of each of this rank's rows of ``layer`` the prefill rank of layout ``m`` fills."""
-        return head_slice(
-            m.layers[layer].main_row_bytes,
-            self.layers.row_bytes(layer),
-            m.prefill_tp_size,
-            m.prefill_tp_rank,
-            self.settings.tp_size,
-        )
+        return layout_problem(m, self.layers, self.settings, in_place=self.transfer is not None)
 
     def planes(self, layer: int) -> list[Plane]:
         return [Plane(transfer_pb2.PLANE_KIND_MAIN, self.layers.row_bytes(layer))]
@@ -310,7 +282,7 @@ class Consumer(RowSink):
 
     def _part(self, read: Read) -> tuple[HeadSlice, int]:
         """The head slice of each block ``read``'s prefill rank fills, and its coverage row."""
-        part = self._slice(read.meta, read.layer)
+        part = layer_slice(read.meta, read.layer, self.layers, self.settings.tp_size)
         assert not isinstance(part, str)  # layout_problem accepted the layout
         return part, self.layers.plane_of[read.layer] * part.count + part.index
 
