@@ -17,7 +17,8 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``store_mmc``: what that config leaves out, from the seed's mmc files (``MMC_*_CONFIG_PATH``).
 - ``unread_config``: the guide's keys a vLLM server would leave unread (``sparse_kv_offload_config``,
   the pull's ``use_layerwise``): refused or warned at start-up.
-- ``store_counters``: its counters and what each counts.
+- ``store_counters``: its counters and what each counts; ``store_saves``: what a step's saves report (counted,
+  logged, or a failed save's objects removed; layers in the pool before the forward ended).
 - ``store_tp``: the pool keys each TP rank keeps its blocks under.
 - ``tp``: this engine's TP rank, and whether every rank holds the same KV.
 - ``plan``: which blocks each step of the store loads and saves.

@@ -70,6 +70,7 @@ from kvoffload_vllm.shared_steps import SharedSteps, StepBlocks
 from kvoffload_vllm.stats import Counters, CountingConnector
 from kvoffload_vllm.store_config import store_config
 from kvoffload_vllm.store_counters import COUNTERS
+from kvoffload_vllm.store_saves import report_save, report_step
 from kvoffload_vllm.store_tp import RankKeys
 from kvoffload_vllm.tp import kv_replicated, tp_rank_of
 from poolbackends.client import MetaStoreClient
@@ -343,40 +344,10 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
             except Exception as exc:  # noqa: BLE001 - the object stays incomplete: removed below
                 failed.setdefault((t.request_id, t.group), exc)
         for t in saves or []:
-            self._saved(t, failed.get((t.request_id, t.group)))
-        self._log_step(saves or [])
-
-    def _saved(self, t: Transfer, error: BaseException | None) -> None:
-        """Count one save; a failed one's objects (incomplete, never visible) are removed."""
-        if error is None:
             c = self._group_caches[t.group]
-            self._counters.add(blocks_saved=len(t.keys), bytes_saved=len(t.keys) * c.object_bytes)
-            log.info("kvoffload_saved", request_id=t.request_id, group=t.group, blocks=len(t.keys))
-            return
-        self._counters.add(save_errors=len(t.keys))
-        log.warning(
-            "kvoffload_save_failed", request_id=t.request_id, group=t.group, blocks=len(t.keys), error=str(error)
-        )
-        try:
-            self._pools[t.group].remove(list(t.keys))
-        except PoolError as exc:
-            log.warning("kvoffload_remove_failed", request_id=t.request_id, error=str(exc))
-
-    def _log_step(self, saves: list[Transfer]) -> None:
-        """Layerwise: how many layers were already in the pool when the last layer's attention ended."""
+            report_save(t, failed.get((t.request_id, t.group)), self._counters, c.object_bytes, self._pools[t.group])
         handoffs, saved_at, self._handoffs, self._saved_at = self._handoffs, self._saved_at, [], {}
-        if not handoffs:
-            return
-        during = sum(1 for at in saved_at.values() if at < handoffs[-1])
-        self._counters.add(layers_saved_during_forward=during)
-        log.info(
-            "kvoffload_step_saved",
-            layers=len(handoffs),
-            layers_saved_during_forward=during,
-            forward_s=round(handoffs[-1] - handoffs[0], 4),
-            first_layer_saved_s=round(min(saved_at.values(), default=handoffs[0]) - handoffs[0], 4),
-            request_ids=sorted({t.request_id for t in saves}),
-        )
+        report_step(handoffs, saved_at, saves or [], self._counters)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._shared_steps is not None:  # their host copies are no longer needed
