@@ -44,19 +44,18 @@ A random 6-layer Llama (fp32) keeps it fast; its prefill keeps 4 shared layer bu
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from pool_pages import model_id, pages_digests, pool_pages, pulled_digests
+from vllm_faults import gate_waits, idle, in_flight, slowed
 from vllm_support import completion, store_config, tiny_llama_dir
 
 from kvoffload_bench import pd_matrix
@@ -255,25 +254,12 @@ def fault_prompt(salt: int, tokens: int = 6000) -> list[int]:
     return [(i * 7919 + salt * 104729) % 40000 + 1000 for i in range(tokens)]
 
 
-def _in_flight(url: str, body: list[int], outcome: dict) -> threading.Thread:
-    def client() -> None:
-        try:
-            outcome["answer"] = completion(url, body, 8, timeout_s=180)["choices"][0]["text"]
-        except Exception as exc:  # noqa: BLE001 - the error is an outcome under test
-            outcome["error"] = str(exc)
-        outcome["at"] = time.monotonic()
-
-    thread = threading.Thread(target=client)
-    thread.start()
-    return thread
-
-
 def _mid_transfer(pd: PD, body: list[int]) -> tuple[dict, threading.Thread]:
     """``body`` sent through the proxy (its outcome filled in by the returned thread), once the prefill
     announced a step of its layers: the request is mid-pull."""
     outcome: dict = {}
     before = pd.log("prefill-0").count(ANNOUNCED)
-    thread = _in_flight(pd.proxy_url, body, outcome)
+    thread = in_flight(pd.proxy_url, body, outcome)
     deadline = time.monotonic() + 120
     while pd.log("prefill-0").count(ANNOUNCED) <= before:
         assert time.monotonic() < deadline, pd.log("prefill-0")[-3000:]
@@ -289,18 +275,6 @@ def _prefill_alone(pd: PD, body: list[int], max_tokens: int) -> str:
 def _next_request_is_right(pd: PD, body: list[int], max_tokens: int) -> None:
     got = completion(pd.proxy_url, body, max_tokens, timeout_s=180)["choices"][0]["text"]
     assert got == _prefill_alone(pd, body, max_tokens)
-
-
-def _idle(url: str, within_s: float) -> float:
-    """Seconds until the server at ``url`` runs no request and holds no KV block (AssertionError past
-    ``within_s``)."""
-    t0 = time.monotonic()
-    while True:
-        m = scrape(url)
-        if m.total("vllm:num_requests_running") == 0 and m.total("vllm:kv_cache_usage_perc") == 0:
-            return time.monotonic() - t0
-        assert time.monotonic() - t0 < within_s, f"{url} still holds requests or KV"
-        time.sleep(0.2)
 
 
 @pytest.mark.slow
@@ -364,44 +338,18 @@ def test_slowed_pool_saves_hold_the_next_layer_at_the_gate_and_the_saved_and_pul
     side with the same kind of request unslowed (its waits: ~0)."""
     since = len(pd.log("prefill-0"))
     completion(pd.proxy_url, fault_prompt(7), 8, timeout_s=180)
-    unslowed = _gate_waits(pd.log("prefill-0")[since:])
+    unslowed = gate_waits(pd.log("prefill-0")[since:])
     since = len(pd.log("prefill-0"))
     body = fault_prompt(6)
-    with _slowed(pd.stack.process("metastore")):
+    with slowed(pd.stack.process("metastore")):
         answer = completion(pd.proxy_url, body, 8, timeout_s=180)["choices"][0]["text"]
     log = pd.log("prefill-0")[since:]
-    slowed = _gate_waits(log)
-    assert sum(slowed) >= sum(unslowed) + 0.5, (slowed, unslowed)
+    waits = gate_waits(log)
+    assert sum(waits) >= sum(unslowed) + 0.5, (waits, unslowed)
     assert "kvoffload_save_failed" not in log and "kvoffload_save_skipped" not in log, log[-3000:]
     assert "ReuseTimeout" not in log
     _pulled_kv_is_the_plain_servers(pd, 6)
     assert answer == _prefill_alone(pd, body, 8)
-
-
-def _gate_waits(prefill_log: str) -> list[float]:
-    return [float(w) for w in re.findall(r"kvoffload_shared_step\b.*?gate_wait_s=([\d.]+)", prefill_log)]
-
-
-@contextlib.contextmanager
-def _slowed(proc, stopped_s: float = 1.0, running_s: float = 0.02) -> Iterator[None]:
-    """``proc`` stopped ``stopped_s``, run ``running_s``, over and over while the block runs."""
-    done = threading.Event()
-
-    def cycle() -> None:
-        while not done.is_set():
-            signal_group(proc, signal.SIGSTOP, 0)
-            time.sleep(stopped_s)
-            signal_group(proc, signal.SIGCONT, 0)
-            time.sleep(running_s)
-
-    thread = threading.Thread(target=cycle, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-        signal_group(proc, signal.SIGCONT, 0)
 
 
 @pytest.mark.slow
@@ -411,7 +359,7 @@ def test_kill_9_of_the_decode_mid_pull_releases_the_gate_and_the_next_request_su
     assert signal_group(pd.stack.process("decode-0"), signal.SIGKILL, 10)
     thread.join(timeout=180)
     assert not thread.is_alive()
-    _idle(pd.prefill_url, within_s=PEER_TIMEOUT_S + 10)  # the failed reads let every layer go on, and the request end
+    idle(pd.prefill_url, within_s=PEER_TIMEOUT_S + 10)  # the failed reads let every layer go on, and the request end
     log = pd.log("prefill-0")[since:]
     assert "kvoffload_d2h_reads_failed" in log and "ReuseTimeout" not in log, log[-3000:]
     pd.stack.restart("decode-0", timeout_s=600)
@@ -429,7 +377,7 @@ def test_kill_9_of_the_prefill_mid_transfer_ends_the_request_and_frees_the_decod
     assert outcome["at"] - killed_at < PEER_TIMEOUT_S + 5, outcome
     if "error" in outcome:
         assert "prefill" in outcome["error"] or "502" in outcome["error"], outcome
-    _idle(pd.decode_url, within_s=PEER_TIMEOUT_S + 10)
+    idle(pd.decode_url, within_s=PEER_TIMEOUT_S + 10)
     log = pd.log("decode-0")[since:]
     assert "kvoffload_d2h_cancelled" in log or "kvoffload_d2h_load_failed" in log, log[-3000:]
     pd.stack.restart("prefill-0", timeout_s=600)
