@@ -50,7 +50,7 @@ def gate_waits(prefill_log: str) -> list[float]:
 
 
 @contextlib.contextmanager
-def slowed(proc, stopped_s: float = 1.0, running_s: float = 0.02) -> Iterator[None]:
+def slowed(proc, stopped_s: float, running_s: float) -> Iterator[None]:
     """``proc`` stopped ``stopped_s``, run ``running_s``, over and over while the block runs."""
     done = threading.Event()
 
