@@ -64,7 +64,7 @@ def test_the_reference_demo_prints_the_question_or_says_the_tiny_text_is_meaning
     tmp_path, monkeypatch, capsys, model
 ):
     import kvoffload_testing.reference_demo as rd
-    import kvoffload_testing.stack as stack_mod
+    import kvoffload_testing.stack_config as stack_config
     from kvoffload_testing import model_indexer
 
     seen = {}
@@ -74,7 +74,7 @@ def test_the_reference_demo_prints_the_question_or_says_the_tiny_text_is_meaning
         return "The Apache License 2.0.", {"prompt_tokens": 2270, "completion_tokens": 9, "seconds": 1.0}
 
     monkeypatch.setattr(rd, "run_demo", fake_run_demo)
-    monkeypatch.setattr(stack_mod, "ensure_tiny_model", lambda path: tmp_path / "tiny")
+    monkeypatch.setattr(stack_config, "ensure_tiny_model", lambda path: tmp_path / "tiny")
     monkeypatch.setattr(model_indexer, "served_model", lambda name, log=print: tmp_path / name)
     argv = ["demo", "--log-dir", str(tmp_path), *(["--model", model] if model else [])]
     assert cli.main(argv) == 0

@@ -80,6 +80,7 @@ def stack(monkeypatch):
     import kvoffload_testing.reference
     import kvoffload_testing.stack
     import kvoffload_testing.stack_client
+    import kvoffload_testing.stack_config
 
     pull = {"ms": 5.0}
     calls = itertools.count()
@@ -87,7 +88,7 @@ def stack(monkeypatch):
     monkeypatch.setattr(
         kvoffload_testing.stack_client, "stack_stats", lambda cfg: _decode_stats(next(calls), pull["ms"])
     )
-    monkeypatch.setattr(kvoffload_testing.stack, "ensure_tiny_model", _tiny_config)
+    monkeypatch.setattr(kvoffload_testing.stack_config, "ensure_tiny_model", _tiny_config)
     monkeypatch.setattr(kvoffload_testing.reference, "TimedEngine", _Engine)
     monkeypatch.setattr(bench_pd.urllib.request, "urlopen", lambda req, timeout: _Response(TOKENS))
     return pull
