@@ -17,13 +17,13 @@ on an engine request with the same prompt from its first decode step on.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from kvcore.traces.trace import Trace
+from kvoffload_bench.trace_prompts import prompt_ids, sources_meta
 
 SCORE = (
     "the model's indexer (PCA keys and queries, dsamodel.pca_indexer): softmax mass over the layer's "
@@ -49,7 +49,6 @@ def record_indexer(
 
     from dsamodel.llama import LlamaModel
     from dsamodel.weights import load_model
-    from kvoffload_bench.trace_prompts import prompt_ids
 
     model = load_model(model_dir)
     if not isinstance(model, LlamaModel) or not model.has_indexer:
@@ -108,8 +107,6 @@ def _decode(
 
 def _meta(name, model, tokenizer, k, context, steps, attention, sources, generated) -> dict:
     """How the trace was made: the recording's parameters, its sources and the tokens decoded."""
-    from kvoffload_bench.trace_prompts import ROOT
-
     return {
         "kind": "recorded",
         "model": name,
@@ -124,10 +121,7 @@ def _meta(name, model, tokenizer, k, context, steps, attention, sources, generat
         "score": SCORE,
         "decode": f"greedy sparse decode (top-{k}) in {str(model.dtype).removeprefix('torch.')} on CPU after a "
         f"dense prefill of the prompt ({attention} attention); step 0's query is the prefill's token",
-        "sources": [
-            {"paths": paths, "sha256": [hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in paths]}
-            for paths in sources
-        ],
+        "sources": sources_meta(sources),
         "generated": [tokenizer.decode(row) for row in generated.tolist()],
         "generated_ids": generated.tolist(),
     }

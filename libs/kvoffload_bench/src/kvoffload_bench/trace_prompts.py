@@ -3,6 +3,7 @@ summarize a document of this repository, exactly ``context`` tokens long."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -39,3 +40,11 @@ def prompt_ids(tokenizer, *, context: int, requests: int) -> tuple[torch.Tensor,
         rows.append(prefix + doc[:room] + suffix)
         used.append(names)
     return torch.tensor(rows, dtype=torch.long), used
+
+
+def sources_meta(sources: list[list[str]]) -> list[dict]:
+    """What each prompt read, for a trace's metadata: its documents' paths and their SHA-256."""
+    return [
+        {"paths": paths, "sha256": [hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in paths]}
+        for paths in sources
+    ]

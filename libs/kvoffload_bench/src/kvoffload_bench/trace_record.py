@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import importlib.metadata
 import json
 from collections.abc import Callable, Iterator
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 from kvcore.traces.trace import Trace, traces_dir
-from kvoffload_bench.trace_prompts import INSTRUCTION, ROOT, prompt_ids
+from kvoffload_bench.trace_prompts import INSTRUCTION, prompt_ids, sources_meta
 
 # the traces ``ensure`` can record: ``smollm2`` (the exact attention top-k, ``record``) and
 # ``smollm2-indexer`` (the live indexer's selections, ``kvoffload_bench.trace_indexer``), both of
@@ -161,10 +160,7 @@ def record(
         "decode steps with eager attention (attention weights); the last prompt token is step 0's query",
         "prompt": "chat template, user message: " + json.dumps(INSTRUCTION) + " + document, truncated so the "
         "prompt is exactly `context` tokens",
-        "sources": [
-            {"paths": paths, "sha256": [hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in paths]}
-            for paths in sources
-        ],
+        "sources": sources_meta(sources),
         "versions": {d: importlib.metadata.version(d) for d in ("transformers", "torch")},
         "generated": [tokenizer.decode(row) for row in generated.tolist()],
     }
