@@ -292,8 +292,11 @@ def test_a_stalled_decode_holds_the_next_layer_at_the_gate_and_the_pull_complete
         held_seen = _held_by_a_pull(pd, stalled_from, within_s=REACH_GATE_S)
         time.sleep(HELD_S)
     finally:
+        # read before the decode runs again: the gate's wait began before its line was seen and ends
+        # after SIGCONT, so this is a lower bound however late this thread is scheduled afterwards
+        continued_at = time.monotonic()
         signal_group(decode, signal.SIGCONT, 0)
-    held_s = time.monotonic() - held_seen  # the gate held at least this long while the decode was stopped
+    held_s = continued_at - held_seen  # the gate held at least this long while the decode was stopped
     thread.join(timeout=180)
     assert "answer" in outcome, outcome
     waits = [float(w) for w in re.findall(r"gate_wait_s=([\d.]+)", pd.log("prefill-0")[stalled_from:])]
