@@ -1,6 +1,6 @@
 """The package map cannot drift from the code: each package's ``__init__`` docstring names every
 module of its folder (its module map), each package's ``pyproject.toml`` declares exactly the
-first-party distributions its modules import, and the dependency table of docs/design.md §4 is
+first-party distributions its modules import, and the dependency table of docs/design.md §2 is
 that graph."""
 
 from __future__ import annotations
