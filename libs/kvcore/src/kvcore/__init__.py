@@ -16,6 +16,9 @@ The JSON users write (``--kv-transfer-config``, ``--additional-config``) and the
 - ``nodeconfig``: a node's two JSON options parsed together, and its connectors looked up in them.
 - ``prefillsettings`` / ``decodesettings``: the validated settings of a prefill / decode node.
 - ``pdpair``: whether a prefill and a decode deployment pair, and which TP ranks feed which.
+- ``transferregistry``: one entry per P→D transfer backend (name, what it needs, where it runs, its
+  engine factory, its keys, whether vLLM and a loopback stack take it), read by config validation,
+  the services, the vLLM connector, the stack and the benches.
 - ``backends``: whether a host-pool or P→D transfer backend can run here.
 - ``mmcconf``: the Memcache conf files (``mmc-meta.conf`` / ``mmc-local.conf``).
 

@@ -4,16 +4,14 @@ The embedded ``"kvoffload"`` backends (host pool, P→D data path) run everywher
 backend runs wherever the module its probe names imports (``ImportProbe``): a host-pool backend's
 probe is its ``kvcore.poolregistry`` entry's (``"mooncake"``: ``mooncake.store``, the wheel
 ``mooncake-transfer-engine-non-cuda`` plus Debian's ``libibverbs1``, no NPU needed; its master is
-checked when the pool connects; ``"memcache"``: ``memcache_hybrid``), the transfer backend
-``"memfabric"`` (the P→D layer pull over memfabric_hybrid's TransferEngine, ``pdlink.memfabric``)
-needs ``memfabric_hybrid``, the transfer backend ``"mooncake"`` (over Mooncake Transfer Engine,
-``pdlink.mooncake``) ``mooncake.engine``, the same wheel as Mooncake Store's. Whether the Ascend
-backends' data path runs here (it needs an Ascend NPU driver) is decided by the adapter's own
-construction, the single source of truth, which fails with
-the library's reason at start-up. Services call ``require_available`` at start-up: a backend that
-cannot run here is an error that says exactly why (missing module and how to install it) and names
-the embedded alternative, never a silent substitution. The import probe (``import_module``) is
-module-level so tests can replace it.
+checked when the pool connects; ``"memcache"``: ``memcache_hybrid``), a transfer backend's its
+``kvcore.transferregistry`` entry's (``"memfabric"``: ``memfabric_hybrid``; ``"mooncake"``:
+``mooncake.engine``, the same wheel as Mooncake Store's). Whether the Ascend backends' data path
+runs here (it needs an Ascend NPU driver) is decided by the adapter's own construction, the single
+source of truth, which fails with the library's reason at start-up. Services call
+``require_available`` at start-up: a backend that cannot run here is an error that says exactly why
+(missing module and how to install it) and names the embedded alternative, never a silent
+substitution. The import probe (``import_module``) is module-level so tests can replace it.
 """
 
 from __future__ import annotations
@@ -22,23 +20,14 @@ import importlib
 from types import ModuleType
 
 from kvcore.configerrors import ConfigError, describe_value
-from kvcore.confignames import TRANSFER_BACKENDS
-from kvcore.poolregistry import EMBEDDED, MOONCAKE_INSTALL, POOL_BACKENDS, STORE_BACKENDS, ImportProbe
+from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STORE_BACKENDS, ImportProbe
+from kvcore.transferregistry import TRANSFER_NAMES, TRANSFERS
 
 AVAILABLE = "available"
 
-MEMFABRIC_INSTALL = "install MemFabric: scripts/install-memcache (it runs `pip install memfabric_hybrid==1.3.0`)"
-_TRANSFER_PROBES = {
-    "memfabric": ImportProbe("memfabric_hybrid", MEMFABRIC_INSTALL),
-    "mooncake": ImportProbe("mooncake.engine", MOONCAKE_INSTALL),
-}
-
 _ALTERNATIVES = {
-    "backend": "use backend 'kvoffload' (the embedded host pool managed by kvoffload-metastore)",
-    "transfer_backend": (
-        "use transfer_backend 'kvoffload' (the embedded P→D data path: shared memory on one host, "
-        "gRPC streaming across hosts)"
-    ),
+    "backend": f"use backend {EMBEDDED!r} (the embedded host pool managed by kvoffload-metastore)",
+    "transfer_backend": f"use transfer_backend {EMBEDDED!r} ({TRANSFERS[EMBEDDED].summary})",
 }
 
 
@@ -62,14 +51,16 @@ def _failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _probe(name: str) -> ImportProbe | None:
-    pool = POOL_BACKENDS.get(name)
-    return pool.probe if pool is not None else _TRANSFER_PROBES.get(name)
+def _probe(name: str, kind: str) -> ImportProbe | None:
+    """The probe of ``name``'s entry in the registry of ``kind`` ("backend": host pools, else transfers)."""
+    entry = POOL_BACKENDS.get(name) if kind == "backend" else TRANSFERS.get(name)
+    return entry.probe if entry is not None else None
 
 
-def backend_problem(name: str) -> str | None:
-    """None when the backend ``name`` can run here, else the exact reason it cannot."""
-    probe = _probe(name)
+def backend_problem(name: str, kind: str = "backend") -> str | None:
+    """None when the backend ``name`` (of ``kind``: "backend", the host pool's, or "transfer_backend")
+    can run here, else the exact reason it cannot."""
+    probe = _probe(name, kind)
     if probe is None:
         return None
     try:
@@ -84,7 +75,7 @@ def _check(kind: str, name: str | None, valid: tuple[str, ...]) -> str | None:
         return None
     if name not in valid:
         raise ConfigError([f"{kind}: got {describe_value(name)}; must be one of {', '.join(map(repr, valid))}"])
-    problem = backend_problem(name)
+    problem = backend_problem(name, kind)
     if problem is None:
         return None
     return f"{kind} {name!r} cannot run here: {problem}; {_ALTERNATIVES[kind]}"
@@ -96,7 +87,7 @@ def require_available(*, backend: str | None = None, transfer_backend: str | Non
         reason
         for reason in (
             _check("backend", backend, STORE_BACKENDS),
-            _check("transfer_backend", transfer_backend, TRANSFER_BACKENDS),
+            _check("transfer_backend", transfer_backend, TRANSFER_NAMES),
         )
         if reason is not None
     ]
@@ -105,6 +96,9 @@ def require_available(*, backend: str | None = None, transfer_backend: str | Non
 
 
 def describe_availability() -> dict[str, str]:
-    """Every backend name -> ``"available"`` or the reason it cannot run here (for start-up logs)."""
-    names = dict.fromkeys((EMBEDDED, *STORE_BACKENDS, *TRANSFER_BACKENDS))
-    return {name: backend_problem(name) or AVAILABLE for name in names}
+    """Every backend name -> ``"available"`` or the reason it cannot run here (for start-up logs); a
+    name of both registries (``"mooncake"``) reports its host-pool backend's."""
+    out = {name: backend_problem(name) or AVAILABLE for name in STORE_BACKENDS}
+    for name in TRANSFER_NAMES:
+        out.setdefault(name, backend_problem(name, "transfer_backend") or AVAILABLE)
+    return out

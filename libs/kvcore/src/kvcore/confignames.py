@@ -2,7 +2,8 @@
 
 Plain constants, importable without pydantic: ``kvcore.backends`` (which backends can run here),
 ``kvcore.hotcache`` (the policies) and the services read them as well as the config models. The
-host-pool backends' names are their ``kvcore.poolregistry`` entries' (``STORE_BACKENDS``).
+host-pool backends' names are their ``kvcore.poolregistry`` entries' (``STORE_BACKENDS``), the P→D
+transfer backends' their ``kvcore.transferregistry`` entries' (``TRANSFER_NAMES``).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ D2H_CONNECTOR = "SfaRemoteD2HConnector"
 MULTI_CONNECTOR = "MultiConnector"
 CONNECTORS = (STORE_CONNECTOR, D2H_CONNECTOR, MULTI_CONNECTOR)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-TRANSFER_BACKENDS = ("kvoffload", "memfabric", "mooncake")
-STACK_TRANSFERS = ("kvoffload", "mooncake")  # those a loopback stack runs (memfabric needs an Ascend NPU)
 # memfabric_hybrid.TransDataOpType members, lower-case (its TransferEngine's data operation; the
 # library's default is SDMA)
 MEMFABRIC_DATA_OPS = ("sdma", "host_rdma", "device_rdma", "device_urma", "device_uboe")

@@ -1,7 +1,8 @@
 """``kv_connector_extra_config`` of each single connector: ``StoreConnectorConfig`` (the
 AscendStoreConnector: host KV pool and layerwise offload) and ``D2HConnectorConfig`` (the
 SfaRemoteD2HConnector: remote P→D device-to-host pull), with the keys that belong to one backend
-(a host-pool backend's keys are its ``kvcore.poolregistry`` entry's model, in ``kvcore.poolkeys``).
+(a host-pool backend's keys are its ``kvcore.poolregistry`` entry's model, in ``kvcore.poolkeys``; a
+transfer backend's keys are fields here, named by its ``kvcore.transferregistry`` entry).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from kvcore.configfields import (
     positive_seconds,
 )
 from kvcore.configmodel import ConfigModel
-from kvcore.confignames import LAYERWISE_KEYS, MEMFABRIC_DATA_OPS, TRANSFER_BACKENDS
+from kvcore.confignames import LAYERWISE_KEYS, MEMFABRIC_DATA_OPS
 from kvcore.poolregistry import POOL_BACKENDS, STORE_BACKENDS, key_models
+from kvcore.transferregistry import TRANSFER_NAMES, TRANSFERS
 
 POOL_KEY_MODELS = key_models()  # backend name -> the model of its keys
 
@@ -85,14 +87,15 @@ class D2HConnectorConfig(ConfigModel):
 
     _ROOT: ClassVar[str] = "kv_connector_extra_config"
 
-    transfer_backend: Annotated[str | None, choice(TRANSFER_BACKENDS, optional=True)] = None
+    transfer_backend: Annotated[str | None, choice(TRANSFER_NAMES, optional=True)] = None
     use_layerwise: StrictBool = False
     # read by the vLLM connector (kvoffload_vllm); the reference services take them as flags
     advertise_host: Annotated[str | None, BeforeValidator(host)] = None  # where peers reach this engine
     data_port: Annotated[int | None, int_rule(0, 65535, optional=True)] = None  # producer's LayerSource; 0: any
     peer_timeout_s: Annotated[float | None, BeforeValidator(positive_seconds)] = None
     kv_digests: StrictBool = False  # decode: log a digest of each layer's prompt KV once it landed
-    # transfer_backend "memfabric" only: TransferEngine.initialize's device_id and data_op_type
+    # transfer_backend "memfabric" only (its registry entry's keys): TransferEngine.initialize's
+    # device_id and data_op_type
     memfabric_device_id: Annotated[int, int_rule(0)] = 0
     memfabric_data_op: Annotated[str, choice(MEMFABRIC_DATA_OPS)] = "sdma"
 
@@ -102,20 +105,18 @@ class D2HConnectorConfig(ConfigModel):
         "peer_timeout_s": "--peer-timeout-s",
         "kv_digests": None,
     }
-    # keys of transfer_backend "memfabric": key -> what it is (with its default); refused with "kvoffload"
-    MEMFABRIC_KEYS: ClassVar[dict[str, str]] = {
-        "memfabric_device_id": "the Ascend NPU memfabric's TransferEngine binds; default 0",
-        "memfabric_data_op": "memfabric's data operation; default 'sdma'",
-    }
 
     @classmethod
     def _raw_problems(cls, data: dict[str, Any]) -> list[Problem]:
+        """The keys of another transfer backend than the one chosen (each entry names its own keys)."""
         backend = data.get("transfer_backend")
-        if backend == "memfabric" or backend not in TRANSFER_BACKENDS:
+        if not isinstance(backend, str) or backend not in TRANSFERS:
             return []  # a missing or unknown transfer_backend is reported on its own
         return [
-            ((key,), f"applies to transfer_backend 'memfabric' only ({what}), not {backend!r}; remove it")
-            for key, what in cls.MEMFABRIC_KEYS.items()
+            ((key,), f"applies to transfer_backend {owner.name!r} only ({what}), not {backend!r}; remove it")
+            for owner in TRANSFERS.values()
+            if owner.name != backend
+            for key, what in owner.keys.items()
             if key in data
         ]
 

@@ -15,6 +15,7 @@ from kvcore.configerrors import ConfigError, describe_value
 from kvcore.confignames import D2H_CONNECTOR, SPARSE_KEY, STORE_CONNECTOR
 from kvcore.connectorconfig import D2HConnectorConfig, StoreConnectorConfig
 from kvcore.transferconfig import KVTransferConfig
+from kvcore.transferregistry import TRANSFER_NAMES, either
 
 KVConfigInput = str | dict[str, Any] | KVTransferConfig
 AdditionalInput = str | dict[str, Any] | AdditionalConfig | None
@@ -71,7 +72,7 @@ def missing_transfer_backend(prefix: str) -> str:
     """The error of an SfaRemoteD2HConnector without ``transfer_backend`` (``prefix``: its path)."""
     return (
         f"{prefix}kv_connector_extra_config.transfer_backend: required for {D2H_CONNECTOR}; "
-        "must be 'kvoffload', 'memfabric' or 'mooncake'"
+        f"must be {either(TRANSFER_NAMES)}"
     )
 
 

@@ -1,13 +1,16 @@
 """``bench pd``'s ``pull_by_backend``: the decode's pull rate in the stack on each P→D data path, each
 against a memcpy sampled under the same load, the paths taking turns round by round.
 
+The paths are those of the transfer backends a loopback stack runs (``kvcore.transferregistry``:
+each entry's ``PullPath`` on one host and across hosts, once each; ``stack_paths``):
+
 - ``shared_memory``: transfer_backend "kvoffload", prefill and decode on one host id: the decode
   copies the rows straight out of the prefill's shared-memory layer buffers;
 - ``grpc_stream``: transfer_backend "kvoffload", the decode given another host id
   (``KVOFFLOAD_HOST_ID``): it streams the rows from the prefill's LayerSource, as across hosts;
 - ``mooncake``: transfer_backend "mooncake": every layer read through Mooncake Transfer Engine (TCP).
 
-Three stacks run side by side (one per path). Each round sends the same ``requests`` fresh prompts
+One stack per path runs, side by side. Each round sends the same ``requests`` fresh prompts
 through each stack in turn (completions, not streamed: a request ends after every layer was
 pulled); around each, the decode's pull counters and the memcpy sampler (``MemcpySampler``, the one
 ``bench pd`` uses). Per path: ``gbps_in_stack`` (bytes_read over read_ms_total, median over the
@@ -17,9 +20,10 @@ rounds), ``memcpy_gbps`` (median) and ``ratio_to_memcpy`` (the median of the rou
 reads went another way has no figures (None). ``tokens_equal_by_backend``: the three paths gave
 the same greedy tokens for every prompt.
 
-``pull_across_namespaces`` (``across_namespaces``): the same rounds on the two paths across hosts,
-with the decode in a network namespace of its own behind a veth pair (``kvoffload_testing.netns``:
-every byte crosses a real network stack), ``mooncake`` and ``grpc_stream`` side by side, and
+``pull_across_namespaces`` (``across_namespaces``): the same rounds on each stack backend's path
+across hosts, with the decode in a network namespace of its own behind a veth pair
+(``kvoffload_testing.netns``: every byte crosses a real network stack), ``mooncake`` and
+``grpc_stream`` side by side, and
 ``mooncake_to_grpc_stream``, the ratio of their ``gbps_in_stack`` (goal >= 2); with
 ``tokens_equal_across_namespaces``. Network namespaces need root: without it (or without ``ip``)
 the part raises, naming why.
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from kvcore.transferregistry import TRANSFERS
 from kvoffload_bench.pd_memcpy import MemcpySampler
 from kvoffload_bench.pd_report import _measured_median, pull_figures
 
@@ -59,19 +64,26 @@ def bench_stack_config(model_dir: Path, log_dir: Path, block_size: int, prefill_
 
 
 OTHER_HOST: dict = {"service_env": {"decode-0": {"KVOFFLOAD_HOST_ID": "bench-pd-other-host"}}}
-# path -> (StackConfig fields, the decode's counter of the path's reads)
-BACKENDS: dict[str, tuple[dict, str]] = {
-    "shared_memory": ({}, "reads_shared_memory"),
-    "grpc_stream": (OTHER_HOST, "reads_streamed"),
-    "mooncake": ({"transfer": "mooncake"}, "reads_engine"),
-}
-READ_COUNTERS = ("reads_shared_memory", "reads_streamed", "reads_engine")
-ACROSS: dict[
-    str, tuple[dict, str]
-] = {  # the paths across hosts, the decode in a namespace of its own (and another host id)
-    "mooncake": ({"transfer": "mooncake", **OTHER_HOST}, "reads_engine"),
-    "grpc_stream": (OTHER_HOST, "reads_streamed"),
-}
+
+
+def stack_paths(*, one_host: bool) -> dict[str, tuple[dict, str]]:
+    """Path name -> (StackConfig fields, the decode's counter of the path's reads), for every transfer
+    backend a stack runs: with ``one_host`` each path on one host, then (the decode given another host
+    id) each path across hosts that is not that one; else the paths across hosts alone."""
+    out: dict[str, tuple[dict, str]] = {}
+    for backend in (b for b in TRANSFERS.values() if b.stack):
+        here = {"transfer": backend.name}
+        paths = [(backend.one_host, here)] if one_host else []
+        for path, fields in (*paths, (backend.across_hosts, {**here, **OTHER_HOST})):
+            if path is not None and path.name not in out:
+                out[path.name] = (fields, path.counter)
+    return out
+
+
+BACKENDS = stack_paths(one_host=True)
+# the paths across hosts, the decode in a namespace of its own (and another host id)
+ACROSS = stack_paths(one_host=False)
+READ_COUNTERS = tuple(dict.fromkeys(counter for _, counter in BACKENDS.values()))
 
 
 def by_backend(model_dir: Path, log_dir: Path, **sizes: Any) -> dict:

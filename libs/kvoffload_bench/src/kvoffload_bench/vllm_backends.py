@@ -1,12 +1,13 @@
 """``bench vllm``'s ``pull_by_backend``: the P/D pull inside vLLM on each transfer backend the vLLM
-connectors take, side by side.
+connectors take (``kvcore.transferregistry.VLLM_TRANSFERS``, each by its path across hosts), side by side.
 
 - ``grpc_stream``: ``transfer_backend: "kvoffload"``, the decode streams the blocks from the prefill's
   LayerSource over gRPC;
 - ``mooncake``: ``transfer_backend: "mooncake"``, the decode reads them through Mooncake Transfer
   Engine (TCP) straight into its blocks.
 
-(Shared memory is no path under vLLM: a worker's KV cache is its private memory.) One P/D pair per
+(Shared memory is no path under vLLM: a worker's KV cache is its private memory, so each backend
+takes its path across hosts.) One P/D pair per
 backend (``pairs``: its metastore, vLLM prefill, vLLM decode and proxy; every prefill on the
 prefills' half of the cores, every decode on the other; ``Pair.prefill_config``: the
 ``--kv-transfer-config`` its prefill was started with) starts side by side. Per round the same
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvcore.transferregistry import TRANSFERS, VLLM_TRANSFERS
 from kvoffload_bench.pd_memcpy import MemcpySampler
 from kvoffload_bench.pd_report import _measured_median, pull_figures
 from kvoffload_bench.vllm_stream import settled, timed_round, tpot_sources_differ
@@ -42,8 +44,10 @@ from kvoffload_bench.vllm_stream import settled, timed_round, tpot_sources_diffe
 if TYPE_CHECKING:
     from kvoffload_testing.vllm_server import Proxy, VllmServer
 
-# backend -> (the connectors' transfer_backend, the decode's counter of the path's reads)
-BACKENDS = {"grpc_stream": ("kvoffload", "reads_streamed"), "mooncake": ("mooncake", "reads_engine")}
+# path -> (the connectors' transfer_backend, the decode's counter of the path's reads)
+BACKENDS = {
+    path.name: (name, path.counter) for name in VLLM_TRANSFERS if (path := TRANSFERS[name].across_hosts) is not None
+}
 CONSUMER = "vllm:kvoffload_d2h_consumer_{}_total"
 PULL = ("bytes_read", "read_ms_total", "reads_streamed", "reads_engine", "reads_shared_memory")
 REQUESTS = ("bytes_read", "requests_pulled", "requests_failed")  # a decode's, deltas over all the rounds

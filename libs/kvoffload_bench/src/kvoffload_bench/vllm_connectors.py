@@ -87,7 +87,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvoffload_bench import pd_matrix, vllm_pd
+from kvoffload_bench import pd_matrix, vllm_backends, vllm_pd
 from kvoffload_bench.vllm_goals import goals
 from kvoffload_bench.vllm_stream import stream
 from kvoffload_testing.prom import metric
@@ -145,7 +145,7 @@ def run(
     pd_max_tokens: int = 32,
     shared_prompt_tokens: int = 8000,
     pd_matrix_tokens: tuple[int, ...] = pd_matrix.MATRIX_TOKENS,
-    backends: tuple[str, ...] = ("grpc_stream", "mooncake"),
+    backends: tuple[str, ...] = tuple(vllm_backends.BACKENDS),
     progress: bool = True,
 ) -> dict:
     from kvoffload_testing.model_fetch import cached_model

@@ -4,13 +4,16 @@
 They are the guide's (MultiConnector prefill with layerwise reuse, sparse-offload decode); only
 ``backend`` / ``transfer_backend`` name kvoffload's backends: the embedded ``"kvoffload"`` ones, or
 with a ``mooncake_master`` (``HOST:PORT``) the prefill's host pool on Mooncake Store, and with
-``transfer`` ``"mooncake"`` the P→D pull over Mooncake Transfer Engine.
+``transfer`` another ``kvcore.transferregistry`` entry's name (``"mooncake"``: Mooncake Transfer
+Engine) the P→D pull on that backend.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+
+from kvcore.transferregistry import EMBEDDED
 
 
 def prefill_store_config(buffers: int = 3, mooncake_master: str | None = None) -> dict:
@@ -55,7 +58,7 @@ def producer_multi_connector(d2h: dict, store: dict) -> str:
 
 
 def prefill_kv_transfer_config(
-    kv_port: int, buffers: int = 3, mooncake_master: str | None = None, transfer: str = "kvoffload"
+    kv_port: int, buffers: int = 3, mooncake_master: str | None = None, transfer: str = EMBEDDED
 ) -> str:
     return producer_multi_connector(
         {"kv_port": kv_port, "kv_connector_extra_config": {"transfer_backend": transfer}},
@@ -63,7 +66,7 @@ def prefill_kv_transfer_config(
     )
 
 
-def decode_kv_transfer_config(kv_port: int, transfer: str = "kvoffload") -> str:
+def decode_kv_transfer_config(kv_port: int, transfer: str = EMBEDDED) -> str:
     return json.dumps(
         {
             "kv_connector": "SfaRemoteD2HConnector",

@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvcore.transferregistry import EMBEDDED
 from kvoffload_testing.fault_catalog import FAULTS_BY_POOL, MAX_TOKENS, SERVER_FAULTS, peer_names, wrong_error
 from kvoffload_testing.fault_catalog import request as _request  # the suite's client (tests import it from here)
 from kvoffload_testing.fault_tally import (
@@ -72,11 +73,12 @@ FILLER_TOKENS = 3200
 INJECT_AFTER_S = (0.05, 0.8)  # the fault goes in this long after the run's first request was sent
 
 
-def fault_stack_config(model: Path, log_dir: Path, pool: str = "kvoffload", transfer: str = "kvoffload") -> StackConfig:
+def fault_stack_config(model: Path, log_dir: Path, pool: str = "kvoffload", transfer: str = EMBEDDED) -> StackConfig:
     """A one-prefill, one-decode stack with short failure bounds, on ports free now (two fault
     stacks may run at once); ``pool`` is the prefill's host-pool backend ("kvoffload": indexed by a
     metastore; "mooncake": on Mooncake Store, a real mooncake_master), ``transfer`` the P→D pull's
-    transfer_backend ("kvoffload", or "mooncake": over Mooncake Transfer Engine)."""
+    transfer_backend (one of ``kvcore.transferregistry.STACK_TRANSFERS``: "kvoffload", or "mooncake":
+    over Mooncake Transfer Engine)."""
     if pool not in FAULTS_BY_POOL:
         raise ValueError(f"pool: got {pool!r}; the fault suite runs on {', '.join(map(repr, FAULTS_BY_POOL))}")
     t = str(PEER_TIMEOUT_S)
@@ -340,11 +342,11 @@ def reference_tokens(model_dir: Path) -> Callable[[list[int]], list[int]]:
 
 
 def bench(
-    runs: int = 20, seed: int = 0, progress: bool = True, pool: str = "kvoffload", transfer: str = "kvoffload"
+    runs: int = 20, seed: int = 0, progress: bool = True, pool: str = "kvoffload", transfer: str = EMBEDDED
 ) -> dict:
     """``kvoffload bench faults``: ``runs`` seeded fault runs on a fresh loopback stack whose
-    prefill pool is ``pool`` ("kvoffload" or "mooncake") and whose P→D pull runs on ``transfer``
-    ("kvoffload" or "mooncake")."""
+    prefill pool is ``pool`` ("kvoffload" or "mooncake") and whose P→D pull runs on ``transfer`` (one
+    of ``kvcore.transferregistry.STACK_TRANSFERS``)."""
     from svcruntime.logs import quiet_logs
 
     quiet_logs()  # stdout carries the JSON only

@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvcore.confignames import STACK_TRANSFERS
 from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STACK_POOLS, StackServer
+from kvcore.transferregistry import STACK_TRANSFERS
 from svcruntime.tls import TLSConfig
 
 DEFAULT_HOME = Path(os.environ.get("KVOFFLOAD_HOME", Path.home() / ".cache" / "kvoffload"))
@@ -58,7 +58,8 @@ class StackConfig:
     decode_dp: bool = False
     decode_tp: int = 1  # each decode runs --tensor-parallel-size N: rank t of DP rank d on kv_port + d N + t
     mode: str = "pd"  # one of MODES; "offload-only": no decodes and no proxy (decode_ports, proxy_port unused)
-    transfer: str = "kvoffload"  # the P→D pull's transfer_backend on every prefill and decode: STACK_TRANSFERS
+    transfer: str = EMBEDDED  # the P→D pull's transfer_backend on every prefill and decode, one of
+    # kvcore.transferregistry.STACK_TRANSFERS
 
     def __post_init__(self) -> None:
         if self.pool not in STACK_POOLS:

@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from kvcore.transferregistry import EMBEDDED, VLLM_TRANSFERS
 from kvoffload_testing.connector_configs import producer_multi_connector
 from kvoffload_testing.stack import Stack, StackConfig, metastore_service, proxy_service
 from kvoffload_testing.vllm_server import api_server_command, api_server_env
@@ -25,7 +26,7 @@ DEFAULT_MAX_MODEL_LEN = 4096  # SmolLM2 allows 8192; the tests' tiny Llama 4096
 
 
 def vllm_prefill_transfer_config(
-    metastore: str, shared_buffers: int | None = 3, transfer_backend: str = "kvoffload", **producer: object
+    metastore: str, shared_buffers: int | None = 3, transfer_backend: str = EMBEDDED, **producer: object
 ) -> str:
     """The vLLM prefill's ``--kv-transfer-config``: the remote D2H producer (its blocks read by the
     decode over ``transfer_backend``; ``producer``: more keys of its ``kv_connector_extra_config``,
@@ -43,7 +44,7 @@ def vllm_prefill_transfer_config(
     )
 
 
-def vllm_decode_transfer_config(kv_port: int, transfer_backend: str = "kvoffload", **extra: object) -> str:
+def vllm_decode_transfer_config(kv_port: int, transfer_backend: str = EMBEDDED, **extra: object) -> str:
     """The vLLM decode's ``--kv-transfer-config``: the remote D2H consumer, its gRPC control port
     ``kv_port``, reading the prefill's blocks over ``transfer_backend``; a failed pull is recomputed
     (vLLM's ``kv_load_failure_policy``), never attended over; ``extra`` keys added to its
@@ -90,6 +91,10 @@ class VllmStack(Stack):
     def __init__(self, cfg: StackConfig) -> None:
         if cfg.tls is not None:
             raise ValueError("the vLLM stack has no TLS: the vLLM connectors do not speak TLS yet")
+        if cfg.transfer not in VLLM_TRANSFERS:
+            raise ValueError(
+                f"transfer: got {cfg.transfer!r}; the vLLM connectors take {', '.join(map(repr, VLLM_TRANSFERS))}"
+            )
         super().__init__(cfg)
 
     def commands(self) -> list[tuple[str, list[str], str]]:

@@ -1,4 +1,5 @@
-"""The D2H connector's transfer engine inside vLLM (``transfer_backend: "mooncake"``).
+"""The D2H connector's transfer engine inside vLLM (a ``transfer_backend`` with an engine that vLLM
+takes, ``kvcore.transferregistry``: ``"mooncake"``).
 
 Each side starts a Mooncake Transfer Engine (``pdlink.engines``, ``pdlink.mooncake``) at its
 ``advertise_host`` and registers vLLM's KV cache memory with it: every storage the layers' caches
@@ -17,9 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
+from kvcore.transferregistry import uses_engine
 from kvoffload_proto.v1 import transfer_pb2
 from kvoffload_vllm.d2h_layers import D2HLayers
-from kvoffload_vllm.d2h_settings import ENGINE_BACKENDS, D2HSettings
+from kvoffload_vllm.d2h_settings import D2HSettings
 from pdlink.engine_rows import Transfer
 from pdlink.engines import register_segment, start_engine
 
@@ -37,7 +39,7 @@ def start_d2h_engine(settings: D2HSettings, role: str, layers: D2HLayers) -> Tra
     """This worker's engine of ``settings.transfer_backend`` at its ``advertise_host`` ("Prefill" or
     "Decode" ``role``), vLLM's KV cache storages registered with it; None when the backend has no
     engine (the gRPC stream); ``EngineUnavailable`` with the engine's reason when it cannot start."""
-    if settings.transfer_backend not in ENGINE_BACKENDS:
+    if not uses_engine(settings.transfer_backend):
         return None
     transfer = start_engine(settings.transfer_backend, role, settings.advertise_host, None)
     try:

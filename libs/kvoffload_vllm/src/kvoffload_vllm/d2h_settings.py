@@ -1,6 +1,7 @@
 """The D2H connector's typed settings (``D2HSettings``), read from vLLM's ``kv_transfer_config``
 and parallel config by ``d2h_settings``: unknown keys are errors, and a ``ConfigError`` names the
-field.
+field. It takes the transfer backends whose ``kvcore.transferregistry`` entry has no
+``vllm_refusal`` (``vllm_refusal`` here words the error of the others).
 
 Tensor parallel: every TP rank's worker runs its own producer or consumer; decode TP rank t listens
 on ``kv_port + dp_rank × tp + t``. Whether a rank's KV is its own slice of the heads or a copy of
@@ -16,6 +17,7 @@ from kvcore.config import parse_kv_transfer_config
 from kvcore.configerrors import ConfigError
 from kvcore.confignames import D2H_CONNECTOR
 from kvcore.connectorconfig import D2HConnectorConfig
+from kvcore.transferregistry import EMBEDDED, TRANSFERS, either
 from kvoffload_vllm.store_mmc import warn_unread
 from kvoffload_vllm.tp import kv_heads_copied, kv_replicated, tp_rank_of
 from kvoffload_vllm.unread_config import check_additional_config, check_d2h_keys
@@ -25,7 +27,6 @@ if TYPE_CHECKING:
 
 DEFAULT_ADVERTISE_HOST = "127.0.0.1"
 DEFAULT_PEER_TIMEOUT_S = 10.0
-ENGINE_BACKENDS = ("mooncake",)  # the transfer_backend values whose blocks move through a transfer engine
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class D2HSettings:
     read_timeout_s: float
     dp_rank: int = 0  # consumer: registered with the proxy as remote_dp_rank
     kv_digests: bool = False  # consumer: log each layer's prompt KV digest once it landed
-    transfer_backend: str = "kvoffload"  # or "mooncake": the blocks move through Mooncake Transfer Engine
+    transfer_backend: str = EMBEDDED  # one of kvcore.transferregistry.VLLM_TRANSFERS
     tp_rank: int = 0
     tp_size: int = 1
     kv_replicated: bool = False  # every TP rank holds the same KV (MLA latent, one KV head)
@@ -93,7 +94,7 @@ def d2h_settings(vllm_config: VllmConfig) -> D2HSettings:
         read_timeout_s=max(30.0, 3 * peer_timeout),
         dp_rank=par.data_parallel_rank,
         kv_digests=extra.kv_digests,
-        transfer_backend=extra.transfer_backend or "kvoffload",
+        transfer_backend=extra.transfer_backend or EMBEDDED,
         tp_rank=tp_rank,
         tp_size=tp,
         kv_replicated=kv_replicated(vllm_config),
@@ -110,14 +111,9 @@ def _check_role(kv_role: str | None, extra: D2HConnectorConfig) -> None:
                 "the prefill ('kv_producer') or the decode ('kv_consumer')"
             ]
         )
-    if extra.transfer_backend not in (None, "kvoffload", *ENGINE_BACKENDS):
-        raise ConfigError(
-            [
-                f"kv_connector_extra_config.transfer_backend: got {extra.transfer_backend!r}; inside "
-                f"vLLM the pull runs on 'kvoffload' or {', '.join(map(repr, ENGINE_BACKENDS))} (memfabric is "
-                "a path of the kvoffload services only, for now)"
-            ]
-        )
+    refusal = vllm_refusal(extra.transfer_backend)
+    if refusal:
+        raise ConfigError([refusal])
     if extra.kv_digests and kv_role != "kv_consumer":
         raise ConfigError(
             [
@@ -125,6 +121,18 @@ def _check_role(kv_role: str | None, extra: D2HConnectorConfig) -> None:
                 f"it pulled; this is the prefill ({kv_role!r}): remove it"
             ]
         )
+
+
+def vllm_refusal(transfer_backend: str | None) -> str:
+    """The error of a transfer_backend the vLLM connector does not take, naming why (its registry
+    entry's ``vllm_refusal``) and the ones it takes; "" for one it takes (None: the embedded path)."""
+    entry = TRANSFERS.get(transfer_backend) if transfer_backend is not None else None
+    if entry is None or not entry.vllm_refusal:
+        return ""  # taken, or not a transfer backend at all (the config's parse refused it already)
+    return (
+        f"kv_connector_extra_config.transfer_backend: got {transfer_backend!r}; inside vLLM the pull runs on "
+        f"{either(b.name for b in TRANSFERS.values() if not b.vllm_refusal)} ({entry.vllm_refusal})"
+    )
 
 
 def _control_port(kv_port: int | None, dp_rank: int, tp: int, tp_rank: int) -> int:

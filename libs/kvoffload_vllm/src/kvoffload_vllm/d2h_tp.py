@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcore.pdpair import contributor_share, tp_target
+from kvcore.transferregistry import EMBEDDED
 from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import Peer, blocks_of
 
@@ -95,7 +96,7 @@ def slice_problem(part: HeadSlice, layers: D2HLayers, layer: int, kv_heads: int,
     if engine:
         return (
             f"the prefill's ranks each hold 1/{part.count} of the KV heads, and a transfer engine reads whole "
-            "blocks only: use transfer_backend 'kvoffload' for this TP pairing"
+            f"blocks only: use transfer_backend {EMBEDDED!r} for this TP pairing"
         )
     lead = layers.leads[layer]
     if lead != kv_heads or lead % part.count:

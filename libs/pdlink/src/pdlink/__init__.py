@@ -20,9 +20,10 @@ The producer's side:
 Both:
 
 - ``refusals``: the messages an end refuses outright, each with its gRPC status.
-- ``engines``: the transfer engines a pull may run on (transfer_backend "memfabric", "mooncake"):
-  started, or stopped with the engine's own reason; ``engine_rows``: ``EngineRows``, the consumer's
-  batched reads through one.
+- ``engines``: the transfer engines a pull may run on (the ``kvcore.transferregistry`` entries'
+  factories: transfer_backend "memfabric", "mooncake"): started, or stopped with the engine's own
+  reason; ``engine_rows``: ``EngineRows``, the consumer's batched reads through one, and what every
+  engine is (``Transfer``) and raises when it cannot run here (``EngineCannotRun``).
 - ``memfabric``: memfabric_hybrid's TransferEngine; ``mooncake``: Mooncake Transfer Engine (TCP).
 """
 

@@ -51,6 +51,7 @@ import structlog
 import torch
 
 from kvcore.pdpair import tp_handshake_problem
+from kvcore.transferregistry import EMBEDDED
 from kvoffload_proto.v1 import transfer_pb2
 from pdlink.engine_rows import EngineRows
 from pdlink.pullcounters import PullCounters
@@ -220,8 +221,8 @@ class PullConsumer:
                     f"layers[{i}].block_size: prefill {lay.block_size or m.block_size}, "
                     f"decode {sink.layer_block_size(i)}"
                 )
-        mine = self.engine.name if self.engine is not None else (sink.transfer_engine or "kvoffload")
-        theirs = m.transfer_engine or "kvoffload"
+        mine = self.engine.name if self.engine is not None else (sink.transfer_engine or EMBEDDED)
+        theirs = m.transfer_engine or EMBEDDED
         if mine != theirs:
             return (
                 f"transfer_engine: the prefill's transfer_backend is {theirs!r} (session "

@@ -1,8 +1,9 @@
 """The decode's reads through a transfer engine (transfer_backend "memfabric" or "mooncake"):
 ``EngineRows`` owns a started engine (``pdlink.memfabric.MemfabricTransfer``,
 ``pdlink.mooncake.MooncakeTransfer``: each has ``name``, ``session``, ``register``, ``read``,
-``close``) and a staging buffer registered with it; ``layer_rows`` reads a layer's announced rows
-of every plane out of the memory the prefill registered, in one batched read."""
+``close``; what they raise when they cannot run here is an ``EngineCannotRun``) and a staging buffer
+registered with it; ``layer_rows`` reads a layer's announced rows of every plane out of the memory
+the prefill registered, in one batched read."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+
+
+class EngineCannotRun(Exception):
+    """Base of an engine module's errors that mean its engine cannot run here (not installed, refused at
+    start-up or at registration): ``pdlink.engines`` reports them as ``EngineUnavailable``."""
 
 
 class Transfer(Protocol):

@@ -1,19 +1,20 @@
-"""The transfer engines a P→D pull may run on instead of the embedded data path (transfer_backend
-``"memfabric"``: ``pdlink.memfabric``; ``"mooncake"``: ``pdlink.mooncake``). ``start_engine``
-starts this process's engine, ``register_segment`` publishes the prefill's layer-buffer segment
-through it; where either cannot run they raise ``EngineUnavailable`` with the engine's own reason,
-and the service stops (exit 2): never the embedded path instead."""
+"""The transfer engines a P→D pull may run on instead of the embedded data path: those of the
+``kvcore.transferregistry`` entries that name an engine factory (``"memfabric"``: ``pdlink.memfabric``;
+``"mooncake"``: ``pdlink.mooncake``). ``start_engine`` starts this process's engine through its
+entry's factory (imported then), ``register_segment`` publishes the prefill's layer-buffer segment
+through it; where either cannot run (the engine module's ``EngineCannotRun``, or a bad argument) they
+raise ``EngineUnavailable`` with the engine's own reason, and the service stops (exit 2): never the
+embedded path instead."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pdlink.engine_rows import Transfer
-from pdlink.memfabric import MemfabricNotInstalled, MemfabricTransfer, MemfabricUnavailable
-from pdlink.mooncake import MooncakeNotInstalled, MooncakeTransfer, MooncakeUnavailable
+from kvcore.poolregistry import load
+from kvcore.transferregistry import ENGINE_TRANSFERS, TRANSFERS
+from pdlink.engine_rows import EngineCannotRun, Transfer
 
-ENGINES = ("memfabric", "mooncake")  # the transfer_backend values with a transfer engine
-_CANNOT_RUN = (MemfabricUnavailable, MemfabricNotInstalled, MooncakeUnavailable, MooncakeNotInstalled, ValueError)
+_CANNOT_RUN = (EngineCannotRun, ValueError)
 
 
 class EngineUnavailable(RuntimeError):
@@ -21,16 +22,18 @@ class EngineUnavailable(RuntimeError):
 
 
 def start_engine(backend: str, role: str, host: str, d2h: Any) -> Transfer:
-    """This process's engine of transfer_backend ``backend`` (one of ``ENGINES``) at ``host`` for
-    ``role`` ("Prefill" or "Decode"); ``d2h`` is the D2H connector config (memfabric's keys)."""
+    """This process's engine of transfer_backend ``backend`` (one of ``ENGINE_TRANSFERS``) at ``host``
+    for ``role`` ("Prefill" or "Decode"); ``d2h`` is the D2H connector config (the backend's keys), or
+    None (the vLLM connector: the backend's defaults). ValueError for a backend with no engine."""
+    entry = TRANSFERS.get(backend)
+    if entry is None or entry.engine is None:
+        raise ValueError(f"transfer_backend {backend!r} has no transfer engine; engines: {', '.join(ENGINE_TRANSFERS)}")
+    factory = load(entry.engine)
     try:
-        if backend == "memfabric":
-            return MemfabricTransfer.start(role, host, device_id=d2h.memfabric_device_id, data_op=d2h.memfabric_data_op)
-        if backend == "mooncake":
-            return MooncakeTransfer.start(host)
+        transfer: Transfer = factory(role, host, d2h)
     except _CANNOT_RUN as e:
         raise EngineUnavailable(f"transfer_backend {backend!r}: {e}") from None
-    raise ValueError(f"transfer_backend {backend!r} has no transfer engine; engines: {', '.join(ENGINES)}")
+    return transfer
 
 
 def register_segment(transfer: Transfer, address: int, nbytes: int) -> None:

@@ -39,9 +39,9 @@ from typing import Any
 
 import structlog
 
-from kvcore.backends import MEMFABRIC_INSTALL
 from kvcore.confignames import MEMFABRIC_DATA_OPS
-from pdlink.engine_rows import check_ranges
+from kvcore.transferregistry import MEMFABRIC_INSTALL
+from pdlink.engine_rows import EngineCannotRun, check_ranges
 from svcruntime.native_output import error_lines, native_output
 
 log = structlog.get_logger(__name__)
@@ -60,7 +60,7 @@ _ERROR_LINE = re.compile(
 )  # "... ERROR [pid-tid][TAG file:line fn] msg"
 
 
-class MemfabricNotInstalled(ImportError):
+class MemfabricNotInstalled(ImportError, EngineCannotRun):
     """``memfabric_hybrid`` cannot be imported."""
 
 
@@ -73,7 +73,7 @@ class MemfabricError(RuntimeError):
         self.reason = reason
 
 
-class MemfabricUnavailable(MemfabricError):
+class MemfabricUnavailable(MemfabricError, EngineCannotRun):
     """A start-up call failed: the engine cannot run (or register memory) here."""
 
     @property
@@ -217,3 +217,12 @@ class MemfabricTransfer:
         self._engine.destroy()
         self._engine.unInitialize()
         log.info("memfabric_closed", role=self.role, session=self.session)
+
+
+def start_transfer(role: str, host: str, d2h: Any) -> MemfabricTransfer:
+    """transfer_backend "memfabric"'s engine factory (its ``kvcore.transferregistry`` entry): this
+    process's engine for ``role`` at ``host``, on the NPU and with the data operation ``d2h`` (the D2H
+    connector config) names; memfabric's defaults when ``d2h`` is None."""
+    if d2h is None:
+        return MemfabricTransfer.start(role, host)
+    return MemfabricTransfer.start(role, host, device_id=d2h.memfabric_device_id, data_op=d2h.memfabric_data_op)

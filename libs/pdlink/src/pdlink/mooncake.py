@@ -35,7 +35,7 @@ from typing import Any
 import structlog
 
 from kvcore.poolregistry import MOONCAKE_INSTALL
-from pdlink.engine_rows import check_ranges
+from pdlink.engine_rows import EngineCannotRun, check_ranges
 from svcruntime.native_output import error_lines, native_output
 
 log = structlog.get_logger(__name__)
@@ -54,7 +54,7 @@ _ERROR_LINE = re.compile(
 )  # glog: "E1203 18:47:11.11 4742 f.cpp:9] msg"
 
 
-class MooncakeNotInstalled(ImportError):
+class MooncakeNotInstalled(ImportError, EngineCannotRun):
     """``mooncake.engine`` cannot be imported."""
 
 
@@ -66,7 +66,7 @@ class MooncakeError(RuntimeError):
         self.code = code
 
 
-class MooncakeUnavailable(MooncakeError):
+class MooncakeUnavailable(MooncakeError, EngineCannotRun):
     """A start-up call failed: the engine cannot run (or register memory) here."""
 
 
@@ -174,3 +174,10 @@ class MooncakeTransfer:
             if code != 0:
                 log.warning("mooncake_unregister_failed", session=self.session, address=hex(address), code=code)
         log.info("mooncake_transfer_closed", session=self.session)
+
+
+def start_transfer(role: str, host: str, d2h: Any) -> MooncakeTransfer:
+    """transfer_backend "mooncake"'s engine factory (its ``kvcore.transferregistry`` entry): this
+    process's engine at ``host``, the same for either ``role``; ``d2h`` has no key of Mooncake's."""
+    del role, d2h  # both sides start alike, and Mooncake takes no connector key
+    return MooncakeTransfer.start(host)

@@ -1,11 +1,10 @@
 """``kvoffload-decode``: the kv_consumer. Parses the node's configs as users write them, loads the
 model, builds the sparse-offload decoder over its host pool, serves the Transfer control port
 (gRPC, ``kv_port + dp_rank * tp + tp_rank``) and the OpenAI HTTP API, and shuts down in order on
-SIGTERM/SIGINT. With transfer_backend "memfabric" or "mooncake" it pulls every layer through that
-transfer engine (``pdlink.engines``); where that cannot start, it stops with the engine's reason
-(exit 2). With
-``--tensor-parallel-size N`` it is rank 0 of N and starts the others (``kvoffload_decode.tp_ranks``);
-its flags and settings are ``kvoffload_decode.options``."""
+SIGTERM/SIGINT. With a transfer_backend that has an engine (``kvcore.transferregistry``: "memfabric",
+"mooncake") it pulls every layer through it (``pdlink.engines``); where that cannot start, it stops
+with the engine's reason (exit 2). With ``--tensor-parallel-size N`` it is rank 0 of N and starts
+the others (``kvoffload_decode.tp_ranks``); its flags and settings are ``kvoffload_decode.options``."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from aiohttp import web
 from kvcore.configerrors import ConfigError
 from kvcore.decodesettings import DecodeSettings
 from kvcore.segment import host_id
+from kvcore.transferregistry import uses_engine
 from kvoffload_decode import __version__
 from kvoffload_decode.app import AppSettings, build_app
 from kvoffload_decode.loop import DecodeLoop
@@ -27,7 +27,7 @@ from kvoffload_decode.options import FLAG_RULES, SERVICE, build_parser, decoder_
 from kvoffload_decode.transfer import decode_transfer
 from kvoffload_proto.v1 import transfer_pb2_grpc
 from pdlink.engine_rows import EngineRows
-from pdlink.engines import ENGINES, EngineUnavailable, start_engine
+from pdlink.engines import EngineUnavailable, start_engine
 from pdlink.transfer_service import TransferServicer
 from svcruntime.ranks import share_cores
 from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, run, serve_http, start_process
@@ -49,7 +49,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     model, speculative = _load_model(args)
     layout = kv_layout(model.config, args.block_size, model.dtype)
     settings = settings_of(args, layout, model.config.index_topk)
-    if settings.tp > 1 and settings.d2h.transfer_backend in ENGINES:
+    if settings.tp > 1 and uses_engine(settings.d2h.transfer_backend):
         raise ConfigError(
             [
                 f"--tensor-parallel-size: got {settings.tp}; with transfer_backend "
@@ -239,11 +239,11 @@ def _tp_ranks(args: argparse.Namespace, model, size: int, argv: list[str], pool_
 
 
 def _engine_rows(args: argparse.Namespace, d2h, layout) -> EngineRows | None:
-    """transfer_backend "memfabric" or "mooncake": this decode's transfer engine at --host
+    """A transfer_backend with an engine (``uses_engine``): this decode's transfer engine at --host
     (``pdlink.engines``) and its registered staging buffer (--max-model-len rows of the widest
     layer); else None. Where it cannot start (no Ascend driver, no wheel) a StartupError with its own
     reason: never the embedded data path."""
-    if d2h.transfer_backend not in ENGINES:
+    if not uses_engine(d2h.transfer_backend):
         return None
     widest = max(s.main.row_bytes + (s.indexer.row_bytes if s.indexer else 0) for s in layout.layers)
     try:

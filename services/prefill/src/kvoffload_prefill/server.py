@@ -5,8 +5,8 @@ refuses sparse offload, runs layerwise prefill over shared-memory layer buffers 
 (backend ``kvoffload``: in this process or indexed by the metastore; ``mooncake``: shared through a
 mooncake_master; ``memcache``: shared through a Memcache MetaService), serves LayerSource + Health
 + Stats over gRPC and the OpenAI HTTP dispatch, and shuts down in order on SIGTERM/SIGINT. With
-transfer_backend "memfabric" or "mooncake" it registers its layer buffers with that transfer engine
-(``pdlink.engines``: memfabric_hybrid, Mooncake Transfer Engine) and advertises its session in the
+a transfer_backend that has an engine (``kvcore.transferregistry``: "memfabric", "mooncake") it registers
+its layer buffers with that engine (``pdlink.engines``) and advertises its session in the
 layout the decodes get; where that cannot start, it stops with the engine's reason (exit 2)."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import structlog
 from kvcore.configerrors import ConfigError
 from kvcore.prefillsettings import PrefillSettings
 from kvcore.segment import host_id
+from kvcore.transferregistry import uses_engine
 from kvoffload_prefill import __version__
 from kvoffload_prefill.app import build_app
 from kvoffload_prefill.generate import GenerateLoop
@@ -32,7 +33,7 @@ from kvoffload_prefill.source import LayerBufferRows
 from kvoffload_prefill.worker import PrefillWorker
 from kvoffload_proto.v1 import transfer_pb2_grpc
 from pdlink.engine_rows import Transfer
-from pdlink.engines import ENGINES, EngineUnavailable, register_segment, start_engine
+from pdlink.engines import EngineUnavailable, register_segment, start_engine
 from pdlink.layer_source import LayerSourceServicer
 from svcruntime.ranks import share_cores
 from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, run, serve_http, start_process
@@ -60,7 +61,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = settings_of(args, kv_layout(model.config, args.block_size, model.dtype))
     pool_flags(args, settings.store)
     backend = settings.d2h.transfer_backend if settings.d2h is not None else None
-    if backend in ENGINES and args.tensor_parallel_size > 1:
+    if uses_engine(backend) and args.tensor_parallel_size > 1:
         raise ConfigError(
             [
                 f"--tensor-parallel-size: got {args.tensor_parallel_size}; with transfer_backend "
@@ -313,10 +314,10 @@ def _stats(worker: PrefillWorker, include_ledger: bool) -> StatsSnapshot:
 
 
 def _engine(args: argparse.Namespace, d2h) -> Transfer | None:
-    """transfer_backend "memfabric" or "mooncake": this prefill's transfer engine at --host
+    """A transfer_backend with an engine (``uses_engine``): this prefill's transfer engine at --host
     (``pdlink.engines``); else (also offload-only: no SfaRemoteD2HConnector) None. Where it cannot
     start (no Ascend driver, no wheel) a StartupError with its own reason: never the embedded data path."""
-    if d2h is None or d2h.transfer_backend not in ENGINES:
+    if d2h is None or not uses_engine(d2h.transfer_backend):
         return None
     try:
         return start_engine(d2h.transfer_backend, "Prefill", args.host, d2h)
