@@ -86,6 +86,7 @@ def test_store_defaults_and_all() -> None:
         "layerwise_num_shared_buffers": None,
         "layerwise_independent_layers": (0,),
         "layerwise_prefetch_layers": None,
+        "layerwise_request_kv_gb": None,
         "metastore": None,
         "host_pool_gb": None,
         "mooncake_master": None,

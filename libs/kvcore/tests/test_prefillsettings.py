@@ -201,3 +201,11 @@ def test_prefill_carries_config_warnings() -> None:
     assert len(settings.warnings) == 2
     assert "did you mean 'layerwise_num_shared_buffers'?" in settings.warnings[0]
     assert "did you mean 'sparse_kv_offload_config'?" in settings.warnings[1]
+
+
+def test_prefill_warns_that_the_vllm_host_copies_budget_has_no_effect_here() -> None:
+    settings = prefill_settings(store(layerwise_request_kv_gb=2), None, LAYOUT)
+    assert settings.warnings == [
+        f"{EXTRA}.layerwise_request_kv_gb: has no effect on the reference prefill (vLLM's store connector bounds "
+        "its host copies with it; here earlier chunks live in the host pool, host_pool_gb)"
+    ]

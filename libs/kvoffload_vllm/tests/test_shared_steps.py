@@ -68,20 +68,21 @@ def test_hits_of_two_requests_and_the_blocks_a_reused_buffer_lost_come_back(pool
     meta = SimpleNamespace(
         loads=[Transfer("r1", (KEYS[0], KEYS[1]), (2, 3), 0), Transfer("r2", (KEYS[2],), (5,), 0)],
         steps=[StepBlocks("r1", (2, 3, 4), 2 * BS, 3), StepBlocks("r2", (5, 6), BS, 2)],
+        host_copies=None,
     )
     holder = {"meta": meta}
     counters = Counters(["blocks_loaded", "bytes_loaded"])
     steps = SharedSteps(shared, LAYOUT, caches, ThreadPoolExecutor(1), errors.append, lambda: holder["meta"], counters)
     steps.before_attention(NAMES[1], pool)
     assert [caches[NAMES[1]][b, 0, 0].item() for b in (2, 3, 5)] == [100.0, 101.0, 102.0]  # plane 1's hits
-    holder["meta"] = SimpleNamespace(loads=meta.loads, steps=meta.steps)  # start that step over, whole
+    holder["meta"] = SimpleNamespace(loads=meta.loads, steps=meta.steps, host_copies=None)  # that step over, whole
     run_step(steps, pool, caches, {NAMES[0]: 1000.0, NAMES[1]: 1001.0, NAMES[2]: 1002.0})
     assert errors == []
     # the hits: 3 blocks, loaded into the 3 layers of the whole step and into layer 1 once before it
     assert counters.take() == {"blocks_loaded": 3, "bytes_loaded": 4 * 3 * LAYOUT.block_bytes}
     assert caches[NAMES[1]][2, 0, 0].item() == 200.0  # layer 2 (plane 2, key k0) was the last occupant
     # the next step: layer 1 first gets back its hits and the block it wrote, over layer 2's
-    holder["meta"] = SimpleNamespace(loads=[], steps=[StepBlocks("r1", (2, 3, 4), 2 * BS + 3, 1)])
+    holder["meta"] = SimpleNamespace(loads=[], steps=[StepBlocks("r1", (2, 3, 4), 2 * BS + 3, 1)], host_copies=None)
     steps.before_attention(NAMES[1], pool)
     assert [caches[NAMES[1]][b, 0, 0].item() for b in (2, 3, 4)] == [100.0, 101.0, 1001.0]
     assert caches[NAMES[0]][2, 0, 0].item() == 0.0  # layer 0 keeps its own buffer: nothing reloaded there

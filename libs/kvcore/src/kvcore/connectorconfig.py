@@ -39,6 +39,9 @@ class StoreCommonKeys(ConfigModel):
         0,
     )
     layerwise_prefetch_layers: Annotated[int | None, int_rule(1, optional=True)] = None
+    # vLLM's store only: GiB the host copies of running requests on shared layer buffers may hold
+    # (kvoffload_vllm.request_kv_budget; null: a quarter of the memory available at start-up)
+    layerwise_request_kv_gb: Annotated[float | None, BeforeValidator(positive_gib)] = None
     # the host memory this node contributes (the reference prefill also takes --host-pool-gb)
     host_pool_gb: Annotated[float | None, BeforeValidator(positive_gib)] = None
 

@@ -97,6 +97,18 @@ def _layerwise_errors(prefix: str, store: StoreConnectorConfig) -> list[str]:
     ]
 
 
+def _vllm_only_warnings(found: tuple[str, StoreConnectorConfig] | None) -> list[str]:
+    """The store keys only vLLM's connector reads: the reference prefill keeps a request's earlier
+    chunks in the host pool (``host_pool_gb``), not in host copies of their own."""
+    if found is None or found[1].layerwise_request_kv_gb is None:
+        return []
+    return [
+        f"{found[0]}kv_connector_extra_config.layerwise_request_kv_gb: has no effect on the reference prefill "
+        "(vLLM's store connector bounds its host copies with it; here earlier chunks live in the host pool, "
+        "host_pool_gb)"
+    ]
+
+
 def _sparse_on_prefill_errors(sparse: SparseKVOffloadConfig) -> list[str]:
     if sparse.enabled and not sparse.keep_device_kv_cache:
         return [
@@ -140,5 +152,5 @@ def prefill_settings(
         independent_layers=independent,
         prefetch_layers=store.layerwise_prefetch_layers or min(buffers, DEFAULT_MAX_PREFETCH),
         tp=tp,
-        warnings=kv.warnings + additional.warnings + debug_warnings(sparse),
+        warnings=kv.warnings + additional.warnings + debug_warnings(sparse) + _vllm_only_warnings(found),
     )

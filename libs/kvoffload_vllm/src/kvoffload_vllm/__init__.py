@@ -31,6 +31,7 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``kv_cache_patch``: sizes vLLM's KV cache for those buffers (the one change to vLLM internals).
 - ``shared_steps``: the store's per-layer loads and host copies on shared buffers.
 - ``request_kv``: host copies of running requests' blocks of the shared layers.
+- ``request_kv_budget``: their budget (``layerwise_request_kv_gb``): start-up check, scheduler admission.
 - ``reuse_gate``: a shared buffer's next layer waits until its previous one is saved and pulled.
 - ``d2h``: ``SfaRemoteD2HConnector``, the P/D pull (``SupportsHMA``: every KV cache group by its own
   block table and block size); its worker sides:

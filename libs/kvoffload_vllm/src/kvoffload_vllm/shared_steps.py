@@ -33,7 +33,8 @@ from kvoffload_vllm.block_bytes import block_bytes
 from kvoffload_vllm.d2h_plan import blocks_of
 from kvoffload_vllm.layout import CacheLayout
 from kvoffload_vllm.plan import Transfer
-from kvoffload_vllm.request_kv import RequestKV
+from kvoffload_vllm.request_kv import RequestKV, RequestKVFull
+from kvoffload_vllm.request_kv_budget import HostCopies
 from kvoffload_vllm.reuse_gate import GATE, SAVE_BOUND_S
 from kvoffload_vllm.shared_buffers import SharedBuffers
 from kvoffload_vllm.stats import Counters
@@ -44,12 +45,14 @@ log = structlog.get_logger("vllm.kvoffload.store")
 @dataclass(frozen=True)
 class StepBlocks:
     """One request of a step on a shared-buffer node: all its vLLM blocks so far, tokens computed
-    before the step and scheduled in it."""
+    before the step and scheduled in it, and the most blocks it was admitted with (its host copy's
+    ceiling, ``kvoffload_vllm.request_kv_budget``)."""
 
     request_id: str
     block_ids: tuple[int, ...]
     computed: int
     scheduled: int
+    max_blocks: int | None = None
 
     def positions(self, block_size: int) -> tuple[range, range]:
         """(blocks to reload before attention, blocks the step writes), within the request's blocks."""
@@ -115,9 +118,21 @@ class SharedSteps:
             return None
         if self._step.meta is not meta:
             self._step = _Step(list(meta.loads), list(meta.steps), meta=meta)
-            for r in meta.steps:
-                self.request_kv.reserve(r.request_id, len(r.block_ids))
+            self._reserve(self._step, meta.host_copies)
         return self._step
+
+    def _reserve(self, step: _Step, host: HostCopies | None) -> None:
+        """The copies of requests vLLM finished are dropped first (the scheduler gave their room to
+        this step), then each request gets room for its blocks. A reserve past the budget (the
+        scheduler admits only what fits: a bug) fails the request's loads, never the host."""
+        if host is not None:
+            self.request_kv.drop(host.finished)
+            self.request_kv.budget_bytes = host.budget_bytes
+        for r in step.requests:
+            try:
+                self.request_kv.reserve(r.request_id, len(r.block_ids), r.max_blocks)
+            except RequestKVFull as exc:
+                self._fail(step, [r.request_id], "(host copy)", exc)
 
     def before_attention(self, layer: str, pool: HostPoolBackend | None) -> None:
         """Idempotent within a step (vLLM's ``wait_for_layer_load`` follows the hooked write)."""

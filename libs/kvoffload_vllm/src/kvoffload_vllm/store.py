@@ -13,7 +13,9 @@ Scheduler side (engine core process)
                                     block keys beyond the local prefix-cache hit: the leading run
                                     of complete blocks every group holds is the external hit
                                     (loaded synchronously, before the forward). The MetaStore
-                                    down: a warning and no hit, never a failure.
+                                    down: a warning and no hit, never a failure. With shared
+                                    buffers, None (vLLM asks again later) while the request's host
+                                    copy has no room (``request_kv_budget``).
     ``update_state_after_alloc``    remembers the promised tokens; ``build_connector_meta``: this
                                     step's loads and saves (``kvoffload_vllm.plan``).
     ``request_finished_all_groups`` forgets the request; its blocks are freed at once (saves end with their step).
@@ -65,6 +67,7 @@ from kvoffload_vllm.kv_groups import hit_unit, kv_groups
 from kvoffload_vllm.layout import CacheLayout, group_model_ids
 from kvoffload_vllm.plan import StorePlanner, Transfer, scheduled_requests
 from kvoffload_vllm.pool_alloc import allocate
+from kvoffload_vllm.request_kv_budget import HostCopies, admission_of
 from kvoffload_vllm.shared_buffers import check_caches, group_plan, requested
 from kvoffload_vllm.shared_steps import SharedSteps, StepBlocks
 from kvoffload_vllm.stats import Counters, CountingConnector
@@ -96,6 +99,7 @@ class StoreStepMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     steps: list[StepBlocks] = field(default_factory=list)  # shared layer buffers only: every request
+    host_copies: HostCopies | None = None  # shared layer buffers only: the copies' budget, finished requests
 
 
 class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
@@ -119,6 +123,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
                 StorePlanner(mid, g.block_size, g.index) for mid, g in zip(self._group_ids, self._groups, strict=True)
             ]
             self._hit_unit = hit_unit(self._groups)
+            self._admission = admission_of(vllm_config, self._store, self._shared, self._groups)  # checked here
         else:
             self._pools: list[HostPoolBackend] = []  # one per KV cache group, by register_kv_caches
             self._layout: CacheLayout  # shared layer buffers only (one group), by register_kv_caches
@@ -144,10 +149,12 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ----------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = request.prompt_token_ids
         if not prompt:
             return 0, False
+        if self._admission is not None and not self._admission.admit(request):
+            return None, False  # no room for its host copy yet: vLLM asks again at a later step
         try:  # every group's blocks of a hit present, each group's whole
             exists = self._ranks.exists(self._client.exists)  # every TP rank's blocks present
             hit = min(p.lookup(request.request_id, prompt, num_computed_tokens, exists) for p in self._planners)
@@ -169,6 +176,8 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         for planner in self._planners:
             planner.allocated(request.request_id, num_external_tokens)
+        if self._admission is not None and request.prompt_token_ids:
+            self._admission.hold(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = StoreStepMetadata()
@@ -185,8 +194,10 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
                     save = planner.running_request(s.req_id, ids, s.resumed, s.computed, s.scheduled)
                 meta.saves += [save] if save else []
             blocks = self._planners[0].block_ids(s.req_id) if self._shared is not None else None
-            if blocks is not None:
-                meta.steps.append(StepBlocks(s.req_id, blocks, s.computed, s.scheduled))
+            if blocks is not None and self._admission is not None:
+                ceiling = self._admission.max_blocks(s.req_id)
+                meta.steps.append(StepBlocks(s.req_id, blocks, s.computed, s.scheduled, ceiling))
+        meta.host_copies = None if self._admission is None else self._admission.take_step()
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -197,6 +208,8 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         for planner in self._planners:
             planner.finished(request.request_id)
+        if self._admission is not None:
+            self._admission.release(request.request_id)
         return False, None  # saves end with the step that computed them: the blocks are free at once
 
     # ---- worker side -------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The ``AscendStoreConnector``'s configuration: vLLM's ``kv_transfer_config`` checked and typed
 (``kvcore.connectorconfig.StoreConnectorConfig``: unknown keys, a backend vLLM does not run, a
 missing metastore and more than one rank are ``ConfigError``s naming the field); what it leaves out
-taken from the seed's mmc files (``kvoffload_vllm.store_mmc``)."""
+taken from the seed's mmc files (``kvoffload_vllm.store_mmc``). The layerwise keys a node without
+shared layer buffers does not act on are warned about (``layerwise_request_kv_gb``, the host copies'
+budget, is checked against the model in ``kvoffload_vllm.request_kv_budget``)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from kvcore.confignames import STORE_CONNECTOR
 from kvcore.connectorconfig import StoreConnectorConfig
 from kvcore.mmcconf import LOCAL_ENV
 from kvcore.poolregistry import VLLM_POOLS
+from kvoffload_vllm.request_kv import BUDGET_KEY
 from kvoffload_vllm.shared_buffers import check_eager, check_vllm_version, requested, transfer_config_dict
 from kvoffload_vllm.store_mmc import with_mmc_files
 from kvoffload_vllm.unread_config import check_additional_config
@@ -59,7 +62,7 @@ def store_config(vllm_config: VllmConfig) -> StoreConnectorConfig:
     if shared:  # the connector changes vLLM's KV cache allocation (kvoffload_vllm.kv_cache_patch)
         check_vllm_version(vllm.__version__)
         check_eager(vllm_config.model_config.enforce_eager)
-    used = {"layerwise_num_shared_buffers", "layerwise_independent_layers"} if shared else set()
+    used = {"layerwise_num_shared_buffers", "layerwise_independent_layers", BUDGET_KEY} if shared else set()
     unused = sorted(k for k in store.model_fields_set if k.startswith("layerwise_") and k not in used)
     if unused:
         log.warning(
