@@ -44,9 +44,7 @@ def server(tmp_path_factory):
     logs = tmp_path_factory.mktemp("request-kv-budget")
     model = tiny_llama_dir(logs / "llama", num_layers=LAYERS)
     with Metastore(logs / "metastore.log") as ms:
-        kv = store_config(
-            ms.address, "kv_producer", layerwise_num_shared_buffers=1, layerwise_request_kv_gb=BUDGET_GIB
-        )
+        kv = store_config(ms.address, "kv_producer", layerwise_num_shared_buffers=1, layerwise_request_kv_gb=BUDGET_GIB)
         args = ["--kv-transfer-config", kv, "--max-num-seqs", str(MAX_SEQS)]
         with VllmServer(model, max_model_len=MAX_LEN, log_path=logs / "prefill.log", extra_args=args) as s:
             yield s

@@ -40,7 +40,6 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``consumer``: the decode's side (a ``RowSink`` of vLLM's blocks under ``pdlink``'s ``PullConsumer``);
 - ``d2h_layout``: whether a prefill's layout fits the decode worker's (rows, dtypes, TP head slices);
 - ``incoming``: one request the decode receives (its blocks, what landed, its state);
-- ``registration``: the decode's registration of a request at the proxy's metaserver;
 - ``d2h_engine``: both sides on a transfer engine (``transfer_backend: "mooncake"``: vLLM's cache
   memory registered, each layer's block addresses, one batched read into the request's blocks).
 - ``d2h_plan``: what each step sends, and which copy of a block a decode keeps.

@@ -48,11 +48,11 @@ from kvoffload_vllm.d2h_tp import HeadSlice, sliced
 from kvoffload_vllm.incoming import Incoming, RequestEnded
 from kvoffload_vllm.kv_digest import prompt_digests
 from kvoffload_vllm.kv_groups import NULL_BLOCK
-from kvoffload_vllm.registration import register
 from kvoffload_vllm.stats import Counters
 from pdlink.consumer import Plane, PullConsumer, Read, ReadOutcome, RowSink
 from pdlink.pullcounters import COUNTERS as PULL_COUNTERS
 from pdlink.refusals import MalformedRead, UnknownRequest
+from pdlink.registration import Registration, post
 from pdlink.sources import RowSources
 from pdlink.transfer_service import TransferServicer
 from svcruntime.tls import PROCESS, add_port, secure_or_insecure_channel
@@ -68,6 +68,7 @@ SINK_COUNTERS = {
 COUNTERS = {**SINK_COUNTERS, **PULL_COUNTERS}  # the pulls' own counters: pdlink.pullcounters
 READ_RETRIES = 2
 WATCHDOG_S = 0.25
+REGISTRATION_TIMEOUT_S = 1800.0  # a backstop: the proxy answers within its own request deadline
 
 
 class Consumer(RowSink):
@@ -143,9 +144,14 @@ class Consumer(RowSink):
                     ended.state, ended.reason = "cancelled", "vLLM finished the request while its KV was loading"
 
     def _register(self, inc: Incoming) -> None:
-        """Register at the proxy's metaserver (``kvoffload_vllm.registration``); the prefill is due after."""
-        recv = inc.recv
-        problem = register(recv, self.settings, self._stop)
+        """Register at the proxy's metaserver (``pdlink.registration``; every TP rank posts the same
+        registration, and the proxy takes a repeat as the same one); the prefill is due after."""
+        recv, s = inc.recv, self.settings
+        assert s.base_port is not None  # a kv_consumer always has its control port (d2h_settings)
+        reg = Registration(
+            recv.transfer_id, recv.metaserver, recv.token, s.advertise_host, s.base_port, s.tp_size, s.dp_rank
+        )
+        problem = post(reg, timeout_s=REGISTRATION_TIMEOUT_S, stop=self._stop)
         if problem:
             self._fail(recv.transfer_id, problem)
             return

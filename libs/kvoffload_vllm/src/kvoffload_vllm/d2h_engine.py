@@ -5,11 +5,12 @@ Each side starts a Mooncake Transfer Engine (``pdlink.engines``, ``pdlink.moonca
 ``advertise_host`` and registers vLLM's KV cache memory with it: every storage the layers' caches
 live in, once (with several KV cache groups, layers are views of one storage). The prefill
 advertises each layer's block 0 address and block stride (``LayerLayout.engine_block_address``,
-``engine_block_stride_bytes``: ``layer_layouts``) and names the blocks of every announced range
-(``ReadReadyRequest.src_block_ids``); the decode reads the blocks it needs of a layer straight into
-the request's own blocks in one batched read (``read_blocks``): no staging buffer, no copy after it.
-A failure to start or to register is ``pdlink.engines.EngineUnavailable`` with the engine's own
-reason, and the vLLM server does not start; a failed read fails the layer's read (READ_FAILED).
+``engine_block_stride_bytes``: ``D2HLayers.layer_layouts(engine_blocks=True)``) and names the blocks
+of every announced range (``ReadReadyRequest.src_block_ids``); the decode reads the blocks it needs
+of a layer straight into the request's own blocks in one batched read (``read_blocks``): no staging
+buffer, no copy after it. A failure to start or to register is ``pdlink.engines.EngineUnavailable``
+with the engine's own reason, and the vLLM server does not start; a failed read fails the layer's
+read (READ_FAILED).
 """
 
 from __future__ import annotations
@@ -49,15 +50,6 @@ def start_d2h_engine(settings: D2HSettings, role: str, layers: D2HLayers) -> Tra
         transfer.close()
         raise
     return transfer
-
-
-def layer_layouts(layers: D2HLayers) -> list[transfer_pb2.LayerLayout]:
-    """``layers.layer_layouts()`` with each layer's block 0 address and block stride in this process."""
-    out = layers.layer_layouts()
-    for lay, page in zip(out, layers.pages, strict=True):
-        lay.engine_block_address = page.data_ptr()
-        lay.engine_block_stride_bytes = page.stride(0)
-    return out
 
 
 def read_blocks(

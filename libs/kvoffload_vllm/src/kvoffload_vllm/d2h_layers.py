@@ -22,6 +22,7 @@ from kvoffload_proto.v1 import transfer_pb2
 from kvoffload_vllm.group_caches import GroupCaches
 from kvoffload_vllm.kv_groups import KVGroup
 from kvoffload_vllm.layout import LayoutMismatch
+from pdlink.layout_messages import layer_layout
 
 
 @dataclass(frozen=True)
@@ -79,16 +80,18 @@ class D2HLayers:
         """Bytes of one token row of ``layer``."""
         return self.page_bytes(layer) // self.block_size(layer)
 
-    def layer_layouts(self) -> list[transfer_pb2.LayerLayout]:
+    def layer_layouts(self, *, engine_blocks: bool = False) -> list[transfer_pb2.LayerLayout]:
         """Every layer as the prefill describes it to a decode (no shared-memory regions: vLLM's blocks
-        are streamed out of its cache)."""
+        are streamed out of its cache); ``engine_blocks``: with each layer's block 0 address and block
+        stride in this process, where a transfer engine reads them."""
         return [
-            transfer_pb2.LayerLayout(
-                layer=i,
+            layer_layout(
+                i,
                 slot=i,
                 main_row_bytes=self.row_bytes(i),
                 main_dtype=self.dtypes[i],
                 block_size=self.block_size(i),
+                engine_block=(page.data_ptr(), page.stride(0)) if engine_blocks else None,
             )
-            for i in range(len(self.names))
+            for i, page in enumerate(self.pages)
         ]

@@ -38,7 +38,7 @@ import torch
 
 from kvcore.segment import host_id
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
-from kvoffload_vllm.d2h_engine import layer_layouts, start_d2h_engine
+from kvoffload_vllm.d2h_engine import start_d2h_engine
 from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import Send, blocks_of
 from kvoffload_vllm.d2h_settings import D2HSettings
@@ -47,6 +47,7 @@ from kvoffload_vllm.kv_groups import NULL_BLOCK
 from kvoffload_vllm.reuse_gate import GATE
 from kvoffload_vllm.stats import Counters
 from pdlink.layer_source import LayerSourceServicer, RowBuffer
+from pdlink.layout_messages import EngineShare, layout_metadata
 from pdlink.links import DecodeLink, LinkError
 from pdlink.refusals import MalformedRead, Refused, UnknownRequest
 from svcruntime.tls import add_port
@@ -128,18 +129,16 @@ class Producer(RowBuffer):
             raise RuntimeError(f"cannot bind the LayerSource at {settings.advertise_host}:{settings.data_port}")
         self._server.start()
         self.data_endpoint = f"{settings.advertise_host}:{port}"
-        self.metadata = transfer_pb2.LayoutMetadata(
+        self.metadata = layout_metadata(
             model_id=model_id,
-            num_layers=len(layers.names),
+            layers=layers.layer_layouts(engine_blocks=self.transfer is not None),
             block_size=layers.groups[0].block_size,
-            layers=layer_layouts(layers) if self.transfer else layers.layer_layouts(),
-            prefill_tp_rank=settings.tp_rank,
-            prefill_tp_size=settings.tp_size,
+            tp_rank=settings.tp_rank,
+            tp_size=settings.tp_size,
             data_endpoint=self.data_endpoint,
             host_id=host_id(),
-            layout_version=secrets.randbits(62) + 1,  # vLLM seeds `random`
-            transfer_engine=self.transfer.name if self.transfer else "",
-            engine_session=self.transfer.session if self.transfer else "",
+            version=secrets.randbits(62) + 1,  # vLLM seeds `random`
+            engine=EngineShare(self.transfer.name, self.transfer.session) if self.transfer else None,
         )
         log.info(
             "kvoffload_d2h_producer",

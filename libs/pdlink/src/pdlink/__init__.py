@@ -9,6 +9,8 @@ The consumer's side:
 - ``transfer_service``: ``TransferServicer``, ``kvoffload.v1.Transfer`` over a ``PullConsumer``.
 - ``sources``: ``RowSources``, the reads out of the producer's shared memory or its LayerSource stream.
 - ``pullcounters``: ``PullCounters``, the counters every consumer exposes (``COUNTERS``).
+- ``registration``: a decode's registration of a request at the proxy's ``/v1/metaserver`` (the
+  message, its retries, the blocking client).
 
 The producer's side:
 
@@ -16,6 +18,8 @@ The producer's side:
   ``ReadTicket``, heartbeats, PrefillDone).
 - ``layer_source``: ``LayerSourceServicer``, ``kvoffload.v1.LayerSource`` over a ``RowBuffer``.
 - ``chunks``: a LayerSource's rows as ``DataChunk`` messages of at most ``MAX_CHUNK_BYTES``.
+- ``layout_messages``: the ``LayoutMetadata`` / ``LayerLayout`` a prefill hands every decode, built
+  whole in one place.
 
 Both:
 

@@ -31,6 +31,7 @@ from openai_api.request import ParsedRequest, parse_request
 from openai_api.sampling_params import SamplingParams
 from openai_api.tokenizer import Tokenizer
 from openai_api.transfer_params import KVTransferParams
+from pdlink.registration import RETRIES, Registration, backoff_s
 from svcruntime.logs import REQUEST_IDS
 from svcruntime.serving import draining_app, error_response, too_busy_response
 from svcruntime.sse import sse_response
@@ -48,7 +49,7 @@ class AppSettings:
     tp_size: int = 1  # registered as remote_tp_size: rank t of this decode listens on control_port + t
     metaserver_timeout_s: float = 600.0
     token_timeout_s: float = 600.0
-    metaserver_retries: int = 3
+    metaserver_retries: int = RETRIES
 
 
 def build_app(
@@ -301,38 +302,28 @@ class _Handler:
                 return str(value)
 
     async def _register(self, rid: str, metaserver: str, bound, token: str | None = None, queued: bool = False) -> str:
-        """POST our endpoint to the proxy's metaserver; "" when it answered ok, else what failed.
-        ``token``: the proxy's per-request ``metaserver_token`` (set when the proxy has an API key).
-        ``queued``: instead, tell it the request is queued here (answered at once; the proxy's
-        registration deadline no longer applies to it)."""
-        headers = {"X-Request-Id": rid, **({"Authorization": f"Bearer {token}"} if token else {})}
-        params = (
-            KVTransferParams(request_id=rid, queued=True)
-            if queued
-            else KVTransferParams(
-                request_id=rid,
-                remote_host=self.settings.advertise_host,
-                remote_port=self.settings.control_port,
-                remote_tp_size=self.settings.tp_size,
-                remote_dp_rank=self.settings.dp_rank,
-            )
-        )
-        payload = {"request_id": rid, "kv_transfer_params": params.wire()}
-        timeout = aiohttp.ClientTimeout(total=self.settings.metaserver_timeout_s)
+        """POST our endpoint to the proxy's metaserver (``pdlink.registration``: the message, the
+        retries); "" when it answered ok, else what failed. ``token``: the proxy's per-request
+        ``metaserver_token`` (set when the proxy has an API key). ``queued``: instead, tell it the
+        request is queued here (answered at once; the proxy's registration deadline no longer
+        applies to it)."""
+        s = self.settings
+        reg = Registration(rid, metaserver, token, s.advertise_host, s.control_port, s.tp_size, s.dp_rank, queued)
+        timeout = aiohttp.ClientTimeout(total=s.metaserver_timeout_s)
         attempt = 0
         while True:
             try:
                 async with aiohttp.ClientSession(timeout=timeout) as session:
-                    async with session.post(metaserver, json=payload, headers=headers) as resp:
+                    async with session.post(metaserver, json=reg.body(), headers=reg.headers()) as resp:
                         text = await resp.text()
                         if resp.status // 100 == 2:
                             return ""
                         bound.warning("metaserver_error", status=resp.status, body=text[:500])
-                        return f"metaserver {metaserver} answered {resp.status}: {text[:500]}"
+                        return reg.refused(resp.status, text)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                if attempt == self.settings.metaserver_retries:
-                    return f"metaserver {metaserver} unreachable after {attempt + 1} attempts: {exc!r}"
-                await asyncio.sleep(0.2 * 2**attempt)
+                if attempt == s.metaserver_retries:
+                    return reg.unreachable(attempt + 1, exc)
+                await asyncio.sleep(backoff_s(attempt))
                 attempt += 1
 
     async def _next(self, queue: asyncio.Queue) -> tuple[str, object]:

@@ -35,6 +35,7 @@ from kvoffload_proto.v1 import transfer_pb2_grpc
 from pdlink.engine_rows import Transfer
 from pdlink.engines import EngineUnavailable, register_segment, start_engine
 from pdlink.layer_source import LayerSourceServicer
+from pdlink.layout_messages import EngineShare
 from svcruntime.ranks import share_cores
 from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, exit_now, run, serve_http, start_process
 
@@ -135,9 +136,8 @@ def _serve_pd(
         peer_timeout_s=args.peer_timeout_s,
         follower_segments=tuple(b.segment.name for b in follower_buffers),
         queue=PrefillQueue(DEFAULT_MAX_QUEUE_WAIT_S if args.max_queue_wait_s is None else args.max_queue_wait_s),
+        engine_share=_share_layer_buffers(transfer, engine) if transfer is not None else None,
     )
-    if transfer is not None:
-        _share_layer_buffers(transfer, engine, worker)
     buffers = {lay.layout_version: bufs for lay, bufs in zip(worker.layouts, (engine.buffers, *follower_buffers))}
     grpc_side.add(
         transfer_pb2_grpc.add_LayerSourceServicer_to_server, LayerSourceServicer(LayerBufferRows(engine, buffers))
@@ -325,19 +325,16 @@ def _engine(args: argparse.Namespace, d2h) -> Transfer | None:
         raise StartupError(str(e)) from None
 
 
-def _share_layer_buffers(transfer: Transfer, engine, worker: PrefillWorker) -> None:
-    """Register the layer-buffer segment with the transfer engine and put its name, session and the
-    segment's address in the layout every decode gets (LayoutMetadata.transfer_engine,
-    engine_session, engine_segment_address)."""
+def _share_layer_buffers(transfer: Transfer, engine) -> EngineShare:
+    """Register the layer-buffer segment with the transfer engine: what the layout every decode gets
+    says of it (LayoutMetadata.transfer_engine, engine_session, engine_segment_address)."""
     segment = engine.buffers.segment
     address = segment.plane(0).data_ptr() - segment.plane_offsets[0]  # byte 0 of the mapping
     try:
         register_segment(transfer, address, segment.size_bytes)
     except EngineUnavailable as e:
         raise StartupError(str(e)) from None
-    worker.layout.transfer_engine = transfer.name
-    worker.layout.engine_session = transfer.session
-    worker.layout.engine_segment_address = address
+    return EngineShare(transfer.name, transfer.session, address)
 
 
 def _tp_ranks(args: argparse.Namespace, model, pool):

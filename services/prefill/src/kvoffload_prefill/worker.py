@@ -41,6 +41,7 @@ from kvoffload_proto.v1 import transfer_pb2
 from openai_api.logprobs import TokenLogprob
 from openai_api.sampling_params import SamplingParams
 from openai_api.transfer_params import KVTransferParams
+from pdlink.layout_messages import EngineShare, Region, layer_layout, layout_metadata
 from pdlink.links import DecodeLink
 from svcruntime.ledger import Ledger
 
@@ -73,6 +74,7 @@ class PrefillWorker:
         peer_timeout_s: float = 10.0,
         follower_segments: tuple[str, ...] = (),
         queue: PrefillQueue | None = None,
+        engine_share: EngineShare | None = None,
     ) -> None:
         self.engine = engine
         self.queue = queue if queue is not None else PrefillQueue()
@@ -85,7 +87,7 @@ class PrefillWorker:
         versions = random.sample(range(1, 2**62), size)  # distinct
         # rank 0's layout, then each follower's: its own buffers, the same slots, rows and offsets
         self.layouts = [
-            self._layout_metadata(model_id, host_id, data_endpoint, rank, version, segment)
+            self._layout_metadata(model_id, host_id, data_endpoint, rank, version, segment, engine_share)
             for rank, (version, segment) in enumerate(zip(versions, (None, *follower_segments)))
         ]
         self.layout, self.layout_version = self.layouts[0], versions[0]
@@ -101,44 +103,49 @@ class PrefillWorker:
         engine.announce = self._announce
 
     def _layout_metadata(
-        self, model_id: str, host_id: str, data_endpoint: str, rank: int, version: int, segment_name: str | None
+        self,
+        model_id: str,
+        host_id: str,
+        data_endpoint: str,
+        rank: int,
+        version: int,
+        segment_name: str | None,
+        engine_share: EngineShare | None,
     ) -> transfer_pb2.LayoutMetadata:
         eng, bufs = self.engine, self.engine.buffers
+
+        def region(slot: int, kind: str, row_bytes: int) -> Region | None:
+            if bufs.segment is None:
+                return None
+            plane = bufs.segment.plane_offsets[bufs.plane_of[(slot, kind)]]
+            return Region(segment_name or bufs.segment.name, plane, row_bytes, bufs.capacity_tokens)
+
         layers = []
         for spec in eng.plan.layout.layers:
-            slot = eng.plan.slot_of(spec.index)
-            lay = transfer_pb2.LayerLayout(
-                layer=spec.index,
-                slot=slot,
-                main_row_bytes=spec.main.row_bytes,
-                main_dtype=dtype_name(spec.main.dtype),
-                main_row_kind=spec.main.kind,
-                indexer_row_bytes=spec.indexer.row_bytes if spec.indexer else 0,
-                indexer_dtype=dtype_name(spec.indexer.dtype) if spec.indexer else "",
+            slot, indexer = eng.plan.slot_of(spec.index), spec.indexer
+            layers.append(
+                layer_layout(
+                    spec.index,
+                    slot=slot,
+                    main_row_bytes=spec.main.row_bytes,
+                    main_dtype=dtype_name(spec.main.dtype),
+                    main_row_kind=spec.main.kind,
+                    indexer_row_bytes=indexer.row_bytes if indexer else 0,
+                    indexer_dtype=dtype_name(indexer.dtype) if indexer else "",
+                    main_buffer=region(slot, "main", spec.main.row_bytes),
+                    indexer_buffer=region(slot, "indexer", indexer.row_bytes) if indexer else None,
+                )
             )
-            if bufs.segment is not None:
-                for kind, region, cache in (
-                    ("main", lay.main_buffer, spec.main),
-                    ("indexer", lay.indexer_buffer, spec.indexer),
-                ):
-                    if cache is None:
-                        continue
-                    plane = bufs.plane_of[(slot, kind)]
-                    region.segment_name = segment_name or bufs.segment.name
-                    region.offset_bytes = bufs.segment.plane_offsets[plane]
-                    region.row_stride_bytes = cache.row_bytes
-                    region.capacity_tokens = bufs.capacity_tokens
-            layers.append(lay)
-        return transfer_pb2.LayoutMetadata(
+        return layout_metadata(
             model_id=model_id,
-            num_layers=len(layers),
-            block_size=eng.block_size,
             layers=layers,
-            prefill_tp_rank=rank,
-            prefill_tp_size=eng.followers.size if eng.followers else 1,
+            block_size=eng.block_size,
+            tp_rank=rank,
+            tp_size=eng.followers.size if eng.followers else 1,
             data_endpoint=data_endpoint,
             host_id=host_id,
-            layout_version=version,
+            version=version,
+            engine=engine_share if rank == 0 else None,
         )
 
     def links(self, endpoint: str, ranks: list[int]) -> list[DecodeLink]:
