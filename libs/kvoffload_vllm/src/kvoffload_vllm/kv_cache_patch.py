@@ -8,7 +8,8 @@ of ``vllm.v1.core.kv_cache_utils``, which the engine core calls to size and lay 
 ``get_kv_cache_config_from_groups``  with a shared-buffer plan (``shared_buffers.plan_of``), vLLM
     sizes the cache for the plan's I + min(B, R) buffers, so the same memory budget holds
     N / (I + min(B, R)) times as many blocks, and every layer of a buffer gets a view of that one
-    buffer (one ``KVCacheTensor`` per layer, at its buffer's offset). The scheduler's block pool
+    buffer (one ``KVCacheTensor`` per layer, at its buffer's offset; a DSA model's indexer caches
+    likewise view their buffer's indexer descriptor). The scheduler's block pool
     and the workers' tensors both come from this config, so block accounting knows it. vLLM's
     device-side prefix caching is switched off (a block no longer holds every layer; prefix reuse
     comes from the host pool), and the seed's plan line is logged.
@@ -68,8 +69,9 @@ def install() -> bool:
             "kvoffload_shared_buffers",
             layers=len(shared.layer_names),
             buffers=shared.plan.num_buffers,
+            descriptors=shared.plan.num_descriptors_after,
             num_blocks=config.num_blocks,
-            block_bytes_per_buffer=kv_cache_groups[0].kv_cache_spec.page_size_bytes,
+            block_bytes=reduced(kv_cache_groups, shared)[0].kv_cache_spec.page_size_bytes,  # of every buffer
         )
         return expanded(config, kv_cache_groups, shared)
 
@@ -96,25 +98,33 @@ def shared_plan(vllm_config, kv_cache_groups) -> SharedBuffers | None:
 
 
 def reduced(kv_cache_groups, shared: SharedBuffers) -> list:
-    """The group as vLLM should size it: one layer per buffer (the slot heads)."""
-    return [replace(kv_cache_groups[0], layer_names=shared.slot_heads)]
+    """The group as vLLM should size it: one cache per descriptor (the buffers' head caches)."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    group = kv_cache_groups[0]
+    heads = [n for n in group.layer_names if n in shared.viewers]  # vLLM's order
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        spec = replace(spec, kv_cache_specs={n: spec.kv_cache_specs[n] for n in heads})
+    return [replace(group, layer_names=heads, kv_cache_spec=spec)]
 
 
 def expanded(config, kv_cache_groups, shared: SharedBuffers):
-    """``config`` (sized for the slot heads) with every layer viewing its buffer's bytes."""
+    """``config`` (sized for the head caches) with every cache viewing its buffer's bytes: the head's
+    place in vLLM's ``KVCacheTensor`` (one per cache spec)."""
     from vllm.v1.kv_cache_interface import KVCacheTensor
 
-    (head,) = config.kv_cache_tensors  # one group, one spec: one placement for the slot heads
     tensors = [
         KVCacheTensor(
-            size=head.size,
-            layers=[shared.layer_names[layer]],
-            layer_stride=head.layer_stride,
-            block_stride=head.block_stride,
-            offset=head.offset + slot * head.layer_stride,
-            host_resident=head.host_resident,
+            size=t.size,
+            layers=[name],
+            layer_stride=t.layer_stride,
+            block_stride=t.block_stride,
+            offset=t.offset + i * t.layer_stride,
+            host_resident=t.host_resident,
         )
-        for slot, members in enumerate(shared.plan.slots)
-        for layer in members
+        for t in config.kv_cache_tensors
+        for i, head in enumerate(t.layers)
+        for name in shared.viewers[head]
     ]
     return replace(config, kv_cache_tensors=tensors, kv_cache_groups=list(kv_cache_groups))

@@ -3,10 +3,17 @@
 A vLLM prefill (``kv_role: kv_producer``) whose AscendStoreConnector has ``use_layerwise: true``
 and ``layerwise_num_shared_buffers: B`` keeps I + min(B, R) layers' worth of KV on the device
 instead of N (``kvcore.plan.BufferPlan``: I independent layers, R reused ones round-robin over
-min(B, R) buffers). This module turns vLLM's view of the model (layer names and one attention
-spec) and its ``kv_transfer_config`` into that plan; ``kvoffload_vllm.kv_cache_patch`` applies it
+min(B, R) buffers). This module turns vLLM's view of the model (its one KV cache group's caches)
+and its ``kv_transfer_config`` into that plan; ``kvoffload_vllm.kv_cache_patch`` applies it
 to vLLM's KV cache allocation, the store connector (``kvoffload_vllm.store``) reloads and saves
 each layer around its attention.
+
+A DSA model (DeepSeek-V3.2, GLM-5) gives vLLM one group whose layers each hold two caches: the
+attention's latent cache (``...self_attn.attn``) and the lightning indexer's key cache
+(``...self_attn.indexer.k_cache``, vLLM's ``cache_role`` "indexer"). As in the seed, a buffer is
+one main descriptor plus one indexer descriptor (the widest indexer of its layers), the plan line
+counts every cache (``merged 2N descriptors into 2S``), and MTP layers (vLLM numbers them after
+the base layers: ``model.layers.<num_hidden_layers>``) are planned like any other layer.
 
 Pinned to the vLLM version whose allocation code the patch changes: another version is refused
 at start-up with the version named (never a silently wrong cache).
@@ -36,10 +43,41 @@ SUPPORTED_VLLM = "0.32.0"  # the KV cache allocation kvoffload_vllm.kv_cache_pat
 
 @dataclass(frozen=True)
 class SharedBuffers:
-    """The plan over vLLM's layer names: ``layer_names`` in physical order, ``plan.slots`` of indices."""
+    """The plan over vLLM's layer names: ``layer_names`` (the attention layers, whose caches are the
+    main ones) in physical order, ``plan.slots`` of indices; ``indexer_names[i]``: layer i's indexer
+    cache, None without one."""
 
     layer_names: tuple[str, ...]
     plan: BufferPlan
+    indexer_names: tuple[str | None, ...] = ()
+
+    def caches(self, layer_name: str) -> tuple[str, ...]:
+        """Every cache of an attention layer: its own, then its indexer's where it has one."""
+        indexer = self._indexer_of.get(layer_name)
+        return (layer_name,) if indexer is None else (layer_name, indexer)
+
+    @cached_property
+    def _indexer_of(self) -> dict[str, str]:
+        return {n: i for n, i in zip(self.layer_names, self.indexer_names, strict=False) if i is not None}
+
+    @cached_property
+    def viewers(self) -> dict[str, tuple[str, ...]]:
+        """Buffer head cache -> every cache that views its bytes (itself first): a slot's main caches
+        view its first layer's, its indexer caches the widest indexer's (the plan's descriptors)."""
+        out: dict[str, tuple[str, ...]] = {}
+        for d in self.plan.descriptors:
+            names = [self.layer_names[i] for i in d.layers]
+            if d.kind == "indexer":
+                names = [self._indexer_of[n] for n in names if n in self._indexer_of]
+                widest = max(d.layers, key=lambda i: self._row_bytes(i))
+                names.remove(head := self._indexer_of[self.layer_names[widest]])
+                names.insert(0, head)
+            out[names[0]] = tuple(names)
+        return out
+
+    def _row_bytes(self, layer: int) -> int:
+        spec = self.plan.layout.layers[layer].indexer
+        return -1 if spec is None else spec.row_bytes
 
     @cached_property
     def previous_occupant(self) -> dict[str, str]:
@@ -98,22 +136,32 @@ def _names_store(config: object) -> bool:
 
 
 def group_plan(asked: Request | None, groups: Sequence[KVGroup]) -> SharedBuffers | None:
-    """``plan_of`` the model's one KV cache group, whose layers share one cache spec (a buffer holds any
-    of its layers); ConfigError naming the key otherwise."""
+    """``plan_of`` the model's one KV cache group: its attention layers' caches of one page size (a
+    buffer holds any of its layers), each with at most one indexer cache (vLLM's ``cache_role``
+    "indexer": a DSA model's); ConfigError naming the key otherwise."""
     if asked is None:
         return None
-    if len(groups) != 1 or any(s != groups[0].specs[0] for s in groups[0].specs):
+    mains = dict(zip(groups[0].layer_names, groups[0].specs, strict=True)) if len(groups) == 1 else {}
+    indexers = {n: mains.pop(n) for n in list(mains) if getattr(mains[n], "cache_role", None) == "indexer"}
+    first = next(iter(mains.values()), None)
+    if first is None or len({(s.page_size_bytes, s.dtype) for s in mains.values()}) > 1:
         kinds = sorted({type(s).__name__ for g in groups for s in g.specs})
         raise ConfigError(
             [
                 "kv_connector_extra_config.layerwise_num_shared_buffers: shared layer buffers inside vLLM take "
-                f"one attention KV cache group of one cache spec; this model has {len(groups)} group(s) (block "
-                f"sizes {[g.block_size for g in groups]}, specs {kinds}): drop the key, or start vLLM with "
-                "--disable-hybrid-kv-cache-manager where the model allows it"
+                "one attention KV cache group of one cache spec (a DSA model's indexer caches beside it); this "
+                f"model has {len(groups)} group(s) (block sizes {[g.block_size for g in groups]}, specs {kinds}"
+                f"{_page_sizes(mains) if len(groups) == 1 else ''}): drop the key, or start vLLM with "
+                "--disable-hybrid-kv-cache-manager where the model allows it (not DeepSeek-V4: its "
+                "sliding-window and compressor-state caches need groups of their own)"
             ]
         )
-    group, spec = groups[0], groups[0].specs[0]
-    return plan_of(asked, list(group.layer_names), group.block_size, spec.page_size_bytes, spec.dtype)
+    pages = {n: (s.page_size_bytes, s.dtype) for n, s in indexers.items()}
+    return plan_of(asked, list(mains), groups[0].block_size, first.page_size_bytes, first.dtype, pages)
+
+
+def _page_sizes(specs: Mapping[str, Any]) -> str:
+    return f", attention page bytes {sorted({s.page_size_bytes for s in specs.values()})}"
 
 
 def transfer_config_dict(kv) -> dict[str, Any]:
@@ -157,42 +205,71 @@ def plan_of(
     block_size: int,
     page_bytes: int,
     dtype: torch.dtype,
+    indexers: Mapping[str, tuple[int, torch.dtype]] | None = None,
 ) -> SharedBuffers | None:
     """The shared-buffer plan of one uniform attention group for ``asked`` (``requested``), or None when
-    not asked for or when every layer would keep its own buffer anyway."""
+    not asked for or when every layer would keep its own buffer anyway. ``indexers``: indexer cache
+    name -> (page bytes, dtype), each the indexer of the attention layer of its layer index."""
     if asked is None:
         return None
     num_shared, independent_spec = asked
-    ordered = sorted(layer_names, key=lambda n: physical_index(n, len(layer_names)))
-    indices = [physical_index(n, len(layer_names)) for n in ordered]
-    if indices != list(range(len(ordered))):
+    n = len(layer_names)
+    ordered = sorted(layer_names, key=lambda name: physical_index(name, n))
+    if [physical_index(name, n) for name in ordered] != list(range(n)):
         raise ConfigError([f"layerwise_num_shared_buffers: vLLM's layer names {list(ordered)} do not number 0..N-1"])
-    width = page_bytes // block_size // dtype.itemsize
-    spec = CacheSpec(width, dtype, page_bytes // block_size - width * dtype.itemsize)
-    layout = KVLayout(tuple(LayerSpec(i, n, spec) for i, n in enumerate(ordered)), len(ordered), block_size)
+    by_layer = _indexers_by_layer(indexers or {}, ordered)
+    main = _cache_spec(page_bytes, block_size, dtype)
+    layers = []
+    for i, name in enumerate(ordered):
+        page, dtype_of = by_layer[i][1] if i in by_layer else (0, None)
+        layers.append(LayerSpec(i, name, main, None if dtype_of is None else _cache_spec(page, block_size, dtype_of)))
+    layout = KVLayout(tuple(layers), n, block_size)
     independent = resolve_independent_layers(
         independent_spec, layout.num_layers, field="kv_connector_extra_config.layerwise_independent_layers"
     )
     plan = BufferPlan.build(layout, num_shared, independent)
     if not plan.reuses:
         return None
-    return SharedBuffers(tuple(ordered), plan)
+    names = tuple(by_layer[i][0] if i in by_layer else None for i in range(n))
+    return SharedBuffers(tuple(ordered), plan, names)
+
+
+def _indexers_by_layer(
+    indexers: Mapping[str, tuple[int, torch.dtype]], ordered: Sequence[str]
+) -> dict[int, tuple[str, tuple[int, torch.dtype]]]:
+    """Layer index -> (indexer cache name, its page bytes and dtype); ConfigError for an indexer cache
+    of no attention layer, or two of one."""
+    out: dict[int, tuple[str, tuple[int, torch.dtype]]] = {}
+    for name, page in indexers.items():
+        i = physical_index(name, len(ordered))
+        if not 0 <= i < len(ordered) or i in out:
+            owner = "no attention layer" if not 0 <= i < len(ordered) else f"layer {ordered[i]!r}, beside {out[i][0]!r}"
+            raise ConfigError([f"layerwise_num_shared_buffers: vLLM's indexer cache {name!r} belongs to {owner}"])
+        out[i] = (name, page)
+    return out
+
+
+def _cache_spec(page_bytes: int, block_size: int, dtype: torch.dtype) -> CacheSpec:
+    """A cache's bytes per token as the plan counts them (elements of ``dtype``, the rest as scale bytes)."""
+    row = page_bytes // block_size
+    width = row // dtype.itemsize
+    return CacheSpec(width, dtype, row - width * dtype.itemsize)
 
 
 def check_caches(shared: SharedBuffers, caches: Mapping[str, torch.Tensor]) -> None:
-    """The worker's caches are laid out as the plan says: layers of one slot on one buffer, slots
-    on distinct buffers. Anything else (vLLM allocated one buffer per layer) is refused."""
-    ptr = {name: caches[name].data_ptr() for name in shared.layer_names}
-    for members in shared.plan.slots:
-        names = [shared.layer_names[i] for i in members]
+    """The worker's caches are laid out as the plan says: the caches of one buffer (its layers' main
+    caches; their indexer caches) on one tensor, buffers on distinct tensors. Anything else (vLLM
+    allocated one buffer per layer) is refused."""
+    ptr = {name: caches[name].data_ptr() for names in shared.viewers.values() for name in names}
+    for names in shared.viewers.values():
         if len({ptr[n] for n in names}) != 1:
             raise ConfigError(
                 [
-                    f"layerwise_num_shared_buffers: layers {names} should share one KV buffer but vLLM "
+                    f"layerwise_num_shared_buffers: caches {list(names)} should share one KV buffer but vLLM "
                     "allocated them apart (the kvoffload_vllm plugin did not change vLLM's KV cache "
                     "allocation: is the kvoffload-vllm package installed in this environment?)"
                 ]
             )
-    heads = [ptr[n] for n in shared.slot_heads]
+    heads = [ptr[n] for n in shared.viewers]
     if len(set(heads)) != len(heads):
         raise ConfigError(["layerwise_num_shared_buffers: two buffers of the plan share one KV tensor"])

@@ -13,13 +13,19 @@ saver thread copies the step's blocks of L into ``RequestKV``; the pool's saves 
 blocks (the store's ordinary saves) queue before the release. Independent layers keep their own
 buffer: only step 2 applies to them.
 
+A DSA layer's indexer cache (``SharedBuffers.caches``) goes with its layer: its buffer's indexer
+descriptor is made ready with the latent one, ahead of the indexer's forward (which writes and reads
+its keys before the attention's own write: a forward pre-hook on the attention's ``indexer``
+module), loaded from its own pool plane, and saved with the layer; a layer's host-copy row holds its
+caches' pages side by side.
+
 A failed load marks the request's blocks as load errors (vLLM recomputes them); a gate past its
 bound raises ``ReuseTimeout`` out of the forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +33,7 @@ from typing import Any
 import structlog
 import torch
 
+from kvcore.configerrors import ConfigError
 from kvcore.gather import write_pages
 from kvcore.hostpool import HostPoolBackend
 from kvoffload_vllm.block_bytes import block_bytes
@@ -84,13 +91,24 @@ class SharedSteps:
         on_load_error: Callable[[list[int]], None],
         metadata: Callable[[], Any],
         counters: Counters,
+        planes: Sequence[str] = (),
     ) -> None:
+        """``layout``: the attention layers' caches; ``caches``: every cache (a DSA layer's indexer one
+        too); ``planes``: the pool's planes, the group's caches in order (default the layout's layers)."""
         self.shared, self.layout, self._saver, self._on_load_error = shared, layout, saver, on_load_error
         self._metadata = metadata  # the step's bound StoreStepMetadata, None outside a step
         self._counters = counters  # the store's: blocks_loaded and bytes_loaded count the hits loaded here
         self._bytes = {n: block_bytes(t, n) for n, t in caches.items()}
+        self._planes = {n: i for i, n in enumerate(planes or layout.layer_names)}
+        self._cols: dict[str, slice] = {}  # cache -> its columns in its layer's host-copy row
+        for layer in layout.layer_names:
+            at = 0
+            for cache in shared.caches(layer):
+                self._cols[cache] = slice(at, at + self._bytes[cache].shape[1])
+                at += self._bytes[cache].shape[1]
+        row = max(c.stop for c in self._cols.values())
         pin = next(iter(caches.values())).device.type != "cpu"
-        self.request_kv = RequestKV([n for n in layout.layer_names if shared.is_shared(n)], layout.block_bytes, pin=pin)
+        self.request_kv = RequestKV([n for n in layout.layer_names if shared.is_shared(n)], row, pin=pin)
         self._step = _Step([], [])
 
     # ---- the forward thread ------------------------------------------------------------------
@@ -109,6 +127,25 @@ class SharedSteps:
                 return _write(*args, **kwargs)
 
             impl.do_kv_cache_update = update
+        for name in self.layout.layer_names:
+            if len(self.shared.caches(name)) > 1:
+                self._hook_indexer(forward_context, name, pool)
+
+    def _hook_indexer(
+        self, forward_context: dict[str, Any], name: str, pool: Callable[[], HostPoolBackend | None]
+    ) -> None:
+        """``before_attention`` ahead of the indexer's forward: it writes and reads the layer's indexer
+        cache before the attention writes; ConfigError where no indexer module runs it."""
+        module = getattr(forward_context.get(name), "indexer", None)
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError(
+                [
+                    f"layerwise_num_shared_buffers: layer {name!r} has an indexer cache "
+                    f"({self.shared.caches(name)[1]!r}) but no indexer module to reload it before: its "
+                    "indexer would read the keys of the buffer's previous layer"
+                ]
+            )
+        module.register_forward_pre_hook(lambda _module, _args: self.before_attention(name, pool()))
 
     def _current(self) -> _Step | None:
         """This step (begun at its first layer: vLLM may call ``start_load_kv`` after the forward),
@@ -155,11 +192,10 @@ class SharedSteps:
         if not keys:
             return {}
         try:
-            staging = torch.empty((len(keys), self.layout.block_bytes), dtype=torch.uint8)
-            pool.get_into(keys, self.layout.plane(layer), staging.view(len(keys), 1, -1))  # one row: the page
+            staging = self._read_hits(pool, keys, layer)
             ids = torch.tensor([b for t in loads for b in t.block_ids], dtype=torch.long)
-            dst = self._bytes[layer]
-            write_pages(dst, ids, staging)
+            for cache in self.shared.caches(layer):
+                write_pages(self._bytes[cache], ids, staging[:, self._cols[cache]])
             at = 0
             for t in loads:
                 if shared:
@@ -170,12 +206,24 @@ class SharedSteps:
             self._fail(step, [t.request_id for t in loads], layer, exc)
             return {}
         step.hit_layers += 1
-        self._counters.add(bytes_loaded=len(keys) * self.layout.block_bytes)
+        self._counters.add(bytes_loaded=len(keys) * sum(self._bytes[c].shape[1] for c in self.shared.caches(layer)))
         return {t.request_id: t.start + len(t.keys) for t in loads}
+
+    def _read_hits(self, pool: HostPoolBackend, keys: list[bytes], layer: str) -> torch.Tensor:
+        """The blocks ``keys`` of every cache of ``layer`` from the pool, as host-copy rows ``[n, row]``."""
+        rows = torch.empty((len(keys), self.request_kv.block_bytes), dtype=torch.uint8)
+        for cache in self.shared.caches(layer):
+            cols = self._cols[cache]
+            part = rows if cols.stop - cols.start == rows.shape[1] else torch.empty_like(rows[:, cols])
+            pool.get_into(keys, self._planes[cache], part.view(len(keys), 1, -1))  # one row: the page
+            if part is not rows:
+                rows[:, cols] = part
+        return rows
 
     def _reload(self, step: _Step, layer: str, hit: dict[str, int]) -> None:
         """Blocks earlier steps computed, from ``RequestKV`` into ``layer``'s buffer."""
         dst, bs = self._bytes[layer], self.layout.block_size
+        caches = self.shared.caches(layer)
         for r in step.requests:
             if r.request_id in step.failed:
                 continue
@@ -185,7 +233,9 @@ class SharedSteps:
                 continue
             try:
                 ids = torch.tensor(r.block_ids[again.start : again.stop], dtype=torch.long, device=dst.device)
-                write_pages(dst, ids, self.request_kv.get(r.request_id, layer, again))
+                rows = self.request_kv.get(r.request_id, layer, again)
+                for cache in caches:
+                    write_pages(self._bytes[cache], ids, rows[:, self._cols[cache]])
                 step.reloaded_blocks += len(again)
             except Exception as exc:  # noqa: BLE001 - reported to vLLM as load errors: it recomputes the blocks
                 self._fail(step, [r.request_id], layer, exc)
@@ -221,10 +271,19 @@ class SharedSteps:
             return
         try:
             ids = torch.tensor(r.block_ids[written.start : written.stop], dtype=torch.long, device=src.device)
-            self.request_kv.put(r.request_id, layer, written, src.index_select(0, ids))
+            self.request_kv.put(r.request_id, layer, written, self._host_rows(layer, ids))
         except Exception as exc:  # noqa: BLE001 - the request's host copy is dropped: never reloaded stale
             self.request_kv.drop([r.request_id])
             log.error("kvoffload_shared_save_failed", request_id=r.request_id, layer=layer, error=str(exc))
+
+    def _host_rows(self, layer: str, ids: torch.Tensor) -> torch.Tensor:
+        """Blocks ``ids`` of every cache of ``layer`` as host-copy rows (its caches side by side)."""
+        if self._cols[layer].stop == self.request_kv.block_bytes:  # one cache fills the row
+            return self._bytes[layer].index_select(0, ids)
+        rows = torch.empty((len(ids), self.request_kv.block_bytes), dtype=torch.uint8, device=ids.device)
+        for cache in self.shared.caches(layer):
+            rows[:, self._cols[cache]] = self._bytes[cache].index_select(0, ids)
+        return rows
 
     def end_step(self) -> None:
         step = self._step

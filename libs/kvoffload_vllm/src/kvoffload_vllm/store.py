@@ -230,15 +230,17 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
         self._pools = open_group_pools(self._store, self._group_caches, pool_gb, METASTORE_TIMEOUT_S)
 
     def _start_shared_steps(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Shared layer buffers (one KV cache group): loads and host copies layer by layer."""
+        """Shared layer buffers (one KV cache group): loads and host copies layer by layer. The layout is
+        the attention layers' caches; a DSA layer's indexer cache goes with its layer."""
         assert self._shared is not None
         group = self._groups[0]
+        layers = [n for n in group.layer_names if n in self._shared.layer_names]
         self._layout = CacheLayout.of(
-            kv_caches,
-            list(group.layer_names),
+            {n: kv_caches[n] for n in layers if n in kv_caches},
+            layers,
             self._kv_cache_config.num_blocks,
             group.block_size,
-            group.specs[0].page_size_bytes,
+            group.specs[group.layer_names.index(layers[0])].page_size_bytes,
         )
         caches = {name: kv_caches[name] for name in group.layer_names}
         check_caches(self._shared, caches)
@@ -250,6 +252,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
             self._load_failed,
             lambda: self._get_connector_metadata() if self.has_connector_metadata() else None,
             self._counters,
+            planes=group.layer_names,
         )
         self._shared_steps.hook_layers(
             self._vllm_config.compilation_config.static_forward_context,
@@ -323,9 +326,10 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
                 self._handoffs.append(time.perf_counter())
                 for t in self._step_saves:
                     c = self._group_caches[t.group]
-                    if layer_name in c.group.layer_names:
-                        plane = c.group.layer_names.index(layer_name)
-                        self._save_futures.append((t, self._saver.submit(self._save, t, plane)))
+                    for cache in self._shared.caches(layer_name) if self._shared else (layer_name,):
+                        if cache in c.group.layer_names:  # a DSA layer's indexer cache with it (shared buffers)
+                            plane = c.group.layer_names.index(cache)
+                            self._save_futures.append((t, self._saver.submit(self._save, t, plane)))
         if self._shared_steps is not None:  # after the pool's saves of the layer: one saver thread, in order
             self._host_saves += self._shared_steps.after_attention(layer_name)
 
