@@ -116,7 +116,7 @@ def _model_sizes(model, default_len: int) -> dict:
     of max_model_len, the decode's pool for its 8 sequences of max_model_len; else the defaults."""
     try:
         from dsamodel.served import read_config
-        from kvoffload_engine.layout import kv_layout
+        from kvoffload_engine.model_layout import kv_layout
 
         config = read_config(model)
     except (ValueError, OSError):

@@ -8,7 +8,7 @@ log line, device bytes with and without offload and host-pool bytes.
 
 The indexer cache is sized as the serving engine stores it (``dsamodel.indexcodec.indexer_cache_format``:
 float8_e4m3fn keys plus float32 scales for ``DeepseekV32ForCausalLM``, ``torch_dtype`` otherwise),
-in the layout the engine keeps (``kvoffload_engine.layout.kv_layout``). The report's
+in the layout the engine keeps (``kvoffload_engine.model_layout.kv_layout``). The report's
 ``model.indexer`` names the dtype, the scale bytes and block, and that source.
 """
 
@@ -25,7 +25,7 @@ from kvcore.layout import KVLayout
 from kvcore.pdpair import check_pd_pair
 from kvcore.plan import BufferPlan
 from kvcore.prefillsettings import prefill_settings
-from kvoffload_engine.layout import kv_layout
+from kvoffload_engine.model_layout import kv_layout
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ peer timeout or past the metastore's heartbeat timeout (its pool and leases expi
 decode's sequence slots; fill the prefill's host pool (a prompt larger than it, among others). Every
 fault met a request in flight (sent, not yet answered, as its client saw it; ``missed_faults`` 0). After
 every run: each client request ended within its deadline, every success is bit-identical to the plain
-full-KV oracle (``kvoffload_testing.reference``), the idle stack holds no slot, pool byte, lease or
+full-KV oracle (``kvoffload_testing.oracle``), the idle stack holds no slot, pool byte, lease or
 open request, and a fresh request succeeds. ``KVOFFLOAD_FAULT_SEED`` replays another seed.
 
 The same checks on a Mooncake deployment: the prefill pool on Mooncake Store (a real

@@ -23,9 +23,9 @@ import urllib.request
 
 import pytest
 
+from kvoffload_testing.oracle import greedy_reference
 from kvoffload_testing.ports import free_stack_ports
 from kvoffload_testing.prom import scrape
-from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.sse import sse_events, token_ids
 from kvoffload_testing.stack import Stack, StackConfig
 from kvoffload_testing.stack_client import stack_stats

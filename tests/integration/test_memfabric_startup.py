@@ -18,7 +18,7 @@ import pytest
 from dsamodel.presets import tiny_model
 from kvcore.layout import dtype_name
 from kvoffload_decode.transfer import decode_transfer
-from kvoffload_engine.layout import kv_layout
+from kvoffload_engine.model_layout import kv_layout
 from kvoffload_proto.v1 import transfer_pb2 as pb
 from kvoffload_testing.connector_configs import (
     decode_additional_config,

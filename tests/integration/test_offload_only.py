@@ -19,8 +19,8 @@ import pytest
 
 from dsamodel.tokenizer import ByteTokenizer
 from kvoffload_testing.connector_configs import offload_only_kv_transfer_config
+from kvoffload_testing.oracle import greedy_reference
 from kvoffload_testing.ports import free_stack_ports
-from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.stack import Stack, StackConfig
 from kvoffload_testing.stack_client import post_json, stack_stats, stream_token_ids
 

@@ -16,8 +16,8 @@ import pytest
 
 from dsamodel.tokenizer import ByteTokenizer
 from kvoffload_testing.netns import SplitStack, Veth, veth_namespace
+from kvoffload_testing.oracle import greedy_reference
 from kvoffload_testing.ports import free_stack_ports
-from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.stack import StackConfig
 from kvoffload_testing.stack_client import grpc_stats, post_json, stream_token_ids
 

@@ -1,5 +1,5 @@
 """I3 through real processes on loopback: greedy tokens through proxy -> prefill -> decode equal the
-plain full-KV oracle (``kvoffload_testing.reference``: no shared buffers, host pool or hot cache),
+plain full-KV oracle (``kvoffload_testing.oracle``: no shared buffers, host pool or hot cache),
 for short and long prompts, completions and chat, streaming and not; and afterwards no slot, pool
 byte or lease is left held (Stats). The prefill logs the guide's buffer-plan line, exactly."""
 
@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 
 from dsamodel.tokenizer import ByteTokenizer
+from kvoffload_testing.oracle import greedy_reference
 from kvoffload_testing.ports import free_stack_ports
-from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.stack import Stack, StackConfig
 from kvoffload_testing.stack_client import post_json, stack_stats, stream_token_ids
 
@@ -64,7 +64,7 @@ def stack(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """The oracle's greedy tokens (the model's plain full-KV path, kvoffload_testing.reference)."""
+    """The oracle's greedy tokens (the model's plain full-KV path, kvoffload_testing.oracle)."""
     return greedy_reference(model_dir, block_size=BS, max_model_len=8192)
 
 
@@ -115,7 +115,7 @@ def test_the_prefill_logs_the_guides_buffer_plan_line(stack, model_dir):
     3 shared buffers, layer 0 independent: the stack's store config)."""
     from dsamodel.config import ModelConfig
     from kvcore.plan import BufferPlan
-    from kvoffload_engine.layout import kv_layout
+    from kvoffload_engine.model_layout import kv_layout
 
     layout = kv_layout(ModelConfig.from_json(model_dir / "config.json"), BS)
     line = BufferPlan.build(layout, 3, [0]).log_line()

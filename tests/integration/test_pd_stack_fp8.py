@@ -13,9 +13,9 @@ import torch
 from dsamodel.presets import write_tiny
 from dsamodel.tokenizer import ByteTokenizer
 from dsamodel.weights import load_model
-from kvoffload_engine.layout import kv_layout
+from kvoffload_engine.model_layout import kv_layout
+from kvoffload_testing.oracle import greedy_reference
 from kvoffload_testing.ports import free_stack_ports
-from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.stack import Stack, StackConfig
 from kvoffload_testing.stack_client import post_json, stack_stats, stream_token_ids
 

@@ -23,8 +23,8 @@ import pytest
 
 from dsamodel.tokenizer import ByteTokenizer
 from kvoffload_testing.connector_configs import prefill_kv_transfer_config
+from kvoffload_testing.oracle import greedy_reference
 from kvoffload_testing.ports import free_stack_ports
-from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.stack import MOONCAKE_MASTER, Stack, StackConfig
 from kvoffload_testing.stack_client import post_json, stack_stats, stream_token_ids
 
@@ -53,7 +53,7 @@ def stack(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """The oracle's greedy tokens (the model's plain full-KV path, kvoffload_testing.reference)."""
+    """The oracle's greedy tokens (the model's plain full-KV path, kvoffload_testing.oracle)."""
     return greedy_reference(model_dir, block_size=BS, max_model_len=8192)
 
 

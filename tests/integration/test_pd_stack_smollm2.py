@@ -14,8 +14,8 @@ import pytest
 
 from dsamodel.auto_tokenizer import load_tokenizer
 from kvoffload_testing.model_indexer import served_model
+from kvoffload_testing.oracle import greedy_reference
 from kvoffload_testing.ports import free_stack_ports
-from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.stack import Stack, StackConfig
 from kvoffload_testing.stack_client import post_json, stack_stats, stream_token_ids
 

@@ -25,8 +25,8 @@ import pytest
 
 from dsamodel.presets import write_tiny
 from dsamodel.tokenizer import ByteTokenizer
+from kvoffload_testing.oracle import greedy_reference
 from kvoffload_testing.ports import free_stack_ports
-from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.stack import Stack, StackConfig
 from kvoffload_testing.stack_client import grpc_stats, post_json, stream_token_ids
 
@@ -52,7 +52,7 @@ def reference(model32):
 def one_row(model32):
     """Bytes of one token's row over every cache layer (main + indexer)."""
     from dsamodel.weights import load_model
-    from kvoffload_engine.layout import kv_layout
+    from kvoffload_engine.model_layout import kv_layout
 
     model = load_model(str(model32))
     return sum(s.main.row_bytes + s.indexer.row_bytes for s in kv_layout(model.config, BS, model.dtype).layers)

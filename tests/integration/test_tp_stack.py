@@ -19,8 +19,8 @@ import pytest
 
 from dsamodel.presets import write_tiny
 from dsamodel.tokenizer import ByteTokenizer
+from kvoffload_testing.oracle import greedy_reference
 from kvoffload_testing.ports import free_stack_ports
-from kvoffload_testing.reference import greedy_reference
 from kvoffload_testing.stack import Stack, StackConfig
 from kvoffload_testing.stack_client import post_json, stack_stats, stream_token_ids
 
@@ -83,7 +83,7 @@ def test_each_prefill_rank_sends_its_share_and_the_shares_make_one_copy(stack, m
     """The decode pulled a request's KV from both prefill ranks (its contributor group), each rank's
     half out of that rank's own buffers, and the halves sum to one copy of the prompt's KV."""
     from dsamodel.weights import load_model
-    from kvoffload_engine.layout import kv_layout
+    from kvoffload_engine.model_layout import kv_layout
 
     model = load_model(str(model32))
     one_row = sum(s.main.row_bytes + s.indexer.row_bytes for s in kv_layout(model.config, BS, model.dtype).layers)

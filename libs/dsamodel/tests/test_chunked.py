@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsamodel.attention import gather_rows, indexer_topk, sparse_mla_attention
-from dsamodel.reference import forward_dense
+from dsamodel.dense_reference import forward_dense
 
 
 def run_chunks(model, tokens, bounds):

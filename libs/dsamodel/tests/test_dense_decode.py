@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dsamodel.dense_decode import FullKV, generate_full_kv
+from dsamodel.dense_reference import forward_dense, forward_hidden, generate_dense
 from dsamodel.presets import tiny_model
-from dsamodel.reference import forward_dense, forward_hidden, generate_dense
 from openai_api.sampling_params import SamplingParams
 
 

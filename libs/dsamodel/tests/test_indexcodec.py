@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 import torch
 
+from dsamodel.dense_reference import select_topk
 from dsamodel.indexcodec import FP8_MAX, IndexCodec
 from dsamodel.model import DSAModel
 from dsamodel.presets import init_weights, tiny_config
-from dsamodel.reference import select_topk
 
 
 def _codec(index_head_dim: int, fp8: bool = True) -> IndexCodec:

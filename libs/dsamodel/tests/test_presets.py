@@ -5,8 +5,8 @@ import hashlib
 import torch
 
 from dsamodel.config import ModelConfig
+from dsamodel.dense_reference import forward_hidden
 from dsamodel.presets import tiny_config, tiny_model, write_tiny
-from dsamodel.reference import forward_hidden
 from dsamodel.tokenizer import ByteTokenizer
 from dsamodel.weights import load_model
 

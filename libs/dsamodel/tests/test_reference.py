@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsamodel.attention import indexer_topk
-from dsamodel.reference import forward_dense, forward_dense_mtp, forward_naive
+from dsamodel.dense_reference import forward_dense, forward_dense_mtp, forward_naive
 
 
 def recording_selector(store):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsamodel.reference import generate_dense
+from dsamodel.dense_reference import generate_dense
 from dsamodel.sampling import RequestSampler, greedy, sample_top_p
 from openai_api.sampling_params import SamplingParams
 

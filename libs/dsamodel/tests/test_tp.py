@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from dsamodel.dense_reference import forward_dense, forward_dense_mtp
 from dsamodel.presets import tiny_config, tiny_model
-from dsamodel.reference import forward_dense, forward_dense_mtp
 from dsamodel.tp import SOLO, ThreadGroup, check_tp_size, shard_model
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dsamodel.dense_reference import forward_dense
 from dsamodel.model import DSAModel
 from dsamodel.presets import init_weights, tiny_config, tiny_model
-from dsamodel.reference import forward_dense
 from dsamodel.weights import checkpoint_shapes, load_model, load_weights, save_model, save_weights
 
 

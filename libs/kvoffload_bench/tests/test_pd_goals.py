@@ -77,7 +77,7 @@ def _tiny_config(path: Path) -> Path:
 @pytest.fixture
 def stack(monkeypatch):
     """Replaces the stack's transport; returns a setter of the decode's pull time per round (ms)."""
-    import kvoffload_testing.reference
+    import kvoffload_testing.oracle
     import kvoffload_testing.stack
     import kvoffload_testing.stack_client
     import kvoffload_testing.stack_config
@@ -89,7 +89,7 @@ def stack(monkeypatch):
         kvoffload_testing.stack_client, "stack_stats", lambda cfg: _decode_stats(next(calls), pull["ms"])
     )
     monkeypatch.setattr(kvoffload_testing.stack_config, "ensure_tiny_model", _tiny_config)
-    monkeypatch.setattr(kvoffload_testing.reference, "TimedEngine", _Engine)
+    monkeypatch.setattr(kvoffload_testing.oracle, "TimedEngine", _Engine)
     monkeypatch.setattr(bench_pd.urllib.request, "urlopen", lambda req, timeout: _Response(TOKENS))
     return pull
 

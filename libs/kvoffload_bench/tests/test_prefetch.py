@@ -1,4 +1,4 @@
-"""kvoffload_bench.prefetch: the miss predictors scored on hand-made traces."""
+"""kvoffload_bench.miss_predictors: the miss predictors scored on hand-made traces."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcore.traces import Trace
-from kvoffload_bench.prefetch import evaluate
+from kvoffload_bench.miss_predictors import evaluate
 
 
 def _trace(rows, layers=None, context0=10):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from engine_support import seeded_prompt, tiny
 
-from dsamodel.reference import generate_dense
+from dsamodel.dense_reference import generate_dense
 from kvoffload_engine.engine import Engine, EngineConfig
 from openai_api.sampling_params import SamplingParams
 

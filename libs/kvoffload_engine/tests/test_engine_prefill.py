@@ -8,7 +8,7 @@ import pytest
 import torch
 from engine_support import prefill_engine, prefill_pool, saved_bytes, seeded_prompt, tiny
 
-from dsamodel.reference import forward_dense
+from dsamodel.dense_reference import forward_dense
 from kvoffload_engine.prefill import PrefillRequest
 
 BS = 4

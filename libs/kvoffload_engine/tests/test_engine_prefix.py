@@ -6,7 +6,7 @@ import pytest
 import torch
 from engine_support import prefill_engine, prefill_pool, seeded_prompt, tiny
 
-from dsamodel.reference import forward_dense
+from dsamodel.dense_reference import forward_dense
 from kvoffload_engine.build import prefill_geometry
 from kvoffload_engine.prefill import PrefillRequest
 

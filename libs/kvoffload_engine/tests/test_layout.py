@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dsamodel.presets import tiny_config
-from kvoffload_engine.layout import kv_layout
+from kvoffload_engine.model_layout import kv_layout
 
 
 def test_the_layout_of_an_fp8_indexer_model():

@@ -13,7 +13,7 @@ from kvcore import gather, hotcache, localpool
 from kvoffload_engine import buffers, decode_requests, engine, prefill
 from kvoffload_engine import decode as decode_module
 from kvoffload_engine.engine import Engine, EngineConfig
-from kvoffload_testing.reference import greedy_reference
+from kvoffload_testing.oracle import greedy_reference
 from kvoffload_testing.stack_config import ensure_tiny_model
 from openai_api.sampling_params import SamplingParams
 

@@ -20,7 +20,7 @@ import torch
 from d2h_support import Metaserver, ended, free_port, settings, until
 from structlog.testing import capture_logs
 
-from kvoffload_vllm.consumer import COUNTERS, Consumer
+from kvoffload_vllm.d2h_consumer import COUNTERS, Consumer
 from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import Peer, Send
 from kvoffload_vllm.d2h_step import D2HStepMetadata, Recv

@@ -1,4 +1,4 @@
-"""``pdlink.consumer.PullConsumer`` and its gRPC servicers over an in-memory ``RowSink`` that, like a
+"""``pdlink.pull_consumer.PullConsumer`` and its gRPC servicers over an in-memory ``RowSink`` that, like a
 vLLM decode, widens every read to whole blocks and takes one plane: the common layout checks come
 before the sink's, each hook is called when the module doc says (``begin`` -> read -> ``install``,
 ``failed`` on a failed read, ``end`` after every read that ``begin`` started), retries stop when the
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvoffload_proto.v1 import transfer_pb2 as pb
-from pdlink.consumer import Plane, PullConsumer, Read, ReadOutcome, RowSink
 from pdlink.layer_source import LayerSourceServicer, RowBuffer
+from pdlink.pull_consumer import Plane, PullConsumer, Read, ReadOutcome, RowSink
 from pdlink.refusals import MalformedRead, NoAcceptedLayout, Refused, UnknownRequest
 from pdlink.transfer_service import TransferServicer
 

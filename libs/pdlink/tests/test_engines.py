@@ -16,7 +16,7 @@ import pytest
 
 from kvcore.poolregistry import load
 from kvcore.transferregistry import ENGINE_TRANSFERS, TRANSFERS, TransferBackend
-from pdlink import engines, memfabric, mooncake
+from pdlink import engines, memfabric, mooncake_transfer
 from pdlink.engine_rows import EngineCannotRun
 from pdlink.engines import EngineUnavailable, register_segment, start_engine
 
@@ -104,12 +104,12 @@ def test_the_real_engines_cannot_run_errors_are_engine_cannot_run() -> None:
     for error in (
         memfabric.MemfabricNotInstalled,
         memfabric.MemfabricUnavailable,
-        mooncake.MooncakeNotInstalled,
-        mooncake.MooncakeUnavailable,
+        mooncake_transfer.MooncakeNotInstalled,
+        mooncake_transfer.MooncakeUnavailable,
     ):
         assert issubclass(error, EngineCannotRun), error
     assert not issubclass(memfabric.MemfabricError, EngineCannotRun)  # a failed read is no start-up failure
-    assert not issubclass(mooncake.MooncakeError, EngineCannotRun)
+    assert not issubclass(mooncake_transfer.MooncakeError, EngineCannotRun)
 
 
 def test_memfabrics_factory_takes_its_keys_from_the_d2h_config(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,7 +124,7 @@ def test_memfabrics_factory_takes_its_keys_from_the_d2h_config(monkeypatch: pyte
 
 def test_mooncakes_factory_starts_the_same_engine_for_both_roles(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    monkeypatch.setattr(mooncake.MooncakeTransfer, "start", lambda host: calls.append(host))
-    mooncake.start_transfer("Prefill", "10.0.0.1", None)
-    mooncake.start_transfer("Decode", "10.0.0.2", SimpleNamespace())
+    monkeypatch.setattr(mooncake_transfer.MooncakeTransfer, "start", lambda host: calls.append(host))
+    mooncake_transfer.start_transfer("Prefill", "10.0.0.1", None)
+    mooncake_transfer.start_transfer("Decode", "10.0.0.2", SimpleNamespace())
     assert calls == ["10.0.0.1", "10.0.0.2"]

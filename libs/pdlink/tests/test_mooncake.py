@@ -1,4 +1,4 @@
-"""``pdlink.mooncake`` against the real Mooncake Transfer Engine (``mooncake-transfer-engine-non-cuda``,
+"""``pdlink.mooncake_transfer`` against the real Mooncake Transfer Engine (``mooncake-transfer-engine-non-cuda``,
 scripts/install-mooncake), over TCP on loopback, the prefill's engine in a child process: a decode
 reads the rows the prefill registered, byte for byte, through ``EngineRows``; a read from a session
 nobody serves, or of memory the prefill did not register, fails with the engine's error and leaves
@@ -16,11 +16,11 @@ import torch
 
 from kvoffload_proto.v1 import transfer_pb2
 from pdlink.engine_rows import EngineRows
-from pdlink.mooncake import MooncakeError, MooncakeTransfer, native_reason
+from pdlink.mooncake_transfer import MooncakeError, MooncakeTransfer, native_reason
 
 PREFILL = """
     import sys, torch
-    from pdlink.mooncake import MooncakeTransfer
+    from pdlink.mooncake_transfer import MooncakeTransfer
     transfer = MooncakeTransfer.start("127.0.0.1")
     rows = torch.arange(256 * 64, dtype=torch.int64).to(torch.uint8)  # 256 rows x 64 bytes, a known pattern
     transfer.register(rows.data_ptr(), rows.numel())

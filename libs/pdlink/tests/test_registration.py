@@ -20,7 +20,7 @@ class _Metaserver:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.seen.append((dict(self.headers), body))
                 payload = b'{"ok": true}' if outer.status == 200 else b"no such request"

@@ -23,7 +23,7 @@ from dsamodel.presets import tiny_model
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
 from kvoffload_decode.transfer import decode_transfer
-from kvoffload_engine.layout import kv_layout
+from kvoffload_engine.model_layout import kv_layout
 from pdlink.pullcounters import COUNTERS
 from pdlink.refusals import MalformedRead, NoAcceptedLayout, UnknownRequest
 from pdlink.sources import PERMANENT, RowSources

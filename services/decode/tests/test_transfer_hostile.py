@@ -27,7 +27,7 @@ from kvoffload_decode.loop import DecodeLoop
 from kvoffload_decode.transfer import decode_transfer
 from kvoffload_engine import build
 from kvoffload_engine.decode import SparseDecoder
-from kvoffload_engine.layout import kv_layout
+from kvoffload_engine.model_layout import kv_layout
 from kvoffload_proto.v1 import transfer_pb2 as pb
 from kvoffload_proto.v1 import transfer_pb2_grpc
 from openai_api.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsamodel.presets import tiny_config
-from kvoffload_engine.layout import kv_layout
+from kvoffload_engine.model_layout import kv_layout
 
 CONFIG = tiny_config(dtype="float32")  # 5 cache layers (4 + 1 MTP), index_topk 64, 4160 bytes/token
 LAYOUT = kv_layout(CONFIG, 16)

@@ -363,7 +363,7 @@ def running(stack: ContainerStack):
 def served_reference(stack: ContainerStack, tmp_path_factory):
     """The ``reference`` fixture's body: greedy tokens of the single-process engine, with the served
     model's own files (copied out of the decode container) and the stack's sizes."""
-    from kvoffload_testing.reference import greedy_reference
+    from kvoffload_testing.oracle import greedy_reference
 
     model_dir = tmp_path_factory.mktemp("served-model") / "tiny"
     model_dir.mkdir()

@@ -95,12 +95,12 @@ DENSE_LOGPROB_TOL = 0.06
 
 
 def dense_logprobs(model_dir: Path, prompt_ids: list[int], output_ids: list[int]):
-    """``log_softmax`` of ``dsamodel.reference.forward_dense``'s logits over the prompt and the output
+    """``log_softmax`` of ``dsamodel.dense_reference.forward_dense``'s logits over the prompt and the output
     (no caches, no offload, no sampler): row i is the distribution ``output_ids[i]`` was drawn from,
     [len(output_ids), V] float32."""
     import torch
 
-    from dsamodel.reference import forward_dense
+    from dsamodel.dense_reference import forward_dense
     from dsamodel.weights import load_model
 
     model = load_model(model_dir)

@@ -10,7 +10,7 @@ One concept per module:
                  ``gather_rows``, ``sparse_mla_attention``.
 - ``model``      ``DSAModel`` / ``DecoderLayer`` / ``MTPLayer`` with the per-layer steps
                  ``project`` -> (engine caches rows, selects, gathers) -> ``finish``.
-- ``reference``  whole-sequence paths: ``forward_dense`` (absorbed, sparse, gathered: the
+- ``dense_reference``  whole-sequence paths: ``forward_dense`` (absorbed, sparse, gathered: the
                  no-offload reference) and ``forward_naive`` (per-head K/V, boolean mask).
 - ``dense_decode`` ``generate_full_kv``: ``generate_dense``'s tokens incrementally, over a full KV
                  per layer (no blocks, buffers, pools or hot cache): the stacks' test oracle.
@@ -56,12 +56,12 @@ engine benchmarks are ``kvoffload_bench``'s).
 from dsamodel.attention import gather_rows, indexer_topk, sparse_mla_attention
 from dsamodel.auto_tokenizer import load_tokenizer
 from dsamodel.config import ModelConfig
+from dsamodel.dense_reference import forward_dense, forward_dense_mtp, forward_naive, generate_dense
 from dsamodel.hf_tokenizer import HFTokenizer
 from dsamodel.llama import LlamaLayer, LlamaModel, LlamaProjection
 from dsamodel.llama_config import LlamaConfig
 from dsamodel.llama_reference import forward_llama_dense, forward_llama_sparse
 from dsamodel.model import DecoderLayer, DSAModel, MTPLayer, Projection
-from dsamodel.reference import forward_dense, forward_dense_mtp, forward_naive, generate_dense
 from dsamodel.sampling import RequestSampler, greedy
 from dsamodel.tokenizer import ByteTokenizer
 from dsamodel.weights import load_model, load_weights, save_model, save_weights

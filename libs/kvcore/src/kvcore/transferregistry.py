@@ -94,7 +94,7 @@ TRANSFERS: Mapping[str, TransferBackend] = MappingProxyType(
                 summary="Mooncake Transfer Engine over TCP",
                 one_host=PullPath("mooncake", ENGINE_PATH),
                 across_hosts=PullPath("mooncake", ENGINE_PATH),
-                engine="pdlink.mooncake:start_transfer",
+                engine="pdlink.mooncake_transfer:start_transfer",
                 probe=ImportProbe("mooncake.engine", MOONCAKE_INSTALL),
                 stack=True,
             ),

@@ -24,7 +24,7 @@ kvcore's native paths and the host pools (bench ``hotcache``, ``gather``, ``pool
 - ``gather``: native ``gather_rows`` vs the torch reference vs a contiguous memcpy of the same bytes.
 - ``pool``: each host-pool backend's put/get rates against memcpy (servers by the registry's launchers).
 - ``hotsizing``: per-layer hot-buffer sizes from measured hit-rate curves, under one budget.
-- ``prefetch``: offline scoring of miss predictors on a trace (the runtime prefetch is the engine's).
+- ``miss_predictors``: offline scoring of miss predictors on a trace (the runtime prefetch is the engine's).
 - ``otherload``: ``OtherLoad``, how much of the machine other processes used while a bench ran.
 
 A real model's answers (bench ``quality``):

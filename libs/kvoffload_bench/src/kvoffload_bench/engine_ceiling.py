@@ -21,7 +21,7 @@ import torch
 
 _PEER = """
 import sys, torch
-from pdlink.mooncake import MooncakeTransfer
+from pdlink.mooncake_transfer import MooncakeTransfer
 transfer = MooncakeTransfer.start("127.0.0.1")
 pool = torch.ones({pool_bytes}, dtype=torch.uint8)
 transfer.register(pool.data_ptr(), pool.numel())
@@ -34,7 +34,7 @@ def mooncake_ceiling(read_bytes: int = 16 << 20, pool_bytes: int = 256 << 20, re
     """``idle_mooncake_gbps``, ``idle_mooncake_memcpy_gbps`` (each bytes over seconds, summed over the
     ``reps`` reads / copies, which take turns) and ``idle_mooncake_ratio_to_memcpy``, with
     ``idle_mooncake_read_bytes``. RuntimeError when the peer engine cannot start."""
-    from pdlink.mooncake import MooncakeTransfer
+    from pdlink.mooncake_transfer import MooncakeTransfer
 
     if not 0 < read_bytes <= pool_bytes:
         raise ValueError(f"read_bytes must be in (0, pool_bytes={pool_bytes}], got {read_bytes}")

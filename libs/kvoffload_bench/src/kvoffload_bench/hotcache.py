@@ -19,7 +19,7 @@ SmolLM2's exact attention top-k (``smollm2``) and its indexer's selections in sp
   (``h2d_ratio_equal_device``), and the smallest budget (in steps of 5 %) whose per-layer sizing
   moves no more rows than uniform (``device_ratio_equal_h2d``).
 - ``prefetch``: per trace, at C = 2k with the default policy, how well each miss predictor of
-  ``kvoffload_bench.prefetch`` foresees a step's misses: ``recall`` (misses a prefetch would have loaded
+  ``kvoffload_bench.miss_predictors`` foresees a step's misses: ``recall`` (misses a prefetch would have loaded
   before they were needed: H2D moved off the critical path), ``precision``, ``loads_per_miss``.
 - ``timing``: per preset (``rows`` requests of one layer), native vs ``TorchHotCache``
   (``kvoffload_bench.hotcache_torch``: whole-tensor torch ops of the same semantics, proven equal by
@@ -55,7 +55,7 @@ from kvcore.hotcache import POLICIES, HotCache, max_threads
 from kvcore.hotcache_resolution import Resolution
 from kvcore.traces import PRESETS, Trace, named
 from kvcore.traces.measure import locality
-from kvoffload_bench import belady, hotsizing, prefetch
+from kvoffload_bench import belady, hotsizing, miss_predictors
 from kvoffload_bench.hotcache_torch import TORCH_POLICY, TorchHotCache
 from kvoffload_bench.otherload import OtherLoad
 
@@ -89,7 +89,7 @@ def run(
         hit_rates[n], eq = _hit_rates(tr, sizes, reference_steps)
         unequal += [] if eq else [f"{n} (policies vs reference)"]
         sizing[n] = _layer_sizing(tr)
-        prefetched[n] = prefetch.evaluate(tr, 2 * tr.k, policy=DEFAULT_POLICY)
+        prefetched[n] = miss_predictors.evaluate(tr, 2 * tr.k, policy=DEFAULT_POLICY)
     timing = [_timing(p, rows, steps, reference_steps, warmup, synthetic) for p in names if p in PRESETS]
     at = {n: hr[_key(2.0)] for n, hr in hit_rates.items() if _key(2.0) in hr}  # the 2k row of each trace
     by_policy = {p: {n: row[f"{p}_vs_belady"] for n, row in at.items()} for p in POLICIES}

@@ -165,7 +165,7 @@ class _Single:
     """The single-process engine with the stack's sizes (``max_num_seqs`` = the decode's)."""
 
     def __init__(self, model_dir: Path, block_size: int, max_model_len: int) -> None:
-        from kvoffload_testing.reference import TimedEngine
+        from kvoffload_testing.oracle import TimedEngine
 
         self.engine = TimedEngine(
             model_dir,

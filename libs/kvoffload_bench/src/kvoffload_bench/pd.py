@@ -132,7 +132,7 @@ class _Single:
     """The single-process engine (same sizes as the stack's), loaded once, serving one round at a time."""
 
     def __init__(self, model_dir: Path, max_num_seqs: int, block_size: int) -> None:
-        from kvoffload_testing.reference import TimedEngine
+        from kvoffload_testing.oracle import TimedEngine
 
         self.engine = TimedEngine(
             model_dir, block_size=block_size, max_model_len=8192, max_num_seqs=max_num_seqs, chunk_size=CHUNK_SIZE

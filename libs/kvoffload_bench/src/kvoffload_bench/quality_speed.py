@@ -105,7 +105,7 @@ def linked_model(model_dir: Path, out: Path, index_topk: int | None) -> Path:
 def stack_config(model: Path, log_dir: Path, max_len: int, threads: int, dense: bool, taken: set[int]):
     """A one-prefill, one-decode reference stack of ``model`` on ports not in ``taken`` (which get its)."""
     from dsamodel.served import read_config
-    from kvoffload_engine.layout import kv_layout
+    from kvoffload_engine.model_layout import kv_layout
     from kvoffload_testing.ports import DATA_PORT_OFFSET, free_stack_ports
     from kvoffload_testing.stack import StackConfig
 

@@ -21,7 +21,7 @@ One concept per module:
 - ``speculative``      MTP speculative decoding and ``--speculative-config``.
 - ``engine``           ``Engine``: single-process prefill -> decode, the reference for I3.
 - ``build``            host pools and the prefill engine from plain settings.
-- ``layout``           the kvcore ``KVLayout`` of a model config (``kvoffload plan`` sizes it too).
+- ``model_layout``     the kvcore ``KVLayout`` of a model config (``kvoffload plan`` sizes it too).
 - ``tp_channel``       the ordered broadcast channel of a tensor-parallel group.
 - ``tp_prefill``       tensor-parallel prefill: rank 0's ``Followers``, the others' ``follow``.
 - ``tp_decode``        tensor-parallel decode (``LeadDecoder``, ``follow_decode``).

@@ -11,7 +11,7 @@ from kvcore.hostpool import HostPoolBackend
 from kvcore.localpool import LocalHostPool
 from kvcore.plan import BufferPlan
 from kvcore.poolgeometry import PoolGeometry
-from kvoffload_engine.layout import kv_layout
+from kvoffload_engine.model_layout import kv_layout
 from kvoffload_engine.prefill import LayerwisePrefill
 
 

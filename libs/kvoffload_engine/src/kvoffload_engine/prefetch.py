@@ -2,7 +2,7 @@
 
 **Prediction.** Layer ℓ's top-k of this step (adjacent layers' selections overlap: on the
 recorded SmolLM2 trace it foresees about a fifth of the next layer's misses, the best of the
-predictors ``kvoffload_bench.prefetch`` scores, and it costs nothing to know). Of those tokens, the ones
+predictors ``kvoffload_bench.miss_predictors`` scores, and it costs nothing to know). Of those tokens, the ones
 below the row's own position (the row at the current position of layer ℓ+1 is written only when
 ℓ+1 runs; every earlier row is final in the host pool) and not resident in layer ℓ+1's hot buffer
 (``HotCache.resident``, read-only) are the candidates; per request at most ``budget`` times as

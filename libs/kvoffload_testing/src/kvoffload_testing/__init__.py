@@ -18,7 +18,7 @@ starts is a ``svcruntime.serverprocess.ServerProcess`` (``service.Service`` for 
                          it and its summary (client, /metrics deltas, connector log lines);
                          ``reference_demo`` the same for the reference stack on SmolLM2 (a question
                          over a long document, the answer and the device-KV summary).
-- ``reference``          the stacks' test oracle (plain full-KV greedy) and the timed single-process engine.
+- ``oracle``             the stacks' test oracle (plain full-KV greedy) and the timed single-process engine.
 - ``faults``             seeded fault runs against a stack (``kvoffload bench faults``); ``fault_catalog``
                          (the faults and the error each gives), ``fault_tally`` (records, leaks, summary, goal).
 - ``sse``                the one reader of a streamed completion (SSE): its JSON events, whether it

@@ -15,7 +15,7 @@ Then every killed service is restarted, and the run records:
   the two load faults, overfill_decode and fill_host_pool, are their requests and inject nothing at
   that moment: theirs says their requests were in flight together);
 - whether each request ended (success or error) within its deadline, and how long it took;
-- whether each success returned exactly the oracle's greedy tokens (``kvoffload_testing.reference``: the
+- whether each success returned exactly the oracle's greedy tokens (``kvoffload_testing.oracle``: the
   plain full-KV path, none of the stack's machinery), and whether
   each failure got the error its fault gives (``kvoffload_testing.fault_catalog``: the fault's status, and
   a message naming the service it hit; any 50x is not enough);
@@ -333,9 +333,9 @@ class FaultRunner:
 
 
 def reference_tokens(model_dir: Path) -> Callable[[list[int]], list[int]]:
-    """The oracle's greedy tokens (``kvoffload_testing.reference``: the plain full-KV path, none of the
+    """The oracle's greedy tokens (``kvoffload_testing.oracle``: the plain full-KV path, none of the
     stack's machinery) of ``MAX_TOKENS`` after a prompt, within the fault stack's max_model_len (cached)."""
-    from kvoffload_testing.reference import greedy_reference
+    from kvoffload_testing.oracle import greedy_reference
 
     run = greedy_reference(model_dir, block_size=BLOCK_SIZE, max_model_len=4096)
     return lambda prompt: run(prompt, MAX_TOKENS)

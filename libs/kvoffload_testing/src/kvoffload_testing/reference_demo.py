@@ -55,7 +55,7 @@ def summary_of(cfg: StackConfig, answer: dict, stats: dict[str, dict[str, float]
     indexer keys and hot buffers of one sequence slot against that slot's full KV (both reserve
     max_model_len rows per slot), and this request's own KV."""
     from dsamodel.served import read_config
-    from kvoffload_engine.layout import kv_layout
+    from kvoffload_engine.model_layout import kv_layout
 
     layout = kv_layout(read_config(cfg.model), cfg.block_size)
     main_bytes = sum(layer.main.row_bytes for layer in layout.layers)  # a token's KV, every layer

@@ -135,7 +135,7 @@ def _proxy_view(d: dict) -> dict:
     }
 
 
-# the D2H consumer's lines (kvoffload_vllm.consumer): a request whose every layer landed, one whose pull failed
+# the D2H consumer's lines (kvoffload_vllm.d2h_consumer): a request whose every layer landed, one whose pull failed
 _PULLED = re.compile(r"kvoffload_d2h_pulled\b.*?\bbytes=(\d+)")
 _PULL_FAILED = re.compile(r"kvoffload_d2h_load_failed\b")
 # vLLM's own line when loads reported as invalid blocks were recomputed ("kv_load_failure_policy": "recompute")

@@ -37,7 +37,7 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
   block table and block size); its worker sides:
 - ``producer``: the prefill's side (announces layers through ``pdlink``'s ``DecodeLink``, serves
   vLLM's blocks as a ``RowBuffer``).
-- ``consumer``: the decode's side (a ``RowSink`` of vLLM's blocks under ``pdlink``'s ``PullConsumer``);
+- ``d2h_consumer``: the decode's side (a ``RowSink`` of vLLM's blocks under ``pdlink``'s ``PullConsumer``);
 - ``d2h_layout``: whether a prefill's layout fits the decode worker's (rows, dtypes, TP head slices);
 - ``incoming``: one request the decode receives (its blocks, what landed, its state);
 - ``d2h_engine``: both sides on a transfer engine (``transfer_backend: "mooncake"``: vLLM's cache

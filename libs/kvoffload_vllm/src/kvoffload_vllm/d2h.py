@@ -37,7 +37,7 @@ Consumer (decode)
                samples the first output token); ``update_state_after_alloc`` passes the request's
                blocks (per group) to the worker; ``request_finished_all_groups`` of a request still
                loading delays the free until the worker let go of its blocks.
-    worker     ``kvoffload_vllm.consumer``: a Transfer gRPC server on ``kv_port + dp_rank × tp +
+    worker     ``kvoffload_vllm.d2h_consumer``: a Transfer gRPC server on ``kv_port + dp_rank × tp +
                tp_rank`` takes the layout, the ReadReady announcements (pulls each layer into the
                request's blocks) and the heartbeats; the registration POST to the proxy's
                ``/v1/metaserver``; ``get_finished`` reports requests whose every layer landed, and a
@@ -78,7 +78,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-    from kvoffload_vllm.consumer import Consumer
+    from kvoffload_vllm.d2h_consumer import Consumer
     from kvoffload_vllm.producer import Producer
 
 log = structlog.get_logger("vllm.kvoffload.d2h")
@@ -213,7 +213,7 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
 
             self._producer = Producer(self.settings, self.model_id, layers)
         else:
-            from kvoffload_vllm.consumer import Consumer
+            from kvoffload_vllm.d2h_consumer import Consumer
 
             self._consumer = Consumer(self.settings, self.model_id, layers)
 
@@ -255,7 +255,7 @@ class SfaRemoteD2HConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def prom_counters(cls) -> dict[str, str]:
-        from kvoffload_vllm.consumer import COUNTERS as CONSUMER
+        from kvoffload_vllm.d2h_consumer import COUNTERS as CONSUMER
         from kvoffload_vllm.producer import COUNTERS as PRODUCER
 
         return {

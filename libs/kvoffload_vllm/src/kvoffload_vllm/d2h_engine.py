@@ -1,7 +1,7 @@
 """The D2H connector's transfer engine inside vLLM (a ``transfer_backend`` with an engine that vLLM
 takes, ``kvcore.transferregistry``: ``"mooncake"``).
 
-Each side starts a Mooncake Transfer Engine (``pdlink.engines``, ``pdlink.mooncake``) at its
+Each side starts a Mooncake Transfer Engine (``pdlink.engines``, ``pdlink.mooncake_transfer``) at its
 ``advertise_host`` and registers vLLM's KV cache memory with it: every storage the layers' caches
 live in, once (with several KV cache groups, layers are views of one storage). The prefill
 advertises each layer's block 0 address and block stride (``LayerLayout.engine_block_address``,

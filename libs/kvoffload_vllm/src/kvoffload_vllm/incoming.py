@@ -1,4 +1,4 @@
-"""One request a vLLM decode receives (``kvoffload_vllm.consumer``): its blocks and what landed in
+"""One request a vLLM decode receives (``kvoffload_vllm.d2h_consumer``): its blocks and what landed in
 them per KV cache group (``kvoffload_vllm.d2h_plan.Coverage``), its state (loading, then done,
 failed or cancelled, once) and the pulls writing into it. Its first read says into how many head
 slices its prefill's ranks split each block (``slice_into``)."""

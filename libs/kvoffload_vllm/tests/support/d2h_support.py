@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 
-from kvoffload_vllm.consumer import Consumer
+from kvoffload_vllm.d2h_consumer import Consumer
 from kvoffload_vllm.d2h_settings import D2HSettings
 
 

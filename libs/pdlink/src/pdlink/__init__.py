@@ -4,7 +4,7 @@
 
 The consumer's side:
 
-- ``consumer``: ``PullConsumer``, the one pull state machine (layout checks, ReadReady -> pull ->
+- ``pull_consumer``: ``PullConsumer``, the one pull state machine (layout checks, ReadReady -> pull ->
   READ_DONE / READ_FAILED, retries, heartbeats, PrefillDone) over a ``RowSink``, where the rows go.
 - ``transfer_service``: ``TransferServicer``, ``kvoffload.v1.Transfer`` over a ``PullConsumer``.
 - ``sources``: ``RowSources``, the reads out of the producer's shared memory or its LayerSource stream.
@@ -28,7 +28,7 @@ Both:
   factories: transfer_backend "memfabric", "mooncake"): started, or stopped with the engine's own
   reason; ``engine_rows``: ``EngineRows``, the consumer's batched reads through one, and what every
   engine is (``Transfer``) and raises when it cannot run here (``EngineCannotRun``).
-- ``memfabric``: memfabric_hybrid's TransferEngine; ``mooncake``: Mooncake Transfer Engine (TCP).
+- ``memfabric``: memfabric_hybrid's TransferEngine; ``mooncake_transfer``: Mooncake Transfer Engine (TCP).
 """
 
 __version__ = "0.1.0"

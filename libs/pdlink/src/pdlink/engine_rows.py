@@ -1,6 +1,6 @@
 """The decode's reads through a transfer engine (transfer_backend "memfabric" or "mooncake"):
 ``EngineRows`` owns a started engine (``pdlink.memfabric.MemfabricTransfer``,
-``pdlink.mooncake.MooncakeTransfer``: each has ``name``, ``session``, ``register``, ``read``,
+``pdlink.mooncake_transfer.MooncakeTransfer``: each has ``name``, ``session``, ``register``, ``read``,
 ``close``; what they raise when they cannot run here is an ``EngineCannotRun``) and a staging buffer
 registered with it; ``layer_rows`` reads a layer's announced rows of every plane out of the memory
 the prefill registered, in one batched read."""

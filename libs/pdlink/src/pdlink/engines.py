@@ -1,6 +1,6 @@
 """The transfer engines a P→D pull may run on instead of the embedded data path: those of the
 ``kvcore.transferregistry`` entries that name an engine factory (``"memfabric"``: ``pdlink.memfabric``;
-``"mooncake"``: ``pdlink.mooncake``). ``start_engine`` starts this process's engine through its
+``"mooncake"``: ``pdlink.mooncake_transfer``). ``start_engine`` starts this process's engine through its
 entry's factory (imported then), ``register_segment`` publishes the prefill's layer-buffer segment
 through it; where either cannot run (the engine module's ``EngineCannotRun``, or a bad argument) they
 raise ``EngineUnavailable`` with the engine's own reason, and the service stops (exit 2): never the

@@ -7,7 +7,9 @@ the same policy from its event loop (``kvoffload_decode.app``), where a registra
 when its request fails.
 
 The registration names the control endpoint of the decode's TP rank 0 and its TP size (rank t
-listens on that port + t) and DP rank; the proxy answers once the prefill answered. ``queued`` tells
+listens on that port + t) and DP rank; the proxy answers once the prefill answered. Every TP rank
+of a vLLM decode posts the same registration (the proxy takes a repeat as the same one), so each
+learns from its own answer when the prefill's reads are due. ``queued`` tells
 the proxy instead that the request waits for room here (answered at once).
 """
 

@@ -4,7 +4,7 @@ the reply, its refusal (``pdlink.refusals.Refused``) the gRPC status the call is
 from __future__ import annotations
 
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
-from pdlink.consumer import PullConsumer
+from pdlink.pull_consumer import PullConsumer
 from pdlink.refusals import Refused, abort
 
 __all__ = ["TransferServicer"]

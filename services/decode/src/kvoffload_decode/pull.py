@@ -1,5 +1,5 @@
-"""The decode's ``RowSink`` (``pdlink.consumer``): what its pulls install into and what it knows of
-the requests waiting for KV. ``pdlink.consumer.PullConsumer`` runs the pull itself (layouts,
+"""The decode's ``RowSink`` (``pdlink.pull_consumer``): what its pulls install into and what it knows of
+the requests waiting for KV. ``pdlink.pull_consumer.PullConsumer`` runs the pull itself (layouts,
 reads, retries, counters); this module says what a layer's rows are here (the main KV and the
 indexer keys, as ``kvoffload_decode`` caches store them), which requests wait and how far each
 layer got, and hands the pulled rows to ``DecodeLoop.write_rows`` (rank 0) or
@@ -14,7 +14,7 @@ import torch
 from kvcore.layout import CacheSpec, KVLayout, LayerSpec, dtype_name
 from kvoffload_proto.v1 import transfer_pb2
 from openai_api.logprobs import TokenLogprob
-from pdlink.consumer import Plane, Read, ReadOutcome, RowSink
+from pdlink.pull_consumer import Plane, Read, ReadOutcome, RowSink
 from pdlink.refusals import MalformedRead, UnknownRequest
 
 __all__ = ["DecodeRows", "first_logprob_of"]

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace, argv: list[str]) -> int:
-    from kvoffload_engine.layout import kv_layout
+    from kvoffload_engine.model_layout import kv_layout
 
     tls = start_process(SERVICE, args, log_level=args.log_level, **FLAG_RULES)
     model, speculative = _load_model(args)

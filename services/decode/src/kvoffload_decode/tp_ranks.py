@@ -105,7 +105,7 @@ def _follower_main(argv: list[str] | None = None) -> int:
     from kvcore.attachedpool import AttachedPool
     from kvoffload_decode.options import SERVICE, decoder_options, settings_of
     from kvoffload_engine.decode import SparseDecoder
-    from kvoffload_engine.layout import kv_layout
+    from kvoffload_engine.model_layout import kv_layout
     from svcruntime import tls as kvtls
     from svcruntime.logs import configure_logging
 

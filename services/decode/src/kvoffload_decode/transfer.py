@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from kvcore.layout import KVLayout
 from kvoffload_decode.pull import DecodeRows
-from pdlink.consumer import PullConsumer
 from pdlink.engine_rows import EngineRows
+from pdlink.pull_consumer import PullConsumer
 from pdlink.sources import RowSources
 from pdlink.transfer_service import TransferServicer
 from svcruntime.tls import PROCESS, secure_or_insecure_channel

@@ -17,10 +17,10 @@ from kvoffload_decode.loop import DecodeLoop
 from kvoffload_decode.pull import DecodeRows
 from kvoffload_engine import build
 from kvoffload_engine.decode import SparseDecoder
-from kvoffload_engine.layout import kv_layout
+from kvoffload_engine.model_layout import kv_layout
 from kvoffload_proto.v1 import transfer_pb2 as pb
 from openai_api.sampling_params import SamplingParams
-from pdlink.consumer import PullConsumer, ReadOutcome
+from pdlink.pull_consumer import PullConsumer, ReadOutcome
 
 N = 20  # prompt tokens of each request
 VERSION = 3

@@ -52,7 +52,7 @@ def serve(args: argparse.Namespace) -> int:
     from dsamodel.served import sparse_ready
     from dsamodel.weights import load_model
     from kvoffload_engine import build
-    from kvoffload_engine.layout import kv_layout
+    from kvoffload_engine.model_layout import kv_layout
 
     tls = start_process(SERVICE, args, log_level=args.log_level, **FLAG_RULES)
     model = load_model(args.model, dtype=args.dtype)

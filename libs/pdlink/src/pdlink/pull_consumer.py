@@ -5,7 +5,7 @@ prefill, and the counters of it all. ``pdlink.transfer_service`` serves it over 
 
 A ``RowSink`` is where pulled rows go and what the consumer knows of its requests: the decode
 service's host pool (``kvoffload_decode.pull``), a vLLM decode's paged blocks
-(``kvoffload_vllm.consumer``). The hooks, in the order a ReadReady calls them:
+(``kvoffload_vllm.d2h_consumer``). The hooks, in the order a ReadReady calls them:
 
 - ``begin(read)``: the request is waiting here (else ``UnknownRequest``) and the range fits it
   (else ``MalformedRead``); the prefill was heard from. Returns the source rows to pull (a
@@ -20,7 +20,7 @@ service's host pool (``kvoffload_decode.pull``), a vLLM decode's paged blocks
 - ``end(read)``: the read is over, answered either way (after a ``begin`` that returned a range).
 
 A sink that reads through a transfer engine of its own straight into its memory (a vLLM decode's
-blocks: ``kvoffload_vllm.consumer``) names that engine in ``transfer_engine`` and reads and installs
+blocks: ``kvoffload_vllm.d2h_consumer``) names that engine in ``transfer_engine`` and reads and installs
 in one hook instead of ``install``: ``read_in_place(read, rows)``, returning the bytes and seconds.
 
 and for the other messages ``layout_problem(meta)`` (what this sink needs of a layout beyond the

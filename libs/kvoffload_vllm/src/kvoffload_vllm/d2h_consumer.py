@@ -49,7 +49,7 @@ from kvoffload_vllm.incoming import Incoming, RequestEnded
 from kvoffload_vllm.kv_digest import prompt_digests
 from kvoffload_vllm.kv_groups import NULL_BLOCK
 from kvoffload_vllm.stats import Counters
-from pdlink.consumer import Plane, PullConsumer, Read, ReadOutcome, RowSink
+from pdlink.pull_consumer import Plane, PullConsumer, Read, ReadOutcome, RowSink
 from pdlink.pullcounters import COUNTERS as PULL_COUNTERS
 from pdlink.refusals import MalformedRead, UnknownRequest
 from pdlink.registration import Registration, post
@@ -144,8 +144,7 @@ class Consumer(RowSink):
                     ended.state, ended.reason = "cancelled", "vLLM finished the request while its KV was loading"
 
     def _register(self, inc: Incoming) -> None:
-        """Register at the proxy's metaserver (``pdlink.registration``; every TP rank posts the same
-        registration, and the proxy takes a repeat as the same one); the prefill is due after."""
+        """Register at the proxy's metaserver (``pdlink.registration``); the prefill is due after."""
         recv, s = inc.recv, self.settings
         assert s.base_port is not None  # a kv_consumer always has its control port (d2h_settings)
         reg = Registration(
@@ -240,7 +239,7 @@ class Consumer(RowSink):
         digests, spans = prompt_digests(self.layers, inc.recv.block_ids, inc.recv.num_tokens)
         return {"kv_digests": digests, "kv_digest_blocks": spans}
 
-    # ---- the RowSink hooks (pdlink.consumer): the prefill's calls --------------------------------
+    # ---- the RowSink hooks (pdlink.pull_consumer): the prefill's calls --------------------------------
 
     def layer_block_size(self, layer: int) -> int:
         return self.layers.block_size(layer)
