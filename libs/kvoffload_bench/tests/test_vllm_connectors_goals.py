@@ -78,13 +78,14 @@ def servers(tmp_path, monkeypatch):
     """Replaces the servers; returns the test's knobs and the model directory. Knobs: ``failed``, the
     backends whose decode fails every pull (and recomputes); ``one_event``, the servers ("plain" or a
     backend) that deliver a whole answer in one event (their TPOT is then the server's own latency);
-    ``matrix``: "differs" makes one matrix answer through P/D differ."""
+    ``matrix``: "differs" makes one matrix answer through P/D differ; ``slow``: a server's log name ->
+    how many times slower its TTFT is."""
     import kvoffload_testing.vllm_server
 
     metrics: collections.Counter = collections.Counter()  # the store server's and the plain server's
     decodes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # each decode's own
     seen: set[tuple[int, ...]] = set()
-    knobs: dict = {"failed": set(), "one_event": set()}
+    knobs: dict = {"failed": set(), "one_event": set(), "slow": {}}
     consumer = vllm_backends.CONSUMER.format
     rounds = {tuple(vllm_stream.pd_prompt(r, PD_PROMPT_TOKENS)): r for r in range(ROUNDS)}
     EVENTS.clear()
@@ -104,7 +105,7 @@ def servers(tmp_path, monkeypatch):
         hit = tuple(prompt) in seen  # the store part's second send of a prompt loads it from the pool
         seen.add(tuple(prompt))
         metrics[HITS] += hit * (len(prompt) // vllm_pd.BLOCK_SIZE) * vllm_pd.BLOCK_SIZE
-        ttft = 0.1 if hit else 1.0
+        ttft = (0.1 if hit else 1.0) * knobs["slow"].get(_Service.by_url[url].log_name, 1.0)
         if who in knobs["one_event"]:  # every token in one event; the server timed 3 steps of 20 ms
             metrics[vllm_stream.ITL[0]] += 0.06
             metrics[vllm_stream.ITL[1]] += 3
@@ -353,3 +354,37 @@ def test_the_configured_plan_is_computed_from_the_config_sent_and_the_models_lay
     assert vllm_shared.configured_plan(json.dumps(store), tmp_path) == plan  # the store connector alone
     with pytest.raises(ValueError, match="no AscendStoreConnector"):
         vllm_shared.configured_plan(json.dumps({"kv_connector": "SfaRemoteD2HConnector"}), tmp_path)
+
+
+def test_the_chunked_shared_buffer_ratio_is_measured_on_servers_of_its_own_with_512_token_chunks(servers):
+    """The same long prompt on a shared-buffer prefill and a plain server, both started with
+    ``--max-num-batched-tokens 512`` once the P/D pairs stopped; goal <= 1.10, as the default chunks'."""
+    knobs, model = servers
+    r = _run(model)
+    assert r["prefill_time_ratio_shared_chunk512"] == pytest.approx(1.0)
+    assert r["goals"]["prefill_time_ratio_shared_chunk512"] == 1.10 and r["goals"]["prefill_time_ratio_shared"] == 1.10
+    assert r["goals_met"]["prefill_time_ratio_shared_chunk512"] is True and r["shared_chunk512_tokens_equal"]
+    chunked = ("start", "chunk512-prefill"), ("start", "chunk512-plain")
+    assert all(EVENTS.index(("stop", "grpc_stream-prefill")) < EVENTS.index(e) for e in chunked), EVENTS
+    knobs["slow"]["chunk512-prefill.log"] = 1.15  # 16 chunks, each reloading the earlier ones: 15 % slower
+    r = _run(model)
+    assert r["prefill_time_ratio_shared_chunk512"] == pytest.approx(1.15)
+    assert r["goals_met"]["prefill_time_ratio_shared_chunk512"] is False
+    assert r["goals_met"]["prefill_time_ratio_shared"] is True
+
+
+def test_a_shared_ratio_past_1_10_fails_its_goal(servers):
+    knobs, model = servers
+    knobs["slow"]["grpc_stream-prefill.log"] = 11.2  # the fake answers a prompt it saw before 10 times faster
+    r = _run(model, shared_chunked=False)
+    assert r["prefill_time_ratio_shared"] == pytest.approx(0.112 / 0.1)
+    assert r["goals_met"]["prefill_time_ratio_shared"] is False
+
+
+def test_a_run_without_the_chunked_comparison_does_not_judge_it(servers):
+    _, model = servers
+    r = _run(model, shared_chunked=False)
+    assert not any(name.startswith("chunk512") for _, name in EVENTS), EVENTS  # no server more
+    assert r["prefill_time_ratio_shared_chunk512"] is None
+    assert r["goals_met"]["prefill_time_ratio_shared_chunk512"] is False
+    assert "shared_chunked" in r["not_measured"]["prefill_time_ratio_shared_chunk512"]

@@ -73,7 +73,9 @@ Shared layer buffers: the P/D prefill keeps the seed's few shared layer buffers;
 server it gives ``prefill_kv_bytes_ratio``, ``prefill_capacity_ratio`` (their goals from the buffers
 the bench configured and the model's layer count, not from what the prefill logged; the logged plan
 is judged against them: ``prefill_buffers_logged``), ``prefill_time_ratio_shared`` (a fresh
-``shared_prompt_tokens`` prompt) and ``ttft_ratio_prefix_hit_shared`` (``kvoffload_bench.vllm_shared``).
+``shared_prompt_tokens`` prompt), ``prefill_time_ratio_shared_chunk512`` (the same prompt in chunks of
+512 tokens, on a prefill and a plain server of its own: ``shared_chunked``) and
+``ttft_ratio_prefix_hit_shared`` (``kvoffload_bench.vllm_shared``).
 
 ``goals`` / ``goals_met``: each goal and whether it held; ``not_measured``: goal -> why its figure is
 None (a goal is never judged on a figure that was not measured: it is not met).
@@ -146,6 +148,7 @@ def run(
     shared_prompt_tokens: int = 8000,
     pd_matrix_tokens: tuple[int, ...] = pd_matrix.MATRIX_TOKENS,
     backends: tuple[str, ...] = tuple(vllm_backends.BACKENDS),
+    shared_chunked: bool = True,
     progress: bool = True,
 ) -> dict:
     from kvoffload_testing.model_fetch import cached_model
@@ -160,7 +163,8 @@ def run(
             print(f"bench vllm: {line}", file=sys.stderr)
 
     per_round = []
-    sizes = vllm_pd.Sizes(rounds, pd_prompt_tokens, pd_max_tokens, shared_prompt_tokens, pd_matrix_tokens)
+    shared = (shared_prompt_tokens, pd_matrix_tokens, shared_chunked)
+    sizes = vllm_pd.Sizes(rounds, pd_prompt_tokens, pd_max_tokens, *shared)
     with Metastore(work / "metastore.log") as ms:
         server = _store_server(model_dir, work, ms.address, prefix_tokens)
         # the P/D part's plain server starts beside it (a start-up is mostly one core's work) and waits
@@ -174,7 +178,6 @@ def run(
             say(f"plain server up on cores {vllm_pd.cores()[1].get('VLLM_CPU_OMP_THREADS_BIND', 'all')}")
             pd = vllm_pd.pd(model_dir, work, plain, sizes, say, backends)
     per_token = vllm_pd.kv_bytes_per_token(model_dir)
-    prompt_len = prefix_tokens + 40
     hit_token_count = statistics.median(p["hit_tokens"] for p in per_round)
     ratio = statistics.median(p["ttft_ratio"] for p in per_round)
     tokens_equal = all(p["tokens_equal"] for p in per_round) and pd["pd_tokens_equal"]
@@ -190,7 +193,7 @@ def run(
         "tokens_equal": tokens_equal,
         "hit_tokens_per_request": hit_token_count,
         "bytes_loaded_per_request": int(hit_token_count * per_token),
-        "prompt_kv_bytes": prompt_len * per_token,
+        "prompt_kv_bytes": (prefix_tokens + 40) * per_token,  # the store rounds' prompt
         **pd,
     }
     return out | goals(out)

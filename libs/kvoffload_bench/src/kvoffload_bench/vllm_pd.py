@@ -3,7 +3,8 @@ defines its figures): one P/D pair per transfer backend (``kvoffload_bench.vllm_
 beside the plain vLLM server, which stays up. The rounds take turns (round r on the plain server,
 then through each pair, then round r + 1), so each P/D round is timed next to the plain one it is
 compared with; then the shared-buffer figures and the equality matrix, the plain server's side of
-each right before the P/D side."""
+each right before the P/D side; then, the pairs stopped, the chunked shared-buffer comparison on a
+prefill and a plain server of its own."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from kvoffload_bench import pd_matrix
 from kvoffload_bench.pd_memcpy import MemcpySampler
 from kvoffload_bench.vllm_backends import BACKENDS, CONSUMER, REQUESTS, Pair, backend_round, pairs
 from kvoffload_bench.vllm_backends import figures as backend_figures
-from kvoffload_bench.vllm_shared import baseline, configured_plan, shared_figures
+from kvoffload_bench.vllm_shared import baseline, chunked_figures, configured_plan, not_chunked, shared_figures
 from kvoffload_bench.vllm_stream import pd_prompt, settled, stream, timed_round, tpot_sources_differ
 
 BLOCK_SIZE = 128  # vLLM's CPU default block size: P/D moves whole blocks
@@ -33,6 +34,7 @@ class Sizes:
     max_tokens: int
     shared_tokens: int
     matrix: tuple[int, ...]
+    shared_chunked: bool = True  # the chunked shared-buffer comparison (two servers more)
 
     @property
     def max_len(self) -> int:
@@ -133,6 +135,13 @@ def pd(model_dir: Path, work: Path, plain, sizes: Sizes, say, backends: tuple[st
         backend: {c: after[backend][n] - before[backend][n] for c, n in zip(REQUESTS, counters, strict=True)}
         for backend in running
     }
+    if sizes.shared_chunked:  # its own prefill and plain server, the pairs stopped
+        shared |= chunked_figures(
+            stream, model_dir, work, sizes.max_len, sizes.shared_tokens, (prefill_env, decode_env)
+        )
+        say(f"shared buffers in chunks: {shared}")
+    else:
+        shared |= not_chunked()
     out = _pd_figures(model_dir, sizes, plain_rounds, [r["timed"] for r in by_backend["grpc_stream"]], say)
     return {
         **out,
