@@ -294,7 +294,7 @@ def test_stream_include_usage_and_max_tokens(stack, chat):
 def test_what_cannot_be_honoured_is_a_400_naming_it(stack, path, body, field):
     status, data = post_status(stack, path, body)
     assert status == 400, data
-    assert f"'{field}'" in data["error"]["message"], data
+    assert data["error"]["message"].startswith(f"{field}: ") and data["error"]["param"] == field, data
 
 
 @pytest.mark.parametrize(
@@ -317,7 +317,7 @@ def test_the_decode_refuses_directly_too(stack, body, field):
     with pytest.raises(urllib.error.HTTPError) as exc:
         urllib.request.urlopen(req, timeout=30)
     assert exc.value.code == 400
-    assert json.loads(exc.value.read())["error"]["message"].startswith(field)
+    assert json.loads(exc.value.read())["error"]["message"].startswith(f"{field}: ")
 
 
 def test_the_proxy_and_the_prefill_derive_the_same_choice_seeds():

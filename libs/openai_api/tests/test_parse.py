@@ -42,9 +42,12 @@ def test_a_request_parses_to_its_prompt_params_and_wiring():
 @pytest.mark.parametrize(
     "raw, start",
     [
-        (b"{not json", "body: malformed JSON"),
-        (b"\xff\xfe{", "body: malformed JSON"),
-        (b"[1]", "body: must be a JSON object"),
+        (b"{not json", "body: not valid JSON (Expecting property name"),
+        (b"\xff\xfe{", "body: not valid JSON ("),
+        (b'{"prompt": NaN}', "body: not valid JSON (NaN is not valid JSON)"),
+        (b"[1]", "body: must be a JSON object, got an array"),
+        (_raw({"prompt": "x", "n": 2}), "n: this service returns one choice per request (got n=2)"),
+        (_raw({"prompt": ["x", "y"]}), "prompt: this service takes one prompt per request"),
         (_raw({"prompt": "x", "max_tokens": 60}), "prompt (2 tokens) + max_tokens (60) exceeds max_model_len=32"),
         (_raw({"prompt": "x", "kv_transfer_params": {"remote_port": "1"}}), "kv_transfer_params.remote_port:"),
         (_raw({"prompt": "x", "tools": []}), "tools: not supported"),

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from kvoffload_testing.sse import sse_events
-from openai_api.request import sampling_params
+from openai_api.body import validate_body
 
 
 def post_status(stack, path: str, body: dict) -> tuple[int, dict]:
@@ -79,7 +79,7 @@ def engine_runner(model_dir: Path, block_size: int):
             ),
         )
         try:
-            seq = eng.add_request("ref", ids, sampling_params(body, chat=chat, choice=choice))
+            seq = eng.add_request("ref", ids, validate_body(body, chat=chat).sampling_params(choice))
             while eng.waiting or eng.running:
                 eng.step()
             return list(seq.output_ids), list(seq.sampler.logprobs)

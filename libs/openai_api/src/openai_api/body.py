@@ -1,15 +1,27 @@
-"""An OpenAI request body, checked: ``read_body`` (raw bytes -> the JSON object), ``check_body``
-(the fields an endpoint accepts, the parameters and combinations this engine cannot honour) and
-the typed field readers the parameter mapping uses. Every refusal is a ``RequestError`` whose
-message names the field; a JSON ``null`` counts as absent."""
+"""An OpenAI request body, checked once: ``read_body`` (raw bytes -> the JSON object; strict JSON),
+``validate_body`` (the JSON object -> its typed request of ``body_types``: the one validation of a
+body, which the decode, the prefill in both modes and the proxy all run) and ``validated`` (any
+model, its refusal turned into a ``RequestError``: the P/D wiring and the proxy's registration use
+it too). Every refusal is a ``RequestError`` whose message names the field, then states the rule and
+what was sent: ``"<field>: <what is wrong>"``."""
 
 from __future__ import annotations
 
 import json
-import math
-from typing import Any
+import types
+import typing
+from typing import Any, TypeVar
 
-from openai_api.fields import CHAT_FIELDS, COMPLETION_FIELDS, MAX_N, refused
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
+
+from openai_api.body_types import COMBINATION, ChatCompletionRequest, CompletionRequest, OpenAIRequest, refused
+from openai_api.fields import UNSUPPORTED_MESSAGE_FIELDS, WIRING
+
+_Model = TypeVar("_Model", bound=BaseModel)
+_ABSENT = object()
+SHOWN_CHARS = 80  # of a refused value, in the message
+_JSON_TYPES = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
 
 
 class RequestError(ValueError):
@@ -25,93 +37,123 @@ class RequestError(ValueError):
         return str(self).partition(":")[2].strip()
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def read_body(raw: bytes) -> dict[str, Any]:
-    """The request's JSON object."""
+    """The request's JSON object (strict JSON: no NaN or Infinity)."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RequestError("body: malformed JSON") from None
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise RequestError(f"body: not valid JSON ({exc})") from None
     if not isinstance(body, dict):
-        raise RequestError("body: must be a JSON object")
+        raise RequestError(f"body: must be a JSON object, got {_JSON_TYPES.get(type(body), 'a number')}")
     return body
 
 
-def present(body: dict[str, Any], key: str) -> bool:
-    return body.get(key) is not None
+def validate_body(body: dict[str, Any], *, chat: bool, first_token_only: bool = False) -> OpenAIRequest:
+    """``body`` as the endpoint's typed request, or the ``RequestError`` that refuses it. The P/D
+    wiring (``fields.WIRING``) is left aside: ``transfer_params`` reads it. ``first_token_only``: the
+    prefill's dispatch, which samples one token with the client's other parameters."""
+    model: type[OpenAIRequest] = ChatCompletionRequest if chat else CompletionRequest
+    fields = {k: v for k, v in body.items() if k not in WIRING}
+    return validated(model, fields, context={"first_token_only": first_token_only})
 
 
-def int_field(body: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int | None:
-    """``body[key]`` as an integer in [lo, hi] (3.0 counts as 3), None when absent."""
-    v = body.get(key)
-    if v is None:
+def validated(model: type[_Model], data: Any, *, where: str = "", context: dict[str, Any] | None = None) -> _Model:
+    """``data`` as ``model``, or a ``RequestError`` naming the field (``where``: the path of ``data``
+    itself in the body, e.g. ``kv_transfer_params``)."""
+    try:
+        return model.model_validate(data, context=context)
+    except ValidationError as exc:
+        raise refusal(model, data, exc.errors()[0], where) from None
+
+
+def refusal(model: type[BaseModel], data: Any, err: ErrorDetails, where: str = "") -> RequestError:
+    """The ``RequestError`` of pydantic's error ``err`` validating ``data`` as ``model``: the field it
+    is about (a union's member or a list's item is its field's error), the field's rule (its
+    ``description``; else pydantic's message) and the value sent."""
+    if err["type"] == COMBINATION:
+        return RequestError(err["msg"])
+    path, rule, rest, reached = _locate(model, tuple(err["loc"]))
+    if err["type"] == "extra_forbidden" and reached is not None and _only_indexes(rest[:-1]):
+        return _unknown(where, path + rest, reached, top_level=not path)
+    name = _path(where, path)
+    if err["type"] == "missing":
+        return RequestError(f"{name}: required" + (f" ({rule})" if rule else ""))
+    value = _show(_value_at(data, path))
+    if rule:
+        return RequestError(f"{name}: must be {rule}, got {value}")
+    return RequestError(f"{name}: {err['msg']}, got {value}")
+
+
+def _unknown(where: str, path: list[str | int], model: type[BaseModel], *, top_level: bool) -> RequestError:
+    key, name = str(path[-1]), _path(where, path)
+    if top_level and refused(key) and hasattr(model, "path"):
+        return RequestError(f"{name}: not supported by this server on {model.path}")
+    if not top_level and key in UNSUPPORTED_MESSAGE_FIELDS:
+        return RequestError(f"{name}: not supported by this server")
+    if top_level:
+        return RequestError(f"{name}: unknown parameter")
+    return RequestError(f"{name}: unknown parameter ({_path(where, path[:-1])} takes {', '.join(model.model_fields)})")
+
+
+def _locate(
+    model: type[BaseModel], loc: tuple[str | int, ...]
+) -> tuple[list[str | int], str | None, list[str | int], type[BaseModel] | None]:
+    """Walk ``loc`` through the model's fields: (the path of the deepest field reached, its rule, the
+    rest of ``loc``, the model whose fields come next, or None past a union or a plain value)."""
+    path: list[str | int] = []
+    rest, rule = list(loc), None
+    current: type[BaseModel] | None = model
+    while current is not None:
+        k = next((i for i, part in enumerate(rest) if isinstance(part, str)), None)
+        if k is None or rest[k] not in current.model_fields:
+            break
+        info = current.model_fields[str(rest[k])]
+        path, rest = path + rest[: k + 1], rest[k + 1 :]
+        rule, current = info.description, _item_model(info.annotation)
+    return path, rule, rest, current
+
+
+def _item_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field's value (or each item of its list) is, when it is one and not a union."""
+    members = [m for m in typing.get_args(annotation) if m is not type(None)] if _is_union(annotation) else [annotation]
+    if len(members) != 1:
         return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise RequestError(f"{key}: must be an integer {bound}, got {body.get(key)!r}")
-    return v
+    (inner,) = members
+    while typing.get_origin(inner) is typing.Annotated:
+        inner = typing.get_args(inner)[0]
+    if typing.get_origin(inner) is list:
+        return _item_model(typing.get_args(inner)[0])
+    return inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
 
 
-def number_field(body: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
-    """``body[key]`` as a finite number in [lo, hi], None when absent."""
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-        raise RequestError(f"{key}: must be a number in [{lo:g}, {hi:g}], got {v!r}")
-    return float(v)
+def _is_union(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
 
 
-def bool_field(body: dict[str, Any], key: str) -> bool | None:
-    v = body.get(key)
-    if v is not None and not isinstance(v, bool):
-        raise RequestError(f"{key}: must be a boolean, got {v!r}")
-    return v
+def _only_indexes(parts: list[str | int]) -> bool:
+    return all(isinstance(p, int) for p in parts)
 
 
-def check_body(body: dict[str, Any], *, chat: bool, max_n: int | None = 1) -> None:
-    """Refuse what this engine cannot honour; the message names the field. ``max_n``: the largest
-    ``n`` this service serves (the decode serves one choice per request; the proxy splits ``n``)."""
-    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for key in body:
-        if key in allowed:
-            continue
-        if refused(key):
-            raise RequestError(
-                f"{key}: not supported by this server{' on /v1/chat/completions' if chat else ' on /v1/completions'}"
-            )
-        raise RequestError(f"{key}: unknown parameter")
-    for key in ("stream", "ignore_eos") + (() if chat else ("echo",)):
-        bool_field(body, key)
-    _check_stream_options(body)
-    n = int_field(body, "n", 1, MAX_N) or 1
-    if max_n is not None and n > max_n:
-        raise RequestError(
-            f"n: this service returns at most {max_n} choice(s) per request; send n > 1 through the proxy"
-        )
-    if not chat:
-        best_of = int_field(body, "best_of", 1)
-        if best_of is not None and best_of != n:
-            raise RequestError(f"best_of: only best_of == n is supported (got best_of={best_of}, n={n})")
-        if body.get("echo") and present(body, "logprobs"):
-            raise RequestError("echo: echo together with logprobs (prompt log-probabilities) is not supported")
-    if present(body, "model") and not isinstance(body["model"], str):
-        raise RequestError("model: must be a string")
-    if present(body, "user") and not isinstance(body["user"], str):
-        raise RequestError("user: must be a string")
+def _path(where: str, parts: list[str | int]) -> str:
+    out = where
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out or "body"
 
 
-def _check_stream_options(body: dict[str, Any]) -> None:
-    if not present(body, "stream_options"):
-        return
-    opts = body["stream_options"]
-    if not isinstance(opts, dict):
-        raise RequestError("stream_options: must be an object")
-    if not body.get("stream"):
-        raise RequestError("stream_options: only allowed with stream: true")
-    for key in opts:
-        if key != "include_usage":
-            raise RequestError(f"stream_options.{key}: unknown option (only include_usage)")
-    if opts.get("include_usage") is not None and not isinstance(opts["include_usage"], bool):
-        raise RequestError("stream_options.include_usage: must be a boolean")
+def _value_at(data: Any, path: list[str | int]) -> Any:
+    for part in path:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return _ABSENT
+    return data
+
+
+def _show(value: Any) -> str:
+    text = "nothing" if value is _ABSENT else repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."

@@ -1,34 +1,11 @@
-"""The OpenAI request fields each endpoint accepts, the known parameters refused by name, and the
-request limits: the one list the services check bodies against and the proxy validates with."""
+"""The names and limits a request body is checked against: the known OpenAI / vLLM parameters this
+engine refuses by name (``UNSUPPORTED``), the P/D wiring a body may carry beside its fields
+(``WIRING``) and the request limits. The accepted fields themselves are the typed models of
+``body_types``."""
 
 from __future__ import annotations
 
-# Accepted by both endpoints. kv_transfer_params(_list) are the P/D wiring the proxy adds.
-COMMON_FIELDS = frozenset(
-    {
-        "model",
-        "stream",
-        "stream_options",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "n",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "presence_penalty",
-        "frequency_penalty",
-        "min_tokens",
-        "ignore_eos",
-        "user",
-        "kv_transfer_params",
-        "kv_transfer_params_list",
-    }
-)
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-MESSAGE_FIELDS = frozenset({"role", "content"})
-# Known OpenAI / vLLM parameters this engine cannot honour: refused by name.
+# Known OpenAI / vLLM parameters this engine cannot honour: refused by name ("not supported", not "unknown").
 UNSUPPORTED = frozenset(
     {
         "suffix",
@@ -65,13 +42,10 @@ UNSUPPORTED = frozenset(
     }
 )
 UNSUPPORTED_MESSAGE_FIELDS = frozenset({"name"})  # OpenAI message fields refused by name
+# The P/D wiring the proxy adds to a body (``transfer_params`` types it); a client's is dropped.
+WIRING = ("kv_transfer_params", "kv_transfer_params_list")
 MAX_STOP = 16  # stop strings per request
 MAX_N = 64  # choices per prompt
 MAX_SEED = 2**63
 MAX_LOGPROBS = 20  # top alternatives per token, the OpenAI chat limit
-
-
-def refused(name: str) -> bool:
-    """A known parameter this server does not honour (on this endpoint, or at all): a client is told
-    "not supported" rather than "unknown"."""
-    return name in UNSUPPORTED or name in COMPLETION_FIELDS or name in CHAT_FIELDS
+TOKEN_ID_BOUND = 2**31  # a token id in a body is below this (a vocabulary's own bound is checked on reading)

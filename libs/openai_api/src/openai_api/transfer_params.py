@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from openai_api.body import RequestError
+from openai_api.body import RequestError, validated
 
 MAX_PORT = 65535
 
@@ -79,12 +79,7 @@ def parse_transfer_params(value: Any, where: str = "kv_transfer_params") -> KVTr
         return None
     if not isinstance(value, dict):
         raise RequestError(f"{where}: must be an object, got {type(value).__name__}")
-    try:
-        return KVTransferParams.model_validate(value)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(part) for part in err["loc"])
-        raise RequestError(f"{where}.{field}: {err['msg']}, got {err.get('input')!r}") from None
+    return validated(KVTransferParams, value, where=where)
 
 
 def parse_transfer_params_list(value: Any, count: int) -> list[KVTransferParams | None]:

@@ -6,7 +6,8 @@ prompt to the least-loaded prefiller (max_tokens=1, the decoder's params) and an
 once that prefill completed; decoder tokens are relayed to the client.
 
 - ``config``: flags -> ``ProxyConfig``, validated once at the edge.
-- ``schemas``: the request bodies the proxy accepts (also the OpenAPI schemas).
+- ``schemas``: what the proxy reads of a request (``openai_api`` validates the body) and the
+  ``/v1/metaserver`` registration.
 - ``auth``: the API key (``--api-key``) and the metaserver tokens of decoders.
 - ``balancer``: least-loaded backend choice with load accounting (one per role).
 - ``metaserver``: the registration rendezvous behind ``POST /v1/metaserver``.

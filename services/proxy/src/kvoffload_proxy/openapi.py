@@ -1,5 +1,6 @@
 """The OpenAPI 3.1 document served at /openapi.json, built from the same pydantic models that
-validate requests, so the schema and the 400s cannot disagree."""
+validate requests (the OpenAI bodies: ``openai_api.body_types``; the registration: ``schemas``), so
+the schema and the 400s cannot disagree."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from openai_api.body_types import ChatCompletionRequest, CompletionRequest
+
 from . import __version__
-from .schemas import ChatCompletionRequest, CompletionRequest, MetaserverRegistration
+from .schemas import MetaserverRegistration
 
 REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,128}$"
 _REF = "#/components/schemas/{model}"
