@@ -30,21 +30,23 @@ def _conf(tmp_path, size: str = "3GB"):
 
 def test_neither_gives_no_metastore_and_one_gib():
     args = _args()
-    pool_flags(args, StoreConnectorConfig(backend="kvoffload"), NO_ENV)
+    args = pool_flags(args, StoreConnectorConfig(backend="kvoffload"), NO_ENV)
     assert (args.metastore, args.host_pool_gb, args.host_pool_bytes) == (None, None, GIB)
-    assert args.host_pool_source == "default (1 GiB)" and args.host_pool_overrides == []
+    assert args.host_pool_source == "default (1 GiB)" and args.host_pool_overrides == ()
 
 
 def test_the_config_fills_what_the_flags_leave_out():
     args = _args(host_pool_gb=0.5)
-    pool_flags(args, StoreConnectorConfig(backend="kvoffload", metastore="10.0.0.1:5000", host_pool_gb=0.5), NO_ENV)
+    args = pool_flags(
+        args, StoreConnectorConfig(backend="kvoffload", metastore="10.0.0.1:5000", host_pool_gb=0.5), NO_ENV
+    )
     assert (args.metastore, args.host_pool_bytes, args.host_pool_source) == (
         "10.0.0.1:5000",
         GIB // 2,
         "--host-pool-gb",
     )
     args = _args()
-    pool_flags(args, StoreConnectorConfig(backend="kvoffload", host_pool_gb=2), NO_ENV)
+    args = pool_flags(args, StoreConnectorConfig(backend="kvoffload", host_pool_gb=2), NO_ENV)
     assert (args.host_pool_bytes, args.host_pool_source) == (2 * GIB, "kv_connector_extra_config.host_pool_gb")
 
 
@@ -57,16 +59,16 @@ def test_a_flag_and_a_config_key_that_disagree_name_both():
 def test_dram_size_sizes_the_pool_unless_a_flag_overrides_it(tmp_path):
     conf = _conf(tmp_path)
     args = _args(local_config=str(conf))
-    pool_flags(args, StoreConnectorConfig(backend="kvoffload"), NO_ENV)
-    assert args.host_pool_bytes == 3 * GIB and args.host_pool_overrides == []
+    args = pool_flags(args, StoreConnectorConfig(backend="kvoffload"), NO_ENV)
+    assert args.host_pool_bytes == 3 * GIB and args.host_pool_overrides == ()
     assert args.host_pool_source == f"ock.mmc.local_service.dram.size ({conf}:3)"
     args = _args()  # the same file through the seed's variable
-    pool_flags(args, StoreConnectorConfig(backend="kvoffload"), {"MMC_LOCAL_CONFIG_PATH": str(conf)})
+    args = pool_flags(args, StoreConnectorConfig(backend="kvoffload"), {"MMC_LOCAL_CONFIG_PATH": str(conf)})
     assert args.host_pool_bytes == 3 * GIB
     args = _args(host_pool_gb=0.25, local_config=str(conf))  # the flag wins, and the log says what it overrode
-    pool_flags(args, StoreConnectorConfig(backend="kvoffload"), NO_ENV)
+    args = pool_flags(args, StoreConnectorConfig(backend="kvoffload"), NO_ENV)
     assert (args.host_pool_bytes, args.host_pool_source) == (GIB // 4, "--host-pool-gb")
-    assert args.host_pool_overrides == [f"ock.mmc.local_service.dram.size ({conf}:3) = {3 * GIB} bytes"]
+    assert args.host_pool_overrides == (f"ock.mmc.local_service.dram.size ({conf}:3) = {3 * GIB} bytes",)
 
 
 def test_a_bad_dram_size_or_missing_file_is_a_config_error_naming_it(tmp_path):
@@ -83,20 +85,20 @@ def test_the_embedded_pools_index_is_the_mmc_local_confs_metaservice_unless_name
     conf.write_text("ock.mmc.meta_service_url = tcp://10.0.0.9:5000\nock.mmc.local_service.protocol = host_tcp\n")
     store = StoreConnectorConfig(backend="kvoffload")
     args = _args()  # through the seed's variable, as the guide exports it
-    pool_flags(args, store, {"MMC_LOCAL_CONFIG_PATH": str(conf)})
+    args = pool_flags(args, store, {"MMC_LOCAL_CONFIG_PATH": str(conf)})
     assert (args.metastore, args.metastore_source, args.mmc_protocol) == (
         "10.0.0.9:5000",
         f"ock.mmc.meta_service_url = tcp://10.0.0.9:5000 ({conf}:1)",
         "host_tcp",
     )
     args = _args(metastore="10.0.0.1:5000", local_config=str(conf))  # the flag wins
-    pool_flags(args, store, NO_ENV)
+    args = pool_flags(args, store, NO_ENV)
     assert (args.metastore, args.metastore_source) == ("10.0.0.1:5000", "--metastore")
     args = _args(local_config=str(conf))  # so does the store config
-    pool_flags(args, StoreConnectorConfig(backend="kvoffload", metastore="10.0.0.2:5000"), NO_ENV)
+    args = pool_flags(args, StoreConnectorConfig(backend="kvoffload", metastore="10.0.0.2:5000"), NO_ENV)
     assert (args.metastore, args.metastore_source) == ("10.0.0.2:5000", "kv_connector_extra_config.metastore")
     args = _args()  # no file: the index stays in this process
-    pool_flags(args, store, NO_ENV)
+    args = pool_flags(args, store, NO_ENV)
     assert (args.metastore, args.metastore_source, args.mmc_protocol) == (None, None, None)
 
 

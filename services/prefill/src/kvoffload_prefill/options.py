@@ -1,12 +1,14 @@
-"""The prefill's command line and what it gives: the flags (``build_parser``), their checks, the
-validated settings (``settings_of``) and the host pool's flags resolved against the store config
-(``pool_flags``)."""
+"""The prefill's command line and what it gives: the flags (``build_parser``), their checks, and the
+one validated ``PrefillConfig`` the serving code reads (``config_of``: the node's settings,
+``settings_of``, and the host pool's flags resolved against the store config, ``pool_flags``)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
@@ -104,54 +106,124 @@ def settings_of(args: argparse.Namespace, layout) -> PrefillSettings:
     return settings
 
 
-def pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None = None) -> None:
+@dataclass(frozen=True)
+class PoolFlags:
+    """The host pool's flags resolved against the store config (``pool_flags``)."""
+
+    metastore: str | None  # the pool's index; None: kept in this process (or the backend's own)
+    metastore_source: str | None  # where ``metastore`` came from, for the start-up log
+    host_pool_gb: float | None  # --host-pool-gb or host_pool_gb
+    host_pool_bytes: int  # the pool's size, by the one precedence rule
+    host_pool_source: str  # what set it
+    host_pool_overrides: tuple[str, ...]  # the sources it overrode ("<source> = <bytes> bytes")
+    pool_local_config: str | None  # the mmc-local.conf (--local-config or $MMC_LOCAL_CONFIG_PATH)
+    mmc_protocol: str | None  # that file's protocol, for the log
+
+
+def pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None = None) -> PoolFlags:
     """--metastore / --host-pool-gb, or the store config's metastore / host_pool_gb; both given and
-    different is an error naming both. The pool size (``args.host_pool_bytes``), by one rule:
-    --host-pool-gb / host_pool_gb > ``ock.mmc.local_service.dram.size`` of the mmc-local.conf named
-    by --local-config or $MMC_LOCAL_CONFIG_PATH > 1 GiB; ``args.host_pool_source`` names the winner
-    and ``args.host_pool_overrides`` the sources it overrode (for the start-up log line). A backend
-    that keeps its index elsewhere refuses --metastore, and one that needs an mmc-local.conf
-    (``kvcore.poolregistry``) gets it in ``args.pool_local_config``. The mmc files are checked as a
+    different is an error naming both. The pool size, by one rule: --host-pool-gb / host_pool_gb >
+    ``ock.mmc.local_service.dram.size`` of the mmc-local.conf named by --local-config or
+    $MMC_LOCAL_CONFIG_PATH > 1 GiB (``host_pool_source`` names the winner, ``host_pool_overrides`` the
+    sources it overrode). A backend that keeps its index elsewhere refuses --metastore, and one that
+    needs an mmc-local.conf (``kvcore.poolregistry``) must get one. The mmc files are checked as a
     pair (``kvcore.mmcconf.mmc_pair``; the mmc-meta.conf of $MMC_META_CONFIG_PATH), and the embedded
     pool's index is the mmc-local.conf's ``ock.mmc.meta_service_url`` when neither --metastore nor the
-    store config names one (``args.metastore_source`` says which; ``args.mmc_protocol`` the file's
-    protocol, for the log)."""
-    sources, named = [], {}
+    store config names one (``metastore_source`` says which)."""
+    sources, named, value = [], {}, {}
     for flag, attr in (("--metastore", "metastore"), ("--host-pool-gb", "host_pool_gb")):
         given, configured = getattr(args, attr), getattr(store, attr)
         if given is not None and configured is not None and given != configured:
             raise ConfigError(
                 [f"{flag} {given} and kv_connector_extra_config.{attr} {configured!r} disagree; give one of them"]
             )
-        setattr(args, attr, given if given is not None else configured)
+        value[attr] = given if given is not None else configured
         named[attr] = flag if given is not None else f"kv_connector_extra_config.{attr}"
-    if args.host_pool_gb is not None:
-        sources.append((int(args.host_pool_gb * 2**30), named["host_pool_gb"]))
+    metastore, host_pool_gb = value["metastore"], value["host_pool_gb"]
+    if host_pool_gb is not None:
+        sources.append((int(host_pool_gb * 2**30), named["host_pool_gb"]))
     backend = POOL_BACKENDS[store.backend]
-    if backend.index and args.metastore is not None:
+    if backend.index and metastore is not None:
         raise ConfigError(
-            [
-                f"--metastore {args.metastore}: applies to backend {EMBEDDED!r} only; backend "
-                f"{backend.name!r} {backend.index}"
-            ]
+            [f"--metastore {metastore}: applies to backend {EMBEDDED!r} only; backend {backend.name!r} {backend.index}"]
         )
     env = os.environ if env is None else env
-    args.pool_local_config = getattr(args, "local_config", None) or env.get(LOCAL_ENV)
-    if backend.local_config and not args.pool_local_config:
+    local_config = getattr(args, "local_config", None) or env.get(LOCAL_ENV)
+    if backend.local_config and not local_config:
         raise ConfigError(
             [f"backend {backend.name!r}: {backend.local_config}: give --local-config or set ${LOCAL_ENV}"]
         )
     try:
-        pair = mmc_pair(None, args.pool_local_config, env)
+        pair = mmc_pair(None, local_config, env)
         dram = pair.dram_size()
     except ValueError as e:
         raise ConfigError([str(e)]) from None
-    args.mmc_protocol = pair.protocol
-    args.metastore_source = named["metastore"] if args.metastore is not None else None
-    if args.metastore is None and backend.name == EMBEDDED and pair.metastore is not None:
-        args.metastore, args.metastore_source = pair.metastore, pair.meta_service_where
+    metastore_source = named["metastore"] if metastore is not None else None
+    if metastore is None and backend.name == EMBEDDED and pair.metastore is not None:
+        metastore, metastore_source = pair.metastore, pair.meta_service_where
     if dram is not None:
         sources.append(dram)
     sources.append((2**30, "default (1 GiB)"))
-    (args.host_pool_bytes, args.host_pool_source), rest = sources[0], sources[1:-1]
-    args.host_pool_overrides = [f"{name} = {size} bytes" for size, name in rest]
+    (size, source), rest = sources[0], sources[1:-1]
+    return PoolFlags(
+        metastore,
+        metastore_source,
+        host_pool_gb,
+        size,
+        source,
+        tuple(f"{name} = {n} bytes" for n, name in rest),
+        local_config,
+        pair.protocol,
+    )
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Everything the prefill serves by, validated once at start-up (``config_of``): its flags, the
+    node's settings (``--kv-transfer-config``, ``--additional-config``) and the pool's resolved flags.
+    The serving code reads this, never the command line."""
+
+    host: str
+    port: int
+    data_port: int
+    model: str
+    model_id: str  # --served-model-name, else the model directory's name
+    dtype: str
+    max_model_len: int
+    block_size: int
+    chunk_size: int
+    max_num_seqs: int
+    tensor_parallel_size: int
+    read_timeout_s: float
+    peer_timeout_s: float
+    max_queue_wait_s: float | None
+    shutdown_grace_s: float
+    log_level: str
+    settings: PrefillSettings
+    pool: PoolFlags
+
+
+def config_of(args: argparse.Namespace, layout, env: Mapping[str, str] | None = None) -> PrefillConfig:
+    """The prefill's ``PrefillConfig`` from its parsed flags and the model's KV ``layout``;
+    ConfigError names what is wrong."""
+    settings = settings_of(args, layout)
+    return PrefillConfig(
+        host=args.host,
+        port=args.port,
+        data_port=args.data_port,
+        model=args.model,
+        model_id=args.served_model_name or Path(args.model).resolve().name,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        chunk_size=args.chunk_size,
+        max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size,
+        read_timeout_s=args.read_timeout_s,
+        peer_timeout_s=args.peer_timeout_s,
+        max_queue_wait_s=args.max_queue_wait_s,
+        shutdown_grace_s=args.shutdown_grace_s,
+        log_level=args.log_level,
+        settings=settings,
+        pool=pool_flags(args, settings.store, env),
+    )

@@ -4,14 +4,13 @@ take requests (``pool_not_ready``) and its Stats counters (``pool_counters``).""
 
 from __future__ import annotations
 
-import argparse
-
+from kvoffload_prefill.options import PrefillConfig
 from poolbackends.registry import PoolOpenError, PoolRequest, open_pool, readiness
 from svcruntime.serving import StartupError
 
 
-def host_pool(args: argparse.Namespace, store, geometry, name: str):
-    """The prefill's host pool on ``store.backend``. Backend ``kvoffload``: indexed by the metastore
+def host_pool(cfg: PrefillConfig, geometry, name: str):
+    """The prefill's host pool on its store config's backend. Backend ``kvoffload``: indexed by the metastore
     (``--metastore``, resolved by ``options.pool_flags``) or in this process. Backend ``mooncake``: a
     ``MooncakeHostPool`` of its own client of the mooncake_master (``mooncake_master``), reachable by
     peers at ``--host``. Backend ``memcache``: a ``MemcacheHostPool`` whose LocalService starts from the
@@ -19,12 +18,12 @@ def host_pool(args: argparse.Namespace, store, geometry, name: str):
     here (a missing wheel, a master that does not answer in time, no Ascend driver, a bad conf) is a
     start-up error naming the backend and the cause (never the embedded pool instead)."""
     request = PoolRequest(
-        store.model_copy(update={"metastore": args.metastore}),
+        cfg.settings.store.model_copy(update={"metastore": cfg.pool.metastore}),
         geometry,
         name,
-        pool_id=f"prefill-{args.host}:{args.port}",
-        host=args.host,
-        local_config=args.pool_local_config,
+        pool_id=f"prefill-{cfg.host}:{cfg.port}",
+        host=cfg.host,
+        local_config=cfg.pool.pool_local_config,
     )
     try:
         return open_pool(request)

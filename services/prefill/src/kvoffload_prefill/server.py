@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 import structlog
 
@@ -26,7 +25,7 @@ from kvoffload_prefill import __version__
 from kvoffload_prefill.app import build_app
 from kvoffload_prefill.generate import GenerateLoop
 from kvoffload_prefill.offload_app import build_offload_app
-from kvoffload_prefill.options import FLAG_RULES, SERVICE, build_parser, pool_flags, settings_of
+from kvoffload_prefill.options import FLAG_RULES, SERVICE, PrefillConfig, build_parser, config_of
 from kvoffload_prefill.pools import host_pool, pool_counters, pool_not_ready
 from kvoffload_prefill.queue_bound import DEFAULT_MAX_QUEUE_WAIT_S, PrefillQueue
 from kvoffload_prefill.source import LayerBufferRows
@@ -59,92 +58,80 @@ def serve(args: argparse.Namespace) -> int:
     why = sparse_ready(model, args.model)
     if why:  # a Llama model whose indexer was never built: its decode could not select over the rows
         raise ConfigError([f"--model: {why}"])
-    settings = settings_of(args, kv_layout(model.config, args.block_size, model.dtype))
-    pool_flags(args, settings.store)
+    cfg = config_of(args, kv_layout(model.config, args.block_size, model.dtype))
+    settings = cfg.settings
     backend = settings.d2h.transfer_backend if settings.d2h is not None else None
-    if uses_engine(backend) and args.tensor_parallel_size > 1:
+    if uses_engine(backend) and cfg.tensor_parallel_size > 1:
         raise ConfigError(
             [
-                f"--tensor-parallel-size: got {args.tensor_parallel_size}; with transfer_backend "
+                f"--tensor-parallel-size: got {cfg.tensor_parallel_size}; with transfer_backend "
                 f"{backend!r} the prefill runs one rank (its followers' layer buffers are not registered "
                 "with the transfer engine), use 1"
             ]
         )
-    transfer = _engine(args, settings.d2h)  # before the pool: fail fast, holding nothing
+    transfer = _engine(cfg.host, settings.d2h)  # before the pool: fail fast, holding nothing
+    pf = cfg.pool
     log.info(
         "host pool size",
-        bytes=args.host_pool_bytes,
-        source=args.host_pool_source,
-        **({"overrides": args.host_pool_overrides} if args.host_pool_overrides else {}),
-        **({"index": args.metastore, "index_source": args.metastore_source} if args.metastore else {}),
-        **({"mmc_protocol": args.mmc_protocol} if args.mmc_protocol else {}),
+        bytes=pf.host_pool_bytes,
+        source=pf.host_pool_source,
+        **({"overrides": list(pf.host_pool_overrides)} if pf.host_pool_overrides else {}),
+        **({"index": pf.metastore, "index_source": pf.metastore_source} if pf.metastore else {}),
+        **({"mmc_protocol": pf.mmc_protocol} if pf.mmc_protocol else {}),
     )
-    model_id = args.served_model_name or Path(args.model).resolve().name
     tag = uuid.uuid4().hex[:8]
     pool = host_pool(
-        args,
-        settings.store,
-        build.prefill_geometry(model, args.block_size, args.host_pool_bytes),
-        f"kvoffload-prefill-pool-{tag}",
+        cfg, build.prefill_geometry(model, cfg.block_size, pf.host_pool_bytes), f"kvoffload-prefill-pool-{tag}"
     )
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(cfg.model)
     if settings.d2h is None:
         wrong = []
-        if args.tensor_parallel_size > 1:
+        if cfg.tensor_parallel_size > 1:
             wrong.append(
-                f"--tensor-parallel-size: got {args.tensor_parallel_size}; offload-only mode "
+                f"--tensor-parallel-size: got {cfg.tensor_parallel_size}; offload-only mode "
                 "(no SfaRemoteD2HConnector) runs one rank, use 1"
             )
-        if args.max_queue_wait_s is not None:
+        if cfg.max_queue_wait_s is not None:
             wrong.append(
-                f"--max-queue-wait-s: got {args.max_queue_wait_s:g}; it bounds the P/D mode's queue, "
+                f"--max-queue-wait-s: got {cfg.max_queue_wait_s:g}; it bounds the P/D mode's queue, "
                 "offload-only mode (no SfaRemoteD2HConnector) does not take it"
             )
         if wrong:
             pool.close()
             raise ConfigError(wrong)
-        return _serve_offload_only(args, tls, model, tokenizer, settings, pool, model_id)
-    return _serve_pd(args, tls, model, tokenizer, settings, pool, model_id, tag, transfer)
+        return _serve_offload_only(cfg, tls, model, tokenizer, pool)
+    return _serve_pd(cfg, tls, model, tokenizer, pool, tag, transfer)
 
 
-def _serve_pd(
-    args: argparse.Namespace,
-    tls,
-    model,
-    tokenizer,
-    settings: PrefillSettings,
-    pool,
-    model_id: str,
-    tag: str,
-    transfer: Transfer | None,
-) -> int:
+def _serve_pd(cfg: PrefillConfig, tls, model, tokenizer, pool, tag: str, transfer: Transfer | None) -> int:
     """A P/D prefill: layerwise prefill announcing every layer to the decodes a request names, which
     pull it through LayerSource (or a transfer engine); its TP ranks, when ``--tensor-parallel-size`` > 1."""
-    ranks = _tp_ranks(args, model, pool)
-    engine = _pd_engine(args, model, settings, pool, model_id, tag, ranks)
+    settings, model_id = cfg.settings, cfg.model_id
+    ranks = _tp_ranks(cfg, model, pool)
+    engine = _pd_engine(cfg, model, pool, tag, ranks)
     follower_buffers = _follower_buffers(ranks, engine, tag) if ranks else []
     engine.plan.log()
     not_ready = _readiness(ranks, settings, pool)
     grpc_side = GrpcSide(SERVICE, __version__, lambda ledger: _stats(worker, ledger), workers=8, not_ready=not_ready)
-    data_port = grpc_side.add_port(f"{args.host}:{args.data_port}", tls)
+    data_port = grpc_side.add_port(f"{cfg.host}:{cfg.data_port}", tls)
     worker = PrefillWorker(
         engine,
         model_id=model_id,
         host_id=host_id(),
-        data_endpoint=f"{args.host}:{data_port}",
-        read_timeout_s=args.read_timeout_s,
-        peer_timeout_s=args.peer_timeout_s,
+        data_endpoint=f"{cfg.host}:{data_port}",
+        read_timeout_s=cfg.read_timeout_s,
+        peer_timeout_s=cfg.peer_timeout_s,
         follower_segments=tuple(b.segment.name for b in follower_buffers),
-        queue=PrefillQueue(DEFAULT_MAX_QUEUE_WAIT_S if args.max_queue_wait_s is None else args.max_queue_wait_s),
+        queue=PrefillQueue(DEFAULT_MAX_QUEUE_WAIT_S if cfg.max_queue_wait_s is None else cfg.max_queue_wait_s),
         engine_share=_share_layer_buffers(transfer, engine) if transfer is not None else None,
     )
     buffers = {lay.layout_version: bufs for lay, bufs in zip(worker.layouts, (engine.buffers, *follower_buffers))}
     grpc_side.add(
         transfer_pb2_grpc.add_LayerSourceServicer_to_server, LayerSourceServicer(LayerBufferRows(engine, buffers))
     )
-    app = build_app(worker, tokenizer, model_id, args.max_model_len, not_ready=not_ready)
+    app = build_app(worker, tokenizer, model_id, cfg.max_model_len, not_ready=not_ready)
     grpc_side.start()
-    _log_serving(args, tls, data_port, model_id, engine.plan.log_line(), settings, transfer)
+    _log_serving(cfg, tls, data_port, engine.plan.log_line(), transfer)
     # the transfer engine lets go of the layer buffers before the engine unmaps them
     closers = (
         worker.close,
@@ -156,10 +143,10 @@ def _serve_pd(
     )
     serve_http(
         app,
-        args.host,
-        args.port,
+        cfg.host,
+        cfg.port,
         busy=lambda: len(worker.ledger.open_ids()),
-        grace_s=args.shutdown_grace_s,
+        grace_s=cfg.shutdown_grace_s,
         grpc_side=grpc_side,
         closers=closers,
     )
@@ -173,43 +160,37 @@ def _readiness(ranks, settings: PrefillSettings, pool) -> Callable[[], str]:
     return lambda: pool_not_ready(settings.store, pool)
 
 
-def _pd_engine(args: argparse.Namespace, model, settings: PrefillSettings, pool, model_id: str, tag: str, ranks):
+def _pd_engine(cfg: PrefillConfig, model, pool, tag: str, ranks):
     """A P/D prefill's engine: layerwise prefill into layer buffer segment
     ``kvoffload-prefill-buffers-<tag>``, its TP followers (``ranks``) computing their shards."""
     from kvoffload_engine import build
 
+    settings = cfg.settings
     return build.prefill_engine(
         model,
         pool,
         buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
         independent=sorted(settings.independent_layers),
-        chunk_size=args.chunk_size,
-        max_model_len=args.max_model_len,
+        chunk_size=cfg.chunk_size,
+        max_model_len=cfg.max_model_len,
         prefetch=settings.prefetch_layers,
-        model_id=model_id,
+        model_id=cfg.model_id,
         buffer_segment=f"kvoffload-prefill-buffers-{tag}",
-        gate_timeout_s=args.read_timeout_s + 30,
+        gate_timeout_s=cfg.read_timeout_s + 30,
         followers=ranks.followers if ranks else None,
     )
 
 
-def _log_serving(
-    args: argparse.Namespace,
-    tls,
-    data_port: int,
-    model_id: str,
-    plan: str,
-    settings: PrefillSettings,
-    transfer: Transfer | None,
-) -> None:
+def _log_serving(cfg: PrefillConfig, tls, data_port: int, plan: str, transfer: Transfer | None) -> None:
     """The P/D prefill's ``serving`` line: where it listens, what it runs, how the decodes pull."""
+    settings = cfg.settings
     assert settings.d2h is not None  # without a D2H connector serve() runs offload-only
     log.info(
         "serving",
-        http=f"{args.host}:{args.port}",
+        http=f"{cfg.host}:{cfg.port}",
         data_port=data_port,
-        model=model_id,
-        tensor_parallel_size=args.tensor_parallel_size,
+        model=cfg.model_id,
+        tensor_parallel_size=cfg.tensor_parallel_size,
         plan=plan,
         backend=settings.store.backend,
         transfer_backend=settings.d2h.transfer_backend,
@@ -218,13 +199,12 @@ def _log_serving(
     )
 
 
-def _serve_offload_only(
-    args: argparse.Namespace, tls, model, tokenizer, settings: PrefillSettings, pool, model_id: str
-) -> int:
+def _serve_offload_only(cfg: PrefillConfig, tls, model, tokenizer, pool) -> int:
     """Offload-only mode: no decode pulls from this node; it serves complete requests itself
     (``generate.GenerateLoop``: layerwise prefill over the shared buffers and the host pool's
     prefix cache, then decode in this process), with gRPC Health + Stats and the same lifecycle."""
-    engine = _offload_engine(args, model, settings, pool, model_id)
+    settings, model_id = cfg.settings, cfg.model_id
+    engine = _offload_engine(cfg, model, pool)
     engine.prefill.plan.log()
     loop = GenerateLoop(engine)
     grpc_side = GrpcSide(
@@ -234,54 +214,55 @@ def _serve_offload_only(
         workers=2,
         not_ready=lambda: pool_not_ready(settings.store, pool),
     )
-    data_port = grpc_side.add_port(f"{args.host}:{args.data_port}", tls)
+    data_port = grpc_side.add_port(f"{cfg.host}:{cfg.data_port}", tls)
     app = build_offload_app(
-        loop, tokenizer, model_id, args.max_model_len, not_ready=lambda: pool_not_ready(settings.store, pool)
+        loop, tokenizer, model_id, cfg.max_model_len, not_ready=lambda: pool_not_ready(settings.store, pool)
     )
     grpc_side.start()
     log.info(
         "serving",
         mode="offload-only",
-        http=f"{args.host}:{args.port}",
+        http=f"{cfg.host}:{cfg.port}",
         data_port=data_port,
         model=model_id,
         plan=engine.prefill.plan.log_line(),
         backend=settings.store.backend,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=cfg.max_num_seqs,
         **(tls.describe() if tls else {"tls": False}),
     )
     serve_http(
         app,
-        args.host,
-        args.port,
+        cfg.host,
+        cfg.port,
         busy=loop.busy,
-        grace_s=args.shutdown_grace_s,
+        grace_s=cfg.shutdown_grace_s,
         grpc_side=grpc_side,
         closers=(loop.close, engine.close, pool.close),
     )
     return 0
 
 
-def _offload_engine(args: argparse.Namespace, model, settings: PrefillSettings, pool, model_id: str):
+def _offload_engine(cfg: PrefillConfig, model, pool):
     """Offload-only mode's engine: layerwise prefill over ``pool``, and a device KV pool for
     ``--max-num-seqs`` sequences of ``--max-model-len`` tokens to decode them in this process."""
     from kvoffload_engine import build
     from kvoffload_engine.engine import Engine, EngineConfig
 
-    blocks_per_seq = -(-args.max_model_len // args.block_size)
-    block_bytes = build.decode_geometry(model, args.block_size, 1 << 30).block_bytes
+    settings = cfg.settings
+    blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+    block_bytes = build.decode_geometry(model, cfg.block_size, 1 << 30).block_bytes
     return Engine(
         model,
         EngineConfig(
-            block_size=args.block_size,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            chunk_size=args.chunk_size,
+            block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            chunk_size=cfg.chunk_size,
             buffers=settings.num_shared_buffers if settings.store.use_layerwise else None,
             independent=tuple(sorted(settings.independent_layers)),
             prefetch_layers=settings.prefetch_layers,
-            decode_pool_bytes=block_bytes * blocks_per_seq * args.max_num_seqs,
-            model_id=model_id,
+            decode_pool_bytes=block_bytes * blocks_per_seq * cfg.max_num_seqs,
+            model_id=cfg.model_id,
         ),
         prefill_pool=pool,
     )
@@ -313,14 +294,14 @@ def _stats(worker: PrefillWorker, include_ledger: bool) -> StatsSnapshot:
     )
 
 
-def _engine(args: argparse.Namespace, d2h) -> Transfer | None:
+def _engine(host: str, d2h) -> Transfer | None:
     """A transfer_backend with an engine (``uses_engine``): this prefill's transfer engine at --host
     (``pdlink.engines``); else (also offload-only: no SfaRemoteD2HConnector) None. Where it cannot
     start (no Ascend driver, no wheel) a StartupError with its own reason: never the embedded data path."""
     if d2h is None or not uses_engine(d2h.transfer_backend):
         return None
     try:
-        return start_engine(d2h.transfer_backend, "Prefill", args.host, d2h)
+        return start_engine(d2h.transfer_backend, "Prefill", host, d2h)
     except EngineUnavailable as e:
         raise StartupError(str(e)) from None
 
@@ -337,13 +318,13 @@ def _share_layer_buffers(transfer: Transfer, engine) -> EngineShare:
     return EngineShare(transfer.name, transfer.session, address)
 
 
-def _tp_ranks(args: argparse.Namespace, model, pool):
+def _tp_ranks(cfg: PrefillConfig, model, pool):
     """Ranks 1..N-1 started and joined, ``model`` sharded (None with one rank); a size the model
     cannot be sharded over is a ConfigError naming both."""
     from dsamodel.tp import check_tp_size
     from kvoffload_prefill.tp_ranks import TPRanks
 
-    size = args.tensor_parallel_size
+    size = cfg.tensor_parallel_size
     if size == 1:
         return None
     try:
@@ -353,7 +334,7 @@ def _tp_ranks(args: argparse.Namespace, model, pool):
         raise ConfigError([f"--tensor-parallel-size: {exc}"]) from None
     share_cores(size)  # the ranks share this host's cores
     try:
-        return TPRanks.start(model, model_dir=args.model, dtype=args.dtype, size=size, log_level=args.log_level)
+        return TPRanks.start(model, model_dir=cfg.model, dtype=cfg.dtype, size=size, log_level=cfg.log_level)
     except BaseException:
         pool.close()
         raise
