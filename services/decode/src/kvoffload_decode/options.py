@@ -1,10 +1,12 @@
-"""The decode's command line and what it gives: the flags (``build_parser``), their checks, the
-validated settings and the ``SparseDecoder`` options. One place, so that every TP rank of a decode
+"""The decode's command line and what it gives: the flags (``build_parser``), their checks, and the
+one validated ``DecodeConfig`` the serving code reads (``config_of``: the node's settings and the
+``SparseDecoder`` options). One place, so that every TP rank of a decode
 (``kvoffload_decode.tp_ranks``: each parses rank 0's arguments) builds exactly what rank 0 builds."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -85,19 +87,62 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_id_of(args: argparse.Namespace) -> str:
-    return args.served_model_name or Path(args.model).resolve().name
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Everything a decode rank serves by, validated once at start-up (``config_of``): its flags and
+    the node's settings (``--kv-transfer-config``, ``--additional-config``). The serving code reads
+    this, never the command line; every TP rank builds the same one from rank 0's arguments."""
+
+    host: str
+    port: int
+    model: str
+    model_id: str  # --served-model-name, else the model directory's name
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    dp_rank: int
+    peer_timeout_s: float
+    max_queued_requests: int | None  # None: no bound
+    step_gather_s: float
+    max_queue_wait_s: float  # 0: no bound
+    read_retries: int
+    metaserver_timeout_s: float
+    shutdown_grace_s: float
+    settings: DecodeSettings
+
+    def decoder_options(self) -> dict:
+        """The ``SparseDecoder`` keywords these flags and configs give (every TP rank builds the same)."""
+        sparse = self.settings.sparse
+        return dict(
+            topk_buffer_size=sparse.topk_buffer_size,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            keep_device_kv_cache=sparse.keep_device_kv_cache,
+            hot_cache_policy=sparse.hot_cache_policy,
+            miss_prefetch=sparse.miss_prefetch,
+        )
 
 
-def decoder_options(args: argparse.Namespace, settings: DecodeSettings) -> dict:
-    """The ``SparseDecoder`` keywords these flags and configs give (every TP rank builds the same)."""
-    return dict(
-        topk_buffer_size=settings.sparse.topk_buffer_size,
-        max_num_seqs=args.max_num_seqs,
+def config_of(args: argparse.Namespace, layout, index_topk: int | None) -> DecodeConfig:
+    """The decode's ``DecodeConfig`` from its parsed flags and the model's KV ``layout``; ConfigError
+    names what is wrong."""
+    return DecodeConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        model_id=args.served_model_name or Path(args.model).resolve().name,
+        block_size=args.block_size,
         max_model_len=args.max_model_len,
-        keep_device_kv_cache=settings.sparse.keep_device_kv_cache,
-        hot_cache_policy=settings.sparse.hot_cache_policy,
-        miss_prefetch=settings.sparse.miss_prefetch,
+        max_num_seqs=args.max_num_seqs,
+        dp_rank=args.dp_rank,
+        peer_timeout_s=args.peer_timeout_s,
+        max_queued_requests=args.max_queued_requests or None,
+        step_gather_s=args.step_gather_ms / 1000,
+        max_queue_wait_s=args.max_queue_wait_s,
+        read_retries=args.read_retries,
+        metaserver_timeout_s=args.metaserver_timeout_s,
+        shutdown_grace_s=args.shutdown_grace_s,
+        settings=settings_of(args, layout, index_topk),
     )
 
 

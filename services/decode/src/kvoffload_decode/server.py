@@ -17,13 +17,12 @@ import structlog
 from aiohttp import web
 
 from kvcore.configerrors import ConfigError
-from kvcore.decodesettings import DecodeSettings
 from kvcore.segment import host_id
 from kvcore.transferregistry import uses_engine
 from kvoffload_decode import __version__
 from kvoffload_decode.app import AppSettings, build_app
 from kvoffload_decode.loop import DecodeLoop
-from kvoffload_decode.options import FLAG_RULES, SERVICE, build_parser, decoder_options, model_id_of, settings_of
+from kvoffload_decode.options import FLAG_RULES, SERVICE, DecodeConfig, build_parser, config_of
 from kvoffload_decode.transfer import decode_transfer
 from kvoffload_proto.v1 import transfer_pb2_grpc
 from pdlink.engine_rows import EngineRows
@@ -48,7 +47,8 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     tls = start_process(SERVICE, args, log_level=args.log_level, **FLAG_RULES)
     model, speculative = _load_model(args)
     layout = kv_layout(model.config, args.block_size, model.dtype)
-    settings = settings_of(args, layout, model.config.index_topk)
+    cfg = config_of(args, layout, model.config.index_topk)
+    settings = cfg.settings
     if settings.tp > 1 and uses_engine(settings.d2h.transfer_backend):
         raise ConfigError(
             [
@@ -56,48 +56,48 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
                 f"{settings.d2h.transfer_backend!r} the decode runs one rank, use 1"
             ]
         )
-    engine = _engine_rows(args, settings.d2h, layout)
+    engine = _engine_rows(cfg, layout)
     tp_rank = 0  # this process; ranks 1..tp-1 are its TPRanks
-    control_port = settings.control_port(args.dp_rank, tp_rank)
-    pool = _decode_pool(args, model, settings, control_port)
+    control_port = settings.control_port(cfg.dp_rank, tp_rank)
+    pool = _decode_pool(cfg, model, control_port)
     try:
-        ranks = _tp_ranks(args, model, settings.tp, argv, pool.segment.name)
+        ranks = _tp_ranks(model, settings.tp, argv, pool.segment.name)
     except BaseException:
         pool.close()
         raise
     not_ready = ranks.not_ready if ranks else (lambda: "")
-    decoder = _decoder(args, model, settings, ranks, pool)
+    decoder = _decoder(cfg, model, ranks, pool)
     loop = DecodeLoop(
         decoder,
         model.config.eos_token_id,
-        peer_timeout_s=args.peer_timeout_s,
-        max_queued=args.max_queued_requests or None,
+        peer_timeout_s=cfg.peer_timeout_s,
+        max_queued=cfg.max_queued_requests,
         num_speculative_tokens=speculative,
-        step_gather_s=args.step_gather_ms / 1000,
-        max_queue_wait_s=args.max_queue_wait_s,
+        step_gather_s=cfg.step_gather_s,
+        max_queue_wait_s=cfg.max_queue_wait_s,
     )
-    model_id = model_id_of(args)
+    model_id = cfg.model_id
     transfer = decode_transfer(
         loop,
         layout,
         model_id,
         host_id(),
-        read_retries=args.read_retries,
+        read_retries=cfg.read_retries,
         tls=tls,
         engine=engine,
         tp_rank=tp_rank,
         tp_size=settings.tp,
     )
-    grpc_side = _control_side(loop, transfer, f"{args.host}:{control_port}", tls, not_ready)
-    app = _http_app(args, loop, transfer, model_id, settings.tp, control_port, not_ready)
+    grpc_side = _control_side(loop, transfer, f"{cfg.host}:{control_port}", tls, not_ready)
+    app = _http_app(cfg, loop, transfer, model_id, settings.tp, control_port, not_ready)
     grpc_side.start()
-    _log_serving(args, settings, loop, model_id, control_port, speculative, engine, tls)
+    _log_serving(cfg, loop, control_port, speculative, engine, tls)
     serve_http(
         app,
-        args.host,
-        args.port,
+        cfg.host,
+        cfg.port,
         busy=lambda: int(loop.stats()["pending"] + loop.stats()["running"]),
-        grace_s=args.shutdown_grace_s,
+        grace_s=cfg.shutdown_grace_s,
         grpc_side=grpc_side,
         closers=(loop.close, transfer.close, *((ranks.close,) if ranks else ()), pool.close),
     )
@@ -122,7 +122,7 @@ def _control_side(
 
 
 def _http_app(
-    args: argparse.Namespace,
+    cfg: DecodeConfig,
     loop: DecodeLoop,
     transfer: TransferServicer,
     model_id: str,
@@ -136,44 +136,43 @@ def _http_app(
     return build_app(
         loop,
         transfer,
-        load_tokenizer(args.model),
+        load_tokenizer(cfg.model),
         AppSettings(
             model_name=model_id,
-            max_model_len=args.max_model_len,
-            advertise_host=args.host,
+            max_model_len=cfg.max_model_len,
+            advertise_host=cfg.host,
             control_port=control_port,
-            dp_rank=args.dp_rank,
+            dp_rank=cfg.dp_rank,
             tp_size=tp_size,
-            metaserver_timeout_s=args.metaserver_timeout_s,
+            metaserver_timeout_s=cfg.metaserver_timeout_s,
         ),
         not_ready=not_ready,
     )
 
 
 def _log_serving(
-    args: argparse.Namespace,
-    settings: DecodeSettings,
+    cfg: DecodeConfig,
     loop: DecodeLoop,
-    model_id: str,
     control_port: int,
     speculative: int,
     engine: EngineRows | None,
     tls: TLSConfig | None,
 ) -> None:
     """The ``serving`` line: where this decode listens and how it is set up."""
+    settings = cfg.settings
     log.info(
         "serving",
-        http=f"{args.host}:{args.port}",
+        http=f"{cfg.host}:{cfg.port}",
         control_port=control_port,
-        model=model_id,
+        model=cfg.model_id,
         topk_buffer_size=settings.sparse.topk_buffer_size,
         hot_cache_policy=settings.sparse.hot_cache_policy,
         miss_prefetch=settings.sparse.miss_prefetch,
         host_pool_bytes=settings.host_pool_bytes,
         keep_device_kv_cache=settings.sparse.keep_device_kv_cache,
         max_queued_requests=loop.max_queued,
-        step_gather_ms=args.step_gather_ms,
-        max_queue_wait_s=args.max_queue_wait_s,
+        step_gather_ms=round(cfg.step_gather_s * 1000, 3),
+        max_queue_wait_s=cfg.max_queue_wait_s,
         tensor_parallel_size=settings.tp,
         num_speculative_tokens=speculative,
         transfer_backend=settings.d2h.transfer_backend,
@@ -204,25 +203,25 @@ def _load_model(args: argparse.Namespace):
     return model, speculative
 
 
-def _decode_pool(args: argparse.Namespace, model, settings, control_port: int):
+def _decode_pool(cfg: DecodeConfig, model, control_port: int):
     """This DP rank's host pool (``dram_size_per_dp_GB``), created by rank 0; its TP followers attach
     it (``kvcore.attachedpool``)."""
     from kvoffload_engine import build
 
     name = f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}"
-    return build.decode_pool(model, args.block_size, settings.host_pool_bytes, name=name)
+    return build.decode_pool(model, cfg.block_size, cfg.settings.host_pool_bytes, name=name)
 
 
-def _decoder(args: argparse.Namespace, model, settings, ranks, pool):
+def _decoder(cfg: DecodeConfig, model, ranks, pool):
     """The decoder over ``pool``: a ``SparseDecoder``, or with TP ranks, rank 0's ``LeadDecoder``."""
     from kvoffload_engine.decode import SparseDecoder
 
     if ranks is None:
-        return SparseDecoder(model, pool, **decoder_options(args, settings))
-    return ranks.lead(model, pool, **decoder_options(args, settings))
+        return SparseDecoder(model, pool, **cfg.decoder_options())
+    return ranks.lead(model, pool, **cfg.decoder_options())
 
 
-def _tp_ranks(args: argparse.Namespace, model, size: int, argv: list[str], pool_segment: str):
+def _tp_ranks(model, size: int, argv: list[str], pool_segment: str):
     """Ranks 1..size-1 started (each attaching rank 0's pool, ``pool_segment``) and joined, ``model``
     sharded (None with one rank); a size the model cannot be sharded over is a ConfigError naming both."""
     from dsamodel.tp import check_tp_size
@@ -238,20 +237,22 @@ def _tp_ranks(args: argparse.Namespace, model, size: int, argv: list[str], pool_
     return TPRanks.start(model, size=size, argv=argv, pool_segment=pool_segment)
 
 
-def _engine_rows(args: argparse.Namespace, d2h, layout) -> EngineRows | None:
+def _engine_rows(cfg: DecodeConfig, layout) -> EngineRows | None:
     """A transfer_backend with an engine (``uses_engine``): this decode's transfer engine at --host
     (``pdlink.engines``) and its registered staging buffer (--max-model-len rows of the widest
     layer); else None. Where it cannot start (no Ascend driver, no wheel) a StartupError with its own
     reason: never the embedded data path."""
-    if not uses_engine(d2h.transfer_backend):
+    d2h = cfg.settings.d2h
+    backend = d2h.transfer_backend
+    if backend is None or not uses_engine(backend):
         return None
     widest = max(s.main.row_bytes + (s.indexer.row_bytes if s.indexer else 0) for s in layout.layers)
     try:
-        transfer = start_engine(d2h.transfer_backend, "Decode", args.host, d2h)
+        transfer = start_engine(backend, "Decode", cfg.host, d2h)
     except EngineUnavailable as e:
         raise StartupError(str(e)) from None
     try:
-        return EngineRows(transfer, args.max_model_len * widest)
+        return EngineRows(transfer, cfg.max_model_len * widest)
     except (ValueError, RuntimeError) as e:  # the staging buffer refused by the engine
         transfer.close()
         raise StartupError(f"transfer_backend {d2h.transfer_backend!r}: {e}") from None

@@ -35,6 +35,7 @@ import structlog
 from svcruntime.ranks import LeadRanks, RankProcesses, follower_parser, join_group, share_cores
 
 if TYPE_CHECKING:  # the engine is imported where it is used (``lead``)
+    from kvoffload_decode.options import DecodeConfig
     from kvoffload_engine.tp_decode import LeadDecoder
 
 log = structlog.get_logger(__name__)
@@ -103,7 +104,7 @@ def _follower_main(argv: list[str] | None = None) -> int:
     from dsamodel.tp import DistGroup, shard_model
     from dsamodel.weights import load_model
     from kvcore.attachedpool import AttachedPool
-    from kvoffload_decode.options import SERVICE, decoder_options, settings_of
+    from kvoffload_decode.options import SERVICE, config_of
     from kvoffload_engine.decode import SparseDecoder
     from kvoffload_engine.model_layout import kv_layout
     from svcruntime import tls as kvtls
@@ -118,12 +119,12 @@ def _follower_main(argv: list[str] | None = None) -> int:
     join_group(own.init, own.rank, own.size)
     model = shard_model(model, DistGroup())  # a Llama model is refused: it runs on one rank
     layout = kv_layout(model.config, args.block_size, model.dtype)
-    settings = settings_of(args, layout, model.config.index_topk)
-    control_port = settings.control_port(args.dp_rank, own.rank)
+    cfg = config_of(args, layout, model.config.index_topk)
+    control_port = cfg.settings.control_port(cfg.dp_rank, own.rank)
     pool = AttachedPool.attach(own.pool_segment)
     try:
-        decoder = SparseDecoder(model, pool, **decoder_options(args, settings))
-        steps = _follow(decoder, pool, layout, own, args, tls, control_port)
+        decoder = SparseDecoder(model, pool, **cfg.decoder_options())
+        steps = _follow(decoder, pool, layout, own, cfg, tls, control_port)
         dist.destroy_process_group()
         log.info("tp_rank_closed", rank=own.rank, steps=steps)
     finally:
@@ -144,13 +145,13 @@ def _parse_rank_args(argv: list[str] | None) -> tuple[argparse.Namespace, argpar
     return own, args
 
 
-def _follow(decoder, pool, layout, own: argparse.Namespace, args: argparse.Namespace, tls, control_port: int) -> int:
+def _follow(decoder, pool, layout, own: argparse.Namespace, cfg: DecodeConfig, tls, control_port: int) -> int:
     """Serve this rank's control port (its pulls into ``decoder``) and follow rank 0 until it closes
     the group; returns the steps run."""
     from kvcore.segment import host_id
     from kvoffload_decode import __version__
     from kvoffload_decode.follower import FollowerPulls
-    from kvoffload_decode.options import SERVICE, model_id_of
+    from kvoffload_decode.options import SERVICE
     from kvoffload_decode.transfer import decode_transfer
     from kvoffload_engine.tp_channel import DistChannel
     from kvoffload_engine.tp_decode import follow_decode
@@ -161,9 +162,9 @@ def _follow(decoder, pool, layout, own: argparse.Namespace, args: argparse.Names
     transfer = decode_transfer(
         pulls,
         layout,
-        model_id_of(args),
+        cfg.model_id,
         host_id(),
-        read_retries=args.read_retries,
+        read_retries=cfg.read_retries,
         tls=tls,
         tp_rank=own.rank,
         tp_size=own.size,
@@ -189,7 +190,7 @@ def _follow(decoder, pool, layout, own: argparse.Namespace, args: argparse.Names
         options=[("grpc.max_receive_message_length", 8 << 20)],
     )
     grpc_side.add(transfer_pb2_grpc.add_TransferServicer_to_server, transfer)
-    grpc_side.add_port(f"{args.host}:{control_port}", tls)
+    grpc_side.add_port(f"{cfg.host}:{control_port}", tls)
     grpc_side.start()
     log.info("tp_rank_following", rank=own.rank, size=own.size, control_port=control_port)
     try:
