@@ -9,16 +9,17 @@ import json
 import os
 import sys
 
-from kvcore.poolregistry import EMBEDDED, STACK_POOLS, VLLM_POOLS
+from kvcore.poolregistry import EMBEDDED, STACK_POOLS
 from svcruntime.tls import add_tls_arguments  # light: grpc is imported only when a channel is opened
 
 ENGINES = ("reference", "vllm")
 # `up` / `demo` flags only the reference engine takes (argparse dest -> flag), and why not vLLM's
 REFERENCE_ONLY = {"tls_cert": "--tls-cert", "tls_key": "--tls-key", "tls_ca": "--tls-ca"}
 REFERENCE_ONLY_WHY = (
-    "the vLLM connectors do not speak TLS to the metastore yet, and their store runs on backend "
-    "'kvoffload' only (docs/vllm.md)"
+    "the vLLM connectors do not speak TLS to the metastore yet, and the vLLM stack's prefill keeps its "
+    "store on backend 'kvoffload' (a vLLM server of your own also takes 'mooncake': docs/vllm.md)"
 )
+VLLM_STACK_POOLS = (EMBEDDED,)  # `up --engine vllm --pool`
 MODES = ("pd", "offload-only")  # `up --mode` (== stack_config.MODES of kvoffload_testing; --help stays light)
 REFERENCE_MAX_MODEL_LEN = 16384
 DECODE_MAX_NUM_SEQS = 8  # the stack's decode (kvoffload-decode's default --max-num-seqs)
@@ -30,7 +31,7 @@ def _check_engine(args: argparse.Namespace) -> None:
     if args.engine != "vllm":
         return
     given = [flag for dest, flag in REFERENCE_ONLY.items() if getattr(args, dest, None) is not None]
-    if getattr(args, "pool", EMBEDDED) not in VLLM_POOLS:
+    if getattr(args, "pool", EMBEDDED) not in VLLM_STACK_POOLS:
         given.append(f"--pool {args.pool}")
     if getattr(args, "mode", "pd") != "pd":
         given.append(f"--mode {args.mode}")

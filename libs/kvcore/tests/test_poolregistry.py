@@ -24,7 +24,7 @@ from kvcore.poolregistry import (
 
 def test_the_names_are_the_config_choices_and_the_embedded_backend_runs_everywhere() -> None:
     assert STORE_BACKENDS == ("kvoffload", "memcache", "mooncake")
-    assert STACK_POOLS == ("kvoffload", "mooncake") and VLLM_POOLS == ("kvoffload",)
+    assert STACK_POOLS == ("kvoffload", "mooncake") and VLLM_POOLS == ("kvoffload", "mooncake")
     embedded = POOL_BACKENDS[EMBEDDED]
     assert embedded.probe is None and not embedded.index and not embedded.local_config
     assert all(name == b.name for name, b in POOL_BACKENDS.items())
@@ -47,6 +47,18 @@ def test_each_entry_speaks_of_keys_that_exist() -> None:
         assert set(backend.required) <= own, backend.name
         assert backend.tolerates <= others, backend.name
     assert all(spec.description for model in models.values() for spec in model.model_fields.values())
+
+
+def test_the_vllm_store_looks_up_in_a_server_a_key_names_or_says_why_it_cannot() -> None:
+    """A backend the vLLM store runs has a lookup and names the key of the server it asks (a key of its
+    own, or the embedded one's metastore); the others say why vLLM refuses them."""
+    fields = StoreConnectorConfig.model_fields
+    for backend in POOL_BACKENDS.values():
+        if backend.lookup:
+            assert backend.lookup_server in fields and not backend.vllm_refusal, backend.name
+        else:
+            assert backend.vllm_refusal and not backend.lookup_server, backend.name
+    assert POOL_BACKENDS["mooncake"].lookup_server == "mooncake_master" in POOL_BACKENDS["mooncake"].required
 
 
 def test_load_resolves_module_and_attribute_paths() -> None:

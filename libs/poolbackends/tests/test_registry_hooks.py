@@ -1,12 +1,13 @@
 """Every ``kvcore.poolregistry`` entry's hooks exist here, and backend ``"kvoffload"`` opens its pool
 through them: in this process without a metastore, registered with a real one (started by its
-launcher) with one."""
+launcher) with one, whose ``Exists`` is its lookup."""
 
 from __future__ import annotations
 
 import uuid
 
 import pytest
+import torch
 
 from kvcore.connectorconfig import StoreConnectorConfig
 from kvcore.localpool import LocalHostPool
@@ -14,7 +15,7 @@ from kvcore.poolgeometry import PoolGeometry
 from kvcore.poolregistry import POOL_BACKENDS, load
 from poolbackends import registry
 from poolbackends.metastore_server import MetastoreError, MetastoreServer, MetastoreSettings
-from poolbackends.registry import PoolOpenError, PoolRequest, open_pool, readiness, start_server
+from poolbackends.registry import PoolOpenError, PoolRequest, open_lookup, open_pool, readiness, start_server
 from poolbackends.remotepool import RemoteHostPool
 from svcruntime.serverprocess import ServerProcess
 
@@ -27,6 +28,7 @@ def test_each_backends_hooks_resolve(name: str) -> None:
     assert callable(load(backend.factory))
     assert backend.readiness is None or callable(load(backend.readiness))
     assert issubclass(load(backend.launcher), ServerProcess)
+    assert backend.lookup is None or callable(load(backend.lookup))
 
 
 def _request(**keys) -> PoolRequest:
@@ -50,6 +52,23 @@ def test_the_embedded_backend_registers_with_the_metastore_its_launcher_started(
             assert [p.pool.pool_id for p in pool.client.meta_stats().pools] == [pool.pool_id]
     finally:
         server.stop()
+
+
+def test_the_embedded_backends_lookup_asks_its_metastore() -> None:
+    server = start_server("kvoffload")
+    try:
+        with open_pool(_request(metastore=server.address)) as pool:
+            pool.alloc([b"k"])
+            pool.put_from([b"k"], 0, torch.zeros(1, 4, 8, dtype=torch.uint8))
+            lookup = open_lookup(StoreConnectorConfig(backend="kvoffload", metastore=server.address), 2.0)
+            try:
+                assert lookup.exists([b"k", b"nope"]) == [True, False]
+            finally:
+                lookup.close()
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="backend 'memcache' has no lookup: the vLLM store"):
+        open_lookup(StoreConnectorConfig(backend="memcache"))
 
 
 def test_a_metastore_on_a_taken_port_is_refused_up_front() -> None:

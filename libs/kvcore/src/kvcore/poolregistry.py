@@ -6,7 +6,8 @@ An entry declares everything about its backend that lives outside the backend's 
 config keys (the typed model that validates them, in ``kvcore.poolkeys``; which are required, and
 which keys of other backends it accepts), an availability probe (``ImportProbe``: the module it
 needs and how to install it), the factory that opens its pool, its readiness check, the launcher
-of its server, and where it runs beyond the prefill (a stack's ``--pool``; the vLLM store). Config
+of its server, and where it runs beyond the prefill (a stack's ``--pool``; the vLLM store, whose
+scheduler asks the backend's ``lookup`` which blocks the pool holds, without opening a pool). Config
 validation (``kvcore.connectorconfig``), availability (``kvcore.backends``), the prefill, the vLLM
 store, ``kvoffload up``, the fault suite and ``kvoffload bench pool`` all read it.
 
@@ -16,7 +17,8 @@ hooks), and nothing imports an optional backend until it runs. This module itsel
 pydantic nor torch, so the command line reads the names without paying for either.
 
 Adding a backend: its module in ``libs/poolbackends`` (``open_pool(poolbackends.registry.PoolRequest)``, optionally
-``pool_not_ready(pool)`` and a ``svcruntime.serverprocess.ServerProcess`` launcher), its keys
+``pool_not_ready(pool)``, a ``svcruntime.serverprocess.ServerProcess`` launcher and, for the vLLM store,
+``open_lookup(store, timeout_s)``), its keys
 model in ``kvcore.poolkeys`` when it has keys, its entry below, and its tests
 (``tests/integration/test_backend_contract.py``; ``kvoffload bench pool`` names what it measures).
 """
@@ -64,7 +66,12 @@ class PoolBackend:
     index: str = ""  # where it keeps its index when not in a kvoffload-metastore (--metastore is refused)
     local_config: str = ""  # why it needs an mmc-local.conf (--local-config); "" when it does not
     stack: StackServer | None = None  # None: a stack cannot run it (``kvoffload up --pool``)
-    vllm: bool = False  # the vLLM store connector runs on it
+    # the vLLM store: (store config, timeout_s) -> poolbackends.registry.PrefixLookup, which blocks the
+    # pool holds asked of the server the store config's key ``lookup_server`` names; None: vLLM
+    # refuses the backend (``vllm_refusal`` says why)
+    lookup: str | None = None
+    lookup_server: str = ""
+    vllm_refusal: str = ""
 
 
 MOONCAKE_INSTALL = (
@@ -84,7 +91,8 @@ POOL_BACKENDS: Mapping[str, PoolBackend] = MappingProxyType(
                 readiness="poolbackends.embedded:pool_not_ready",
                 launcher="poolbackends.metastore_server:MetastoreServer",
                 stack=StackServer("metastore", ("MetaStore", "metastore")),
-                vllm=True,
+                lookup="poolbackends.embedded:open_lookup",
+                lookup_server="metastore",
             ),
             # memcache: whether its data path runs here (an Ascend NPU driver) is its construction's call
             PoolBackend(
@@ -96,6 +104,8 @@ POOL_BACKENDS: Mapping[str, PoolBackend] = MappingProxyType(
                 index="reads its MetaService from the mmc-local.conf (--local-config or $MMC_LOCAL_CONFIG_PATH)",
                 local_config="needs the LocalService's mmc-local.conf (its ock.mmc.meta_service_url, "
                 "ock.mmc.local_service.config_store_url, protocol and dram.size)",
+                vllm_refusal="the vLLM store has no lookup in Memcache's MetaService yet, and Memcache's data path "
+                "needs an Ascend NPU driver: it runs in the kvoffload prefill",
             ),
             # mooncake: runs wherever mooncake.store imports (no NPU); its master is checked when the pool connects
             PoolBackend(
@@ -111,13 +121,15 @@ POOL_BACKENDS: Mapping[str, PoolBackend] = MappingProxyType(
                 launcher="poolbackends.mooncake_master:MooncakeMaster",
                 index="keeps its objects in the mooncake_master (kv_connector_extra_config.mooncake_master)",
                 stack=StackServer("mooncake-master", ("Mooncake", "mooncake")),
+                lookup="poolbackends.mooncake_lookup:open_lookup",
+                lookup_server="mooncake_master",
             ),
         )
     }
 )
 STORE_BACKENDS: tuple[str, ...] = tuple(POOL_BACKENDS)  # the store config's "backend" choices
 STACK_POOLS: tuple[str, ...] = tuple(b.name for b in POOL_BACKENDS.values() if b.stack)  # `kvoffload up --pool`
-VLLM_POOLS: tuple[str, ...] = tuple(b.name for b in POOL_BACKENDS.values() if b.vllm)
+VLLM_POOLS: tuple[str, ...] = tuple(b.name for b in POOL_BACKENDS.values() if b.lookup)  # the vLLM store's
 
 
 def load(ref: str) -> Any:

@@ -1,12 +1,14 @@
 """Backend ``"kvoffload"`` (the embedded host pool), as its ``kvcore.poolregistry`` entry opens it:
 indexed by the kvoffload-metastore of the store config's ``metastore`` (a ``RemoteHostPool``), or
-without one in this process (a ``kvcore.localpool.LocalHostPool``)."""
+without one in this process (a ``kvcore.localpool.LocalHostPool``); its lookup is that metastore's
+``Exists`` (``open_lookup``)."""
 
 from __future__ import annotations
 
 from kvcore.eviction import LRUEviction
 from kvcore.hostpool import HostPoolBackend
 from kvcore.localpool import LocalHostPool
+from poolbackends.client import MetaStoreClient
 from poolbackends.registry import PoolRequest
 from poolbackends.remotepool import RemoteHostPool
 
@@ -33,3 +35,11 @@ def pool_not_ready(pool: HostPoolBackend) -> str:
     """Why the pool cannot serve now ("" when it can): a ``RemoteHostPool`` not registered with the
     metastore, or a metastore that does not answer; a ``LocalHostPool`` is always ready."""
     return pool.not_ready() if isinstance(pool, RemoteHostPool) else ""
+
+
+def open_lookup(store, timeout_s: float) -> MetaStoreClient:
+    """The metastore of ``store.metastore`` as a ``poolbackends.registry.PrefixLookup`` (its ``Exists``);
+    the channel connects on the first call."""
+    if not store.metastore:
+        raise ValueError("backend 'kvoffload' looks blocks up in its metastore: the store config names none")
+    return MetaStoreClient(store.metastore, timeout_s=timeout_s)

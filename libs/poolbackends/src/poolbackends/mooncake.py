@@ -68,7 +68,7 @@ from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
 from poolbackends.mooncake_master import MooncakeNotInstalled, port_answers
 from poolbackends.mooncake_objects import StoreObjects
-from poolbackends.mooncake_store import MooncakeStore, MooncakeStoreError
+from poolbackends.mooncake_store import MooncakeStore, MooncakeStoreError, address_toward
 from poolbackends.registry import PoolOpenError, PoolRequest
 from poolbackends.storepool import StoreHostPool, owning, store_bytes_for
 
@@ -288,10 +288,12 @@ class MooncakeHostPool(StoreHostPool):
 
 def open_pool(request: PoolRequest) -> MooncakeHostPool:
     """The pool of ``request`` on its own client of the store config's ``mooncake_master`` (namespace
-    and lease TTL from the config), reachable by peers at ``request.host``; ``PoolOpenError`` when the
-    wheel is missing or the master does not answer within ``request.timeout_s``."""
+    and lease TTL from the config), reachable by peers at ``request.host`` ("": this host's address
+    toward the master); ``PoolOpenError`` when the wheel is missing or the master does not answer
+    within ``request.timeout_s``."""
     store = request.store
     try:
+        host = request.host or address_toward(store.mooncake_master)
         pool = MooncakeHostPool.connect(
             store.mooncake_master,
             request.geometry,
@@ -299,12 +301,16 @@ def open_pool(request: PoolRequest) -> MooncakeHostPool:
             eviction=LRUEviction(),
             store_lease_ttl_ms=store.mooncake_lease_ttl_ms,
             connect_timeout_s=request.timeout_s,
-            local_hostname=request.host,
+            local_hostname=host,
         )
     except (PoolError, MooncakeNotInstalled) as e:
         raise PoolOpenError(str(e)) from None
     log.info(
-        "mooncake_pool_connected", master=store.mooncake_master, namespace=store.mooncake_namespace, pool=repr(pool)
+        "mooncake_pool_connected",
+        master=store.mooncake_master,
+        namespace=store.mooncake_namespace,
+        host=host,
+        pool=repr(pool),
     )
     return pool
 

@@ -8,17 +8,23 @@ master's RPC port answers (``connect_timeout_s``): the client's own ``setup`` wo
 The client contributes ``global_segment_bytes`` of its memory to the store (a "segment", named
 ``segment_name``); every object this client puts is hard-pinned (the master never evicts it) and
 placed in this client's own segment, so it lives exactly until it is removed or this client dies
-(the master drops a dead client's segment after its ``--client_ttl``).
+(the master drops a dead client's segment after its ``--client_ttl``). A client of
+``global_segment_bytes=0`` and ``local_buffer_bytes=0`` mounts and registers nothing: it only asks
+(``poolbackends.mooncake_lookup``). ``address_toward(master)``: this host's address on the route to
+the master, where its peers (which reach that master) can reach it too.
 
 Batch calls return one code per key (0 or a size: success; negative: ``CODES``) and are split into
 chunks of ``MAX_BATCH_KEYS``: cross-process batches of more than 1024 keys fail with -800
 (TRANSFER_FAIL) in this wheel. A master restart loses every key; the client re-mounts its segment by
 itself within about a second (meanwhile puts fail with -200 and every call with -900 while no master
-answers). One ``MooncakeStore`` may serve several pools (each with its own key namespace).
+answers; once a call met -900, the next ones fail at once while the master's port does not answer,
+instead of waiting ~4 s each for the wheel's reconnect). One ``MooncakeStore`` may serve several
+pools (each with its own key namespace).
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +33,7 @@ from kvcore.hostpool import ObjectUnreachable, PoolError
 from poolbackends.mooncake_master import INSTALL_HINT, MooncakeNotInstalled, port_answers
 
 MAX_BATCH_KEYS = 1024
+DOWN_PROBE_S = 0.5  # while the master is down: how long a call waits for its port before failing
 
 OK = 0
 NO_AVAILABLE_HANDLE = -200
@@ -73,6 +80,18 @@ class MooncakeObjectsUnreachable(MooncakeStoreError, ObjectUnreachable):
     gone); they were force-removed from the store."""
 
 
+def address_toward(master: str) -> str:
+    """This host's IPv4 address on the route to ``master`` (``host:port``; no packet is sent): where a
+    peer that reaches the master reaches this host (127.0.0.1 for a master on loopback)."""
+    host, _, port = master.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, int(port)))
+        except OSError as e:
+            raise MooncakeStoreError(f"no route to the mooncake_master at {master}: {e}", code=RPC_FAIL) from None
+        return str(s.getsockname()[0])
+
+
 def code_name(code: int) -> str:
     return f"{code} {CODES.get(code, 'unknown Mooncake error')}"
 
@@ -106,6 +125,9 @@ class MooncakeStore:
         self._put_config = self._replicate_config()
         self._lock = threading.Lock()
         self._closed = False
+        host, _, port = master.rpartition(":")
+        self._master_at = (host, int(port))
+        self._down = False  # the last call met RPC_FAIL: probe the master's port before the next
 
     @classmethod
     def connect(
@@ -124,8 +146,8 @@ class MooncakeStore:
         host, sep, port = master.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"master must be 'host:port' of a mooncake_master, got {master!r}")
-        if not isinstance(global_segment_bytes, int) or global_segment_bytes < 1 << 20:
-            raise ValueError(f"global_segment_bytes must be an int >= 1 MiB, got {global_segment_bytes!r}")
+        if not isinstance(global_segment_bytes, int) or global_segment_bytes < 0 or 0 < global_segment_bytes < 1 << 20:
+            raise ValueError(f"global_segment_bytes must be an int >= 1 MiB (or 0: none), got {global_segment_bytes!r}")
         store_cls = _store_class()
         if not port_answers(host, int(port), connect_timeout_s):
             raise MooncakeStoreError(
@@ -185,22 +207,39 @@ class MooncakeStore:
     def put_parts(self, keys: Sequence[str], ptrs: Sequence[list[int]], sizes: Sequence[list[int]]) -> list[int]:
         """Put each key as the concatenation of its parts (registered memory), hard-pinned in this segment."""
         self._check_open()
-        return _chunked(self._store.batch_put_from_multi_buffers, len(keys), keys, ptrs, sizes, config=self._put_config)
+        return self._batch(
+            self._store.batch_put_from_multi_buffers, len(keys), keys, ptrs, sizes, config=self._put_config
+        )
 
     def get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """Read whole objects into ``ptrs`` (bytes read, or a negative code); grants the master's read lease."""
         self._check_open()
-        return _chunked(self._store.batch_get_into, len(keys), keys, ptrs, sizes)
+        return self._batch(self._store.batch_get_into, len(keys), keys, ptrs, sizes)
 
     def exists(self, keys: Sequence[str]) -> list[int]:
         """1 / 0 per key, or a negative code; like a read, it grants the master's lease on existing keys."""
         self._check_open()
-        return _chunked(self._store.batch_is_exist, len(keys), keys)
+        return self._batch(self._store.batch_is_exist, len(keys), keys)
 
     def remove(self, keys: Sequence[str], *, force: bool = False) -> list[int]:
         """0, ``OBJECT_NOT_FOUND``, ``OBJECT_HAS_LEASE`` (unless ``force``) or another code per key."""
         self._check_open()
-        return _chunked(self._store.batch_remove, len(keys), keys, force=force)
+        return self._batch(self._store.batch_remove, len(keys), keys, force=force)
+
+    def _batch(self, call: Callable[..., list[int]], n: int, *lists: Sequence[Any], **kw: Any) -> list[int]:
+        """``_chunked(call, ...)``, except around a master that went down: after a call met RPC_FAIL,
+        the next ones first see whether its port answers, and answer RPC_FAIL for every key at once
+        when it does not (the wheel's client would try to reconnect for ~4 s per call); a call that
+        meets RPC_FAIL while the port answers is made once more (the first call on a connection to a
+        master that restarted fails, the next reconnects). Every batch here may be made twice: a put
+        of a key already there is a no-op, a remove of one gone is OBJECT_NOT_FOUND."""
+        if self._down and not port_answers(*self._master_at, DOWN_PROBE_S):
+            return [RPC_FAIL] * n
+        codes = _chunked(call, n, *lists, **kw)
+        if RPC_FAIL in codes and port_answers(*self._master_at, DOWN_PROBE_S):
+            codes = _chunked(call, n, *lists, **kw)
+        self._down = RPC_FAIL in codes
+        return codes
 
     # ---- lifecycle -------------------------------------------------------------------------------
 

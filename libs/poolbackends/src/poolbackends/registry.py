@@ -1,5 +1,7 @@
 """The calls that run a ``kvcore.poolregistry`` backend's hooks: ``open_pool`` (its factory, asked
-with a ``PoolRequest``), ``readiness`` (its check of an open pool) and ``start_server`` (its launcher).
+with a ``PoolRequest``), ``readiness`` (its check of an open pool), ``start_server`` (its launcher)
+and ``open_lookup`` (a ``PrefixLookup``: which blocks the pool holds, asked without a pool; the vLLM
+store's scheduler).
 
 The hooks live in this package's backend modules and are imported only here, when called: a service
 that opens a pool depends on this package, and only the backend it runs is imported.
@@ -7,9 +9,9 @@ that opens a pool depends on this package, and only the backend it runs is impor
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvcore.hostpool import HostPoolBackend
 from kvcore.poolgeometry import PoolGeometry
@@ -31,7 +33,7 @@ class PoolRequest:
     geometry: PoolGeometry
     name: str  # the shared-memory segment an embedded pool creates
     pool_id: str  # how the pool's index names it (its metastore registration)
-    host: str = "127.0.0.1"  # where peers reach this process (Mooncake's local hostname)
+    host: str = ""  # where peers reach this process (Mooncake's local hostname); "": its address toward the server
     local_config: str | None = None  # the LocalService's mmc-local.conf (a backend with ``local_config``)
     timeout_s: float = 5.0  # how long the pool's server may take to answer a call (its connection, at start-up)
 
@@ -59,3 +61,27 @@ def start_server(name: str) -> ServerProcess:
     if ref is None:
         raise ValueError(f"backend {name!r} has no server to start")
     return load(ref).start()
+
+
+class PrefixLookup(Protocol):
+    """Which blocks a backend's pools hold, asked of its index (a kvoffload-metastore, a mooncake_master)."""
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: a complete object of the block is there; a ``kvcore.hostpool.PoolError`` when the
+        index does not answer."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def open_lookup(store: Any, timeout_s: float = 5.0) -> PrefixLookup:
+    """The ``PrefixLookup`` of ``store.backend`` (its entry's ``lookup`` hook) on the server the store
+    config names, each call bounded by ``timeout_s``; ``PoolOpenError`` naming the backend when it
+    cannot open (a server that does not answer), ``ValueError`` for a backend without one."""
+    backend = POOL_BACKENDS[store.backend]
+    if backend.lookup is None:
+        raise ValueError(f"backend {backend.name!r} has no lookup: {backend.vllm_refusal}")
+    try:
+        return load(backend.lookup)(store, timeout_s)
+    except PoolOpenError as exc:
+        raise PoolOpenError(f"backend {backend.name!r}: {exc}") from None

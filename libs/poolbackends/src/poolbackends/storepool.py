@@ -11,6 +11,7 @@ lock; a failed put leaves the plane unwritten. This pool's own objects are answe
 
 Keys held only in the store. Each batch is split into keys held here and keys held only in the
 store: ``exists`` / ``lease`` / ``get_into`` / ``can_alloc`` ask the store for the latter;
+a load reads each such object whole once and keeps it for its other planes (``store_fetched``);
 ``alloc`` of a key complete in the store raises ``ObjectExists`` (written once, across pools);
 ``block_ids`` of it raises ``PoolError`` (``plane(p)`` views only this pool); ``remove`` of it is
 ignored. The pool that allocated an object owns it: its eviction, ``remove`` and ``close`` remove
@@ -44,6 +45,7 @@ from kvcore.leases import Lease, check_ttl_ms
 from kvcore.localpool import LocalHostPool
 from kvcore.poolgeometry import PoolGeometry
 from kvcore.segment import SharedSegment
+from poolbackends.store_fetched import FetchedObjects
 
 log = structlog.get_logger(__name__)
 
@@ -94,6 +96,7 @@ class StoreHostPool(LocalHostPool):
             self._part_bytes = [geometry.block_size * rb for rb in geometry.plane_row_bytes]  # per object, per plane
             self._published = torch.zeros(geometry.num_blocks, dtype=torch.bool)  # [num_blocks]: store copy there
             self._closing = threading.Event()  # set first thing in close: no object is published after it
+            self._fetched = FetchedObjects(geometry.num_planes, geometry.num_blocks * geometry.block_bytes)
             self._attach(segment)
         except BaseException:
             segment.close()
@@ -226,19 +229,22 @@ class StoreHostPool(LocalHostPool):
         dst_u8[~local_t] = fetched
 
     def _fetch(self, keys: list[bytes], plane: int) -> torch.Tensor:
-        """Plane ``plane`` of objects read from the store: ``[len(keys), block_size, row_bytes]``."""
+        """Plane ``plane`` of objects read from the store: ``[len(keys), block_size, row_bytes]``. An
+        object is fetched whole once per load: kept for its other planes (``FetchedObjects``), each
+        kept one checked to be in the store still (one ``exists``, not a fetch)."""
         g = self.geometry
         uniq = list(dict.fromkeys(keys))
-        staging = torch.empty(len(uniq), g.block_bytes, dtype=torch.uint8)  # [m, block_bytes]: whole objects
-        self._store_read(uniq, staging)
+        whole = self._fetched.take(uniq, plane)  # key -> [block_bytes], when every one is kept
+        if whole is not None and not all(self._store_exists(uniq, "get_into")):
+            whole = None  # a kept copy is the store's bytes, but an object removed since is not read
+        if whole is None:
+            staging = torch.empty(len(uniq), g.block_bytes, dtype=torch.uint8)  # [m, block_bytes]
+            self._store_read(uniq, staging)
+            self._fetched.keep(uniq, staging, plane)
+            whole = dict(zip(uniq, staging, strict=True))
         off = sum(self._part_bytes[:plane])
-        rows = staging[:, off : off + self._part_bytes[plane]].reshape(
-            len(uniq), g.block_size, g.plane_row_bytes[plane]
-        )
-        if len(uniq) == len(keys):
-            return rows
-        pos = {k: i for i, k in enumerate(uniq)}
-        return rows[torch.tensor([pos[k] for k in keys], dtype=torch.long)]
+        part = torch.stack([whole[k][off : off + self._part_bytes[plane]] for k in keys])  # the plane's bytes only
+        return part.reshape(len(keys), g.block_size, g.plane_row_bytes[plane])
 
     def block_ids(self, keys: Sequence[bytes]) -> list[int]:
         try:
