@@ -12,7 +12,8 @@ starts is a ``svcruntime.serverprocess.ServerProcess`` (``service.Service`` for 
                          (health probes, completions, Stats of a running stack; ``logtail`` the last
                          lines of a service's log its errors quote), ``stack_threads``
                          (the OpenMP settings of services sharing the host's cores), ``netns`` (a
-                         stack's decode in a network namespace behind a veth pair).
+                         stack's decode in a network namespace behind a veth pair; two servers'
+                         namespaces that reach each other).
 - ``vllm_stack``         the same stack on real vLLM servers; ``vllm_server`` one vLLM server (or
                          metastore, proxy) as a child process; ``vllm_demo`` the demo's one request on
                          it and its summary (client, /metrics deltas, connector log lines);

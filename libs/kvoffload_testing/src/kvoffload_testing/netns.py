@@ -2,7 +2,8 @@
 across two network stacks: this namespace's end of the pair is ``Veth.here``, the namespace's
 ``Veth.there``, a /30 between them, so every byte between a process here and one run there with
 ``in_namespace`` crosses a real network stack, not loopback. ``split_decode`` moves a stack's
-decode there (tests and ``bench pd``). Needs root; a missing ``ip`` fails, never skips.
+decode there (tests and ``bench pd``). ``namespace_pair``: two such namespaces that also reach each
+other, as two hosts of one network do. Needs root; a missing ``ip`` fails, never skips.
 
 Each pair gets a /30 of its own (10.231.N.0/30, the lowest N no interface of this namespace has), taken
 under a file lock: two test modules (or a test and a bench) making pairs at once on one machine must
@@ -71,6 +72,26 @@ def veth_namespace() -> Iterator[Veth]:
     finally:
         subprocess.run([IP, "link", "del", here], capture_output=True, timeout=30)
         subprocess.run([IP, "netns", "del", name], capture_output=True, timeout=30)
+
+
+@contextmanager
+def namespace_pair() -> Iterator[tuple[Veth, Veth]]:
+    """Two namespaces behind veth pairs to this one (``veth_namespace``), each routing everything else
+    through its pair (so either reaches any address of this namespace, e.g. a server bound to the other's
+    ``here``), and linked to each other by a veth pair of their own: a process in one reaches the other's
+    ``there`` over that link, not forwarded through this namespace (whose firewall may drop forwarded
+    packets: Docker's FORWARD policy). Everything is removed with the namespaces."""
+    with veth_namespace() as a, veth_namespace() as b:
+        for v in (a, b):
+            ip("-n", v.name, "route", "add", "default", "via", v.here)
+        tag = uuid.uuid4().hex[:6]
+        ends = ((a, f"kva{tag}", b), (b, f"kvb{tag}", a))
+        ip("link", "add", ends[0][1], "type", "veth", "peer", "name", ends[1][1])
+        for v, end, other in ends:
+            ip("link", "set", end, "netns", v.name)
+            ip("-n", v.name, "link", "set", end, "up")
+            ip("-n", v.name, "route", "add", f"{other.there}/32", "dev", end)
+        yield a, b
 
 
 def in_namespace(namespace: str, argv: list[str]) -> list[str]:

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvoffload_testing.logtail import tail
+from kvoffload_testing.netns import in_namespace
 from kvoffload_testing.ports import free_port_base
 from kvoffload_testing.service import Service, metastore_command, proxy_command
 from svcruntime.serverprocess import ServerProcess
@@ -135,7 +136,8 @@ class _NotAnswering(RuntimeError):
 
 
 class VllmServer(ServerProcess):
-    """A real vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on 127.0.0.1, run in
+    """A real vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on ``host`` (127.0.0.1
+    unless told; inside network namespace ``netns`` when given: ``kvoffload_testing.netns``), run in
     its own process group. ``with VllmServer(model) as s:`` waits for ``/health``; leaving the block
     stops the whole group (SIGTERM, then SIGKILL after ``stop_timeout_s``). A server of one rank runs
     its worker inside the engine core's process (``in_process_worker``: a start of ~20 CPU-s here
@@ -160,20 +162,24 @@ class VllmServer(ServerProcess):
         log_path: Path | None = None,
         start_timeout_s: float = 600.0,  # several servers load at once beside other tests: 180 s was passed
         stop_timeout_s: float = 20.0,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
     ) -> None:
         log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="vllm-server-")) / "vllm.log"
         super().__init__(log_path.parent, log_path.name, start_timeout_s)
         self.model = Path(model)
         self.port = port if port is not None else free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         # one rank: its worker in the engine core's process (one process of ~12 CPU-s fewer to start)
         one = ranks_of(extra_args) == 1
         self.cmd = api_server_command(
-            model, port=self.port, max_model_len=max_model_len, extra_args=extra_args, in_process_worker=one
+            model, host=host, port=self.port, max_model_len=max_model_len, extra_args=extra_args, in_process_worker=one
         )
         self._env = {**os.environ, **api_server_env(kv_cache_space_gib, in_process_worker=one), **(env or {})}
         if one:
             self.cmd = in_process_binding(self.cmd, self._env)
+        if netns is not None:  # ``ip netns exec`` execs the command: the group and its pid stay the server's
+            self.cmd = in_namespace(netns, self.cmd)
         self.stop_timeout_s = stop_timeout_s
         self.start_s: float | None = None  # seconds from launch to the first healthy answer
 
