@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 
-from kvcore.poolregistry import STACK_POOLS  # light: names only, no backend is imported
+from kvcore.pool.registry import STACK_POOLS  # light: names only, no backend is imported
 from kvcore.transferregistry import STACK_TRANSFERS
 
 # bench name -> "module:function"; each function takes keyword parameters and returns a dict.

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from kvcore.poolregistry import EMBEDDED, STACK_POOLS
+from kvcore.pool.registry import EMBEDDED, STACK_POOLS
 from svcruntime.tls import add_tls_arguments  # light: grpc is imported only when a channel is opened
 
 ENGINES = ("reference", "vllm")

@@ -19,12 +19,12 @@ from typing import Any
 
 from dsamodel.indexcodec import indexer_cache_format
 from dsamodel.served import ServedConfig
-from kvcore.configerrors import ConfigError
-from kvcore.decodesettings import decode_settings
+from kvcore.config.decode_settings import decode_settings
+from kvcore.config.errors import ConfigError
+from kvcore.config.prefill_settings import prefill_settings
 from kvcore.layout import KVLayout
 from kvcore.pdpair import check_pd_pair
 from kvcore.plan import BufferPlan
-from kvcore.prefillsettings import prefill_settings
 from kvoffload_engine.model_layout import kv_layout
 
 

@@ -1,10 +1,10 @@
-"""Every host-pool backend of ``kvcore.poolregistry`` is known where the command line runs one: the
+"""Every host-pool backend of ``kvcore.pool.registry`` is known where the command line runs one: the
 pools a stack takes (``kvoffload up --pool``) are the registry's stack pools, each with its server,
 its fault table and its server's kill; ``kvoffload bench pool`` measures every backend."""
 
 from __future__ import annotations
 
-from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STACK_POOLS
+from kvcore.pool.registry import EMBEDDED, POOL_BACKENDS, STACK_POOLS
 from kvoffload.cli import build_parser
 from kvoffload_bench import pool as bench_pool
 from kvoffload_testing import fault_catalog, stack

@@ -1,4 +1,4 @@
-"""The contract every ``kvcore.hostpool.HostPoolBackend`` must keep, run on each backend.
+"""The contract every ``kvcore.pool.host_pool.HostPoolBackend`` must keep, run on each backend.
 
 Each test takes ``make_pool(num_blocks)`` -> an empty pool of ``geometry(num_blocks)`` (two planes:
 16 and 8 bytes per token row, 4 tokens per block) whose eviction policy is LRU, and must pass for
@@ -6,11 +6,11 @@ every entry of ``BACKENDS`` (``pool_contract_backends``; the data the tests writ
 ``pool_contract_data``, both in tests/integration/support). A new backend plugs in by adding a factory
 there; its own quirks (segments, metastore membership, ...) are tested beside it, not here.
 
-Rules this suite fixes for every backend (the hook map in ``kvcore.hostpool`` states them):
+Rules this suite fixes for every backend (the hook map in ``kvcore.pool.host_pool`` states them):
 batches are all-or-nothing; ``exists`` is true only for complete objects; written planes are
 write-once (the same bytes again are a no-op, other bytes raise ``PlaneWritten``); a lease
 protects its objects from removal and eviction until released or expired, and every lease handle
-satisfies the ``kvcore.leases.Lease`` protocol; eviction takes the least recently used complete,
+satisfies the ``kvcore.pool.leases.Lease`` protocol; eviction takes the least recently used complete,
 unleased object.
 """
 
@@ -24,7 +24,7 @@ import torch
 from pool_contract_backends import BACKENDS, stop_mooncake
 from pool_contract_data import BS, ROWS, block, fill, geometry, keys, read
 
-from kvcore.hostpool import (
+from kvcore.pool.host_pool import (
     HostPoolBackend,
     IncompleteObject,
     LeaseExpired,
@@ -35,7 +35,7 @@ from kvcore.hostpool import (
     PoolError,
     PoolFullError,
 )
-from kvcore.leases import Lease
+from kvcore.pool.leases import Lease
 
 
 @pytest.fixture(scope="module", autouse=True)

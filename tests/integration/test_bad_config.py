@@ -38,9 +38,9 @@ from bad_config_baselines import (
 )
 from bad_config_rows import ROWS
 
-from kvcore.configerrors import ConfigError
-from kvcore.decodesettings import decode_settings
-from kvcore.prefillsettings import prefill_settings
+from kvcore.config.decode_settings import decode_settings
+from kvcore.config.errors import ConfigError
+from kvcore.config.prefill_settings import prefill_settings
 from kvoffload_decode.server import main as decode_main
 from kvoffload_metastore.config import build_config
 from kvoffload_metastore.server import config_from_args
@@ -252,7 +252,7 @@ def test_console_script_prefill_on_memcache_without_an_ascend_driver_names_the_c
     """backend 'memcache' against a real MetaService (started here): on a host with memcache_hybrid but
     no Ascend driver the LocalService cannot start, so the prefill exits 2 with the library's reason and
     the driver named, never runs the embedded pool, and leaves no shared-memory segment behind."""
-    from kvcore.segment import SharedSegment
+    from kvcore.pool.segment import SharedSegment
     from poolbackends.memcache_meta import MemcacheMetaService, MetaSettings
 
     present = [p for p in ASCEND_DRIVER_FILES if os.path.exists(p)]

@@ -18,7 +18,7 @@ import pytest
 import tomllib
 import yaml
 
-from kvcore.connectorconfig import StoreConnectorConfig
+from kvcore.config.connectors import StoreConnectorConfig
 from kvoffload_proxy.config import API_KEY_ENV
 from kvoffload_testing.connector_configs import prefill_kv_transfer_config
 from poolbackends.mooncake_master import MasterConfig, master_argv

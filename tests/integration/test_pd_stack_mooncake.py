@@ -267,8 +267,8 @@ def test_prefill_pool_flags_with_the_mooncake_backend(tmp_path):
     keeps its one rule: --host-pool-gb / host_pool_gb > mmc-local.conf's dram.size > 1 GiB."""
     import argparse
 
-    from kvcore.configerrors import ConfigError
-    from kvcore.connectorconfig import StoreConnectorConfig
+    from kvcore.config.connectors import StoreConnectorConfig
+    from kvcore.config.errors import ConfigError
     from kvoffload_prefill.options import pool_flags
 
     def args(**kw):

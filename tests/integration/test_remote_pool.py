@@ -14,9 +14,16 @@ from engine_support import prefill_engine, saved_bytes, seeded_prompt, tiny
 from fakeclock import clock  # noqa: F401 - the clock fixture
 from structlog.testing import capture_logs
 
-from kvcore.hostpool import HostPoolBackend, IncompleteObject, ObjectLeased, ObjectNotFound, PlaneWritten, PoolError
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import (
+    HostPoolBackend,
+    IncompleteObject,
+    ObjectLeased,
+    ObjectNotFound,
+    PlaneWritten,
+    PoolError,
+)
+from kvcore.pool.segment import SharedSegment
 from kvoffload_engine import build
 from kvoffload_engine.prefill import PrefillRequest
 from kvoffload_metastore.config import MetaStoreConfig
@@ -125,7 +132,7 @@ def test_a_pool_on_another_host_has_no_data_path(pools):
 
 
 def test_the_default_host_id_is_the_one_shared_memory_uses(pools, metastore, monkeypatch):
-    """One host identity for the pool and the segments (kvcore.segment.host_id), so KVOFFLOAD_HOST_ID
+    """One host identity for the pool and the segments (kvcore.pool.segment.host_id), so KVOFFLOAD_HOST_ID
     moves both: a pool registered under it is the one other processes of that id can attach."""
     monkeypatch.setenv("KVOFFLOAD_HOST_ID", "forced-host")
     pool = pools("dp0")

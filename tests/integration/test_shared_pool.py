@@ -11,18 +11,18 @@ import uuid
 
 import torch
 
-from kvcore.blockkeys import request_block_key
-from kvcore.eviction import NoEviction
-from kvcore.gather import gather_rows, scatter_rows
-from kvcore.localpool import LocalHostPool
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.hotcache.gather import gather_rows, scatter_rows
+from kvcore.pool.block_keys import request_block_key
+from kvcore.pool.eviction import NoEviction
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.local import LocalHostPool
 
 BS, ROW = 16, 1152  # bytes per token row: a DeepSeek-V3.2 bf16 latent row
 
 CHILD = textwrap.dedent("""
     import json, sys, torch
-    from kvcore.gather import gather_rows, scatter_rows
-    from kvcore.segment import SharedSegment
+    from kvcore.hotcache.gather import gather_rows, scatter_rows
+    from kvcore.pool.segment import SharedSegment
     args = json.loads(sys.argv[1])
     seg = SharedSegment.attach(args["name"])
     plane = seg.plane(0)  # [num_blocks, block_size, row_bytes]

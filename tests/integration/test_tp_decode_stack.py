@@ -127,7 +127,7 @@ def test_each_decode_rank_pulls_from_its_contributors_only(stack, reference, one
 
 def _decode_segments(cfg, dp_rank: int = 0) -> list[str]:
     """The host-pool segments of decode DP rank ``dp_rank`` (named after its rank 0's control port)."""
-    from kvcore.segment import SEGMENT_PREFIX, SHM_DIR
+    from kvcore.pool.segment import SEGMENT_PREFIX, SHM_DIR
 
     port = cfg.decode_control_port(dp_rank)
     return glob.glob(os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}kvoffload-decode-{port}-*"))

@@ -17,7 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 from vllm_support import tiny_llama_dir
 
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
 
 MODULE = {"kv_connector_module_path": "kvoffload_vllm"}
 STORE = {"backend": "kvoffload", "metastore": "127.0.0.1:5000"}  # good without any guide key

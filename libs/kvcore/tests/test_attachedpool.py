@@ -7,11 +7,11 @@ import uuid
 import pytest
 import torch
 
-from kvcore.attachedpool import AttachedPool
-from kvcore.eviction import NoEviction
-from kvcore.localpool import LocalHostPool
-from kvcore.poolerrors import PoolError
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.attached import AttachedPool
+from kvcore.pool.errors import PoolError
+from kvcore.pool.eviction import NoEviction
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.local import LocalHostPool
 
 BS, ROWS = 4, (8, 16)
 

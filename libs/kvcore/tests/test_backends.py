@@ -13,7 +13,7 @@ import pytest
 
 from kvcore import backends
 from kvcore.backends import BackendUnavailableError, describe_availability, require_available
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
 
 STORE_ALTERNATIVE = "use backend 'kvoffload' (the embedded host pool managed by kvoffload-metastore)"
 TRANSFER_ALTERNATIVE = "use transfer_backend 'kvoffload' (the embedded P→D data path"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcore.blockkeys import HASH_KEY_BYTES, block_keys, is_request_key, request_block_key
+from kvcore.pool.block_keys import HASH_KEY_BYTES, block_keys, is_request_key, request_block_key
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -73,7 +73,7 @@ def test_matches_the_documented_construction():
 
 def test_independent_of_pythonhashseed():
     code = (
-        "from kvcore.blockkeys import block_keys, request_block_key;"
+        "from kvcore.pool.block_keys import block_keys, request_block_key;"
         "print(b''.join(block_keys('deepseek', list(range(100)), 16)).hex(), request_block_key('r', 3).hex())"
     )
     outs = set()
@@ -125,7 +125,7 @@ def test_bad_request_key_inputs(args):
 
 
 def test_request_key_versions_differ_and_version_zero_is_the_plain_key():
-    from kvcore.blockkeys import is_request_key, request_block_key
+    from kvcore.pool.block_keys import is_request_key, request_block_key
 
     plain = request_block_key("r1", 3)
     assert request_block_key("r1", 3, version=0) == plain

@@ -24,11 +24,11 @@ from config_support import (
 from pydantic import ValidationError
 from structlog.testing import capture_logs
 
-from kvcore.additionalconfig import SparseKVOffloadConfig
-from kvcore.config import parse_additional_config, parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
-from kvcore.connectorconfig import D2HConnectorConfig, StoreConnectorConfig
-from kvcore.transferconfig import MultiConnectorConfig
+from kvcore.config.additional import SparseKVOffloadConfig
+from kvcore.config.connectors import D2HConnectorConfig, StoreConnectorConfig
+from kvcore.config.errors import ConfigError
+from kvcore.config.kv_transfer import MultiConnectorConfig
+from kvcore.config.parse import parse_additional_config, parse_kv_transfer_config
 
 # ------------------------------------------------------------------------------------------------
 # valid configurations

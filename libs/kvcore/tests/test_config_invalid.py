@@ -24,11 +24,11 @@ from config_support import (
 )
 from pydantic import ValidationError
 
-from kvcore.additionalconfig import AdditionalConfig, SparseKVOffloadConfig
-from kvcore.config import parse_additional_config, parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
-from kvcore.connectorconfig import StoreConnectorConfig
-from kvcore.transferconfig import KVTransferConfig
+from kvcore.config.additional import AdditionalConfig, SparseKVOffloadConfig
+from kvcore.config.connectors import StoreConnectorConfig
+from kvcore.config.errors import ConfigError
+from kvcore.config.kv_transfer import KVTransferConfig
+from kvcore.config.parse import parse_additional_config, parse_kv_transfer_config
 
 # ------------------------------------------------------------------------------------------------
 # invalid --kv-transfer-config: (config, field path, words the message must contain)

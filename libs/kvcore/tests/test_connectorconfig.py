@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from config_support import EXTRA, decode_d2h, errors_of, prefill_multi, prefill_only, with_extra
 
-from kvcore.config import parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
+from kvcore.config.parse import parse_kv_transfer_config
 
 
 @pytest.mark.parametrize(

@@ -24,8 +24,8 @@ from settings_support import (
     store,
 )
 
-from kvcore.connectorconfig import D2HConnectorConfig
-from kvcore.decodesettings import DecodeSettings, decode_settings
+from kvcore.config.connectors import D2HConnectorConfig
+from kvcore.config.decode_settings import DecodeSettings, decode_settings
 from kvcore.layout import KVLayout
 
 # ------------------------------------------------------------------------------------------------

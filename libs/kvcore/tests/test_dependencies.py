@@ -70,9 +70,9 @@ import kvcore
 mods = [m.name for m in pkgutil.walk_packages(kvcore.__path__, "kvcore.")]
 for name in mods:
     importlib.import_module(name)
-from kvcore.eviction import LRUEviction
-from kvcore.localpool import LocalHostPool
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.eviction import LRUEviction
+from kvcore.pool.local import LocalHostPool
+from kvcore.pool.geometry import PoolGeometry
 import uuid
 with LocalHostPool.create(f"deps-{uuid.uuid4().hex[:8]}", PoolGeometry(4, (8,), 2), eviction=LRUEviction()) as pool:
     pool.alloc([b"k"])

@@ -1,7 +1,7 @@
-"""kvcore.eviction: the policies alone (the pools' use of LRU is in the backend contract suite,
+"""kvcore.pool.eviction: the policies alone (the pools' use of LRU is in the backend contract suite,
 tests/integration/test_backend_contract.py)."""
 
-from kvcore.eviction import LRUEviction, NoEviction
+from kvcore.pool.eviction import LRUEviction, NoEviction
 
 
 def test_lru_offers_the_least_recently_used_evictable_keys():

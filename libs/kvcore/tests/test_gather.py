@@ -1,4 +1,4 @@
-"""kvcore.gather: native gather/scatter == torch reference (bit-exact), every error, threads."""
+"""kvcore.hotcache.gather: native gather/scatter == torch reference (bit-exact), every error, threads."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcore.gather import gather_rows, max_threads, scatter_blocks, scatter_rows, write_pages
+from kvcore.hotcache.gather import gather_rows, max_threads, scatter_blocks, scatter_rows, write_pages
 
 ROW_BYTES = [1, 3, 5, 64, 576, 1152]
 I32, I64, U8 = torch.int32, torch.int64, torch.uint8

@@ -10,10 +10,10 @@ import pytest
 import torch
 from pool_support import _block, _fill, _keys, make_pool  # noqa: F401  (make_pool: fixture)
 
-import kvcore.hostpool as hp
-from kvcore.hostpool import HostPoolBackend
-from kvcore.localpool import LocalHostPool
-from kvcore.segment import SharedSegment
+import kvcore.pool.host_pool as hp
+from kvcore.pool.host_pool import HostPoolBackend
+from kvcore.pool.local import LocalHostPool
+from kvcore.pool.segment import SharedSegment
 
 # ---- hook map --------------------------------------------------------------------------------
 
@@ -41,19 +41,19 @@ def test_pool_blocks_visible_to_attached_segment(make_pool):
 
 
 def test_remove_waits_for_in_flight_copy(make_pool, monkeypatch):
-    import kvcore.localpool
+    import kvcore.pool.local
 
     pool = make_pool(2)
     pool.alloc(_keys("a"))
     started, finish = threading.Event(), threading.Event()
-    copy = kvcore.localpool.scatter_blocks
+    copy = kvcore.pool.local.scatter_blocks
 
     def slow_copy(*a):  # one slow copy of the put's blocks
         started.set()
         finish.wait(5)
         return copy(*a)
 
-    monkeypatch.setattr(kvcore.localpool, "scatter_blocks", slow_copy)
+    monkeypatch.setattr(kvcore.pool.local, "scatter_blocks", slow_copy)
     t = threading.Thread(target=pool.put_from, args=(_keys("a"), 0, _block(0, 0)))
     t.start()
     assert started.wait(5)

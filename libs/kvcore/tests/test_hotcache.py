@@ -1,4 +1,4 @@
-"""kvcore.hotcache: exact LRU and SLRU semantics, native == reference for every policy (CLOCK's own
+"""kvcore.hotcache.cache: exact LRU and SLRU semantics, native == reference for every policy (CLOCK's own
 hand-computed cases: test_hotcache_clock.py), invariants, validation, threads."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from kvcore.hotcache import HotCache
-from kvcore.hotcache_resolution import MAX_TOKEN, Resolution
+from kvcore.hotcache.cache import HotCache
+from kvcore.hotcache.resolution import MAX_TOKEN, Resolution
 
 BOTH = pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
 POLICIES = pytest.mark.parametrize("policy", ["lru", "slru", "clock"])

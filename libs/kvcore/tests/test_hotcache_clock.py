@@ -1,4 +1,4 @@
-"""kvcore.hotcache's ``"clock"`` policy on hand-computed cases, both paths: the hand's sweep (set bits
+"""kvcore.hotcache.cache's ``"clock"`` policy on hand-computed cases, both paths: the hand's sweep (set bits
 cleared, slots selected in the step passed over unchanged, a second turn when one is not enough), a
 new token's clear bit, emptied slots left where the hand finds them, the native epochs' wrap, and
 the config accepting the policy. Random step sequences (native == reference, invariants) run in
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.config import parse_additional_config
-from kvcore.confignames import HOT_CACHE_POLICIES, SPARSE_KEY
-from kvcore.hotcache import POLICIES, HotCache
+from kvcore.config.names import HOT_CACHE_POLICIES, SPARSE_KEY
+from kvcore.config.parse import parse_additional_config
+from kvcore.hotcache.cache import POLICIES, HotCache
 
 BOTH = pytest.mark.parametrize("native", [True, False], ids=["native", "reference"])
 

@@ -1,4 +1,4 @@
-"""kvcore.leases: the lease table over plain records (grant, expiry by deadline, renew, release) and
+"""kvcore.pool.leases: the lease table over plain records (grant, expiry by deadline, renew, release) and
 the in-process ``LocalLease`` handle. Lease behaviour through every pool backend is in the backend
 contract suite (tests/integration/test_backend_contract.py)."""
 
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from kvcore.leases import Lease, LeaseRecord, LeaseTable, LocalLease, check_ttl_ms
-from kvcore.poolerrors import LeaseExpired
+from kvcore.pool.errors import LeaseExpired
+from kvcore.pool.leases import Lease, LeaseRecord, LeaseTable, LocalLease, check_ttl_ms
 
 
 def test_grant_counts_live_leases_per_key():

@@ -1,10 +1,10 @@
-"""The mmc conf pair rules (``kvcore.mmcconf.mmc_pair``): the guide's two files pass; another
+"""The mmc conf pair rules (``kvcore.config.mmc_files.mmc_pair``): the guide's two files pass; another
 MetaService, another config store or an unknown protocol is refused naming both values and where
 each was read; the files come from the arguments, else from ``MMC_*_CONFIG_PATH``."""
 
 import pytest
 
-from kvcore.mmcconf import PROTOCOLS, mmc_pair
+from kvcore.config.mmc_files import PROTOCOLS, mmc_pair
 
 META = """\
 ock.mmc.meta_service_url = tcp://10.0.0.7:5000

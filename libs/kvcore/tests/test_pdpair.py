@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from settings_support import DECODE_KW, DECODE_SPARSE, LAYOUT, d2h, prefill_multi, store
 
-from kvcore.configerrors import ConfigError
-from kvcore.connectorconfig import D2HConnectorConfig
-from kvcore.decodesettings import DecodeSettings, decode_settings
+from kvcore.config.connectors import D2HConnectorConfig
+from kvcore.config.decode_settings import DecodeSettings, decode_settings
+from kvcore.config.errors import ConfigError
+from kvcore.config.prefill_settings import PrefillSettings, prefill_settings
 from kvcore.pdpair import check_pd_pair, contributor_share, tp_contributors, tp_handshake_problem, tp_target
-from kvcore.prefillsettings import PrefillSettings, prefill_settings
 
 # ------------------------------------------------------------------------------------------------
 # P/D pairs

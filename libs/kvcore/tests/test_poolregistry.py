@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from kvcore import poolregistry
-from kvcore.connectorconfig import StoreCommonKeys, StoreConnectorConfig
-from kvcore.poolregistry import (
+from kvcore.config.connectors import StoreCommonKeys, StoreConnectorConfig
+from kvcore.pool import registry as poolregistry
+from kvcore.pool.registry import (
     EMBEDDED,
     POOL_BACKENDS,
     STACK_POOLS,
@@ -62,8 +62,8 @@ def test_the_vllm_store_looks_up_in_a_server_a_key_names_or_says_why_it_cannot()
 
 
 def test_load_resolves_module_and_attribute_paths() -> None:
-    assert load("kvcore.poolregistry:PoolBackend") is poolregistry.PoolBackend
-    assert load("kvcore.poolregistry:POOL_BACKENDS.get") == POOL_BACKENDS.get
+    assert load("kvcore.pool.registry:PoolBackend") is poolregistry.PoolBackend
+    assert load("kvcore.pool.registry:POOL_BACKENDS.get") == POOL_BACKENDS.get
     with pytest.raises(ModuleNotFoundError):
         load("kvcore.no_such_module:thing")
 
@@ -74,7 +74,7 @@ def test_reading_the_registry_imports_no_backend_and_no_pydantic() -> None:
         [
             sys.executable,
             "-c",
-            "import sys, kvcore.poolregistry as r; r.STACK_POOLS; "
+            "import sys, kvcore.pool.registry as r; r.STACK_POOLS; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('pydantic', 'torch', 'poolbackends', 'mooncake', 'memcache_hybrid')))",
         ],

@@ -19,11 +19,11 @@ from settings_support import (
     store,
 )
 
-from kvcore.config import parse_additional_config, parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
-from kvcore.connectorconfig import D2HConnectorConfig
+from kvcore.config.connectors import D2HConnectorConfig
+from kvcore.config.errors import ConfigError
+from kvcore.config.parse import parse_additional_config, parse_kv_transfer_config
+from kvcore.config.prefill_settings import PrefillSettings, prefill_settings, resolve_independent_layers
 from kvcore.layout import KVLayout
-from kvcore.prefillsettings import PrefillSettings, prefill_settings, resolve_independent_layers
 
 # ------------------------------------------------------------------------------------------------
 # independent layers

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvcore.layout import KVLayout
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.segment import SharedSegment
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 BS = 4
@@ -141,7 +141,7 @@ def test_attach_errors(tmp_path):
 def test_cross_process_attach():
     name = _name()
     code = (
-        "import sys, torch; from kvcore.segment import SharedSegment\n"
+        "import sys, torch; from kvcore.pool.segment import SharedSegment\n"
         "seg = SharedSegment.attach(sys.argv[1])\n"
         "assert seg.geometry.plane_row_bytes == (16, 8), seg.geometry\n"
         "assert int(seg.plane(0)[2].sum()) == 7 * seg.plane(0)[2].numel()\n"
@@ -163,7 +163,7 @@ def test_owner_process_exit_removes_its_segments(tmp_path):
 
     name = f"exit-{uuid.uuid4().hex[:8]}"
     code = (
-        "from kvcore.segment import SharedSegment\nfrom kvcore.poolgeometry import PoolGeometry\n"
+        "from kvcore.pool.segment import SharedSegment\nfrom kvcore.pool.geometry import PoolGeometry\n"
         f"SharedSegment.create({name!r}, PoolGeometry(4, (8,), 4))\n"
     )  # never closed
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -174,12 +174,12 @@ def test_owner_process_exit_removes_its_segments(tmp_path):
 def test_sweep_removes_the_segments_of_killed_processes_only():
     """kill -9 skips the exit hook, so the segment (reserved in full) would stay in /dev/shm until
     reboot; the sweep a service runs at start removes it, and never a live process's segment."""
-    from kvcore.segment import sweep_stale_segments
+    from kvcore.pool.segment import sweep_stale_segments
 
     dead, live = _name(), _name()
     code = (
-        "import os, signal\nfrom kvcore.segment import SharedSegment\n"
-        "from kvcore.poolgeometry import PoolGeometry\n"
+        "import os, signal\nfrom kvcore.pool.segment import SharedSegment\n"
+        "from kvcore.pool.geometry import PoolGeometry\n"
         f"SharedSegment.create({dead!r}, PoolGeometry(4, (8,), 4))\nos.kill(os.getpid(), signal.SIGKILL)\n"
     )
     proc = subprocess.run(
@@ -208,8 +208,8 @@ def test_an_attached_segment_is_gone_once_unlinked_replaced_or_its_owner_killed(
         seg.close()
     dead = _name()
     code = (
-        "import os, signal, sys\nfrom kvcore.segment import SharedSegment\n"
-        "from kvcore.poolgeometry import PoolGeometry\n"
+        "import os, signal, sys\nfrom kvcore.pool.segment import SharedSegment\n"
+        "from kvcore.pool.geometry import PoolGeometry\n"
         f"SharedSegment.create({dead!r}, PoolGeometry(4, (8,), 4))\nos.kill(os.getpid(), signal.SIGKILL)\n"
     )
     proc = subprocess.run(

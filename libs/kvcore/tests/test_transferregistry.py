@@ -15,11 +15,11 @@ from config_support import decode_d2h, errors_of, with_extra
 
 from kvcore import backends, transferregistry
 from kvcore.backends import BackendUnavailableError, require_available
-from kvcore.config import parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
-from kvcore.connectorconfig import D2HConnectorConfig
-from kvcore.nodeconfig import missing_transfer_backend
-from kvcore.poolregistry import EMBEDDED, MOONCAKE_INSTALL
+from kvcore.config.connectors import D2HConnectorConfig
+from kvcore.config.errors import ConfigError
+from kvcore.config.node import missing_transfer_backend
+from kvcore.config.parse import parse_kv_transfer_config
+from kvcore.pool.registry import EMBEDDED, MOONCAKE_INSTALL
 from kvcore.transferregistry import (
     ENGINE_TRANSFERS,
     STACK_TRANSFERS,
@@ -116,7 +116,7 @@ def test_a_new_entry_is_a_choice_of_availability_and_of_the_key_check(monkeypatc
     the others, and the embedded one's summary words the alternative."""
     nixl = TransferBackend("nixl", "NIXL", None, None, engine="pdlink.nixl:start_transfer", keys={"nixl_x": "x"})
     monkeypatch.setattr(transferregistry, "TRANSFERS", {**TRANSFERS, "nixl": nixl})
-    monkeypatch.setattr("kvcore.connectorconfig.TRANSFERS", transferregistry.TRANSFERS)
+    monkeypatch.setattr("kvcore.config.connectors.TRANSFERS", transferregistry.TRANSFERS)
     assert D2HConnectorConfig._raw_problems({"transfer_backend": "kvoffload", "nixl_x": 1}) == [
         (("nixl_x",), "applies to transfer_backend 'nixl' only (x), not 'kvoffload'; remove it")
     ]

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore.hotcache import HotCache
+from kvcore.hotcache.cache import HotCache
 from kvoffload_bench import belady
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from kvcore.hotcache import HotCache
-from kvcore.hotcache_resolution import MAX_TOKEN, Resolution
+from kvcore.hotcache.cache import HotCache
+from kvcore.hotcache.resolution import MAX_TOKEN, Resolution
 from kvoffload_bench.hotcache_torch import TorchHotCache
 
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-import kvcore.gather
-from kvcore.hotcache import HotCache
+import kvcore.hotcache.gather
+from kvcore.hotcache.cache import HotCache
 from kvcore.traces import generate, preset
 from kvoffload_bench import gather, hotcache
 from kvoffload_bench.hotcache_torch import TorchHotCache
@@ -125,7 +125,7 @@ GATHER_SMALL = {
 @pytest.mark.parametrize("only_miss_cases", [False, True])
 def test_gather_outputs_that_differ_fail_outputs_equal(monkeypatch, only_miss_cases):
     """A native gather that writes one wrong byte (in every case, or in the miss cases only)."""
-    real_gather, real_miss_case = kvcore.gather.gather_rows, gather._miss_case
+    real_gather, real_miss_case = kvcore.hotcache.gather.gather_rows, gather._miss_case
     wrong = {"on": not only_miss_cases}
 
     def one_wrong_byte(*args, native=True):
@@ -137,7 +137,7 @@ def test_gather_outputs_that_differ_fail_outputs_equal(monkeypatch, only_miss_ca
         wrong["on"] = True
         return real_miss_case(*args, **kw)
 
-    monkeypatch.setattr(kvcore.gather, "gather_rows", one_wrong_byte)
+    monkeypatch.setattr(kvcore.hotcache.gather, "gather_rows", one_wrong_byte)
     monkeypatch.setattr(gather, "_miss_case", miss_case)
     out = gather.run(**GATHER_SMALL)
     assert [c["equal"] for c in out["cases"]] == [only_miss_cases] and not out["miss_cases"][0]["equal"]

@@ -116,7 +116,7 @@ def test_gather_bench_fields():
 
     import pytest
 
-    from kvcore.hotcache import HotCache
+    from kvcore.hotcache.cache import HotCache
     from kvcore.traces.synthetic import generate, preset
 
     out = gather.run(

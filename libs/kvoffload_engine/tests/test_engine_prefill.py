@@ -103,7 +103,7 @@ def test_reuse_really_shrinks_device_memory():
 def test_shared_memory_layer_buffers_change_nothing():
     import uuid
 
-    from kvcore.segment import SharedSegment
+    from kvcore.pool.segment import SharedSegment
 
     model = tiny(torch.float32, True)
     prompt = seeded_prompt(3 * BS + 1, seed=5)

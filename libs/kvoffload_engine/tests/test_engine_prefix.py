@@ -49,8 +49,8 @@ def test_second_request_computes_only_its_suffix_and_matches_an_uncached_run():
 
 
 def test_leases_keep_the_prefix_from_being_evicted_while_it_is_loaded():
-    from kvcore.blockkeys import block_keys
-    from kvcore.hostpool import PoolFullError
+    from kvcore.pool.block_keys import block_keys
+    from kvcore.pool.host_pool import PoolFullError
 
     model = tiny(torch.float32, True)
     shared = seeded_prompt(256, 21)
@@ -82,7 +82,7 @@ def test_a_hash_block_another_writer_is_filling_is_computed_into_a_copy_of_our_o
     """Blocks 2 and 5 of the prompt are allocated (not written) by another writer: the prefill writes
     request-scoped copies of those two, hash objects of the rest, and its logits are the uncached
     ones; release drops the copies and leaves the other writer's objects alone."""
-    from kvcore.blockkeys import block_keys, is_request_key
+    from kvcore.pool.block_keys import block_keys, is_request_key
 
     model = tiny(torch.float32, True)
     prompt = seeded_prompt(200, 31)
@@ -169,7 +169,7 @@ class _DeadOwnerPool:
         return self._pool.alloc(keys)
 
     def get_into(self, keys, plane, dst):
-        from kvcore.hostpool import ObjectUnreachable
+        from kvcore.pool.host_pool import ObjectUnreachable
 
         dead = [k for k in keys if k in self.unreachable]
         if dead and (self.planes is None or plane in self.planes):
@@ -185,7 +185,7 @@ def test_an_unreachable_prefix_is_computed_again_in_the_same_request():
     fail, it runs again without that prefix, logs why, and its logits are the uncached ones."""
     from structlog.testing import capture_logs
 
-    from kvcore.blockkeys import block_keys
+    from kvcore.pool.block_keys import block_keys
 
     model = tiny(torch.float32, True)
     shared = seeded_prompt(300, 51)
@@ -212,8 +212,8 @@ def test_an_unreachable_prefix_is_computed_again_in_the_same_request():
 def test_an_unreachable_prefix_after_a_layer_was_announced_fails_the_request():
     """Once a reader was told of a layer it may hold this try's rows: no second try, the error
     stands (I5), and nothing is left held."""
-    from kvcore.blockkeys import block_keys
-    from kvcore.hostpool import ObjectUnreachable
+    from kvcore.pool.block_keys import block_keys
+    from kvcore.pool.host_pool import ObjectUnreachable
 
     model = tiny(torch.float32, False)
     shared = seeded_prompt(200, 61)

@@ -1,6 +1,6 @@
 """Tensor-parallel sparse decode over gloo rank processes: rank 0 leads (``LeadDecoder``), the other
 ranks repeat every state change and step on their own shard, over rank 0's pool (attached:
-``kvcore.attachedpool``; one pool per DP rank) (``kvoffload_engine.tp_decode``).
+``kvcore.pool.attached``; one pool per DP rank) (``kvoffload_engine.tp_decode``).
 
 Rank 0 runs the single-process engine with its decoder swapped for the leader over a sharded copy
 of the model; the prompt's rows it installs go to the followers along. Against the one-rank engine
@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from engine_support import seeded_prompt, tiny
 
 from dsamodel.tp import DistGroup, shard_model
-from kvcore.attachedpool import AttachedPool
+from kvcore.pool.attached import AttachedPool
 from kvoffload_engine.decode import SparseDecoder
 from kvoffload_engine.engine import Engine, EngineConfig
 from kvoffload_engine.tp_channel import DistChannel

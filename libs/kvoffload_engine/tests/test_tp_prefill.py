@@ -171,7 +171,7 @@ def test_a_follower_that_dies_fails_the_request_and_leaves_nothing_held(tmp_path
 def _contributor_rank(rank: int, size: int, init: str, names: list[str], out: dict) -> None:
     import torch.distributed as dist
 
-    from kvcore.segment import SharedSegment
+    from kvcore.pool.segment import SharedSegment
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size, timeout=timedelta(seconds=60))
@@ -220,7 +220,7 @@ def _contributor_rank(rank: int, size: int, init: str, names: list[str], out: di
 def test_every_follower_holds_rank_0s_rows_when_a_layer_is_announced(tmp_path):
     import uuid
 
-    from kvcore.segment import SharedSegment
+    from kvcore.pool.segment import SharedSegment
 
     size = 4
     names = [f"kvoffload-test-tp-{uuid.uuid4().hex[:8]}-{r}" for r in range(size)]

@@ -9,7 +9,9 @@ import torch
 
 from dsamodel import dense_decode
 from dsamodel.weights import load_model
-from kvcore import gather, hotcache, localpool
+from kvcore.hotcache import cache as hotcache
+from kvcore.hotcache import gather
+from kvcore.pool import local as localpool
 from kvoffload_engine import buffers, decode_requests, engine, prefill
 from kvoffload_engine import decode as decode_module
 from kvoffload_engine.engine import Engine, EngineConfig

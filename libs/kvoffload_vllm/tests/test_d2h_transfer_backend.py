@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
 from kvcore.transferregistry import TRANSFERS, VLLM_TRANSFERS
 from kvoffload_vllm import d2h_settings as settings_module
 from kvoffload_vllm.d2h_settings import d2h_settings, vllm_refusal

@@ -12,7 +12,7 @@ import uuid
 import pytest
 import torch
 
-from kvcore.localpool import LocalHostPool
+from kvcore.pool.local import LocalHostPool
 from kvoffload_vllm.block_bytes import block_bytes
 from kvoffload_vllm.group_caches import GroupCaches
 from kvoffload_vllm.kv_groups import KVGroup

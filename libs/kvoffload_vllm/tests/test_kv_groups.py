@@ -15,7 +15,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
 from kvoffload_vllm.kv_groups import hit_unit, kv_groups, skip_null
 
 FULL = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=32, dtype=torch.float32)

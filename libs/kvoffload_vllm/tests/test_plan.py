@@ -4,7 +4,7 @@ block is saved exactly once, in the step that completes it, never a hit block.""
 
 from __future__ import annotations
 
-from kvcore.blockkeys import block_keys
+from kvcore.pool.block_keys import block_keys
 from kvoffload_vllm.plan import StorePlanner
 
 BS = 4

@@ -14,8 +14,8 @@ import torch
 from structlog.testing import capture_logs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
-from kvcore.config import parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
+from kvcore.config.parse import parse_kv_transfer_config
 from kvoffload_vllm import request_kv_budget
 from kvoffload_vllm.kv_groups import KVGroup, kv_groups
 from kvoffload_vllm.layout import CacheLayout

@@ -16,7 +16,7 @@ from vllm.v1.core import kv_cache_utils
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, UniformTypeKVCacheSpecs
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
 from kvoffload_vllm import kv_cache_patch, reuse_gate
 from kvoffload_vllm.kv_groups import kv_groups
 from kvoffload_vllm.request_kv import RequestKV

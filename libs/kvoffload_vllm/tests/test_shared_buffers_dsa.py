@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
 from kvoffload_vllm import kv_cache_patch
 from kvoffload_vllm.block_bytes import block_bytes
 from kvoffload_vllm.kv_groups import kv_groups

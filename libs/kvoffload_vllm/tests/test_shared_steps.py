@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvcore.localpool import LocalHostPool
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.local import LocalHostPool
 from kvoffload_vllm.layout import CacheLayout
 from kvoffload_vllm.plan import Transfer
 from kvoffload_vllm.shared_buffers import plan_of, requested_in

@@ -19,8 +19,8 @@ import torch
 from dsa_configs import V32, build
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvcore.configerrors import ConfigError
-from kvcore.localpool import LocalHostPool
+from kvcore.config.errors import ConfigError
+from kvcore.pool.local import LocalHostPool
 from kvoffload_vllm import kv_cache_patch
 from kvoffload_vllm.group_caches import GroupCaches
 from kvoffload_vllm.kv_groups import kv_groups

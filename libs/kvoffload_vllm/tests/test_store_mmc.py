@@ -6,8 +6,8 @@ variables it does not read."""
 import pytest
 from structlog.testing import capture_logs
 
-from kvcore.configerrors import ConfigError
-from kvcore.connectorconfig import StoreConnectorConfig
+from kvcore.config.connectors import StoreConnectorConfig
+from kvcore.config.errors import ConfigError
 from kvoffload_vllm.store_mmc import warn_unread, with_mmc_files
 
 LOCAL = "ock.mmc.meta_service_url = tcp://10.0.0.9:5000\nock.mmc.local_service.dram.size = 512MB\n"

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
 from kvoffload_vllm.d2h_settings import d2h_settings
 from kvoffload_vllm.tp import kv_heads_copied, kv_replicated
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvcore.poolregistry import load
+from kvcore.pool.registry import load
 from kvcore.transferregistry import ENGINE_TRANSFERS, TRANSFERS, TransferBackend
 from pdlink import engines, memfabric, mooncake_transfer
 from pdlink.engine_rows import EngineCannotRun

@@ -11,8 +11,8 @@ import uuid
 import grpc
 import pytest
 
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.segment import SharedSegment
 from kvoffload_proto.v1 import transfer_pb2 as pb
 from pdlink.sources import RowSources
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kvcore import backends
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.segment import SharedSegment
 from poolbackends.memcache import MemcacheHostPool, dram_bytes_for
 from poolbackends.memcache_client import MemcacheClient, MemcacheUnavailable, native_reason
 from poolbackends.memcache_conf import LOCAL_KEYS, LocalSettings, local_fields, meta_urls

@@ -16,7 +16,8 @@ import uuid
 import pytest
 import torch
 
-from kvcore.hostpool import (
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import (
     HostPoolBackend,
     IncompleteObject,
     ObjectLeased,
@@ -24,7 +25,6 @@ from kvcore.hostpool import (
     ObjectUnreachable,
     PoolError,
 )
-from kvcore.poolgeometry import PoolGeometry
 from poolbackends.mooncake import MooncakeHostPool
 from poolbackends.mooncake_master import MasterConfig, MooncakeMaster, MooncakeNotInstalled, free_port, port_answers
 from poolbackends.mooncake_store import MAX_BATCH_KEYS, MooncakeStore, MooncakeStoreError
@@ -124,7 +124,7 @@ def test_poolbackends_imports_without_mooncake_and_construction_says_what_to_ins
         "import sys; sys.modules['mooncake'] = None\n"  # as if the wheel were not installed
         "import poolbackends, poolbackends.mooncake\n"
         "from poolbackends.mooncake import MooncakeHostPool\n"
-        "from kvcore.poolgeometry import PoolGeometry\n"
+        "from kvcore.pool.geometry import PoolGeometry\n"
         "try:\n"
         "    MooncakeHostPool.connect('127.0.0.1:1', PoolGeometry(4, (8,), 2))\n"
         "except ImportError as e:\n"
@@ -200,8 +200,8 @@ def test_batches_over_1024_keys(pool, store):
 
 CHILD = r"""
 import sys, torch
-from kvcore.hostpool import ObjectLeased
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.host_pool import ObjectLeased
+from kvcore.pool.geometry import PoolGeometry
 from poolbackends.mooncake import MooncakeHostPool
 master, ns, n, ttl = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 def data(seed, plane, n):

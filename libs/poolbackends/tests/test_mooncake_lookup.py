@@ -12,9 +12,9 @@ import uuid
 import pytest
 import torch
 
-from kvcore.connectorconfig import StoreConnectorConfig
-from kvcore.hostpool import ObjectNotFound, PoolError
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.config.connectors import StoreConnectorConfig
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import ObjectNotFound, PoolError
 from poolbackends.mooncake import MooncakeHostPool
 from poolbackends.mooncake_lookup import MooncakeLookup
 from poolbackends.mooncake_master import MasterConfig, MooncakeMaster, free_port

@@ -1,4 +1,4 @@
-"""Every ``kvcore.poolregistry`` entry's hooks exist here, and backend ``"kvoffload"`` opens its pool
+"""Every ``kvcore.pool.registry`` entry's hooks exist here, and backend ``"kvoffload"`` opens its pool
 through them: in this process without a metastore, registered with a real one (started by its
 launcher) with one, whose ``Exists`` is its lookup."""
 
@@ -9,10 +9,10 @@ import uuid
 import pytest
 import torch
 
-from kvcore.connectorconfig import StoreConnectorConfig
-from kvcore.localpool import LocalHostPool
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.poolregistry import POOL_BACKENDS, load
+from kvcore.config.connectors import StoreConnectorConfig
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.local import LocalHostPool
+from kvcore.pool.registry import POOL_BACKENDS, load
 from poolbackends import registry
 from poolbackends.metastore_server import MetastoreError, MetastoreServer, MetastoreSettings
 from poolbackends.registry import PoolOpenError, PoolRequest, open_lookup, open_pool, readiness, start_server

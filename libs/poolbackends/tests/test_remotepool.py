@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from kvcore.hostpool import HostPoolBackend
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import HostPoolBackend
+from kvcore.pool.segment import SharedSegment
 from poolbackends.client import MetaStoreClient
 from poolbackends.errors import MetaStoreUnavailable
 from poolbackends.remotepool import RemoteHostPool

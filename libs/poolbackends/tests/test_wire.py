@@ -5,8 +5,8 @@ proto round trip."""
 import grpc
 import pytest
 
-from kvcore.hostpool import ObjectNotFound, PoolError, PoolFullError
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import ObjectNotFound, PoolError, PoolFullError
 from poolbackends import wire
 from poolbackends.errors import MetaStoreUnavailable, WorldSizeExceeded
 from poolbackends.records import Location, PoolRecord

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
 from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
 from svcruntime import serving
 from svcruntime.serving import GrpcSide, StartupError, StatsSnapshot, run, start_process

@@ -20,8 +20,8 @@ import torch
 from pull_support import HOST, VERSION, N, Rank, counts, rank  # noqa: F401  (rank: fixture)
 
 from dsamodel.presets import tiny_model
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.segment import SharedSegment
 from kvoffload_decode.transfer import decode_transfer
 from kvoffload_engine.model_layout import kv_layout
 from pdlink.pullcounters import COUNTERS

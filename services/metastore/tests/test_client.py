@@ -7,9 +7,9 @@ import grpc
 import pytest
 import torch
 
-from kvcore.hostpool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, PoolFullError, PoolStats
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, PoolFullError, PoolStats
+from kvcore.pool.segment import SharedSegment
 from poolbackends.client import MetaStoreClient
 from poolbackends.errors import MetaStoreUnavailable, NoPoolRegistered, PoolNotRegistered, WorldSizeExceeded
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvcore.mmcconf import parse_size_bytes, parse_url
+from kvcore.config.mmc_files import parse_size_bytes, parse_url
 from kvoffload_metastore.config import MetaStoreConfig, build_config
 from kvoffload_metastore.server import config_from_args
 
@@ -114,7 +114,7 @@ def test_invalid_files_name_the_key(tmp_path, text, message):
 
 
 def test_meta_and_local_must_agree(tmp_path):
-    """The pair rules (kvcore.mmcconf.mmc_pair) hold for the metastore's files too."""
+    """The pair rules (kvcore.config.mmc_files.mmc_pair) hold for the metastore's files too."""
     meta = conf(tmp_path, "ock.mmc.meta_service_url = tcp://a:1\n", "m.conf")
     local = conf(tmp_path, "ock.mmc.meta_service_url = tcp://b:1\n", "l.conf")
     with pytest.raises(ValueError, match=r"tcp://b:1 \(.*l.conf:1\) differs from .*tcp://a:1 \(.*m.conf:1\)"):

@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from kvcore.hostpool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, PoolFullError
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, PoolFullError
 from kvoffload_metastore import core as core_module
 from kvoffload_metastore.core import MetaStoreCore
 from kvoffload_metastore.errors import PoolFull

@@ -8,8 +8,8 @@ import argparse
 
 import pytest
 
-from kvcore.configerrors import ConfigError
-from kvcore.connectorconfig import StoreConnectorConfig
+from kvcore.config.connectors import StoreConnectorConfig
+from kvcore.config.errors import ConfigError
 from kvoffload_prefill.options import pool_flags
 
 GIB = 2**30

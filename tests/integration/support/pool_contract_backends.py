@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 from pool_contract_data import geometry
 
-from kvcore.eviction import LRUEviction
-from kvcore.hostpool import HostPoolBackend
-from kvcore.localpool import LocalHostPool
+from kvcore.pool.eviction import LRUEviction
+from kvcore.pool.host_pool import HostPoolBackend
+from kvcore.pool.local import LocalHostPool
 from kvoffload_metastore.config import MetaStoreConfig
 from kvoffload_metastore.server import start
 from poolbackends.mooncake import MooncakeHostPool

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.hostpool import HostPoolBackend
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import HostPoolBackend
 
 BS = 4
 ROWS = (16, 8)  # plane 0: 16 bytes per token row, plane 1: 8

@@ -10,8 +10,8 @@ import re
 
 import torch
 
-from kvcore.blockkeys import block_keys
-from kvcore.segment import SharedSegment
+from kvcore.pool.block_keys import block_keys
+from kvcore.pool.segment import SharedSegment
 from kvoffload_vllm.kv_digest import pages_digest
 from poolbackends.client import MetaStoreClient
 

@@ -1,6 +1,6 @@
 """Types of the native gather/scatter extension (built from native/gather.cpp by setup.py).
 
-Pointers are ``data_ptr()`` integers of CPU tensors that ``kvcore.gather`` has validated.
+Pointers are ``data_ptr()`` integers of CPU tensors that ``kvcore.hotcache.gather`` has validated.
 """
 
 def max_threads() -> int: ...

@@ -1,7 +1,7 @@
 """Types of the native hot top-k cache extension (built from native/hotcache.cpp by setup.py).
 
 ``resolve`` takes the top-k tensor and returns its outputs (created natively); ``resident``'s
-pointers are ``data_ptr()`` integers of CPU tensors that ``kvcore.hotcache`` has validated; a
+pointers are ``data_ptr()`` integers of CPU tensors that ``kvcore.hotcache.cache`` has validated; a
 request is an integer handle from ``Cache.alloc``.
 """
 

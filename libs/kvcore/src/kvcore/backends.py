@@ -2,7 +2,7 @@
 
 The embedded ``"kvoffload"`` backends (host pool, P→D data path) run everywhere. Every other
 backend runs wherever the module its probe names imports (``ImportProbe``): a host-pool backend's
-probe is its ``kvcore.poolregistry`` entry's (``"mooncake"``: ``mooncake.store``, the wheel
+probe is its ``kvcore.pool.registry`` entry's (``"mooncake"``: ``mooncake.store``, the wheel
 ``mooncake-transfer-engine-non-cuda`` plus Debian's ``libibverbs1``, no NPU needed; its master is
 checked when the pool connects; ``"memcache"``: ``memcache_hybrid``), a transfer backend's its
 ``kvcore.transferregistry`` entry's (``"memfabric"``: ``memfabric_hybrid``; ``"mooncake"``:
@@ -19,8 +19,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from kvcore.configerrors import ConfigError, describe_value
-from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STORE_BACKENDS, ImportProbe
+from kvcore.config.errors import ConfigError, describe_value
+from kvcore.pool.registry import EMBEDDED, POOL_BACKENDS, STORE_BACKENDS, ImportProbe
 from kvcore.transferregistry import TRANSFER_NAMES, TRANSFERS
 
 AVAILABLE = "available"

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcore.configerrors import ConfigError, describe_value
-from kvcore.confignames import D2H_CONNECTOR
-from kvcore.decodesettings import DecodeSettings
-from kvcore.nodeconfig import is_int
-from kvcore.prefillsettings import PrefillSettings
+from kvcore.config.decode_settings import DecodeSettings
+from kvcore.config.errors import ConfigError, describe_value
+from kvcore.config.names import D2H_CONNECTOR
+from kvcore.config.node import is_int
+from kvcore.config.prefill_settings import PrefillSettings
 
 
 def check_pd_pair(prefill: PrefillSettings, decode: DecodeSettings) -> None:

@@ -68,7 +68,7 @@ class BufferPlan:
         """Plan for ``B = num_shared_buffers`` (None = one buffer per layer: no reuse).
 
         ``independent_layers`` are resolved physical indices (see
-        ``kvcore.prefillsettings.resolve_independent_layers``).
+        ``kvcore.config.prefill_settings.resolve_independent_layers``).
         """
         n = layout.num_layers
         b = n if num_shared_buffers is None else num_shared_buffers

@@ -6,18 +6,18 @@ needs (``ImportProbe``: the module and how to install it; ``needs``: what no imp
 it runs (its ``PullPath`` on one host and across hosts: the name benches report it by and the
 decode's counter of its reads), its engine factory, its own ``kv_connector_extra_config`` keys,
 whether the vLLM connector takes it (else why not) and whether a loopback stack runs it. Config
-validation (``kvcore.connectorconfig``, ``kvcore.nodeconfig``), availability (``kvcore.backends``),
+validation (``kvcore.config.connectors``, ``kvcore.config.node``), availability (``kvcore.backends``),
 both services and the vLLM connector (through ``pdlink.engines``), ``kvoffload up``, the fault
 suite and ``kvoffload bench pd`` / ``bench vllm`` all read it.
 
-The engine factory is named ``"module:attribute"`` and imported when used (``kvcore.poolregistry.load``):
+The engine factory is named ``"module:attribute"`` and imported when used (``kvcore.pool.registry.load``):
 kvcore cannot import pdlink (pdlink depends on kvcore), and nothing imports an optional engine's
 library until it runs. This module imports neither pydantic nor torch: the command line reads the
 names (``--transfer`` choices) without paying for either.
 
 Adding a backend: its module in ``libs/pdlink`` (a ``pdlink.engine_rows.Transfer`` with a factory
 ``start_transfer(role, host, d2h)`` whose cannot-run errors are ``pdlink.engine_rows.EngineCannotRun``),
-its entry below, and, when it has keys, their typed fields on ``kvcore.connectorconfig.D2HConnectorConfig``.
+its entry below, and, when it has keys, their typed fields on ``kvcore.config.connectors.D2HConnectorConfig``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from kvcore.poolregistry import EMBEDDED, MOONCAKE_INSTALL, ImportProbe
+from kvcore.pool.registry import EMBEDDED, MOONCAKE_INSTALL, ImportProbe
 
 MEMFABRIC_INSTALL = "install MemFabric: scripts/install-memcache (it runs `pip install memfabric_hybrid==1.3.0`)"
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
 
 
 def prefill_only(backend: str = "memcache") -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Test support: random hot-cache step sequences (hypothesis), shared by the native-vs-reference and
-the torch-vs-reference property tests of ``kvcore.hotcache``."""
+the torch-vs-reference property tests of ``kvcore.hotcache.cache``."""
 
 from hypothesis import strategies as st
 

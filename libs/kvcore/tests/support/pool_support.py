@@ -5,8 +5,8 @@ import uuid
 import pytest
 import torch
 
-from kvcore.localpool import LocalHostPool
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.local import LocalHostPool
 
 BS = 4
 ROWS = (16, 8)  # plane 0: 16 bytes/token, plane 1: 8 bytes/token

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from kvcore.configerrors import ConfigError
-from kvcore.decodesettings import decode_settings
+from kvcore.config.decode_settings import decode_settings
+from kvcore.config.errors import ConfigError
+from kvcore.config.prefill_settings import prefill_settings
 from kvcore.layout import KVLayout
-from kvcore.prefillsettings import prefill_settings
 
 # 4 base layers + 1 MTP layer = 5 physical layers; latent 512 + rope 64 in bf16 = 1152 bytes per layer
 # and token; indexer keys are not part of the host pool.

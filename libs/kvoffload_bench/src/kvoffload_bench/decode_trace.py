@@ -12,7 +12,7 @@ import torch
 
 from dsamodel.model import DSAModel
 from dsamodel.presets import init_weights, tiny_config
-from kvcore.localpool import LocalHostPool
+from kvcore.pool.local import LocalHostPool
 from kvoffload_bench.decode_report import add_stats, device_kv, report
 from kvoffload_engine import build
 from kvoffload_engine.decode import SparseDecoder, StepStats

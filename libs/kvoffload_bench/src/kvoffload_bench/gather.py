@@ -44,7 +44,7 @@ from functools import partial
 
 import torch
 
-from kvcore import gather
+from kvcore.hotcache import gather
 from kvcore.traces.synthetic import generate, preset
 from kvoffload_bench.hotcache import simulate
 from kvoffload_bench.otherload import OtherLoad

@@ -50,9 +50,9 @@ from operator import itemgetter
 
 import torch
 
-from kvcore.confignames import DEFAULT_HOT_CACHE_POLICY as DEFAULT_POLICY
-from kvcore.hotcache import POLICIES, HotCache, max_threads
-from kvcore.hotcache_resolution import Resolution
+from kvcore.config.names import DEFAULT_HOT_CACHE_POLICY as DEFAULT_POLICY
+from kvcore.hotcache.cache import POLICIES, HotCache, max_threads
+from kvcore.hotcache.resolution import Resolution
 from kvcore.traces import PRESETS, Trace, named
 from kvcore.traces.measure import locality
 from kvoffload_bench import belady, hotsizing, miss_predictors

@@ -2,7 +2,7 @@
 
 ``TorchHotCache(capacity, num_layers)`` has ``kvcore.hotcache.HotCache``'s interface, front-end
 validation and counters (it is a ``HotCache`` whose implementation is swapped) and exactly its
-semantics (module docstring of ``kvcore.hotcache``): same ``Resolution``, same residency, same
+semantics (module docstring of ``kvcore.hotcache.cache``): same ``Resolution``, same residency, same
 ValueErrors, proven against the reference by ``tests/test_hotcache_torch.py``. It exists for the
 bench: "native is N x faster than Python" says little, "native is N x faster than the best torch
 code of the same semantics" says whether the C++ earns its keep.
@@ -47,8 +47,8 @@ import threading
 
 import torch
 
-from kvcore.hotcache import HotCache
-from kvcore.hotcache_resolution import MAX_TOKEN, Resolution
+from kvcore.hotcache.cache import HotCache
+from kvcore.hotcache.resolution import MAX_TOKEN, Resolution
 
 __all__ = ["TorchHotCache"]
 
@@ -63,7 +63,7 @@ class TorchHotCache(HotCache):
 
     def __init__(self, capacity: int, num_layers: int, *, threads: int | None = None) -> None:
         super().__init__(capacity, num_layers, native=False, policy=TORCH_POLICY)
-        # kvcore.hotcache types _impl as its own two paths; this one has their interface (resolve, resident,
+        # kvcore.hotcache.cache types _impl as its own two paths; this one has their interface (resolve, resident,
         # finish, residency, requests)
         self._impl = _TorchImpl(self.capacity, self.num_layers, self._lock)  # type: ignore[assignment]
         self.threads = threads

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.hotcache import HotCache
+from kvcore.hotcache.cache import HotCache
 from kvcore.traces.synthetic import top_per_row
 from kvcore.traces.trace import Trace
 

@@ -61,8 +61,8 @@ def pull_vs_memcpy(prompt_tokens: int, block_size: int, reps: int = 25) -> tuple
     import structlog
 
     from dsamodel.presets import tiny_model
-    from kvcore.poolgeometry import PoolGeometry
-    from kvcore.segment import SharedSegment
+    from kvcore.pool.geometry import PoolGeometry
+    from kvcore.pool.segment import SharedSegment
     from kvoffload_engine import build
     from kvoffload_engine.decode import SparseDecoder
 

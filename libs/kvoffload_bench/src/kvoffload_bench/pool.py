@@ -22,10 +22,10 @@ Goals (``goals`` / ``goals_met``): the embedded pool's put and get of 1 MiB obje
 ``GOAL_RATIO_TO_MEMCPY`` of a memcpy or better (a DeepSeek-V3.2 prefill saves ~290 MB per
 4K-token request: the save must not set its pace). A run without the ``1mib`` shape, or without the
 embedded pool, cannot judge them: they are unmet, and ``not_measured`` says why. Puts write whole
-blocks with one memcpy each (``kvcore.gather.scatter_blocks``): torch's ``index_copy_`` of 1 MiB
+blocks with one memcpy each (``kvcore.hotcache.gather.scatter_blocks``): torch's ``index_copy_`` of 1 MiB
 blocks ran at a seventh of a memcpy here.
 
-Backends (``backends`` in the JSON): one entry per ``kvcore.poolregistry`` backend, its pools opened
+Backends (``backends`` in the JSON): one entry per ``kvcore.pool.registry`` backend, its pools opened
 by its factory and its server started by its launcher; one whose probe fails here
 (``kvcore.backends``) is ``{"available": false, "reason": ...}``:
 
@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.geometry import PoolGeometry
 
 if TYPE_CHECKING:
     from poolbackends.memcache_meta import MemcacheMetaService
@@ -70,7 +70,7 @@ GOALS = ("kvoffload_1mib_put_ratio", "kvoffload_1mib_get_ratio")
 def run(*, repeats: int = 5, shapes: tuple[str, ...] = tuple(SHAPES)) -> dict:
     """The bench (module docstring); ``shapes`` narrows the object shapes (tests use one)."""
     from kvcore.backends import backend_problem
-    from kvcore.poolregistry import POOL_BACKENDS
+    from kvcore.pool.registry import POOL_BACKENDS
     from svcruntime.logs import quiet_logs
 
     quiet_logs()  # the pools' info logs are dropped, their warnings go to stderr: stdout is the JSON's
@@ -205,9 +205,9 @@ def _reader(backend: str, name: str, repeats: int, **keys) -> Callable[[list[byt
 
 
 def _pool(backend: str, shape: str, keys: Mapping[str, Any] | None = None, geometry: PoolGeometry | None = None):
-    """A pool of ``backend`` (its ``kvcore.poolregistry`` factory) for ``shape``, its store keys ``keys``
+    """A pool of ``backend`` (its ``kvcore.pool.registry`` factory) for ``shape``, its store keys ``keys``
     (raw ``kv_connector_extra_config`` keys, as a connector config's JSON holds them)."""
-    from kvcore.connectorconfig import StoreConnectorConfig
+    from kvcore.config.connectors import StoreConnectorConfig
     from poolbackends.registry import PoolRequest, open_pool
 
     tag = uuid.uuid4().hex[:8]
@@ -220,7 +220,7 @@ def _kvoffload(stack: ExitStack, shapes, repeats: int) -> dict:
     metastore for the cross-process read."""
     from poolbackends.registry import start_server
 
-    server = cast("MetastoreServer", start_server("kvoffload"))  # the launcher kvcore.poolregistry names
+    server = cast("MetastoreServer", start_server("kvoffload"))  # the launcher kvcore.pool.registry names
     stack.callback(server.stop)
     target = server.address
     out = {
@@ -242,7 +242,7 @@ def _mooncake(stack: ExitStack, shapes, repeats: int) -> dict:
     from poolbackends.registry import start_server
 
     try:
-        master = cast("MooncakeMaster", start_server("mooncake"))  # the launcher kvcore.poolregistry names
+        master = cast("MooncakeMaster", start_server("mooncake"))  # the launcher kvcore.pool.registry names
     except Exception as exc:  # noqa: BLE001 - not installed here (scripts/install-mooncake), or the master cannot start
         return {"available": False, "reason": f"{type(exc).__name__}: {exc}"}
     stack.callback(master.stop)
@@ -260,7 +260,7 @@ def _memcache(stack: ExitStack, shapes, repeats: int) -> dict:
     start (no Ascend driver), the entry is the reason it gave."""
     from poolbackends.registry import start_server
 
-    meta = cast("MemcacheMetaService", start_server("memcache"))  # the launcher kvcore.poolregistry names
+    meta = cast("MemcacheMetaService", start_server("memcache"))  # the launcher kvcore.pool.registry names
     stack.callback(meta.stop)
     args = {"shape": shapes[0], "meta_service_url": meta.meta_service_url, "config_store_url": meta.config_store_url}
     out = _child("memcache", args, "memcache probe")

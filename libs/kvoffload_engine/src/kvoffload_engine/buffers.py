@@ -16,8 +16,8 @@ import torch
 
 from kvcore.device import DeviceAllocator
 from kvcore.plan import BufferPlan
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.segment import SharedSegment
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ import uuid
 from collections.abc import Iterable
 
 from dsamodel.served import ServedModel
-from kvcore.eviction import LRUEviction, NoEviction
-from kvcore.hostpool import HostPoolBackend
-from kvcore.localpool import LocalHostPool
 from kvcore.plan import BufferPlan
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.eviction import LRUEviction, NoEviction
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import HostPoolBackend
+from kvcore.pool.local import LocalHostPool
 from kvoffload_engine.model_layout import kv_layout
 from kvoffload_engine.prefill import LayerwisePrefill
 

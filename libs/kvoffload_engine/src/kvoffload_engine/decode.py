@@ -7,7 +7,7 @@ request). The device keeps only the indexer cache and, per request and layer, a 
     write the new token's KV row to the host pool          # native scatter
     append its indexer key to the device indexer cache
     select the top-k past tokens                           # lightning indexer
-    hot cache: each selected token -> slot, misses listed  # kvcore.hotcache
+    hot cache: each selected token -> slot, misses listed  # kvcore.hotcache.cache
     gather the misses from the host pool into their slots  # native gather
     sparse attention over the selected slots, in top-k order
 
@@ -36,12 +36,12 @@ import torch
 
 from dsamodel.model import DSAModel
 from dsamodel.served import ServedModel, index_keys, index_topk
-from kvcore.attachedpool import AttachedPool
-from kvcore.confignames import DEFAULT_HOT_CACHE_POLICY
+from kvcore.config.names import DEFAULT_HOT_CACHE_POLICY
 from kvcore.device import DeviceAllocator
-from kvcore.gather import gather_rows, scatter_rows
-from kvcore.hostpool import HostPoolBackend
-from kvcore.hotcache import HotCache
+from kvcore.hotcache.cache import HotCache
+from kvcore.hotcache.gather import gather_rows, scatter_rows
+from kvcore.pool.attached import AttachedPool
+from kvcore.pool.host_pool import HostPoolBackend
 from kvoffload_engine.decode_requests import DecodeRequests, DecodeSeq, as_row_bytes
 from kvoffload_engine.prefetch import MissPrefetcher
 from kvoffload_engine.topk_override import TopkOverride, overridden_topk

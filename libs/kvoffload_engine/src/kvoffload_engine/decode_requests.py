@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcore.attachedpool import AttachedPool
-from kvcore.blockkeys import request_block_key
-from kvcore.gather import scatter_rows
-from kvcore.hostpool import HostPoolBackend
-from kvcore.hotcache import HotCache
+from kvcore.hotcache.cache import HotCache
+from kvcore.hotcache.gather import scatter_rows
+from kvcore.pool.attached import AttachedPool
+from kvcore.pool.block_keys import request_block_key
+from kvcore.pool.host_pool import HostPoolBackend
 from kvoffload_engine.prefetch import MissPrefetcher
 
 

@@ -15,9 +15,9 @@ import torch
 
 from dsamodel.sampling import RequestSampler
 from dsamodel.served import ServedModel, index_topk
-from kvcore.confignames import DEFAULT_HOT_CACHE_POLICY
+from kvcore.config.names import DEFAULT_HOT_CACHE_POLICY
 from kvcore.device import DeviceAllocator
-from kvcore.hostpool import HostPoolBackend
+from kvcore.pool.host_pool import HostPoolBackend
 from kvoffload_engine import build
 from kvoffload_engine.decode import SparseDecoder
 from kvoffload_engine.prefill import PrefillRequest, PrefillResult

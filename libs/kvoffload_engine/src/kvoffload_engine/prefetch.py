@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.gather import gather_rows, use_one_thread_here
-from kvcore.hotcache import HotCache
+from kvcore.hotcache.cache import HotCache
+from kvcore.hotcache.gather import gather_rows, use_one_thread_here
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,11 @@ import torch
 
 from dsamodel.model import DSAModel
 from dsamodel.served import ServedLayer, ServedModel, index_keys
-from kvcore.blockkeys import block_keys, is_request_key
 from kvcore.device import DeviceAllocator
 from kvcore.gates import GateSet
-from kvcore.hostpool import HostPoolBackend, ObjectUnreachable
 from kvcore.plan import BufferPlan
+from kvcore.pool.block_keys import block_keys, is_request_key
+from kvcore.pool.host_pool import HostPoolBackend, ObjectUnreachable
 from kvcore.slottickets import SlotTicket
 from kvoffload_engine.buffers import LayerBuffers
 from kvoffload_engine.chunk_attention import attend

@@ -9,9 +9,9 @@ leased with a few pool calls per chunk, never one per block (the pool may be a r
 
 from __future__ import annotations
 
-from kvcore.blockkeys import is_request_key, request_block_key
-from kvcore.hostpool import HostPoolBackend, ObjectExists
-from kvcore.leases import Lease
+from kvcore.pool.block_keys import is_request_key, request_block_key
+from kvcore.pool.host_pool import HostPoolBackend, ObjectExists
+from kvcore.pool.leases import Lease
 
 
 class Chunk:

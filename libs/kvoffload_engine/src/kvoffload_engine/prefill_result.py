@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from kvcore.leases import Lease
+from kvcore.pool.leases import Lease
 from kvoffload_engine.prefill_blocks import PromptBlocks
 
 log = structlog.get_logger(__name__)

@@ -3,7 +3,7 @@
 Every rank holds its shard of the model (``dsamodel.tp``) and a ``SparseDecoder`` of its own: its
 indexer cache, its hot top-k buffer, and a view of the one host pool of its DP rank, which holds the
 full main KV of every request. Rank 0 creates that pool and alone allocates and frees its blocks;
-a follower's pool is the ``kvcore.attachedpool.AttachedPool`` of rank 0's segment, and takes the
+a follower's pool is the ``kvcore.pool.attached.AttachedPool`` of rank 0's segment, and takes the
 block ids rank 0 allocated from the ops below. The cache rows are the same on every rank (the latent
 projection and the indexer are replicated), so every rank selects the same top-k, misses the same
 rows and reads them from the shared pool, and a row two ranks write (a step's new token; a prompt
@@ -55,7 +55,7 @@ from typing import Any
 import structlog
 import torch
 
-from kvcore.attachedpool import AttachedPool
+from kvcore.pool.attached import AttachedPool
 from kvoffload_engine.decode import SparseDecoder
 from kvoffload_engine.decode_requests import DecodeSeq
 from kvoffload_engine.tp_channel import Channel, TPGroupBroken, tensor_dtype, tensor_spec

@@ -2,7 +2,7 @@
 
 ``FAULTS`` (a stack whose prefill pool the metastore indexes) and ``MOONCAKE_FAULTS`` (a prefill pool
 on Mooncake Store) weigh each fault kind in a randomized run; ``SERVER_FAULTS`` are the kills of a
-pool's server (its ``kvcore.poolregistry`` entry's stack service). ``EXPECTED_ERRORS`` says what a request
+pool's server (its ``kvcore.pool.registry`` entry's stack service). ``EXPECTED_ERRORS`` says what a request
 a fault failed must have been told: the fault's status, and a message naming the service it hit
 (``peer_names`` for a loopback stack, ``named_peers`` for any other, e.g. containers: how the proxy and
 the services name each one); ``wrong_error`` judges an error against it (any 50x is not enough).
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvcore.poolregistry import POOL_BACKENDS
+from kvcore.pool.registry import POOL_BACKENDS
 from kvoffload_testing.ports import DATA_PORT_OFFSET
 from kvoffload_testing.sse import StreamTruncated, sse_events, token_ids
 from kvoffload_testing.stack import StackConfig
@@ -60,7 +60,7 @@ MOONCAKE_FAULTS: dict[str, int] = {
     "overfill_decode": 1,
     "fill_host_pool": 1,
 }
-FAULTS_BY_POOL = {"kvoffload": FAULTS, "mooncake": MOONCAKE_FAULTS}  # one per kvcore.poolregistry.STACK_POOLS
+FAULTS_BY_POOL = {"kvoffload": FAULTS, "mooncake": MOONCAKE_FAULTS}  # one per kvcore.pool.registry.STACK_POOLS
 
 
 MAX_TOKENS = 6  # what the suite's completions ask for
@@ -193,7 +193,7 @@ def named_peers(prefill: tuple[str, int, int], decode: tuple[str, int, int]) -> 
     port): the proxy names a backend by role and URL ("decoder http://host:port"; "every decoder"
     when all refused), the services their peers by role and gRPC address ("prefill host:data_port",
     "decode host:control_port") or role ("the decode did not read ..."); a pool's server (the
-    metastore, Mooncake) by the words of its ``kvcore.poolregistry`` entry. A broken connection to the
+    metastore, Mooncake) by the words of its ``kvcore.pool.registry`` entry. A broken connection to the
     proxy is named by the exception that says so."""
     (ph, p_http, p_grpc), (dh, d_http, d_grpc) = prefill, decode
     return {

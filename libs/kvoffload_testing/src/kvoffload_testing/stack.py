@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvcore.poolregistry import EMBEDDED
+from kvcore.pool.registry import EMBEDDED
 from kvoffload_testing.connector_configs import (
     decode_additional_config,
     decode_kv_transfer_config,
@@ -140,7 +140,7 @@ def mooncake_master_service(c: StackConfig) -> tuple[str, list[str], str]:
     )
 
 
-# how the stack runs the server of each pool it takes (kvcore.poolregistry.STACK_POOLS) on its ports
+# how the stack runs the server of each pool it takes (kvcore.pool.registry.STACK_POOLS) on its ports
 POOL_SERVERS = {EMBEDDED: metastore_service, "mooncake": mooncake_master_service}
 
 

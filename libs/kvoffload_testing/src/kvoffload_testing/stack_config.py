@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS, STACK_POOLS, StackServer
+from kvcore.pool.registry import EMBEDDED, POOL_BACKENDS, STACK_POOLS, StackServer
 from kvcore.transferregistry import STACK_TRANSFERS
 from svcruntime.tls import TLSConfig
 
@@ -49,7 +49,7 @@ class StackConfig:
     service_args: dict[str, list[str]] = field(default_factory=dict)  # extra flags per service name
     tls: TLSConfig | None = None  # --tls-cert/--tls-key/--tls-ca for every gRPC service, and for the probes
     api_key: str | None = None  # the proxy requires "Authorization: Bearer KEY" (see auth_headers)
-    pool: str = EMBEDDED  # the prefill's host-pool backend, one of kvcore.poolregistry.STACK_POOLS
+    pool: str = EMBEDDED  # the prefill's host-pool backend, one of kvcore.pool.registry.STACK_POOLS
     mooncake_port: int = 50051  # pool "mooncake": the master's RPC port
     mooncake_metrics_port: int = 9003  # ... and its metrics / admin /health port
     # the decodes are the data-parallel ranks of ONE decode deployment: one --kv-transfer-config

@@ -6,8 +6,9 @@ manager (several groups) every layer is a view into one storage whose block stri
 group's page, at its own offset, its block dense inside (for a DeepSeek-V4 model:
 ``(num_blocks, 1, 64, 584)`` uint8 with strides ``(93888, 37376, 584, 1)``; float32 state caches with
 strides in elements). Block ``b`` of such a layer is ``page_bytes`` bytes at ``offset + b x
-block_stride``: the byte view reads (``index_select``) and writes (``kvcore.gather.write_pages``) exactly those,
-in place, and nothing of the layers and groups that share the storage.
+block_stride``: the byte view reads (``index_select``) and writes
+(``kvcore.hotcache.gather.write_pages``) exactly those, in place, and nothing of the layers and
+groups that share the storage.
 """
 
 from __future__ import annotations

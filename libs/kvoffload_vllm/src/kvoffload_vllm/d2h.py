@@ -59,7 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvcore.confignames import D2H_CONNECTOR
+from kvcore.config.names import D2H_CONNECTOR
 from kvoffload_vllm.d2h_layers import D2HLayers
 from kvoffload_vllm.d2h_plan import SendPlanner, peer_of
 from kvoffload_vllm.d2h_settings import d2h_settings

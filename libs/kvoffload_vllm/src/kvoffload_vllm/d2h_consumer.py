@@ -36,7 +36,7 @@ import grpc
 import structlog
 import torch
 
-from kvcore.gather import write_pages
+from kvcore.hotcache.gather import write_pages
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 from kvoffload_vllm.d2h_engine import read_blocks, start_d2h_engine
 from kvoffload_vllm.d2h_layers import D2HLayers

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcore.config import parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
-from kvcore.confignames import D2H_CONNECTOR
-from kvcore.connectorconfig import D2HConnectorConfig
+from kvcore.config.connectors import D2HConnectorConfig
+from kvcore.config.errors import ConfigError
+from kvcore.config.names import D2H_CONNECTOR
+from kvcore.config.parse import parse_kv_transfer_config
 from kvcore.transferregistry import EMBEDDED, TRANSFERS, either
 from kvoffload_vllm.store_mmc import warn_unread
 from kvoffload_vllm.tp import kv_heads_copied, kv_replicated, tp_rank_of

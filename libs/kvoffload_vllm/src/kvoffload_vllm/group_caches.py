@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.gather import write_pages
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.hotcache.gather import write_pages
+from kvcore.pool.geometry import PoolGeometry
 from kvoffload_vllm.block_bytes import block_bytes
 from kvoffload_vllm.kv_groups import KVGroup
 from kvoffload_vllm.layout import LayoutMismatch

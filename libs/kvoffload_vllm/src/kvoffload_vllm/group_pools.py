@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 import structlog
 import torch
 
-from kvcore.connectorconfig import StoreConnectorConfig
-from kvcore.hostpool import HostPoolBackend
-from kvcore.segment import sweep_stale_segments
+from kvcore.config.connectors import StoreConnectorConfig
+from kvcore.pool.host_pool import HostPoolBackend
+from kvcore.pool.segment import sweep_stale_segments
 from kvoffload_vllm.group_caches import GroupCaches
 from kvoffload_vllm.plan import Transfer
 from poolbackends.registry import PoolRequest, open_pool

@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import structlog
 
-from kvcore.confignames import STORE_CONNECTOR
+from kvcore.config.names import STORE_CONNECTOR
 from kvoffload_vllm.kv_groups import kv_groups
 from kvoffload_vllm.shared_buffers import (
     SUPPORTED_VLLM,

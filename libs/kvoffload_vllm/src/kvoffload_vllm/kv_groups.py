@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from math import lcm
 from typing import TYPE_CHECKING, Any
 
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec

@@ -1,6 +1,6 @@
 """The store connector's scheduler-side bookkeeping: which blocks each step loads and saves.
 
-Per request it keeps the prompt's chained block keys (``kvcore.blockkeys``, the reference engine's
+Per request it keeps the prompt's chained block keys (``kvcore.pool.block_keys``, the reference engine's
 keys under a vLLM model id), the request's vLLM block ids, how many tokens the connector promised
 to load, and how far its full prompt blocks are saved. ``step`` turns one scheduler step into
 ``Transfer`` lists the worker executes:
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvcore.blockkeys import block_keys
+from kvcore.pool.block_keys import block_keys
 from kvoffload_vllm.kv_groups import skip_null
 
 

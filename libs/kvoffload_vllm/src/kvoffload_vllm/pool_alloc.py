@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvcore.hostpool import HostPoolBackend, ObjectExists, PoolError
+from kvcore.pool.host_pool import HostPoolBackend, ObjectExists, PoolError
 from kvoffload_vllm.plan import Transfer
 
 

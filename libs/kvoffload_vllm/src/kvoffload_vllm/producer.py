@@ -36,7 +36,7 @@ import grpc
 import structlog
 import torch
 
-from kvcore.segment import host_id
+from kvcore.pool.segment import host_id
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 from kvoffload_vllm.d2h_engine import start_d2h_engine
 from kvoffload_vllm.d2h_layers import D2HLayers

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
 from kvcore.layout import physical_index
 from kvoffload_vllm.request_kv import BUDGET_KEY
 
 if TYPE_CHECKING:
-    from kvcore.connectorconfig import StoreConnectorConfig
+    from kvcore.config.connectors import StoreConnectorConfig
     from kvoffload_vllm.kv_groups import KVGroup
     from kvoffload_vllm.shared_buffers import SharedBuffers
 

@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from kvcore.config import parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
-from kvcore.confignames import MULTI_CONNECTOR, STORE_CONNECTOR
-from kvcore.connectorconfig import StoreConnectorConfig
+from kvcore.config.connectors import StoreConnectorConfig
+from kvcore.config.errors import ConfigError
+from kvcore.config.names import MULTI_CONNECTOR, STORE_CONNECTOR
+from kvcore.config.node import store_of
+from kvcore.config.parse import parse_kv_transfer_config
+from kvcore.config.prefill_settings import resolve_independent_layers
 from kvcore.layout import CacheSpec, KVLayout, LayerSpec, physical_index
-from kvcore.nodeconfig import store_of
 from kvcore.plan import BufferPlan
-from kvcore.prefillsettings import resolve_independent_layers
 from kvoffload_vllm.kv_groups import KVGroup
 
 SUPPORTED_VLLM = "0.32.0"  # the KV cache allocation kvoffload_vllm.kv_cache_patch changes

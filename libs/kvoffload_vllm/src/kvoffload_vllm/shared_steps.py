@@ -33,9 +33,9 @@ from typing import Any
 import structlog
 import torch
 
-from kvcore.configerrors import ConfigError
-from kvcore.gather import write_pages
-from kvcore.hostpool import HostPoolBackend
+from kvcore.config.errors import ConfigError
+from kvcore.hotcache.gather import write_pages
+from kvcore.pool.host_pool import HostPoolBackend
 from kvoffload_vllm.block_bytes import block_bytes
 from kvoffload_vllm.d2h_plan import blocks_of
 from kvoffload_vllm.layout import CacheLayout

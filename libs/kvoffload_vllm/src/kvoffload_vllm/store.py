@@ -59,8 +59,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvcore.confignames import STORE_CONNECTOR
-from kvcore.hostpool import HostPoolBackend, PoolError
+from kvcore.config.names import STORE_CONNECTOR
+from kvcore.pool.host_pool import HostPoolBackend, PoolError
 from kvoffload_vllm.group_caches import GroupCaches
 from kvoffload_vllm.group_pools import load_groups, open_group_pools
 from kvoffload_vllm.kv_groups import hit_unit, kv_groups

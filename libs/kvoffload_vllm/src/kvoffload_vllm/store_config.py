@@ -1,5 +1,5 @@
 """The ``AscendStoreConnector``'s configuration: vLLM's ``kv_transfer_config`` checked and typed
-(``kvcore.connectorconfig.StoreConnectorConfig``: unknown keys, a backend vLLM does not run, a
+(``kvcore.config.connectors.StoreConnectorConfig``: unknown keys, a backend vLLM does not run, a
 missing metastore and more than one rank are ``ConfigError``s naming the field); what it leaves out
 taken from the seed's mmc files (``kvoffload_vllm.store_mmc``). The layerwise keys a node without
 shared layer buffers does not act on are warned about (``layerwise_request_kv_gb``, the host copies'
@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 import structlog
 import vllm
 
-from kvcore.config import parse_kv_transfer_config
-from kvcore.configerrors import ConfigError
-from kvcore.confignames import STORE_CONNECTOR
-from kvcore.connectorconfig import StoreConnectorConfig
-from kvcore.mmcconf import LOCAL_ENV
-from kvcore.poolregistry import VLLM_POOLS
+from kvcore.config.connectors import StoreConnectorConfig
+from kvcore.config.errors import ConfigError
+from kvcore.config.mmc_files import LOCAL_ENV
+from kvcore.config.names import STORE_CONNECTOR
+from kvcore.config.parse import parse_kv_transfer_config
+from kvcore.pool.registry import VLLM_POOLS
 from kvoffload_vllm.request_kv import BUDGET_KEY
 from kvoffload_vllm.shared_buffers import check_eager, check_vllm_version, requested, transfer_config_dict
 from kvoffload_vllm.store_mmc import with_mmc_files

@@ -1,7 +1,7 @@
 """The seed's mmc files on a vLLM server: ``MMC_META_CONFIG_PATH`` / ``MMC_LOCAL_CONFIG_PATH``, as the
 guide exports them before starting vLLM, give the store connector what its config leaves out.
 
-- The two files are checked as a pair (``kvcore.mmcconf.mmc_pair``: the same MetaService, the
+- The two files are checked as a pair (``kvcore.config.mmc_files.mmc_pair``: the same MetaService, the
   LocalService's config store the MetaService's, a known protocol); a broken rule is a
   ``ConfigError`` naming both values.
 - ``metastore`` (backend ``kvoffload``): the mmc-local.conf's ``ock.mmc.meta_service_url`` when the
@@ -20,10 +20,10 @@ from collections.abc import Mapping
 
 import structlog
 
-from kvcore.configerrors import ConfigError
-from kvcore.connectorconfig import StoreConnectorConfig
-from kvcore.mmcconf import LOCAL_ENV, META_ENV, mmc_pair
-from kvcore.poolregistry import EMBEDDED
+from kvcore.config.connectors import StoreConnectorConfig
+from kvcore.config.errors import ConfigError
+from kvcore.config.mmc_files import LOCAL_ENV, META_ENV, mmc_pair
+from kvcore.pool.registry import EMBEDDED
 
 log = structlog.get_logger("vllm.kvoffload.config")
 

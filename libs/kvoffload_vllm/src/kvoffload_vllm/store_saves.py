@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import structlog
 
-from kvcore.hostpool import HostPoolBackend, PoolError
+from kvcore.pool.host_pool import HostPoolBackend, PoolError
 from kvoffload_vllm.plan import Transfer
 from kvoffload_vllm.stats import Counters
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import structlog
 
-from kvcore.configerrors import ConfigError
-from kvcore.confignames import SPARSE_KEY
+from kvcore.config.errors import ConfigError
+from kvcore.config.names import SPARSE_KEY
 
 log = structlog.get_logger("vllm.kvoffload.config")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcore.poolregistry import load
+from kvcore.pool.registry import load
 from kvcore.transferregistry import ENGINE_TRANSFERS, TRANSFERS
 from pdlink.engine_rows import EngineCannotRun, Transfer
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import structlog
 
-from kvcore.confignames import MEMFABRIC_DATA_OPS
+from kvcore.config.names import MEMFABRIC_DATA_OPS
 from kvcore.transferregistry import MEMFABRIC_INSTALL
 from pdlink.engine_rows import EngineCannotRun, check_ranges
 from svcruntime.native_output import error_lines, native_output

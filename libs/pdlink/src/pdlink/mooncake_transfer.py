@@ -34,7 +34,7 @@ from typing import Any
 
 import structlog
 
-from kvcore.poolregistry import MOONCAKE_INSTALL
+from kvcore.pool.registry import MOONCAKE_INSTALL
 from pdlink.engine_rows import EngineCannotRun, check_ranges
 from svcruntime.native_output import error_lines, native_output
 

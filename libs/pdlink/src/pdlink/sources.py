@@ -16,7 +16,7 @@ import grpc
 import structlog
 import torch
 
-from kvcore.segment import SharedSegment
+from kvcore.pool.segment import SharedSegment
 from kvoffload_proto.v1 import transfer_pb2, transfer_pb2_grpc
 
 log = structlog.get_logger(__name__)

@@ -1,6 +1,6 @@
-"""poolbackends: the host-pool backends beyond the embedded ``kvcore.localpool.LocalHostPool``: the pool
+"""poolbackends: the host-pool backends beyond the embedded ``kvcore.pool.local.LocalHostPool``: the pool
 whose index lives in a kvoffload-metastore, or on an existing distributed store (Mooncake Store,
-Memcache), and the launchers of their servers. Each backend is one ``kvcore.poolregistry`` entry whose
+Memcache), and the launchers of their servers. Each backend is one ``kvcore.pool.registry`` entry whose
 hooks (``open_pool``, ``pool_not_ready``, the launcher) live in its module here.
 
 - ``registry``: runs an entry's hooks: ``open_pool`` (with a ``PoolRequest``; ``PoolOpenError``),
@@ -13,13 +13,13 @@ hooks (``open_pool``, ``pool_not_ready``, the launcher) live in its module here.
   servicer and this client share it).
 - ``client``: ``MetaStoreClient`` and its ``RemoteLease``.
 - ``membership``: a pool's registration, heartbeats and re-join after a MetaStore restart.
-- ``remotepool``: ``RemoteHostPool``, the ``kvcore.hostpool.HostPoolBackend`` over that index.
+- ``remotepool``: ``RemoteHostPool``, the ``kvcore.pool.host_pool.HostPoolBackend`` over that index.
 - ``peersegments``: ``PeerSegments``, the same-host segments of other pools a ``RemoteHostPool`` reads
   (attached once, re-attached when recreated).
 - ``embedded``: backend ``"kvoffload"``: a ``RemoteHostPool`` with a metastore, else a ``LocalHostPool``
   (its lookup: the metastore's ``Exists``);
   ``metastore_server`` (starts a ``kvoffload-metastore``) serves it.
-- ``storepool``: ``StoreHostPool``, a ``kvcore.localpool.LocalHostPool`` whose complete objects are also
+- ``storepool``: ``StoreHostPool``, a ``kvcore.pool.local.LocalHostPool`` whose complete objects are also
   kept in an existing distributed store (the base of the next two); ``store_fetched`` keeps the
   objects a load read whole from the store for its other planes. The server launchers below are
   ``svcruntime.serverprocess.ServerProcess``es.

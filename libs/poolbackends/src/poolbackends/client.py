@@ -1,5 +1,5 @@
 """``MetaStoreClient``: the MetaStore (``kvoffload.v1.MetaStore``) over gRPC, shaped like the index
-hooks of ``kvcore.hostpool.HostPoolBackend``, and ``RemoteLease``, the lease handle it hands out.
+hooks of ``kvcore.pool.host_pool.HostPoolBackend``, and ``RemoteLease``, the lease handle it hands out.
 
 Every call carries a deadline (``timeout_s``). Failures raise the same types as kvcore's pools
 (``ObjectNotFound``, ``ObjectExists``, ``ObjectLeased``, ``PoolFullError`` with its numbers,
@@ -22,9 +22,9 @@ from typing import Any
 
 import grpc
 
-from kvcore.hostpool import ObjectExists, PoolFullError, PoolStats, check_positive
-from kvcore.leases import check_ttl_ms
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import ObjectExists, PoolFullError, PoolStats, check_positive
+from kvcore.pool.leases import check_ttl_ms
 from kvoffload_proto.v1 import metastore_pb2 as pb
 from kvoffload_proto.v1 import metastore_pb2_grpc as pb_grpc
 from poolbackends.errors import NoPoolRegistered, PoolNotRegistered
@@ -38,7 +38,7 @@ from svcruntime.tls import PROCESS, secure_or_insecure_channel
 
 
 class RemoteLease:
-    """A MetaStore lease; satisfies the ``kvcore.leases.Lease`` protocol.
+    """A MetaStore lease; satisfies the ``kvcore.pool.leases.Lease`` protocol.
 
     ``deadline`` is ``time.monotonic()`` seconds of this process, counted from when the request was
     sent (so it errs early). The holder calls ``release()`` (idempotent; also on ``with`` exit) or

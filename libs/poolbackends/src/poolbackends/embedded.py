@@ -1,13 +1,13 @@
-"""Backend ``"kvoffload"`` (the embedded host pool), as its ``kvcore.poolregistry`` entry opens it:
+"""Backend ``"kvoffload"`` (the embedded host pool), as its ``kvcore.pool.registry`` entry opens it:
 indexed by the kvoffload-metastore of the store config's ``metastore`` (a ``RemoteHostPool``), or
-without one in this process (a ``kvcore.localpool.LocalHostPool``); its lookup is that metastore's
+without one in this process (a ``kvcore.pool.local.LocalHostPool``); its lookup is that metastore's
 ``Exists`` (``open_lookup``)."""
 
 from __future__ import annotations
 
-from kvcore.eviction import LRUEviction
-from kvcore.hostpool import HostPoolBackend
-from kvcore.localpool import LocalHostPool
+from kvcore.pool.eviction import LRUEviction
+from kvcore.pool.host_pool import HostPoolBackend
+from kvcore.pool.local import LocalHostPool
 from poolbackends.client import MetaStoreClient
 from poolbackends.registry import PoolRequest
 from poolbackends.remotepool import RemoteHostPool

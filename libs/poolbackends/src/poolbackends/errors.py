@@ -1,12 +1,12 @@
 """The MetaStore's registry errors; object errors (``ObjectNotFound``, ``ObjectExists``,
 ``ObjectLeased``, ``PoolFullError``, ``LeaseExpired``) are kvcore's host-pool errors, so a caller
-of ``MetaStoreClient`` handles the same types as a caller of ``kvcore.localpool.LocalHostPool``."""
+of ``MetaStoreClient`` handles the same types as a caller of ``kvcore.pool.local.LocalHostPool``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvcore.poolerrors import PoolError
+from kvcore.pool.errors import PoolError
 
 
 class PoolNotRegistered(PoolError):

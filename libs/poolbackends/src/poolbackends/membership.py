@@ -22,8 +22,8 @@ from typing import TypeVar
 
 import structlog
 
-from kvcore.hostpool import PoolError
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import PoolError
 from poolbackends.client import MetaStoreClient
 from poolbackends.errors import PoolNotRegistered, WorldSizeExceeded
 

@@ -10,7 +10,7 @@ the library's own words; there is no fall-back to the embedded pool. Not run her
 below needs a started LocalService, i.e. an Ascend host; it follows memcache_hybrid 1.3.0's API.
 
 Where bytes live. A ``MemcacheHostPool`` is a ``poolbackends.storepool.StoreHostPool`` (a
-``kvcore.localpool.LocalHostPool``) over its own ``SharedSegment`` (``kvoffload-memcache-<pool
+``kvcore.pool.local.LocalHostPool``) over its own ``SharedSegment`` (``kvoffload-memcache-<pool
 id>``), registered with the client (``register_buffer``); the index, free list, written planes,
 pins, leases, eviction and stats are ``LocalHostPool``'s, and its hook map holds ("blocks: lock
 only" reads "plus bounded Memcache calls" where a hook below calls the store). Memcache is the
@@ -26,7 +26,7 @@ Memcache's read lease for the same TTL (``batch_add_lease``), so their owner can
 meanwhile; it is not released early (it ends with its TTL). A failed Memcache call raises
 ``MemcacheStoreError`` (a ``PoolError``) with the library's code and the key.
 
-As backend ``"memcache"`` of ``kvcore.poolregistry``: ``open_pool`` (the LocalService of the
+As backend ``"memcache"`` of ``kvcore.pool.registry``: ``open_pool`` (the LocalService of the
 request's mmc-local.conf).
 """
 
@@ -37,10 +37,10 @@ import dataclasses
 import structlog
 import torch
 
-from kvcore.eviction import EvictionPolicy, LRUEviction
-from kvcore.hostpool import ObjectNotFound, PoolError
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.eviction import EvictionPolicy, LRUEviction
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import ObjectNotFound, PoolError
+from kvcore.pool.segment import SharedSegment
 from poolbackends.memcache_client import MemcacheClient, MemcacheStoreError, MemcacheUnavailable
 from poolbackends.memcache_conf import LocalSettings
 from poolbackends.memcache_meta import MemcacheNotInstalled

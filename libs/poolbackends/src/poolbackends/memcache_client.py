@@ -38,8 +38,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvcore.hostpool import PoolError
-from kvcore.mmcconf import mmc_pair
+from kvcore.config.mmc_files import mmc_pair
+from kvcore.pool.host_pool import PoolError
 from poolbackends.memcache_conf import LocalSettings, local_fields
 from poolbackends.memcache_meta import INSTALL_HINT, MODULE, MemcacheNotInstalled
 from svcruntime.native_output import native_output
@@ -138,7 +138,7 @@ class MemcacheClient:
     ) -> MemcacheClient:
         """Start a LocalService from an ``mmc-local.conf`` path (or settings, written to a temporary
         file first). Raises ``MemcacheNotInstalled``, ``ValueError`` (a bad conf, or one that breaks the
-        pair rules against ``$MMC_META_CONFIG_PATH``: ``kvcore.mmcconf.mmc_pair``) or
+        pair rules against ``$MMC_META_CONFIG_PATH``: ``kvcore.config.mmc_files.mmc_pair``) or
         ``MemcacheUnavailable`` (the library refused to start: the reason is its own)."""
         if not isinstance(device_id, int) or device_id < 0:
             raise ValueError(f"device_id must be an int >= 0, got {device_id!r}")

@@ -10,7 +10,7 @@ MetaService. ``meta_conf_text`` writes the keys the MetaService reads (``MMC_MET
 
 LocalService (the client in each pool process). memcache_hybrid 1.3.0 reads
 ``MMC_LOCAL_CONFIG_PATH`` once, when its library loads, so a pool never relies on it: the keys are
-read here (``kvcore.mmcconf.read_conf``, the same file format) and set on a ``LocalConfig``
+read here (``kvcore.config.mmc_files.read_conf``, the same file format) and set on a ``LocalConfig``
 (``LOCAL_KEYS``: key -> field) passed to ``DistributedObjectStore.setup``. A key outside
 ``LOCAL_KEYS`` is a ``ValueError`` naming the file, line and key (the library itself refuses
 unknown keys, e.g. ``ock.mmc.log_path``, with "Invalid key"). ``LocalSettings`` generates a file
@@ -24,8 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvcore.hostpool import check_count
-from kvcore.mmcconf import (
+from kvcore.config.mmc_files import (
     DRAM_KEY,
     LOCAL_STORE_KEY,
     META_STORE_KEY,
@@ -36,6 +35,7 @@ from kvcore.mmcconf import (
     parse_url,
     read_conf,
 )
+from kvcore.pool.host_pool import check_count
 
 METRICS_KEY = "ock.mmc.meta_service.metrics_url"
 

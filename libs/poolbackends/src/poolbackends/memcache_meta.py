@@ -29,7 +29,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from kvcore.hostpool import check_count, check_positive
+from kvcore.pool.host_pool import check_count, check_positive
 from poolbackends.memcache_conf import MetaUrls, meta_conf_text, meta_urls
 from svcruntime.serverprocess import ServerProcess, free_port, port_answers
 

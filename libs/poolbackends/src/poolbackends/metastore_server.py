@@ -14,7 +14,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from kvcore.hostpool import PoolError
+from kvcore.pool.host_pool import PoolError
 from poolbackends.client import MetaStoreClient
 from svcruntime.serverprocess import ServerProcess, free_port
 

@@ -1,12 +1,12 @@
 """``MooncakeHostPool``: the host KV pool over Mooncake Store (``backend: "mooncake"``).
 
 Where bytes live. A ``MooncakeHostPool`` is a ``poolbackends.storepool.StoreHostPool`` (a
-``kvcore.localpool.LocalHostPool``; the split between keys held here and in the store is its) over a
+``kvcore.pool.local.LocalHostPool``; the split between keys held here and in the store is its) over a
 ``SharedSegment`` of its own (``/dev/shm/kvoffload-mooncake-<pool id>``, created by the pool and
 closed and unlinked on ``close``) whose whole mapping is registered with the store client
 (``poolbackends.mooncake_objects``). Everything local is ``LocalHostPool``'s own code: the index, free
 list, written-plane bitmap, pins, ``LeaseTable``, eviction order, stats and the lock, and the hook
-map of ``kvcore.hostpool`` holds as for it ("blocks: lock only" reads "plus bounded store calls"
+map of ``kvcore.pool.host_pool`` holds as for it ("blocks: lock only" reads "plus bounded store calls"
 where a hook below touches the store). Mooncake Store is the shared store: when ``put_from`` writes
 an object's last plane, the pool puts the whole object to the store as ONE Mooncake object, key
 ``<namespace>/<key hex>``, bytes = the block's rows of plane 0, then plane 1, ... (zero-copy from
@@ -49,7 +49,7 @@ Construction without the wheel or ``libibverbs1``
 raises ``MooncakeNotInstalled`` saying what to install; without a master it raises within
 ``connect_timeout_s``.
 
-As backend ``"mooncake"`` of ``kvcore.poolregistry``: ``open_pool`` (a pool of its own client of the
+As backend ``"mooncake"`` of ``kvcore.pool.registry``: ``open_pool`` (a pool of its own client of the
 store config's ``mooncake_master``) and ``pool_not_ready`` (the master's port answers, and
 ``not_ready``).
 """
@@ -61,11 +61,11 @@ import threading
 import structlog
 import torch
 
-from kvcore.eviction import EvictionPolicy, LRUEviction
-from kvcore.hostpool import PoolError, check_positive
-from kvcore.leases import check_ttl_ms
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.eviction import EvictionPolicy, LRUEviction
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import PoolError, check_positive
+from kvcore.pool.leases import check_ttl_ms
+from kvcore.pool.segment import SharedSegment
 from poolbackends.mooncake_master import MooncakeNotInstalled, port_answers
 from poolbackends.mooncake_objects import StoreObjects
 from poolbackends.mooncake_store import MooncakeStore, MooncakeStoreError, address_toward

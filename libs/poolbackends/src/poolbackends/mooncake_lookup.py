@@ -1,5 +1,5 @@
 """``MooncakeLookup``: which blocks Mooncake Store holds, asked of its master without a pool (backend
-``"mooncake"``'s ``lookup`` hook in ``kvcore.poolregistry``: the vLLM store's scheduler looks a prompt's
+``"mooncake"``'s ``lookup`` hook in ``kvcore.pool.registry``: the vLLM store's scheduler looks a prompt's
 blocks up here, as it asks a kvoffload-metastore's ``Exists`` on backend ``"kvoffload"``).
 
 One Mooncake Store client that mounts no segment and registers no buffer (``MooncakeStore`` of
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcore.hostpool import PoolError
+from kvcore.pool.host_pool import PoolError
 from poolbackends.mooncake_master import MooncakeNotInstalled
 from poolbackends.mooncake_store import MooncakeStore, MooncakeStoreError, address_toward, code_name
 from poolbackends.registry import PoolOpenError

@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from kvcore.hostpool import check_count, check_positive
+from kvcore.pool.host_pool import check_count, check_positive
 from svcruntime.serverprocess import ServerProcess, free_port, port_answers
 
 __all__ = [

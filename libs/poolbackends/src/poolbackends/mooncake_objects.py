@@ -1,6 +1,6 @@
 """``StoreObjects``: how one ``MooncakeHostPool``'s objects live in Mooncake Store.
 
-Memory. The pool's blocks live in its ``kvcore.segment.SharedSegment`` (plane p a
+Memory. The pool's blocks live in its ``kvcore.pool.segment.SharedSegment`` (plane p a
 ``[num_blocks, block_size, row_bytes_p]`` region); the whole mapping is registered with the store
 client, so puts are zero-copy. Objects. A complete object is ONE Mooncake object, key
 ``<namespace>/<key hex>``, bytes = the block's rows of plane 0, then plane 1, ...
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from kvcore.hostpool import ObjectNotFound, PoolError
-from kvcore.segment import SharedSegment
+from kvcore.pool.host_pool import ObjectNotFound, PoolError
+from kvcore.pool.segment import SharedSegment
 from poolbackends.mooncake_store import (
     OBJECT_HAS_LEASE,
     OBJECT_NOT_FOUND,

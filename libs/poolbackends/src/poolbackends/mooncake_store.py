@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvcore.hostpool import ObjectUnreachable, PoolError
+from kvcore.pool.host_pool import ObjectUnreachable, PoolError
 from poolbackends.mooncake_master import INSTALL_HINT, MooncakeNotInstalled, port_answers
 
 MAX_BATCH_KEYS = 1024

@@ -9,9 +9,9 @@ import threading
 
 import torch
 
-from kvcore.hostpool import ObjectNotFound, PoolError
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import ObjectNotFound, PoolError
+from kvcore.pool.segment import SharedSegment
 from poolbackends.records import PoolRecord
 
 

@@ -1,4 +1,4 @@
-"""The calls that run a ``kvcore.poolregistry`` backend's hooks: ``open_pool`` (its factory, asked
+"""The calls that run a ``kvcore.pool.registry`` backend's hooks: ``open_pool`` (its factory, asked
 with a ``PoolRequest``), ``readiness`` (its check of an open pool), ``start_server`` (its launcher)
 and ``open_lookup`` (a ``PrefixLookup``: which blocks the pool holds, asked without a pool; the vLLM
 store's scheduler).
@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvcore.hostpool import HostPoolBackend
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.poolregistry import POOL_BACKENDS, load
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import HostPoolBackend
+from kvcore.pool.registry import POOL_BACKENDS, load
 from svcruntime.serverprocess import ServerProcess
 
 
@@ -26,7 +26,7 @@ class PoolOpenError(RuntimeError):
 @dataclass(frozen=True)
 class PoolRequest:
     """What a service asks a backend's factory for: a pool of ``geometry`` on the backend of
-    ``store`` (its ``kv_connector_extra_config``, a ``kvcore.connectorconfig.StoreConnectorConfig``,
+    ``store`` (its ``kv_connector_extra_config``, a ``kvcore.config.connectors.StoreConnectorConfig``,
     which holds the backend's keys)."""
 
     store: Any
@@ -67,7 +67,7 @@ class PrefixLookup(Protocol):
     """Which blocks a backend's pools hold, asked of its index (a kvoffload-metastore, a mooncake_master)."""
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """Per key: a complete object of the block is there; a ``kvcore.hostpool.PoolError`` when the
+        """Per key: a complete object of the block is there; a ``kvcore.pool.host_pool.PoolError`` when the
         index does not answer."""
         ...
 

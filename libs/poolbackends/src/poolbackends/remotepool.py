@@ -4,7 +4,7 @@ A LocalService (a prefill or decode process) contributes DRAM as its own ``Share
 registers it with the MetaStore, which indexes every registered pool: key -> (pool, block id,
 written planes), read leases, LRU eviction. ``RemoteHostPool`` is the ``HostPoolBackend`` over that
 index, so callers written for ``LocalHostPool`` (the prefill engine) run unchanged. Where the hook
-map of ``kvcore.hostpool`` says "blocks: lock only", read "one or a few MetaStore RPCs, each
+map of ``kvcore.pool.host_pool`` says "blocks: lock only", read "one or a few MetaStore RPCs, each
 bounded by the client's ``timeout_s`` (``MetaStoreUnavailable`` past it)".
 
 Hook -> MetaStore calls (all from any thread; the gRPC client is thread-safe)
@@ -24,7 +24,7 @@ Hook -> MetaStore calls (all from any thread; the gRPC client is thread-safe)
                              available for it.
 ``exists`` / ``lease`` / ``remove`` / ``block_ids`` / ``stats``
                              Exists / Lease / Remove / Lookup / Stats. ``lease`` returns a
-                             ``RemoteLease`` (a ``kvcore.leases.Lease``; release is an RPC).
+                             ``RemoteLease`` (a ``kvcore.pool.leases.Lease``; release is an RPC).
                              ``remove`` first waits (``io_wait_timeout_s``, then ``ObjectBusy``)
                              for this process's copies of the keys; another process's copy lease
                              is a lease (``ObjectLeased``). ``block_ids`` of an object in another
@@ -50,8 +50,9 @@ from contextlib import contextmanager
 import structlog
 import torch
 
-from kvcore.gather import scatter_blocks
-from kvcore.hostpool import (
+from kvcore.hotcache.gather import scatter_blocks
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import (
     HostPoolBackend,
     IncompleteObject,
     ObjectBusy,
@@ -65,10 +66,9 @@ from kvcore.hostpool import (
     check_positive,
     check_same_bytes,
 )
-from kvcore.leases import check_ttl_ms
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
-from kvcore.segment import host_id as this_host_id
+from kvcore.pool.leases import check_ttl_ms
+from kvcore.pool.segment import SharedSegment
+from kvcore.pool.segment import host_id as this_host_id
 from poolbackends.client import MetaStoreClient, RemoteLease
 from poolbackends.membership import PoolMembership
 from poolbackends.peersegments import PeerSegments
@@ -256,7 +256,7 @@ class RemoteHostPool(HostPoolBackend):
         self._check_usable()
         return self._client.exists(keys) if keys else []
 
-    def lease(self, keys: Sequence[bytes], ttl_ms: int) -> RemoteLease:  # a kvcore.leases.Lease
+    def lease(self, keys: Sequence[bytes], ttl_ms: int) -> RemoteLease:  # a kvcore.pool.leases.Lease
         keys = check_keys(keys, unique=True)
         check_ttl_ms(ttl_ms)
         self._check_usable()

@@ -2,7 +2,7 @@
 distributed store (``poolbackends.mooncake.MooncakeHostPool`` over Mooncake Store,
 ``poolbackends.memcache.MemcacheHostPool`` over Memcache).
 
-Where bytes live. A ``StoreHostPool`` is a ``kvcore.localpool.LocalHostPool`` over a
+Where bytes live. A ``StoreHostPool`` is a ``kvcore.pool.local.LocalHostPool`` over a
 ``SharedSegment`` of its own (``/dev/shm/kvoffload-<prefix>-<pool id>``, created here, closed and
 unlinked on ``close``); its index, free list, written planes, pins, leases, eviction and stats are
 ``LocalHostPool``'s. The store is the shared layer: when ``put_from`` writes an object's last
@@ -39,12 +39,12 @@ from typing import Protocol, TypeVar
 import structlog
 import torch
 
-from kvcore.eviction import EvictionPolicy
-from kvcore.hostpool import ObjectExists, ObjectNotFound, PoolError, _as_block_bytes, check_keys
-from kvcore.leases import Lease, check_ttl_ms
-from kvcore.localpool import LocalHostPool
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.eviction import EvictionPolicy
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import ObjectExists, ObjectNotFound, PoolError, _as_block_bytes, check_keys
+from kvcore.pool.leases import Lease, check_ttl_ms
+from kvcore.pool.local import LocalHostPool
+from kvcore.pool.segment import SharedSegment
 from poolbackends.store_fetched import FetchedObjects
 
 log = structlog.get_logger(__name__)

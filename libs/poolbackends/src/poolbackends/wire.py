@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import grpc
 
-from kvcore.poolerrors import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, PoolError, PoolFullError
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.errors import LeaseExpired, ObjectExists, ObjectLeased, ObjectNotFound, PoolError, PoolFullError
+from kvcore.pool.geometry import PoolGeometry
 from kvoffload_proto.v1 import metastore_pb2 as pb
 from poolbackends.errors import (
     MetaStoreUnavailable,

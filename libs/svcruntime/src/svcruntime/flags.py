@@ -15,7 +15,7 @@ import argparse
 import math
 from typing import Any
 
-from kvcore.configerrors import ConfigError
+from kvcore.config.errors import ConfigError
 from svcruntime import tls as kvtls
 
 MAX_PORT = 65535

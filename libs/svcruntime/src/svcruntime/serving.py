@@ -36,8 +36,8 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvcore.backends import BackendUnavailableError
-from kvcore.configerrors import ConfigError
-from kvcore.segment import sweep_stale_segments, unlink_owned_segments
+from kvcore.config.errors import ConfigError
+from kvcore.pool.segment import sweep_stale_segments, unlink_owned_segments
 from kvoffload_proto.v1 import stats_pb2, stats_pb2_grpc
 from svcruntime import tls as kvtls
 from svcruntime.flags import check_flags

@@ -12,8 +12,8 @@ from pathlib import Path
 import structlog
 
 from kvcore.backends import require_available
-from kvcore.configerrors import ConfigError
-from kvcore.decodesettings import DecodeSettings, decode_settings
+from kvcore.config.decode_settings import DecodeSettings, decode_settings
+from kvcore.config.errors import ConfigError
 from kvoffload_decode import __version__
 from kvoffload_decode.loop import DEFAULT_STEP_GATHER_S
 from kvoffload_decode.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import structlog
 from aiohttp import web
 
-from kvcore.configerrors import ConfigError
-from kvcore.segment import host_id
+from kvcore.config.errors import ConfigError
+from kvcore.pool.segment import host_id
 from kvcore.transferregistry import uses_engine
 from kvoffload_decode import __version__
 from kvoffload_decode.app import AppSettings, build_app
@@ -205,7 +205,7 @@ def _load_model(args: argparse.Namespace):
 
 def _decode_pool(cfg: DecodeConfig, model, control_port: int):
     """This DP rank's host pool (``dram_size_per_dp_GB``), created by rank 0; its TP followers attach
-    it (``kvcore.attachedpool``)."""
+    it (``kvcore.pool.attached``)."""
     from kvoffload_engine import build
 
     name = f"kvoffload-decode-{control_port}-{uuid.uuid4().hex[:6]}"

@@ -9,7 +9,7 @@ model. Each follower parses the same arguments, so it has the same model, sizes 
 
 - holds its shard and a ``SparseDecoder`` of its own (its indexer cache and hot buffer) over the DP
   rank's one host pool: rank 0 creates it and passes its segment's name (``--pool-segment``), the
-  follower attaches it (``kvcore.attachedpool``) and takes the blocks rank 0 allocates from rank 0's
+  follower attaches it (``kvcore.pool.attached``) and takes the blocks rank 0 allocates from rank 0's
   ops, so a TP N decode holds each prompt's KV once in host memory; every rank selects the same
   top-k over the same rows;
 - serves the Transfer control port of its rank, ``kv_port + dp_rank * N + rank``, where its
@@ -103,7 +103,7 @@ def _follower_main(argv: list[str] | None = None) -> int:
 
     from dsamodel.tp import DistGroup, shard_model
     from dsamodel.weights import load_model
-    from kvcore.attachedpool import AttachedPool
+    from kvcore.pool.attached import AttachedPool
     from kvoffload_decode.options import SERVICE, config_of
     from kvoffload_engine.decode import SparseDecoder
     from kvoffload_engine.model_layout import kv_layout
@@ -148,7 +148,7 @@ def _parse_rank_args(argv: list[str] | None) -> tuple[argparse.Namespace, argpar
 def _follow(decoder, pool, layout, own: argparse.Namespace, cfg: DecodeConfig, tls, control_port: int) -> int:
     """Serve this rank's control port (its pulls into ``decoder``) and follow rank 0 until it closes
     the group; returns the steps run."""
-    from kvcore.segment import host_id
+    from kvcore.pool.segment import host_id
     from kvoffload_decode import __version__
     from kvoffload_decode.follower import FollowerPulls
     from kvoffload_decode.options import SERVICE

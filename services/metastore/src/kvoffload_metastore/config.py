@@ -16,7 +16,7 @@ Precedence: defaults < conf files (``--meta-config`` / ``MMC_META_CONFIG_PATH``,
 
 ``IGNORED`` keys are accepted and logged with the reason; any other key is logged as unknown.
 A malformed line or value is a ``ValueError`` naming the file, line and key; so are the two
-files' disagreements (``kvcore.mmcconf.mmc_pair``: another MetaService, another config store, an
+files' disagreements (``kvcore.config.mmc_files.mmc_pair``: another MetaService, another config store, an
 unknown protocol).
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvcore.mmcconf import DRAM_KEY, mmc_pair, parse_size_bytes, parse_url, read_conf
+from kvcore.config.mmc_files import DRAM_KEY, mmc_pair, parse_size_bytes, parse_url, read_conf
 from svcruntime.tls import TLSConfig
 
 URL_KEY = "ock.mmc.meta_service_url"

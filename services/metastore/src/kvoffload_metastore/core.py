@@ -46,10 +46,10 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from kvcore.poolchecks import check_count, check_keys, objects_of
-from kvcore.poolerrors import ObjectExists, ObjectLeased
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.checks import check_count, check_keys, objects_of
+from kvcore.pool.errors import ObjectExists, ObjectLeased
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.segment import SharedSegment
 from kvoffload_metastore.errors import PoolFull
 from kvoffload_metastore.leasebook import LeaseBook, lease_ttl_ms
 from kvoffload_metastore.placement import candidates, check_absent, choose_pool

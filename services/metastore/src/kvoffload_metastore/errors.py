@@ -4,7 +4,7 @@ error type, and how each travels as a gRPC status, is ``poolbackends``'s (``pool
 
 from __future__ import annotations
 
-from kvcore.poolerrors import PoolFullError
+from kvcore.pool.errors import PoolFullError
 
 
 class PoolFull(PoolFullError):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import itertools
 
-from kvcore.leases import LeaseRecord, LeaseTable, check_ttl_ms
-from kvcore.poolerrors import LeaseExpired
+from kvcore.pool.errors import LeaseExpired
+from kvcore.pool.leases import LeaseRecord, LeaseTable, check_ttl_ms
 
 MAX_LEASE_TTL_MS = 86_400_000
 

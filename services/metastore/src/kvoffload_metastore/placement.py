@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvcore.poolerrors import ObjectExists
+from kvcore.pool.errors import ObjectExists
 from kvoffload_metastore.errors import PoolFull
 from kvoffload_metastore.pool_state import PoolState, StoredObject
 from poolbackends.errors import NoPoolRegistered

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcore.eviction import LRUEviction
+from kvcore.pool.eviction import LRUEviction
 from kvoffload_metastore.records import PoolRecord
 
 

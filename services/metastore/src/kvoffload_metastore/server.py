@@ -20,7 +20,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvcore.mmcconf import LOCAL_ENV, META_ENV, parse_size_bytes
+from kvcore.config.mmc_files import LOCAL_ENV, META_ENV, parse_size_bytes
 from kvoffload_metastore import __version__
 from kvoffload_metastore.config import MetaStoreConfig, build_config
 from kvoffload_metastore.core import MetaStoreCore

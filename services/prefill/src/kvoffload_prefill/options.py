@@ -13,10 +13,10 @@ from pathlib import Path
 import structlog
 
 from kvcore.backends import require_available
-from kvcore.configerrors import ConfigError
-from kvcore.mmcconf import LOCAL_ENV, mmc_pair
-from kvcore.poolregistry import EMBEDDED, POOL_BACKENDS
-from kvcore.prefillsettings import PrefillSettings, prefill_settings
+from kvcore.config.errors import ConfigError
+from kvcore.config.mmc_files import LOCAL_ENV, mmc_pair
+from kvcore.config.prefill_settings import PrefillSettings, prefill_settings
+from kvcore.pool.registry import EMBEDDED, POOL_BACKENDS
 from kvoffload_prefill import __version__
 from kvoffload_prefill.queue_bound import DEFAULT_MAX_QUEUE_WAIT_S, MAX_IN_SERVICE
 from svcruntime.flags import add_model_service_flags, add_process_flags, add_shared_flag
@@ -126,8 +126,8 @@ def pool_flags(args: argparse.Namespace, store, env: Mapping[str, str] | None = 
     ``ock.mmc.local_service.dram.size`` of the mmc-local.conf named by --local-config or
     $MMC_LOCAL_CONFIG_PATH > 1 GiB (``host_pool_source`` names the winner, ``host_pool_overrides`` the
     sources it overrode). A backend that keeps its index elsewhere refuses --metastore, and one that
-    needs an mmc-local.conf (``kvcore.poolregistry``) must get one. The mmc files are checked as a
-    pair (``kvcore.mmcconf.mmc_pair``; the mmc-meta.conf of $MMC_META_CONFIG_PATH), and the embedded
+    needs an mmc-local.conf (``kvcore.pool.registry``) must get one. The mmc files are checked as a
+    pair (``kvcore.config.mmc_files.mmc_pair``; the mmc-meta.conf of $MMC_META_CONFIG_PATH), and the embedded
     pool's index is the mmc-local.conf's ``ock.mmc.meta_service_url`` when neither --metastore nor the
     store config names one (``metastore_source`` says which)."""
     sources, named, value = [], {}, {}

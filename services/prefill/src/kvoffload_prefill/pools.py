@@ -1,4 +1,4 @@
-"""The prefill's host pool, opened by its backend's ``kvcore.poolregistry`` entry through
+"""The prefill's host pool, opened by its backend's ``kvcore.pool.registry`` entry through
 ``poolbackends.registry`` (``host_pool``), and what it says about itself: whether the prefill can
 take requests (``pool_not_ready``) and its Stats counters (``pool_counters``)."""
 

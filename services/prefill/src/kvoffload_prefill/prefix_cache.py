@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvcore.hostpool import ObjectLeased
+from kvcore.pool.host_pool import ObjectLeased
 
 
 def remove_unleased(pool, keys: Iterable[bytes]) -> tuple[dict[str, int], list[bytes]]:

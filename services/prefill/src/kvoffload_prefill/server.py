@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import structlog
 
-from kvcore.configerrors import ConfigError
-from kvcore.prefillsettings import PrefillSettings
-from kvcore.segment import host_id
+from kvcore.config.errors import ConfigError
+from kvcore.config.prefill_settings import PrefillSettings
+from kvcore.pool.segment import host_id
 from kvcore.transferregistry import uses_engine
 from kvoffload_prefill import __version__
 from kvoffload_prefill.app import build_app

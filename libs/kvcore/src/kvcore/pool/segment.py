@@ -1,9 +1,9 @@
 """The host pool's shared memory: ``SharedSegment``, the named POSIX shared memory that holds a
-pool's blocks plane by plane (its shape is a ``kvcore.poolgeometry.PoolGeometry``), and the
+pool's blocks plane by plane (its shape is a ``kvcore.pool.geometry.PoolGeometry``), and the
 lifecycle of segment files (``host_id``, unlinking owned segments at exit, sweeping stale ones).
 
 A segment knows only bytes and offsets; the object index, leases and eviction belong to the pool
-(``kvcore.hostpool``). One process creates a segment; others attach it by name.
+(``kvcore.pool.host_pool``). One process creates a segment; others attach it by name.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 import struct
 from typing import TYPE_CHECKING
 
-from kvcore.poolgeometry import PoolGeometry
+from kvcore.pool.geometry import PoolGeometry
 
 if TYPE_CHECKING:  # torch is imported where a segment is mapped: the metastore checks names without it
     import torch

@@ -1,7 +1,7 @@
 """``kv_connector_extra_config`` of each single connector: ``StoreConnectorConfig`` (the
 AscendStoreConnector: host KV pool and layerwise offload) and ``D2HConnectorConfig`` (the
 SfaRemoteD2HConnector: remote P→D device-to-host pull), with the keys that belong to one backend
-(a host-pool backend's keys are its ``kvcore.poolregistry`` entry's model, in ``kvcore.poolkeys``; a
+(a host-pool backend's keys are its ``kvcore.pool.registry`` entry's model, in ``kvcore.config.pool_keys``; a
 transfer backend's keys are fields here, named by its ``kvcore.transferregistry`` entry).
 """
 
@@ -11,8 +11,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator
 
-from kvcore.configerrors import Problem
-from kvcore.configfields import (
+from kvcore.config.errors import Problem
+from kvcore.config.fields import (
     StrictBool,
     choice,
     host,
@@ -21,9 +21,9 @@ from kvcore.configfields import (
     positive_gib,
     positive_seconds,
 )
-from kvcore.configmodel import ConfigModel
-from kvcore.confignames import LAYERWISE_KEYS, MEMFABRIC_DATA_OPS
-from kvcore.poolregistry import POOL_BACKENDS, STORE_BACKENDS, key_models
+from kvcore.config.model import ConfigModel
+from kvcore.config.names import LAYERWISE_KEYS, MEMFABRIC_DATA_OPS
+from kvcore.pool.registry import POOL_BACKENDS, STORE_BACKENDS, key_models
 from kvcore.transferregistry import TRANSFER_NAMES, TRANSFERS
 
 POOL_KEY_MODELS = key_models()  # backend name -> the model of its keys

@@ -1,8 +1,8 @@
 """The names the two JSON options accept: connectors, roles, backends, data operations, policies and keys.
 
 Plain constants, importable without pydantic: ``kvcore.backends`` (which backends can run here),
-``kvcore.hotcache`` (the policies) and the services read them as well as the config models. The
-host-pool backends' names are their ``kvcore.poolregistry`` entries' (``STORE_BACKENDS``), the P→D
+``kvcore.hotcache.cache`` (the policies) and the services read them as well as the config models. The
+host-pool backends' names are their ``kvcore.pool.registry`` entries' (``STORE_BACKENDS``), the P→D
 transfer backends' their ``kvcore.transferregistry`` entries' (``TRANSFER_NAMES``).
 """
 
@@ -17,7 +17,7 @@ ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # library's default is SDMA)
 MEMFABRIC_DATA_OPS = ("sdma", "host_rdma", "device_rdma", "device_urma", "device_uboe")
 HOT_CACHE_POLICIES = ("lru", "slru", "clock")  # == kvcore.hotcache.POLICIES (config imports no engine code)
-# the closest to Belady's optimum on the live indexer's selections, and the cheapest (kvcore.hotcache)
+# the closest to Belady's optimum on the live indexer's selections, and the cheapest (kvcore.hotcache.cache)
 DEFAULT_HOT_CACHE_POLICY = "clock"
 LAYERWISE_KEYS = ("layerwise_num_shared_buffers", "layerwise_independent_layers", "layerwise_prefetch_layers")
 SPARSE_KEY = "sparse_kv_offload_config"

@@ -10,10 +10,10 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BeforeValidator, ConfigDict, Field
 
-from kvcore.configerrors import Loc
-from kvcore.configfields import StrictBool, choice, dram_gib, int_rule
-from kvcore.configmodel import ConfigModel
-from kvcore.confignames import DEFAULT_HOT_CACHE_POLICY, HOT_CACHE_POLICIES, SPARSE_KEY
+from kvcore.config.errors import Loc
+from kvcore.config.fields import StrictBool, choice, dram_gib, int_rule
+from kvcore.config.model import ConfigModel
+from kvcore.config.names import DEFAULT_HOT_CACHE_POLICY, HOT_CACHE_POLICIES, SPARSE_KEY
 
 
 class SparseKVOffloadConfig(ConfigModel):

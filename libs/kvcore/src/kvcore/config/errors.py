@@ -15,8 +15,8 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
-from kvcore.confignames import CONNECTORS, ROLES
-from kvcore.poolregistry import STORE_BACKENDS
+from kvcore.config.names import CONNECTORS, ROLES
+from kvcore.pool.registry import STORE_BACKENDS
 
 Loc = tuple[str | int, ...]
 Problem = tuple[Loc, str]

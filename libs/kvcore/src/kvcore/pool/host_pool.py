@@ -1,16 +1,16 @@
 """The host KV pool's interface: ``HostPoolBackend``, its hook map, and the checks every backend applies.
 
 An *object* is one block of ``block_size`` tokens over every *plane* (one plane per cache per
-layer: layer i main KV, layer i indexer keys, ...), keyed by ``bytes`` (``kvcore.blockkeys``).
+layer: layer i main KV, layer i indexer keys, ...), keyed by ``bytes`` (``kvcore.pool.block_keys``).
 ``HostPoolBackend`` is the narrow object-store interface (shaped like memcache_hybrid / Mooncake
 Store) that callers use, with the checks every backend applies to its arguments (``check_keys``,
 ``_as_block_bytes``, ``check_open_segment``, ``check_positive``, ``check_count``), the lookup of keys
 in an index (``objects_of``) and the write-once rule (``check_same_bytes``). ``LocalHostPool``
-(``kvcore.localpool``) is the embedded backend over a ``SharedSegment``. A distributed backend
+(``kvcore.pool.local``) is the embedded backend over a ``SharedSegment``. A distributed backend
 replaces it without touching callers. Eviction policy is a separate object. Elsewhere:
-``PoolGeometry`` in ``kvcore.poolgeometry``, ``SharedSegment`` in ``kvcore.segment``, the
-``Lease`` protocol and the lease table in ``kvcore.leases``, the errors in ``kvcore.poolerrors``,
-the eviction policies in ``kvcore.eviction``.
+``PoolGeometry`` in ``kvcore.pool.geometry``, ``SharedSegment`` in ``kvcore.pool.segment``, the
+``Lease`` protocol and the lease table in ``kvcore.pool.leases``, the errors in ``kvcore.pool.errors``,
+the eviction policies in ``kvcore.pool.eviction``.
 
 Hook map of ``HostPoolBackend``, grouped by caller. All methods are thread-safe; lists are
 batches and every batch is all-or-nothing (on error nothing changed). "Blocks" means waits on
@@ -94,9 +94,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.leases import Lease
-from kvcore.poolchecks import MAX_KEY_BYTES, check_count, check_keys, check_positive, objects_of  # noqa: F401
-from kvcore.poolerrors import (  # noqa: F401 - the pool's error vocabulary, importable from here
+from kvcore.pool.checks import MAX_KEY_BYTES, check_count, check_keys, check_positive, objects_of  # noqa: F401
+from kvcore.pool.errors import (  # noqa: F401 - the pool's error vocabulary, importable from here
     IncompleteObject,
     LeaseExpired,
     ObjectBusy,
@@ -108,8 +107,9 @@ from kvcore.poolerrors import (  # noqa: F401 - the pool's error vocabulary, imp
     PoolError,
     PoolFullError,
 )
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.leases import Lease
+from kvcore.pool.segment import SharedSegment
 
 # --------------------------------------------------------------------------------------------
 # Stats

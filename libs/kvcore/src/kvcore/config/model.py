@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, model_validator
 
-from kvcore.configerrors import Loc, Problem, format_path, hint, problems_of, rules_error
+from kvcore.config.errors import Loc, Problem, format_path, hint, problems_of, rules_error
 
 
 class ConfigModel(BaseModel):

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcore.additionalconfig import AdditionalConfig, SparseKVOffloadConfig
-from kvcore.config import parse_additional_config, parse_kv_transfer_config
-from kvcore.configerrors import ConfigError, describe_value
-from kvcore.confignames import D2H_CONNECTOR, SPARSE_KEY, STORE_CONNECTOR
-from kvcore.connectorconfig import D2HConnectorConfig, StoreConnectorConfig
-from kvcore.transferconfig import KVTransferConfig
+from kvcore.config.additional import AdditionalConfig, SparseKVOffloadConfig
+from kvcore.config.connectors import D2HConnectorConfig, StoreConnectorConfig
+from kvcore.config.errors import ConfigError, describe_value
+from kvcore.config.kv_transfer import KVTransferConfig
+from kvcore.config.names import D2H_CONNECTOR, SPARSE_KEY, STORE_CONNECTOR
+from kvcore.config.parse import parse_additional_config, parse_kv_transfer_config
 from kvcore.transferregistry import TRANSFER_NAMES, either
 
 KVConfigInput = str | dict[str, Any] | KVTransferConfig

@@ -1,9 +1,9 @@
 """``LocalHostPool``: the embedded host KV pool, an in-process object index over a ``SharedSegment``.
 
-It follows the hook map of ``kvcore.hostpool.HostPoolBackend`` (who calls what, what blocks, what
+It follows the hook map of ``kvcore.pool.host_pool.HostPoolBackend`` (who calls what, what blocks, what
 is idempotent). Its state: key -> block id, the planes written per block, the free list, the
-blocks pinned by in-flight copies, the lease table (``kvcore.leases``) and an eviction policy
-(``kvcore.eviction``; LRU by default).
+blocks pinned by in-flight copies, the lease table (``kvcore.pool.leases``) and an eviction policy
+(``kvcore.pool.eviction``; LRU by default).
 """
 
 from __future__ import annotations
@@ -14,9 +14,18 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from kvcore.eviction import EvictionPolicy, LRUEviction
-from kvcore.gather import scatter_blocks
-from kvcore.hostpool import (
+from kvcore.hotcache.gather import scatter_blocks
+from kvcore.pool.errors import (
+    IncompleteObject,
+    ObjectBusy,
+    ObjectExists,
+    ObjectLeased,
+    PoolError,
+    PoolFullError,
+)
+from kvcore.pool.eviction import EvictionPolicy, LRUEviction
+from kvcore.pool.geometry import PoolGeometry
+from kvcore.pool.host_pool import (
     HostPoolBackend,
     PoolStats,
     _as_block_bytes,
@@ -26,17 +35,8 @@ from kvcore.hostpool import (
     check_same_bytes,
     objects_of,
 )
-from kvcore.leases import Lease, LeaseTable, LocalLease, check_ttl_ms
-from kvcore.poolerrors import (
-    IncompleteObject,
-    ObjectBusy,
-    ObjectExists,
-    ObjectLeased,
-    PoolError,
-    PoolFullError,
-)
-from kvcore.poolgeometry import PoolGeometry
-from kvcore.segment import SharedSegment
+from kvcore.pool.leases import Lease, LeaseTable, LocalLease, check_ttl_ms
+from kvcore.pool.segment import SharedSegment
 
 
 class LocalHostPool(HostPoolBackend):

@@ -1,7 +1,7 @@
 """Each host-pool backend's keys in the store connector's ``kv_connector_extra_config``, as the typed
-model that validates them (named by the backend's ``kvcore.poolregistry`` entry).
+model that validates them (named by the backend's ``kvcore.pool.registry`` entry).
 
-``kvcore.connectorconfig.StoreConnectorConfig`` holds every backend's keys next to the common ones;
+``kvcore.config.connectors.StoreConnectorConfig`` holds every backend's keys next to the common ones;
 with another backend, giving one is an error that says what the key is for (its field's
 ``description``), unless that backend tolerates it (``PoolBackend.tolerates``).
 """
@@ -12,8 +12,8 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, Field
 
-from kvcore.configfields import address, int_rule, namespace
-from kvcore.configmodel import ConfigModel
+from kvcore.config.fields import address, int_rule, namespace
+from kvcore.config.model import ConfigModel
 
 
 class EmbeddedPoolKeys(ConfigModel):

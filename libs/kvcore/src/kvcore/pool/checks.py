@@ -1,13 +1,13 @@
 """The checks every host pool (and the metastore's index) applies to its callers' arguments: keys,
 counts, positive numbers, the objects an index holds for keys. No torch here: the metastore, which
-never touches a byte of KV, imports them without it (``kvcore.hostpool`` re-exports them)."""
+never touches a byte of KV, imports them without it (``kvcore.pool.host_pool`` re-exports them)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-from kvcore.poolerrors import ObjectNotFound
+from kvcore.pool.errors import ObjectNotFound
 
 MAX_KEY_BYTES = 512
 T = TypeVar("T")

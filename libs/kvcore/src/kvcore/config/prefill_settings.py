@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvcore.additionalconfig import SparseKVOffloadConfig
-from kvcore.configerrors import ConfigError, describe_value
-from kvcore.confignames import SPARSE_KEY, STORE_CONNECTOR
-from kvcore.connectorconfig import D2HConnectorConfig, StoreConnectorConfig
-from kvcore.layout import KVLayout
-from kvcore.nodeconfig import (
+from kvcore.config.additional import SparseKVOffloadConfig
+from kvcore.config.connectors import D2HConnectorConfig, StoreConnectorConfig
+from kvcore.config.errors import ConfigError, describe_value
+from kvcore.config.kv_transfer import KVTransferConfig
+from kvcore.config.names import SPARSE_KEY, STORE_CONNECTOR
+from kvcore.config.node import (
     AdditionalInput,
     KVConfigInput,
     check_positive,
@@ -27,7 +27,7 @@ from kvcore.nodeconfig import (
     parse_both,
     store_of,
 )
-from kvcore.transferconfig import KVTransferConfig
+from kvcore.layout import KVLayout
 
 DEFAULT_MAX_PREFETCH = 8
 

@@ -2,8 +2,8 @@
 
 One plane per cache per layer (layer i main KV, layer i indexer keys, ...), each ``row_bytes``
 per token; ``plane_labels`` may name each plane ``(layer, "main"|"indexer")``. The shared memory
-that holds a pool's planes is ``kvcore.segment.SharedSegment``; the object index is the pool's
-(``kvcore.hostpool``).
+that holds a pool's planes is ``kvcore.pool.segment.SharedSegment``; the object index is the pool's
+(``kvcore.pool.host_pool``).
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvcore.additionalconfig import SparseKVOffloadConfig
-from kvcore.configerrors import ConfigError, describe_value
-from kvcore.confignames import D2H_CONNECTOR, SPARSE_KEY
-from kvcore.connectorconfig import D2HConnectorConfig
-from kvcore.layout import KVLayout
-from kvcore.nodeconfig import (
+from kvcore.config.additional import SparseKVOffloadConfig
+from kvcore.config.connectors import D2HConnectorConfig
+from kvcore.config.errors import ConfigError, describe_value
+from kvcore.config.kv_transfer import KVTransferConfig
+from kvcore.config.names import D2H_CONNECTOR, SPARSE_KEY
+from kvcore.config.node import (
     AdditionalInput,
     KVConfigInput,
     check_positive,
@@ -27,7 +27,7 @@ from kvcore.nodeconfig import (
     missing_transfer_backend,
     parse_both,
 )
-from kvcore.transferconfig import KVTransferConfig
+from kvcore.layout import KVLayout
 
 MAX_PORT = 65535
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from kvcore.poolerrors import LeaseExpired
+from kvcore.pool.errors import LeaseExpired
 
 LeaseState = Literal["live", "released", "expired"]
 

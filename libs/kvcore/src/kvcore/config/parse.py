@@ -2,11 +2,11 @@
 
 The formats are the ones of vllm-ascend's "Layerwise and Sparse KV Cache Offload" guide, accepted
 as written (Ascend backend names included; whether a backend can run here is ``kvcore.backends``'
-job, model-dependent rules are the node settings' (``kvcore.prefillsettings``,
-``kvcore.decodesettings``)). ``parse_kv_transfer_config`` and ``parse_additional_config`` are the
-entry points; they return frozen, strictly typed pydantic models (``kvcore.transferconfig``,
-``kvcore.connectorconfig``, ``kvcore.additionalconfig``). Every problem found in one pass is
-raised together as a ``ConfigError`` (``kvcore.configerrors``) whose messages name the field by
+job, model-dependent rules are the node settings' (``kvcore.config.prefill_settings``,
+``kvcore.config.decode_settings``)). ``parse_kv_transfer_config`` and ``parse_additional_config`` are the
+entry points; they return frozen, strictly typed pydantic models (``kvcore.config.kv_transfer``,
+``kvcore.config.connectors``, ``kvcore.config.additional``). Every problem found in one pass is
+raised together as a ``ConfigError`` (``kvcore.config.errors``) whose messages name the field by
 dotted path, the offending value and the rule. Unknown keys are not errors: they become warnings
 (with a "did you mean" suggestion) kept on the parsed object and logged once.
 """
@@ -19,10 +19,10 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 
-from kvcore.additionalconfig import AdditionalConfig
-from kvcore.configerrors import ConfigError, describe_value, format_path
-from kvcore.configmodel import ConfigModel
-from kvcore.transferconfig import KVTransferConfig
+from kvcore.config.additional import AdditionalConfig
+from kvcore.config.errors import ConfigError, describe_value, format_path
+from kvcore.config.kv_transfer import KVTransferConfig
+from kvcore.config.model import ConfigModel
 
 _log = structlog.get_logger(__name__)
 

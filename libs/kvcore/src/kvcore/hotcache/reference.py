@@ -1,4 +1,4 @@
-"""The hot cache's Python reference path: the executable form of ``kvcore.hotcache``'s exact semantics.
+"""The hot cache's Python reference path: the executable form of ``kvcore.hotcache.cache``'s exact semantics.
 
 ``HotCache(..., native=False)`` runs this path; the native C++/OpenMP path must produce identical
 outputs (the property tests compare them). It runs one call at a time, under the cache's lock.
@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import torch
 
-from kvcore.hotcache_resolution import MAX_TOKEN, Resolution
+from kvcore.hotcache.resolution import MAX_TOKEN, Resolution
 
 
 class _LayerState:
@@ -75,7 +75,7 @@ _State = _LayerState | _ClockState
 
 
 class ReferencePath:
-    """Straightforward Python path: the executable form of ``kvcore.hotcache``'s docstring."""
+    """Straightforward Python path: the executable form of ``kvcore.hotcache.cache``'s docstring."""
 
     def __init__(self, capacity: int, num_layers: int, lock: threading.Lock, policy: str) -> None:
         self.capacity = capacity
@@ -195,7 +195,7 @@ class ReferencePath:
                     del st.token_slot[st.slot_token[s]]
                 st.slot_token[s] = t
                 st.token_slot[t] = s
-                st.ref[s] = False  # a new token's bit starts clear (kvcore.hotcache says why)
+                st.ref[s] = False  # a new token's bit starts clear (kvcore.hotcache.cache says why)
                 selected.add(s)
                 misses.append((row, t, s))
                 if t >= stable:

@@ -10,10 +10,11 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
-from kvcore.configerrors import Loc, Problem, describe_value, problems_of, rule_error, rules_error
-from kvcore.configfields import choice, int_rule
-from kvcore.configmodel import ConfigModel
-from kvcore.confignames import (
+from kvcore.config.connectors import D2HConnectorConfig, StoreConnectorConfig
+from kvcore.config.errors import Loc, Problem, describe_value, problems_of, rule_error, rules_error
+from kvcore.config.fields import choice, int_rule
+from kvcore.config.model import ConfigModel
+from kvcore.config.names import (
     CONNECTORS,
     D2H_CONNECTOR,
     MULTI_CONNECTOR,
@@ -21,7 +22,6 @@ from kvcore.confignames import (
     STORE_CONNECTOR,
     VLLM_TRANSFER_KEYS,
 )
-from kvcore.connectorconfig import D2HConnectorConfig, StoreConnectorConfig
 
 
 class MultiConnectorConfig(ConfigModel):

@@ -1,7 +1,7 @@
 """Field rules of the config models: strict before-validators that raise friendly errors.
 
 No coercion at all: ``"3"`` is not an int, ``2.0`` is not an int, ``true`` is not an int. Each
-rule raises ``rule_error`` naming the value, its type and the rule (``kvcore.configerrors``).
+rule raises ``rule_error`` naming the value, its type and the rule (``kvcore.config.errors``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator
 
-from kvcore.configerrors import describe_value, hint, rule_error
+from kvcore.config.errors import describe_value, hint, rule_error
 
 
 def choice(options: tuple[str, ...], what: str = "", *, optional: bool = False) -> BeforeValidator:

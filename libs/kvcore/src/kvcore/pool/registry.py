@@ -3,12 +3,12 @@
 ``start_server``).
 
 An entry declares everything about its backend that lives outside the backend's own module: its
-config keys (the typed model that validates them, in ``kvcore.poolkeys``; which are required, and
+config keys (the typed model that validates them, in ``kvcore.config.pool_keys``; which are required, and
 which keys of other backends it accepts), an availability probe (``ImportProbe``: the module it
 needs and how to install it), the factory that opens its pool, its readiness check, the launcher
 of its server, and where it runs beyond the prefill (a stack's ``--pool``; the vLLM store, whose
 scheduler asks the backend's ``lookup`` which blocks the pool holds, without opening a pool). Config
-validation (``kvcore.connectorconfig``), availability (``kvcore.backends``), the prefill, the vLLM
+validation (``kvcore.config.connectors``), availability (``kvcore.backends``), the prefill, the vLLM
 store, ``kvoffload up``, the fault suite and ``kvoffload bench pool`` all read it.
 
 Hooks are named ``"module:attribute"`` and imported when used (``load``), as entry points are:
@@ -19,7 +19,7 @@ pydantic nor torch, so the command line reads the names without paying for eithe
 Adding a backend: its module in ``libs/poolbackends`` (``open_pool(poolbackends.registry.PoolRequest)``, optionally
 ``pool_not_ready(pool)``, a ``svcruntime.serverprocess.ServerProcess`` launcher and, for the vLLM store,
 ``open_lookup(store, timeout_s)``), its keys
-model in ``kvcore.poolkeys`` when it has keys, its entry below, and its tests
+model in ``kvcore.config.pool_keys`` when it has keys, its entry below, and its tests
 (``tests/integration/test_backend_contract.py``; ``kvoffload bench pool`` names what it measures).
 """
 
@@ -57,7 +57,7 @@ class PoolBackend:
 
     name: str  # the store config's "backend"
     factory: str  # (poolbackends.registry.PoolRequest) -> HostPoolBackend; PoolOpenError says why it cannot
-    keys: str | None = None  # its kv_connector_extra_config keys: a kvcore.poolkeys model
+    keys: str | None = None  # its kv_connector_extra_config keys: a kvcore.config.pool_keys model
     required: Mapping[str, str] = field(default_factory=dict)  # key -> its rule: required with this backend
     tolerates: frozenset[str] = frozenset()  # keys of other backends it accepts (and does not use)
     probe: ImportProbe | None = None  # None: it runs everywhere
@@ -87,7 +87,7 @@ POOL_BACKENDS: Mapping[str, PoolBackend] = MappingProxyType(
             PoolBackend(
                 EMBEDDED,
                 factory="poolbackends.embedded:open_pool",
-                keys="kvcore.poolkeys:EmbeddedPoolKeys",
+                keys="kvcore.config.pool_keys:EmbeddedPoolKeys",
                 readiness="poolbackends.embedded:pool_not_ready",
                 launcher="poolbackends.metastore_server:MetastoreServer",
                 stack=StackServer("metastore", ("MetaStore", "metastore")),
@@ -111,7 +111,7 @@ POOL_BACKENDS: Mapping[str, PoolBackend] = MappingProxyType(
             PoolBackend(
                 "mooncake",
                 factory="poolbackends.mooncake:open_pool",
-                keys="kvcore.poolkeys:MooncakePoolKeys",
+                keys="kvcore.config.pool_keys:MooncakePoolKeys",
                 required={
                     "mooncake_master": 'must be "HOST:PORT" (the mooncake_master\'s RPC address, e.g. '
                     '"127.0.0.1:50051")'
@@ -142,5 +142,5 @@ def load(ref: str) -> Any:
 
 
 def key_models() -> dict[str, Any]:
-    """Backend name -> the typed model of its keys (``kvcore.poolkeys``), for the backends that have keys."""
+    """Backend name -> the typed model of its keys (``kvcore.config.pool_keys``), for the backends that have keys."""
     return {b.name: load(b.keys) for b in POOL_BACKENDS.values() if b.keys}

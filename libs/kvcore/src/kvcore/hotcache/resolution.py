@@ -1,5 +1,5 @@
 """What one hot-cache ``resolve`` returns (``Resolution``) and the largest token index it accepts
-(``MAX_TOKEN``): shared by ``kvcore.hotcache`` and its reference path, ``kvcore.hotcache_reference``."""
+(``MAX_TOKEN``): shared by ``kvcore.hotcache.cache`` and its reference path, ``kvcore.hotcache.reference``."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ buffer of ``capacity`` token slots. Each step the indexer selects top-k past tok
 maps every selected token to a slot: hits reuse their slot, misses take the slots the policy
 gives up (of tokens not selected now), and only the misses are gathered
 from the host pool
-(``kvcore.gather.gather_rows`` takes ``miss_rows``/``miss_tokens``/``miss_slots`` unchanged).
+(``kvcore.hotcache.gather.gather_rows`` takes ``miss_rows``/``miss_tokens``/``miss_slots`` unchanged).
 
 Residency is keyed by (request id, layer), never by batch row: requests join, leave and reorder
 between steps without touching anyone else's residency. ``finish(request_id)`` frees all of it.
@@ -30,7 +30,7 @@ Policies (``policy``):
   0.989, slru 0.985) at the lowest native cost of the three.
 
 Exact semantics of ``"lru"`` and ``"slru"`` (the native C++/OpenMP path and the Python reference,
-``kvcore.hotcache_reference``, produce identical outputs; ``"clock"`` below):
+``kvcore.hotcache.reference``, produce identical outputs; ``"clock"`` below):
 
 - State per (request, layer): ``capacity`` slots, each empty or holding one token; two LRU lists
   that hold every slot between them, *probation* and *protected* (``"lru"`` only ever uses
@@ -105,10 +105,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcore.confignames import DEFAULT_HOT_CACHE_POLICY
-from kvcore.confignames import HOT_CACHE_POLICIES as POLICIES  # index = the native policy code
-from kvcore.hotcache_reference import ReferencePath
-from kvcore.hotcache_resolution import Resolution
+from kvcore.config.names import DEFAULT_HOT_CACHE_POLICY
+from kvcore.config.names import HOT_CACHE_POLICIES as POLICIES  # index = the native policy code
+from kvcore.hotcache.reference import ReferencePath
+from kvcore.hotcache.resolution import Resolution
 
 
 class HotCache:

@@ -19,14 +19,14 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvcore.poolerrors import PoolError
+from kvcore.pool.errors import PoolError
 
 if TYPE_CHECKING:
     import torch
 
-    from kvcore.hostpool import PoolStats
-    from kvcore.poolgeometry import PoolGeometry
-    from kvcore.segment import SharedSegment
+    from kvcore.pool.geometry import PoolGeometry
+    from kvcore.pool.host_pool import PoolStats
+    from kvcore.pool.segment import SharedSegment
 
 
 class AttachedPool:
@@ -41,7 +41,7 @@ class AttachedPool:
     @classmethod
     def attach(cls, name: str) -> AttachedPool:
         """The view of the segment ``name`` (rank 0's pool: ``LocalHostPool.segment.name``)."""
-        from kvcore.segment import SharedSegment
+        from kvcore.pool.segment import SharedSegment
 
         return cls(SharedSegment.attach(name))
 
@@ -86,7 +86,7 @@ class AttachedPool:
     def stats(self) -> PoolStats:
         """This rank's view: the blocks its requests reference as used; capacity, leases, evictions
         are rank 0's pool's business and read 0 here."""
-        from kvcore.hostpool import PoolStats
+        from kvcore.pool.host_pool import PoolStats
 
         g, used = self.geometry, len(self._held)
         return PoolStats(
