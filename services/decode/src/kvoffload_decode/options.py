@@ -14,6 +14,7 @@ import structlog
 from kvcore.backends import require_available
 from kvcore.config.decode_settings import DecodeSettings, decode_settings
 from kvcore.config.errors import ConfigError
+from kvcore.transferregistry import uses_engine
 from kvoffload_decode import __version__
 from kvoffload_decode.loop import DEFAULT_STEP_GATHER_S
 from kvoffload_decode.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
@@ -163,6 +164,13 @@ def settings_of(args: argparse.Namespace, layout, index_topk: int | None) -> Dec
     vllm_only = settings.d2h.vllm_only_problems()
     if vllm_only:
         raise ConfigError(vllm_only)
+    if settings.tp > 1 and uses_engine(settings.d2h.transfer_backend):
+        raise ConfigError(
+            [
+                f"--tensor-parallel-size: got {settings.tp}; with transfer_backend "
+                f"{settings.d2h.transfer_backend!r} the decode runs one rank, use 1"
+            ]
+        )
     require_available(transfer_backend=settings.d2h.transfer_backend)
     for w in settings.warnings:
         log.warning("config_warning", warning=w)

@@ -49,13 +49,6 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     layout = kv_layout(model.config, args.block_size, model.dtype)
     cfg = config_of(args, layout, model.config.index_topk)
     settings = cfg.settings
-    if settings.tp > 1 and uses_engine(settings.d2h.transfer_backend):
-        raise ConfigError(
-            [
-                f"--tensor-parallel-size: got {settings.tp}; with transfer_backend "
-                f"{settings.d2h.transfer_backend!r} the decode runs one rank, use 1"
-            ]
-        )
     engine = _engine_rows(cfg, layout)
     tp_rank = 0  # this process; ranks 1..tp-1 are its TPRanks
     control_port = settings.control_port(cfg.dp_rank, tp_rank)
@@ -76,11 +69,10 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         step_gather_s=cfg.step_gather_s,
         max_queue_wait_s=cfg.max_queue_wait_s,
     )
-    model_id = cfg.model_id
     transfer = decode_transfer(
         loop,
         layout,
-        model_id,
+        cfg.model_id,
         host_id(),
         read_retries=cfg.read_retries,
         tls=tls,
@@ -89,7 +81,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         tp_size=settings.tp,
     )
     grpc_side = _control_side(loop, transfer, f"{cfg.host}:{control_port}", tls, not_ready)
-    app = _http_app(cfg, loop, transfer, model_id, settings.tp, control_port, not_ready)
+    app = _http_app(cfg, loop, transfer, cfg.model_id, settings.tp, control_port, not_ready)
     grpc_side.start()
     _log_serving(cfg, loop, control_port, speculative, engine, tls)
     serve_http(
