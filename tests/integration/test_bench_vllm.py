@@ -8,7 +8,9 @@ the gRPC stream's pair are measured, every read its own; the prefill's shared bu
 bench configured for the model's layers, and what it logged. The bench's Mooncake pair runs the same code on another
 backend (its figures and goals: ``libs/kvoffload_bench/tests/test_vllm_connectors_goals.py``; vLLM
 P/D on Mooncake Transfer Engine: ``test_vllm_pd.py``, ``test_vllm_hybrid.py``), so it is left out
-here (two vLLM servers fewer)."""
+here (two vLLM servers fewer), and so is its store server on Mooncake Store (its figure's verdict:
+``test_vllm_connectors_goals.py``; the store on Mooncake Store: ``test_vllm_mooncake_store.py``):
+the embedded pool's store server gives ``ttft_ratio_prefix_hit_by_backend.kvoffload``."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def test_bench_vllm_small(tmp_path):
         pd_matrix_tokens=(127,),  # the matrix's other lengths: test_vllm_pd.py, and the bench's own run
         backends=("grpc_stream",),
         shared_chunked=False,  # two servers more: the bench's own run (its verdict: test_vllm_connectors_goals.py)
+        pools=("kvoffload",),  # the Mooncake store server: one more, the bench's own run
         progress=False,
     )
     json.dumps(r)
@@ -42,6 +45,9 @@ def test_bench_vllm_small(tmp_path):
     assert r["hit_tokens_per_request"] == 1024  # 1064 prompt tokens: 8 full blocks of 128
     assert r["per_round"][0]["miss_hit_tokens"] == 0  # the first send found nothing in the pool
     assert 0 < r["bytes_loaded_per_request"] < r["prompt_kv_bytes"]
+    assert r["ttft_ratio_prefix_hit_by_backend"] == {"kvoffload": r["ttft_ratio_prefix_hit"]}
+    assert r["goals_met"]["ttft_ratio_prefix_hit_by_backend.kvoffload"] == (r["ttft_ratio_prefix_hit"] <= 0.3)
+    assert "not run" in r["not_measured"]["ttft_ratio_prefix_hit_by_backend.mooncake"]
     assert 0 < r["ttft_ratio_prefix_hit"] and r["goals_met"]["ttft_ratio_prefix_hit"] == (
         r["ttft_ratio_prefix_hit"] <= 0.3
     )

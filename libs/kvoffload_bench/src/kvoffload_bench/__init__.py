@@ -45,8 +45,9 @@ The P/D stack and vLLM (bench ``pd``, ``load``, ``vllm``):
   ``load_burst``: its burst case (mixed requests at once, no retry: answered, 429 or timed out);
   ``load_polite``: the same burst with clients that follow ``Retry-After`` as OpenAI's client does;
   ``load_report``: its result and goals.
-- ``vllm_connectors``: the kvoffload connectors inside real vLLM servers (store hits, P/D). ``vllm_pd``: its
-  P/D part; ``vllm_backends``: the P/D pull on each transfer backend of the vLLM connectors, side by side;
+- ``vllm_connectors``: the kvoffload connectors inside real vLLM servers (store hits, P/D). ``vllm_pools``:
+  its store part on each pool backend (a store server per backend); ``vllm_pd``: its P/D part;
+  ``vllm_backends``: the P/D pull on each transfer backend of the vLLM connectors, side by side;
   ``vllm_stream``: its timed streamed completions (TTFT, TPOT). ``vllm_goals``: its
   goals and what was not measured. ``vllm_shared``: its shared-layer-buffer figures (the P/D prefill's KV
   capacity, bytes per token, long-prompt TTFT and pool hits against the plain server). ``pd_matrix``: its

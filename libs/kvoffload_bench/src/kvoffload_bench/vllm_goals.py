@@ -5,6 +5,7 @@ measured: it is not met)."""
 from __future__ import annotations
 
 from kvoffload_bench.vllm_backends import BACKENDS
+from kvoffload_bench.vllm_pools import pool_goals
 from kvoffload_bench.vllm_shared import shared_goals
 
 GOAL_TTFT_RATIO = 0.3
@@ -34,7 +35,7 @@ def goals(out: dict) -> dict:
         "pd_matrix_tokens_equal": out["pd_matrix_tokens_equal"],
     }
     not_measured = {} if tpot is not None else {"pd_tpot_ratio": out["pd_tpot_ratio_not_measured"]}
-    for part in (shared_goals(out), _backend_goals(out)):
+    for part in (shared_goals(out), _backend_goals(out), pool_goals(out)):
         goals |= part[0]
         met |= part[1]
         not_measured |= part[2]
