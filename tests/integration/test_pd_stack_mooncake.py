@@ -294,9 +294,9 @@ def test_prefill_pool_flags_with_the_mooncake_backend(tmp_path):
             "kv_connector_extra_config.host_pool_gb",
         ),
     ]:
-        pool_flags(a, cfg, {})
-        assert (a.host_pool_bytes, a.metastore) == (size, None)
-        assert a.host_pool_source.startswith(source.split(" (")[0]), a.host_pool_source
+        flags = pool_flags(a, cfg, {})
+        assert (flags.host_pool_bytes, flags.metastore) == (size, None)
+        assert flags.host_pool_source.startswith(source.split(" (")[0]), flags.host_pool_source
 
 
 def test_a_taken_master_port_stops_the_stack_before_anything_starts(model_dir, tmp_path):
