@@ -174,3 +174,26 @@ def test_the_guides_mmc_variables_are_read_by_the_store_and_named_by_the_d2h(vll
     )
     with pytest.raises(ConfigError, match="the LocalService's config store must be the MetaService's"):
         read(vllm_config, store())
+
+
+def test_backend_mooncake_takes_its_master_and_no_metastore(vllm_config, tmp_path, monkeypatch):
+    """``backend: "mooncake"``: the mooncake_master as the reference prefill takes it (required), no
+    metastore (refused, naming the key); the mmc-local.conf's pool size still applies, its MetaService
+    is not taken (the embedded pool's only)."""
+    bare = {"kv_connector": "AscendStoreConnector", "kv_role": "kv_producer", **MODULE}
+
+    def mooncake(**extra: Any) -> dict:
+        return {**bare, "kv_connector_extra_config": {"backend": "mooncake", **extra}}
+
+    settings, warnings = read(vllm_config, mooncake(mooncake_master="127.0.0.1:50051", use_layerwise=True))
+    assert (settings.backend, settings.mooncake_master, settings.metastore) == ("mooncake", "127.0.0.1:50051", None)
+    assert not warnings, warnings
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.mooncake_master: required with backend"):
+        read(vllm_config, mooncake())
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.metastore: applies to backend 'kvoffload'"):
+        read(vllm_config, mooncake(mooncake_master="127.0.0.1:50051", metastore="127.0.0.1:5000"))
+    local = tmp_path / "mmc-local.conf"
+    local.write_text("ock.mmc.meta_service_url = tcp://127.0.0.1:5000\nock.mmc.local_service.dram.size = 2GB\n")
+    monkeypatch.setenv("MMC_LOCAL_CONFIG_PATH", str(local))
+    settings, _ = read(vllm_config, mooncake(mooncake_master="127.0.0.1:50051"))
+    assert (settings.metastore, settings.host_pool_gb) == (None, 2.0)

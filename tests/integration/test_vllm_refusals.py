@@ -8,7 +8,8 @@ take. (Tensor parallel is taken by both connectors: ``test_vllm_tp.py``; pipelin
 refused: ``libs/kvoffload_vllm/tests/test_tp_config.py``.)
 
 - Store (``AscendStoreConnector``): an unknown key, a missing metastore address, another backend, a
-  role vLLM does not know, a value out of range; a metastore that does not answer, its address named.
+  role vLLM does not know, a value out of range; a metastore or a mooncake_master (backend
+  ``"mooncake"``) that does not answer, its address named.
 - D2H (``SfaRemoteD2HConnector``): a role it does not take, a transfer backend this machine cannot
   run, an unknown key with the near miss named, a wildcard advertise host; the guide's decode with its
   ``--additional-config`` ``sparse_kv_offload_config`` (vLLM has none: the message says where sparse
@@ -106,6 +107,7 @@ def refused(tmp_path_factory, nobody) -> dict[str, tuple[str, str]]:
     }
     cases |= {f"d2h-{name}": d2h_args(config) for name, (config, _) in BAD_D2H_CONFIGS.items() if name != "both-role"}
     cases["nobody"] = ["--kv-transfer-config", store_config(nobody)]
+    cases["nobody-mooncake"] = ["--kv-transfer-config", store_config(None, backend="mooncake", mooncake_master=nobody)]
     cases["sparse-decode"] = [  # the guide's decode, --additional-config included: vLLM has no sparse offload
         *d2h_args({"kv_connector": "SfaRemoteD2HConnector", "kv_role": "kv_consumer", "kv_port": free_port()}),
         "--additional-config",
@@ -142,6 +144,10 @@ def test_a_bad_store_config_stops_vllm_with_the_field_named(refused, case):
 def test_a_metastore_that_does_not_answer_at_start_stops_vllm_with_its_address(refused, nobody):
     _refused(refused, "nobody", "MetaStore")
     assert nobody in refused["nobody"][1]
+
+
+def test_a_mooncake_master_that_does_not_answer_at_start_stops_vllm_with_its_address(refused, nobody):
+    _refused(refused, "nobody-mooncake", f"backend 'mooncake': no mooncake_master answers at {nobody}")
 
 
 def test_the_guides_sparse_decode_config_stops_vllm_saying_where_sparse_decode_runs(refused):

@@ -78,8 +78,9 @@ def test_hits_of_two_requests_and_the_blocks_a_reused_buffer_lost_come_back(pool
     holder["meta"] = SimpleNamespace(loads=meta.loads, steps=meta.steps, host_copies=None)  # that step over, whole
     run_step(steps, pool, caches, {NAMES[0]: 1000.0, NAMES[1]: 1001.0, NAMES[2]: 1002.0})
     assert errors == []
-    # the hits: 3 blocks, loaded into the 3 layers of the whole step and into layer 1 once before it
-    assert counters.take() == {"blocks_loaded": 3, "bytes_loaded": 4 * 3 * LAYOUT.block_bytes}
+    # the hits: 3 blocks, loaded into the 3 layers of the whole step and into layers 0 and 1 before it
+    # (the loader prepares the layers in forward order: layer 0 first)
+    assert counters.take() == {"blocks_loaded": 3, "bytes_loaded": 5 * 3 * LAYOUT.block_bytes}
     assert caches[NAMES[1]][2, 0, 0].item() == 200.0  # layer 2 (plane 2, key k0) was the last occupant
     # the next step: layer 1 first gets back its hits and the block it wrote, over layer 2's
     holder["meta"] = SimpleNamespace(loads=[], steps=[StepBlocks("r1", (2, 3, 4), 2 * BS + 3, 1)], host_copies=None)

@@ -14,6 +14,7 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
 - ``store``: ``AscendStoreConnector``, the layerwise prefix store over host pools (``SupportsHMA``:
   every KV cache group by its own block table and block size).
 - ``store_config``: its ``kv_transfer_config``, checked and typed.
+- ``store_lookup``: its scheduler's lookup in the backend's index (the metastore, a mooncake_master).
 - ``store_mmc``: what that config leaves out, from the seed's mmc files (``MMC_*_CONFIG_PATH``).
 - ``unread_config``: the guide's keys a vLLM server would leave unread (``sparse_kv_offload_config``,
   the pull's ``use_layerwise``): refused or warned at start-up.
@@ -30,6 +31,7 @@ The connector classes import vLLM, so they are loaded on first access (``kvofflo
   buffer; the vLLM version they are built for).
 - ``kv_cache_patch``: sizes vLLM's KV cache for those buffers (the one change to vLLM internals).
 - ``shared_steps``: the store's per-layer loads and host copies on shared buffers.
+- ``shared_loader``: their loader thread, ``layerwise_prefetch_layers`` layers ahead of the forward.
 - ``request_kv``: host copies of running requests' blocks of the shared layers.
 - ``request_kv_budget``: their budget (``layerwise_request_kv_gb``): start-up check, scheduler admission.
 - ``reuse_gate``: a shared buffer's next layer waits until its previous one is saved and pulled.

@@ -28,7 +28,8 @@ log = structlog.get_logger("vllm.kvoffload.store")
 def open_group_pools(
     store: StoreConnectorConfig, caches: Sequence[GroupCaches], pool_gb: float, timeout_s: float
 ) -> list[HostPoolBackend]:
-    """One pool per group in ``caches``, contributed to the store config's metastore."""
+    """One pool per group in ``caches``, contributed to the store config's backend (its metastore, its
+    mooncake_master: a Mooncake pool advertises this host's address toward the master)."""
     per_object = sum(c.object_bytes for c in caches)
     num_objects = int(pool_gb * 2**30) // per_object
     if num_objects < 1:
@@ -41,7 +42,7 @@ def open_group_pools(
     tag, pools = uuid.uuid4().hex[:8], []
     for c in caches:
         suffix = "" if len(caches) == 1 else f"-g{c.group.index}"
-        pool_id = f"vllm-{os.getpid()}-{tag}{suffix}"  # the store config's metastore indexes it
+        pool_id = f"vllm-{os.getpid()}-{tag}{suffix}"  # the store config's metastore indexes it (kvoffload)
         geometry = c.geometry(num_objects)
         pools.append(
             open_pool(PoolRequest(store, geometry, f"kvoffload-vllm-pool-{tag}{suffix}", pool_id, timeout_s=timeout_s))

@@ -16,8 +16,9 @@ a bug, never an OOM: it allocates nothing and raises ``RequestKVFull`` naming th
 copy grows by doubling, never past the ``ceiling`` the scheduler admitted it with.
 
 Thread use: the forward thread sizes (``reserve``) and drops, the saver thread writes (``put``),
-the loader thread reads (``get``); a request is never written and read at once (its layer's reload
-waits for the layer's previous save at the reuse gate).
+the loader thread (``kvoffload_vllm.shared_loader``) reads (``get``) and writes the prefix hits; a
+layer of a request is never written and read at once (its layer's reload waits for the layer's
+previous save at the reuse gate); a ``put`` and a growing ``reserve`` exclude each other.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class RequestKV:
             self._held += (fits[0] - have) * row
 
     def _blocks(self, req_id: str, layer: str, positions: range) -> torch.Tensor:
-        with self._lock:
-            kv = self._reqs.get(req_id)
+        """Under ``self._lock`` (``put``) or not (``get``)."""
+        kv = self._reqs.get(req_id)
         if kv is None or positions.stop > kv.shape[1]:
             have = 0 if kv is None else kv.shape[1]
             raise KeyError(f"request {req_id!r}: positions {positions} not reserved (holds {have} blocks)")
@@ -80,12 +81,16 @@ class RequestKV:
 
     def put(self, req_id: str, layer: str, positions: range, blocks: torch.Tensor) -> None:
         """Blocks ``[n, block_bytes]`` (any device) of ``layer`` at ``positions`` (n of them). The copy is
-        complete on return (a device buffer may be reused right after: never ``non_blocking``)."""
-        self._blocks(req_id, layer, positions).copy_(blocks)
+        complete on return (a device buffer may be reused right after: never ``non_blocking``). Under
+        the lock: a ``reserve`` that grows the copy (the next step's, while this step's saves still
+        run) moves it whole, never between a put's lookup and its write."""
+        with self._lock:
+            self._blocks(req_id, layer, positions).copy_(blocks)
 
     def get(self, req_id: str, layer: str, positions: range) -> torch.Tensor:
         """``[n, block_bytes]`` of ``layer`` at ``positions`` (a view: copy before it is written again)."""
-        return self._blocks(req_id, layer, positions)
+        with self._lock:
+            return self._blocks(req_id, layer, positions)
 
     def drop(self, req_ids: Iterable[str]) -> None:
         with self._lock:

@@ -2,7 +2,9 @@
 
 Before layer L writes the step's tokens into its buffer (``before_attention``: ``hook_layers``
 wraps the layer's ``do_kv_cache_update``, which vLLM 0.32 runs before the connector's
-``wait_for_layer_load``; every connector's ``save_kv_layer`` of the layers before L has run by then):
+``wait_for_layer_load``; every connector's ``save_kv_layer`` of the layers before L has run by then)
+the forward waits until the step's loader (``kvoffload_vllm.shared_loader``: a thread, started at
+the step's first layer, running up to ``layerwise_prefetch_layers`` layers ahead) has prepared L:
   1. the reuse gate (``kvoffload_vllm.reuse_gate``): wait until L's buffer's previous occupant is
      saved and pulled by every decode reading it (bounded; a stuck holder fails loudly);
   2. the step's prefix hits: blocks from the host pool into L's buffer (and into ``RequestKV``);
@@ -11,7 +13,9 @@ wraps the layer's ``do_kv_cache_update``, which vLLM 0.32 runs before the connec
 After L's attention (``after_attention``, from ``save_kv_layer``): L is held at the gate while the
 saver thread copies the step's blocks of L into ``RequestKV``; the pool's saves of full prompt
 blocks (the store's ordinary saves) queue before the release. Independent layers keep their own
-buffer: only step 2 applies to them.
+buffer: only step 2 applies to them. The step's end (``end_step``, from ``wait_for_save``) does not
+wait for the host copies: the next reload of a layer waits at the gate for it (one saver thread, in
+order); their futures are checked once done.
 
 A DSA layer's indexer cache (``SharedBuffers.caches``) goes with its layer: its buffer's indexer
 descriptor is made ready with the latent one, ahead of the indexer's forward (which writes and reads
@@ -20,11 +24,12 @@ module), loaded from its own pool plane, and saved with the layer; a layer's hos
 caches' pages side by side.
 
 A failed load marks the request's blocks as load errors (vLLM recomputes them); a gate past its
-bound raises ``ReuseTimeout`` out of the forward.
+bound (on the loader) raises ``ReuseTimeout`` out of the forward.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -44,6 +49,7 @@ from kvoffload_vllm.request_kv import RequestKV, RequestKVFull
 from kvoffload_vllm.request_kv_budget import HostCopies
 from kvoffload_vllm.reuse_gate import GATE, SAVE_BOUND_S
 from kvoffload_vllm.shared_buffers import SharedBuffers
+from kvoffload_vllm.shared_loader import LayerLoader
 from kvoffload_vllm.stats import Counters
 
 log = structlog.get_logger("vllm.kvoffload.store")
@@ -79,6 +85,7 @@ class _Step:
     hit_layers: int = 0  # layers whose prefix hits were loaded
     gate_wait_s: float = 0.0
     reloaded_blocks: int = 0
+    loader: LayerLoader | None = None
 
 
 class SharedSteps:
@@ -92,9 +99,13 @@ class SharedSteps:
         metadata: Callable[[], Any],
         counters: Counters,
         planes: Sequence[str] = (),
+        depth: int = 1,
     ) -> None:
         """``layout``: the attention layers' caches; ``caches``: every cache (a DSA layer's indexer one
-        too); ``planes``: the pool's planes, the group's caches in order (default the layout's layers)."""
+        too); ``planes``: the pool's planes, the group's caches in order (default the layout's layers);
+        ``depth``: how many layers ahead of the forward the loader runs (``layerwise_prefetch_layers``)."""
+        self.depth = depth
+        self._host_saves: list[Future] = []  # host copies not yet seen done
         self.shared, self.layout, self._saver, self._on_load_error = shared, layout, saver, on_load_error
         self._metadata = metadata  # the step's bound StoreStepMetadata, None outside a step
         self._counters = counters  # the store's: blocks_loaded and bytes_loaded count the hits loaded here
@@ -107,7 +118,9 @@ class SharedSteps:
                 self._cols[cache] = slice(at, at + self._bytes[cache].shape[1])
                 at += self._bytes[cache].shape[1]
         row = max(c.stop for c in self._cols.values())
-        pin = next(iter(caches.values())).device.type != "cpu"
+        device = next(iter(caches.values())).device
+        pin = device.type != "cpu"
+        self._on_cuda = device.type == "cuda"
         self.request_kv = RequestKV([n for n in layout.layer_names if shared.is_shared(n)], row, pin=pin)
         self._step = _Step([], [])
 
@@ -147,16 +160,29 @@ class SharedSteps:
             )
         module.register_forward_pre_hook(lambda _module, _args: self.before_attention(name, pool()))
 
-    def _current(self) -> _Step | None:
-        """This step (begun at its first layer: vLLM may call ``start_load_kv`` after the forward),
-        None outside a step (vLLM's dummy and profiling runs)."""
+    def _current(self, pool: HostPoolBackend | None) -> _Step | None:
+        """This step (begun at its first layer: vLLM may call ``start_load_kv`` after the forward, and
+        its loader started), None outside a step (vLLM's dummy and profiling runs)."""
         meta = self._metadata()
         if meta is None:
             return None
         if self._step.meta is not meta:
-            self._step = _Step(list(meta.loads), list(meta.steps), meta=meta)
-            self._reserve(self._step, meta.host_copies)
+            self._close_loader()  # a step that did not reach its end (never in vLLM's own order)
+            step = self._step = _Step(list(meta.loads), list(meta.steps), meta=meta)
+            self._reserve(step, meta.host_copies)
+            stream = torch.cuda.current_stream() if self._on_cuda else None
+            prepare = functools.partial(self._run_prepare, step, pool)
+            step.loader = LayerLoader(
+                self.layout.layer_names, self.shared.previous_occupant, self.depth, prepare, stream
+            ).start()
         return self._step
+
+    def _run_prepare(self, step: _Step, pool: HostPoolBackend | None, layer: str) -> None:
+        self._prepare(step, layer, pool)  # looked up at each call (the tests observe it)
+
+    def _close_loader(self) -> None:
+        if self._step.loader is not None:
+            self._step.loader.close()
 
     def _reserve(self, step: _Step, host: HostCopies | None) -> None:
         """The copies of requests vLLM finished are dropped first (the scheduler gave their room to
@@ -172,9 +198,20 @@ class SharedSteps:
                 self._fail(step, [r.request_id], "(host copy)", exc)
 
     def before_attention(self, layer: str, pool: HostPoolBackend | None) -> None:
-        """Idempotent within a step (vLLM's ``wait_for_layer_load`` follows the hooked write)."""
-        step, shared = self._current(), self.shared.is_shared(layer)
-        if step is None or layer in step.prepared:
+        """Until the loader prepared ``layer`` (its exception raised here); idempotent within a step
+        (vLLM's ``wait_for_layer_load`` follows the hooked write)."""
+        step = self._current(pool)
+        if step is None:
+            return
+        if step.loader is not None and layer in step.loader.index:
+            step.loader.wait(layer)
+        else:  # not a layer of the layout: prepared here, as the loader would
+            self._prepare(step, layer, pool)
+
+    def _prepare(self, step: _Step, layer: str, pool: HostPoolBackend | None) -> None:
+        """The gate, the prefix hits, the earlier chunks: ``layer``'s buffer made ready for the step."""
+        shared = self.shared.is_shared(layer)
+        if layer in step.prepared:
             return
         step.prepared.add(layer)
         if shared:
@@ -253,7 +290,9 @@ class SharedSteps:
         if not self.shared.is_shared(layer) or not self._step.requests:
             return []
         GATE.hold(layer, "save", SAVE_BOUND_S)
-        return [self._saver.submit(self._save, layer, list(self._step.requests))]
+        future = self._saver.submit(self._save, layer, list(self._step.requests))
+        self._host_saves.append(future)
+        return [future]
 
     def _save(self, layer: str, requests: list[StepBlocks]) -> None:
         """A request whose copy failed loses it: its next reload fails and vLLM recomputes."""
@@ -286,6 +325,16 @@ class SharedSteps:
         return rows
 
     def end_step(self) -> None:
+        """The step's loader joined (it prepared every layer the forward waited for); the host copies
+        not waited for (the gate orders the next reload after them): those done are checked."""
+        self._close_loader()
+        pending = []
+        for fut in self._host_saves:
+            if fut.done():
+                fut.result()  # _save reports its own failures; this raises only on a bug
+            else:
+                pending.append(fut)
+        self._host_saves = pending
         step = self._step
         if step.hit_layers == len(self.layout.layer_names):  # every layer of the hits loaded
             loaded = [t for t in step.loads if t.request_id not in step.failed]

@@ -1,7 +1,7 @@
 """``AscendStoreConnector`` for vLLM: the layerwise host KV pool and cross-instance prefix cache.
 
-The seed's ``AscendStoreConnector`` semantics on vLLM's ``KVConnectorBase_V1``, with the kvoffload
-host pool (``backend: "kvoffload"``: shared-memory segments indexed by ``kvoffload-metastore``)::
+The seed's ``AscendStoreConnector`` semantics on vLLM's ``KVConnectorBase_V1``, with the kvoffload host pool
+(``backend: "kvoffload"``: segments indexed by ``kvoffload-metastore``; ``"mooncake"``: on Mooncake Store)::
 
     --kv-transfer-config '{"kv_connector": "AscendStoreConnector", "kv_role": "kv_both",
         "kv_connector_module_path": "kvoffload_vllm",
@@ -9,11 +9,11 @@ host pool (``backend: "kvoffload"``: shared-memory segments indexed by ``kvofflo
                                       "metastore": "127.0.0.1:5000", "host_pool_gb": 1}}'
 
 Scheduler side (engine core process)
-    ``get_num_new_matched_tokens``  per KV cache group one MetaStore ``Exists`` over the prompt's
+    ``get_num_new_matched_tokens``  per KV cache group one ``exists`` of the backend's index over the prompt's
                                     block keys beyond the local prefix-cache hit: the leading run
                                     of complete blocks every group holds is the external hit
-                                    (loaded synchronously, before the forward). The MetaStore
-                                    down: a warning and no hit, never a failure. With shared
+                                    (loaded synchronously, before the forward). The index (metastore,
+                                    mooncake_master) down: a warning and no hit, never a failure. With shared
                                     buffers, None (vLLM asks again later) while the request's host
                                     copy has no room (``request_kv_budget``).
     ``update_state_after_alloc``    remembers the promised tokens; ``build_connector_meta``: this
@@ -22,7 +22,7 @@ Scheduler side (engine core process)
 
 Worker side (model runner process), hook by hook
     ``register_kv_caches``          each group's caches as byte views (``group_caches``); a pool
-                                    per group to the MetaStore (``group_pools``, ``host_pool_gb``).
+                                    per group, on its backend (``group_pools``, ``host_pool_gb``).
     ``start_load_kv``               a loader thread copies each layer's hit blocks from the pool (any
                                     pool on this host) into the request's vLLM blocks, layer 0 first;
                                     ``wait_for_layer_load(layer)`` waits for that layer. A failed load's
@@ -73,10 +73,10 @@ from kvoffload_vllm.shared_steps import SharedSteps, StepBlocks
 from kvoffload_vllm.stats import Counters, CountingConnector
 from kvoffload_vllm.store_config import store_config
 from kvoffload_vllm.store_counters import COUNTERS
+from kvoffload_vllm.store_lookup import open_lookup
 from kvoffload_vllm.store_saves import report_save, report_step
 from kvoffload_vllm.store_tp import RankKeys
 from kvoffload_vllm.tp import kv_replicated, tp_rank_of
-from poolbackends.client import MetaStoreClient
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -118,7 +118,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
         tp = vllm_config.parallel_config.tensor_parallel_size
         self._ranks = RankKeys(tp_rank_of(vllm_config), tp, kv_replicated(vllm_config))
         if role == KVConnectorRole.SCHEDULER:
-            self._client = MetaStoreClient(self._store.metastore, timeout_s=METASTORE_TIMEOUT_S)
+            self._client = open_lookup(self._store, METASTORE_TIMEOUT_S)  # the backend's index (store_lookup)
             self._planners = [
                 StorePlanner(mid, g.block_size, g.index) for mid, g in zip(self._group_ids, self._groups, strict=True)
             ]
@@ -137,7 +137,6 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
             self._loader: threading.Thread | None = None
             self._load_errors: set[int] = set()
             self._shared_steps: SharedSteps | None = None  # register_kv_caches, with shared buffers
-            self._host_saves: list[Future] = []  # this step's copies into the shared steps' RequestKV
         log.info(
             "kvoffload_store_connector",
             role=role.name,
@@ -159,7 +158,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
             exists = self._ranks.exists(self._client.exists)  # every TP rank's blocks present
             hit = min(p.lookup(request.request_id, prompt, num_computed_tokens, exists) for p in self._planners)
             hit -= hit % self._hit_unit
-        except PoolError as exc:  # the MetaStore is down or refuses: serve without the pool's prefix cache
+        except PoolError as exc:  # the index is down or refuses: serve without the pool's prefix cache
             log.warning("kvoffload_lookup_failed", request_id=request.request_id, error=str(exc))
             return 0, False
         self._counters.add(lookups=1, hit_tokens=hit)
@@ -253,6 +252,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
             lambda: self._get_connector_metadata() if self.has_connector_metadata() else None,
             self._counters,
             planes=group.layer_names,
+            depth=self._store.layerwise_prefetch_layers or min(self._store.layerwise_num_shared_buffers or 1, 8),
         )
         self._shared_steps.hook_layers(
             self._vllm_config.compilation_config.static_forward_context,
@@ -331,7 +331,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
                             plane = c.group.layer_names.index(cache)
                             self._save_futures.append((t, self._saver.submit(self._save, t, plane)))
         if self._shared_steps is not None:  # after the pool's saves of the layer: one saver thread, in order
-            self._host_saves += self._shared_steps.after_attention(layer_name)
+            self._shared_steps.after_attention(layer_name)
 
     def _allocate(self, saves: list[Transfer]) -> list[Transfer]:
         out, skipped = allocate(self._pools, saves)
@@ -348,10 +348,7 @@ class AscendStoreConnector(CountingConnector, KVConnectorBase_V1, SupportsHMA):
         self._saved_at[(t.group, plane)] = time.perf_counter()  # one saver thread: the layer's last save
 
     def wait_for_save(self) -> None:
-        if self._shared_steps is not None:
-            for fut in self._host_saves:
-                fut.result()  # _save reports its own failures; this raises only on a bug
-            self._host_saves = []
+        if self._shared_steps is not None:  # its host copies are not waited for: the reuse gate orders them
             self._shared_steps.end_step()
         futures, self._save_futures, saves, self._step_saves = self._save_futures, [], self._step_saves, None
         failed: dict[tuple[str, int], BaseException] = {}

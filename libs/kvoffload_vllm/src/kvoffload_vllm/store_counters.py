@@ -5,9 +5,9 @@ COUNTERS = {
     "bytes_saved": "bytes written to the host pool",
     "blocks_loaded": "blocks (of all layers) loaded from the host pool into vLLM's cache",
     "bytes_loaded": "bytes loaded from the host pool",
-    "save_errors": "blocks whose save failed or was skipped (pool full, MetaStore down)",
+    "save_errors": "blocks whose save failed or was skipped (pool full, its index down: metastore, mooncake_master)",
     "load_errors": "blocks whose load failed (vLLM recomputed them)",
-    "lookups": "prefix lookups at the MetaStore",
+    "lookups": "prefix lookups in the pool's index (metastore, mooncake_master)",
     "hit_tokens": "prompt tokens found in the host pool",
     "layers_saved_during_forward": "layers in the pool before the last layer's attention of their step ended",
 }
